@@ -1,0 +1,38 @@
+# Two commands: `make lab` and `make test`. Each bootstraps .venv by itself.
+PYTHON ?= python3.11
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.kvlab-installed
+# The CPU torch wheel lies on this disk; elsewhere pip takes torch from its index.
+WHEELS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
+
+.PHONY: install test test-fast lab gpu-check bench exercises clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# torch FIRST and pinned: an unpinned torch pulled in by another package is a multi-GB CUDA build.
+	$(BIN)/pip install --quiet $(WHEELS) torch==2.13.0
+	$(BIN)/pip install --quiet $(WHEELS) -e '.[dev]'
+	touch $(STAMP)
+
+test: install
+	$(BIN)/python -m pytest
+
+lab: install
+	$(BIN)/jupyter lab --notebook-dir=notebooks --ip=127.0.0.1 --no-browser
+
+# For sessions lent a GPU: GPU tests + kernel benchmark in one run.
+gpu-check: install
+	timeout 480 sh -c '$(BIN)/python -m pytest -m gpu -q tests && $(BIN)/python -m kvlab.bench kernel'
+
+bench: install
+	$(BIN)/python -m kvlab.bench all
+
+exercises: install
+	$(BIN)/python -m kvlab.exercises build
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

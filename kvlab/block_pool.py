@@ -1,0 +1,432 @@
+"""The block pool: every KV block that will ever exist, its ref count, the free queue and the
+prefix-cache map (lessons 02 and 04).
+
+vLLM: ``vllm/v1/core/block_pool.py`` and ``KVCacheBlock`` / ``FreeKVCacheBlockQueue`` in
+``vllm/v1/core/kv_cache_utils.py``.
+
+The rules this file enforces:
+
+* Block 0 is the *null block*: a placeholder that pads block tables (sliding window) and
+  is never allocated, freed, cached or evicted.
+* ``ref_cnt`` = number of block tables holding the block. A block is on the free queue
+  exactly when ``ref_cnt == 0``.
+* The free queue is the eviction order. Freed blocks *keep their hash*: a later request
+  with the same prefix can still hit them (``touch`` pulls them back out). Only when the
+  head of the queue is reallocated does its cache entry disappear -- lazy eviction. So
+  the cache is the pool: there is no separate cache memory.
+* Freed blocks that never got a hash go to the *head* (reused first: they can never
+  produce a hit, and reusing recently touched memory is good for locality); cached blocks
+  go to the *tail* (kept as long as possible, least-recently-used first out).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvlab.events import BlockCached, BlockEvicted, BlocksAllocated, BlocksFreed, BlocksTouched, CacheReset, EventLog
+from kvlab.hashing import BlockHash, generate_block_hash_extra_keys
+
+
+@dataclass(slots=True, eq=False)
+class KVCacheBlock:
+    """One physical KV block: ``block_size`` token slots in every layer of its group."""
+
+    block_id: int
+    ref_cnt: int = 0
+    # Hash of the full prefix ending with this block (None: not cached / partial block).
+    block_hash: BlockHash | None = None
+    # Map key = block hash + kv-cache group id (one hash can name blocks in several groups).
+    cache_key: bytes | None = field(default=None, repr=False)
+    prev_free_block: KVCacheBlock | None = field(default=None, repr=False)
+    next_free_block: KVCacheBlock | None = field(default=None, repr=False)
+    is_null: bool = False
+
+    def reset_hash(self) -> None:
+        self.block_hash = None
+        self.cache_key = None
+
+    def __repr__(self) -> str:
+        h = self.block_hash.hex()[:8] if self.block_hash else None
+        return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}, hash={h}{', null' if self.is_null else ''})"
+
+
+class FreeKVCacheBlockQueue:
+    """Doubly linked list of free blocks, threaded through the blocks themselves.
+
+    Why not a ``deque``: a prefix hit must pull a block out of the *middle* of the queue
+    (``touch``), in O(1), without allocating Python objects. Two sentinel blocks (ids -1)
+    remove every empty-list special case. Head = evicted next, tail = evicted last.
+    """
+
+    def __init__(self, blocks: Sequence[KVCacheBlock]) -> None:
+        self.num_free_blocks = len(blocks)
+        self.fake_free_list_head = KVCacheBlock(block_id=-1)
+        self.fake_free_list_tail = KVCacheBlock(block_id=-1)
+        prev = self.fake_free_list_head
+        for b in blocks:
+            prev.next_free_block = b
+            b.prev_free_block = prev
+            prev = b
+        prev.next_free_block = self.fake_free_list_tail
+        self.fake_free_list_tail.prev_free_block = prev
+
+    def popleft(self) -> KVCacheBlock:
+        first = self.fake_free_list_head.next_free_block
+        if first is self.fake_free_list_tail or first is None:
+            raise ValueError("no free blocks left in the queue")
+        nxt = first.next_free_block
+        self.fake_free_list_head.next_free_block = nxt
+        nxt.prev_free_block = self.fake_free_list_head  # type: ignore[union-attr]
+        first.prev_free_block = first.next_free_block = None
+        self.num_free_blocks -= 1
+        return first
+
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        if n > self.num_free_blocks:
+            raise ValueError(f"cannot pop {n} blocks: only {self.num_free_blocks} are free")
+        out: list[KVCacheBlock] = []
+        cur = self.fake_free_list_head.next_free_block
+        for _ in range(n):
+            out.append(cur)  # type: ignore[arg-type]
+            nxt = cur.next_free_block  # type: ignore[union-attr]
+            cur.prev_free_block = cur.next_free_block = None  # type: ignore[union-attr]
+            cur = nxt
+        self.fake_free_list_head.next_free_block = cur
+        cur.prev_free_block = self.fake_free_list_head  # type: ignore[union-attr]
+        self.num_free_blocks -= n
+        return out
+
+    def remove(self, block: KVCacheBlock) -> None:
+        prev, nxt = block.prev_free_block, block.next_free_block
+        if prev is None or nxt is None:
+            raise RuntimeError(f"remove() of block {block.block_id}, which is not in the free queue")
+        prev.next_free_block = nxt
+        nxt.prev_free_block = prev
+        block.prev_free_block = block.next_free_block = None
+        self.num_free_blocks -= 1
+
+    def append(self, block: KVCacheBlock) -> None:
+        last = self.fake_free_list_tail.prev_free_block
+        last.next_free_block = block  # type: ignore[union-attr]
+        block.prev_free_block = last
+        block.next_free_block = self.fake_free_list_tail
+        self.fake_free_list_tail.prev_free_block = block
+        self.num_free_blocks += 1
+
+    def append_n(self, blocks: Sequence[KVCacheBlock]) -> None:
+        if not blocks:
+            return
+        last = self.fake_free_list_tail.prev_free_block
+        for b in blocks:
+            b.prev_free_block = last
+            last.next_free_block = b  # type: ignore[union-attr]
+            last = b
+        last.next_free_block = self.fake_free_list_tail  # type: ignore[union-attr]
+        self.fake_free_list_tail.prev_free_block = last
+        self.num_free_blocks += len(blocks)
+
+    def prepend_n(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Put ``blocks`` at the head, in the given order (``blocks[0]`` is popped first)."""
+        if not blocks:
+            return
+        first = self.fake_free_list_head.next_free_block
+        prev = self.fake_free_list_head
+        for b in blocks:
+            b.prev_free_block = prev
+            prev.next_free_block = b
+            prev = b
+        prev.next_free_block = first
+        first.prev_free_block = prev  # type: ignore[union-attr]
+        self.num_free_blocks += len(blocks)
+
+    def get_all_free_blocks(self) -> list[KVCacheBlock]:
+        """Every free block in eviction order, head (evicted next) first."""
+        out = []
+        cur = self.fake_free_list_head.next_free_block
+        while cur is not None and cur is not self.fake_free_list_tail:
+            out.append(cur)
+            cur = cur.next_free_block
+        return out
+
+
+class BlockHashToBlockMap:
+    """cache key -> the block(s) carrying it.
+
+    Usually one block per key, stored bare; a dict ``{block_id: block}`` only when
+    duplicates exist (two requests computed the same prefix at the same time, or the
+    append-only table case of lesson 04). Duplicates are allowed because replacing a
+    block already in a request's table would break the append-only tables the kernels
+    read.
+    """
+
+    __slots__ = ("_cache",)
+
+    def __init__(self) -> None:
+        self._cache: dict[bytes, KVCacheBlock | dict[int, KVCacheBlock]] = {}
+
+    def get_one_block(self, key: bytes) -> KVCacheBlock | None:
+        v = self._cache.get(key)
+        if v is None or type(v) is KVCacheBlock:
+            return v  # type: ignore[return-value]
+        return next(iter(v.values()))  # type: ignore[union-attr]
+
+    def insert(self, key: bytes, block: KVCacheBlock) -> None:
+        v = self._cache.get(key)
+        if v is None:
+            self._cache[key] = block
+        elif type(v) is KVCacheBlock:
+            self._cache[key] = {v.block_id: v, block.block_id: block}
+        else:
+            v[block.block_id] = block  # type: ignore[index]
+
+    def pop(self, key: bytes, block_id: int) -> KVCacheBlock | None:
+        v = self._cache.get(key)
+        if v is None:
+            return None
+        if type(v) is KVCacheBlock:
+            if v.block_id != block_id:
+                return None
+            del self._cache[key]
+            return v
+        blk = v.pop(block_id, None)  # type: ignore[union-attr]
+        if len(v) == 1:  # type: ignore[arg-type]
+            self._cache[key] = next(iter(v.values()))  # type: ignore[union-attr]
+        return blk
+
+    def blocks_for(self, key: bytes) -> list[KVCacheBlock]:
+        v = self._cache.get(key)
+        if v is None:
+            return []
+        return [v] if type(v) is KVCacheBlock else list(v.values())  # type: ignore[union-attr]
+
+    def items(self) -> Iterable[tuple[bytes, list[KVCacheBlock]]]:
+        for k in self._cache:
+            yield k, self.blocks_for(k)
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._cache
+
+
+def group_suffix(group_id: int) -> bytes:
+    return group_id.to_bytes(4, "big")
+
+
+class BlockPool:
+    """All KV blocks of all cache groups, allocated from one free queue."""
+
+    def __init__(self, num_gpu_blocks: int, enable_caching: bool = True, event_log: EventLog | None = None) -> None:
+        if not isinstance(num_gpu_blocks, int) or isinstance(num_gpu_blocks, bool):
+            raise TypeError(f"num_blocks must be an int, got {type(num_gpu_blocks).__name__}")
+        if num_gpu_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {num_gpu_blocks}")
+        self.num_gpu_blocks = num_gpu_blocks
+        self.enable_caching = enable_caching
+        self.events = event_log
+        self.blocks: list[KVCacheBlock] = [KVCacheBlock(i) for i in range(num_gpu_blocks)]
+        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        self.cached_block_hash_to_block = BlockHashToBlockMap()
+        # The null block leaves the queue for good. Its ref count is not maintained.
+        self.null_block = self.free_block_queue.popleft()
+        self.null_block.is_null = True
+        self.num_evicted_blocks = 0
+
+    # -- prefix cache -------------------------------------------------------------------------
+    def get_cached_block(self, block_hash: BlockHash, kv_cache_group_ids: Sequence[int]) -> list[KVCacheBlock] | None:
+        """One cached block per group for ``block_hash``, or None if any group misses."""
+        out = []
+        get = self.cached_block_hash_to_block.get_one_block
+        for gid in kv_cache_group_ids:
+            blk = get(block_hash + group_suffix(gid))
+            if blk is None:
+                return None
+            out.append(blk)
+        return out
+
+    def cache_full_blocks(
+        self,
+        request: Any,
+        blocks: Sequence[KVCacheBlock],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
+        kv_cache_group_id: int,
+    ) -> None:
+        """Give blocks ``[num_cached_blocks, num_full_blocks)`` of a request their hashes.
+
+        The hashes were already computed on the request (``request.block_hashes``) as its
+        tokens arrived; here they become map entries, so other requests can hit them.
+        """
+        if num_cached_blocks >= num_full_blocks:
+            return
+        hashes = request.block_hashes
+        if len(hashes) < num_full_blocks:
+            raise RuntimeError(
+                f"request {request.request_id!r} has {len(hashes)} block hashes, needs {num_full_blocks}"
+            )
+        suffix = group_suffix(kv_cache_group_id)
+        insert = self.cached_block_hash_to_block.insert
+        events = self.events
+        for i in range(num_cached_blocks, num_full_blocks):
+            blk = blocks[i]
+            if blk.is_null:
+                continue  # sliding window: a block that already left the window
+            if blk.block_hash is not None:
+                raise RuntimeError(f"block {blk.block_id} is already cached")
+            h = hashes[i]
+            blk.block_hash = h
+            blk.cache_key = key = h + suffix
+            insert(key, blk)
+            if events is not None:
+                events.emit(
+                    BlockCached(
+                        request_id=request.request_id,
+                        group=kv_cache_group_id,
+                        block_id=blk.block_id,
+                        block_hash=h,
+                        parent_hash=hashes[i - 1] if i else None,
+                        token_ids=list(request.all_token_ids[i * block_size : (i + 1) * block_size]),
+                        extra_keys=generate_block_hash_extra_keys(request, i * block_size, (i + 1) * block_size),
+                    )
+                )
+
+    # -- allocation ---------------------------------------------------------------------------
+    def get_new_blocks(self, num_blocks: int, request_id: str | None = None, group: int = 0) -> list[KVCacheBlock]:
+        """Pop ``num_blocks`` from the free-queue head; evict their old cache entries."""
+        if num_blocks > self.free_block_queue.num_free_blocks:
+            raise ValueError(f"cannot get {num_blocks} free blocks from the pool ({self.get_num_free_blocks()} free)")
+        ret = self.free_block_queue.popleft_n(num_blocks)
+        if self.enable_caching:
+            evict = self._maybe_evict_cached_block
+            for b in ret:
+                if b.cache_key is not None:
+                    evict(b)
+                b.ref_cnt += 1
+        else:
+            for b in ret:
+                b.ref_cnt += 1
+        if self.events is not None:
+            self.events.emit(BlocksAllocated(request_id=request_id, group=group, block_ids=[b.block_id for b in ret]))
+        return ret
+
+    def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
+        key = block.cache_key
+        if key is None:
+            return False
+        h = block.block_hash
+        self.cached_block_hash_to_block.pop(key, block.block_id)
+        block.reset_hash()
+        self.num_evicted_blocks += 1
+        if self.events is not None:
+            self.events.emit(BlockEvicted(block_id=block.block_id, block_hash=h, group=int.from_bytes(key[-4:], "big")))  # type: ignore[arg-type]
+        return True
+
+    def touch(self, blocks: Sequence[Sequence[KVCacheBlock]], request_id: str | None = None) -> None:
+        """A prefix hit adopts blocks: ref += 1, and a ref-0 block leaves the free queue
+        *first*, so it cannot be evicted while the request is adopting it."""
+        remove = self.free_block_queue.remove
+        for gid, group_blocks in enumerate(blocks):
+            for b in group_blocks:
+                if b.is_null:
+                    continue
+                if b.ref_cnt == 0:
+                    remove(b)
+                b.ref_cnt += 1
+            if self.events is not None and group_blocks:
+                self.events.emit(BlocksTouched(request_id=request_id, group=gid, block_ids=[b.block_id for b in group_blocks]))
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock], request_id: str | None = None, group: int = 0) -> None:
+        """ref -= 1; blocks reaching 0 return to the queue. ``ordered_blocks`` is in
+        eviction priority: a finished request passes its blocks tail first."""
+        with_hash: list[KVCacheBlock] = []
+        without_hash: list[KVCacheBlock] = []
+        caching = self.enable_caching
+        ordered = ordered_blocks if self.events is None else list(ordered_blocks)
+        for b in ordered:
+            if b.is_null:
+                continue
+            if b.ref_cnt <= 0:
+                raise RuntimeError(f"block {b.block_id} freed more often than it was allocated")
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                if b.cache_key is None or not caching:
+                    without_hash.append(b)
+                else:
+                    with_hash.append(b)
+        self.free_block_queue.prepend_n(without_hash)
+        self.free_block_queue.append_n(with_hash)
+        if self.events is not None:
+            self.events.emit(
+                BlocksFreed(
+                    request_id=request_id,
+                    group=group,
+                    block_ids=[b.block_id for b in ordered],  # type: ignore[union-attr]
+                    to_head=[b.block_id for b in without_hash],
+                    to_tail=[b.block_id for b in with_hash],
+                )
+            )
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix -- allowed only when no request holds a block."""
+        num_used = self.num_gpu_blocks - self.get_num_free_blocks()
+        if num_used != 1:  # only the null block may be "in use"
+            if self.events is not None:
+                self.events.emit(CacheReset(success=False))
+            return False
+        self.cached_block_hash_to_block = BlockHashToBlockMap()
+        for b in self.blocks:
+            b.reset_hash()
+        if self.events is not None:
+            self.events.emit(CacheReset(success=True))
+        return True
+
+    def get_num_free_blocks(self) -> int:
+        return self.free_block_queue.num_free_blocks
+
+    def get_usage(self) -> float:
+        """Fraction of blocks in use, null block excluded. Counts *blocks*, not tokens:
+        a 17-token prompt at block size 16 uses 2 blocks (lesson 08)."""
+        total = self.num_gpu_blocks - 1
+        return 1.0 - self.get_num_free_blocks() / total if total else 0.0
+
+    # -- debugging ----------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Walk every structure and raise AssertionError on the first inconsistency."""
+        q = self.free_block_queue
+        seen: set[int] = set()
+        prev = q.fake_free_list_head
+        cur = prev.next_free_block
+        while cur is not q.fake_free_list_tail:
+            assert cur is not None, "free queue is broken: a link is None before the tail"
+            assert cur.prev_free_block is prev, f"free queue: block {cur.block_id} has a wrong prev link"
+            assert cur.block_id not in seen, f"free queue: block {cur.block_id} appears twice"
+            assert not cur.is_null, "the null block is in the free queue"
+            assert cur.ref_cnt == 0, f"block {cur.block_id} is free but has ref_cnt {cur.ref_cnt}"
+            seen.add(cur.block_id)
+            prev, cur = cur, cur.next_free_block
+        assert q.fake_free_list_tail.prev_free_block is prev, "free queue: tail sentinel has a wrong prev link"
+        assert len(seen) == q.num_free_blocks, f"free queue holds {len(seen)} blocks but counts {q.num_free_blocks}"
+        for b in self.blocks:
+            if b.is_null:
+                assert b.block_id == 0 and b.block_hash is None
+                continue
+            if b.block_id not in seen:
+                assert b.ref_cnt > 0, f"block {b.block_id} is neither free nor referenced (ref_cnt {b.ref_cnt})"
+                assert b.prev_free_block is None and b.next_free_block is None, f"used block {b.block_id} has queue links"
+            assert (b.block_hash is None) == (b.cache_key is None), f"block {b.block_id}: hash and cache key disagree"
+            if b.cache_key is not None:
+                assert self.enable_caching, f"block {b.block_id} is cached but caching is off"
+                assert b in self.cached_block_hash_to_block.blocks_for(b.cache_key), f"cached block {b.block_id} is missing from the map"
+        n_entries = 0
+        for key, blks in self.cached_block_hash_to_block.items():
+            assert blks, f"empty map entry for {key.hex()[:8]}"
+            for blk in blks:
+                n_entries += 1
+                assert blk.cache_key == key, f"map entry {key.hex()[:8]} points to block {blk.block_id} with another hash"
+        assert n_entries == sum(b.cache_key is not None for b in self.blocks), "map and block hashes disagree"
+        used = sum(1 for b in self.blocks if not b.is_null and b.block_id not in seen)
+        assert used + q.num_free_blocks + 1 == self.num_gpu_blocks, "free + used + null != total"
+

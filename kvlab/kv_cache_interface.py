@@ -1,0 +1,59 @@
+"""KV-cache group specs: what kind of attention a group of layers does (lesson 07).
+
+vLLM: ``vllm/v1/kv_cache_interface.py``. Every group draws blocks from the same pool; the
+spec decides how many blocks a request needs and what counts as a prefix hit.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class FullAttentionSpec:
+    """Every layer in the group attends to every earlier token: all blocks are kept."""
+
+    block_size: int | None = None  # None: the manager's block_size
+
+    @property
+    def type_name(self) -> str:
+        return "full"
+
+    def with_block_size(self, block_size: int) -> "FullAttentionSpec":
+        return FullAttentionSpec(block_size=block_size)
+
+    def to_dict(self) -> dict:
+        return {"type": self.type_name, "block_size": self.block_size}
+
+
+@dataclass(frozen=True, slots=True)
+class SlidingWindowSpec:
+    """Layers that attend only to the last ``sliding_window`` tokens (the query included).
+
+    The query at position p reads keys p - W + 1 ... p, so once ``n`` tokens are computed
+    the first ``max(0, n - W + 1)`` are never read again and whole blocks of them can go.
+    """
+
+    sliding_window: int = 0
+    block_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.sliding_window, int) or isinstance(self.sliding_window, bool):
+            raise TypeError(f"sliding_window must be an int, got {type(self.sliding_window).__name__}")
+        if self.sliding_window <= 0:
+            raise ValueError(f"sliding_window must be >= 1 token, got {self.sliding_window}")
+
+    @property
+    def type_name(self) -> str:
+        return "sliding_window"
+
+    def with_block_size(self, block_size: int) -> "SlidingWindowSpec":
+        return SlidingWindowSpec(sliding_window=self.sliding_window, block_size=block_size)
+
+    def num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        return max(0, num_computed_tokens - self.sliding_window + 1)
+
+    def to_dict(self) -> dict:
+        return {"type": self.type_name, "block_size": self.block_size, "sliding_window": self.sliding_window}
+
+
+KVCacheSpec = FullAttentionSpec | SlidingWindowSpec

@@ -1,0 +1,275 @@
+"""The KV-cache manager: the scheduler's only door to KV memory (lessons 02-05, 07).
+
+vLLM: ``vllm/v1/core/kv_cache_manager.py``. Three questions, three methods:
+
+* ``get_computed_blocks(request)`` -- which leading blocks of this request are already
+  cached? (Side-effect free on the pool: nothing is reserved until allocation succeeds.)
+* ``allocate_slots(request, n, ...)`` -- give the request room for ``n`` more tokens, adopt
+  its prefix hits, and cache the blocks that became full. All or nothing: if the blocks
+  do not fit it returns None and no ref count has moved.
+* ``free(request)`` -- give every block back, tail first.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvlab.block_pool import BlockPool, KVCacheBlock
+from kvlab.events import EventLog, PoolCreated, PrefixLookup
+from kvlab.hashing import UNSAFE_HASH_ALGOS, get_hash_fn_by_name, get_request_block_hasher
+from kvlab.kv_cache_coordinator import KVCacheCoordinator
+from kvlab.kv_cache_interface import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from kvlab.metrics import PrefixCacheStats
+from kvlab.request import Request
+
+
+@dataclass(slots=True)
+class KVCacheBlocks:
+    """A request's blocks, one list per KV-cache group (the scheduler/manager interface)."""
+
+    blocks: tuple[list[KVCacheBlock], ...]
+
+    def __add__(self, other: "KVCacheBlocks") -> "KVCacheBlocks":
+        return KVCacheBlocks(tuple(a + b for a, b in zip(self.blocks, other.blocks)))
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return tuple([b.block_id for b in blks] for blks in self.blocks)
+
+    def get_unhashed_block_ids(self) -> list[int]:
+        assert len(self.blocks) == 1, "only one group is supported here"
+        return [b.block_id for b in self.blocks[0] if b.block_hash is None]
+
+    def new_empty(self) -> "KVCacheBlocks":
+        return KVCacheBlocks(tuple([] for _ in self.blocks))
+
+    def __len__(self) -> int:
+        return sum(len(b) for b in self.blocks)
+
+    def __bool__(self) -> bool:
+        return any(self.blocks)
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        kv_cache_groups: Sequence[KVCacheSpec] | None = None,
+        enable_caching: bool = True,
+        hash_algo: str = "sha256",
+        log_stats: bool = True,
+        max_model_len: int | None = None,
+        event_log: EventLog | None = None,
+    ) -> None:
+        if not isinstance(block_size, int) or isinstance(block_size, bool):
+            raise TypeError(f"block_size must be an int, got {type(block_size).__name__}")
+        if block_size <= 0:
+            raise ValueError(f"block_size must be >= 1 token, got {block_size}")
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool):
+            raise TypeError(f"num_blocks must be an int, got {type(num_blocks).__name__}")
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}")
+        hash_fn = get_hash_fn_by_name(hash_algo)
+        groups = list(kv_cache_groups) if kv_cache_groups is not None else [FullAttentionSpec()]
+        if not groups:
+            raise ValueError("kv_cache_groups must hold at least one spec")
+        specs: list[KVCacheSpec] = []
+        for i, g in enumerate(groups):
+            if not isinstance(g, (FullAttentionSpec, SlidingWindowSpec)):
+                raise TypeError(f"kv_cache_groups[{i}] must be FullAttentionSpec or SlidingWindowSpec, got {type(g).__name__}")
+            if g.block_size not in (None, block_size):
+                raise ValueError(
+                    f"kv_cache_groups[{i}].block_size = {g.block_size}, but every group must use block_size = {block_size}"
+                )
+            specs.append(g.with_block_size(block_size))
+        if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 1):
+            raise ValueError(f"max_model_len must be None or an int >= 1, got {max_model_len!r}")
+
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.hash_algo = hash_algo
+        self.hash_is_unsafe = hash_algo in UNSAFE_HASH_ALGOS
+        self.kv_cache_groups: list[KVCacheSpec] = specs
+        self.max_model_len = max_model_len
+        self.log_stats = log_stats
+        self.events = event_log
+        if event_log is not None:
+            event_log.emit(
+                PoolCreated(
+                    num_blocks=num_blocks,
+                    block_size=block_size,
+                    groups=[s.to_dict() for s in specs],
+                    enable_caching=enable_caching,
+                    hash_algo=hash_algo,
+                )
+            )
+        self.block_pool = BlockPool(num_blocks, enable_caching, event_log)
+        self.coordinator = KVCacheCoordinator(specs, self.block_pool, enable_caching)
+        self.num_kv_cache_groups = len(specs)
+        self._hasher_key = (block_size, hash_algo)
+        self._hasher = get_request_block_hasher(block_size, hash_fn)
+        self.prefix_cache_stats: PrefixCacheStats | None = PrefixCacheStats() if log_stats else None
+        self._requests: dict[str, Request] = {}
+        self.empty_kv_cache_blocks = KVCacheBlocks(tuple([] for _ in specs))
+
+    # -- helpers --------------------------------------------------------------------------
+    @property
+    def usage(self) -> float:
+        """KV-cache usage in [0, 1] (blocks in use / blocks, null excluded)."""
+        return self.block_pool.get_usage()
+
+    def _bind(self, request: Request) -> None:
+        if not isinstance(request, Request):
+            raise TypeError(f"request must be a kvlab.Request, got {type(request).__name__}")
+        request.bind_block_hasher(self._hasher_key, self._hasher)
+
+    def create_kv_cache_blocks(self, blocks: tuple[list[KVCacheBlock], ...]) -> KVCacheBlocks:
+        return KVCacheBlocks(blocks) if any(blocks) else self.empty_kv_cache_blocks.new_empty()
+
+    # -- the three questions ----------------------------------------------------------------
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
+        """Longest run of cached full blocks at the start of the request.
+
+        Capped at ``num_tokens - 1``: the last prompt token must be computed anyway, since
+        its logits choose the next token. So a 25-token prompt at block size 16 gets at
+        most 16 tokens from the cache, and a fully cached 32-token prompt only 16.
+        """
+        self._bind(request)
+        if not self.enable_caching:
+            return self.empty_kv_cache_blocks.new_empty(), 0
+        max_hit = request.num_tokens - 1
+        blocks, num_hit_tokens = self.coordinator.find_longest_cache_hit(request.block_hashes, max_hit)
+        preempted = request.num_preemptions > 0
+        if self.prefix_cache_stats is not None:
+            self.prefix_cache_stats.record(request.num_tokens, num_hit_tokens, preempted)
+        if self.events is not None:
+            self.events.emit(
+                PrefixLookup(
+                    request_id=request.request_id,
+                    num_tokens=request.num_tokens,
+                    block_hashes=list(request.block_hashes),
+                    hit_block_ids=[[b.block_id for b in g] for g in blocks],
+                    num_hit_tokens=num_hit_tokens,
+                    max_hit_tokens=max_hit,
+                    preempted=preempted,
+                )
+            )
+        return self.create_kv_cache_blocks(blocks), num_hit_tokens
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        num_lookahead_tokens: int = 0,
+    ) -> KVCacheBlocks | None:
+        """Room for ``num_new_tokens`` more tokens after the computed ones (and the prefix
+        hit). Returns the *newly allocated* blocks, an empty KVCacheBlocks when none are
+        needed, or None when the pool cannot supply them -- then nothing has changed."""
+        self._bind(request)
+        if not isinstance(num_new_tokens, int) or isinstance(num_new_tokens, bool) or num_new_tokens <= 0:
+            raise ValueError(f"num_new_tokens must be an int >= 1, got {num_new_tokens!r}")
+        if not isinstance(num_new_computed_tokens, int) or num_new_computed_tokens < 0:
+            raise ValueError(f"num_new_computed_tokens must be an int >= 0, got {num_new_computed_tokens!r}")
+        if not isinstance(num_lookahead_tokens, int) or num_lookahead_tokens < 0:
+            raise ValueError(f"num_lookahead_tokens must be an int >= 0, got {num_lookahead_tokens!r}")
+        rid = request.request_id
+        known = self._requests.get(rid)
+        if known is not None and known is not request:
+            raise ValueError(f"request id {rid!r} is already held by another request in this manager; ids must be unique")
+        hits = new_computed_blocks.blocks if new_computed_blocks is not None else self.empty_kv_cache_blocks.blocks
+        if len(hits) != self.num_kv_cache_groups:
+            raise ValueError(f"new_computed_blocks has {len(hits)} groups, the manager has {self.num_kv_cache_groups}")
+        num_hit_blocks = len(hits[0]) if hits else 0
+        if num_new_computed_tokens != num_hit_blocks * self.block_size and (num_new_computed_tokens or num_hit_blocks):
+            raise ValueError(
+                f"num_new_computed_tokens = {num_new_computed_tokens} does not match new_computed_blocks "
+                f"({num_hit_blocks} blocks of {self.block_size} tokens)"
+            )
+        if known is not None and num_hit_blocks:
+            raise ValueError(f"request {rid!r} is already running; prefix hits are only for new requests")
+
+        # Blocks that left the sliding window are freed even if this allocation fails:
+        # no future query reads them, and freeing them first may make room.
+        self.coordinator.remove_skipped_blocks(rid, request.num_computed_tokens)
+
+        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        num_tokens_need_slot = num_computed + num_new_tokens + num_lookahead_tokens
+        if self.max_model_len is not None:
+            num_tokens_need_slot = min(num_tokens_need_slot, self.max_model_len)
+        need = self.coordinator.get_num_blocks_to_allocate(rid, num_tokens_need_slot, hits)
+        if need > self.block_pool.get_num_free_blocks():
+            return None
+
+        if self.enable_caching:
+            self.block_pool.touch(hits, request_id=rid)  # before allocating: hits must not be evicted
+        self.coordinator.save_new_computed_blocks(rid, hits)
+        new_blocks = self.coordinator.allocate_new_blocks(rid, num_tokens_need_slot)
+        self._requests[rid] = request
+        if self.enable_caching:
+            # Cache only what will really be computed (never lookahead slots), and never past
+            # the tokens the request actually has.
+            self.coordinator.cache_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
+        return self.create_kv_cache_blocks(new_blocks)
+
+    def free(self, request: Request) -> None:
+        """Release all blocks of a finished or preempted request (tail first)."""
+        self.coordinator.free(request.request_id)
+        self._requests.pop(request.request_id, None)
+
+    # -- queries ----------------------------------------------------------------------------
+    def get_blocks(self, request_id: str) -> KVCacheBlocks:
+        return KVCacheBlocks(self.coordinator.get_blocks(request_id))
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """The request's block table: one list of physical block ids per group."""
+        return self.get_blocks(request_id).get_block_ids()
+
+    def get_num_common_prefix_blocks(self, running_request_id: str, num_running_requests: int) -> list[int]:
+        """Per group: how many leading blocks every running request shares (ref == all)."""
+        out = []
+        for m in self.coordinator.single_type_managers:
+            n = 0
+            for b in m.req_to_blocks.get(running_request_id, []):
+                if b.ref_cnt == num_running_requests and not b.is_null:
+                    n += 1
+                else:
+                    break
+            out.append(n)
+        return out
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix (e.g. after a weight update). Refused (False) while any
+        request holds blocks."""
+        ok = self.block_pool.reset_prefix_cache()
+        if ok and self.prefix_cache_stats is not None:
+            self.prefix_cache_stats.reset = True
+        return ok
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """Stats since the previous call (then start counting afresh), as vLLM's loggers do."""
+        if not self.log_stats:
+            return None
+        stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
+        return stats
+
+    def check_invariants(self) -> None:
+        """Pool invariants + every ref count equals the number of tables holding the block."""
+        self.block_pool.check_invariants()
+        counts: dict[int, int] = {}
+        for m in self.coordinator.single_type_managers:
+            for rid, blocks in m.req_to_blocks.items():
+                assert rid in self._requests or not blocks, f"blocks held by unknown request {rid!r}"
+                for b in blocks:
+                    if not b.is_null:
+                        counts[b.block_id] = counts.get(b.block_id, 0) + 1
+                num_cached = m.num_cached_block.get(rid, 0)
+                for i, b in enumerate(blocks[:num_cached]):
+                    assert b.is_null or b.block_hash is not None, f"{rid!r}: block {i} should be cached"
+        for b in self.block_pool.blocks:
+            if not b.is_null:
+                assert b.ref_cnt == counts.get(b.block_id, 0), (
+                    f"block {b.block_id}: ref_cnt {b.ref_cnt} but held by {counts.get(b.block_id, 0)} tables"
+                )

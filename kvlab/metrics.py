@@ -1,0 +1,82 @@
+"""Prefix-cache statistics with vLLM's names (lesson 08).
+
+vLLM: ``PrefixCacheStats`` in ``vllm/v1/metrics/stats.py``, ``CachingMetrics`` in
+``vllm/v1/metrics/loggers.py``. Two views of the same counts: the Prometheus counters
+(``vllm:prefix_cache_queries`` / ``vllm:prefix_cache_hits``) are cumulative, while the hit
+rate in the logs is over a rolling window of the most recent ~1,000 requests -- so the two
+can disagree after the workload changes.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    """Counts since the last ``make_prefix_cache_stats()``, in *tokens*.
+
+    A lookup by a request that was preempted is counted apart: its hits are mostly its own
+    surviving blocks, which would flatter the hit rate of genuinely new traffic.
+    """
+
+    reset: bool = False
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+    preempted_requests: int = 0
+    preempted_queries: int = 0
+    preempted_hits: int = 0
+
+    def record(self, num_tokens: int, num_hits: int, preempted: bool) -> None:
+        if preempted:
+            self.preempted_requests += 1
+            self.preempted_queries += num_tokens
+            self.preempted_hits += num_hits
+        else:
+            self.requests += 1
+            self.queries += num_tokens
+            self.hits += num_hits
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+@dataclass(slots=True)
+class CachingMetrics:
+    """Hit rate over the most recent ``max_recent_requests`` requests."""
+
+    max_recent_requests: int = 1000
+    aggregated_requests: int = 0
+    aggregated_query_total: int = 0
+    aggregated_query_hit: int = 0
+    query_queue: deque = field(default_factory=deque)  # (requests, queries, hits) per observation
+
+    def observe(self, stats: PrefixCacheStats) -> None:
+        if stats.reset:
+            self.reset()
+        if stats.requests == 0:
+            return
+        self.query_queue.append((stats.requests, stats.queries, stats.hits))
+        self.aggregated_requests += stats.requests
+        self.aggregated_query_total += stats.queries
+        self.aggregated_query_hit += stats.hits
+        # Drop whole observations from the old end while the window still holds enough.
+        while len(self.query_queue) > 1 and self.aggregated_requests - self.query_queue[0][0] >= self.max_recent_requests:
+            r, q, h = self.query_queue.popleft()
+            self.aggregated_requests -= r
+            self.aggregated_query_total -= q
+            self.aggregated_query_hit -= h
+
+    def reset(self) -> None:
+        self.aggregated_requests = self.aggregated_query_total = self.aggregated_query_hit = 0
+        self.query_queue.clear()
+
+    @property
+    def empty(self) -> bool:
+        return self.aggregated_requests == 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.aggregated_query_hit / self.aggregated_query_total if self.aggregated_query_total else 0.0

@@ -1,0 +1,206 @@
+"""A request: its tokens, its identity for the prefix cache, and its lifecycle.
+
+vLLM: ``vllm/v1/request.py``. The fields that matter to the KV cache are the token ids,
+``num_computed_tokens`` (how many tokens already have K/V in the cache -- the scheduler
+moves it), and ``block_hashes`` (one per full block, grown as tokens are appended).
+"""
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvlab.hashing import BlockHash
+
+_MAX_TOKEN_ID = 2**32 - 1
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # Everything after PREEMPTED is a finished state.
+    FINISHED_STOPPED = enum.auto()  # emitted eos_token_id
+    FINISHED_LENGTH_CAPPED = enum.auto()  # reached max_tokens
+    FINISHED_ABORTED = enum.auto()
+
+    @staticmethod
+    def is_finished(status: "RequestStatus") -> bool:
+        return status > RequestStatus.PREEMPTED
+
+
+@dataclass(frozen=True, slots=True)
+class MultiModalFeature:
+    """One multimodal item (e.g. an image) occupying ``length`` placeholder tokens.
+
+    The placeholder token ids are the same for every image, so the prompt's token ids
+    cannot tell two images apart; ``identifier`` (vLLM: the content hash of the item) goes
+    into the hash of every block the item overlaps.
+    """
+
+    identifier: str
+    offset: int
+    length: int
+    modality: str = "image"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.identifier, str) or not self.identifier:
+            raise TypeError(f"MultiModalFeature.identifier must be a non-empty str, got {self.identifier!r}")
+        for name in ("offset", "length"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise TypeError(f"MultiModalFeature.{name} must be an int, got {type(v).__name__}")
+        if self.offset < 0:
+            raise ValueError(f"MultiModalFeature.offset must be >= 0, got {self.offset}")
+        if self.length <= 0:
+            raise ValueError(f"MultiModalFeature.length must be >= 1, got {self.length}")
+
+
+_last_arrival = 0.0
+
+
+def _next_arrival() -> float:
+    global _last_arrival
+    _last_arrival = max(time.monotonic(), _last_arrival + 1e-6)
+    return _last_arrival
+
+
+def _check_token_ids(name: str, token_ids: Sequence[int]) -> list[int]:
+    if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
+        raise TypeError(f"{name} must be a sequence of ints, got {type(token_ids).__name__}")
+    out = list(token_ids)
+    for i, t in enumerate(out):
+        if type(t) is not int:
+            if isinstance(t, int) and not isinstance(t, bool):
+                out[i] = t = int(t)
+            else:
+                raise TypeError(f"{name}[{i}] must be an int token id, got {t!r} ({type(t).__name__})")
+        if not 0 <= t <= _MAX_TOKEN_ID:
+            raise ValueError(f"{name}[{i}] = {t} is out of range; token ids must be in [0, 2**32 - 1]")
+    return out
+
+
+class Request:
+    """One generation request. Everything is validated before the object exists."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        *,
+        max_tokens: int = 16,
+        eos_token_id: int | None = None,
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        mm_features: Sequence[MultiModalFeature] | None = None,
+    ) -> None:
+        if not isinstance(request_id, str) or not request_id:
+            raise TypeError(f"request_id must be a non-empty str, got {request_id!r}")
+        prompt = _check_token_ids("prompt_token_ids", prompt_token_ids)
+        if not prompt:
+            raise ValueError("prompt_token_ids must not be empty: a request needs at least one token")
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
+        if eos_token_id is not None and (type(eos_token_id) is not int or eos_token_id < 0):
+            raise ValueError(f"eos_token_id must be None or an int >= 0, got {eos_token_id!r}")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise TypeError(f"cache_salt must be None or a non-empty str, got {cache_salt!r}")
+        if lora_name is not None and (not isinstance(lora_name, str) or not lora_name):
+            raise TypeError(f"lora_name must be None or a non-empty str, got {lora_name!r}")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise TypeError(f"priority must be an int (lower runs first), got {priority!r}")
+        if arrival_time is not None and not isinstance(arrival_time, (int, float)):
+            raise TypeError(f"arrival_time must be None or a number, got {arrival_time!r}")
+        features = sorted(mm_features or (), key=lambda f: f.offset)
+        for i, f in enumerate(features):
+            if not isinstance(f, MultiModalFeature):
+                raise TypeError(f"mm_features[{i}] must be a MultiModalFeature, got {type(f).__name__}")
+            if f.offset + f.length > len(prompt):
+                raise ValueError(
+                    f"mm_features: {f.identifier!r} covers tokens [{f.offset}, {f.offset + f.length}) "
+                    f"but the prompt has only {len(prompt)} tokens"
+                )
+            if i and features[i - 1].offset + features[i - 1].length > f.offset:
+                raise ValueError(
+                    f"mm_features: {features[i - 1].identifier!r} and {f.identifier!r} overlap; "
+                    "each placeholder token belongs to at most one item"
+                )
+
+        self.request_id = request_id
+        self.prompt_token_ids = prompt
+        self.max_tokens = max_tokens
+        self.eos_token_id = eos_token_id
+        self.cache_salt = cache_salt
+        self.lora_name = lora_name
+        self.priority = priority
+        # Default arrival: the creation time, made strictly increasing so ties cannot happen.
+        self.arrival_time = _next_arrival() if arrival_time is None else float(arrival_time)
+        self.mm_features: list[MultiModalFeature] = features
+
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_preemptions = 0
+        self.num_cached_tokens = -1  # prefix-cache hit on first scheduling (vLLM's field)
+        self.stop_reason: str | None = None
+        self._all_token_ids: list[int] = list(prompt)
+        self._output_token_ids: list[int] = []
+        self.block_hashes: list[BlockHash] = []
+        self._block_hasher: Callable[[Request], list[BlockHash]] | None = None
+        self._hasher_key: tuple | None = None
+
+    # -- tokens ---------------------------------------------------------------------------
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self._all_token_ids
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self._output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self._output_token_ids)
+
+    def append_output_token_ids(self, token_ids: int | Sequence[int]) -> None:
+        """Append sampled tokens; the hashes of blocks they complete are computed now."""
+        ids = [token_ids] if isinstance(token_ids, int) else token_ids
+        ids = _check_token_ids("token_ids", ids)
+        self._output_token_ids.extend(ids)
+        self._all_token_ids.extend(ids)
+        if self._block_hasher is not None:
+            self.block_hashes.extend(self._block_hasher(self))
+
+    # -- hashing --------------------------------------------------------------------------
+    def bind_block_hasher(self, key: tuple, hasher: Callable[["Request"], list[BlockHash]]) -> None:
+        """Attach the manager's hasher (first manager wins; another one is an error)."""
+        if self._hasher_key == key:
+            return
+        if self._hasher_key is not None:
+            raise ValueError(
+                f"request {self.request_id!r} is already hashed with {self._hasher_key}; "
+                f"a manager with {key} cannot reuse it -- create a new Request"
+            )
+        self._hasher_key = key
+        self._block_hasher = hasher
+        self.block_hashes = hasher(self)
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
+            f"status={self.status.name})"
+        )

@@ -1,0 +1,62 @@
+"""What the scheduler hands the executor each step (vLLM: ``vllm/v1/core/sched/output.py``).
+
+The executor (simulated or the real model runner) keeps per-request state between steps,
+exactly as vLLM's GPU model runner does: a new or resumed request arrives whole in
+``scheduled_new_reqs``; a request that keeps running arrives as a delta in
+``scheduled_cached_reqs`` (the block ids appended since last step). kvlab also hands over
+the token ids scheduled this step, so no executor has to mirror the sampler's output.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A request the executor has not seen since it was (re)admitted."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    # Every token the request holds now (prompt + outputs so far). For a resumed request
+    # this is longer than the prompt: its outputs must be recomputed too.
+    all_token_ids: list[int]
+    block_ids: tuple[list[int], ...]  # one list per KV-cache group, the full table
+    num_computed_tokens: int  # tokens whose KV is already in the cache (prefix hit)
+    new_token_ids: list[int]  # the tokens to compute this step
+    sampling_seed: int | None = None
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """Running requests, as parallel lists (vLLM keeps them columnar too)."""
+
+    req_ids: list[str] = field(default_factory=list)
+    # Block ids appended to each group's table since the last step (None: nothing new).
+    new_block_ids: list[tuple[list[int], ...] | None] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+    new_token_ids: list[list[int]] = field(default_factory=list)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    step: int
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]  # {req_id: n}, every scheduled request
+    total_num_scheduled_tokens: int
+    scheduled_new_req_ids: list[str]  # admitted from waiting for the first time, in order
+    scheduled_resumed_req_ids: list[str]  # re-admitted after a preemption, in order
+    scheduled_running_req_ids: list[str]  # already running, in order
+    preempted_req_ids: set[str]
+    # Requests that finished (or were aborted) since the previous step: the executor drops
+    # their state. Preempted requests must be dropped too.
+    finished_req_ids: set[str]
+    num_common_prefix_blocks: tuple[int, ...] = ()
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
