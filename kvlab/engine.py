@@ -1,0 +1,308 @@
+"""The engine loop: schedule -> execute -> update, with a simulated clock (lesson 00, 05).
+
+vLLM: ``vllm/v1/engine/core.py`` (``EngineCore.step``). The executor is an interface: the
+``SimulatedExecutor`` here needs no model (the next token is a fixed function of the
+context), and ``kvlab.runner.ModelRunner`` runs the real tiny model through the Triton
+kernels. Either way the clock advances by a ``CostModel`` of the step, so TTFT, TPOT and
+throughput can be read off without a GPU.
+"""
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvlab.events import EventLog
+from kvlab.kv_cache_manager import KVCacheManager
+from kvlab.request import Request
+from kvlab.sched_output import SchedulerOutput
+from kvlab.scheduler import Scheduler
+
+
+class Executor(Protocol):
+    def execute_model(self, scheduler_output: SchedulerOutput) -> dict[str, list[int]]:
+        """Compute the scheduled tokens; return one sampled token for each request whose
+        known tokens are all computed after this step (partial prefills get none)."""
+        ...
+
+
+class SimulatedExecutor:
+    """Deterministic stand-in for a model: next token = crc32(context) mod vocab.
+
+    Because the token depends on the whole context only, a preempted and recomputed
+    request produces exactly the same tokens -- the property the real runner must have.
+    """
+
+    def __init__(self, vocab_size: int = 32000, eos_token_id: int | None = None, eos_every: int = 0) -> None:
+        if vocab_size < 2:
+            raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self.eos_every = eos_every  # >0: emit eos when crc % eos_every == 0 (varied lengths)
+        self._tokens: dict[str, list[int]] = {}
+        self.num_tokens_computed = 0
+
+    def next_token(self, context: Sequence[int]) -> int:
+        crc = zlib.crc32(len(context).to_bytes(4, "little") + b"".join(t.to_bytes(4, "little") for t in context[-8:]))
+        if self.eos_token_id is not None and self.eos_every and crc % self.eos_every == 0:
+            return self.eos_token_id
+        return crc % self.vocab_size
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> dict[str, list[int]]:
+        for rid in scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids:
+            self._tokens.pop(rid, None)
+        out: dict[str, list[int]] = {}
+        n_sched = scheduler_output.num_scheduled_tokens
+        for nr in scheduler_output.scheduled_new_reqs:
+            self._tokens[nr.req_id] = list(nr.all_token_ids)
+            self._step(nr.req_id, nr.num_computed_tokens, n_sched[nr.req_id], out)
+        c = scheduler_output.scheduled_cached_reqs
+        for rid, nc in zip(c.req_ids, c.num_computed_tokens):
+            self._step(rid, nc, n_sched[rid], out)
+        return out
+
+    def _step(self, rid: str, num_computed: int, n: int, out: dict[str, list[int]]) -> None:
+        toks = self._tokens[rid]
+        self.num_tokens_computed += n
+        if num_computed + n == len(toks):
+            t = self.next_token(toks)
+            toks.append(t)
+            out[rid] = [t]
+
+
+@dataclass(slots=True)
+class CostModel:
+    """Seconds per step = overhead + prefill and decode tokens + KV read.
+
+    Illustrative defaults for a 7B-class model on one datacenter GPU: decode is memory
+    bound (weights read once per step, shared by the batch; KV read per context token),
+    prefill is compute bound (time per token). Change them to explore.
+    """
+
+    step_overhead_s: float = 0.010
+    prefill_s_per_token: float = 0.00012
+    decode_s_per_token: float = 0.0003
+    kv_read_s_per_token: float = 1e-7
+
+    def step_time(self, num_prefill_tokens: int, num_decode_tokens: int, num_context_tokens: int) -> float:
+        if num_prefill_tokens + num_decode_tokens == 0:
+            return 0.0
+        return (
+            self.step_overhead_s
+            + self.prefill_s_per_token * num_prefill_tokens
+            + self.decode_s_per_token * num_decode_tokens
+            + self.kv_read_s_per_token * num_context_tokens
+        )
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    request_id: str
+    arrival_time: float
+    num_prompt_tokens: int
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_output_tokens: int = 0
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0
+    prefill_tokens_computed: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        if self.finished_time is None or self.first_token_time is None or self.num_output_tokens < 2:
+            return None
+        return (self.finished_time - self.first_token_time) / (self.num_output_tokens - 1)
+
+    @property
+    def e2e_latency(self) -> float | None:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+
+@dataclass(slots=True)
+class StepResult:
+    step: int
+    time: float
+    scheduler_output: SchedulerOutput
+    finished: list[Request] = field(default_factory=list)
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        scheduler: Scheduler,
+        executor: Executor,
+        cost_model: CostModel | None = None,
+        tokenizer: object | None = None,
+    ) -> None:
+        if scheduler.kv_cache_manager is not kv_cache_manager:
+            raise ValueError("scheduler was built on a different kv_cache_manager")
+        self.kv_cache_manager = kv_cache_manager
+        self.scheduler = scheduler
+        self.executor = executor
+        self.cost_model = cost_model or CostModel()
+        self.tokenizer = tokenizer
+        self.clock = 0.0
+        self.metrics: dict[str, RequestMetrics] = {}
+        self.finished: dict[str, Request] = {}
+        self.history: list[dict] = []  # one row per step (for timelines)
+        self._ids = 0
+
+    @property
+    def events(self) -> EventLog | None:
+        return self.kv_cache_manager.events
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+        self.metrics[request.request_id] = RequestMetrics(request.request_id, self.clock, request.num_prompt_tokens)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> StepResult:
+        sched = self.scheduler
+        out = sched.schedule()
+        sampled = self.executor.execute_model(out) if out.total_num_scheduled_tokens or out.finished_req_ids else {}
+        prefill = decode = context = 0
+        decode_ids = set(out.scheduled_running_req_ids)
+        for rid, n in out.num_scheduled_tokens.items():
+            r = sched.requests[rid]
+            m = self.metrics.get(rid)
+            if m is not None and m.first_scheduled_time is None:
+                m.first_scheduled_time = self.clock
+            if rid in decode_ids and n == 1 and r.num_output_tokens > 0 and r.num_computed_tokens == r.num_tokens - 1:
+                decode += 1
+            else:
+                prefill += n
+                if m is not None:
+                    m.prefill_tokens_computed += n
+            context += r.num_computed_tokens + n
+        self.clock += self.cost_model.step_time(prefill, decode, context)
+        before = {rid: sched.requests[rid].num_output_tokens for rid in out.num_scheduled_tokens}
+        finished = sched.update_from_output(out, sampled)
+        for rid, n0 in before.items():
+            m = self.metrics.get(rid)
+            r = sched.requests.get(rid) or next((f for f in finished if f.request_id == rid), None)
+            if m is None or r is None:
+                continue
+            if n0 == 0 and r.num_output_tokens > 0 and m.first_token_time is None:
+                m.first_token_time = self.clock
+            m.num_output_tokens = r.num_output_tokens
+            m.num_preemptions = r.num_preemptions
+            if r.num_cached_tokens >= 0:
+                m.num_cached_tokens = r.num_cached_tokens
+        for r in finished:
+            self.metrics[r.request_id].finished_time = self.clock
+            self.finished[r.request_id] = r
+        s = sched.make_stats()
+        self.history.append(
+            {
+                "step": out.step,
+                "time": self.clock,
+                "num_running": s.num_running_reqs,
+                "num_waiting": s.num_waiting_reqs,
+                "kv_cache_usage": s.kv_cache_usage,
+                "num_preemptions": s.num_preemptions,
+                "prefix_cache_queries": s.prefix_cache_queries,
+                "prefix_cache_hits": s.prefix_cache_hits,
+                "num_scheduled_tokens": out.total_num_scheduled_tokens,
+                "num_prefill_tokens": prefill,
+                "num_decode_tokens": decode,
+            }
+        )
+        return StepResult(out.step, self.clock, out, finished)
+
+    def run(self, max_steps: int | None = None, progress: bool = False) -> None:
+        """Step until every request has finished."""
+        bar = _progress(progress, total=None, desc="steps")
+        steps = 0
+        while self.has_unfinished_requests():
+            if max_steps is not None and steps >= max_steps:
+                break
+            res = self.step()
+            steps += 1
+            if res.scheduler_output.total_num_scheduled_tokens == 0 and not res.finished:
+                raise RuntimeError("the engine made no progress in a step (nothing could be scheduled)")
+            if bar is not None:
+                bar.update(1)
+        if bar is not None:
+            bar.close()
+
+    def run_trace(self, requests: Iterable[Request], progress: bool = False) -> None:
+        """Add each request when the simulated clock reaches its ``arrival_time``."""
+        pending = sorted(requests, key=lambda r: r.arrival_time)
+        bar = _progress(progress, total=len(pending), desc="requests")
+        i = 0
+        while i < len(pending) or self.has_unfinished_requests():
+            if not self.has_unfinished_requests() and i < len(pending):
+                self.clock = max(self.clock, pending[i].arrival_time)
+            while i < len(pending) and pending[i].arrival_time <= self.clock:
+                self.add_request(pending[i])
+                self.metrics[pending[i].request_id].arrival_time = pending[i].arrival_time
+                i += 1
+            res = self.step()
+            if bar is not None and res.finished:
+                bar.update(len(res.finished))
+        if bar is not None:
+            bar.close()
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int] | str],
+        max_tokens: int = 16,
+        progress: bool = False,
+        **request_kwargs,
+    ) -> list[list[int]]:
+        """Run ``prompts`` to completion; return each one's output token ids, in order."""
+        reqs = []
+        for p in prompts:
+            if isinstance(p, str):
+                if self.tokenizer is None:
+                    raise TypeError("string prompts need an engine built with a tokenizer")
+                p = self.tokenizer.encode(p)  # type: ignore[attr-defined]
+            self._ids += 1
+            reqs.append(Request(f"gen-{self._ids}", list(p), max_tokens=max_tokens, **request_kwargs))
+        for r in reqs:
+            self.add_request(r)
+        bar = _progress(progress, total=len(reqs), desc="generate")
+        while self.has_unfinished_requests():
+            res = self.step()
+            if bar is not None and res.finished:
+                bar.update(len(res.finished))
+        if bar is not None:
+            bar.close()
+        return [list(r.output_token_ids) for r in reqs]
+
+
+def _progress(enabled: bool, total: int | None, desc: str):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc)
+
+
+def build_engine(
+    num_blocks: int = 64,
+    block_size: int = 16,
+    executor: Executor | None = None,
+    event_log: EventLog | bool | None = True,
+    cost_model: CostModel | None = None,
+    tokenizer: object | None = None,
+    manager_kwargs: dict | None = None,
+    **scheduler_kwargs,
+) -> LLMEngine:
+    """One call for the lessons: manager + scheduler + executor (simulated by default)."""
+    log = EventLog() if event_log is True else (event_log or None)
+    mgr = KVCacheManager(num_blocks=num_blocks, block_size=block_size, event_log=log, **(manager_kwargs or {}))
+    sched = Scheduler(mgr, **scheduler_kwargs)
+    return LLMEngine(mgr, sched, executor or SimulatedExecutor(), cost_model, tokenizer)
+
+
+ProgressCallback = Callable[[StepResult], None]

@@ -1,0 +1,511 @@
+"""The scheduler: who gets tokens this step, and who is preempted when blocks run out
+(lesson 05).
+
+vLLM: ``vllm/v1/core/sched/scheduler.py``. One step:
+
+1. Running requests first, in admission order. Each asks the KV-cache manager for room
+   for its next tokens (a decode needs one slot; a chunked prefill a chunk). If the pool
+   is empty, the scheduler *preempts*: under FCFS the most recently admitted running
+   request (possibly the asking request itself), under ``priority`` the one with the
+   largest ``(priority, arrival_time)``. A preempted request loses all its blocks and
+   its computed tokens (recompute later; nothing is swapped to CPU) and goes back to the
+   *head* of the waiting queue.
+2. Then waiting requests, in queue order -- but not in a step that preempted (memory is
+   short), not beyond ``max_num_seqs``, and stopping at the first one that does not fit
+   (head-of-line: a waiting request never triggers preemption).
+"""
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from kvlab.events import (
+    RequestAdded,
+    RequestFinished,
+    RequestPreempted,
+    RequestScheduled,
+    StepFinished,
+    StepStarted,
+    TokensAppended,
+)
+from kvlab.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+from kvlab.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from kvlab.metrics import CachingMetrics
+from kvlab.request import Request, RequestStatus
+from kvlab.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from kvlab.single_type_kv_cache_manager import cdiv
+
+POLICIES = ("fcfs", "priority")
+
+
+class FCFSRequestQueue:
+    """Waiting queue in arrival order; a preempted request is put back at the head."""
+
+    def __init__(self) -> None:
+        self._q: deque[Request] = deque()
+
+    def add_request(self, r: Request) -> None:
+        self._q.append(r)
+
+    def prepend_request(self, r: Request) -> None:
+        self._q.appendleft(r)
+
+    def peek_request(self) -> Request:
+        return self._q[0]
+
+    def pop_request(self) -> Request:
+        return self._q.popleft()
+
+    def remove_request(self, r: Request) -> None:
+        self._q.remove(r)
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    def __bool__(self) -> bool:
+        return bool(self._q)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._q)
+
+
+class PriorityRequestQueue:
+    """Waiting queue ordered by (priority, arrival_time, request_id): lower runs first."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, float, str, Request]] = []
+
+    def add_request(self, r: Request) -> None:
+        heapq.heappush(self._heap, (r.priority, r.arrival_time, r.request_id, r))
+
+    prepend_request = add_request  # a preempted request simply goes back into the heap
+
+    def peek_request(self) -> Request:
+        return self._heap[0][3]
+
+    def pop_request(self) -> Request:
+        return heapq.heappop(self._heap)[3]
+
+    def remove_request(self, r: Request) -> None:
+        self._heap = [e for e in self._heap if e[3] is not r]
+        heapq.heapify(self._heap)
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __bool__(self) -> bool:
+        return bool(self._heap)
+
+    def __iter__(self) -> Iterator[Request]:
+        """In pop order."""
+        return (e[3] for e in sorted(self._heap, key=lambda e: e[:3]))
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """What vLLM's ``/metrics`` endpoint reports, at the end of a step."""
+
+    num_running_reqs: int
+    num_waiting_reqs: int
+    kv_cache_usage: float
+    num_preemptions: int  # cumulative
+    prefix_cache_queries: int  # cumulative, tokens
+    prefix_cache_hits: int  # cumulative, tokens
+    prefix_cache_hit_rate_window: float  # over the last ~1,000 requests
+    step: int
+
+    def to_prometheus(self, model_name: str = "kvlab-tiny") -> str:
+        """Prometheus text exposition with vLLM's metric names."""
+        lbl = f'{{model_name="{model_name}"}}'
+        rows = [
+            ("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.", "", self.num_running_reqs),
+            ("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", "", self.num_waiting_reqs),
+            ("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", "", self.kv_cache_usage),
+            ("vllm:num_preemptions", "counter", "Cumulative number of preemptions from the engine.", "_total", self.num_preemptions),
+            ("vllm:prefix_cache_queries", "counter", "Prefix cache queries, in terms of number of queried tokens.", "_total", self.prefix_cache_queries),
+            ("vllm:prefix_cache_hits", "counter", "Prefix cache hits, in terms of number of cached tokens.", "_total", self.prefix_cache_hits),
+        ]
+        out = []
+        for name, typ, help_, suffix, value in rows:
+            out += [f"# HELP {name} {help_}", f"# TYPE {name} {typ}", f"{name}{suffix}{lbl} {float(value)!r}"]
+        return "\n".join(out) + "\n"
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 128,
+        policy: str = "fcfs",
+        enable_chunked_prefill: bool = True,
+        long_prefill_token_threshold: int = 0,
+        max_model_len: int | None = None,
+    ) -> None:
+        if not isinstance(kv_cache_manager, KVCacheManager):
+            raise TypeError(f"kv_cache_manager must be a KVCacheManager, got {type(kv_cache_manager).__name__}")
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        for name, v in (("max_num_batched_tokens", max_num_batched_tokens), ("max_num_seqs", max_num_seqs)):
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if not isinstance(long_prefill_token_threshold, int) or long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be an int >= 0 (0 = off), got {long_prefill_token_threshold!r}")
+        if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 2):
+            raise ValueError(f"max_model_len must be None or an int >= 2, got {max_model_len!r}")
+        self.kv_cache_manager = kv_cache_manager
+        self.max_num_scheduled_tokens = max_num_batched_tokens
+        self.max_num_running_reqs = max_num_seqs
+        self.policy = policy
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.max_model_len = max_model_len
+        self.events = kv_cache_manager.events
+
+        self.requests: dict[str, Request] = {}
+        self.waiting: FCFSRequestQueue | PriorityRequestQueue = (
+            PriorityRequestQueue() if policy == "priority" else FCFSRequestQueue()
+        )
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()  # since the last schedule(), for the executor
+        self.step_count = 0
+        self.num_preemptions = 0
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self.caching_metrics = CachingMetrics()
+        # req_id -> the number of blocks per group already reported to the executor
+        self._num_sent_blocks: dict[str, list[int]] = {}
+
+    # -- requests ----------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if not isinstance(request, Request):
+            raise TypeError(f"request must be a kvlab.Request, got {type(request).__name__}")
+        rid = request.request_id
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} was already added and has not finished; ids must be unique")
+        if request.status != RequestStatus.WAITING or request.num_computed_tokens:
+            raise ValueError(f"request {rid!r} is not fresh (status {request.status.name}); create a new Request")
+        need = self.max_kv_tokens_needed(request)
+        if self._blocks_needed(need) > self.kv_cache_manager.num_blocks - 1:
+            raise ValueError(
+                f"request {rid!r} can never fit: {request.num_prompt_tokens} prompt + {request.max_tokens} max "
+                f"tokens need {self._blocks_needed(need)} blocks, the pool has {self.kv_cache_manager.num_blocks - 1} "
+                "usable blocks (raise num_blocks or lower max_tokens)"
+            )
+        if not self.enable_chunked_prefill and request.num_prompt_tokens > self.max_num_scheduled_tokens:
+            raise ValueError(
+                f"request {rid!r} has {request.num_prompt_tokens} prompt tokens, more than max_num_batched_tokens="
+                f"{self.max_num_scheduled_tokens}; without chunked prefill it could never be scheduled"
+            )
+        if self.max_model_len is not None and request.num_prompt_tokens >= self.max_model_len:
+            raise ValueError(f"request {rid!r}: prompt of {request.num_prompt_tokens} tokens >= max_model_len {self.max_model_len}")
+        self.requests[rid] = request
+        self.waiting.add_request(request)
+        if self.events is not None:
+            self.events.emit(
+                RequestAdded(
+                    request_id=rid,
+                    prompt_token_ids=list(request.prompt_token_ids),
+                    max_tokens=request.max_tokens,
+                    priority=request.priority,
+                    arrival_time=request.arrival_time,
+                    cache_salt=request.cache_salt,
+                    lora_name=request.lora_name,
+                )
+            )
+
+    def max_kv_tokens_needed(self, request: Request) -> int:
+        """Tokens whose K/V the request may hold at once: the last sampled token never
+        needs a slot (it is never fed back), so prompt + max_tokens - 1."""
+        n = request.num_prompt_tokens + request.max_tokens - 1
+        return min(n, self.max_model_len) if self.max_model_len else n
+
+    def _blocks_needed(self, num_tokens: int) -> int:
+        bs = self.kv_cache_manager.block_size
+        total = 0
+        for spec in self.kv_cache_manager.kv_cache_groups:
+            n = cdiv(num_tokens, bs)
+            if isinstance(spec, SlidingWindowSpec):
+                n = min(n, cdiv(spec.sliding_window - 1, bs) + 2)
+            total += n
+        return total
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running) or bool(self.waiting)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    def finish_requests(self, request_ids: str | list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        """Abort requests (free their blocks)."""
+        ids = [request_ids] if isinstance(request_ids, str) else request_ids
+        for rid in ids:
+            r = self.requests.get(rid)
+            if r is None:
+                continue
+            if r.status == RequestStatus.RUNNING:
+                self.running.remove(r)
+            else:
+                self.waiting.remove_request(r)
+            r.status = status
+            self._free_request(r, "abort")
+
+    # -- one step -----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        self.step_count += 1
+        events = self.events
+        if events is not None:
+            events.step = self.step_count
+            events.emit(StepStarted(token_budget=self.max_num_scheduled_tokens))
+        mgr = self.kv_cache_manager
+        token_budget = self.max_num_scheduled_tokens
+        num_scheduled: dict[str, int] = {}
+        scheduled_running: list[Request] = []
+        scheduled_new: list[Request] = []
+        scheduled_resumed: list[Request] = []
+        preempted: list[Request] = []
+        computed_before: dict[str, int] = {}
+        threshold = self.long_prefill_token_threshold
+
+        # 1. RUNNING requests, in admission order.
+        i = 0
+        while i < len(self.running) and token_budget > 0:
+            request = self.running[i]
+            n = request.num_tokens - request.num_computed_tokens
+            if 0 < threshold < n:
+                n = threshold
+            n = min(n, token_budget)
+            if self.max_model_len is not None:
+                n = min(n, self.max_model_len - 1 - request.num_computed_tokens)
+            if n <= 0:
+                i += 1
+                continue
+            while True:
+                new_blocks = mgr.allocate_slots(request, n)
+                if new_blocks is not None:
+                    break
+                # No block for a running request: preempt someone.
+                if self.policy == "priority":
+                    victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
+                    self.running.remove(victim)
+                    if victim in scheduled_running:
+                        # Already scheduled this step: take its tokens back.
+                        scheduled_running.remove(victim)
+                        token_budget += num_scheduled.pop(victim.request_id)
+                        i -= 1
+                else:
+                    victim = self.running.pop()  # the most recently admitted
+                self._preempt_request(victim, for_request=request)
+                preempted.append(victim)
+                if victim is request:
+                    break  # it preempted itself: nothing left to free for it
+            if new_blocks is None:
+                break
+            scheduled_running.append(request)
+            num_scheduled[request.request_id] = n
+            computed_before[request.request_id] = request.num_computed_tokens
+            token_budget -= n
+            i += 1
+
+        # 2. WAITING requests, only in a step without preemption.
+        if not preempted:
+            while self.waiting and token_budget > 0:
+                if len(self.running) >= self.max_num_running_reqs:
+                    break
+                request = self.waiting.peek_request()
+                hits, num_hit_tokens = mgr.get_computed_blocks(request)
+                n = request.num_tokens - num_hit_tokens
+                if 0 < threshold < n:
+                    n = threshold
+                if not self.enable_chunked_prefill and n > token_budget:
+                    break  # the whole prompt must fit; no skipping ahead
+                n = min(n, token_budget)
+                new_blocks = mgr.allocate_slots(request, n, num_hit_tokens, hits)
+                if new_blocks is None:
+                    break  # head-of-line: a waiting request never preempts
+                self.waiting.pop_request()
+                self.running.append(request)
+                (scheduled_resumed if request.status == RequestStatus.PREEMPTED else scheduled_new).append(request)
+                request.status = RequestStatus.RUNNING
+                request.num_computed_tokens = num_hit_tokens
+                if request.num_cached_tokens < 0:
+                    request.num_cached_tokens = num_hit_tokens
+                num_scheduled[request.request_id] = n
+                computed_before[request.request_id] = num_hit_tokens
+                token_budget -= n
+
+        out = self._make_output(scheduled_new, scheduled_resumed, scheduled_running, preempted, num_scheduled)
+        if events is not None:
+            for phase, reqs in (("running", scheduled_running), ("new", scheduled_new), ("resumed", scheduled_resumed)):
+                for r in reqs:
+                    events.emit(
+                        RequestScheduled(
+                            request_id=r.request_id,
+                            num_tokens=num_scheduled[r.request_id],
+                            num_computed_tokens=computed_before[r.request_id],
+                            phase=phase,
+                            num_cached_tokens=computed_before[r.request_id] if phase != "running" else 0,
+                        )
+                    )
+        return out
+
+    def _make_output(self, new, resumed, running, preempted, num_scheduled) -> SchedulerOutput:
+        mgr = self.kv_cache_manager
+        new_data = []
+        for r in new + resumed:
+            ids = mgr.get_block_ids(r.request_id)
+            self._num_sent_blocks[r.request_id] = [len(g) for g in ids]
+            nc = r.num_computed_tokens
+            new_data.append(
+                NewRequestData(
+                    req_id=r.request_id,
+                    prompt_token_ids=list(r.prompt_token_ids),
+                    all_token_ids=list(r.all_token_ids),
+                    block_ids=ids,
+                    num_computed_tokens=nc,
+                    new_token_ids=r.all_token_ids[nc : nc + num_scheduled[r.request_id]],
+                )
+            )
+        cached = CachedRequestData()
+        for r in running:
+            ids = mgr.get_block_ids(r.request_id)
+            sent = self._num_sent_blocks[r.request_id]
+            delta = tuple(g[s:] for g, s in zip(ids, sent))
+            self._num_sent_blocks[r.request_id] = [len(g) for g in ids]
+            nc = r.num_computed_tokens
+            cached.req_ids.append(r.request_id)
+            cached.new_block_ids.append(delta if any(delta) else None)
+            cached.num_computed_tokens.append(nc)
+            cached.new_token_ids.append(r.all_token_ids[nc : nc + num_scheduled[r.request_id]])
+        finished, self.finished_req_ids = self.finished_req_ids, set()
+        return SchedulerOutput(
+            step=self.step_count,
+            scheduled_new_reqs=new_data,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            scheduled_new_req_ids=[r.request_id for r in new],
+            scheduled_resumed_req_ids=[r.request_id for r in resumed],
+            scheduled_running_req_ids=[r.request_id for r in running],
+            preempted_req_ids={r.request_id for r in preempted},
+            finished_req_ids=finished,
+        )
+
+    def _preempt_request(self, request: Request, for_request: Request) -> None:
+        lost = request.num_computed_tokens
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._num_sent_blocks.pop(request.request_id, None)
+        self.waiting.prepend_request(request)
+        if self.events is not None:
+            reason = "no free block; " + (
+                "preempted the newest running request (FCFS)" if self.policy == "fcfs"
+                else "preempted the running request with the largest (priority, arrival_time)"
+            )
+            self.events.emit(
+                RequestPreempted(
+                    request_id=request.request_id,
+                    reason=reason,
+                    for_request_id=for_request.request_id,
+                    num_computed_tokens_lost=lost,
+                )
+            )
+
+    def update_from_output(self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, list[int]]) -> list[Request]:
+        """Advance computed tokens, append samples of requests whose prompt is done, and
+        finish (free) requests at ``max_tokens`` or ``eos_token_id``. Returns finished ones."""
+        finished: list[Request] = []
+        events = self.events
+        for rid, n in scheduler_output.num_scheduled_tokens.items():
+            r = self.requests.get(rid)
+            if r is None or r.status != RequestStatus.RUNNING:
+                continue
+            r.num_computed_tokens += n
+            if r.num_computed_tokens < r.num_tokens:
+                continue  # a partial prefill chunk: no token yet
+            new_ids = sampled_token_ids.get(rid) or []
+            appended = []
+            for tok in new_ids:
+                r.append_output_token_ids(tok)
+                appended.append(tok)
+                if self._check_stop(r):
+                    break
+            if events is not None and appended:
+                events.emit(TokensAppended(request_id=rid, token_ids=appended))
+            if r.is_finished():
+                finished.append(r)
+        if finished:
+            done = set(map(id, finished))
+            self.running = [r for r in self.running if id(r) not in done]
+            for r in finished:
+                self._free_request(r, "stop" if r.status == RequestStatus.FINISHED_STOPPED else "length")
+        stats = self.kv_cache_manager.make_prefix_cache_stats()
+        if stats is not None:
+            self.prefix_cache_queries += stats.queries + stats.preempted_queries
+            self.prefix_cache_hits += stats.hits + stats.preempted_hits
+            self.caching_metrics.observe(stats)
+        if events is not None:
+            s = self.make_stats()
+            events.emit(
+                StepFinished(
+                    num_running=s.num_running_reqs,
+                    num_waiting=s.num_waiting_reqs,
+                    kv_cache_usage=s.kv_cache_usage,
+                    num_preemptions=s.num_preemptions,
+                    prefix_cache_queries=s.prefix_cache_queries,
+                    prefix_cache_hits=s.prefix_cache_hits,
+                )
+            )
+        return finished
+
+    def _check_stop(self, r: Request) -> bool:
+        if r.num_output_tokens >= r.max_tokens or (self.max_model_len is not None and r.num_tokens >= self.max_model_len):
+            r.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        if r.eos_token_id is not None and r.output_token_ids[-1] == r.eos_token_id:
+            r.status = RequestStatus.FINISHED_STOPPED
+            return True
+        return False
+
+    def _free_request(self, r: Request, reason: str) -> None:
+        self.kv_cache_manager.free(r)
+        self.requests.pop(r.request_id, None)
+        self._num_sent_blocks.pop(r.request_id, None)
+        self.finished_req_ids.add(r.request_id)
+        r.stop_reason = reason
+        if self.events is not None:
+            self.events.emit(RequestFinished(request_id=r.request_id, reason=reason, num_output_tokens=r.num_output_tokens))
+
+    # -- metrics ------------------------------------------------------------------------------
+    def make_stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            num_preemptions=self.num_preemptions,
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
+            prefix_cache_hit_rate_window=self.caching_metrics.hit_rate,
+            step=self.step_count,
+        )
+
+    def check_invariants(self) -> None:
+        """Manager invariants + every running request holds blocks for its computed tokens."""
+        self.kv_cache_manager.check_invariants()
+        waiting = list(self.waiting)
+        assert len({r.request_id for r in self.running} | {r.request_id for r in waiting}) == len(self.running) + len(waiting), "a request is queued twice"
+        bs = self.kv_cache_manager.block_size
+        for r in self.running:
+            assert r.status == RequestStatus.RUNNING, f"{r.request_id} in running with status {r.status.name}"
+            ids = self.kv_cache_manager.get_block_ids(r.request_id)
+            for spec, g in zip(self.kv_cache_manager.kv_cache_groups, ids):
+                if isinstance(spec, FullAttentionSpec):
+                    assert len(g) * bs >= r.num_computed_tokens, f"{r.request_id}: {len(g)} blocks for {r.num_computed_tokens} tokens"
+        for r in waiting:
+            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), f"{r.request_id} waiting with status {r.status.name}"
+            assert r.num_computed_tokens == 0 and not any(self.kv_cache_manager.get_block_ids(r.request_id)), f"waiting {r.request_id} holds KV"
