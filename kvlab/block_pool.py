@@ -338,7 +338,9 @@ class BlockPool:
             if self.events is not None and group_blocks:
                 self.events.emit(BlocksTouched(request_id=request_id, group=gid, block_ids=[b.block_id for b in group_blocks]))
 
-    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock], request_id: str | None = None, group: int = 0) -> None:
+    def free_blocks(
+        self, ordered_blocks: Iterable[KVCacheBlock], request_id: str | None = None, group: int = 0, reason: str = "request"
+    ) -> None:
         """ref -= 1; blocks reaching 0 return to the queue. ``ordered_blocks`` is in
         eviction priority: a finished request passes its blocks tail first."""
         with_hash: list[KVCacheBlock] = []
@@ -366,6 +368,7 @@ class BlockPool:
                     block_ids=[b.block_id for b in ordered],  # type: ignore[union-attr]
                     to_head=[b.block_id for b in without_hash],
                     to_tail=[b.block_id for b in with_hash],
+                    reason=reason,
                 )
             )
 

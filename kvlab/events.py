@@ -121,6 +121,7 @@ class BlocksFreed(Event):
     block_ids: list[int] = field(default_factory=list)
     to_head: list[int] = field(default_factory=list)
     to_tail: list[int] = field(default_factory=list)
+    reason: str = "request"  # "request": the whole table goes; "window": blocks left the window
 
 
 @_register
@@ -169,6 +170,16 @@ class CacheReset(Event):
 
 
 # --- scheduler --------------------------------------------------------------------------------
+@_register
+@dataclass(slots=True)
+class SchedulerCreated(Event):
+    kind: ClassVar[str] = "scheduler_created"
+    policy: str = "fcfs"
+    max_num_batched_tokens: int = 0
+    max_num_seqs: int = 0
+    enable_chunked_prefill: bool = True
+
+
 @_register
 @dataclass(slots=True)
 class RequestAdded(Event):
@@ -238,6 +249,22 @@ class StepFinished(Event):
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     time: float = 0.0  # simulated clock after the step (seconds)
+
+
+# --- model runner ------------------------------------------------------------------------------
+@_register
+@dataclass(slots=True)
+class AttentionBatch(Event):
+    """What the attention kernel was given in one step (the kernel view reads this)."""
+
+    kind: ClassVar[str] = "attention_batch"
+    req_ids: list[str] = field(default_factory=list)
+    query_lens: list[int] = field(default_factory=list)
+    seq_lens: list[int] = field(default_factory=list)
+    block_tables: list[list[list[int]]] = field(default_factory=list)  # [group][seq][block]
+    slot_mappings: list[list[int]] = field(default_factory=list)  # [group][token]
+    block_size: int = 16
+    sliding_windows: list[int | None] = field(default_factory=list)  # per group
 
 
 class EventLog:

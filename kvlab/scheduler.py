@@ -26,6 +26,7 @@ from kvlab.events import (
     RequestFinished,
     RequestPreempted,
     RequestScheduled,
+    SchedulerCreated,
     StepFinished,
     StepStarted,
     TokensAppended,
@@ -177,6 +178,15 @@ class Scheduler:
         self.caching_metrics = CachingMetrics()
         # req_id -> the number of blocks per group already reported to the executor
         self._num_sent_blocks: dict[str, list[int]] = {}
+        if self.events is not None:
+            self.events.emit(
+                SchedulerCreated(
+                    policy=policy,
+                    max_num_batched_tokens=max_num_batched_tokens,
+                    max_num_seqs=max_num_seqs,
+                    enable_chunked_prefill=enable_chunked_prefill,
+                )
+            )
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -267,6 +277,7 @@ class Scheduler:
         scheduled_resumed: list[Request] = []
         preempted: list[Request] = []
         computed_before: dict[str, int] = {}
+        admitted: list[tuple[Request, str]] = []  # in admission order, with the phase
         threshold = self.long_prefill_token_threshold
 
         # 1. RUNNING requests, in admission order.
@@ -327,7 +338,9 @@ class Scheduler:
                     break  # head-of-line: a waiting request never preempts
                 self.waiting.pop_request()
                 self.running.append(request)
-                (scheduled_resumed if request.status == RequestStatus.PREEMPTED else scheduled_new).append(request)
+                phase = "resumed" if request.status == RequestStatus.PREEMPTED else "new"
+                (scheduled_resumed if phase == "resumed" else scheduled_new).append(request)
+                admitted.append((request, phase))
                 request.status = RequestStatus.RUNNING
                 request.num_computed_tokens = num_hit_tokens
                 if request.num_cached_tokens < 0:
@@ -338,17 +351,16 @@ class Scheduler:
 
         out = self._make_output(scheduled_new, scheduled_resumed, scheduled_running, preempted, num_scheduled)
         if events is not None:
-            for phase, reqs in (("running", scheduled_running), ("new", scheduled_new), ("resumed", scheduled_resumed)):
-                for r in reqs:
-                    events.emit(
-                        RequestScheduled(
-                            request_id=r.request_id,
-                            num_tokens=num_scheduled[r.request_id],
-                            num_computed_tokens=computed_before[r.request_id],
-                            phase=phase,
-                            num_cached_tokens=computed_before[r.request_id] if phase != "running" else 0,
-                        )
+            for r, phase in [(r, "running") for r in scheduled_running] + admitted:
+                events.emit(
+                    RequestScheduled(
+                        request_id=r.request_id,
+                        num_tokens=num_scheduled[r.request_id],
+                        num_computed_tokens=computed_before[r.request_id],
+                        phase=phase,
+                        num_cached_tokens=computed_before[r.request_id] if phase != "running" else 0,
                     )
+                )
         return out
 
     def _make_output(self, new, resumed, running, preempted, num_scheduled) -> SchedulerOutput:

@@ -101,7 +101,7 @@ class SingleTypeKVCacheManager:
         events = self.block_pool.events
         if events is not None:
             events.emit(BlocksSkipped(request_id=request_id, group=self.kv_cache_group_id, positions=positions, block_ids=[b.block_id for b in removed]))
-        self.block_pool.free_blocks(removed, request_id=request_id, group=self.kv_cache_group_id)
+        self.block_pool.free_blocks(removed, request_id=request_id, group=self.kv_cache_group_id, reason="window")
 
     @classmethod
     def find_longest_cache_hit(
