@@ -298,16 +298,13 @@ class Scheduler:
                 if new_blocks is not None:
                     break
                 # No block for a running request: preempt someone.
-                if self.policy == "priority":
-                    victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
-                    self.running.remove(victim)
-                    if victim in scheduled_running:
-                        # Already scheduled this step: take its tokens back.
-                        scheduled_running.remove(victim)
-                        token_budget += num_scheduled.pop(victim.request_id)
-                        i -= 1
-                else:
-                    victim = self.running.pop()  # the most recently admitted
+                victim = self.select_victim()
+                self.running.remove(victim)
+                if victim in scheduled_running:
+                    # Already scheduled this step (priority policy): take its tokens back.
+                    scheduled_running.remove(victim)
+                    token_budget += num_scheduled.pop(victim.request_id)
+                    i -= 1
                 self._preempt_request(victim, for_request=request)
                 preempted.append(victim)
                 if victim is request:
@@ -404,6 +401,14 @@ class Scheduler:
             preempted_req_ids={r.request_id for r in preempted},
             finished_req_ids=finished,
         )
+
+    def select_victim(self) -> Request:
+        """Which running request loses its blocks. FCFS: the most recently admitted (the
+        end of ``running``); priority: the largest ``(priority, arrival_time)``, i.e. the
+        least important, latest arrival. (The ``preempt_victim`` exercise swaps this.)"""
+        if self.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
 
     def _preempt_request(self, request: Request, for_request: Request) -> None:
         lost = request.num_computed_tokens
