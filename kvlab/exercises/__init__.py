@@ -1,0 +1,16 @@
+"""Exercises: break it and fix it. ``check(exercise_id, learner_obj) -> CheckResult``.
+
+Each checker plugs the learner's code into the real engine (their free queue inside the
+``BlockPool``, their victim choice inside the ``Scheduler`` …), replays vLLM's documented
+scenarios and random cases, and explains the first case that failed.
+"""
+from kvlab.exercises import checks_hashing, checks_lookup, checks_pool, checks_sched  # noqa: F401  (register)
+from kvlab.exercises.registry import EXERCISES, Exercise, check, hints
+from kvlab.exercises.result import CheckResult
+
+try:  # the kernel exercises need torch + triton
+    from kvlab.exercises import checks_kernels  # noqa: F401
+except ImportError:  # pragma: no cover
+    pass
+
+__all__ = ["EXERCISES", "CheckResult", "Exercise", "check", "hints"]

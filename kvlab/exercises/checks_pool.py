@@ -1,0 +1,337 @@
+"""Checkers: free_queue, free_order, touch, stale_hash (lessons 02 and 04).
+
+Each plugs the learner's code into a real ``KVCacheManager`` and replays vLLM's documented
+scenario: on a fresh 11-block pool, two requests sharing 3 full blocks, freed, then a
+long request that evicts everything -- the block ids must come out in vLLM's order.
+"""
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvlab.block_pool import BlockPool, KVCacheBlock, group_suffix
+from kvlab.exercises.registry import call, register
+from kvlab.exercises.result import CheckResult, failed, passed
+from kvlab.kv_cache_manager import KVCacheManager
+from kvlab.request import Request
+
+COMMON = [i for i in range(3) for _ in range(16)]
+EXPECTED_FREE_ORDER = [5, 4, 6, 7, 8, 9, 10, 3, 2, 1]
+
+
+def run_shared_prefix_story(mgr: KVCacheManager) -> dict[str, Any]:
+    """vLLM's test_prefill story. Returns the observables at each stage."""
+    obs: dict[str, Any] = {}
+
+    def admit(rid: str, tokens: list[int]) -> Any:
+        r = Request(rid, tokens)
+        hits, n = mgr.get_computed_blocks(r)
+        new = mgr.allocate_slots(r, len(tokens) - n, n, hits)
+        obs[f"{rid}.hit"] = hits.get_block_ids()[0]
+        obs[f"{rid}.new"] = None if new is None else new.get_block_ids()[0]
+        return r
+
+    r0 = admit("req0", COMMON + [3] * 7)
+    r1 = admit("req1", COMMON + [3] * 5)
+    obs["refs_after_req1"] = [mgr.block_pool.blocks[i].ref_cnt for i in (1, 2, 3)]
+    mgr.free(r0)
+    mgr.free(r1)
+    obs["free_order"] = [b.block_id for b in mgr.block_pool.free_block_queue.get_all_free_blocks()]
+    r2 = admit("req2", COMMON + [3] * 6)
+    mgr.free(r2)
+    admit("req3", [99] * 160)
+    obs["num_free_end"] = mgr.block_pool.get_num_free_blocks()
+    return obs
+
+
+EXPECTED_STORY = {
+    "req0.hit": [], "req0.new": [1, 2, 3, 4],
+    "req1.hit": [1, 2, 3], "req1.new": [5],
+    "refs_after_req1": [2, 2, 2],
+    "free_order": EXPECTED_FREE_ORDER,
+    "req2.hit": [1, 2, 3], "req2.new": [5],
+    "req3.hit": [], "req3.new": EXPECTED_FREE_ORDER,
+    "num_free_end": 0,
+}
+STORY_IDEAS = {
+    "free_order": "a finished request frees its blocks tail first; uncached tails go to the head, cached blocks to the tail",
+    "req3.new": "allocation pops the queue head: the eviction order IS the free-queue order",
+    "req1.hit": "a prefix hit walks the chain and stops at the first miss",
+    "refs_after_req1": "a hit touches the block: ref_cnt counts the tables holding it",
+}
+
+
+def compare_story(eid: str, obs: dict[str, Any], what: str) -> CheckResult | None:
+    for k, want in EXPECTED_STORY.items():
+        if obs.get(k) != want:
+            return failed(
+                eid,
+                f"with your {what} plugged into the block pool, vLLM's shared-prefix story diverges at `{k}`",
+                case="fresh 11-block pool; req0 = 48+7 tokens, req1 = same 48+5, free both, req2 = 48+6, free, req3 = 160 new tokens",
+                expected=repr(want),
+                got=repr(obs.get(k)),
+                idea=STORY_IDEAS.get(k.split(".")[-1] if k.startswith("free") else k, STORY_IDEAS.get(k, "follow the block through allocate → cache → free → evict")),
+            )
+    return None
+
+
+# --- free_queue -------------------------------------------------------------------------------
+class _Adapter:
+    """Gives the pool the batch methods it uses, built from the learner's four."""
+
+    def __init__(self, q: Any) -> None:
+        self.q = q
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.q.num_free_blocks
+
+    def popleft(self) -> KVCacheBlock:
+        return self.q.popleft()
+
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        return [self.q.popleft() for _ in range(n)]
+
+    def remove(self, b: KVCacheBlock) -> None:
+        self.q.remove(b)
+
+    def append(self, b: KVCacheBlock) -> None:
+        self.q.append(b)
+
+    def append_n(self, bs: list[KVCacheBlock]) -> None:
+        for b in bs:
+            self.q.append(b)
+
+    def prepend_n(self, bs: list[KVCacheBlock]) -> None:
+        if not bs:
+            return
+        rest = [self.q.popleft() for _ in range(self.q.num_free_blocks)]
+        for b in list(bs) + rest:
+            self.q.append(b)
+
+    def get_all_free_blocks(self) -> list[KVCacheBlock]:
+        return list(self.q.get_all_free_blocks())
+
+
+def _fresh_blocks(n: int) -> list[KVCacheBlock]:
+    return [KVCacheBlock(i) for i in range(n)]
+
+
+@register(
+    "free_queue",
+    "The free queue: O(1) popleft / remove / append",
+    "class FreeQueue(blocks): popleft(), remove(block), append(block), get_all_free_blocks(), num_free_blocks",
+    "04_refcounts_and_eviction",
+    [
+        "A prefix hit must pull a block out of the MIDDLE of the queue, so remove(block) must not search.",
+        "Keep a doubly linked list through the blocks: block.prev_free_block / block.next_free_block.",
+        "Two sentinel nodes (a fake head and a fake tail) remove every empty-list special case.",
+    ],
+    notebook="ex_block_pool",
+)
+def check_free_queue(cls: Any) -> CheckResult:
+    eid = "free_queue"
+    blocks = _fresh_blocks(6)
+    q = call(cls, blocks, where="constructing FreeQueue(blocks)")
+    ids = lambda: [b.block_id for b in call(q.get_all_free_blocks, where="get_all_free_blocks()")]  # noqa: E731
+    steps: list[tuple[str, Callable[[], Any], list[int], int]] = [
+        ("new queue of blocks 0..5", lambda: None, [0, 1, 2, 3, 4, 5], 6),
+        ("popleft() → block 0", lambda: call(q.popleft, where="popleft()"), [1, 2, 3, 4, 5], 5),
+        ("remove(block 3) from the middle", lambda: call(q.remove, blocks[3], where="remove(block 3)"), [1, 2, 4, 5], 4),
+        ("append(block 0)", lambda: call(q.append, blocks[0], where="append(block 0)"), [1, 2, 4, 5, 0], 5),
+        ("remove(block 1), the head", lambda: call(q.remove, blocks[1], where="remove(block 1)"), [2, 4, 5, 0], 4),
+        ("remove(block 0), the tail", lambda: call(q.remove, blocks[0], where="remove(block 0)"), [2, 4, 5], 3),
+        ("append(block 3)", lambda: call(q.append, blocks[3], where="append(block 3)"), [2, 4, 5, 3], 4),
+    ]
+    for name, op, want, n in steps:
+        ret = op()
+        if name.startswith("popleft") and getattr(ret, "block_id", None) != 0:
+            return failed(eid, "popleft() must return the head block", case=name, expected="block 0", got=repr(ret), idea="head = evicted next")
+        got = ids()
+        if got != want or q.num_free_blocks != n:
+            return failed(eid, f"queue wrong after {name}", case=name, expected=f"{want} (num_free_blocks={n})", got=f"{got} (num_free_blocks={q.num_free_blocks})", idea="the queue is the eviction order; every operation keeps it exact")
+    # Plug it into the real pool and replay vLLM's story.
+    mgr = KVCacheManager(num_blocks=11, block_size=16)
+    pool = mgr.block_pool
+    for b in pool.blocks:
+        b.prev_free_block = b.next_free_block = None
+    lq = call(cls, pool.blocks[1:], where="constructing FreeQueue(pool blocks)")
+    pool.free_block_queue = _Adapter(lq)  # type: ignore[assignment]
+    obs = run_shared_prefix_story(mgr)
+    bad = compare_story(eid, obs, "free queue")
+    if bad is not None:
+        return bad
+    # O(1): removing from a 200,000-block queue must cost about what it costs in a 2,000-block one.
+    def per_remove(n: int) -> float:
+        bl = _fresh_blocks(n)
+        qq = cls(bl)
+        rng = random.Random(0)
+        victims = rng.sample(bl, 400)
+        t = time.perf_counter()
+        for b in victims:
+            qq.remove(b)
+        return (time.perf_counter() - t) / 400
+
+    small = min(per_remove(2_000) for _ in range(3))
+    big = min(per_remove(200_000) for _ in range(2))
+    ratio = big / max(small, 1e-9)
+    if ratio > 8:
+        return failed(
+            eid,
+            f"remove() is not O(1): {small * 1e6:.1f} µs per remove with 2,000 blocks, {big * 1e6:.1f} µs with 200,000 ({ratio:.0f}× slower)",
+            idea="a list's remove() searches; a prefix hit on a big server would scan the whole pool. Link the blocks instead.",
+        )
+    return passed(eid, f"exact queue order in vLLM's story, and remove() costs the same at 2,000 and 200,000 blocks ({ratio:.1f}×).")
+
+
+# --- free_order -------------------------------------------------------------------------------
+@register(
+    "free_order",
+    "Which block goes back first",
+    "blocks_to_free(request_blocks) -> list",
+    "04_refcounts_and_eviction",
+    [
+        "The free queue is the eviction order: what you free first is evicted first.",
+        "Which part of a finished request is least likely to be reused by the next request: its beginning or its end?",
+    ],
+    notebook="ex_block_pool",
+)
+def check_free_order(fn: Any) -> CheckResult:
+    eid = "free_order"
+    sample = [KVCacheBlock(i) for i in (7, 3, 9, 4)]
+    got = call(fn, list(sample), where="ordering blocks [7, 3, 9, 4]")
+    got_ids = [b.block_id for b in got] if got is not None else None
+    if got_ids != [4, 9, 3, 7]:
+        idea = "free the tail first: a long prefix is more useful to the next request than the last few tokens of one answer"
+        if got_ids == [7, 3, 9, 4]:
+            idea = "forward order puts the request's FIRST block at the eviction end: the shared beginning would be evicted first"
+        return failed(eid, "wrong free order for a table [7, 3, 9, 4]", expected="[4, 9, 3, 7]", got=repr(got_ids), idea=idea)
+    # In the engine: the learner's order replaces SingleTypeKVCacheManager.free.
+    mgr = KVCacheManager(num_blocks=11, block_size=16)
+    for m in mgr.coordinator.single_type_managers:
+        def free(request_id: str, m: Any = m) -> None:
+            blocks = m.req_to_blocks.pop(request_id, [])
+            m.block_pool.free_blocks(call(fn, list(blocks), where="freeing a request"))
+            m.num_cached_block.pop(request_id, None)
+        m.free = free  # type: ignore[method-assign]
+    obs = run_shared_prefix_story(mgr)
+    bad = compare_story(eid, obs, "free order")
+    if bad is not None:
+        return bad
+    return passed(eid, "tail first: in vLLM's story the shared prefix 3, 2, 1 sits at the far end of the eviction order.")
+
+
+# --- touch ------------------------------------------------------------------------------------
+@register(
+    "touch",
+    "Touch: adopt a cached block safely",
+    "touch(pool, blocks) -> None",
+    "04_refcounts_and_eviction",
+    [
+        "A hit block with ref_cnt 0 is still on the free queue: an eviction candidate.",
+        "Take it off the queue (pool.free_block_queue.remove) BEFORE incrementing, then ref_cnt += 1.",
+        "The null block (block.is_null) is never on the queue; leave it alone.",
+    ],
+    notebook="ex_block_pool",
+)
+def check_touch(fn: Any) -> CheckResult:
+    eid = "touch"
+    mgr = KVCacheManager(num_blocks=11, block_size=16)
+    pool = mgr.block_pool
+
+    def touch(blocks: Any, request_id: str | None = None) -> None:
+        for group in blocks:
+            call(fn, pool, list(group), where="touching hit blocks")
+
+    pool.touch = touch  # type: ignore[method-assign]
+    obs = run_shared_prefix_story(mgr)
+    try:
+        pool.check_invariants()
+    except AssertionError as e:
+        return failed(eid, "after your touch the pool is inconsistent", got=str(e), idea="a touched block with ref_cnt 0 must leave the free queue, or it can be evicted while in use")
+    bad = compare_story(eid, obs, "touch")
+    if bad is not None:
+        return bad
+    # The classic bug: a referenced block left on the queue gets evicted under its owner.
+    mgr = KVCacheManager(num_blocks=5, block_size=4)
+    pool = mgr.block_pool
+    pool.touch = touch  # type: ignore[method-assign]
+    a = Request("a", list(range(9)))
+    h, n = mgr.get_computed_blocks(a)
+    mgr.allocate_slots(a, 9 - n, n, h)
+    mgr.free(a)
+    b = Request("b", list(range(9)))
+    h, n = mgr.get_computed_blocks(b)
+    mgr.allocate_slots(b, 9 - n, n, h)
+    held = mgr.get_block_ids("b")[0]
+    queue = [x.block_id for x in pool.free_block_queue.get_all_free_blocks()]
+    if any(bid in queue for bid in held):
+        return failed(eid, "a block held by request b is still on the free queue", expected=f"queue without {held}", got=f"queue {queue}", idea="evicting a referenced block would overwrite KV that b is reading")
+    return passed(eid, "hit blocks leave the free queue before their ref count rises; nothing referenced can be evicted.")
+
+
+# --- stale_hash (bug hunt) --------------------------------------------------------------------
+@register(
+    "stale_hash",
+    "Bug hunt: the stale hash entry after reuse",
+    "evict_cached_block(pool, block) -> bool",
+    "04_refcounts_and_eviction",
+    [
+        "When a cached free block is reallocated, its old content is about to be overwritten.",
+        "Remove exactly this block's entry from pool.cached_block_hash_to_block (key = block.cache_key, and the block id), then block.reset_hash().",
+        "Other blocks with the same hash (duplicates) must stay in the map. Return whether anything was evicted.",
+    ],
+    notebook="ex_block_pool",
+)
+def check_stale_hash(fn: Any) -> CheckResult:
+    eid = "stale_hash"
+
+    def patched(mgr: KVCacheManager) -> KVCacheManager:
+        pool = mgr.block_pool
+        pool._maybe_evict_cached_block = lambda block: call(fn, pool, block, where="evicting a reallocated block")  # type: ignore[method-assign]
+        return mgr
+
+    # The consequence of a stale entry: a lookup "hits" a block that now holds other tokens.
+    mgr = patched(KVCacheManager(num_blocks=4, block_size=4))
+    a = Request("a", list(range(9)))
+    h, n = mgr.get_computed_blocks(a)
+    mgr.allocate_slots(a, 9 - n, n, h)
+    mgr.free(a)
+    b = Request("b", [50 + i for i in range(9)])
+    h, n = mgr.get_computed_blocks(b)
+    mgr.allocate_slots(b, 9 - n, n, h)  # takes every block, evicting a's
+    a2 = Request("a2", list(range(9)))
+    h, n = mgr.get_computed_blocks(a2)
+    if n:
+        return failed(eid, f"after its blocks were reused by b, a's prompt still 'hits' {n} tokens", expected="0 tokens", got=f"{n} tokens, blocks {h.get_block_ids()[0]}", idea="a stale map entry returns another prompt's KV: the model would answer from the wrong context")
+    mgr = patched(KVCacheManager(num_blocks=11, block_size=16))
+    obs = run_shared_prefix_story(mgr)
+    try:
+        mgr.block_pool.check_invariants()
+    except AssertionError as e:
+        return failed(eid, "after reallocating cached blocks the pool is inconsistent", got=str(e), idea="a reallocated block must lose both its map entry and its hash")
+    bad = compare_story(eid, obs, "eviction")
+    if bad is not None:
+        return bad
+    # Duplicates: evicting one copy keeps the other reachable.
+    mgr = patched(KVCacheManager(num_blocks=8, block_size=4))
+    x, y = Request("x", list(range(5))), Request("y", list(range(5)))
+    looked = [(r, *mgr.get_computed_blocks(r)) for r in (x, y)]  # both look up before either computes
+    for r, h, n in looked:
+        mgr.allocate_slots(r, 5 - n, n, h)
+    hx, hy = mgr.get_block_ids("x")[0][0], mgr.get_block_ids("y")[0][0]
+    pool = mgr.block_pool
+    key = pool.blocks[hx].cache_key
+    mgr.free(x)
+    mgr.free(y)
+    while pool.free_block_queue.get_all_free_blocks()[0].block_id not in (hx, hy):
+        pool.get_new_blocks(1)
+    first = pool.free_block_queue.get_all_free_blocks()[0].block_id
+    pool.get_new_blocks(1)
+    left = [blk.block_id for blk in pool.cached_block_hash_to_block.blocks_for(key)]
+    other = hy if first == hx else hx
+    if left != [other]:
+        return failed(eid, "two blocks carried one hash (duplicates); evicting one must keep the other", expected=f"map keeps [{other}]", got=f"map keeps {left}", idea="pop by (hash, block id), not by hash alone")
+    return passed(eid, "reallocated blocks drop exactly their own entry; no stale hit, duplicates survive.")

@@ -1,0 +1,72 @@
+"""``CheckResult``: what a checker says -- passed or not, and the first case that failed."""
+from __future__ import annotations
+
+import html
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class CheckResult:
+    exercise_id: str
+    passed: bool
+    message: str
+    case: str = ""  # name of the failing case
+    inputs: str = ""
+    expected: str = ""
+    got: str = ""
+    idea: str = ""  # the idea the failing case is about
+    details: str = ""  # e.g. a text picture of the resulting state
+    not_implemented: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    def __str__(self) -> str:
+        if self.passed:
+            return f"✅ {self.exercise_id}: {self.message}"
+        if self.not_implemented:
+            return f"⏳ {self.exercise_id}: {self.message}"
+        lines = [f"❌ {self.exercise_id}: {self.message}"]
+        for label, v in (("case", self.case), ("inputs", self.inputs), ("expected", self.expected), ("got", self.got), ("idea", self.idea)):
+            if v:
+                lines.append(f"   {label:<8} {v}")
+        if self.details:
+            lines.append(self.details)
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+    def _repr_html_(self) -> str:
+        colour = "#1b7f3b" if self.passed else ("#8a6d00" if self.not_implemented else "#b00020")
+        return f'<pre style="border-left:4px solid {colour};padding:6px 10px;white-space:pre-wrap">{html.escape(str(self))}</pre>'
+
+
+def passed(exercise_id: str, message: str, **kw: Any) -> CheckResult:
+    return CheckResult(exercise_id, True, message, **kw)
+
+
+def failed(exercise_id: str, message: str, **kw: Any) -> CheckResult:
+    return CheckResult(exercise_id, False, message, **kw)
+
+
+def not_implemented(exercise_id: str) -> CheckResult:
+    return CheckResult(
+        exercise_id,
+        False,
+        "not implemented yet — fill in the cell that raises NotImplementedError, run it, then run this check again.",
+        not_implemented=True,
+    )
+
+
+class LearnerError(Exception):
+    """The learner's code raised; carries a one-line summary instead of a traceback wall."""
+
+    def __init__(self, exc: BaseException, where: str) -> None:
+        frames = traceback.extract_tb(exc.__traceback__)
+        own = [f for f in frames if "kvlab" not in f.filename.replace("\\", "/").split("/site-packages/")[-1] or "<ipython" in f.filename]
+        loc = f" (line {own[-1].lineno}: {own[-1].line})" if own else ""
+        super().__init__(f"{type(exc).__name__}: {exc}{loc} — while {where}")
+        self.exc = exc

@@ -1,0 +1,278 @@
+"""Mutation tests: every checker accepts correct code (written two ways) and rejects the
+classic wrong answers with a message about the right idea."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvlab import hashing
+from kvlab.block_pool import KVCacheBlock
+from kvlab.exercises import EXERCISES, check
+
+# --- correct implementations, written differently from kvlab's own ------------------------------
+
+
+def hash_ok(hash_fn, parent, token_ids, extra_keys):
+    return hash_fn((parent if parent else hashing.NONE_HASH, tuple(token_ids), extra_keys))
+
+
+def extra_ok(request, start, end):
+    keys = [request.lora_name] if request.lora_name else []
+    keys += [(f.identifier, f.offset - start) for f in request.mm_features if f.offset < end and f.offset + f.length > start]
+    if start == 0 and request.cache_salt:
+        keys.append(request.cache_salt)
+    return tuple(keys) or None
+
+
+class QueueOk:
+    """Dict-based ordered set: O(1) remove without links (an alternative correct design)."""
+
+    def __init__(self, blocks):
+        self._d = dict.fromkeys(blocks)
+
+    @property
+    def num_free_blocks(self):
+        return len(self._d)
+
+    def popleft(self):
+        b = next(iter(self._d))
+        del self._d[b]
+        return b
+
+    def remove(self, block):
+        del self._d[block]
+
+    def append(self, block):
+        self._d[block] = None
+
+    def get_all_free_blocks(self):
+        return list(self._d)
+
+
+def longest_ok(block_hashes, num_tokens, block_size, cached):
+    n = 0
+    for h in block_hashes[: (num_tokens - 1) // block_size]:
+        if h not in cached:
+            break
+        n += 1
+    return n
+
+
+def free_order_ok(blocks):
+    return blocks[::-1]
+
+
+def victim_ok(running, policy):
+    if policy == "fcfs":
+        return running[len(running) - 1]
+    return sorted(running, key=lambda r: (r.priority, r.arrival_time))[-1]
+
+
+def touch_ok(pool, blocks):
+    for b in blocks:
+        if not b.is_null and b.ref_cnt == 0:
+            pool.free_block_queue.remove(b)
+        b.ref_cnt += 1
+
+
+def evict_ok(pool, block):
+    key = block.cache_key
+    if key is None:
+        return False
+    pool.cached_block_hash_to_block.pop(key, block.block_id)
+    block.reset_hash()
+    return True
+
+
+def sw_ok(block_hashes, max_length, block_size, sliding_window, cached):
+    need = -(-(sliding_window - 1) // block_size)
+    hits = [h in cached for h in block_hashes[: max_length // block_size]]
+    for end in range(len(hits), 0, -1):  # longest candidate first
+        start = max(0, end - need)
+        if all(hits[start:end]) and (end - start >= need or start == 0):
+            return end
+    return 0
+
+
+def capacity_ok(num_tokens, block_size, num_held_blocks, hit_ref_cnts):
+    new = -(-num_tokens // block_size) - num_held_blocks - len(hit_ref_cnts)
+    return max(new, 0) + hit_ref_cnts.count(0)
+
+
+def kv_ok(num_layers, num_kv_heads, head_dim, dtype_bytes):
+    return num_layers * num_kv_heads * head_dim * dtype_bytes * 2
+
+
+CORRECT = {
+    "hash_chain": hash_ok,
+    "extra_keys": extra_ok,
+    "free_queue": QueueOk,
+    "longest_hit": longest_ok,
+    "free_order": free_order_ok,
+    "preempt_victim": victim_ok,
+    "touch": touch_ok,
+    "stale_hash": evict_ok,
+    "sliding_window_hit": sw_ok,
+    "allocate_capacity": capacity_ok,
+    "kv_bytes": kv_ok,
+}
+
+# --- the classic wrong answers ------------------------------------------------------------------
+
+
+class QueueList(QueueOk):
+    """Correct order, but remove() searches a list: O(n)."""
+
+    def __init__(self, blocks):
+        self._l = list(blocks)
+
+    @property
+    def num_free_blocks(self):
+        return len(self._l)
+
+    def popleft(self):
+        return self._l.pop(0)
+
+    def remove(self, block):
+        self._l.remove(block)
+
+    def append(self, block):
+        self._l.append(block)
+
+    def get_all_free_blocks(self):
+        return list(self._l)
+
+
+class QueueLIFO(QueueOk):
+    def popleft(self):
+        b = list(self._d)[-1]
+        del self._d[b]
+        return b
+
+
+def _sw_full_rule(block_hashes, max_length, block_size, sliding_window, cached):
+    return longest_ok(block_hashes, max_length + 1, block_size, cached)
+
+
+def _evict_no_pop(pool, block):
+    if block.cache_key is None:
+        return False
+    block.reset_hash()
+    return True
+
+
+def _evict_all_dups(pool, block):
+    if block.cache_key is None:
+        return False
+    pool.cached_block_hash_to_block._cache.pop(block.cache_key, None)
+    block.reset_hash()
+    return True
+
+
+WRONG = {
+    "hash_chain": {
+        "unchained (ignores parent)": lambda f, p, t, x: f((hashing.NONE_HASH, tuple(t), x)),
+        "None as first parent": lambda f, p, t, x: f((p, tuple(t), x)),
+        "tokens as a list": lambda f, p, t, x: f((p or hashing.NONE_HASH, list(t), x)),
+        "ignores extra keys": lambda f, p, t, x: f((p or hashing.NONE_HASH, tuple(t), None)),
+        "only the tokens": lambda f, p, t, x: f(tuple(t)),
+    },
+    "extra_keys": {
+        "salt on every block": lambda r, s, e: (((r.lora_name,) if r.lora_name else ()) + tuple((f.identifier, f.offset - s) for f in r.mm_features if f.offset < e and f.offset + f.length > s) + ((r.cache_salt,) if r.cache_salt else ())) or None,
+        "empty tuple instead of None": lambda r, s, e: extra_ok(r, s, e) or (),
+        "absolute image offset": lambda r, s, e: (((r.lora_name,) if r.lora_name else ()) + tuple((f.identifier, f.offset) for f in r.mm_features if f.offset < e and f.offset + f.length > s) + ((r.cache_salt,) if r.cache_salt and s == 0 else ())) or None,
+        "lora only in the first block": lambda r, s, e: (((r.lora_name,) if r.lora_name and s == 0 else ()) + tuple((f.identifier, f.offset - s) for f in r.mm_features if f.offset < e and f.offset + f.length > s) + ((r.cache_salt,) if r.cache_salt and s == 0 else ())) or None,
+        "salt first": lambda r, s, e: (((r.cache_salt,) if r.cache_salt and s == 0 else ()) + ((r.lora_name,) if r.lora_name else ()) + tuple((f.identifier, f.offset - s) for f in r.mm_features if f.offset < e and f.offset + f.length > s)) or None,
+    },
+    "free_queue": {"O(n) list remove": QueueList, "pops the newest (LIFO)": QueueLIFO},
+    "longest_hit": {
+        "hit covers the last token": lambda h, n, bs, c: longest_ok(h, n + 1, bs, c),
+        "counts every cached block (no stop at first miss)": lambda h, n, bs, c: sum(1 for x in h[: (n - 1) // bs] if x in c),
+        "counts partial blocks": lambda h, n, bs, c: longest_ok(h, n + bs - 1, bs, c),
+    },
+    "free_order": {"forward order": lambda b: list(b), "sorted by id": lambda b: sorted(b, key=lambda x: x.block_id)},
+    "preempt_victim": {
+        "preempts the oldest": lambda r, p: r[0],
+        "priority: most important": lambda r, p: r[-1] if p == "fcfs" else min(r, key=lambda x: (x.priority, x.arrival_time)),
+        "priority: ignores arrival": lambda r, p: r[-1] if p == "fcfs" else max(r, key=lambda x: x.priority),
+    },
+    "touch": {
+        "evicting a referenced block (no remove)": lambda pool, blocks: [setattr(b, "ref_cnt", b.ref_cnt + 1) for b in blocks],
+        "removes but never counts": lambda pool, blocks: [pool.free_block_queue.remove(b) for b in blocks if b.ref_cnt == 0 and not b.is_null],
+    },
+    "stale_hash": {"stale map entry": _evict_no_pop, "drops duplicates too": _evict_all_dups, "does nothing": lambda pool, b: False},
+    "sliding_window_hit": {
+        "full-attention rule": _sw_full_rule,
+        "cdiv(W) instead of cdiv(W-1)": lambda h, m, bs, w, c: sw_ok(h, m, bs, w + 1, c),
+    },
+    "allocate_capacity": {
+        "ignores evictable hits": lambda n, bs, held, refs: max(0, -(-n // bs) - held - len(refs)),
+        "off by one (floor)": lambda n, bs, held, refs: max(0, n // bs - held - len(refs)) + refs.count(0),
+    },
+    "kv_bytes": {"forgets K and V": lambda l, h, d, b: l * h * d * b, "forgets layers": lambda l, h, d, b: 2 * h * d * b},
+}
+
+
+def test_every_exercise_has_mutations_and_an_alternative():
+    core = set(EXERCISES) - {"slot_mapping", "paged_attention_kernel"}
+    assert core <= set(CORRECT) and core <= set(WRONG)
+
+
+@pytest.mark.parametrize("eid", sorted(CORRECT))
+def test_checker_accepts_alternative_correct_code(eid):
+    t = time.perf_counter()
+    res = check(eid, CORRECT[eid])
+    assert res, str(res)
+    assert time.perf_counter() - t < 15  # the issue's budget is 5 s; generous under parallel load
+
+
+@pytest.mark.parametrize("eid,name", [(e, n) for e, ws in sorted(WRONG.items()) for n in ws])
+def test_checker_rejects_classic_wrong_answer(eid, name):
+    res = check(eid, WRONG[eid][name])
+    assert not res, f"{eid}: the wrong answer {name!r} passed"
+    assert not res.not_implemented
+    assert res.message and ("expected" in str(res) or "idea" in str(res) or "O(1)" in str(res)), str(res)
+
+
+@pytest.mark.parametrize("eid", sorted(CORRECT))
+def test_not_implemented_is_reported_cleanly(eid):
+    def stub(*a, **k):
+        raise NotImplementedError("fill me in")
+
+    class Stub:
+        def __init__(self, *a):
+            raise NotImplementedError
+
+    res = check(eid, Stub if eid == "free_queue" else stub)
+    assert not res and res.not_implemented
+    assert "not implemented yet" in str(res) and "Traceback" not in str(res)
+
+
+def test_learner_exception_is_summarised_not_a_traceback_wall():
+    def buggy(hash_fn, parent, tokens, extra):
+        return hash_fn((parent, tokens[99], extra))
+
+    res = check("hash_chain", buggy)
+    assert not res and "IndexError" in res.message and "Traceback" not in str(res)
+
+
+def test_specific_teaching_messages():
+    assert "NONE_HASH" in check("hash_chain", WRONG["hash_chain"]["None as first parent"]).idea
+    assert "unchained" in check("hash_chain", WRONG["hash_chain"]["unchained (ignores parent)"]).idea
+    assert "FIRST block" in check("extra_keys", WRONG["extra_keys"]["salt on every block"]).idea
+    assert "OLDEST" in check("preempt_victim", WRONG["preempt_victim"]["preempts the oldest"]).idea
+    assert "first miss" in check("longest_hit", WRONG["longest_hit"]["counts every cached block (no stop at first miss)"]).idea
+    assert "O(1)" in check("free_queue", QueueList).message
+    assert "×2" in check("kv_bytes", WRONG["kv_bytes"]["forgets K and V"]).idea
+    assert "wrong context" in check("stale_hash", _evict_no_pop).idea
+
+
+def test_unknown_exercise_id():
+    with pytest.raises(ValueError, match="unknown exercise_id"):
+        check("nope", None)
+
+
+def test_free_queue_blocks_are_real_blocks():
+    q = QueueOk([KVCacheBlock(i) for i in range(3)])
+    assert q.popleft().block_id == 0
