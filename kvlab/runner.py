@@ -1,0 +1,371 @@
+"""The model runner: vLLM's GPU model runner in miniature, and the engine's real executor.
+
+The scheduler and KV-cache manager only *decide*: which requests run, how many tokens
+each, which physical blocks hold them. The runner turns one decision — a
+:class:`~kvlab.sched_output.SchedulerOutput` — into kernel inputs and runs the model:
+
+1. keep per-request state across steps (tokens, block table row per KV-cache group),
+   updated from the deltas the scheduler sends (lesson: "the block table is append-only");
+2. flatten the batch: input ids, absolute positions, ``cu_seqlens_q``, ``seq_lens``;
+3. translate positions into cache slots, ``block_id * block_size + offset``, through each
+   group's table (the slot mapping) and pad the tables into one int32 tensor;
+4. run the model (each layer: ``reshape_and_cache`` then ``unified_attention``);
+5. sample one token for each request whose known tokens are now all computed — a request
+   in the middle of a chunked prefill gets nothing this step.
+
+Everything fed to the kernels is recorded in :attr:`ModelRunner.last_batch` (the
+visualisation's "kernel view"), and :attr:`ModelRunner.num_tokens_computed` counts the
+tokens that went through the model, which is how a lesson *shows* that a prefix-cache hit
+skipped work.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch import Tensor
+
+from kvlab.model import PagedAttentionMetadata, PagedKernels, TinyLlama, load_kernels
+from kvlab.sched_output import NewRequestData, SchedulerOutput
+
+__all__ = ["ModelRunner", "CachedRequestState", "BatchRecord", "NULL_BLOCK_ID"]
+
+#: Block 0 is the pool's null block: a placeholder in a sliding-window table for blocks
+#: that left the window. It never holds anyone's tokens, so no kernel may read it.
+NULL_BLOCK_ID = 0
+
+
+@dataclass(slots=True)
+class CachedRequestState:
+    """What the runner remembers about a running request between steps (vLLM:
+    ``CachedRequestState`` in the GPU model runner's input batch)."""
+
+    req_id: str
+    token_ids: list[int]  # every token known: prompt + outputs (including the ones we sampled)
+    block_ids: list[list[int]]  # one append-only row per KV-cache group
+    num_computed_tokens: int  # tokens whose KV is in the cache after the last step
+    generator: torch.Generator | None = None  # per-request RNG when a sampling seed was given
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(slots=True)
+class BatchRecord:
+    """Exactly what one step fed the kernels, as plain lists (for pictures and tests)."""
+
+    step: int
+    req_ids: list[str]  # batch order: row i of the block tables, segment i of the tokens
+    num_scheduled_tokens: list[int]
+    input_ids: list[int]
+    positions: list[int]
+    cu_seqlens_q: list[int]
+    seq_lens: list[int]
+    slot_mappings: list[list[int]]  # per KV-cache group, one slot per new token
+    block_tables: list[list[list[int]]]  # per group: [num_seqs][max_blocks], padded with 0
+    logits_indices: list[int]  # row of each request's last scheduled token
+    sampled: dict[str, int] = field(default_factory=dict)  # only requests that completed
+    logits: Tensor | None = field(default=None, repr=False)  # float32 [num_seqs, vocab] at logits_indices
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+
+def _spec_window(spec: object) -> int | None:
+    """Sliding window of a KV-cache group spec (duck-typed: FullAttentionSpec has none)."""
+    return getattr(spec, "sliding_window", None)
+
+
+class ModelRunner:
+    """Holds the paged KV cache of every layer and executes SchedulerOutputs on the model.
+
+    ``kv_cache_groups``: one spec per KV-cache group, in the KV-cache manager's order
+    (anything with a ``sliding_window`` attribute; full attention has none or None). A
+    layer uses the group whose window equals its own. ``None`` derives the groups from the
+    model: ``[full]``, plus ``[window]`` when it has sliding-window layers. All groups
+    draw from ONE pool of ``num_blocks`` blocks, so block id b means physical block b in
+    every layer's tensor; a layer reads it through its own group's table.
+
+    ``device=None`` follows the kernels: ``kvlab.kernels.DEVICE`` ("cuda" when a GPU is
+    present, else "cpu") for the Triton backend, "cpu" for the reference one.
+
+    ``temperature=0`` samples greedily (what the tests compare); above 0 it samples from
+    softmax(logits / temperature) with a seeded generator (per request if the request
+    carries a ``sampling_seed``).
+    """
+
+    def __init__(self, model: TinyLlama, num_blocks: int, block_size: int,
+                 kv_cache_groups: Sequence[object] | None = None, device: str | torch.device | None = None,
+                 temperature: float = 0.0, seed: int = 0, backend: str = "triton",
+                 keep_history: bool = False) -> None:
+        if not isinstance(model, TinyLlama):
+            raise TypeError(f"model must be a TinyLlama, got {type(model).__name__}")
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 2:
+            raise ValueError(f"num_blocks must be an int >= 2 (block 0 is the null block), got {num_blocks!r}")
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or temperature < 0:
+            raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {temperature!r}")
+        cfg = model.config
+        self.kernels: PagedKernels = load_kernels(backend)
+        if device is None:
+            device = "cpu"
+            if self.kernels.name == "triton":
+                from kvlab.kernels import DEVICE as device
+        self.device = torch.device(device)
+        self.model = model
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.temperature = float(temperature)
+        self.group_windows: tuple[int | None, ...] = self._resolve_groups(kv_cache_groups)
+        model.to(self.device)  # only after every check passed
+        self.layer_to_group: tuple[int, ...] = tuple(
+            self.group_windows.index(cfg.layer_sliding_window(i)) for i in range(cfg.num_layers))
+        # One tensor per layer, [num_blocks, 2 (k|v), block_size, kv_heads, head_dim]: the
+        # layout keeps a block's keys and values next to each other, as vLLM's FlashAttention
+        # backend does; the kernels get the strided views kv[:, 0] and kv[:, 1].
+        self.kv_caches: list[Tensor] = [
+            torch.zeros(num_blocks, 2, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=cfg.dtype, device=self.device)
+            for _ in range(cfg.num_layers)]
+        # Memory of the cache, for the lessons' "how many tokens fit" arithmetic.
+        self.kv_cache_bytes = sum(t.numel() * t.element_size() for t in self.kv_caches)
+        self.requests: dict[str, CachedRequestState] = {}
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.num_steps = 0
+        self.num_tokens_computed = 0
+        self.last_batch: BatchRecord | None = None
+        self.keep_history = keep_history
+        self.history: list[BatchRecord] = []
+
+    def _resolve_groups(self, kv_cache_groups: Sequence[object] | None) -> tuple[int | None, ...]:
+        cfg = self.model.config
+        if kv_cache_groups is None:
+            return (None,) if cfg.sliding_window is None else (None, cfg.sliding_window)
+        groups = list(kv_cache_groups)
+        windows = tuple(_spec_window(g) for g in groups)
+        for g in groups:
+            bs = getattr(g, "block_size", None)
+            if bs is not None and bs != self.block_size:
+                raise ValueError(f"kv_cache_groups: a group has block_size={bs}, but the runner's "
+                                 f"block_size is {self.block_size}; all groups must share it")
+        if not groups or windows[0] is not None:
+            raise ValueError(f"kv_cache_groups must start with the full-attention group; got windows {windows!r}")
+        if len(set(windows)) != len(windows):
+            raise ValueError(f"kv_cache_groups: each attention kind may appear once; got windows {windows!r}")
+        needed = {cfg.layer_sliding_window(i) for i in range(cfg.num_layers)}
+        if set(windows) != needed | {None}:
+            raise ValueError(
+                f"kv_cache_groups {windows!r} (sliding windows; None = full) do not match the model, whose layers "
+                f"need {sorted(needed, key=lambda w: -1 if w is None else w)!r}")
+        return windows
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.group_windows)
+
+    def block_table(self, req_id: str) -> tuple[list[int], ...]:
+        """The runner's copy of a request's block table, one row per group."""
+        return tuple(list(row) for row in self.requests[req_id].block_ids)
+
+    @torch.no_grad()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> dict[str, list[int]]:
+        """Run one step. Returns ``{req_id: [sampled token]}`` for every request whose known
+        tokens are all computed after this step; partial prefill chunks get no entry.
+
+        All inputs are validated before any state changes, so a bad SchedulerOutput raises
+        a ``ValueError`` and leaves the runner as it was.
+        """
+        so = scheduler_output
+        staged, order = self._stage(so)
+        self.requests = staged
+        self.num_steps += 1
+        if not order:
+            self.last_batch = None
+            return {}
+        batch, meta, input_ids, positions = self._prepare_inputs(so.step, order)
+        hidden = self.model.forward_paged(input_ids, positions, self.kv_caches, meta, self.kernels)
+        logits = self.model.compute_logits(hidden[torch.tensor(batch.logits_indices, device=self.device)])
+        batch.logits = logits.cpu()
+        sampled: dict[str, list[int]] = {}
+        for row, (state, n) in enumerate(order):
+            state.num_computed_tokens += n
+            if state.num_computed_tokens == state.num_tokens:
+                tok = self._sample(logits[row], state.generator)
+                state.token_ids.append(tok)
+                sampled[state.req_id] = [tok]
+                batch.sampled[state.req_id] = tok
+        self.num_tokens_computed += batch.num_tokens
+        self.last_batch = batch
+        if self.keep_history:
+            self.history.append(batch)
+        return sampled
+
+    # ------------------------------------------------------------------ steps of a step
+
+    def _stage(self, so: SchedulerOutput) -> tuple[dict[str, CachedRequestState], list[tuple[CachedRequestState, int]]]:
+        """Validate ``so`` and build the request states after it, without touching ``self``.
+
+        Cached requests get fresh copies of their state, so a failure halfway leaves the
+        runner's own state untouched.
+        """
+        if not isinstance(so, SchedulerOutput):
+            raise TypeError(f"scheduler_output must be a SchedulerOutput, got {type(so).__name__}")
+        dropped = set(so.finished_req_ids) | set(so.preempted_req_ids)
+        staged = {rid: st for rid, st in self.requests.items() if rid not in dropped}
+        order: list[tuple[CachedRequestState, int]] = []
+        seen: set[str] = set()
+
+        def check_scheduled(req_id: str, new_token_ids: list[int]) -> int:
+            if req_id in seen:
+                raise ValueError(f"request {req_id!r} is scheduled twice in step {so.step}")
+            seen.add(req_id)
+            if req_id in dropped:
+                raise ValueError(f"request {req_id!r} is scheduled in step {so.step} but also listed as "
+                                 "finished/preempted")
+            n = so.num_scheduled_tokens.get(req_id)
+            if n is None or n != len(new_token_ids) or n < 1:
+                raise ValueError(f"request {req_id!r}: num_scheduled_tokens={n!r} must be >= 1 and equal "
+                                 f"len(new_token_ids)={len(new_token_ids)}")
+            return n
+
+        for new in so.scheduled_new_reqs:
+            n = check_scheduled(new.req_id, new.new_token_ids)
+            state = self._state_from_new(new)
+            self._check_tokens(state, new.num_computed_tokens, new.new_token_ids, so.step)
+            staged[new.req_id] = state
+            order.append((state, n))
+
+        cached = so.scheduled_cached_reqs
+        cols = (cached.new_block_ids, cached.num_computed_tokens, cached.new_token_ids)
+        if any(len(c) != cached.num_reqs for c in cols):
+            raise ValueError("scheduled_cached_reqs: req_ids, new_block_ids, num_computed_tokens and "
+                             "new_token_ids must have the same length")
+        for req_id, new_blocks, num_computed, new_tokens in zip(cached.req_ids, *cols):
+            n = check_scheduled(req_id, new_tokens)
+            old = staged.get(req_id)
+            if old is None:
+                raise ValueError(f"scheduled_cached_reqs: request {req_id!r} is unknown to the runner (never sent "
+                                 "as new, or dropped as finished/preempted); resumed requests must come as "
+                                 "NewRequestData")
+            rows = [list(r) for r in old.block_ids]
+            if new_blocks is not None:
+                self._check_groups(new_blocks, f"request {req_id!r}: new_block_ids")
+                for row, extra in zip(rows, new_blocks):
+                    row.extend(int(b) for b in extra)
+            state = replace(old, token_ids=list(old.token_ids), block_ids=rows)
+            self._check_tokens(state, num_computed, new_tokens, so.step)
+            staged[req_id] = state
+            order.append((state, n))
+
+        if seen != set(so.num_scheduled_tokens):
+            extra = sorted(set(so.num_scheduled_tokens) - seen)
+            raise ValueError(f"num_scheduled_tokens names requests that are not scheduled: {extra!r}")
+        total = sum(n for _, n in order)
+        if total != so.total_num_scheduled_tokens:
+            raise ValueError(f"total_num_scheduled_tokens={so.total_num_scheduled_tokens} but the scheduled "
+                             f"requests add up to {total}")
+        for state, n in order:
+            self._check_block_table(state, n)
+        return staged, order
+
+    def _check_groups(self, block_ids: object, what: str) -> None:
+        if not isinstance(block_ids, (tuple, list)) or len(block_ids) != self.num_groups:
+            raise ValueError(f"{what} must hold one list per KV-cache group ({self.num_groups}), got {block_ids!r}")
+
+    def _state_from_new(self, new: NewRequestData) -> CachedRequestState:
+        self._check_groups(new.block_ids, f"request {new.req_id!r}: block_ids")
+        gen = None
+        if new.sampling_seed is not None:
+            gen = torch.Generator(device=self.device).manual_seed(new.sampling_seed)
+        return CachedRequestState(req_id=new.req_id, token_ids=[int(t) for t in new.all_token_ids],
+                                  block_ids=[[int(b) for b in row] for row in new.block_ids],
+                                  num_computed_tokens=new.num_computed_tokens, generator=gen)
+
+    def _check_tokens(self, state: CachedRequestState, num_computed: int, new_tokens: list[int], step: int) -> None:
+        """Merge the step's ``new_token_ids`` into the known tokens, checking they agree.
+
+        Positions ``num_computed …`` may overlap tokens the runner already knows (the one it
+        sampled last step, or a resumed request's outputs) — those must match — and may
+        extend past them.
+        """
+        rid = state.req_id
+        if not isinstance(num_computed, int) or num_computed < 0 or num_computed > state.num_tokens:
+            raise ValueError(f"request {rid!r}: num_computed_tokens={num_computed!r} must be in "
+                             f"0..{state.num_tokens} (the tokens the runner knows) in step {step}")
+        vocab = self.model.config.vocab_size
+        for i, tok in enumerate(new_tokens):
+            if not 0 <= tok < vocab:
+                raise ValueError(f"request {rid!r}: token id {tok} out of range 0..{vocab - 1}")
+            pos = num_computed + i
+            if pos < state.num_tokens:
+                if state.token_ids[pos] != tok:
+                    raise ValueError(f"request {rid!r}: new_token_ids says token {tok} at position {pos}, but the "
+                                     f"request holds {state.token_ids[pos]} there (step {step})")
+            else:
+                state.token_ids.append(int(tok))
+        state.num_computed_tokens = num_computed
+
+    def _check_block_table(self, state: CachedRequestState, n: int) -> None:
+        """Every block the kernels will touch exists and is not the null block."""
+        bs = self.block_size
+        seq_len = state.num_computed_tokens + n
+        num_needed = -(-seq_len // bs)
+        for g, (row, window) in enumerate(zip(state.block_ids, self.group_windows)):
+            where = f"request {state.req_id!r}, group {g}"
+            if len(row) < num_needed:
+                raise ValueError(f"{where}: block table has {len(row)} blocks, but {seq_len} tokens need "
+                                 f"{num_needed} blocks of {bs}")
+            bad = [b for b in row if not 0 <= b < self.num_blocks]
+            if bad:
+                raise ValueError(f"{where}: block ids {bad} out of range 0..{self.num_blocks - 1}")
+            # The first key any query of this step may read: 0 for full attention, the
+            # window start of the first new token for a sliding-window group.
+            first_key = 0 if window is None else max(0, state.num_computed_tokens - window + 1)
+            for idx in range(first_key // bs, num_needed):
+                if row[idx] == NULL_BLOCK_ID:
+                    raise ValueError(f"{where}: table entry {idx} is the null block {NULL_BLOCK_ID}, but tokens "
+                                     f"{idx * bs}..{idx * bs + bs - 1} are read or written this step")
+
+    def _prepare_inputs(self, step: int, order: list[tuple[CachedRequestState, int]]
+                        ) -> tuple[BatchRecord, PagedAttentionMetadata, Tensor, Tensor]:
+        """Flatten the batch into the kernels' inputs (host lists first, then tensors)."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        cu = [0]
+        seq_lens: list[int] = []
+        slots: list[list[int]] = [[] for _ in range(self.num_groups)]
+        for state, n in order:
+            start = state.num_computed_tokens
+            input_ids += state.token_ids[start:start + n]
+            positions += range(start, start + n)
+            cu.append(cu[-1] + n)
+            seq_lens.append(start + n)
+            for g, row in enumerate(state.block_ids):
+                slots[g] += [row[p // bs] * bs + p % bs for p in range(start, start + n)]
+        width = max(len(row) for state, _ in order for row in state.block_ids)
+        tables = [[row + [0] * (width - len(row)) for row in (state.block_ids[g] for state, _ in order)]
+                  for g in range(self.num_groups)]
+        dev = self.device
+        meta = PagedAttentionMetadata(
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            slot_mappings=tuple(torch.tensor(s, dtype=torch.int64, device=dev) for s in slots),
+            block_tables=tuple(torch.tensor(t, dtype=torch.int32, device=dev) for t in tables),
+            layer_to_group=self.layer_to_group)
+        batch = BatchRecord(step=step, req_ids=[s.req_id for s, _ in order], num_scheduled_tokens=[n for _, n in order],
+                            input_ids=input_ids, positions=positions, cu_seqlens_q=cu, seq_lens=seq_lens,
+                            slot_mappings=slots, block_tables=tables, logits_indices=[c - 1 for c in cu[1:]])
+        return (batch, meta, torch.tensor(input_ids, dtype=torch.long, device=dev),
+                torch.tensor(positions, dtype=torch.long, device=dev))
+
+    def _sample(self, logits: Tensor, generator: torch.Generator | None) -> int:
+        if self.temperature == 0.0:
+            return int(torch.argmax(logits))
+        probs = torch.softmax(logits.float() / self.temperature, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=self.generator if generator is None else generator))
