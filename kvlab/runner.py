@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor
 
+from kvlab.events import AttentionBatch, EventLog
 from kvlab.model import PagedAttentionMetadata, PagedKernels, TinyLlama, load_kernels
 from kvlab.sched_output import NewRequestData, SchedulerOutput
 
@@ -100,7 +101,7 @@ class ModelRunner:
     def __init__(self, model: TinyLlama, num_blocks: int, block_size: int,
                  kv_cache_groups: Sequence[object] | None = None, device: str | torch.device | None = None,
                  temperature: float = 0.0, seed: int = 0, backend: str = "triton",
-                 keep_history: bool = False) -> None:
+                 keep_history: bool = False, event_log: EventLog | None = None) -> None:
         if not isinstance(model, TinyLlama):
             raise TypeError(f"model must be a TinyLlama, got {type(model).__name__}")
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 2:
@@ -139,6 +140,8 @@ class ModelRunner:
         self.last_batch: BatchRecord | None = None
         self.keep_history = keep_history
         self.history: list[BatchRecord] = []
+        # The kernel view of the visualisation reads what the kernels were given from here.
+        self.event_log = event_log
 
     def _resolve_groups(self, kv_cache_groups: Sequence[object] | None) -> tuple[int | None, ...]:
         cfg = self.model.config
@@ -203,6 +206,12 @@ class ModelRunner:
         self.last_batch = batch
         if self.keep_history:
             self.history.append(batch)
+        if self.event_log is not None:
+            self.event_log.emit(AttentionBatch(
+                req_ids=list(batch.req_ids), query_lens=list(batch.num_scheduled_tokens), seq_lens=list(batch.seq_lens),
+                block_tables=[[list(r) for r in g] for g in batch.block_tables],
+                slot_mappings=[list(g) for g in batch.slot_mappings], block_size=self.block_size,
+                sliding_windows=list(self.group_windows)))
         return sampled
 
     # ------------------------------------------------------------------ steps of a step
