@@ -1,0 +1,189 @@
+"""Checkers: slot_mapping and paged_attention_kernel (lesson 02), run through the real
+kernels -- the Triton interpreter on CPU.
+
+The decode kernel below is complete except for ONE step of its loop over the KV blocks,
+which the learner writes as a ``@triton.jit`` function::
+
+    @triton.jit
+    def decode_block_step(q, k_cache_ptr, v_cache_ptr, block_table_ptr, start, seq_len,
+                          m_i, l_i, acc, scale, stride_block, stride_tok,
+                          BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
+        ...
+        return m_i, l_i, acc
+
+For the block covering positions ``start … start + BLOCK_SIZE - 1`` of one sequence and
+one head it must: look up the physical block in the block table, load K and V with a
+mask for positions ``>= seq_len``, compute the scores, and fold them into the running
+softmax (max ``m_i``, denominator ``l_i``, un-normalised output ``acc``).
+"""
+from __future__ import annotations
+
+import math
+import random
+from typing import Any
+
+import torch
+
+from kvlab.exercises.registry import call, register
+from kvlab.exercises.result import CheckResult, failed, passed
+from kvlab.kernels import reshape_and_cache, unified_attention_ref
+
+import triton  # noqa: E402  (after kvlab.kernels: it chooses interpreter vs compiled)
+import triton.language as tl  # noqa: E402
+
+_STEP: Any = None  # the learner's block step, looked up by the kernel at run time
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, out_ptr, scale,
+                   stride_q_seq, stride_q_head, stride_block, stride_tok, stride_bt,
+                   NUM_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + seq * stride_q_seq + head * stride_q_head + d).to(tl.float32)
+    m_i = tl.max(tl.full([HEAD_DIM], float("-inf"), tl.float32), axis=0)
+    l_i = tl.sum(tl.zeros([HEAD_DIM], tl.float32), axis=0)
+    acc = tl.zeros([HEAD_DIM], tl.float32)
+    kc = k_cache_ptr + head * HEAD_DIM  # this head's slice of every slot (one kv head per q head)
+    vc = v_cache_ptr + head * HEAD_DIM
+    for start in range(0, seq_len, BLOCK_SIZE):
+        m_i, l_i, acc = _STEP(q, kc, vc, block_table_ptr + seq * stride_bt, start, seq_len, m_i, l_i, acc,
+                              scale, stride_block, stride_tok, BLOCK_SIZE, HEAD_DIM)
+    tl.store(out_ptr + seq * stride_q_seq + head * stride_q_head + d, acc / l_i)
+
+
+def run_decode(step: Any, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Decode attention (one query per sequence) with the learner's block step."""
+    global _STEP
+    num_seqs, num_heads, head_dim = q.shape
+    block_size = k_cache.shape[1]
+    out = torch.empty_like(q)
+    _STEP = step
+    try:
+        _decode_kernel[(num_seqs, num_heads)](
+            q, k_cache, v_cache, block_table, seq_lens, out, scale,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_table.stride(0),
+            NUM_HEADS=num_heads, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
+        )
+    finally:
+        _STEP = None
+    return out
+
+
+def _case(seed: int, seq_lens: list[int], block_size: int = 16, head_dim: int = 32, heads: int = 2, big: float = 1.0):
+    g = torch.Generator().manual_seed(seed)
+    need = sum(-(-n // block_size) for n in seq_lens)
+    num_blocks = need + 3
+    perm = list(range(1, num_blocks))
+    random.Random(seed).shuffle(perm)  # physical placement unrelated to logical order
+    max_blocks = max(-(-n // block_size) for n in seq_lens)
+    table = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
+    it = iter(perm)
+    for s, n in enumerate(seq_lens):
+        for j in range(-(-n // block_size)):
+            table[s, j] = next(it)
+    k = torch.randn(num_blocks, block_size, heads, head_dim, generator=g) * big
+    v = torch.randn(num_blocks, block_size, heads, head_dim, generator=g)
+    q = torch.randn(len(seq_lens), heads, head_dim, generator=g) * big
+    return q, k, v, table, torch.tensor(seq_lens, dtype=torch.int32)
+
+
+@register(
+    "paged_attention_kernel",
+    "The decode kernel's block loop",
+    "@triton.jit decode_block_step(q, k_cache_ptr, v_cache_ptr, block_table_ptr, start, seq_len, m_i, l_i, acc, scale, stride_block, stride_tok, BLOCK_SIZE, HEAD_DIM) -> (m_i, l_i, acc)",
+    "02_block_pool_and_tables",
+    [
+        "Block-table lookup: block_id = tl.load(block_table_ptr + start // BLOCK_SIZE); positions offs = tl.arange(0, BLOCK_SIZE), valid = start + offs < seq_len.",
+        "Load K and V as [BLOCK_SIZE, HEAD_DIM] tiles at block_id * stride_block + offs[:, None] * stride_tok + d[None, :], masked by valid[:, None] (other=0.0); then .to(tl.float32).",
+        "scores = tl.sum(k * q[None, :], axis=1) * scale, and tl.where(valid, scores, -inf): padding must get zero weight.",
+        "Online softmax: m_new = max(m_i, max(scores)); alpha = exp(m_i - m_new); p = exp(scores - m_new); l_i = l_i * alpha + sum(p); acc = acc * alpha + sum(p[:, None] * v, axis=0).",
+    ],
+    notebook="ex_kernels",
+)
+def check_paged_attention_kernel(step: Any) -> CheckResult:
+    eid = "paged_attention_kernel"
+    cases = [
+        ("three sequences, shuffled blocks, lengths not multiples of 16", 1, [37, 16, 5], 1.0,
+         "block-table lookup + masked loads: positions >= seq_len must not contribute"),
+        ("large scores (exp would overflow without the running max)", 2, [40, 23], 12.0,
+         "keep a running max: subtract it before exp, and rescale l_i and acc when it grows"),
+        ("a long context across many blocks", 3, [130], 1.0, "rescale the accumulator by alpha at every block"),
+    ]
+    for name, seed, lens, big, idea in cases:
+        q, k, v, table, seq_lens = _case(seed, lens, big=big)
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        try:
+            got = run_decode(step, q, k, v, table, seq_lens, scale)
+        except NotImplementedError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            if "NotImplementedError" in repr(e):  # the interpreter wraps what the step raised
+                raise NotImplementedError from e
+            msg = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+            return failed(eid, f"the kernel failed to run with your step: {type(e).__name__}: {msg}", case=name,
+                          idea="a @triton.jit function returns a tuple (m_i, l_i, acc); every tensor op must be tl.* inside the kernel")
+        cu = torch.arange(len(lens) + 1, dtype=torch.int32)
+        want = unified_attention_ref(q, k, v, cu, seq_lens, table, scale)
+        if not torch.isfinite(got).all():
+            return failed(eid, f"NaN or inf in the output: {name}", case=name, expected="finite values", got=f"{int((~torch.isfinite(got)).sum())} non-finite values", idea=idea)
+        err = (got - want).abs().max().item()
+        if err > 1e-4:
+            worst = int((got - want).abs().amax(dim=(1, 2)).argmax())
+            return failed(eid, f"wrong attention output: {name}", case=name,
+                          inputs=f"seq_lens={lens}, block_size=16, shuffled block table row {worst}: {table[worst].tolist()}",
+                          expected=f"out[{worst}, 0, :4] = {[round(x, 4) for x in want[worst, 0, :4].tolist()]}",
+                          got=f"out[{worst}, 0, :4] = {[round(x, 4) for x in got[worst, 0, :4].tolist()]} (max error {err:.3g})",
+                          idea=idea)
+    return passed(eid, "matches the reference on shuffled block tables, ragged lengths and large scores (fp32 online softmax).")
+
+
+def reference_slot_mapping(block_table: list[int], start_pos: int, num_tokens: int, block_size: int) -> list[int]:
+    return [block_table[p // block_size] * block_size + p % block_size for p in range(start_pos, start_pos + num_tokens)]
+
+
+@register(
+    "slot_mapping",
+    "Where each new token's K/V goes",
+    "slot_mapping(block_table, start_pos, num_tokens, block_size) -> list[int]",
+    "02_block_pool_and_tables",
+    [
+        "Token at position p lives in logical block p // block_size, at offset p % block_size.",
+        "The block table turns the logical block into a physical one: slot = block_table[p // block_size] * block_size + p % block_size.",
+        "The new tokens are positions start_pos … start_pos + num_tokens - 1 (start_pos = tokens already computed).",
+    ],
+    notebook="ex_kernels",
+)
+def check_slot_mapping(fn: Any) -> CheckResult:
+    eid = "slot_mapping"
+    cases = [
+        ("a prefill of 20 tokens", [7, 3], 0, 20, 16, "slot = physical block * block_size + offset"),
+        ("a decode at position 37", [4, 9, 2], 37, 1, 16, "decode writes one slot, in logical block 37 // 16 = 2"),
+        ("a chunk after a prefix hit", [5, 1, 8, 6], 32, 20, 16, "the chunk starts after the cached tokens: positions 32 … 51"),
+        ("block size 4", [3, 0, 7], 2, 7, 4, "works for any block size"),
+    ]
+    for name, table, start, n, bs, idea in cases:
+        want = reference_slot_mapping(table, start, n, bs)
+        got = call(fn, list(table), start, n, bs, where=name)
+        if list(got) != want:
+            if list(got) == reference_slot_mapping(table, start + 1, n, bs) or list(got) == reference_slot_mapping(table, start - 1, n, bs):
+                idea = "off by one: the first new token is at position start_pos"
+            elif list(got) == list(range(start, start + n)):
+                idea = "a position is not a slot: look the block up in the block table"
+            return failed(eid, f"wrong slots: {name}", case=name,
+                          inputs=f"block_table={table}, start_pos={start}, num_tokens={n}, block_size={bs}",
+                          expected=str(want), got=str(list(got)), idea=idea)
+    # The real kernel writes where the learner's slots say; compare with the reference slots.
+    g = torch.Generator().manual_seed(0)
+    table, start, n, bs = [6, 2, 9, 4], 10, 30, 16
+    key = torch.randn(n, 2, 32, generator=g)
+    val = torch.randn(n, 2, 32, generator=g)
+    caches = [torch.zeros(12, bs, 2, 32) for _ in range(4)]
+    reshape_and_cache(key, val, caches[0], caches[1], torch.tensor(call(fn, table, start, n, bs, where="the kernel case"), dtype=torch.int64))
+    reshape_and_cache(key, val, caches[2], caches[3], torch.tensor(reference_slot_mapping(table, start, n, bs), dtype=torch.int64))
+    if not (torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])):
+        return failed(eid, "the Triton reshape_and_cache kernel wrote K/V to the wrong slots with your mapping")
+    return passed(eid, "every token lands in its physical slot; the real reshape_and_cache kernel agrees.")
