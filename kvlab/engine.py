@@ -168,7 +168,9 @@ class LLMEngine:
     def step(self) -> StepResult:
         sched = self.scheduler
         out = sched.schedule()
-        sampled = self.executor.execute_model(out) if out.total_num_scheduled_tokens or out.finished_req_ids else {}
+        # Also a step that only preempted: the executor must drop the victims' state.
+        busy = out.total_num_scheduled_tokens or out.finished_req_ids or out.preempted_req_ids
+        sampled = self.executor.execute_model(out) if busy else {}
         prefill = decode = context = 0
         decode_ids = set(out.scheduled_running_req_ids)
         for rid, n in out.num_scheduled_tokens.items():
@@ -227,7 +229,10 @@ class LLMEngine:
                 break
             res = self.step()
             steps += 1
-            if res.scheduler_output.total_num_scheduled_tokens == 0 and not res.finished:
+            so = res.scheduler_output
+            # A step may schedule nothing and still progress: under "priority" a request can
+            # be its own victim, which ends the running loop (and admits no one).
+            if so.total_num_scheduled_tokens == 0 and not res.finished and not so.preempted_req_ids:
                 raise RuntimeError("the engine made no progress in a step (nothing could be scheduled)")
             if bar is not None:
                 bar.update(1)

@@ -463,8 +463,10 @@ class Scheduler:
                 self._free_request(r, "stop" if r.status == RequestStatus.FINISHED_STOPPED else "length")
         stats = self.kv_cache_manager.make_prefix_cache_stats()
         if stats is not None:
-            self.prefix_cache_queries += stats.queries + stats.preempted_queries
-            self.prefix_cache_hits += stats.hits + stats.preempted_hits
+            # vLLM's counters take only lookups of never-preempted requests: a victim
+            # re-hitting its own blocks is kept apart (stats.preempted_*), not exported.
+            self.prefix_cache_queries += stats.queries
+            self.prefix_cache_hits += stats.hits
             self.caching_metrics.observe(stats)
         if events is not None:
             s = self.make_stats()
