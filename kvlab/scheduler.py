@@ -346,7 +346,7 @@ class Scheduler:
                 computed_before[request.request_id] = num_hit_tokens
                 token_budget -= n
 
-        out = self._make_output(scheduled_new, scheduled_resumed, scheduled_running, preempted, num_scheduled)
+        out = self._make_output(scheduled_new, scheduled_resumed, scheduled_running, preempted, num_scheduled, admitted)
         if events is not None:
             for r, phase in [(r, "running") for r in scheduled_running] + admitted:
                 events.emit(
@@ -360,10 +360,10 @@ class Scheduler:
                 )
         return out
 
-    def _make_output(self, new, resumed, running, preempted, num_scheduled) -> SchedulerOutput:
+    def _make_output(self, new, resumed, running, preempted, num_scheduled, admitted) -> SchedulerOutput:
         mgr = self.kv_cache_manager
         new_data = []
-        for r in new + resumed:
+        for r, _ in admitted:  # new and resumed, in admission order
             ids = mgr.get_block_ids(r.request_id)
             self._num_sent_blocks[r.request_id] = [len(g) for g in ids]
             nc = r.num_computed_tokens
