@@ -18,8 +18,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet $(WHEELS) -e '.[dev]'
 	touch $(STAMP)
 
+# Unit/property/kernel/browser tests, then every lesson notebook top to bottom (nbval:
+# cells marked NBVAL_CHECK_OUTPUT must reproduce their stored output).
 test: install
 	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --nbval-lax -p no:cacheprovider notebooks
 
 lab: install
 	$(BIN)/jupyter lab --notebook-dir=notebooks --ip=127.0.0.1 --no-browser
