@@ -25,7 +25,7 @@ test: install
 	$(BIN)/python -m pytest --nbval-lax -p no:cacheprovider notebooks
 
 lab: install
-	$(BIN)/jupyter lab --notebook-dir=notebooks --ip=127.0.0.1 --no-browser
+	$(BIN)/jupyter lab --ServerApp.root_dir=. --ip=127.0.0.1 --no-browser notebooks/00_start_here.ipynb
 
 # For sessions lent a GPU: GPU tests + kernel benchmark in one run.
 gpu-check: install
