@@ -37,3 +37,12 @@ try:  # the scheduler lands separately; keep the core importable without it
     __all__ += ["Scheduler", "SchedulerOutput"]
 except ImportError:  # pragma: no cover
     pass
+
+
+def __getattr__(name: str):
+    """``kvlab.show(engine_or_log)``: the Player, imported on first use (plotly is slow to import)."""
+    if name == "show":
+        from kvlab.viz import show
+
+        return show
+    raise AttributeError(f"module 'kvlab' has no attribute {name!r}")

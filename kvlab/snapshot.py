@@ -497,10 +497,19 @@ class Timeline:
         self.steps = sorted({e.step for e in self.events}) or [0]
 
     def refresh(self) -> None:
-        """Pick up events appended to a live log."""
+        """Pick up events appended to a live log.
+
+        Cached snapshots from the step of the first new event on are dropped: a new event
+        can belong to a step already seen (a request added after step 3 is an event of
+        step 3), so those snapshots would be stale.
+        """
         if isinstance(self.log, ev.EventLog) and len(self.log) > len(self.events):
+            first_new = self.log[len(self.events)].step
             self.events = list(self.log)
             self.steps = sorted({e.step for e in self.events})
+            for s in [s for s in self._snaps if s >= first_new]:
+                del self._snaps[s]
+            self._built_upto = min(self._built_upto, first_new - 1)
 
     def at(self, step: int) -> Snapshot:
         """The state after every event of ``step`` (step 0: before the first schedule)."""

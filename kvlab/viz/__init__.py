@@ -1,0 +1,48 @@
+"""kvlab.viz: pictures of the KV cache, drawn from snapshots (never from live objects).
+
+Each view shows one idea and redraws in place (plotly ``FigureWidget``); each module has
+a pure ``figure_data(snapshot, ...)`` function returning what the view draws, so tests
+check the pictures as data. :class:`Player` composes the views with Play / Step / Back
+controls over a whole run; :func:`show` is the one-line entry point.
+
+==================  ==========================================================
+``PoolView``        every block, coloured free / cached / in use / shared / null
+``BlockTableView``  each request's logical -> physical block mapping
+``HashChainView``   the prefix cache as hash chains, with the last lookup's walk
+``FreeQueueView``   the LRU free queue, evicted-next on the left
+``TimelineView``    usage, hits, preemptions and a Gantt of requests per step
+``KernelView``      the slots the attention kernel reads for one query token
+==================  ==========================================================
+
+plotly is imported when the first view is built, ipywidgets when the first player is;
+kvlab's core never imports either.
+"""
+from kvlab.viz.base import View, figure_widget_class, preload
+from kvlab.viz.block_table import BlockTableView
+from kvlab.viz.free_queue import FreeQueueView
+from kvlab.viz.hash_chain import HashChainView
+from kvlab.viz.history import BlockHistory
+from kvlab.viz.kernel import KernelView
+from kvlab.viz.player import DEFAULT_VIEWS, VIEW_CLASSES, Player, show
+from kvlab.viz.pool import PoolView
+from kvlab.viz.style import STATE_COLORS, STATUS_COLORS
+from kvlab.viz.timeline import TimelineView
+
+__all__ = [
+    "BlockHistory",
+    "BlockTableView",
+    "DEFAULT_VIEWS",
+    "FreeQueueView",
+    "HashChainView",
+    "KernelView",
+    "Player",
+    "PoolView",
+    "STATE_COLORS",
+    "STATUS_COLORS",
+    "TimelineView",
+    "VIEW_CLASSES",
+    "View",
+    "figure_widget_class",
+    "preload",
+    "show",
+]

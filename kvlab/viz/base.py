@@ -1,0 +1,225 @@
+"""What every view shares: a plotly ``FigureWidget`` that is mutated in place.
+
+A view is built once (its traces are created empty) and then only *updated*: each
+``update(snapshot)`` assigns new arrays to the existing traces inside one
+``batch_update``, so the browser receives one small restyle message per step instead of a
+new widget. That is what keeps the player's Play button smooth on a 2,000-block pool.
+
+Each view module also exposes a pure ``figure_data(snapshot, ...)`` function that returns
+plain Python data (ids, colours, labels). The view draws exactly that data, so tests check
+the picture without a browser.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+
+from kvlab.snapshot import Snapshot, Timeline
+from kvlab.viz.style import FONT
+
+if TYPE_CHECKING:  # plotly is imported lazily: kvlab's core must not need it
+    import plotly.graph_objects as go
+
+
+def _go() -> Any:
+    try:
+        import plotly.graph_objects as go
+    except ImportError as e:  # pragma: no cover - the lab extra is installed in the venv
+        raise ImportError("kvlab.viz needs plotly and ipywidgets: pip install 'kvlab[lab]'") from e
+    return go
+
+
+_FIGURE_WIDGET: type | None = None
+
+
+def figure_widget_class() -> type:
+    """``go.FigureWidget`` whose browser code is evaluated once per page, not per figure.
+
+    Why: plotly's ``FigureWidget`` is an anywidget whose JavaScript (plotly.js and the
+    widget, ~5 MB) is sent as the ``_esm`` source of every figure, and anywidget imports
+    that source from a fresh blob URL for each figure -- a full parse and evaluation each
+    time, which must finish within anywidget's 2-second start-up budget. A player shows
+    six figures at once; on a slow or busy machine the later ones miss the budget and stay
+    blank (measured here: one import 2-3.5 s, six concurrent ones 5-19 s). This subclass
+    ships a small module instead that holds the same source as a string, imports it once,
+    and keeps the module in ``globalThis`` under a key derived from its content; every
+    later figure reuses it. The bytes sent are unchanged, the widget code is plotly's own.
+    """
+    global _FIGURE_WIDGET
+    if _FIGURE_WIDGET is None:
+        import hashlib
+        import json
+
+        go = _go()
+        source = str(go.FigureWidget._esm)  # anywidget keeps the bundle as file contents
+        key = "__kvlab_plotly_widget_" + hashlib.sha1(source.encode()).hexdigest()[:16]
+        shim = (
+            "// kvlab: evaluate plotly's widget bundle once per page and share it between figures.\n"
+            f"const KEY = {json.dumps(key)};\n"
+            f"const SOURCE = {json.dumps(source)};\n"
+            "globalThis[KEY] ??= import(URL.createObjectURL(new Blob([SOURCE], { type: 'text/javascript' })));\n"
+            "const mod = await globalThis[KEY];\n"
+            "export const FigureModel = mod.FigureModel;\n"
+            "export const FigureView = mod.FigureView;\n"
+            "export default mod.default;\n"
+        )
+        _FIGURE_WIDGET = type("KvlabFigureWidget", (go.FigureWidget,), {"_esm": shim, "__module__": __name__})
+    return _FIGURE_WIDGET
+
+
+_PRELOADED: list[Any] = []
+
+
+def preload() -> None:
+    """Start loading plotly's widget code in the browser now, before any figure is shown.
+
+    Call it in a notebook's first cell: creating one (never displayed) figure makes the
+    page import the shared widget bundle (see :func:`figure_widget_class`), so the six
+    figures of a player, created in a later cell, find it ready instead of racing
+    anywidget's start-up budget on a slow machine. Calling it again does nothing.
+    """
+    if not _PRELOADED:
+        _PRELOADED.append(figure_widget_class()())
+
+
+class View:
+    """Base class: owns ``self.figure`` (a ``go.FigureWidget``) and the optional timeline.
+
+    ``timeline`` gives views that need more than one snapshot (the free queue's "last
+    owner", the timeline's Gantt, the kernel's ``AttentionBatch`` events) access to the
+    event log; ``update`` still receives the snapshot to draw, so a view never reads live
+    engine objects.
+    """
+
+    name: ClassVar[str] = "view"
+    title: ClassVar[str] = ""
+
+    def __init__(
+        self,
+        timeline: Timeline | None = None,
+        *,
+        decode: Callable[[int], str] | None = None,
+        width: int = 482,
+        height: int = 330,
+    ) -> None:
+        if not isinstance(width, int) or width < 200:
+            raise ValueError(f"width must be an int >= 200 pixels, got {width!r}")
+        if not isinstance(height, int) or height < 80:
+            raise ValueError(f"height must be an int >= 80 pixels, got {height!r}")
+        if decode is not None and not callable(decode):
+            raise TypeError(f"decode must be a callable token_id -> str, got {type(decode).__name__}")
+        self.timeline = timeline
+        self.decode = decode
+        self.width = width
+        self.height = height
+        self.figure: go.FigureWidget = self._make_figure()
+        self.last_data: dict[str, Any] | None = None
+        self._sent: dict[str, Any] = {}
+
+    def _make_figure(self) -> go.FigureWidget:
+        """The empty figure; a view with subplots overrides this."""
+        return figure_widget_class()(layout=self._base_layout())
+
+    # -- to override ----------------------------------------------------------------------
+    def update(self, snapshot: Snapshot, selected_request: str | None = None) -> None:
+        raise NotImplementedError
+
+    # -- helpers --------------------------------------------------------------------------
+    def _base_layout(self) -> dict[str, Any]:
+        return dict(
+            width=self.width,
+            height=self.height,
+            margin=dict(l=48, r=12, t=58, b=28),
+            font=dict(family=FONT, size=11),
+            paper_bgcolor="white",
+            plot_bgcolor="white",
+            title=dict(text=self.title, x=0.01, xanchor="left", y=1 - 6 / self.height, yanchor="top", font=dict(size=13)),
+            showlegend=False,
+            dragmode=False,
+            hoverlabel=dict(font=dict(family=FONT, size=11)),
+        )
+
+    def _header(self, title: str, legend_labels: Sequence[str] = (), legend_font: int = 10, subtitle: str = "", extra_top: int = 0) -> None:
+        """Set the title (and a smaller second line) and make room for them and the legend.
+
+        The title hangs from the top edge; the horizontal legend sits on the plot area's top
+        edge and grows upwards. The top margin is sized for both (legend rows are estimated
+        from the label lengths), so they never overlap. Plotly anchors a two-line title by
+        its first line, so the anchor moves down by one line when there is a subtitle.
+        """
+        rows = legend_rows(legend_labels, self.width - 24, legend_font) if legend_labels else 0
+        top = 14 + 17 + (15 if subtitle else 0) + (19 if legend_font >= 10 else 17) * rows + extra_top
+        t = self.figure.layout.title
+        text = title + (f"<br><span style='font-size:10px;color:#444'>{subtitle}</span>" if subtitle else "")
+        self._put("title", t, "text", text)
+        self._put("title.y", t, "y", 1 - (6 + (15 if subtitle else 0)) / self.height)
+        self._put("margin.t", self.figure.layout.margin, "t", top)
+
+    def _put(self, key: str, obj: Any, prop: str, value: Any, kind: str = "raw") -> None:
+        """``setattr(obj, prop, value)`` unless ``value`` equals what ``key`` last sent.
+
+        Two costs dominate a redraw of a big pool: plotly validating long Python lists
+        element by element, and the widget sending them. Skipping unchanged arrays (the
+        hash forest rarely changes between two steps) removes the second; handing plotly
+        numpy arrays (``kind`` "num" for numbers, "str" for strings; "raw" passes the
+        value as is) takes its fast path for the first.
+        """
+        if key in self._sent and self._sent[key] == value:
+            return
+        self._sent[key] = value
+        if kind == "num":
+            # 1-D floats travel as a binary typed array (NaN = a gap in a line); 2-D arrays
+            # travel as JSON, where NaN is invalid, so they keep None (null = empty cell).
+            two_d = len(value) > 0 and isinstance(value[0], (list, tuple))
+            arr: Any = np.array(value, dtype=object if two_d else float) if len(value) else value
+        elif kind == "str":
+            arr = np.array(value, dtype=object) if len(value) else value
+        else:
+            arr = value
+        setattr(obj, prop, arr)
+
+    @property
+    def widget(self) -> go.FigureWidget:
+        return self.figure
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+
+        display(self.figure)
+
+
+def legend_traces(go: Any, colors: dict[str, str], labels: dict[str, str], order: tuple[str, ...], symbol: str = "square") -> list[Any]:
+    """One invisible point per category, only to put the palette in the legend.
+
+    The data itself is drawn by a single heatmap (fast for thousands of cells), and
+    heatmaps have no per-category legend entries.
+    """
+    return [
+        go.Scatter(
+            x=[None],
+            y=[None],
+            mode="markers",
+            marker=dict(symbol=symbol, size=11, color=colors[k], line=dict(width=1, color="#777777")),
+            name=labels[k],
+            showlegend=True,
+            hoverinfo="skip",
+        )
+        for k in order
+    ]
+
+
+def legend_rows(labels: Sequence[str], width: float, font_size: int = 10) -> int:
+    """How many rows a horizontal plotly legend with these labels takes (a deliberately
+    generous estimate: ~46 px of symbol and padding per entry plus ~0.66 em per character)."""
+    rows, x = 1, 0.0
+    for label in labels:
+        w = 46 + 0.66 * font_size * len(label)
+        if x and x + w > width:
+            rows, x = rows + 1, 0.0
+        x += w
+    return rows
+
+
+TOP_LEGEND = dict(orientation="h", x=0.0, xanchor="left", y=1.0, yanchor="bottom", font=dict(size=10), itemclick=False, itemdoubleclick=False)

@@ -1,0 +1,212 @@
+"""BlockTableView: each request's block table, logical block -> physical block (lesson 02).
+
+A block table is the whole trick of paged attention: the request sees a contiguous
+sequence of logical blocks, the pool hands out physical blocks from anywhere. One row per
+request (running first, in admission order, then waiting in pop order), one cell per
+logical block, labelled with the physical id and coloured like that block in the pool --
+so a shared block is orange in both rows that point to it, and the repeated id says the
+same thing in numbers. The tail block, if not full, shows how many of its slots hold
+tokens; a null block (id 0, sliding-window padding) is drawn ∅. With several KV-cache
+groups the tables sit side by side, one column band per group.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from kvlab.snapshot import BLOCK_STATES, NULL, Snapshot, Timeline
+from kvlab.viz.base import TOP_LEGEND, View, _go, legend_traces
+from kvlab.viz.pool import blocks_of
+from kvlab.viz.style import HIGHLIGHT, STATE_COLORS, STATE_HELP, STATE_INDEX, STATE_LABELS, discrete_colorscale, short_hash
+
+GROUP_GAP = 1  # empty columns between two groups' tables
+MIN_ROWS, MIN_COLUMNS = 6, 10  # small tables keep readable cells instead of stretching
+
+
+def group_name(group: dict[str, Any]) -> str:
+    if group.get("type") == "sliding_window":
+        return f"window {group.get('sliding_window')}"
+    return "full"
+
+
+def figure_data(snapshot: Snapshot, selected_request: str | None = None, *, max_requests: int = 64) -> dict[str, Any]:
+    """The block tables as plain data.
+
+    ``rows`` lists the request ids drawn (top to bottom) and ``cells`` one dict per drawn
+    cell: ``request_id``, ``group``, ``logical`` (index in the table), ``block_id``,
+    ``state`` (the physical block's state, ``null`` for padding), ``color``, ``label``,
+    ``partial`` (the tail is not full; ``fill`` slots used) and ``x``/``y`` in the grid.
+    ``highlight`` lists the cells (as ``(request_id, group, logical)``) whose block belongs
+    to the selected request; ``z``/``text``/``customdata`` are the heatmap arrays.
+    """
+    bs = snapshot.block_size
+    groups = snapshot.groups or [{"type": "full"}]
+    everyone = [r for r in snapshot.running + snapshot.waiting if r in snapshot.requests]
+    order = everyone[:max_requests]
+    widths = [0] * len(groups)
+    for rid in order:
+        for g, table in enumerate(snapshot.requests[rid].block_table):
+            if g < len(widths):
+                widths[g] = max(widths[g], len(table))
+    widths = [max(w, 1) for w in widths]
+    offsets, x = [], 0
+    for w in widths:
+        offsets.append(x)
+        x += w + GROUP_GAP
+    ncols = max(1, x - GROUP_GAP)
+    z: list[list[float | None]] = [[None] * ncols for _ in order]
+    text: list[list[str]] = [[""] * ncols for _ in order]
+    custom: list[list[str]] = [[""] * ncols for _ in order]
+    cells: list[dict[str, Any]] = []
+    selected_blocks = set(blocks_of(snapshot, selected_request))
+    highlight: list[tuple[str, int, int]] = []
+    hx: list[int] = []
+    hy: list[int] = []
+    px: list[float] = []
+    py: list[int] = []
+    for y, rid in enumerate(order):
+        r = snapshot.requests[rid]
+        for g, table in enumerate(r.block_table[: len(groups)]):
+            # Slots holding K/V: the computed tokens (the last sampled token gets its slot next step).
+            tail_fill = r.num_computed_tokens - (len(table) - 1) * bs
+            for i, bid in enumerate(table):
+                xx = offsets[g] + i
+                if bid == 0:
+                    state, label = NULL, "∅"
+                else:
+                    state = snapshot.blocks[bid].state
+                    label = str(bid)
+                partial = bid != 0 and i == len(table) - 1 and 0 <= tail_fill < bs
+                fill = max(0, min(bs, tail_fill)) if i == len(table) - 1 else bs
+                if partial:
+                    label = f"{bid}<br><span style='font-size:9px'>{fill}/{bs}</span>"
+                    px.append(xx + 0.34)
+                    py.append(y)
+                b = snapshot.blocks[bid]
+                hover = (
+                    f"<b>{rid}</b> · {group_name(groups[g])} group · logical block {i}<br>"
+                    f"→ physical block {bid}" + (" (null: padding, never read)" if bid == 0 else "") + "<br>"
+                    + (f"tokens {i * bs}..{i * bs + bs - 1}<br>state {STATE_HELP[state]}, ref {b.ref_cnt}<br>hash {short_hash(b.block_hash)}"
+                       if bid != 0 else f"tokens {i * bs}..{i * bs + bs - 1} left the window")
+                    + (f"<br>partial: {fill} of {bs} slots hold tokens" if partial else "")
+                )
+                z[y][xx] = STATE_INDEX[state]
+                text[y][xx] = label
+                custom[y][xx] = hover
+                cells.append(
+                    dict(request_id=rid, group=g, logical=i, block_id=bid, state=state, color=STATE_COLORS[state],
+                         label="∅" if bid == 0 else str(bid), partial=partial, fill=fill, x=xx, y=y)
+                )
+                if bid in selected_blocks:
+                    highlight.append((rid, g, i))
+                    hx.append(xx)
+                    hy.append(y)
+    row_labels = []
+    for rid in order:
+        r = snapshot.requests[rid]
+        lab = f"{rid} · {r.status}" + ("" if any(r.block_table) else " (no blocks)")
+        row_labels.append(f"<b>{lab}</b>" if rid == selected_request else lab)
+    return dict(
+        rows=order,
+        row_labels=row_labels,
+        cells=cells,
+        z=z,
+        text=text,
+        customdata=custom,
+        group_offsets=offsets,
+        group_widths=widths,
+        group_names=[group_name(g) for g in groups],
+        ncols=ncols,
+        highlight=highlight,
+        highlight_x=hx,
+        highlight_y=hy,
+        partial_x=px,
+        partial_y=py,
+        title=f"Block tables · step {snapshot.step} · {len(snapshot.running)} running, {len(snapshot.waiting)} waiting"
+        + (f" (first {len(order)} shown)" if len(everyone) > len(order) else ""),
+    )
+
+
+class BlockTableView(View):
+    """One row per request: logical block -> physical block id, coloured by the block's state."""
+
+    name = "table"
+    title = "Block tables"
+
+    def __init__(self, timeline: Timeline | None = None, *, decode: Callable[[int], str] | None = None, width: int = 482, height: int = 330, max_requests: int = 32) -> None:
+        super().__init__(timeline, decode=decode, width=width, height=height)
+        self.max_requests = max_requests
+        go = _go()
+        fig = self.figure
+        fig.add_trace(
+            go.Heatmap(
+                z=[[None]],
+                zmin=-0.5,
+                zmax=len(BLOCK_STATES) - 0.5,
+                colorscale=discrete_colorscale([STATE_COLORS[s] for s in BLOCK_STATES]),
+                showscale=False,
+                xgap=2,
+                ygap=3,
+                texttemplate="%{text}",
+                textfont=dict(size=11),
+                hovertemplate="%{customdata}<extra></extra>",
+                name="tables",
+                showlegend=False,
+            )
+        )
+        fig.add_trace(
+            go.Scatter(x=[], y=[], mode="markers", name="selected request",
+                       marker=dict(symbol="square-open", size=24, color=HIGHLIGHT, line=dict(width=3, color=HIGHLIGHT)),
+                       hoverinfo="skip", showlegend=False)
+        )
+        fig.add_trace(
+            go.Scatter(x=[], y=[], mode="markers", name="partial tail",
+                       marker=dict(symbol="triangle-right", size=8, color="#222222"), hoverinfo="skip", showlegend=True)
+        )
+        for tr in legend_traces(go, STATE_COLORS, STATE_LABELS, ("in_use", "shared", "null")):
+            fig.add_trace(tr)
+        fig.update_layout(
+            showlegend=True,
+            legend=dict(TOP_LEGEND, y=0, yanchor="top"),
+            # Column labels on top, right above the tables (small tables leave room below).
+            xaxis=dict(side="top", showgrid=False, zeroline=False, fixedrange=True, tickfont=dict(size=9), autorange=False,
+                       title=dict(text="logical block index (cell: physical block id)", font=dict(size=10), standoff=2)),
+            yaxis=dict(autorange=False, range=[0.5, -0.5], showgrid=False, zeroline=False, fixedrange=True, automargin=True),
+            margin=dict(l=10, r=10, t=80, b=26),
+        )
+
+    def update(self, snapshot: Snapshot, selected_request: str | None = None) -> None:
+        d = figure_data(snapshot, selected_request, max_requests=self.max_requests)
+        self.last_data = d
+        ticks_x, ticks_t = [], []
+        for g, (off, w) in enumerate(zip(d["group_offsets"], d["group_widths"])):
+            step = max(1, w // 8)
+            for i in range(0, w, step):
+                ticks_x.append(off + i)
+                ticks_t.append(f"{'g' + str(g) + ':' if len(d['group_offsets']) > 1 else ''}{i}")
+        fig = self.figure
+        n = max(1, len(d["rows"]))
+        with fig.batch_update():
+            hm, hl, pt = fig.data[0], fig.data[1], fig.data[2]
+            rows = bool(d["rows"])
+            self._put("z", hm, "z", d["z"] if rows else [[None]], "num")
+            self._put("text", hm, "text", d["text"] if rows else [[""]], "str")
+            self._put("hover", hm, "customdata", d["customdata"] if rows else [[""]], "str")
+            self._put("y", hm, "y", list(range(len(d["rows"]))) if rows else [0], "num")
+            self._put("hl.x", hl, "x", d["highlight_x"], "num")
+            self._put("hl.y", hl, "y", d["highlight_y"], "num")
+            cell_px = max(6, min((self.height - 90) / max(n, MIN_ROWS), (self.width - 110) / max(MIN_COLUMNS, d["ncols"])) - 2)
+            self._put("hl.size", hl.marker, "size", cell_px)
+            self._put("pt.x", pt, "x", d["partial_x"], "num")
+            self._put("pt.y", pt, "y", d["partial_y"], "num")
+            self._put("ytv", fig.layout.yaxis, "tickvals", list(range(len(d["rows"]))))
+            self._put("ytt", fig.layout.yaxis, "ticktext", d["row_labels"])
+            self._put("yr", fig.layout.yaxis, "range", [max(n, MIN_ROWS) - 0.5, -0.5])
+            self._put("xtv", fig.layout.xaxis, "tickvals", ticks_x)
+            self._put("xtt", fig.layout.xaxis, "ticktext", ticks_t)
+            self._put("xr", fig.layout.xaxis, "range", [-0.5, max(MIN_COLUMNS, d["ncols"]) - 0.5])
+            names = " | ".join(f"g{g}: {nm}" for g, nm in enumerate(d["group_names"])) if len(d["group_names"]) > 1 else ""
+            # The legend sits under the tables; the top holds the title and the column axis.
+            self._header(d["title"], (), subtitle=f"groups side by side · {names}" if names else "", extra_top=36)
+            empty = [dict(text="no running or waiting request", showarrow=False, xref="paper", yref="paper", x=0.5, y=0.5)]
+            self._put("notes", fig.layout, "annotations", [] if d["rows"] else empty)

@@ -1,0 +1,154 @@
+"""FreeQueueView: the free-block queue, from "evicted next" to "evicted last" (lesson 04).
+
+The queue is the LRU order of the whole cache. A block that reaches ref count 0 is
+appended at the tail if it carries a hash (sky blue: a later prefix hit can still take
+it back) and put at the head if it holds nothing reusable (grey). A request frees its
+table *tail first*, so a finished request's last block sits to the left of (ahead of)
+its first block: eviction eats a cached prefix from its end, and what survives is always
+a usable beginning. Each cell names the request that last held it and the logical index
+it had there (``req0[3]``), which makes that order visible.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from kvlab.snapshot import BLOCK_STATES, CACHED, FREE, Snapshot, Timeline
+from kvlab.viz.base import TOP_LEGEND, View, _go, legend_traces
+from kvlab.viz.history import BlockHistory
+from kvlab.viz.style import HIGHLIGHT, STATE_COLORS, STATE_HELP, STATE_INDEX, STATE_LABELS, discrete_colorscale, short_hash
+
+ONE_ROW_LIMIT = 32  # longer queues wrap, row by row, like text
+MIN_COLUMNS = 12  # a short queue keeps cells of a readable size instead of stretching
+
+
+def figure_data(
+    snapshot: Snapshot,
+    selected_request: str | None = None,
+    *,
+    history: BlockHistory | None = None,
+    wrap: int = ONE_ROW_LIMIT,
+    owner_labels: bool = True,
+) -> dict[str, Any]:
+    """The free queue as plain data: ``cells`` in queue order (``position``, ``block_id``,
+    ``state``, ``color``, ``label``, ``last_owner`` = (request, group, logical index) or
+    None, ``x``, ``y``), the heatmap arrays, and ``highlight`` = blocks the selected
+    request held last (where its KV went after it finished or was preempted).
+    """
+    if wrap < 1:
+        raise ValueError(f"wrap must be >= 1, got {wrap}")
+    q = snapshot.free_queue
+    cols = max(1, min(len(q), wrap))
+    rows = max(1, math.ceil(len(q) / cols))
+    z: list[list[float | None]] = [[None] * cols for _ in range(rows)]
+    text: list[list[str]] = [[""] * cols for _ in range(rows)]
+    custom: list[list[str]] = [[""] * cols for _ in range(rows)]
+    cells = []
+    hl, hx, hy = [], [], []
+    for pos, bid in enumerate(q):
+        b = snapshot.blocks[bid]
+        y, x = divmod(pos, cols)
+        holder = history.last_holder(bid, snapshot.num_events) if history is not None else None
+        owner = (holder.request_id, holder.group, holder.logical_index) if holder is not None else None
+        owner_txt = f"{owner[0]}[{owner[2]}]" if owner else ""
+        label = str(bid)
+        z[y][x] = STATE_INDEX[b.state]
+        text[y][x] = f"<b>{bid}</b>" + (f"<br><span style='font-size:9px'>{owner_txt}</span>" if owner_labels and owner_txt else "")
+        custom[y][x] = (
+            f"<b>position {pos}</b> of {len(q)} (0 = evicted next)<br>block {bid} · {STATE_HELP[b.state]}<br>"
+            f"hash {short_hash(b.block_hash)}<br>"
+            + (f"last held by {owner[0]} as logical block {owner[2]} (group {owner[1]})" if owner else "never held by a request")
+        )
+        cells.append(dict(position=pos, block_id=bid, state=b.state, color=STATE_COLORS[b.state], label=label, last_owner=owner, x=x, y=y))
+        if owner is not None and owner[0] == selected_request:
+            hl.append(bid)
+            hx.append(x)
+            hy.append(y)
+    n_cached = sum(1 for c in cells if c["state"] == CACHED)
+    return dict(
+        cells=cells,
+        block_ids=list(q),
+        z=z,
+        text=text,
+        customdata=custom,
+        columns=cols,
+        rows=rows,
+        highlight=hl,
+        highlight_x=hx,
+        highlight_y=hy,
+        title=f"Free queue · step {snapshot.step} · {len(q)} blocks ({n_cached} cached, {len(q) - n_cached} free)",
+    )
+
+
+class FreeQueueView(View):
+    """The free queue as a strip: left = evicted next, right = evicted last."""
+
+    name = "free"
+    title = "Free queue"
+
+    def __init__(self, timeline: Timeline | None = None, *, num_blocks: int | None = None, decode: Callable[[int], str] | None = None,
+                 width: int = 482, height: int | None = None) -> None:
+        n = num_blocks or (timeline.at(timeline.steps[0]).num_blocks if timeline is not None else 16)
+        self.wrap = ONE_ROW_LIMIT if n <= 257 else 64
+        self.max_rows = max(1, math.ceil((n - 1) / self.wrap))
+        self.cell_px = min(40.0, (width - 20) / max(MIN_COLUMNS, min(self.wrap, n - 1)))
+        if height is None:
+            height = int(min(640, self.max_rows * self.cell_px + 74))
+        super().__init__(timeline, decode=decode, width=width, height=height)
+        self.history = BlockHistory(timeline.events if timeline is not None else ())
+        go = _go()
+        fig = self.figure
+        fig.add_trace(
+            go.Heatmap(
+                z=[[None]], zmin=-0.5, zmax=len(BLOCK_STATES) - 0.5,
+                colorscale=discrete_colorscale([STATE_COLORS[s] for s in BLOCK_STATES]),
+                showscale=False, xgap=2, ygap=2, texttemplate="%{text}", textfont=dict(size=11),
+                hovertemplate="%{customdata}<extra></extra>", name="free queue",
+            )
+        )
+        fig.add_trace(
+            go.Scatter(x=[], y=[], mode="markers", name="held last by the selected request", hoverinfo="skip",
+                       marker=dict(symbol="square-open", size=20, color=HIGHLIGHT, line=dict(width=3, color=HIGHLIGHT)))
+        )
+        for tr in legend_traces(go, STATE_COLORS, STATE_LABELS, (FREE, CACHED)):
+            fig.add_trace(tr)
+        for tr in fig.data[:2]:
+            tr.showlegend = False
+        fig.update_layout(
+            showlegend=True,
+            legend=TOP_LEGEND,
+            xaxis=dict(visible=False, fixedrange=True, autorange=False),
+            yaxis=dict(visible=False, fixedrange=True, autorange=False),
+            margin=dict(l=10, r=10, t=50, b=22),
+        )
+
+    def update(self, snapshot: Snapshot, selected_request: str | None = None) -> None:
+        if self.timeline is not None:
+            self.history.extend(self.timeline.events)
+        n = len(snapshot.free_queue)
+        cell_px = self.cell_px
+        d = figure_data(snapshot, selected_request, history=self.history if self.timeline is not None else None,
+                        wrap=self.wrap, owner_labels=cell_px >= 36)
+        self.last_data = d
+        rows = d["rows"]
+        fig = self.figure
+        with fig.batch_update():
+            hm, hl = fig.data[0], fig.data[1]
+            self._put("z", hm, "z", d["z"] if n else [[None]], "num")
+            self._put("text", hm, "text", d["text"] if n else [[""]], "str")
+            self._put("hover", hm, "customdata", d["customdata"] if n else [[""]], "str")
+            self._put("font", hm.textfont, "size", 11 if cell_px >= 22 else 8)
+            self._put("hl.x", hl, "x", d["highlight_x"], "num")
+            self._put("hl.y", hl, "y", d["highlight_y"], "num")
+            self._put("hl.size", hl.marker, "size", max(5, cell_px - 7))
+            self._put("xr", fig.layout.xaxis, "range", [-0.5, max(MIN_COLUMNS, d["columns"]) - 0.5])
+            self._put("yr", fig.layout.yaxis, "range", [max(self.max_rows, rows) - 0.5, -0.5])
+            self._header(d["title"], [STATE_LABELS[FREE], STATE_LABELS[CACHED]])
+            notes = [
+                dict(text="◀ evicted next", x=0, y=0, xref="paper", yref="paper", xanchor="left", yanchor="top", yshift=-4, showarrow=False, font=dict(size=10)),
+                dict(text="evicted last ▶", x=1, y=0, xref="paper", yref="paper", xanchor="right", yanchor="top", yshift=-4, showarrow=False, font=dict(size=10)),
+            ]
+            if not n:
+                notes.append(dict(text="empty: every block is held by a request", x=0.5, y=0.7, xref="paper", yref="paper", showarrow=False))
+            self._put("notes", fig.layout, "annotations", notes)

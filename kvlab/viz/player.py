@@ -1,0 +1,402 @@
+"""Player: every view of one run, with Play / Pause / Step / Back and a step slider.
+
+The player is the lessons' main instrument. It never touches the engine's objects: it
+keeps a :class:`~kvlab.snapshot.Timeline` over the event log and, at each step, hands the
+snapshot of that step to every view, which redraws in place. Stepping backwards is
+therefore as cheap and as exact as stepping forwards, and a saved log replays the same.
+
+Sources:
+
+* an ``EventLog`` (e.g. ``EventLog.load(path)``) or a ``Timeline``: replay;
+* a :class:`~kvlab.scenarios.Scenario`: replay, plus its named steps ("jump to") and notes;
+* an ``LLMEngine``: live mode. The player subscribes to the engine's event log and follows
+  every step the engine takes -- from the "Run step" button or from any other cell.
+
+Selecting a request in the drop-down outlines its blocks in every view.
+"""
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from kvlab import events as ev
+from kvlab.engine import LLMEngine
+from kvlab.snapshot import Snapshot, Timeline
+from kvlab.viz.base import View
+from kvlab.viz.block_table import BlockTableView
+from kvlab.viz.free_queue import FreeQueueView
+from kvlab.viz.hash_chain import HashChainView
+from kvlab.viz.kernel import KernelView
+from kvlab.viz.pool import PoolView
+from kvlab.viz.style import FONT, HIGHLIGHT, html_escape
+from kvlab.viz.timeline import TimelineView
+
+# Display order, two per row: the two strips (pool, free queue) side by side, then the
+# per-request pictures (tables, hash chains), then the run (timeline, kernel reads).
+VIEW_CLASSES: dict[str, type[View]] = {
+    "pool": PoolView,
+    "free": FreeQueueView,
+    "table": BlockTableView,
+    "hash": HashChainView,
+    "timeline": TimelineView,
+    "kernel": KernelView,
+}
+DEFAULT_VIEWS: tuple[str, ...] = tuple(VIEW_CLASSES)
+
+
+def _widgets() -> Any:
+    try:
+        import ipywidgets
+    except ImportError as e:  # pragma: no cover
+        raise ImportError("kvlab.viz.Player needs ipywidgets: pip install 'kvlab[lab]'") from e
+    return ipywidgets
+
+
+def _event_html(lines: Sequence[str]) -> str:
+    """The current step's events as a compact, colour-coded list."""
+    out = []
+    for line in lines:
+        esc = html_escape(line)
+        if line.startswith("PREEMPT"):
+            style = f"color:{HIGHLIGHT};font-weight:bold"
+        elif line.startswith("evict"):
+            style = "color:#b35900"
+        elif line.startswith("hit/touch"):
+            style = "color:#007a5a"
+        elif line.startswith("—"):
+            style = "color:#666;font-weight:bold"
+        else:
+            style = ""
+        out.append(f"<div style='{style}'>{esc}</div>")
+    body = "".join(out) or "<div style='color:#888'>no events</div>"
+    return (
+        f"<div style='font-family:{FONT};font-size:11px;line-height:1.35;max-height:180px;overflow-y:auto;"
+        f"border:1px solid #ddd;padding:4px 6px;background:#fafafa'>{body}</div>"
+    )
+
+
+class Player:
+    """Replays (or follows) a run; one ipywidgets container holding every view.
+
+    Parameters
+    ----------
+    source:
+        ``EventLog``, ``Timeline``, ``Scenario`` or ``LLMEngine`` (live mode).
+    decode:
+        Renders one token id as text in the hash-chain labels (a scenario brings its own).
+    views:
+        View names (``"pool"``, ``"table"``, ``"hash"``, ``"free"``, ``"timeline"``,
+        ``"kernel"``) or ``View`` subclasses, in display order.
+    width:
+        Total width in pixels; views are laid out two per row.
+    """
+
+    def __init__(
+        self,
+        source: Any,
+        decode: Callable[[int], str] | None = None,
+        views: Sequence[str | type[View]] = DEFAULT_VIEWS,
+        *,
+        width: int = 980,
+        interval_ms: int = 900,
+        start: int | str | None = None,
+        title: str | None = None,
+    ) -> None:
+        from kvlab.scenarios import Scenario
+
+        self.engine: LLMEngine | None = None
+        self.scenario: Scenario | None = None
+        if isinstance(source, Scenario):
+            self.scenario = source
+            self.timeline = Timeline(source.log)
+            decode = decode or source.decode
+        elif isinstance(source, LLMEngine):
+            if source.events is None:
+                raise ValueError("the engine has no event log; build it with build_engine(..., event_log=True) to watch it live")
+            self.engine = source
+            self.timeline = Timeline(source.events)
+        elif isinstance(source, Timeline):
+            self.timeline = source
+        elif isinstance(source, ev.EventLog):
+            self.timeline = Timeline(source)
+        elif isinstance(source, Iterable) and not isinstance(source, (str, bytes)):
+            events = list(source)
+            if not all(isinstance(e, ev.Event) for e in events):
+                raise TypeError("source: an iterable source must contain kvlab.events.Event objects")
+            self.timeline = Timeline(events)
+        else:
+            raise TypeError(
+                f"source must be an EventLog, a Timeline, a Scenario or an LLMEngine, got {type(source).__name__}"
+            )
+        if decode is not None and not callable(decode):
+            raise TypeError(f"decode must be a callable token_id -> str, got {type(decode).__name__}")
+        if not isinstance(width, int) or width < 500:
+            raise ValueError(f"width must be an int >= 500 pixels, got {width!r}")
+        if not isinstance(interval_ms, int) or interval_ms < 50:
+            raise ValueError(f"interval_ms must be an int >= 50, got {interval_ms!r}")
+        self.decode = decode
+        self._selected: str | None = None
+        self._rendering = False
+        self.last_render_ms: float = 0.0
+
+        classes: list[type[View]] = []
+        for v in views:
+            if isinstance(v, str):
+                if v not in VIEW_CLASSES:
+                    raise ValueError(f"views: unknown view {v!r}; choose from {list(VIEW_CLASSES)}")
+                classes.append(VIEW_CLASSES[v])
+            elif isinstance(v, type) and issubclass(v, View):
+                classes.append(v)
+            else:
+                raise TypeError(f"views: each item must be a view name or a View subclass, got {v!r}")
+        if not classes:
+            raise ValueError("views must name at least one view")
+        view_w = (width - 16) // 2 if len(classes) > 1 else width
+        self.views: dict[str, View] = {}
+        for cls in classes:
+            self.views[cls.name] = cls(self.timeline, decode=decode, width=view_w)
+
+        self._build_widgets(title, interval_ms, width)
+        self._step = self.first_step
+        if self.engine is not None:
+            # Live: follow the engine. Redraw when a step ends, and on any event between
+            # steps (a request added or aborted from another cell), never in the middle of
+            # a step. A weak reference, so a discarded player stops listening.
+            ref = weakref.ref(self)
+            in_step = [False]
+
+            def _on_event(e: ev.Event, ref=ref) -> None:
+                if e.kind == "step_started":
+                    in_step[0] = True
+                elif e.kind == "step_finished":
+                    in_step[0] = False
+                p = ref()
+                if p is not None and not in_step[0]:
+                    p._on_log_grew()
+
+            self.engine.events.subscribe(_on_event)  # type: ignore[union-attr]
+            self._step = self.last_step
+        if start is not None:
+            self._step = self._resolve(start)
+        self._sync_controls()
+        self._render()
+
+    # -- steps -------------------------------------------------------------------------------
+    @property
+    def first_step(self) -> int:
+        return self.timeline.steps[0]
+
+    @property
+    def last_step(self) -> int:
+        return self.timeline.last_step
+
+    @property
+    def step(self) -> int:
+        """The step on screen."""
+        return self._step
+
+    @property
+    def snapshot(self) -> Snapshot:
+        """The snapshot on screen."""
+        return self.timeline.at(self._step)
+
+    def _resolve(self, step: int | str) -> int:
+        if isinstance(step, str):
+            if self.scenario is None:
+                raise ValueError(f"step names like {step!r} need a Scenario source")
+            step = self.scenario.step_of(step)
+        if not isinstance(step, int) or isinstance(step, bool):
+            raise TypeError(f"step must be an int (or a scenario step name), got {type(step).__name__}")
+        if not self.first_step <= step <= self.last_step:
+            raise ValueError(f"step {step} is out of range; this run has steps {self.first_step}..{self.last_step}")
+        return step
+
+    def go_to(self, step: int | str) -> int:
+        """Show ``step`` (a number, or a scenario's step name); returns it."""
+        self._step = self._resolve(step)
+        self._sync_controls()
+        self._render()
+        return self._step
+
+    def next(self) -> int:
+        """One step forward (stays at the last step)."""
+        return self.go_to(min(self._step + 1, self.last_step))
+
+    def back(self) -> int:
+        """One step back (stays at the first step)."""
+        return self.go_to(max(self._step - 1, self.first_step))
+
+    def run_step(self) -> int:
+        """Live mode: make the engine take one step; the player follows it."""
+        if self.engine is None:
+            raise RuntimeError("run_step needs a live engine; this player replays a log")
+        if not self.engine.has_unfinished_requests():
+            self._status.value = "<span style='color:#888'>no unfinished request: add one, then run a step</span>"
+            return self._step
+        self.engine.step()  # the subscription refreshes the player
+        return self._step
+
+    # -- selection ---------------------------------------------------------------------------
+    @property
+    def selected_request(self) -> str | None:
+        return self._selected
+
+    @selected_request.setter
+    def selected_request(self, request_id: str | None) -> None:
+        known = self._request_ids()
+        if request_id is not None and request_id not in known:
+            raise ValueError(f"unknown request {request_id!r}; requests in this run: {known}")
+        self._selected = request_id
+        self._sync_controls()
+        self._render()
+
+    def select(self, request_id: str | None) -> None:
+        """Outline ``request_id``'s blocks in every view (None clears the selection)."""
+        self.selected_request = request_id
+
+    def _request_ids(self) -> list[str]:
+        return [e.request_id for e in self.timeline.events if e.kind == "request_added"]
+
+    # -- widgets -----------------------------------------------------------------------------
+    def _build_widgets(self, title: str | None, interval_ms: int, width: int) -> None:
+        w = _widgets()
+        lo, hi = self.first_step, self.last_step
+        name = title or (self.scenario.name if self.scenario else ("live engine" if self.engine else "replay"))
+        desc = self.scenario.description if self.scenario else ""
+        self._title = w.HTML(
+            f"<div style='font-family:{FONT}'><b style='font-size:14px'>{html_escape(name)}</b>"
+            + (f"<div style='font-size:12px;color:#444;white-space:normal;max-width:{width - 10}px'>{html_escape(desc)}</div>" if desc else "")
+            + "</div>"
+        )
+        bl = w.Layout(width="auto")
+        self.back_button = w.Button(description="◀ Back", tooltip="previous step", layout=bl)
+        self.step_button = w.Button(description="Step ▶", tooltip="next step", layout=bl)
+        self.play = w.Play(value=lo, min=lo, max=hi, step=1, interval=interval_ms, description="play", show_repeat=False)
+        self.slider = w.IntSlider(value=lo, min=lo, max=hi, step=1, description="step", continuous_update=False, layout=w.Layout(width="360px"))
+        w.jslink((self.play, "value"), (self.slider, "value"))
+        # "" stands for "nothing selected": a None value leaves an ipywidgets Dropdown blank.
+        self.request_dropdown = w.Dropdown(options=self._request_options(), value="", description="request",
+                                           layout=w.Layout(width="210px"), style={"description_width": "56px"})
+        controls: list[Any] = [self.back_button, self.play, self.step_button, self.slider]
+        second: list[Any] = [self.request_dropdown]
+        self.jump_dropdown = None
+        if self.scenario is not None and self.scenario.named_steps:
+            opts = [("—", -1)] + [(f"{k} (step {v})", v) for k, v in self.scenario.named_steps.items()]
+            self.jump_dropdown = w.Dropdown(options=opts, value=-1, description="jump to", layout=w.Layout(width="300px"),
+                                            style={"description_width": "56px"})
+            second.append(self.jump_dropdown)
+            self.jump_dropdown.observe(self._on_jump, names="value")
+        self.run_button = None
+        if self.engine is not None:
+            self.run_button = w.Button(description="Run step", button_style="primary", tooltip="engine.step()", layout=bl)
+            self.run_button.on_click(lambda _b: self.run_step())
+            second.append(self.run_button)
+        self._status = w.HTML()
+        self._events = w.HTML()
+        self.back_button.on_click(lambda _b: self.back())
+        self.step_button.on_click(lambda _b: self.next())
+        self.slider.observe(self._on_slider, names="value")
+        self.request_dropdown.observe(self._on_request, names="value")
+        figs = [v.figure for v in self.views.values()]
+        grid = w.GridBox(
+            figs,
+            layout=w.Layout(grid_template_columns="repeat(2, max-content)" if len(figs) > 1 else "max-content",
+                            grid_gap="4px 8px", align_items="flex-start"),
+        )
+        row = w.Layout(flex_flow="row wrap", align_items="center")
+        self.widget = w.VBox(
+            [self._title, w.HBox(controls, layout=row), w.HBox(second, layout=row), self._status, grid, self._events],
+            layout=w.Layout(width=f"{width + 8}px"),
+        )
+        self.widget.add_class("kvlab-player")
+
+    def _request_options(self) -> list[tuple[str, str]]:
+        return [("— none —", "")] + [(r, r) for r in self._request_ids()]
+
+    def _sync_controls(self) -> None:
+        """Put the widgets in line with the state without re-triggering a render."""
+        was, self._rendering = self._rendering, True
+        try:
+            hi = self.last_step
+            for c in (self.slider, self.play):
+                if c.max != hi:
+                    c.max = hi
+                if c.value != self._step:
+                    c.value = self._step
+            if self.request_dropdown.value != (self._selected or ""):
+                self.request_dropdown.value = self._selected or ""
+        finally:
+            self._rendering = was
+
+    def _on_slider(self, change: dict[str, Any]) -> None:
+        if not self._rendering and change["new"] != self._step:
+            self.go_to(int(change["new"]))
+
+    def _on_request(self, change: dict[str, Any]) -> None:
+        new = change["new"] or None
+        if not self._rendering and new != self._selected:
+            self._selected = new
+            self._render()
+
+    def _on_jump(self, change: dict[str, Any]) -> None:
+        if change["new"] is not None and change["new"] >= 0:
+            self.go_to(int(change["new"]))
+            assert self.jump_dropdown is not None
+            self.jump_dropdown.value = -1
+
+    def _on_log_grew(self) -> None:
+        follow = self._step == self.last_step
+        self.timeline.refresh()
+        ids = self._request_ids()
+        if len(ids) != len(self.request_dropdown.options) - 1:
+            was, self._rendering = self._rendering, True
+            try:
+                self.request_dropdown.options = self._request_options()
+                self.request_dropdown.value = self._selected if self._selected in ids else ""
+            finally:
+                self._rendering = was
+        if follow:
+            self._step = self.last_step
+        self._sync_controls()
+        self._render()
+
+    # -- drawing -----------------------------------------------------------------------------
+    def _render(self) -> None:
+        t0 = time.perf_counter()
+        snap = self.timeline.at(self._step)
+        for v in self.views.values():
+            v.update(snap, self._selected)
+        self._events.value = _event_html(snap.step_events)
+        note = ""
+        if self.scenario is not None:
+            names = [k for k, s in self.scenario.named_steps.items() if s == self._step]
+            if names:
+                texts = [f"<b>{html_escape(k)}</b>" + (f": {html_escape(self.scenario.notes[k])}" if k in self.scenario.notes else "") for k in names]
+                note = " · ".join(texts)
+        self._status.value = f"<div style='font-family:{FONT};font-size:12px;min-height:16px'>step {self._step} of {self.last_step}" + (f" — {note}" if note else "") + "</div>"
+        self.last_render_ms = (time.perf_counter() - t0) * 1000.0
+
+    # -- display -----------------------------------------------------------------------------
+    def _repr_mimebundle_(self, **kwargs: Any) -> Any:
+        return self.widget._repr_mimebundle_(**kwargs)
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+
+        display(self.widget)
+
+    def __repr__(self) -> str:
+        mode = "live" if self.engine is not None else "replay"
+        return f"Player({mode}, step {self._step} of {self.first_step}..{self.last_step}, views={list(self.views)})"
+
+
+def show(source: Any, **kwargs: Any) -> Player:
+    """A :class:`Player` on an engine (live), a log, a timeline or a scenario.
+
+    Returns the player; like any widget it is displayed when it is the last expression of
+    a cell (``kvlab.show(engine)``). Keep the handle to drive it from code:
+    ``p = kvlab.show(log); p.go_to(3); p``.
+    """
+    return Player(source, **kwargs)

@@ -1,0 +1,188 @@
+"""TimelineView: the whole run at a glance, with a cursor at the current step (lesson 05).
+
+Top: KV-cache usage and the step's prefix-cache hit rate. Middle: how many requests are
+running and waiting, and where preemptions happened. Bottom: a Gantt chart -- one row per
+request, one column per step, coloured waiting / running / preempted (waiting again after
+losing its KV) / finished. The numbers are the ones the engine itself reports at the end
+of every step (``StepFinished`` events, vLLM's ``/metrics`` gauges), so the picture and a
+Prometheus dashboard of the same run would agree.
+
+Only the cursor moves when the player steps; the data is recomputed only when the log
+grows (live mode).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvlab import events as ev
+from kvlab.snapshot import Snapshot, Timeline
+from kvlab.viz.base import TOP_LEGEND, View, _go, figure_widget_class
+from kvlab.viz.style import CURSOR, HIGHLIGHT, STATUS_COLORS, STATUS_ORDER, discrete_colorscale
+
+_STATUS_INDEX = {s: i for i, s in enumerate(STATUS_ORDER)}
+MAX_ROW_LABELS = 24
+LEGEND_LABELS = ("KV usage %", "hit rate %", "# running", "# waiting", "preemption") + STATUS_ORDER
+
+
+def run_data(events: Sequence[ev.Event]) -> dict[str, Any]:
+    """Per-step metrics and the per-request status grid, from the events alone.
+
+    ``steps`` runs from the first to the last step in the log. ``status[rid][i]`` is the
+    request's status at the end of ``steps[i]`` (None before it arrived and after the step
+    it finished in).
+    """
+    if not events:
+        return dict(steps=[0], requests=[], status={}, usage=[None], hit_rate=[None], running=[None], waiting=[None], preemptions=[0])
+    first, last = events[0].step, events[-1].step
+    steps = list(range(first, last + 1))
+    idx = {s: i for i, s in enumerate(steps)}
+    n = len(steps)
+    usage: list[float | None] = [None] * n
+    hit_rate: list[float | None] = [None] * n
+    running: list[int | None] = [None] * n
+    waiting: list[int | None] = [None] * n
+    preemptions = [0] * n
+    status: dict[str, list[str | None]] = {}
+    current: dict[str, str] = {}
+    prev_q = prev_h = 0
+    cur = first
+
+    def record(upto: int) -> None:
+        # Fill every step from `cur` to `upto` (inclusive) with the statuses now known.
+        for s in range(cur, upto + 1):
+            i = idx[s]
+            for rid, st in current.items():
+                status[rid][i] = st
+
+    for e in events:
+        if e.step != cur:
+            record(e.step - 1)
+            cur = e.step
+            for rid in [r for r, st in current.items() if st == "finished"]:
+                del current[rid]
+        k = e.kind
+        if k == "request_added":
+            status.setdefault(e.request_id, [None] * n)
+            current[e.request_id] = "waiting"
+        elif k == "request_scheduled":
+            current[e.request_id] = "running"
+        elif k == "request_preempted":
+            current[e.request_id] = "preempted"
+            preemptions[idx[e.step]] += 1
+        elif k == "request_finished":
+            current[e.request_id] = "finished"
+        elif k == "step_finished":
+            i = idx[e.step]
+            usage[i] = 100.0 * e.kv_cache_usage
+            running[i], waiting[i] = e.num_running, e.num_waiting
+            dq, dh = e.prefix_cache_queries - prev_q, e.prefix_cache_hits - prev_h
+            hit_rate[i] = 100.0 * dh / dq if dq > 0 else None
+            prev_q, prev_h = e.prefix_cache_queries, e.prefix_cache_hits
+    record(last)
+    return dict(steps=steps, requests=list(status), status=status, usage=usage, hit_rate=hit_rate,
+                running=running, waiting=waiting, preemptions=preemptions)
+
+
+def figure_data(snapshot: Snapshot, selected_request: str | None = None, *, events: Sequence[ev.Event] = (), run: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``run_data`` of the events plus the cursor (the snapshot's step), the Gantt matrix
+    ``z`` (status indices) and the row of the selected request."""
+    d = dict(run if run is not None else run_data(events))
+    reqs = d["requests"]
+    d["z"] = [[None if st is None else _STATUS_INDEX[st] for st in d["status"][r]] for r in reqs]
+    d["cursor"] = snapshot.step
+    d["selected_row"] = reqs.index(selected_request) if selected_request in reqs else None
+    return d
+
+
+class TimelineView(View):
+    """Usage, hits, queue lengths, preemptions and a Gantt of requests, with a step cursor."""
+
+    name = "timeline"
+    title = "Timeline"
+
+    def __init__(self, timeline: Timeline | None = None, *, decode: Callable[[int], str] | None = None, width: int = 482, height: int = 400) -> None:
+        super().__init__(timeline, decode=decode, width=width, height=height)
+        go = _go()
+        fig = self.figure
+        fig.add_trace(go.Scatter(x=[], y=[], mode="lines+markers", name="KV usage %", showlegend=True, line=dict(color="#0072b2", width=2), marker=dict(size=4)), row=1, col=1)
+        fig.add_trace(go.Scatter(x=[], y=[], mode="markers", name="hit rate %", showlegend=True, marker=dict(color="#009e73", size=6, symbol="diamond")), row=1, col=1)
+        fig.add_trace(go.Scatter(x=[], y=[], mode="lines", name="# running", showlegend=True, line=dict(color="#0072b2", shape="hv")), row=2, col=1)
+        fig.add_trace(go.Scatter(x=[], y=[], mode="lines", name="# waiting", showlegend=True, line=dict(color="#b8a800", shape="hv", dash="dot")), row=2, col=1)
+        fig.add_trace(go.Scatter(x=[], y=[], mode="markers", name="preemption", showlegend=True, marker=dict(color=STATUS_COLORS["preempted"], size=10, symbol="x")), row=2, col=1)
+        fig.add_trace(
+            go.Heatmap(z=[[None]], zmin=-0.5, zmax=len(STATUS_ORDER) - 0.5, colorscale=discrete_colorscale([STATUS_COLORS[s] for s in STATUS_ORDER]),
+                       showscale=False, xgap=1, ygap=1, hovertemplate="%{text} · step %{x}: %{customdata}<extra></extra>", name="requests", showlegend=False),
+            row=3, col=1,
+        )
+        for s in STATUS_ORDER:
+            fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=s, marker=dict(symbol="square", size=10, color=STATUS_COLORS[s])), row=3, col=1)
+        fig.update_layout(
+            showlegend=True,
+            legend=dict(TOP_LEGEND, font=dict(size=9)),
+            margin=dict(l=10, r=10, t=70, b=30),
+            hovermode="closest",
+        )
+        fig.update_yaxes(fixedrange=True, tickfont=dict(size=9))
+        fig.update_xaxes(fixedrange=True, showgrid=False)
+        fig.update_yaxes(range=[-6, 106], title=dict(text="%", font=dict(size=9), standoff=2), row=1, col=1)
+        fig.update_yaxes(title=dict(text="reqs", font=dict(size=9), standoff=2), rangemode="tozero", row=2, col=1)
+        fig.update_yaxes(autorange=False, automargin=True, row=3, col=1)
+        fig.update_xaxes(title=dict(text="step", font=dict(size=10), standoff=2), row=3, col=1)
+        self._run: dict[str, Any] | None = None
+        self._run_n = -1
+
+    def _make_figure(self) -> Any:
+        from plotly.subplots import make_subplots
+
+        base = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.05, row_heights=[0.24, 0.22, 0.54])
+        base.update_layout(self._base_layout())
+        return figure_widget_class()(base)
+
+    def _run_of(self) -> dict[str, Any]:
+        """``run_data`` of the whole log, recomputed only when the log has grown."""
+        events = self.timeline.events if self.timeline is not None else []
+        if self._run is None or len(events) != self._run_n:
+            self._run = run_data(events)
+            self._run_n = len(events)
+        return self._run
+
+    def update(self, snapshot: Snapshot, selected_request: str | None = None) -> None:
+        d = figure_data(snapshot, selected_request, run=self._run_of())
+        self.last_data = d
+        fig = self.figure
+        steps = d["steps"]
+        reqs = d["requests"]
+        put = self._put  # unchanged arrays (all of them, between two steps of a replay) are skipped
+        with fig.batch_update():
+            for i, key in enumerate(("usage", "hit_rate", "running", "waiting")):
+                put(f"{key}.x", fig.data[i], "x", steps, "num")
+                put(f"{key}.y", fig.data[i], "y", d[key], "num")
+            px = [s for s, n in zip(steps, d["preemptions"]) if n]
+            put("pre.x", fig.data[4], "x", px, "num")
+            put("pre.y", fig.data[4], "y", [d["running"][steps.index(s)] or 0 for s in px], "num")
+            hm = fig.data[5]
+            put("gantt.x", hm, "x", steps, "num")
+            put("gantt.y", hm, "y", list(range(len(reqs))) or [0], "num")
+            put("gantt.z", hm, "z", d["z"] if reqs else [[None]], "num")
+            put("gantt.status", hm, "customdata", [[st or "—" for st in d["status"][r]] for r in reqs] or [["—"]], "str")
+            put("gantt.names", hm, "text", [[r] * len(steps) for r in reqs] or [[""]], "str")
+            top = max((v for v in d["running"] + d["waiting"] if v is not None), default=1)
+            put("y2.dtick", fig.layout.yaxis2, "dtick", 1 if top <= 6 else None)
+            put("y2.range", fig.layout.yaxis2, "range", [-0.3, top + 0.5])
+            put("x3.range", fig.layout.xaxis3, "range", [steps[0] - 0.5, steps[-1] + 0.5])
+            every = max(1, -(-len(reqs) // MAX_ROW_LABELS))
+            ticks = [i for i in range(len(reqs)) if i % every == 0 or i == d["selected_row"]]
+            put("y3.tickvals", fig.layout.yaxis3, "tickvals", ticks)
+            put("y3.ticktext", fig.layout.yaxis3, "ticktext", [f"<b>▶ {reqs[i]}</b>" if i == d["selected_row"] else reqs[i] for i in ticks])
+            put("y3.range", fig.layout.yaxis3, "range", [max(len(reqs), 1) - 0.5, -0.5])
+            shapes = [dict(type="line", xref="x", yref="paper", x0=d["cursor"], x1=d["cursor"], y0=0, y1=1, line=dict(color=CURSOR, width=2))]
+            if d["selected_row"] is not None:
+                r = d["selected_row"]
+                shapes.append(dict(type="rect", xref="x3", yref="y3", x0=steps[0] - 0.5, x1=steps[-1] + 0.5, y0=r - 0.5, y1=r + 0.5,
+                                   line=dict(color=HIGHLIGHT, width=2), fillcolor="rgba(0,0,0,0)"))
+            put("shapes", fig.layout, "shapes", shapes)
+            i = steps.index(d["cursor"]) if d["cursor"] in steps else None
+            usage = d["usage"][i] if i is not None else None
+            extra = f" · usage {usage:.0f}%" if usage is not None else ""
+            self._header(f"Timeline · step {d['cursor']} of {steps[-1]}{extra}", LEGEND_LABELS, legend_font=9)

@@ -1,0 +1,449 @@
+"""The views and the player, checked as data (no browser).
+
+Every view module has a pure ``figure_data(snapshot, ...)``; the view draws exactly that
+data into a plotly ``FigureWidget``. So these tests check, for known snapshots of the
+built-in scenarios, the ids, colours by state, labels and highlights that the pictures
+show -- and that the player's ``go_to`` / ``next`` / ``back`` and request selection change
+the figures (in place) as expected.
+"""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("plotly")
+pytest.importorskip("ipywidgets")
+
+from kvlab import Request  # noqa: E402
+from kvlab.engine import build_engine  # noqa: E402
+from kvlab.events import AttentionBatch, EventLog  # noqa: E402
+from kvlab.scenarios import eviction, preemption, shared_prefix, sliding_window  # noqa: E402
+from kvlab.snapshot import Timeline, replay  # noqa: E402
+from kvlab.viz import (  # noqa: E402
+    BlockHistory,
+    BlockTableView,
+    FreeQueueView,
+    HashChainView,
+    KernelView,
+    Player,
+    PoolView,
+    TimelineView,
+    show,
+)
+from kvlab.viz import block_table, free_queue, hash_chain, kernel, pool, timeline  # noqa: E402
+from kvlab.viz.style import KERNEL_COLORS, KERNEL_ORDER, STATE_COLORS, STATUS_COLORS, STATUS_ORDER, render_tokens  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def story():
+    return shared_prefix()
+
+
+@pytest.fixture(scope="module")
+def window():
+    return sliding_window()
+
+
+@pytest.fixture(scope="module")
+def player(story):
+    return Player(story)
+
+
+# -- PoolView ----------------------------------------------------------------------------------
+def test_pool_colours_labels_and_hover(story) -> None:
+    d = pool.figure_data(story.at("req1 prefix hit"), decode=story.decode)
+    assert d["block_ids"] == list(range(11))
+    assert d["states"][:6] == ["null", "shared", "shared", "shared", "in_use", "in_use"]
+    assert d["colors"][1] == STATE_COLORS["shared"] and d["colors"][4] == STATE_COLORS["in_use"]
+    assert d["colors"][0] == STATE_COLORS["null"] and d["colors"][6] == STATE_COLORS["free"]
+    assert d["labels"] == ["∅", "2", "2", "2", "1", "1", "0", "0", "0", "0", "0"]  # ref counts
+    h1 = d["hover"][1]
+    assert "ref count 2" in h1 and "owners req0, req1" in h1
+    assert f"hash {story.at('req1 prefix hit').blocks[1].block_hash[:8]}" in h1
+    assert "You␣are␣a␣tutor." in h1  # the block's tokens, decoded
+    assert d["counts"] == {"free": 5, "cached": 0, "in_use": 2, "shared": 3, "null": 1}
+    later = pool.figure_data(story.at("both freed"))
+    assert later["colors"][1] == STATE_COLORS["cached"]
+    assert "LRU position 9 of 10" in later["hover"][1] and "LRU position 0 of 10" in later["hover"][5]
+
+
+def test_pool_grid_and_selection(story) -> None:
+    s = story.at("req1 prefix hit")
+    d = pool.figure_data(s, "req1")
+    assert (d["columns"], d["rows"]) == (11, 1)
+    assert d["z"][0][:6] == [4, 3, 3, 3, 2, 2]  # indices into the state palette
+    assert d["highlight"] == [1, 2, 3, 5]
+    assert d["highlight_x"] == [1, 2, 3, 5] and d["highlight_y"] == [0, 0, 0, 0]
+    assert pool.figure_data(s, None)["highlight"] == []
+
+
+def test_pool_view_draws_2000_blocks_with_one_trace() -> None:
+    e = build_engine(num_blocks=2000, block_size=16)
+    for i in range(8):
+        e.add_request(Request(f"r{i}", list(range(i, i + 300)), max_tokens=4, arrival_time=float(i)))
+    e.step()
+    snap = replay(e.events)
+    view = PoolView(num_blocks=2000)
+    view.update(snap, "r3")
+    heatmaps = [t for t in view.figure.data if t.type == "heatmap"]
+    assert len(heatmaps) == 1 and len(view.figure.data) < 10
+    z = heatmaps[0].z
+    assert len(z) == 32 and len(z[0]) == 64  # 2,000 cells in a 64-wide grid
+    assert list(view.figure.data[1].customdata) == pool.blocks_of(snap, "r3")
+
+
+# -- BlockTableView -----------------------------------------------------------------------------
+def test_block_table_ids_sharing_partial_tail_and_highlight(story) -> None:
+    d = block_table.figure_data(story.at("req1 prefix hit"), "req1")
+    assert d["rows"] == ["req0", "req1"]
+    by_req = {r: [c for c in d["cells"] if c["request_id"] == r] for r in d["rows"]}
+    assert [c["block_id"] for c in by_req["req0"]] == [1, 2, 3, 4]
+    assert [c["block_id"] for c in by_req["req1"]] == [1, 2, 3, 5]
+    shared = [c for c in d["cells"] if c["block_id"] in (1, 2, 3)]
+    assert len(shared) == 6 and {c["color"] for c in shared} == {STATE_COLORS["shared"]}
+    tails = [(c["block_id"], c["fill"]) for c in d["cells"] if c["partial"]]
+    assert tails == [(4, 8), (5, 5)]  # 56 - 48 and 53 - 48 computed tokens in the tail blocks
+    assert "8/16" in d["text"][0][3]
+    # Selecting req1 outlines every cell that points at one of req1's blocks -- also req0's
+    # cells for the shared blocks 1-3, which makes the sharing visible.
+    assert d["highlight"] == [("req0", 0, 0), ("req0", 0, 1), ("req0", 0, 2), ("req1", 0, 0), ("req1", 0, 1), ("req1", 0, 2), ("req1", 0, 3)]
+    assert "<b>" in d["row_labels"][1] and "<b>" not in d["row_labels"][0]
+
+
+def test_block_table_orders_running_then_waiting(story) -> None:
+    d = block_table.figure_data(story.at("req0 prefill"))
+    assert d["rows"] == ["req0", "req1"] and "waiting" in d["row_labels"][1]
+    pre = preemption().at("preempted")
+    d = block_table.figure_data(pre)
+    assert d["rows"] == ["P", "Q", "R"] and "(no blocks)" in d["row_labels"][1]
+
+
+def test_block_table_groups_side_by_side_with_null_padding(window) -> None:
+    d = block_table.figure_data(window.at("S2 hit with null padding"), "S1")
+    assert d["group_names"] == ["full", "window 32"]
+    assert d["group_offsets"] == [0, 6] and d["group_widths"] == [5, 5]
+    s2 = [c for c in d["cells"] if c["request_id"] == "S2"]
+    assert [(c["group"], c["label"]) for c in s2] == [
+        (0, "1"), (0, "2"), (0, "3"), (0, "4"), (0, "11"), (1, "∅"), (1, "∅"), (1, "7"), (1, "8"), (1, "12")
+    ]
+    nulls = [c for c in d["cells"] if c["block_id"] == 0]
+    assert nulls and {c["color"] for c in nulls} == {STATE_COLORS["null"]}
+    assert all(c["x"] >= 6 for c in nulls)  # drawn in the window group's band
+    assert not any(c["block_id"] == 0 for c in d["cells"] if (c["request_id"], c["group"], c["logical"]) in d["highlight"])
+
+
+# -- HashChainView ------------------------------------------------------------------------------
+def test_hash_chain_forest_labels_and_lookup_walk(story) -> None:
+    d = hash_chain.figure_data(story.at("req1 prefix hit"), decode=story.decode, max_label_chars=16)
+    nodes = sorted(d["nodes"], key=lambda n: n["depth"])
+    assert [n["depth"] for n in nodes] == [0, 1, 2] and [n["block_ids"] for n in nodes] == [[1], [2], [3]]
+    assert [n["label"] for n in nodes] == ["You␣are␣a␣tutor.", "␣Explain␣vLLM's␣", "paged␣KV␣cache.…"]
+    assert {n["color"] for n in nodes} == {STATE_COLORS["shared"]}
+    assert d["edges"] == [(nodes[0]["hash"], nodes[1]["hash"]), (nodes[1]["hash"], nodes[2]["hash"])]
+    assert d["lookup"]["request_id"] == "req1" and len(d["lookup"]["hits"]) == 3 and d["lookup"]["stop"] == "end"
+    assert all(n["lookup"] == "hit" for n in nodes)
+    assert d["tips"] == [("req0, req1", 2, 0.0)]
+
+
+def test_hash_chain_first_miss_and_divergence() -> None:
+    sc = eviction()
+    d = hash_chain.figure_data(sc.at("A2 partial hit"), decode=sc.decode)
+    lk = d["lookup"]
+    assert lk["request_id"] == "A2" and lk["stop"] == "miss" and len(lk["hits"]) == 1
+    hit = next(n for n in d["nodes"] if n["lookup"] == "hit")
+    miss = next(n for n in d["nodes"] if n["lookup"] == "miss")
+    # A2 computed its second block after the miss and cached it: the miss is now a node,
+    # and the ghost cross is drawn on it.
+    assert hit["block_ids"] == [1] and miss["block_ids"] == [2] and miss["parent"] == hit["hash"]
+    assert lk["ghost"] == (float(miss["depth"]), miss["row"])
+    assert "then the first miss" in d["summary"]
+    roots = [n for n in d["nodes"] if n["depth"] == 0]
+    assert [n["label"] for n in roots] == ["Alic", "Bob:", "Caro"]  # three distinct prompts
+    c = hash_chain.figure_data(sc.at("C freed"))  # C's lookup missed at its very first block,
+    first = next(n for n in c["nodes"] if n["block_ids"] == [7])  # which C then computed and cached
+    assert c["lookup"]["request_id"] == "C" and c["lookup"]["hits"] == [] and c["lookup"]["miss"] == first["hash"]
+
+
+def test_hash_chain_ghost_for_a_miss_that_is_not_cached() -> None:
+    d = hash_chain.figure_data(preemption().at("preempted"))
+    lk = d["lookup"]
+    assert lk["request_id"] == "R" and lk["stop"] == "miss" and lk["hits"] == []
+    assert lk["miss"] not in {n["hash"] for n in d["nodes"]}
+    assert lk["ghost"] == (0.0, -1.0)  # a lonely root-level cross: nothing of R is cached
+
+
+def test_render_tokens_default_and_decoded() -> None:
+    assert render_tokens([0] * 16, None) == "0×16"
+    assert render_tokens([7, 7, 8], None) == "7 7 8"
+    assert render_tokens(list(range(40)), None, 10) == "0 1 2 3 4…"
+    assert render_tokens([72, 105], chr) == "Hi"
+    assert render_tokens([], chr) == ""
+
+
+# -- FreeQueueView ------------------------------------------------------------------------------
+def test_free_queue_order_colours_and_last_owners(story) -> None:
+    t = story.timeline()
+    hist = BlockHistory(t.events)
+    d = free_queue.figure_data(story.at("both freed"), "req0", history=hist)
+    assert d["block_ids"] == [5, 4, 6, 7, 8, 9, 10, 3, 2, 1]
+    assert [c["color"] for c in d["cells"]] == [STATE_COLORS["free"]] * 7 + [STATE_COLORS["cached"]] * 3
+    owners = {c["block_id"]: c["last_owner"] for c in d["cells"]}
+    # req1's tail (block 5) is evicted next; its prefix sits at the far end, *last block first*.
+    assert owners[5] == ("req1", 0, 3) and owners[4] == ("req0", 0, 3)
+    assert [owners[b] for b in (3, 2, 1)] == [("req1", 0, 2), ("req1", 0, 1), ("req1", 0, 0)]
+    assert owners[6] is None
+    assert d["highlight"] == [4]  # the only block req0 held last
+    assert "req1[3]" in d["text"][0][0]
+
+
+def test_free_queue_wraps_long_queues() -> None:
+    e = build_engine(num_blocks=300, block_size=16)
+    snap = replay(e.events)
+    d = free_queue.figure_data(snap, wrap=64)
+    assert d["columns"] == 64 and d["rows"] == 5 and len(d["cells"]) == 299
+
+
+# -- TimelineView -------------------------------------------------------------------------------
+def test_timeline_metrics_and_gantt(story) -> None:
+    r = timeline.run_data(story.log.events)
+    assert r["steps"] == list(range(9))
+    assert r["requests"] == ["req0", "req1", "req2", "long"]
+    assert r["status"]["req0"] == ["waiting", "running", "running", "finished", None, None, None, None, None]
+    assert r["status"]["long"][6:] == ["waiting", "running", "finished"]
+    assert r["usage"][1:4] == [40.0, 50.0, 40.0] and r["usage"][7] == 100.0
+    assert round(r["hit_rate"][2], 1) == 90.6  # 48 of 53 queried tokens hit
+    d = timeline.figure_data(story.at(2), "req1", run=r)
+    assert d["cursor"] == 2 and d["selected_row"] == 1
+    assert d["z"][0][:4] == [0, 1, 1, 3]  # waiting, running, running, finished
+    assert [STATUS_COLORS[STATUS_ORDER[i]] for i in d["z"][0][:2]] == [STATUS_COLORS["waiting"], STATUS_COLORS["running"]]
+
+
+def test_timeline_marks_preemptions() -> None:
+    sc = preemption()
+    r = timeline.run_data(sc.log.events)
+    step = sc.step_of("preempted")
+    assert r["preemptions"][step] == 1 and sum(r["preemptions"]) == 1
+    assert r["status"]["Q"][step] == "preempted"
+    assert r["status"]["Q"][sc.step_of("resumed with hits")] == "running"
+
+
+# -- KernelView ---------------------------------------------------------------------------------
+def test_kernel_reads_through_the_block_table(story) -> None:
+    d = kernel.figure_data(story.at("req1 prefix hit"), "req1")
+    assert d["request_id"] == "req1" and d["source"] == "block_table" and d["position"] == 52
+    (g,) = d["groups"]
+    assert g["read_blocks"] == [1, 2, 3, 5]
+    assert g["read_slots"] == list(range(16, 64)) + list(range(80, 85))  # slot = block * 16 + offset
+    assert g["query_slot"] == 5 * 16 + 4
+    last_row = d["rows"][-1]
+    assert [s for _, _, s in last_row["cells"]][:6] == ["read", "read", "read", "read", "query", "unwritten"]
+    assert kernel.figure_data(story.at("req1 prefix hit"))["request_id"] == "req0"  # default: first running
+    assert kernel.figure_data(story.at("both freed"))["request_id"] is None
+
+
+def test_kernel_honours_the_sliding_window(window) -> None:
+    d = kernel.figure_data(window.at("S2 hit with null padding"), "S1")
+    full, win = d["groups"]
+    assert d["position"] == 70 and win["window"] == 32 and win["first_read"] == 39
+    assert full["read_blocks"] == [1, 2, 3, 4, 9] and len(full["read_slots"]) == 71
+    assert win["read_blocks"] == [7, 8, 10] and len(win["read_slots"]) == 32
+    rows = [r for r in d["rows"] if r["group"] == 1]
+    assert {s for _, _, s in rows[0]["cells"]} == {"null"} and {s for _, _, s in rows[1]["cells"]} == {"null"}
+    states7 = [s for _, _, s in rows[2]["cells"]]
+    assert states7 == ["outside_window"] * 7 + ["read"] * 9  # positions 32..38 are out of the window
+    assert 0 not in win["read_blocks"]  # the null block is never read
+
+
+def _attention_batch(snap, req_ids: list[str]) -> AttentionBatch:
+    """The batch a model runner would emit for ``req_ids`` (one decode token each)."""
+    bs = snap.block_size
+    groups = len(snap.groups)
+    tables = [[list(snap.requests[r].block_table[g]) for r in req_ids] for g in range(groups)]
+    seq_lens = [snap.requests[r].num_computed_tokens for r in req_ids]
+    slots = [[t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables[g], seq_lens)] for g in range(groups)]
+    windows = [g.get("sliding_window") for g in snap.groups]
+    return AttentionBatch(req_ids=req_ids, query_lens=[1] * len(req_ids), seq_lens=seq_lens, block_tables=tables,
+                          slot_mappings=slots, block_size=bs, sliding_windows=windows)
+
+
+def test_kernel_view_prefers_the_attention_batch_event(window) -> None:
+    step = window.step_of("S2 hit with null padding")
+    events = [e for e in window.log if e.step <= step]
+    snap = Timeline(events).at(step)
+    batch = _attention_batch(snap, ["S2", "S1"])
+    batch.seq, batch.step = len(events), step
+    tl = Timeline(events + [batch])
+    view = KernelView(tl)
+    view.update(tl.at(step), "S1")
+    d = view.last_data
+    assert d["source"] == "attention_batch" and d["request_id"] == "S1"
+    derived = kernel.figure_data(snap, "S1")
+    for got, want in zip(d["groups"], derived["groups"]):
+        assert got["read_slots"] == want["read_slots"] and got["query_slot"] == want["query_slot"]
+    # The query cell is drawn in the query colour: its value's band in the colour scale.
+    hm = view.figure.data[0]
+    qi = KERNEL_ORDER.index("query")
+    (lo, c_lo), (hi, c_hi) = hm.colorscale[2 * qi], hm.colorscale[2 * qi + 1]
+    assert lo < (qi + 0.5) / len(KERNEL_ORDER) < hi and c_lo == c_hi == KERNEL_COLORS["query"]
+    assert sum(row.count(qi) for row in d["z"]) == 2  # one query token per group
+    view.update(tl.at(step), None)
+    assert view.last_data["request_id"] == "S2"  # the batch's first request
+    assert "AttentionBatch" in view.figure.layout.title.text
+
+
+# -- Player ---------------------------------------------------------------------------------------
+def test_player_steps_and_redraws_in_place(player) -> None:
+    p = player
+    figs = {name: v.figure for name, v in p.views.items()}
+    ntraces = {name: len(f.data) for name, f in figs.items()}
+    assert list(p.views) == ["pool", "free", "table", "hash", "timeline", "kernel"]
+    assert p.step == 0 and p.first_step == 0 and p.last_step == 8
+    assert p.go_to(1) == 1
+    assert "step 1" in p.views["pool"].figure.layout.title.text
+    assert p.next() == 2 and p.step == 2
+    z2 = [list(r) for r in p.views["pool"].figure.data[0].z]
+    assert z2[0][:6] == [4, 3, 3, 3, 2, 2]  # blocks 1-3 shared at step 2
+    assert p.back() == 1
+    assert [list(r) for r in p.views["pool"].figure.data[0].z][0][:6] == [4, 2, 2, 2, 2, 0]  # null, 1-4 in use, 5 free
+    assert p.go_to("both freed") == 4
+    assert list(p.views["free"].last_data["block_ids"]) == [5, 4, 6, 7, 8, 9, 10, 3, 2, 1]
+    assert p.slider.value == 4 and p.play.value == 4
+    p.go_to(8)
+    assert p.next() == 8  # stays at the end
+    p.go_to(0)
+    assert p.back() == 0
+    # Same figure objects, same number of traces: the views were updated, not rebuilt.
+    assert all(v.figure is figs[n] and len(v.figure.data) == ntraces[n] for n, v in p.views.items())
+    with pytest.raises(ValueError, match="out of range"):
+        p.go_to(99)
+    with pytest.raises(TypeError):
+        p.go_to(1.5)  # type: ignore[arg-type]
+
+
+def test_player_slider_and_buttons_drive_it(player) -> None:
+    player.go_to(0)
+    player.slider.value = 3
+    assert player.step == 3 and "step 3" in player.views["table"].figure.layout.title.text
+    player.step_button.click()
+    assert player.step == 4
+    player.back_button.click()
+    assert player.step == 3
+    assert player.jump_dropdown is not None
+    player.jump_dropdown.value = player.scenario.named_steps["long request evicts"]
+    assert player.step == 7 and player.jump_dropdown.value == -1
+    assert "evict block 3" in player._events.value
+
+
+def test_selecting_a_request_highlights_exactly_its_blocks(player) -> None:
+    p = player
+    p.go_to("req1 prefix hit")
+    p.select("req1")
+    assert p.request_dropdown.value == "req1"
+    assert list(p.views["pool"].figure.data[1].customdata) == [1, 2, 3, 5]
+    tb = p.views["table"].last_data
+    cells = {(c["request_id"], c["group"], c["logical"]): c["block_id"] for c in tb["cells"]}
+    assert {cells[k] for k in tb["highlight"]} == {1, 2, 3, 5}
+    assert len(p.views["table"].figure.data[1].x) == len(tb["highlight"])
+    snap = p.snapshot
+    req1_hashes = {snap.blocks[b].block_hash for b in (1, 2, 3)}
+    assert {n["hash"] for n in p.views["hash"].last_data["nodes"] if n["selected"]} == req1_hashes
+    assert p.views["timeline"].last_data["selected_row"] == 1
+    assert p.views["kernel"].last_data["request_id"] == "req1"
+    p.go_to("both freed")
+    assert p.views["free"].last_data["highlight"] == [5, 3, 2, 1]  # what req1 held last
+    assert list(p.views["pool"].figure.data[1].customdata) == []  # it holds nothing now
+    p.request_dropdown.value = ""  # "— none —"
+    assert p.selected_request is None and p.views["free"].last_data["highlight"] == []
+    with pytest.raises(ValueError, match="unknown request"):
+        p.select("nobody")
+
+
+def test_player_sources_and_display(story) -> None:
+    for src in (story.log, Timeline(story.log), list(story.log)):
+        p = Player(src, views=["pool"])
+        assert list(p.views) == ["pool"] and p.last_step == 8
+    bundle = Player(story.log, views=["table"])._repr_mimebundle_()
+    assert "application/vnd.jupyter.widget-view+json" in bundle
+    assert isinstance(show(story, views=("pool", "free")), Player)
+    with pytest.raises(TypeError, match="source must be"):
+        Player(42)
+    with pytest.raises(ValueError, match="unknown view"):
+        Player(story, views=["pool", "nope"])
+    with pytest.raises(ValueError, match="step names"):
+        Player(story.log, views=["pool"]).go_to("both freed")
+
+
+def test_live_player_follows_the_engine() -> None:
+    e = build_engine(num_blocks=12, block_size=4)
+    e.add_request(Request("a", list(range(10)), max_tokens=3, arrival_time=0.0))
+    p = show(e, views=("pool", "table", "timeline"))
+    assert p.engine is e and p.run_button is not None and p.step == 0
+    p.run_step()
+    assert p.step == 1 and "step 1" in p.views["pool"].figure.layout.title.text
+    e.add_request(Request("b", list(range(10)), max_tokens=2, arrival_time=0.0))  # from "another cell"
+    assert [v for _, v in p.request_dropdown.options] == ["", "a", "b"]
+    assert p.views["table"].last_data["rows"] == ["a", "b"]
+    e.step()
+    assert p.step == 2 and p.views["table"].last_data["rows"] == ["a", "b"]
+    assert p.snapshot == replay(e.events)
+    p.go_to(1)  # looking back: the player stops following ...
+    e.step()
+    assert p.step == 1
+    p.go_to(p.last_step)  # ... until it is back at the end
+    while e.has_unfinished_requests():
+        p.run_button.click()
+    assert p.step == p.last_step and p.snapshot.running == []
+    p.run_step()  # nothing left to run: a message, no error
+    assert "no unfinished request" in p._status.value
+
+
+def test_views_work_without_a_timeline(story) -> None:
+    snap = story.at("both freed")
+    for cls in (PoolView, BlockTableView, HashChainView, FreeQueueView, TimelineView, KernelView):
+        v = cls()
+        v.update(snap, "req1")
+        assert v.figure.layout.title.text
+    assert FreeQueueView().history.last_holder(1, 10) is None
+
+
+def test_bad_arguments_are_clear_errors(story) -> None:
+    with pytest.raises(ValueError, match="width"):
+        PoolView(width=10)
+    with pytest.raises(TypeError, match="decode"):
+        Player(story, decode=5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="wrap"):
+        free_queue.figure_data(story.at(1), wrap=0)
+    with pytest.raises(ValueError, match="event log"):
+        Player(build_engine(num_blocks=4, block_size=4, event_log=None))
+    assert EventLog() is not None
+
+
+def test_live_player_redraws_once_per_step_not_mid_step() -> None:
+    e = build_engine(num_blocks=12, block_size=4)
+    e.add_request(Request("a", list(range(10)), max_tokens=2, arrival_time=0.0))
+    p = Player(e, views=("pool",))
+    renders = []
+    original = p._render
+    p._render = lambda: (renders.append(len(e.events)), original())  # type: ignore[method-assign]
+    e.step()
+    assert renders == [len(e.events)]  # one redraw, after the step's last event
+    e.scheduler.finish_requests("a")  # an abort between steps is followed too
+    assert p.snapshot.running == [] and p.snapshot.requests["a"].finish_reason == "abort"
+
+
+def test_every_view_uses_the_shared_bundle_widget() -> None:
+    """Six figures must not mean six evaluations of plotly's 5 MB widget code in the page."""
+    import json
+
+    import plotly.graph_objects as go
+
+    from kvlab.viz import figure_widget_class, preload
+
+    cls = figure_widget_class()
+    assert cls is figure_widget_class() and issubclass(cls, go.FigureWidget)
+    assert "globalThis[KEY] ??= import(" in cls._esm and "export default mod.default" in cls._esm
+    literal = cls._esm.split("const SOURCE = ", 1)[1].split(";\n", 1)[0]  # a JSON string has no raw newline
+    assert json.loads(literal) == str(go.FigureWidget._esm)  # plotly's own code, unchanged
+    for view in (PoolView(), TimelineView(), KernelView()):
+        assert isinstance(view.figure, cls)  # (anywidget adds traits through a per-instance subclass)
+    preload()
+    preload()  # idempotent
