@@ -70,7 +70,7 @@ def test_solution_notebook_passes_every_check_quickly(path):
     nb = _run(path)
     assert _errors(nb) == []
     outs = _check_outputs(nb)
-    assert outs and all(o.startswith("✅") for o in outs), outs
+    assert outs and all(o.startswith("✔ PASS") for o in outs), outs
     assert time.perf_counter() - t < 120
 
 

@@ -26,10 +26,10 @@ class CheckResult:
 
     def __str__(self) -> str:
         if self.passed:
-            return f"✅ {self.exercise_id}: {self.message}"
+            return f"✔ PASS {self.exercise_id}: {self.message}"
         if self.not_implemented:
-            return f"⏳ {self.exercise_id}: {self.message}"
-        lines = [f"❌ {self.exercise_id}: {self.message}"]
+            return f"… TODO {self.exercise_id}: {self.message}"
+        lines = [f"✘ FAIL {self.exercise_id}: {self.message}"]
         for label, v in (("case", self.case), ("inputs", self.inputs), ("expected", self.expected), ("got", self.got), ("idea", self.idea)):
             if v:
                 lines.append(f"   {label:<8} {v}")

@@ -14,6 +14,7 @@ screenshot goes to ``test-artifacts/browser_player.png``.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -25,7 +26,9 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -162,15 +165,18 @@ def _run_all(page) -> None:
     page.locator("li[data-command='runmenu:run-all']").click()
 
 
-@pytest.mark.timeout(420)
-def test_player_renders_and_steps(tmp_path: Path) -> None:
+@contextlib.contextmanager
+def lab_page(tmp_path: Path, files: dict[Path, str], first: str) -> Iterator[tuple[Any, Any, str, str, Path]]:
+    """JupyterLab on a temporary root holding ``files`` (source -> relative path), Chromium
+    open on ``first`` with its kernel idle. Yields (page, playwright module, base url,
+    token, log); on failure saves ``test-artifacts/browser_failure_<first>.png``."""
     if not CHROMIUM.exists():
         pytest.skip("Debian's Chromium is not installed (/usr/bin/chromium); `apt-get install -y chromium` to run this test")
     playwright_sync = pytest.importorskip("playwright.sync_api")
-
     root = tmp_path / "root"
-    root.mkdir()
-    shutil.copy(NOTEBOOK, root / NOTEBOOK.name)
+    for src, rel in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(src, root / rel)
     settings, workspaces, runtime = tmp_path / "settings", tmp_path / "workspaces", tmp_path / "runtime"
     _write_settings(settings)
     _write_server_config(tmp_path / "config")
@@ -191,7 +197,6 @@ def test_player_renders_and_steps(tmp_path: Path) -> None:
     ]
     log = tmp_path / "jupyter.log"
     ARTIFACTS.mkdir(exist_ok=True)
-    shot = ARTIFACTS / "browser_player.png"
     with open(log, "w") as logf:
         proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=root, start_new_session=True)
     try:
@@ -207,53 +212,122 @@ def test_player_renders_and_steps(tmp_path: Path) -> None:
                 page = browser.new_page(viewport={"width": 1400, "height": 2300})
                 try:
                     page.set_default_timeout(60_000)
-                    page.goto(f"{base}/lab/tree/{NOTEBOOK.name}?token={token}")
+                    page.goto(f"{base}/lab/tree/{first}?token={token}")
                     page.wait_for_selector(".jp-NotebookPanel .jp-Cell", state="attached")
                     # The kernel must be up before "Run all", or the run is queued behind its start.
                     page.wait_for_timeout(1000)
-                    _wait_until(page, KERNEL_READY, 120, "the kernel to start", also=lambda: _kernel_idle(base, token, NOTEBOOK.name))
+                    name = Path(first).name
+                    _wait_until(page, KERNEL_READY, 120, "the kernel to start", also=lambda: _kernel_idle(base, token, name))
                     page.wait_for_timeout(1000)  # the page's websocket to the kernel
-                    page_errors: list[str] = []
-                    page.on("pageerror", lambda e: page_errors.append(str(e)))
-                    _run_all(page)
-                    # Done when every code cell has a number ([1], [2], ...) and the kernel is idle again.
-                    # Generous: plotly's first import alone takes ~7 s of CPU, and CI machines are shared.
-                    _wait_until(page, ALL_CELLS_RAN, 240, "every cell to run")
-                    try:
-                        page.wait_for_function(f"() => document.querySelectorAll('.js-plotly-plot').length >= {EXPECTED_PLOTS}", timeout=60_000)
-                        _wait_until(page, "() => true", 60, "the six figures to draw their titles", also=lambda: _titles_ok(page, 0))
-                    except (TimeoutError, playwright_sync.TimeoutError):
-                        # anywidget gives a widget 2 s to load its JavaScript; on an overloaded
-                        # machine the first figure can miss that (the notebook warms plotly up to
-                        # avoid it). Then, and only then, run the notebook once more.
-                        if not any("Failed to initialize model" in e for e in page_errors):
-                            raise
-                        _run_all(page)
-                        _wait_until(page, ALL_CELLS_RAN, 240, "every cell to run (second run)")
-                        _wait_until(page, "() => true", 60, "the six figures (second run)", also=lambda: _titles_ok(page, 0))
-
-                    errors = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
-                    tracebacks = [t for t in errors.all_text_contents() if "Traceback" in t or "Error" in t]
-                    outputs_with_tb = [t for t in page.locator(".jp-OutputArea-output").all_text_contents() if "Traceback" in t]
-                    assert not tracebacks and not outputs_with_tb, f"error output in the notebook: {(tracebacks + outputs_with_tb)[0][:2000]}"
-                    assert page.locator(".js-plotly-plot").count() == EXPECTED_PLOTS, _plot_titles(page)
-                    assert "player ready" in page.locator(".jp-OutputArea-output").all_text_contents()[-1]
-
-                    # Step: the click goes to the kernel, which redraws every figure in place.
-                    for step in (1, 2):
-                        page.locator(".kvlab-player button", has_text="Step ▶").click()
-                        _wait_until(page, "() => true", 30, f"the figures to show step {step}", also=lambda s=step: _titles_ok(page, s))
-                    pool_title = _plot_titles(page)[0]
-                    assert "3 shared" in pool_title, pool_title  # step 2: req1 shares blocks 1-3 with req0
-                    page.wait_for_timeout(500)  # let plotly finish its transition before the picture
-                    page.locator(".kvlab-player").first.screenshot(path=str(shot))
+                    yield page, playwright_sync, base, token, log
                 except BaseException:
                     # Keep the evidence: what the page looked like, and the server's log.
-                    page.screenshot(path=str(ARTIFACTS / "browser_failure.png"))
+                    page.screenshot(path=str(ARTIFACTS / f"browser_failure_{Path(first).stem}.png"))
                     print(log.read_text()[-4000:])
                     raise
             finally:
                 browser.close()
     finally:
         _stop(proc)
+
+
+def _assert_no_errors(page) -> None:
+    errors = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
+    tracebacks = [t for t in errors.all_text_contents() if "Traceback" in t or "Error" in t]
+    outputs = page.locator(".jp-OutputArea-output").all_text_contents()
+    bad = [t for t in outputs if "Traceback" in t or "Error displaying widget" in t or "Failed to initialize" in t]
+    assert not tracebacks and not bad, f"error output in the notebook: {(tracebacks + bad)[0][:2000]}"
+
+
+@pytest.mark.timeout(420)
+def test_player_renders_and_steps(tmp_path: Path) -> None:
+    shot = ARTIFACTS / "browser_player.png"
+    with lab_page(tmp_path, {NOTEBOOK: NOTEBOOK.name}, NOTEBOOK.name) as (page, playwright_sync, _, _, _):
+        page_errors: list[str] = []
+        page.on("pageerror", lambda e: page_errors.append(str(e)))
+        _run_all(page)
+        # Done when every code cell has a number ([1], [2], ...) and the kernel is idle again.
+        # Generous: plotly's first import alone takes ~7 s of CPU, and CI machines are shared.
+        _wait_until(page, ALL_CELLS_RAN, 240, "every cell to run")
+        try:
+            page.wait_for_function(f"() => document.querySelectorAll('.js-plotly-plot').length >= {EXPECTED_PLOTS}", timeout=60_000)
+            _wait_until(page, "() => true", 60, "the six figures to draw their titles", also=lambda: _titles_ok(page, 0))
+        except (TimeoutError, playwright_sync.TimeoutError):
+            # anywidget gives a widget 2 s to load its JavaScript; on an overloaded
+            # machine the first figure can miss that (the notebook warms plotly up to
+            # avoid it). Then, and only then, run the notebook once more.
+            if not any("Failed to initialize model" in e for e in page_errors):
+                raise
+            _run_all(page)
+            _wait_until(page, ALL_CELLS_RAN, 240, "every cell to run (second run)")
+            _wait_until(page, "() => true", 60, "the six figures (second run)", also=lambda: _titles_ok(page, 0))
+        _assert_no_errors(page)
+        assert page.locator(".js-plotly-plot").count() == EXPECTED_PLOTS, _plot_titles(page)
+        assert "player ready" in page.locator(".jp-OutputArea-output").all_text_contents()[-1]
+
+        # Step: the click goes to the kernel, which redraws every figure in place.
+        for step in (1, 2):
+            page.locator(".kvlab-player button", has_text="Step ▶").click()
+            _wait_until(page, "() => true", 30, f"the figures to show step {step}", also=lambda s=step: _titles_ok(page, s))
+        pool_title = _plot_titles(page)[0]
+        assert "3 shared" in pool_title, pool_title  # step 2: req1 shares blocks 1-3 with req0
+        page.wait_for_timeout(500)  # let plotly finish its transition before the picture
+        page.locator(".kvlab-player").first.screenshot(path=str(shot))
     assert shot.exists()
+
+
+# Every plotly figure on screen (not in a collapsed widget) has drawn its plot area.
+DRAWN = """() => {
+    const shown = [...document.querySelectorAll('.js-plotly-plot')].filter(p => p.offsetParent !== null);
+    return shown.length > 0 && shown.every(p => p.querySelector('.main-svg') !== null);
+}"""
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("lesson", ["00_start_here.ipynb", "04_refcounts_and_eviction.ipynb"])
+def test_lesson_renders_every_widget(tmp_path: Path, lesson: str) -> None:
+    """A learner's first contact: run all cells of a lesson; every output renders, no error."""
+    src = REPO / "notebooks" / lesson
+    with lab_page(tmp_path, {src: f"notebooks/{lesson}"}, f"notebooks/{lesson}") as (page, _, _, _, _):
+        _run_all(page)
+        _wait_until(page, ALL_CELLS_RAN, 420, "every cell of the lesson to run")
+        _wait_until(page, DRAWN, 90, "every plotly figure to draw")
+        _assert_no_errors(page)
+        assert page.locator(".js-plotly-plot").count() >= 1, "a lesson without a single picture"
+        assert page.locator(".jp-OutputArea-output .widget-button, .jp-OutputArea-output .js-plotly-plot").count() >= 1
+        page.screenshot(path=str(ARTIFACTS / f"browser_{Path(lesson).stem}.png"), full_page=True)
+
+
+LEARNER_ANSWER = """def find_longest_cache_hit(block_hashes, num_tokens, block_size, cached):
+    n = 0
+    for h in block_hashes[: (num_tokens - 1) // block_size]:
+        if h not in cached:
+            break
+        n += 1
+    return n
+"""
+
+
+@pytest.mark.timeout(420)
+def test_learner_fills_an_exercise_and_the_check_passes(tmp_path: Path) -> None:
+    """Open an exercise as a new user would: run it (stubs say "not implemented yet"), type
+    an answer into the solution cell, run it and the check below it: the check passes."""
+    nb = "exercises/ex_prefix_cache.ipynb"
+    with lab_page(tmp_path, {REPO / nb: nb}, nb) as (page, _, _, _, _):
+        _run_all(page)
+        _wait_until(page, ALL_CELLS_RAN, 240, "the exercise notebook to run with its stubs")
+        _assert_no_errors(page)
+        cells = page.locator(".jp-Notebook .jp-CodeCell")
+        idx = next(i for i in range(cells.count()) if "def find_longest_cache_hit" in cells.nth(i).locator(".jp-InputArea").inner_text())
+        check_cell = cells.nth(idx + 1)
+        assert "not implemented yet" in check_cell.locator(".jp-OutputArea").inner_text()
+        editor = cells.nth(idx).locator(".cm-content")
+        editor.click()
+        page.keyboard.press("Control+A")
+        page.keyboard.press("Delete")
+        page.keyboard.insert_text(LEARNER_ANSWER)
+        page.keyboard.press("Shift+Enter")  # run the answer; the focus moves to the check cell
+        page.keyboard.press("Shift+Enter")  # run the check
+        _wait_until(page, "() => true", 60, "the check to pass",
+                    also=lambda: "✔ PASS longest_hit" in check_cell.locator(".jp-OutputArea").inner_text())
+        page.screenshot(path=str(ARTIFACTS / "browser_exercise.png"))
