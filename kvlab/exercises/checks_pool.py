@@ -14,6 +14,7 @@ from typing import Any
 from kvlab.block_pool import BlockPool, KVCacheBlock, group_suffix
 from kvlab.exercises.registry import call, register
 from kvlab.exercises.result import CheckResult, failed, passed
+from kvlab.events import EventLog
 from kvlab.kv_cache_manager import KVCacheManager
 from kvlab.request import Request
 
@@ -24,8 +25,14 @@ EXPECTED_FREE_ORDER = [5, 4, 6, 7, 8, 9, 10, 3, 2, 1]
 def run_shared_prefix_story(mgr: KVCacheManager) -> dict[str, Any]:
     """vLLM's test_prefill story. Returns the observables at each stage."""
     obs: dict[str, Any] = {}
+    log = mgr.events
+
+    def stage() -> None:  # one player step per stage of the story
+        if log is not None:
+            log.step += 1
 
     def admit(rid: str, tokens: list[int]) -> Any:
+        stage()
         r = Request(rid, tokens)
         hits, n = mgr.get_computed_blocks(r)
         new = mgr.allocate_slots(r, len(tokens) - n, n, hits)
@@ -36,14 +43,22 @@ def run_shared_prefix_story(mgr: KVCacheManager) -> dict[str, Any]:
     r0 = admit("req0", COMMON + [3] * 7)
     r1 = admit("req1", COMMON + [3] * 5)
     obs["refs_after_req1"] = [mgr.block_pool.blocks[i].ref_cnt for i in (1, 2, 3)]
+    stage()
     mgr.free(r0)
     mgr.free(r1)
     obs["free_order"] = [b.block_id for b in mgr.block_pool.free_block_queue.get_all_free_blocks()]
     r2 = admit("req2", COMMON + [3] * 6)
+    stage()
     mgr.free(r2)
     admit("req3", [99] * 160)
     obs["num_free_end"] = mgr.block_pool.get_num_free_blocks()
+    obs["log"] = log
     return obs
+
+
+def story_manager() -> KVCacheManager:
+    """A fresh 11-block pool that records its events, so a passing check can be replayed."""
+    return KVCacheManager(num_blocks=11, block_size=16, event_log=EventLog())
 
 
 EXPECTED_STORY = {
@@ -153,7 +168,7 @@ def check_free_queue(cls: Any) -> CheckResult:
         if got != want or q.num_free_blocks != n:
             return failed(eid, f"queue wrong after {name}", case=name, expected=f"{want} (num_free_blocks={n})", got=f"{got} (num_free_blocks={q.num_free_blocks})", idea="the queue is the eviction order; every operation keeps it exact")
     # Plug it into the real pool and replay vLLM's story.
-    mgr = KVCacheManager(num_blocks=11, block_size=16)
+    mgr = story_manager()
     pool = mgr.block_pool
     for b in pool.blocks:
         b.prev_free_block = b.next_free_block = None
@@ -183,7 +198,7 @@ def check_free_queue(cls: Any) -> CheckResult:
             f"remove() is not O(1): {small * 1e6:.1f} µs per remove with 2,000 blocks, {big * 1e6:.1f} µs with 200,000 ({ratio:.0f}× slower)",
             idea="a list's remove() searches; a prefix hit on a big server would scan the whole pool. Link the blocks instead.",
         )
-    return passed(eid, f"exact queue order in vLLM's story, and remove() costs the same at 2,000 and 200,000 blocks ({ratio:.1f}×).")
+    return passed(eid, extra={"log": obs["log"]}, message=f"exact queue order in vLLM's story, and remove() costs the same at 2,000 and 200,000 blocks ({ratio:.1f}×).")
 
 
 # --- free_order -------------------------------------------------------------------------------
@@ -209,18 +224,18 @@ def check_free_order(fn: Any) -> CheckResult:
             idea = "forward order puts the request's FIRST block at the eviction end: the shared beginning would be evicted first"
         return failed(eid, "wrong free order for a table [7, 3, 9, 4]", expected="[4, 9, 3, 7]", got=repr(got_ids), idea=idea)
     # In the engine: the learner's order replaces SingleTypeKVCacheManager.free.
-    mgr = KVCacheManager(num_blocks=11, block_size=16)
+    mgr = story_manager()
     for m in mgr.coordinator.single_type_managers:
         def free(request_id: str, m: Any = m) -> None:
             blocks = m.req_to_blocks.pop(request_id, [])
-            m.block_pool.free_blocks(call(fn, list(blocks), where="freeing a request"))
+            m.block_pool.free_blocks(call(fn, list(blocks), where="freeing a request"), request_id=request_id, group=m.kv_cache_group_id)
             m.num_cached_block.pop(request_id, None)
         m.free = free  # type: ignore[method-assign]
     obs = run_shared_prefix_story(mgr)
     bad = compare_story(eid, obs, "free order")
     if bad is not None:
         return bad
-    return passed(eid, "tail first: in vLLM's story the shared prefix 3, 2, 1 sits at the far end of the eviction order.")
+    return passed(eid, extra={"log": obs["log"]}, message="tail first: in vLLM's story the shared prefix 3, 2, 1 sits at the far end of the eviction order.")
 
 
 # --- touch ------------------------------------------------------------------------------------
@@ -238,7 +253,7 @@ def check_free_order(fn: Any) -> CheckResult:
 )
 def check_touch(fn: Any) -> CheckResult:
     eid = "touch"
-    mgr = KVCacheManager(num_blocks=11, block_size=16)
+    mgr = story_manager()
     pool = mgr.block_pool
 
     def touch(blocks: Any, request_id: str | None = None) -> None:
@@ -269,7 +284,7 @@ def check_touch(fn: Any) -> CheckResult:
     queue = [x.block_id for x in pool.free_block_queue.get_all_free_blocks()]
     if any(bid in queue for bid in held):
         return failed(eid, "a block held by request b is still on the free queue", expected=f"queue without {held}", got=f"queue {queue}", idea="evicting a referenced block would overwrite KV that b is reading")
-    return passed(eid, "hit blocks leave the free queue before their ref count rises; nothing referenced can be evicted.")
+    return passed(eid, extra={"log": obs["log"]}, message="hit blocks leave the free queue before their ref count rises; nothing referenced can be evicted.")
 
 
 # --- stale_hash (bug hunt) --------------------------------------------------------------------
@@ -306,7 +321,7 @@ def check_stale_hash(fn: Any) -> CheckResult:
     h, n = mgr.get_computed_blocks(a2)
     if n:
         return failed(eid, f"after its blocks were reused by b, a's prompt still 'hits' {n} tokens", expected="0 tokens", got=f"{n} tokens, blocks {h.get_block_ids()[0]}", idea="a stale map entry returns another prompt's KV: the model would answer from the wrong context")
-    mgr = patched(KVCacheManager(num_blocks=11, block_size=16))
+    mgr = patched(story_manager())
     obs = run_shared_prefix_story(mgr)
     try:
         mgr.block_pool.check_invariants()
@@ -334,4 +349,4 @@ def check_stale_hash(fn: Any) -> CheckResult:
     other = hy if first == hx else hx
     if left != [other]:
         return failed(eid, "two blocks carried one hash (duplicates); evicting one must keep the other", expected=f"map keeps [{other}]", got=f"map keeps {left}", idea="pop by (hash, block id), not by hash alone")
-    return passed(eid, "reallocated blocks drop exactly their own entry; no stale hit, duplicates survive.")
+    return passed(eid, extra={"log": obs["log"]}, message="reallocated blocks drop exactly their own entry; no stale hit, duplicates survive.")

@@ -24,9 +24,19 @@ class CheckResult:
     def __bool__(self) -> bool:
         return self.passed
 
+    def show(self, **kwargs: Any) -> Any:
+        """Replay the engine run the checker made with your code (a ``kvlab.viz.Player``)."""
+        log = self.extra.get("log")
+        if log is None:
+            raise ValueError(f"the {self.exercise_id} check recorded no engine run to show")
+        from kvlab.viz import Player
+
+        return Player(log, **kwargs)
+
     def __str__(self) -> str:
         if self.passed:
-            return f"✔ PASS {self.exercise_id}: {self.message}"
+            replay = "\n   (call .show() on this result to replay the run with your code in the Player)" if "log" in self.extra else ""
+            return f"✔ PASS {self.exercise_id}: {self.message}{replay}"
         if self.not_implemented:
             return f"… TODO {self.exercise_id}: {self.message}"
         lines = [f"✘ FAIL {self.exercise_id}: {self.message}"]
@@ -44,8 +54,8 @@ class CheckResult:
         return f'<pre style="border-left:4px solid {colour};padding:6px 10px;white-space:pre-wrap">{html.escape(str(self))}</pre>'
 
 
-def passed(exercise_id: str, message: str, **kw: Any) -> CheckResult:
-    return CheckResult(exercise_id, True, message, **kw)
+def passed(exercise_id: str, message: str, extra: dict[str, Any] | None = None, **kw: Any) -> CheckResult:
+    return CheckResult(exercise_id, True, message, extra=extra or {}, **kw)
 
 
 def failed(exercise_id: str, message: str, **kw: Any) -> CheckResult:
