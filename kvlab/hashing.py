@@ -13,10 +13,11 @@ vLLM: ``vllm/v1/core/kv_cache_utils.py`` (``hash_block_tokens``,
 
 Serialisation. vLLM's ``sha256`` pickles the tuple, which costs about twice the SHA-256
 itself. kvlab's hash functions recognise the block-key shape ``(bytes, tuple[int, ...],
-extra)`` and serialise it canonically instead (parent bytes, token count, tokens as
-little-endian uint32, then the pickled extra keys when present). The encoding is
-injective, so the hash is still a faithful function of (parent, tokens, extra keys); any
-other object is pickled, as in vLLM. Token ids must fit in 32 bits (``Request`` checks).
+extra)`` and serialise it canonically instead (a tag, the parent's length and the token
+count, then the parent bytes, the tokens as little-endian uint32, then the pickled extra
+keys when present). The encoding is injective, so the hash is still a faithful function
+of (parent, tokens, extra keys); any other object is pickled, as in vLLM. Token ids must
+fit in 32 bits (``Request`` checks).
 """
 from __future__ import annotations
 
@@ -35,22 +36,38 @@ HashFn = Callable[[Any], bytes]
 
 _PICKLE_PROTOCOL = pickle.HIGHEST_PROTOCOL
 _BLOCK_TAG = b"\x01kvlab-block\x00"  # never the first bytes of a pickle (those are b"\x80")
-_STRUCTS: dict[int, struct.Struct] = {}
+_sha256 = hashlib.sha256
 
 
-def _token_struct(n: int) -> struct.Struct:
-    s = _STRUCTS.get(n)
-    if s is None:
-        s = _STRUCTS[n] = struct.Struct(f"<I{n}I")  # count, then the tokens
-    return s
+class _BlockFormat(struct.Struct):
+    """Packs one block key in a single call: header, parent, tokens (uint32 little-endian).
+
+    The header is the tag, the parent's length and the token count: with both lengths
+    up front, parents of different lengths (NONE_HASH is 32 bytes, an xxhash parent 16, a
+    weak16 parent 2) cannot shift bytes into the tokens, so the encoding stays injective.
+    """
+
+    __slots__ = ("header",)
+
+
+_FORMATS: dict[tuple[int, int], _BlockFormat] = {}
+
+
+def _block_format(parent_len: int, num_tokens: int) -> _BlockFormat:
+    f = _FORMATS.get((parent_len, num_tokens))
+    if f is None:
+        header = _BLOCK_TAG + struct.pack("<II", parent_len, num_tokens)
+        f = _FORMATS[(parent_len, num_tokens)] = _BlockFormat(f"<{len(header)}s{parent_len}s{num_tokens}I")
+        f.header = header
+    return f
 
 
 def encode(obj: Any) -> bytes:
     """The exact bytes a kvlab hash function digests for ``obj``."""
     if type(obj) is tuple and len(obj) == 3 and type(obj[0]) is bytes and type(obj[1]) is tuple:
         parent, tokens, extra = obj
-        n = len(tokens)
-        body = _BLOCK_TAG + parent + _token_struct(n).pack(n, *tokens)
+        f = _block_format(len(parent), len(tokens))
+        body = f.pack(f.header, parent, *tokens)
         if extra is None:
             return body
         return body + pickle.dumps(extra, protocol=_PICKLE_PROTOCOL)
@@ -61,11 +78,10 @@ def sha256(obj: Any) -> bytes:
     """SHA-256 of the canonical encoding (32 bytes). vLLM's default since v0.11."""
     if type(obj) is tuple and len(obj) == 3 and type(obj[0]) is bytes and type(obj[1]) is tuple and obj[2] is None:
         # Inlined fast path of `encode` for the common case: no extra keys.
-        tokens = obj[1]
-        n = len(tokens)
-        s = _STRUCTS.get(n) or _token_struct(n)
-        return hashlib.sha256(_BLOCK_TAG + obj[0] + s.pack(n, *tokens)).digest()
-    return hashlib.sha256(encode(obj)).digest()
+        parent, tokens = obj[0], obj[1]
+        f = _FORMATS.get((len(parent), len(tokens))) or _block_format(len(parent), len(tokens))
+        return _sha256(f.pack(f.header, parent, *tokens)).digest()
+    return _sha256(encode(obj)).digest()
 
 
 def sha256_cbor(obj: Any) -> bytes:
@@ -105,11 +121,11 @@ HASH_ALGOS = tuple(_HASH_FNS)
 def get_hash_fn_by_name(name: str) -> HashFn:
     """Return the hash function called ``name`` (one of ``HASH_ALGOS``)."""
     if not isinstance(name, str):
-        raise TypeError(f"hash algo name must be a str, got {type(name).__name__}")
+        raise TypeError(f"hash_algo must be a str, got {type(name).__name__}")
     try:
         return _HASH_FNS[name]
     except KeyError:
-        raise ValueError(f"unknown hash algo {name!r}; choose one of {', '.join(HASH_ALGOS)}") from None
+        raise ValueError(f"unknown hash_algo {name!r}; choose one of {', '.join(HASH_ALGOS)}") from None
 
 
 # --- NONE_HASH: the "parent" of every first block -----------------------------------------
@@ -141,6 +157,13 @@ def hash_block_tokens(
     """Hash one full block, chained to its parent: ``hash_fn((parent, tokens, extra))``."""
     if not parent_block_hash:
         parent_block_hash = NONE_HASH
+    if hash_fn is sha256 and extra_keys is None and type(parent_block_hash) is bytes:
+        # The default, inlined: the same bytes as sha256((parent, tuple(tokens), None)),
+        # without building the tuple or making a second call (see `kvlab.bench core`).
+        f = _FORMATS.get((len(parent_block_hash), len(curr_block_token_ids))) or _block_format(
+            len(parent_block_hash), len(curr_block_token_ids)
+        )
+        return _sha256(f.pack(f.header, parent_block_hash, *curr_block_token_ids)).digest()
     return hash_fn((parent_block_hash, tuple(curr_block_token_ids), extra_keys))
 
 
@@ -178,7 +201,7 @@ def get_request_block_hasher(block_size: int, hash_fn: HashFn) -> Callable[[Any]
         while start + block_size <= num_tokens:
             end = start + block_size
             extra = None if simple and (start or request.cache_salt is None) else generate_block_hash_extra_keys(request, start, end)
-            parent = hash_fn((parent, tuple(tokens[start:end]), extra))
+            parent = hash_block_tokens(hash_fn, parent, tokens[start:end], extra)
             new.append(parent)
             start = end
         return new

@@ -62,8 +62,9 @@ class CachingMetrics:
         self.aggregated_requests += stats.requests
         self.aggregated_query_total += stats.queries
         self.aggregated_query_hit += stats.hits
-        # Drop whole observations from the old end while the window still holds enough.
-        while len(self.query_queue) > 1 and self.aggregated_requests - self.query_queue[0][0] >= self.max_recent_requests:
+        # Drop whole observations from the old end until the window holds at most
+        # max_recent_requests requests -- but always keep the newest one (vLLM's rule).
+        while len(self.query_queue) > 1 and self.aggregated_requests > self.max_recent_requests:
             r, q, h = self.query_queue.popleft()
             self.aggregated_requests -= r
             self.aggregated_query_total -= q

@@ -114,10 +114,12 @@ class Request:
             raise TypeError(f"priority must be an int (lower runs first), got {priority!r}")
         if arrival_time is not None and not isinstance(arrival_time, (int, float)):
             raise TypeError(f"arrival_time must be None or a number, got {arrival_time!r}")
-        features = sorted(mm_features or (), key=lambda f: f.offset)
-        for i, f in enumerate(features):
+        given = list(mm_features or ())
+        for i, f in enumerate(given):  # type-check before sorting reads .offset
             if not isinstance(f, MultiModalFeature):
                 raise TypeError(f"mm_features[{i}] must be a MultiModalFeature, got {type(f).__name__}")
+        features = sorted(given, key=lambda f: f.offset)
+        for i, f in enumerate(features):
             if f.offset + f.length > len(prompt):
                 raise ValueError(
                     f"mm_features: {f.identifier!r} covers tokens [{f.offset}, {f.offset + f.length}) "

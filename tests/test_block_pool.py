@@ -1,0 +1,269 @@
+"""BlockPool, its free queue (the eviction order) and its hash -> block map."""
+from __future__ import annotations
+
+import pytest
+
+from kvlab import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock, Request
+from kvlab.block_pool import BlockHashToBlockMap, group_suffix
+
+
+def ids(blocks):
+    return [b.block_id for b in blocks]
+
+
+def queue_ids(q: FreeKVCacheBlockQueue):
+    return ids(q.get_all_free_blocks())
+
+
+def check_links(q: FreeKVCacheBlockQueue):
+    """Walk both directions: the forward order reversed must equal the backward order."""
+    fwd, cur = [], q.fake_free_list_head.next_free_block
+    while cur is not q.fake_free_list_tail:
+        fwd.append(cur.block_id)
+        cur = cur.next_free_block
+    back, cur = [], q.fake_free_list_tail.prev_free_block
+    while cur is not q.fake_free_list_head:
+        back.append(cur.block_id)
+        cur = cur.prev_free_block
+    assert fwd == back[::-1] and len(fwd) == q.num_free_blocks
+    return fwd
+
+
+# --- FreeKVCacheBlockQueue ---------------------------------------------------------------------
+def make_queue(n=6):
+    blocks = [KVCacheBlock(i) for i in range(n)]
+    return blocks, FreeKVCacheBlockQueue(blocks)
+
+
+def test_queue_starts_in_block_order_with_sentinels():
+    blocks, q = make_queue()
+    assert check_links(q) == [0, 1, 2, 3, 4, 5]
+    assert q.fake_free_list_head.block_id == q.fake_free_list_tail.block_id == -1
+    assert q.fake_free_list_head.prev_free_block is None and q.fake_free_list_tail.next_free_block is None
+
+
+def test_popleft_and_popleft_n():
+    blocks, q = make_queue()
+    b = q.popleft()
+    assert b is blocks[0] and b.prev_free_block is None and b.next_free_block is None
+    assert q.popleft_n(0) == [] and check_links(q) == [1, 2, 3, 4, 5]
+    got = q.popleft_n(3)
+    assert ids(got) == [1, 2, 3] and all(x.prev_free_block is None and x.next_free_block is None for x in got)
+    assert check_links(q) == [4, 5] and q.num_free_blocks == 2
+    with pytest.raises(ValueError, match="only 2"):
+        q.popleft_n(3)
+    assert check_links(q) == [4, 5]
+    assert ids(q.popleft_n(2)) == [4, 5]
+    assert check_links(q) == [] and q.fake_free_list_head.next_free_block is q.fake_free_list_tail
+    assert q.fake_free_list_tail.prev_free_block is q.fake_free_list_head
+    with pytest.raises(ValueError):
+        q.popleft()
+    assert q.num_free_blocks == 0
+
+
+def test_remove_from_the_middle_and_the_ends():
+    blocks, q = make_queue()
+    q.remove(blocks[3])
+    q.remove(blocks[0])
+    q.remove(blocks[5])
+    assert check_links(q) == [1, 2, 4]
+    assert blocks[3].prev_free_block is None and blocks[3].next_free_block is None
+    with pytest.raises(RuntimeError, match="block 3"):
+        q.remove(blocks[3])  # not in the queue any more
+    assert check_links(q) == [1, 2, 4]
+
+
+def test_append_append_n_prepend_n():
+    blocks, q = make_queue()
+    taken = q.popleft_n(6)
+    q.append(taken[2])
+    q.append_n([taken[4], taken[0]])
+    q.prepend_n([taken[5], taken[1]])  # blocks[0] of the argument is popped first
+    assert check_links(q) == [5, 1, 2, 4, 0]
+    q.append_n([])
+    q.prepend_n([])
+    assert check_links(q) == [5, 1, 2, 4, 0]
+    q.prepend_n([taken[3]])
+    assert check_links(q) == [3, 5, 1, 2, 4, 0] and q.popleft() is taken[3]
+
+
+def test_prepend_and_append_into_an_empty_queue():
+    blocks, q = make_queue(3)
+    taken = q.popleft_n(3)
+    q.prepend_n([taken[1], taken[2]])
+    assert check_links(q) == [1, 2]
+    q.popleft_n(2)
+    q.append_n([taken[2], taken[0]])
+    assert check_links(q) == [2, 0]
+
+
+# --- BlockHashToBlockMap -----------------------------------------------------------------------
+def test_hash_map_keeps_duplicates_and_pops_by_block_id():
+    m = BlockHashToBlockMap()
+    a, b, c = KVCacheBlock(1), KVCacheBlock(2), KVCacheBlock(3)
+    assert m.get_one_block(b"k") is None and m.pop(b"k", 1) is None
+    m.insert(b"k", a)
+    assert m.get_one_block(b"k") is a and len(m) == 1 and b"k" in m
+    assert m.pop(b"k", 2) is None and m.get_one_block(b"k") is a  # wrong id: untouched
+    m.insert(b"k", b)
+    m.insert(b"k", c)
+    assert len(m) == 1 and ids(m.blocks_for(b"k")) == [1, 2, 3]
+    assert m.get_one_block(b"k") is a  # the first one inserted
+    assert m.pop(b"k", 1) is a and m.get_one_block(b"k") is b
+    assert m.pop(b"k", 9) is None and ids(m.blocks_for(b"k")) == [2, 3]
+    assert m.pop(b"k", 3) is c and m.blocks_for(b"k") == [b]
+    assert m.pop(b"k", 2) is b and len(m) == 0 and b"k" not in m and m.get_one_block(b"k") is None
+
+
+# --- BlockPool ---------------------------------------------------------------------------------
+class _Req:
+    """The two attributes cache_full_blocks reads, for hashes chosen by the test."""
+
+    def __init__(self, rid, hashes, tokens):
+        self.request_id, self.block_hashes, self.all_token_ids = rid, hashes, tokens
+        self.lora_name, self.mm_features, self.cache_salt = None, [], None
+
+
+def test_fresh_pool_null_block_and_first_ids():
+    pool = BlockPool(11)
+    assert pool.null_block is pool.blocks[0] and pool.null_block.is_null
+    assert [b.is_null for b in pool.blocks].count(True) == 1
+    assert pool.get_num_free_blocks() == 10 and pool.get_usage() == 0.0
+    got = pool.get_new_blocks(3)
+    assert ids(got) == [1, 2, 3] and [b.ref_cnt for b in got] == [1, 1, 1]
+    assert pool.get_usage() == pytest.approx(0.3)
+    pool.check_invariants()
+
+
+def test_usage_excludes_the_null_block():
+    pool = BlockPool(11)
+    pool.get_new_blocks(1)
+    assert pool.get_usage() == pytest.approx(0.1)
+    pool.get_new_blocks(9)
+    assert pool.get_usage() == 1.0
+    assert BlockPool(2).get_usage() == 0.0
+
+
+def test_get_new_blocks_beyond_the_free_count_changes_nothing():
+    pool = BlockPool(4)
+    with pytest.raises(ValueError, match="3 free"):
+        pool.get_new_blocks(4)
+    assert queue_ids(pool.free_block_queue) == [1, 2, 3] and all(b.ref_cnt == 0 for b in pool.blocks)
+
+
+def test_cache_free_evict_cycle():
+    pool = BlockPool(6)
+    blocks = pool.get_new_blocks(3)
+    hashes = [b"h0" * 16, b"h1" * 16, b"h2" * 16]
+    req = _Req("r", hashes, list(range(48)))
+    pool.cache_full_blocks(req, blocks, 0, 2, 16, 0)  # only the first two are full
+    assert [b.block_hash for b in blocks] == [hashes[0], hashes[1], None]
+    assert blocks[0].cache_key == hashes[0] + group_suffix(0) == hashes[0] + b"\x00\x00\x00\x00"
+    assert pool.get_cached_block(hashes[1], [0]) == [blocks[1]] and pool.get_cached_block(hashes[1], [1]) is None
+    pool.cache_full_blocks(req, blocks, 2, 2, 16, 0)  # nothing new: no-op
+    with pytest.raises(RuntimeError, match="already cached"):
+        pool.cache_full_blocks(req, blocks, 1, 2, 16, 0)
+    with pytest.raises(RuntimeError, match="has 3 block hashes, needs 4"):
+        pool.cache_full_blocks(req, blocks + pool.get_new_blocks(1), 3, 4, 16, 0)
+
+    # free tail first: uncached ones go to the head, cached ones to the tail (kept longest)
+    pool.free_blocks(reversed(blocks))
+    assert queue_ids(pool.free_block_queue) == [3, 5, 2, 1]
+    assert blocks[0].block_hash == hashes[0]  # freed blocks keep their hash (lazy eviction)
+    pool.check_invariants()
+
+    # a hit pulls a free block back out of the middle of the queue
+    pool.touch([[blocks[1]]])
+    assert blocks[1].ref_cnt == 1 and queue_ids(pool.free_block_queue) == [3, 5, 1]
+
+    # allocation pops the head; only a cached block costs a map entry
+    got = pool.get_new_blocks(3)
+    assert ids(got) == [3, 5, 1] and pool.num_evicted_blocks == 1
+    assert blocks[0].block_hash is None and pool.get_cached_block(hashes[0], [0]) is None
+    assert pool.get_cached_block(hashes[1], [0]) == [blocks[1]]  # the touched one survives
+    pool.check_invariants()
+
+
+def test_touch_shared_block_and_free_order():
+    pool = BlockPool(5)
+    a = pool.get_new_blocks(2)
+    pool.touch([a])  # second owner
+    assert [b.ref_cnt for b in a] == [2, 2]
+    pool.free_blocks(reversed(a))
+    assert [b.ref_cnt for b in a] == [1, 1] and queue_ids(pool.free_block_queue) == [3, 4]
+    pool.free_blocks(reversed(a))
+    assert queue_ids(pool.free_block_queue) == [2, 1, 3, 4]  # uncached: prepended, tail block first
+    with pytest.raises(RuntimeError, match="freed more often"):
+        pool.free_blocks([a[0]])
+
+
+def test_null_block_is_never_queued_or_counted():
+    pool = BlockPool(4)
+    b = pool.get_new_blocks(1)
+    pool.touch([[pool.null_block, b[0]]])
+    assert pool.null_block.ref_cnt == 0 and b[0].ref_cnt == 2
+    pool.free_blocks([pool.null_block, b[0], b[0]])
+    assert queue_ids(pool.free_block_queue) == [1, 2, 3] and pool.null_block.ref_cnt == 0
+    pool.check_invariants()
+
+
+def test_caching_disabled_all_freed_blocks_reused_first():
+    pool = BlockPool(6, enable_caching=False)
+    got = pool.get_new_blocks(3)
+    pool.free_blocks(reversed(got))
+    assert queue_ids(pool.free_block_queue) == [3, 2, 1, 4, 5]
+
+
+def test_reset_prefix_cache_only_when_nothing_is_held():
+    pool = BlockPool(5)
+    blocks = pool.get_new_blocks(2)
+    pool.cache_full_blocks(_Req("r", [b"x" * 32, b"y" * 32], list(range(8))), blocks, 0, 2, 4, 0)
+    assert pool.reset_prefix_cache() is False
+    assert blocks[0].block_hash == b"x" * 32 and len(pool.cached_block_hash_to_block) == 2
+    pool.free_blocks(reversed(blocks))
+    assert pool.reset_prefix_cache() is True
+    assert len(pool.cached_block_hash_to_block) == 0 and all(b.block_hash is None for b in pool.blocks)
+    assert queue_ids(pool.free_block_queue) == [3, 4, 2, 1]  # the queue itself is untouched
+    pool.check_invariants()
+
+
+def test_check_invariants_catches_corruption():
+    pool = BlockPool(5)
+    got = pool.get_new_blocks(2)
+    got[0].ref_cnt = 0  # "used" but unreferenced
+    with pytest.raises(AssertionError, match="block 1"):
+        pool.check_invariants()
+    got[0].ref_cnt = 1
+    pool.check_invariants()
+    got[1].block_hash = b"z" * 32  # a hash without a map entry
+    with pytest.raises(AssertionError, match="block 2"):
+        pool.check_invariants()
+    got[1].block_hash = None
+    pool.free_block_queue.num_free_blocks += 1
+    with pytest.raises(AssertionError, match="counts"):
+        pool.check_invariants()
+
+
+def test_pool_caches_a_real_requests_hashes_with_events_off():
+    req = Request("r", list(range(40)))
+    from kvlab import KVCacheManager
+
+    mgr = KVCacheManager(num_blocks=5, block_size=16)
+    mgr.get_computed_blocks(req)
+    pool = BlockPool(5)
+    blocks = pool.get_new_blocks(3)
+    pool.cache_full_blocks(req, blocks, 0, 2, 16, 3)
+    assert pool.get_cached_block(req.block_hashes[0], [3]) == [blocks[0]]
+    assert blocks[1].cache_key == req.block_hashes[1] + (3).to_bytes(4, "big")
+
+
+def test_bench_core_runs_and_reports_ratios(capsys):
+    from kvlab.bench import core
+
+    assert core.main(["--repeats", "1", "--pool-blocks", "300"]) == 0
+    out = capsys.readouterr().out
+    for label in ("floor:", "cycle:", "hash: sha256 ", "raw sha256", "pickle+sha256", "get_new_blocks(64)"):
+        assert label in out
+    assert out.count("floor units") >= 10 and "target <= 25" in out and "target <= 1.5x" in out
+    with pytest.raises(SystemExit):
+        core.main(["--pool-blocks", "10"])

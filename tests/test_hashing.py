@@ -1,0 +1,232 @@
+"""Block hashing: hash functions, the block encoding, NONE_HASH, extra keys, the chain."""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+import pickle
+import subprocess
+import sys
+
+import cbor2
+import pytest
+import xxhash as _xxhash
+
+from kvlab import KVCacheManager, MultiModalFeature, Request, get_hash_fn_by_name, hash_block_tokens
+from kvlab import hashing
+from kvlab.hashing import HASH_ALGOS, encode, generate_block_hash_extra_keys, get_request_block_hasher
+
+PARENT = bytes(range(32))  # a fixed parent, so values do not depend on this process's NONE_HASH
+BLOCK = (PARENT, tuple(range(16)), None)
+
+EXPECTED_LENGTHS = {"sha256": 32, "sha256_cbor": 32, "xxhash": 16, "xxhash_cbor": 16, "weak16": 2}
+
+
+def test_every_algo_is_listed_and_has_its_digest_length():
+    assert set(HASH_ALGOS) == set(EXPECTED_LENGTHS)
+    for name, length in EXPECTED_LENGTHS.items():
+        fn = get_hash_fn_by_name(name)
+        out = fn(BLOCK)
+        assert type(out) is bytes and len(out) == length, name
+        assert fn(BLOCK) == out, f"{name} is not deterministic"
+        assert fn((PARENT, tuple(range(1, 17)), None)) != out, f"{name} ignores the tokens"
+
+
+def test_hash_functions_match_their_definitions():
+    extra = ("lora-a", ("img", 3), "salt")
+    for obj in (BLOCK, (PARENT, (5, 6), extra), "not a block", (1, 2, 3)):
+        body = encode(obj)
+        assert hashing.sha256(obj) == hashlib.sha256(body).digest()
+        assert hashing.xxhash(obj) == _xxhash.xxh3_128_digest(body)
+        assert hashing.weak16(obj) == hashlib.sha256(body).digest()[:2]
+        # vLLM's sha256_cbor exactly: reproducible across languages.
+        assert hashing.sha256_cbor(obj) == hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
+        assert hashing.xxhash_cbor(obj) == _xxhash.xxh3_128_digest(cbor2.dumps(obj, canonical=True))
+    # Anything that is not a block key is pickled, as vLLM does for every input.
+    assert encode("not a block") == pickle.dumps("not a block", protocol=pickle.HIGHEST_PROTOCOL)
+    assert encode((PARENT, [1, 2], None)) == pickle.dumps((PARENT, [1, 2], None), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def test_block_encoding_is_canonical_bytes():
+    body = encode((b"\xaa\xbb", (1, 2**32 - 1), None))
+    # tag, parent length, token count, parent, tokens (uint32 little-endian)
+    assert body == b"\x01kvlab-block\x00" + b"\x02\x00\x00\x00" + b"\x02\x00\x00\x00" + b"\xaa\xbb" + b"\x01\x00\x00\x00" + b"\xff\xff\xff\xff"
+    with_extra = encode((b"\xaa\xbb", (1, 2**32 - 1), ("x",)))
+    assert with_extra == body + pickle.dumps(("x",), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+TRICKY = [
+    # parent bytes vs token count: a longer parent must not absorb the count
+    (b"ab", (1, 7), None),
+    (b"ab\x02\x00\x00\x00", (7,), None),
+    (b"ab\x02\x00\x00\x00\x01\x00\x00\x00", (), None),
+    # token count
+    (PARENT, (), None),
+    (PARENT, (0,), None),
+    (PARENT, (0, 0), None),
+    # tokens split differently between parent-less blocks
+    (PARENT, (1, 2, 3), None),
+    (PARENT, (1, 2), None),
+    (PARENT, (1, 2, 3, 0), None),
+    (PARENT, (256,), None),
+    (PARENT, (0, 1), None),
+    # extra keys: None vs () vs a value, nesting
+    (PARENT, (1, 2, 3), ()),
+    (PARENT, (1, 2, 3), ("a",)),
+    (PARENT, (1, 2, 3), (("a",),)),
+    (PARENT, (1, 2, 3), ("a", "b")),
+    (PARENT, (1, 2, 3), ("ab",)),
+    (PARENT, (1, 2, 3), (("img", 0),)),
+    (PARENT, (1, 2, 3), (("img", -16),)),
+    # empty parent
+    (b"", (1, 2, 3), None),
+]
+
+
+def test_block_encoding_is_injective_on_tricky_cases():
+    bodies = [encode(o) for o in TRICKY]
+    assert len(set(bodies)) == len(TRICKY)
+    for name in ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor"):
+        fn = get_hash_fn_by_name(name)
+        assert len({fn(o) for o in TRICKY}) == len(TRICKY), name
+
+
+def test_hash_block_tokens_chains_on_parent():
+    fn = get_hash_fn_by_name("sha256")
+    toks = list(range(16))
+    h0 = hash_block_tokens(fn, None, toks)
+    assert h0 == fn((hashing.NONE_HASH, tuple(toks), None))
+    assert hash_block_tokens(fn, b"", toks) == h0  # empty parent = root
+    assert hash_block_tokens(fn, None, tuple(toks)) == h0  # list or tuple
+    assert hash_block_tokens(fn, bytearray(hashing.NONE_HASH), toks) == fn((bytearray(hashing.NONE_HASH), tuple(toks), None))
+    h1 = hash_block_tokens(fn, h0, toks)
+    assert h1 == fn((h0, tuple(toks), None)) and h1 != h0  # same tokens, other position
+    assert hash_block_tokens(fn, None, toks, ("lora",)) == fn((hashing.NONE_HASH, tuple(toks), ("lora",))) != h0
+
+
+def test_get_hash_fn_by_name_rejects_unknown_names():
+    with pytest.raises(ValueError, match=r"hash_algo 'md5'.*sha256"):
+        get_hash_fn_by_name("md5")
+    with pytest.raises(TypeError, match="hash_algo"):
+        get_hash_fn_by_name(None)  # type: ignore[arg-type]
+
+
+def _none_hash_in_subprocess(seed: str | None) -> str:
+    env = dict(os.environ)
+    env.pop("PYTHONHASHSEED", None)
+    if seed is not None:
+        env["PYTHONHASHSEED"] = seed
+    code = "import kvlab.hashing as h; print(h.NONE_HASH.hex())"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60, check=True)
+    return out.stdout.strip()
+
+
+def test_none_hash_comes_from_pythonhashseed():
+    a, b = _none_hash_in_subprocess("1234"), _none_hash_in_subprocess("1234")
+    assert a == b == hashing.sha256("1234").hex()
+    assert _none_hash_in_subprocess("99") != a
+    c, d = _none_hash_in_subprocess(None), _none_hash_in_subprocess(None)
+    assert c != d and len(bytes.fromhex(c)) == 32
+
+
+def test_init_none_hash_uses_the_given_function(monkeypatch):
+    saved = hashing.NONE_HASH
+    try:
+        monkeypatch.setenv("PYTHONHASHSEED", "7")
+        assert hashing.init_none_hash(hashing.sha256_cbor) == hashing.sha256_cbor("7") == hashing.NONE_HASH
+        monkeypatch.delenv("PYTHONHASHSEED")
+        x, y = hashing.init_none_hash(), hashing.init_none_hash()
+        assert x != y and len(x) == 32
+    finally:
+        hashing.NONE_HASH = saved
+
+
+# --- extra keys ------------------------------------------------------------------------------
+def test_extra_keys_salt_only_in_first_block():
+    req = Request("r", list(range(40)), cache_salt="tenant-a")
+    assert generate_block_hash_extra_keys(req, 0, 16) == ("tenant-a",)
+    assert generate_block_hash_extra_keys(req, 16, 32) is None
+    assert generate_block_hash_extra_keys(Request("p", [1] * 16), 0, 16) is None
+
+
+def test_extra_keys_lora_in_every_block_and_vllm_order():
+    img = MultiModalFeature(identifier="img-a", offset=11, length=10)
+    req = Request("r", list(range(48)), lora_name="sql", cache_salt="s", mm_features=[img])
+    assert generate_block_hash_extra_keys(req, 0, 16) == ("sql", ("img-a", 11), "s")
+    assert generate_block_hash_extra_keys(req, 16, 32) == ("sql", ("img-a", -5))
+    assert generate_block_hash_extra_keys(req, 32, 48) == ("sql",)
+
+
+def test_extra_keys_multimodal_overlap_boundaries():
+    # a: [0, 16) exactly one block; b: [16, 20); c: [20, 36) spans blocks 1 and 2.
+    feats = [MultiModalFeature("c", 20, 16), MultiModalFeature("a", 0, 16), MultiModalFeature("b", 16, 4)]
+    req = Request("r", list(range(48)), mm_features=feats)
+    assert [f.identifier for f in req.mm_features] == ["a", "b", "c"]  # sorted by offset
+    assert generate_block_hash_extra_keys(req, 0, 16) == (("a", 0),)  # b starts exactly at 16: not here
+    assert generate_block_hash_extra_keys(req, 16, 32) == (("b", 0), ("c", 4))  # a ended at 16: not here
+    assert generate_block_hash_extra_keys(req, 32, 48) == (("c", -12),)
+
+
+# --- the request block hasher ----------------------------------------------------------------
+def _chain(fn, tokens, bs, extras=None):
+    out, parent = [], None
+    for i in range(len(tokens) // bs):
+        extra = extras(i) if extras else None
+        parent = hash_block_tokens(fn, parent, tokens[i * bs : (i + 1) * bs], extra)
+        out.append(parent)
+    return out
+
+
+@pytest.mark.parametrize("algo", ["sha256", "sha256_cbor", "xxhash"])
+def test_request_block_hashes_are_the_chain(algo):
+    fn = get_hash_fn_by_name(algo)
+    toks = [7 * i % 50 for i in range(37)]
+    req = Request("r", toks, cache_salt="s", lora_name="l")
+    assert req.block_hashes == []  # unbound until a manager sees it
+    hasher = get_request_block_hasher(16, fn)
+    req.bind_block_hasher((16, algo), hasher)
+    want = _chain(fn, toks, 16, lambda i: ("l", "s") if i == 0 else ("l",))
+    assert req.block_hashes == want and len(want) == 2
+    req.append_output_token_ids([1] * 10)  # 47 tokens: still 2 full blocks
+    assert req.block_hashes == want
+    req.append_output_token_ids(3)  # 48: the third block fills now
+    full = want + [hash_block_tokens(fn, want[-1], (toks + [1] * 10 + [3])[32:48], ("l",))]
+    assert req.block_hashes == full
+
+
+def test_request_is_bound_to_one_hasher():
+    req = Request("r", list(range(20)))
+    KVCacheManager(num_blocks=4, block_size=16).get_computed_blocks(req)
+    KVCacheManager(num_blocks=4, block_size=16).get_computed_blocks(req)  # same settings: fine
+    with pytest.raises(ValueError, match="already hashed"):
+        KVCacheManager(num_blocks=4, block_size=8).get_computed_blocks(req)
+    with pytest.raises(ValueError, match="already hashed"):
+        KVCacheManager(num_blocks=4, block_size=16, hash_algo="xxhash").get_computed_blocks(req)
+
+
+def test_weak16_collisions_give_wrong_hits():
+    """weak16 exists to show what a collision does: another prompt's blocks are returned."""
+    fn = get_hash_fn_by_name("weak16")
+    seen: dict[bytes, list[int]] = {}
+    for a, b in itertools.product(range(200), range(200)):
+        block = [a, b] + [0] * 14
+        h = hash_block_tokens(fn, None, block)
+        if h in seen:
+            first, second = seen[h], block
+            break
+        seen[h] = block
+    else:  # pragma: no cover - 40,000 draws from 65,536 values always collide
+        pytest.fail("no weak16 collision found")
+    mgr = KVCacheManager(num_blocks=6, block_size=16, hash_algo="weak16")
+    r0 = Request("r0", first + [5])
+    hits, n = mgr.get_computed_blocks(r0)
+    mgr.allocate_slots(r0, 17, n, hits)
+    r1 = Request("r1", second + [5])
+    hits, n = mgr.get_computed_blocks(r1)
+    assert n == 16 and hits.get_block_ids() == ([1],)  # r1's first block "is" r0's: wrong context
+    # the same pair of prompts under sha256 does not share anything
+    safe = KVCacheManager(num_blocks=6, block_size=16)
+    s0 = Request("r0", first + [5])
+    assert safe.get_computed_blocks(s0)[1] == 0
+    safe.allocate_slots(s0, 17)
+    assert safe.get_computed_blocks(Request("r1", second + [5]))[1] == 0
