@@ -265,6 +265,8 @@ class LLMEngine:
         **request_kwargs,
     ) -> list[list[int]]:
         """Run ``prompts`` to completion; return each one's output token ids, in order."""
+        if isinstance(prompts, (str, bytes)):
+            raise TypeError("prompts must be a list of prompts (a bare string would be read as one prompt per character)")
         reqs = []
         for p in prompts:
             if isinstance(p, str):
