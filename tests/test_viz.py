@@ -446,6 +446,6 @@ def test_every_view_uses_the_shared_bundle_widget() -> None:
     for view in (PoolView(), TimelineView(), KernelView()):
         # anywidget adds traits through a per-instance subclass, so compare what the browser
         # receives: the shared-bundle module, not plotly's raw bundle.
-        assert isinstance(view.figure, go.FigureWidget) and view.figure._esm == cls._esm
+        assert isinstance(view.widget, go.FigureWidget) and view.widget._esm == cls._esm
     preload()
     preload()  # idempotent

@@ -114,13 +114,21 @@ class View:
         self.decode = decode
         self.width = width
         self.height = height
-        self.figure: go.FigureWidget = self._make_figure()
+        # A plain figure until the view is first shown; then the FigureWidget (see `widget`).
+        self._plain: Any = self._make_figure()
+        self._widget: go.FigureWidget | None = None
         self.last_data: dict[str, Any] | None = None
         self._sent: dict[str, Any] = {}
 
-    def _make_figure(self) -> go.FigureWidget:
-        """The empty figure; a view with subplots overrides this."""
-        return figure_widget_class()(layout=self._base_layout())
+    def _make_figure(self) -> Any:
+        """The empty (plain) figure; a view with subplots overrides this."""
+        return _go().Figure(layout=self._base_layout())
+
+    @property
+    def figure(self) -> Any:
+        """The figure to draw on: the plain figure before the view is shown, the live
+        ``FigureWidget`` after. Both take the same property updates."""
+        return self._widget if self._widget is not None else self._plain
 
     # -- to override ----------------------------------------------------------------------
     def update(self, snapshot: Snapshot, selected_request: str | None = None) -> None:
@@ -182,12 +190,24 @@ class View:
 
     @property
     def widget(self) -> go.FigureWidget:
-        return self.figure
+        """The live figure, created on first use FROM the complete figure.
+
+        Why late: a ``FigureWidget`` opens its comm when it is constructed, and plotly's
+        front end (an anywidget loading ~5 MB of JavaScript asynchronously) can drop state
+        that arrives before it is ready -- traces added after construction then never
+        reach the page and the figure stays blank. Built from a figure that already holds
+        every trace, the widget's first message carries them all; later redraws only
+        restyle existing traces.
+        """
+        if self._widget is None:
+            self._widget = figure_widget_class()(self._plain)
+            self._plain = None
+        return self._widget
 
     def _ipython_display_(self) -> None:
         from IPython.display import display
 
-        display(self.figure)
+        display(self.widget)
 
 
 def legend_traces(go: Any, colors: dict[str, str], labels: dict[str, str], order: tuple[str, ...], symbol: str = "square") -> list[Any]:

@@ -299,7 +299,7 @@ class Player:
         self.step_button.on_click(lambda _b: self.next())
         self.slider.observe(self._on_slider, names="value")
         self.request_dropdown.observe(self._on_request, names="value")
-        figs = [v.figure for v in self.views.values()]
+        figs = [v.widget for v in self.views.values()]
         grid = w.GridBox(
             figs,
             layout=w.Layout(grid_template_columns="repeat(2, max-content)" if len(figs) > 1 else "max-content",

@@ -17,7 +17,7 @@ from typing import Any
 
 from kvlab import events as ev
 from kvlab.snapshot import Snapshot, Timeline
-from kvlab.viz.base import TOP_LEGEND, View, _go, figure_widget_class
+from kvlab.viz.base import TOP_LEGEND, View, _go
 from kvlab.viz.style import CURSOR, HIGHLIGHT, STATUS_COLORS, STATUS_ORDER, discrete_colorscale
 
 _STATUS_INDEX = {s: i for i, s in enumerate(STATUS_ORDER)}
@@ -137,7 +137,7 @@ class TimelineView(View):
 
         base = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.05, row_heights=[0.24, 0.22, 0.54])
         base.update_layout(self._base_layout())
-        return figure_widget_class()(base)
+        return base
 
     def _run_of(self) -> dict[str, Any]:
         """``run_data`` of the whole log, recomputed only when the log has grown."""
