@@ -87,6 +87,21 @@ def _require_cache_layout(name: str, cache: torch.Tensor) -> None:
         )
 
 
+def _require_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    """Both caches laid out as ``[num_blocks, block_size, kv_heads, head_dim]``, equal in
+    shape, and in the dtype of ``ref`` (the tensor whose K/V or queries meet them)."""
+    _require_cache_layout("key_cache", key_cache)
+    if value_cache.shape != key_cache.shape:
+        raise ValueError(
+            f"value_cache must have the shape of key_cache {tuple(key_cache.shape)}, "
+            f"got {tuple(value_cache.shape)}"
+        )
+    _require_cache_layout("value_cache", value_cache)
+    for n, c in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if c.dtype != ref.dtype:
+            raise ValueError(f"{n} has dtype {c.dtype} but {ref_name} has {ref.dtype}; they must match")
+
+
 def _require_same_device(tensors: dict[str, torch.Tensor]) -> None:
     names = list(tensors)
     first = tensors[names[0]].device
@@ -134,16 +149,7 @@ def validate_reshape_and_cache(
         raise ValueError(f"value has dtype {value.dtype} but key has {key.dtype}; they must match")
     _require_last_dim_contiguous("key", key)
     _require_last_dim_contiguous("value", value)
-    _require_cache_layout("key_cache", key_cache)
-    if value_cache.shape != key_cache.shape:
-        raise ValueError(
-            f"value_cache must have the shape of key_cache {tuple(key_cache.shape)}, "
-            f"got {tuple(value_cache.shape)}"
-        )
-    _require_cache_layout("value_cache", value_cache)
-    for n, c in (("key_cache", key_cache), ("value_cache", value_cache)):
-        if c.dtype != key.dtype:
-            raise ValueError(f"{n} has dtype {c.dtype} but key has {key.dtype}; they must match")
+    _require_cache_pair(key_cache, value_cache, "key", key)
     num_tokens, num_heads, head_dim = key.shape
     num_blocks, block_size = key_cache.shape[:2]
     if key_cache.shape[2:] != (num_heads, head_dim):
@@ -222,16 +228,7 @@ def validate_unified_attention(
     _require_ndim("q", q, 3, "[num_tokens, num_q_heads, head_dim]")
     _require_dtype("q", q, SUPPORTED_DTYPES)
     _require_last_dim_contiguous("q", q)
-    _require_cache_layout("key_cache", key_cache)
-    if value_cache.shape != key_cache.shape:
-        raise ValueError(
-            f"value_cache must have the shape of key_cache {tuple(key_cache.shape)}, "
-            f"got {tuple(value_cache.shape)}"
-        )
-    _require_cache_layout("value_cache", value_cache)
-    for n, c in (("key_cache", key_cache), ("value_cache", value_cache)):
-        if c.dtype != q.dtype:
-            raise ValueError(f"{n} has dtype {c.dtype} but q has {q.dtype}; they must match")
+    _require_cache_pair(key_cache, value_cache, "q", q)
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, cache_head_dim = key_cache.shape
     if cache_head_dim != head_dim:
