@@ -14,10 +14,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from kvlab.snapshot import BLOCK_STATES, NULL, Snapshot, Timeline
+from kvlab.snapshot import NULL, Snapshot, Timeline
 from kvlab.viz.base import TOP_LEGEND, View, _go, legend_traces
-from kvlab.viz.pool import blocks_of
-from kvlab.viz.style import HIGHLIGHT, STATE_COLORS, STATE_HELP, STATE_INDEX, STATE_LABELS, discrete_colorscale, short_hash
+from kvlab.viz.pool import blocks_of, state_heatmap
+from kvlab.viz.style import HIGHLIGHT, STATE_COLORS, STATE_HELP, STATE_INDEX, STATE_LABELS, short_hash
 
 GROUP_GAP = 1  # empty columns between two groups' tables
 MIN_ROWS, MIN_COLUMNS = 6, 10  # small tables keep readable cells instead of stretching
@@ -139,20 +139,7 @@ class BlockTableView(View):
         go = _go()
         fig = self.figure
         fig.add_trace(
-            go.Heatmap(
-                z=[[None]],
-                zmin=-0.5,
-                zmax=len(BLOCK_STATES) - 0.5,
-                colorscale=discrete_colorscale([STATE_COLORS[s] for s in BLOCK_STATES]),
-                showscale=False,
-                xgap=2,
-                ygap=3,
-                texttemplate="%{text}",
-                textfont=dict(size=11),
-                hovertemplate="%{customdata}<extra></extra>",
-                name="tables",
-                showlegend=False,
-            )
+            state_heatmap(go, name="tables", ygap=3, showlegend=False)
         )
         fig.add_trace(
             go.Scatter(x=[], y=[], mode="markers", name="selected request",

@@ -133,6 +133,26 @@ def figure_data(
     )
 
 
+
+def state_heatmap(go: Any, *, name: str, ygap: int, **kwargs: Any) -> Any:
+    """One heatmap whose cells are coloured by block state (the pool and the block tables
+    share it, so a state has the same colour in both). ``z`` holds ``STATE_INDEX`` values;
+    cell text and hover come in ``text`` / ``customdata``."""
+    return go.Heatmap(
+        z=[[None]],
+        zmin=-0.5,
+        zmax=len(BLOCK_STATES) - 0.5,
+        colorscale=discrete_colorscale([STATE_COLORS[s] for s in BLOCK_STATES]),
+        showscale=False,
+        xgap=2,
+        ygap=ygap,
+        texttemplate="%{text}",
+        textfont=dict(size=11),
+        hovertemplate="%{customdata}<extra></extra>",
+        name=name,
+        **kwargs,
+    )
+
 class PoolView(View):
     """The block pool as a grid: colour = state, label = ref count, hover = the details."""
 
@@ -159,19 +179,7 @@ class PoolView(View):
         go = _go()
         fig = self.figure
         fig.add_trace(
-            go.Heatmap(
-                z=[[None]],
-                zmin=-0.5,
-                zmax=len(BLOCK_STATES) - 0.5,
-                colorscale=discrete_colorscale([STATE_COLORS[s] for s in BLOCK_STATES]),
-                showscale=False,
-                xgap=2,
-                ygap=2,
-                texttemplate="%{text}",
-                textfont=dict(size=11),
-                hovertemplate="%{customdata}<extra></extra>",
-                name="blocks",
-            )
+            state_heatmap(go, name="blocks", ygap=2)
         )
         fig.add_trace(
             go.Scatter(
