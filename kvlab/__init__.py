@@ -1,16 +1,27 @@
 """kvlab: vLLM's paged KV cache, small enough to read, run, watch and break.
 
-The core (request, hashing, block pool, managers, scheduler) is pure Python; the Triton
-kernels and the tiny model live in ``kvlab.kernels``, ``kvlab.model`` and
-``kvlab.runner`` and are imported only when used.
+The layout mirrors vLLM's tree: ``kvlab/core`` is ``vllm/v1/core`` (block pool, managers,
+``sched/``), ``kvlab/worker`` is ``vllm/v1/worker`` (model runner), ``kvlab/engine`` and
+``kvlab/executor`` are ``vllm/v1/engine`` and ``vllm/v1/executor``. kvlab's own parts sit
+beside them: ``timeline`` (events, snapshots: the data layer), ``viz`` (the pictures),
+``workloads``, ``exercises``, ``lessons``, ``bench``.
+
+The core is pure Python; torch, Triton (``kvlab.kernels``) and plotly are imported only
+by the parts that need them.
 """
-from kvlab.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
-from kvlab.events import EventLog
-from kvlab.hashing import get_hash_fn_by_name, hash_block_tokens
+from kvlab.core.block_pool import BlockPool
+from kvlab.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from kvlab.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock, hash_block_tokens
+from kvlab.core.sched.output import SchedulerOutput
+from kvlab.core.sched.scheduler import Scheduler
+from kvlab.engine.llm_engine import LLMEngine, build_engine
+from kvlab.executor.simulated import SimulatedExecutor
 from kvlab.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
-from kvlab.kv_cache_manager import KVCacheBlocks, KVCacheManager
-from kvlab.metrics import CachingMetrics, PrefixCacheStats
+from kvlab.metrics.stats import CachingMetrics, PrefixCacheStats
 from kvlab.request import MultiModalFeature, Request, RequestStatus
+from kvlab.timeline.events import EventLog
+from kvlab.timeline.snapshot import Snapshot, Timeline, replay
+from kvlab.utils.hashing import get_hash_fn_by_name
 
 __all__ = [
     "BlockPool",
@@ -21,22 +32,22 @@ __all__ = [
     "KVCacheBlock",
     "KVCacheBlocks",
     "KVCacheManager",
+    "LLMEngine",
     "MultiModalFeature",
     "PrefixCacheStats",
     "Request",
     "RequestStatus",
+    "Scheduler",
+    "SchedulerOutput",
+    "SimulatedExecutor",
     "SlidingWindowSpec",
+    "Snapshot",
+    "Timeline",
+    "build_engine",
     "get_hash_fn_by_name",
     "hash_block_tokens",
+    "replay",
 ]
-
-try:  # the scheduler lands separately; keep the core importable without it
-    from kvlab.sched_output import SchedulerOutput
-    from kvlab.scheduler import Scheduler
-
-    __all__ += ["Scheduler", "SchedulerOutput"]
-except ImportError:  # pragma: no cover
-    pass
 
 
 def __getattr__(name: str):

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvlab.hashing import BlockHash
+from kvlab.utils.hashing import BlockHash
 
 _MAX_TOKEN_ID = 2**32 - 1
 

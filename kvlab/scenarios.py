@@ -21,12 +21,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvlab.engine import LLMEngine, SimulatedExecutor, build_engine
-from kvlab.events import EventLog, RequestPreempted, RequestScheduled
+from kvlab.engine.llm_engine import LLMEngine, build_engine
+from kvlab.executor.simulated import SimulatedExecutor
 from kvlab.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 from kvlab.request import Request
-from kvlab.snapshot import Snapshot, Timeline
-from kvlab.tokenizer import ByteTokenizer
+from kvlab.timeline.events import EventLog, RequestPreempted, RequestScheduled
+from kvlab.timeline.snapshot import Snapshot, Timeline
+from kvlab.worker.tokenizer import ByteTokenizer
 
 if TYPE_CHECKING:
     from kvlab.viz.player import Player

@@ -9,7 +9,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvlab import BlockPool, FullAttentionSpec, KVCacheManager, MultiModalFeature, Request, SlidingWindowSpec
+from kvlab import (
+    BlockPool,
+    FullAttentionSpec,
+    KVCacheManager,
+    MultiModalFeature,
+    Request,
+    SlidingWindowSpec,
+)
 
 MMF = MultiModalFeature
 

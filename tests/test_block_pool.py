@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from kvlab import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock, Request
-from kvlab.block_pool import BlockHashToBlockMap, group_suffix
+from kvlab.core.block_pool import BlockHashToBlockMap, group_suffix
 
 
 def ids(blocks):

@@ -21,7 +21,13 @@ request's hash for that position and every other block none.
 from __future__ import annotations
 
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 
 from kvlab import FullAttentionSpec, KVCacheManager, Request, SlidingWindowSpec
 

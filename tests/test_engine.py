@@ -4,7 +4,9 @@ from __future__ import annotations
 import pytest
 
 from kvlab import KVCacheManager, Request, Scheduler
-from kvlab.engine import CostModel, LLMEngine, SimulatedExecutor, build_engine
+from kvlab.engine.cost_model import CostModel
+from kvlab.engine.llm_engine import LLMEngine, build_engine
+from kvlab.executor.simulated import SimulatedExecutor
 
 # Powers of two, so every sum below is exact in floating point.
 COST = CostModel(step_overhead_s=0.5, prefill_s_per_token=0.25, decode_s_per_token=0.125, kv_read_s_per_token=0.0625)

@@ -1,8 +1,22 @@
 """Events emitted by the core: exact kinds, ids and order for vLLM's scenario; JSON round trip."""
 from __future__ import annotations
 
-from kvlab import EventLog, FullAttentionSpec, KVCacheManager, MultiModalFeature, Request, SlidingWindowSpec
-from kvlab.events import BlockCached, BlockEvicted, BlocksFreed, BlocksSkipped, CacheReset, PrefixLookup
+from kvlab import (
+    EventLog,
+    FullAttentionSpec,
+    KVCacheManager,
+    MultiModalFeature,
+    Request,
+    SlidingWindowSpec,
+)
+from kvlab.timeline.events import (
+    BlockCached,
+    BlockEvicted,
+    BlocksFreed,
+    BlocksSkipped,
+    CacheReset,
+    PrefixLookup,
+)
 
 
 def run(mgr, req):

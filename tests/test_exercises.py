@@ -6,15 +6,15 @@ import time
 
 import pytest
 
-from kvlab import hashing
-from kvlab.block_pool import KVCacheBlock
+from kvlab.core import kv_cache_utils
+from kvlab.core.kv_cache_utils import KVCacheBlock
 from kvlab.exercises import EXERCISES, check
 
 # --- correct implementations, written differently from kvlab's own ------------------------------
 
 
 def hash_ok(hash_fn, parent, token_ids, extra_keys):
-    return hash_fn((parent if parent else hashing.NONE_HASH, tuple(token_ids), extra_keys))
+    return hash_fn((parent if parent else kv_cache_utils.NONE_HASH, tuple(token_ids), extra_keys))
 
 
 def extra_ok(request, start, end):
@@ -172,10 +172,10 @@ def _evict_all_dups(pool, block):
 
 WRONG = {
     "hash_chain": {
-        "unchained (ignores parent)": lambda f, p, t, x: f((hashing.NONE_HASH, tuple(t), x)),
+        "unchained (ignores parent)": lambda f, p, t, x: f((kv_cache_utils.NONE_HASH, tuple(t), x)),
         "None as first parent": lambda f, p, t, x: f((p, tuple(t), x)),
-        "tokens as a list": lambda f, p, t, x: f((p or hashing.NONE_HASH, list(t), x)),
-        "ignores extra keys": lambda f, p, t, x: f((p or hashing.NONE_HASH, tuple(t), None)),
+        "tokens as a list": lambda f, p, t, x: f((p or kv_cache_utils.NONE_HASH, list(t), x)),
+        "ignores extra keys": lambda f, p, t, x: f((p or kv_cache_utils.NONE_HASH, tuple(t), None)),
         "only the tokens": lambda f, p, t, x: f(tuple(t)),
     },
     "extra_keys": {

@@ -4,11 +4,12 @@ from __future__ import annotations
 import time
 
 import pytest
-
-from kvlab.exercises import check  # imports kvlab.kernels first: it picks the Triton mode
-
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+
+from kvlab.exercises import (
+    check,  # imports kvlab.kernels first: it picks the Triton mode
+)
 
 
 @triton.jit

@@ -12,9 +12,20 @@ import cbor2
 import pytest
 import xxhash as _xxhash
 
-from kvlab import KVCacheManager, MultiModalFeature, Request, get_hash_fn_by_name, hash_block_tokens
-from kvlab import hashing
-from kvlab.hashing import HASH_ALGOS, encode, generate_block_hash_extra_keys, get_request_block_hasher
+from kvlab import (
+    KVCacheManager,
+    MultiModalFeature,
+    Request,
+    get_hash_fn_by_name,
+    hash_block_tokens,
+)
+from kvlab.core import kv_cache_utils
+from kvlab.core.kv_cache_utils import (
+    generate_block_hash_extra_keys,
+    get_request_block_hasher,
+)
+from kvlab.utils import hashing
+from kvlab.utils.hashing import HASH_ALGOS, encode
 
 PARENT = bytes(range(32))  # a fixed parent, so values do not depend on this process's NONE_HASH
 BLOCK = (PARENT, tuple(range(16)), None)
@@ -95,13 +106,13 @@ def test_hash_block_tokens_chains_on_parent():
     fn = get_hash_fn_by_name("sha256")
     toks = list(range(16))
     h0 = hash_block_tokens(fn, None, toks)
-    assert h0 == fn((hashing.NONE_HASH, tuple(toks), None))
+    assert h0 == fn((kv_cache_utils.NONE_HASH, tuple(toks), None))
     assert hash_block_tokens(fn, b"", toks) == h0  # empty parent = root
     assert hash_block_tokens(fn, None, tuple(toks)) == h0  # list or tuple
-    assert hash_block_tokens(fn, bytearray(hashing.NONE_HASH), toks) == fn((bytearray(hashing.NONE_HASH), tuple(toks), None))
+    assert hash_block_tokens(fn, bytearray(kv_cache_utils.NONE_HASH), toks) == fn((bytearray(kv_cache_utils.NONE_HASH), tuple(toks), None))
     h1 = hash_block_tokens(fn, h0, toks)
     assert h1 == fn((h0, tuple(toks), None)) and h1 != h0  # same tokens, other position
-    assert hash_block_tokens(fn, None, toks, ("lora",)) == fn((hashing.NONE_HASH, tuple(toks), ("lora",))) != h0
+    assert hash_block_tokens(fn, None, toks, ("lora",)) == fn((kv_cache_utils.NONE_HASH, tuple(toks), ("lora",))) != h0
 
 
 def test_get_hash_fn_by_name_rejects_unknown_names():
@@ -116,7 +127,7 @@ def _none_hash_in_subprocess(seed: str | None) -> str:
     env.pop("PYTHONHASHSEED", None)
     if seed is not None:
         env["PYTHONHASHSEED"] = seed
-    code = "import kvlab.hashing as h; print(h.NONE_HASH.hex())"
+    code = "import kvlab.core.kv_cache_utils as h; print(h.NONE_HASH.hex())"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60, check=True)
     return out.stdout.strip()
 
@@ -130,15 +141,15 @@ def test_none_hash_comes_from_pythonhashseed():
 
 
 def test_init_none_hash_uses_the_given_function(monkeypatch):
-    saved = hashing.NONE_HASH
+    saved = kv_cache_utils.NONE_HASH
     try:
         monkeypatch.setenv("PYTHONHASHSEED", "7")
-        assert hashing.init_none_hash(hashing.sha256_cbor) == hashing.sha256_cbor("7") == hashing.NONE_HASH
+        assert kv_cache_utils.init_none_hash(hashing.sha256_cbor) == hashing.sha256_cbor("7") == kv_cache_utils.NONE_HASH
         monkeypatch.delenv("PYTHONHASHSEED")
-        x, y = hashing.init_none_hash(), hashing.init_none_hash()
+        x, y = kv_cache_utils.init_none_hash(), kv_cache_utils.init_none_hash()
         assert x != y and len(x) == 32
     finally:
-        hashing.NONE_HASH = saved
+        kv_cache_utils.NONE_HASH = saved
 
 
 # --- extra keys ------------------------------------------------------------------------------

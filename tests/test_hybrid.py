@@ -6,7 +6,7 @@ from contextlib import contextmanager
 import pytest
 
 from kvlab import FullAttentionSpec, KVCacheManager, Request, SlidingWindowSpec
-from kvlab.single_type_kv_cache_manager import SlidingWindowManager
+from kvlab.core.single_type_kv_cache_manager import SlidingWindowManager
 
 
 def free_ids(mgr):

@@ -26,14 +26,12 @@ import sys
 import textwrap
 from dataclasses import dataclass
 
+import kvlab.kernels as K
 import pytest
 import torch
-
-import kvlab.kernels as K
-from kvlab.kernels.attention import _launch, _schedule
-
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kvlab.kernels.attention import _launch, _schedule
 
 HAS_CUDA = torch.cuda.is_available()
 

@@ -3,7 +3,15 @@ from __future__ import annotations
 
 import pytest
 
-from kvlab import CachingMetrics, KVCacheManager, MultiModalFeature, PrefixCacheStats, Request, get_hash_fn_by_name, hash_block_tokens
+from kvlab import (
+    CachingMetrics,
+    KVCacheManager,
+    MultiModalFeature,
+    PrefixCacheStats,
+    Request,
+    get_hash_fn_by_name,
+    hash_block_tokens,
+)
 
 
 def free_ids(mgr):

@@ -7,9 +7,15 @@ import math
 import pytest
 import torch
 
-from kvlab.model import (TinyLlama, TinyLlamaConfig, apply_rope, rms_norm, rope_cos_sin,
-                         sliding_window_mask)
-from kvlab.tokenizer import BOS_TOKEN_ID, EOS_TOKEN_ID, ByteTokenizer
+from kvlab.worker.model import (
+    TinyLlama,
+    TinyLlamaConfig,
+    apply_rope,
+    rms_norm,
+    rope_cos_sin,
+    sliding_window_mask,
+)
+from kvlab.worker.tokenizer import BOS_TOKEN_ID, EOS_TOKEN_ID, ByteTokenizer
 
 # Tiny ops: one thread is much faster than two fighting over 2 shared cores.
 torch.set_num_threads(1)

@@ -3,7 +3,14 @@ from __future__ import annotations
 
 import pytest
 
-from kvlab import KVCacheManager, MultiModalFeature, Request, RequestStatus, get_hash_fn_by_name, hash_block_tokens
+from kvlab import (
+    KVCacheManager,
+    MultiModalFeature,
+    Request,
+    RequestStatus,
+    get_hash_fn_by_name,
+    hash_block_tokens,
+)
 
 
 def test_fields_are_kept_as_given():

@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from kvlab.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from kvlab.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
-from kvlab.model import TinyLlama, TinyLlamaConfig
-from kvlab.runner import ModelRunner
-from kvlab.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from kvlab.worker.model import TinyLlama, TinyLlamaConfig
+from kvlab.worker.model_runner import ModelRunner
 
 # Tiny ops: one thread is much faster than two fighting over 2 shared cores.
 torch.set_num_threads(1)

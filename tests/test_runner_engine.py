@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvlab.engine import LLMEngine
+from kvlab.core.kv_cache_manager import KVCacheManager
+from kvlab.core.sched.scheduler import Scheduler
+from kvlab.engine.llm_engine import LLMEngine
 from kvlab.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
-from kvlab.kv_cache_manager import KVCacheManager
-from kvlab.model import TinyLlama, TinyLlamaConfig
-from kvlab.runner import ModelRunner
-from kvlab.scheduler import Scheduler
+from kvlab.worker.model import TinyLlama, TinyLlamaConfig
+from kvlab.worker.model_runner import ModelRunner
 
 # Tiny ops: one thread is much faster than two fighting over 2 shared cores.
 torch.set_num_threads(1)

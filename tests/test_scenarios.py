@@ -7,10 +7,25 @@ from __future__ import annotations
 
 import pytest
 
-from kvlab.engine import LLMEngine
-from kvlab.events import BlockEvicted, BlocksSkipped, EventLog, RequestPreempted, RequestScheduled
-from kvlab.scenarios import SCENARIOS, Scenario, eviction, get_scenario, preemption, salts, shared_prefix, sliding_window
-from kvlab.snapshot import CACHED, SHARED, Timeline
+from kvlab.engine.llm_engine import LLMEngine
+from kvlab.scenarios import (
+    SCENARIOS,
+    Scenario,
+    eviction,
+    get_scenario,
+    preemption,
+    salts,
+    shared_prefix,
+    sliding_window,
+)
+from kvlab.timeline.events import (
+    BlockEvicted,
+    BlocksSkipped,
+    EventLog,
+    RequestPreempted,
+    RequestScheduled,
+)
+from kvlab.timeline.snapshot import CACHED, SHARED, Timeline
 
 
 @pytest.fixture(scope="module", params=sorted(SCENARIOS))

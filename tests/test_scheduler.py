@@ -15,8 +15,8 @@ Conventions used in the hand derivations below:
 from __future__ import annotations
 
 from kvlab import KVCacheManager, Request, RequestStatus, Scheduler
-from kvlab.events import EventLog
-from kvlab.sched_output import SchedulerOutput
+from kvlab.core.sched.output import SchedulerOutput
+from kvlab.timeline.events import EventLog
 
 
 # --------------------------------------------------------------------------- helpers

@@ -1,4 +1,4 @@
-"""Tests for kvlab.sim: hand-computed memory splits, an independent reference, invariants."""
+"""Tests for kvlab.workloads.memory_sim: hand-computed memory splits, an independent reference, invariants."""
 from __future__ import annotations
 
 from collections import deque
@@ -7,8 +7,8 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from kvlab import sim as S
-from kvlab.sim import (
+from kvlab.workloads import memory_sim as S
+from kvlab.workloads.memory_sim import (
     CONTIGUOUS_STRATEGIES,
     STRATEGIES,
     SimResult,
@@ -17,7 +17,7 @@ from kvlab.sim import (
     reservation_size,
     simulate,
 )
-from kvlab.workloads import Trace, alpaca_like, from_lengths, sharegpt_like
+from kvlab.workloads.traces import Trace, alpaca_like, from_lengths, sharegpt_like
 
 SHARES = ("token_states_pct", "reservation_pct", "internal_pct", "external_pct", "free_pct")
 
@@ -241,7 +241,7 @@ def test_bad_input_names_the_argument(call, exc, needle) -> None:
 
 
 def reference(trace: Trace, capacity: int, strategy: str, bs: int, max_model_len: int) -> dict[str, float]:
-    """The rules of kvlab.sim's docstring, written the slow obvious way: a slot array for
+    """The rules of kvlab.workloads.memory_sim's docstring, written the slow obvious way: a slot array for
     contiguous memory, a free-block counter and per-request block lists for paged, one
     loop iteration per step, every quantity counted directly. Arrival times are steps."""
     paged = strategy == "paged"

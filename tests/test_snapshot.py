@@ -18,11 +18,21 @@ import random
 import pytest
 
 from kvlab import FullAttentionSpec, Request, SlidingWindowSpec
-from kvlab.engine import build_engine
-from kvlab.events import EventLog
+from kvlab.engine.llm_engine import build_engine
 from kvlab.scenarios import SYSTEM_48, preemption, shared_prefix, sliding_window
-from kvlab.snapshot import CACHED, FREE, IN_USE, NULL, SHARED, Snapshot, Timeline, live_snapshot, replay
-from kvlab.tokenizer import ByteTokenizer
+from kvlab.timeline.events import EventLog
+from kvlab.timeline.snapshot import (
+    CACHED,
+    FREE,
+    IN_USE,
+    NULL,
+    SHARED,
+    Snapshot,
+    Timeline,
+    live_snapshot,
+    replay,
+)
+from kvlab.worker.tokenizer import ByteTokenizer
 
 
 @pytest.fixture(scope="module")

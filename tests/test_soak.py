@@ -18,8 +18,9 @@ import random
 import pytest
 
 from kvlab import Request, RequestStatus
-from kvlab.engine import LLMEngine, SimulatedExecutor, build_engine
-from kvlab.workloads import sharegpt_like
+from kvlab.engine.llm_engine import LLMEngine, build_engine
+from kvlab.executor.simulated import SimulatedExecutor
+from kvlab.workloads.traces import sharegpt_like
 
 N = 1000
 BLOCK_SIZE = 8

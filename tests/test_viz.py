@@ -14,11 +14,11 @@ pytest.importorskip("plotly")
 pytest.importorskip("ipywidgets")
 
 from kvlab import Request  # noqa: E402
-from kvlab.engine import build_engine  # noqa: E402
-from kvlab.events import AttentionBatch, EventLog  # noqa: E402
+from kvlab.engine.llm_engine import build_engine  # noqa: E402
 from kvlab.scenarios import eviction, preemption, shared_prefix, sliding_window  # noqa: E402
-from kvlab.snapshot import Timeline, replay  # noqa: E402
-from kvlab.viz import (  # noqa: E402
+from kvlab.timeline.events import AttentionBatch, EventLog  # noqa: E402
+from kvlab.timeline.snapshot import Timeline, replay  # noqa: E402
+from kvlab.viz import (  # noqa: E402  # noqa: E402
     BlockHistory,
     BlockTableView,
     FreeQueueView,
@@ -27,10 +27,22 @@ from kvlab.viz import (  # noqa: E402
     Player,
     PoolView,
     TimelineView,
+    block_table,
+    free_queue,
+    hash_chain,
+    kernel,
+    pool,
     show,
+    timeline,
 )
-from kvlab.viz import block_table, free_queue, hash_chain, kernel, pool, timeline  # noqa: E402
-from kvlab.viz.style import KERNEL_COLORS, KERNEL_ORDER, STATE_COLORS, STATUS_COLORS, STATUS_ORDER, render_tokens  # noqa: E402
+from kvlab.viz.style import (  # noqa: E402
+    KERNEL_COLORS,
+    KERNEL_ORDER,
+    STATE_COLORS,
+    STATUS_COLORS,
+    STATUS_ORDER,
+    render_tokens,
+)
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlab import workloads as W
-from kvlab.workloads import (
+from kvlab.workloads import traces as W
+from kvlab.workloads.traces import (
     BYTE_VOCAB,
     Trace,
     TraceRequest,

@@ -26,8 +26,15 @@ import random
 import time
 from collections.abc import Callable
 
-from kvlab.block_pool import BlockPool
-from kvlab.hashing import HASH_ALGOS, UNSAFE_HASH_ALGOS, _block_format, encode, get_hash_fn_by_name, hash_block_tokens
+from kvlab.core.block_pool import BlockPool
+from kvlab.core.kv_cache_utils import hash_block_tokens
+from kvlab.utils.hashing import (
+    HASH_ALGOS,
+    UNSAFE_HASH_ALGOS,
+    _block_format,
+    encode,
+    get_hash_fn_by_name,
+)
 
 CYCLE_BLOCKS = 64
 BLOCK_SIZE = 16

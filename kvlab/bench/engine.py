@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvlab.engine import LLMEngine
-from kvlab.kv_cache_manager import KVCacheManager
-from kvlab.model import TinyLlama, TinyLlamaConfig
-from kvlab.runner import ModelRunner
-from kvlab.sched_output import SchedulerOutput
-from kvlab.scheduler import Scheduler
-from kvlab.tokenizer import ByteTokenizer
+from kvlab.core.kv_cache_manager import KVCacheManager
+from kvlab.core.sched.output import SchedulerOutput
+from kvlab.core.sched.scheduler import Scheduler
+from kvlab.engine.llm_engine import LLMEngine
+from kvlab.worker.model import TinyLlama, TinyLlamaConfig
+from kvlab.worker.model_runner import ModelRunner
+from kvlab.worker.tokenizer import ByteTokenizer
 
 TARGET_S = 20.0
 _TEXT = ("Blocks, not buffers: the KV cache is cut into fixed-size pages, a block table maps each "

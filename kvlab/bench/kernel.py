@@ -19,8 +19,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import kvlab.kernels as K  # first: decides TRITON_INTERPRET before triton is imported
+import kvlab.kernels as K  # noqa: I001  (first: decides TRITON_INTERPRET before triton is imported)
 import torch
+
 from kvlab.kernels.attention import _launch, _plan
 
 # Vendor spec-sheet HBM bandwidth, TB/s. Matched as substrings of the device name, first

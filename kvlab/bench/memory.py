@@ -1,8 +1,8 @@
 """`python -m kvlab.bench memory`: the PagedAttention paper's Fig. 2, re-measured.
 
-One run replays a ShareGPT-like trace (``kvlab.workloads.sharegpt_like``) through the
+One run replays a ShareGPT-like trace (``kvlab.workloads.traces.sharegpt_like``) through the
 contiguous Orca-style strategies and the paged cache at several block sizes, all in the
-same KV capacity (``kvlab.sim``), and prints our shares and batch sizes beside the paper's.
+same KV capacity (``kvlab.workloads.memory_sim``), and prints our shares and batch sizes beside the paper's.
 Everything is simulated memory bookkeeping, so the run is deterministic for a given seed.
 """
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from kvlab.sim import SimResult, compare, format_table
-from kvlab.workloads import sharegpt_like
+from kvlab.workloads.memory_sim import SimResult, compare, format_table
+from kvlab.workloads.traces import sharegpt_like
 
 # Capacity in token slots, mirroring the paper's OPT-13B on one A100-40GB:
 #   KV per token  = 2 (K and V) x 5120 (hidden) x 40 (layers) x 2 B (FP16) = 819,200 B = 800 KiB

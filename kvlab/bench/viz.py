@@ -15,9 +15,9 @@ import random
 import statistics
 import time
 
-from kvlab.engine import build_engine
+from kvlab.engine.llm_engine import build_engine
 from kvlab.request import Request
-from kvlab.snapshot import Timeline
+from kvlab.timeline.snapshot import Timeline
 
 
 def build_run(num_blocks: int, num_requests: int, seed: int = 0):

@@ -4,10 +4,11 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from kvlab import hashing
+from kvlab.core import kv_cache_utils
 from kvlab.exercises.registry import call, register
 from kvlab.exercises.result import CheckResult, failed, passed
 from kvlab.request import MultiModalFeature, Request
+from kvlab.utils import hashing
 
 
 def _short(v: Any, n: int = 90) -> str:
@@ -31,7 +32,7 @@ def _describe_obj(obj: Any) -> str:
     "03_prefix_caching",
     [
         "The hash of a block is hash_fn of ONE tuple: (parent, tokens, extra_keys).",
-        "The first block has no parent: use kvlab.hashing.NONE_HASH instead of None, so every chain has the same random root.",
+        "The first block has no parent: use kvlab.core.kv_cache_utils.NONE_HASH instead of None, so every chain has the same random root.",
         "Convert the tokens to a tuple: lists and tuples serialise differently, and two requests must agree byte for byte.",
     ],
     notebook="ex_hashing",
@@ -47,10 +48,10 @@ def check_hash_chain(fn: Any) -> CheckResult:
     rng = random.Random(3)
     t1 = [rng.randrange(1000) for _ in range(16)]
     t2 = [rng.randrange(1000) for _ in range(16)]
-    none = hashing.NONE_HASH
+    none = kv_cache_utils.NONE_HASH
     cases = [
         ("first block (no parent)", None, t1, None),
-        ("second block, chained to the first", hashing.hash_block_tokens(hashing.sha256, None, t1), t2, None),
+        ("second block, chained to the first", kv_cache_utils.hash_block_tokens(hashing.sha256, None, t1), t2, None),
         ("a block with a LoRA adapter", None, t1, ("adapter-a",)),
         ("a block with an image and a salt", b"p" * 32, t2, (("img-a", 3), "tenant-secret")),
     ]
@@ -69,7 +70,7 @@ def check_hash_chain(fn: Any) -> CheckResult:
             if isinstance(obj, tuple) and len(obj) == 3:
                 p, t, x = obj
                 if p is None or (parent is None and p != none):
-                    idea = "the first block's parent must be NONE_HASH (kvlab.hashing.NONE_HASH), not None or b''"
+                    idea = "the first block's parent must be NONE_HASH (kvlab.core.kv_cache_utils.NONE_HASH), not None or b''"
                 elif parent is not None and p != parent:
                     idea = "unchained: the parent hash must go in, so one hash names the whole prefix, not just its 16 tokens"
                 elif not isinstance(t, tuple):
@@ -97,7 +98,7 @@ def check_hash_chain(fn: Any) -> CheckResult:
 
 
 def _reference_extra_keys(req: Request, start: int, end: int) -> tuple | None:
-    return hashing.generate_block_hash_extra_keys(req, start, end)
+    return kv_cache_utils.generate_block_hash_extra_keys(req, start, end)
 
 
 @register(
@@ -155,10 +156,10 @@ def check_extra_keys(fn: Any) -> CheckResult:
                 idea=idea,
             )
     # In the real engine: patch the hasher's extra-key function and check tenant isolation.
-    from kvlab.kv_cache_manager import KVCacheManager
+    from kvlab.core.kv_cache_manager import KVCacheManager
 
-    saved = hashing.generate_block_hash_extra_keys
-    hashing.generate_block_hash_extra_keys = fn
+    saved = kv_cache_utils.generate_block_hash_extra_keys
+    kv_cache_utils.generate_block_hash_extra_keys = fn
     try:
         mgr = KVCacheManager(num_blocks=16, block_size=16)
         a = Request("tenant-a", toks, cache_salt="a-secret")
@@ -169,7 +170,7 @@ def check_extra_keys(fn: Any) -> CheckResult:
         c = Request("tenant-a2", toks, cache_salt="a-secret")
         _, hit_same = mgr.get_computed_blocks(c)
     finally:
-        hashing.generate_block_hash_extra_keys = saved
+        kv_cache_utils.generate_block_hash_extra_keys = saved
     if hit or hit_same != 32:
         return failed(eid, f"in the engine: other tenant hit {hit} tokens (want 0), same tenant hit {hit_same} (want 32)")
     return passed(eid, "every block's extra keys match; in the engine, salted tenants share nothing and one tenant still hits its own prefix.")

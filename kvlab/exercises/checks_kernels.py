@@ -28,7 +28,7 @@ from kvlab.exercises.registry import call, register
 from kvlab.exercises.result import CheckResult, failed, passed
 from kvlab.kernels import reshape_and_cache, unified_attention_ref
 
-import triton  # noqa: E402  (after kvlab.kernels: it chooses interpreter vs compiled)
+import triton  # noqa: E402, I001  (after kvlab.kernels: it chooses interpreter vs compiled)
 import triton.language as tl  # noqa: E402
 
 _STEP: Any = None  # the learner's block step, looked up by the kernel at run time

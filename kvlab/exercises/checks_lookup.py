@@ -3,11 +3,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvlab.core.kv_cache_manager import KVCacheManager
+from kvlab.core.single_type_kv_cache_manager import SingleTypeKVCacheManager, cdiv
 from kvlab.exercises.registry import call, register
 from kvlab.exercises.result import CheckResult, failed, passed
-from kvlab.kv_cache_manager import KVCacheManager
 from kvlab.request import Request
-from kvlab.single_type_kv_cache_manager import SingleTypeKVCacheManager, cdiv
 
 
 def _h(i: int) -> bytes:

@@ -11,12 +11,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvlab.block_pool import BlockPool, KVCacheBlock, group_suffix
+from kvlab.core.kv_cache_manager import KVCacheManager
+from kvlab.core.kv_cache_utils import KVCacheBlock
 from kvlab.exercises.registry import call, register
 from kvlab.exercises.result import CheckResult, failed, passed
-from kvlab.events import EventLog
-from kvlab.kv_cache_manager import KVCacheManager
 from kvlab.request import Request
+from kvlab.timeline.events import EventLog
 
 COMMON = [i for i in range(3) for _ in range(16)]
 EXPECTED_FREE_ORDER = [5, 4, 6, 7, 8, 9, 10, 3, 2, 1]

@@ -3,13 +3,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvlab.engine import LLMEngine, SimulatedExecutor
-from kvlab.events import EventLog, RequestPreempted
+from kvlab.core.kv_cache_manager import KVCacheManager
+from kvlab.core.sched.scheduler import Scheduler
+from kvlab.engine.llm_engine import LLMEngine
+from kvlab.executor.simulated import SimulatedExecutor
 from kvlab.exercises.registry import call, register
 from kvlab.exercises.result import CheckResult, failed, passed
-from kvlab.kv_cache_manager import KVCacheManager
 from kvlab.request import Request
-from kvlab.scheduler import Scheduler
+from kvlab.timeline.events import EventLog, RequestPreempted
 
 
 def preemption_run(policy: str, pick: Any | None) -> tuple[list[str], dict[str, list[int]]]:

@@ -9,10 +9,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvlab.engine import CostModel, LLMEngine, SimulatedExecutor, build_engine
-from kvlab.kv_cache_manager import KVCacheManager
+from kvlab.core.kv_cache_manager import KVCacheManager
+from kvlab.core.sched.scheduler import Scheduler
+from kvlab.engine.cost_model import CostModel
+from kvlab.engine.llm_engine import LLMEngine, build_engine
+from kvlab.executor.simulated import SimulatedExecutor
 from kvlab.request import Request
-from kvlab.scheduler import Scheduler
 
 
 @dataclass
@@ -128,7 +130,7 @@ def demo_cache_budget() -> str:
 
 
 def demo_hash_own_tokens() -> str:
-    from kvlab.hashing import sha256
+    from kvlab.utils.hashing import sha256
 
     block = list(range(16))
     mgr = KVCacheManager(num_blocks=16, block_size=16)

@@ -9,7 +9,7 @@ The notebook keeps its cells short; the drawing code lives here. Three pictures:
   kvlab's simulated bars beside the paper's;
 * :func:`sweep_figure` -- the block-size sweep: internal waste versus block-table size.
 
-The accounting follows :mod:`kvlab.sim`: *token states* hold a computed token, *reserved*
+The accounting follows :mod:`kvlab.workloads.memory_sim`: *token states* hold a computed token, *reserved*
 slots are held for tokens the request will produce later, *internal fragmentation* is held
 memory no token will ever fill, *external fragmentation* is free memory that cannot serve
 the request that must go next.
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvlab.snapshot import Snapshot
+from kvlab.timeline.snapshot import Snapshot
 from kvlab.viz.style import FONT
 
 __all__ = [
@@ -165,7 +165,7 @@ def layout_figure(rows: Sequence[tuple[str, Sequence[Slot]]], block_size: int, *
 def waste_figure(results: Sequence[Any], paper: dict[str, tuple[float | None, ...]], *, width: int = 960) -> Any:
     """Stacked bars of the memory split, kvlab (simulated) beside the paper for each design.
 
-    ``results``: :class:`kvlab.sim.SimResult` rows (max, pow2, oracle, paged(16)).
+    ``results``: :class:`kvlab.workloads.memory_sim.SimResult` rows (max, pow2, oracle, paged(16)).
     ``paper``: strategy -> (token states, reservation, internal, external) in %; ``None``
     where the paper gives no bar (vLLM's bar gives only its token states).
     """

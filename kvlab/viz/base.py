@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from kvlab.snapshot import Snapshot, Timeline
+from kvlab.timeline.snapshot import Snapshot, Timeline
 from kvlab.viz.style import FONT
 
 if TYPE_CHECKING:  # plotly is imported lazily: kvlab's core must not need it

@@ -14,10 +14,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from kvlab.snapshot import NULL, Snapshot, Timeline
+from kvlab.timeline.snapshot import NULL, Snapshot, Timeline
 from kvlab.viz.base import TOP_LEGEND, View, _go, legend_traces
 from kvlab.viz.pool import blocks_of, state_heatmap
-from kvlab.viz.style import HIGHLIGHT, STATE_COLORS, STATE_HELP, STATE_INDEX, STATE_LABELS, short_hash
+from kvlab.viz.style import (
+    HIGHLIGHT,
+    STATE_COLORS,
+    STATE_HELP,
+    STATE_INDEX,
+    STATE_LABELS,
+    short_hash,
+)
 
 GROUP_GAP = 1  # empty columns between two groups' tables
 MIN_ROWS, MIN_COLUMNS = 6, 10  # small tables keep readable cells instead of stretching

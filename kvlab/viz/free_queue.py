@@ -14,10 +14,18 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from kvlab.snapshot import BLOCK_STATES, CACHED, FREE, Snapshot, Timeline
+from kvlab.timeline.snapshot import BLOCK_STATES, CACHED, FREE, Snapshot, Timeline
 from kvlab.viz.base import TOP_LEGEND, View, _go, legend_traces
 from kvlab.viz.history import BlockHistory
-from kvlab.viz.style import HIGHLIGHT, STATE_COLORS, STATE_HELP, STATE_INDEX, STATE_LABELS, discrete_colorscale, short_hash
+from kvlab.viz.style import (
+    HIGHLIGHT,
+    STATE_COLORS,
+    STATE_HELP,
+    STATE_INDEX,
+    STATE_LABELS,
+    discrete_colorscale,
+    short_hash,
+)
 
 ONE_ROW_LIMIT = 32  # longer queues wrap, row by row, like text
 MIN_COLUMNS = 12  # a short queue keeps cells of a readable size instead of stretching

@@ -12,7 +12,7 @@ from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvlab import events as ev
+from kvlab.timeline import events as ev
 
 
 @dataclass(frozen=True, slots=True)

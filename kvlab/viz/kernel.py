@@ -19,11 +19,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from kvlab import events as ev
-from kvlab.snapshot import Snapshot, Timeline
+from kvlab.timeline import events as ev
+from kvlab.timeline.snapshot import Snapshot, Timeline
 from kvlab.viz.base import TOP_LEGEND, View, _go, legend_traces
 from kvlab.viz.block_table import group_name
-from kvlab.viz.style import KERNEL_COLORS, KERNEL_LABELS, KERNEL_ORDER, discrete_colorscale
+from kvlab.viz.style import (
+    KERNEL_COLORS,
+    KERNEL_LABELS,
+    KERNEL_ORDER,
+    discrete_colorscale,
+)
 
 _KIDX = {k: i for i, k in enumerate(KERNEL_ORDER)}
 SLOT_LABEL_ROWS = 12  # print slot numbers in the cells up to this many rows

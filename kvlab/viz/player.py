@@ -1,7 +1,7 @@
 """Player: every view of one run, with Play / Pause / Step / Back and a step slider.
 
 The player is the lessons' main instrument. It never touches the engine's objects: it
-keeps a :class:`~kvlab.snapshot.Timeline` over the event log and, at each step, hands the
+keeps a :class:`~kvlab.timeline.snapshot.Timeline` over the event log and, at each step, hands the
 snapshot of that step to every view, which redraws in place. Stepping backwards is
 therefore as cheap and as exact as stepping forwards, and a saved log replays the same.
 
@@ -21,9 +21,9 @@ import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from kvlab import events as ev
-from kvlab.engine import LLMEngine
-from kvlab.snapshot import Snapshot, Timeline
+from kvlab.engine.llm_engine import LLMEngine
+from kvlab.timeline import events as ev
+from kvlab.timeline.snapshot import Snapshot, Timeline
 from kvlab.viz.base import View
 from kvlab.viz.block_table import BlockTableView
 from kvlab.viz.free_queue import FreeQueueView
@@ -124,7 +124,7 @@ class Player:
         elif isinstance(source, Iterable) and not isinstance(source, (str, bytes)):
             events = list(source)
             if not all(isinstance(e, ev.Event) for e in events):
-                raise TypeError("source: an iterable source must contain kvlab.events.Event objects")
+                raise TypeError("source: an iterable source must contain kvlab.timeline.events.Event objects")
             self.timeline = Timeline(events)
         else:
             raise TypeError(

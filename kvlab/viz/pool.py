@@ -15,13 +15,13 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from kvlab.snapshot import BLOCK_STATES, NULL, Snapshot, Timeline
+from kvlab.timeline.snapshot import BLOCK_STATES, NULL, Snapshot, Timeline
 from kvlab.viz.base import TOP_LEGEND, View, _go, legend_traces
 from kvlab.viz.style import (
     HIGHLIGHT,
     STATE_COLORS,
-    STATE_INDEX,
     STATE_HELP,
+    STATE_INDEX,
     STATE_LABELS,
     discrete_colorscale,
     html_escape,

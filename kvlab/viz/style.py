@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from kvlab.snapshot import BLOCK_STATES, CACHED, FREE, IN_USE, NULL, SHARED
+from kvlab.timeline.snapshot import BLOCK_STATES, CACHED, FREE, IN_USE, NULL, SHARED
 
 # -- block states (the pool's vocabulary) ---------------------------------------------------
 STATE_COLORS: dict[str, str] = {

@@ -15,10 +15,16 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvlab import events as ev
-from kvlab.snapshot import Snapshot, Timeline
+from kvlab.timeline import events as ev
+from kvlab.timeline.snapshot import Snapshot, Timeline
 from kvlab.viz.base import TOP_LEGEND, View, _go
-from kvlab.viz.style import CURSOR, HIGHLIGHT, STATUS_COLORS, STATUS_ORDER, discrete_colorscale
+from kvlab.viz.style import (
+    CURSOR,
+    HIGHLIGHT,
+    STATUS_COLORS,
+    STATUS_ORDER,
+    discrete_colorscale,
+)
 
 _STATUS_INDEX = {s: i for i, s in enumerate(STATUS_ORDER)}
 MAX_ROW_LABELS = 24

@@ -16,12 +16,14 @@ vLLM: ``vllm/v1/core/sched/scheduler.py``. One step:
 """
 from __future__ import annotations
 
-import heapq
-from collections import deque
-from collections.abc import Iterator
-from dataclasses import dataclass
-
-from kvlab.events import (
+from kvlab.core.kv_cache_manager import KVCacheManager
+from kvlab.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from kvlab.core.sched.request_queue import POLICIES, FCFSRequestQueue, PriorityRequestQueue
+from kvlab.core.single_type_kv_cache_manager import cdiv
+from kvlab.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+from kvlab.metrics.stats import CachingMetrics, SchedulerStats
+from kvlab.request import Request, RequestStatus
+from kvlab.timeline.events import (
     RequestAdded,
     RequestFinished,
     RequestPreempted,
@@ -31,107 +33,6 @@ from kvlab.events import (
     StepStarted,
     TokensAppended,
 )
-from kvlab.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
-from kvlab.kv_cache_manager import KVCacheBlocks, KVCacheManager
-from kvlab.metrics import CachingMetrics
-from kvlab.request import Request, RequestStatus
-from kvlab.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
-from kvlab.single_type_kv_cache_manager import cdiv
-
-POLICIES = ("fcfs", "priority")
-
-
-class FCFSRequestQueue:
-    """Waiting queue in arrival order; a preempted request is put back at the head."""
-
-    def __init__(self) -> None:
-        self._q: deque[Request] = deque()
-
-    def add_request(self, r: Request) -> None:
-        self._q.append(r)
-
-    def prepend_request(self, r: Request) -> None:
-        self._q.appendleft(r)
-
-    def peek_request(self) -> Request:
-        return self._q[0]
-
-    def pop_request(self) -> Request:
-        return self._q.popleft()
-
-    def remove_request(self, r: Request) -> None:
-        self._q.remove(r)
-
-    def __len__(self) -> int:
-        return len(self._q)
-
-    def __bool__(self) -> bool:
-        return bool(self._q)
-
-    def __iter__(self) -> Iterator[Request]:
-        return iter(self._q)
-
-
-class PriorityRequestQueue:
-    """Waiting queue ordered by (priority, arrival_time, request_id): lower runs first."""
-
-    def __init__(self) -> None:
-        self._heap: list[tuple[int, float, str, Request]] = []
-
-    def add_request(self, r: Request) -> None:
-        heapq.heappush(self._heap, (r.priority, r.arrival_time, r.request_id, r))
-
-    prepend_request = add_request  # a preempted request simply goes back into the heap
-
-    def peek_request(self) -> Request:
-        return self._heap[0][3]
-
-    def pop_request(self) -> Request:
-        return heapq.heappop(self._heap)[3]
-
-    def remove_request(self, r: Request) -> None:
-        self._heap = [e for e in self._heap if e[3] is not r]
-        heapq.heapify(self._heap)
-
-    def __len__(self) -> int:
-        return len(self._heap)
-
-    def __bool__(self) -> bool:
-        return bool(self._heap)
-
-    def __iter__(self) -> Iterator[Request]:
-        """In pop order."""
-        return (e[3] for e in sorted(self._heap, key=lambda e: e[:3]))
-
-
-@dataclass(slots=True)
-class SchedulerStats:
-    """What vLLM's ``/metrics`` endpoint reports, at the end of a step."""
-
-    num_running_reqs: int
-    num_waiting_reqs: int
-    kv_cache_usage: float
-    num_preemptions: int  # cumulative
-    prefix_cache_queries: int  # cumulative, tokens
-    prefix_cache_hits: int  # cumulative, tokens
-    prefix_cache_hit_rate_window: float  # over the last ~1,000 requests
-    step: int
-
-    def to_prometheus(self, model_name: str = "kvlab-tiny") -> str:
-        """Prometheus text exposition with vLLM's metric names."""
-        lbl = f'{{model_name="{model_name}"}}'
-        rows = [
-            ("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.", "", self.num_running_reqs),
-            ("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", "", self.num_waiting_reqs),
-            ("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", "", self.kv_cache_usage),
-            ("vllm:num_preemptions", "counter", "Cumulative number of preemptions from the engine.", "_total", self.num_preemptions),
-            ("vllm:prefix_cache_queries", "counter", "Prefix cache queries, in terms of number of queried tokens.", "_total", self.prefix_cache_queries),
-            ("vllm:prefix_cache_hits", "counter", "Prefix cache hits, in terms of number of cached tokens.", "_total", self.prefix_cache_hits),
-        ]
-        out = []
-        for name, typ, help_, suffix, value in rows:
-            out += [f"# HELP {name} {help_}", f"# TYPE {name} {typ}", f"{name}{suffix}{lbl} {float(value)!r}"]
-        return "\n".join(out) + "\n"
 
 
 class Scheduler:

@@ -90,7 +90,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
-from kvlab.workloads import DEFAULT_MAX_MODEL_LEN, TraceRequest
+from kvlab.workloads.traces import DEFAULT_MAX_MODEL_LEN, TraceRequest
 
 __all__ = [
     "CONTIGUOUS_STRATEGIES",

@@ -9,7 +9,7 @@ and two ways to run it:
 
 * ``forward_dense``: the whole sequence at once, causal mask, no cache. Obviously right;
   it is the ground truth every paged result is checked against.
-* ``forward_paged``: what the :class:`~kvlab.runner.ModelRunner` calls. A flat batch of
+* ``forward_paged``: what the :class:`~kvlab.worker.model_runner.ModelRunner` calls. A flat batch of
   new tokens from many requests; each layer writes its keys/values into the paged cache
   (``reshape_and_cache`` through the slot mapping) and reads the whole context back
   through the block table (``unified_attention``).
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kvlab.tokenizer import ByteTokenizer
+from kvlab.worker.tokenizer import ByteTokenizer
 
 __all__ = [
     "TinyLlamaConfig",

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvlab import events as ev
+from kvlab.timeline import events as ev
 
 FREE, CACHED, IN_USE, SHARED, NULL = "free", "cached", "in_use", "shared", "null"
 BLOCK_STATES = (FREE, CACHED, IN_USE, SHARED, NULL)

@@ -8,10 +8,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvlab.block_pool import BlockPool, KVCacheBlock, group_suffix
-from kvlab.events import BlocksSkipped
-from kvlab.hashing import BlockHash
+from kvlab.core.block_pool import BlockPool, group_suffix
+from kvlab.core.kv_cache_utils import KVCacheBlock
 from kvlab.kv_cache_interface import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from kvlab.timeline.events import BlocksSkipped
+from kvlab.utils.hashing import BlockHash
 
 
 def cdiv(a: int, b: int) -> int:

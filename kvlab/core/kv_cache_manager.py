@@ -14,13 +14,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvlab.block_pool import BlockPool, KVCacheBlock
-from kvlab.events import EventLog, PoolCreated, PrefixLookup
-from kvlab.hashing import UNSAFE_HASH_ALGOS, get_hash_fn_by_name, get_request_block_hasher
-from kvlab.kv_cache_coordinator import KVCacheCoordinator
+from kvlab.core.block_pool import BlockPool
+from kvlab.core.kv_cache_coordinator import KVCacheCoordinator
+from kvlab.core.kv_cache_utils import KVCacheBlock, get_request_block_hasher
 from kvlab.kv_cache_interface import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
-from kvlab.metrics import PrefixCacheStats
+from kvlab.metrics.stats import PrefixCacheStats
 from kvlab.request import Request
+from kvlab.timeline.events import EventLog, PoolCreated, PrefixLookup
+from kvlab.utils.hashing import UNSAFE_HASH_ALGOS, get_hash_fn_by_name
 
 
 @dataclass(slots=True)

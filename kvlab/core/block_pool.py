@@ -21,133 +21,19 @@ The rules this file enforces:
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
-from kvlab.events import BlockCached, BlockEvicted, BlocksAllocated, BlocksFreed, BlocksTouched, CacheReset, EventLog
-from kvlab.hashing import BlockHash, generate_block_hash_extra_keys
-
-
-@dataclass(slots=True, eq=False)
-class KVCacheBlock:
-    """One physical KV block: ``block_size`` token slots in every layer of its group."""
-
-    block_id: int
-    ref_cnt: int = 0
-    # Hash of the full prefix ending with this block (None: not cached / partial block).
-    block_hash: BlockHash | None = None
-    # Map key = block hash + kv-cache group id (one hash can name blocks in several groups).
-    cache_key: bytes | None = field(default=None, repr=False)
-    prev_free_block: KVCacheBlock | None = field(default=None, repr=False)
-    next_free_block: KVCacheBlock | None = field(default=None, repr=False)
-    is_null: bool = False
-
-    def reset_hash(self) -> None:
-        self.block_hash = None
-        self.cache_key = None
-
-    def __repr__(self) -> str:
-        h = self.block_hash.hex()[:8] if self.block_hash else None
-        return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}, hash={h}{', null' if self.is_null else ''})"
-
-
-class FreeKVCacheBlockQueue:
-    """Doubly linked list of free blocks, threaded through the blocks themselves.
-
-    Why not a ``deque``: a prefix hit must pull a block out of the *middle* of the queue
-    (``touch``), in O(1), without allocating Python objects. Two sentinel blocks (ids -1)
-    remove every empty-list special case. Head = evicted next, tail = evicted last.
-    """
-
-    def __init__(self, blocks: Sequence[KVCacheBlock]) -> None:
-        self.num_free_blocks = len(blocks)
-        self.fake_free_list_head = KVCacheBlock(block_id=-1)
-        self.fake_free_list_tail = KVCacheBlock(block_id=-1)
-        prev = self.fake_free_list_head
-        for b in blocks:
-            prev.next_free_block = b
-            b.prev_free_block = prev
-            prev = b
-        prev.next_free_block = self.fake_free_list_tail
-        self.fake_free_list_tail.prev_free_block = prev
-
-    def popleft(self) -> KVCacheBlock:
-        first = self.fake_free_list_head.next_free_block
-        if first is self.fake_free_list_tail or first is None:
-            raise ValueError("no free blocks left in the queue")
-        nxt = first.next_free_block
-        self.fake_free_list_head.next_free_block = nxt
-        nxt.prev_free_block = self.fake_free_list_head  # type: ignore[union-attr]
-        first.prev_free_block = first.next_free_block = None
-        self.num_free_blocks -= 1
-        return first
-
-    def popleft_n(self, n: int) -> list[KVCacheBlock]:
-        if not 0 <= n <= self.num_free_blocks:
-            raise ValueError(f"cannot pop {n} blocks: only {self.num_free_blocks} are free")
-        out: list[KVCacheBlock] = []
-        cur = self.fake_free_list_head.next_free_block
-        for _ in range(n):
-            out.append(cur)  # type: ignore[arg-type]
-            nxt = cur.next_free_block  # type: ignore[union-attr]
-            cur.prev_free_block = cur.next_free_block = None  # type: ignore[union-attr]
-            cur = nxt
-        self.fake_free_list_head.next_free_block = cur
-        cur.prev_free_block = self.fake_free_list_head  # type: ignore[union-attr]
-        self.num_free_blocks -= n
-        return out
-
-    def remove(self, block: KVCacheBlock) -> None:
-        prev, nxt = block.prev_free_block, block.next_free_block
-        if prev is None or nxt is None:
-            raise RuntimeError(f"remove() of block {block.block_id}, which is not in the free queue")
-        prev.next_free_block = nxt
-        nxt.prev_free_block = prev
-        block.prev_free_block = block.next_free_block = None
-        self.num_free_blocks -= 1
-
-    def append(self, block: KVCacheBlock) -> None:
-        last = self.fake_free_list_tail.prev_free_block
-        last.next_free_block = block  # type: ignore[union-attr]
-        block.prev_free_block = last
-        block.next_free_block = self.fake_free_list_tail
-        self.fake_free_list_tail.prev_free_block = block
-        self.num_free_blocks += 1
-
-    def append_n(self, blocks: Sequence[KVCacheBlock]) -> None:
-        if not blocks:
-            return
-        last = self.fake_free_list_tail.prev_free_block
-        for b in blocks:
-            b.prev_free_block = last
-            last.next_free_block = b  # type: ignore[union-attr]
-            last = b
-        last.next_free_block = self.fake_free_list_tail  # type: ignore[union-attr]
-        self.fake_free_list_tail.prev_free_block = last
-        self.num_free_blocks += len(blocks)
-
-    def prepend_n(self, blocks: Sequence[KVCacheBlock]) -> None:
-        """Put ``blocks`` at the head, in the given order (``blocks[0]`` is popped first)."""
-        if not blocks:
-            return
-        first = self.fake_free_list_head.next_free_block
-        prev = self.fake_free_list_head
-        for b in blocks:
-            b.prev_free_block = prev
-            prev.next_free_block = b
-            prev = b
-        prev.next_free_block = first
-        first.prev_free_block = prev  # type: ignore[union-attr]
-        self.num_free_blocks += len(blocks)
-
-    def get_all_free_blocks(self) -> list[KVCacheBlock]:
-        """Every free block in eviction order, head (evicted next) first."""
-        out = []
-        cur = self.fake_free_list_head.next_free_block
-        while cur is not None and cur is not self.fake_free_list_tail:
-            out.append(cur)
-            cur = cur.next_free_block
-        return out
+from kvlab.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock, generate_block_hash_extra_keys
+from kvlab.timeline.events import (
+    BlockCached,
+    BlockEvicted,
+    BlocksAllocated,
+    BlocksFreed,
+    BlocksTouched,
+    CacheReset,
+    EventLog,
+)
+from kvlab.utils.hashing import BlockHash
 
 
 class BlockHashToBlockMap:

@@ -2,7 +2,7 @@
 
 The scheduler and KV-cache manager only *decide*: which requests run, how many tokens
 each, which physical blocks hold them. The runner turns one decision — a
-:class:`~kvlab.sched_output.SchedulerOutput` — into kernel inputs and runs the model:
+:class:`~kvlab.core.sched.output.SchedulerOutput` — into kernel inputs and runs the model:
 
 1. keep per-request state across steps (tokens, block table row per KV-cache group),
    updated from the deltas the scheduler sends (lesson: "the block table is append-only");
@@ -26,9 +26,14 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor
 
-from kvlab.events import AttentionBatch, EventLog
-from kvlab.model import PagedAttentionMetadata, PagedKernels, TinyLlama, load_kernels
-from kvlab.sched_output import NewRequestData, SchedulerOutput
+from kvlab.core.sched.output import NewRequestData, SchedulerOutput
+from kvlab.timeline.events import AttentionBatch, EventLog
+from kvlab.worker.model import (
+    PagedAttentionMetadata,
+    PagedKernels,
+    TinyLlama,
+    load_kernels,
+)
 
 __all__ = ["ModelRunner", "CachedRequestState", "BatchRecord", "NULL_BLOCK_ID"]
 

@@ -1,7 +1,7 @@
 """Typed events: every state change of the engine, in order (the visualisation's only input).
 
 The core never draws anything and the views never read live objects: the block pool, the
-KV-cache manager and the scheduler append events here; ``kvlab.snapshot`` rebuilds the
+KV-cache manager and the scheduler append events here; ``kvlab.timeline.snapshot`` rebuilds the
 whole state at any step from the events alone. So a picture can be tested as data,
 replayed backwards and forwards, saved to JSON and reloaded.
 

@@ -81,3 +81,33 @@ class CachingMetrics:
     @property
     def hit_rate(self) -> float:
         return self.aggregated_query_hit / self.aggregated_query_total if self.aggregated_query_total else 0.0
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """What vLLM's ``/metrics`` endpoint reports, at the end of a step."""
+
+    num_running_reqs: int
+    num_waiting_reqs: int
+    kv_cache_usage: float
+    num_preemptions: int  # cumulative
+    prefix_cache_queries: int  # cumulative, tokens
+    prefix_cache_hits: int  # cumulative, tokens
+    prefix_cache_hit_rate_window: float  # over the last ~1,000 requests
+    step: int
+
+    def to_prometheus(self, model_name: str = "kvlab-tiny") -> str:
+        """Prometheus text exposition with vLLM's metric names."""
+        lbl = f'{{model_name="{model_name}"}}'
+        rows = [
+            ("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.", "", self.num_running_reqs),
+            ("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", "", self.num_waiting_reqs),
+            ("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", "", self.kv_cache_usage),
+            ("vllm:num_preemptions", "counter", "Cumulative number of preemptions from the engine.", "_total", self.num_preemptions),
+            ("vllm:prefix_cache_queries", "counter", "Prefix cache queries, in terms of number of queried tokens.", "_total", self.prefix_cache_queries),
+            ("vllm:prefix_cache_hits", "counter", "Prefix cache hits, in terms of number of cached tokens.", "_total", self.prefix_cache_hits),
+        ]
+        out = []
+        for name, typ, help_, suffix, value in rows:
+            out += [f"# HELP {name} {help_}", f"# TYPE {name} {typ}", f"{name}{suffix}{lbl} {float(value)!r}"]
+        return "\n".join(out) + "\n"

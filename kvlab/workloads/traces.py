@@ -11,7 +11,7 @@ The generators, and the lesson each one is for:
 * :func:`sharegpt_like`, :func:`alpaca_like` - independent chat requests with heavy-tailed
   lengths whose means match the traces of the PagedAttention paper (Kwon et al., SOSP 2023):
   ShareGPT 161.31 input / 337.99 output tokens, Alpaca 19.31 / 58.45. Used to reproduce the
-  paper's memory-waste figure (``kvlab.sim``). The paper gives no standard deviations, so
+  paper's memory-waste figure (``kvlab.workloads.memory_sim``). The paper gives no standard deviations, so
   the spreads (``input_sigma``, ``output_sigma``) are our choice, stated where defined.
 * :func:`shared_system_prompt_chat` - every request opens with the same system prompt: the
   textbook prefix-cache win.

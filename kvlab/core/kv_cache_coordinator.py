@@ -10,10 +10,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvlab.block_pool import BlockPool, KVCacheBlock
-from kvlab.hashing import BlockHash
+from kvlab.core.block_pool import BlockPool
+from kvlab.core.kv_cache_utils import KVCacheBlock
+from kvlab.core.single_type_kv_cache_manager import (
+    MANAGER_FOR_SPEC,
+    SingleTypeKVCacheManager,
+)
 from kvlab.kv_cache_interface import FullAttentionSpec, KVCacheSpec
-from kvlab.single_type_kv_cache_manager import MANAGER_FOR_SPEC, SingleTypeKVCacheManager
+from kvlab.utils.hashing import BlockHash
 
 
 class KVCacheCoordinator:

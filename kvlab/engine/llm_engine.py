@@ -2,98 +2,23 @@
 
 vLLM: ``vllm/v1/engine/core.py`` (``EngineCore.step``). The executor is an interface: the
 ``SimulatedExecutor`` here needs no model (the next token is a fixed function of the
-context), and ``kvlab.runner.ModelRunner`` runs the real tiny model through the Triton
+context), and ``kvlab.worker.model_runner.ModelRunner`` runs the real tiny model through the Triton
 kernels. Either way the clock advances by a ``CostModel`` of the step, so TTFT, TPOT and
 throughput can be read off without a GPU.
 """
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
-from kvlab.events import EventLog
-from kvlab.kv_cache_manager import KVCacheManager
+from kvlab.core.kv_cache_manager import KVCacheManager
+from kvlab.core.sched.output import SchedulerOutput
+from kvlab.core.sched.scheduler import Scheduler
+from kvlab.engine.cost_model import CostModel
+from kvlab.executor.abstract import Executor
+from kvlab.executor.simulated import SimulatedExecutor
 from kvlab.request import Request
-from kvlab.sched_output import SchedulerOutput
-from kvlab.scheduler import Scheduler
-
-
-class Executor(Protocol):
-    def execute_model(self, scheduler_output: SchedulerOutput) -> dict[str, list[int]]:
-        """Compute the scheduled tokens; return one sampled token for each request whose
-        known tokens are all computed after this step (partial prefills get none)."""
-        ...
-
-
-class SimulatedExecutor:
-    """Deterministic stand-in for a model: next token = crc32(context) mod vocab.
-
-    Because the token depends on the whole context only, a preempted and recomputed
-    request produces exactly the same tokens -- the property the real runner must have.
-    """
-
-    def __init__(self, vocab_size: int = 32000, eos_token_id: int | None = None, eos_every: int = 0) -> None:
-        if vocab_size < 2:
-            raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
-        self.vocab_size = vocab_size
-        self.eos_token_id = eos_token_id
-        self.eos_every = eos_every  # >0: emit eos when crc % eos_every == 0 (varied lengths)
-        self._tokens: dict[str, list[int]] = {}
-        self.num_tokens_computed = 0
-
-    def next_token(self, context: Sequence[int]) -> int:
-        crc = zlib.crc32(len(context).to_bytes(4, "little") + b"".join(t.to_bytes(4, "little") for t in context[-8:]))
-        if self.eos_token_id is not None and self.eos_every and crc % self.eos_every == 0:
-            return self.eos_token_id
-        return crc % self.vocab_size
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> dict[str, list[int]]:
-        for rid in scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids:
-            self._tokens.pop(rid, None)
-        out: dict[str, list[int]] = {}
-        n_sched = scheduler_output.num_scheduled_tokens
-        for nr in scheduler_output.scheduled_new_reqs:
-            self._tokens[nr.req_id] = list(nr.all_token_ids)
-            self._step(nr.req_id, nr.num_computed_tokens, n_sched[nr.req_id], out)
-        c = scheduler_output.scheduled_cached_reqs
-        for rid, nc in zip(c.req_ids, c.num_computed_tokens):
-            self._step(rid, nc, n_sched[rid], out)
-        return out
-
-    def _step(self, rid: str, num_computed: int, n: int, out: dict[str, list[int]]) -> None:
-        toks = self._tokens[rid]
-        self.num_tokens_computed += n
-        if num_computed + n == len(toks):
-            t = self.next_token(toks)
-            toks.append(t)
-            out[rid] = [t]
-
-
-@dataclass(slots=True)
-class CostModel:
-    """Seconds per step = overhead + prefill and decode tokens + KV read.
-
-    Illustrative defaults for a 7B-class model on one datacenter GPU: decode is memory
-    bound (weights read once per step, shared by the batch; KV read per context token),
-    prefill is compute bound (time per token). Change them to explore.
-    """
-
-    step_overhead_s: float = 0.010
-    prefill_s_per_token: float = 0.00012
-    decode_s_per_token: float = 0.0003
-    kv_read_s_per_token: float = 1e-7
-
-    def step_time(self, num_prefill_tokens: int, num_decode_tokens: int, num_context_tokens: int) -> float:
-        if num_prefill_tokens + num_decode_tokens == 0:
-            return 0.0
-        return (
-            self.step_overhead_s
-            + self.prefill_s_per_token * num_prefill_tokens
-            + self.decode_s_per_token * num_decode_tokens
-            + self.kv_read_s_per_token * num_context_tokens
-        )
+from kvlab.timeline.events import EventLog
 
 
 @dataclass(slots=True)

@@ -1,0 +1,234 @@
+"""Blocks, the free queue and block hashing: the pieces every KV-cache manager shares
+(lessons 02-04).
+
+vLLM: ``vllm/v1/core/kv_cache_utils.py`` (``KVCacheBlock``, ``FreeKVCacheBlockQueue``,
+``NONE_HASH``, ``hash_block_tokens``, ``generate_block_hash_extra_keys``,
+``get_request_block_hasher``). The hash functions themselves (``sha256``, ``xxhash``,
+``get_hash_fn_by_name``) live in ``kvlab.utils.hashing`` as in ``vllm/utils/hashing.py``.
+
+A block's hash is ``hash_fn((parent_hash or NONE_HASH, tuple(token_ids), extra_keys))``.
+Because the parent's hash is an input, one hash names the *whole prefix* up to and
+including this block, not just its own tokens: the same tokens after a different
+beginning get a different key. Extra keys carry what token ids alone cannot: the LoRA
+adapter (every block), the multimodal items overlapping the block, and the tenant's
+``cache_salt`` (first block only -- the chain carries it to every later block).
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvlab.utils.hashing import (
+    _FORMATS,
+    BlockHash,
+    HashFn,
+    _block_format,
+    _sha256,
+    sha256,
+)
+
+
+@dataclass(slots=True, eq=False)
+class KVCacheBlock:
+    """One physical KV block: ``block_size`` token slots in every layer of its group."""
+
+    block_id: int
+    ref_cnt: int = 0
+    # Hash of the full prefix ending with this block (None: not cached / partial block).
+    block_hash: BlockHash | None = None
+    # Map key = block hash + kv-cache group id (one hash can name blocks in several groups).
+    cache_key: bytes | None = field(default=None, repr=False)
+    prev_free_block: KVCacheBlock | None = field(default=None, repr=False)
+    next_free_block: KVCacheBlock | None = field(default=None, repr=False)
+    is_null: bool = False
+
+    def reset_hash(self) -> None:
+        self.block_hash = None
+        self.cache_key = None
+
+    def __repr__(self) -> str:
+        h = self.block_hash.hex()[:8] if self.block_hash else None
+        return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}, hash={h}{', null' if self.is_null else ''})"
+
+
+class FreeKVCacheBlockQueue:
+    """Doubly linked list of free blocks, threaded through the blocks themselves.
+
+    Why not a ``deque``: a prefix hit must pull a block out of the *middle* of the queue
+    (``touch``), in O(1), without allocating Python objects. Two sentinel blocks (ids -1)
+    remove every empty-list special case. Head = evicted next, tail = evicted last.
+    """
+
+    def __init__(self, blocks: Sequence[KVCacheBlock]) -> None:
+        self.num_free_blocks = len(blocks)
+        self.fake_free_list_head = KVCacheBlock(block_id=-1)
+        self.fake_free_list_tail = KVCacheBlock(block_id=-1)
+        prev = self.fake_free_list_head
+        for b in blocks:
+            prev.next_free_block = b
+            b.prev_free_block = prev
+            prev = b
+        prev.next_free_block = self.fake_free_list_tail
+        self.fake_free_list_tail.prev_free_block = prev
+
+    def popleft(self) -> KVCacheBlock:
+        first = self.fake_free_list_head.next_free_block
+        if first is self.fake_free_list_tail or first is None:
+            raise ValueError("no free blocks left in the queue")
+        nxt = first.next_free_block
+        self.fake_free_list_head.next_free_block = nxt
+        nxt.prev_free_block = self.fake_free_list_head  # type: ignore[union-attr]
+        first.prev_free_block = first.next_free_block = None
+        self.num_free_blocks -= 1
+        return first
+
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        if not 0 <= n <= self.num_free_blocks:
+            raise ValueError(f"cannot pop {n} blocks: only {self.num_free_blocks} are free")
+        out: list[KVCacheBlock] = []
+        cur = self.fake_free_list_head.next_free_block
+        for _ in range(n):
+            out.append(cur)  # type: ignore[arg-type]
+            nxt = cur.next_free_block  # type: ignore[union-attr]
+            cur.prev_free_block = cur.next_free_block = None  # type: ignore[union-attr]
+            cur = nxt
+        self.fake_free_list_head.next_free_block = cur
+        cur.prev_free_block = self.fake_free_list_head  # type: ignore[union-attr]
+        self.num_free_blocks -= n
+        return out
+
+    def remove(self, block: KVCacheBlock) -> None:
+        prev, nxt = block.prev_free_block, block.next_free_block
+        if prev is None or nxt is None:
+            raise RuntimeError(f"remove() of block {block.block_id}, which is not in the free queue")
+        prev.next_free_block = nxt
+        nxt.prev_free_block = prev
+        block.prev_free_block = block.next_free_block = None
+        self.num_free_blocks -= 1
+
+    def append(self, block: KVCacheBlock) -> None:
+        last = self.fake_free_list_tail.prev_free_block
+        last.next_free_block = block  # type: ignore[union-attr]
+        block.prev_free_block = last
+        block.next_free_block = self.fake_free_list_tail
+        self.fake_free_list_tail.prev_free_block = block
+        self.num_free_blocks += 1
+
+    def append_n(self, blocks: Sequence[KVCacheBlock]) -> None:
+        if not blocks:
+            return
+        last = self.fake_free_list_tail.prev_free_block
+        for b in blocks:
+            b.prev_free_block = last
+            last.next_free_block = b  # type: ignore[union-attr]
+            last = b
+        last.next_free_block = self.fake_free_list_tail  # type: ignore[union-attr]
+        self.fake_free_list_tail.prev_free_block = last
+        self.num_free_blocks += len(blocks)
+
+    def prepend_n(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Put ``blocks`` at the head, in the given order (``blocks[0]`` is popped first)."""
+        if not blocks:
+            return
+        first = self.fake_free_list_head.next_free_block
+        prev = self.fake_free_list_head
+        for b in blocks:
+            b.prev_free_block = prev
+            prev.next_free_block = b
+            prev = b
+        prev.next_free_block = first
+        first.prev_free_block = prev  # type: ignore[union-attr]
+        self.num_free_blocks += len(blocks)
+
+    def get_all_free_blocks(self) -> list[KVCacheBlock]:
+        """Every free block in eviction order, head (evicted next) first."""
+        out = []
+        cur = self.fake_free_list_head.next_free_block
+        while cur is not None and cur is not self.fake_free_list_tail:
+            out.append(cur)
+            cur = cur.next_free_block
+        return out
+
+
+
+# --- NONE_HASH: the "parent" of every first block -----------------------------------------
+#
+# Why random by default: if the root of every chain were a public constant, anyone could
+# precompute the hash of any prefix offline and, with a weak hash, craft collisions against
+# it. A per-process random root makes chains unpredictable from outside. Why PYTHONHASHSEED
+# when set: reproducibility -- tests, notebooks and multi-process deployments that must
+# agree on hashes set it and then get the same root everywhere.
+NONE_HASH: BlockHash = b""
+
+
+def init_none_hash(hash_fn: HashFn = sha256) -> BlockHash:
+    global NONE_HASH
+    seed = os.environ.get("PYTHONHASHSEED")
+    NONE_HASH = os.urandom(32) if seed is None else hash_fn(seed)
+    return NONE_HASH
+
+
+init_none_hash()
+
+
+def hash_block_tokens(
+    hash_fn: HashFn,
+    parent_block_hash: BlockHash | None,
+    curr_block_token_ids: Sequence[int],
+    extra_keys: tuple[Any, ...] | None = None,
+) -> BlockHash:
+    """Hash one full block, chained to its parent: ``hash_fn((parent, tokens, extra))``."""
+    if not parent_block_hash:
+        parent_block_hash = NONE_HASH
+    if hash_fn is sha256 and extra_keys is None and type(parent_block_hash) is bytes:
+        # The default, inlined: the same bytes as sha256((parent, tuple(tokens), None)),
+        # without building the tuple or making a second call (see `kvlab.bench core`).
+        f = _FORMATS.get((len(parent_block_hash), len(curr_block_token_ids))) or _block_format(
+            len(parent_block_hash), len(curr_block_token_ids)
+        )
+        return _sha256(f.pack(f.header, parent_block_hash, *curr_block_token_ids)).digest()
+    return hash_fn((parent_block_hash, tuple(curr_block_token_ids), extra_keys))
+
+
+def generate_block_hash_extra_keys(request: Any, start_token_idx: int, end_token_idx: int) -> tuple[Any, ...] | None:
+    """Extra keys for the block covering tokens ``[start, end)``, in vLLM's order.
+
+    LoRA name (every block, since the adapter changes every K and V), then each multimodal
+    item overlapping the block as ``(identifier, offset - start)`` (the image, and where in
+    the block its placeholder begins), then ``cache_salt`` (first block only).
+    """
+    keys: list[Any] = []
+    if request.lora_name is not None:
+        keys.append(request.lora_name)
+    for f in request.mm_features:
+        if f.offset >= end_token_idx:
+            break  # features are sorted by offset
+        if f.offset + f.length > start_token_idx:
+            keys.append((f.identifier, f.offset - start_token_idx))
+    if start_token_idx == 0 and request.cache_salt is not None:
+        keys.append(request.cache_salt)
+    return tuple(keys) if keys else None
+
+
+def get_request_block_hasher(block_size: int, hash_fn: HashFn) -> Callable[[Any], list[BlockHash]]:
+    """A function computing the hashes of a request's *new* full blocks (incremental)."""
+
+    def request_block_hasher(request: Any) -> list[BlockHash]:
+        hashes = request.block_hashes
+        start = len(hashes) * block_size
+        tokens = request.all_token_ids
+        num_tokens = len(tokens)
+        parent = hashes[-1] if hashes else NONE_HASH
+        simple = request.lora_name is None and not request.mm_features
+        new: list[BlockHash] = []
+        while start + block_size <= num_tokens:
+            end = start + block_size
+            extra = None if simple and (start or request.cache_salt is None) else generate_block_hash_extra_keys(request, start, end)
+            parent = hash_block_tokens(hash_fn, parent, tokens[start:end], extra)
+            new.append(parent)
+            start = end
+        return new
+
+    return request_block_hasher

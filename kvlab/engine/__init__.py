@@ -1,0 +1,1 @@
+"""The engine loop and its simulated clock (``vllm/v1/engine/``)."""

@@ -1,0 +1,1 @@
+"""Executors: what turns a ``SchedulerOutput`` into sampled tokens (``vllm/v1/executor/``)."""

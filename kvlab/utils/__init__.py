@@ -1,0 +1,1 @@
+"""Small shared helpers (``vllm/utils/``): hash functions by name."""

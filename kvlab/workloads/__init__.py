@@ -1,0 +1,1 @@
+"""Seeded request traces and the PagedAttention paper's memory-waste simulator (kvlab's own)."""
