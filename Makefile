@@ -3,19 +3,19 @@ PYTHON ?= python3.11
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvlab-installed
-# The CPU torch wheel lies on this disk; elsewhere pip takes torch from its index.
-WHEELS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
+# `make lab` opens the learner's working copies here (outputs cleared, never overwritten).
+WORKDIR ?= my-kvlab
+# JupyterLab refuses to start as root without this (Docker, Codespaces, cloud notebooks).
+ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: install test test-fast lab gpu-check bench exercises clean
+.PHONY: install test test-fast lab lab-reset gpu-check bench exercises clean
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml scripts/install.sh
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
-	# torch FIRST and pinned: an unpinned torch pulled in by another package is a multi-GB CUDA build.
-	$(BIN)/pip install --quiet $(WHEELS) torch==2.13.0
-	$(BIN)/pip install --quiet $(WHEELS) -e '.[dev]'
+	scripts/install.sh $(BIN)/python dev
+	$(BIN)/python -m kvlab.workspace settings
 	touch $(STAMP)
 
 # Unit/property/kernel/browser tests, then every lesson notebook top to bottom (nbval:
@@ -25,7 +25,12 @@ test: install
 	$(BIN)/python -m pytest --nbval-lax -p no:cacheprovider notebooks
 
 lab: install
-	$(BIN)/jupyter lab --ServerApp.root_dir=. --ip=127.0.0.1 --no-browser notebooks/00_start_here.ipynb
+	$(BIN)/python -m kvlab.workspace prepare --dest $(WORKDIR)
+	$(BIN)/jupyter lab $(ALLOW_ROOT) --ServerApp.root_dir=$(WORKDIR) --LabApp.default_url=/lab/tree/notebooks/00_start_here.ipynb --ip=127.0.0.1 --no-browser
+
+# Start over: your working copies are moved to $(WORKDIR)-backup-<time>, fresh ones made.
+lab-reset: install
+	$(BIN)/python -m kvlab.workspace reset --dest $(WORKDIR)
 
 # For sessions lent a GPU: GPU tests + kernel benchmark in one run.
 gpu-check: install
