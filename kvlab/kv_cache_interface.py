@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvlab.utils.checks import check_int
+
 
 @dataclass(frozen=True, slots=True)
 class FullAttentionSpec:
@@ -37,10 +39,7 @@ class SlidingWindowSpec:
     block_size: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.sliding_window, int) or isinstance(self.sliding_window, bool):
-            raise TypeError(f"sliding_window must be an int, got {type(self.sliding_window).__name__}")
-        if self.sliding_window <= 0:
-            raise ValueError(f"sliding_window must be >= 1 token, got {self.sliding_window}")
+        object.__setattr__(self, "sliding_window", check_int("sliding_window", self.sliding_window, 1))
 
     @property
     def type_name(self) -> str:

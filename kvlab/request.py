@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from kvlab.utils.checks import check_int, check_number, check_optional_int
 from kvlab.utils.hashing import BlockHash
 
 _MAX_TOKEN_ID = 2**32 - 1
@@ -47,14 +48,8 @@ class MultiModalFeature:
     def __post_init__(self) -> None:
         if not isinstance(self.identifier, str) or not self.identifier:
             raise TypeError(f"MultiModalFeature.identifier must be a non-empty str, got {self.identifier!r}")
-        for name in ("offset", "length"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool):
-                raise TypeError(f"MultiModalFeature.{name} must be an int, got {type(v).__name__}")
-        if self.offset < 0:
-            raise ValueError(f"MultiModalFeature.offset must be >= 0, got {self.offset}")
-        if self.length <= 0:
-            raise ValueError(f"MultiModalFeature.length must be >= 1, got {self.length}")
+        object.__setattr__(self, "offset", check_int("MultiModalFeature.offset", self.offset, 0))
+        object.__setattr__(self, "length", check_int("MultiModalFeature.length", self.length, 1))
 
 
 _last_arrival = 0.0
@@ -71,13 +66,8 @@ def _check_token_ids(name: str, token_ids: Sequence[int]) -> list[int]:
         raise TypeError(f"{name} must be a sequence of ints, got {type(token_ids).__name__}")
     out = list(token_ids)
     for i, t in enumerate(out):
-        if type(t) is not int:
-            if isinstance(t, int) and not isinstance(t, bool):
-                out[i] = t = int(t)
-            else:
-                raise TypeError(f"{name}[{i}] must be an int token id, got {t!r} ({type(t).__name__})")
-        if not 0 <= t <= _MAX_TOKEN_ID:
-            raise ValueError(f"{name}[{i}] = {t} is out of range; token ids must be in [0, 2**32 - 1]")
+        if type(t) is not int or not 0 <= t <= _MAX_TOKEN_ID:  # the common case costs two tests
+            out[i] = check_int(f"{name}[{i}]", t, 0, _MAX_TOKEN_ID, why=" (token ids are uint32)")
     return out
 
 
@@ -102,18 +92,15 @@ class Request:
         prompt = _check_token_ids("prompt_token_ids", prompt_token_ids)
         if not prompt:
             raise ValueError("prompt_token_ids must not be empty: a request needs at least one token")
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-            raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
-        if eos_token_id is not None and (type(eos_token_id) is not int or eos_token_id < 0):
-            raise ValueError(f"eos_token_id must be None or an int >= 0, got {eos_token_id!r}")
+        max_tokens = check_int("max_tokens", max_tokens, 1)
+        eos_token_id = check_optional_int("eos_token_id", eos_token_id, 0, _MAX_TOKEN_ID)
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise TypeError(f"cache_salt must be None or a non-empty str, got {cache_salt!r}")
         if lora_name is not None and (not isinstance(lora_name, str) or not lora_name):
             raise TypeError(f"lora_name must be None or a non-empty str, got {lora_name!r}")
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise TypeError(f"priority must be an int (lower runs first), got {priority!r}")
-        if arrival_time is not None and not isinstance(arrival_time, (int, float)):
-            raise TypeError(f"arrival_time must be None or a number, got {arrival_time!r}")
+        priority = check_int("priority", priority)  # lower runs first
+        if arrival_time is not None:
+            arrival_time = check_number("arrival_time", arrival_time)
         given = list(mm_features or ())
         for i, f in enumerate(given):  # type-check before sorting reads .offset
             if not isinstance(f, MultiModalFeature):
@@ -176,8 +163,9 @@ class Request:
 
     def append_output_token_ids(self, token_ids: int | Sequence[int]) -> None:
         """Append sampled tokens; the hashes of blocks they complete are computed now."""
-        ids = [token_ids] if isinstance(token_ids, int) else token_ids
-        ids = _check_token_ids("token_ids", ids)
+        if type(token_ids) is int or not isinstance(token_ids, Sequence) or isinstance(token_ids, (str, bytes)):
+            token_ids = [token_ids]  # type: ignore[list-item]  # one token (an int, numpy's included)
+        ids = _check_token_ids("token_ids", token_ids)  # type: ignore[arg-type]
         self._output_token_ids.extend(ids)
         self._all_token_ids.extend(ids)
         if self._block_hasher is not None:

@@ -115,7 +115,7 @@ CASES = [
     ("duplicate request id", _dup_id, ValueError, r"request id 'live'"),
     ("allocate 0 tokens", lambda w: w.mgr.allocate_slots(w.live, 0), ValueError, r"num_new_tokens.*>= 1"),
     ("allocate <0 tokens", lambda w: w.mgr.allocate_slots(w.live, -2), ValueError, "num_new_tokens"),
-    ("allocate bool tokens", lambda w: w.mgr.allocate_slots(w.live, True), ValueError, "num_new_tokens"),
+    ("allocate bool tokens", lambda w: w.mgr.allocate_slots(w.live, True), TypeError, "num_new_tokens"),
     ("lookahead <0", lambda w: w.mgr.allocate_slots(w.live, 1, num_lookahead_tokens=-1), ValueError, "num_lookahead_tokens"),
     ("computed < 0", lambda w: w.mgr.allocate_slots(w.live, 1, -4), ValueError, "num_new_computed_tokens"),
     ("computed != hits", _hits_mismatch, ValueError, "num_new_computed_tokens"),

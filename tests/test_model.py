@@ -219,10 +219,19 @@ def test_generate_dense_stops_at_eos(default_model: TinyLlama) -> None:
     (dict(rope_theta=0.0), "rope_theta"),
     (dict(init_scale=-1.0), "init_scale"),
     (dict(dtype=torch.int32), "dtype"),
-    (dict(num_layers=True), "num_layers"),
 ])
 def test_bad_config_raises(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
+        TinyLlamaConfig(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(num_layers=True), "num_layers"),
+    (dict(hidden_size=128.0), "hidden_size"),
+    (dict(sliding_window=16.5, sliding_window_layers=(0,)), "sliding_window"),
+])
+def test_bad_config_types_raise_type_error(kwargs: dict, match: str) -> None:
+    with pytest.raises(TypeError, match=match):
         TinyLlamaConfig(**kwargs)
 
 

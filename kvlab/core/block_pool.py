@@ -33,6 +33,7 @@ from kvlab.timeline.events import (
     CacheReset,
     EventLog,
 )
+from kvlab.utils.checks import check_int
 from kvlab.utils.hashing import BlockHash
 
 
@@ -105,10 +106,8 @@ class BlockPool:
     """All KV blocks of all cache groups, allocated from one free queue."""
 
     def __init__(self, num_gpu_blocks: int, enable_caching: bool = True, event_log: EventLog | None = None) -> None:
-        if not isinstance(num_gpu_blocks, int) or isinstance(num_gpu_blocks, bool):
-            raise TypeError(f"num_blocks must be an int, got {type(num_gpu_blocks).__name__}")
-        if num_gpu_blocks < 2:
-            raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {num_gpu_blocks}")
+        # The pool is the door for the block count (KVCacheManager's num_blocks lands here).
+        num_gpu_blocks = check_int("num_blocks", num_gpu_blocks, 2, why=" (block 0 is the null block)")
         self.num_gpu_blocks = num_gpu_blocks
         self.enable_caching = enable_caching
         self.events = event_log

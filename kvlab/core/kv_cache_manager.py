@@ -21,6 +21,7 @@ from kvlab.kv_cache_interface import FullAttentionSpec, KVCacheSpec, SlidingWind
 from kvlab.metrics.stats import PrefixCacheStats
 from kvlab.request import Request
 from kvlab.timeline.events import EventLog, PoolCreated, PrefixLookup
+from kvlab.utils.checks import check_int, check_optional_int
 from kvlab.utils.hashing import UNSAFE_HASH_ALGOS, get_hash_fn_by_name
 
 
@@ -62,14 +63,7 @@ class KVCacheManager:
         max_model_len: int | None = None,
         event_log: EventLog | None = None,
     ) -> None:
-        if not isinstance(block_size, int) or isinstance(block_size, bool):
-            raise TypeError(f"block_size must be an int, got {type(block_size).__name__}")
-        if block_size <= 0:
-            raise ValueError(f"block_size must be >= 1 token, got {block_size}")
-        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool):
-            raise TypeError(f"num_blocks must be an int, got {type(num_blocks).__name__}")
-        if num_blocks < 2:
-            raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}")
+        block_size = check_int("block_size", block_size, 1)
         hash_fn = get_hash_fn_by_name(hash_algo)
         groups = list(kv_cache_groups) if kv_cache_groups is not None else [FullAttentionSpec()]
         if not groups:
@@ -83,8 +77,12 @@ class KVCacheManager:
                     f"kv_cache_groups[{i}].block_size = {g.block_size}, but every group must use block_size = {block_size}"
                 )
             specs.append(g.with_block_size(block_size))
-        if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 1):
-            raise ValueError(f"max_model_len must be None or an int >= 1, got {max_model_len!r}")
+        max_model_len = check_optional_int("max_model_len", max_model_len, 1)
+        # The pool checks num_blocks (its door), the coordinator the mix of groups; both are
+        # built before the first event is emitted, so a refused configuration leaves no trace.
+        block_pool = BlockPool(num_blocks, enable_caching, event_log)
+        num_blocks = block_pool.num_gpu_blocks
+        coordinator = KVCacheCoordinator(specs, block_pool, enable_caching)
 
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -105,8 +103,8 @@ class KVCacheManager:
                     hash_algo=hash_algo,
                 )
             )
-        self.block_pool = BlockPool(num_blocks, enable_caching, event_log)
-        self.coordinator = KVCacheCoordinator(specs, self.block_pool, enable_caching)
+        self.block_pool = block_pool
+        self.coordinator = coordinator
         self.num_kv_cache_groups = len(specs)
         self._hasher_key = (block_size, hash_algo)
         self._hasher = get_request_block_hasher(block_size, hash_fn)
@@ -170,12 +168,9 @@ class KVCacheManager:
         hit). Returns the *newly allocated* blocks, an empty KVCacheBlocks when none are
         needed, or None when the pool cannot supply them -- then nothing has changed."""
         self._bind(request)
-        if not isinstance(num_new_tokens, int) or isinstance(num_new_tokens, bool) or num_new_tokens <= 0:
-            raise ValueError(f"num_new_tokens must be an int >= 1, got {num_new_tokens!r}")
-        if not isinstance(num_new_computed_tokens, int) or num_new_computed_tokens < 0:
-            raise ValueError(f"num_new_computed_tokens must be an int >= 0, got {num_new_computed_tokens!r}")
-        if not isinstance(num_lookahead_tokens, int) or num_lookahead_tokens < 0:
-            raise ValueError(f"num_lookahead_tokens must be an int >= 0, got {num_lookahead_tokens!r}")
+        num_new_tokens = check_int("num_new_tokens", num_new_tokens, 1)
+        num_new_computed_tokens = check_int("num_new_computed_tokens", num_new_computed_tokens, 0)
+        num_lookahead_tokens = check_int("num_lookahead_tokens", num_lookahead_tokens, 0)
         rid = request.request_id
         known = self._requests.get(rid)
         if known is not None and known is not request:

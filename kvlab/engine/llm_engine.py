@@ -19,6 +19,7 @@ from kvlab.executor.abstract import Executor
 from kvlab.executor.simulated import SimulatedExecutor
 from kvlab.request import Request
 from kvlab.timeline.events import EventLog
+from kvlab.utils.checks import check_optional_int
 
 
 @dataclass(slots=True)
@@ -146,7 +147,8 @@ class LLMEngine:
         return StepResult(out.step, self.clock, out, finished)
 
     def run(self, max_steps: int | None = None, progress: bool = False) -> None:
-        """Step until every request has finished."""
+        """Step until every request has finished (or ``max_steps`` steps have run)."""
+        max_steps = check_optional_int("max_steps", max_steps, 0)
         bar = _progress(progress, total=None, desc="steps")
         steps = 0
         while self.has_unfinished_requests():

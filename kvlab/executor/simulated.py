@@ -5,6 +5,7 @@ import zlib
 from collections.abc import Sequence
 
 from kvlab.core.sched.output import SchedulerOutput
+from kvlab.utils.checks import check_int, check_optional_int
 
 
 class SimulatedExecutor:
@@ -15,11 +16,10 @@ class SimulatedExecutor:
     """
 
     def __init__(self, vocab_size: int = 32000, eos_token_id: int | None = None, eos_every: int = 0) -> None:
-        if vocab_size < 2:
-            raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
-        self.vocab_size = vocab_size
-        self.eos_token_id = eos_token_id
-        self.eos_every = eos_every  # >0: emit eos when crc % eos_every == 0 (varied lengths)
+        self.vocab_size = check_int("vocab_size", vocab_size, 2)
+        self.eos_token_id = check_optional_int("eos_token_id", eos_token_id, 0)
+        # > 0: emit eos when crc % eos_every == 0 (varied output lengths); 0: never.
+        self.eos_every = check_int("eos_every", eos_every, 0)
         self._tokens: dict[str, list[int]] = {}
         self.num_tokens_computed = 0
 

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from kvlab.utils.checks import check_int, check_optional_int
 from kvlab.worker.tokenizer import ByteTokenizer
 
 __all__ = [
@@ -84,9 +85,7 @@ class TinyLlamaConfig:
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
                      "intermediate_size", "max_position_embeddings"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            object.__setattr__(self, name, check_int(name, getattr(self, name), 1))
         if self.hidden_size % self.num_heads:
             raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})")
         if self.num_heads % self.num_kv_heads:
@@ -107,16 +106,16 @@ class TinyLlamaConfig:
             # Coerce lists so the frozen config stays hashable and comparable.
             object.__setattr__(self, "sliding_window_layers", tuple(self.sliding_window_layers))
         w, layers = self.sliding_window, self.sliding_window_layers
-        if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 1):
-            raise ValueError(f"sliding_window must be None or an int >= 1, got {w!r}")
+        w = check_optional_int("sliding_window", w, 1)
+        object.__setattr__(self, "sliding_window", w)
         if (w is None) != (len(layers) == 0):
             raise ValueError(
                 "sliding_window and sliding_window_layers go together: set both (the window size and "
                 f"which layers use it) or neither; got sliding_window={w!r}, sliding_window_layers={layers!r}")
-        if len(set(layers)) != len(layers) or any(
-                not isinstance(i, int) or not 0 <= i < self.num_layers for i in layers):
-            raise ValueError(
-                f"sliding_window_layers must be distinct layer indices in 0..{self.num_layers - 1}, got {layers!r}")
+        layers = tuple(check_int(f"sliding_window_layers[{k}]", i, 0, self.num_layers - 1) for k, i in enumerate(layers))
+        if len(set(layers)) != len(layers):
+            raise ValueError(f"sliding_window_layers must be distinct layer indices, got {layers!r}")
+        object.__setattr__(self, "sliding_window_layers", layers)
 
     @property
     def head_dim(self) -> int:
@@ -314,8 +313,7 @@ class TinyLlama(nn.Module):
         cfg = TinyLlamaConfig() if config is None else config
         if not isinstance(cfg, TinyLlamaConfig):
             raise TypeError(f"config must be a TinyLlamaConfig, got {type(cfg).__name__}")
-        if not isinstance(seed, int) or isinstance(seed, bool):
-            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        seed = check_int("seed", seed)
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
@@ -392,8 +390,7 @@ class TinyLlama(nn.Module):
         Quadratic and slow on purpose: it is the reference the paged engine must match token
         for token. Returns only the generated tokens (stops after ``eos_token_id`` if given).
         """
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
-            raise ValueError(f"max_tokens must be an int >= 0, got {max_tokens!r}")
+        max_tokens = check_int("max_tokens", max_tokens, 0)
         seq = [int(t) for t in prompt_ids]
         out: list[int] = []
         for _ in range(max_tokens):

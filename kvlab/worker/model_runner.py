@@ -28,6 +28,7 @@ from torch import Tensor
 
 from kvlab.core.sched.output import NewRequestData, SchedulerOutput
 from kvlab.timeline.events import AttentionBatch, EventLog
+from kvlab.utils.checks import check_int, check_number
 from kvlab.worker.model import (
     PagedAttentionMetadata,
     PagedKernels,
@@ -109,12 +110,10 @@ class ModelRunner:
                  keep_history: bool = False, event_log: EventLog | None = None) -> None:
         if not isinstance(model, TinyLlama):
             raise TypeError(f"model must be a TinyLlama, got {type(model).__name__}")
-        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 2:
-            raise ValueError(f"num_blocks must be an int >= 2 (block 0 is the null block), got {num_blocks!r}")
-        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
-            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-        if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or temperature < 0:
-            raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {temperature!r}")
+        num_blocks = check_int("num_blocks", num_blocks, 2, why=" (block 0 is the null block)")
+        block_size = check_int("block_size", block_size, 1)
+        temperature = check_number("temperature", temperature, 0, why=" (0 = greedy)")
+        seed = check_int("seed", seed)
         cfg = model.config
         self.kernels: PagedKernels = load_kernels(backend)
         if device is None:
@@ -308,8 +307,8 @@ class ModelRunner:
         extend past them.
         """
         rid = state.req_id
-        if not isinstance(num_computed, int) or num_computed < 0 or num_computed > state.num_tokens:
-            raise ValueError(f"request {rid!r}: num_computed_tokens={num_computed!r} must be in "
+        if type(num_computed) is not int or not 0 <= num_computed <= state.num_tokens:
+            raise ValueError(f"request {rid!r}: num_computed_tokens={num_computed!r} must be an int in "
                              f"0..{state.num_tokens} (the tokens the runner knows) in step {step}")
         vocab = self.model.config.vocab_size
         for i, tok in enumerate(new_tokens):

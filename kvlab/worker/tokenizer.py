@@ -8,8 +8,9 @@ that invisible characters (spaces, newlines) stay visible in those pictures.
 """
 from __future__ import annotations
 
-import operator
 from collections.abc import Iterable
+
+from kvlab.utils.checks import check_int
 
 __all__ = ["ByteTokenizer", "BOS_TOKEN_ID", "EOS_TOKEN_ID", "PAD_TOKEN_ID"]
 
@@ -62,8 +63,10 @@ class ByteTokenizer:
         """
         out: list[str] = []
         run = bytearray()
-        for raw in ids:
-            tok = self._check_id(raw, "ids")
+        vocab = self.vocab_size
+        for i, tok in enumerate(ids):
+            if type(tok) is not int or not 0 <= tok < vocab:
+                tok = self._check_id(tok, f"ids[{i}]")
             if tok < NUM_BYTE_TOKENS:
                 run.append(tok)
                 continue
@@ -98,16 +101,7 @@ class ByteTokenizer:
 
     def _check_id(self, token_id: object, name: str) -> int:
         """Return ``token_id`` as a plain int (numpy/torch integers welcome) or raise."""
-        # bool is an int subclass; a True in a token list is always a bug.
-        if isinstance(token_id, bool):
-            raise TypeError(f"{name} must contain integer token ids, got bool")
-        try:
-            tok = operator.index(token_id)
-        except TypeError:
-            raise TypeError(f"{name} must contain integer token ids, got {type(token_id).__name__}") from None
-        if not 0 <= tok < self.vocab_size:
-            raise ValueError(f"{name}: token id {tok} is out of range; allowed 0..{self.vocab_size - 1}")
-        return tok
+        return check_int(name, token_id, 0, self.vocab_size - 1)
 
     def __repr__(self) -> str:
         return f"ByteTokenizer(vocab_size={self.vocab_size})"

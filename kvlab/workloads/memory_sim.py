@@ -90,6 +90,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
+from kvlab.utils.checks import check_int, check_number
 from kvlab.workloads.traces import DEFAULT_MAX_MODEL_LEN, TraceRequest
 
 __all__ = [
@@ -175,14 +176,6 @@ def reservation_size(strategy: str, total_len: int, max_model_len: int) -> int:
     raise ValueError(f"strategy={strategy!r} has no reservation; choose one of {', '.join(CONTIGUOUS_STRATEGIES)}")
 
 
-def _check_int(name: str, value: object, lo: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < lo:
-        raise ValueError(f"{name}={value} is out of range; it must be an int >= {lo}")
-    return value
-
-
 def _check_strategy(strategy: object) -> str:
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r} is unknown; choose one of {', '.join(map(repr, STRATEGIES))}")
@@ -190,8 +183,7 @@ def _check_strategy(strategy: object) -> str:
 
 
 def _check_block_size(block_size: object) -> int:
-    if isinstance(block_size, bool) or not isinstance(block_size, int):
-        raise TypeError(f"block_size must be an int, got {type(block_size).__name__} {block_size!r}")
+    block_size = check_int("block_size", block_size)
     if block_size < 1 or block_size & (block_size - 1):
         raise ValueError(
             f"block_size={block_size} is not allowed; it must be a power of two >= 1, such as 1, 2, 4, ..., 256"
@@ -526,11 +518,9 @@ def simulate(trace: Iterable[TraceRequest], capacity_tokens: int, strategy: str 
     """
     strategy = _check_strategy(strategy)
     bs = _check_block_size(block_size)
-    capacity = _check_int("capacity_tokens", capacity_tokens, 1)
-    mml = _check_int("max_model_len", max_model_len, 1)
-    if isinstance(step_seconds, bool) or not isinstance(step_seconds, (int, float)) \
-            or not (math.isfinite(step_seconds) and step_seconds > 0):
-        raise ValueError(f"step_seconds={step_seconds!r} is out of range; it must be a finite number > 0")
+    capacity = check_int("capacity_tokens", capacity_tokens, 1)
+    mml = check_int("max_model_len", max_model_len, 1)
+    step_seconds = check_number("step_seconds", step_seconds, 0, strict=True)
     if strategy == "paged" and bs > capacity:
         raise ValueError(f"capacity_tokens={capacity} is smaller than one block of block_size={bs}")
     jobs = _jobs_from_trace(trace, strategy, bs, capacity, mml, float(step_seconds))

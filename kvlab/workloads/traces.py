@@ -51,6 +51,8 @@ from functools import lru_cache
 from statistics import NormalDist
 from typing import TYPE_CHECKING, Any, Literal, overload
 
+from kvlab.utils.checks import check_int, check_number
+
 if TYPE_CHECKING:  # only for type checkers: the engine's Request is imported lazily
     from kvlab.request import Request
 
@@ -136,8 +138,7 @@ class TraceRequest:
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError(f"prompt_token_ids of {self.request_id!r} is empty; a request needs >= 1 token")
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens of {self.request_id!r} is {self.max_tokens!r}; it must be an int >= 1")
+        self.max_tokens = check_int(f"max_tokens of {self.request_id!r}", self.max_tokens, 1)
         if not math.isfinite(self.arrival_time) or self.arrival_time < 0:
             raise ValueError(
                 f"arrival_time of {self.request_id!r} is {self.arrival_time!r}; it must be finite and >= 0"
@@ -323,36 +324,10 @@ def percentile(sorted_values: Sequence[float], q: float) -> float:
 # --------------------------------------------------------------------------------------
 
 
-def _check_int(name: str, value: object, lo: int, hi: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < lo or (hi is not None and value > hi):
-        allowed = f">= {lo}" if hi is None else f"in {lo}..{hi}"
-        raise ValueError(f"{name}={value} is out of range; it must be {allowed}")
-    return value
-
-
-def _check_float(name: str, value: object, *, allow_zero: bool = False) -> float:
-    """A finite number > 0 (or >= 0 with ``allow_zero``)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
-    v = float(value)
-    if not (math.isfinite(v) and (v > 0 or (allow_zero and v == 0))):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"{name}={value!r} is out of range; it must be a finite number {bound}")
-    return v
-
-
 def _check_rate(rate: float | None) -> float | None:
     if rate is None or rate == math.inf:
         return None
-    return _check_float("rate", rate)
-
-
-def _check_seed(seed: object) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"seed must be an int, got {type(seed).__name__} {seed!r}")
-    return seed
+    return check_number("rate", rate, 0, strict=True)
 
 
 def _vocab_range(vocab: Vocab) -> range:
@@ -476,14 +451,14 @@ def _lengths(rng: random.Random, n: int, mean: float, sigma: float, lo: int, hi:
 def _independent(kind: str, n: int, seed: int, *, rate: float | None, max_model_len: int,
                  mean_input: float, mean_output: float, input_sigma: float, output_sigma: float,
                  vocab: Vocab, id_prefix: str) -> Trace:
-    _check_int("n", n, 1)
-    _check_seed(seed)
+    n = check_int("n", n, 1)
+    seed = check_int("seed", seed)
     rate = _check_rate(rate)
-    _check_int("max_model_len", max_model_len, 2)
-    _check_float("mean_input", mean_input)
-    _check_float("mean_output", mean_output)
-    _check_float("input_sigma", input_sigma)
-    _check_float("output_sigma", output_sigma)
+    max_model_len = check_int("max_model_len", max_model_len, 2)
+    mean_input = check_number("mean_input", mean_input, 0, strict=True)
+    mean_output = check_number("mean_output", mean_output, 0, strict=True)
+    input_sigma = check_number("input_sigma", input_sigma, 0, strict=True)
+    output_sigma = check_number("output_sigma", output_sigma, 0, strict=True)
     ids = _vocab_range(vocab)
     if mean_input + mean_output >= max_model_len:
         raise ValueError(
@@ -550,16 +525,16 @@ def from_lengths(lengths: Iterable[tuple[int, int] | tuple[int, int, float]], *,
     This is how the simulator's tests and the lessons build examples small enough to check
     by hand, e.g. ``from_lengths([(2, 3), (3, 2)])``.
     """
-    _check_seed(seed)
+    seed = check_int("seed", seed)
     ids = _vocab_range(vocab)
     rng = _stream("from_lengths", seed, "tokens")
     reqs: list[TraceRequest] = []
     for i, spec in enumerate(lengths):
         if len(spec) not in (2, 3):
             raise ValueError(f"lengths[{i}]={spec!r} must be (prompt_len, output_len[, arrival_time])")
-        p = _check_int(f"lengths[{i}] prompt_len", spec[0], 1)
-        o = _check_int(f"lengths[{i}] output_len", spec[1], 1)
-        t = _check_float(f"lengths[{i}] arrival_time", spec[2], allow_zero=True) if len(spec) == 3 else 0.0
+        p = check_int(f"lengths[{i}] prompt_len", spec[0], 1)
+        o = check_int(f"lengths[{i}] output_len", spec[1], 1)
+        t = check_number(f"lengths[{i}] arrival_time", spec[2], 0) if len(spec) == 3 else 0.0
         reqs.append(TraceRequest(f"r{i}", _tokens(rng, ids, p), o, t))
     if not reqs:
         raise ValueError("lengths is empty; a trace needs at least one request")
@@ -587,13 +562,13 @@ def shared_system_prompt_chat(n: int, seed: int, *, system_prompt_len: int = 256
     With prefix caching only the first request computes the system prompt; every later one
     hits ``system_prompt_len // block_size`` full blocks of it.
     """
-    _check_int("n", n, 1)
-    _check_seed(seed)
-    _check_int("max_model_len", max_model_len, 3)
-    _check_int("system_prompt_len", system_prompt_len, 1, max_model_len - 2)
-    _check_float("mean_user_len", mean_user_len)
-    _check_float("mean_output", mean_output)
-    _check_float("sigma", sigma)
+    n = check_int("n", n, 1)
+    seed = check_int("seed", seed)
+    max_model_len = check_int("max_model_len", max_model_len, 3)
+    system_prompt_len = check_int("system_prompt_len", system_prompt_len, 1, max_model_len - 2)
+    mean_user_len = check_number("mean_user_len", mean_user_len, 0, strict=True)
+    mean_output = check_number("mean_output", mean_output, 0, strict=True)
+    sigma = check_number("sigma", sigma, 0, strict=True)
     rate = _check_rate(rate)
     ids = _vocab_range(vocab)
     kind = "shared_system_prompt_chat"
@@ -626,14 +601,14 @@ def document_qa(num_docs: int, questions_per_doc: int, seed: int, *, doc_len: in
     documents compete for the cache; ``False`` sends all of document 0's questions first.
     Request ids are ``doc{d}-q{j}``; ``group`` is ``doc{d}``.
     """
-    _check_int("num_docs", num_docs, 1)
-    _check_int("questions_per_doc", questions_per_doc, 1)
-    _check_seed(seed)
-    _check_int("max_model_len", max_model_len, 3)
-    _check_int("doc_len", doc_len, 1, max_model_len - 2)
-    _check_float("mean_question_len", mean_question_len)
-    _check_float("mean_output", mean_output)
-    _check_float("sigma", sigma)
+    num_docs = check_int("num_docs", num_docs, 1)
+    questions_per_doc = check_int("questions_per_doc", questions_per_doc, 1)
+    seed = check_int("seed", seed)
+    max_model_len = check_int("max_model_len", max_model_len, 3)
+    doc_len = check_int("doc_len", doc_len, 1, max_model_len - 2)
+    mean_question_len = check_number("mean_question_len", mean_question_len, 0, strict=True)
+    mean_output = check_number("mean_output", mean_output, 0, strict=True)
+    sigma = check_number("sigma", sigma, 0, strict=True)
     rate = _check_rate(rate)
     ids = _vocab_range(vocab)
     kind = "document_qa"
@@ -678,16 +653,16 @@ def multi_turn(num_conversations: int, turns: int, seed: int, *, system_prompt_l
     ``max_model_len``. ``system_prompt_len > 0`` opens every conversation with one shared
     system prompt. Ids are ``conv{c}-t{k}``; ``group`` is ``conv{c}``.
     """
-    _check_int("num_conversations", num_conversations, 1)
-    _check_int("turns", turns, 1)
-    _check_seed(seed)
-    _check_int("max_model_len", max_model_len, 3)
-    _check_int("system_prompt_len", system_prompt_len, 0, max_model_len - 2)
-    _check_float("mean_user_len", mean_user_len)
-    _check_float("mean_output", mean_output)
-    _check_float("sigma", sigma)
-    _check_float("think_time", think_time, allow_zero=True)
-    _check_float("decode_seconds_per_token", decode_seconds_per_token, allow_zero=True)
+    num_conversations = check_int("num_conversations", num_conversations, 1)
+    turns = check_int("turns", turns, 1)
+    seed = check_int("seed", seed)
+    max_model_len = check_int("max_model_len", max_model_len, 3)
+    system_prompt_len = check_int("system_prompt_len", system_prompt_len, 0, max_model_len - 2)
+    mean_user_len = check_number("mean_user_len", mean_user_len, 0, strict=True)
+    mean_output = check_number("mean_output", mean_output, 0, strict=True)
+    sigma = check_number("sigma", sigma, 0, strict=True)
+    think_time = check_number("think_time", think_time, 0)
+    decode_seconds_per_token = check_number("decode_seconds_per_token", decode_seconds_per_token, 0)
     rate = _check_rate(rate)
     ids = _vocab_range(vocab)
     kind = "multi_turn"
@@ -731,8 +706,8 @@ def tenant_salt(seed: int, tenant_index: int) -> str:
     (A deployment would draw each tenant's salt once with ``secrets.token_hex(16)`` and
     store it; we derive it from the seed only so that the trace is reproducible.)
     """
-    _check_seed(seed)
-    _check_int("tenant_index", tenant_index, 0)
+    seed = check_int("seed", seed)
+    tenant_index = check_int("tenant_index", tenant_index, 0)
     key = hashlib.sha256(f"kvlab.workloads/tenant-salt-key/{seed}".encode()).digest()
     return hmac.new(key, f"tenant/{tenant_index}".encode(), hashlib.sha256).hexdigest()[:32]
 
@@ -755,15 +730,15 @@ def multi_tenant(num_tenants: int, n: int, seed: int, *, salted: bool = False,
     the tenant name as its salt - the classic mistake: an attacker who can guess the salt
     can put it on their own requests and probe the victim's cache as if unsalted.
     """
-    _check_int("num_tenants", num_tenants, 1)
-    _check_int("n", n, 1)
-    _check_seed(seed)
-    _check_int("max_model_len", max_model_len, 3)
-    _check_int("shared_prefix_len", shared_prefix_len, 1, max_model_len - 2)
-    _check_int("num_prefixes", num_prefixes, 1)
-    _check_float("mean_suffix_len", mean_suffix_len)
-    _check_float("mean_output", mean_output)
-    _check_float("sigma", sigma)
+    num_tenants = check_int("num_tenants", num_tenants, 1)
+    n = check_int("n", n, 1)
+    seed = check_int("seed", seed)
+    max_model_len = check_int("max_model_len", max_model_len, 3)
+    shared_prefix_len = check_int("shared_prefix_len", shared_prefix_len, 1, max_model_len - 2)
+    num_prefixes = check_int("num_prefixes", num_prefixes, 1)
+    mean_suffix_len = check_number("mean_suffix_len", mean_suffix_len, 0, strict=True)
+    mean_output = check_number("mean_output", mean_output, 0, strict=True)
+    sigma = check_number("sigma", sigma, 0, strict=True)
     if salt_scheme not in ("secret", "name"):
         raise ValueError(f"salt_scheme={salt_scheme!r} is unknown; choose 'secret' or 'name'")
     rate = _check_rate(rate)

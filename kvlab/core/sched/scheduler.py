@@ -33,6 +33,7 @@ from kvlab.timeline.events import (
     StepStarted,
     TokensAppended,
 )
+from kvlab.utils.checks import check_int, check_optional_int
 
 
 class Scheduler:
@@ -50,13 +51,12 @@ class Scheduler:
             raise TypeError(f"kv_cache_manager must be a KVCacheManager, got {type(kv_cache_manager).__name__}")
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-        for name, v in (("max_num_batched_tokens", max_num_batched_tokens), ("max_num_seqs", max_num_seqs)):
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-        if not isinstance(long_prefill_token_threshold, int) or long_prefill_token_threshold < 0:
-            raise ValueError(f"long_prefill_token_threshold must be an int >= 0 (0 = off), got {long_prefill_token_threshold!r}")
-        if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 2):
-            raise ValueError(f"max_model_len must be None or an int >= 2, got {max_model_len!r}")
+        max_num_batched_tokens = check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
+        max_num_seqs = check_int("max_num_seqs", max_num_seqs, 1)
+        long_prefill_token_threshold = check_int(
+            "long_prefill_token_threshold", long_prefill_token_threshold, 0, why=" (0 = off)"
+        )
+        max_model_len = check_optional_int("max_model_len", max_model_len, 2)
         self.kv_cache_manager = kv_cache_manager
         self.max_num_scheduled_tokens = max_num_batched_tokens
         self.max_num_running_reqs = max_num_seqs
