@@ -16,6 +16,8 @@ vLLM: ``vllm/v1/core/sched/scheduler.py``. One step:
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from kvlab.core.sched.request_queue import POLICIES, FCFSRequestQueue, PriorityRequestQueue
@@ -34,6 +36,20 @@ from kvlab.timeline.events import (
     TokensAppended,
 )
 from kvlab.utils.checks import check_int, check_optional_int
+
+
+@dataclass(slots=True)
+class _StepPlan:
+    """What one ``schedule()`` call has decided so far (shared by its two halves)."""
+
+    token_budget: int
+    num_scheduled: dict[str, int] = field(default_factory=dict)  # req id -> tokens this step
+    running: list[Request] = field(default_factory=list)  # scheduled running requests, in order
+    new: list[Request] = field(default_factory=list)  # admitted for the first time
+    resumed: list[Request] = field(default_factory=list)  # re-admitted after a preemption
+    preempted: list[Request] = field(default_factory=list)
+    computed_before: dict[str, int] = field(default_factory=dict)  # req id -> computed tokens before
+    admitted: list[tuple[Request, str]] = field(default_factory=list)  # (request, "new"|"resumed")
 
 
 class Scheduler:
@@ -165,30 +181,55 @@ class Scheduler:
 
     # -- one step -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        """Decide one step: which requests run, how many tokens each, and who is preempted.
+
+        Why running requests go first (lesson 05): they already hold KV blocks, and every
+        step they wait is latency a user sees mid-answer, while a waiting request has cost
+        nothing yet. So running requests claim the token budget and the free blocks first;
+        when blocks run out it is a *running* request that must give its blocks back
+        (preemption by recompute), and a waiting request is admitted only with what is left
+        -- never in a step that preempted (memory is short) and never by preempting anyone
+        (head-of-line: the first waiting request that does not fit stops admission). The two
+        halves are :meth:`_schedule_running` and :meth:`_schedule_waiting`, as in vLLM.
+        """
         self.step_count += 1
         events = self.events
         if events is not None:
             events.step = self.step_count
             events.emit(StepStarted(token_budget=self.max_num_scheduled_tokens))
-        mgr = self.kv_cache_manager
-        token_budget = self.max_num_scheduled_tokens
-        num_scheduled: dict[str, int] = {}
-        scheduled_running: list[Request] = []
-        scheduled_new: list[Request] = []
-        scheduled_resumed: list[Request] = []
-        preempted: list[Request] = []
-        computed_before: dict[str, int] = {}
-        admitted: list[tuple[Request, str]] = []  # in admission order, with the phase
-        threshold = self.long_prefill_token_threshold
+        plan = _StepPlan(token_budget=self.max_num_scheduled_tokens)
+        self._schedule_running(plan)
+        if not plan.preempted:
+            self._schedule_waiting(plan)
+        out = self._make_output(plan)
+        if events is not None:
+            for r, phase in [(r, "running") for r in plan.running] + plan.admitted:
+                events.emit(
+                    RequestScheduled(
+                        request_id=r.request_id,
+                        num_tokens=plan.num_scheduled[r.request_id],
+                        num_computed_tokens=plan.computed_before[r.request_id],
+                        phase=phase,
+                        num_cached_tokens=plan.computed_before[r.request_id] if phase != "running" else 0,
+                    )
+                )
+        return out
 
-        # 1. RUNNING requests, in admission order.
+    def _num_new_tokens(self, request: Request, num_computed_tokens: int) -> int:
+        """The tokens ``request`` lacks, capped by the long-prefill threshold (a long prompt
+        is computed in chunks so it cannot hog whole steps; lesson 05)."""
+        n = request.num_tokens - num_computed_tokens
+        threshold = self.long_prefill_token_threshold
+        return threshold if 0 < threshold < n else n
+
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        """Running requests, in admission order: room for their next tokens, preempting the
+        :meth:`select_victim` choice while the pool has no block for them."""
+        mgr = self.kv_cache_manager
         i = 0
-        while i < len(self.running) and token_budget > 0:
+        while i < len(self.running) and plan.token_budget > 0:
             request = self.running[i]
-            n = request.num_tokens - request.num_computed_tokens
-            if 0 < threshold < n:
-                n = threshold
-            n = min(n, token_budget)
+            n = min(self._num_new_tokens(request, request.num_computed_tokens), plan.token_budget)
             if self.max_model_len is not None:
                 n = min(n, self.max_model_len - 1 - request.num_computed_tokens)
             if n <= 0:
@@ -201,70 +242,57 @@ class Scheduler:
                 # No block for a running request: preempt someone.
                 victim = self.select_victim()
                 self.running.remove(victim)
-                if victim in scheduled_running:
+                if victim in plan.running:
                     # Already scheduled this step (priority policy): take its tokens back.
-                    scheduled_running.remove(victim)
-                    token_budget += num_scheduled.pop(victim.request_id)
+                    plan.running.remove(victim)
+                    plan.token_budget += plan.num_scheduled.pop(victim.request_id)
                     i -= 1
                 self._preempt_request(victim, for_request=request)
-                preempted.append(victim)
+                plan.preempted.append(victim)
                 if victim is request:
                     break  # it preempted itself: nothing left to free for it
             if new_blocks is None:
                 break
-            scheduled_running.append(request)
-            num_scheduled[request.request_id] = n
-            computed_before[request.request_id] = request.num_computed_tokens
-            token_budget -= n
+            plan.running.append(request)
+            plan.num_scheduled[request.request_id] = n
+            plan.computed_before[request.request_id] = request.num_computed_tokens
+            plan.token_budget -= n
             i += 1
 
-        # 2. WAITING requests, only in a step without preemption.
-        if not preempted:
-            while self.waiting and token_budget > 0:
-                if len(self.running) >= self.max_num_running_reqs:
-                    break
-                request = self.waiting.peek_request()
-                hits, num_hit_tokens = mgr.get_computed_blocks(request)
-                n = request.num_tokens - num_hit_tokens
-                if 0 < threshold < n:
-                    n = threshold
-                if not self.enable_chunked_prefill and n > token_budget:
-                    break  # the whole prompt must fit; no skipping ahead
-                n = min(n, token_budget)
-                new_blocks = mgr.allocate_slots(request, n, num_hit_tokens, hits)
-                if new_blocks is None:
-                    break  # head-of-line: a waiting request never preempts
-                self.waiting.pop_request()
-                self.running.append(request)
-                phase = "resumed" if request.status == RequestStatus.PREEMPTED else "new"
-                (scheduled_resumed if phase == "resumed" else scheduled_new).append(request)
-                admitted.append((request, phase))
-                request.status = RequestStatus.RUNNING
-                request.num_computed_tokens = num_hit_tokens
-                if request.num_cached_tokens < 0:
-                    request.num_cached_tokens = num_hit_tokens
-                num_scheduled[request.request_id] = n
-                computed_before[request.request_id] = num_hit_tokens
-                token_budget -= n
-
-        out = self._make_output(scheduled_new, scheduled_resumed, scheduled_running, preempted, num_scheduled, admitted)
-        if events is not None:
-            for r, phase in [(r, "running") for r in scheduled_running] + admitted:
-                events.emit(
-                    RequestScheduled(
-                        request_id=r.request_id,
-                        num_tokens=num_scheduled[r.request_id],
-                        num_computed_tokens=computed_before[r.request_id],
-                        phase=phase,
-                        num_cached_tokens=computed_before[r.request_id] if phase != "running" else 0,
-                    )
-                )
-        return out
-
-    def _make_output(self, new, resumed, running, preempted, num_scheduled, admitted) -> SchedulerOutput:
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
+        """Waiting requests, in queue order, while the budget, ``max_num_seqs`` and the pool
+        allow; a prefix-cache hit is adopted at admission."""
         mgr = self.kv_cache_manager
+        while self.waiting and plan.token_budget > 0:
+            if len(self.running) >= self.max_num_running_reqs:
+                break
+            request = self.waiting.peek_request()
+            hits, num_hit_tokens = mgr.get_computed_blocks(request)
+            n = self._num_new_tokens(request, num_hit_tokens)
+            if not self.enable_chunked_prefill and n > plan.token_budget:
+                break  # the whole prompt must fit; no skipping ahead
+            n = min(n, plan.token_budget)
+            new_blocks = mgr.allocate_slots(request, n, num_hit_tokens, hits)
+            if new_blocks is None:
+                break  # head-of-line: a waiting request never preempts
+            self.waiting.pop_request()
+            self.running.append(request)
+            phase = "resumed" if request.status == RequestStatus.PREEMPTED else "new"
+            (plan.resumed if phase == "resumed" else plan.new).append(request)
+            plan.admitted.append((request, phase))
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            plan.num_scheduled[request.request_id] = n
+            plan.computed_before[request.request_id] = num_hit_tokens
+            plan.token_budget -= n
+
+    def _make_output(self, plan: _StepPlan) -> SchedulerOutput:
+        mgr = self.kv_cache_manager
+        num_scheduled = plan.num_scheduled
         new_data = []
-        for r, _ in admitted:  # new and resumed, in admission order
+        for r, _ in plan.admitted:  # new and resumed, in admission order
             ids = mgr.get_block_ids(r.request_id)
             self._num_sent_blocks[r.request_id] = [len(g) for g in ids]
             nc = r.num_computed_tokens
@@ -279,7 +307,7 @@ class Scheduler:
                 )
             )
         cached = CachedRequestData()
-        for r in running:
+        for r in plan.running:
             ids = mgr.get_block_ids(r.request_id)
             sent = self._num_sent_blocks[r.request_id]
             delta = tuple(g[s:] for g, s in zip(ids, sent))
@@ -296,10 +324,10 @@ class Scheduler:
             scheduled_cached_reqs=cached,
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
-            scheduled_new_req_ids=[r.request_id for r in new],
-            scheduled_resumed_req_ids=[r.request_id for r in resumed],
-            scheduled_running_req_ids=[r.request_id for r in running],
-            preempted_req_ids={r.request_id for r in preempted},
+            scheduled_new_req_ids=[r.request_id for r in plan.new],
+            scheduled_resumed_req_ids=[r.request_id for r in plan.resumed],
+            scheduled_running_req_ids=[r.request_id for r in plan.running],
+            preempted_req_ids={r.request_id for r in plan.preempted},
             finished_req_ids=finished,
         )
 
