@@ -173,7 +173,7 @@ def test_cache_free_evict_cycle():
     pool.check_invariants()
 
     # a hit pulls a free block back out of the middle of the queue
-    pool.touch([[blocks[1]]])
+    pool.touch([blocks[1]])
     assert blocks[1].ref_cnt == 1 and queue_ids(pool.free_block_queue) == [3, 5, 1]
 
     # allocation pops the head; only a cached block costs a map entry
@@ -187,7 +187,7 @@ def test_cache_free_evict_cycle():
 def test_touch_shared_block_and_free_order():
     pool = BlockPool(5)
     a = pool.get_new_blocks(2)
-    pool.touch([a])  # second owner
+    pool.touch(a)  # second owner
     assert [b.ref_cnt for b in a] == [2, 2]
     pool.free_blocks(reversed(a))
     assert [b.ref_cnt for b in a] == [1, 1] and queue_ids(pool.free_block_queue) == [3, 4]
@@ -200,7 +200,7 @@ def test_touch_shared_block_and_free_order():
 def test_null_block_is_never_queued_or_counted():
     pool = BlockPool(4)
     b = pool.get_new_blocks(1)
-    pool.touch([[pool.null_block, b[0]]])
+    pool.touch([pool.null_block, b[0]])
     assert pool.null_block.ref_cnt == 0 and b[0].ref_cnt == 2
     pool.free_blocks([pool.null_block, b[0], b[0]])
     assert queue_ids(pool.free_block_queue) == [1, 2, 3] and pool.null_block.ref_cnt == 0

@@ -213,19 +213,19 @@ class BlockPool:
             self.events.emit(BlockEvicted(block_id=block.block_id, block_hash=h, group=int.from_bytes(key[-4:], "big")))  # type: ignore[arg-type]
         return True
 
-    def touch(self, blocks: Sequence[Sequence[KVCacheBlock]], request_id: str | None = None) -> None:
-        """A prefix hit adopts blocks: ref += 1, and a ref-0 block leaves the free queue
-        *first*, so it cannot be evicted while the request is adopting it."""
+    def touch(self, blocks: Sequence[KVCacheBlock], request_id: str | None = None, group: int = 0) -> None:
+        """A prefix hit adopts ``blocks`` (one group's, as vLLM's flat list): ref += 1, and a
+        ref-0 block leaves the free queue *first*, so it cannot be evicted while the request
+        is adopting it (lesson 04). The null block is skipped: its ref count is not kept."""
         remove = self.free_block_queue.remove
-        for gid, group_blocks in enumerate(blocks):
-            for b in group_blocks:
-                if b.is_null:
-                    continue
-                if b.ref_cnt == 0:
-                    remove(b)
-                b.ref_cnt += 1
-            if self.events is not None and group_blocks:
-                self.events.emit(BlocksTouched(request_id=request_id, group=gid, block_ids=[b.block_id for b in group_blocks]))
+        for b in blocks:
+            if b.is_null:
+                continue
+            if b.ref_cnt == 0:
+                remove(b)
+            b.ref_cnt += 1
+        if self.events is not None and blocks:
+            self.events.emit(BlocksTouched(request_id=request_id, group=group, block_ids=[b.block_id for b in blocks]))
 
     def free_blocks(
         self, ordered_blocks: Iterable[KVCacheBlock], request_id: str | None = None, group: int = 0, reason: str = "request"

@@ -199,9 +199,7 @@ class KVCacheManager:
         if need > self.block_pool.get_num_free_blocks():
             return None
 
-        if self.enable_caching:
-            self.block_pool.touch(hits, request_id=rid)  # before allocating: hits must not be evicted
-        self.coordinator.save_new_computed_blocks(rid, hits)
+        self.coordinator.save_new_computed_blocks(rid, hits)  # touches the hits before allocating
         new_blocks = self.coordinator.allocate_new_blocks(rid, num_tokens_need_slot)
         self._requests[rid] = request
         if self.enable_caching:

@@ -41,9 +41,13 @@ class SingleTypeKVCacheManager:
         return max(0, num_required - have) + num_evictable
 
     def save_new_computed_blocks(self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock]) -> None:
+        """Adopt a new request's prefix hits: touch them (before any allocation can evict
+        them) and start its block table with them."""
         if request_id not in self.num_cached_block:
             blocks = self.req_to_blocks.setdefault(request_id, [])
             assert not blocks, "a new request already has blocks"
+            if self.block_pool.enable_caching:
+                self.block_pool.touch(new_computed_blocks, request_id=request_id, group=self.kv_cache_group_id)
             blocks.extend(new_computed_blocks)
             self.num_cached_block[request_id] = len(new_computed_blocks)
         else:

@@ -256,9 +256,8 @@ def check_touch(fn: Any) -> CheckResult:
     mgr = story_manager()
     pool = mgr.block_pool
 
-    def touch(blocks: Any, request_id: str | None = None) -> None:
-        for group in blocks:
-            call(fn, pool, list(group), where="touching hit blocks")
+    def touch(blocks: Any, request_id: str | None = None, group: int = 0) -> None:
+        call(fn, pool, list(blocks), where="touching hit blocks")
 
     pool.touch = touch  # type: ignore[method-assign]
     obs = run_shared_prefix_story(mgr)
