@@ -18,9 +18,11 @@ $(STAMP): pyproject.toml scripts/install.sh
 	$(BIN)/python -m kvlab.workspace settings
 	touch $(STAMP)
 
-# Unit/property/kernel/browser tests, then every lesson notebook top to bottom (nbval:
-# cells marked NBVAL_CHECK_OUTPUT must reproduce their stored output).
+# The layer contracts (import-linter, config in pyproject.toml), unit/property/kernel/browser
+# tests, then every lesson notebook top to bottom (nbval: cells marked NBVAL_CHECK_OUTPUT must
+# reproduce their stored output).
 test: install
+	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest
 	$(BIN)/python -m pytest --nbval-lax -p no:cacheprovider notebooks
 

@@ -3,57 +3,77 @@
 The layout mirrors vLLM's tree: ``kvlab/core`` is ``vllm/v1/core`` (block pool, managers,
 ``sched/``), ``kvlab/worker`` is ``vllm/v1/worker`` (model runner), ``kvlab/engine`` and
 ``kvlab/executor`` are ``vllm/v1/engine`` and ``vllm/v1/executor``. kvlab's own parts sit
-beside them: ``timeline`` (events, snapshots: the data layer), ``viz`` (the pictures),
+beside them: ``timeline`` (events, snapshots, the Timeline: the data layer), ``viz`` (the
+pictures), ``show`` (wires an engine, a scenario or a log to a Player), ``scenarios``,
 ``workloads``, ``exercises``, ``lessons``, ``bench``.
 
-The core is pure Python; torch, Triton (``kvlab.kernels``) and plotly are imported only
-by the parts that need them.
+Every name below is importable from here (``from kvlab import LLMEngine``), but each is
+loaded on first use: importing ``kvlab.viz.pool`` must not load the engine, and importing
+the engine must not load plotly. The core is pure Python; torch, Triton (``kvlab.kernels``)
+and plotly are imported only by the parts that need them.
 """
-from kvlab.core.block_pool import BlockPool
-from kvlab.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
-from kvlab.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock, hash_block_tokens
-from kvlab.core.sched.output import SchedulerOutput
-from kvlab.core.sched.scheduler import Scheduler
-from kvlab.engine.llm_engine import LLMEngine, build_engine
-from kvlab.executor.simulated import SimulatedExecutor
-from kvlab.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
-from kvlab.metrics.stats import CachingMetrics, PrefixCacheStats
-from kvlab.request import MultiModalFeature, Request, RequestStatus
-from kvlab.timeline.events import EventLog
-from kvlab.timeline.snapshot import Snapshot, Timeline, replay
-from kvlab.utils.hashing import get_hash_fn_by_name
+from __future__ import annotations
 
-__all__ = [
-    "BlockPool",
-    "CachingMetrics",
-    "EventLog",
-    "FreeKVCacheBlockQueue",
-    "FullAttentionSpec",
-    "KVCacheBlock",
-    "KVCacheBlocks",
-    "KVCacheManager",
-    "LLMEngine",
-    "MultiModalFeature",
-    "PrefixCacheStats",
-    "Request",
-    "RequestStatus",
-    "Scheduler",
-    "SchedulerOutput",
-    "SimulatedExecutor",
-    "SlidingWindowSpec",
-    "Snapshot",
-    "Timeline",
-    "build_engine",
-    "get_hash_fn_by_name",
-    "hash_block_tokens",
-    "replay",
-]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# name -> module that defines it (strings: nothing is imported until the name is used)
+_EXPORTS: dict[str, str] = {
+    "BlockPool": "kvlab.core.block_pool",
+    "CachingMetrics": "kvlab.metrics.stats",
+    "EventLog": "kvlab.timeline.events",
+    "FreeKVCacheBlockQueue": "kvlab.core.kv_cache_utils",
+    "FullAttentionSpec": "kvlab.kv_cache_interface",
+    "KVCacheBlock": "kvlab.core.kv_cache_utils",
+    "KVCacheBlocks": "kvlab.core.kv_cache_manager",
+    "KVCacheManager": "kvlab.core.kv_cache_manager",
+    "LLMEngine": "kvlab.engine.llm_engine",
+    "MultiModalFeature": "kvlab.request",
+    "PrefixCacheStats": "kvlab.metrics.stats",
+    "Request": "kvlab.request",
+    "RequestStatus": "kvlab.request",
+    "Scheduler": "kvlab.core.sched.scheduler",
+    "SchedulerOutput": "kvlab.core.sched.output",
+    "SimulatedExecutor": "kvlab.executor.simulated",
+    "SlidingWindowSpec": "kvlab.kv_cache_interface",
+    "Snapshot": "kvlab.timeline.snapshot",
+    "StepSeries": "kvlab.timeline.timeline",
+    "Timeline": "kvlab.timeline.timeline",
+    "build_engine": "kvlab.engine.llm_engine",
+    "get_hash_fn_by_name": "kvlab.utils.hashing",
+    "hash_block_tokens": "kvlab.core.kv_cache_utils",
+    "replay": "kvlab.timeline.timeline",
+}
+__all__ = sorted([*_EXPORTS, "show"])
+
+if TYPE_CHECKING:  # for type checkers and IDEs only
+    from kvlab.core.block_pool import BlockPool
+    from kvlab.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from kvlab.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock, hash_block_tokens
+    from kvlab.core.sched.output import SchedulerOutput
+    from kvlab.core.sched.scheduler import Scheduler
+    from kvlab.engine.llm_engine import LLMEngine, build_engine
+    from kvlab.executor.simulated import SimulatedExecutor
+    from kvlab.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+    from kvlab.metrics.stats import CachingMetrics, PrefixCacheStats
+    from kvlab.request import MultiModalFeature, Request, RequestStatus
+    from kvlab.timeline.events import EventLog
+    from kvlab.timeline.snapshot import Snapshot
+    from kvlab.timeline.timeline import StepSeries, Timeline, replay
+    from kvlab.utils.hashing import get_hash_fn_by_name
 
 
-def __getattr__(name: str):
-    """``kvlab.show(engine_or_log)``: the Player, imported on first use (plotly is slow to import)."""
+def __getattr__(name: str) -> Any:
+    """Load an exported name on first use (``kvlab.show`` is the callable module ``kvlab/show.py``)."""
     if name == "show":
-        from kvlab.viz import show
+        return importlib.import_module("kvlab.show")
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvlab' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # the next lookup is a plain attribute
+    return value
 
-        return show
-    raise AttributeError(f"module 'kvlab' has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -5,6 +5,7 @@ added between steps exactly as a user would -- so its event log is the same kind
 any learner's run produces, and every view and test works on it unchanged. A scenario
 returns a :class:`Scenario`: the log, the engine (to keep stepping or inspect), a
 description of what to watch, and ``named_steps`` that point at the moments worth seeing.
+``kvlab.show(scenario)`` opens it in a Player (this module knows nothing of the views).
 
 Prompts are short English strings tokenized with kvlab's byte tokenizer (one token per
 byte), and the simulated model answers with lowercase letters, so every block in a
@@ -19,18 +20,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvlab.engine.llm_engine import LLMEngine, build_engine
 from kvlab.executor.simulated import SimulatedExecutor
 from kvlab.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 from kvlab.request import Request
 from kvlab.timeline.events import EventLog, RequestPreempted, RequestScheduled
-from kvlab.timeline.snapshot import Snapshot, Timeline
+from kvlab.timeline.snapshot import Snapshot
+from kvlab.timeline.timeline import Timeline
 from kvlab.worker.tokenizer import ByteTokenizer
-
-if TYPE_CHECKING:
-    from kvlab.viz.player import Player
 
 _TOKENIZER = ByteTokenizer()
 
@@ -86,12 +85,6 @@ class Scenario:
     def at(self, name_or_step: str | int) -> Snapshot:
         """The snapshot at a named step (or a step number)."""
         return self.timeline().at(self.step_of(name_or_step))
-
-    def player(self, **kwargs: Any) -> Player:
-        """A :class:`kvlab.viz.Player` on this scenario (with its ``decode``)."""
-        from kvlab.viz.player import Player
-
-        return Player(self, **kwargs)
 
     def __iter__(self):
         """``log, info = scenario`` also works: the log and the scenario itself."""

@@ -7,6 +7,7 @@ from kvlab import KVCacheManager, Request, Scheduler
 from kvlab.engine.cost_model import CostModel
 from kvlab.engine.llm_engine import LLMEngine, build_engine
 from kvlab.executor.simulated import SimulatedExecutor
+from kvlab.timeline import Timeline
 
 # Powers of two, so every sum below is exact in floating point.
 COST = CostModel(step_overhead_s=0.5, prefill_s_per_token=0.25, decode_s_per_token=0.125, kv_read_s_per_token=0.0625)
@@ -55,7 +56,7 @@ def test_string_prompt_without_tokenizer_raises():
 
 
 def test_ttft_and_tpot_from_the_cost_model():
-    eng = build_engine(num_blocks=16, block_size=16, event_log=None, cost_model=COST)
+    eng = build_engine(num_blocks=16, block_size=16, cost_model=COST)
     eng.generate([list(range(10))], max_tokens=3)
     m = eng.metrics["gen-1"]
     # Step 1, prefill 10, context 10:  0.5 + 10*0.25  + 10*0.0625 = 3.625   (first token)
@@ -66,13 +67,14 @@ def test_ttft_and_tpot_from_the_cost_model():
     assert m.finished_time == 6.3125 and m.e2e_latency == 6.3125
     assert m.tpot == (6.3125 - 3.625) / 2 == 1.34375
     assert (m.num_output_tokens, m.num_preemptions, m.num_cached_tokens, m.prefill_tokens_computed) == (3, 0, 0, 10)
-    assert [h["num_prefill_tokens"] for h in eng.history] == [10, 0, 0]
-    assert [h["num_decode_tokens"] for h in eng.history] == [0, 1, 1]
-    assert [h["time"] for h in eng.history] == [3.625, 4.9375, 6.3125]
+    # The per-step series come from the event log's StepFinished records (the one channel).
+    s = Timeline(eng.events).series
+    assert s.num_prefill_tokens == [10, 0, 0] and s.num_decode_tokens == [0, 1, 1]
+    assert s.time == [3.625, 4.9375, 6.3125] and s.num_scheduled_tokens == [10, 1, 1]
 
 
 def test_run_trace_respects_arrival_times():
-    eng = build_engine(num_blocks=32, block_size=16, event_log=None, cost_model=COST_NO_KV)
+    eng = build_engine(num_blocks=32, block_size=16, cost_model=COST_NO_KV)
     a = Request("a", list(range(100, 104)), max_tokens=4, arrival_time=0.0)
     b = Request("b", list(range(200, 202)), max_tokens=1, arrival_time=1.0)
     c = Request("c", list(range(300, 303)), max_tokens=2, arrival_time=100.0)
@@ -87,7 +89,9 @@ def test_run_trace_respects_arrival_times():
     assert mb.ttft == 1.625
     assert (mc.arrival_time, mc.first_scheduled_time, mc.first_token_time, mc.finished_time) == (100.0, 100.0, 101.25, 101.875)
     assert mc.tpot == 0.625
-    assert len(eng.history) == 6 and eng.clock == 101.875
+    s = Timeline(eng.events).series
+    assert s.step == [1, 2, 3, 4, 5, 6] and s.time == [1.5, 2.625, 3.25, 3.875, 101.25, 101.875] == sorted(s.time)
+    assert eng.clock == 101.875
     assert sorted(eng.finished) == ["a", "b", "c"]
 
 
@@ -125,14 +129,14 @@ def test_engine_survives_a_step_that_only_preempts():
     """Priority policy: V (worst priority) needs a block and is its own victim; the running
     loop ends, so the step schedules nothing -- yet the engine made progress (a preemption),
     and must go on: A runs next, V resumes later, every output is right."""
-    eng = build_engine(num_blocks=5, block_size=4, event_log=None, policy="priority", max_num_batched_tokens=64)
+    eng = build_engine(num_blocks=5, block_size=4, policy="priority", max_num_batched_tokens=64)
     v = Request("V", list(range(100, 103)), max_tokens=10, priority=5, arrival_time=0.0)
     a = Request("A", list(range(200, 201)), max_tokens=10, priority=0, arrival_time=1.0)
     eng.add_request(v)
     eng.step()
     eng.add_request(a)
     eng.run()  # step 7 (V preempts itself, see test_scheduler) must not count as "no progress"
-    (h7,) = [h for h in eng.history if h["step"] == 7]
+    (h7,) = [h for h in Timeline(eng.events).series.rows() if h["step"] == 7]
     assert (h7["num_scheduled_tokens"], h7["num_preemptions"]) == (0, 1)
     ex = SimulatedExecutor()
     assert v.output_token_ids == reference_output(ex, v.prompt_token_ids, 10)

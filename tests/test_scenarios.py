@@ -25,7 +25,8 @@ from kvlab.timeline.events import (
     RequestPreempted,
     RequestScheduled,
 )
-from kvlab.timeline.snapshot import CACHED, SHARED, Timeline
+from kvlab.timeline.snapshot import CACHED, SHARED
+from kvlab.timeline.timeline import Timeline
 
 
 @pytest.fixture(scope="module", params=sorted(SCENARIOS))

@@ -28,10 +28,9 @@ from kvlab.timeline.snapshot import (
     NULL,
     SHARED,
     Snapshot,
-    Timeline,
     live_snapshot,
-    replay,
 )
+from kvlab.timeline.timeline import Timeline, replay
 from kvlab.worker.tokenizer import ByteTokenizer
 
 

@@ -16,10 +16,10 @@ pytest.importorskip("ipywidgets")
 from kvlab import Request  # noqa: E402
 from kvlab.engine.llm_engine import build_engine  # noqa: E402
 from kvlab.scenarios import eviction, preemption, shared_prefix, sliding_window  # noqa: E402
+from kvlab.show import show  # noqa: E402
+from kvlab.timeline import Timeline, replay  # noqa: E402
 from kvlab.timeline.events import AttentionBatch, EventLog  # noqa: E402
-from kvlab.timeline.snapshot import Timeline, replay  # noqa: E402
-from kvlab.viz import (  # noqa: E402  # noqa: E402
-    BlockHistory,
+from kvlab.viz import (  # noqa: E402
     BlockTableView,
     FreeQueueView,
     HashChainView,
@@ -32,7 +32,6 @@ from kvlab.viz import (  # noqa: E402  # noqa: E402
     hash_chain,
     kernel,
     pool,
-    show,
     timeline,
 )
 from kvlab.viz.style import (  # noqa: E402
@@ -57,7 +56,7 @@ def window():
 
 @pytest.fixture(scope="module")
 def player(story):
-    return Player(story)
+    return show(story)
 
 
 # -- PoolView ----------------------------------------------------------------------------------
@@ -193,9 +192,7 @@ def test_render_tokens_default_and_decoded() -> None:
 
 # -- FreeQueueView ------------------------------------------------------------------------------
 def test_free_queue_order_colours_and_last_owners(story) -> None:
-    t = story.timeline()
-    hist = BlockHistory(t.events)
-    d = free_queue.figure_data(story.at("both freed"), "req0", history=hist)
+    d = free_queue.figure_data(story.at("both freed"), "req0")
     assert d["block_ids"] == [5, 4, 6, 7, 8, 9, 10, 3, 2, 1]
     assert [c["color"] for c in d["cells"]] == [STATE_COLORS["free"]] * 7 + [STATE_COLORS["cached"]] * 3
     owners = {c["block_id"]: c["last_owner"] for c in d["cells"]}
@@ -216,7 +213,7 @@ def test_free_queue_wraps_long_queues() -> None:
 
 # -- TimelineView -------------------------------------------------------------------------------
 def test_timeline_metrics_and_gantt(story) -> None:
-    r = timeline.run_data(story.log.events)
+    r = timeline.run_data(story.timeline())
     assert r["steps"] == list(range(9))
     assert r["requests"] == ["req0", "req1", "req2", "long"]
     assert r["status"]["req0"] == ["waiting", "running", "running", "finished", None, None, None, None, None]
@@ -231,7 +228,7 @@ def test_timeline_metrics_and_gantt(story) -> None:
 
 def test_timeline_marks_preemptions() -> None:
     sc = preemption()
-    r = timeline.run_data(sc.log.events)
+    r = timeline.run_data(sc.timeline())
     step = sc.step_of("preempted")
     assert r["preemptions"][step] == 1 and sum(r["preemptions"]) == 1
     assert r["status"]["Q"][step] == "preempted"
@@ -340,7 +337,7 @@ def test_player_slider_and_buttons_drive_it(player) -> None:
     player.back_button.click()
     assert player.step == 3
     assert player.jump_dropdown is not None
-    player.jump_dropdown.value = player.scenario.named_steps["long request evicts"]
+    player.jump_dropdown.value = player.named_steps["long request evicts"]
     assert player.step == 7 and player.jump_dropdown.value == -1
     assert "evict block 3" in player._events.value
 
@@ -379,7 +376,7 @@ def test_player_sources_and_display(story) -> None:
     with pytest.raises(TypeError, match="source must be"):
         Player(42)
     with pytest.raises(ValueError, match="unknown view"):
-        Player(story, views=["pool", "nope"])
+        show(story, views=["pool", "nope"])
     with pytest.raises(ValueError, match="step names"):
         Player(story.log, views=["pool"]).go_to("both freed")
 
@@ -388,7 +385,7 @@ def test_live_player_follows_the_engine() -> None:
     e = build_engine(num_blocks=12, block_size=4)
     e.add_request(Request("a", list(range(10)), max_tokens=3, arrival_time=0.0))
     p = show(e, views=("pool", "table", "timeline"))
-    assert p.engine is e and p.run_button is not None and p.step == 0
+    assert p.live and p.run_button is not None and p.step == 0
     p.run_step()
     assert p.step == 1 and "step 1" in p.views["pool"].figure.layout.title.text
     e.add_request(Request("b", list(range(10)), max_tokens=2, arrival_time=0.0))  # from "another cell"
@@ -414,25 +411,24 @@ def test_views_work_without_a_timeline(story) -> None:
         v = cls()
         v.update(snap, "req1")
         assert v.figure.layout.title.text
-    assert FreeQueueView().history.last_holder(1, 10) is None
 
 
 def test_bad_arguments_are_clear_errors(story) -> None:
     with pytest.raises(ValueError, match="width"):
         PoolView(width=10)
     with pytest.raises(TypeError, match="decode"):
-        Player(story, decode=5)  # type: ignore[arg-type]
+        show(story, decode=5)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="wrap"):
         free_queue.figure_data(story.at(1), wrap=0)
     with pytest.raises(ValueError, match="event log"):
-        Player(build_engine(num_blocks=4, block_size=4, event_log=None))
+        show(build_engine(num_blocks=4, block_size=4, event_log=None))
     assert EventLog() is not None
 
 
 def test_live_player_redraws_once_per_step_not_mid_step() -> None:
     e = build_engine(num_blocks=12, block_size=4)
     e.add_request(Request("a", list(range(10)), max_tokens=2, arrival_time=0.0))
-    p = Player(e, views=("pool",))
+    p = show(e, views=("pool",))
     renders = []
     original = p._render
     p._render = lambda: (renders.append(len(e.events)), original())  # type: ignore[method-assign]

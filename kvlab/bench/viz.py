@@ -1,23 +1,31 @@
-"""``python -m kvlab.bench viz``: how fast the player redraws on a big pool.
+"""``python -m kvlab.bench viz``: how fast the Player jumps and redraws.
 
-The player must feel instant when a learner presses Step or Play, also on a realistic
-pool. This benchmark runs 64 requests (a few shared system prompts, so the hash forest
-and shared blocks are non-trivial) on a 2,000-block pool, then steps a ``Player`` with
-every view through the run and reports the time of one redraw -- the snapshot lookup plus
-every view's ``update`` -- as the median over steps (target: <= 200 ms on a laptop CPU).
-Snapshots are built (and cached) by a first pass, so the figure measures drawing, and the
-replay cost is reported separately.
+Two measurements, each printed as ratios taken in one run (this machine's speed drifts):
+
+* **Jumps** (the slider). A 1,000-request run on a small pool (hits, preemptions; about
+  50,000 events over about 1,400 steps). Against one full ``replay(log)`` (median of a few):
+  building the ``Timeline`` plus its slowest jump (every step visited once, in random
+  order, on a fresh timeline) must stay <= 3 x, the median jump <= 0.25 x (aim: <= 50 ms).
+* **Redraws** (Play / Step). 64 requests with shared system prompts on a 2,000-block pool;
+  a ``Player`` with every view steps through the run; one redraw = every view's
+  ``update`` on a cached snapshot, median over steps (target <= 200 ms on a laptop CPU).
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import statistics
 import time
 
-from kvlab.engine.llm_engine import build_engine
+from kvlab.engine.llm_engine import LLMEngine, build_engine
 from kvlab.request import Request
-from kvlab.timeline.snapshot import Timeline
+from kvlab.timeline.timeline import Timeline, replay
+
+BUILD_PLUS_SLOWEST_MAX = 3.0  # x one full replay
+MEDIAN_JUMP_MAX = 0.25  # x one full replay
+MEDIAN_JUMP_AIM_MS = 50.0
+REDRAW_TARGET_MS = 200.0
 
 
 def build_run(num_blocks: int, num_requests: int, seed: int = 0):
@@ -35,17 +43,60 @@ def build_run(num_blocks: int, num_requests: int, seed: int = 0):
     return engine, steps
 
 
-def main(argv: list[str] | None = None) -> dict[str, float]:
-    ap = argparse.ArgumentParser(prog="python -m kvlab.bench viz", description=__doc__.splitlines()[0])
-    ap.add_argument("--blocks", type=int, default=2000, help="pool size (default 2000)")
-    ap.add_argument("--requests", type=int, default=64, help="number of requests (default 64)")
-    ap.add_argument("--max-steps", type=int, default=60, help="redraws to time (spread over the run)")
-    args = ap.parse_args(argv)
-    if args.blocks < 2 or args.requests < 1:
-        ap.error("--blocks must be >= 2 and --requests >= 1")
+def long_run(num_requests: int = 1000, num_blocks: int = 64, seed: int = 0) -> LLMEngine:
+    """Many short requests through a small pool: a long log with hits and preemptions."""
+    rng = random.Random(seed)
+    engine = build_engine(num_blocks=num_blocks, block_size=16, max_num_batched_tokens=512, max_num_seqs=16)
+    systems = [[rng.randrange(32000) for _ in range(rng.choice((16, 32, 64)))] for _ in range(4)]
+    for i in range(num_requests):
+        prompt = systems[i % len(systems)] + [rng.randrange(32000) for _ in range(rng.randrange(8, 96))]
+        engine.add_request(Request(f"r{i:04d}", prompt, max_tokens=rng.randrange(4, 32), arrival_time=float(i)))
+    engine.run()
+    return engine
 
+
+def _timed(fn) -> float:
     t0 = time.perf_counter()
-    engine, num_steps = build_run(args.blocks, args.requests)
+    fn()
+    return time.perf_counter() - t0
+
+
+def bench_jumps(num_requests: int, rounds: int = 5) -> dict[str, float]:
+    engine = long_run(num_requests)
+    log = engine.events
+    assert log is not None
+    replays, builds = [], []
+    for _ in range(rounds):  # interleaved, so that drift hits both alike
+        gc.collect()
+        replays.append(_timed(lambda: replay(log)))
+        gc.collect()
+        builds.append(_timed(lambda: Timeline(log)))
+    t_replay, t_build = statistics.median(replays), statistics.median(builds)
+    gc.collect()
+    timeline = Timeline(log)
+    steps = timeline.steps
+    first_late = _timed(lambda: timeline.at(steps[-1] - 1))
+    order = list(steps)
+    random.Random(1).shuffle(order)
+    jumps = [_timed(lambda s=s: timeline.at(s)) for s in order]
+    slowest, median = max(jumps + [first_late]), statistics.median(jumps)
+    r_slow, r_med = (t_build + slowest) / t_replay, median / t_replay
+    preemptions = timeline.series.num_preemptions[-1]
+    print(f"[viz] jumps: {num_requests} requests, {len(log)} events, {len(steps)} steps, {preemptions} preemptions")
+    print(f"[viz]   one full replay {1000 * t_replay:.1f} ms; Timeline built in {1000 * t_build:.1f} ms "
+          f"(medians of {rounds}); first jump to step {steps[-1] - 1}: {1000 * first_late:.2f} ms")
+    print(f"[viz]   build + slowest jump = {r_slow:.2f} x replay (target <= {BUILD_PLUS_SLOWEST_MAX:g}) -> "
+          f"{'OK' if r_slow <= BUILD_PLUS_SLOWEST_MAX else 'SLOW'}")
+    print(f"[viz]   median jump {1000 * median:.2f} ms = {r_med:.4f} x replay (target <= {MEDIAN_JUMP_MAX:g}, aim <= "
+          f"{MEDIAN_JUMP_AIM_MS:g} ms) -> {'OK' if r_med <= MEDIAN_JUMP_MAX and 1000 * median <= MEDIAN_JUMP_AIM_MS else 'SLOW'}"
+          f"; slowest {1000 * slowest:.2f} ms over {len(jumps)} jumps in random order")
+    return {"replay_ms": 1000 * t_replay, "build_ms": 1000 * t_build, "slowest_jump_ms": 1000 * slowest,
+            "median_jump_ms": 1000 * median, "build_plus_slowest_x": r_slow, "median_jump_x": r_med}
+
+
+def bench_redraw(num_blocks: int, num_requests: int, max_steps: int) -> dict[str, float]:
+    t0 = time.perf_counter()
+    engine, num_steps = build_run(num_blocks, num_requests)
     t_run = time.perf_counter() - t0
     assert engine.events is not None
     timeline = Timeline(engine.events)
@@ -63,13 +114,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     player = Player(timeline)
     t_build = time.perf_counter() - t0
     steps = timeline.steps
-    stride = max(1, len(steps) // args.max_steps)
-    chosen = steps[::stride][: args.max_steps]
+    stride = max(1, len(steps) // max_steps)
+    chosen = steps[::stride][:max_steps]
     per_view: dict[str, list[float]] = {name: [] for name in player.views}
     totals: list[float] = []
     for i, s in enumerate(chosen):
         snap = timeline.at(s)
-        sel = f"r{i % args.requests:02d}" if i % 2 else None
+        sel = f"r{i % num_requests:02d}" if i % 2 else None
         t_all = time.perf_counter()
         for name, v in player.views.items():
             t = time.perf_counter()
@@ -78,15 +129,31 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         totals.append((time.perf_counter() - t_all) * 1000)
     snap = timeline.at(chosen[len(chosen) // 2])
     med = statistics.median(totals)
-    print(f"[viz] pool {args.blocks} blocks, {args.requests} requests, {num_steps} engine steps "
-          f"(run {t_run:.2f} s, replay {t_replay * 1000:.1f} ms/step, player built in {t_build:.2f} s)")
-    print(f"[viz] mid-run snapshot: {len(snap.running)} running, {len(snap.hash_nodes)} cached hashes, "
+    print(f"[viz] redraws: pool {num_blocks} blocks, {num_requests} requests, {num_steps} engine steps "
+          f"(run {t_run:.2f} s, snapshot {t_replay * 1000:.1f} ms/step, player built in {t_build:.2f} s)")
+    print(f"[viz]   mid-run snapshot: {len(snap.running)} running, {len(snap.hash_nodes)} cached hashes, "
           f"{len(snap.free_queue)} free blocks")
-    print(f"[viz] redraw of all views: median {med:.1f} ms, p90 {sorted(totals)[int(0.9 * (len(totals) - 1))]:.1f} ms "
-          f"over {len(totals)} steps (target <= 200 ms) -> {'OK' if med <= 200 else 'SLOW'}")
+    print(f"[viz]   redraw of all views: median {med:.1f} ms, p90 {sorted(totals)[int(0.9 * (len(totals) - 1))]:.1f} ms "
+          f"over {len(totals)} steps (target <= {REDRAW_TARGET_MS:g} ms) -> {'OK' if med <= REDRAW_TARGET_MS else 'SLOW'}")
     for name, ts in per_view.items():
-        print(f"[viz]   {name:<9} {statistics.median(ts):7.1f} ms")
+        print(f"[viz]     {name:<9} {statistics.median(ts):7.1f} ms")
     return {"median_ms": med, **{f"{k}_ms": statistics.median(v) for k, v in per_view.items()}}
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    ap = argparse.ArgumentParser(prog="python -m kvlab.bench viz", description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=1000, help="requests of the jump benchmark's run (default 1000)")
+    ap.add_argument("--blocks", type=int, default=2000, help="pool of the redraw benchmark (default 2000)")
+    ap.add_argument("--redraw-requests", type=int, default=64, help="requests of the redraw benchmark (default 64)")
+    ap.add_argument("--max-steps", type=int, default=60, help="redraws to time (spread over the run)")
+    ap.add_argument("--no-redraw", action="store_true", help="only the jump benchmark (no plotly needed)")
+    args = ap.parse_args(argv)
+    if args.blocks < 2 or args.requests < 1 or args.redraw_requests < 1 or args.max_steps < 1:
+        ap.error("--blocks must be >= 2; --requests, --redraw-requests and --max-steps >= 1")
+    out = bench_jumps(args.requests)
+    if not args.no_redraw:
+        out.update(bench_redraw(args.blocks, args.redraw_requests, args.max_steps))
+    return out
 
 
 if __name__ == "__main__":

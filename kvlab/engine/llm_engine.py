@@ -17,6 +17,7 @@ from kvlab.core.sched.scheduler import Scheduler
 from kvlab.engine.cost_model import CostModel
 from kvlab.executor.abstract import Executor
 from kvlab.executor.simulated import SimulatedExecutor
+from kvlab.metrics.stats import IterationStats
 from kvlab.request import Request
 from kvlab.timeline.events import EventLog
 from kvlab.utils.checks import check_optional_int
@@ -77,7 +78,6 @@ class LLMEngine:
         self.clock = 0.0
         self.metrics: dict[str, RequestMetrics] = {}
         self.finished: dict[str, Request] = {}
-        self.history: list[dict] = []  # one row per step (for timelines)
         self._ids = 0
 
     @property
@@ -113,7 +113,7 @@ class LLMEngine:
             context += r.num_computed_tokens + n
         self.clock += self.cost_model.step_time(prefill, decode, context)
         before = {rid: sched.requests[rid].num_output_tokens for rid in out.num_scheduled_tokens}
-        finished = sched.update_from_output(out, sampled)
+        finished = sched.update_from_output(out, sampled, iteration=IterationStats(self.clock, prefill, decode))
         for rid, n0 in before.items():
             m = self.metrics.get(rid)
             r = sched.requests.get(rid) or next((f for f in finished if f.request_id == rid), None)
@@ -128,22 +128,6 @@ class LLMEngine:
         for r in finished:
             self.metrics[r.request_id].finished_time = self.clock
             self.finished[r.request_id] = r
-        s = sched.make_stats()
-        self.history.append(
-            {
-                "step": out.step,
-                "time": self.clock,
-                "num_running": s.num_running_reqs,
-                "num_waiting": s.num_waiting_reqs,
-                "kv_cache_usage": s.kv_cache_usage,
-                "num_preemptions": s.num_preemptions,
-                "prefix_cache_queries": s.prefix_cache_queries,
-                "prefix_cache_hits": s.prefix_cache_hits,
-                "num_scheduled_tokens": out.total_num_scheduled_tokens,
-                "num_prefill_tokens": prefill,
-                "num_decode_tokens": decode,
-            }
-        )
         return StepResult(out.step, self.clock, out, finished)
 
     def run(self, max_steps: int | None = None, progress: bool = False) -> None:

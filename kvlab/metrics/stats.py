@@ -111,3 +111,18 @@ class SchedulerStats:
         for name, typ, help_, suffix, value in rows:
             out += [f"# HELP {name} {help_}", f"# TYPE {name} {typ}", f"{name}{suffix}{lbl} {float(value)!r}"]
         return "\n".join(out) + "\n"
+
+
+@dataclass(slots=True)
+class IterationStats:
+    """What the engine knows about one step that the scheduler does not (lesson 08).
+
+    vLLM keeps per-iteration facts (timestamps, token counts) in an ``IterationStats`` of
+    its own (``vllm/v1/metrics/stats.py``); kvlab's engine hands these to
+    ``Scheduler.update_from_output``, so that the step's one ``StepFinished`` event carries
+    every per-step number: the scheduler's gauges and counters *and* the simulated clock.
+    """
+
+    time: float  # the simulated clock after the step (seconds)
+    num_prefill_tokens: int  # prompt (or recomputed) tokens computed in the step
+    num_decode_tokens: int  # requests that each generated one token from a full context

@@ -1,4 +1,18 @@
-"""kvlab's data layer: typed events, snapshots rebuilt from them, and the Timeline.
+"""kvlab's data layer: typed events, the replay state, snapshots and the Timeline.
 
-Every picture reads this package only; the core writes events into it.
+==============  ==========================================================================
+``events``      every event kind, each defined once (how it changes the state, how it
+                reads, how it serialises) and the ``EventLog``
+``state``       ``ReplayState``: what the events act on; clones and snapshots of it
+``snapshot``    ``Snapshot`` and its records (blocks, requests, hash nodes): plain data
+``timeline``    ``Timeline`` (any step, fast; per-step series; block histories), ``replay``
+==============  ==========================================================================
+
+The core writes events into this package; every picture reads it and nothing else. It
+imports no view and nothing of the engine (a contract checked by ``lint-imports``).
 """
+from kvlab.timeline.events import Event, EventLog
+from kvlab.timeline.snapshot import Snapshot
+from kvlab.timeline.timeline import StepSeries, Timeline, replay
+
+__all__ = ["Event", "EventLog", "Snapshot", "StepSeries", "Timeline", "replay"]

@@ -1,9 +1,45 @@
-"""Typed events: every state change of the engine, in order (the visualisation's only input).
+"""Typed events: every state change of the engine, in order -- the pictures' only source.
 
 The core never draws anything and the views never read live objects: the block pool, the
-KV-cache manager and the scheduler append events here; ``kvlab.timeline.snapshot`` rebuilds the
-whole state at any step from the events alone. So a picture can be tested as data,
-replayed backwards and forwards, saved to JSON and reloaded.
+KV-cache managers, the scheduler and the model runner append events to an
+:class:`EventLog`; :mod:`kvlab.timeline` rebuilds the whole state at any step from the
+events alone. So a picture can be tested as data, stepped backwards and forwards, saved to
+JSON and reloaded.
+
+**Each event kind is defined once, here**, as one class that knows three things:
+
+* how it changes the replay state -- ``apply(state)``, written with the small vocabulary of
+  :class:`~kvlab.timeline.state.ReplayState` (take a block off the free queue, release it,
+  cache it, admit a request, ...);
+* how it reads in words -- ``describe()`` (the Player's event list) and ``tone`` (how that
+  line is styled);
+* how it serialises -- its dataclass fields, through ``to_dict`` / :func:`event_from_dict`,
+  the one place where events meet JSON (``EventLog.to_json`` adds a format ``version``).
+
+A new event kind is one new class in this file; nothing else switches on event kinds.
+
+Where vLLM has a name for the same fact
+---------------------------------------
+vLLM publishes *KV cache events* for external routers (``vllm/distributed/kv_events.py``,
+emitted by ``BlockPool`` when ``enable_kv_cache_events`` is on). They are a small subset of
+this log, keyed by block *hash* (a router never sees block ids):
+
+=====================================  ======================================================
+kvlab event                            vLLM KV cache event
+=====================================  ======================================================
+``BlockCached`` (block_cached)         ``BlockStored`` -- vLLM batches the blocks a request
+                                       caches in one call: ``block_hashes``,
+                                       ``parent_block_hash``, ``token_ids``, ``block_size``,
+                                       ``lora_id``, ``medium``
+``BlockEvicted`` (block_evicted)       ``BlockRemoved`` (``block_hashes``, ``medium``): the
+                                       hash leaves the prefix cache when its free block is
+                                       reused -- *not* when the block is freed
+``CacheReset`` with ``success=True``   ``AllBlocksCleared`` (``reset_prefix_cache``)
+=====================================  ======================================================
+
+Everything else (allocations, touches, frees, lookups, scheduling, the runner's attention
+batch) is kvlab's own: the pictures need it, routers do not. vLLM's wire format itself
+(msgspec structs, ZMQ publisher) is modelled separately in ``kvlab.kv_events``.
 
 Emitting is optional (``event_log=None`` costs one ``is None`` test per operation).
 """
@@ -13,17 +49,37 @@ import dataclasses
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:  # the state is only a parameter type here: no import cycle at run time
+    from kvlab.timeline.state import ReplayState
+
+FORMAT_VERSION = 1
+"""Version of ``EventLog.to_json``'s format (written into every file)."""
 
 
 @dataclass(slots=True)
 class Event:
+    """Base of every event: its position in the log and the scheduler step it belongs to.
+
+    ``step`` is the scheduler step *during or after which* the event happened: events
+    between two steps (a request added from a notebook cell) belong to the step before.
+    """
+
     kind: ClassVar[str] = "event"
+    tone: ClassVar[str] = ""  # "" | "step" | "hit" | "evict" | "alert": how the event list styles it
     seq: int = field(default=-1, init=False)  # position in the log
     step: int = field(default=0, init=False)  # scheduler step during which it happened
 
+    def apply(self, state: ReplayState) -> None:
+        """Change the replay state as this event changed the engine's (default: nothing)."""
+
+    def describe(self) -> str:
+        """One line for a person reading the step's events."""
+        return self.kind
+
     def to_dict(self) -> dict[str, Any]:
-        d = {"kind": self.kind}
+        d: dict[str, Any] = {"kind": self.kind}
         for f in dataclasses.fields(self):
             d[f.name] = _jsonable(getattr(self, f.name))
         return d
@@ -49,24 +105,56 @@ def _unjson(v: Any) -> Any:
     return v
 
 
-_REGISTRY: dict[str, type[Event]] = {}
+EVENT_CLASSES: dict[str, type[Event]] = {}
+"""Every event kind by its ``kind`` name (what the JSON's ``"kind"`` field holds)."""
 
 
 def _register(cls: type[Event]) -> type[Event]:
-    _REGISTRY[cls.kind] = cls
+    if cls.kind in EVENT_CLASSES:
+        raise RuntimeError(f"two event classes named {cls.kind!r}")
+    EVENT_CLASSES[cls.kind] = cls
     return cls
+
+
+def event_from_dict(d: dict[str, Any]) -> Event:
+    """The inverse of ``Event.to_dict``: the one place where JSON becomes events."""
+    d = dict(d)
+    kind = d.pop("kind", None)
+    try:
+        cls = EVENT_CLASSES[kind]  # type: ignore[index]
+    except KeyError:
+        raise ValueError(f"unknown event kind {kind!r} in JSON; known kinds: {sorted(EVENT_CLASSES)}") from None
+    seq, step = d.pop("seq", -1), d.pop("step", 0)
+    try:
+        e = cls(**{k: _unjson(v) for k, v in d.items()})
+    except TypeError as err:
+        raise ValueError(f"event {kind!r} in JSON: {err}") from None
+    e.seq, e.step = seq, step
+    return e
+
+
+def _ids(ids: list[int]) -> str:
+    return str(list(ids))
 
 
 # --- block pool / KV-cache manager ----------------------------------------------------------
 @_register
 @dataclass(slots=True)
 class PoolCreated(Event):
+    """The pool exists: ``num_blocks`` blocks (block 0 is the null block), all free."""
+
     kind: ClassVar[str] = "pool_created"
     num_blocks: int = 0
     block_size: int = 0
     groups: list[dict[str, Any]] = field(default_factory=list)  # [{"type": "full"|"sliding_window", ...}]
     enable_caching: bool = True
     hash_algo: str = "sha256"
+
+    def apply(self, state: ReplayState) -> None:
+        state.init_pool(self.num_blocks, self.block_size, self.groups)
+
+    def describe(self) -> str:
+        return f"pool of {self.num_blocks} blocks × {self.block_size} tokens ({len(self.groups)} group(s))"
 
 
 @_register
@@ -79,6 +167,15 @@ class BlocksAllocated(Event):
     group: int = 0
     block_ids: list[int] = field(default_factory=list)
 
+    def apply(self, state: ReplayState) -> None:
+        for bid in self.block_ids:
+            state.pop_free_head(bid)
+            state.mark_allocated(bid, self.group)
+            state.take(bid, self.request_id, self.group)
+
+    def describe(self) -> str:
+        return f"allocate {_ids(self.block_ids)} → {self.request_id} (group {self.group})"
+
 
 @_register
 @dataclass(slots=True)
@@ -86,15 +183,28 @@ class BlocksTouched(Event):
     """Prefix-cache hits adopted by a request: ref += 1; a ref-0 block leaves the free queue."""
 
     kind: ClassVar[str] = "blocks_touched"
+    tone: ClassVar[str] = "hit"
     request_id: str | None = None
     group: int = 0
     block_ids: list[int] = field(default_factory=list)  # null blocks (id 0) included, as in the table
+
+    def apply(self, state: ReplayState) -> None:
+        for bid in self.block_ids:
+            if bid == 0:
+                state.append_null(self.request_id, self.group)
+                continue
+            if state.ref[bid] == 0:
+                state.remove_free(bid)
+            state.take(bid, self.request_id, self.group)
+
+    def describe(self) -> str:
+        return f"hit/touch {_ids(self.block_ids)} → {self.request_id} (group {self.group})"
 
 
 @_register
 @dataclass(slots=True)
 class BlockCached(Event):
-    """A full block received its hash and entered the prefix-cache map."""
+    """A full block received its hash and entered the prefix-cache map (vLLM: ``BlockStored``)."""
 
     kind: ClassVar[str] = "block_cached"
     request_id: str | None = None
@@ -104,6 +214,13 @@ class BlockCached(Event):
     parent_hash: bytes | None = None
     token_ids: list[int] = field(default_factory=list)
     extra_keys: Any = None
+
+    def apply(self, state: ReplayState) -> None:
+        parent = self.parent_hash.hex() if self.parent_hash else None
+        state.cache(self.block_id, self.block_hash.hex(), parent, self.token_ids, self.extra_keys, self.group)
+
+    def describe(self) -> str:
+        return f"cache block {self.block_id} as {self.block_hash.hex()[:8]}"
 
 
 @_register
@@ -123,16 +240,38 @@ class BlocksFreed(Event):
     to_tail: list[int] = field(default_factory=list)
     reason: str = "request"  # "request": the whole table goes; "window": blocks left the window
 
+    def apply(self, state: ReplayState) -> None:
+        for bid in self.block_ids:
+            if bid != 0:
+                state.release(bid, self.request_id, self.group)
+        for bid in reversed(self.to_head):  # the first of to_head becomes the new head
+            state.push_free_head(bid)
+        for bid in self.to_tail:
+            state.push_free_tail(bid)
+        if self.reason == "request":
+            state.clear_table(self.request_id, self.group)
+
+    def describe(self) -> str:
+        return f"free {_ids(self.block_ids)} from {self.request_id} (head ← {_ids(self.to_head)}, tail ← {_ids(self.to_tail)})"
+
 
 @_register
 @dataclass(slots=True)
 class BlockEvicted(Event):
-    """A cached free block was reallocated: its map entry and hash are dropped (lazy eviction)."""
+    """A cached free block was reallocated: its map entry and hash are dropped (lazy eviction;
+    vLLM: ``BlockRemoved``)."""
 
     kind: ClassVar[str] = "block_evicted"
+    tone: ClassVar[str] = "evict"
     block_id: int = 0
     block_hash: bytes = b""
     group: int = 0
+
+    def apply(self, state: ReplayState) -> None:
+        state.uncache(self.block_id)
+
+    def describe(self) -> str:
+        return f"evict block {self.block_id} (hash {self.block_hash.hex()[:8]} dropped)"
 
 
 @_register
@@ -145,6 +284,12 @@ class BlocksSkipped(Event):
     group: int = 0
     positions: list[int] = field(default_factory=list)  # logical block indices now null
     block_ids: list[int] = field(default_factory=list)
+
+    def apply(self, state: ReplayState) -> None:
+        state.null_out(self.request_id, self.group, self.positions)
+
+    def describe(self) -> str:
+        return f"window: positions {_ids(self.positions)} of {self.request_id} → null, blocks {_ids(self.block_ids)}"
 
 
 @_register
@@ -161,12 +306,28 @@ class PrefixLookup(Event):
     max_hit_tokens: int = 0  # num_tokens - 1: the last token is always recomputed
     preempted: bool = False
 
+    def apply(self, state: ReplayState) -> None:
+        state.record_lookup(self)
+
+    def describe(self) -> str:
+        return f"lookup {self.request_id}: {self.num_hit_tokens} of {self.num_tokens} tokens cached"
+
 
 @_register
 @dataclass(slots=True)
 class CacheReset(Event):
+    """``reset_prefix_cache``: every hash forgotten (vLLM: ``AllBlocksCleared``) -- or refused,
+    when a request still holds a block."""
+
     kind: ClassVar[str] = "cache_reset"
     success: bool = True
+
+    def apply(self, state: ReplayState) -> None:
+        if self.success:
+            state.clear_cache()
+
+    def describe(self) -> str:
+        return "reset the prefix cache" if self.success else "prefix-cache reset refused: blocks are in use"
 
 
 # --- scheduler --------------------------------------------------------------------------------
@@ -178,6 +339,12 @@ class SchedulerCreated(Event):
     max_num_batched_tokens: int = 0
     max_num_seqs: int = 0
     enable_chunked_prefill: bool = True
+
+    def apply(self, state: ReplayState) -> None:
+        state.policy = self.policy
+
+    def describe(self) -> str:
+        return f"scheduler: {self.policy}, {self.max_num_batched_tokens} tokens and {self.max_num_seqs} requests per step"
 
 
 @_register
@@ -192,12 +359,26 @@ class RequestAdded(Event):
     cache_salt: str | None = None
     lora_name: str | None = None
 
+    def apply(self, state: ReplayState) -> None:
+        state.add_request(self.request_id, len(self.prompt_token_ids), self.priority, self.arrival_time,
+                          self.cache_salt, self.lora_name)
+
+    def describe(self) -> str:
+        return f"add {self.request_id} ({len(self.prompt_token_ids)} prompt tokens)"
+
 
 @_register
 @dataclass(slots=True)
 class StepStarted(Event):
     kind: ClassVar[str] = "step_started"
+    tone: ClassVar[str] = "step"
     token_budget: int = 0
+
+    def apply(self, state: ReplayState) -> None:
+        state.begin_step()
+
+    def describe(self) -> str:
+        return f"— step {self.step} —"
 
 
 @_register
@@ -210,15 +391,30 @@ class RequestScheduled(Event):
     phase: str = "running"  # "new" | "resumed" | "running"
     num_cached_tokens: int = 0  # prefix hit, for new/resumed
 
+    def apply(self, state: ReplayState) -> None:
+        if self.phase != "running":
+            state.admit(self.request_id, self.num_computed_tokens)
+        state.schedule(self.request_id, self.num_tokens, self.phase)
+
+    def describe(self) -> str:
+        return f"schedule {self.request_id}: {self.num_tokens} tokens ({self.phase})"
+
 
 @_register
 @dataclass(slots=True)
 class RequestPreempted(Event):
     kind: ClassVar[str] = "request_preempted"
+    tone: ClassVar[str] = "alert"
     request_id: str = ""
     reason: str = ""
     for_request_id: str = ""  # the running request that could not get a block
     num_computed_tokens_lost: int = 0
+
+    def apply(self, state: ReplayState) -> None:
+        state.preempt(self.request_id)
+
+    def describe(self) -> str:
+        return f"PREEMPT {self.request_id} ({self.reason}; for {self.for_request_id})"
 
 
 @_register
@@ -227,6 +423,12 @@ class TokensAppended(Event):
     kind: ClassVar[str] = "tokens_appended"
     request_id: str = ""
     token_ids: list[int] = field(default_factory=list)
+
+    def apply(self, state: ReplayState) -> None:
+        state.append_tokens(self.request_id, len(self.token_ids))
+
+    def describe(self) -> str:
+        return f"{self.request_id} += {_ids(self.token_ids)}"
 
 
 @_register
@@ -237,18 +439,51 @@ class RequestFinished(Event):
     reason: str = ""  # "stop" (eos) | "length" (max_tokens) | "abort"
     num_output_tokens: int = 0
 
+    def apply(self, state: ReplayState) -> None:
+        state.finish(self.request_id, self.reason)
+
+    def describe(self) -> str:
+        return f"finish {self.request_id} ({self.reason})"
+
 
 @_register
 @dataclass(slots=True)
 class StepFinished(Event):
+    """The end of a step, with every per-step metric: THE per-step metrics channel.
+
+    The scheduler's counters (vLLM's ``SchedulerStats``: ``/metrics`` gauges and counters)
+    and the engine's facts about the same step (the simulated clock, prefill and decode
+    tokens; vLLM keeps those in its ``IterationStats``) travel in this one record, so a
+    lesson, a view and a saved log all read the same numbers. ``time``,
+    ``num_prefill_tokens`` and ``num_decode_tokens`` come from the engine: a scheduler
+    stepped without one leaves them 0.0 / None.
+    """
+
     kind: ClassVar[str] = "step_finished"
+    METRICS: ClassVar[tuple[str, ...]] = (
+        "time", "num_running", "num_waiting", "kv_cache_usage", "num_preemptions", "prefix_cache_queries",
+        "prefix_cache_hits", "num_scheduled_tokens", "num_prefill_tokens", "num_decode_tokens",
+    )
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
-    num_preemptions: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
+    num_preemptions: int = 0  # cumulative
+    prefix_cache_queries: int = 0  # cumulative, tokens
+    prefix_cache_hits: int = 0  # cumulative, tokens
     time: float = 0.0  # simulated clock after the step (seconds)
+    num_scheduled_tokens: int = 0
+    num_prefill_tokens: int | None = None
+    num_decode_tokens: int | None = None
+
+    def metrics(self) -> dict[str, Any]:
+        """This step's numbers by name (``METRICS``), plus ``step``."""
+        return {"step": self.step, **{k: getattr(self, k) for k in self.METRICS}}
+
+    def apply(self, state: ReplayState) -> None:
+        state.end_step(self)
+
+    def describe(self) -> str:
+        return f"end of step: usage {self.kv_cache_usage:.0%}, running {self.num_running}, waiting {self.num_waiting}"
 
 
 # --- model runner ------------------------------------------------------------------------------
@@ -265,6 +500,12 @@ class AttentionBatch(Event):
     slot_mappings: list[list[int]] = field(default_factory=list)  # [group][token]
     block_size: int = 16
     sliding_windows: list[int | None] = field(default_factory=list)  # per group
+
+    def apply(self, state: ReplayState) -> None:
+        state.attention_batch = self
+
+    def describe(self) -> str:
+        return f"attention kernel: {len(self.req_ids)} requests, {sum(self.query_lens)} query tokens"
 
 
 class EventLog:
@@ -283,8 +524,13 @@ class EventLog:
             fn(event)
 
     def subscribe(self, fn: Callable[[Event], None]) -> None:
-        """Call ``fn(event)`` on every new event (the live player uses this)."""
+        """Call ``fn(event)`` on every new event (a live Player follows a log this way)."""
         self._subscribers.append(fn)
+
+    def unsubscribe(self, fn: Callable[[Event], None]) -> None:
+        """Stop calling ``fn`` (no error if it was not subscribed)."""
+        if fn in self._subscribers:
+            self._subscribers.remove(fn)
 
     def __len__(self) -> int:
         return len(self.events)
@@ -300,22 +546,13 @@ class EventLog:
 
     # -- JSON ---------------------------------------------------------------------------------
     def to_json(self) -> str:
-        return json.dumps({"version": 1, "step": self.step, "events": [e.to_dict() for e in self.events]})
+        return json.dumps({"version": FORMAT_VERSION, "step": self.step, "events": [e.to_dict() for e in self.events]})
 
     @classmethod
-    def from_json(cls, text: str) -> "EventLog":
+    def from_json(cls, text: str) -> EventLog:
         data = json.loads(text)
         log = cls()
-        for d in data["events"]:
-            kind = d.pop("kind")
-            try:
-                ev_cls = _REGISTRY[kind]
-            except KeyError:
-                raise ValueError(f"unknown event kind {kind!r} in JSON") from None
-            seq, step = d.pop("seq"), d.pop("step")
-            ev = ev_cls(**{k: _unjson(v) for k, v in d.items()})
-            ev.seq, ev.step = seq, step
-            log.events.append(ev)
+        log.events = [event_from_dict(d) for d in data["events"]]
         log.step = data.get("step", 0)
         return log
 
@@ -324,6 +561,6 @@ class EventLog:
             f.write(self.to_json())
 
     @classmethod
-    def load(cls, path: str) -> "EventLog":
+    def load(cls, path: str) -> EventLog:
         with open(path) as f:
             return cls.from_json(f.read())

@@ -3,7 +3,8 @@
 Each view shows one idea and redraws in place (plotly ``FigureWidget``); each module has
 a pure ``figure_data(snapshot, ...)`` function returning what the view draws, so tests
 check the pictures as data. :class:`Player` composes the views with Play / Step / Back
-controls over a whole run; :func:`show` is the one-line entry point.
+controls over a whole run; ``kvlab.show(engine_or_scenario_or_log)`` (in :mod:`kvlab.show`)
+is the one-line entry point.
 
 ==================  ==========================================================
 ``PoolView``        every block, coloured free / cached / in use / shared / null
@@ -14,6 +15,8 @@ controls over a whole run; :func:`show` is the one-line entry point.
 ``KernelView``      the slots the attention kernel reads for one query token
 ==================  ==========================================================
 
+Views read the data layer (:mod:`kvlab.timeline`) and plotting libraries only -- never the
+engine, the scheduler, the runner or the scenarios (a contract checked by ``lint-imports``).
 plotly is imported when the first view is built, ipywidgets when the first player is;
 kvlab's core never imports either.
 """
@@ -21,15 +24,13 @@ from kvlab.viz.base import View, figure_widget_class, preload
 from kvlab.viz.block_table import BlockTableView
 from kvlab.viz.free_queue import FreeQueueView
 from kvlab.viz.hash_chain import HashChainView
-from kvlab.viz.history import BlockHistory
 from kvlab.viz.kernel import KernelView
-from kvlab.viz.player import DEFAULT_VIEWS, VIEW_CLASSES, Player, show
+from kvlab.viz.player import DEFAULT_VIEWS, VIEW_CLASSES, Player
 from kvlab.viz.pool import PoolView
 from kvlab.viz.style import STATE_COLORS, STATUS_COLORS
 from kvlab.viz.timeline import TimelineView
 
 __all__ = [
-    "BlockHistory",
     "BlockTableView",
     "DEFAULT_VIEWS",
     "FreeQueueView",
@@ -44,5 +45,4 @@ __all__ = [
     "View",
     "figure_widget_class",
     "preload",
-    "show",
 ]

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from kvlab.timeline.snapshot import Snapshot, Timeline
+from kvlab.timeline.snapshot import Snapshot
+from kvlab.timeline.timeline import Timeline
 from kvlab.viz.style import FONT
 
 if TYPE_CHECKING:  # plotly is imported lazily: kvlab's core must not need it
@@ -87,10 +88,10 @@ def preload() -> None:
 class View:
     """Base class: owns ``self.figure`` (a ``go.FigureWidget``) and the optional timeline.
 
-    ``timeline`` gives views that need more than one snapshot (the free queue's "last
-    owner", the timeline's Gantt, the kernel's ``AttentionBatch`` events) access to the
-    event log; ``update`` still receives the snapshot to draw, so a view never reads live
-    engine objects.
+    ``timeline`` gives views that need more than one snapshot (the timeline's per-step
+    series and Gantt, the kernel's attention batch of the step) the data layer's answers;
+    ``update`` still receives the snapshot to draw. A view reads the data layer only:
+    never the engine, never the raw event log.
     """
 
     name: ClassVar[str] = "view"

@@ -14,7 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from kvlab.timeline.snapshot import NULL, Snapshot, Timeline
+from kvlab.timeline.snapshot import NULL, Snapshot
+from kvlab.timeline.timeline import Timeline
 from kvlab.viz.base import TOP_LEGEND, View, _go, legend_traces
 from kvlab.viz.pool import blocks_of, state_heatmap
 from kvlab.viz.style import (

@@ -6,7 +6,9 @@ it back) and put at the head if it holds nothing reusable (grey). A request free
 table *tail first*, so a finished request's last block sits to the left of (ahead of)
 its first block: eviction eats a cached prefix from its end, and what survives is always
 a usable beginning. Each cell names the request that last held it and the logical index
-it had there (``req0[3]``), which makes that order visible.
+it had there (``req0[3]``), which makes that order visible. For a block two requests
+shared, that is the one that let go of it *last* -- its release is what put the block on
+the queue (``BlockView.last_holder``, kept by the data layer).
 """
 from __future__ import annotations
 
@@ -14,9 +16,9 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from kvlab.timeline.snapshot import BLOCK_STATES, CACHED, FREE, Snapshot, Timeline
+from kvlab.timeline.snapshot import BLOCK_STATES, CACHED, FREE, Snapshot
+from kvlab.timeline.timeline import Timeline
 from kvlab.viz.base import TOP_LEGEND, View, _go, legend_traces
-from kvlab.viz.history import BlockHistory
 from kvlab.viz.style import (
     HIGHLIGHT,
     STATE_COLORS,
@@ -35,7 +37,6 @@ def figure_data(
     snapshot: Snapshot,
     selected_request: str | None = None,
     *,
-    history: BlockHistory | None = None,
     wrap: int = ONE_ROW_LIMIT,
     owner_labels: bool = True,
 ) -> dict[str, Any]:
@@ -57,7 +58,7 @@ def figure_data(
     for pos, bid in enumerate(q):
         b = snapshot.blocks[bid]
         y, x = divmod(pos, cols)
-        holder = history.last_holder(bid, snapshot.num_events) if history is not None else None
+        holder = b.last_holder
         owner = (holder.request_id, holder.group, holder.logical_index) if holder is not None else None
         owner_txt = f"{owner[0]}[{owner[2]}]" if owner else ""
         label = str(bid)
@@ -97,14 +98,13 @@ class FreeQueueView(View):
 
     def __init__(self, timeline: Timeline | None = None, *, num_blocks: int | None = None, decode: Callable[[int], str] | None = None,
                  width: int = 482, height: int | None = None) -> None:
-        n = num_blocks or (timeline.at(timeline.steps[0]).num_blocks if timeline is not None else 16)
+        n = num_blocks or (timeline.at(timeline.first_step).num_blocks if timeline is not None else 16)
         self.wrap = ONE_ROW_LIMIT if n <= 257 else 64
         self.max_rows = max(1, math.ceil((n - 1) / self.wrap))
         self.cell_px = min(40.0, (width - 20) / max(MIN_COLUMNS, min(self.wrap, n - 1)))
         if height is None:
             height = int(min(640, self.max_rows * self.cell_px + 74))
         super().__init__(timeline, decode=decode, width=width, height=height)
-        self.history = BlockHistory(timeline.events if timeline is not None else ())
         go = _go()
         fig = self.figure
         fig.add_trace(
@@ -132,12 +132,9 @@ class FreeQueueView(View):
         )
 
     def update(self, snapshot: Snapshot, selected_request: str | None = None) -> None:
-        if self.timeline is not None:
-            self.history.extend(self.timeline.events)
         n = len(snapshot.free_queue)
         cell_px = self.cell_px
-        d = figure_data(snapshot, selected_request, history=self.history if self.timeline is not None else None,
-                        wrap=self.wrap, owner_labels=cell_px >= 36)
+        d = figure_data(snapshot, selected_request, wrap=self.wrap, owner_labels=cell_px >= 36)
         self.last_data = d
         rows = d["rows"]
         fig = self.figure

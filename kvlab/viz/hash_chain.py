@@ -17,7 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from kvlab.timeline.snapshot import CACHED, IN_USE, SHARED, Snapshot, Timeline
+from kvlab.timeline.snapshot import CACHED, IN_USE, SHARED, Snapshot
+from kvlab.timeline.timeline import Timeline
 from kvlab.viz.base import TOP_LEGEND, View, _go, legend_traces
 from kvlab.viz.style import (
     HIGHLIGHT,

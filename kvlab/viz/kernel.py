@@ -10,17 +10,18 @@ positions are greyed out, and blocks that left the window entirely are the null 
 (id 0), which the kernel never reads.
 
 Data source: the ``AttentionBatch`` event the model runner emits for each step (the block
-tables and slot mappings the kernel really received). When a log has none (the simulated
-executor), the same picture is derived from the snapshot's block table -- the identical
-arithmetic, so the two agree whenever both exist.
+tables and slot mappings the kernel really received; ``Timeline.attention_batch(step)``).
+When a log has none (the simulated executor), the same picture is derived from the
+snapshot's block table -- the identical arithmetic, so the two agree whenever both exist.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
-from kvlab.timeline import events as ev
-from kvlab.timeline.snapshot import Snapshot, Timeline
+from kvlab.timeline.events import AttentionBatch
+from kvlab.timeline.snapshot import Snapshot
+from kvlab.timeline.timeline import Timeline
 from kvlab.viz.base import TOP_LEGEND, View, _go, legend_traces
 from kvlab.viz.block_table import group_name
 from kvlab.viz.style import (
@@ -34,7 +35,7 @@ _KIDX = {k: i for i, k in enumerate(KERNEL_ORDER)}
 SLOT_LABEL_ROWS = 12  # print slot numbers in the cells up to this many rows
 
 
-def pick_request(snapshot: Snapshot, selected_request: str | None, batch: ev.AttentionBatch | None) -> str | None:
+def pick_request(snapshot: Snapshot, selected_request: str | None, batch: AttentionBatch | None) -> str | None:
     """The request to draw: the selected one if the kernel read K/V for it, else the first
     of the batch, of this step's scheduled requests, of the running ones."""
     in_batch = list(batch.req_ids) if batch is not None else []
@@ -55,7 +56,7 @@ def figure_data(
     snapshot: Snapshot,
     selected_request: str | None = None,
     *,
-    batch: ev.AttentionBatch | None = None,
+    batch: AttentionBatch | None = None,
 ) -> dict[str, Any]:
     """The kernel's reads for the last query token of one request, as plain data.
 
@@ -173,20 +174,12 @@ class KernelView(View):
             yaxis=dict(fixedrange=True, showgrid=False, zeroline=False, automargin=True, autorange=False),
             margin=dict(l=10, r=10, t=86, b=36),
         )
-        self._batches: dict[int, ev.AttentionBatch] = {}
-        self._batches_n = 0
 
-    def batch_for(self, snapshot: Snapshot) -> ev.AttentionBatch | None:
-        """The last ``AttentionBatch`` of the snapshot's step, if the runner emitted one."""
+    def batch_for(self, snapshot: Snapshot) -> AttentionBatch | None:
+        """The ``AttentionBatch`` of the snapshot's step, if the runner emitted one by then."""
         if self.timeline is None:
             return None
-        events = self.timeline.events
-        for i in range(self._batches_n, len(events)):
-            e = events[i]
-            if isinstance(e, ev.AttentionBatch):
-                self._batches[e.step] = e
-        self._batches_n = len(events)
-        b = self._batches.get(snapshot.step)
+        b = self.timeline.attention_batch(snapshot.step)
         return b if b is not None and b.seq < snapshot.num_events else None
 
     def update(self, snapshot: Snapshot, selected_request: str | None = None) -> None:

@@ -1,16 +1,16 @@
 """Player: every view of one run, with Play / Pause / Step / Back and a step slider.
 
-The player is the lessons' main instrument. It never touches the engine's objects: it
-keeps a :class:`~kvlab.timeline.snapshot.Timeline` over the event log and, at each step, hands the
-snapshot of that step to every view, which redraws in place. Stepping backwards is
-therefore as cheap and as exact as stepping forwards, and a saved log replays the same.
+The player is the lessons' main instrument. It reads the data layer only: it keeps a
+:class:`~kvlab.timeline.timeline.Timeline` and, at each step, hands the snapshot of that
+step to every view, which redraws in place. Stepping backwards is therefore as cheap and
+as exact as stepping forwards, and a saved log replays the same.
 
-Sources:
-
-* an ``EventLog`` (e.g. ``EventLog.load(path)``) or a ``Timeline``: replay;
-* a :class:`~kvlab.scenarios.Scenario`: replay, plus its named steps ("jump to") and notes;
-* an ``LLMEngine``: live mode. The player subscribes to the engine's event log and follows
-  every step the engine takes -- from the "Run step" button or from any other cell.
+Sources: a ``Timeline``, an ``EventLog`` (e.g. ``EventLog.load(path)``) or a list of
+events. Options add what a scenario or a live engine brings -- ``named_steps`` and
+``notes`` (a "jump to" menu and captions), ``follow=True`` (redraw as the log grows:
+every step the engine takes, from any cell) and ``run_step`` (a "Run step" button).
+:func:`kvlab.show` builds a Player from an engine, a scenario or a saved log with the
+right options; this module imports neither the engine nor the scenarios.
 
 Selecting a request in the drop-down outlines its blocks in every view.
 """
@@ -18,19 +18,19 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from kvlab.engine.llm_engine import LLMEngine
-from kvlab.timeline import events as ev
-from kvlab.timeline.snapshot import Snapshot, Timeline
+from kvlab.timeline.events import Event, EventLog
+from kvlab.timeline.snapshot import Snapshot
+from kvlab.timeline.timeline import Timeline
 from kvlab.viz.base import View
 from kvlab.viz.block_table import BlockTableView
 from kvlab.viz.free_queue import FreeQueueView
 from kvlab.viz.hash_chain import HashChainView
 from kvlab.viz.kernel import KernelView
 from kvlab.viz.pool import PoolView
-from kvlab.viz.style import FONT, HIGHLIGHT, html_escape
+from kvlab.viz.style import FONT, TONE_STYLES, html_escape
 from kvlab.viz.timeline import TimelineView
 
 # Display order, two per row: the two strips (pool, free queue) side by side, then the
@@ -54,22 +54,12 @@ def _widgets() -> Any:
     return ipywidgets
 
 
-def _event_html(lines: Sequence[str]) -> str:
-    """The current step's events as a compact, colour-coded list."""
+def _event_html(events: Sequence[Event]) -> str:
+    """The current step's events as a compact list, styled by each event's ``tone``."""
     out = []
-    for line in lines:
-        esc = html_escape(line)
-        if line.startswith("PREEMPT"):
-            style = f"color:{HIGHLIGHT};font-weight:bold"
-        elif line.startswith("evict"):
-            style = "color:#b35900"
-        elif line.startswith("hit/touch"):
-            style = "color:#007a5a"
-        elif line.startswith("—"):
-            style = "color:#666;font-weight:bold"
-        else:
-            style = ""
-        out.append(f"<div style='{style}'>{esc}</div>")
+    for e in events:
+        style = TONE_STYLES.get(e.tone, "")
+        out.append(f"<div style='{style}'>{html_escape(e.describe())}</div>")
     body = "".join(out) or "<div style='color:#888'>no events</div>"
     return (
         f"<div style='font-family:{FONT};font-size:11px;line-height:1.35;max-height:180px;overflow-y:auto;"
@@ -83,19 +73,27 @@ class Player:
     Parameters
     ----------
     source:
-        ``EventLog``, ``Timeline``, ``Scenario`` or ``LLMEngine`` (live mode).
+        ``Timeline``, ``EventLog`` or a list of events.
     decode:
-        Renders one token id as text in the hash-chain labels (a scenario brings its own).
+        Renders one token id as text in the hash-chain labels.
     views:
         View names (``"pool"``, ``"table"``, ``"hash"``, ``"free"``, ``"timeline"``,
         ``"kernel"``) or ``View`` subclasses, in display order.
     width:
         Total width in pixels; views are laid out two per row.
+    named_steps, notes, description:
+        A scenario's moments (name -> step), captions (name -> text) and summary.
+    follow:
+        Redraw as the ``EventLog`` grows (live mode): after every step, and after any
+        event between steps (a request added from another cell), never mid-step.
+    run_step, has_work:
+        Live mode's "Run step" button: ``run_step()`` advances the run by one step;
+        ``has_work()`` says whether there is anything to run.
     """
 
     def __init__(
         self,
-        source: Any,
+        source: Timeline | EventLog | Iterable[Event],
         decode: Callable[[int], str] | None = None,
         views: Sequence[str | type[View]] = DEFAULT_VIEWS,
         *,
@@ -103,32 +101,26 @@ class Player:
         interval_ms: int = 900,
         start: int | str | None = None,
         title: str | None = None,
+        description: str = "",
+        named_steps: Mapping[str, int] | None = None,
+        notes: Mapping[str, str] | None = None,
+        follow: bool = False,
+        run_step: Callable[[], Any] | None = None,
+        has_work: Callable[[], bool] | None = None,
     ) -> None:
-        from kvlab.scenarios import Scenario
-
-        self.engine: LLMEngine | None = None
-        self.scenario: Scenario | None = None
-        if isinstance(source, Scenario):
-            self.scenario = source
-            self.timeline = Timeline(source.log)
-            decode = decode or source.decode
-        elif isinstance(source, LLMEngine):
-            if source.events is None:
-                raise ValueError("the engine has no event log; build it with build_engine(..., event_log=True) to watch it live")
-            self.engine = source
-            self.timeline = Timeline(source.events)
-        elif isinstance(source, Timeline):
+        if isinstance(source, Timeline):
             self.timeline = source
-        elif isinstance(source, ev.EventLog):
+        elif isinstance(source, EventLog):
             self.timeline = Timeline(source)
-        elif isinstance(source, Iterable) and not isinstance(source, (str, bytes)):
+        elif isinstance(source, Iterable) and not isinstance(source, (str, bytes, Mapping)):
             events = list(source)
-            if not all(isinstance(e, ev.Event) for e in events):
+            if not all(isinstance(e, Event) for e in events):
                 raise TypeError("source: an iterable source must contain kvlab.timeline.events.Event objects")
             self.timeline = Timeline(events)
         else:
             raise TypeError(
-                f"source must be an EventLog, a Timeline, a Scenario or an LLMEngine, got {type(source).__name__}"
+                f"source must be a Timeline, an EventLog or a list of events, got {type(source).__name__} "
+                "(for an engine, a scenario or a saved file use kvlab.show(...))"
             )
         if decode is not None and not callable(decode):
             raise TypeError(f"decode must be a callable token_id -> str, got {type(decode).__name__}")
@@ -136,7 +128,21 @@ class Player:
             raise ValueError(f"width must be an int >= 500 pixels, got {width!r}")
         if not isinstance(interval_ms, int) or interval_ms < 50:
             raise ValueError(f"interval_ms must be an int >= 50, got {interval_ms!r}")
+        named = dict(named_steps or {})
+        if not all(isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) for k, v in named.items()):
+            raise TypeError("named_steps must map step names (str) to step numbers (int)")
+        for name, cb in (("run_step", run_step), ("has_work", has_work)):
+            if cb is not None and not callable(cb):
+                raise TypeError(f"{name} must be a callable, got {type(cb).__name__}")
+        if follow and self.timeline.log is None:
+            raise ValueError("follow=True needs a Timeline over an EventLog (a list of events cannot grow)")
         self.decode = decode
+        self.named_steps = named
+        self.notes = dict(notes or {})
+        self.description = description
+        self.live = bool(follow)
+        self._run_step_fn = run_step
+        self._has_work = has_work
         self._selected: str | None = None
         self._rendering = False
         self.last_render_ms: float = 0.0
@@ -160,33 +166,35 @@ class Player:
 
         self._build_widgets(title, interval_ms, width)
         self._step = self.first_step
-        if self.engine is not None:
-            # Live: follow the engine. Redraw when a step ends, and on any event between
-            # steps (a request added or aborted from another cell), never in the middle of
-            # a step. A weak reference, so a discarded player stops listening.
-            ref = weakref.ref(self)
-            in_step = [False]
-
-            def _on_event(e: ev.Event, ref=ref) -> None:
-                if e.kind == "step_started":
-                    in_step[0] = True
-                elif e.kind == "step_finished":
-                    in_step[0] = False
-                p = ref()
-                if p is not None and not in_step[0]:
-                    p._on_log_grew()
-
-            self.engine.events.subscribe(_on_event)  # type: ignore[union-attr]
+        self._last_seen = self.last_step
+        if follow:
+            self._follow(self.timeline.log)  # type: ignore[arg-type]
             self._step = self.last_step
         if start is not None:
             self._step = self._resolve(start)
         self._sync_controls()
         self._render()
 
+    def _follow(self, log: EventLog) -> None:
+        """Redraw when a step ends, and on any event between steps (a request added or
+        aborted from another cell), never in the middle of a step. The log holds only a
+        weak reference: a discarded player stops listening."""
+        ref = weakref.ref(self)
+
+        def on_event(_e: Event) -> None:
+            p = ref()
+            if p is None:
+                log.unsubscribe(on_event)
+                return
+            if not p.timeline.in_step:  # the timeline takes the new event in first
+                p._on_log_grew()
+
+        log.subscribe(on_event)
+
     # -- steps -------------------------------------------------------------------------------
     @property
     def first_step(self) -> int:
-        return self.timeline.steps[0]
+        return self.timeline.first_step
 
     @property
     def last_step(self) -> int:
@@ -204,9 +212,11 @@ class Player:
 
     def _resolve(self, step: int | str) -> int:
         if isinstance(step, str):
-            if self.scenario is None:
-                raise ValueError(f"step names like {step!r} need a Scenario source")
-            step = self.scenario.step_of(step)
+            if not self.named_steps:
+                raise ValueError(f"step names like {step!r} need named steps (kvlab.show(scenario) brings them)")
+            if step not in self.named_steps:
+                raise ValueError(f"no step named {step!r}; named steps are {list(self.named_steps)}")
+            step = self.named_steps[step]
         if not isinstance(step, int) or isinstance(step, bool):
             raise TypeError(f"step must be an int (or a scenario step name), got {type(step).__name__}")
         if not self.first_step <= step <= self.last_step:
@@ -229,13 +239,15 @@ class Player:
         return self.go_to(max(self._step - 1, self.first_step))
 
     def run_step(self) -> int:
-        """Live mode: make the engine take one step; the player follows it."""
-        if self.engine is None:
-            raise RuntimeError("run_step needs a live engine; this player replays a log")
-        if not self.engine.has_unfinished_requests():
+        """Live mode: advance the run by one step; the player follows it."""
+        if self._run_step_fn is None:
+            raise RuntimeError("run_step needs a live source (kvlab.show(engine)); this player replays a log")
+        if self._has_work is not None and not self._has_work():
             self._status.value = "<span style='color:#888'>no unfinished request: add one, then run a step</span>"
             return self._step
-        self.engine.step()  # the subscription refreshes the player
+        self._run_step_fn()  # the log subscription refreshes the player
+        if not self.live:
+            self._on_log_grew()
         return self._step
 
     # -- selection ---------------------------------------------------------------------------
@@ -257,14 +269,14 @@ class Player:
         self.selected_request = request_id
 
     def _request_ids(self) -> list[str]:
-        return [e.request_id for e in self.timeline.events if e.kind == "request_added"]
+        return self.timeline.request_ids
 
     # -- widgets -----------------------------------------------------------------------------
     def _build_widgets(self, title: str | None, interval_ms: int, width: int) -> None:
         w = _widgets()
         lo, hi = self.first_step, self.last_step
-        name = title or (self.scenario.name if self.scenario else ("live engine" if self.engine else "replay"))
-        desc = self.scenario.description if self.scenario else ""
+        name = title or ("live engine" if self.live else "replay")
+        desc = self.description
         self._title = w.HTML(
             f"<div style='font-family:{FONT}'><b style='font-size:14px'>{html_escape(name)}</b>"
             + (f"<div style='font-size:12px;color:#444;white-space:normal;max-width:{width - 10}px'>{html_escape(desc)}</div>" if desc else "")
@@ -282,15 +294,15 @@ class Player:
         controls: list[Any] = [self.back_button, self.play, self.step_button, self.slider]
         second: list[Any] = [self.request_dropdown]
         self.jump_dropdown = None
-        if self.scenario is not None and self.scenario.named_steps:
-            opts = [("—", -1)] + [(f"{k} (step {v})", v) for k, v in self.scenario.named_steps.items()]
+        if self.named_steps:
+            opts = [("—", -1)] + [(f"{k} (step {v})", v) for k, v in self.named_steps.items()]
             self.jump_dropdown = w.Dropdown(options=opts, value=-1, description="jump to", layout=w.Layout(width="300px"),
                                             style={"description_width": "56px"})
             second.append(self.jump_dropdown)
             self.jump_dropdown.observe(self._on_jump, names="value")
         self.run_button = None
-        if self.engine is not None:
-            self.run_button = w.Button(description="Run step", button_style="primary", tooltip="engine.step()", layout=bl)
+        if self._run_step_fn is not None:
+            self.run_button = w.Button(description="Run step", button_style="primary", tooltip="run one engine step", layout=bl)
             self.run_button.on_click(lambda _b: self.run_step())
             second.append(self.run_button)
         self._status = w.HTML()
@@ -347,8 +359,9 @@ class Player:
             self.jump_dropdown.value = -1
 
     def _on_log_grew(self) -> None:
-        follow = self._step == self.last_step
+        follow = self._step == self._last_seen  # at the end before the log grew: stay at the end
         self.timeline.refresh()
+        self._last_seen = self.last_step
         ids = self._request_ids()
         if len(ids) != len(self.request_dropdown.options) - 1:
             was, self._rendering = self._rendering, True
@@ -368,13 +381,12 @@ class Player:
         snap = self.timeline.at(self._step)
         for v in self.views.values():
             v.update(snap, self._selected)
-        self._events.value = _event_html(snap.step_events)
+        self._events.value = _event_html(self.timeline.events_of(self._step))
         note = ""
-        if self.scenario is not None:
-            names = [k for k, s in self.scenario.named_steps.items() if s == self._step]
-            if names:
-                texts = [f"<b>{html_escape(k)}</b>" + (f": {html_escape(self.scenario.notes[k])}" if k in self.scenario.notes else "") for k in names]
-                note = " · ".join(texts)
+        names = [k for k, s in self.named_steps.items() if s == self._step]
+        if names:
+            texts = [f"<b>{html_escape(k)}</b>" + (f": {html_escape(self.notes[k])}" if k in self.notes else "") for k in names]
+            note = " · ".join(texts)
         self._status.value = f"<div style='font-family:{FONT};font-size:12px;min-height:16px'>step {self._step} of {self.last_step}" + (f" — {note}" if note else "") + "</div>"
         self.last_render_ms = (time.perf_counter() - t0) * 1000.0
 
@@ -388,15 +400,5 @@ class Player:
         display(self.widget)
 
     def __repr__(self) -> str:
-        mode = "live" if self.engine is not None else "replay"
+        mode = "live" if self.live else "replay"
         return f"Player({mode}, step {self._step} of {self.first_step}..{self.last_step}, views={list(self.views)})"
-
-
-def show(source: Any, **kwargs: Any) -> Player:
-    """A :class:`Player` on an engine (live), a log, a timeline or a scenario.
-
-    Returns the player; like any widget it is displayed when it is the last expression of
-    a cell (``kvlab.show(engine)``). Keep the handle to drive it from code:
-    ``p = kvlab.show(log); p.go_to(3); p``.
-    """
-    return Player(source, **kwargs)

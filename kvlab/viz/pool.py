@@ -15,7 +15,8 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from kvlab.timeline.snapshot import BLOCK_STATES, NULL, Snapshot, Timeline
+from kvlab.timeline.snapshot import BLOCK_STATES, NULL, Snapshot
+from kvlab.timeline.timeline import Timeline
 from kvlab.viz.base import TOP_LEGEND, View, _go, legend_traces
 from kvlab.viz.style import (
     HIGHLIGHT,
@@ -168,7 +169,7 @@ class PoolView(View):
         width: int = 482,
         height: int | None = None,
     ) -> None:
-        n = num_blocks or (timeline.at(timeline.steps[0]).num_blocks if timeline is not None else 16)
+        n = num_blocks or (timeline.at(timeline.first_step).num_blocks if timeline is not None else 16)
         self.columns = grid_columns(n)
         self.rows = max(1, math.ceil(n / self.columns))
         self.cell_px = max(4.0, min(40.0, (width - 20) / self.columns))

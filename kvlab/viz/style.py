@@ -68,6 +68,15 @@ KERNEL_LABELS: dict[str, str] = {
 
 FONT = "DejaVu Sans Mono, Menlo, Consolas, monospace"
 
+# -- the Player's event list: each event class names its tone (``Event.tone``) -----------------
+TONE_STYLES = {
+    "": "",
+    "step": "color:#666;font-weight:bold",
+    "hit": "color:#007a5a",
+    "evict": "color:#b35900",
+    "alert": f"color:{HIGHLIGHT};font-weight:bold",
+}
+
 
 def discrete_colorscale(colors: Sequence[str]) -> list[list[float | str]]:
     """A plotly colour scale with one flat band per category.

@@ -4,19 +4,20 @@ Top: KV-cache usage and the step's prefix-cache hit rate. Middle: how many reque
 running and waiting, and where preemptions happened. Bottom: a Gantt chart -- one row per
 request, one column per step, coloured waiting / running / preempted (waiting again after
 losing its KV) / finished. The numbers are the ones the engine itself reports at the end
-of every step (``StepFinished`` events, vLLM's ``/metrics`` gauges), so the picture and a
-Prometheus dashboard of the same run would agree.
+of every step (``StepFinished`` events, vLLM's ``/metrics`` gauges, read through
+``Timeline.series``), so the picture and a Prometheus dashboard of the same run would
+agree; hovering a point shows the simulated clock at that step.
 
 Only the cursor moves when the player steps; the data is recomputed only when the log
 grows (live mode).
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
-from kvlab.timeline import events as ev
-from kvlab.timeline.snapshot import Snapshot, Timeline
+from kvlab.timeline.snapshot import Snapshot
+from kvlab.timeline.timeline import Timeline
 from kvlab.viz.base import TOP_LEGEND, View, _go
 from kvlab.viz.style import (
     CURSOR,
@@ -31,69 +32,46 @@ MAX_ROW_LABELS = 24
 LEGEND_LABELS = ("KV usage %", "hit rate %", "# running", "# waiting", "preemption") + STATUS_ORDER
 
 
-def run_data(events: Sequence[ev.Event]) -> dict[str, Any]:
-    """Per-step metrics and the per-request status grid, from the events alone.
+def run_data(timeline: Timeline | None) -> dict[str, Any]:
+    """Per-step metrics and the per-request status grid, all from the Timeline.
 
-    ``steps`` runs from the first to the last step in the log. ``status[rid][i]`` is the
-    request's status at the end of ``steps[i]`` (None before it arrived and after the step
-    it finished in).
+    ``steps`` runs from the first to the last step of the log; the metric lists (``usage``
+    and ``hit_rate`` in percent, ``running``, ``waiting``, ``time`` = the simulated clock,
+    ``preemptions`` = this step's count) have one entry per step, None where the step did
+    not finish. ``status[rid][i]`` is the request's status at the end of ``steps[i]``
+    (None before it arrived and after the step it finished in).
     """
-    if not events:
-        return dict(steps=[0], requests=[], status={}, usage=[None], hit_rate=[None], running=[None], waiting=[None], preemptions=[0])
-    first, last = events[0].step, events[-1].step
-    steps = list(range(first, last + 1))
-    idx = {s: i for i, s in enumerate(steps)}
+    if timeline is None or not timeline.num_events:
+        return dict(steps=[0], requests=[], status={}, usage=[None], hit_rate=[None], running=[None], waiting=[None],
+                    preemptions=[0], time=[None])
+    steps = list(range(timeline.first_step, timeline.last_step + 1))
     n = len(steps)
+    idx = {s: i for i, s in enumerate(steps)}
     usage: list[float | None] = [None] * n
     hit_rate: list[float | None] = [None] * n
     running: list[int | None] = [None] * n
     waiting: list[int | None] = [None] * n
+    time: list[float | None] = [None] * n
     preemptions = [0] * n
-    status: dict[str, list[str | None]] = {}
-    current: dict[str, str] = {}
-    prev_q = prev_h = 0
-    cur = first
-
-    def record(upto: int) -> None:
-        # Fill every step from `cur` to `upto` (inclusive) with the statuses now known.
-        for s in range(cur, upto + 1):
-            i = idx[s]
-            for rid, st in current.items():
-                status[rid][i] = st
-
-    for e in events:
-        if e.step != cur:
-            record(e.step - 1)
-            cur = e.step
-            for rid in [r for r, st in current.items() if st == "finished"]:
-                del current[rid]
-        k = e.kind
-        if k == "request_added":
-            status.setdefault(e.request_id, [None] * n)
-            current[e.request_id] = "waiting"
-        elif k == "request_scheduled":
-            current[e.request_id] = "running"
-        elif k == "request_preempted":
-            current[e.request_id] = "preempted"
-            preemptions[idx[e.step]] += 1
-        elif k == "request_finished":
-            current[e.request_id] = "finished"
-        elif k == "step_finished":
-            i = idx[e.step]
-            usage[i] = 100.0 * e.kv_cache_usage
-            running[i], waiting[i] = e.num_running, e.num_waiting
-            dq, dh = e.prefix_cache_queries - prev_q, e.prefix_cache_hits - prev_h
-            hit_rate[i] = 100.0 * dh / dq if dq > 0 else None
-            prev_q, prev_h = e.prefix_cache_queries, e.prefix_cache_hits
-    record(last)
+    series = timeline.series
+    for k, s in enumerate(series.step):
+        i = idx[s]
+        usage[i] = 100.0 * series.kv_cache_usage[k]
+        running[i], waiting[i] = series.num_running[k], series.num_waiting[k]
+        rate = series.hit_rate[k]
+        hit_rate[i] = None if rate is None else 100.0 * rate
+        time[i] = series.time[k]
+        preemptions[i] = series.preemptions[k]
+    status = timeline.request_status(steps)
     return dict(steps=steps, requests=list(status), status=status, usage=usage, hit_rate=hit_rate,
-                running=running, waiting=waiting, preemptions=preemptions)
+                running=running, waiting=waiting, preemptions=preemptions, time=time)
 
 
-def figure_data(snapshot: Snapshot, selected_request: str | None = None, *, events: Sequence[ev.Event] = (), run: dict[str, Any] | None = None) -> dict[str, Any]:
-    """``run_data`` of the events plus the cursor (the snapshot's step), the Gantt matrix
+def figure_data(snapshot: Snapshot, selected_request: str | None = None, *, timeline: Timeline | None = None,
+                run: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``run_data`` of the timeline plus the cursor (the snapshot's step), the Gantt matrix
     ``z`` (status indices) and the row of the selected request."""
-    d = dict(run if run is not None else run_data(events))
+    d = dict(run if run is not None else run_data(timeline))
     reqs = d["requests"]
     d["z"] = [[None if st is None else _STATUS_INDEX[st] for st in d["status"][r]] for r in reqs]
     d["cursor"] = snapshot.step
@@ -111,7 +89,8 @@ class TimelineView(View):
         super().__init__(timeline, decode=decode, width=width, height=height)
         go = _go()
         fig = self.figure
-        fig.add_trace(go.Scatter(x=[], y=[], mode="lines+markers", name="KV usage %", showlegend=True, line=dict(color="#0072b2", width=2), marker=dict(size=4)), row=1, col=1)
+        fig.add_trace(go.Scatter(x=[], y=[], mode="lines+markers", name="KV usage %", showlegend=True, line=dict(color="#0072b2", width=2), marker=dict(size=4),
+                                 hovertemplate="step %{x} · t = %{customdata:.3f} s<br>KV usage %{y:.0f}%<extra></extra>"), row=1, col=1)
         fig.add_trace(go.Scatter(x=[], y=[], mode="markers", name="hit rate %", showlegend=True, marker=dict(color="#009e73", size=6, symbol="diamond")), row=1, col=1)
         fig.add_trace(go.Scatter(x=[], y=[], mode="lines", name="# running", showlegend=True, line=dict(color="#0072b2", shape="hv")), row=2, col=1)
         fig.add_trace(go.Scatter(x=[], y=[], mode="lines", name="# waiting", showlegend=True, line=dict(color="#b8a800", shape="hv", dash="dot")), row=2, col=1)
@@ -146,11 +125,11 @@ class TimelineView(View):
         return base
 
     def _run_of(self) -> dict[str, Any]:
-        """``run_data`` of the whole log, recomputed only when the log has grown."""
-        events = self.timeline.events if self.timeline is not None else []
-        if self._run is None or len(events) != self._run_n:
-            self._run = run_data(events)
-            self._run_n = len(events)
+        """``run_data`` of the timeline, recomputed only when the log has grown."""
+        n = self.timeline.num_events if self.timeline is not None else 0
+        if self._run is None or n != self._run_n:
+            self._run = run_data(self.timeline)
+            self._run_n = n
         return self._run
 
     def update(self, snapshot: Snapshot, selected_request: str | None = None) -> None:
@@ -164,6 +143,7 @@ class TimelineView(View):
             for i, key in enumerate(("usage", "hit_rate", "running", "waiting")):
                 put(f"{key}.x", fig.data[i], "x", steps, "num")
                 put(f"{key}.y", fig.data[i], "y", d[key], "num")
+            put("usage.time", fig.data[0], "customdata", d["time"], "num")
             px = [s for s, n in zip(steps, d["preemptions"]) if n]
             put("pre.x", fig.data[4], "x", px, "num")
             put("pre.y", fig.data[4], "y", [d["running"][steps.index(s)] or 0 for s in px], "num")

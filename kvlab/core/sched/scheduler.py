@@ -23,7 +23,7 @@ from kvlab.core.sched.output import CachedRequestData, NewRequestData, Scheduler
 from kvlab.core.sched.request_queue import POLICIES, FCFSRequestQueue, PriorityRequestQueue
 from kvlab.core.single_type_kv_cache_manager import cdiv
 from kvlab.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
-from kvlab.metrics.stats import CachingMetrics, SchedulerStats
+from kvlab.metrics.stats import CachingMetrics, IterationStats, SchedulerStats
 from kvlab.request import Request, RequestStatus
 from kvlab.timeline.events import (
     RequestAdded,
@@ -362,9 +362,18 @@ class Scheduler:
                 )
             )
 
-    def update_from_output(self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, list[int]]) -> list[Request]:
+    def update_from_output(
+        self,
+        scheduler_output: SchedulerOutput,
+        sampled_token_ids: dict[str, list[int]],
+        *,
+        iteration: IterationStats | None = None,
+    ) -> list[Request]:
         """Advance computed tokens, append samples of requests whose prompt is done, and
-        finish (free) requests at ``max_tokens`` or ``eos_token_id``. Returns finished ones."""
+        finish (free) requests at ``max_tokens`` or ``eos_token_id``. Returns finished ones.
+
+        ``iteration``: the engine's facts about the step (clock, prefill/decode tokens),
+        written into the step's ``StepFinished`` event beside the scheduler's own stats."""
         finished: list[Request] = []
         events = self.events
         for rid, n in scheduler_output.num_scheduled_tokens.items():
@@ -407,6 +416,10 @@ class Scheduler:
                     num_preemptions=s.num_preemptions,
                     prefix_cache_queries=s.prefix_cache_queries,
                     prefix_cache_hits=s.prefix_cache_hits,
+                    num_scheduled_tokens=scheduler_output.total_num_scheduled_tokens,
+                    time=iteration.time if iteration else 0.0,
+                    num_prefill_tokens=iteration.num_prefill_tokens if iteration else None,
+                    num_decode_tokens=iteration.num_decode_tokens if iteration else None,
                 )
             )
         return finished

@@ -1,0 +1,63 @@
+"""``kvlab.show(x)``: one call from whatever a learner holds to a :class:`~kvlab.viz.Player`.
+
+This is the one module that knows both sides: the engine and the scenarios (which produce
+event logs) and the views (which read them). Everything below it stays layered -- the
+views import only the data layer, the engine imports no view (contracts checked by
+``lint-imports``).
+
+=========================  ============================================================
+``show(engine)``           live: the Player follows the engine's event log -- every
+                           ``engine.step()`` from any cell, and its "Run step" button
+``show(scenario)``         replay with the scenario's named steps, notes and ``decode``
+``show("run.json")``       a saved log (``EventLog.save``), replayed
+``show(log)``              an ``EventLog``, a ``Timeline`` or a list of events
+=========================  ============================================================
+
+The module itself is callable: ``import kvlab; kvlab.show(engine)`` and
+``from kvlab.show import show`` are the same function.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import types
+from typing import Any
+
+from kvlab.engine.llm_engine import LLMEngine
+from kvlab.scenarios import Scenario
+from kvlab.timeline.events import EventLog
+from kvlab.viz.player import Player
+
+
+def show(source: Any, **kwargs: Any) -> Player:
+    """A :class:`Player` on an engine (live), a scenario, a saved log's path, a log, a
+    timeline or a list of events; ``kwargs`` go to the Player (``views``, ``start``, ...).
+
+    Returns the player; like any widget it is displayed when it is the last expression of
+    a cell. Keep the handle to drive it from code: ``p = kvlab.show(log); p.go_to(3); p``.
+    """
+    if isinstance(source, LLMEngine):
+        if source.events is None:
+            raise ValueError("the engine has no event log; build it with build_engine(..., event_log=True) to watch it live")
+        kwargs.setdefault("title", "live engine")
+        return Player(source.events, follow=True, run_step=source.step, has_work=source.has_unfinished_requests, **kwargs)
+    if isinstance(source, Scenario):
+        kwargs.setdefault("decode", source.decode)
+        kwargs.setdefault("title", source.name)
+        kwargs.setdefault("description", source.description)
+        return Player(source.timeline(), named_steps=source.named_steps, notes=source.notes, **kwargs)
+    if isinstance(source, (str, os.PathLike)):
+        if not os.path.isfile(source):
+            raise FileNotFoundError(f"source: no saved event log at {os.fspath(source)!r}")
+        return Player(EventLog.load(os.fspath(source)), **kwargs)
+    return Player(source, **kwargs)
+
+
+class _CallableModule(types.ModuleType):
+    """``kvlab.show`` is this module; calling it calls :func:`show`."""
+
+    def __call__(self, source: Any, **kwargs: Any) -> Player:
+        return show(source, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
