@@ -204,6 +204,22 @@ def test_free_queue_order_colours_and_last_owners(story) -> None:
     assert "req1[3]" in d["text"][0][0]
 
 
+def test_free_queue_labels_a_shared_block_with_the_request_that_released_it_last() -> None:
+    # A computes a 2-block prefix; B hits it (B is the last to *take* blocks 1 and 2) and
+    # finishes first; A finishes last, and its release puts the prefix on the free queue.
+    e = build_engine(num_blocks=12, block_size=4)
+    e.add_request(Request("A", list(range(100, 108)) + [1], max_tokens=6))
+    e.step()
+    e.add_request(Request("B", list(range(100, 108)) + [2], max_tokens=2))
+    e.run()
+    d = free_queue.figure_data(replay(e.events), "A")
+    owners = {c["block_id"]: c["last_owner"] for c in d["cells"]}
+    assert owners[1] == ("A", 0, 0) and owners[2] == ("A", 0, 1)
+    assert "A[0]" in d["text"][0][d["block_ids"].index(1)] and 1 in d["highlight"] and 2 in d["highlight"]
+    # B's only block of its own (4) went to the queue head and A took it next: B left nothing behind.
+    assert free_queue.figure_data(replay(e.events), "B")["highlight"] == [] and owners[4] == ("A", 0, 3)
+
+
 def test_free_queue_wraps_long_queues() -> None:
     e = build_engine(num_blocks=300, block_size=16)
     snap = replay(e.events)
@@ -224,6 +240,16 @@ def test_timeline_metrics_and_gantt(story) -> None:
     assert d["cursor"] == 2 and d["selected_row"] == 1
     assert d["z"][0][:4] == [0, 1, 1, 3]  # waiting, running, running, finished
     assert [STATUS_COLORS[STATUS_ORDER[i]] for i in d["z"][0][:2]] == [STATUS_COLORS["waiting"], STATUS_COLORS["running"]]
+
+
+def test_timeline_data_carries_the_simulated_clock(story) -> None:
+    r = timeline.run_data(story.timeline())
+    series = story.timeline().series
+    assert r["time"] == [None] + series.time and r["time"][-1] == story.engine.clock
+    view = TimelineView(story.timeline())
+    view.update(story.at(3))
+    assert list(view.figure.data[0].customdata)[1:] == series.time  # the usage line's hover shows the clock
+    assert timeline.run_data(None)["steps"] == [0]
 
 
 def test_timeline_marks_preemptions() -> None:
@@ -379,6 +405,33 @@ def test_player_sources_and_display(story) -> None:
         show(story, views=["pool", "nope"])
     with pytest.raises(ValueError, match="step names"):
         Player(story.log, views=["pool"]).go_to("both freed")
+
+
+def test_player_event_list_is_styled_by_each_events_tone() -> None:
+    sc = preemption()
+    p = show(sc, views=("pool",), start="preempted")
+    html = p._events.value
+    line = next(part for part in html.split("<div") if "PREEMPT" in part)
+    assert "font-weight:bold" in line and "d55e00" in line  # tone "alert"
+    assert "— step" in html and "color:#666" in html  # tone "step"
+
+
+def test_show_loads_a_saved_log_and_checks_its_sources(story, tmp_path) -> None:
+    path = tmp_path / "run.json"
+    story.log.save(str(path))
+    p = show(path, views=("pool",), start=4)
+    assert p.snapshot == story.at(4) and not p.live and p.run_button is None
+    assert show(str(path), views=("pool",)).last_step == 8
+    with pytest.raises(FileNotFoundError, match="no saved event log"):
+        show(tmp_path / "missing.json")
+    with pytest.raises(ValueError, match="follow=True needs"):
+        Player(list(story.log), views=("pool",), follow=True)
+    with pytest.raises(TypeError, match="named_steps"):
+        Player(story.log, views=("pool",), named_steps={"x": "1"})  # type: ignore[dict-item]
+    with pytest.raises(ValueError, match="no step named"):
+        show(story, views=("pool",)).go_to("nope")
+    with pytest.raises(RuntimeError, match="live source"):
+        Player(story.log, views=("pool",)).run_step()
 
 
 def test_live_player_follows_the_engine() -> None:
