@@ -235,10 +235,10 @@ def test_check_invariants_catches_corruption():
         pool.check_invariants()
     got[0].ref_cnt = 1
     pool.check_invariants()
-    got[1].block_hash = b"z" * 32  # a hash without a map entry
+    got[1].cache_key = b"z" * 36  # a hash without a map entry
     with pytest.raises(AssertionError, match="block 2"):
         pool.check_invariants()
-    got[1].block_hash = None
+    got[1].cache_key = None
     pool.free_block_queue.num_free_blocks += 1
     with pytest.raises(AssertionError, match="counts"):
         pool.check_invariants()

@@ -23,7 +23,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from kvlab.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock, generate_block_hash_extra_keys
+from kvlab.core.kv_cache_utils import (
+    FreeKVCacheBlockQueue,
+    KVCacheBlock,
+    generate_block_hash_extra_keys,
+    get_block_hash,
+    get_group_id,
+    make_block_hash_with_group_id,
+)
 from kvlab.timeline.events import (
     BlockCached,
     BlockEvicted,
@@ -68,17 +75,18 @@ class BlockHashToBlockMap:
             v[block.block_id] = block  # type: ignore[index]
 
     def pop(self, key: bytes, block_id: int) -> KVCacheBlock | None:
-        v = self._cache.get(key)
+        """Remove block ``block_id``'s entry under ``key``; other blocks under it stay."""
+        cache = self._cache
+        v = cache.pop(key, None)  # one dict operation in the common case (a lone block)
         if v is None:
             return None
         if type(v) is KVCacheBlock:
-            if v.block_id != block_id:
-                return None
-            del self._cache[key]
-            return v
+            if v.block_id == block_id:
+                return v
+            cache[key] = v  # another block carries the key: put it back
+            return None
         blk = v.pop(block_id, None)  # type: ignore[union-attr]
-        if len(v) == 1:  # type: ignore[arg-type]
-            self._cache[key] = next(iter(v.values()))  # type: ignore[union-attr]
+        cache[key] = next(iter(v.values())) if len(v) == 1 else v  # type: ignore[union-attr,arg-type]
         return blk
 
     def blocks_for(self, key: bytes) -> list[KVCacheBlock]:
@@ -99,7 +107,9 @@ class BlockHashToBlockMap:
 
 
 def group_suffix(group_id: int) -> bytes:
-    return group_id.to_bytes(4, "big")
+    """The 4 bytes a group id adds to a block hash to make its map key (hot loops compute
+    it once, then concatenate: ``make_block_hash_with_group_id`` without the call)."""
+    return make_block_hash_with_group_id(b"", group_id)
 
 
 class BlockPool:
@@ -160,15 +170,12 @@ class BlockPool:
             blk = blocks[i]
             if blk.is_null:
                 continue  # sliding window: a block that already left the window
-            if blk.block_hash is not None:
+            if blk.cache_key is not None:
                 raise RuntimeError(f"block {blk.block_id} is already cached")
             h = hashes[i]
-            blk.block_hash = h
             blk.cache_key = key = h + suffix
-            if key in entries:
+            if entries.setdefault(key, blk) is not blk:
                 insert(key, blk)  # a duplicate: the map keeps both
-            else:
-                entries[key] = blk
             if events is not None:
                 events.emit(
                     BlockCached(
@@ -205,12 +212,11 @@ class BlockPool:
         key = block.cache_key
         if key is None:
             return False
-        h = block.block_hash
         self.cached_block_hash_to_block.pop(key, block.block_id)
-        block.block_hash = block.cache_key = None  # block.reset_hash(), without the call (hot path)
+        block.cache_key = None  # block.reset_hash(), without the call (hot path)
         self.num_evicted_blocks += 1
         if self.events is not None:
-            self.events.emit(BlockEvicted(block_id=block.block_id, block_hash=h, group=int.from_bytes(key[-4:], "big")))  # type: ignore[arg-type]
+            self.events.emit(BlockEvicted(block_id=block.block_id, block_hash=get_block_hash(key), group=get_group_id(key)))
         return True
 
     def touch(self, blocks: Sequence[KVCacheBlock], request_id: str | None = None, group: int = 0) -> None:
@@ -303,12 +309,11 @@ class BlockPool:
         assert len(seen) == q.num_free_blocks, f"free queue holds {len(seen)} blocks but counts {q.num_free_blocks}"
         for b in self.blocks:
             if b.is_null:
-                assert b.block_id == 0 and b.block_hash is None
+                assert b.block_id == 0 and b.cache_key is None
                 continue
             if b.block_id not in seen:
                 assert b.ref_cnt > 0, f"block {b.block_id} is neither free nor referenced (ref_cnt {b.ref_cnt})"
                 assert b.prev_free_block is None and b.next_free_block is None, f"used block {b.block_id} has queue links"
-            assert (b.block_hash is None) == (b.cache_key is None), f"block {b.block_id}: hash and cache key disagree"
             if b.cache_key is not None:
                 assert self.enable_caching, f"block {b.block_id} is cached but caching is off"
                 assert b in self.cached_block_hash_to_block.blocks_for(b.cache_key), f"cached block {b.block_id} is missing from the map"

@@ -261,7 +261,7 @@ class KVCacheManager:
                         counts[b.block_id] = counts.get(b.block_id, 0) + 1
                 num_cached = m.num_cached_block.get(rid, 0)
                 for i, b in enumerate(blocks[:num_cached]):
-                    assert b.is_null or b.block_hash is not None, f"{rid!r}: block {i} should be cached"
+                    assert b.is_null or b.cache_key is not None, f"{rid!r}: block {i} should be cached"
         for b in self.block_pool.blocks:
             if not b.is_null:
                 assert b.ref_cnt == counts.get(b.block_id, 0), (

@@ -30,26 +30,61 @@ from kvlab.utils.hashing import (
 )
 
 
+# --- the map key: a block hash with its KV-cache group id ----------------------------------
+#
+# One hash can name blocks in several groups (a hybrid model caches the same prefix once per
+# group), so the prefix-cache map is keyed by hash + group. vLLM's trick, kept here: the key
+# is ONE bytes object, the hash followed by the group id as 4 big-endian bytes -- no tuple to
+# build, hash and keep alive per cached block -- and a block stores only that key; its plain
+# hash is a slice of it, taken only when someone asks (lesson 03).
+BlockHashWithGroupId = bytes
+_GROUP_ID_BYTES = 4
+
+
+def make_block_hash_with_group_id(block_hash: BlockHash, group_id: int) -> BlockHashWithGroupId:
+    """The map key of ``block_hash`` in group ``group_id``."""
+    return block_hash + group_id.to_bytes(_GROUP_ID_BYTES, "big")
+
+
+def get_block_hash(key: BlockHashWithGroupId) -> BlockHash:
+    return key[:-_GROUP_ID_BYTES]
+
+
+def get_group_id(key: BlockHashWithGroupId) -> int:
+    return int.from_bytes(key[-_GROUP_ID_BYTES:], "big")
+
+
 @dataclass(slots=True, eq=False)
 class KVCacheBlock:
     """One physical KV block: ``block_size`` token slots in every layer of its group."""
 
     block_id: int
     ref_cnt: int = 0
-    # Hash of the full prefix ending with this block (None: not cached / partial block).
-    block_hash: BlockHash | None = None
-    # Map key = block hash + kv-cache group id (one hash can name blocks in several groups).
-    cache_key: bytes | None = field(default=None, repr=False)
+    # Hash of the full prefix ending with this block + its group id, the prefix-cache map's
+    # key (None: not cached / partial block). The only hash a block stores.
+    cache_key: BlockHashWithGroupId | None = field(default=None, repr=False)
     prev_free_block: KVCacheBlock | None = field(default=None, repr=False)
     next_free_block: KVCacheBlock | None = field(default=None, repr=False)
     is_null: bool = False
 
+    @property
+    def block_hash(self) -> BlockHash | None:
+        """Hash of the full prefix ending with this block (None: not cached), without the
+        group id -- the value in ``request.block_hashes``."""
+        key = self.cache_key
+        return None if key is None else key[:-_GROUP_ID_BYTES]
+
+    @property
+    def group_id(self) -> int | None:
+        """The KV-cache group the block is cached for (None: not cached)."""
+        key = self.cache_key
+        return None if key is None else get_group_id(key)
+
     def reset_hash(self) -> None:
-        self.block_hash = None
         self.cache_key = None
 
     def __repr__(self) -> str:
-        h = self.block_hash.hex()[:8] if self.block_hash else None
+        h = self.cache_key.hex()[:8] if self.cache_key else None
         return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}, hash={h}{', null' if self.is_null else ''})"
 
 
