@@ -133,7 +133,10 @@ class Request:
         self.num_computed_tokens = 0
         self.num_preemptions = 0
         self.num_cached_tokens = -1  # prefix-cache hit on first scheduling (vLLM's field)
-        self.stop_reason: str | None = None
+        # Why it finished, in vLLM's words: "stop" (eos), "length" (max_tokens or
+        # max_model_len) or "abort"; None while it runs. (vLLM's ``stop_reason`` is something
+        # else: the stop string or token that matched.)
+        self.finish_reason: str | None = None
         self._all_token_ids: list[int] = list(prompt)
         self._output_token_ids: list[int] = []
         self.block_hashes: list[BlockHash] = []

@@ -251,3 +251,15 @@ def test_list_of_window_layers_is_coerced_to_tuple() -> None:
     assert cfg.sliding_window_layers == (0, 2)
     assert cfg.layer_sliding_window(2) == 8 and cfg.layer_sliding_window(1) is None
     hash(cfg)
+
+
+def test_load_kernels_never_falls_back_to_the_reference_silently(monkeypatch) -> None:
+    from kvlab.worker.model import load_kernels
+    import kvlab.kernels as kernels_pkg
+
+    assert load_kernels("triton").name == "triton" and load_kernels("reference").name == "reference"
+    monkeypatch.delattr(kernels_pkg, "unified_attention")  # a kernel module that failed to export
+    with pytest.raises(ImportError, match="unified_attention"):
+        load_kernels("triton")
+    with pytest.raises(ValueError, match="backend"):
+        load_kernels("cuda")

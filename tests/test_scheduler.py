@@ -523,7 +523,7 @@ def test_eos_finishes_stopped_and_frees_blocks():
     # Several tokens at once: appending stops at eos, the rest is dropped.
     finished = sched.update_from_output(out, {"R": [6, 99, 8]})
     assert finished == [r]
-    assert r.status == RequestStatus.FINISHED_STOPPED and r.stop_reason == "stop"
+    assert r.status == RequestStatus.FINISHED_STOPPED and r.finish_reason == "stop"
     assert r.output_token_ids == [5, 6, 99]
     assert ids(sched.running) == [] and mgr.get_block_ids("R") == ([],)
     assert mgr.block_pool.get_num_free_blocks() == 9
@@ -542,8 +542,21 @@ def test_max_tokens_finishes_length_capped_before_eos():
     assert r.status == RequestStatus.RUNNING
     # The 2nd token is both the last allowed one and eos: the length check comes first (vLLM).
     sched.update_from_output(sched.schedule(), {"R": [99]})
-    assert r.status == RequestStatus.FINISHED_LENGTH_CAPPED and r.stop_reason == "length"
+    assert r.status == RequestStatus.FINISHED_LENGTH_CAPPED and r.finish_reason == "length"
     assert mgr.block_pool.get_num_free_blocks() == 9
+
+
+def test_abort_of_running_and_waiting_requests_says_abort_and_frees():
+    mgr, sched, _ = make(4)  # 3 usable blocks of 4 tokens
+    a, b = Request("A", toks(0, 6), max_tokens=3), Request("B", toks(10, 6), max_tokens=3)
+    sched.add_request(a), sched.add_request(b)
+    out = sched.schedule()
+    assert out.scheduled_new_req_ids == ["A"] and a.finish_reason is None  # B waits: 2 + 2 > 3 blocks
+    sched.finish_requests(["A", "B", "unknown"])
+    assert (a.status, a.finish_reason) == (RequestStatus.FINISHED_ABORTED, "abort")
+    assert (b.status, b.finish_reason) == (RequestStatus.FINISHED_ABORTED, "abort")
+    assert not sched.has_unfinished_requests() and mgr.block_pool.get_num_free_blocks() == 3
+    assert sched.schedule().finished_req_ids == {"A", "B"}
 
 
 # --------------------------------------------------------------------------- stats

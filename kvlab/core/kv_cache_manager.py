@@ -22,7 +22,7 @@ from kvlab.metrics.stats import PrefixCacheStats
 from kvlab.request import Request
 from kvlab.timeline.events import EventLog, PoolCreated, PrefixLookup
 from kvlab.utils.checks import check_int, check_optional_int
-from kvlab.utils.hashing import UNSAFE_HASH_ALGOS, get_hash_fn_by_name
+from kvlab.utils.hashing import get_hash_fn_by_name
 
 
 @dataclass(slots=True)
@@ -36,10 +36,6 @@ class KVCacheBlocks:
 
     def get_block_ids(self) -> tuple[list[int], ...]:
         return tuple([b.block_id for b in blks] for blks in self.blocks)
-
-    def get_unhashed_block_ids(self) -> list[int]:
-        assert len(self.blocks) == 1, "only one group is supported here"
-        return [b.block_id for b in self.blocks[0] if b.block_hash is None]
 
     def new_empty(self) -> "KVCacheBlocks":
         return KVCacheBlocks(tuple([] for _ in self.blocks))
@@ -88,7 +84,6 @@ class KVCacheManager:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.hash_algo = hash_algo
-        self.hash_is_unsafe = hash_algo in UNSAFE_HASH_ALGOS
         self.kv_cache_groups: list[KVCacheSpec] = specs
         self.max_model_len = max_model_len
         self.log_stats = log_stats

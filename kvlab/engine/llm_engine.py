@@ -8,7 +8,7 @@ throughput can be read off without a GPU.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvlab.core.kv_cache_manager import KVCacheManager
@@ -221,6 +221,3 @@ def build_engine(
     mgr = KVCacheManager(num_blocks=num_blocks, block_size=block_size, event_log=log, **(manager_kwargs or {}))
     sched = Scheduler(mgr, **scheduler_kwargs)
     return LLMEngine(mgr, sched, executor or SimulatedExecutor(), cost_model, tokenizer)
-
-
-ProgressCallback = Callable[[StepResult], None]

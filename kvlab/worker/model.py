@@ -20,7 +20,6 @@ greedy decoding gives a fixed token sequence to compare engines on.
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -194,23 +193,18 @@ def load_kernels(backend: str = "triton") -> PagedKernels:
 
     ``"triton"`` is the real thing (compiled on CUDA, interpreted on CPU); ``"reference"``
     is the readable torch version the kernel tests compare against — same interface, so
-    swapping them is a one-word change, which is itself a lesson. If the Triton kernels are
-    not importable (kernels still under construction), ``"triton"`` falls back to the
-    reference with a warning rather than leaving the runner unusable.
+    swapping them is a one-word change, which is itself a lesson. A kernel that fails to
+    import is an error, never a silent switch to the reference: the lesson must run the
+    kernel it says it runs.
     """
     if backend not in ("triton", "reference"):
         raise ValueError(f"backend must be 'triton' or 'reference', got {backend!r}")
     if backend == "triton":
-        import kvlab.kernels as kernels_pkg  # its __init__ picks compiled vs interpreted Triton
+        from kvlab.kernels import reshape_and_cache, unified_attention  # picks compiled vs interpreted Triton
 
-        # getattr, not ``from … import``: the latter would silently import a *submodule*
-        # of the same name while the package does not export the function yet.
-        fns = (getattr(kernels_pkg, "reshape_and_cache", None), getattr(kernels_pkg, "unified_attention", None))
-        if all(callable(f) for f in fns):
-            return PagedKernels(fns[0], fns[1], "triton")
-        warnings.warn("kvlab.kernels does not export reshape_and_cache/unified_attention yet; "
-                      "using the torch reference kernels", RuntimeWarning, stacklevel=2)
+        return PagedKernels(reshape_and_cache, unified_attention, "triton")
     from kvlab.kernels.reference import reshape_and_cache_ref, unified_attention_ref
+
     return PagedKernels(reshape_and_cache_ref, unified_attention_ref, "reference")
 
 

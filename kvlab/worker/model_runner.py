@@ -52,7 +52,6 @@ class CachedRequestState:
     token_ids: list[int]  # every token known: prompt + outputs (including the ones we sampled)
     block_ids: list[list[int]]  # one append-only row per KV-cache group
     num_computed_tokens: int  # tokens whose KV is in the cache after the last step
-    generator: torch.Generator | None = None  # per-request RNG when a sampling seed was given
 
     @property
     def num_tokens(self) -> int:
@@ -100,8 +99,7 @@ class ModelRunner:
     present, else "cpu") for the Triton backend, "cpu" for the reference one.
 
     ``temperature=0`` samples greedily (what the tests compare); above 0 it samples from
-    softmax(logits / temperature) with a seeded generator (per request if the request
-    carries a ``sampling_seed``).
+    softmax(logits / temperature) with one generator seeded by ``seed``.
     """
 
     def __init__(self, model: TinyLlama, num_blocks: int, block_size: int,
@@ -202,7 +200,7 @@ class ModelRunner:
         for row, (state, n) in enumerate(order):
             state.num_computed_tokens += n
             if state.num_computed_tokens == state.num_tokens:
-                tok = self._sample(logits[row], state.generator)
+                tok = self._sample(logits[row])
                 state.token_ids.append(tok)
                 sampled[state.req_id] = [tok]
                 batch.sampled[state.req_id] = tok
@@ -292,12 +290,9 @@ class ModelRunner:
 
     def _state_from_new(self, new: NewRequestData) -> CachedRequestState:
         self._check_groups(new.block_ids, f"request {new.req_id!r}: block_ids")
-        gen = None
-        if new.sampling_seed is not None:
-            gen = torch.Generator(device=self.device).manual_seed(new.sampling_seed)
         return CachedRequestState(req_id=new.req_id, token_ids=[int(t) for t in new.all_token_ids],
                                   block_ids=[[int(b) for b in row] for row in new.block_ids],
-                                  num_computed_tokens=new.num_computed_tokens, generator=gen)
+                                  num_computed_tokens=new.num_computed_tokens)
 
     def _check_tokens(self, state: CachedRequestState, num_computed: int, new_tokens: list[int], step: int) -> None:
         """Merge the step's ``new_token_ids`` into the known tokens, checking they agree.
@@ -377,8 +372,8 @@ class ModelRunner:
         return (batch, meta, torch.tensor(input_ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev))
 
-    def _sample(self, logits: Tensor, generator: torch.Generator | None) -> int:
+    def _sample(self, logits: Tensor) -> int:
         if self.temperature == 0.0:
             return int(torch.argmax(logits))
         probs = torch.softmax(logits.float() / self.temperature, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=self.generator if generator is None else generator))
+        return int(torch.multinomial(probs, 1, generator=self.generator))

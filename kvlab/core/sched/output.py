@@ -23,7 +23,6 @@ class NewRequestData:
     block_ids: tuple[list[int], ...]  # one list per KV-cache group, the full table
     num_computed_tokens: int  # tokens whose KV is already in the cache (prefix hit)
     new_token_ids: list[int]  # the tokens to compute this step
-    sampling_seed: int | None = None
 
 
 @dataclass(slots=True)
@@ -56,7 +55,3 @@ class SchedulerOutput:
     # their state. Preempted requests must be dropped too.
     finished_req_ids: set[str]
     num_common_prefix_blocks: tuple[int, ...] = ()
-
-    @property
-    def is_empty(self) -> bool:
-        return self.total_num_scheduled_tokens == 0

@@ -433,14 +433,14 @@ class Scheduler:
             return True
         return False
 
-    def _free_request(self, r: Request, reason: str) -> None:
+    def _free_request(self, r: Request, finish_reason: str) -> None:
         self.kv_cache_manager.free(r)
         self.requests.pop(r.request_id, None)
         self._num_sent_blocks.pop(r.request_id, None)
         self.finished_req_ids.add(r.request_id)
-        r.stop_reason = reason
+        r.finish_reason = finish_reason
         if self.events is not None:
-            self.events.emit(RequestFinished(request_id=r.request_id, reason=reason, num_output_tokens=r.num_output_tokens))
+            self.events.emit(RequestFinished(request_id=r.request_id, reason=finish_reason, num_output_tokens=r.num_output_tokens))
 
     # -- metrics ------------------------------------------------------------------------------
     def make_stats(self) -> SchedulerStats:
