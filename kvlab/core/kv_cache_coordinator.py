@@ -21,6 +21,19 @@ from kvlab.utils.hashing import BlockHash
 
 
 class KVCacheCoordinator:
+    """One single-type manager per KV-cache group, over one shared block pool (vLLM:
+    ``vllm/v1/core/kv_cache_coordinator.py``; lesson 07).
+
+    Why a coordinator: a hybrid model has layers that attend to everything and layers that
+    see only a sliding window. Each kind keeps its own block table per request (the window
+    group may drop blocks that left the window and pad with the null block), yet all tables
+    draw from one pool, and a prefix hit is usable only if *every* group has it. The
+    coordinator is where "every group" is spelled out: allocation goes group by group, and
+    the longest hit is the full-attention hit cut back to what the other group can serve.
+    kvlab supports one attention type, or full attention plus one other, as vLLM's hybrid
+    coordinator does.
+    """
+
     def __init__(self, specs: Sequence[KVCacheSpec], block_pool: BlockPool, enable_caching: bool) -> None:
         self.block_pool = block_pool
         self.specs = list(specs)

@@ -48,6 +48,24 @@ class KVCacheBlocks:
 
 
 class KVCacheManager:
+    """The scheduler's only door to KV memory: it answers "what is cached?", "is there room?"
+    and "give it back", and hides everything behind (vLLM: ``KVCacheManager``).
+
+    Why one door: the scheduler decides *who* runs; whether a prompt's beginning is already
+    in the cache (lesson 03), which physical blocks hold a request (lesson 02), how ref
+    counts and the free queue make sharing and eviction safe (lesson 04), and how a hybrid
+    model's groups share one pool (lesson 07) are this object's business. Its allocation is
+    all or nothing, so the scheduler can simply try, and preempt when the answer is None
+    (lesson 05). It owns a :class:`BlockPool` (the blocks, ref counts, free queue and
+    prefix-cache map) and a :class:`KVCacheCoordinator` (one block table per group), and it
+    binds each request's block hasher, so that ``request.block_hashes`` grows as tokens
+    arrive and lookups only read it.
+
+    ``num_blocks`` counts block 0, the null block, which is never handed out. Prefix-cache
+    hit/query counters are kept when ``log_stats`` (lesson 08); every state change is
+    emitted to ``event_log`` when one is given, for the pictures.
+    """
+
     def __init__(
         self,
         num_blocks: int,

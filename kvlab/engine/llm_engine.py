@@ -60,6 +60,19 @@ class StepResult:
 
 
 class LLMEngine:
+    """The loop that drives everything: schedule, execute, update, repeat (vLLM: the
+    ``EngineCore`` step of ``vllm/v1/engine/core.py``; lessons 00, 05 and 08).
+
+    Why it is this small: every decision about memory is the :class:`Scheduler`'s and the
+    :class:`KVCacheManager`'s; the executor only computes the tokens it is told to (the
+    model-free :class:`SimulatedExecutor`, or the real ``ModelRunner`` with the Triton
+    kernels). The engine adds what a serving system measures: a simulated clock advanced
+    by a :class:`CostModel` per step, so time to first token, time per output token and
+    throughput can be read without a GPU (lesson 08), per-request metrics, and one history
+    row per step. ``run`` steps until done, ``run_trace`` admits requests at their arrival
+    times, ``generate`` is the one-call API for prompts (text when a tokenizer is given).
+    """
+
     def __init__(
         self,
         kv_cache_manager: KVCacheManager,

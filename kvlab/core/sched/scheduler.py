@@ -53,6 +53,23 @@ class _StepPlan:
 
 
 class Scheduler:
+    """Who gets tokens each step, and who gives its blocks back when the pool runs dry
+    (vLLM: ``vllm/v1/core/sched/scheduler.py``; lesson 05).
+
+    Why it exists: the GPU computes a fixed budget of tokens per step
+    (``max_num_batched_tokens``) for at most ``max_num_seqs`` requests, and KV memory is
+    shared by all of them. The scheduler packs each step -- decodes of running requests,
+    chunks of long prompts (chunked prefill), new admissions -- and keeps memory honest:
+    it asks the :class:`KVCacheManager` for room before scheduling anything, and when a
+    running request cannot get a block it *preempts* one (:meth:`select_victim`: the newest
+    under FCFS, the least important under ``priority``), freeing all its blocks; the victim
+    recomputes later, helped by its own cached prefix. A waiting request is admitted only
+    when its whole prompt fits (vLLM's default), so admission never causes a preemption.
+
+    One step is :meth:`schedule` (decide) then :meth:`update_from_output` (append the sampled
+    tokens, finish requests at ``max_tokens`` or ``eos_token_id``, free their blocks).
+    """
+
     def __init__(
         self,
         kv_cache_manager: KVCacheManager,
