@@ -7,6 +7,7 @@ moves it), and ``block_hashes`` (one per full block, grown as tokens are appende
 from __future__ import annotations
 
 import enum
+import struct
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -15,6 +16,12 @@ from kvlab.utils.checks import check_int, check_number, check_optional_int
 from kvlab.utils.hashing import BlockHash
 
 _MAX_TOKEN_ID = 2**32 - 1
+_PACK_ONE_TOKEN = struct.Struct("<I").pack
+
+
+def _pack_tokens(token_ids: list[int]) -> bytes:
+    """Token ids as little-endian uint32: the layout kvlab's block hashes digest."""
+    return _PACK_ONE_TOKEN(token_ids[0]) if len(token_ids) == 1 else struct.pack(f"<{len(token_ids)}I", *token_ids)
 
 
 class RequestStatus(enum.IntEnum):
@@ -86,6 +93,7 @@ class Request:
         priority: int = 0,
         arrival_time: float | None = None,
         mm_features: Sequence[MultiModalFeature] | None = None,
+        block_hasher: Callable[[Request], list[BlockHash]] | None = None,
     ) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise TypeError(f"request_id must be a non-empty str, got {request_id!r}")
@@ -138,15 +146,23 @@ class Request:
         # else: the stop string or token that matched.)
         self.finish_reason: str | None = None
         self._all_token_ids: list[int] = list(prompt)
+        self._token_bytes = bytearray(_pack_tokens(prompt))  # the same tokens, packed once
         self._output_token_ids: list[int] = []
         self.block_hashes: list[BlockHash] = []
         self._block_hasher: Callable[[Request], list[BlockHash]] | None = None
-        self._hasher_key: tuple | None = None
+        if block_hasher is not None:
+            self.bind_block_hasher(block_hasher)
 
     # -- tokens ---------------------------------------------------------------------------
     @property
     def all_token_ids(self) -> list[int]:
         return self._all_token_ids
+
+    @property
+    def token_bytes(self) -> bytearray:
+        """``all_token_ids`` as little-endian uint32 bytes, grown with it: a block hasher
+        slices its blocks out of this instead of packing every block's ints (read only)."""
+        return self._token_bytes
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -171,22 +187,34 @@ class Request:
         ids = _check_token_ids("token_ids", token_ids)  # type: ignore[arg-type]
         self._output_token_ids.extend(ids)
         self._all_token_ids.extend(ids)
+        self._token_bytes += _pack_tokens(ids) if ids else b""
         if self._block_hasher is not None:
             self.block_hashes.extend(self._block_hasher(self))
 
     # -- hashing --------------------------------------------------------------------------
-    def bind_block_hasher(self, key: tuple, hasher: Callable[["Request"], list[BlockHash]]) -> None:
-        """Attach the manager's hasher (first manager wins; another one is an error)."""
-        if self._hasher_key == key:
+    def bind_block_hasher(self, hasher: Callable[[Request], list[BlockHash]]) -> None:
+        """Attach a block hasher (usually the first manager's) and hash the full blocks.
+
+        A request has one chain of hashes. Another hasher with the same ``block_size`` and
+        ``hash_fn`` would compute the same chain, so it is accepted and the first one kept;
+        a different one is an error (its hashes would not match the ones already known).
+        """
+        current = self._block_hasher
+        if current is hasher:
             return
-        if self._hasher_key is not None:
+        if current is not None:
+            if _hasher_params(current) == _hasher_params(hasher):
+                return
             raise ValueError(
-                f"request {self.request_id!r} is already hashed with {self._hasher_key}; "
-                f"a manager with {key} cannot reuse it -- create a new Request"
+                f"request {self.request_id!r} is already hashed with {_describe_hasher(current)}; "
+                f"a manager with {_describe_hasher(hasher)} cannot reuse it -- create a new Request"
             )
-        self._hasher_key = key
         self._block_hasher = hasher
         self.block_hashes = hasher(self)
+
+    @property
+    def block_hasher(self) -> Callable[[Request], list[BlockHash]] | None:
+        return self._block_hasher
 
     # -- lifecycle ------------------------------------------------------------------------
     def is_finished(self) -> bool:
@@ -197,3 +225,12 @@ class Request:
             f"Request({self.request_id!r}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
             f"status={self.status.name})"
         )
+
+
+def _hasher_params(hasher: object) -> tuple:
+    return (getattr(hasher, "block_size", None), getattr(hasher, "hash_fn", hasher))
+
+
+def _describe_hasher(hasher: object) -> str:
+    block_size, fn = _hasher_params(hasher)
+    return f"block_size={block_size}, hash {getattr(fn, '__name__', fn)}"

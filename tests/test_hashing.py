@@ -195,7 +195,7 @@ def test_request_block_hashes_are_the_chain(algo):
     req = Request("r", toks, cache_salt="s", lora_name="l")
     assert req.block_hashes == []  # unbound until a manager sees it
     hasher = get_request_block_hasher(16, fn)
-    req.bind_block_hasher((16, algo), hasher)
+    req.bind_block_hasher(hasher)
     want = _chain(fn, toks, 16, lambda i: ("l", "s") if i == 0 else ("l",))
     assert req.block_hashes == want and len(want) == 2
     req.append_output_token_ids([1] * 10)  # 47 tokens: still 2 full blocks
@@ -203,6 +203,62 @@ def test_request_block_hashes_are_the_chain(algo):
     req.append_output_token_ids(3)  # 48: the third block fills now
     full = want + [hash_block_tokens(fn, want[-1], (toks + [1] * 10 + [3])[32:48], ("l",))]
     assert req.block_hashes == full
+
+
+def test_block_hash_bytes_are_pinned():
+    """The encoding is a contract (caches, saved logs and KV events compare hashes): the bytes
+    are tag + (parent length, token count) + parent + tokens as uint32 LE (+ pickled extras)."""
+    h = hash_block_tokens(hashing.sha256, b"\x00" * 32, list(range(16)))
+    assert h.hex() == "c50e23022b8cc4c48d0aaea11e3277dcba233eff18e1822c431347e00f242338"
+    body = b"\x01kvlab-block\x00" + (32).to_bytes(4, "little") + (16).to_bytes(4, "little") + b"\x00" * 32
+    assert h == hashlib.sha256(body + b"".join(t.to_bytes(4, "little") for t in range(16))).digest()
+    extra = ("lora-a", ("img", -3), "salt")
+    h2 = hash_block_tokens(hashing.sha256, h, [2**32 - 1] * 16, extra)
+    assert h2.hex() == "8b459401ac4134939005a990fa5e3be927feb5227875082648488bee724c2eea"
+
+
+@pytest.mark.parametrize("bs", [1, 4, 16, 33])
+@pytest.mark.parametrize("algo", ["sha256", "xxhash", "weak16"])
+def test_request_hasher_fast_path_equals_the_definition(bs, algo):
+    """The sha256 fast path (pre-packed tokens, header state copied) must give exactly
+    hash_fn((parent or NONE_HASH, tuple(tokens), extra)) for every block, as tokens arrive
+    one by one and in bursts, with and without extra keys."""
+    import random
+
+    fn = get_hash_fn_by_name(algo)
+    rng = random.Random(bs)
+    for kw in ({}, {"cache_salt": "s"}, {"lora_name": "l"}, {"mm_features": [MultiModalFeature("img", 3, 5)]}):
+        toks = [rng.randrange(2**32) for _ in range(3 * bs + 1 + 8)]
+        req = Request("r", toks[: bs + 1 + 8], block_hasher=get_request_block_hasher(bs, fn), **kw)
+        for t in toks[bs + 1 + 8 :]:
+            req.append_output_token_ids(t)
+        req.append_output_token_ids(toks[:bs])  # a burst
+        all_toks = req.all_token_ids
+        assert bytes(req.token_bytes) == b"".join(t.to_bytes(4, "little") for t in all_toks)
+        want, parent = [], kv_cache_utils.NONE_HASH
+        for i in range(len(all_toks) // bs):
+            extra = generate_block_hash_extra_keys(req, i * bs, (i + 1) * bs)
+            parent = fn((parent, tuple(all_toks[i * bs : (i + 1) * bs]), extra))
+            want.append(parent)
+        assert req.block_hashes == want, kw
+
+
+def test_a_custom_extra_keys_fn_is_called_for_every_block():
+    calls = []
+
+    def extra(req, start, end):
+        calls.append((start, end))
+        return ("tenant-x",)
+
+    hasher = get_request_block_hasher(4, hashing.sha256, extra_keys_fn=extra)
+    req = Request("r", list(range(10)), block_hasher=hasher)
+    assert calls == [(0, 4), (4, 8)] and req.block_hashes[0] == hash_block_tokens(hashing.sha256, None, [0, 1, 2, 3], ("tenant-x",))
+    # A manager with the same block size and hash function keeps the request's own hasher.
+    mgr = KVCacheManager(num_blocks=8, block_size=4)
+    mgr.get_computed_blocks(req)
+    assert req.block_hasher is hasher
+    req.append_output_token_ids([1, 2])
+    assert calls[-1] == (8, 12) and len(req.block_hashes) == 3
 
 
 def test_request_is_bound_to_one_hasher():

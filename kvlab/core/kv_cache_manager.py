@@ -119,8 +119,7 @@ class KVCacheManager:
         self.block_pool = block_pool
         self.coordinator = coordinator
         self.num_kv_cache_groups = len(specs)
-        self._hasher_key = (block_size, hash_algo)
-        self._hasher = get_request_block_hasher(block_size, hash_fn)
+        self.request_block_hasher = get_request_block_hasher(block_size, hash_fn)
         self.prefix_cache_stats: PrefixCacheStats | None = PrefixCacheStats() if log_stats else None
         self._requests: dict[str, Request] = {}
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple([] for _ in specs))
@@ -134,7 +133,7 @@ class KVCacheManager:
     def _bind(self, request: Request) -> None:
         if not isinstance(request, Request):
             raise TypeError(f"request must be a kvlab.Request, got {type(request).__name__}")
-        request.bind_block_hasher(self._hasher_key, self._hasher)
+        request.bind_block_hasher(self.request_block_hasher)
 
     def create_kv_cache_blocks(self, blocks: tuple[list[KVCacheBlock], ...]) -> KVCacheBlocks:
         return KVCacheBlocks(blocks) if any(blocks) else self.empty_kv_cache_blocks.new_empty()

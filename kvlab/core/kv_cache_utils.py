@@ -247,23 +247,85 @@ def generate_block_hash_extra_keys(request: Any, start_token_idx: int, end_token
     return tuple(keys) if keys else None
 
 
-def get_request_block_hasher(block_size: int, hash_fn: HashFn) -> Callable[[Any], list[BlockHash]]:
-    """A function computing the hashes of a request's *new* full blocks (incremental)."""
+ExtraKeysFn = Callable[[Any, int, int], "tuple[Any, ...] | None"]
 
-    def request_block_hasher(request: Any) -> list[BlockHash]:
+
+class RequestBlockHasher:
+    """Computes the hashes of a request's *new* full blocks, chained to the ones it has
+    (vLLM: the function ``get_request_block_hasher`` returns; lesson 03).
+
+    A request calls it whenever tokens arrive, so ``request.block_hashes`` always holds one
+    hash per full block and a prefix lookup only reads it. ``hash_fn`` is the algorithm;
+    ``extra_keys_fn(request, start, end)`` gives the extra keys of the block covering tokens
+    ``[start, end)`` (default :func:`generate_block_hash_extra_keys`: LoRA, images, salt) --
+    the seam through which the ``extra_keys`` exercise runs a learner's function in the
+    engine. Two hashers agree on every hash when ``block_size`` and ``hash_fn`` agree and
+    the extra keys follow vLLM's rule.
+
+    Why it is fast: with kvlab's ``sha256`` the bytes of a block are header + parent + the
+    tokens as uint32. The header (tag, parent length, token count) is the same for every
+    block with a 32-byte parent, so its SHA-256 state is computed once and copied per
+    block; the tokens come pre-packed from ``request.token_bytes`` (packed once, as they
+    arrive), so each block costs one slice, one copy of the state, one update and one
+    digest -- the very bytes ``hash_block_tokens`` would hash, so the hashes are identical.
+    """
+
+    __slots__ = ("block_size", "hash_fn", "extra_keys_fn", "_default_extra_keys", "_sha256_after_header")
+
+    def __init__(self, block_size: int, hash_fn: HashFn, extra_keys_fn: ExtraKeysFn | None = None) -> None:
+        self.block_size = block_size
+        self.hash_fn = hash_fn
+        self._default_extra_keys = extra_keys_fn is None
+        self.extra_keys_fn: ExtraKeysFn = generate_block_hash_extra_keys if extra_keys_fn is None else extra_keys_fn
+        self._sha256_after_header = _sha256(_block_format(32, block_size).header) if hash_fn is sha256 else None
+
+    def __call__(self, request: Any) -> list[BlockHash]:
+        bs = self.block_size
         hashes = request.block_hashes
-        start = len(hashes) * block_size
-        tokens = request.all_token_ids
-        num_tokens = len(tokens)
-        parent = hashes[-1] if hashes else NONE_HASH
-        simple = request.lora_name is None and not request.mm_features
+        start = len(hashes) * bs
+        num_tokens = request.num_tokens
         new: list[BlockHash] = []
-        while start + block_size <= num_tokens:
-            end = start + block_size
-            extra = None if simple and (start or request.cache_salt is None) else generate_block_hash_extra_keys(request, start, end)
-            parent = hash_block_tokens(hash_fn, parent, tokens[start:end], extra)
+        if start + bs > num_tokens:
+            return new  # most decode steps: no block filled
+        parent = hashes[-1] if hashes else NONE_HASH
+        # Without LoRA or images, only a salted first block has extra keys (vLLM's rule):
+        # skip the call for every other block -- unless a custom extra_keys_fn must see all.
+        simple = self._default_extra_keys and request.lora_name is None and not request.mm_features
+        after_header = self._sha256_after_header
+        salt = request.cache_salt
+        extra_keys_fn, hash_fn = self.extra_keys_fn, self.hash_fn
+        packed = request.token_bytes
+        while start + bs <= num_tokens:
+            if simple and after_header is not None and start and len(parent) == 32:
+                break  # every block left is the sha256 fast path: the loop below
+            end = start + bs
+            extra = None if simple and (start or salt is None) else extra_keys_fn(request, start, end)
+            if after_header is not None and extra is None and len(parent) == 32:
+                h = after_header.copy()
+                h.update(parent + packed[4 * start : 4 * end])
+                parent = h.digest()
+            else:
+                parent = hash_block_tokens(hash_fn, parent, request.all_token_ids[start:end], extra)
             new.append(parent)
             start = end
+        else:
+            return new
+        # One copy of the tokens still to hash into immutable bytes: slicing bytes is the
+        # cheapest way to hand SHA-256 a block (cheaper than bytearray or memoryview slices).
+        packed = bytes(memoryview(packed)[4 * start : 4 * (num_tokens - num_tokens % bs)])
+        copy, append, nbytes = after_header.copy, new.append, 4 * bs  # type: ignore[union-attr]
+        for a in range(0, len(packed), nbytes):
+            h = copy()
+            h.update(parent + packed[a : a + nbytes])
+            parent = h.digest()
+            append(parent)
         return new
 
-    return request_block_hasher
+    def __repr__(self) -> str:
+        extra = "" if self._default_extra_keys else f", extra_keys_fn={getattr(self.extra_keys_fn, '__name__', self.extra_keys_fn)!s}"
+        return f"RequestBlockHasher(block_size={self.block_size}, hash_fn={getattr(self.hash_fn, '__name__', self.hash_fn)!s}{extra})"
+
+
+def get_request_block_hasher(block_size: int, hash_fn: HashFn, extra_keys_fn: ExtraKeysFn | None = None) -> RequestBlockHasher:
+    """The hasher of a request's new full blocks (vLLM's name); see :class:`RequestBlockHasher`."""
+    return RequestBlockHasher(block_size, hash_fn, extra_keys_fn)
