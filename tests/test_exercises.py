@@ -276,3 +276,39 @@ def test_unknown_exercise_id():
 def test_free_queue_blocks_are_real_blocks():
     q = QueueOk([KVCacheBlock(i) for i in range(3)])
     assert q.popleft().block_id == 0
+
+
+# --- the seams: each checker runs the learner's code inside the real core ------------------------
+def _called_from_core() -> bool:
+    import inspect
+
+    return any("/kvlab/core/" in f.filename.replace("\\", "/") for f in inspect.stack()[2:])
+
+
+@pytest.mark.parametrize("eid", ["extra_keys", "free_order", "touch", "stale_hash", "allocate_capacity", "free_queue"])
+def test_checker_runs_the_learner_code_inside_the_core(eid):
+    """No monkeypatching: the learner's function reaches the engine through a seam of the
+    core (a pool/manager subclass, the request's block hasher), and is called from there."""
+    inside: list[bool] = []
+    ok = CORRECT[eid]
+    if eid == "free_queue":
+        class Spy(ok):
+            def __init__(self, blocks):
+                inside.append(_called_from_core())
+                super().__init__(blocks)
+
+        learner = Spy
+    else:
+        def learner(*args):
+            inside.append(_called_from_core())
+            return ok(*args)
+
+    assert check(eid, learner)
+    assert any(inside), "the learner code never ran inside the core"
+    from kvlab.core.block_pool import BlockPool
+    from kvlab.core.single_type_kv_cache_manager import FullAttentionManager
+
+    # nothing of the core was patched along the way
+    assert BlockPool.touch.__module__ == "kvlab.core.block_pool" and BlockPool.free_queue_cls is kv_cache_utils.FreeKVCacheBlockQueue
+    assert FullAttentionManager.get_num_blocks_to_allocate.__module__ == "kvlab.core.single_type_kv_cache_manager"
+    assert kv_cache_utils.generate_block_hash_extra_keys.__module__ == "kvlab.core.kv_cache_utils"

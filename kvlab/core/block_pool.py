@@ -20,7 +20,7 @@ The rules this file enforces:
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from kvlab.core.kv_cache_utils import (
@@ -36,7 +36,6 @@ from kvlab.timeline.events import (
     BlockEvicted,
     BlocksAllocated,
     BlocksFreed,
-    BlocksTouched,
     CacheReset,
     EventLog,
 )
@@ -113,7 +112,17 @@ def group_suffix(group_id: int) -> bytes:
 
 
 class BlockPool:
-    """All KV blocks of all cache groups, allocated from one free queue."""
+    """All KV blocks of all cache groups, allocated from one free queue.
+
+    The methods with vLLM's names (``touch``, ``_maybe_evict_cached_block``) do exactly
+    what vLLM's do; kvlab's events are recorded around them, so a subclass can swap one of
+    them (the exercises run a learner's ``touch`` or eviction inside a real pool that way)
+    and the recorded run still replays.
+    """
+
+    #: The free queue's class, called with every block in id order (head first). A seam:
+    #: the free_queue exercise runs a learner's queue inside a real pool by setting it.
+    free_queue_cls: Callable[[list[KVCacheBlock]], FreeKVCacheBlockQueue] = FreeKVCacheBlockQueue
 
     def __init__(self, num_gpu_blocks: int, enable_caching: bool = True, event_log: EventLog | None = None) -> None:
         # The pool is the door for the block count (KVCacheManager's num_blocks lands here).
@@ -122,7 +131,7 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.events = event_log
         self.blocks: list[KVCacheBlock] = [KVCacheBlock(i) for i in range(num_gpu_blocks)]
-        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        self.free_block_queue = self.free_queue_cls(self.blocks)
         self.cached_block_hash_to_block = BlockHashToBlockMap()
         # The null block leaves the queue for good. Its ref count is not maintained.
         self.null_block = self.free_block_queue.popleft()
@@ -197,9 +206,13 @@ class BlockPool:
         ret = self.free_block_queue.popleft_n(num_blocks)
         if self.enable_caching:
             evict = self._maybe_evict_cached_block
+            events = self.events
             for b in ret:
-                if b.cache_key is not None:
-                    evict(b)
+                key = b.cache_key
+                if key is not None and evict(b):
+                    self.num_evicted_blocks += 1
+                    if events is not None:
+                        events.emit(BlockEvicted(block_id=b.block_id, block_hash=get_block_hash(key), group=get_group_id(key)))
                 b.ref_cnt += 1
         else:
             for b in ret:
@@ -209,20 +222,21 @@ class BlockPool:
         return ret
 
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
+        """A cached block is being reallocated: drop exactly its own map entry (duplicates
+        under the same key stay) and its hash -- lazy eviction (lesson 04). Returns whether
+        it was cached. (The stale_hash exercise swaps this method.)"""
         key = block.cache_key
         if key is None:
             return False
         self.cached_block_hash_to_block.pop(key, block.block_id)
         block.cache_key = None  # block.reset_hash(), without the call (hot path)
-        self.num_evicted_blocks += 1
-        if self.events is not None:
-            self.events.emit(BlockEvicted(block_id=block.block_id, block_hash=get_block_hash(key), group=get_group_id(key)))
         return True
 
-    def touch(self, blocks: Sequence[KVCacheBlock], request_id: str | None = None, group: int = 0) -> None:
-        """A prefix hit adopts ``blocks`` (one group's, as vLLM's flat list): ref += 1, and a
+    def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """A prefix hit adopts ``blocks`` (one group's, vLLM's flat list): ref += 1, and a
         ref-0 block leaves the free queue *first*, so it cannot be evicted while the request
-        is adopting it (lesson 04). The null block is skipped: its ref count is not kept."""
+        is adopting it (lesson 04). The null block is skipped: its ref count is not kept.
+        (The caller records the ``BlocksTouched`` event; the touch exercise swaps this.)"""
         remove = self.free_block_queue.remove
         for b in blocks:
             if b.is_null:
@@ -230,8 +244,6 @@ class BlockPool:
             if b.ref_cnt == 0:
                 remove(b)
             b.ref_cnt += 1
-        if self.events is not None and blocks:
-            self.events.emit(BlocksTouched(request_id=request_id, group=group, block_ids=[b.block_id for b in blocks]))
 
     def free_blocks(
         self, ordered_blocks: Iterable[KVCacheBlock], request_id: str | None = None, group: int = 0, reason: str = "request"

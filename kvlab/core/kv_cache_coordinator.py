@@ -7,7 +7,7 @@ length inside it, and the full-attention hit is cut back to that length.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvlab.core.block_pool import BlockPool
@@ -34,12 +34,21 @@ class KVCacheCoordinator:
     coordinator does.
     """
 
-    def __init__(self, specs: Sequence[KVCacheSpec], block_pool: BlockPool, enable_caching: bool) -> None:
+    def __init__(
+        self,
+        specs: Sequence[KVCacheSpec],
+        block_pool: BlockPool,
+        enable_caching: bool,
+        manager_classes: Mapping[type, type[SingleTypeKVCacheManager]] | None = None,
+    ) -> None:
         self.block_pool = block_pool
         self.specs = list(specs)
         self.enable_caching = enable_caching
+        # spec type -> manager class; ``manager_classes`` overrides some (a seam: the
+        # exercises run a learner's free order or block count in a manager subclass).
+        self.manager_for_spec: dict[type, type[SingleTypeKVCacheManager]] = {**MANAGER_FOR_SPEC, **(manager_classes or {})}
         self.single_type_managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
-            MANAGER_FOR_SPEC[type(spec)](spec, block_pool, gid) for gid, spec in enumerate(specs)
+            self.manager_for_spec[type(spec)](spec, block_pool, gid) for gid, spec in enumerate(specs)
         )
         # Groups with equal specs are looked up together (one hit = a block in each group).
         by_spec: dict[KVCacheSpec, list[int]] = {}
@@ -61,17 +70,17 @@ class KVCacheCoordinator:
     def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int) -> tuple[tuple[list[KVCacheBlock], ...], int]:
         if len(self._spec_groups) == 1:
             spec, gids = self._spec_groups[0]
-            cls = MANAGER_FOR_SPEC[type(spec)]
+            cls = self.manager_for_spec[type(spec)]
             hit = cls.find_longest_cache_hit(block_hashes, max_cache_hit_length, gids, self.block_pool, spec)
             return self._order(((gids, hit),)), len(hit[0]) * spec.block_size  # type: ignore[operator]
         (full_spec, full_gids), (other_spec, other_gids) = sorted(
             self._spec_groups, key=lambda sg: not isinstance(sg[0], FullAttentionSpec)
         )
-        full_hit = MANAGER_FOR_SPEC[FullAttentionSpec].find_longest_cache_hit(
+        full_hit = self.manager_for_spec[FullAttentionSpec].find_longest_cache_hit(
             block_hashes, max_cache_hit_length, full_gids, self.block_pool, full_spec
         )
         hit_length = len(full_hit[0]) * full_spec.block_size  # type: ignore[operator]
-        other_hit = MANAGER_FOR_SPEC[type(other_spec)].find_longest_cache_hit(
+        other_hit = self.manager_for_spec[type(other_spec)].find_longest_cache_hit(
             block_hashes, hit_length, other_gids, self.block_pool, other_spec
         )
         hit_length = len(other_hit[0]) * other_spec.block_size  # type: ignore[operator]

@@ -11,12 +11,13 @@ vLLM: ``vllm/v1/core/kv_cache_manager.py``. Three questions, three methods:
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kvlab.core.block_pool import BlockPool
 from kvlab.core.kv_cache_coordinator import KVCacheCoordinator
 from kvlab.core.kv_cache_utils import KVCacheBlock, get_request_block_hasher
+from kvlab.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
 from kvlab.kv_cache_interface import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from kvlab.metrics.stats import PrefixCacheStats
 from kvlab.request import Request
@@ -63,7 +64,10 @@ class KVCacheManager:
 
     ``num_blocks`` counts block 0, the null block, which is never handed out. Prefix-cache
     hit/query counters are kept when ``log_stats`` (lesson 08); every state change is
-    emitted to ``event_log`` when one is given, for the pictures.
+    emitted to ``event_log`` when one is given, for the pictures. ``block_pool_cls`` and
+    ``manager_classes`` (spec type -> single-type manager class) are seams: a subclass with
+    one method swapped runs inside the real manager -- how the exercises check a learner's
+    free queue, touch, eviction, free order and block count.
     """
 
     def __init__(
@@ -76,6 +80,9 @@ class KVCacheManager:
         log_stats: bool = True,
         max_model_len: int | None = None,
         event_log: EventLog | None = None,
+        *,
+        block_pool_cls: type[BlockPool] = BlockPool,
+        manager_classes: Mapping[type, type[SingleTypeKVCacheManager]] | None = None,
     ) -> None:
         block_size = check_int("block_size", block_size, 1)
         hash_fn = get_hash_fn_by_name(hash_algo)
@@ -94,9 +101,9 @@ class KVCacheManager:
         max_model_len = check_optional_int("max_model_len", max_model_len, 1)
         # The pool checks num_blocks (its door), the coordinator the mix of groups; both are
         # built before the first event is emitted, so a refused configuration leaves no trace.
-        block_pool = BlockPool(num_blocks, enable_caching, event_log)
+        block_pool = block_pool_cls(num_blocks, enable_caching, event_log)
         num_blocks = block_pool.num_gpu_blocks
-        coordinator = KVCacheCoordinator(specs, block_pool, enable_caching)
+        coordinator = KVCacheCoordinator(specs, block_pool, enable_caching, manager_classes)
 
         self.block_size = block_size
         self.num_blocks = num_blocks

@@ -5,13 +5,13 @@ things: which cached prefix counts as a hit, and which blocks a request may drop
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from kvlab.core.block_pool import BlockPool, group_suffix
 from kvlab.core.kv_cache_utils import KVCacheBlock
 from kvlab.kv_cache_interface import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
-from kvlab.timeline.events import BlocksSkipped
+from kvlab.timeline.events import BlocksSkipped, BlocksTouched
 from kvlab.utils.hashing import BlockHash
 
 
@@ -46,8 +46,13 @@ class SingleTypeKVCacheManager:
         if request_id not in self.num_cached_block:
             blocks = self.req_to_blocks.setdefault(request_id, [])
             assert not blocks, "a new request already has blocks"
-            if self.block_pool.enable_caching:
-                self.block_pool.touch(new_computed_blocks, request_id=request_id, group=self.kv_cache_group_id)
+            pool = self.block_pool
+            if pool.enable_caching and new_computed_blocks:
+                pool.touch(new_computed_blocks)
+                if pool.events is not None:
+                    pool.events.emit(
+                        BlocksTouched(request_id=request_id, group=self.kv_cache_group_id, block_ids=[b.block_id for b in new_computed_blocks])
+                    )
             blocks.extend(new_computed_blocks)
             self.num_cached_block[request_id] = len(new_computed_blocks)
         else:
@@ -75,11 +80,17 @@ class SingleTypeKVCacheManager:
         self.num_cached_block[rid] = num_full
 
     def free(self, request_id: str) -> None:
-        """Release the table *tail first*: the tail is the least reusable part of a prefix,
-        so it should be the first to be evicted (lesson 04)."""
+        """Give a finished or preempted request's blocks back, in :meth:`free_order`."""
         blocks = self.req_to_blocks.pop(request_id, [])
-        self.block_pool.free_blocks(reversed(blocks), request_id=request_id, group=self.kv_cache_group_id)
+        self.block_pool.free_blocks(self.free_order(blocks), request_id=request_id, group=self.kv_cache_group_id)
         self.num_cached_block.pop(request_id, None)
+
+    @staticmethod
+    def free_order(blocks: list[KVCacheBlock]) -> Iterable[KVCacheBlock]:
+        """The order a table goes back to the pool, which is its eviction order: *tail
+        first*, because the tail is the least reusable part of a prefix (lesson 04).
+        (The free_order exercise swaps this in a subclass.)"""
+        return reversed(blocks)
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         return 0

@@ -155,22 +155,22 @@ def check_extra_keys(fn: Any) -> CheckResult:
                 got=repr(got),
                 idea=idea,
             )
-    # In the real engine: patch the hasher's extra-key function and check tenant isolation.
+    # In the engine: the learner's function is the requests' extra-keys function (their
+    # block hasher's), and tenant isolation must hold.
     from kvlab.core.kv_cache_manager import KVCacheManager
 
-    saved = kv_cache_utils.generate_block_hash_extra_keys
-    kv_cache_utils.generate_block_hash_extra_keys = fn
-    try:
-        mgr = KVCacheManager(num_blocks=16, block_size=16)
-        a = Request("tenant-a", toks, cache_salt="a-secret")
-        hits, n = mgr.get_computed_blocks(a)
-        mgr.allocate_slots(a, len(toks) - n, n, hits)
-        b = Request("tenant-b", toks, cache_salt="b-secret")
-        _, hit = mgr.get_computed_blocks(b)
-        c = Request("tenant-a2", toks, cache_salt="a-secret")
-        _, hit_same = mgr.get_computed_blocks(c)
-    finally:
-        kv_cache_utils.generate_block_hash_extra_keys = saved
+    def extra_keys(req: Request, start: int, end: int) -> tuple | None:
+        return call(fn, req, start, end, where=f"computing extra keys of block [{start}, {end}) inside the engine")
+
+    hasher = kv_cache_utils.get_request_block_hasher(16, hashing.sha256, extra_keys_fn=extra_keys)
+    mgr = KVCacheManager(num_blocks=16, block_size=16)
+    a = Request("tenant-a", toks, cache_salt="a-secret", block_hasher=hasher)
+    hits, n = mgr.get_computed_blocks(a)
+    mgr.allocate_slots(a, len(toks) - n, n, hits)
+    b = Request("tenant-b", toks, cache_salt="b-secret", block_hasher=hasher)
+    _, hit = mgr.get_computed_blocks(b)
+    c = Request("tenant-a2", toks, cache_salt="a-secret", block_hasher=hasher)
+    _, hit_same = mgr.get_computed_blocks(c)
     if hit or hit_same != 32:
         return failed(eid, f"in the engine: other tenant hit {hit} tokens (want 0), same tenant hit {hit_same} (want 32)")
     return passed(eid, "every block's extra keys match; in the engine, salted tenants share nothing and one tenant still hits its own prefix.")

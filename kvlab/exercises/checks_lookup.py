@@ -4,9 +4,10 @@ from __future__ import annotations
 from typing import Any
 
 from kvlab.core.kv_cache_manager import KVCacheManager
-from kvlab.core.single_type_kv_cache_manager import SingleTypeKVCacheManager, cdiv
+from kvlab.core.single_type_kv_cache_manager import FullAttentionManager, cdiv
 from kvlab.exercises.registry import call, register
 from kvlab.exercises.result import CheckResult, failed, passed
+from kvlab.kv_cache_interface import FullAttentionSpec
 from kvlab.request import Request
 
 
@@ -144,28 +145,24 @@ def check_allocate_capacity(fn: Any) -> CheckResult:
         if got != want:
             return failed(eid, f"wrong count: {name}", case=name, inputs=f"num_tokens={n}, block_size={bs}, held={held}, hit ref counts={refs}", expected=str(want), got=str(got), idea=idea)
     # In the engine: a pool whose only free blocks are the request's own evictable hits.
-    saved = SingleTypeKVCacheManager.get_num_blocks_to_allocate
-
-    def patched(self: Any, request_id: str, num_tokens: int, new_computed_blocks: Any) -> int:
+    # The learner's count is the full-attention manager's get_num_blocks_to_allocate.
+    def get_num_blocks_to_allocate(self: Any, request_id: str, num_tokens: int, new_computed_blocks: Any) -> int:
         held = len(self.req_to_blocks.get(request_id, ()))
         refs = [b.ref_cnt for b in new_computed_blocks if not b.is_null]
         return call(fn, num_tokens, self.block_size, held, refs, where="counting blocks inside allocate_slots")
 
-    SingleTypeKVCacheManager.get_num_blocks_to_allocate = patched  # type: ignore[method-assign]
+    manager = type("LearnerFullAttentionManager", (FullAttentionManager,), {"get_num_blocks_to_allocate": get_num_blocks_to_allocate})
+    mgr = KVCacheManager(num_blocks=4, block_size=4, manager_classes={FullAttentionSpec: manager})
+    a = Request("a", list(range(9)))
+    h, k = mgr.get_computed_blocks(a)
+    mgr.allocate_slots(a, 9 - k, k, h)
+    mgr.free(a)  # blocks 1, 2 cached & evictable; 3 free
+    b = Request("b", list(range(8)) + [77, 78, 79, 80, 81])  # 13 tokens: hit 2 blocks, needs 2 more
+    h, k = mgr.get_computed_blocks(b)
     try:
-        mgr = KVCacheManager(num_blocks=4, block_size=4)
-        a = Request("a", list(range(9)))
-        h, k = mgr.get_computed_blocks(a)
-        mgr.allocate_slots(a, 9 - k, k, h)
-        mgr.free(a)  # blocks 1, 2 cached & evictable; 3 free
-        b = Request("b", list(range(8)) + [77, 78, 79, 80, 81])  # 13 tokens: hit 2 blocks, needs 2 more
-        h, k = mgr.get_computed_blocks(b)
-        try:
-            res = mgr.allocate_slots(b, 13 - k, k, h)
-        except ValueError as e:
-            return failed(eid, "in the engine your count let an allocation through that the pool cannot serve", got=f"crash: {e}", idea="the request's own hit blocks are counted as needed: they are part of the free supply you were about to use")
-    finally:
-        SingleTypeKVCacheManager.get_num_blocks_to_allocate = saved  # type: ignore[method-assign]
+        res = mgr.allocate_slots(b, 13 - k, k, h)
+    except ValueError as e:
+        return failed(eid, "in the engine your count let an allocation through that the pool cannot serve", got=f"crash: {e}", idea="the request's own hit blocks are counted as needed: they are part of the free supply you were about to use")
     if res is not None:
         return failed(eid, "in the engine: a request whose hits are the only free blocks was admitted", expected="None (does not fit: 2 hits + 2 new > 3 free)", got=repr(res.get_block_ids()))
     return passed(eid, "evictable hits are counted: an allocation that cannot be served is refused before anything changes.")

@@ -11,10 +11,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kvlab.core.block_pool import BlockPool
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.kv_cache_utils import KVCacheBlock
+from kvlab.core.single_type_kv_cache_manager import FullAttentionManager
 from kvlab.exercises.registry import call, register
 from kvlab.exercises.result import CheckResult, failed, passed
+from kvlab.kv_cache_interface import FullAttentionSpec
 from kvlab.request import Request
 from kvlab.timeline.events import EventLog
 
@@ -56,9 +59,15 @@ def run_shared_prefix_story(mgr: KVCacheManager) -> dict[str, Any]:
     return obs
 
 
-def story_manager() -> KVCacheManager:
-    """A fresh 11-block pool that records its events, so a passing check can be replayed."""
-    return KVCacheManager(num_blocks=11, block_size=16, event_log=EventLog())
+def story_manager(**seams: Any) -> KVCacheManager:
+    """A fresh 11-block pool that records its events, so a passing check can be replayed.
+    ``seams``: ``block_pool_cls`` / ``manager_classes``, the learner's code plugged in."""
+    return KVCacheManager(num_blocks=11, block_size=16, event_log=EventLog(), **seams)
+
+
+def pool_with(**methods: Any) -> type[BlockPool]:
+    """A BlockPool subclass with some attributes swapped (the learner's code)."""
+    return type("LearnerBlockPool", (BlockPool,), methods)
 
 
 EXPECTED_STORY = {
@@ -96,8 +105,10 @@ def compare_story(eid: str, obs: dict[str, Any], what: str) -> CheckResult | Non
 class _Adapter:
     """Gives the pool the batch methods it uses, built from the learner's four."""
 
-    def __init__(self, q: Any) -> None:
-        self.q = q
+    learner_cls: Any = None  # set by queue_class_for
+
+    def __init__(self, blocks: list[KVCacheBlock]) -> None:
+        self.q = call(self.learner_cls, list(blocks), where="constructing FreeQueue(pool blocks)")
 
     @property
     def num_free_blocks(self) -> int:
@@ -128,6 +139,11 @@ class _Adapter:
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
         return list(self.q.get_all_free_blocks())
+
+
+def queue_class_for(cls: Any) -> type[_Adapter]:
+    """The pool's free-queue class around the learner's queue class."""
+    return type("LearnerFreeQueue", (_Adapter,), {"learner_cls": staticmethod(cls)})
 
 
 def _fresh_blocks(n: int) -> list[KVCacheBlock]:
@@ -167,13 +183,8 @@ def check_free_queue(cls: Any) -> CheckResult:
         got = ids()
         if got != want or q.num_free_blocks != n:
             return failed(eid, f"queue wrong after {name}", case=name, expected=f"{want} (num_free_blocks={n})", got=f"{got} (num_free_blocks={q.num_free_blocks})", idea="the queue is the eviction order; every operation keeps it exact")
-    # Plug it into the real pool and replay vLLM's story.
-    mgr = story_manager()
-    pool = mgr.block_pool
-    for b in pool.blocks:
-        b.prev_free_block = b.next_free_block = None
-    lq = call(cls, pool.blocks[1:], where="constructing FreeQueue(pool blocks)")
-    pool.free_block_queue = _Adapter(lq)  # type: ignore[assignment]
+    # Plug it into the real pool (its free-queue class) and replay vLLM's story.
+    mgr = story_manager(block_pool_cls=pool_with(free_queue_cls=queue_class_for(cls)))
     obs = run_shared_prefix_story(mgr)
     bad = compare_story(eid, obs, "free queue")
     if bad is not None:
@@ -223,14 +234,12 @@ def check_free_order(fn: Any) -> CheckResult:
         if got_ids == [7, 3, 9, 4]:
             idea = "forward order puts the request's FIRST block at the eviction end: the shared beginning would be evicted first"
         return failed(eid, "wrong free order for a table [7, 3, 9, 4]", expected="[4, 9, 3, 7]", got=repr(got_ids), idea=idea)
-    # In the engine: the learner's order replaces SingleTypeKVCacheManager.free.
-    mgr = story_manager()
-    for m in mgr.coordinator.single_type_managers:
-        def free(request_id: str, m: Any = m) -> None:
-            blocks = m.req_to_blocks.pop(request_id, [])
-            m.block_pool.free_blocks(call(fn, list(blocks), where="freeing a request"), request_id=request_id, group=m.kv_cache_group_id)
-            m.num_cached_block.pop(request_id, None)
-        m.free = free  # type: ignore[method-assign]
+    # In the engine: the learner's order is the full-attention manager's free order.
+    def free_order(blocks: list[KVCacheBlock]) -> Any:
+        return call(fn, list(blocks), where="freeing a request")
+
+    manager = type("LearnerFullAttentionManager", (FullAttentionManager,), {"free_order": staticmethod(free_order)})
+    mgr = story_manager(manager_classes={FullAttentionSpec: manager})
     obs = run_shared_prefix_story(mgr)
     bad = compare_story(eid, obs, "free order")
     if bad is not None:
@@ -253,13 +262,13 @@ def check_free_order(fn: Any) -> CheckResult:
 )
 def check_touch(fn: Any) -> CheckResult:
     eid = "touch"
-    mgr = story_manager()
-    pool = mgr.block_pool
 
-    def touch(blocks: Any, request_id: str | None = None, group: int = 0) -> None:
+    def touch(pool: BlockPool, blocks: Any) -> None:
         call(fn, pool, list(blocks), where="touching hit blocks")
 
-    pool.touch = touch  # type: ignore[method-assign]
+    learner_pool = pool_with(touch=touch)
+    mgr = story_manager(block_pool_cls=learner_pool)
+    pool = mgr.block_pool
     obs = run_shared_prefix_story(mgr)
     try:
         pool.check_invariants()
@@ -269,9 +278,8 @@ def check_touch(fn: Any) -> CheckResult:
     if bad is not None:
         return bad
     # The classic bug: a referenced block left on the queue gets evicted under its owner.
-    mgr = KVCacheManager(num_blocks=5, block_size=4)
+    mgr = KVCacheManager(num_blocks=5, block_size=4, block_pool_cls=learner_pool)
     pool = mgr.block_pool
-    pool.touch = touch  # type: ignore[method-assign]
     a = Request("a", list(range(9)))
     h, n = mgr.get_computed_blocks(a)
     mgr.allocate_slots(a, 9 - n, n, h)
@@ -302,13 +310,13 @@ def check_touch(fn: Any) -> CheckResult:
 def check_stale_hash(fn: Any) -> CheckResult:
     eid = "stale_hash"
 
-    def patched(mgr: KVCacheManager) -> KVCacheManager:
-        pool = mgr.block_pool
-        pool._maybe_evict_cached_block = lambda block: call(fn, pool, block, where="evicting a reallocated block")  # type: ignore[method-assign]
-        return mgr
+    def evict(pool: BlockPool, block: KVCacheBlock) -> bool:
+        return call(fn, pool, block, where="evicting a reallocated block")
+
+    learner_pool = pool_with(_maybe_evict_cached_block=evict)
 
     # The consequence of a stale entry: a lookup "hits" a block that now holds other tokens.
-    mgr = patched(KVCacheManager(num_blocks=4, block_size=4))
+    mgr = KVCacheManager(num_blocks=4, block_size=4, block_pool_cls=learner_pool)
     a = Request("a", list(range(9)))
     h, n = mgr.get_computed_blocks(a)
     mgr.allocate_slots(a, 9 - n, n, h)
@@ -320,7 +328,7 @@ def check_stale_hash(fn: Any) -> CheckResult:
     h, n = mgr.get_computed_blocks(a2)
     if n:
         return failed(eid, f"after its blocks were reused by b, a's prompt still 'hits' {n} tokens", expected="0 tokens", got=f"{n} tokens, blocks {h.get_block_ids()[0]}", idea="a stale map entry returns another prompt's KV: the model would answer from the wrong context")
-    mgr = patched(story_manager())
+    mgr = story_manager(block_pool_cls=learner_pool)
     obs = run_shared_prefix_story(mgr)
     try:
         mgr.block_pool.check_invariants()
@@ -330,7 +338,7 @@ def check_stale_hash(fn: Any) -> CheckResult:
     if bad is not None:
         return bad
     # Duplicates: evicting one copy keeps the other reachable.
-    mgr = patched(KVCacheManager(num_blocks=8, block_size=4))
+    mgr = KVCacheManager(num_blocks=8, block_size=4, block_pool_cls=learner_pool)
     x, y = Request("x", list(range(5))), Request("y", list(range(5)))
     looked = [(r, *mgr.get_computed_blocks(r)) for r in (x, y)]  # both look up before either computes
     for r, h, n in looked:
