@@ -100,6 +100,7 @@ __all__ = [
     "SimResult",
     "compare",
     "format_table",
+    "paged_decisions",
     "reservation_size",
     "simulate",
 ]
@@ -291,6 +292,8 @@ class _Sim:
         self.peak = 0
         self.preemptions = 0
         self.last_step = 0
+        # (step, "admit" | "preempt", request_id), in the order the decisions are made
+        self.decisions: list[tuple[int, str, str]] = []
 
     # -- one full step, exactly as described in the module docstring ------------------
     def step(self, t: int) -> bool:
@@ -333,6 +336,7 @@ class _Sim:
                 job.running = True
                 self.key_sum += job.key
                 running.append(job)
+                self.decisions.append((t, "admit", job.request_id))
 
         n = len(running)
         tokens = self.key_sum + n * (t + 1)
@@ -370,6 +374,7 @@ class _Sim:
                     victim.generated = victim.key + t - victim.prompt_len
                     self.waiting.appendleft(victim)
                     self.preemptions += 1
+                    self.decisions.append((t, "preempt", victim.request_id))
                     preempted = True
                     if victim is job:
                         break
@@ -552,6 +557,31 @@ def simulate(trace: Iterable[TraceRequest], capacity_tokens: int, strategy: str 
         num_requests=len(jobs),
         num_preemptions=sim.preemptions,
     )
+
+
+def paged_decisions(trace: Iterable[TraceRequest], capacity_tokens: int, *, block_size: int = 16,
+                    max_model_len: int = DEFAULT_MAX_MODEL_LEN,
+                    step_seconds: float = DEFAULT_STEP_SECONDS) -> list[tuple[int, str, str]]:
+    """The paged strategy's scheduling decisions: ``(step, "admit" | "preempt", request_id)``
+    in the order it makes them (arrival steps as in :func:`simulate`).
+
+    These are the decisions vLLM V1's scheduler makes for the same memory, and the tests
+    replay them through kvlab's real ``Scheduler``: FCFS, running requests first (oldest
+    first) each taking a slot for its next token, the newest preempted when no block is
+    free, admission only of a head whose prompt fits and never in a step that preempted.
+    One difference is a matter of bookkeeping: here a token's slot is taken in the step
+    that *produces* it, while the engine writes a sampled token's K/V in the next step. So
+    a request with prompt P here is one with prompt P + 1 in the engine (its first output
+    already stored), and both hold the same blocks at every step.
+    """
+    strategy = "paged"
+    bs = _check_block_size(block_size)
+    capacity = check_int("capacity_tokens", capacity_tokens, bs)
+    mml = check_int("max_model_len", max_model_len, 1)
+    step_seconds = check_number("step_seconds", step_seconds, 0, strict=True)
+    sim = _Sim(_jobs_from_trace(trace, strategy, bs, capacity, mml, step_seconds), capacity, strategy, bs)
+    sim.run(fast=True)
+    return sim.decisions
 
 
 def compare(trace: Iterable[TraceRequest], capacity_tokens: int,
