@@ -26,6 +26,11 @@ test: install
 	$(BIN)/python -m pytest
 	$(BIN)/python -m pytest --nbval-lax -p no:cacheprovider notebooks
 
+# The quick loop while coding: everything but the slow tests (soak, browser) and the
+# notebook executions; `make test` runs them all.
+test-fast: install
+	$(BIN)/python -m pytest -m "not slow and not notebook" -q
+
 lab: install
 	$(BIN)/python -m kvlab.workspace prepare --dest $(WORKDIR)
 	$(BIN)/jupyter lab $(ALLOW_ROOT) --ServerApp.root_dir=$(WORKDIR) --LabApp.default_url=/lab/tree/notebooks/00_start_here.ipynb --ip=127.0.0.1 --no-browser

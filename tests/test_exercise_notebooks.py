@@ -64,6 +64,7 @@ def _errors(nb: nbformat.NotebookNode) -> list[str]:
     return [o.get("ename", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
 
 
+@pytest.mark.notebook
 @pytest.mark.parametrize("path", SOLUTIONS, ids=lambda p: p.stem)
 def test_solution_notebook_passes_every_check_quickly(path):
     t = time.perf_counter()
@@ -74,6 +75,7 @@ def test_solution_notebook_passes_every_check_quickly(path):
     assert time.perf_counter() - t < 120
 
 
+@pytest.mark.notebook
 @pytest.mark.parametrize("path", SOLUTIONS, ids=lambda p: p.stem)
 def test_exercise_notebook_runs_with_stubs_and_says_not_implemented(path):
     nb = _run(ROOT / "exercises" / path.name)

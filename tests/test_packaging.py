@@ -33,3 +33,16 @@ def test_wheel_installs_kernels_as_kvlab_kernels(tmp_path):
               "kvlab/viz/player.py", "kvlab/exercises/checks_kernels.py", "kvlab/core/block_pool.py", "kvlab/core/sched/scheduler.py"]:
         assert f in names, f"{f} missing from the wheel"
     assert not any(n.startswith("kernels/") for n in names), "kernels/ must install as kvlab/kernels/"
+
+
+def test_every_phony_make_target_has_a_recipe():
+    """A target declared .PHONY but without a recipe (as `test-fast` once was) does nothing."""
+    import re
+
+    text = (ROOT / "Makefile").read_text()
+    phony = re.search(r"^\.PHONY:(.*)$", text, re.M).group(1).split()
+    for target in phony:
+        rule = re.search(rf"^{re.escape(target)}:(.*)\n((?:\t.*\n)*)", text, re.M)
+        assert rule, f"make target {target!r} is declared but has no rule"
+        assert rule.group(2) or rule.group(1).strip(), f"make target {target!r} has neither a recipe nor prerequisites"
+    assert 'pytest -m "not slow and not notebook"' in text

@@ -22,6 +22,8 @@ from kvlab.engine.llm_engine import LLMEngine, build_engine
 from kvlab.executor.simulated import SimulatedExecutor
 from kvlab.workloads.traces import sharegpt_like
 
+pytestmark = pytest.mark.slow  # minutes on 2 shared cores: `make test` runs it, `make test-fast` does not
+
 N = 1000
 BLOCK_SIZE = 8
 MAX_MODEL_LEN = 256
