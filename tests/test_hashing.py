@@ -241,6 +241,9 @@ def test_request_hasher_fast_path_equals_the_definition(bs, algo):
             parent = fn((parent, tuple(all_toks[i * bs : (i + 1) * bs]), extra))
             want.append(parent)
         assert req.block_hashes == want, kw
+        # and all of them in one call (a fresh request: the tight loop over many blocks)
+        whole = Request("w", all_toks, block_hasher=get_request_block_hasher(bs, fn), **kw)
+        assert whole.block_hashes == want, kw
 
 
 def test_a_custom_extra_keys_fn_is_called_for_every_block():

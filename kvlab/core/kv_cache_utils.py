@@ -296,8 +296,8 @@ class RequestBlockHasher:
         extra_keys_fn, hash_fn = self.extra_keys_fn, self.hash_fn
         packed = request.token_bytes
         while start + bs <= num_tokens:
-            if simple and after_header is not None and start and len(parent) == 32:
-                break  # every block left is the sha256 fast path: the loop below
+            if simple and after_header is not None and (start or salt is None) and len(parent) == 32 and num_tokens - start >= 2 * bs:
+                break  # several blocks, none with extra keys: the sha256 loop below does them all
             end = start + bs
             extra = None if simple and (start or salt is None) else extra_keys_fn(request, start, end)
             if after_header is not None and extra is None and len(parent) == 32:
