@@ -331,9 +331,13 @@ def _check_rate(rate: float | None) -> float | None:
 
 
 def _vocab_range(vocab: Vocab) -> range:
-    if isinstance(vocab, bool) or not isinstance(vocab, (int, range)):
-        raise TypeError(f"vocab must be an int (ids 0..vocab-1) or a range, got {type(vocab).__name__}")
-    r = range(vocab) if isinstance(vocab, int) else vocab
+    if isinstance(vocab, range):
+        r = vocab
+    else:
+        try:
+            r = range(check_int("vocab", vocab))
+        except TypeError:
+            raise TypeError(f"vocab must be an int (ids 0..vocab-1) or a range, got {type(vocab).__name__}") from None
     if len(r) < 2:
         raise ValueError(f"vocab={vocab!r} holds {len(r)} token ids; it must hold at least 2")
     if min(r) < 0:
