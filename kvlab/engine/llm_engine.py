@@ -68,8 +68,9 @@ class LLMEngine:
     model-free :class:`SimulatedExecutor`, or the real ``ModelRunner`` with the Triton
     kernels). The engine adds what a serving system measures: a simulated clock advanced
     by a :class:`CostModel` per step, so time to first token, time per output token and
-    throughput can be read without a GPU (lesson 08), per-request metrics, and one history
-    row per step. ``run`` steps until done, ``run_trace`` admits requests at their arrival
+    throughput can be read without a GPU (lesson 08), and per-request metrics; the
+    per-step series come from the event log (each ``StepFinished`` carries the clock).
+    ``run`` steps until done, ``run_trace`` admits requests at their arrival
     times, ``generate`` is the one-call API for prompts (text when a tokenizer is given).
     """
 
