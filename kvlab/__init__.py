@@ -27,6 +27,7 @@ _EXPORTS: dict[str, str] = {
     "KVCacheBlock": "kvlab.core.kv_cache_utils",
     "KVCacheBlocks": "kvlab.core.kv_cache_manager",
     "KVCacheManager": "kvlab.core.kv_cache_manager",
+    "KVCacheMetricsCollector": "kvlab.core.kv_cache_metrics",
     "LLMEngine": "kvlab.engine.llm_engine",
     "MultiModalFeature": "kvlab.request",
     "PrefixCacheStats": "kvlab.metrics.stats",
@@ -44,11 +45,15 @@ _EXPORTS: dict[str, str] = {
     "hash_block_tokens": "kvlab.core.kv_cache_utils",
     "replay": "kvlab.timeline.timeline",
 }
-__all__ = sorted([*_EXPORTS, "show"])
+# Modules exported by name: ``kvlab.show`` (callable) and ``kvlab.kv_events`` (vLLM's KV-cache
+# events, kvlab/distributed/kv_events.py).
+_MODULES = {"show": "kvlab.show", "kv_events": "kvlab.kv_events"}
+__all__ = sorted([*_EXPORTS, *_MODULES])
 
 if TYPE_CHECKING:  # for type checkers and IDEs only
     from kvlab.core.block_pool import BlockPool
     from kvlab.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from kvlab.core.kv_cache_metrics import KVCacheMetricsCollector
     from kvlab.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock, hash_block_tokens
     from kvlab.core.sched.output import SchedulerOutput
     from kvlab.core.sched.scheduler import Scheduler
@@ -65,8 +70,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs only
 
 def __getattr__(name: str) -> Any:
     """Load an exported name on first use (``kvlab.show`` is the callable module ``kvlab/show.py``)."""
-    if name == "show":
-        return importlib.import_module("kvlab.show")
+    if name in _MODULES:
+        return importlib.import_module(_MODULES[name])
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'kvlab' has no attribute {name!r}")

@@ -56,3 +56,37 @@ class SlidingWindowSpec:
 
 
 KVCacheSpec = FullAttentionSpec | SlidingWindowSpec
+
+
+# --- how KV cache events name a group's spec (vLLM's KVCacheSpecKind values) -----------------
+# By class name, most specific first along the MRO, so a spec class added later with vLLM's
+# name (MLAAttentionSpec, MambaSpec, ...) is named correctly without touching this table.
+_SPEC_KIND_BY_CLASS_NAME = {
+    "SlidingWindowMLASpec": "sliding_window_mla",
+    "MLAAttentionSpec": "mla_attention",
+    "SinkFullAttentionSpec": "sink_full_attention",
+    "FullAttentionSpec": "full_attention",
+    "ChunkedLocalAttentionSpec": "chunked_local_attention",
+    "SlidingWindowSpec": "sliding_window",
+    "MambaSpec": "mamba",
+    "EncoderOnlyAttentionSpec": "encoder_only_attention",
+    "CrossAttentionSpec": "cross_attention",
+}
+
+
+def get_kv_cache_spec_kind(kv_cache_spec: object) -> str:
+    """``kv_cache_spec_kind`` of a ``BlockStored`` event: "full_attention", "sliding_window", ...
+    ("unknown" for a spec vLLM has no kind for)."""
+    for cls in type(kv_cache_spec).__mro__:
+        kind = _SPEC_KIND_BY_CLASS_NAME.get(cls.__name__)
+        if kind is not None:
+            return kind
+    return "unknown"
+
+
+def get_kv_cache_spec_sliding_window(kv_cache_spec: object) -> int | None:
+    """``kv_cache_spec_sliding_window`` of a ``BlockStored`` event: the window of a
+    sliding-window spec, else None."""
+    if any(c.__name__ == "SlidingWindowSpec" for c in type(kv_cache_spec).__mro__):
+        return kv_cache_spec.sliding_window  # type: ignore[attr-defined]
+    return None

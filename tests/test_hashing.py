@@ -136,8 +136,10 @@ def test_none_hash_comes_from_pythonhashseed():
     a, b = _none_hash_in_subprocess("1234"), _none_hash_in_subprocess("1234")
     assert a == b == hashing.sha256("1234").hex()
     assert _none_hash_in_subprocess("99") != a
+    # vLLM >= 0.29: without PYTHONHASHSEED the root is sha256("vllm-none-hash") in every process
+    # (pickled, as vLLM's sha256 does for a str): the same in two processes, a known value.
     c, d = _none_hash_in_subprocess(None), _none_hash_in_subprocess(None)
-    assert c != d and len(bytes.fromhex(c)) == 32
+    assert c == d == "066b1e8987e027138e98701c46128929378935f9b6cd1549105ae6b4f0d71198"
 
 
 def test_init_none_hash_uses_the_given_function(monkeypatch):
@@ -146,10 +148,20 @@ def test_init_none_hash_uses_the_given_function(monkeypatch):
         monkeypatch.setenv("PYTHONHASHSEED", "7")
         assert kv_cache_utils.init_none_hash(hashing.sha256_cbor) == hashing.sha256_cbor("7") == kv_cache_utils.NONE_HASH
         monkeypatch.delenv("PYTHONHASHSEED")
-        x, y = kv_cache_utils.init_none_hash(), kv_cache_utils.init_none_hash()
+        assert kv_cache_utils.init_none_hash(hashing.sha256_cbor) == hashing.sha256_cbor("vllm-none-hash")
+        # The non-cryptographic hashes keep a random root: a public one would let an attacker
+        # precompute collisions (vLLM #12621).
+        x, y = kv_cache_utils.init_none_hash(hashing.xxhash), kv_cache_utils.init_none_hash(hashing.xxhash)
+        assert x != y and len(x) == 16
+        # vLLM <= 0.28's rule on request: a random 32-byte root for every function.
+        x, y = kv_cache_utils.init_none_hash(random_root=True), kv_cache_utils.init_none_hash(random_root=True)
         assert x != y and len(x) == 32
+        assert kv_cache_utils.none_hash_for(hashing.sha256_cbor) == y  # one root for all, as then
+        with pytest.raises(TypeError, match="random_root"):
+            kv_cache_utils.init_none_hash(random_root=1)  # type: ignore[arg-type]
     finally:
-        kv_cache_utils.NONE_HASH = saved
+        kv_cache_utils.init_none_hash()
+    assert kv_cache_utils.NONE_HASH == saved
 
 
 # --- extra keys ------------------------------------------------------------------------------

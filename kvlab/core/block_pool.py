@@ -16,7 +16,15 @@ The rules this file enforces:
   the cache is the pool: there is no separate cache memory.
 * Freed blocks that never got a hash go to the *head* (reused first: they can never
   produce a hit, and reusing recently touched memory is good for locality); cached blocks
-  go to the *tail* (kept as long as possible, least-recently-used first out).
+  go to the *tail* (kept as long as possible, least-recently-used first out). That is
+  vLLM 0.24 and later; vLLM 0.23 and older appended every freed block to the tail
+  (``prepend_uncached_blocks=False`` brings that rule back; lesson 04 compares the two).
+* With ``enable_kv_cache_events`` the pool queues vLLM's KV cache events at the moments
+  vLLM's pool does: ``BlockStored`` when ``cache_full_blocks`` hashes a run of blocks,
+  ``BlockRemoved`` for each hash dropped when a cached block is reallocated, and
+  ``AllBlocksCleared`` on a successful ``reset_prefix_cache``. ``take_events()`` hands them
+  over (the manager adds each group's spec kind). A ``KVCacheMetricsCollector`` is told of
+  every allocation, prefix hit (touch) and eviction (lesson 08).
 """
 from __future__ import annotations
 
@@ -30,7 +38,10 @@ from kvlab.core.kv_cache_utils import (
     get_block_hash,
     get_group_id,
     make_block_hash_with_group_id,
+    maybe_convert_block_hash,
+    to_event_extra_keys,
 )
+from kvlab.distributed.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from kvlab.timeline.events import (
     BlockCached,
     BlockEvicted,
@@ -124,9 +135,26 @@ class BlockPool:
     #: the free_queue exercise runs a learner's queue inside a real pool by setting it.
     free_queue_cls: Callable[[list[KVCacheBlock]], FreeKVCacheBlockQueue] = FreeKVCacheBlockQueue
 
-    def __init__(self, num_gpu_blocks: int, enable_caching: bool = True, event_log: EventLog | None = None) -> None:
+    def __init__(
+        self,
+        num_gpu_blocks: int,
+        enable_caching: bool = True,
+        event_log: EventLog | None = None,
+        *,
+        enable_kv_cache_events: bool = False,
+        kv_events_use_int_block_hashes: bool = True,
+        metrics_collector: Any = None,
+        prepend_uncached_blocks: bool = True,
+    ) -> None:
         # The pool is the door for the block count (KVCacheManager's num_blocks lands here).
         num_gpu_blocks = check_int("num_blocks", num_gpu_blocks, 2, why=" (block 0 is the null block)")
+        for name, flag in (
+            ("enable_kv_cache_events", enable_kv_cache_events),
+            ("kv_events_use_int_block_hashes", kv_events_use_int_block_hashes),
+            ("prepend_uncached_blocks", prepend_uncached_blocks),
+        ):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
         self.num_gpu_blocks = num_gpu_blocks
         self.enable_caching = enable_caching
         self.events = event_log
@@ -137,6 +165,13 @@ class BlockPool:
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
         self.num_evicted_blocks = 0
+        # vLLM's KV cache events (kvlab.distributed.kv_events), drained by take_events().
+        self.enable_kv_cache_events = enable_kv_cache_events
+        self.kv_events_use_int_block_hashes = kv_events_use_int_block_hashes
+        self.medium = MEDIUM_GPU
+        self.kv_event_queue: list[KVCacheEvent] = []
+        self.metrics_collector = metrics_collector
+        self.prepend_uncached_blocks = prepend_uncached_blocks
 
     # -- prefix cache -------------------------------------------------------------------------
     def get_cached_block(self, block_hash: BlockHash, kv_cache_group_ids: Sequence[int]) -> list[KVCacheBlock] | None:
@@ -197,6 +232,46 @@ class BlockPool:
                         extra_keys=generate_block_hash_extra_keys(request, i * block_size, (i + 1) * block_size),
                     )
                 )
+        if self.enable_kv_cache_events:
+            self._queue_block_stored(request, blocks, hashes, num_cached_blocks, num_full_blocks, block_size, kv_cache_group_id)
+
+    def _queue_block_stored(
+        self,
+        request: Any,
+        blocks: Sequence[KVCacheBlock],
+        hashes: Sequence[BlockHash],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
+        kv_cache_group_id: int,
+    ) -> None:
+        """One ``BlockStored`` for the whole run, as vLLM's ``cache_full_blocks`` sends it:
+        hashes and extra keys of the non-null blocks only (a sliding window's dropped
+        blocks are skipped -- if all were dropped the event still goes out, with no
+        hashes), but ``token_ids`` of the whole range ``[num_cached, num_full)``."""
+        use_int = self.kv_events_use_int_block_hashes
+        new_hashes = []
+        extra_keys = []
+        for i in range(num_cached_blocks, num_full_blocks):
+            if blocks[i].is_null:
+                continue
+            new_hashes.append(maybe_convert_block_hash(hashes[i], use_int))
+            extra_keys.append(generate_block_hash_extra_keys(request, i * block_size, (i + 1) * block_size))
+        lora_name = getattr(request, "lora_name", None)
+        self.kv_event_queue.append(
+            BlockStored(
+                block_hashes=new_hashes,
+                parent_block_hash=maybe_convert_block_hash(hashes[num_cached_blocks - 1], use_int) if num_cached_blocks else None,
+                token_ids=list(request.all_token_ids[num_cached_blocks * block_size : num_full_blocks * block_size]),
+                block_size=block_size,
+                lora_id=getattr(request, "lora_id", None),  # kvlab requests name their adapter only
+                medium=self.medium,
+                lora_name=lora_name,
+                extra_keys=to_event_extra_keys(extra_keys),
+                group_idx=kv_cache_group_id,
+                session_id=getattr(request, "session_id", None),
+            )
+        )
 
     # -- allocation ---------------------------------------------------------------------------
     def get_new_blocks(self, num_blocks: int, request_id: str | None = None, group: int = 0) -> list[KVCacheBlock]:
@@ -204,22 +279,43 @@ class BlockPool:
         if not 0 <= num_blocks <= self.free_block_queue.num_free_blocks:
             raise ValueError(f"cannot get num_blocks = {num_blocks} free blocks from the pool ({self.get_num_free_blocks()} free)")
         ret = self.free_block_queue.popleft_n(num_blocks)
+        collector = self.metrics_collector
         if self.enable_caching:
             evict = self._maybe_evict_cached_block
             events = self.events
             for b in ret:
+                # vLLM's order per block: a sampled residency ends, the old hash goes (and
+                # BlockRemoved is queued), then a new residency may start.
+                if collector is not None:
+                    collector.on_block_evicted(b)
                 key = b.cache_key
                 if key is not None and evict(b):
                     self.num_evicted_blocks += 1
+                    if self.enable_kv_cache_events:
+                        self._queue_block_removed(key)
                     if events is not None:
                         events.emit(BlockEvicted(block_id=b.block_id, block_hash=get_block_hash(key), group=get_group_id(key)))
                 b.ref_cnt += 1
+                if collector is not None:
+                    collector.on_block_allocated(b)
         else:
             for b in ret:
                 b.ref_cnt += 1
+                if collector is not None:
+                    collector.on_block_allocated(b)
         if self.events is not None:
             self.events.emit(BlocksAllocated(request_id=request_id, group=group, block_ids=[b.block_id for b in ret]))
         return ret
+
+    def _queue_block_removed(self, key: bytes) -> None:
+        """vLLM sends one ``BlockRemoved`` per evicted hash (key = hash + 4-byte group id)."""
+        self.kv_event_queue.append(
+            BlockRemoved(
+                block_hashes=[maybe_convert_block_hash(get_block_hash(key), self.kv_events_use_int_block_hashes)],
+                medium=self.medium,
+                group_idx=get_group_id(key),
+            )
+        )
 
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
         """A cached block is being reallocated: drop exactly its own map entry (duplicates
@@ -238,12 +334,15 @@ class BlockPool:
         is adopting it (lesson 04). The null block is skipped: its ref count is not kept.
         (The caller records the ``BlocksTouched`` event; the touch exercise swaps this.)"""
         remove = self.free_block_queue.remove
+        collector = self.metrics_collector
         for b in blocks:
             if b.is_null:
                 continue
             if b.ref_cnt == 0:
                 remove(b)
             b.ref_cnt += 1
+            if collector is not None:
+                collector.on_block_accessed(b)
 
     def free_blocks(
         self, ordered_blocks: Iterable[KVCacheBlock], request_id: str | None = None, group: int = 0, reason: str = "request"
@@ -253,6 +352,8 @@ class BlockPool:
         with_hash: list[KVCacheBlock] = []
         without_hash: list[KVCacheBlock] = []
         caching = self.enable_caching
+        # vLLM <= 0.22 (prepend_uncached_blocks=False): every freed block joins the tail.
+        to_head_ok = self.prepend_uncached_blocks
         ordered = ordered_blocks if self.events is None else list(ordered_blocks)
         for b in ordered:
             if b.is_null:
@@ -261,7 +362,7 @@ class BlockPool:
                 raise RuntimeError(f"block {b.block_id} freed more often than it was allocated")
             b.ref_cnt -= 1
             if b.ref_cnt == 0:
-                if b.cache_key is None or not caching:
+                if to_head_ok and (b.cache_key is None or not caching):
                     without_hash.append(b)
                 else:
                     with_hash.append(b)
@@ -289,9 +390,20 @@ class BlockPool:
         self.cached_block_hash_to_block = BlockHashToBlockMap()
         for b in self.blocks:
             b.reset_hash()
+        if self.metrics_collector is not None:
+            self.metrics_collector.reset()
+        if self.enable_kv_cache_events:
+            self.kv_event_queue.append(AllBlocksCleared())
         if self.events is not None:
             self.events.emit(CacheReset(success=True))
         return True
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """Every queued KV cache event, oldest first; the queue starts empty again."""
+        if not self.enable_kv_cache_events:
+            return []
+        events, self.kv_event_queue = self.kv_event_queue, []
+        return events
 
     def get_num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks

@@ -11,14 +11,23 @@ vLLM: ``vllm/v1/core/kv_cache_manager.py``. Three questions, three methods:
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvlab.core.block_pool import BlockPool
 from kvlab.core.kv_cache_coordinator import KVCacheCoordinator
 from kvlab.core.kv_cache_utils import KVCacheBlock, get_request_block_hasher
 from kvlab.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
-from kvlab.kv_cache_interface import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from kvlab.distributed.kv_events import BlockStored, KVCacheEvent
+from kvlab.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheSpec,
+    SlidingWindowSpec,
+    get_kv_cache_spec_kind,
+    get_kv_cache_spec_sliding_window,
+)
 from kvlab.metrics.stats import PrefixCacheStats
 from kvlab.request import Request
 from kvlab.timeline.events import EventLog, PoolCreated, PrefixLookup
@@ -83,8 +92,24 @@ class KVCacheManager:
         *,
         block_pool_cls: type[BlockPool] = BlockPool,
         manager_classes: Mapping[type, type[SingleTypeKVCacheManager]] | None = None,
+        enable_kv_cache_events: bool = False,
+        kv_events_use_int_block_hashes: bool | None = None,
+        metrics_collector: Any = None,
+        prepend_uncached_blocks: bool = True,
     ) -> None:
+        """``enable_kv_cache_events``: queue vLLM's KV cache events (``take_events()``).
+        ``kv_events_use_int_block_hashes``: publish hashes as 64-bit ints (vLLM's default) or
+        as 32-byte digests; None reads ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` as vLLM does
+        (default "1"). ``metrics_collector``: a ``KVCacheMetricsCollector`` sampling block
+        residency. ``prepend_uncached_blocks=False``: free with vLLM <= 0.22's rule (every
+        freed block to the free-queue tail)."""
         block_size = check_int("block_size", block_size, 1)
+        if kv_events_use_int_block_hashes is None:
+            env = os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1")
+            try:
+                kv_events_use_int_block_hashes = bool(int(env))
+            except ValueError:
+                raise ValueError(f"VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES must be an integer (0 or 1), got {env!r}") from None
         hash_fn = get_hash_fn_by_name(hash_algo)
         groups = list(kv_cache_groups) if kv_cache_groups is not None else [FullAttentionSpec()]
         if not groups:
@@ -101,7 +126,15 @@ class KVCacheManager:
         max_model_len = check_optional_int("max_model_len", max_model_len, 1)
         # The pool checks num_blocks (its door), the coordinator the mix of groups; both are
         # built before the first event is emitted, so a refused configuration leaves no trace.
-        block_pool = block_pool_cls(num_blocks, enable_caching, event_log)
+        block_pool = block_pool_cls(
+            num_blocks,
+            enable_caching,
+            event_log,
+            enable_kv_cache_events=enable_kv_cache_events,
+            kv_events_use_int_block_hashes=kv_events_use_int_block_hashes,
+            metrics_collector=metrics_collector,
+            prepend_uncached_blocks=prepend_uncached_blocks,
+        )
         num_blocks = block_pool.num_gpu_blocks
         coordinator = KVCacheCoordinator(specs, block_pool, enable_caching, manager_classes)
 
@@ -125,6 +158,10 @@ class KVCacheManager:
             )
         self.block_pool = block_pool
         self.coordinator = coordinator
+        self.enable_kv_cache_events = enable_kv_cache_events
+        self.metrics_collector = metrics_collector
+        # (kind, sliding window) per group, filled into every BlockStored by take_events().
+        self.kv_cache_event_metadata = tuple((get_kv_cache_spec_kind(s), get_kv_cache_spec_sliding_window(s)) for s in specs)
         self.num_kv_cache_groups = len(specs)
         self.request_block_hasher = get_request_block_hasher(block_size, hash_fn)
         self.prefix_cache_stats: PrefixCacheStats | None = PrefixCacheStats() if log_stats else None
@@ -260,6 +297,18 @@ class KVCacheManager:
         if ok and self.prefix_cache_stats is not None:
             self.prefix_cache_stats.reset = True
         return ok
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The KV cache events queued since the last call, oldest first (empty unless
+        ``enable_kv_cache_events``). As vLLM's manager does, each ``BlockStored`` gets its
+        group's spec kind and sliding window here -- the pool does not know specs. Batch
+        them with ``kv_events.KVEventBatch(ts=..., events=...)`` to publish."""
+        events = self.block_pool.take_events()
+        meta = self.kv_cache_event_metadata
+        for ev in events:
+            if type(ev) is BlockStored and ev.group_idx is not None and 0 <= ev.group_idx < len(meta):
+                ev.kv_cache_spec_kind, ev.kv_cache_spec_sliding_window = meta[ev.group_idx]
+        return events
 
     def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
         """Stats since the previous call (then start counting afresh), as vLLM's loggers do."""

@@ -27,6 +27,7 @@ from kvlab.utils.hashing import (
     _block_format,
     _sha256,
     sha256,
+    sha256_cbor,
 )
 
 
@@ -190,18 +191,66 @@ class FreeKVCacheBlockQueue:
 
 # --- NONE_HASH: the "parent" of every first block -----------------------------------------
 #
-# Why random by default: if the root of every chain were a public constant, anyone could
-# precompute the hash of any prefix offline and, with a weak hash, craft collisions against
-# it. A per-process random root makes chains unpredictable from outside. Why PYTHONHASHSEED
-# when set: reproducibility -- tests, notebooks and multi-process deployments that must
-# agree on hashes set it and then get the same root everywhere.
+# vLLM >= 0.29 (the rule kvlab follows): NONE_HASH = hash_fn(seed), where the seed is
+# PYTHONHASHSEED when set, else the fixed string "vllm-none-hash" for the cryptographic
+# hashes (sha256, sha256_cbor). So two processes -- two engines, or an engine and a router
+# that reads its KV events -- compute the same hash for the same prefix without any
+# configuration. That is safe because SHA-256's collision resistance does not depend on a
+# secret root; ``cache_salt`` is the tool for keeping tenants apart (lesson 06). The
+# non-cryptographic hashes (xxhash, xxhash_cbor, kvlab's weak16) keep a random per-process
+# seed: with a public root an attacker could precompute colliding blocks offline.
+#
+# vLLM <= 0.28 drew NONE_HASH at random (os.urandom(32)) unless PYTHONHASHSEED was set, for
+# every hash function; ``init_none_hash(random_root=True)`` brings that rule back (lesson 06
+# runs both).
+DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
 NONE_HASH: BlockHash = b""
+_none_hash_fn: HashFn = sha256
+_random_root = False
+_roots: dict[HashFn, BlockHash] = {}
 
 
-def init_none_hash(hash_fn: HashFn = sha256) -> BlockHash:
-    global NONE_HASH
+def _is_crypto(hash_fn: HashFn) -> bool:
+    return hash_fn is sha256 or hash_fn is sha256_cbor
+
+
+def resolve_none_hash_seed(hash_fn: HashFn) -> str:
+    """The seed NONE_HASH is derived from (vLLM >= 0.29): PYTHONHASHSEED if set, else the
+    fixed default for cryptographic hashes, else fresh random bytes (as hex)."""
     seed = os.environ.get("PYTHONHASHSEED")
-    NONE_HASH = os.urandom(32) if seed is None else hash_fn(seed)
+    if seed is not None:
+        return seed
+    return DEFAULT_NONE_HASH_SEED if _is_crypto(hash_fn) else os.urandom(32).hex()
+
+
+def none_hash_for(hash_fn: HashFn) -> BlockHash:
+    """The root of every chain hashed with ``hash_fn`` -- what vLLM's NONE_HASH would be in
+    an engine configured with that hash function (so ``sha256_cbor`` chains match vLLM's
+    bytes). Fixed for the process once derived; ``init_none_hash`` starts over."""
+    root = _roots.get(hash_fn)
+    if root is None:
+        if _random_root and "PYTHONHASHSEED" not in os.environ:
+            root = NONE_HASH or os.urandom(32)  # vLLM <= 0.28: one random root for every function
+        else:
+            root = hash_fn(resolve_none_hash_seed(hash_fn))
+        _roots[hash_fn] = root
+    return root
+
+
+def init_none_hash(hash_fn: HashFn = sha256, *, random_root: bool = False) -> BlockHash:
+    """(Re)derive the chain roots and return the one for ``hash_fn`` (also ``NONE_HASH``).
+
+    ``random_root=True`` applies vLLM <= 0.28's rule: a random 32-byte root unless
+    PYTHONHASHSEED is set. Hashes already stored on requests keep their old root.
+    """
+    global NONE_HASH, _none_hash_fn, _random_root
+    if not isinstance(random_root, bool):
+        raise TypeError(f"random_root must be a bool, got {type(random_root).__name__}")
+    _roots.clear()
+    _random_root = random_root
+    _none_hash_fn = hash_fn
+    NONE_HASH = b""
+    NONE_HASH = none_hash_for(hash_fn)
     return NONE_HASH
 
 
@@ -216,7 +265,7 @@ def hash_block_tokens(
 ) -> BlockHash:
     """Hash one full block, chained to its parent: ``hash_fn((parent, tokens, extra))``."""
     if not parent_block_hash:
-        parent_block_hash = NONE_HASH
+        parent_block_hash = NONE_HASH if hash_fn is _none_hash_fn else none_hash_for(hash_fn)
     if hash_fn is sha256 and extra_keys is None and type(parent_block_hash) is bytes:
         # The default, inlined: the same bytes as sha256((parent, tuple(tokens), None)),
         # without building the tuple or making a second call (see `kvlab.bench core`).
@@ -287,7 +336,7 @@ class RequestBlockHasher:
         new: list[BlockHash] = []
         if start + bs > num_tokens:
             return new  # most decode steps: no block filled
-        parent = hashes[-1] if hashes else NONE_HASH
+        parent = hashes[-1] if hashes else (NONE_HASH if self.hash_fn is _none_hash_fn else none_hash_for(self.hash_fn))
         # Without LoRA or images, only a salted first block has extra keys (vLLM's rule):
         # skip the call for every other block -- unless a custom extra_keys_fn must see all.
         simple = self._default_extra_keys and request.lora_name is None and not request.mm_features
@@ -329,3 +378,41 @@ class RequestBlockHasher:
 def get_request_block_hasher(block_size: int, hash_fn: HashFn, extra_keys_fn: ExtraKeysFn | None = None) -> RequestBlockHasher:
     """The hasher of a request's new full blocks (vLLM's name); see :class:`RequestBlockHasher`."""
     return RequestBlockHasher(block_size, hash_fn, extra_keys_fn)
+
+
+# --- how hashes and extra keys appear in vLLM's KV cache events (lesson 08) -------------------
+# tag -> length of a tagged key (an untagged multimodal key is a 2-tuple (identifier, offset)).
+_EXTRA_KEY_TAGS = {"lora": 3, "mm": 3, "cache_salt": 2, "prompt_embeds": 2}
+
+
+def _untag(key: Any) -> Any:
+    if type(key) is tuple and len(key) >= 2 and _EXTRA_KEY_TAGS.get(key[0]) == len(key):
+        return key[1:] if key[0] == "mm" else key[1]
+    return key
+
+
+def maybe_convert_block_hash(block_hash: BlockHash, use_int: bool = True) -> bytes | int:
+    """A block hash as vLLM publishes it: by default (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``)
+    the low 64 bits of the big-endian digest as an int, else the digest itself."""
+    if not use_int:
+        return block_hash
+    return int.from_bytes(block_hash, "big") & 0xFFFF_FFFF_FFFF_FFFF
+
+
+def to_event_extra_keys(extra_keys: Sequence[tuple[Any, ...] | None]) -> list[tuple[Any, ...] | None] | None:
+    """Per-block extra keys as events carry them: one entry per stored block, untagged.
+
+    vLLM >= 0.31 tags each key inside the hash (``("lora", name, path)``, ``("mm", id,
+    offset)``, ``("cache_salt", salt)``) but still publishes the older untagged shapes (the
+    LoRA name, ``(id, offset)``, the salt) so existing consumers keep working. Untagged keys
+    pass through unchanged. None when there are no blocks at all.
+    """
+    if not extra_keys:
+        return None
+    out: list[tuple[Any, ...] | None] = []
+    for keys in extra_keys:
+        if keys is None:
+            out.append(None)
+            continue
+        out.append(tuple(_untag(k) for k in keys))
+    return out

@@ -90,6 +90,11 @@ class LLMEngine:
         self.cost_model = cost_model or CostModel()
         self.tokenizer = tokenizer
         self.clock = 0.0
+        # Block residency (lesson 08): a collector without a clock measures simulated time.
+        collector = kv_cache_manager.metrics_collector
+        if collector is not None and collector.clock is None:
+            collector.clock = lambda: self.clock
+        self.kv_cache_eviction_events: list = []  # every sampled residency that ended
         self.metrics: dict[str, RequestMetrics] = {}
         self.finished: dict[str, Request] = {}
         self._ids = 0
@@ -142,6 +147,9 @@ class LLMEngine:
         for r in finished:
             self.metrics[r.request_id].finished_time = self.clock
             self.finished[r.request_id] = r
+        collector = self.kv_cache_manager.metrics_collector
+        if collector is not None:  # vLLM drains it into SchedulerStats.kv_cache_eviction_events
+            self.kv_cache_eviction_events += collector.drain_events()
         return StepResult(out.step, self.clock, out, finished)
 
     def run(self, max_steps: int | None = None, progress: bool = False) -> None:

@@ -84,6 +84,15 @@ class CachingMetrics:
 
 
 @dataclass(slots=True)
+class KVCacheEvictionEvent:
+    """One sampled block residency that ended (``KVCacheMetricsCollector``, lesson 08)."""
+
+    lifetime_seconds: float  # allocation -> eviction
+    idle_seconds: float  # last access (or allocation) -> eviction
+    reuse_gaps_seconds: tuple[float, ...]  # between its last few prefix-hit accesses
+
+
+@dataclass(slots=True)
 class SchedulerStats:
     """What vLLM's ``/metrics`` endpoint reports, at the end of a step."""
 

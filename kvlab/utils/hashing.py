@@ -67,7 +67,9 @@ def encode(obj: Any) -> bytes:
 
 
 def sha256(obj: Any) -> bytes:
-    """SHA-256 of the canonical encoding (32 bytes). vLLM's default since v0.11."""
+    """SHA-256 of kvlab's canonical encoding (32 bytes); kvlab's default, as ``sha256`` is
+    vLLM's default (since v0.10.2). Same SHA-256, different serialisation: vLLM pickles the
+    block tuple, so these digests are NOT vLLM's bytes -- use ``sha256_cbor`` for that."""
     if type(obj) is tuple and len(obj) == 3 and type(obj[0]) is bytes and type(obj[1]) is tuple and obj[2] is None:
         # Inlined fast path of `encode` for the common case: no extra keys.
         parent, tokens = obj[0], obj[1]
@@ -77,7 +79,9 @@ def sha256(obj: Any) -> bytes:
 
 
 def sha256_cbor(obj: Any) -> bytes:
-    """SHA-256 over canonical CBOR: reproducible across languages (vLLM's ``sha256_cbor``)."""
+    """SHA-256 over canonical CBOR: vLLM's ``sha256_cbor`` byte for byte, reproducible in
+    any language. With NONE_HASH derived the same way (``kv_cache_utils.none_hash_for``) a
+    block's hash equals vLLM's, so a KV-event consumer can recompute it (lesson 08)."""
     return hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
 
 
@@ -87,6 +91,7 @@ def xxhash(obj: Any) -> bytes:
 
 
 def xxhash_cbor(obj: Any) -> bytes:
+    """xxHash3-128 over canonical CBOR: vLLM's ``xxhash_cbor`` byte for byte."""
     return _xxhash.xxh3_128_digest(cbor2.dumps(obj, canonical=True))
 
 
@@ -107,6 +112,9 @@ _HASH_FNS: dict[str, HashFn] = {
     "weak16": weak16,
 }
 UNSAFE_HASH_ALGOS = frozenset({"weak16"})
+# Hash functions whose digests are vLLM's own bytes for the same input. kvlab's "sha256" and
+# "xxhash" digest a canonical encoding instead of vLLM's pickle (faster, same guarantees).
+VLLM_IDENTICAL_HASH_ALGOS = frozenset({"sha256_cbor", "xxhash_cbor"})
 HASH_ALGOS = tuple(_HASH_FNS)
 
 

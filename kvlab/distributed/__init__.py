@@ -1,0 +1,1 @@
+"""vLLM's ``vllm/distributed``: the KV cache event stream (``kv_events``)."""

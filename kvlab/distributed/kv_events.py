@@ -1,0 +1,288 @@
+"""vLLM's KV cache events and their wire format (lesson 08).
+
+vLLM: ``vllm/distributed/kv_events.py`` (v0.33.0). When vLLM runs with
+``--kv-events-config '{"enable_kv_cache_events": true, ...}'`` its block pool records what
+happens to the prefix cache -- a run of full blocks got hashes (``BlockStored``), a cached
+block was evicted (``BlockRemoved``), the whole cache was dropped (``AllBlocksCleared``) --
+and the engine publishes the events in batches over ZeroMQ as msgpack. KV-aware routers
+(llm-d, Dynamo, ...) subscribe and keep an index of which engine holds which prefix, so they
+can send a request where its prefix is already cached. kvlab's ``KVCacheManager(...,
+enable_kv_cache_events=True)`` produces the same events at the same moments, and this
+module writes and reads the same bytes.
+
+The wire format, as vLLM 0.33 encodes it with msgspec:
+
+* a batch is a positional array ``[ts, events, data_parallel_rank]`` (``EventBatch`` is
+  ``array_like``); ``omit_defaults`` drops a trailing ``None`` rank, so a batch whose rank
+  was never set is ``[ts, events]`` -- vLLM's publisher fills in its rank (0 for a single
+  engine) before encoding;
+* each event is a **map** tagged with its class name, ``{"type": "BlockStored",
+  "block_hashes": [...], ...}``, fields in declaration order, and every field whose value
+  equals its default (``None``) is left out. Required fields (``lora_id``, ``medium``,
+  ``lora_name``, ...) are always present, even when ``None``;
+* block hashes are ints -- the low 64 bits of the big-endian SHA-256 digest -- unless vLLM
+  runs with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``, then the 32-byte digests themselves
+  (``ExternalBlockHash = bytes | int``).
+
+vLLM 0.23 and older encoded each event as a positional array ``["BlockStored", f1, f2,
+...]`` (msgspec ``array_like``, with trailing ``None`` defaults dropped); vLLM PR #42892
+switched to maps in 0.24 because every new field broke subscribers that counted positions.
+``encode_batch(batch, array_like=True)`` writes that older form and ``decode_batch`` reads
+both, like a consumer that must serve a fleet in the middle of an upgrade.
+
+A consumer must count per hash: vLLM does not deduplicate blocks, so the same hash can be
+stored twice (two requests computed one prefix at the same time, or a fully cached prompt
+recomputes its last block) and each copy is removed by its own ``BlockRemoved``.
+``CacheIndex`` does exactly that.
+
+The ZeroMQ publisher and subscriber (``Subscriber``, the replay socket) belong here too,
+beside the structs; they import ``zmq`` lazily so that the core, which builds these events,
+never pulls in a socket library.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from typing import Any
+
+import msgspec
+
+ExternalBlockHash = bytes | int
+"""A block hash as published: the 32-byte digest, or its low 64 bits as an int."""
+
+MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"
+MEDIUM_STORAGE = "STORAGE"
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
+    """``[ts, events, data_parallel_rank]``: one engine step's events."""
+
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):  # type: ignore[call-arg]
+    """Base of the three event kinds; the msgpack tag (key ``"type"``) is the class name."""
+
+
+class BlockStored(KVCacheEvent):
+    """A run of consecutive full blocks of one request, one group, got their hashes.
+
+    ``block_hashes`` are the new blocks' hashes in table order (null blocks of a sliding
+    window are skipped), ``parent_block_hash`` the hash of the block before the first one
+    (None for a prompt's first block), ``token_ids`` every token of the covered range and
+    ``extra_keys`` one entry per hash (None for a plain block). With them an outside
+    consumer can recompute each hash -- given the same hash function and NONE_HASH.
+    """
+
+    block_hashes: list[ExternalBlockHash]
+    parent_block_hash: ExternalBlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
+
+
+class BlockRemoved(KVCacheEvent):
+    """Cached blocks were evicted (vLLM's pool sends one event per evicted hash)."""
+
+    block_hashes: list[ExternalBlockHash]
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    """``reset_prefix_cache()`` succeeded: every hash is gone (no BlockRemoved follow)."""
+
+
+class KVEventBatch(EventBatch):
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+
+# --- vLLM <= 0.23: events as tagged positional arrays ------------------------------------------
+# The field set of vLLM 0.22/0.23; the fields added later (locality, ownership, session_id,
+# lookahead_token_ids) did not exist while events were arrays.
+
+
+class _ArrayEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):  # type: ignore[call-arg]
+    pass
+
+
+class _ArrayBlockStored(_ArrayEvent, tag="BlockStored"):  # type: ignore[call-arg]
+    block_hashes: list[ExternalBlockHash]
+    parent_block_hash: ExternalBlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class _ArrayBlockRemoved(_ArrayEvent, tag="BlockRemoved"):  # type: ignore[call-arg]
+    block_hashes: list[ExternalBlockHash]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class _ArrayAllBlocksCleared(_ArrayEvent, tag="AllBlocksCleared"):  # type: ignore[call-arg]
+    pass
+
+
+class _ArrayKVEventBatch(EventBatch):
+    events: list[_ArrayBlockStored | _ArrayBlockRemoved | _ArrayAllBlocksCleared]
+
+
+_ARRAY_OF = {BlockStored: _ArrayBlockStored, BlockRemoved: _ArrayBlockRemoved, AllBlocksCleared: _ArrayAllBlocksCleared}
+_CURRENT_OF = {v: k for k, v in _ARRAY_OF.items()}
+_LATER_FIELDS = ("locality", "ownership", "session_id", "lookahead_token_ids")
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(KVEventBatch)
+_array_decoder = msgspec.msgpack.Decoder(_ArrayKVEventBatch)
+
+
+def _to_array_event(ev: KVCacheEvent) -> _ArrayEvent:
+    cls = _ARRAY_OF.get(type(ev))
+    if cls is None:
+        raise TypeError(f"batch.events holds a {type(ev).__name__}; expected BlockStored, BlockRemoved or AllBlocksCleared")
+    for name in _LATER_FIELDS:
+        if getattr(ev, name, None) is not None:
+            raise ValueError(f"{type(ev).__name__}.{name} did not exist while events were arrays (vLLM <= 0.23); it must be None")
+    return cls(**{f: getattr(ev, f) for f in cls.__struct_fields__})
+
+
+def _check_batch(batch: Any) -> None:
+    if not isinstance(batch, EventBatch):
+        raise TypeError(f"batch must be a KVEventBatch, got {type(batch).__name__}")
+    for i, ev in enumerate(batch.events):
+        if type(ev) not in _ARRAY_OF:
+            raise TypeError(
+                f"batch.events[{i}] is a {type(ev).__name__}; expected BlockStored, BlockRemoved or AllBlocksCleared"
+            )
+
+
+def encode_batch(batch: KVEventBatch, *, array_like: bool = False) -> bytes:
+    """The msgpack payload vLLM's publisher sends for ``batch`` (byte for byte).
+
+    ``array_like=True`` writes the events as vLLM 0.23 and older did (tagged positional
+    arrays); the batch itself is an array either way.
+    """
+    _check_batch(batch)
+    if not array_like:
+        return _encoder.encode(batch)
+    return _encoder.encode(
+        _ArrayKVEventBatch(ts=batch.ts, events=[_to_array_event(e) for e in batch.events], data_parallel_rank=batch.data_parallel_rank)
+    )
+
+
+def decode_batch(payload: bytes | bytearray | memoryview) -> KVEventBatch:
+    """Read one payload of either encoding (maps: vLLM >= 0.24; arrays: vLLM <= 0.23).
+
+    As with vLLM's own structs, tuples nested inside ``extra_keys`` entries (a multimodal
+    ``(identifier, offset)``) come back as lists: msgpack has one array type.
+    """
+    if not isinstance(payload, (bytes, bytearray, memoryview)):
+        raise TypeError(f"payload must be bytes, got {type(payload).__name__}")
+    try:
+        return _decoder.decode(payload)
+    except msgspec.ValidationError:
+        pass
+    try:
+        old = _array_decoder.decode(payload)
+    except msgspec.ValidationError as e:
+        raise ValueError(f"payload is not a KV event batch of vLLM's wire format: {e}") from None
+    return KVEventBatch(
+        ts=old.ts,
+        events=[_CURRENT_OF[type(e)](**{f: getattr(e, f) for f in type(e).__struct_fields__}) for e in old.events],
+        data_parallel_rank=old.data_parallel_rank,
+    )
+
+
+class CacheIndex:
+    """A consumer's view of one engine's prefix cache, rebuilt from its event stream.
+
+    This is what a KV-aware router keeps per engine. It counts *copies*: a hash stored
+    twice (vLLM keeps duplicate blocks) stays cached until both copies are removed.
+    Counts are kept per ``(medium, group_idx, hash)``; ``cached_hashes`` is every hash with
+    at least one copy in any group.
+    """
+
+    def __init__(self) -> None:
+        self._copies: Counter[tuple[str | None, int | None, ExternalBlockHash]] = Counter()
+        self.num_events = 0
+        self.num_unknown_removals = 0  # removals of hashes never seen stored (joined late)
+
+    def apply(self, batch: KVEventBatch | bytes | Iterable[KVCacheEvent]) -> "CacheIndex":
+        """Fold one batch (or a payload, or a list of events) into the index."""
+        if isinstance(batch, (bytes, bytearray, memoryview)):
+            batch = decode_batch(batch)
+        events = batch.events if isinstance(batch, EventBatch) else list(batch)
+        for i, ev in enumerate(events):
+            if type(ev) not in _ARRAY_OF:
+                raise TypeError(f"events[{i}] is a {type(ev).__name__}; expected BlockStored, BlockRemoved or AllBlocksCleared")
+        copies = self._copies
+        for ev in events:
+            self.num_events += 1
+            if type(ev) is BlockStored:
+                for h in ev.block_hashes:
+                    copies[(ev.medium, ev.group_idx, h)] += 1
+            elif type(ev) is BlockRemoved:
+                for h in ev.block_hashes:
+                    key = (ev.medium, ev.group_idx, h)
+                    n = copies.get(key, 0)
+                    if n <= 1:
+                        if n == 0:
+                            self.num_unknown_removals += 1
+                        copies.pop(key, None)
+                    else:
+                        copies[key] = n - 1
+            else:
+                copies.clear()
+        return self
+
+    @property
+    def cached_hashes(self) -> set[ExternalBlockHash]:
+        return {h for (_, _, h) in self._copies}
+
+    def num_copies(self, block_hash: ExternalBlockHash, group_idx: int | None = 0, medium: str | None = MEDIUM_GPU) -> int:
+        return self._copies.get((medium, group_idx, block_hash), 0)
+
+    def __contains__(self, block_hash: object) -> bool:
+        return any(h == block_hash for (_, _, h) in self._copies)
+
+    def __len__(self) -> int:
+        return len(self.cached_hashes)
+
+
+__all__ = [
+    "MEDIUM_CPU",
+    "MEDIUM_GPU",
+    "MEDIUM_STORAGE",
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "CacheIndex",
+    "EventBatch",
+    "ExternalBlockHash",
+    "KVCacheEvent",
+    "KVEventBatch",
+    "decode_batch",
+    "encode_batch",
+]
