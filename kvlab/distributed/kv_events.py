@@ -13,19 +13,20 @@ module writes and reads the same bytes.
 The wire format, as vLLM 0.33 encodes it with msgspec:
 
 * a batch is a positional array ``[ts, events, data_parallel_rank]`` (``EventBatch`` is
-  ``array_like``); ``omit_defaults`` drops a trailing ``None`` rank, so a batch whose rank
-  was never set is ``[ts, events]`` -- vLLM's publisher fills in its rank (0 for a single
-  engine) before encoding;
+  ``array_like``; msgspec writes every field of an array-like struct, so a rank that was
+  never set is ``nil`` -- vLLM's publisher fills in its rank, 0 for a single engine);
 * each event is a **map** tagged with its class name, ``{"type": "BlockStored",
   "block_hashes": [...], ...}``, fields in declaration order, and every field whose value
-  equals its default (``None``) is left out. Required fields (``lora_id``, ``medium``,
-  ``lora_name``, ...) are always present, even when ``None``;
+  equals its default (``None``) is left out. Required fields (``parent_block_hash``,
+  ``lora_id``, ``medium``, ``lora_name``) are always present, even when ``None``. (A detail
+  for hand-written decoders: ``BlockStored`` has 15 fields + the tag, so msgspec always
+  writes its header as a map16, ``de 00 nn``, never a fixmap);
 * block hashes are ints -- the low 64 bits of the big-endian SHA-256 digest -- unless vLLM
   runs with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``, then the 32-byte digests themselves
   (``ExternalBlockHash = bytes | int``).
 
 vLLM 0.23 and older encoded each event as a positional array ``["BlockStored", f1, f2,
-...]`` (msgspec ``array_like``, with trailing ``None`` defaults dropped); vLLM PR #42892
+...]`` (msgspec ``array_like``: every field present, ``None`` included); vLLM PR #42892
 switched to maps in 0.24 because every new field broke subscribers that counted positions.
 ``encode_batch(batch, array_like=True)`` writes that older form and ``decode_batch`` reads
 both, like a consumer that must serve a fleet in the middle of an upgrade.
