@@ -261,3 +261,12 @@ def test_cache_index_keeps_groups_apart_and_clears_on_reset():
     assert idx.cached_hashes == set() and 5 not in idx
     with pytest.raises(TypeError, match=r"events\[0\] is a int"):
         idx.apply([3])  # type: ignore[list-item]
+
+
+def test_bench_events_runs_and_reports_the_decode_rate(capsys):
+    from kvlab.bench import events
+
+    events.main(["--requests", "200", "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert "decode_batch:" in out and "events/s" in out and "x the target" in out
+    assert "BlockStored" in out and "BlockRemoved" in out
