@@ -1,0 +1,79 @@
+"""Which vLLM kvlab follows, and what changed across vLLM versions in what the lessons teach.
+
+One source for the README's table and lesson 00's. Every row was read in the release files
+themselves (the PyPI wheels / sdist of each version: ``vllm/v1/core/block_pool.py``,
+``kv_cache_utils.py``, ``vllm/config/*.py``, ``vllm/distributed/kv_events.py``), and each has a
+switch in kvlab that brings the older rule back, so a lesson can run both side by side.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+VLLM_RELEASE = "0.33.0"
+VLLM_COMMIT = "4ba787ec9"  # short id recorded in the release's vllm/_version.py
+VLLM_RELEASE_DATE = "2026-11-02"
+
+
+@dataclass(frozen=True, slots=True)
+class BehaviourChange:
+    behaviour: str
+    before: str
+    changed_in: str
+    now: str
+    lesson: str
+    switch: str  # how to run the older rule in kvlab (Markdown)
+
+
+BEHAVIOUR_CHANGES: tuple[BehaviourChange, ...] = (
+    BehaviourChange(
+        "free order of blocks without a hash",
+        "every freed block appended to the free-queue tail (0.23: except blocks leaving a sliding window)",
+        "0.24.0 (PR #42656)",
+        "unhashed blocks prepended to the head (reused first), hashed ones appended",
+        "04",
+        "`KVCacheManager(..., prepend_uncached_blocks=False)`",
+    ),
+    BehaviourChange(
+        "admission of a waiting request",
+        "admitted when its first chunk fits",
+        "0.19.0 (PR #37307, scheduler_reserve_full_isl=True)",
+        "admitted only if the whole prompt (minus prefix hits) fits",
+        "05",
+        "not yet (the scheduler's admission switch is being built)",
+    ),
+    BehaviourChange(
+        "default prefix-cache hash",
+        "Python's builtin hash (64-bit ints)",
+        "0.10.2",
+        "sha256 (pickle + SHA-256, 32 bytes); sha256_cbor for cross-language consumers",
+        "06",
+        '`hash_algo="sha256_cbor"` gives vLLM\'s bytes; no builtin-hash option',
+    ),
+    BehaviourChange(
+        "NONE_HASH, the root of every hash chain",
+        "random per process unless PYTHONHASHSEED is set",
+        "0.29.0",
+        'hash_fn(PYTHONHASHSEED or "vllm-none-hash"): the same in every process (random only for xxhash)',
+        "06",
+        "`init_none_hash(random_root=True)`",
+    ),
+    BehaviourChange(
+        "KV cache events on the wire",
+        "each event a tagged positional array",
+        "0.24.0 (PR #42892)",
+        'each event a tagged map {"type": ..., field: value}, None-valued optional fields left out',
+        "08",
+        "`kv_events.encode_batch(batch, array_like=True)`",
+    ),
+)
+
+
+def version_table() -> str:
+    """The table as Markdown (README and lesson 00)."""
+    rows = [
+        "| behaviour | older vLLM | changed in | vLLM now | lesson | older rule in kvlab |",
+        "|---|---|---|---|---|---|",
+    ]
+    for c in BEHAVIOUR_CHANGES:
+        rows.append(f"| {c.behaviour} | {c.before} | {c.changed_in} | {c.now} | {c.lesson} | {c.switch} |")
+    return "\n".join(rows)
