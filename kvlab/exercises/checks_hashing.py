@@ -32,7 +32,7 @@ def _describe_obj(obj: Any) -> str:
     "03_prefix_caching",
     [
         "The hash of a block is hash_fn of ONE tuple: (parent, tokens, extra_keys).",
-        "The first block has no parent: use kvlab.core.kv_cache_utils.NONE_HASH instead of None, so every chain has the same random root.",
+        "The first block has no parent: use kvlab.core.kv_cache_utils.NONE_HASH instead of None, so every chain starts from the same root.",
         "Convert the tokens to a tuple: lists and tuples serialise differently, and two requests must agree byte for byte.",
     ],
     notebook="ex_hashing",
