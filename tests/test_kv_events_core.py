@@ -217,6 +217,13 @@ def test_sha256_cbor_matches_vllm_bytes_for_the_default_seed(monkeypatch):
     r = Request("r", [1, 2, 3, 4, 5, 6, 7, 8, 9])
     mgr.get_computed_blocks(r)
     assert [x.hex() for x in r.block_hashes] == [BLOCK_1234, BLOCK_5678]
+    # With PYTHONHASHSEED set, vLLM's root is hash_fn(that string): cbor text(3) "123" = 0x63 ...
+    monkeypatch.setenv("PYTHONHASHSEED", "123")
+    try:
+        assert kv_cache_utils.init_none_hash(hashing.sha256_cbor) == hashlib.sha256(b"\x63123").digest()
+    finally:
+        monkeypatch.delenv("PYTHONHASHSEED")
+        kv_cache_utils.init_none_hash()
 
 
 def test_a_consumer_recomputes_every_stored_hash_from_the_events(monkeypatch):
@@ -293,3 +300,20 @@ def test_older_free_rule_appends_uncached_blocks_to_the_tail():
 
     assert queue_after_free(True) == [3, 4, 5, 6, 7, 2, 1]  # >= 0.24: the partial block is reused first
     assert queue_after_free(False) == [4, 5, 6, 7, 3, 2, 1]  # <= 0.22: everything to the tail
+
+
+def test_the_data_layer_replays_the_older_free_rule():
+    from kvlab.engine.llm_engine import build_engine
+    from kvlab.timeline.snapshot import replay
+
+    final = {}
+    for prepend in (True, False):
+        e = build_engine(num_blocks=12, block_size=4, max_num_batched_tokens=16, manager_kwargs={"prepend_uncached_blocks": prepend})
+        for i in range(8):
+            e.add_request(Request(f"r{i}", [i % 2] * 6 + list(range(10 * i, 10 * i + 3 + i)), max_tokens=3 + i % 4))
+        while e.has_unfinished_requests():
+            e.step()
+            live = [b.block_id for b in e.kv_cache_manager.block_pool.free_block_queue.get_all_free_blocks()]
+            assert replay(e.events).free_queue == live, (prepend, e.scheduler.step_count)
+        final[prepend] = live
+    assert final[True] != final[False]  # the two rules really differ on this run
