@@ -17,8 +17,9 @@ The rules this file enforces:
 * Freed blocks that never got a hash go to the *head* (reused first: they can never
   produce a hit, and reusing recently touched memory is good for locality); cached blocks
   go to the *tail* (kept as long as possible, least-recently-used first out). That is
-  vLLM 0.24 and later; vLLM 0.23 and older appended every freed block to the tail
-  (``prepend_uncached_blocks=False`` brings that rule back; lesson 04 compares the two).
+  vLLM 0.24 and later; vLLM 0.22 and older appended every freed block to the tail (0.23
+  already prepended blocks leaving a sliding window). ``prepend_uncached_blocks=False``
+  brings the old rule back; lesson 04 compares the two.
 * With ``enable_kv_cache_events`` the pool queues vLLM's KV cache events at the moments
   vLLM's pool does: ``BlockStored`` when ``cache_full_blocks`` hashes a run of blocks,
   ``BlockRemoved`` for each hash dropped when a cached block is reallocated, and
@@ -29,7 +30,7 @@ The rules this file enforces:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvlab.core.kv_cache_utils import (
     FreeKVCacheBlockQueue,
@@ -52,6 +53,9 @@ from kvlab.timeline.events import (
 )
 from kvlab.utils.checks import check_int
 from kvlab.utils.hashing import BlockHash
+
+if TYPE_CHECKING:
+    from kvlab.core.kv_cache_metrics import KVCacheMetricsCollector
 
 
 class BlockHashToBlockMap:
@@ -143,7 +147,7 @@ class BlockPool:
         *,
         enable_kv_cache_events: bool = False,
         kv_events_use_int_block_hashes: bool = True,
-        metrics_collector: Any = None,
+        metrics_collector: KVCacheMetricsCollector | None = None,
         prepend_uncached_blocks: bool = True,
     ) -> None:
         # The pool is the door for the block count (KVCacheManager's num_blocks lands here).

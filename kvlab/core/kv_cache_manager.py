@@ -14,9 +14,9 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from kvlab.core.block_pool import BlockPool
+from kvlab.core.kv_cache_metrics import KVCacheMetricsCollector
 from kvlab.core.kv_cache_coordinator import KVCacheCoordinator
 from kvlab.core.kv_cache_utils import KVCacheBlock, get_request_block_hasher
 from kvlab.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
@@ -94,7 +94,7 @@ class KVCacheManager:
         manager_classes: Mapping[type, type[SingleTypeKVCacheManager]] | None = None,
         enable_kv_cache_events: bool = False,
         kv_events_use_int_block_hashes: bool | None = None,
-        metrics_collector: Any = None,
+        metrics_collector: KVCacheMetricsCollector | None = None,
         prepend_uncached_blocks: bool = True,
     ) -> None:
         """``enable_kv_cache_events``: queue vLLM's KV cache events (``take_events()``).
