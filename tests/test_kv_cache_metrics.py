@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvlab import KVCacheManager, KVCacheMetricsCollector, Request, build_engine
+from kvlab import KVCacheManager, KVCacheMetricsCollector, Request, Timeline, build_engine
 from kvlab.metrics.stats import KVCacheEvictionEvent
 
 
@@ -111,5 +111,5 @@ def test_the_engine_feeds_its_simulated_clock():
     evs = eng.kv_cache_eviction_events
     assert evs and all(0 < e.lifetime_seconds <= eng.clock and e.idle_seconds <= e.lifetime_seconds for e in evs)
     # residencies are measured in simulated seconds: each one is a sum of step times
-    step_times = {round(h["time"], 9) for h in eng.history}
+    step_times = {round(t, 9) for t in Timeline(eng.events).series.time}
     assert any(round(e.lifetime_seconds, 9) in step_times for e in evs)

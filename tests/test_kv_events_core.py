@@ -304,7 +304,7 @@ def test_older_free_rule_appends_uncached_blocks_to_the_tail():
 
 def test_the_data_layer_replays_the_older_free_rule():
     from kvlab.engine.llm_engine import build_engine
-    from kvlab.timeline.snapshot import replay
+    from kvlab.timeline import replay
 
     final = {}
     for prepend in (True, False):
