@@ -179,8 +179,7 @@ def test_events_off_means_no_queue_at_all():
 
 def test_null_blocks_are_skipped_but_their_tokens_are_not():
     pool = BlockPool(8, enable_kv_cache_events=True)
-    r = Request("r", list(range(12)))
-    r.bind_block_hasher((4, "sha256"), kv_cache_utils.get_request_block_hasher(4, hashing.sha256))
+    r = Request("r", list(range(12)), block_hasher=kv_cache_utils.get_request_block_hasher(4, hashing.sha256))
     blocks = [pool.null_block, *pool.get_new_blocks(2)]
     pool.cache_full_blocks(r, blocks, 0, 3, 4, 1)
     (ev,) = pool.take_events()
