@@ -30,8 +30,9 @@ kvlab event                            vLLM KV cache event
 ``BlockCached`` (block_cached)         ``BlockStored`` -- vLLM batches the blocks a request
                                        caches in one call: ``block_hashes``,
                                        ``parent_block_hash``, ``token_ids``, ``block_size``,
-                                       ``lora_id``, ``medium``
-``BlockEvicted`` (block_evicted)       ``BlockRemoved`` (``block_hashes``, ``medium``): the
+                                       LoRA, ``medium``, extra keys, group, spec kind (all
+                                       fields: ``kvlab.kv_events.BlockStored``)
+``BlockEvicted`` (block_evicted)       ``BlockRemoved`` (``block_hashes``, ``medium``, group): the
                                        hash leaves the prefix cache when its free block is
                                        reused -- *not* when the block is freed
 ``CacheReset`` with ``success=True``   ``AllBlocksCleared`` (``reset_prefix_cache``)
