@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS: dict[str, str] = {
     "BlockPool": "kvlab.core.block_pool",
     "CachingMetrics": "kvlab.metrics.stats",
+    "ChunkedLocalAttentionSpec": "kvlab.kv_cache_interface",
     "EventLog": "kvlab.timeline.events",
     "FreeKVCacheBlockQueue": "kvlab.core.kv_cache_utils",
     "FullAttentionSpec": "kvlab.kv_cache_interface",
@@ -29,6 +30,8 @@ _EXPORTS: dict[str, str] = {
     "KVCacheManager": "kvlab.core.kv_cache_manager",
     "KVCacheMetricsCollector": "kvlab.core.kv_cache_metrics",
     "LLMEngine": "kvlab.engine.llm_engine",
+    "MLAAttentionSpec": "kvlab.kv_cache_interface",
+    "MambaSpec": "kvlab.kv_cache_interface",
     "MultiModalFeature": "kvlab.request",
     "PrefixCacheStats": "kvlab.metrics.stats",
     "Request": "kvlab.request",
@@ -59,7 +62,13 @@ if TYPE_CHECKING:  # for type checkers and IDEs only
     from kvlab.core.sched.scheduler import Scheduler
     from kvlab.engine.llm_engine import LLMEngine, build_engine
     from kvlab.executor.simulated import SimulatedExecutor
-    from kvlab.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+    from kvlab.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        MambaSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+    )
     from kvlab.metrics.stats import CachingMetrics, PrefixCacheStats
     from kvlab.request import MultiModalFeature, Request, RequestStatus
     from kvlab.timeline.events import EventLog

@@ -1,34 +1,152 @@
-"""KV-cache group specs: what kind of attention a group of layers does (lesson 07).
+"""KV-cache group specs: what kind of layer a group of layers is, and how big its pages are
+(lessons 07 and 01).
 
 vLLM: ``vllm/v1/kv_cache_interface.py``. Every group draws blocks from the same pool; the
-spec decides how many blocks a request needs and what counts as a prefix hit.
+spec decides three things:
+
+* how many blocks a request needs, and which of them it may drop (a window, a chunk, a
+  recurrent state keeps only the last few);
+* what counts as a prefix hit (lesson 07);
+* how many bytes one block occupies in one layer (``page_size_bytes``). vLLM requires every
+  group to have the *same* page size, so that one pool of pages serves all of them; a group
+  whose layers store fewer bytes per token gets a larger ``block_size`` instead
+  (:func:`kvlab.core.kv_cache_utils.unify_kv_cache_spec_page_size`).
+
+The geometry fields (``num_kv_heads``, ``head_size``, ``dtype``) only feed the byte counts;
+the block manager never reads them. ``block_size=None`` means "the manager's block size".
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
+from math import prod
+from typing import Any
 
-from kvlab.utils.checks import check_int
+from kvlab.utils.checks import check_int, check_optional_int
+
+# Bytes per element of the dtypes the lessons use (vLLM reads them from torch dtypes; the
+# core stays free of torch, so the names are plain strings).
+DTYPE_SIZES: dict[str, int] = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "fp8": 1,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
+    "int8": 1,
+}
+
+MAMBA_CACHE_MODES = ("none", "align")
 
 
-@dataclass(frozen=True, slots=True)
-class FullAttentionSpec:
+def _check_int(spec: Any, name: str, minimum: int, allow_none: bool = False) -> None:
+    """Check (and normalise: numpy ints become ints) the int field ``name`` of a frozen spec."""
+    value = getattr(spec, name)
+    label = f"{type(spec).__name__}.{name}"
+    v = check_optional_int(label, value, minimum) if allow_none else check_int(label, value, minimum)
+    object.__setattr__(spec, name, v)
+
+
+def _check_dtype(owner: str, name: str, dtype: Any) -> None:
+    if dtype not in DTYPE_SIZES:
+        raise ValueError(f"{owner}.{name} must be one of {sorted(DTYPE_SIZES)}, got {dtype!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class KVCacheSpec:
+    """Base of every spec: a block of ``block_size`` tokens (None: the manager's)."""
+
+    block_size: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_int(self, "block_size", 1, allow_none=True)
+
+    @property
+    def type_name(self) -> str:
+        raise NotImplementedError
+
+    @property
+    def prefix_cacheable(self) -> bool:
+        return True
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Bytes one block of this group occupies in ONE layer."""
+        raise NotImplementedError
+
+    def with_block_size(self, block_size: int) -> KVCacheSpec:
+        return replace(self, block_size=block_size)
+
+    def to_dict(self) -> dict[str, Any]:
+        """``type``, ``block_size`` and every field that differs from its default (JSON-able:
+        it goes into the event log's ``PoolCreated``)."""
+        d: dict[str, Any] = {"type": self.type_name, "block_size": self.block_size}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name == "block_size" or v == f.default:
+                continue
+            d[f.name] = [list(x) for x in v] if f.name == "shapes" else (list(v) if isinstance(v, tuple) else v)
+        return d
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionSpec(KVCacheSpec):
+    """An attention layer: per token it stores a key of ``head_size`` and a value of
+    ``head_size_v`` (None: same as the key) numbers for each of ``num_kv_heads`` heads."""
+
+    num_kv_heads: int = 1
+    head_size: int = 64
+    head_size_v: int | None = None
+    dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_int(self, "num_kv_heads", 1)
+        _check_int(self, "head_size", 1)
+        _check_int(self, "head_size_v", 0, allow_none=True)
+        _check_dtype(type(self).__name__, "dtype", self.dtype)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V of one token in one layer (MLA: one latent vector, no V)."""
+        v = self.head_size if self.head_size_v is None else self.head_size_v
+        return self.num_kv_heads * (self.head_size + v) * DTYPE_SIZES[self.dtype]
+
+    @property
+    def page_size_bytes(self) -> int:
+        if self.block_size is None:
+            raise ValueError(f"{type(self).__name__}.block_size is None: page size unknown until the manager sets it")
+        return self.block_size * self.bytes_per_token
+
+
+@dataclass(frozen=True, kw_only=True)
+class FullAttentionSpec(AttentionSpec):
     """Every layer in the group attends to every earlier token: all blocks are kept."""
-
-    block_size: int | None = None  # None: the manager's block_size
 
     @property
     def type_name(self) -> str:
         return "full"
 
-    def with_block_size(self, block_size: int) -> "FullAttentionSpec":
-        return FullAttentionSpec(block_size=block_size)
 
-    def to_dict(self) -> dict:
-        return {"type": self.type_name, "block_size": self.block_size}
+@dataclass(frozen=True, kw_only=True)
+class MLAAttentionSpec(FullAttentionSpec):
+    """Multi-head latent attention (DeepSeek-V2/V3): the layer caches ONE compressed latent
+    vector per token (``kv_lora_rank`` 512 + the rotary part 64 = 576 numbers), shared by
+    every head, and rebuilds keys and values from it. There is no separate V and no
+    per-head copy, so a token costs ``576 x 2`` bytes per layer in bf16 -- against
+    ``2 x 8 x 128 x 2 = 4096`` for a GQA layer with 8 KV heads of 128. The block manager
+    treats it as full attention (vLLM maps it to ``FullAttentionManager``)."""
+
+    num_kv_heads: int = 1
+    head_size: int = 576
+    head_size_v: int | None = 0
+
+    @property
+    def type_name(self) -> str:
+        return "mla"
 
 
-@dataclass(frozen=True, slots=True)
-class SlidingWindowSpec:
+@dataclass(frozen=True, kw_only=True)
+class SlidingWindowSpec(AttentionSpec):
     """Layers that attend only to the last ``sliding_window`` tokens (the query included).
 
     The query at position p reads keys p - W + 1 ... p, so once ``n`` tokens are computed
@@ -36,27 +154,110 @@ class SlidingWindowSpec:
     """
 
     sliding_window: int = 0
-    block_size: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sliding_window", check_int("sliding_window", self.sliding_window, 1))
+        super().__post_init__()
 
     @property
     def type_name(self) -> str:
         return "sliding_window"
 
-    def with_block_size(self, block_size: int) -> "SlidingWindowSpec":
-        return SlidingWindowSpec(sliding_window=self.sliding_window, block_size=block_size)
-
     def num_skipped_tokens(self, num_computed_tokens: int) -> int:
         return max(0, num_computed_tokens - self.sliding_window + 1)
 
-    def to_dict(self) -> dict:
-        return {"type": self.type_name, "block_size": self.block_size, "sliding_window": self.sliding_window}
+    def max_admission_blocks_per_request(self, max_in_flight_tokens: int, max_model_len: int) -> int:
+        """Most blocks one request can hold at once (vLLM's admission cap): the last
+        ``W - 1`` tokens plus one step's tokens in flight, +1 because the window need not
+        start at a block boundary."""
+        return -(-min(self.sliding_window - 1 + max_in_flight_tokens, max_model_len) // self.block_size) + 1  # type: ignore[operator]
 
 
-KVCacheSpec = FullAttentionSpec | SlidingWindowSpec
+@dataclass(frozen=True, kw_only=True)
+class ChunkedLocalAttentionSpec(AttentionSpec):
+    """Chunked local attention (Llama 4): the sequence is cut into chunks of
+    ``attention_chunk_size`` tokens and a query reads only keys of its own chunk. Once a
+    chunk is complete no later query reads it, so its blocks can go."""
 
+    attention_chunk_size: int = 0
+
+    def __post_init__(self) -> None:
+        _check_int(self, "attention_chunk_size", 1)
+        super().__post_init__()
+
+    @property
+    def type_name(self) -> str:
+        return "chunked_local"
+
+    def num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        return num_computed_tokens // self.attention_chunk_size * self.attention_chunk_size
+
+    def max_admission_blocks_per_request(self, max_in_flight_tokens: int, max_model_len: int) -> int:
+        """One chunk plus one step's tokens in flight (vLLM's admission cap)."""
+        return -(-min(self.attention_chunk_size + max_in_flight_tokens, max_model_len) // self.block_size)  # type: ignore[operator]
+
+
+@dataclass(frozen=True, kw_only=True)
+class MambaSpec(KVCacheSpec):
+    """A state-space (Mamba / linear-attention) layer: no per-token KV at all, one fixed-size
+    recurrent state per request (``shapes`` x ``dtypes``: e.g. a conv state and an SSM
+    state), whatever the context length.
+
+    ``mamba_cache_mode``:
+
+    * ``"none"``: the request keeps only its running state; no prefix caching (vLLM refuses
+      caching in this mode). vLLM then sets the block size to ``max_model_len`` so one
+      block holds the one state.
+    * ``"align"``: the state after every ``block_size`` tokens is written to its own block,
+      so that a later request with the same prefix can start from a saved state. Chunks of a
+      prefill end on block boundaries; the request holds at most two state blocks (the one
+      being read and the one being written) and frees the older ones.
+    """
+
+    shapes: tuple[tuple[int, ...], ...] = ((4, 256), (8, 64, 16))
+    dtypes: tuple[str, ...] = ("bfloat16", "float32")
+    mamba_cache_mode: str = "align"
+    page_size_padded: int | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        name = type(self).__name__
+        if self.mamba_cache_mode not in MAMBA_CACHE_MODES:
+            raise ValueError(f"{name}.mamba_cache_mode must be one of {MAMBA_CACHE_MODES}, got {self.mamba_cache_mode!r}")
+        shapes = tuple(tuple(s) for s in self.shapes)
+        dtypes = tuple(self.dtypes)
+        if not shapes or len(shapes) != len(dtypes):
+            raise ValueError(f"{name}: shapes and dtypes must be non-empty and of equal length, got {self.shapes!r}, {self.dtypes!r}")
+        shapes = tuple(tuple(check_int(f"{name}.shapes[{i}][{j}]", d, 1) for j, d in enumerate(sh)) for i, sh in enumerate(shapes))
+        for d in dtypes:
+            _check_dtype(name, "dtypes[...]", d)
+        object.__setattr__(self, "shapes", shapes)
+        object.__setattr__(self, "dtypes", dtypes)
+        _check_int(self, "page_size_padded", 1, allow_none=True)
+        if self.page_size_padded is not None and self.page_size_padded < self.state_size_bytes:
+            raise ValueError(f"{name}.page_size_padded = {self.page_size_padded} is smaller than the state ({self.state_size_bytes} bytes)")
+
+    @property
+    def type_name(self) -> str:
+        return "mamba"
+
+    @property
+    def state_size_bytes(self) -> int:
+        return sum(prod(s) * DTYPE_SIZES[d] for s, d in zip(self.shapes, self.dtypes))
+
+    @property
+    def page_size_bytes(self) -> int:
+        """One state per block, whatever the block size (padded to the pool's page size)."""
+        return self.page_size_padded if self.page_size_padded is not None else self.state_size_bytes
+
+
+KV_CACHE_SPEC_TYPES: tuple[type[KVCacheSpec], ...] = (
+    FullAttentionSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+    ChunkedLocalAttentionSpec,
+    MambaSpec,
+)
 
 # --- how KV cache events name a group's spec (vLLM's KVCacheSpecKind values) -----------------
 # By class name, most specific first along the MRO, so a spec class added later with vLLM's
@@ -90,3 +291,18 @@ def get_kv_cache_spec_sliding_window(kv_cache_spec: object) -> int | None:
     if any(c.__name__ == "SlidingWindowSpec" for c in type(kv_cache_spec).__mro__):
         return kv_cache_spec.sliding_window  # type: ignore[attr-defined]
     return None
+
+
+__all__ = [
+    "DTYPE_SIZES",
+    "KVCacheSpec",
+    "AttentionSpec",
+    "FullAttentionSpec",
+    "MLAAttentionSpec",
+    "SlidingWindowSpec",
+    "ChunkedLocalAttentionSpec",
+    "MambaSpec",
+    "KV_CACHE_SPEC_TYPES",
+    "get_kv_cache_spec_kind",
+    "get_kv_cache_spec_sliding_window",
+]

@@ -11,6 +11,7 @@ import struct
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvlab.utils.checks import check_int, check_number, check_optional_int
 from kvlab.utils.hashing import BlockHash
@@ -94,18 +95,36 @@ class Request:
         arrival_time: float | None = None,
         mm_features: Sequence[MultiModalFeature] | None = None,
         block_hasher: Callable[[Request], list[BlockHash]] | None = None,
+        lora_path: str | None = None,
+        prompt_embeds: Any = None,
     ) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise TypeError(f"request_id must be a non-empty str, got {request_id!r}")
+        # An empty prompt is a valid Request (vLLM's KV-cache manager allocates for one, e.g.
+        # a draft's lookahead slots); the scheduler refuses it at add_request.
         prompt = _check_token_ids("prompt_token_ids", prompt_token_ids)
-        if not prompt:
-            raise ValueError("prompt_token_ids must not be empty: a request needs at least one token")
         max_tokens = check_int("max_tokens", max_tokens, 1)
         eos_token_id = check_optional_int("eos_token_id", eos_token_id, 0, _MAX_TOKEN_ID)
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise TypeError(f"cache_salt must be None or a non-empty str, got {cache_salt!r}")
         if lora_name is not None and (not isinstance(lora_name, str) or not lora_name):
             raise TypeError(f"lora_name must be None or a non-empty str, got {lora_name!r}")
+        if lora_path is not None and (not isinstance(lora_path, str) or lora_name is None):
+            raise TypeError(f"lora_path must be None or a str, and needs a lora_name; got lora_path={lora_path!r}, lora_name={lora_name!r}")
+        if prompt_embeds is not None:
+            try:
+                n_rows = len(prompt_embeds)
+                prompt_embeds[0:0]
+            except TypeError:
+                raise TypeError(
+                    f"prompt_embeds must be a sliceable sequence of per-token rows (list, numpy array, tensor), "
+                    f"got {type(prompt_embeds).__name__}"
+                ) from None
+            if n_rows != len(prompt):
+                raise ValueError(
+                    f"prompt_embeds has {n_rows} rows but prompt_token_ids has {len(prompt)} tokens; give one row per "
+                    "prompt position (vLLM uses placeholder ids, e.g. zeros, for embedding prompts)"
+                )
         priority = check_int("priority", priority)  # lower runs first
         if arrival_time is not None:
             arrival_time = check_number("arrival_time", arrival_time)
@@ -132,6 +151,9 @@ class Request:
         self.eos_token_id = eos_token_id
         self.cache_salt = cache_salt
         self.lora_name = lora_name
+        self.lora_path = lora_path
+        self.prompt_embeds = prompt_embeds
+        self._prompt_embeds_per_block_hashes: dict[tuple[int, int], bytes] = {}
         self.priority = priority
         # Default arrival: the creation time, made strictly increasing so ties cannot happen.
         self.arrival_time = _next_arrival() if arrival_time is None else float(arrival_time)
@@ -228,9 +250,9 @@ class Request:
 
 
 def _hasher_params(hasher: object) -> tuple:
-    return (getattr(hasher, "block_size", None), getattr(hasher, "hash_fn", hasher))
+    return (getattr(hasher, "block_size", None), getattr(hasher, "hash_fn", hasher), getattr(hasher, "mm_resume", "window"))
 
 
 def _describe_hasher(hasher: object) -> str:
-    block_size, fn = _hasher_params(hasher)
+    block_size, fn, _ = _hasher_params(hasher)
     return f"block_size={block_size}, hash {getattr(fn, '__name__', fn)}"

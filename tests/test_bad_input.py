@@ -11,7 +11,10 @@ import pytest
 
 from kvlab import (
     BlockPool,
+    ChunkedLocalAttentionSpec,
     FullAttentionSpec,
+    MambaSpec,
+    MLAAttentionSpec,
     KVCacheManager,
     MultiModalFeature,
     Request,
@@ -19,6 +22,10 @@ from kvlab import (
 )
 
 MMF = MultiModalFeature
+
+
+class _NotASpec(FullAttentionSpec):
+    """A spec subclass kvlab does not know: refused, not silently treated as full attention."""
 
 
 def world():
@@ -84,13 +91,29 @@ CASES = [
     ("sliding_window float", lambda w: SlidingWindowSpec(sliding_window=32.0), TypeError, "sliding_window"),
     ("no groups", lambda w: KVCacheManager(num_blocks=11, kv_cache_groups=[]), ValueError, "kv_cache_groups"),
     ("group not a spec", lambda w: KVCacheManager(num_blocks=11, kv_cache_groups=["full"]), TypeError, r"kv_cache_groups\[0\]"),
-    ("group block_size", lambda w: KVCacheManager(num_blocks=11, block_size=16, kv_cache_groups=[FullAttentionSpec(block_size=8)]),
-     ValueError, r"kv_cache_groups\[0\].block_size"),
-    ("two windows", lambda w: KVCacheManager(num_blocks=11, kv_cache_groups=[
-        FullAttentionSpec(), SlidingWindowSpec(sliding_window=32), SlidingWindowSpec(sliding_window=64)]), ValueError, "kv_cache_groups"),
+    ("group block_size 0", lambda w: FullAttentionSpec(block_size=0), ValueError, r"FullAttentionSpec.block_size must be None or an int >= 1"),
+    ("group block_size float", lambda w: SlidingWindowSpec(sliding_window=8, block_size=8.0), TypeError, "block_size"),
+    ("chunk not a block multiple", lambda w: KVCacheManager(num_blocks=11, block_size=16, kv_cache_groups=[
+        FullAttentionSpec(), ChunkedLocalAttentionSpec(attention_chunk_size=24)]), ValueError, r"attention_chunk_size 24.*multiple of block_size 16"),
+    ("chunk size 0", lambda w: ChunkedLocalAttentionSpec(attention_chunk_size=0), ValueError, "attention_chunk_size"),
+    ("chunked local, mixed block sizes", lambda w: KVCacheManager(num_blocks=11, block_size=16, kv_cache_groups=[
+        FullAttentionSpec(block_size=32), ChunkedLocalAttentionSpec(attention_chunk_size=64)]), ValueError, "ChunkedLocalAttentionSpec"),
+    ("mamba without align, caching on", lambda w: KVCacheManager(num_blocks=11, kv_cache_groups=[
+        FullAttentionSpec(), MambaSpec(mamba_cache_mode="none")]), ValueError, "mamba_cache_mode='align'"),
+    ("mamba mode unknown", lambda w: MambaSpec(mamba_cache_mode="all"), ValueError, "mamba_cache_mode"),
+    ("mamba block > hash block", lambda w: KVCacheManager(num_blocks=11, block_size=16, kv_cache_groups=[
+        FullAttentionSpec(), MambaSpec(block_size=32)]), ValueError, "fine-grained partial hits"),
+    ("mamba shapes/dtypes", lambda w: MambaSpec(shapes=((4, 4),), dtypes=("bfloat16", "float32")), ValueError, "shapes and dtypes"),
+    ("spec dtype unknown", lambda w: FullAttentionSpec(dtype="float64"), ValueError, "dtype"),
+    ("mla heads 0", lambda w: MLAAttentionSpec(num_kv_heads=0), ValueError, "num_kv_heads"),
+    ("spec of another kind", lambda w: KVCacheManager(num_blocks=11, kv_cache_groups=[_NotASpec()]), TypeError, r"kv_cache_groups\[0\] must be one of"),
+    ("use_eagle not bool", lambda w: KVCacheManager(num_blocks=11, use_eagle=1), TypeError, "use_eagle"),
+    ("max_in_flight_tokens 0", lambda w: KVCacheManager(num_blocks=11, max_in_flight_tokens=0), ValueError, "max_in_flight_tokens"),
     ("max_model_len=0", lambda w: KVCacheManager(num_blocks=11, max_model_len=0), ValueError, "max_model_len"),
     # requests
-    ("empty prompt", lambda w: Request("x", []), ValueError, "prompt_token_ids"),
+    ("prompt_embeds rows != tokens", lambda w: Request("x", [0, 0, 0], prompt_embeds=[[0.5], [0.25]]), ValueError, "prompt_embeds has 2 rows"),
+    ("prompt_embeds not rows", lambda w: Request("x", [0], prompt_embeds=3.5), TypeError, "prompt_embeds"),
+    ("lora_path without lora_name", lambda w: Request("x", [1], lora_path="/a"), TypeError, "lora_path"),
     ("prompt str", lambda w: Request("x", "hello"), TypeError, "prompt_token_ids"),
     ("token str", lambda w: Request("x", [1, "2"]), TypeError, r"prompt_token_ids\[1\]"),
     ("token float", lambda w: Request("x", [1, 2.0]), TypeError, r"prompt_token_ids\[1\]"),
@@ -120,6 +143,11 @@ CASES = [
     ("computed < 0", lambda w: w.mgr.allocate_slots(w.live, 1, -4), ValueError, "num_new_computed_tokens"),
     ("computed != hits", _hits_mismatch, ValueError, "num_new_computed_tokens"),
     ("hits for running", _hits_for_running, ValueError, "already running"),
+    ("external for running", lambda w: w.mgr.allocate_slots(w.live, 1, num_external_computed_tokens=4), ValueError, "already running"),
+    ("external > tokens", lambda w: w.mgr.allocate_slots(Request("e", list(range(5))), 1, num_external_computed_tokens=8), ValueError, "exceed its 5 tokens"),
+    ("external < 0", lambda w: w.mgr.allocate_slots(Request("e", list(range(5))), 1, num_external_computed_tokens=-1), ValueError, "num_external_computed_tokens"),
+    ("gate flag not bool", lambda w: w.mgr.allocate_slots(Request("e", list(range(5))), 1, full_sequence_must_fit="yes"), TypeError, "full_sequence_must_fit"),
+    ("hits not KVCacheBlocks", lambda w: w.mgr.allocate_slots(Request("e", list(range(5))), 4, 4, [[1]]), TypeError, "new_computed_blocks"),
     ("not a Request", lambda w: w.mgr.allocate_slots(SimpleNamespace(request_id="n"), 1), TypeError, "request"),
     ("hasher of another manager", _other_hasher, ValueError, "already hashed"),
     ("pool get -1 blocks", lambda w: w.mgr.block_pool.get_new_blocks(-1), ValueError, "num_blocks = -1"),

@@ -202,6 +202,7 @@ class CoreMachine(RuleBasedStateMachine):
         before = self.state()
         hits, n = self.mgr.get_computed_blocks(req)
         assert self.state() == before, "a lookup must not change the pool"
+        self.mgr.record_prefix_cache_stats(req, n)  # the test is the scheduler: it records
         pre = req.num_preemptions > 0
         self.stats[2 * pre] += req.num_tokens
         self.stats[2 * pre + 1] += n
@@ -300,6 +301,7 @@ class CoreMachine(RuleBasedStateMachine):
         self.n += 1
         req = Request(f"p{self.n}", [100 + self.n] * (k * self.bs))  # a token no other prompt has
         hits, n = self.mgr.get_computed_blocks(req)
+        self.mgr.record_prefix_cache_stats(req, n)
         self.stats[0] += req.num_tokens
         self.stats[1] += n
         assert n == 0

@@ -98,7 +98,10 @@ def test_extra_keys_in_cached_events():
     mgr = KVCacheManager(num_blocks=11, block_size=16, event_log=log)
     req = Request("r", list(range(33)), lora_name="l", cache_salt="s", mm_features=[MultiModalFeature("img", 11, 10)])
     run(mgr, req)
-    assert [e.extra_keys for e in log.of_type(BlockCached)] == [("l", ("img", 11), "s"), ("l", ("img", -5))]
+    assert [e.extra_keys for e in log.of_type(BlockCached)] == [
+        (("lora", "l", None), ("mm", "img", 11), ("cache_salt", "s")),
+        (("lora", "l", None), ("mm", "img", -5)),
+    ]
 
 
 def test_sliding_window_events():

@@ -18,11 +18,19 @@ def hash_ok(hash_fn, parent, token_ids, extra_keys):
 
 
 def extra_ok(request, start, end):
-    keys = [request.lora_name] if request.lora_name else []
-    keys += [(f.identifier, f.offset - start) for f in request.mm_features if f.offset < end and f.offset + f.length > start]
+    keys = [("lora", request.lora_name, request.lora_path)] if request.lora_name else []
+    keys += [("mm", f.identifier, f.offset - start) for f in request.mm_features if f.offset < end and f.offset + f.length > start]
     if start == 0 and request.cache_salt:
-        keys.append(request.cache_salt)
+        keys.append(("cache_salt", request.cache_salt))
     return tuple(keys) or None
+
+
+def _lora(r):
+    return ("lora", r.lora_name, r.lora_path)
+
+
+def _imgs(r, s, e, absolute=False):
+    return tuple(("mm", f.identifier, f.offset if absolute else f.offset - s) for f in r.mm_features if f.offset < e and f.offset + f.length > s)
 
 
 class QueueOk:
@@ -179,11 +187,12 @@ WRONG = {
         "only the tokens": lambda f, p, t, x: f(tuple(t)),
     },
     "extra_keys": {
-        "salt on every block": lambda r, s, e: (((r.lora_name,) if r.lora_name else ()) + tuple((f.identifier, f.offset - s) for f in r.mm_features if f.offset < e and f.offset + f.length > s) + ((r.cache_salt,) if r.cache_salt else ())) or None,
+        "salt on every block": lambda r, s, e: (((_lora(r),) if r.lora_name else ()) + _imgs(r, s, e) + ((("cache_salt", r.cache_salt),) if r.cache_salt else ())) or None,
         "empty tuple instead of None": lambda r, s, e: extra_ok(r, s, e) or (),
-        "absolute image offset": lambda r, s, e: (((r.lora_name,) if r.lora_name else ()) + tuple((f.identifier, f.offset) for f in r.mm_features if f.offset < e and f.offset + f.length > s) + ((r.cache_salt,) if r.cache_salt and s == 0 else ())) or None,
-        "lora only in the first block": lambda r, s, e: (((r.lora_name,) if r.lora_name and s == 0 else ()) + tuple((f.identifier, f.offset - s) for f in r.mm_features if f.offset < e and f.offset + f.length > s) + ((r.cache_salt,) if r.cache_salt and s == 0 else ())) or None,
-        "salt first": lambda r, s, e: (((r.cache_salt,) if r.cache_salt and s == 0 else ()) + ((r.lora_name,) if r.lora_name else ()) + tuple((f.identifier, f.offset - s) for f in r.mm_features if f.offset < e and f.offset + f.length > s)) or None,
+        "absolute image offset": lambda r, s, e: (((_lora(r),) if r.lora_name else ()) + _imgs(r, s, e, absolute=True) + ((("cache_salt", r.cache_salt),) if r.cache_salt and s == 0 else ())) or None,
+        "lora only in the first block": lambda r, s, e: (((_lora(r),) if r.lora_name and s == 0 else ()) + _imgs(r, s, e) + ((("cache_salt", r.cache_salt),) if r.cache_salt and s == 0 else ())) or None,
+        "salt first": lambda r, s, e: (((("cache_salt", r.cache_salt),) if r.cache_salt and s == 0 else ()) + ((_lora(r),) if r.lora_name else ()) + _imgs(r, s, e)) or None,
+        "untagged (vLLM < 0.31)": lambda r, s, e: tuple(k[1:] if k[0] == "mm" else k[1] for k in (extra_ok(r, s, e) or ())) or None,
     },
     "free_queue": {"O(n) list remove": QueueList, "pops the newest (LIFO)": QueueLIFO},
     "longest_hit": {
@@ -261,6 +270,7 @@ def test_specific_teaching_messages():
     assert "NONE_HASH" in check("hash_chain", WRONG["hash_chain"]["None as first parent"]).idea
     assert "unchained" in check("hash_chain", WRONG["hash_chain"]["unchained (ignores parent)"]).idea
     assert "FIRST block" in check("extra_keys", WRONG["extra_keys"]["salt on every block"]).idea
+    assert "tag each key" in check("extra_keys", WRONG["extra_keys"]["untagged (vLLM < 0.31)"]).idea
     assert "OLDEST" in check("preempt_victim", WRONG["preempt_victim"]["preempts the oldest"]).idea
     assert "first miss" in check("longest_hit", WRONG["longest_hit"]["counts every cached block (no stop at first miss)"]).idea
     assert "O(1)" in check("free_queue", QueueList).message

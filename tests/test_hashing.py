@@ -167,17 +167,22 @@ def test_init_none_hash_uses_the_given_function(monkeypatch):
 # --- extra keys ------------------------------------------------------------------------------
 def test_extra_keys_salt_only_in_first_block():
     req = Request("r", list(range(40)), cache_salt="tenant-a")
-    assert generate_block_hash_extra_keys(req, 0, 16) == ("tenant-a",)
+    assert generate_block_hash_extra_keys(req, 0, 16) == (("cache_salt", "tenant-a"),)
     assert generate_block_hash_extra_keys(req, 16, 32) is None
     assert generate_block_hash_extra_keys(Request("p", [1] * 16), 0, 16) is None
 
 
 def test_extra_keys_lora_in_every_block_and_vllm_order():
     img = MultiModalFeature(identifier="img-a", offset=11, length=10)
-    req = Request("r", list(range(48)), lora_name="sql", cache_salt="s", mm_features=[img])
-    assert generate_block_hash_extra_keys(req, 0, 16) == ("sql", ("img-a", 11), "s")
-    assert generate_block_hash_extra_keys(req, 16, 32) == ("sql", ("img-a", -5))
-    assert generate_block_hash_extra_keys(req, 32, 48) == ("sql",)
+    req = Request("r", list(range(48)), lora_name="sql", lora_path="/adapters/sql", cache_salt="s", mm_features=[img])
+    lora = ("lora", "sql", "/adapters/sql")  # vLLM >= 0.31 tags every key; the path goes in too
+    assert generate_block_hash_extra_keys(req, 0, 16) == (lora, ("mm", "img-a", 11), ("cache_salt", "s"))
+    assert generate_block_hash_extra_keys(req, 16, 32) == (lora, ("mm", "img-a", -5))
+    assert generate_block_hash_extra_keys(req, 32, 48) == (lora,)
+    # a LoRA name equal to a salt cannot be confused with it any more
+    assert generate_block_hash_extra_keys(Request("q", [1] * 16, lora_name="x"), 0, 16) != generate_block_hash_extra_keys(
+        Request("q", [1] * 16, cache_salt="x"), 0, 16
+    )
 
 
 def test_extra_keys_multimodal_overlap_boundaries():
@@ -185,9 +190,9 @@ def test_extra_keys_multimodal_overlap_boundaries():
     feats = [MultiModalFeature("c", 20, 16), MultiModalFeature("a", 0, 16), MultiModalFeature("b", 16, 4)]
     req = Request("r", list(range(48)), mm_features=feats)
     assert [f.identifier for f in req.mm_features] == ["a", "b", "c"]  # sorted by offset
-    assert generate_block_hash_extra_keys(req, 0, 16) == (("a", 0),)  # b starts exactly at 16: not here
-    assert generate_block_hash_extra_keys(req, 16, 32) == (("b", 0), ("c", 4))  # a ended at 16: not here
-    assert generate_block_hash_extra_keys(req, 32, 48) == (("c", -12),)
+    assert generate_block_hash_extra_keys(req, 0, 16) == (("mm", "a", 0),)  # b starts exactly at 16: not here
+    assert generate_block_hash_extra_keys(req, 16, 32) == (("mm", "b", 0), ("mm", "c", 4))  # a ended at 16: not here
+    assert generate_block_hash_extra_keys(req, 32, 48) == (("mm", "c", -12),)
 
 
 # --- the request block hasher ----------------------------------------------------------------
@@ -208,12 +213,13 @@ def test_request_block_hashes_are_the_chain(algo):
     assert req.block_hashes == []  # unbound until a manager sees it
     hasher = get_request_block_hasher(16, fn)
     req.bind_block_hasher(hasher)
-    want = _chain(fn, toks, 16, lambda i: ("l", "s") if i == 0 else ("l",))
+    lora = ("lora", "l", None)
+    want = _chain(fn, toks, 16, lambda i: (lora, ("cache_salt", "s")) if i == 0 else (lora,))
     assert req.block_hashes == want and len(want) == 2
     req.append_output_token_ids([1] * 10)  # 47 tokens: still 2 full blocks
     assert req.block_hashes == want
     req.append_output_token_ids(3)  # 48: the third block fills now
-    full = want + [hash_block_tokens(fn, want[-1], (toks + [1] * 10 + [3])[32:48], ("l",))]
+    full = want + [hash_block_tokens(fn, want[-1], (toks + [1] * 10 + [3])[32:48], (lora,))]
     assert req.block_hashes == full
 
 

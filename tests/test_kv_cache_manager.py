@@ -5,10 +5,12 @@ import pytest
 
 from kvlab import (
     CachingMetrics,
+    FullAttentionSpec,
     KVCacheManager,
     MultiModalFeature,
     PrefixCacheStats,
     Request,
+    SlidingWindowSpec,
     get_hash_fn_by_name,
     hash_block_tokens,
 )
@@ -32,10 +34,12 @@ def state(mgr):
 
 
 def run(mgr, req, num_new_tokens=None):
-    """Lookup + allocate the whole prompt (or ``num_new_tokens``) as the scheduler would."""
+    """Lookup + allocate the whole prompt (or ``num_new_tokens``) as the scheduler would,
+    recording the lookup in the stats when the request is admitted."""
     hits, n = mgr.get_computed_blocks(req)
     new = mgr.allocate_slots(req, num_new_tokens or req.num_tokens - n, n, hits)
     if new is not None:
+        mgr.record_prefix_cache_stats(req, n)
         req.num_computed_tokens = n + (num_new_tokens or req.num_tokens - n)
     return hits, n, new
 
@@ -155,7 +159,7 @@ def test_chunked_prefill_caches_as_it_goes():
     hits, n = mgr.get_computed_blocks(req)
     assert mgr.allocate_slots(req, 3, n, hits).get_block_ids() == ([1],)
     req.num_computed_tokens = 3
-    assert mgr.coordinator.single_type_managers[0].num_cached_block["r"] == 0
+    assert "r" not in mgr.coordinator.single_type_managers[0].num_cached_block  # nothing full yet (vLLM: no entry)
     assert mgr.allocate_slots(req, 6).get_block_ids() == ([2, 3],)  # 9 tokens -> 3 blocks
     req.num_computed_tokens = 9
     assert mgr.coordinator.single_type_managers[0].num_cached_block["r"] == 2
@@ -305,7 +309,7 @@ def test_reset_prefix_cache():
     assert mgr.reset_prefix_cache() is True
     assert all(b.block_hash is None for b in mgr.block_pool.blocks)
     assert len(mgr.block_pool.cached_block_hash_to_block) == 0
-    assert mgr.get_computed_blocks(Request("b", prompt))[1] == 0
+    assert run(mgr, Request("b", prompt))[1] == 0
     stats = mgr.make_prefix_cache_stats()
     assert stats.reset is True and stats.queries == 40 and stats.hits == 0
     assert mgr.make_prefix_cache_stats().reset is False
@@ -327,10 +331,13 @@ def test_prefix_cache_stats_count_tokens_and_split_preempted():
     prompt = list(range(40))
     a = Request("a", prompt)
     run(mgr, a)  # 40 queried, 0 hit
-    mgr.get_computed_blocks(Request("b", prompt))  # 40 queried, 32 hit
+    b = Request("b", prompt)
+    mgr.get_computed_blocks(b)  # a lookup alone records nothing (vLLM: only at admission)
+    assert mgr.prefix_cache_stats.requests == 1
+    mgr.record_prefix_cache_stats(b, mgr.get_computed_blocks(b)[1])  # 40 queried, 32 hit
     p = Request("p", prompt + [1] * 8)
     p.num_preemptions = 1
-    mgr.get_computed_blocks(p)  # preempted: 48 queried, 32 hit
+    mgr.record_prefix_cache_stats(p, mgr.get_computed_blocks(p)[1])  # preempted: 48 queried, 32 hit
     s = mgr.make_prefix_cache_stats()
     assert (s.requests, s.queries, s.hits) == (2, 80, 32)
     assert (s.preempted_requests, s.preempted_queries, s.preempted_hits) == (1, 48, 32)
@@ -393,13 +400,19 @@ def test_free_twice_and_unknown_is_harmless():
     mgr.check_invariants()
 
 
-def test_num_common_prefix_blocks():
-    mgr = KVCacheManager(num_blocks=11, block_size=4)
+@pytest.mark.parametrize("caching", [True, False])
+def test_num_common_prefix_blocks_is_zero_as_in_vllm(caching):
+    # vLLM 0.33 removed cascade attention: every group reports 0, full attention included,
+    # although a and b share two blocks here.
+    groups = [FullAttentionSpec(), SlidingWindowSpec(sliding_window=4)]
+    mgr = KVCacheManager(num_blocks=20, block_size=4, kv_cache_groups=groups, enable_caching=caching)
     a, b = Request("a", list(range(10))), Request("b", list(range(8)) + [9, 9, 9])
     run(mgr, a)
     run(mgr, b)
-    assert mgr.get_num_common_prefix_blocks("a", 2) == [2]
-    assert mgr.get_num_common_prefix_blocks("a", 1) == [0]
+    if caching:
+        assert mgr.get_block_ids("b")[0][:2] == mgr.get_block_ids("a")[0][:2]
+    assert mgr.get_num_common_prefix_blocks("a") == [0, 0]
+    assert mgr.get_num_common_prefix_blocks("a", 2) == [0, 0]
 
 
 def test_preempt_and_resume_hits_own_blocks():
@@ -413,4 +426,5 @@ def test_preempt_and_resume_hits_own_blocks():
     r.num_computed_tokens, r.num_preemptions = 0, 1
     hits, n = mgr.get_computed_blocks(r)
     assert hits.get_block_ids() == ([1, 2],) and n == 8  # block 3 was only 3/4 computed
+    mgr.record_prefix_cache_stats(r, n)
     assert mgr.make_prefix_cache_stats().preempted_hits == 8

@@ -40,6 +40,7 @@ from kvlab.core.kv_cache_utils import (
     get_group_id,
     make_block_hash_with_group_id,
     maybe_convert_block_hash,
+    resolve_block_hashes,
     to_event_extra_keys,
 )
 from kvlab.distributed.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
@@ -149,6 +150,7 @@ class BlockPool:
         kv_events_use_int_block_hashes: bool = True,
         metrics_collector: KVCacheMetricsCollector | None = None,
         prepend_uncached_blocks: bool = True,
+        hash_block_size: int | None = None,
     ) -> None:
         # The pool is the door for the block count (KVCacheManager's num_blocks lands here).
         num_gpu_blocks = check_int("num_blocks", num_gpu_blocks, 2, why=" (block 0 is the null block)")
@@ -161,6 +163,10 @@ class BlockPool:
                 raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
         self.num_gpu_blocks = num_gpu_blocks
         self.enable_caching = enable_caching
+        # Requests' hashes are computed every `hash_block_size` tokens (the GCD of the
+        # groups' block sizes); a group with larger blocks reads the hash at each block end.
+        # None (a bare pool): hashes are per block, whatever the block size.
+        self.hash_block_size = hash_block_size
         self.events = event_log
         self.blocks: list[KVCacheBlock] = [KVCacheBlock(i) for i in range(num_gpu_blocks)]
         self.free_block_queue = self.free_queue_cls(self.blocks)
@@ -197,15 +203,19 @@ class BlockPool:
         num_full_blocks: int,
         block_size: int,
         kv_cache_group_id: int,
+        block_mask: Sequence[bool] | None = None,
     ) -> None:
         """Give blocks ``[num_cached_blocks, num_full_blocks)`` of a request their hashes.
 
-        The hashes were already computed on the request (``request.block_hashes``) as its
-        tokens arrived; here they become map entries, so other requests can hit them.
+        The hashes were already computed on the request (``request.block_hashes``, every
+        ``hash_block_size`` tokens) as its tokens arrived; here they become map entries, so
+        other requests can hit them. A block of a larger group takes the hash at its end.
+        Null blocks, and blocks whose ``block_mask`` entry is False (a window block that can
+        never serve a hit), are left out.
         """
         if num_cached_blocks >= num_full_blocks:
             return
-        hashes = request.block_hashes
+        hashes = resolve_block_hashes(request.block_hashes, self.hash_block_size or block_size, block_size)
         if len(hashes) < num_full_blocks:
             raise RuntimeError(
                 f"request {request.request_id!r} has {len(hashes)} block hashes, needs {num_full_blocks}"
@@ -216,8 +226,8 @@ class BlockPool:
         events = self.events
         for i in range(num_cached_blocks, num_full_blocks):
             blk = blocks[i]
-            if blk.is_null:
-                continue  # sliding window: a block that already left the window
+            if blk.is_null or (block_mask is not None and not block_mask[i - num_cached_blocks]):
+                continue  # left the window / a state that is never read / can never serve a hit
             if blk.cache_key is not None:
                 raise RuntimeError(f"block {blk.block_id} is already cached")
             h = hashes[i]
@@ -237,7 +247,9 @@ class BlockPool:
                     )
                 )
         if self.enable_kv_cache_events:
-            self._queue_block_stored(request, blocks, hashes, num_cached_blocks, num_full_blocks, block_size, kv_cache_group_id)
+            self._queue_block_stored(
+                request, blocks, hashes, num_cached_blocks, num_full_blocks, block_size, kv_cache_group_id, block_mask
+            )
 
     def _queue_block_stored(
         self,
@@ -248,6 +260,7 @@ class BlockPool:
         num_full_blocks: int,
         block_size: int,
         kv_cache_group_id: int,
+        block_mask: Sequence[bool] | None = None,
     ) -> None:
         """One ``BlockStored`` for the whole run, as vLLM's ``cache_full_blocks`` sends it:
         hashes and extra keys of the non-null blocks only (a sliding window's dropped
@@ -257,7 +270,7 @@ class BlockPool:
         new_hashes = []
         extra_keys = []
         for i in range(num_cached_blocks, num_full_blocks):
-            if blocks[i].is_null:
+            if blocks[i].is_null or (block_mask is not None and not block_mask[i - num_cached_blocks]):
                 continue
             new_hashes.append(maybe_convert_block_hash(hashes[i], use_int))
             extra_keys.append(generate_block_hash_extra_keys(request, i * block_size, (i + 1) * block_size))

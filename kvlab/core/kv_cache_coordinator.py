@@ -1,117 +1,145 @@
-"""The coordinator: one KV-cache manager per group, one pool for all (lesson 07).
+"""The coordinator: one single-type manager per group, one pool for all (lesson 07).
 
-vLLM: ``vllm/v1/core/kv_cache_coordinator.py``. With one group it just forwards. With a
-full-attention group and a sliding-window group (a hybrid model) a prefix hit must be a
-hit for *both*: the full-attention hit bounds the search, the sliding-window rule picks a
-length inside it, and the full-attention hit is cut back to that length.
+vLLM: ``vllm/v1/core/kv_cache_coordinator.py`` (v0.33). A hybrid model has layers of
+several kinds -- full attention, MLA, sliding windows of different sizes, chunked local
+attention, Mamba states -- and each kind keeps its own block table per request, yet all
+tables draw from ONE pool and a prefix hit is usable only if *every* group can serve it.
+Three coordinators, as in vLLM:
+
+* ``KVCacheCoordinatorNoPrefixCache`` -- caching off: never a hit;
+* ``UnitaryKVCacheCoordinator`` -- one group: its own rule decides;
+* ``HybridKVCacheCoordinator`` -- any number of groups. Groups with equal specs are looked
+  up together. The hit length is found by a fixed point: start from the longest possible
+  length; each kind in turn either accepts the current length or shortens it; when one
+  shortens it, ask every kind again. Full attention goes first (its left-to-right walk gives
+  the tightest first bound and it can only be cut back later, never re-searched), and every
+  length is a multiple of the scheduler block size (the LCM of the groups' block sizes), so
+  that each group's hit is a whole number of its blocks.
 """
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from math import gcd, lcm
+from typing import Any, NamedTuple
 
 from kvlab.core.block_pool import BlockPool
 from kvlab.core.kv_cache_utils import KVCacheBlock
 from kvlab.core.single_type_kv_cache_manager import (
     MANAGER_FOR_SPEC,
+    ChunkedLocalAttentionManager,
+    MambaManager,
     SingleTypeKVCacheManager,
+    cdiv,
+    get_manager_for_kv_cache_spec,
 )
-from kvlab.kv_cache_interface import FullAttentionSpec, KVCacheSpec
+from kvlab.kv_cache_interface import FullAttentionSpec, KVCacheSpec, MambaSpec
 from kvlab.utils.hashing import BlockHash
 
 
-class KVCacheCoordinator:
-    """One single-type manager per KV-cache group, over one shared block pool (vLLM:
-    ``vllm/v1/core/kv_cache_coordinator.py``; lesson 07).
+def resolve_kv_cache_block_sizes(specs: Sequence[KVCacheSpec], enable_caching: bool) -> tuple[int, int]:
+    """(scheduler_block_size, hash_block_size), vLLM's rule.
 
-    Why a coordinator: a hybrid model has layers that attend to everything and layers that
-    see only a sliding window. Each kind keeps its own block table per request (the window
-    group may drop blocks that left the window and pad with the null block), yet all tables
-    draw from one pool, and a prefix hit is usable only if *every* group has it. The
-    coordinator is where "every group" is spelled out: allocation goes group by group, and
-    the longest hit is the full-attention hit cut back to what the other group can serve.
-    kvlab supports one attention type, or full attention plus one other, as vLLM's hybrid
-    coordinator does.
-    """
+    The scheduler block size is the LCM of the groups' block sizes: every hit length is a
+    multiple of it. Hashes are computed every GCD of the block sizes tokens, so each
+    group's block ends on a hash boundary -- unless caching is off, or a Mamba group is not
+    in ``align`` mode: then hashing is at the scheduler block size."""
+    sizes = [s.block_size for s in specs]
+    if len(sizes) == 1:
+        return sizes[0], sizes[0]  # type: ignore[return-value]
+    scheduler_block_size = lcm(*sizes)  # type: ignore[arg-type]
+    if not enable_caching or any(isinstance(s, MambaSpec) and s.mamba_cache_mode != "align" for s in specs):
+        return scheduler_block_size, scheduler_block_size
+    return scheduler_block_size, gcd(*sizes)  # type: ignore[arg-type]
+
+
+class KVCacheCoordinator:
+    """What every coordinator does: ask each group's manager, in group order."""
 
     def __init__(
         self,
         specs: Sequence[KVCacheSpec],
         block_pool: BlockPool,
         enable_caching: bool,
+        *,
+        scheduler_block_size: int,
+        hash_block_size: int,
+        use_eagle: bool = False,
+        max_model_len: int | None = None,
+        max_in_flight_tokens: int | None = None,
         manager_classes: Mapping[type, type[SingleTypeKVCacheManager]] | None = None,
     ) -> None:
         self.block_pool = block_pool
         self.specs = list(specs)
         self.enable_caching = enable_caching
+        self.scheduler_block_size = scheduler_block_size
+        self.hash_block_size = hash_block_size
+        self.use_eagle = use_eagle
+        # kvlab has no per-group EAGLE flag: with use_eagle every group drops (vLLM's
+        # fallback when no group is marked as the drafter's).
+        self.eagle_group_ids: set[int] = set(range(len(self.specs))) if use_eagle else set()
         # spec type -> manager class; ``manager_classes`` overrides some (a seam: the
         # exercises run a learner's free order or block count in a manager subclass).
         self.manager_for_spec: dict[type, type[SingleTypeKVCacheManager]] = {**MANAGER_FOR_SPEC, **(manager_classes or {})}
         self.single_type_managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
-            self.manager_for_spec[type(spec)](spec, block_pool, gid) for gid, spec in enumerate(specs)
-        )
-        # Groups with equal specs are looked up together (one hit = a block in each group).
-        by_spec: dict[KVCacheSpec, list[int]] = {}
-        for gid, spec in enumerate(specs):
-            by_spec.setdefault(spec, []).append(gid)
-        self._spec_groups = list(by_spec.items())
-        if len(self._spec_groups) > 2 or (
-            len(self._spec_groups) == 2 and not any(isinstance(s, FullAttentionSpec) for s, _ in self._spec_groups)
-        ):
-            raise ValueError(
-                "kv_cache_groups: kvlab supports one attention type, or full attention plus ONE other "
-                f"type (as vLLM's hybrid coordinator); got {[s for s, _ in self._spec_groups]}"
+            get_manager_for_kv_cache_spec(
+                spec, block_pool, gid, enable_caching, scheduler_block_size, max_in_flight_tokens, max_model_len,
+                manager_cls=self.manager_for_spec[type(spec)],
             )
+            for gid, spec in enumerate(self.specs)
+        )
 
     @property
     def num_groups(self) -> int:
         return len(self.single_type_managers)
 
-    def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int) -> tuple[tuple[list[KVCacheBlock], ...], int]:
-        if len(self._spec_groups) == 1:
-            spec, gids = self._spec_groups[0]
-            cls = self.manager_for_spec[type(spec)]
-            hit = cls.find_longest_cache_hit(block_hashes, max_cache_hit_length, gids, self.block_pool, spec)
-            return self._order(((gids, hit),)), len(hit[0]) * spec.block_size  # type: ignore[operator]
-        (full_spec, full_gids), (other_spec, other_gids) = sorted(
-            self._spec_groups, key=lambda sg: not isinstance(sg[0], FullAttentionSpec)
-        )
-        full_hit = self.manager_for_spec[FullAttentionSpec].find_longest_cache_hit(
-            block_hashes, max_cache_hit_length, full_gids, self.block_pool, full_spec
-        )
-        hit_length = len(full_hit[0]) * full_spec.block_size  # type: ignore[operator]
-        other_hit = self.manager_for_spec[type(other_spec)].find_longest_cache_hit(
-            block_hashes, hit_length, other_gids, self.block_pool, other_spec
-        )
-        hit_length = len(other_hit[0]) * other_spec.block_size  # type: ignore[operator]
-        for lst in full_hit:
-            del lst[hit_length // full_spec.block_size :]  # type: ignore[operator]
-        return self._order(((full_gids, full_hit), (other_gids, other_hit))), hit_length
-
-    def _order(self, parts: Sequence[tuple[Sequence[int], tuple[list[KVCacheBlock], ...]]]) -> tuple[list[KVCacheBlock], ...]:
-        out: list[list[KVCacheBlock]] = [[] for _ in self.single_type_managers]
-        for gids, hits in parts:
-            for gid, lst in zip(gids, hits):
-                out[gid] = lst
-        return tuple(out)
-
-    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, new_computed_blocks: Sequence[Sequence[KVCacheBlock]]) -> int:
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[Sequence[KVCacheBlock]],
+        total_computed_tokens: int,
+        num_local_computed_tokens: int,
+        num_tokens_main_model: int,
+        apply_admission_cap: bool = False,
+    ) -> int:
         return sum(
-            m.get_num_blocks_to_allocate(request_id, num_tokens, new_computed_blocks[i])
+            m.get_num_blocks_to_allocate(
+                request_id, num_tokens, new_computed_blocks[i], total_computed_tokens,
+                num_local_computed_tokens, num_tokens_main_model, apply_admission_cap,
+            )
             for i, m in enumerate(self.single_type_managers)
         )
 
-    def save_new_computed_blocks(self, request_id: str, new_computed_blocks: Sequence[Sequence[KVCacheBlock]]) -> None:
+    def allocate_new_computed_blocks(
+        self,
+        request_id: str,
+        new_computed_blocks: Sequence[Sequence[KVCacheBlock]],
+        num_local_computed_tokens: int,
+        num_external_computed_tokens: int,
+    ) -> None:
+        """Adopt a new request's hits in every group FIRST, then allocate the blocks for its
+        external tokens: an earlier group's allocation must not evict a later group's
+        not-yet-touched hit (vLLM issue #33775)."""
+        if any(request_id in m.num_cached_block for m in self.single_type_managers):
+            assert not any(new_computed_blocks), "a running request cannot receive prefix hits"
+            return
         for i, m in enumerate(self.single_type_managers):
-            m.save_new_computed_blocks(request_id, new_computed_blocks[i])
+            m.add_local_computed_blocks(request_id, new_computed_blocks[i], num_local_computed_tokens, num_external_computed_tokens)
+        if num_external_computed_tokens > 0:
+            for m in self.single_type_managers:
+                m.allocate_external_computed_blocks(request_id, num_local_computed_tokens, num_external_computed_tokens)
 
-    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> tuple[list[KVCacheBlock], ...]:
+    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int) -> tuple[list[KVCacheBlock], ...]:
         """Group by group: group 0 takes its blocks from the queue head, then group 1, ..."""
-        return tuple(m.allocate_new_blocks(request_id, num_tokens) for m in self.single_type_managers)
+        return tuple(m.allocate_new_blocks(request_id, num_tokens, num_tokens_main_model) for m in self.single_type_managers)
+
+    def get_num_cacheable_tokens(self, num_computed_tokens: int, kv_cache_group_id: int) -> int:
+        return num_computed_tokens
 
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
-        for m in self.single_type_managers:
-            m.cache_blocks(request, num_computed_tokens)
+        for gid, m in enumerate(self.single_type_managers):
+            if m.enable_caching:
+                m.cache_blocks(request, self.get_num_cacheable_tokens(num_computed_tokens, gid))
 
     def free(self, request_id: str) -> None:
         for m in self.single_type_managers:
@@ -123,3 +151,157 @@ class KVCacheCoordinator:
 
     def get_blocks(self, request_id: str) -> tuple[list[KVCacheBlock], ...]:
         return tuple(m.req_to_blocks.get(request_id, []) for m in self.single_type_managers)
+
+    def new_step_starts(self) -> None:
+        for m in self.single_type_managers:
+            m.new_step_starts()
+
+    def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+        raise NotImplementedError
+
+
+class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
+    """Caching off: any number of groups, never a hit."""
+
+    def find_longest_cache_hit(self, block_hashes, max_cache_hit_length):
+        return tuple([] for _ in self.single_type_managers), 0
+
+
+class UnitaryKVCacheCoordinator(KVCacheCoordinator):
+    """One group: its manager's rule is the whole answer."""
+
+    def find_longest_cache_hit(self, block_hashes, max_cache_hit_length):
+        m = self.single_type_managers[0]
+        return type(m).find_longest_cache_hit(
+            block_hashes, max_cache_hit_length, [0], self.block_pool, m.kv_cache_spec,
+            drop_eagle_block=0 in self.eagle_group_ids, alignment_tokens=m.block_size,
+        )
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.single_type_managers[0].use_eagle = 0 in self.eagle_group_ids
+
+
+class SpecGroup(NamedTuple):
+    """Groups that share one spec: cached and looked up together."""
+
+    spec: KVCacheSpec
+    group_ids: list[int]
+    manager_cls: type[SingleTypeKVCacheManager]
+    use_eagle: bool
+
+
+class HybridKVCacheCoordinator(KVCacheCoordinator):
+    """Several groups: the fixed-point hit search of the module docstring."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        for m in self.single_type_managers:
+            if m.block_size % self.hash_block_size:
+                raise ValueError(f"group {m.kv_cache_group_id}: block_size {m.block_size} is not a multiple of the hash block size {self.hash_block_size}")
+            m.cache_hit_alignment_tokens = self.scheduler_block_size
+            if isinstance(m, ChunkedLocalAttentionManager) and m.block_size != self.scheduler_block_size:
+                raise ValueError(
+                    "ChunkedLocalAttentionSpec needs every group to share its block size "
+                    f"({m.block_size} vs scheduler block size {self.scheduler_block_size}), as in vLLM"
+                )
+            if isinstance(m, ChunkedLocalAttentionManager) and self.use_eagle:
+                raise ValueError("EAGLE with chunked local attention is not supported (as in vLLM)")
+            if isinstance(m, MambaManager) and self.enable_caching and m.block_size != self.hash_block_size:
+                raise ValueError(
+                    f"a Mamba group with block_size {m.block_size} > the hash block size {self.hash_block_size} makes vLLM use "
+                    "fine-grained partial hits, which kvlab does not model: give the Mamba group the smallest block size"
+                )
+        self.attention_groups: list[SpecGroup] = []
+        for gid, (spec, m) in enumerate(zip(self.specs, self.single_type_managers)):
+            use_eagle = gid in self.eagle_group_ids
+            for idx, g in enumerate(self.attention_groups):
+                if g.spec == spec:
+                    g.group_ids.append(gid)
+                    if use_eagle and not g.use_eagle:
+                        self.attention_groups[idx] = g._replace(use_eagle=True)
+                    break
+            else:
+                self.attention_groups.append(SpecGroup(spec, [gid], type(m), use_eagle))
+        self.attention_groups.sort(key=lambda g: not isinstance(g.spec, FullAttentionSpec))
+        for g in self.attention_groups:
+            for gid in g.group_ids:
+                self.single_type_managers[gid].use_eagle = g.use_eagle
+
+    def get_num_cacheable_tokens(self, num_computed_tokens: int, kv_cache_group_id: int) -> int:
+        """Only what a future hit can reach: hits are multiples of the scheduler block size.
+        An EAGLE group also caches the block past the boundary (its hit drops it again)."""
+        aligned = num_computed_tokens // self.scheduler_block_size * self.scheduler_block_size
+        m = self.single_type_managers[kv_cache_group_id]
+        if m.use_eagle and aligned > 0:
+            return min(num_computed_tokens, aligned + m.block_size)
+        return aligned
+
+    def find_longest_cache_hit(self, block_hashes, max_cache_hit_length):
+        n_groups = len(self.single_type_managers)
+        hit_length = max_cache_hit_length
+        hit_blocks: list[list[KVCacheBlock] | None] = [None] * n_groups
+        hit_len_by_group = [0] * n_groups
+        simple = len(self.attention_groups) == 2 and isinstance(self.attention_groups[0].spec, FullAttentionSpec)
+        eagle_verified: set[int] = set()  # kinds whose EAGLE drop holds at the current length
+        while True:
+            curr = hit_length
+            for idx, (spec, gids, cls, use_eagle) in enumerate(self.attention_groups):
+                bs = self.single_type_managers[gids[0]].block_size
+                if isinstance(spec, FullAttentionSpec) and hit_blocks[gids[0]] is not None:
+                    curr = min(curr, hit_len_by_group[gids[0]])  # downward-closed: just cut back
+                    continue
+                drop = use_eagle and idx not in eagle_verified
+                max_length = curr
+                if drop and not isinstance(spec, MambaSpec):
+                    # match one block more, then drop it: back at the candidate length
+                    max_length = min(curr + bs, len(block_hashes) * self.hash_block_size)
+                blocks, new_len = cls.find_longest_cache_hit(
+                    block_hashes, max_length, gids, self.block_pool, spec,
+                    drop_eagle_block=drop, alignment_tokens=self.scheduler_block_size,
+                )
+                if drop:
+                    eagle_verified.add(idx)
+                elif new_len < curr:
+                    eagle_verified.clear()
+                curr = new_len
+                for gid, lst in zip(gids, blocks):
+                    hit_blocks[gid] = lst
+                    hit_len_by_group[gid] = new_len
+            if curr >= hit_length:
+                break
+            hit_length = curr
+            if simple:
+                break
+        for g in self.attention_groups:
+            if not isinstance(g.spec, FullAttentionSpec):
+                continue
+            keep = cdiv(hit_length, self.single_type_managers[g.group_ids[0]].block_size)
+            for gid in g.group_ids:
+                lst = hit_blocks[gid]
+                if lst is not None:
+                    del lst[keep:]
+        return tuple(lst if lst is not None else [] for lst in hit_blocks), hit_length
+
+
+def get_kv_cache_coordinator(
+    specs: Sequence[KVCacheSpec],
+    block_pool: BlockPool,
+    enable_caching: bool,
+    *,
+    scheduler_block_size: int,
+    hash_block_size: int,
+    use_eagle: bool = False,
+    max_model_len: int | None = None,
+    max_in_flight_tokens: int | None = None,
+    manager_classes: Mapping[type, type[SingleTypeKVCacheManager]] | None = None,
+) -> KVCacheCoordinator:
+    kw = dict(
+        scheduler_block_size=scheduler_block_size, hash_block_size=hash_block_size, use_eagle=use_eagle,
+        max_model_len=max_model_len, max_in_flight_tokens=max_in_flight_tokens, manager_classes=manager_classes,
+    )
+    if not enable_caching:
+        return KVCacheCoordinatorNoPrefixCache(specs, block_pool, False, **kw)  # type: ignore[arg-type]
+    if len(specs) == 1:
+        return UnitaryKVCacheCoordinator(specs, block_pool, True, **kw)  # type: ignore[arg-type]
+    return HybridKVCacheCoordinator(specs, block_pool, True, **kw)  # type: ignore[arg-type]

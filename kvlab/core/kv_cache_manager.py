@@ -16,15 +16,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kvlab.core.block_pool import BlockPool
+from kvlab.core.kv_cache_coordinator import get_kv_cache_coordinator, resolve_kv_cache_block_sizes
 from kvlab.core.kv_cache_metrics import KVCacheMetricsCollector
-from kvlab.core.kv_cache_coordinator import KVCacheCoordinator
 from kvlab.core.kv_cache_utils import KVCacheBlock, get_request_block_hasher
 from kvlab.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
 from kvlab.distributed.kv_events import BlockStored, KVCacheEvent
 from kvlab.kv_cache_interface import (
+    KV_CACHE_SPEC_TYPES,
+    ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheSpec,
-    SlidingWindowSpec,
     get_kv_cache_spec_kind,
     get_kv_cache_spec_sliding_window,
 )
@@ -77,6 +78,13 @@ class KVCacheManager:
     ``manager_classes`` (spec type -> single-type manager class) are seams: a subclass with
     one method swapped runs inside the real manager -- how the exercises check a learner's
     free queue, touch, eviction, free order and block count.
+
+    ``kv_cache_groups`` takes any number of specs of any kinds (full attention, MLA, sliding
+    windows, chunked local attention, Mamba states); a spec without a ``block_size`` gets
+    ``block_size``. ``use_eagle``: drop the last matched block of every hit (EAGLE
+    recomputes it). ``max_in_flight_tokens`` (one step's tokens; ``build_engine`` passes
+    ``max_num_batched_tokens``) caps what the whole-prompt admission gate counts for window
+    and chunk groups; None means no cap.
     """
 
     def __init__(
@@ -90,6 +98,8 @@ class KVCacheManager:
         max_model_len: int | None = None,
         event_log: EventLog | None = None,
         *,
+        use_eagle: bool = False,
+        max_in_flight_tokens: int | None = None,
         block_pool_cls: type[BlockPool] = BlockPool,
         manager_classes: Mapping[type, type[SingleTypeKVCacheManager]] | None = None,
         enable_kv_cache_events: bool = False,
@@ -110,20 +120,27 @@ class KVCacheManager:
                 kv_events_use_int_block_hashes = bool(int(env))
             except ValueError:
                 raise ValueError(f"VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES must be an integer (0 or 1), got {env!r}") from None
+        for name, flag in (("enable_caching", enable_caching), ("log_stats", log_stats), ("use_eagle", use_eagle)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {flag!r}")
         hash_fn = get_hash_fn_by_name(hash_algo)
         groups = list(kv_cache_groups) if kv_cache_groups is not None else [FullAttentionSpec()]
         if not groups:
             raise ValueError("kv_cache_groups must hold at least one spec")
         specs: list[KVCacheSpec] = []
         for i, g in enumerate(groups):
-            if not isinstance(g, (FullAttentionSpec, SlidingWindowSpec)):
-                raise TypeError(f"kv_cache_groups[{i}] must be FullAttentionSpec or SlidingWindowSpec, got {type(g).__name__}")
-            if g.block_size not in (None, block_size):
-                raise ValueError(
-                    f"kv_cache_groups[{i}].block_size = {g.block_size}, but every group must use block_size = {block_size}"
-                )
-            specs.append(g.with_block_size(block_size))
+            if type(g) not in KV_CACHE_SPEC_TYPES:
+                names = ", ".join(t.__name__ for t in KV_CACHE_SPEC_TYPES)
+                raise TypeError(f"kv_cache_groups[{i}] must be one of {names}; got {type(g).__name__}")
+            specs.append(g if g.block_size is not None else g.with_block_size(block_size))
         max_model_len = check_optional_int("max_model_len", max_model_len, 1)
+        max_in_flight_tokens = check_optional_int("max_in_flight_tokens", max_in_flight_tokens, 1)
+        scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(specs, enable_caching)
+        for i, spec in enumerate(specs):
+            if isinstance(spec, ChunkedLocalAttentionSpec) and spec.attention_chunk_size % spec.block_size:  # type: ignore[operator]
+                raise ValueError(
+                    f"kv_cache_groups[{i}]: attention_chunk_size {spec.attention_chunk_size} must be a multiple of block_size {spec.block_size}"
+                )
         # The pool checks num_blocks (its door), the coordinator the mix of groups; both are
         # built before the first event is emitted, so a refused configuration leaves no trace.
         block_pool = block_pool_cls(
@@ -134,16 +151,27 @@ class KVCacheManager:
             kv_events_use_int_block_hashes=kv_events_use_int_block_hashes,
             metrics_collector=metrics_collector,
             prepend_uncached_blocks=prepend_uncached_blocks,
+            hash_block_size=hash_block_size,
         )
         num_blocks = block_pool.num_gpu_blocks
-        coordinator = KVCacheCoordinator(specs, block_pool, enable_caching, manager_classes)
+        coordinator = get_kv_cache_coordinator(
+            specs, block_pool, enable_caching,
+            scheduler_block_size=scheduler_block_size, hash_block_size=hash_block_size, use_eagle=use_eagle,
+            max_model_len=max_model_len, max_in_flight_tokens=max_in_flight_tokens, manager_classes=manager_classes,
+        )
 
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.hash_algo = hash_algo
         self.kv_cache_groups: list[KVCacheSpec] = specs
+        # Hit lengths and Mamba chunk ends are multiples of the scheduler block size (the LCM
+        # of the groups' block sizes); hashes come every hash block size (their GCD).
+        self.scheduler_block_size = scheduler_block_size
+        self.hash_block_size = hash_block_size
         self.max_model_len = max_model_len
+        self.max_in_flight_tokens = max_in_flight_tokens
+        self.use_eagle = use_eagle
         self.log_stats = log_stats
         self.events = event_log
         if event_log is not None:
@@ -163,7 +191,7 @@ class KVCacheManager:
         # (kind, sliding window) per group, filled into every BlockStored by take_events().
         self.kv_cache_event_metadata = tuple((get_kv_cache_spec_kind(s), get_kv_cache_spec_sliding_window(s)) for s in specs)
         self.num_kv_cache_groups = len(specs)
-        self.request_block_hasher = get_request_block_hasher(block_size, hash_fn)
+        self.request_block_hasher = get_request_block_hasher(hash_block_size, hash_fn)
         self.prefix_cache_stats: PrefixCacheStats | None = PrefixCacheStats() if log_stats else None
         self._requests: dict[str, Request] = {}
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple([] for _ in specs))
@@ -182,22 +210,27 @@ class KVCacheManager:
     def create_kv_cache_blocks(self, blocks: tuple[list[KVCacheBlock], ...]) -> KVCacheBlocks:
         return KVCacheBlocks(blocks) if any(blocks) else self.empty_kv_cache_blocks.new_empty()
 
+    def new_step_starts(self) -> None:
+        """The scheduler calls this at the start of every step (a Mamba state saved during a
+        step becomes usable by other requests from the next one)."""
+        self.coordinator.new_step_starts()
+
     # -- the three questions ----------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
-        """Longest run of cached full blocks at the start of the request.
+        """Longest prefix of the request whose KV every group can supply from the cache.
 
         Capped at ``num_tokens - 1``: the last prompt token must be computed anyway, since
         its logits choose the next token. So a 25-token prompt at block size 16 gets at
-        most 16 tokens from the cache, and a fully cached 32-token prompt only 16.
+        most 16 tokens from the cache, and a fully cached 32-token prompt only 16. The
+        length is a multiple of the scheduler block size; positions a group will not read
+        (outside a window, a finished chunk, an older Mamba state) are the null block.
         """
         self._bind(request)
         if not self.enable_caching:
             return self.empty_kv_cache_blocks.new_empty(), 0
-        max_hit = request.num_tokens - 1
+        max_hit = max(0, request.num_tokens - 1)
         blocks, num_hit_tokens = self.coordinator.find_longest_cache_hit(request.block_hashes, max_hit)
         preempted = request.num_preemptions > 0
-        if self.prefix_cache_stats is not None:
-            self.prefix_cache_stats.record(request.num_tokens, num_hit_tokens, preempted)
         if self.events is not None:
             self.events.emit(
                 PrefixLookup(
@@ -212,6 +245,14 @@ class KVCacheManager:
             )
         return self.create_kv_cache_blocks(blocks), num_hit_tokens
 
+    def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
+        """Count one lookup in the prefix-cache stats. The scheduler calls it when it ADMITS
+        the request (vLLM >= 0.27: "record at admission so unscheduled lookups are not
+        counted"): a request the admission gate turns away is looked up again at every step,
+        and those retries are not queries. Lookups of preempted requests are kept apart."""
+        if self.prefix_cache_stats is not None and self.enable_caching:
+            self.prefix_cache_stats.record(request.num_tokens, num_hits, request.num_preemptions > 0)
+
     def allocate_slots(
         self,
         request: Request,
@@ -219,50 +260,106 @@ class KVCacheManager:
         num_new_computed_tokens: int = 0,
         new_computed_blocks: KVCacheBlocks | None = None,
         num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        full_sequence_must_fit: bool = False,
     ) -> KVCacheBlocks | None:
-        """Room for ``num_new_tokens`` more tokens after the computed ones (and the prefix
-        hit). Returns the *newly allocated* blocks, an empty KVCacheBlocks when none are
-        needed, or None when the pool cannot supply them -- then nothing has changed."""
+        """Room for ``num_new_tokens`` more tokens. Returns the *newly allocated* blocks, an
+        empty KVCacheBlocks when none are needed, or None when the pool cannot supply them --
+        then no ref count has moved and nothing was cached.
+
+        The token layout, as in vLLM::
+
+            | computed | new hits | external | new | lookahead |
+                       |<------------- allocated ------------->|
+
+        * ``num_new_computed_tokens`` / ``new_computed_blocks``: this request's prefix hit
+          (from ``get_computed_blocks``; only for a request that holds no blocks yet);
+        * ``num_external_computed_tokens``: tokens whose KV a connector (another engine, an
+          offload tier) will write; they get blocks and, unless ``delay_cache_blocks``, are
+          cached like computed tokens;
+        * ``num_lookahead_tokens``: slots for draft tokens (speculative decoding), never cached;
+        * ``full_sequence_must_fit``: the admission gate -- fail unless the WHOLE sequence
+          (``request.num_tokens``), after the hit and without what a window will drop, fits
+          in the free blocks now, even if only the first chunk is scheduled. The scheduler
+          passes its ``scheduler_reserve_full_isl`` (True by default, as in vLLM) for
+          waiting requests (lesson 05).
+        """
         self._bind(request)
-        num_new_tokens = check_int("num_new_tokens", num_new_tokens, 1)
+        num_new_tokens = check_int("num_new_tokens", num_new_tokens, 0)
         num_new_computed_tokens = check_int("num_new_computed_tokens", num_new_computed_tokens, 0)
         num_lookahead_tokens = check_int("num_lookahead_tokens", num_lookahead_tokens, 0)
+        num_external_computed_tokens = check_int("num_external_computed_tokens", num_external_computed_tokens, 0)
+        if num_new_tokens == 0 and num_external_computed_tokens == 0 and num_new_computed_tokens == 0:
+            raise ValueError("num_new_tokens must be >= 1 when there are no computed tokens to adopt")
+        for name, flag in (("delay_cache_blocks", delay_cache_blocks), ("full_sequence_must_fit", full_sequence_must_fit)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {flag!r}")
         rid = request.request_id
         known = self._requests.get(rid)
         if known is not None and known is not request:
             raise ValueError(f"request id {rid!r} is already held by another request in this manager; ids must be unique")
+        if new_computed_blocks is not None and not isinstance(new_computed_blocks, KVCacheBlocks):
+            raise TypeError(f"new_computed_blocks must be KVCacheBlocks or None, got {type(new_computed_blocks).__name__}")
         hits = new_computed_blocks.blocks if new_computed_blocks is not None else self.empty_kv_cache_blocks.blocks
         if len(hits) != self.num_kv_cache_groups:
             raise ValueError(f"new_computed_blocks has {len(hits)} groups, the manager has {self.num_kv_cache_groups}")
-        num_hit_blocks = len(hits[0]) if hits else 0
-        if num_new_computed_tokens != num_hit_blocks * self.block_size and (num_new_computed_tokens or num_hit_blocks):
+        has_hits = any(hits)
+        for spec, g in zip(self.kv_cache_groups, hits):
+            if has_hits and len(g) * spec.block_size != num_new_computed_tokens:  # type: ignore[operator]
+                raise ValueError(
+                    f"num_new_computed_tokens = {num_new_computed_tokens} does not match new_computed_blocks "
+                    f"({len(g)} blocks of {spec.block_size} tokens in a group)"
+                )
+        if not has_hits and num_new_computed_tokens:
+            raise ValueError(f"num_new_computed_tokens = {num_new_computed_tokens} but new_computed_blocks is empty")
+        if (known is not None or request.num_computed_tokens) and (has_hits or num_external_computed_tokens):
+            raise ValueError(f"request {rid!r} is already running (it has computed tokens); prefix hits and external tokens are only for new requests")
+        if request.num_computed_tokens + num_new_computed_tokens + num_external_computed_tokens > request.num_tokens:
             raise ValueError(
-                f"num_new_computed_tokens = {num_new_computed_tokens} does not match new_computed_blocks "
-                f"({num_hit_blocks} blocks of {self.block_size} tokens)"
+                f"request {rid!r}: {request.num_computed_tokens} computed + {num_new_computed_tokens} hit + "
+                f"{num_external_computed_tokens} external tokens exceed its {request.num_tokens} tokens"
             )
-        if known is not None and num_hit_blocks:
-            raise ValueError(f"request {rid!r} is already running; prefix hits are only for new requests")
 
-        # Blocks that left the sliding window are freed even if this allocation fails:
-        # no future query reads them, and freeing them first may make room.
-        self.coordinator.remove_skipped_blocks(rid, request.num_computed_tokens)
+        num_local_computed = request.num_computed_tokens + num_new_computed_tokens
+        total_computed = num_local_computed + num_external_computed_tokens
+        if self.max_model_len is not None:
+            total_computed = min(total_computed, self.max_model_len)
+        coord = self.coordinator
+        if full_sequence_must_fit:
+            # The admission gate: would the whole sequence fit now?
+            full = request.num_tokens if self.max_model_len is None else min(request.num_tokens, self.max_model_len)
+            need = coord.get_num_blocks_to_allocate(rid, full, hits, total_computed, num_local_computed, full, apply_admission_cap=True)
+            if need > self.block_pool.get_num_free_blocks():
+                return None
 
-        num_computed = request.num_computed_tokens + num_new_computed_tokens
-        num_tokens_need_slot = num_computed + num_new_tokens + num_lookahead_tokens
+        num_tokens_main_model = total_computed + num_new_tokens
+        num_tokens_need_slot = num_tokens_main_model + num_lookahead_tokens
         if self.max_model_len is not None:
             num_tokens_need_slot = min(num_tokens_need_slot, self.max_model_len)
-        need = self.coordinator.get_num_blocks_to_allocate(rid, num_tokens_need_slot, hits)
+        # Blocks that left the window are freed even if this allocation fails: no future
+        # query reads them, and freeing them first may make room.
+        coord.remove_skipped_blocks(rid, total_computed)
+        need = coord.get_num_blocks_to_allocate(rid, num_tokens_need_slot, hits, total_computed, num_local_computed, num_tokens_main_model)
         if need > self.block_pool.get_num_free_blocks():
             return None
 
-        self.coordinator.save_new_computed_blocks(rid, hits)  # touches the hits before allocating
-        new_blocks = self.coordinator.allocate_new_blocks(rid, num_tokens_need_slot)
+        if has_hits or num_external_computed_tokens > 0:
+            # Hits are adopted before anything is allocated: an allocation must not evict them.
+            coord.allocate_new_computed_blocks(rid, hits, num_local_computed, num_external_computed_tokens)
+        new_blocks = coord.allocate_new_blocks(rid, num_tokens_need_slot, num_tokens_main_model)
         self._requests[rid] = request
-        if self.enable_caching:
+        if self.enable_caching and not delay_cache_blocks:
             # Cache only what will really be computed (never lookahead slots), and never past
             # the tokens the request actually has.
-            self.coordinator.cache_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
+            coord.cache_blocks(request, min(total_computed + num_new_tokens, request.num_tokens))
         return self.create_kv_cache_blocks(new_blocks)
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Cache the request's blocks up to ``num_computed_tokens`` (after a delayed
+        allocation: a connector has now written the external tokens)."""
+        if self.enable_caching:
+            self.coordinator.cache_blocks(request, num_computed_tokens)
 
     def free(self, request: Request) -> None:
         """Release all blocks of a finished or preempted request (tail first)."""
@@ -277,18 +374,12 @@ class KVCacheManager:
         """The request's block table: one list of physical block ids per group."""
         return self.get_blocks(request_id).get_block_ids()
 
-    def get_num_common_prefix_blocks(self, running_request_id: str, num_running_requests: int) -> list[int]:
-        """Per group: how many leading blocks every running request shares (ref == all)."""
-        out = []
-        for m in self.coordinator.single_type_managers:
-            n = 0
-            for b in m.req_to_blocks.get(running_request_id, []):
-                if b.ref_cnt == num_running_requests and not b.is_null:
-                    n += 1
-                else:
-                    break
-            out.append(n)
-        return out
+    def get_num_common_prefix_blocks(self, running_request_id: str, num_running_requests: int | None = None) -> list[int]:
+        """0 for every group, as vLLM >= 0.32 returns since cascade attention was removed
+        (the method stays for schedulers that call it). Earlier vLLM counted the leading
+        blocks every request shared in full-attention groups, 0 for window groups and for
+        every group with caching off."""
+        return [0] * self.num_kv_cache_groups
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix (e.g. after a weight update). Refused (False) while any
@@ -318,18 +409,19 @@ class KVCacheManager:
         return stats
 
     def check_invariants(self) -> None:
-        """Pool invariants + every ref count equals the number of tables holding the block."""
+        """Pool invariants + every ref count equals the number of tables holding the block,
+        and no table holds a block of another group's hash."""
         self.block_pool.check_invariants()
         counts: dict[int, int] = {}
-        for m in self.coordinator.single_type_managers:
+        for gid, m in enumerate(self.coordinator.single_type_managers):
             for rid, blocks in m.req_to_blocks.items():
                 assert rid in self._requests or not blocks, f"blocks held by unknown request {rid!r}"
                 for b in blocks:
                     if not b.is_null:
                         counts[b.block_id] = counts.get(b.block_id, 0) + 1
-                num_cached = m.num_cached_block.get(rid, 0)
-                for i, b in enumerate(blocks[:num_cached]):
-                    assert b.is_null or b.cache_key is not None, f"{rid!r}: block {i} should be cached"
+                        assert b.cache_key is None or b.cache_key[-4:] == gid.to_bytes(4, "big"), (
+                            f"block {b.block_id} in a group-{gid} table is cached for another group"
+                        )
         for b in self.block_pool.blocks:
             if not b.is_null:
                 assert b.ref_cnt == counts.get(b.block_id, 0), (

@@ -1,23 +1,28 @@
 """Blocks, the free queue and block hashing: the pieces every KV-cache manager shares
-(lessons 02-04).
+(lessons 02-04, 06, 07).
 
 vLLM: ``vllm/v1/core/kv_cache_utils.py`` (``KVCacheBlock``, ``FreeKVCacheBlockQueue``,
 ``NONE_HASH``, ``hash_block_tokens``, ``generate_block_hash_extra_keys``,
-``get_request_block_hasher``). The hash functions themselves (``sha256``, ``xxhash``,
-``get_hash_fn_by_name``) live in ``kvlab.utils.hashing`` as in ``vllm/utils/hashing.py``.
+``get_request_block_hasher``, ``BlockHashListWithBlockSize``). The hash functions themselves
+(``sha256``, ``xxhash``, ``get_hash_fn_by_name``) live in ``kvlab.utils.hashing`` as in
+``vllm/utils/hashing.py``.
 
 A block's hash is ``hash_fn((parent_hash or NONE_HASH, tuple(token_ids), extra_keys))``.
 Because the parent's hash is an input, one hash names the *whole prefix* up to and
 including this block, not just its own tokens: the same tokens after a different
-beginning get a different key. Extra keys carry what token ids alone cannot: the LoRA
-adapter (every block), the multimodal items overlapping the block, and the tenant's
-``cache_salt`` (first block only -- the chain carries it to every later block).
+beginning get a different key. Extra keys carry what token ids alone cannot, each tagged
+with its kind (vLLM >= 0.31): the LoRA adapter (every block), the multimodal items
+overlapping the block, the tenant's ``cache_salt`` (first block only -- the chain carries it
+to every later block) and, for prompts given as embeddings, a digest of the block's rows.
 """
 from __future__ import annotations
 
+import bisect
+import hashlib
 import os
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+import struct
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvlab.utils.hashing import (
@@ -276,24 +281,105 @@ def hash_block_tokens(
     return hash_fn((parent_block_hash, tuple(curr_block_token_ids), extra_keys))
 
 
-def generate_block_hash_extra_keys(request: Any, start_token_idx: int, end_token_idx: int) -> tuple[Any, ...] | None:
-    """Extra keys for the block covering tokens ``[start, end)``, in vLLM's order.
+def _gen_mm_extra_hash_keys(
+    request: Any, start_token_idx: int, end_token_idx: int, start_mm_idx: int
+) -> tuple[list[Any], int]:
+    """``("mm", identifier, offset - start)`` for each item overlapping ``[start, end)``,
+    walking the (offset-sorted) items from ``start_mm_idx``; returns the keys and the index
+    the next block resumes from."""
+    keys: list[Any] = []
+    features = request.mm_features
+    if not features:
+        return keys, start_mm_idx
+    last = features[-1]
+    if last.offset + last.length <= start_token_idx:
+        return keys, start_mm_idx  # every item ends before this block (decode, late prefill)
+    if start_mm_idx < 0:
+        start_mm_idx += len(features)  # -1: the last item (vLLM <= 0.30's resume rule)
+    i = start_mm_idx
+    while i < len(features):
+        f = features[i]
+        if end_token_idx <= f.offset:
+            break  # the block ends before this item
+        if start_token_idx >= f.offset + f.length:
+            i += 1  # the block is past this item
+            continue
+        keys.append(("mm", f.identifier, f.offset - start_token_idx))
+        if end_token_idx >= f.offset + f.length:
+            i += 1  # the item ends inside the block: the next item may start in it too
+        else:
+            break  # the item runs past the block
+    return keys, i
 
-    LoRA name (every block, since the adapter changes every K and V), then each multimodal
-    item overlapping the block as ``(identifier, offset - start)`` (the image, and where in
-    the block its placeholder begins), then ``cache_salt`` (first block only).
+
+def _prompt_embeds_bytes(rows: Any) -> bytes:
+    """The raw bytes of some embedding rows, as vLLM's ``tensor_data`` sees them.
+
+    numpy arrays and CPU torch tensors (of a numpy dtype) give their memory as is; nested
+    lists of numbers are read as float32, which is what ``numpy.asarray(rows, float32)``
+    would hold. The core never imports numpy or torch: it only calls methods of the object.
     """
+    if hasattr(rows, "tobytes"):
+        return rows.tobytes()
+    if hasattr(rows, "detach") and hasattr(rows, "numpy"):
+        return rows.detach().cpu().contiguous().numpy().tobytes()
+    flat = [float(x) for row in rows for x in row]
+    return struct.pack(f"<{len(flat)}f", *flat)
+
+
+def _gen_prompt_embeds_extra_hash_keys(request: Any, start_token_idx: int, end_token_idx: int) -> list[Any]:
+    """A request given as embeddings instead of token ids (vLLM's ``prompt_embeds``) has
+    placeholder token ids, so the ids cannot tell two prompts apart: the SHA-256 of each
+    block's embedding rows goes into its key (computed once per block range)."""
+    embeds = request.prompt_embeds
+    if embeds is None:
+        return []
+    cache = request._prompt_embeds_per_block_hashes
+    rng = (start_token_idx, end_token_idx)
+    digest = cache.get(rng)
+    if digest is None:
+        digest = cache[rng] = hashlib.sha256(_prompt_embeds_bytes(embeds[start_token_idx:end_token_idx])).digest()
+    return [("prompt_embeds", digest)]
+
+
+def generate_block_hash_extra_keys(
+    request: Any, start_token_idx: int, end_token_idx: int, start_mm_idx: int = 0
+) -> tuple[Any, ...] | None:
+    """Extra keys for the block covering tokens ``[start, end)``, in vLLM's order and, as in
+    vLLM >= 0.31, each tagged with what it is (so a LoRA name can never be mistaken for a
+    salt):
+
+    * ``("lora", lora_name, lora_path)`` -- every block, since the adapter changes every K and V;
+    * ``("mm", identifier, offset - start)`` -- each multimodal item overlapping the block (the
+      image, and where in the block its placeholder begins);
+    * ``("cache_salt", salt)`` -- the first block only (the chain carries it further);
+    * ``("prompt_embeds", digest)`` -- the block's embedding rows, for embedding prompts.
+
+    None (not an empty tuple) when there is nothing to add.
+    """
+    return generate_block_hash_extra_keys_and_next_mm(request, start_token_idx, end_token_idx, start_mm_idx)[0]
+
+
+def generate_block_hash_extra_keys_and_next_mm(
+    request: Any, start_token_idx: int, end_token_idx: int, start_mm_idx: int = 0
+) -> tuple[tuple[Any, ...] | None, int]:
+    """``generate_block_hash_extra_keys`` plus the multimodal index the next block resumes
+    from (vLLM's ``generate_block_hash_extra_keys`` returns both)."""
+    mm_keys, next_mm = _gen_mm_extra_hash_keys(request, start_token_idx, end_token_idx, start_mm_idx)
     keys: list[Any] = []
     if request.lora_name is not None:
-        keys.append(request.lora_name)
-    for f in request.mm_features:
-        if f.offset >= end_token_idx:
-            break  # features are sorted by offset
-        if f.offset + f.length > start_token_idx:
-            keys.append((f.identifier, f.offset - start_token_idx))
-    if start_token_idx == 0 and request.cache_salt is not None:
-        keys.append(request.cache_salt)
-    return tuple(keys) if keys else None
+        keys.append(("lora", request.lora_name, request.lora_path))
+    keys += mm_keys
+    if start_token_idx == 0 and request.cache_salt:
+        keys.append(("cache_salt", request.cache_salt))
+    keys += _gen_prompt_embeds_extra_hash_keys(request, start_token_idx, end_token_idx)
+    return (tuple(keys) if keys else None), next_mm
+
+
+def first_mm_index_in_window(features: Sequence[Any], start: int, end: int) -> int:
+    """Index of the first item that ends after ``start`` (vLLM's ``get_mm_features_in_window``
+    lower bound): where a hasher resuming at token ``start`` begins its walk."""
+    return bisect.bisect_left(features, start + 1, key=lambda f: f.offset + f.length)
 
 
 ExtraKeysFn = Callable[[Any, int, int], "tuple[Any, ...] | None"]
@@ -319,10 +405,13 @@ class RequestBlockHasher:
     digest -- the very bytes ``hash_block_tokens`` would hash, so the hashes are identical.
     """
 
-    __slots__ = ("block_size", "hash_fn", "extra_keys_fn", "_default_extra_keys", "_sha256_after_header")
+    __slots__ = ("block_size", "hash_fn", "extra_keys_fn", "mm_resume", "_default_extra_keys", "_sha256_after_header")
 
-    def __init__(self, block_size: int, hash_fn: HashFn, extra_keys_fn: ExtraKeysFn | None = None) -> None:
+    def __init__(self, block_size: int, hash_fn: HashFn, extra_keys_fn: ExtraKeysFn | None = None, mm_resume: str = "window") -> None:
+        if mm_resume not in ("window", "last"):
+            raise ValueError(f"mm_resume must be 'window' or 'last', got {mm_resume!r}")
         self.block_size = block_size
+        self.mm_resume = mm_resume
         self.hash_fn = hash_fn
         self._default_extra_keys = extra_keys_fn is None
         self.extra_keys_fn: ExtraKeysFn = generate_block_hash_extra_keys if extra_keys_fn is None else extra_keys_fn
@@ -339,7 +428,11 @@ class RequestBlockHasher:
         parent = hashes[-1] if hashes else (NONE_HASH if self.hash_fn is _none_hash_fn else none_hash_for(self.hash_fn))
         # Without LoRA or images, only a salted first block has extra keys (vLLM's rule):
         # skip the call for every other block -- unless a custom extra_keys_fn must see all.
-        simple = self._default_extra_keys and request.lora_name is None and not request.mm_features
+        simple = self._default_extra_keys and request.lora_name is None and not request.mm_features and request.prompt_embeds is None
+        # vLLM <= 0.30 resumed the walk over the images at the LAST one when a call continues
+        # a request (``mm_resume="last"``); vLLM >= 0.31 -- and the default -- every image
+        # overlapping the block counts, which is what a walk from the first item gives.
+        mm_idx = -1 if self.mm_resume == "last" and start > 0 and request.mm_features else None
         after_header = self._sha256_after_header
         salt = request.cache_salt
         extra_keys_fn, hash_fn = self.extra_keys_fn, self.hash_fn
@@ -348,7 +441,12 @@ class RequestBlockHasher:
             if simple and after_header is not None and (start or salt is None) and len(parent) == 32 and num_tokens - start >= 2 * bs:
                 break  # several blocks, none with extra keys: the sha256 loop below does them all
             end = start + bs
-            extra = None if simple and (start or salt is None) else extra_keys_fn(request, start, end)
+            if simple and (start or salt is None):
+                extra = None
+            elif mm_idx is not None:
+                extra, mm_idx = generate_block_hash_extra_keys_and_next_mm(request, start, end, mm_idx)
+            else:
+                extra = extra_keys_fn(request, start, end)
             if after_header is not None and extra is None and len(parent) == 32:
                 h = after_header.copy()
                 h.update(parent + packed[4 * start : 4 * end])
@@ -372,12 +470,106 @@ class RequestBlockHasher:
 
     def __repr__(self) -> str:
         extra = "" if self._default_extra_keys else f", extra_keys_fn={getattr(self.extra_keys_fn, '__name__', self.extra_keys_fn)!s}"
+        extra += "" if self.mm_resume == "window" else f", mm_resume={self.mm_resume!r}"
         return f"RequestBlockHasher(block_size={self.block_size}, hash_fn={getattr(self.hash_fn, '__name__', self.hash_fn)!s}{extra})"
 
 
-def get_request_block_hasher(block_size: int, hash_fn: HashFn, extra_keys_fn: ExtraKeysFn | None = None) -> RequestBlockHasher:
-    """The hasher of a request's new full blocks (vLLM's name); see :class:`RequestBlockHasher`."""
-    return RequestBlockHasher(block_size, hash_fn, extra_keys_fn)
+def get_request_block_hasher(
+    block_size: int, hash_fn: HashFn, extra_keys_fn: ExtraKeysFn | None = None, mm_resume: str = "window"
+) -> RequestBlockHasher:
+    """The hasher of a request's new full blocks (vLLM's name); see :class:`RequestBlockHasher`.
+
+    ``block_size`` is the HASH block size: with groups of several block sizes, the GCD of
+    them; a group with larger blocks reads the hash at the end of each of its blocks.
+    ``mm_resume``: ``"window"`` (vLLM >= 0.31) or ``"last"`` (vLLM <= 0.30), lesson 06."""
+    return RequestBlockHasher(block_size, hash_fn, extra_keys_fn, mm_resume)
+
+
+# --- groups with different block sizes ------------------------------------------------------
+class BlockHashListWithBlockSize:
+    """A request's hashes seen at a larger block size (vLLM's class of the same name).
+
+    Hashes are computed every ``hash_block_size`` tokens and each one is chained over the
+    whole prefix before it, so the LAST ``hash_block_size`` hash inside a block of
+    ``target_block_size`` tokens already names that block's whole prefix: it *is* the
+    block's hash (vLLM >= 0.24; older vLLM concatenated the small hashes instead). With 16
+    and 32: small hashes ``A B C D`` for tokens 0-15, 16-31, 32-47, 48-63 give the 32-token
+    blocks the hashes ``B`` and ``D``.
+    """
+
+    __slots__ = ("block_hashes", "scale_factor")
+
+    def __init__(self, block_hashes: Sequence[BlockHash], hash_block_size: int, target_block_size: int) -> None:
+        if target_block_size % hash_block_size:
+            raise ValueError(f"target_block_size {target_block_size} is not a multiple of hash_block_size {hash_block_size}")
+        self.block_hashes = block_hashes
+        self.scale_factor = target_block_size // hash_block_size
+
+    def __len__(self) -> int:
+        return len(self.block_hashes) // self.scale_factor
+
+    def __getitem__(self, idx: int | slice) -> Any:
+        if isinstance(idx, slice):
+            return [self[i] for i in range(*idx.indices(len(self)))]
+        if idx < 0:
+            idx += len(self)
+        if not 0 <= idx < len(self):
+            raise IndexError(f"block {idx} out of range ({len(self)} blocks)")
+        return self.block_hashes[(idx + 1) * self.scale_factor - 1]
+
+    def __iter__(self) -> Iterator[BlockHash]:
+        for i in range(len(self)):
+            yield self.block_hashes[(i + 1) * self.scale_factor - 1]
+
+
+def resolve_block_hashes(block_hashes: Sequence[BlockHash], hash_block_size: int, block_size: int) -> Sequence[BlockHash]:
+    """The request's hashes at ``block_size``: the list itself when the sizes agree."""
+    if block_size == hash_block_size or isinstance(block_hashes, BlockHashListWithBlockSize):
+        return block_hashes
+    return BlockHashListWithBlockSize(block_hashes, hash_block_size, block_size)
+
+
+def trim_null_head(blocks: list[KVCacheBlock]) -> list[KVCacheBlock]:
+    """The table without its leading null blocks (a window's skipped prefix)."""
+    i = 0
+    while i < len(blocks) and blocks[i].is_null:
+        i += 1
+    return blocks[i:] if i else blocks
+
+
+def unify_kv_cache_spec_page_size(specs: Sequence[Any]) -> list[Any]:
+    """Give every group the same page size, the way vLLM plans a hybrid model's pool.
+
+    One pool of pages serves every group, so a page must hold one block of any group. The
+    largest page wins; a group with a smaller page gets a proportionally larger
+    ``block_size`` (its layers store fewer bytes per token, so more tokens fit the page); a
+    Mamba group, whose page is one state whatever the block size, is padded instead. A page
+    that does not divide the largest one is padded if it is plain attention and refused
+    otherwise -- as in vLLM (``unify_kv_cache_spec_page_size``)."""
+    from kvlab.kv_cache_interface import AttentionSpec, MambaSpec, MLAAttentionSpec
+
+    specs = list(specs)
+    for i, s in enumerate(specs):
+        if s.block_size is None:
+            raise ValueError(f"specs[{i}].block_size is None: give every spec a block size before unifying")
+    sizes = [s.page_size_bytes for s in specs]
+    target = max(sizes)
+    out = []
+    for i, (s, size) in enumerate(zip(specs, sizes)):
+        if size == target:
+            out.append(s)
+        elif isinstance(s, MambaSpec):
+            out.append(replace(s, page_size_padded=target))
+        elif target % size == 0:
+            out.append(s.with_block_size(s.block_size * (target // size)))
+        elif isinstance(s, AttentionSpec) and not isinstance(s, MLAAttentionSpec):
+            raise ValueError(
+                f"specs[{i}]: page of {size} bytes does not divide the largest page ({target} bytes); "
+                "vLLM pads such a page, kvlab asks you to pick sizes that divide"
+            )
+        else:
+            raise ValueError(f"specs[{i}]: page of {size} bytes does not divide the largest page ({target} bytes) and cannot be padded")
+    return out
 
 
 # --- how hashes and extra keys appear in vLLM's KV cache events (lesson 08) -------------------

@@ -1,7 +1,24 @@
-"""Per-group managers: one block table per request for one KV-cache group.
+"""Per-group managers: one block table per request for one KV-cache group (lesson 07).
 
-vLLM: ``vllm/v1/core/single_type_kv_cache_manager.py``. The group's spec decides two
-things: which cached prefix counts as a hit, and which blocks a request may drop.
+vLLM: ``vllm/v1/core/single_type_kv_cache_manager.py`` (v0.33). The group's spec decides
+three things: which cached prefix counts as a hit (``find_longest_cache_hit``), which
+blocks a request may drop (``get_num_skipped_tokens``), and which full blocks are worth a
+prefix-cache entry at all (``reachable_block_mask``).
+
+=========================  ===============================================================
+manager                    what a hit needs / what the request may drop
+=========================  ===============================================================
+``FullAttentionManager``   every block from block 0 / nothing (also MLA: one latent, same
+                           table)
+``SlidingWindowManager``   the ``cdiv(W - 1, block_size)`` blocks before the hit end /
+                           every block that left the window
+``ChunkedLocalAttention``  the cached blocks of the hit's own chunk / every finished chunk
+``MambaManager``           one saved state: the block ending at the hit / all but the state
+                           it reads and the one it writes
+=========================  ===============================================================
+
+Every manager keeps its tables append-only except for null padding: a block a request no
+longer needs becomes the null block (id 0) in its table and goes back to the pool.
 """
 from __future__ import annotations
 
@@ -9,8 +26,15 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from kvlab.core.block_pool import BlockPool, group_suffix
-from kvlab.core.kv_cache_utils import KVCacheBlock
-from kvlab.kv_cache_interface import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from kvlab.core.kv_cache_utils import KVCacheBlock, resolve_block_hashes, trim_null_head
+from kvlab.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
 from kvlab.timeline.events import BlocksSkipped, BlocksTouched
 from kvlab.utils.hashing import BlockHash
 
@@ -20,45 +44,117 @@ def cdiv(a: int, b: int) -> int:
 
 
 class SingleTypeKVCacheManager:
-    def __init__(self, kv_cache_spec: KVCacheSpec, block_pool: BlockPool, kv_cache_group_id: int) -> None:
+    """The block tables of one KV-cache group."""
+
+    def __init__(
+        self,
+        kv_cache_spec: KVCacheSpec,
+        block_pool: BlockPool,
+        kv_cache_group_id: int,
+        enable_caching: bool = True,
+        scheduler_block_size: int | None = None,
+        max_admission_blocks_per_request: int | None = None,
+    ) -> None:
         assert kv_cache_spec.block_size is not None
         self.kv_cache_spec = kv_cache_spec
         self.block_size: int = kv_cache_spec.block_size
         self.block_pool = block_pool
         self.kv_cache_group_id = kv_cache_group_id
+        self.enable_caching = enable_caching
+        # Hits land on multiples of this (the LCM of the groups' block sizes); the
+        # coordinator sets it. The pool's hashes come every `hash_block_size` tokens.
+        self.scheduler_block_size = scheduler_block_size or self.block_size
+        self.cache_hit_alignment_tokens = self.scheduler_block_size
+        # The most blocks a request of this group can hold at once (window/chunk groups
+        # only): the admission gate counts no more than this for the whole prompt.
+        self.max_admission_blocks_per_request = max_admission_blocks_per_request
+        self.use_eagle = False  # set by the coordinator
         self._null_block = block_pool.null_block
         # request id -> its block table for this group (append-only, except null padding).
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # request id -> how many of its blocks are cached (have a hash in the map).
         self.num_cached_block: dict[str, int] = {}
 
-    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, new_computed_blocks: Sequence[KVCacheBlock]) -> int:
-        """Free blocks needed to hold ``num_tokens``. A hit block that sits on the free queue
-        (ref 0, evictable) counts too: adopting it takes it out of the free supply."""
+    # -- how many blocks ------------------------------------------------------------------------
+    @staticmethod
+    def _get_num_evictable_blocks(blocks: Sequence[KVCacheBlock]) -> int:
+        return sum(1 for b in blocks if b.ref_cnt == 0 and not b.is_null)
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        total_computed_tokens: int,
+        num_local_computed_tokens: int,
+        num_tokens_main_model: int,
+        apply_admission_cap: bool = False,
+    ) -> int:
+        """Free blocks needed so the request has slots for ``num_tokens`` tokens.
+
+        A hit block that sits on the free queue (ref 0, evictable) counts too: adopting it
+        takes it out of the free supply. Hit blocks that already left the window are not
+        adopted, so they do not count; neither do slots before the window.
+        ``apply_admission_cap`` (the whole-prompt admission gate) counts at most the blocks
+        a request of this group can ever hold at once.
+        """
         num_required = cdiv(num_tokens, self.block_size)
-        have = len(new_computed_blocks) + len(self.req_to_blocks.get(request_id, ()))
-        num_evictable = sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and not b.is_null)
-        return max(0, num_required - have) + num_evictable
+        if apply_admission_cap and self.max_admission_blocks_per_request is not None:
+            num_required = min(num_required, self.max_admission_blocks_per_request)
+        num_req_blocks = len(self.req_to_blocks.get(request_id, ()))
+        if request_id in self.num_cached_block:
+            # A running request: no new hits.
+            return max(num_required - num_req_blocks, 0)
+        num_skipped_blocks = self.get_num_skipped_tokens(total_computed_tokens) // self.block_size
+        num_local_blocks = len(new_computed_blocks) + num_req_blocks
+        num_new = max(num_required - max(num_skipped_blocks, num_local_blocks), 0)
+        num_skipped_hits = max(0, num_skipped_blocks - num_req_blocks)
+        return num_new + self._get_num_evictable_blocks(new_computed_blocks[num_skipped_hits:])
 
-    def save_new_computed_blocks(self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock]) -> None:
-        """Adopt a new request's prefix hits: touch them (before any allocation can evict
-        them) and start its block table with them."""
-        if request_id not in self.num_cached_block:
-            blocks = self.req_to_blocks.setdefault(request_id, [])
-            assert not blocks, "a new request already has blocks"
-            pool = self.block_pool
-            if pool.enable_caching and new_computed_blocks:
-                pool.touch(new_computed_blocks)
-                if pool.events is not None:
-                    pool.events.emit(
-                        BlocksTouched(request_id=request_id, group=self.kv_cache_group_id, block_ids=[b.block_id for b in new_computed_blocks])
-                    )
-            blocks.extend(new_computed_blocks)
-            self.num_cached_block[request_id] = len(new_computed_blocks)
-        else:
-            assert not new_computed_blocks, "a running request cannot receive prefix hits"
+    # -- adopting hits and allocating -----------------------------------------------------------
+    def add_local_computed_blocks(
+        self,
+        request_id: str,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        num_local_computed_tokens: int,
+        num_external_computed_tokens: int,
+    ) -> None:
+        """Start a new request's table with its prefix hits.
 
-    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
+        Hit positions the first computed token will never read (outside the window or the
+        chunk) become the null block and their blocks are NOT touched: the request does not
+        hold them, so they stay evictable. The rest are touched before anything is
+        allocated, so an allocation cannot evict them.
+        """
+        req_blocks = self.req_to_blocks.setdefault(request_id, [])
+        assert not req_blocks, "a new request already has blocks"
+        total = num_local_computed_tokens + num_external_computed_tokens
+        num_skipped = self.get_num_skipped_tokens(total) // self.block_size
+        hits = list(new_computed_blocks[num_skipped:]) if num_skipped else list(new_computed_blocks)
+        if not self.enable_caching:
+            assert not any(not b.is_null for b in hits), "prefix hits while caching is off"
+        adopted = [self._null_block] * num_skipped + hits
+        self._touch(request_id, adopted)
+        req_blocks.extend(adopted)
+        self.num_cached_block[request_id] = len(req_blocks)
+
+    def allocate_external_computed_blocks(
+        self, request_id: str, num_local_computed_tokens: int, num_external_computed_tokens: int
+    ) -> None:
+        """Blocks for tokens whose KV a connector supplies (``num_external_computed_tokens``):
+        the request needs slots to receive them, except where they fall outside the window.
+        Runs only after every group's hits were touched (vLLM issue #33775)."""
+        total = num_local_computed_tokens + num_external_computed_tokens
+        skipped = self.get_num_skipped_tokens(total)
+        if skipped > 0:
+            num_external_computed_tokens = min(total - skipped, num_external_computed_tokens)
+        if num_external_computed_tokens <= 0:
+            return
+        req_blocks = self.req_to_blocks.setdefault(request_id, [])
+        num_new = max(0, cdiv(total, self.block_size) - len(req_blocks))
+        req_blocks.extend(self.block_pool.get_new_blocks(num_new, request_id=request_id, group=self.kv_cache_group_id))
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int) -> list[KVCacheBlock]:
         blocks = self.req_to_blocks.setdefault(request_id, [])
         num_new = cdiv(num_tokens, self.block_size) - len(blocks)
         if num_new <= 0:
@@ -67,23 +163,50 @@ class SingleTypeKVCacheManager:
         blocks.extend(new)
         return new
 
+    def _touch(self, request_id: str, blocks: list[KVCacheBlock]) -> None:
+        """``BlockPool.touch`` (vLLM's) and the ``BlocksTouched`` event for the pictures: the
+        table positions as the request will hold them, null blocks included."""
+        if not blocks:
+            return
+        pool = self.block_pool
+        pool.touch(blocks)
+        if pool.events is not None:
+            pool.events.emit(BlocksTouched(request_id=request_id, group=self.kv_cache_group_id, block_ids=[b.block_id for b in blocks]))
+
+    # -- caching --------------------------------------------------------------------------------
+    def reachable_block_mask(self, start_block: int, end_block: int) -> list[bool] | None:
+        """Which of blocks ``[start, end)`` could ever serve a hit (None: all of them)."""
+        return None
+
     def cache_blocks(self, request: Any, num_tokens: int) -> None:
         """Cache the request's blocks that ``num_tokens`` computed tokens have filled."""
+        if not self.kv_cache_spec.prefix_cacheable:
+            return
         rid = request.request_id
-        num_cached = self.num_cached_block[rid]
-        num_full = num_tokens // self.block_size
+        num_cached = self.num_cached_block.get(rid, 0)
+        num_hashed_tokens = len(request.block_hashes) * (self.block_pool.hash_block_size or self.block_size)
+        num_full = min(num_tokens, num_hashed_tokens) // self.block_size
         if num_cached >= num_full:
             return
         self.block_pool.cache_full_blocks(
-            request, self.req_to_blocks[rid], num_cached, num_full, self.block_size, self.kv_cache_group_id
+            request,
+            self.req_to_blocks[rid],
+            num_cached,
+            num_full,
+            self.block_size,
+            self.kv_cache_group_id,
+            self.reachable_block_mask(num_cached, num_full),
         )
         self.num_cached_block[rid] = num_full
 
+    # -- freeing --------------------------------------------------------------------------------
     def free(self, request_id: str) -> None:
-        """Give a finished or preempted request's blocks back, in :meth:`free_order`."""
-        blocks = self.req_to_blocks.pop(request_id, [])
-        self.block_pool.free_blocks(self.free_order(blocks), request_id=request_id, group=self.kv_cache_group_id)
+        """Release the table *tail first*: the tail is the least reusable part of a prefix,
+        so it should be the first to be evicted (lesson 04). Leading null blocks (a window's
+        skipped prefix) are not passed on."""
+        blocks = trim_null_head(self.req_to_blocks.pop(request_id, []))
         self.num_cached_block.pop(request_id, None)
+        self.block_pool.free_blocks(self.free_order(blocks), request_id=request_id, group=self.kv_cache_group_id)
 
     @staticmethod
     def free_order(blocks: list[KVCacheBlock]) -> Iterable[KVCacheBlock]:
@@ -93,6 +216,7 @@ class SingleTypeKVCacheManager:
         return reversed(blocks)
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        """Tokens no future query of this group reads, once ``num_computed_tokens`` are done."""
         return 0
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
@@ -103,22 +227,38 @@ class SingleTypeKVCacheManager:
         blocks = self.req_to_blocks.get(request_id)
         if not blocks:
             return
-        num_skipped_blocks = min(num_skipped_tokens // self.block_size, len(blocks))
+        self._remove_blocks_in_range(request_id, 0, min(num_skipped_tokens // self.block_size, len(blocks)))
+
+    def _remove_blocks_in_range(self, request_id: str, first_block: int, last_block: int) -> None:
+        """Null and free blocks ``[first, last)``, walking backwards and stopping at the first
+        null (everything before it was nulled by an earlier call)."""
+        blocks = self.req_to_blocks.get(request_id)
+        if not blocks or first_block >= last_block:
+            return
         removed: list[KVCacheBlock] = []
         positions: list[int] = []
-        for i in range(num_skipped_blocks - 1, -1, -1):
-            if blocks[i] is self._null_block:
-                break  # everything before it was nulled by an earlier call
+        for i in range(min(last_block, len(blocks)) - 1, first_block - 1, -1):
+            if blocks[i].is_null:
+                break
             removed.append(blocks[i])
             positions.append(i)
             blocks[i] = self._null_block
+        self._free_removed(request_id, positions, removed)
+
+    def _free_removed(self, request_id: str, positions: list[int], removed: list[KVCacheBlock]) -> None:
         if not removed:
             return
         events = self.block_pool.events
         if events is not None:
-            events.emit(BlocksSkipped(request_id=request_id, group=self.kv_cache_group_id, positions=positions, block_ids=[b.block_id for b in removed]))
+            events.emit(
+                BlocksSkipped(request_id=request_id, group=self.kv_cache_group_id, positions=positions, block_ids=[b.block_id for b in removed])
+            )
         self.block_pool.free_blocks(removed, request_id=request_id, group=self.kv_cache_group_id, reason="window")
 
+    def new_step_starts(self) -> None:
+        return None
+
+    # -- prefix hits ----------------------------------------------------------------------------
     @classmethod
     def find_longest_cache_hit(
         cls,
@@ -127,76 +267,339 @@ class SingleTypeKVCacheManager:
         kv_cache_group_ids: Sequence[int],
         block_pool: BlockPool,
         kv_cache_spec: KVCacheSpec,
-    ) -> tuple[list[KVCacheBlock], ...]:
+        drop_eagle_block: bool = False,
+        alignment_tokens: int | None = None,
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+        """The longest usable hit of at most ``max_length`` tokens for the groups
+        ``kv_cache_group_ids`` (all of this spec), as (one block list per group, hit length).
+        Positions the next token will not read are the null block. ``drop_eagle_block``:
+        give back the last matched block (EAGLE recomputes it to get its hidden states);
+        ``alignment_tokens``: the hit length must be a multiple of it."""
         raise NotImplementedError
+
+
+def _lookup(block_pool: BlockPool, block_hash: BlockHash, group_ids: Sequence[int]) -> list[KVCacheBlock] | None:
+    if len(group_ids) == 1:
+        blk = block_pool.cached_block_hash_to_block.get_one_block(block_hash + group_suffix(group_ids[0]))
+        return None if blk is None else [blk]
+    return block_pool.get_cached_block(block_hash, group_ids)
 
 
 class FullAttentionManager(SingleTypeKVCacheManager):
     @classmethod
-    def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids, block_pool, kv_cache_spec):
-        """Walk the chain from the first block and stop at the first miss."""
+    def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids, block_pool, kv_cache_spec,
+                               drop_eagle_block=False, alignment_tokens=None):
+        """Walk the chain from the first block and stop at the first miss (a later block
+        cannot be cached without its parent having been: the hashes are chained)."""
+        bs = kv_cache_spec.block_size
+        alignment = alignment_tokens or bs
+        hashes = resolve_block_hashes(block_hashes, block_pool.hash_block_size or bs, bs)
         computed: tuple[list[KVCacheBlock], ...] = tuple([] for _ in kv_cache_group_ids)
-        max_num_blocks = max_length // kv_cache_spec.block_size
+        n = max(0, max_length) // bs
         if len(kv_cache_group_ids) == 1:  # the common case, without the per-group zip
             out = computed[0]
             get = block_pool.cached_block_hash_to_block.get_one_block
             suffix = group_suffix(kv_cache_group_ids[0])
-            for h in block_hashes[:max_num_blocks]:
-                blk = get(h + suffix)
+            for i in range(min(n, len(hashes))):
+                blk = get(hashes[i] + suffix)
                 if blk is None:
                     break
                 out.append(blk)
-            return computed
-        for h in block_hashes[:max_num_blocks]:
-            hit = block_pool.get_cached_block(h, kv_cache_group_ids)
-            if hit is None:
-                break
-            for lst, blk in zip(computed, hit):
-                lst.append(blk)
-        return computed
+        else:
+            for i in range(min(n, len(hashes))):
+                hit = block_pool.get_cached_block(hashes[i], kv_cache_group_ids)
+                if hit is None:
+                    break
+                for lst, blk in zip(computed, hit):
+                    lst.append(blk)
+        hit_length = len(computed[0]) * bs
+        if drop_eagle_block and hit_length > 0:
+            hit_length -= min(alignment, bs)
+        hit_length -= hit_length % alignment
+        keep = cdiv(hit_length, bs)
+        for lst in computed:
+            del lst[keep:]
+        return computed, hit_length
 
 
 class SlidingWindowManager(SingleTypeKVCacheManager):
-    def __init__(self, kv_cache_spec: SlidingWindowSpec, block_pool: BlockPool, kv_cache_group_id: int) -> None:
-        super().__init__(kv_cache_spec, block_pool, kv_cache_group_id)
+    def __init__(self, kv_cache_spec: SlidingWindowSpec, block_pool: BlockPool, kv_cache_group_id: int, *args: Any, **kwargs: Any) -> None:
+        super().__init__(kv_cache_spec, block_pool, kv_cache_group_id, *args, **kwargs)
         self.sliding_window = kv_cache_spec.sliding_window
+
+    @staticmethod
+    def _contiguous_blocks_for_hit(window: int, block_size: int, use_eagle: bool) -> int:
+        """Blocks a hit needs right before its end: the next token reads W - 1 earlier
+        tokens (one more block when EAGLE drops the last one)."""
+        return cdiv(window - 1, block_size) + (1 if use_eagle else 0)
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         return max(0, num_computed_tokens - self.sliding_window + 1)
 
+    def reachable_block_mask(self, start_block: int, end_block: int) -> list[bool] | None:
+        """A window hit at an aligned length reads only the ``need`` blocks before it, so a
+        block that is never among them is not worth a cache entry.
+
+        Hits land on multiples of ``cache_hit_alignment_tokens`` (one block when all groups
+        have this block size: then every block may end a hit and all are cached). With a
+        larger alignment only the last ``need`` blocks of each aligned segment are cached.
+        ``W = 1`` needs no block at all, so -- as in vLLM 0.33 -- no block of such a group is
+        ever cached, and the group allows no hit."""
+        alignment = self.cache_hit_alignment_tokens
+        if alignment % self.block_size:
+            return None
+        need = self._contiguous_blocks_for_hit(self.sliding_window, self.block_size, self.use_eagle)
+        per_segment = alignment // self.block_size
+        if need >= per_segment:
+            return None
+        shift = 1 if self.use_eagle else 0
+        return [i >= shift and (i - shift) % per_segment >= per_segment - need for i in range(start_block, end_block)]
+
     @classmethod
-    def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids, block_pool, kv_cache_spec):
-        """A hit needs only the blocks the *next* token's window reads: ``cdiv(W - 1,
-        block_size)`` contiguous cached blocks ending at the hit length. Search right to
-        left; blocks before the run are padded with the null block."""
-        contiguous_needed = cdiv(kv_cache_spec.sliding_window - 1, kv_cache_spec.block_size)
-        max_num_blocks = max_length // kv_cache_spec.block_size
+    def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids, block_pool, kv_cache_spec,
+                               drop_eagle_block=False, alignment_tokens=None):
+        """Search right to left for ``need`` contiguous cached blocks ending at an aligned
+        length; blocks before the run are the null block. Without such a run, only a run
+        starting at block 0 is usable (nothing before it was ever in the window)."""
+        bs = kv_cache_spec.block_size
+        alignment = alignment_tokens or bs
+        hashes = resolve_block_hashes(block_hashes, block_pool.hash_block_size or bs, bs)
+        need = cls._contiguous_blocks_for_hit(kv_cache_spec.sliding_window, bs, drop_eagle_block)
+        n = min(max(0, max_length) // bs, len(hashes))
         null = block_pool.null_block
-        computed = tuple([null] * max_num_blocks for _ in kv_cache_group_ids)
+        computed = tuple([null] * n for _ in kv_cache_group_ids)
         run = 0
         found = False
-        for i in range(max_num_blocks - 1, -1, -1):
-            hit = block_pool.get_cached_block(block_hashes[i], kv_cache_group_ids)
-            if hit is not None:
-                for lst, blk in zip(computed, hit):
-                    lst[i] = blk
-                run += 1
-                if run >= contiguous_needed:
-                    for lst in computed:
-                        del lst[i + run :]
-                    found = True
-                    break
-            else:
+        for i in range(n - 1, -1, -1):
+            hit = _lookup(block_pool, hashes[i], kv_cache_group_ids)
+            if hit is None:
                 run = 0
+                continue
+            if run == 0 and bs != alignment:
+                end_blocks = i if drop_eagle_block else i + 1
+                if end_blocks * bs % alignment:
+                    continue  # a run must end at an aligned length
+            for lst, blk in zip(computed, hit):
+                lst[i] = blk
+            run += 1
+            if run >= need:
+                for lst in computed:
+                    del lst[i + run :]
+                found = True
+                break
         if not found:
-            # Only a run starting at block 0 is usable when it is shorter than needed
-            # (nothing before it was ever in the window).
             for lst in computed:
                 del lst[run:]
-        return computed
+            while bs != alignment and len(computed[0]) * bs % alignment:
+                for lst in computed:
+                    lst.pop()
+        if drop_eagle_block and computed[0]:
+            for lst in computed:
+                lst.pop()
+            while bs != alignment and len(computed[0]) * bs % alignment:
+                for lst in computed:
+                    lst.pop()
+        return computed, len(computed[0]) * bs
+
+
+class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
+    def __init__(self, kv_cache_spec: ChunkedLocalAttentionSpec, block_pool: BlockPool, kv_cache_group_id: int, *args: Any, **kwargs: Any) -> None:
+        super().__init__(kv_cache_spec, block_pool, kv_cache_group_id, *args, **kwargs)
+        self.attention_chunk_size = kv_cache_spec.attention_chunk_size
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        """Every token of a finished chunk: the next query reads only its own chunk."""
+        return num_computed_tokens // self.attention_chunk_size * self.attention_chunk_size
+
+    @classmethod
+    def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids, block_pool, kv_cache_spec,
+                               drop_eagle_block=False, alignment_tokens=None):
+        """Blocks of chunks before the hit's own chunk are never read: they count as hit
+        without a lookup (null blocks). Inside the last chunk, walk left to right."""
+        bs = kv_cache_spec.block_size
+        hashes = resolve_block_hashes(block_hashes, block_pool.hash_block_size or bs, bs)
+        n = min(max(0, max_length) // bs, len(hashes))
+        chunk = kv_cache_spec.attention_chunk_size
+        start_block = (max(0, max_length) // chunk * chunk) // bs
+        computed = tuple([block_pool.null_block] * start_block for _ in kv_cache_group_ids)
+        for i in range(start_block, n):
+            hit = _lookup(block_pool, hashes[i], kv_cache_group_ids)
+            if hit is None:
+                break
+            for lst, blk in zip(computed, hit):
+                lst.append(blk)
+        return computed, len(computed[0]) * bs
+
+
+class MambaManager(SingleTypeKVCacheManager):
+    """A state group: the "table" of a request holds state blocks, one per
+    ``block_size`` tokens in ``align`` mode, all but the last one or two of them null."""
+
+    def __init__(self, kv_cache_spec: MambaSpec, block_pool: BlockPool, kv_cache_group_id: int, *args: Any, **kwargs: Any) -> None:
+        super().__init__(kv_cache_spec, block_pool, kv_cache_group_id, *args, **kwargs)
+        self.mamba_cache_mode = kv_cache_spec.mamba_cache_mode
+        if self.enable_caching and self.mamba_cache_mode != "align":
+            raise ValueError("a MambaSpec group with prefix caching needs mamba_cache_mode='align' (as in vLLM)")
+        # Saved states cached during this step: another request may not start from them
+        # before the step that writes them has run (vLLM defers it to the next step).
+        self.cached_blocks_this_step: set[bytes] = set()
+        self.last_state_block_idx: dict[str, int] = {}
+        self._num_retired_blocks: dict[str, int] = {}
+        self._allocated_block_reqs: set[str] = set()
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        """Only the state after the last computed token is needed."""
+        return num_computed_tokens - 1
+
+    @classmethod
+    def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids, block_pool, kv_cache_spec,
+                               drop_eagle_block=False, alignment_tokens=None):
+        """One saved state suffices: the LAST cached block (right to left) whose end is an
+        aligned length; the blocks before it are the null block."""
+        bs = kv_cache_spec.block_size
+        alignment = alignment_tokens or bs
+        hashes = resolve_block_hashes(block_hashes, block_pool.hash_block_size or bs, bs)
+        computed: tuple[list[KVCacheBlock], ...] = tuple([] for _ in kv_cache_group_ids)
+        for i in range(min(max(0, max_length) // bs, len(hashes)) - 1, -1, -1):
+            hit = _lookup(block_pool, hashes[i], kv_cache_group_ids)
+            if hit is None or (bs != alignment and (i + 1) * bs % alignment):
+                continue
+            for lst, blk in zip(computed, hit):
+                lst.extend([block_pool.null_block] * i)
+                lst.append(blk)
+            return computed, (i + 1) * bs
+        return computed, 0
+
+    def get_num_blocks_to_allocate(self, request_id, num_tokens, new_computed_blocks, total_computed_tokens,
+                                   num_local_computed_tokens, num_tokens_main_model, apply_admission_cap=False):
+        if new_computed_blocks and new_computed_blocks[-1].cache_key in self.cached_blocks_this_step:
+            # The state was saved by a request of this very step: usable only from the next.
+            return self.block_pool.num_gpu_blocks + 1
+        if self.mamba_cache_mode != "align":
+            return super().get_num_blocks_to_allocate(request_id, num_tokens, new_computed_blocks, total_computed_tokens,
+                                                      num_local_computed_tokens, num_tokens_main_model, apply_admission_cap)
+        held = self.req_to_blocks.get(request_id, ())
+        # One new state block per step at most (lookahead slots are not states).
+        num_new = cdiv(num_tokens_main_model, self.block_size) - len(new_computed_blocks) - len(held)
+        if num_new > 0:
+            num_new = 1
+        count = num_new + self._get_num_evictable_blocks(new_computed_blocks)
+        if not apply_admission_cap and total_computed_tokens > num_local_computed_tokens and not held and request_id not in self.num_cached_block:
+            # External tokens (a connector supplies their KV) get a state block of their
+            # own in allocate_external_computed_blocks, which vLLM 0.33 leaves out of this
+            # count: it can then fail half-way through an allocation. kvlab also counts
+            # what the three allocation stages really take and asks for the larger number,
+            # so it refuses whenever vLLM refuses, and where vLLM would crash.
+            skipped = max(0, total_computed_tokens - 1) // self.block_size
+            length = max(skipped, len(new_computed_blocks))
+            ext_new = max(0, cdiv(total_computed_tokens, self.block_size) - length)
+            exact = self._get_num_evictable_blocks(new_computed_blocks[skipped:]) + ext_new
+            exact += int(cdiv(num_tokens_main_model, self.block_size) > length + ext_new)
+            count = max(count, exact)
+        return count
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int) -> list[KVCacheBlock]:
+        if self.mamba_cache_mode != "align":
+            return super().allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
+        blocks = self.req_to_blocks.setdefault(request_id, [])
+        num_required = cdiv(num_tokens_main_model, self.block_size)
+        if num_required <= len(blocks):
+            self._allocated_block_reqs.add(request_id)
+            return []
+        prev = len(blocks)
+        if request_id in self._allocated_block_reqs or prev > 0:
+            # The state this step reads: the last block (a hit's saved state, or the
+            # state the previous step wrote). It is freed once the new state exists.
+            self.last_state_block_idx[request_id] = prev - 1
+        # The new state goes at position num_required - 1; positions in between will
+        # never hold a state this request reads: null.
+        pad = [self._null_block] * max(0, num_required - 1 - prev)
+        if pad:
+            self._touch(request_id, pad)  # null padding: no ref count moves; the event records the positions
+            blocks.extend(pad)
+        num_new = max(num_required - len(blocks), 0)
+        assert num_new <= 1, "a Mamba group allocates at most one state block per step"
+        blocks.extend(self.block_pool.get_new_blocks(num_new, request_id=request_id, group=self.kv_cache_group_id))
+        self._allocated_block_reqs.add(request_id)
+        return blocks[prev:]
+
+    def _remove_blocks_in_range(self, request_id: str, first_block: int, last_block: int) -> None:
+        if self.mamba_cache_mode != "align":
+            return super()._remove_blocks_in_range(request_id, first_block, last_block)
+        blocks = self.req_to_blocks.get(request_id, [])
+        first_block = max(first_block, self._num_retired_blocks.get(request_id, 0))
+        last_block = min(last_block, len(blocks))
+        if first_block >= last_block:
+            return
+        removed: list[KVCacheBlock] = []
+        positions: list[int] = []
+        for i in range(last_block - 1, first_block - 1, -1):  # nulls between states are skipped
+            if blocks[i].is_null:
+                continue
+            removed.append(blocks[i])
+            positions.append(i)
+            blocks[i] = self._null_block
+        self._free_removed(request_id, positions, removed)
+        self._num_retired_blocks[request_id] = last_block
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        super().remove_skipped_blocks(request_id, num_computed_tokens)
+        if self.mamba_cache_mode != "align":
+            return
+        idx = self.last_state_block_idx.get(request_id)
+        blocks = self.req_to_blocks.get(request_id)
+        if idx is not None and blocks and idx < cdiv(num_computed_tokens, self.block_size) - 1 and not blocks[idx].is_null:
+            # The state the previous step read has been copied forward: free it.
+            removed = [blocks[idx]]
+            blocks[idx] = self._null_block
+            self._free_removed(request_id, [idx], removed)
+
+    def cache_blocks(self, request: Any, num_tokens: int) -> None:
+        rid = request.request_id
+        before = self.num_cached_block.get(rid, 0)
+        super().cache_blocks(request, num_tokens)
+        after = self.num_cached_block.get(rid, 0)
+        blocks = self.req_to_blocks.get(rid, [])
+        for b in blocks[before:after]:
+            if not b.is_null and b.cache_key is not None:
+                self.cached_blocks_this_step.add(b.cache_key)
+
+    def free(self, request_id: str) -> None:
+        self._allocated_block_reqs.discard(request_id)
+        self.last_state_block_idx.pop(request_id, None)
+        self._num_retired_blocks.pop(request_id, None)
+        super().free(request_id)
+
+    def new_step_starts(self) -> None:
+        self.cached_blocks_this_step.clear()
 
 
 MANAGER_FOR_SPEC: dict[type, type[SingleTypeKVCacheManager]] = {
     FullAttentionSpec: FullAttentionManager,
+    MLAAttentionSpec: FullAttentionManager,
     SlidingWindowSpec: SlidingWindowManager,
+    ChunkedLocalAttentionSpec: ChunkedLocalAttentionManager,
+    MambaSpec: MambaManager,
 }
+spec_manager_map = MANAGER_FOR_SPEC  # vLLM's name
+
+
+def get_manager_for_kv_cache_spec(
+    kv_cache_spec: KVCacheSpec,
+    block_pool: BlockPool,
+    kv_cache_group_id: int,
+    enable_caching: bool = True,
+    scheduler_block_size: int | None = None,
+    max_in_flight_tokens: int | None = None,
+    max_model_len: int | None = None,
+    manager_cls: type[SingleTypeKVCacheManager] | None = None,
+) -> SingleTypeKVCacheManager:
+    """The manager of a spec. Window and chunk groups recycle blocks, so the admission gate
+    counts at most what one request can hold (vLLM: ``max_admission_blocks_per_request``,
+    from ``max_in_flight_tokens`` -- one step's tokens -- and ``max_model_len``); without
+    ``max_in_flight_tokens`` there is no cap, as in vLLM when it is unset."""
+    cap = None
+    if isinstance(kv_cache_spec, (SlidingWindowSpec, ChunkedLocalAttentionSpec)) and max_in_flight_tokens is not None:
+        cap = kv_cache_spec.max_admission_blocks_per_request(max_in_flight_tokens, max_model_len or max_in_flight_tokens + 2**40)
+    cls = manager_cls or MANAGER_FOR_SPEC[type(kv_cache_spec)]
+    return cls(kv_cache_spec, block_pool, kv_cache_group_id, enable_caching, scheduler_block_size, cap)

@@ -238,8 +238,14 @@ def build_engine(
     manager_kwargs: dict | None = None,
     **scheduler_kwargs,
 ) -> LLMEngine:
-    """One call for the lessons: manager + scheduler + executor (simulated by default)."""
+    """One call for the lessons: manager + scheduler + executor (simulated by default).
+
+    The manager's ``max_in_flight_tokens`` (what vLLM's admission gate counts at most for a
+    window or chunk group) defaults to the scheduler's ``max_num_batched_tokens``, as vLLM
+    derives it for one batch in flight."""
     log = EventLog() if event_log is True else (event_log or None)
-    mgr = KVCacheManager(num_blocks=num_blocks, block_size=block_size, event_log=log, **(manager_kwargs or {}))
+    mkw = dict(manager_kwargs or {})
+    mkw.setdefault("max_in_flight_tokens", scheduler_kwargs.get("max_num_batched_tokens", 2048))
+    mgr = KVCacheManager(num_blocks=num_blocks, block_size=block_size, event_log=log, **mkw)
     sched = Scheduler(mgr, **scheduler_kwargs)
     return LLMEngine(mgr, sched, executor or SimulatedExecutor(), cost_model, tokenizer)

@@ -97,6 +97,15 @@ def check_hash_chain(fn: Any) -> CheckResult:
     return passed(eid, "every case matches vLLM's chained hash; equal tokens after different prefixes hash differently.")
 
 
+def _untag(key: Any) -> Any:
+    """A tagged key as vLLM < 0.31 wrote it: the LoRA name, (identifier, offset), the salt."""
+    if isinstance(key, tuple) and key and key[0] == "mm":
+        return key[1:]
+    if isinstance(key, tuple) and key and key[0] in ("lora", "cache_salt"):
+        return key[1]
+    return key
+
+
 def _reference_extra_keys(req: Request, start: int, end: int) -> tuple | None:
     return kv_cache_utils.generate_block_hash_extra_keys(req, start, end)
 
@@ -107,8 +116,9 @@ def _reference_extra_keys(req: Request, start: int, end: int) -> tuple | None:
     "block_extra_keys(request, start, end) -> tuple | None",
     "06_identity_and_privacy",
     [
-        "Order: LoRA name first, then each image overlapping [start, end), then the salt.",
-        "An image is (identifier, offset - start): where its placeholder begins relative to THIS block (may be negative).",
+        "Order: the LoRA key first, then each image overlapping [start, end), then the salt.",
+        "Every key is a tagged tuple: ('lora', name, path), ('mm', identifier, offset), ('cache_salt', salt).",
+        "An image is ('mm', identifier, offset - start): where its placeholder begins relative to THIS block (may be negative).",
         "The salt goes only into the block that starts at token 0; the chain carries it to every later block.",
         "Return None (not an empty tuple) when there is nothing to add.",
     ],
@@ -133,18 +143,23 @@ def check_extra_keys(fn: Any) -> CheckResult:
             got = call(fn, req, start, end, where=f"computing extra keys of block [{start}, {end}) ({name})")
             if got == want:
                 continue
-            idea = "LoRA name every block, images as (identifier, offset - start), salt in the first block only"
+            idea = "('lora', name, path) every block, images as ('mm', identifier, offset - start), ('cache_salt', salt) in the first block only"
+            keys = list(got) if isinstance(got, tuple) else []
+            salt_key = ("cache_salt", req.cache_salt)
+            lora_key = ("lora", req.lora_name, req.lora_path)
             if want is None and got == ():
                 idea = "return None when a block has no extra keys (vLLM hashes None, not an empty tuple)"
-            elif req.cache_salt and start > 0 and got and req.cache_salt in got:
+            elif want is not None and keys and len(keys) == len(want) and all(_untag(w) == g for w, g in zip(want, keys)):
+                idea = "untagged keys (vLLM before 0.31): tag each key with its kind -- ('lora', ...), ('mm', ...), ('cache_salt', ...) -- so a LoRA name can never be taken for a salt"
+            elif req.cache_salt and start > 0 and salt_key in keys:
                 idea = "the salt belongs to the FIRST block only; the chain carries it to the rest"
-            elif req.cache_salt and start == 0 and (not got or req.cache_salt not in got):
-                idea = "the first block must carry the cache_salt, or two tenants share blocks (a timing side channel)"
-            elif req.lora_name and (not got or req.lora_name not in got):
-                idea = "every block depends on the adapter: the LoRA name goes into every block"
-            elif req.mm_features and got and any(isinstance(k, tuple) and k[1] == img.offset for k in got) and start:
+            elif req.cache_salt and start == 0 and salt_key not in keys:
+                idea = "the first block must carry ('cache_salt', salt), or two tenants share blocks (a timing side channel)"
+            elif req.lora_name and lora_key not in keys:
+                idea = "every block depends on the adapter: ('lora', name, path) goes into every block"
+            elif req.mm_features and start and any(isinstance(k, tuple) and len(k) == 3 and k[0] == "mm" and k[2] == img.offset for k in keys):
                 idea = "the image offset is relative to the block start: offset - start (negative when it began earlier)"
-            elif got and want and set(map(repr, got)) == set(map(repr, want)):
+            elif keys and want and set(map(repr, keys)) == set(map(repr, want)):
                 idea = "right keys, wrong order: LoRA, then images, then the salt"
             return failed(
                 eid,

@@ -146,7 +146,7 @@ def check_allocate_capacity(fn: Any) -> CheckResult:
             return failed(eid, f"wrong count: {name}", case=name, inputs=f"num_tokens={n}, block_size={bs}, held={held}, hit ref counts={refs}", expected=str(want), got=str(got), idea=idea)
     # In the engine: a pool whose only free blocks are the request's own evictable hits.
     # The learner's count is the full-attention manager's get_num_blocks_to_allocate.
-    def get_num_blocks_to_allocate(self: Any, request_id: str, num_tokens: int, new_computed_blocks: Any) -> int:
+    def get_num_blocks_to_allocate(self: Any, request_id: str, num_tokens: int, new_computed_blocks: Any, *rest: Any, **kw: Any) -> int:
         held = len(self.req_to_blocks.get(request_id, ()))
         refs = [b.ref_cnt for b in new_computed_blocks if not b.is_null]
         return call(fn, num_tokens, self.block_size, held, refs, where="counting blocks inside allocate_slots")

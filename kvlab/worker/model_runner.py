@@ -150,6 +150,16 @@ class ModelRunner:
         if kv_cache_groups is None:
             return (None,) if cfg.sliding_window is None else (None, cfg.sliding_window)
         groups = list(kv_cache_groups)
+        for g in groups:
+            # The tiny model has only K/V attention layers: full and sliding-window groups. The
+            # other kinds (MLA's latent, chunked local attention, Mamba states) are modelled by
+            # the KV-cache manager and run in the simulated engine only.
+            kind = getattr(g, "type_name", "full")
+            if kind not in ("full", "sliding_window"):
+                raise ValueError(
+                    f"kv_cache_groups: the model runner runs full-attention and sliding-window groups only, got "
+                    f"{type(g).__name__}; use the simulated executor (build_engine's default) for that kind"
+                )
         windows = tuple(_spec_window(g) for g in groups)
         for g in groups:
             bs = getattr(g, "block_size", None)

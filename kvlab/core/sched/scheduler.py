@@ -12,7 +12,12 @@ vLLM: ``vllm/v1/core/sched/scheduler.py``. One step:
    *head* of the waiting queue.
 2. Then waiting requests, in queue order -- but not in a step that preempted (memory is
    short), not beyond ``max_num_seqs``, and stopping at the first one that does not fit
-   (head-of-line: a waiting request never triggers preemption).
+   (head-of-line: a waiting request never triggers preemption). "Fits" is vLLM's
+   admission gate (``scheduler_reserve_full_isl=True``, the default): the WHOLE prompt,
+   after its prefix hit, must fit in the free blocks now, not just the first chunk -- a
+   request admitted on its first chunk alone would soon need blocks that are not there and
+   preempt someone (lesson 05). ``scheduler_reserve_full_isl=False`` admits on the first
+   chunk (vLLM up to 0.18).
 """
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from kvlab.core.sched.request_queue import POLICIES, FCFSRequestQueue, PriorityRequestQueue
 from kvlab.core.single_type_kv_cache_manager import cdiv
-from kvlab.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+from kvlab.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
 from kvlab.metrics.stats import CachingMetrics, IterationStats, SchedulerStats
 from kvlab.request import Request, RequestStatus
 from kvlab.timeline.events import (
@@ -79,6 +84,7 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         long_prefill_token_threshold: int = 0,
         max_model_len: int | None = None,
+        scheduler_reserve_full_isl: bool = True,
     ) -> None:
         if not isinstance(kv_cache_manager, KVCacheManager):
             raise TypeError(f"kv_cache_manager must be a KVCacheManager, got {type(kv_cache_manager).__name__}")
@@ -90,6 +96,8 @@ class Scheduler:
             "long_prefill_token_threshold", long_prefill_token_threshold, 0, why=" (0 = off)"
         )
         max_model_len = check_optional_int("max_model_len", max_model_len, 2)
+        if not isinstance(scheduler_reserve_full_isl, bool):
+            raise TypeError(f"scheduler_reserve_full_isl must be a bool, got {scheduler_reserve_full_isl!r}")
         self.kv_cache_manager = kv_cache_manager
         self.max_num_scheduled_tokens = max_num_batched_tokens
         self.max_num_running_reqs = max_num_seqs
@@ -97,6 +105,12 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.max_model_len = max_model_len
+        self.scheduler_reserve_full_isl = scheduler_reserve_full_isl
+        # A Mamba group in "align" mode saves its state only at block boundaries, so prefill
+        # chunks must end on them (vLLM's _mamba_block_aligned_split).
+        self.need_mamba_block_aligned_split = any(
+            isinstance(g, MambaSpec) and g.mamba_cache_mode == "align" for g in kv_cache_manager.kv_cache_groups
+        )
         self.events = kv_cache_manager.events
 
         self.requests: dict[str, Request] = {}
@@ -131,6 +145,8 @@ class Scheduler:
             raise ValueError(f"request id {rid!r} was already added and has not finished; ids must be unique")
         if request.status != RequestStatus.WAITING or request.num_computed_tokens:
             raise ValueError(f"request {rid!r} is not fresh (status {request.status.name}); create a new Request")
+        if not request.num_prompt_tokens:
+            raise ValueError(f"request {rid!r}: prompt_token_ids must not be empty (vLLM refuses an empty prompt)")
         need = self.max_kv_tokens_needed(request)
         if self._blocks_needed(need) > self.kv_cache_manager.num_blocks - 1:
             raise ValueError(
@@ -167,12 +183,17 @@ class Scheduler:
         return min(n, self.max_model_len) if self.max_model_len else n
 
     def _blocks_needed(self, num_tokens: int) -> int:
-        bs = self.kv_cache_manager.block_size
+        """Most blocks a request of ``num_tokens`` tokens can hold at once, over all groups."""
         total = 0
         for spec in self.kv_cache_manager.kv_cache_groups:
-            n = cdiv(num_tokens, bs)
+            bs = spec.block_size
+            n = cdiv(num_tokens, bs)  # type: ignore[arg-type]
             if isinstance(spec, SlidingWindowSpec):
-                n = min(n, cdiv(spec.sliding_window - 1, bs) + 2)
+                n = min(n, cdiv(spec.sliding_window - 1, bs) + 2)  # type: ignore[arg-type]
+            elif isinstance(spec, ChunkedLocalAttentionSpec):
+                n = min(n, cdiv(spec.attention_chunk_size, bs) + 1)  # type: ignore[arg-type]
+            elif isinstance(spec, MambaSpec):
+                n = min(n, 2)  # the state it reads and the one it writes
             total += n
         return total
 
@@ -210,6 +231,7 @@ class Scheduler:
         halves are :meth:`_schedule_running` and :meth:`_schedule_waiting`, as in vLLM.
         """
         self.step_count += 1
+        self.kv_cache_manager.new_step_starts()
         events = self.events
         if events is not None:
             events.step = self.step_count
@@ -249,6 +271,8 @@ class Scheduler:
             n = min(self._num_new_tokens(request, request.num_computed_tokens), plan.token_budget)
             if self.max_model_len is not None:
                 n = min(n, self.max_model_len - 1 - request.num_computed_tokens)
+            if self.need_mamba_block_aligned_split:
+                n = self._mamba_block_aligned_split(request, n, request.num_computed_tokens)
             if n <= 0:
                 i += 1
                 continue
@@ -289,9 +313,18 @@ class Scheduler:
             if not self.enable_chunked_prefill and n > plan.token_budget:
                 break  # the whole prompt must fit; no skipping ahead
             n = min(n, plan.token_budget)
-            new_blocks = mgr.allocate_slots(request, n, num_hit_tokens, hits)
+            if self.need_mamba_block_aligned_split:
+                n = self._mamba_block_aligned_split(request, n, num_hit_tokens)
+                if n <= 0:
+                    break
+            # vLLM's admission gate: the whole prompt (after the hit) must fit now, not just
+            # this chunk (scheduler_reserve_full_isl; lesson 05 section 7).
+            new_blocks = mgr.allocate_slots(
+                request, n, num_hit_tokens, hits, full_sequence_must_fit=self.scheduler_reserve_full_isl
+            )
             if new_blocks is None:
                 break  # head-of-line: a waiting request never preempts
+            mgr.record_prefix_cache_stats(request, num_hit_tokens)  # at admission, as vLLM
             self.waiting.pop_request()
             self.running.append(request)
             phase = "resumed" if request.status == RequestStatus.PREEMPTED else "new"
@@ -347,6 +380,30 @@ class Scheduler:
             preempted_req_ids={r.request_id for r in plan.preempted},
             finished_req_ids=finished,
         )
+
+    def _mamba_block_aligned_split(self, request: Request, num_new_tokens: int, num_computed_tokens: int) -> int:
+        """Cut a prefill chunk so it ends where a Mamba state can be saved: on a block
+        boundary, and never past the last boundary before the prompt's final token (the
+        state a later request with this prompt would start from). The prompt's last chunk
+        may end anywhere (vLLM's ``_mamba_block_aligned_split``, without EAGLE)."""
+        start = num_computed_tokens
+        prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
+        if start >= prefill_end:
+            return num_new_tokens
+        bs = next(g.block_size for g in self.kv_cache_manager.kv_cache_groups if isinstance(g, MambaSpec))
+        assert bs is not None
+        last_cache_position = (request.num_tokens - 1) // bs * bs
+        end = start + num_new_tokens
+        if end < prefill_end:
+            limit = self.max_num_scheduled_tokens
+            if self.long_prefill_token_threshold > 0:
+                limit = min(limit, self.long_prefill_token_threshold)
+            aligned_end = end // bs * bs
+            if aligned_end > start or bs <= limit:
+                end = aligned_end
+        stops = ((start // bs + 1) * bs if start % bs else 0, last_cache_position)
+        end = min((x for x in stops if start < x < end), default=end)
+        return max(end - start, 0)
 
     def select_victim(self) -> Request:
         """Which running request loses its blocks. FCFS: the most recently admitted (the
@@ -477,13 +534,14 @@ class Scheduler:
         self.kv_cache_manager.check_invariants()
         waiting = list(self.waiting)
         assert len({r.request_id for r in self.running} | {r.request_id for r in waiting}) == len(self.running) + len(waiting), "a request is queued twice"
-        bs = self.kv_cache_manager.block_size
         for r in self.running:
             assert r.status == RequestStatus.RUNNING, f"{r.request_id} in running with status {r.status.name}"
             ids = self.kv_cache_manager.get_block_ids(r.request_id)
             for spec, g in zip(self.kv_cache_manager.kv_cache_groups, ids):
+                bs = spec.block_size
+                assert len(g) * bs >= r.num_computed_tokens, f"{r.request_id}: {len(g)} blocks of {bs} for {r.num_computed_tokens} tokens"  # type: ignore[operator]
                 if isinstance(spec, FullAttentionSpec):
-                    assert len(g) * bs >= r.num_computed_tokens, f"{r.request_id}: {len(g)} blocks for {r.num_computed_tokens} tokens"
+                    assert 0 not in g, f"{r.request_id}: a null block in a full-attention table {g}"
         for r in waiting:
             assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), f"{r.request_id} waiting with status {r.status.name}"
             assert r.num_computed_tokens == 0 and not any(self.kv_cache_manager.get_block_ids(r.request_id)), f"waiting {r.request_id} holds KV"
