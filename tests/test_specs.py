@@ -385,11 +385,9 @@ def test_block_completed_by_generated_tokens_keeps_every_overlapping_image():
     results = {}
     for rule in ("window", "last"):
         hasher = get_request_block_hasher(16, sha256, mm_resume=rule)
-        gen = Request("gen", list(range(30)), mm_features=feats)
-        gen.bind_block_hasher(("t", rule), hasher)
+        gen = Request("gen", list(range(30)), mm_features=feats, block_hasher=hasher)
         gen.append_output_token_ids([7, 7])  # completes block 1 [16, 32) with generated tokens
-        again = Request("again", list(range(30)) + [7, 7, 7], mm_features=feats)  # the same block, from a prompt
-        again.bind_block_hasher(("t", rule), hasher)
+        again = Request("again", list(range(30)) + [7, 7, 7], mm_features=feats, block_hasher=hasher)  # the same block, from a prompt
         results[rule] = gen.block_hashes[1] == again.block_hashes[1]
     assert results == {"window": True, "last": False}
 
