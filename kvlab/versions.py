@@ -39,7 +39,7 @@ BEHAVIOUR_CHANGES: tuple[BehaviourChange, ...] = (
         "0.19.0 (PR #37307, scheduler_reserve_full_isl=True)",
         "admitted only if the whole prompt (minus prefix hits) fits",
         "05",
-        "not yet (the scheduler's admission switch is being built)",
+        "`Scheduler(..., scheduler_reserve_full_isl=False)`",
     ),
     BehaviourChange(
         "default prefix-cache hash",
@@ -56,6 +56,14 @@ BEHAVIOUR_CHANGES: tuple[BehaviourChange, ...] = (
         'hash_fn(PYTHONHASHSEED or "vllm-none-hash"): the same in every process (random only for xxhash)',
         "06",
         "`init_none_hash(random_root=True)`",
+    ),
+    BehaviourChange(
+        "images in the key of a block finished by generated tokens",
+        "the hasher resumed at the last image only: an earlier image overlapping the block was left out",
+        "0.31.0",
+        "every image overlapping the block (the walk resumes at the first one)",
+        "06",
+        '`get_request_block_hasher(..., mm_resume="last")`',
     ),
     BehaviourChange(
         "KV cache events on the wire",
