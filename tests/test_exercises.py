@@ -112,6 +112,25 @@ def kv_ok(num_layers, num_kv_heads, head_dim, dtype_bytes):
     return num_layers * num_kv_heads * head_dim * dtype_bytes * 2
 
 
+def group_hash_ok(block_hashes, hash_block_size, block_size, i):
+    """Counts tokens instead of blocks: the block ends at token (i + 1) * block_size."""
+    return block_hashes[(i + 1) * block_size // hash_block_size - 1]
+
+
+def unified_ok(specs):
+    """Through the specs' own page sizes, and a ratio of pages."""
+    from kvlab.kv_cache_interface import MambaSpec
+
+    pages = [s.page_size_bytes for s in specs]
+    return [s.block_size if isinstance(s, MambaSpec) else s.block_size * (max(pages) // p) for s, p in zip(specs, pages)]
+
+
+def _unified_wrong(**kw):
+    from kvlab.exercises.checks_hybrid import _unify
+
+    return lambda specs: _unify(specs, **kw)
+
+
 CORRECT = {
     "hash_chain": hash_ok,
     "extra_keys": extra_ok,
@@ -124,6 +143,8 @@ CORRECT = {
     "sliding_window_hit": sw_ok,
     "allocate_capacity": capacity_ok,
     "kv_bytes": kv_ok,
+    "group_block_hash": group_hash_ok,
+    "unified_block_sizes": unified_ok,
 }
 
 # --- the classic wrong answers ------------------------------------------------------------------
@@ -220,6 +241,19 @@ WRONG = {
         "off by one (floor)": lambda n, bs, held, refs: max(0, n // bs - held - len(refs)) + refs.count(0),
     },
     "kv_bytes": {"forgets K and V": lambda l, h, d, b: l * h * d * b, "forgets layers": lambda l, h, d, b: 2 * h * d * b},
+    "group_block_hash": {
+        "first small hash of the block": lambda h, hb, b, i: h[i * (b // hb)],
+        "concatenation (vLLM < 0.24)": lambda h, hb, b, i: b"".join(h[i * (b // hb) : (i + 1) * (b // hb)]),
+        "index not scaled": lambda h, hb, b, i: h[i],
+        "off by one": lambda h, hb, b, i: h[min((i + 1) * (b // hb), len(h) - 1)],
+    },
+    "unified_block_sizes": {
+        "MLA counted twice (K and V)": _unified_wrong(mla_doubled=True),
+        "forgets the KV heads": _unified_wrong(no_heads=True),
+        "shrinks the big pages": _unified_wrong(shrink=True),
+        "grows the Mamba block": _unified_wrong(grow_mamba=True),
+        "leaves every block size alone": lambda specs: [s.block_size for s in specs],
+    },
 }
 
 
@@ -276,6 +310,13 @@ def test_specific_teaching_messages():
     assert "O(1)" in check("free_queue", QueueList).message
     assert "×2" in check("kv_bytes", WRONG["kv_bytes"]["forgets K and V"]).idea
     assert "wrong context" in check("stale_hash", _evict_no_pop).idea
+    assert "FIRST slice" in check("group_block_hash", WRONG["group_block_hash"]["first small hash of the block"]).idea
+    assert "before 0.24" in check("group_block_hash", WRONG["group_block_hash"]["concatenation (vLLM < 0.24)"]).idea
+    assert "scale the index" in check("group_block_hash", WRONG["group_block_hash"]["index not scaled"]).idea
+    assert "ONE latent" in check("unified_block_sizes", WRONG["unified_block_sizes"]["MLA counted twice (K and V)"]).idea
+    assert "num_kv_heads" in check("unified_block_sizes", WRONG["unified_block_sizes"]["forgets the KV heads"]).idea
+    assert "LARGEST page" in check("unified_block_sizes", WRONG["unified_block_sizes"]["shrinks the big pages"]).idea
+    assert "Mamba page" in check("unified_block_sizes", WRONG["unified_block_sizes"]["grows the Mamba block"]).idea
 
 
 def test_unknown_exercise_id():
@@ -295,7 +336,7 @@ def _called_from_core() -> bool:
     return any("/kvlab/core/" in f.filename.replace("\\", "/") for f in inspect.stack()[2:])
 
 
-@pytest.mark.parametrize("eid", ["extra_keys", "free_order", "touch", "stale_hash", "allocate_capacity", "free_queue"])
+@pytest.mark.parametrize("eid", ["extra_keys", "free_order", "touch", "stale_hash", "allocate_capacity", "free_queue", "group_block_hash"])
 def test_checker_runs_the_learner_code_inside_the_core(eid):
     """No monkeypatching: the learner's function reaches the engine through a seam of the
     core (a pool/manager subclass, the request's block hasher), and is called from there."""

@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvlab.core.kv_cache_utils import (
+    BlockHashListWithBlockSize,
     FreeKVCacheBlockQueue,
     KVCacheBlock,
     generate_block_hash_extra_keys,
@@ -40,7 +41,6 @@ from kvlab.core.kv_cache_utils import (
     get_group_id,
     make_block_hash_with_group_id,
     maybe_convert_block_hash,
-    resolve_block_hashes,
     to_event_extra_keys,
 )
 from kvlab.distributed.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
@@ -139,6 +139,10 @@ class BlockPool:
     #: The free queue's class, called with every block in id order (head first). A seam:
     #: the free_queue exercise runs a learner's queue inside a real pool by setting it.
     free_queue_cls: Callable[[list[KVCacheBlock]], FreeKVCacheBlockQueue] = FreeKVCacheBlockQueue
+    #: How a group with blocks larger than the hash block size reads a request's hashes (one
+    #: per block: the last small hash inside it). A seam: the group_block_hash exercise runs a
+    #: learner's view inside a real pool by setting it.
+    block_hash_view_cls: Callable[[Sequence[BlockHash], int, int], Sequence[BlockHash]] = BlockHashListWithBlockSize
 
     def __init__(
         self,
@@ -184,6 +188,14 @@ class BlockPool:
         self.prepend_uncached_blocks = prepend_uncached_blocks
 
     # -- prefix cache -------------------------------------------------------------------------
+    def resolve_block_hashes(self, block_hashes: Sequence[BlockHash], block_size: int) -> Sequence[BlockHash]:
+        """A request's hashes seen at ``block_size`` (vLLM's ``resolve_block_hashes``): the list
+        itself when hashes come once per block, else a :attr:`block_hash_view_cls` view."""
+        hash_block_size = self.hash_block_size or block_size
+        if block_size == hash_block_size or isinstance(block_hashes, BlockHashListWithBlockSize):
+            return block_hashes
+        return self.block_hash_view_cls(block_hashes, hash_block_size, block_size)
+
     def get_cached_block(self, block_hash: BlockHash, kv_cache_group_ids: Sequence[int]) -> list[KVCacheBlock] | None:
         """One cached block per group for ``block_hash``, or None if any group misses."""
         out = []
@@ -215,7 +227,7 @@ class BlockPool:
         """
         if num_cached_blocks >= num_full_blocks:
             return
-        hashes = resolve_block_hashes(request.block_hashes, self.hash_block_size or block_size, block_size)
+        hashes = self.resolve_block_hashes(request.block_hashes, block_size)
         if len(hashes) < num_full_blocks:
             raise RuntimeError(
                 f"request {request.request_id!r} has {len(hashes)} block hashes, needs {num_full_blocks}"

@@ -26,7 +26,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from kvlab.core.block_pool import BlockPool, group_suffix
-from kvlab.core.kv_cache_utils import KVCacheBlock, resolve_block_hashes, trim_null_head
+from kvlab.core.kv_cache_utils import KVCacheBlock, trim_null_head
 from kvlab.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
@@ -293,7 +293,7 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         cannot be cached without its parent having been: the hashes are chained)."""
         bs = kv_cache_spec.block_size
         alignment = alignment_tokens or bs
-        hashes = resolve_block_hashes(block_hashes, block_pool.hash_block_size or bs, bs)
+        hashes = block_pool.resolve_block_hashes(block_hashes, bs)
         computed: tuple[list[KVCacheBlock], ...] = tuple([] for _ in kv_cache_group_ids)
         n = max(0, max_length) // bs
         if len(kv_cache_group_ids) == 1:  # the common case, without the per-group zip
@@ -363,7 +363,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         starting at block 0 is usable (nothing before it was ever in the window)."""
         bs = kv_cache_spec.block_size
         alignment = alignment_tokens or bs
-        hashes = resolve_block_hashes(block_hashes, block_pool.hash_block_size or bs, bs)
+        hashes = block_pool.resolve_block_hashes(block_hashes, bs)
         need = cls._contiguous_blocks_for_hit(kv_cache_spec.sliding_window, bs, drop_eagle_block)
         n = min(max(0, max_length) // bs, len(hashes))
         null = block_pool.null_block
@@ -417,7 +417,7 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
         """Blocks of chunks before the hit's own chunk are never read: they count as hit
         without a lookup (null blocks). Inside the last chunk, walk left to right."""
         bs = kv_cache_spec.block_size
-        hashes = resolve_block_hashes(block_hashes, block_pool.hash_block_size or bs, bs)
+        hashes = block_pool.resolve_block_hashes(block_hashes, bs)
         n = min(max(0, max_length) // bs, len(hashes))
         chunk = kv_cache_spec.attention_chunk_size
         start_block = (max(0, max_length) // chunk * chunk) // bs
@@ -458,7 +458,7 @@ class MambaManager(SingleTypeKVCacheManager):
         aligned length; the blocks before it are the null block."""
         bs = kv_cache_spec.block_size
         alignment = alignment_tokens or bs
-        hashes = resolve_block_hashes(block_hashes, block_pool.hash_block_size or bs, bs)
+        hashes = block_pool.resolve_block_hashes(block_hashes, bs)
         computed: tuple[list[KVCacheBlock], ...] = tuple([] for _ in kv_cache_group_ids)
         for i in range(min(max(0, max_length) // bs, len(hashes)) - 1, -1, -1):
             hit = _lookup(block_pool, hashes[i], kv_cache_group_ids)
