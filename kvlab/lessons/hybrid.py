@@ -1,0 +1,81 @@
+"""Lesson 07 (hybrid models): the pictures of groups that do not look alike.
+
+* :func:`block_layout_figure` -- one request's block tables laid out along the token axis, one
+  row per group, each block as wide as the tokens it holds: groups of different block sizes
+  side by side, the hash boundaries every ``hash_block_size`` tokens, null blocks grey and a
+  prefix hit's length as a line;
+* :func:`held_blocks_figure` -- blocks a request really holds per group as its context grows;
+* :func:`bytes_per_token_figure` -- the KV bytes one token costs in one layer, per kind of layer.
+
+They take plain data (block ids, token counts), read from a manager or an event log by the
+lesson; nothing here touches the engine.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import plotly.graph_objects as go
+
+from kvlab.timeline.snapshot import NULL
+from kvlab.viz.style import FONT, HIGHLIGHT, STATE_COLORS
+
+__all__ = ["block_layout_figure", "held_blocks_figure", "bytes_per_token_figure"]
+
+_PALETTE = ("#0072b2", "#e69f00", "#009e73", "#cc79a7", "#56b4e9", "#d55e00")
+
+
+def block_layout_figure(
+    rows: Sequence[tuple[str, Sequence[int], int]],
+    num_tokens: int,
+    hash_block_size: int,
+    hit_tokens: int | None = None,
+    title: str = "",
+    width: int = 860,
+) -> go.Figure:
+    """``rows``: (label, block ids of one group's table, that group's block size)."""
+    fig = go.Figure()
+    shapes, notes = [], []
+    for r, (label, ids, bs) in enumerate(rows):
+        y0, y1 = r - 0.38, r + 0.38
+        for i, bid in enumerate(ids):
+            x0, x1 = i * bs, min((i + 1) * bs, max(num_tokens, (i + 1) * bs))
+            color = STATE_COLORS[NULL] if bid == 0 else _PALETTE[r % len(_PALETTE)]
+            shapes.append(dict(type="rect", x0=x0, x1=x1, y0=y0, y1=y1, fillcolor=color,
+                               line=dict(color="white", width=2), layer="below"))
+            notes.append(dict(x=(x0 + x1) / 2, y=r, text="∅" if bid == 0 else str(bid), showarrow=False,
+                              font=dict(family=FONT, size=12, color="white")))
+    for t in range(hash_block_size, num_tokens + 1, hash_block_size):
+        shapes.append(dict(type="line", x0=t, x1=t, y0=-0.6, y1=len(rows) - 0.4, line=dict(color="#999999", width=1, dash="dot")))
+    if hit_tokens is not None:
+        shapes.append(dict(type="line", x0=hit_tokens, x1=hit_tokens, y0=-0.75, y1=len(rows) - 0.45,
+                           line=dict(color=HIGHLIGHT, width=3)))
+        notes.append(dict(x=hit_tokens, y=-0.72, text=f"hit: {hit_tokens} tokens", showarrow=False, xanchor="left",
+                          yanchor="bottom", font=dict(family=FONT, size=12, color=HIGHLIGHT)))
+    fig.add_scatter(x=[0, num_tokens], y=[-0.9, len(rows) - 0.5], mode="markers", marker=dict(opacity=0), hoverinfo="skip", showlegend=False)
+    fig.update_layout(
+        title=title, width=width, height=110 + 70 * len(rows), margin=dict(l=190, r=20, t=50, b=45),
+        shapes=shapes, annotations=notes, plot_bgcolor="white",
+        xaxis=dict(title=f"token position (dotted: a hash every {hash_block_size} tokens)", range=[0, num_tokens], showgrid=False),
+        yaxis=dict(tickvals=list(range(len(rows))), ticktext=[label for label, _, _ in rows], autorange="reversed", showgrid=False),
+    )
+    return fig
+
+
+def held_blocks_figure(curves: Mapping[str, tuple[Sequence[int], Sequence[int]]], title: str, width: int = 760) -> go.Figure:
+    """``curves``: name -> (tokens in context, blocks held) per step."""
+    fig = go.Figure(layout=dict(width=width, height=330, margin=dict(l=60, r=20, t=40, b=50), title=title,
+                                xaxis_title="tokens computed", yaxis_title="blocks held (null blocks not counted)",
+                                legend=dict(x=0.02, y=0.98), plot_bgcolor="white", yaxis=dict(rangemode="tozero")))
+    for (name, (x, y)), color in zip(curves.items(), _PALETTE):
+        fig.add_scatter(x=list(x), y=list(y), name=name, mode="lines", line=dict(color=color, width=3, shape="hv"))
+    return fig
+
+
+def bytes_per_token_figure(rows: Sequence[tuple[str, int]], title: str, width: int = 760) -> go.Figure:
+    """``rows``: (kind of layer, bytes one token costs in one layer)."""
+    fig = go.Figure(layout=dict(width=width, height=300, margin=dict(l=230, r=40, t=40, b=50), title=title,
+                                xaxis_title="bytes per token per layer", plot_bgcolor="white"))
+    fig.add_bar(y=[r[0] for r in rows], x=[r[1] for r in rows], orientation="h", marker_color=list(_PALETTE[: len(rows)]),
+                text=[f"{r[1]:,} B" for r in rows], textposition="outside", cliponaxis=False)
+    fig.update_yaxes(autorange="reversed")
+    return fig
