@@ -184,6 +184,20 @@ def test_cache_free_evict_cycle():
     pool.check_invariants()
 
 
+def test_block_mask_leaves_out_blocks_that_can_never_serve_a_hit():
+    pool = BlockPool(6)
+    blocks = pool.get_new_blocks(3)
+    hashes = [b"h0" * 16, b"h1" * 16, b"h2" * 16]
+    req = _Req("r", hashes, list(range(48)))
+    with pytest.raises(ValueError, match="block_mask has 2 entries for 3 blocks"):
+        pool.cache_full_blocks(req, blocks, 0, 3, 16, 0, block_mask=[True, False])
+    assert [b.block_hash for b in blocks] == [None, None, None] and len(pool.cached_block_hash_to_block) == 0
+    pool.cache_full_blocks(req, blocks, 0, 3, 16, 0, block_mask=[False, True, True])
+    assert [b.block_hash for b in blocks] == [None, hashes[1], hashes[2]]
+    assert pool.get_cached_block(hashes[0], [0]) is None and pool.get_cached_block(hashes[2], [0]) == [blocks[2]]
+    pool.check_invariants()
+
+
 def test_touch_shared_block_and_free_order():
     pool = BlockPool(5)
     a = pool.get_new_blocks(2)

@@ -236,10 +236,17 @@ class BlockPool:
         insert = self.cached_block_hash_to_block.insert
         entries = self.cached_block_hash_to_block._cache  # fast path: a new key (no duplicate yet)
         events = self.events
-        for i in range(num_cached_blocks, num_full_blocks):
+        todo: Iterable[int] = range(num_cached_blocks, num_full_blocks)
+        if block_mask is not None:  # a block that can never serve a hit is not cached
+            if len(block_mask) != num_full_blocks - num_cached_blocks:
+                raise ValueError(
+                    f"block_mask has {len(block_mask)} entries for {num_full_blocks - num_cached_blocks} blocks"
+                )
+            todo = [i for i, keep in zip(todo, block_mask) if keep]
+        for i in todo:
             blk = blocks[i]
-            if blk.is_null or (block_mask is not None and not block_mask[i - num_cached_blocks]):
-                continue  # left the window / a state that is never read / can never serve a hit
+            if blk.is_null:
+                continue  # left the window / a state that is never read
             if blk.cache_key is not None:
                 raise RuntimeError(f"block {blk.block_id} is already cached")
             h = hashes[i]
