@@ -23,6 +23,7 @@ longer needs becomes the null block (id 0) in its table and goes back to the poo
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from itertools import islice
 from typing import Any
 
 from kvlab.core.block_pool import BlockPool, group_suffix
@@ -300,8 +301,8 @@ class FullAttentionManager(SingleTypeKVCacheManager):
             out = computed[0]
             get = block_pool.cached_block_hash_to_block.get_one_block
             suffix = group_suffix(kv_cache_group_ids[0])
-            for i in range(min(n, len(hashes))):
-                blk = get(hashes[i] + suffix)
+            for h in islice(hashes, n):
+                blk = get(h + suffix)
                 if blk is None:
                     break
                 out.append(blk)
