@@ -6,13 +6,16 @@
 ``state``       ``ReplayState``: what the events act on; clones and snapshots of it
 ``snapshot``    ``Snapshot`` and its records (blocks, requests, hash nodes): plain data
 ``timeline``    ``Timeline`` (any step, fast; per-step series; block histories), ``replay``
+``kv_stream``   ``KVStream``: a vLLM KV-event stream (live or recorded) as snapshots of the
+                engine's cached prefixes, any batch fast
 ==============  ==========================================================================
 
 The core writes events into this package; every picture reads it and nothing else. It
 imports no view and nothing of the engine (a contract checked by ``lint-imports``).
 """
 from kvlab.timeline.events import Event, EventLog
+from kvlab.timeline.kv_stream import KVStream, StreamSnapshot
 from kvlab.timeline.snapshot import Snapshot
 from kvlab.timeline.timeline import StepSeries, Timeline, replay
 
-__all__ = ["Event", "EventLog", "Snapshot", "StepSeries", "Timeline", "replay"]
+__all__ = ["Event", "EventLog", "KVStream", "Snapshot", "StepSeries", "StreamSnapshot", "Timeline", "replay"]

@@ -21,12 +21,15 @@ vLLM: ``vllm/v1/core/sched/scheduler.py``. One step:
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from kvlab.core.sched.request_queue import POLICIES, FCFSRequestQueue, PriorityRequestQueue
 from kvlab.core.single_type_kv_cache_manager import cdiv
+from kvlab.distributed.kv_events import KVEventBatch
 from kvlab.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
 from kvlab.metrics.stats import CachingMetrics, IterationStats, SchedulerStats
 from kvlab.request import Request, RequestStatus
@@ -41,6 +44,12 @@ from kvlab.timeline.events import (
     TokensAppended,
 )
 from kvlab.utils.checks import check_int, check_optional_int
+
+
+class KVEventPublisherLike(Protocol):
+    """What the scheduler needs of a KV-event publisher (``kvlab.kv_events.ZmqEventPublisher``)."""
+
+    def publish(self, events: KVEventBatch) -> None: ...
 
 
 @dataclass(slots=True)
@@ -85,6 +94,8 @@ class Scheduler:
         long_prefill_token_threshold: int = 0,
         max_model_len: int | None = None,
         scheduler_reserve_full_isl: bool = True,
+        *,
+        kv_event_publisher: KVEventPublisherLike | None = None,
     ) -> None:
         if not isinstance(kv_cache_manager, KVCacheManager):
             raise TypeError(f"kv_cache_manager must be a KVCacheManager, got {type(kv_cache_manager).__name__}")
@@ -98,7 +109,14 @@ class Scheduler:
         max_model_len = check_optional_int("max_model_len", max_model_len, 2)
         if not isinstance(scheduler_reserve_full_isl, bool):
             raise TypeError(f"scheduler_reserve_full_isl must be a bool, got {scheduler_reserve_full_isl!r}")
+        if kv_event_publisher is not None and not callable(getattr(kv_event_publisher, "publish", None)):
+            raise TypeError(f"kv_event_publisher must have a publish(batch) method, got {type(kv_event_publisher).__name__}")
+        if kv_event_publisher is not None and not kv_cache_manager.enable_kv_cache_events:
+            raise ValueError("kv_event_publisher needs a manager that queues events: KVCacheManager(..., enable_kv_cache_events=True)")
         self.kv_cache_manager = kv_cache_manager
+        # vLLM creates it from --kv-events-config; kvlab takes any object with publish(batch)
+        # (kvlab.kv_events.ZmqEventPublisher, or a list-like recorder in a test).
+        self.kv_event_publisher = kv_event_publisher
         self.max_num_scheduled_tokens = max_num_batched_tokens
         self.max_num_running_reqs = max_num_seqs
         self.policy = policy
@@ -496,7 +514,20 @@ class Scheduler:
                     num_decode_tokens=iteration.num_decode_tokens if iteration else None,
                 )
             )
+        # vLLM publishes the step's KV cache events as one batch at the end of the step.
+        # kvlab stamps the batch with the engine's simulated clock when it has one (vLLM:
+        # time.time()), so a recorded stream lines up with the engine's metrics.
+        if self.kv_event_publisher is not None:
+            kv_events = self.kv_cache_manager.take_events()
+            if kv_events:
+                ts = iteration.time if iteration is not None else time.time()
+                self.kv_event_publisher.publish(KVEventBatch(ts=ts, events=kv_events))
         return finished
+
+    def shutdown(self) -> None:
+        """Stop the KV-event publisher (vLLM: ``Scheduler.shutdown``)."""
+        if self.kv_event_publisher is not None and callable(getattr(self.kv_event_publisher, "shutdown", None)):
+            self.kv_event_publisher.shutdown()
 
     def _check_stop(self, r: Request) -> bool:
         if r.num_output_tokens >= r.max_tokens or (self.max_model_len is not None and r.num_tokens >= self.max_model_len):

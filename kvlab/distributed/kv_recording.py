@@ -1,0 +1,210 @@
+"""A KV-event stream on disk: record what a subscriber received, read it back (lesson 10).
+
+A recording keeps the bytes exactly as they came off the wire -- topic, sequence number,
+the time they arrived, the msgpack payload -- so a stream captured from a real vLLM server
+replays into the same views (``kvlab.timeline.KVStream``) as a live one, on a laptop with
+no server, and decodes with the same ``decode_batch``.
+
+The file format (``.kvev``), kvlab's own and small on purpose::
+
+    b"KVEVREC1"                        8-byte magic
+    u32 length + msgpack header        {"format": "kvlab.kv_events.recording", "version": 1,
+                                        "endpoint": ..., "topic": ..., "created": unix time}
+    u32 length + msgpack record, ...   [seq, topic (bytes), received_at (unix time), payload (bytes)]
+
+Lengths are 4-byte big-endian. Each record is written and flushed as it arrives, so a
+recording that was interrupted (the kernel stopped, the disk filled) is still readable up
+to its last complete record: :func:`read_recording` refuses a truncated file with a message
+saying how many batches are complete, and ``strict=False`` returns them.
+"""
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import msgspec
+
+from kvlab.distributed.kv_events import KVEventBatch, decode_batch
+
+MAGIC = b"KVEVREC1"
+FORMAT = "kvlab.kv_events.recording"
+VERSION = 1
+_MAX_RECORD = 1 << 30  # a length beyond 1 GiB is a corrupt file, not a batch
+
+
+class RecordedBatch(msgspec.Struct, array_like=True, frozen=True):  # type: ignore[call-arg]
+    """One batch as it arrived: ``seq``, ``topic`` (bytes), ``received_at`` (unix time) and
+    the msgpack ``payload``; :meth:`batch` decodes it."""
+
+    seq: int
+    topic: bytes
+    received_at: float
+    payload: bytes
+
+    def batch(self) -> KVEventBatch:
+        return decode_batch(self.payload)
+
+
+_enc = msgspec.msgpack.Encoder()
+_rec_dec = msgspec.msgpack.Decoder(RecordedBatch)
+_hdr_dec = msgspec.msgpack.Decoder(dict)
+
+
+@dataclass
+class Recording:
+    """A recording read back: its ``header`` (endpoint, topic, created), the ``records`` in
+    file order, and ``truncated`` (only with ``strict=False``: the file ended mid-record)."""
+
+    path: str
+    header: dict[str, Any]
+    records: list[RecordedBatch] = field(default_factory=list)
+    truncated: bool = False
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __iter__(self) -> Iterator[RecordedBatch]:
+        return iter(self.records)
+
+    def batches(self) -> Iterator[tuple[int, KVEventBatch]]:
+        """``(seq, batch)`` pairs, like ``Subscriber.receive``."""
+        for r in self.records:
+            yield r.seq, r.batch()
+
+
+def is_recording(path: str | os.PathLike) -> bool:
+    """True when ``path`` is a file that starts with the recording magic."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(MAGIC)) == MAGIC
+    except OSError:
+        return False
+
+
+class Recorder:
+    """Append received batches to a recording file (created or overwritten).
+
+    ``Subscriber(..., record_to=path)`` makes one and feeds it every batch it accepts;
+    use it directly to record from anywhere: ``rec.append(seq, topic, payload)``.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, endpoint: str = "", topic: str = "") -> None:
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"path must be a file path, got {type(path).__name__}")
+        self.path = os.fspath(path)
+        self.num_records = 0
+        header = {"format": FORMAT, "version": VERSION, "endpoint": str(endpoint), "topic": str(topic), "created": time.time()}
+        f: BinaryIO = open(self.path, "wb")
+        try:
+            f.write(MAGIC)
+            self._frame(f, _enc.encode(header))
+            f.flush()
+        except BaseException:
+            f.close()
+            raise
+        self._f: BinaryIO | None = f
+
+    @staticmethod
+    def _frame(f: BinaryIO, body: bytes) -> None:
+        f.write(len(body).to_bytes(4, "big") + body)
+
+    def append(self, seq: int, topic: bytes | str, payload: bytes, received_at: float | None = None) -> None:
+        if self._f is None:
+            raise ValueError(f"the recorder of {self.path!r} is closed")
+        if not isinstance(payload, (bytes, bytearray, memoryview)):
+            raise TypeError(f"payload must be bytes, got {type(payload).__name__}")
+        t = topic.encode() if isinstance(topic, str) else bytes(topic)
+        rec = RecordedBatch(int(seq), t, time.time() if received_at is None else float(received_at), bytes(payload))
+        self._frame(self._f, _enc.encode(rec))
+        self._f.flush()
+        self.num_records += 1
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+    def __enter__(self) -> "Recorder":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Recorder({self.path!r}, {self.num_records} batches{', closed' if self._f is None else ''})"
+
+
+def read_recording(path: str | os.PathLike, *, strict: bool = True) -> Recording:
+    """Read a whole recording. A file that is not a recording, a bad header or a corrupt
+    record raises ``ValueError`` naming the record; a file cut in the middle of its last
+    record raises too unless ``strict=False`` (then the complete records are returned and
+    ``truncated`` is True). Payloads are decoded lazily (``RecordedBatch.batch``)."""
+    p = Path(path)
+    data = p.read_bytes()
+    if not data.startswith(MAGIC):
+        raise ValueError(f"{p}: not a KV-event recording (it does not start with {MAGIC!r})")
+    off = len(MAGIC)
+
+    def frame(i: int, what: str) -> bytes | None:
+        nonlocal off
+        if off == len(data):
+            return None
+        if off + 4 > len(data):
+            raise _Truncated(i, what)
+        n = int.from_bytes(data[off : off + 4], "big")
+        if n > _MAX_RECORD:
+            raise ValueError(f"{p}: {what} {i} claims {n} bytes; the file is corrupt")
+        if off + 4 + n > len(data):
+            raise _Truncated(i, what)
+        body = data[off + 4 : off + 4 + n]
+        off += 4 + n
+        return body
+
+    try:
+        raw = frame(0, "header")
+    except _Truncated:
+        raise ValueError(f"{p}: recording truncated inside its header") from None
+    if raw is None:
+        raise ValueError(f"{p}: recording has no header")
+    try:
+        header = _hdr_dec.decode(raw)
+    except msgspec.DecodeError as e:
+        raise ValueError(f"{p}: the recording header is corrupt: {e}") from None
+    if header.get("format") != FORMAT or header.get("version") != VERSION:
+        raise ValueError(
+            f"{p}: recording format {header.get('format')!r} version {header.get('version')!r}; "
+            f"this kvlab reads {FORMAT!r} version {VERSION}"
+        )
+    rec = Recording(os.fspath(p), header)
+    i = 0
+    while True:
+        try:
+            body = frame(i, "record")
+        except _Truncated:
+            if strict:
+                raise ValueError(
+                    f"{p}: recording truncated in record {i} (the file ends mid-record); "
+                    f"{i} complete batches before it -- read_recording(path, strict=False) returns them"
+                ) from None
+            rec.truncated = True
+            break
+        if body is None:
+            break
+        try:
+            rec.records.append(_rec_dec.decode(body))
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise ValueError(f"{p}: record {i} is corrupt: {e}") from None
+        i += 1
+    return rec
+
+
+class _Truncated(Exception):
+    def __init__(self, index: int, what: str) -> None:
+        super().__init__(f"{what} {index} truncated")
+
+
+__all__ = ["Recorder", "RecordedBatch", "Recording", "is_recording", "read_recording"]

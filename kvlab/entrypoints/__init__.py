@@ -1,0 +1,2 @@
+"""vLLM's ``vllm/entrypoints``: processes that serve an engine. ``kv_server``: a kvlab engine
+in its own process, publishing vLLM's KV events over ZeroMQ (lessons 10, 11)."""

@@ -1,0 +1,322 @@
+"""A KV-event stream as data: what an engine caches, after any batch (lesson 10).
+
+``kvlab.timeline.Timeline`` replays kvlab's own rich event log; a real vLLM server tells the
+outside world much less -- only its ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``
+batches. :class:`KVStream` turns those batches (live from a ``Subscriber``, or read back
+from a recording) into :class:`StreamSnapshot` s: every cached block the stream revealed,
+with its parent (``BlockStored.parent_block_hash`` and the order of ``block_hashes`` chain
+them), its tokens and how many copies the engine holds. The views draw snapshots; they
+never see a socket, and a recorded stream replays into them exactly as a live one did.
+
+What a stream cannot say, and the snapshot therefore does not pretend to know: whether a
+cached block is in use or sits evictable on the free queue (the engine only reports a
+block when it gets its hash and when it is evicted), and anything from before the
+subscriber joined (a block whose parent the stream never showed is an *orphan*: its chain
+started earlier, or its parent was evicted first).
+
+Jumps to any batch are cheap: the state is copied every ``checkpoint_every`` batches, and
+``at(i)`` replays at most that many batches from the nearest copy.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvlab.distributed.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    ExternalBlockHash,
+    KVEventBatch,
+    decode_batch,
+    encode_batch,
+)
+from kvlab.distributed.kv_recording import Recorder, Recording, read_recording
+
+NodeKey = tuple[str | None, int | None, ExternalBlockHash]
+"""``(medium, group_idx, block_hash)``: one cached block as a stream names it."""
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixNode:
+    """One cached block the stream revealed (immutable: snapshots share them)."""
+
+    block_hash: ExternalBlockHash
+    parent_hash: ExternalBlockHash | None  # None: the first block of a prompt
+    token_ids: tuple[int, ...]  # empty when the event's tokens could not be split per block
+    block_size: int
+    medium: str | None
+    group_idx: int | None
+    copies: int  # vLLM keeps duplicate blocks: each copy is removed separately
+    stored_seq: int  # the batch that first stored it
+    stored_ts: float
+    lora_name: str | None = None
+    extra_keys: Any = None
+
+    @property
+    def key(self) -> NodeKey:
+        return (self.medium, self.group_idx, self.block_hash)
+
+    @property
+    def parent_key(self) -> NodeKey | None:
+        return None if self.parent_hash is None else (self.medium, self.group_idx, self.parent_hash)
+
+
+@dataclass(frozen=True, slots=True)
+class StreamSnapshot:
+    """The engine's cache as the stream shows it after batch ``index`` (seq ``seq``).
+
+    ``nodes``: every cached block by :data:`NodeKey`; ``stored``: keys this batch stored (or
+    added a copy of); ``removed``: the last record of each block this batch removed for good;
+    ``cleared``: the batch held an ``AllBlocksCleared``; ``missing``: how many seqs before
+    this batch never arrived (gaps the replay socket could not fill).
+    """
+
+    index: int  # -1: before the first batch
+    seq: int | None
+    ts: float | None
+    nodes: Mapping[NodeKey, PrefixNode]
+    stored: tuple[NodeKey, ...] = ()
+    removed: tuple[PrefixNode, ...] = ()
+    cleared: bool = False
+    missing: int = 0
+    num_events: int = 0  # in this batch
+    name: str = ""
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.nodes)
+
+    def cached_hashes(self, group_idx: int | None = 0, medium: str | None = "GPU") -> set[ExternalBlockHash]:
+        return {k[2] for k in self.nodes if k[0] == medium and k[1] == group_idx}
+
+    def hit_blocks(self, block_hashes: Iterable[ExternalBlockHash], group_idx: int | None = 0, medium: str | None = "GPU") -> int:
+        """How many leading blocks of a prompt with these hashes the stream says are cached:
+        the walk a KV-aware router makes (it stops at the first miss)."""
+        n = 0
+        for h in block_hashes:
+            if (medium, group_idx, h) not in self.nodes:
+                break
+            n += 1
+        return n
+
+    def is_orphan(self, key: NodeKey) -> bool:
+        """A block whose parent the stream does not (or no longer) show."""
+        p = self.nodes[key].parent_key
+        return p is not None and p not in self.nodes
+
+
+def _split_tokens(ev: BlockStored) -> list[tuple[int, ...]]:
+    n, bs = len(ev.block_hashes), ev.block_size
+    toks = ev.token_ids
+    if bs > 0 and len(toks) == n * bs:
+        return [tuple(toks[i * bs : (i + 1) * bs]) for i in range(n)]
+    return [() for _ in range(n)]
+
+
+def _apply(
+    nodes: dict[NodeKey, PrefixNode], seq: int, batch: EventBatch, collect: bool
+) -> tuple[list[NodeKey], list[PrefixNode], bool, int]:
+    """Fold one batch into ``nodes``; with ``collect`` also return what it stored/removed."""
+    stored: list[NodeKey] = []
+    removed: list[PrefixNode] = []
+    cleared = False
+    unknown = 0
+    for ev in batch.events:
+        t = type(ev)
+        if t is BlockStored:
+            parent = ev.parent_block_hash
+            extra = ev.extra_keys
+            for i, (h, toks) in enumerate(zip(ev.block_hashes, _split_tokens(ev))):
+                key = (ev.medium, ev.group_idx, h)
+                old = nodes.get(key)
+                if old is not None:
+                    nodes[key] = PrefixNode(old.block_hash, old.parent_hash, old.token_ids, old.block_size, old.medium,
+                                            old.group_idx, old.copies + 1, old.stored_seq, old.stored_ts, old.lora_name, old.extra_keys)
+                else:
+                    nodes[key] = PrefixNode(h, parent, toks, ev.block_size, ev.medium, ev.group_idx, 1, seq, batch.ts,
+                                            ev.lora_name, extra[i] if extra is not None and i < len(extra) else None)
+                if collect:
+                    stored.append(key)
+                parent = h
+        elif t is BlockRemoved:
+            for h in ev.block_hashes:
+                key = (ev.medium, ev.group_idx, h)
+                old = nodes.get(key)
+                if old is None:
+                    unknown += 1
+                elif old.copies > 1:
+                    nodes[key] = PrefixNode(old.block_hash, old.parent_hash, old.token_ids, old.block_size, old.medium,
+                                            old.group_idx, old.copies - 1, old.stored_seq, old.stored_ts, old.lora_name, old.extra_keys)
+                else:
+                    del nodes[key]
+                    if collect:
+                        removed.append(old)
+        elif t is AllBlocksCleared:
+            nodes.clear()
+            cleared = True
+            if collect:
+                stored.clear()
+                removed.clear()
+    return stored, removed, cleared, unknown
+
+
+@dataclass
+class StreamSeries:
+    """One entry per batch: ``seq``, ``ts``, ``cached_blocks`` (after the batch),
+    ``stored_blocks`` / ``removed_blocks`` (block hashes in its events), ``events``,
+    ``cleared`` and ``missing`` (seqs lost before it)."""
+
+    seq: list[int] = field(default_factory=list)
+    ts: list[float] = field(default_factory=list)
+    cached_blocks: list[int] = field(default_factory=list)
+    stored_blocks: list[int] = field(default_factory=list)
+    removed_blocks: list[int] = field(default_factory=list)
+    events: list[int] = field(default_factory=list)
+    cleared: list[bool] = field(default_factory=list)
+    missing: list[int] = field(default_factory=list)
+
+
+class KVStream:
+    """Batches of one engine's KV-event stream, with any batch's :class:`StreamSnapshot`.
+
+    Feed it ``(seq, batch)`` pairs -- ``KVStream(sub.receive(...))``, ``stream.extend(...)``
+    while a server runs, ``KVStream.load("run.kvev")`` for a recording. A batch may be a
+    decoded ``KVEventBatch`` or its msgpack payload. Seqs must increase; a jump is recorded
+    as missing batches (the subscriber already asked the replay socket for them).
+    """
+
+    def __init__(self, batches: Iterable[tuple[int, KVEventBatch | bytes]] = (), *, name: str = "",
+                 checkpoint_every: int = 64) -> None:
+        if not isinstance(checkpoint_every, int) or isinstance(checkpoint_every, bool) or checkpoint_every < 1:
+            raise ValueError(f"checkpoint_every must be an int >= 1, got {checkpoint_every!r}")
+        self.name = name
+        self.checkpoint_every = checkpoint_every
+        self._batches: list[KVEventBatch] = []
+        self._payloads: list[bytes | None] = []
+        self._head: dict[NodeKey, PrefixNode] = {}
+        self._checkpoints: list[dict[NodeKey, PrefixNode]] = [{}]  # state before batch k * checkpoint_every
+        self._cursor: tuple[int, dict[NodeKey, PrefixNode]] | None = None  # last state computed by at()
+        self.series = StreamSeries()
+        self.num_unknown_removals = 0
+        self.extend(batches)
+
+    # -- building -----------------------------------------------------------------------------
+    @classmethod
+    def load(cls, source: str | os.PathLike | Recording, *, strict: bool = True, name: str | None = None) -> "KVStream":
+        """A stream from a recording (a path or a ``Recording``); see ``read_recording``."""
+        rec = source if isinstance(source, Recording) else read_recording(source, strict=strict)
+        stream = cls(name=name if name is not None else os.path.basename(rec.path))
+        for r in rec.records:
+            stream.append(r.seq, r.payload)
+        return stream
+
+    def append(self, seq: int, batch: KVEventBatch | bytes | bytearray | memoryview) -> None:
+        """Add the next batch (all-or-nothing: a bad seq or payload changes nothing)."""
+        if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:
+            raise TypeError(f"seq must be an int >= 0, got {seq!r}")
+        last = self.series.seq[-1] if self.series.seq else None
+        if last is not None and seq <= last:
+            raise ValueError(f"seq {seq} does not follow the last batch's seq {last}; a stream's seqs increase")
+        payload: bytes | None = None
+        if isinstance(batch, (bytes, bytearray, memoryview)):
+            payload = bytes(batch)
+            batch = decode_batch(payload)
+        elif not isinstance(batch, EventBatch):
+            raise TypeError(f"batch must be a KVEventBatch or its msgpack payload, got {type(batch).__name__}")
+        for i, ev in enumerate(batch.events):
+            if type(ev) not in (BlockStored, BlockRemoved, AllBlocksCleared):
+                raise TypeError(f"batch.events[{i}] is a {type(ev).__name__}; expected BlockStored, BlockRemoved or AllBlocksCleared")
+        k = len(self._batches)
+        if k and k % self.checkpoint_every == 0:
+            self._checkpoints.append(dict(self._head))
+        _, _, cleared, unknown = _apply(self._head, seq, batch, collect=False)
+        self.num_unknown_removals += unknown
+        self._batches.append(batch)  # type: ignore[arg-type]
+        self._payloads.append(payload)
+        s = self.series
+        s.missing.append((s.missing[-1] if s.missing else 0) + (seq - last - 1 if last is not None else 0))
+        s.seq.append(seq)
+        s.ts.append(batch.ts)
+        s.cached_blocks.append(len(self._head))
+        s.stored_blocks.append(sum(len(e.block_hashes) for e in batch.events if type(e) is BlockStored))
+        s.removed_blocks.append(sum(len(e.block_hashes) for e in batch.events if type(e) is BlockRemoved))
+        s.events.append(len(batch.events))
+        s.cleared.append(cleared)
+
+    def extend(self, batches: Iterable[tuple[int, KVEventBatch | bytes]]) -> int:
+        """Append every ``(seq, batch)``; returns how many were added."""
+        n = 0
+        for seq, batch in batches:
+            self.append(seq, batch)
+            n += 1
+        return n
+
+    # -- reading ------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._batches)
+
+    def __repr__(self) -> str:
+        last = self.series.seq[-1] if self.series.seq else None
+        return f"KVStream({self.name!r}, {len(self)} batches, last seq {last}, {len(self._head)} cached blocks)"
+
+    @property
+    def last_index(self) -> int:
+        return len(self._batches) - 1
+
+    @property
+    def batches(self) -> list[KVEventBatch]:
+        return list(self._batches)
+
+    def index_of(self, seq: int) -> int:
+        """The batch index holding ``seq`` (ValueError when it never arrived)."""
+        import bisect
+
+        i = bisect.bisect_left(self.series.seq, seq)
+        if i == len(self.series.seq) or self.series.seq[i] != seq:
+            raise ValueError(f"seq {seq} is not in this stream (seqs {self.series.seq[:1]}..{self.series.seq[-1:]}, missing {self.series.missing[-1:] or [0]})")
+        return i
+
+    def at(self, index: int | None = None) -> StreamSnapshot:
+        """The cache after batch ``index`` (default: the last; -1 before the first batch;
+        negative indexes below -1 are not allowed)."""
+        n = len(self._batches)
+        if index is None:
+            index = n - 1
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise TypeError(f"index must be an int, got {type(index).__name__}")
+        if not -1 <= index < n:
+            raise ValueError(f"index={index} is out of range; this stream has batches 0..{n - 1} (-1 = before the first)")
+        if index == -1:
+            return StreamSnapshot(-1, None, None, {}, name=self.name)
+        # state before batch `index`, from the nearest checkpoint or the cursor
+        cur = self._cursor
+        if cur is not None and cur[0] <= index and index - cur[0] < self.checkpoint_every:
+            start, state = cur[0], dict(cur[1])
+        else:
+            c = index // self.checkpoint_every
+            start, state = c * self.checkpoint_every, dict(self._checkpoints[c])
+        seqs = self.series.seq
+        for k in range(start, index):
+            _apply(state, seqs[k], self._batches[k], collect=False)
+        stored, removed, cleared, _ = _apply(state, seqs[index], self._batches[index], collect=True)
+        self._cursor = (index + 1, dict(state))  # a copy: the snapshot keeps `state`
+        return StreamSnapshot(index, seqs[index], self._batches[index].ts, state, tuple(dict.fromkeys(stored)),
+                              tuple(removed), cleared, self.series.missing[index], len(self._batches[index].events), self.name)
+
+    def snapshots(self) -> Iterator[StreamSnapshot]:
+        for i in range(len(self)):
+            yield self.at(i)
+
+    # -- saving -------------------------------------------------------------------------------
+    def save(self, path: str | os.PathLike, *, topic: str = "") -> None:
+        """Write the stream as a recording (payload bytes as received, or re-encoded)."""
+        with Recorder(path, topic=topic) as rec:
+            for seq, batch, payload in zip(self.series.seq, self._batches, self._payloads):
+                rec.append(seq, topic, payload if payload is not None else encode_batch(batch), batch.ts)
+
+
+__all__ = ["KVStream", "NodeKey", "PrefixNode", "StreamSeries", "StreamSnapshot"]

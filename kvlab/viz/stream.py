@@ -1,0 +1,161 @@
+"""Watching a KV-event stream: its per-batch series, and a player for live or recorded streams
+(lesson 10).
+
+* :class:`StreamSeriesView` -- per batch: blocks the engine caches (line), blocks stored
+  (bars up) and removed (bars down), and where batches were lost (marks on the axis);
+  a cursor at the batch shown.
+* :class:`StreamPlayer` -- a :class:`~kvlab.viz.prefix_index.PrefixIndexView` and the
+  series over one :class:`~kvlab.timeline.kv_stream.KVStream`, with a slider and Play.
+  ``follow=True`` keeps it at the newest batch while the stream grows (call
+  :meth:`StreamPlayer.refresh` after appending -- a live loop does). A recording loaded
+  with ``KVStream.load`` plays in the very same player.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvlab.timeline.kv_stream import KVStream, StreamSeries
+from kvlab.viz.base import TOP_LEGEND, View, _go
+from kvlab.viz.prefix_index import PrefixIndexView
+from kvlab.viz.style import CURSOR, HIGHLIGHT, MISS, STATE_COLORS
+
+
+MAX_BARS = 240  # beyond this many batches the stored/removed bars are summed per bin
+
+
+def series_data(series: StreamSeries, cursor: int | None = None, *, max_bars: int = MAX_BARS) -> dict[str, Any]:
+    """The series as plot data: x = seq; ``cached`` per batch; ``bar_x`` / ``stored`` (up) /
+    ``removed`` (negative) per batch, or summed per bin of batches when there are more than
+    ``max_bars`` (``bin`` = batches per bar); ``lost_at`` (seqs right after a loss),
+    ``cleared_at``, and the cursor's seq."""
+    n = len(series.seq)
+    lost_at = [series.seq[i] for i in range(n) if series.missing[i] > (series.missing[i - 1] if i else 0)]
+    k = max(1, -(-n // max_bars))
+    bar_x, stored, removed = [], [], []
+    for a in range(0, n, k):
+        bar_x.append(series.seq[min(n - 1, a + k // 2)])
+        stored.append(sum(series.stored_blocks[a : a + k]))
+        removed.append(-sum(series.removed_blocks[a : a + k]))
+    return dict(
+        x=list(series.seq), cached=list(series.cached_blocks), bar_x=bar_x, stored=stored, removed=removed, bin=k,
+        lost_at=lost_at, cleared_at=[series.seq[i] for i in range(n) if series.cleared[i]],
+        cursor=None if cursor is None or not 0 <= cursor < n else series.seq[cursor],
+        title=f"{n} batches · {sum(series.events)} events · {series.missing[-1] if n else 0} batches lost"
+        + (f" · bars: sums of {k} batches" if k > 1 else ""),
+    )
+
+
+class StreamSeriesView(View):
+    """Blocks cached, stored and removed per batch of one stream."""
+
+    name = "series"
+    title = "The stream, batch by batch"
+
+    def __init__(self, *, width: int = 760, height: int = 250) -> None:
+        super().__init__(None, width=width, height=height)
+        go = _go()
+        fig = self.figure
+        fig.add_trace(go.Bar(x=[], y=[], name="stored", marker_color=STATE_COLORS["in_use"], yaxis="y2"))
+        fig.add_trace(go.Bar(x=[], y=[], name="removed", marker_color=MISS, yaxis="y2"))
+        fig.add_trace(go.Scatter(x=[], y=[], mode="lines", name="cached blocks", line=dict(color=STATE_COLORS["cached"], width=2.5)))
+        fig.add_trace(go.Scatter(x=[], y=[], mode="markers", name="batches lost before", marker=dict(symbol="triangle-up", size=10, color=HIGHLIGHT)))
+        fig.update_layout(
+            showlegend=True, legend=TOP_LEGEND, barmode="relative", bargap=0.1,
+            xaxis=dict(title=dict(text="batch seq", font=dict(size=10), standoff=2), fixedrange=True),
+            yaxis=dict(title=dict(text="cached blocks", font=dict(size=10)), fixedrange=True, rangemode="tozero"),
+            yaxis2=dict(title=dict(text="stored / removed", font=dict(size=10)), overlaying="y", side="right", fixedrange=True, showgrid=False),
+            margin=dict(l=56, r=56, t=70, b=36),
+        )
+
+    def update(self, stream: KVStream, cursor: int | None = None) -> None:  # type: ignore[override]
+        d = series_data(stream.series, cursor)
+        self.last_data = d
+        fig = self.figure
+        put = self._put
+        with fig.batch_update():
+            put("st.x", fig.data[0], "x", d["bar_x"], "num")
+            put("st.y", fig.data[0], "y", d["stored"], "num")
+            put("rm.x", fig.data[1], "x", d["bar_x"], "num")
+            top = max([1] + d["stored"] + [-v for v in d["removed"]])
+            put("y2r", fig.layout.yaxis2, "range", [-1.1 * top, 1.1 * top])
+            put("rm.y", fig.data[1], "y", d["removed"], "num")
+            put("c.x", fig.data[2], "x", d["x"], "num")
+            put("c.y", fig.data[2], "y", d["cached"], "num")
+            put("l.x", fig.data[3], "x", d["lost_at"], "num")
+            put("l.y", fig.data[3], "y", [0] * len(d["lost_at"]), "num")
+            shapes = [] if d["cursor"] is None else [dict(type="line", x0=d["cursor"], x1=d["cursor"], yref="paper", y0=0, y1=1,
+                                                         line=dict(color=CURSOR, width=2, dash="dot"))]
+            shapes += [dict(type="line", x0=s, x1=s, yref="paper", y0=0, y1=1, line=dict(color="#333333", width=1)) for s in d["cleared_at"]]
+            put("shapes", fig.layout, "shapes", shapes)
+            self._header(d["title"], ["stored", "removed", "cached blocks", "batches lost before"])
+
+
+def _widgets() -> Any:
+    try:
+        import ipywidgets
+    except ImportError as e:  # pragma: no cover
+        raise ImportError("kvlab.viz.StreamPlayer needs ipywidgets: pip install 'kvlab[lab]'") from e
+    return ipywidgets
+
+
+class StreamPlayer:
+    """The prefix forest and the series of one :class:`KVStream`, with a batch slider.
+
+    ``probe``: block keys of a prompt to walk in the forest (a router's question: how much
+    of this prompt is cached?); ``follow``: stay at the newest batch as the stream grows.
+    """
+
+    def __init__(self, stream: KVStream, *, probe: Sequence[Any] | None = None, decode: Callable[[int], str] | None = None,
+                 follow: bool = False, width: int = 760, interval_ms: int = 400, title: str | None = None) -> None:
+        if not isinstance(stream, KVStream):
+            raise TypeError(f"stream must be a KVStream (KVStream.load(path) for a recording), got {type(stream).__name__}")
+        self.stream = stream
+        self.probe = list(probe) if probe is not None else None
+        self.follow = bool(follow)
+        self.prefixes = PrefixIndexView(decode=decode, width=width)
+        self.series = StreamSeriesView(width=width)
+        self.title = title if title is not None else (stream.name or "KV-event stream")
+        self.index = len(stream) - 1
+        self.interval_ms = interval_ms
+        self._ui: Any = None
+        self.go_to(self.index)
+
+    def go_to(self, index: int) -> None:
+        """Show the cache after batch ``index`` (-1: before the first)."""
+        self.index = index
+        self.prefixes.update(self.stream.at(index), probe=self.probe)
+        self.series.update(self.stream, index)
+        if self._ui is not None:
+            self._play.max = self._slider.max = max(0, len(self.stream) - 1)
+            self._slider.value = max(0, index)
+
+    def set_probe(self, probe: Sequence[Any] | None) -> None:
+        self.probe = list(probe) if probe is not None else None
+        self.go_to(self.index)
+
+    def refresh(self) -> None:
+        """After the stream grew: jump to the newest batch when following, else redraw."""
+        self.go_to(len(self.stream) - 1 if self.follow else self.index)
+
+    @property
+    def widget(self) -> Any:
+        if self._ui is None:
+            w = _widgets()
+            n = max(0, len(self.stream) - 1)
+            self._slider = w.IntSlider(value=max(0, self.index), min=0, max=n, description="batch", continuous_update=False,
+                                       layout=w.Layout(width="60%"))
+            self._play = w.Play(value=max(0, self.index), min=0, max=n, interval=self.interval_ms, description="play")
+            w.jslink((self._play, "value"), (self._slider, "value"))
+            self._slider.observe(lambda ch: self.go_to(ch["new"]) if ch["new"] != self.index else None, names="value")
+            head = w.HTML(f"<b>{self.title}</b>")
+            self._ui = w.VBox([head, w.HBox([self._play, self._slider]), self.prefixes.widget, self.series.widget])
+        return self._ui
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+
+        display(self.widget)
+
+
+__all__ = ["StreamPlayer", "StreamSeriesView", "series_data"]
