@@ -131,6 +131,33 @@ def _unified_wrong(**kw):
     return lambda specs: _unify(specs, **kw)
 
 
+MASK64 = (1 << 64) - 1
+
+
+def keys_ok(hash_fn, none_hash, token_ids, block_size, first_extra):
+    keys, parent = [], none_hash
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_fn((parent, tuple(token_ids[start : start + block_size]), None if start else first_extra))
+        keys.append(int.from_bytes(parent[-8:], "big"))
+    return keys
+
+
+def copies_ok(copies, event):
+    kind = type(event).__name__
+    if kind == "AllBlocksCleared":
+        copies.clear()
+    for h in getattr(event, "block_hashes", []):
+        n = copies.get(h, 0) + (1 if kind == "BlockStored" else -1)
+        if n > 0:
+            copies[h] = n
+        else:
+            copies.pop(h, None)
+
+
+def gaps_ok(last_seq, seq):
+    return range(last_seq + 1, seq) if last_seq is not None and seq > last_seq + 1 else range(0)
+
+
 CORRECT = {
     "hash_chain": hash_ok,
     "extra_keys": extra_ok,
@@ -145,6 +172,9 @@ CORRECT = {
     "kv_bytes": kv_ok,
     "group_block_hash": group_hash_ok,
     "unified_block_sizes": unified_ok,
+    "router_block_keys": keys_ok,
+    "index_copies": copies_ok,
+    "stream_gaps": gaps_ok,
 }
 
 # --- the classic wrong answers ------------------------------------------------------------------
@@ -197,6 +227,68 @@ def _evict_all_dups(pool, block):
     pool.cached_block_hash_to_block._cache.pop(block.cache_key, None)
     block.reset_hash()
     return True
+
+
+def _keys(hash_fn, root, toks, bs, extra, *, chain=True, salt="first", conv=lambda d: int.from_bytes(d[-8:], "big"), partial=False):
+    out, parent = [], root
+    n = len(toks) // bs + (1 if partial and len(toks) % bs else 0)
+    for b in range(n):
+        e = extra if (salt == "every" or (salt == "first" and b == 0)) else None
+        d = hash_fn(((parent if chain else root), tuple(toks[b * bs : (b + 1) * bs]), e))
+        parent = d
+        out.append(conv(d))
+    return out
+
+
+def _copies_set(copies, ev):
+    kind = type(ev).__name__
+    if kind == "AllBlocksCleared":
+        copies.clear()
+    for h in getattr(ev, "block_hashes", []):
+        if kind == "BlockStored":
+            copies[h] = 1
+        else:
+            copies.pop(h, None)
+
+
+def _copies_remove_all(copies, ev):
+    kind = type(ev).__name__
+    if kind == "AllBlocksCleared":
+        copies.clear()
+    for h in getattr(ev, "block_hashes", []):
+        if kind == "BlockStored":
+            copies[h] = copies.get(h, 0) + 1
+        else:
+            copies.pop(h, None)
+
+
+def _copies_no_clear(copies, ev):
+    if type(ev).__name__ != "AllBlocksCleared":
+        copies_ok(copies, ev)
+
+
+def _copies_keyerror(copies, ev):
+    kind = type(ev).__name__
+    if kind == "AllBlocksCleared":
+        copies.clear()
+    for h in getattr(ev, "block_hashes", []):
+        if kind == "BlockStored":
+            copies[h] = copies.get(h, 0) + 1
+        else:
+            copies[h] -= 1
+            if copies[h] == 0:
+                del copies[h]
+
+
+def _copies_keep_zero(copies, ev):
+    kind = type(ev).__name__
+    if kind == "AllBlocksCleared":
+        copies.clear()
+    for h in getattr(ev, "block_hashes", []):
+        if kind == "BlockStored":
+            copies[h] = copies.get(h, 0) + 1
+        elif h in copies:
+            copies[h] -= 1
 
 
 WRONG = {
@@ -253,6 +345,27 @@ WRONG = {
         "shrinks the big pages": _unified_wrong(shrink=True),
         "grows the Mamba block": _unified_wrong(grow_mamba=True),
         "leaves every block size alone": lambda specs: [s.block_size for s in specs],
+    },
+    "router_block_keys": {
+        "ignores the hash chain": lambda f, r, t, bs, x: _keys(f, r, t, bs, x, chain=False),
+        "ignores the salt": lambda f, r, t, bs, x: _keys(f, r, t, bs, x, salt="none"),
+        "salt in every block": lambda f, r, t, bs, x: _keys(f, r, t, bs, x, salt="every"),
+        "high 64 bits": lambda f, r, t, bs, x: _keys(f, r, t, bs, x, conv=lambda d: int.from_bytes(d[:8], "big")),
+        "digests, not ints": lambda f, r, t, bs, x: _keys(f, r, t, bs, x, conv=lambda d: d),
+        "None as the root": lambda f, r, t, bs, x: _keys(f, None, t, bs, x),
+        "keys a partial block": lambda f, r, t, bs, x: _keys(f, r, t, bs, x, partial=True),
+    },
+    "index_copies": {
+        "a set, not counts": _copies_set,
+        "one removal drops every copy": _copies_remove_all,
+        "ignores AllBlocksCleared": _copies_no_clear,
+        "KeyError on an unknown removal": _copies_keyerror,
+        "keeps zero counts": _copies_keep_zero,
+    },
+    "stream_gaps": {
+        "forgets the gap": lambda last, seq: range(0),
+        "off by one (asks for last_seq again)": lambda last, seq: range(last, seq) if last is not None and seq > last + 1 else range(0),
+        "off by one (asks for seq too)": lambda last, seq: range(last + 1, seq + 1) if last is not None and seq > last + 1 else range(0),
     },
 }
 
@@ -317,6 +430,23 @@ def test_specific_teaching_messages():
     assert "num_kv_heads" in check("unified_block_sizes", WRONG["unified_block_sizes"]["forgets the KV heads"]).idea
     assert "LARGEST page" in check("unified_block_sizes", WRONG["unified_block_sizes"]["shrinks the big pages"]).idea
     assert "Mamba page" in check("unified_block_sizes", WRONG["unified_block_sizes"]["grows the Mamba block"]).idea
+    w = WRONG["router_block_keys"]
+    assert "unchained" in check("router_block_keys", w["ignores the hash chain"]).idea
+    assert "salt" in check("router_block_keys", w["ignores the salt"]).idea
+    assert "FIRST block" in check("router_block_keys", w["salt in every block"]).idea
+    assert "LOW 64 bits" in check("router_block_keys", w["high 64 bits"]).idea
+    assert "NONE_HASH" in check("router_block_keys", w["None as the root"]).idea
+    assert "FULL blocks" in check("router_block_keys", w["keys a partial block"]).idea
+    w = WRONG["index_copies"]
+    assert "stored twice has two copies" in check("index_copies", w["a set, not counts"]).idea
+    assert "count copies, not membership" in check("index_copies", w["one removal drops every copy"]).idea
+    assert "AllBlocksCleared" in check("index_copies", w["ignores AllBlocksCleared"]).idea
+    assert "never saw" in check("index_copies", w["KeyError on an unknown removal"]).idea
+    assert "reaches 0" in check("index_copies", w["keeps zero counts"]).idea
+    w = WRONG["stream_gaps"]
+    assert "forgot the gap" in check("stream_gaps", w["forgets the gap"]).idea
+    assert "last_seq itself" in check("stream_gaps", w["off by one (asks for last_seq again)"]).idea
+    assert "seq itself" in check("stream_gaps", w["off by one (asks for seq too)"]).idea
 
 
 def test_unknown_exercise_id():

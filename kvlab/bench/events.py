@@ -11,18 +11,25 @@ Printed, each from this one run (minimum over the repeats; this machine's speed 
   what a router must sustain to follow a busy engine (issue 14 builds on it);
 * the same for ``encode_batch`` and for ``CacheIndex.apply`` (decode + index update);
 * the cost of producing the events: the manager's allocate/free cycle with events on, as a
-  ratio to the same cycle with events off.
+  ratio to the same cycle with events off;
+* **over ZeroMQ, end to end**: the same batches published by vLLM's publisher
+  (``ZmqEventPublisher``: encode, PUB socket) in *another process* and read by a
+  ``Subscriber`` here (SUB socket, seq check, decode) over loopback TCP -- events/s from the
+  first batch received to the last, plus the publisher's start-up. Both processes share this
+  machine's cores, as a router and an engine on one host would.
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import multiprocessing as mp
 import random
 import time
 from collections.abc import Callable
 
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.distributed.kv_events import CacheIndex, KVEventBatch, decode_batch, encode_batch
+from kvlab.distributed.kv_subscriber import Subscriber
 from kvlab.request import Request
 
 DECODE_TARGET_EVENTS_PER_S = 100_000
@@ -67,11 +74,59 @@ def _best(fn: Callable[[], None], repeats: int) -> float:
     return best
 
 
+def _publish_worker(endpoint: str, payloads: list[bytes], ready: "mp.synchronize.Event", go: "mp.synchronize.Event") -> None:
+    """The engine side, in a child process: publish every batch through vLLM's publisher."""
+    from kvlab.distributed.kv_publisher import ZmqEventPublisher
+
+    batches = [decode_batch(p) for p in payloads]
+    with ZmqEventPublisher(endpoint=endpoint, replay_endpoint="tcp://127.0.0.1:0", topic="bench") as pub:
+        ready.set()
+        go.wait(30)
+        for b in batches:
+            pub.publish(b)
+        pub.flush(60.0)
+        time.sleep(0.5)  # let the subscriber drain before the sockets close
+
+
+def zmq_end_to_end(payloads: list[bytes], n_events: int, timeout_s: float = 60.0) -> dict[str, float]:
+    """Publish ``payloads`` from a child process, receive them here; rates and times."""
+    ctx = mp.get_context("spawn")
+    sub = Subscriber("tcp://127.0.0.1:0", topic="bench", bind=True)
+    ready, go = ctx.Event(), ctx.Event()
+    t_start = time.perf_counter()
+    proc = ctx.Process(target=_publish_worker, args=(sub.endpoint, payloads, ready, go), daemon=True)
+    proc.start()
+    try:
+        if not ready.wait(timeout_s):
+            raise TimeoutError(f"the publisher process was not ready within {timeout_s} s")
+        startup = time.perf_counter() - t_start
+        sub.poll(0.2)  # the child has connected; a bound SUB attaches it while polling
+        go.set()
+        first = last = None
+        got = events = 0
+        for _, b in sub.receive(timeout_s=5.0, until_seq=len(payloads) - 1):
+            now = time.perf_counter()
+            first = now if first is None else first
+            last = now
+            got += 1
+            events += len(b.events)
+        proc.join(timeout=10)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=5)
+        sub.close()
+    span = (last - first) if first is not None and last is not None and last > first else float("nan")
+    return dict(batches=got, events=events, rate=(events - (events / max(got, 1))) / span if got > 1 else float("nan"),
+                startup_s=startup, lost=sub.stats["lost"], gaps=len(sub.gaps))
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m kvlab.bench events")
     ap.add_argument("--requests", type=int, default=3000)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--zmq-copies", type=int, default=5, help="the stream is sent this many times over ZeroMQ")
     args = ap.parse_args(argv)
 
     prompts = _workload(args.requests, args.seed)
@@ -98,6 +153,19 @@ def main(argv: list[str] | None = None) -> None:
     t_off = _best(lambda: _serve(prompts, events=False), max(2, args.repeats // 2))
     t_on = _best(lambda: _serve(prompts, events=True), max(2, args.repeats // 2))
     print(f"[events] serving the workload with events on / off: {t_on / t_off:.2f}x ({t_on * 1e3:.0f} ms vs {t_off * 1e3:.0f} ms)")
+
+    stream = payloads * args.zmq_copies
+    best: dict[str, float] | None = None
+    for _ in range(max(1, args.repeats // 2)):
+        r = zmq_end_to_end(stream, n_events * args.zmq_copies)
+        if best is None or r["rate"] > best["rate"]:
+            best = r
+    assert best is not None
+    print(
+        f"[events] over ZeroMQ end to end (publisher process -> loopback TCP -> Subscriber here): {best['rate']:,.0f} events/s "
+        f"({best['rate'] / DECODE_TARGET_EVENTS_PER_S:.1f}x the target; {best['batches']:.0f} batches, {best['events']:,.0f} events, "
+        f"{best['gaps']:.0f} gaps, {best['lost']:.0f} lost); publisher process start-up {best['startup_s']:.2f} s"
+    )
 
 
 if __name__ == "__main__":

@@ -275,14 +275,14 @@ def compare(
     fleet: Fleet | None = None,
 ) -> list[RoutingResult]:
     """Every policy on every trace, on one fleet (started here unless given). A policy may
-    be a name, an object, or a class (a fresh instance per trace)."""
+    be a name, or a class or factory (called for a fresh instance per trace)."""
     own = fleet is None
     f = fleet or Fleet(num_replicas, engine=engine)
     try:
         out = []
         for tname, trace in traces.items():
             for p in policies:
-                pol = p() if isinstance(p, type) else p
+                pol = p() if isinstance(p, type) or (callable(p) and not hasattr(p, "choose")) else p
                 out.append(f.route(trace, pol, name=tname))
         return out
     finally:
@@ -290,4 +290,28 @@ def compare(
             f.stop()
 
 
-__all__ = ["Fleet", "RoutedRequest", "RoutingResult", "compare", "format_table"]
+# --- the experiment of lesson 11 and `python -m kvlab.bench routing` -------------------------------
+STANDARD_ENGINE: dict[str, Any] = dict(num_blocks=128, block_size=16)  # 2,048 tokens of KV per replica
+STANDARD_REPLICAS = 4
+
+
+def standard_traces(seed: int = 0) -> dict[str, Any]:
+    """The two workloads the routing table compares policies on: 8 tenants sharing 4 popular
+    256-token prefixes (200 requests at 8/s), and 24 six-turn chats (conversations start at
+    2/s; each turn resends the whole history)."""
+    from kvlab.workloads.traces import multi_tenant, multi_turn
+
+    return {"multi-tenant": multi_tenant(8, 200, seed, rate=8.0), "multi-turn": multi_turn(24, 6, seed, rate=2.0)}
+
+
+def standard_policies() -> list[Any]:
+    """Round-robin, least-loaded, KV-aware (prefix only) and KV-aware with a load term."""
+    from kvlab.routing.policies import KVAware, LeastLoaded, RoundRobin
+
+    return [RoundRobin, LeastLoaded, KVAware, lambda: KVAware(load_weight=2.0)]
+
+
+__all__ = [
+    "STANDARD_ENGINE", "STANDARD_REPLICAS", "Fleet", "RoutedRequest", "RoutingResult", "compare", "format_table",
+    "standard_policies", "standard_traces",
+]
