@@ -11,6 +11,9 @@ views import only the data layer, the engine imports no view (contracts checked 
 ``show(scenario)``         replay with the scenario's named steps, notes and ``decode``
 ``show("run.json")``       a saved log (``EventLog.save``), replayed
 ``show(log)``              an ``EventLog``, a ``Timeline`` or a list of events
+``show(stream)``           a ``KVStream`` (a vLLM KV-event stream, live or recorded):
+                           a :class:`~kvlab.viz.stream.StreamPlayer`
+``show("run.kvev")``       a recorded KV-event stream (``Subscriber(record_to=...)``)
 =========================  ============================================================
 
 The module itself is callable: ``import kvlab; kvlab.show(engine)`` and
@@ -23,15 +26,19 @@ import sys
 import types
 from typing import Any
 
+from kvlab.distributed.kv_recording import is_recording
 from kvlab.engine.llm_engine import LLMEngine
 from kvlab.scenarios import Scenario
 from kvlab.timeline.events import EventLog
+from kvlab.timeline.kv_stream import KVStream
 from kvlab.viz.player import Player
+from kvlab.viz.stream import StreamPlayer
 
 
-def show(source: Any, **kwargs: Any) -> Player:
+def show(source: Any, **kwargs: Any) -> Player | StreamPlayer:
     """A :class:`Player` on an engine (live), a scenario, a saved log's path, a log, a
-    timeline or a list of events; ``kwargs`` go to the Player (``views``, ``start``, ...).
+    timeline or a list of events; a :class:`StreamPlayer` on a ``KVStream`` or a recorded
+    KV-event stream's path. ``kwargs`` go to the player (``views``, ``start``, ``probe``, ...).
 
     Returns the player; like any widget it is displayed when it is the last expression of
     a cell. Keep the handle to drive it from code: ``p = kvlab.show(log); p.go_to(3); p``.
@@ -46,9 +53,13 @@ def show(source: Any, **kwargs: Any) -> Player:
         kwargs.setdefault("title", source.name)
         kwargs.setdefault("description", source.description)
         return Player(source.timeline(), named_steps=source.named_steps, notes=source.notes, **kwargs)
+    if isinstance(source, KVStream):
+        return StreamPlayer(source, **kwargs)
     if isinstance(source, (str, os.PathLike)):
         if not os.path.isfile(source):
             raise FileNotFoundError(f"source: no saved event log at {os.fspath(source)!r}")
+        if is_recording(source):
+            return StreamPlayer(KVStream.load(source), **kwargs)
         return Player(EventLog.load(os.fspath(source)), **kwargs)
     return Player(source, **kwargs)
 
@@ -56,7 +67,7 @@ def show(source: Any, **kwargs: Any) -> Player:
 class _CallableModule(types.ModuleType):
     """``kvlab.show`` is this module; calling it calls :func:`show`."""
 
-    def __call__(self, source: Any, **kwargs: Any) -> Player:
+    def __call__(self, source: Any, **kwargs: Any) -> Player | StreamPlayer:
         return show(source, **kwargs)
 
 

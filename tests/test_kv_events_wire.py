@@ -270,3 +270,4 @@ def test_bench_events_runs_and_reports_the_decode_rate(capsys):
     out = capsys.readouterr().out
     assert "decode_batch:" in out and "events/s" in out and "x the target" in out
     assert "BlockStored" in out and "BlockRemoved" in out
+    assert "over ZeroMQ end to end" in out and " 0 lost" in out

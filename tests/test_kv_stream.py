@@ -257,3 +257,15 @@ def test_routing_figure_data_groups_by_trace_and_policy():
     fig = routing.routing_figure(rows)
     bars = [t for t in fig.data if t.type == "bar" and t.xaxis == "x3"]
     assert [list(t.base) for t in bars] == [[0, 0, 0], [25.0, 50.0, 0.0]]
+
+
+def test_show_opens_streams_and_recordings_in_the_stream_player(tmp_path):
+    from kvlab.show import show
+
+    s = story()
+    p = show(s, probe=[1, 2])
+    assert isinstance(p, stream_view.StreamPlayer) and p.index == 4
+    s.save(tmp_path / "s.kvev")
+    q = show(tmp_path / "s.kvev")
+    assert isinstance(q, stream_view.StreamPlayer) and len(q.stream) == 5
+    assert q.prefixes.last_data["nodes"] == p.prefixes.last_data["nodes"]

@@ -20,13 +20,13 @@ LINT = pathlib.Path(sys.executable).with_name("lint-imports")
 
 CONTRACTS = {
     # contract name (as printed) -> (file to plant into, the planted line)
-    "The core imports no torch, Triton, plotly or ipywidgets, and nothing above it": (
+    "The core imports no torch, Triton, plotly, ipywidgets or ZeroMQ, and nothing above it": (
         "kvlab/core/block_pool.py", "import torch"),
     "kernels/ (kvlab.kernels) imports nothing of kvlab": (
         "kernels/reference.py", "from kvlab.core.block_pool import BlockPool"),
     "Views import the data layer and plotting libraries only: no engine, scheduler, runner, executor or scenarios": (
         "kvlab/viz/pool.py", "from kvlab.engine.llm_engine import LLMEngine"),
-    "The data layer (kvlab.timeline) imports no view, and nothing of the engine": (
+    "The data layer (kvlab.timeline) imports no view, nothing of the engine, and no socket": (
         "kvlab/timeline/snapshot.py", "import kvlab.viz.style"),
     # A core module importing the kernels through their installed name: invisible to the
     # analysis as kvlab.kernels, seen as an import of the kvlab package itself.

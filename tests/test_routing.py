@@ -215,3 +215,13 @@ def test_fleet_reports_a_replica_that_died():
         with pytest.raises(ServerDied, match="replica-1"):
             fleet.route(multi_tenant(2, 5, 0, rate=2.0), "round_robin")
     assert not any(s.alive for s in fleet.servers)
+
+
+@pytest.mark.slow
+def test_bench_routing_prints_the_table(capsys):
+    from kvlab.bench import routing
+
+    routing.main(["--replicas", "2"])
+    out = capsys.readouterr().out
+    assert out.count("multi-tenant ") >= 4 and "kv_aware+load(2)" in out and "replica processes ready" in out
+    assert "stopping 2 processes" in out

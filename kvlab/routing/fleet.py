@@ -132,7 +132,13 @@ def format_table(results: Iterable[RoutingResult]) -> str:
 
 class Fleet:
     """``Fleet(num_replicas, engine={...})``: start the replicas (each a process) and the
-    router's subscribers; :meth:`route` a trace under a policy; :meth:`stop` (or ``with``)."""
+    router's subscribers; :meth:`route` a trace under a policy; :meth:`stop` (or ``with``).
+
+    ``engine``: the replicas' settings (``kvlab.entrypoints.kv_server.ENGINE_DEFAULTS``);
+    ``keep_streams``: keep each replica's stream as a ``KVStream`` in the results (for the
+    views); ``env``: the replicas' environment (default: this process's -- with another
+    ``PYTHONHASHSEED`` their chain roots differ from the router's, lesson 11).
+    """
 
     def __init__(
         self,
@@ -143,6 +149,7 @@ class Fleet:
         sync_timeout_s: float = 2.0,
         start_timeout_s: float = 60.0,
         keep_streams: bool = False,
+        env: Mapping[str, str] | None = None,
     ) -> None:
         self.num_replicas = check_int("num_replicas", num_replicas, 1, 16)
         self.sync_timeout_s = check_number("sync_timeout_s", sync_timeout_s, 0, strict=True)
@@ -164,7 +171,7 @@ class Fleet:
                     topic=f"kv@{name}", buffer_steps=buffer_steps))
                 for name, sub in zip(self.names, self.subscribers)
             ]
-            self.servers = KVServer.start_many(specs, start_timeout_s=start_timeout_s)
+            self.servers = KVServer.start_many(specs, start_timeout_s=start_timeout_s, env=env)
             for sub, srv in zip(self.subscribers, self.servers):
                 sub.replay_endpoint = srv.replay_endpoint
                 sub.poll(0.01)  # a bound SUB attaches a connecting publisher only inside a call

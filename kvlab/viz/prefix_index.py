@@ -27,7 +27,7 @@ from kvlab.viz.style import HIT, MISS, STATE_COLORS, html_escape, render_tokens
 
 CACHED_COLOR = STATE_COLORS["cached"]
 STORED_RING = "#000000"
-MAX_TEXT_NODES = 120
+MAX_TEXT_NODES = 40  # beyond this, a node's tokens are in its hover text only
 LEGEND = ("cached block", "stored by this batch", "removed by this batch", "probe hit", "probe: first miss")
 
 
