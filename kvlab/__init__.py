@@ -3,9 +3,12 @@
 The layout mirrors vLLM's tree: ``kvlab/core`` is ``vllm/v1/core`` (block pool, managers,
 ``sched/``), ``kvlab/worker`` is ``vllm/v1/worker`` (model runner), ``kvlab/engine`` and
 ``kvlab/executor`` are ``vllm/v1/engine`` and ``vllm/v1/executor``. kvlab's own parts sit
-beside them: ``timeline`` (events, snapshots, the Timeline: the data layer), ``viz`` (the
-pictures), ``show`` (wires an engine, a scenario or a log to a Player), ``scenarios``,
-``workloads``, ``exercises``, ``lessons``, ``bench``.
+beside them: ``timeline`` (events, snapshots, the Timeline, KV-event streams: the data
+layer), ``viz`` (the pictures), ``show`` (wires an engine, a scenario, a log or a stream to a
+player), ``routing`` (KV-aware routing across replica processes), ``scenarios``,
+``workloads``, ``exercises``, ``lessons``, ``bench``. ``kvlab/distributed`` and
+``kvlab/entrypoints`` are vLLM's: the KV-event wire format, publisher and subscriber, and an
+engine in its own process.
 
 Every name below is importable from here (``from kvlab import LLMEngine``), but each is
 loaded on first use: importing ``kvlab.viz.pool`` must not load the engine, and importing
@@ -29,6 +32,7 @@ _EXPORTS: dict[str, str] = {
     "KVCacheBlocks": "kvlab.core.kv_cache_manager",
     "KVCacheManager": "kvlab.core.kv_cache_manager",
     "KVCacheMetricsCollector": "kvlab.core.kv_cache_metrics",
+    "KVStream": "kvlab.timeline.kv_stream",
     "LLMEngine": "kvlab.engine.llm_engine",
     "MLAAttentionSpec": "kvlab.kv_cache_interface",
     "MambaSpec": "kvlab.kv_cache_interface",
@@ -72,6 +76,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs only
     from kvlab.metrics.stats import CachingMetrics, PrefixCacheStats
     from kvlab.request import MultiModalFeature, Request, RequestStatus
     from kvlab.timeline.events import EventLog
+    from kvlab.timeline.kv_stream import KVStream
     from kvlab.timeline.snapshot import Snapshot
     from kvlab.timeline.timeline import StepSeries, Timeline, replay
     from kvlab.utils.hashing import get_hash_fn_by_name

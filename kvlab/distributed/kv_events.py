@@ -36,9 +36,12 @@ stored twice (two requests computed one prefix at the same time, or a fully cach
 recomputes its last block) and each copy is removed by its own ``BlockRemoved``.
 ``CacheIndex`` does exactly that.
 
-The ZeroMQ publisher and subscriber (``Subscriber``, the replay socket) belong here too,
-beside the structs; they import ``zmq`` lazily so that the core, which builds these events,
-never pulls in a socket library.
+The ZeroMQ side of vLLM's module lives beside this one, so that the core -- which builds
+these events -- never imports a socket library (an import-linter contract):
+``kv_publisher.py`` (vLLM's ``ZmqEventPublisher``: the PUB socket, the replay socket, the
+bind-or-connect rule), ``kv_subscriber.py`` (``Subscriber``: reads kvlab's or a real vLLM
+server's stream, refills gaps from the replay socket) and ``kv_recording.py`` (streams on
+disk). ``kvlab.kv_events`` re-exports all four modules (lesson 10).
 """
 from __future__ import annotations
 

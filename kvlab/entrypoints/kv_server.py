@@ -397,6 +397,8 @@ class KVServer:
     def add(self, requests: Iterable[Any], **kw: Any) -> dict[str, Any]:
         """Add requests: kvlab ``Request`` s or trace entries (``TraceRequest``: their scripted
         answers, ``output_token_ids``, become the server's output for them)."""
+        if isinstance(requests, (str, bytes)) or not hasattr(requests, "__iter__"):
+            raise TypeError(f"requests must be a list of Requests or trace entries, got {type(requests).__name__}")
         return self.call("add", requests=[_request_dict(r) for r in requests], **kw)
 
     def advance(self, until: float, **kw: Any) -> dict[str, Any]:
@@ -462,6 +464,8 @@ class KVServer:
 def _request_dict(r: Any) -> dict[str, Any]:
     """A request as the command socket carries it. A trace entry brings its arrival time
     (lock-step replay) and its scripted answer; a live ``Request`` arrives "now"."""
+    if not all(hasattr(r, a) for a in ("request_id", "prompt_token_ids", "max_tokens")):
+        raise TypeError(f"requests must be kvlab Requests or trace entries (TraceRequest), got {type(r).__name__}")
     d = dict(request_id=r.request_id, prompt_token_ids=list(r.prompt_token_ids), max_tokens=r.max_tokens,
              cache_salt=r.cache_salt, lora_name=r.lora_name)
     if not isinstance(r, Request):

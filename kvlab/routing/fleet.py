@@ -226,9 +226,7 @@ class Fleet:
         for r in reqs:
             self._sync(states, self._broadcast("advance", until=float(r.arrival_time)), streams)
             hashes = prompt_block_hashes(r.prompt_token_ids, bs, hash_algo=algo, cache_salt=r.cache_salt, lora_name=r.lora_name)
-            i = pol.choose(r, hashes, states)
-            if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < len(states):
-                raise ValueError(f"policy {pol.name!r} chose {i!r}; it must return a replica index in 0..{len(states) - 1}")
+            i = check_int(f"the replica index policy {pol.name!r} chose", pol.choose(r, hashes, states), 0, len(states) - 1)
             hit = min(states[i].cached_prefix_blocks(hashes), (len(r.prompt_token_ids) - 1) // bs)
             self.servers[i].add([r])
             states[i].num_routed += 1
