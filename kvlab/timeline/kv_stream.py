@@ -220,7 +220,8 @@ class KVStream:
             raise TypeError(f"seq must be an int >= 0, got {seq!r}")
         last = self.series.seq[-1] if self.series.seq else None
         if last is not None and seq <= last:
-            raise ValueError(f"seq {seq} does not follow the last batch's seq {last}; a stream's seqs increase")
+            hint = " (seq 0: the publisher restarted with an empty cache -- start a new KVStream)" if seq == 0 else ""
+            raise ValueError(f"seq {seq} does not follow the last batch's seq {last}; a stream's seqs increase{hint}")
         payload: bytes | None = None
         if isinstance(batch, (bytes, bytearray, memoryview)):
             payload = bytes(batch)

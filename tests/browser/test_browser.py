@@ -284,7 +284,7 @@ DRAWN = """() => {
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("lesson", ["00_start_here.ipynb", "04_refcounts_and_eviction.ipynb"])
+@pytest.mark.parametrize("lesson", ["00_start_here.ipynb", "04_refcounts_and_eviction.ipynb", "10_kv_events_on_the_wire.ipynb"])
 def test_lesson_renders_every_widget(tmp_path: Path, lesson: str) -> None:
     """A learner's first contact: run all cells of a lesson; every output renders, no error."""
     src = REPO / "notebooks" / lesson
