@@ -73,6 +73,14 @@ BEHAVIOUR_CHANGES: tuple[BehaviourChange, ...] = (
         "08",
         "`kv_events.encode_batch(batch, array_like=True)`",
     ),
+    BehaviourChange(
+        "replay socket's answer (a subscriber that missed batches)",
+        "each replayed batch sent as [seq, payload]",
+        "0.26.0",
+        "[topic, seq, payload], like the live stream; the end marker is [empty, 0xff x 8, empty]",
+        "10",
+        "`ZmqEventPublisher(..., replay_topic_frame=False)`; `Subscriber` reads both",
+    ),
 )
 
 
