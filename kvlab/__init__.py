@@ -48,6 +48,7 @@ _EXPORTS: dict[str, str] = {
     "StepSeries": "kvlab.timeline.timeline",
     "Timeline": "kvlab.timeline.timeline",
     "build_engine": "kvlab.engine.llm_engine",
+    "export_html": "kvlab.show",
     "get_hash_fn_by_name": "kvlab.utils.hashing",
     "hash_block_tokens": "kvlab.core.kv_cache_utils",
     "replay": "kvlab.timeline.timeline",
@@ -65,6 +66,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs only
     from kvlab.core.sched.output import SchedulerOutput
     from kvlab.core.sched.scheduler import Scheduler
     from kvlab.engine.llm_engine import LLMEngine, build_engine
+    from kvlab.show import export_html
     from kvlab.executor.simulated import SimulatedExecutor
     from kvlab.kv_cache_interface import (
         ChunkedLocalAttentionSpec,

@@ -18,12 +18,17 @@ views import only the data layer, the engine imports no view (contracts checked 
 
 The module itself is callable: ``import kvlab; kvlab.show(engine)`` and
 ``from kvlab.show import show`` are the same function.
+
+``export_html(x, "run.html")`` takes the same sources (or a Player) and writes the whole
+run as one self-contained HTML replay (:mod:`kvlab.viz.export`): the Player's controls,
+every view, plotly.js inlined -- no kernel, no network.
 """
 from __future__ import annotations
 
 import os
 import sys
 import types
+from pathlib import Path
 from typing import Any
 
 from kvlab.distributed.kv_recording import is_recording
@@ -62,6 +67,31 @@ def show(source: Any, **kwargs: Any) -> Player | StreamPlayer:
             return StreamPlayer(KVStream.load(source), **kwargs)
         return Player(EventLog.load(os.fspath(source)), **kwargs)
     return Player(source, **kwargs)
+
+
+def export_html(source: Any, path: str | os.PathLike, *, max_steps: int | None = None, **kwargs: Any) -> Path:
+    """Write a self-contained HTML replay of ``source`` to ``path`` (returns the path).
+
+    ``source``: an engine (its run so far), a scenario, a saved log's path, an
+    ``EventLog``, a ``Timeline``, a list of events, or a ``Player`` (exported as it stands:
+    its views and selection). ``kwargs`` go to the Player (``views``, ``start``,
+    ``title``, ``decode``, ...). Runs longer than ``max_steps`` steps are exported at every
+    k-th step (default 3,000).
+    """
+    from kvlab.viz.export import MAX_STEPS, write_html
+
+    if isinstance(source, Player):
+        if kwargs:
+            raise TypeError(f"export_html: options {sorted(kwargs)} apply to a new Player, not to an existing one")
+        player = source
+    elif isinstance(source, LLMEngine):
+        if source.events is None:
+            raise ValueError("the engine has no event log; build it with build_engine(..., event_log=True) to export it")
+        kwargs.setdefault("title", "engine run")
+        player = Player(source.events, **kwargs)  # a replay of the run so far, not a live player
+    else:
+        player = show(source, **kwargs)
+    return write_html(player, path, max_steps=MAX_STEPS if max_steps is None else max_steps)
 
 
 class _CallableModule(types.ModuleType):

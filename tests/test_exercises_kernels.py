@@ -4,6 +4,8 @@ from __future__ import annotations
 import time
 
 import pytest
+
+import kvlab.kernels  # noqa: F401, I001  (first: it picks the Triton mode before triton is imported)
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
@@ -152,3 +154,26 @@ def test_slot_mapping_accepts_alternative():
         return out
 
     assert check("slot_mapping", slots)
+
+
+def test_a_failing_kernel_check_draws_the_learners_loads():
+    """Forgetting the block table sends loads into other blocks (block 0 included); the
+    check says so and ``show()`` draws the loads against the table."""
+    res = check("paged_attention_kernel", step_logical_block)
+    assert not res and "your kernel's loads: seq0: 37 slots loaded that its table does not hold" in str(res)
+    assert "result.show() draws them" in str(res)
+    fig = res.show()
+    titles = [a.text for a in fig.layout.annotations if a.text.startswith("Attention read")]
+    assert [t.split(" · ")[1] for t in titles] == ["seq0", "seq1", "seq2"]
+    assert any("✖ 0 (null)" in str(list(ax.ticktext or ())) for k, ax in fig.layout.to_plotly_json().items()
+               if k.startswith("yaxis") for ax in [fig.layout[k]])
+    res = check("paged_attention_kernel", step_no_mask)  # loads past the end of each sequence
+    assert "seq0: 11 slots loaded that its table does not hold" in str(res)
+    d = res.extra["kernel_reads"]
+    from kvlab.timeline import Timeline
+    from kvlab.viz import kernel
+
+    tl = Timeline(d)
+    b = tl.attention_batch(1)
+    g = kernel.figure_data(tl.at(1), "seq0", batch=b, at_batch=tl.after_event(b.seq))["groups"][0]
+    assert g["past_end_loads"] == 11 and g["stray_blocks"] == [] and not g["missed"]

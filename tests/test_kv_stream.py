@@ -226,7 +226,7 @@ def test_prefix_forest_caps_what_it_draws_and_filters_groups():
     assert len(prefix_index.figure_data(s.at(), group_idx=None)["nodes"]) == 42
     v = prefix_index.PrefixIndexView()
     v.update(s.at(), probe=[1, 2, 3])
-    assert len(v.figure.data[2].x) == 40 and list(v.figure.data[5].x) == [0, 1, 2]
+    assert len(v.figure.data[2].x) == 40 and list(v.figure.data[5].x) == [-0.45, 0, 1, 2]  # the walk: a stub, then the hits
 
 
 def test_series_bins_long_streams():
@@ -251,7 +251,9 @@ def test_routing_figure_data_groups_by_trace_and_policy():
     ]
     d = routing.figure_data(rows)
     assert d["traces"] == ["t1", "t2"] and d["policies"] == ["round_robin", "kv_aware+load(2)"]
-    assert d["colors"] == {"round_robin": "#999999", "kv_aware+load(2)": "#009e73"}
+    # Greys tell policies apart (colours keep their one meaning); KV-aware's own is the cache's sky blue.
+    assert d["colors"] == {"round_robin": "#c8c8c8", "kv_aware+load(2)": "#2b2b2b"}
+    assert routing.figure_data([dict(rows[0], policy="kv_aware")])["colors"] == {"kv_aware": "#9fd3f2"}
     assert d["cells"][("t1", "round_robin")] == dict(hit_rate=50.0, ttft_mean_ms=200.0, ttft_p90_ms=500.0, prefill_share=[25.0, 75.0], imbalance=1.5)
     assert d["cells"][("t2", "round_robin")]["prefill_share"] == [0.0, 0.0]
     fig = routing.routing_figure(rows)

@@ -269,8 +269,12 @@ def test_kernel_reads_through_the_block_table(story) -> None:
     assert g["read_blocks"] == [1, 2, 3, 5]
     assert g["read_slots"] == list(range(16, 64)) + list(range(80, 85))  # slot = block * 16 + offset
     assert g["query_slot"] == 5 * 16 + 4
+    # req1's step computed its 5 new tokens (positions 48..52): all five are queries, each
+    # reading the 48 cached prefix tokens and the new tokens before it.
+    assert d["query_positions"] == [48, 49, 50, 51, 52]
     last_row = d["rows"][-1]
-    assert [s for _, _, s in last_row["cells"]][:6] == ["read", "read", "read", "read", "query", "unwritten"]
+    assert [s for _, _, s in last_row["cells"]][:6] == ["query"] * 5 + ["unwritten"]
+    assert "5 queries, positions 48–52" in d["title"] and "derived from the block table" in d["subtitle"]
     assert kernel.figure_data(story.at("req1 prefix hit"))["request_id"] == "req0"  # default: first running
     assert kernel.figure_data(story.at("both freed"))["request_id"] is None
 
@@ -318,7 +322,8 @@ def test_kernel_view_prefers_the_attention_batch_event(window) -> None:
     hm = view.figure.data[0]
     qi = KERNEL_ORDER.index("query")
     (lo, c_lo), (hi, c_hi) = hm.colorscale[2 * qi], hm.colorscale[2 * qi + 1]
-    assert lo < (qi + 0.5) / len(KERNEL_ORDER) < hi and c_lo == c_hi == KERNEL_COLORS["query"]
+    n_cat = len(kernel._CATEGORIES)  # the kernel states, then the block states (blocks outside the table)
+    assert lo < (qi + 0.5) / n_cat < hi and c_lo == c_hi == KERNEL_COLORS["query"]
     assert sum(row.count(qi) for row in d["z"]) == 2  # one query token per group
     view.update(tl.at(step), None)
     assert view.last_data["request_id"] == "S2"  # the batch's first request
@@ -510,3 +515,238 @@ def test_every_view_uses_the_shared_bundle_widget() -> None:
         assert isinstance(view.widget, go.FigureWidget) and view.widget._esm == cls._esm
     preload()
     preload()  # idempotent
+
+
+# -- pictures a learner can trust ------------------------------------------------------------------
+def test_one_colour_one_meaning_across_every_view() -> None:
+    """No colour means two things: block states, request states and the kernel's reads use
+    disjoint colours, and the other marks reuse a colour only for the same concept."""
+    import re
+    from pathlib import Path
+
+    from kvlab.viz import style
+
+    blocks = set(style.STATE_COLORS.values())
+    statuses = set(style.STATUS_COLORS.values())
+    reads = {style.KERNEL_COLORS["read"], style.KERNEL_COLORS["query"]}
+    assert len(blocks) == 5 and len(statuses) == 4
+    assert not blocks & statuses and not blocks & reads and not statuses & reads
+    assert style.HIT == style.STATE_COLORS["cached"]  # a prefix hit is the prefix cache's colour
+    assert style.USAGE == style.STATE_COLORS["in_use"]  # usage counts the blocks held
+    assert style.KERNEL_COLORS["null"] == style.STATE_COLORS["null"]  # the null block, everywhere
+    assert style.SELECT_OUTER == style.INK and style.SELECT_INNER == style.WHITE  # no colour: a mark
+    # Views take every colour from the palette: no colour literal anywhere else in kvlab/viz.
+    root = Path(style.__file__).parent
+    for path in root.glob("*.py"):
+        if path.name == "style.py":
+            continue
+        found = set(re.findall(r"#([0-9a-fA-F]{6})\b", path.read_text()))
+        hues = {c for c in found if not c[0:2] == c[2:4] == c[4:6]}  # greys (ink, paper) are not meanings
+        assert not hues, f"{path.name} has its own colours {sorted(hues)}"
+
+
+def test_the_selection_mark_is_a_black_and_white_frame_in_every_view(player) -> None:
+    p = player
+    p.go_to("req1 prefix hit")
+    p.select("req1")
+    for name, (outer_i, inner_i) in {"pool": (1, 2), "table": (1, 2), "free": (1, 2), "hash": (6, 7)}.items():
+        fig = p.views[name].figure
+        outer, inner = fig.data[outer_i], fig.data[inner_i]
+        assert outer.marker.symbol == inner.marker.symbol == "square-open", name
+        assert outer.marker.line.color == "#000000" and inner.marker.line.color == "#ffffff", name
+        assert inner.marker.size < outer.marker.size, name
+    assert len(p.views["pool"].figure.data[1].x) == 4  # req1's blocks 1, 2, 3, 5
+    shapes = p.views["timeline"].figure.layout.shapes
+    assert [s.line.color for s in shapes if s.type == "rect"] == ["#000000", "#ffffff"]
+    assert shapes[0].line.dash == "dash"  # the step cursor: a dashed line, not a colour
+    p.select(None)
+
+
+def test_run_step_shows_the_step_it_ran_wherever_the_player_stood() -> None:
+    e = build_engine(num_blocks=16, block_size=4)
+    e.add_request(Request("a", list(range(10)), max_tokens=6, arrival_time=0.0))
+    e.run()
+    p = show(e, views=("pool", "table"), start=1)
+    e.add_request(Request("b", list(range(100, 110)), max_tokens=3, arrival_time=0.0))
+    assert p.step == 1  # a request added from another cell: the player stays where it is
+    ran = p.run_step()
+    assert ran == p.step == p.last_step == 7
+    assert "step 7" in p.views["pool"].figure.layout.title.text and p.views["table"].last_data["rows"] == ["b"]
+
+
+def test_player_fits_the_notebook_and_hides_the_stop_button(player) -> None:
+    from kvlab.viz.player import DEFAULT_WIDTH, PLAYER_STYLE
+
+    assert DEFAULT_WIDTH <= 960 and player.widget.layout.width == f"{DEFAULT_WIDTH + 8}px"
+    assert sum(v.width for v in list(player.views.values())[:2]) + 8 <= DEFAULT_WIDTH
+    assert PLAYER_STYLE in player._title.value and "nth-of-type(2){display:none}" in PLAYER_STYLE
+    assert all(v.widget._config.get("displayModeBar") is False for v in player.views.values())
+
+
+def test_a_manager_only_log_fills_every_panel_it_shows() -> None:
+    """An exercise checker drives a KVCacheManager without a scheduler: its replay still has
+    block tables, a Gantt and a usage line, and no empty kernel panel."""
+    from kvlab.exercises.checks_pool import run_shared_prefix_story, story_manager
+
+    log = run_shared_prefix_story(story_manager())["log"]
+    p = Player(log)
+    assert list(p.views) == ["pool", "free", "table", "hash", "timeline"]
+    p.go_to(2)
+    assert p.views["table"].last_data["rows"] == ["req0", "req1"]
+    t = p.views["timeline"].last_data
+    assert t["requests"] == ["req0", "req1", "req2", "req3"]
+    assert t["usage"][1] == pytest.approx(100 * 4 / 10) and t["usage"][2] == pytest.approx(100 * 5 / 10)
+    assert t["status"]["req0"][1:4] == ["running", "running", "finished"]
+    assert t["running"][2] == 2
+    assert all(v.figure.layout.annotations == () or "no " not in str(v.figure.layout.annotations) for v in p.views.values())
+
+
+def test_capstone_size_tables_aggregate_what_does_not_fit() -> None:
+    e = build_engine(num_blocks=64, block_size=4, max_num_batched_tokens=64)
+    for i in range(12):
+        e.add_request(Request(f"r{i:02d}", list(range(1000 * i, 1000 * i + 60)), max_tokens=4, arrival_time=float(i)))
+    e.step()
+    snap = replay(e.events)
+    d = block_table.figure_data(snap, "r11", max_requests=5, max_columns=9)
+    assert len(d["rows"]) == 5 and "r11" in d["rows"]  # the selection is always drawn
+    assert len(d["hidden"]) == len(snap.running + snap.waiting) - 5 and d["more"].startswith(f"+{len(d['hidden'])} more")
+    (cols,) = d["group_columns"]
+    assert None in cols and cols[0] == 0 and cols[-1] == d["group_widths"][0] - 1  # first blocks, …, last blocks
+    assert d["ncols"] == 9 and d["ellipsis_x"] == [cols.index(None)]
+    view = BlockTableView(Timeline(e.events))
+    view.update(snap)
+    assert view.max_requests == 8 and len(view.last_data["rows"]) <= 8
+
+
+def test_crowded_hash_forests_keep_labels_only_on_the_walk() -> None:
+    e = build_engine(num_blocks=64, block_size=4)
+    for i in range(6):
+        e.add_request(Request(f"q{i}", list(range(100 * i, 100 * i + 60)), max_tokens=1, arrival_time=float(i)))
+    e.run()
+    tl = Timeline(e.events)
+    view = HashChainView(tl, height=260)
+    view.update(tl.at(tl.last_step), "q5")
+    texts = list(view.figure.data[3].text)
+    nodes = view.last_data["nodes"]
+    assert any(texts) and all(t == "" or n["lookup"] or n["selected"] for t, n in zip(texts, nodes))
+    assert "labels: walk and selection only" in view.figure.layout.title.text
+
+
+def test_duplicate_keys_are_drawn_and_labelled() -> None:
+    from kvlab.executor.simulated import SimulatedExecutor
+
+    class NextLetter(SimulatedExecutor):
+        def next_token(self, context):
+            return context[-1] + 1
+
+    e = build_engine(num_blocks=12, block_size=4, executor=NextLetter())
+    e.add_request(Request("first", list(b"ABCDEF"), max_tokens=3))
+    e.run()
+    e.add_request(Request("second", list(b"ABCDEF"), max_tokens=4))
+    for _ in range(3):
+        e.step()
+    tl = Timeline(e.events)
+    view = HashChainView(tl, decode=chr)
+    view.update(tl.at(tl.last_step))
+    dup = [n for n in view.last_data["nodes"] if n["duplicate"]]
+    assert [n["block_ids"] for n in dup] == [[2, 3]] and dup[0]["label"] == "EFGH ×2"
+    assert len(view.figure.data[2].x) == 1  # the second square of the stack
+    assert "×2 one key, two blocks" in [t.name for t in view.figure.data if t.showlegend]
+
+
+def test_timeline_title_gives_the_peak_and_gantt_labels_never_overlap() -> None:
+    sc = preemption()
+    v = TimelineView(sc.timeline())
+    v.update(sc.at("end"), "Q")
+    assert "usage 0%" in v.figure.layout.title.text and "(peak 100%)" in v.figure.layout.title.text
+    e = build_engine(num_blocks=64, block_size=16, max_num_batched_tokens=256)
+    for i in range(23):
+        e.add_request(Request(f"r{i}", list(range(1000 * i, 1000 * i + 40)), max_tokens=8, arrival_time=float(i)))
+    e.run()
+    tl = Timeline(e.events)
+    v = TimelineView(tl)
+    v.update(tl.at(5), "r7")
+    ticks = list(v.figure.layout.yaxis3.tickvals)
+    gantt_px = 0.54 * (v.height - 110)
+    assert 7 in ticks and all(b - a >= 23 * 12 / gantt_px - 1e-9 for a, b in zip(ticks, ticks[1:]))
+
+
+def test_player_display_leaves_a_still_picture(story, monkeypatch) -> None:
+    import IPython.display
+
+    shown = []
+    monkeypatch.setattr(IPython.display, "display", lambda obj, raw=False: shown.append(obj))
+    p = show(story, start="req1 prefix hit")
+    p._ipython_display_()
+    style, still, widget = shown
+    assert "kvlab-still-next" in style["text/html"] and ":has(" in style["text/html"]
+    fig = still["application/vnd.plotly.v1+json"]
+    titles = [a["text"] for a in fig["layout"]["annotations"] if a["text"].startswith(("Block", "Free", "Hash", "Timeline", "Attention"))]
+    assert [t.split(" · ")[0] for t in titles] == ["Block pool", "Free queue", "Block tables", "Hash chains", "Timeline", "Attention read"]
+    assert "step 2 of 8" in fig["layout"]["annotations"][0]["text"]
+    assert fig["layout"]["width"] <= 960 and not any(t.get("showlegend") for t in fig["data"])
+    assert "application/vnd.jupyter.widget-view+json" in widget and widget["text/plain"] == ""  # never VBox(children=…)
+
+
+_MACHADO = {  # Machado, Oliveira & Fernandes 2009, severity 1, on linear RGB
+    "protanopia": ((0.152286, 1.052583, -0.204868), (0.114503, 0.786281, 0.099216), (-0.003882, -0.048116, 1.051998)),
+    "deuteranopia": ((0.367322, 0.860646, -0.227968), (0.280085, 0.672501, 0.047413), (-0.011820, 0.042940, 0.968881)),
+    "tritanopia": ((1.255528, -0.076749, -0.178779), (-0.078411, 0.930809, 0.147602), (0.004733, 0.691367, 0.303900)),
+}
+
+
+def _lab_as_seen(hex_color: str, vision: str) -> tuple[float, float, float]:
+    """CIELAB of a colour as a viewer with ``vision`` sees it (``achromatopsia``: luminance only)."""
+    rgb = [int(hex_color[i:i + 2], 16) / 255 for i in (1, 3, 5)]
+    lin = [c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in rgb]
+    if vision == "achromatopsia":
+        y = 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2]
+        lin = [y, y, y]
+    elif vision in _MACHADO:
+        lin = [min(1.0, max(0.0, sum(m * c for m, c in zip(row, lin)))) for row in _MACHADO[vision]]
+    xyz = [sum(m * c for m, c in zip(row, lin)) for row in ((0.4124, 0.3576, 0.1805), (0.2126, 0.7152, 0.0722), (0.0193, 0.1192, 0.9505))]
+    f = [t ** (1 / 3) if t > 0.008856 else 7.787 * t + 16 / 116 for t in (xyz[0] / 0.95047, xyz[1], xyz[2] / 1.08883)]
+    return 116 * f[1] - 16, 500 * (f[0] - f[1]), 200 * (f[1] - f[2])
+
+
+@pytest.mark.parametrize("vision", ["normal", "protanopia", "deuteranopia", "tritanopia", "achromatopsia"])
+def test_the_palette_survives_colour_blindness(vision: str) -> None:
+    """Colours drawn side by side stay apart for dichromats (CIELAB ΔE >= 15) and, in
+    lightness alone, enough to tell apart in a greyscale print (ΔE >= 8). The browser test
+    takes screenshots under Chromium's emulation of the same deficiencies."""
+    import itertools
+    import math
+
+    from kvlab.viz import style
+
+    floor = 8 if vision == "achromatopsia" else 15
+    for group in (style.STATE_COLORS, style.STATUS_COLORS):
+        for (a, ca), (b, cb) in itertools.combinations(group.items(), 2):
+            d = math.dist(_lab_as_seen(ca, vision), _lab_as_seen(cb, vision))
+            assert d >= floor, f"{vision}: {a} and {b} are only ΔE {d:.1f} apart"
+
+
+def test_batch_updates_send_no_placeholders_for_properties_a_trace_holds() -> None:
+    """A batch that sets marker.size on one trace must not erase the others' sizes in a
+    page that draws the figure later (a Player renders before it is displayed)."""
+    from plotly.basedatatypes import Undefined
+
+    from kvlab.viz import figure_widget_class
+
+    import plotly.graph_objects as go
+
+    w = figure_widget_class()(data=[go.Scatter(x=[1], marker=dict(size=11), showlegend=False),
+                                    go.Scatter(x=[2], marker=dict(size=5)), go.Heatmap(z=[[1]])])
+    sent = []
+    w._send_update_msg = lambda **k: sent.append(k)
+    with w.batch_update():
+        w.data[0].x = [3]
+        w.data[1].marker.size = 20
+        w.data[1].showlegend = True
+        w.data[2].z = [[2]]
+    (msg,) = sent
+    style, traces = msg["restyle_data"], msg["trace_indexes"]
+    assert traces == [0, 1, 2]
+    assert style["marker.size"][:2] == [11, 20]  # trace 0 keeps its size: sent as it is, not a placeholder
+    assert style["showlegend"] == [False, True, None]  # the heatmap's: unset, and sent as unset
+    assert style["marker.size"][2] is Undefined and style["z"][0] is Undefined  # properties a kind lacks

@@ -15,6 +15,12 @@ For the block covering positions ``start … start + BLOCK_SIZE - 1`` of one seq
 one head it must: look up the physical block in the block table, load K and V with a
 mask for positions ``>= seq_len``, compute the scores, and fold them into the running
 softmax (max ``m_i``, denominator ``l_i``, un-normalised output ``acc``).
+
+The checker watches the learner's kernel: under the interpreter it records every slot
+the kernel loads from the K and V caches (``kvlab.kernels.trace``). When a case fails,
+``result.show()`` draws those loads against the slots the block table says should be read
+(the kernel view of lesson 02): a forgotten mask shows loads in empty slots, a forgotten
+block-table lookup shows loads in blocks that are not the sequence's -- block 0 included.
 """
 from __future__ import annotations
 
@@ -26,7 +32,17 @@ import torch
 
 from kvlab.exercises.registry import call, register
 from kvlab.exercises.result import CheckResult, failed, passed
-from kvlab.kernels import reshape_and_cache, unified_attention_ref
+from kvlab.kernels import INTERPRET, reshape_and_cache, unified_attention_ref
+from kvlab.kernels.trace import trace_loads
+from kvlab.timeline.events import (
+    AttentionBatch,
+    BlocksTouched,
+    EventLog,
+    PoolCreated,
+    RequestAdded,
+    RequestScheduled,
+    StepStarted,
+)
 
 import triton  # noqa: E402, I001  (after kvlab.kernels: it chooses interpreter vs compiled)
 import triton.language as tl  # noqa: E402
@@ -55,22 +71,75 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_pt
 
 
 def run_decode(step: Any, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """Decode attention (one query per sequence) with the learner's block step."""
+               block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+               loads: list[list[int]] | None = None) -> torch.Tensor:
+    """Decode attention (one query per sequence) with the learner's block step.
+
+    ``loads``: a list to fill, under the interpreter, with each sequence's loaded slots
+    (``block * block_size + offset``, from the K or the V cache) -- observed, not derived.
+    """
     global _STEP
     num_seqs, num_heads, head_dim = q.shape
     block_size = k_cache.shape[1]
     out = torch.empty_like(q)
     _STEP = step
+    trace = None
     try:
-        _decode_kernel[(num_seqs, num_heads)](
-            q, k_cache, v_cache, block_table, seq_lens, out, scale,
-            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_table.stride(0),
-            NUM_HEADS=num_heads, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
-        )
+        with (trace_loads(("k_cache_ptr", "v_cache_ptr"), kernels=("_decode_kernel",)) if loads is not None and INTERPRET
+              else _no_trace()) as trace:
+            _decode_kernel[(num_seqs, num_heads)](
+                q, k_cache, v_cache, block_table, seq_lens, out, scale,
+                q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_table.stride(0),
+                NUM_HEADS=num_heads, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
+            )
     finally:
         _STEP = None
+        if trace is not None and loads is not None:
+            per_seq: list[set[int]] = [set() for _ in range(num_seqs)]
+            for launch in trace.launches:  # program (seq, head): grid axis 0 is the sequence
+                for name in ("k_cache_ptr", "v_cache_ptr"):
+                    for (seq, _h, _z), keys in launch.loads.get(name, {}).items():
+                        if seq < num_seqs:
+                            per_seq[seq].update(int(k) for k in keys)
+            loads[:] = [sorted(s) for s in per_seq]
     return out
+
+
+class _no_trace:
+    """Stands in for ``trace_loads`` where loads cannot be watched (a GPU)."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def decode_reads_log(table: torch.Tensor, seq_lens: list[int], block_size: int, num_blocks: int,
+                     loads: list[list[int]]) -> EventLog:
+    """A one-step log of the checker's decode batch with the learner's kernel's loads, for
+    the kernel view: sequence ``s`` (request ``seq{s}``) holds the blocks of its table row
+    and decodes one token at position ``seq_lens[s] - 1``."""
+    log = EventLog()
+    log.emit(PoolCreated(num_blocks=num_blocks, block_size=block_size, groups=[{"type": "full"}]))
+    rows = [[int(b) for b in table[s, : -(-n // block_size)]] for s, n in enumerate(seq_lens)]
+    for s, n in enumerate(seq_lens):
+        log.emit(RequestAdded(request_id=f"seq{s}", prompt_token_ids=[0] * n, max_tokens=1))
+    log.step = 1
+    log.emit(StepStarted())
+    for s, n in enumerate(seq_lens):
+        # The checker placed these blocks by hand (a shuffled table): the table takes them
+        # as it would take prefix hits, wherever they sit in the free queue.
+        log.emit(RequestScheduled(request_id=f"seq{s}", num_tokens=1, num_computed_tokens=n - 1, phase="new"))
+        log.emit(BlocksTouched(request_id=f"seq{s}", block_ids=rows[s]))
+    width = max(len(r) for r in rows)
+    log.emit(AttentionBatch(req_ids=[f"seq{s}" for s in range(len(seq_lens))], query_lens=[1] * len(seq_lens),
+                            seq_lens=list(seq_lens), block_tables=[[r + [0] * (width - len(r)) for r in rows]],
+                            slot_mappings=[[rows[s][(n - 1) // block_size] * block_size + (n - 1) % block_size
+                                            for s, n in enumerate(seq_lens)]],
+                            block_size=block_size, sliding_windows=[None], kernel_reads=[[list(x) for x in loads]],
+                            read_layers=[0]))
+    return log
 
 
 def _case(seed: int, seq_lens: list[int], block_size: int = 16, head_dim: int = 32, heads: int = 2, big: float = 1.0):
@@ -116,8 +185,9 @@ def check_paged_attention_kernel(step: Any) -> CheckResult:
     for name, seed, lens, big, idea in cases:
         q, k, v, table, seq_lens = _case(seed, lens, big=big)
         scale = 1.0 / math.sqrt(q.shape[-1])
+        loads: list[list[int]] = []
         try:
-            got = run_decode(step, q, k, v, table, seq_lens, scale)
+            got = run_decode(step, q, k, v, table, seq_lens, scale, loads=loads)
         except NotImplementedError:
             raise
         except Exception as e:  # noqa: BLE001
@@ -128,17 +198,41 @@ def check_paged_attention_kernel(step: Any) -> CheckResult:
                           idea="a @triton.jit function returns a tuple (m_i, l_i, acc); every tensor op must be tl.* inside the kernel")
         cu = torch.arange(len(lens) + 1, dtype=torch.int32)
         want = unified_attention_ref(q, k, v, cu, seq_lens, table, scale)
+        extra: dict[str, Any] = {}
+        if loads:
+            extra["kernel_reads"] = decode_reads_log(table, lens, k.shape[1], k.shape[0], loads)
+            extra["case"] = name
         if not torch.isfinite(got).all():
-            return failed(eid, f"NaN or inf in the output: {name}", case=name, expected="finite values", got=f"{int((~torch.isfinite(got)).sum())} non-finite values", idea=idea)
+            return failed(eid, f"NaN or inf in the output: {name}", case=name, expected="finite values",
+                          got=f"{int((~torch.isfinite(got)).sum())} non-finite values" + _loads_note(loads, table, lens, k.shape[1]),
+                          idea=idea, extra=extra)
         err = (got - want).abs().max().item()
         if err > 1e-4:
             worst = int((got - want).abs().amax(dim=(1, 2)).argmax())
             return failed(eid, f"wrong attention output: {name}", case=name,
                           inputs=f"seq_lens={lens}, block_size=16, shuffled block table row {worst}: {table[worst].tolist()}",
                           expected=f"out[{worst}, 0, :4] = {[round(x, 4) for x in want[worst, 0, :4].tolist()]}",
-                          got=f"out[{worst}, 0, :4] = {[round(x, 4) for x in got[worst, 0, :4].tolist()]} (max error {err:.3g})",
-                          idea=idea)
+                          got=f"out[{worst}, 0, :4] = {[round(x, 4) for x in got[worst, 0, :4].tolist()]} (max error {err:.3g})"
+                          + _loads_note(loads, table, lens, k.shape[1]),
+                          idea=idea, extra=extra)
     return passed(eid, "matches the reference on shuffled block tables, ragged lengths and large scores (fp32 online softmax).")
+
+
+def _loads_note(loads: list[list[int]], table: torch.Tensor, lens: list[int], block_size: int = 16) -> str:
+    """What the traced loads say, in one line (empty when they match the table)."""
+    if not loads:
+        return ""
+    wrong = []
+    for s, n in enumerate(lens):
+        want = {int(table[s, p // block_size]) * block_size + p % block_size for p in range(n)}
+        got = set(loads[s])
+        if got != want:
+            extra, missing = len(got - want), len(want - got)
+            wrong.append(f"seq{s}: {extra} slots loaded that its table does not hold" * bool(extra)
+                         + (", " if extra and missing else "") + f"{missing} of its slots not loaded" * bool(missing))
+    if not wrong:
+        return ""
+    return "\n            your kernel's loads: " + "; ".join(wrong) + " -- result.show() draws them"
 
 
 def reference_slot_mapping(block_table: list[int], start_pos: int, num_tokens: int, block_size: int) -> list[int]:

@@ -180,4 +180,25 @@ def quiz(quiz_id: str):
             print(f"\nAnswer: {q.answer}")
 
     button.on_click(reveal)
-    return w.VBox([w.HTML(f"<b>{'Claim' if q.wrong_answer else 'Question'}:</b> {q.question}<br><i>Answer it first, then reveal.</i>"), button, out])
+    label = "Claim" if q.wrong_answer else "Question"
+    still = f"{label}: {q.question} (run the cell to answer it and reveal)"
+
+    head = f"<b>{label}:</b> {q.question}<br><i>Answer it first, then reveal.</i>"
+
+    class QuizBox(w.VBox):
+        """Displayed with a still (the question as text): a saved or never-run lesson shows
+        the question, not ``VBox(children=…`` or "model not found"."""
+
+        def _repr_mimebundle_(self, **kwargs: object) -> object:
+            bundle = super()._repr_mimebundle_(**kwargs)
+            if isinstance(bundle, dict):
+                bundle["text/plain"] = still
+            return bundle
+
+        def _ipython_display_(self) -> None:
+            from kvlab.viz.still import display_with_still
+
+            display_with_still(self, {"text/html": f"<div>{head}<br><span style='color:#666'>(run the cell to reveal the answer)"
+                                                   "</span></div>", "text/plain": still})
+
+    return QuizBox([w.HTML(head), button, out])

@@ -25,7 +25,12 @@ class CheckResult:
         return self.passed
 
     def show(self, **kwargs: Any) -> Any:
-        """Replay the engine run the checker made with your code (a ``kvlab.viz.Player``)."""
+        """Replay the engine run the checker made with your code (a ``kvlab.viz.Player``),
+        or -- for a kernel exercise -- draw the slots your kernel loaded against the ones
+        the block table says it should read (one kernel view per sequence)."""
+        reads = self.extra.get("kernel_reads")
+        if reads is not None:
+            return _kernel_reads_figure(reads, self.extra.get("case", ""), **kwargs)
         log = self.extra.get("log")
         if log is None:
             raise ValueError(f"the {self.exercise_id} check recorded no engine run to show")
@@ -52,6 +57,28 @@ class CheckResult:
     def _repr_html_(self) -> str:
         colour = "#1b7f3b" if self.passed else ("#8a6d00" if self.not_implemented else "#b00020")
         return f'<pre style="border-left:4px solid {colour};padding:6px 10px;white-space:pre-wrap">{html.escape(str(self))}</pre>'
+
+
+def _kernel_reads_figure(log: Any, case: str, width: int = 940) -> Any:
+    """A still figure: the kernel view of every sequence of the failing case."""
+    import plotly.graph_objects as go
+
+    from kvlab.timeline.timeline import Timeline
+    from kvlab.viz.kernel import KernelView
+    from kvlab.viz.still import compose
+
+    tl = Timeline(log)
+    snap = tl.at(tl.last_step)
+    batch = tl.attention_batch(tl.last_step)
+    figures = []
+    for rid in batch.req_ids if batch is not None else []:
+        view = KernelView(tl, width=(width - 8) // 2, height=380)
+        view.update(snap, rid)
+        figures.append(view.still())
+    header = (f"<b>your kernel's loads</b>{' · case: ' + html.escape(case) if case else ''}<br>"
+              "<span style='font-size:10px;color:#555'>• loaded and expected · ✖ loaded, not expected · ○ expected, not loaded</span>")
+    fig = compose(figures, columns=2, header=header, header_px=34)
+    return go.Figure(fig)
 
 
 def passed(exercise_id: str, message: str, extra: dict[str, Any] | None = None, **kw: Any) -> CheckResult:

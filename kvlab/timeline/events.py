@@ -491,7 +491,16 @@ class StepFinished(Event):
 @_register
 @dataclass(slots=True)
 class AttentionBatch(Event):
-    """What the attention kernel was given in one step (the kernel view reads this)."""
+    """What the attention kernel was given in one step, and what it was seen to read.
+
+    The inputs (tables, slot mappings, lengths) are what the model runner passed. The
+    ``kernel_reads`` are *observed*: under the Triton interpreter the runner traces the
+    kernel's real loads (``kvlab.kernels.trace``) for one layer of each KV-cache group
+    (``read_layers``); ``kernel_reads[g][s]`` lists the slots (``block * block_size +
+    offset``) sequence ``s`` loaded from that layer's K or V cache. None: not observed (the
+    reference backend, a GPU, or a log without a model). The kernel view draws these
+    against what the manager's block table says should be read (lesson 02).
+    """
 
     kind: ClassVar[str] = "attention_batch"
     req_ids: list[str] = field(default_factory=list)
@@ -501,12 +510,18 @@ class AttentionBatch(Event):
     slot_mappings: list[list[int]] = field(default_factory=list)  # [group][token]
     block_size: int = 16
     sliding_windows: list[int | None] = field(default_factory=list)  # per group
+    kernel_reads: list[list[list[int]]] | None = None  # [group][seq][slot], observed loads
+    read_layers: list[int] = field(default_factory=list)  # per group: the layer whose loads were traced
 
     def apply(self, state: ReplayState) -> None:
         state.attention_batch = self
 
     def describe(self) -> str:
-        return f"attention kernel: {len(self.req_ids)} requests, {sum(self.query_lens)} query tokens"
+        traced = ""
+        if self.kernel_reads is not None:
+            n = sum(len(r) for g in self.kernel_reads for r in g)
+            traced = f"; traced loads: {n} slots"
+        return f"attention kernel: {len(self.req_ids)} requests, {sum(self.query_lens)} query tokens{traced}"
 
 
 class EventLog:

@@ -58,6 +58,7 @@ class ReplayState:
         self.policy = "fcfs"
         # Per block: flat lists of immutable values (a clone copies the lists, not the values).
         self.ref: list[int] = []
+        self.num_held = 0  # blocks with ref > 0 (what KV-cache usage counts)
         self.hash: list[str | None] = []  # hex
         self.group_of: list[int | None] = []
         self.tokens_of: list[list[int] | None] = []  # never mutated in place
@@ -71,6 +72,7 @@ class ReplayState:
         # Copy-on-write records: ``_own_*`` names those this state may change in place.
         self.nodes: dict[str, HashNode] = {}  # cached hash (hex) -> node
         self.requests: dict[str, RequestView] = {}
+        self.implicit: frozenset[str] = frozenset()  # requests known only from their blocks
         self._own_nodes: set[str] = set()
         self._own_reqs: set[str] = set()
         self._table_len: dict[tuple[str, int], int] = {}  # (request, group) -> logical blocks taken
@@ -108,6 +110,7 @@ class ReplayState:
         self.block_size = block_size
         self.groups = groups
         self.ref = [0] * n
+        self.num_held = 0
         self.hash = [None] * n
         self.group_of = [None] * n
         self.tokens_of = [None] * n
@@ -183,6 +186,8 @@ class ReplayState:
         """Append ``bid`` to the request's table; its logical index there (-1: no request)."""
         if rid is None:
             return -1
+        if rid not in self.requests:
+            self._implicit_request(rid)
         key = (rid, group)
         i = self._table_len.get(key, 0)
         self._table_len[key] = i + 1
@@ -193,6 +198,8 @@ class ReplayState:
 
     def take(self, bid: int, rid: str | None, group: int) -> None:
         """A table takes the block (ref + 1): a fresh allocation or a prefix hit."""
+        if self.ref[bid] == 0:
+            self.num_held += 1
         self.ref[bid] += 1
         i = self._append(rid, group, bid)
         if rid is not None:
@@ -205,6 +212,8 @@ class ReplayState:
     def release(self, bid: int, rid: str | None, group: int) -> None:
         """The table of ``rid`` lets go of the block (ref - 1)."""
         self.ref[bid] -= 1
+        if self.ref[bid] == 0:
+            self.num_held -= 1
         mine = None
         holds = self.holds[bid]
         for k, h in enumerate(holds):
@@ -222,6 +231,20 @@ class ReplayState:
         table = self._table(rid, group)
         if table is not None:
             table.clear()
+        if rid in self.implicit and rid in self.running and not any(self.requests[rid].block_table):
+            self.finish(rid, "freed")
+
+    def _implicit_request(self, rid: str) -> None:
+        """A request the log never added: a KV-cache manager driven without a scheduler (the
+        exercise checkers, vLLM's manager tests). It is known from its blocks: it runs from
+        its first block and finishes when its table is freed, so its replay still has block
+        tables and a Gantt row."""
+        v = RequestView(rid, "running", 0, 0, 0, 0, 0, 0, 0.0, [[] for _ in self.groups])
+        self.requests[rid] = v
+        self._own_reqs.add(rid)
+        self.implicit = self.implicit | {rid}
+        self.running.append(rid)
+        self._status(v, "running")
 
     def null_out(self, rid: str | None, group: int, positions: Sequence[int]) -> None:
         table = self._table(rid, group)

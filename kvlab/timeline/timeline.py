@@ -149,6 +149,7 @@ class Timeline:
         self._cursor: ReplayState | None = None  # the state the last jump left behind
         self._snaps: OrderedDict[int, Snapshot] = OrderedDict()
         self._records: dict[int, StepFinished] = {}
+        self._held: dict[int, int] = {}  # blocks held at the end of each step
         self._batches: dict[int, AttentionBatch] = {}
         self._series: StepSeries | None = None
         self._history: _BlockRecorder | None = None
@@ -212,6 +213,7 @@ class Timeline:
         if step is None:
             return
         head = self._head
+        self._held[step] = head.num_held
         for store, value in ((self._records, head.step_finished), (self._batches, head.attention_batch)):
             if value is not None:
                 store[step] = value  # type: ignore[index]
@@ -277,6 +279,19 @@ class Timeline:
             self._snaps.popitem(last=False)
         return snap
 
+    def after_event(self, seq: int) -> Snapshot:
+        """The state right after event ``seq`` (not cached): e.g. the block tables the
+        manager held when the runner's ``AttentionBatch`` was emitted, before the step's
+        finished requests freed theirs."""
+        if not isinstance(seq, int) or isinstance(seq, bool):
+            raise TypeError(f"seq must be an int, got {type(seq).__name__}")
+        self._sync()
+        if not 0 <= seq < self._n:
+            raise ValueError(f"seq must be an event index in 0..{self._n - 1}, got {seq}")
+        snap = self._state_after(seq + 1).snapshot()
+        snap.step = self.events[seq].step
+        return snap
+
     def _state_after(self, end: int) -> ReplayState:
         """A replay state that has applied exactly the first ``end`` events."""
         k = bisect_right(self._ckpt_at, end)
@@ -296,6 +311,23 @@ class Timeline:
         if self._series is None:
             self._series = StepSeries.of([self._records[s] for s in sorted(self._records)])
         return self._series
+
+    @property
+    def block_usage(self) -> dict[int, float]:
+        """Per step, the share of usable blocks (all but the null block) held at its end.
+
+        Computed from the blocks themselves, so a log without scheduler steps (a manager
+        driven directly) has it too; with a scheduler it equals ``series.kv_cache_usage``.
+        """
+        self._sync()
+        usable = max(1, self._head.num_blocks - 1)
+        return {s: n / usable for s, n in self._held.items()}
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in the pool (0 before the pool exists)."""
+        self._sync()
+        return self._head.num_blocks
 
     def step_record(self, step: int) -> StepFinished | None:
         """The ``StepFinished`` record of ``step`` (None for a step that did not finish)."""

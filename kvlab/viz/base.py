@@ -18,7 +18,7 @@ import numpy as np
 
 from kvlab.timeline.snapshot import Snapshot
 from kvlab.timeline.timeline import Timeline
-from kvlab.viz.style import FONT
+from kvlab.viz.style import FONT, PLOTLY_CONFIG, SELECT_INNER, SELECT_OUTER
 
 if TYPE_CHECKING:  # plotly is imported lazily: kvlab's core must not need it
     import plotly.graph_objects as go
@@ -66,8 +66,33 @@ def figure_widget_class() -> type:
             "export const FigureView = mod.FigureView;\n"
             "export default mod.default;\n"
         )
-        _FIGURE_WIDGET = type("KvlabFigureWidget", (go.FigureWidget,), {"_esm": shim, "__module__": __name__})
+        _FIGURE_WIDGET = type("KvlabFigureWidget", (go.FigureWidget,),
+                              {"_esm": shim, "__module__": __name__, "_build_update_params_from_batch": _complete_batch})
     return _FIGURE_WIDGET
+
+
+def _complete_batch(self: Any) -> tuple[dict[str, Any], dict[str, Any], list[int]]:
+    """plotly's batch update, with no "undefined" placeholders in it.
+
+    Why: a ``batch_update`` that sets a property on some traces sends, for the other traces
+    of the batch, a placeholder meaning "unchanged". A figure whose page view does not exist
+    yet (a Player renders its first step before it is displayed) applied those placeholders
+    as values, and the property was lost: the hash chains' squares shrank to dots, legend
+    entries appeared and vanished. Each placeholder is replaced by what the trace holds now
+    (None where it holds nothing: "unset", which is what it was). A property that the
+    trace's kind does not have stays a placeholder: plotly skips it, the page ignores it.
+    """
+    from plotly.basedatatypes import BaseFigure, Undefined
+
+    restyle, relayout, traces = BaseFigure._build_update_params_from_batch(self)
+    for prop, values in restyle.items():
+        for k, v in enumerate(values):
+            if v is Undefined:
+                try:
+                    values[k] = self.data[traces[k]][prop]
+                except (KeyError, ValueError):  # not a property of this kind of trace (a heatmap has
+                    pass  # no marker): plotly must skip it, and the page ignores it for that trace
+    return restyle, relayout, traces
 
 
 _PRELOADED: list[Any] = []
@@ -144,27 +169,37 @@ class View:
             font=dict(family=FONT, size=11),
             paper_bgcolor="white",
             plot_bgcolor="white",
-            title=dict(text=self.title, x=0.01, xanchor="left", y=1 - 6 / self.height, yanchor="top", font=dict(size=13)),
+            title=dict(text=self.title, x=0.01, xanchor="left", y=1 - 14 / self.height, yanchor="top", font=dict(size=13)),
             showlegend=False,
             dragmode=False,
             hoverlabel=dict(font=dict(family=FONT, size=11)),
         )
 
-    def _header(self, title: str, legend_labels: Sequence[str] = (), legend_font: int = 10, subtitle: str = "", extra_top: int = 0) -> None:
+    def _header(self, title: str, legend_labels: Sequence[str] = (), legend_font: int = 10, subtitle: str = "", extra_top: int = 0) -> int:
         """Set the title (and a smaller second line) and make room for them and the legend.
 
         The title hangs from the top edge; the horizontal legend sits on the plot area's top
         edge and grows upwards. The top margin is sized for both (legend rows are estimated
-        from the label lengths), so they never overlap. Plotly anchors a two-line title by
-        its first line, so the anchor moves down by one line when there is a subtitle.
+        from the label lengths), so they never overlap. A long subtitle is wrapped at its
+        " · " separators (plotly does not wrap titles).
         """
         rows = legend_rows(legend_labels, self.width - 24, legend_font) if legend_labels else 0
-        top = 14 + 17 + (15 if subtitle else 0) + (19 if legend_font >= 10 else 17) * rows + extra_top
+        # plotly does not wrap a title: what does not fit moves to the subtitle's first line.
+        fit = int((self.width - 20) / 8.0)
+        if len(title) > fit and title.count(" · ") >= 2:
+            head, _, tail = title.partition(" · ")
+            step, _, rest = tail.partition(" · ")
+            title, subtitle = f"{head} · {step}", rest + (f" · {subtitle}" if subtitle else "")
+        sub_lines = wrap_parts(subtitle, int((self.width - 20) / 6.2)) if subtitle else []
+        n_sub = len(sub_lines)
+        # The title block hangs from 6 px below the top: a 13 px line, then 10 px lines.
+        top = 6 + 20 + 15 * n_sub + (19 * rows + 10 if rows else 6) + extra_top
         t = self.figure.layout.title
-        text = title + (f"<br><span style='font-size:10px;color:#444'>{subtitle}</span>" if subtitle else "")
+        text = title + "".join(f"<br><span style='font-size:10px;color:#444'>{line}</span>" for line in sub_lines)
         self._put("title", t, "text", text)
-        self._put("title.y", t, "y", 1 - (6 + (15 if subtitle else 0)) / self.height)
+        self._put("title.y", t, "y", 1 - 14 / self.height)  # plotly draws the first line ~8 px above its anchor
         self._put("margin.t", self.figure.layout.margin, "t", top)
+        return top
 
     def _put(self, key: str, obj: Any, prop: str, value: Any, kind: str = "raw") -> None:
         """``setattr(obj, prop, value)`` unless ``value`` equals what ``key`` last sent.
@@ -202,13 +237,44 @@ class View:
         """
         if self._widget is None:
             self._widget = figure_widget_class()(self._plain)
+            self._widget._config = dict(PLOTLY_CONFIG)
             self._plain = None
         return self._widget
+
+    def still(self) -> dict[str, Any]:
+        """The figure as it is now, as plotly JSON (a picture that needs no kernel)."""
+        return self.figure.to_plotly_json()
+
+    def _put_selection(self, key: str, outer: Any, inner: Any, xs: list[Any], ys: list[Any], size: float) -> None:
+        """Place the selection mark (see :func:`selection_traces`) on cells ``xs, ys``."""
+        for k, tr in ((key + ".o", outer), (key + ".i", inner)):
+            self._put(k + ".x", tr, "x", xs, "num")
+            self._put(k + ".y", tr, "y", ys, "num")
+        small = size < 18  # on small cells thinner frames, so the cell's colour still shows
+        self._put(key + ".os", outer.marker, "size", max(6.0, size))
+        self._put(key + ".is", inner.marker, "size", max(3.0, size - (4 if small else 6)))
+        self._put(key + ".ow", outer.marker.line, "width", 2 if small else 2.5)
+        self._put(key + ".iw", inner.marker.line, "width", 1 if small else 1.2)
 
     def _ipython_display_(self) -> None:
         from IPython.display import display
 
         display(self.widget)
+
+
+def selection_traces(go: Any, size: float, name: str = "selected request") -> list[Any]:
+    """The selection mark: a black square frame with a white frame inside it.
+
+    Nothing else in any view is drawn this way, it carries no colour (so it survives
+    colour blindness), and on any fill one of the two frames contrasts: the black one on
+    light cells, the white one on dark ones.
+    """
+    common = dict(x=[], y=[], mode="markers", hoverinfo="skip", showlegend=False, name=name)
+    return [
+        go.Scatter(**common, marker=dict(symbol="square-open", size=size, color=SELECT_OUTER, line=dict(width=3.5, color=SELECT_OUTER))),
+        go.Scatter(**common, marker=dict(symbol="square-open", size=max(3.0, size - 6), color=SELECT_INNER,
+                                         line=dict(width=1.5, color=SELECT_INNER))),
+    ]
 
 
 def legend_traces(go: Any, colors: dict[str, str], labels: dict[str, str], order: tuple[str, ...], symbol: str = "square") -> list[Any]:
@@ -231,16 +297,46 @@ def legend_traces(go: Any, colors: dict[str, str], labels: dict[str, str], order
     ]
 
 
+def wrap_parts(text: str, max_chars: int, sep: str = " · ") -> list[str]:
+    """Split a subtitle at its ``sep`` separators into lines of at most ``max_chars``
+    visible characters; a part too long for a line is cut after its commas."""
+    import re
+
+    def width(t: str) -> int:
+        return len(re.sub(r"<[^>]+>", "", t))
+
+    pieces: list[tuple[str, str]] = []  # (text, what joins it to the piece before)
+    for k, part in enumerate(text.split(sep)):
+        if width(part) > max_chars and ", " in part:
+            sub = part.split(", ")
+            pieces.extend((p + ("," if j < len(sub) - 1 else ""), sep if j == 0 and k else " ") for j, p in enumerate(sub))
+        else:
+            pieces.append((part, sep if k else ""))
+    lines: list[str] = []
+    cur = ""
+    for piece, joiner in pieces:
+        cand = f"{cur}{joiner}{piece}" if cur else piece
+        if cur and width(cand) > max_chars:
+            lines.append(cur)
+            cur = piece
+        else:
+            cur = cand
+    if cur:
+        lines.append(cur)
+    return lines
+
+
 def legend_rows(labels: Sequence[str], width: float, font_size: int = 10) -> int:
     """How many rows a horizontal plotly legend with these labels takes (a deliberately
-    generous estimate: ~46 px of symbol and padding per entry plus ~0.66 em per character)."""
-    rows, x = 1, 0.0
-    for label in labels:
-        w = 46 + 0.66 * font_size * len(label)
-        if x and x + w > width:
-            rows, x = rows + 1, 0.0
-        x += w
-    return rows
+    generous estimate: ~46 px of symbol and padding per entry plus ~0.66 em per character).
+
+    plotly puts a legend that fits in one row as is; one that does not is laid out as a
+    grid whose columns are as wide as the widest entry."""
+    widths = [46 + 0.66 * font_size * len(label) for label in labels]
+    if not widths or sum(widths) <= width:
+        return 1
+    cols = max(1, int(width // max(widths)))
+    return -(-len(widths) // cols)
 
 
 TOP_LEGEND = dict(orientation="h", x=0.0, xanchor="left", y=1.0, yanchor="bottom", font=dict(size=10), itemclick=False, itemdoubleclick=False)

@@ -16,14 +16,14 @@ from typing import Any
 
 from kvlab.timeline.snapshot import NULL, Snapshot
 from kvlab.timeline.timeline import Timeline
-from kvlab.viz.base import TOP_LEGEND, View, _go, legend_traces
+from kvlab.viz.base import TOP_LEGEND, View, _go, legend_traces, selection_traces
 from kvlab.viz.pool import blocks_of, state_heatmap
 from kvlab.viz.style import (
-    HIGHLIGHT,
     STATE_COLORS,
     STATE_HELP,
     STATE_INDEX,
     STATE_LABELS,
+    html_escape,
     short_hash,
 )
 
@@ -37,7 +37,19 @@ def group_name(group: dict[str, Any]) -> str:
     return "full"
 
 
-def figure_data(snapshot: Snapshot, selected_request: str | None = None, *, max_requests: int = 64) -> dict[str, Any]:
+def _shown_columns(width: int, cap: int | None) -> list[int | None]:
+    """The logical indices drawn for a table of ``width`` blocks in at most ``cap`` columns:
+    all of them, or the first ones, an ellipsis (None) and the last ones."""
+    if cap is None or width <= cap:
+        return list(range(width))
+    cap = max(cap, 3)
+    tail = (cap - 1) // 2
+    head = cap - 1 - tail
+    return list(range(head)) + [None] + list(range(width - tail, width))
+
+
+def figure_data(snapshot: Snapshot, selected_request: str | None = None, *, max_requests: int = 64,
+                max_columns: int | None = None) -> dict[str, Any]:
     """The block tables as plain data.
 
     ``rows`` lists the request ids drawn (top to bottom) and ``cells`` one dict per drawn
@@ -46,22 +58,35 @@ def figure_data(snapshot: Snapshot, selected_request: str | None = None, *, max_
     ``partial`` (the tail is not full; ``fill`` slots used) and ``x``/``y`` in the grid.
     ``highlight`` lists the cells (as ``(request_id, group, logical)``) whose block belongs
     to the selected request; ``z``/``text``/``customdata`` are the heatmap arrays.
+
+    What does not fit is aggregated, never squeezed: at most ``max_requests`` rows
+    (running first, then waiting; the selected request is always drawn) -- ``hidden``
+    names the others -- and, with ``max_columns``, a long table shows its first and last
+    blocks around an ellipsis column (``ellipsis_x``).
     """
     bs = snapshot.block_size
     groups = snapshot.groups or [{"type": "full"}]
     everyone = [r for r in snapshot.running + snapshot.waiting if r in snapshot.requests]
+    max_requests = max(1, max_requests)
     order = everyone[:max_requests]
+    if selected_request in everyone and selected_request not in order:
+        order[-1] = selected_request  # the selection is always on screen
+    hidden = [r for r in everyone if r not in order]
     widths = [0] * len(groups)
     for rid in order:
         for g, table in enumerate(snapshot.requests[rid].block_table):
             if g < len(widths):
                 widths[g] = max(widths[g], len(table))
     widths = [max(w, 1) for w in widths]
+    cap = None if max_columns is None else max(3, (max_columns - GROUP_GAP * (len(groups) - 1)) // len(groups))
+    shown = [_shown_columns(w, cap) for w in widths]
     offsets, x = [], 0
-    for w in widths:
+    for cols in shown:
         offsets.append(x)
-        x += w + GROUP_GAP
+        x += len(cols) + GROUP_GAP
     ncols = max(1, x - GROUP_GAP)
+    col_of = [{li: offsets[g] + j for j, li in enumerate(cols) if li is not None} for g, cols in enumerate(shown)]
+    ellipsis_x = [offsets[g] + j for g, cols in enumerate(shown) for j, li in enumerate(cols) if li is None]
     z: list[list[float | None]] = [[None] * ncols for _ in order]
     text: list[list[str]] = [[""] * ncols for _ in order]
     custom: list[list[str]] = [[""] * ncols for _ in order]
@@ -78,7 +103,6 @@ def figure_data(snapshot: Snapshot, selected_request: str | None = None, *, max_
             # Slots holding K/V: the computed tokens (the last sampled token gets its slot next step).
             tail_fill = r.num_computed_tokens - (len(table) - 1) * bs
             for i, bid in enumerate(table):
-                xx = offsets[g] + i
                 if bid == 0:
                     state, label = NULL, "∅"
                 else:
@@ -86,11 +110,24 @@ def figure_data(snapshot: Snapshot, selected_request: str | None = None, *, max_
                     label = str(bid)
                 partial = bid != 0 and i == len(table) - 1 and 0 <= tail_fill < bs
                 fill = max(0, min(bs, tail_fill)) if i == len(table) - 1 else bs
+                xx = col_of[g].get(i)
                 if partial:
                     label = f"{bid}<br><span style='font-size:9px'>{fill}/{bs}</span>"
-                    px.append(xx + 0.34)
-                    py.append(y)
+                    if xx is not None:
+                        px.append(xx + 0.34)
+                        py.append(y)
                 b = snapshot.blocks[bid]
+                cells.append(
+                    dict(request_id=rid, group=g, logical=i, block_id=bid, state=state, color=STATE_COLORS[state],
+                         label="∅" if bid == 0 else str(bid), partial=partial, fill=fill, x=xx, y=y)
+                )
+                if bid in selected_blocks:
+                    highlight.append((rid, g, i))
+                    if xx is not None:
+                        hx.append(xx)
+                        hy.append(y)
+                if xx is None:
+                    continue  # inside the ellipsis
                 hover = (
                     f"<b>{rid}</b> · {group_name(groups[g])} group · logical block {i}<br>"
                     f"→ physical block {bid}" + (" (null: padding, never read)" if bid == 0 else "") + "<br>"
@@ -101,19 +138,19 @@ def figure_data(snapshot: Snapshot, selected_request: str | None = None, *, max_
                 z[y][xx] = STATE_INDEX[state]
                 text[y][xx] = label
                 custom[y][xx] = hover
-                cells.append(
-                    dict(request_id=rid, group=g, logical=i, block_id=bid, state=state, color=STATE_COLORS[state],
-                         label="∅" if bid == 0 else str(bid), partial=partial, fill=fill, x=xx, y=y)
-                )
-                if bid in selected_blocks:
-                    highlight.append((rid, g, i))
-                    hx.append(xx)
-                    hy.append(y)
+            for j, li in enumerate(shown[g]):
+                if li is None and len(table) > (shown[g][j - 1] or 0) + 1:
+                    text[y][offsets[g] + j] = "…"
+                    custom[y][offsets[g] + j] = f"<b>{rid}</b>: logical blocks {shown[g][j - 1] + 1}..{shown[g][j + 1] - 1} not drawn (hover the pool)"
     row_labels = []
     for rid in order:
         r = snapshot.requests[rid]
         lab = f"{rid} · {r.status}" + ("" if any(r.block_table) else " (no blocks)")
-        row_labels.append(f"<b>{lab}</b>" if rid == selected_request else lab)
+        row_labels.append(f"<b>▶ {lab}</b>" if rid == selected_request else lab)
+    more = ""
+    if hidden:
+        names = ", ".join(hidden[:4]) + (", …" if len(hidden) > 4 else "")
+        more = f"+{len(hidden)} more not drawn: {names}"
     return dict(
         rows=order,
         row_labels=row_labels,
@@ -123,37 +160,49 @@ def figure_data(snapshot: Snapshot, selected_request: str | None = None, *, max_
         customdata=custom,
         group_offsets=offsets,
         group_widths=widths,
+        group_columns=shown,
         group_names=[group_name(g) for g in groups],
         ncols=ncols,
+        ellipsis_x=ellipsis_x,
         highlight=highlight,
         highlight_x=hx,
         highlight_y=hy,
         partial_x=px,
         partial_y=py,
-        title=f"Block tables · step {snapshot.step} · {len(snapshot.running)} running, {len(snapshot.waiting)} waiting"
-        + (f" (first {len(order)} shown)" if len(everyone) > len(order) else ""),
+        hidden=hidden,
+        more=more,
+        title=f"Block tables · step {snapshot.step} · {len(snapshot.running)} running, {len(snapshot.waiting)} waiting",
     )
 
 
+ROW_PX = 22  # the smallest row that keeps a block id readable
+COLUMN_PX = 22  # the narrowest cell for a two- or three-digit id
+
+
 class BlockTableView(View):
-    """One row per request: logical block -> physical block id, coloured by the block's state."""
+    """One row per request: logical block -> physical block id, coloured by the block's state.
+
+    Rows and columns never shrink below a readable size: requests beyond what fits are
+    named in a line under the tables, long tables show their first and last blocks.
+    """
 
     name = "table"
     title = "Block tables"
 
-    def __init__(self, timeline: Timeline | None = None, *, decode: Callable[[int], str] | None = None, width: int = 482, height: int = 330, max_requests: int = 32) -> None:
+    def __init__(self, timeline: Timeline | None = None, *, decode: Callable[[int], str] | None = None, width: int = 482,
+                 height: int = 330, max_requests: int | None = None) -> None:
         super().__init__(timeline, decode=decode, width=width, height=height)
-        self.max_requests = max_requests
+        # Room for the title, the column axis, the legend and the "more" line.
+        fit = max(1, int((height - 150) // ROW_PX))
+        self.max_requests = fit if max_requests is None else max_requests
+        self.max_columns = max(MIN_COLUMNS, int((width - 150) // COLUMN_PX))
         go = _go()
         fig = self.figure
         fig.add_trace(
             state_heatmap(go, name="tables", ygap=3, showlegend=False)
         )
-        fig.add_trace(
-            go.Scatter(x=[], y=[], mode="markers", name="selected request",
-                       marker=dict(symbol="square-open", size=24, color=HIGHLIGHT, line=dict(width=3, color=HIGHLIGHT)),
-                       hoverinfo="skip", showlegend=False)
-        )
+        for tr in selection_traces(go, 24):
+            fig.add_trace(tr)
         fig.add_trace(
             go.Scatter(x=[], y=[], mode="markers", name="partial tail",
                        marker=dict(symbol="triangle-right", size=8, color="#222222"), hoverinfo="skip", showlegend=True)
@@ -167,31 +216,33 @@ class BlockTableView(View):
             xaxis=dict(side="top", showgrid=False, zeroline=False, fixedrange=True, tickfont=dict(size=9), autorange=False,
                        title=dict(text="logical block index (cell: physical block id)", font=dict(size=10), standoff=2)),
             yaxis=dict(autorange=False, range=[0.5, -0.5], showgrid=False, zeroline=False, fixedrange=True, automargin=True),
-            margin=dict(l=10, r=10, t=80, b=26),
+            margin=dict(l=10, r=10, t=80, b=44),
         )
 
     def update(self, snapshot: Snapshot, selected_request: str | None = None) -> None:
-        d = figure_data(snapshot, selected_request, max_requests=self.max_requests)
+        d = figure_data(snapshot, selected_request, max_requests=self.max_requests, max_columns=self.max_columns)
         self.last_data = d
         ticks_x, ticks_t = [], []
-        for g, (off, w) in enumerate(zip(d["group_offsets"], d["group_widths"])):
-            step = max(1, w // 8)
-            for i in range(0, w, step):
-                ticks_x.append(off + i)
-                ticks_t.append(f"{'g' + str(g) + ':' if len(d['group_offsets']) > 1 else ''}{i}")
+        for g, (off, cols) in enumerate(zip(d["group_offsets"], d["group_columns"])):
+            step = max(1, len(cols) // 8)
+            for j, li in enumerate(cols):
+                if li is None:
+                    ticks_x.append(off + j)
+                    ticks_t.append("…")
+                elif j % step == 0 or j == len(cols) - 1:
+                    ticks_x.append(off + j)
+                    ticks_t.append(f"{'g' + str(g) + ':' if len(d['group_offsets']) > 1 else ''}{li}")
         fig = self.figure
         n = max(1, len(d["rows"]))
         with fig.batch_update():
-            hm, hl, pt = fig.data[0], fig.data[1], fig.data[2]
+            hm, pt = fig.data[0], fig.data[3]
             rows = bool(d["rows"])
             self._put("z", hm, "z", d["z"] if rows else [[None]], "num")
             self._put("text", hm, "text", d["text"] if rows else [[""]], "str")
             self._put("hover", hm, "customdata", d["customdata"] if rows else [[""]], "str")
             self._put("y", hm, "y", list(range(len(d["rows"]))) if rows else [0], "num")
-            self._put("hl.x", hl, "x", d["highlight_x"], "num")
-            self._put("hl.y", hl, "y", d["highlight_y"], "num")
-            cell_px = max(6, min((self.height - 90) / max(n, MIN_ROWS), (self.width - 110) / max(MIN_COLUMNS, d["ncols"])) - 2)
-            self._put("hl.size", hl.marker, "size", cell_px)
+            cell_px = max(6, min((self.height - 124) / max(n, MIN_ROWS), (self.width - 110) / max(MIN_COLUMNS, d["ncols"])) - 2)
+            self._put_selection("hl", fig.data[1], fig.data[2], d["highlight_x"], d["highlight_y"], cell_px)
             self._put("pt.x", pt, "x", d["partial_x"], "num")
             self._put("pt.y", pt, "y", d["partial_y"], "num")
             self._put("ytv", fig.layout.yaxis, "tickvals", list(range(len(d["rows"]))))
@@ -203,5 +254,10 @@ class BlockTableView(View):
             names = " | ".join(f"g{g}: {nm}" for g, nm in enumerate(d["group_names"])) if len(d["group_names"]) > 1 else ""
             # The legend sits under the tables; the top holds the title and the column axis.
             self._header(d["title"], (), subtitle=f"groups side by side · {names}" if names else "", extra_top=36)
-            empty = [dict(text="no running or waiting request", showarrow=False, xref="paper", yref="paper", x=0.5, y=0.5)]
-            self._put("notes", fig.layout, "annotations", [] if d["rows"] else empty)
+            notes = []
+            if not d["rows"]:
+                notes.append(dict(text="no running or waiting request", showarrow=False, xref="paper", yref="paper", x=0.5, y=0.5))
+            if d["more"]:
+                notes.append(dict(text=html_escape(d["more"]), showarrow=False, xref="paper", yref="paper", x=0, y=0,
+                                  xanchor="left", yanchor="top", yshift=-22, font=dict(size=10, color="#444444")))
+            self._put("notes", fig.layout, "annotations", notes)

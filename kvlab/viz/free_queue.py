@@ -18,9 +18,8 @@ from typing import Any
 
 from kvlab.timeline.snapshot import BLOCK_STATES, CACHED, FREE, Snapshot
 from kvlab.timeline.timeline import Timeline
-from kvlab.viz.base import TOP_LEGEND, View, _go, legend_traces
+from kvlab.viz.base import TOP_LEGEND, View, _go, legend_traces, selection_traces
 from kvlab.viz.style import (
-    HIGHLIGHT,
     STATE_COLORS,
     STATE_HELP,
     STATE_INDEX,
@@ -99,7 +98,10 @@ class FreeQueueView(View):
     def __init__(self, timeline: Timeline | None = None, *, num_blocks: int | None = None, decode: Callable[[int], str] | None = None,
                  width: int = 482, height: int | None = None) -> None:
         n = num_blocks or (timeline.at(timeline.first_step).num_blocks if timeline is not None else 16)
-        self.wrap = ONE_ROW_LIMIT if n <= 257 else 64
+        # Up to 128 blocks the cells stay big enough for their labels (>= 26 px: a few
+        # rows); bigger pools wrap at 32 or 64 cells per row.
+        readable = max(MIN_COLUMNS, int((width - 20) // 26))
+        self.wrap = readable if n <= 129 and n - 1 > ONE_ROW_LIMIT // 2 else ONE_ROW_LIMIT if n <= 257 else 64
         self.max_rows = max(1, math.ceil((n - 1) / self.wrap))
         self.cell_px = min(40.0, (width - 20) / max(MIN_COLUMNS, min(self.wrap, n - 1)))
         if height is None:
@@ -115,14 +117,11 @@ class FreeQueueView(View):
                 hovertemplate="%{customdata}<extra></extra>", name="free queue",
             )
         )
-        fig.add_trace(
-            go.Scatter(x=[], y=[], mode="markers", name="held last by the selected request", hoverinfo="skip",
-                       marker=dict(symbol="square-open", size=20, color=HIGHLIGHT, line=dict(width=3, color=HIGHLIGHT)))
-        )
+        for tr in selection_traces(go, 20, name="held last by the selected request"):
+            fig.add_trace(tr)
         for tr in legend_traces(go, STATE_COLORS, STATE_LABELS, (FREE, CACHED)):
             fig.add_trace(tr)
-        for tr in fig.data[:2]:
-            tr.showlegend = False
+        fig.data[0].showlegend = False
         fig.update_layout(
             showlegend=True,
             legend=TOP_LEGEND,
@@ -139,14 +138,12 @@ class FreeQueueView(View):
         rows = d["rows"]
         fig = self.figure
         with fig.batch_update():
-            hm, hl = fig.data[0], fig.data[1]
+            hm = fig.data[0]
             self._put("z", hm, "z", d["z"] if n else [[None]], "num")
             self._put("text", hm, "text", d["text"] if n else [[""]], "str")
             self._put("hover", hm, "customdata", d["customdata"] if n else [[""]], "str")
             self._put("font", hm.textfont, "size", 11 if cell_px >= 22 else 8)
-            self._put("hl.x", hl, "x", d["highlight_x"], "num")
-            self._put("hl.y", hl, "y", d["highlight_y"], "num")
-            self._put("hl.size", hl.marker, "size", max(5, cell_px - 7))
+            self._put_selection("hl", fig.data[1], fig.data[2], d["highlight_x"], d["highlight_y"], cell_px - 5)
             self._put("xr", fig.layout.xaxis, "range", [-0.5, max(MIN_COLUMNS, d["columns"]) - 0.5])
             self._put("yr", fig.layout.yaxis, "range", [max(self.max_rows, rows) - 0.5, -0.5])
             self._header(d["title"], [STATE_LABELS[FREE], STATE_LABELS[CACHED]])

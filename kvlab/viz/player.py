@@ -12,7 +12,14 @@ every step the engine takes, from any cell) and ``run_step`` (a "Run step" butto
 :func:`kvlab.show` builds a Player from an engine, a scenario or a saved log with the
 right options; this module imports neither the engine nor the scenarios.
 
-Selecting a request in the drop-down outlines its blocks in every view.
+Selecting a request in the drop-down outlines its blocks in every view (the selection mark,
+a black frame with a white one inside, is used for nothing else).
+
+The Player fits a notebook's output area (940 px by default), and its controls mean what
+they show: ▶ plays, ❚❚ pauses where it is (the Play widget's ■ "stop", which jumped back
+to the first step, is hidden), and "Run step" runs one engine step *and shows it*. Next
+to the widget it always leaves a still picture of the same step (:mod:`kvlab.viz.still`),
+so a lesson saved or opened without a kernel shows the pictures, not an error.
 """
 from __future__ import annotations
 
@@ -30,6 +37,7 @@ from kvlab.viz.free_queue import FreeQueueView
 from kvlab.viz.hash_chain import HashChainView
 from kvlab.viz.kernel import KernelView
 from kvlab.viz.pool import PoolView
+from kvlab.viz.still import compose, display_with_still, player_header
 from kvlab.viz.style import FONT, TONE_STYLES, html_escape
 from kvlab.viz.timeline import TimelineView
 
@@ -44,6 +52,20 @@ VIEW_CLASSES: dict[str, type[View]] = {
     "kernel": KernelView,
 }
 DEFAULT_VIEWS: tuple[str, ...] = tuple(VIEW_CLASSES)
+DEFAULT_WIDTH = 940  # JupyterLab's output area is ~968 px wide at a common window size
+
+# The Player's own style: the Play widget's stop button (■ jumps to the first step, which
+# is not what a square means) is hidden; the ▶ / ❚❚ toggle remains (ipywidgets 8: play-pause, stop, repeat).
+PLAYER_STYLE = "<style>.kvlab-player .widget-play button:nth-of-type(2){display:none}</style>"
+
+
+def default_views(timeline: Timeline) -> tuple[str, ...]:
+    """Every view that has something to draw for this run: the kernel view needs a step
+    that ran requests (a scheduler) or an attention batch -- a log of a manager driven
+    directly (an exercise checker) has neither, and gets the other five."""
+    if len(timeline.series) or any(timeline.attention_batch(s) is not None for s in timeline.steps):
+        return DEFAULT_VIEWS
+    return tuple(v for v in DEFAULT_VIEWS if v != "kernel")
 
 
 def _widgets() -> Any:
@@ -78,7 +100,8 @@ class Player:
         Renders one token id as text in the hash-chain labels.
     views:
         View names (``"pool"``, ``"table"``, ``"hash"``, ``"free"``, ``"timeline"``,
-        ``"kernel"``) or ``View`` subclasses, in display order.
+        ``"kernel"``) or ``View`` subclasses, in display order; None: every view that
+        has something to draw for this run (:func:`default_views`).
     width:
         Total width in pixels; views are laid out two per row.
     named_steps, notes, description:
@@ -95,9 +118,9 @@ class Player:
         self,
         source: Timeline | EventLog | Iterable[Event],
         decode: Callable[[int], str] | None = None,
-        views: Sequence[str | type[View]] = DEFAULT_VIEWS,
+        views: Sequence[str | type[View]] | None = None,
         *,
-        width: int = 980,
+        width: int = DEFAULT_WIDTH,
         interval_ms: int = 900,
         start: int | str | None = None,
         title: str | None = None,
@@ -148,6 +171,10 @@ class Player:
         self.last_render_ms: float = 0.0
 
         classes: list[type[View]] = []
+        if views is None:
+            views = default_views(self.timeline)
+        if isinstance(views, (str, bytes)):
+            raise TypeError(f"views must be a sequence of view names, got the string {views!r}")
         for v in views:
             if isinstance(v, str):
                 if v not in VIEW_CLASSES:
@@ -248,7 +275,8 @@ class Player:
         self._run_step_fn()  # the log subscription refreshes the player
         if not self.live:
             self._on_log_grew()
-        return self._step
+        # The button says "run a step": show the step it ran, wherever the player stood.
+        return self.go_to(self.last_step)
 
     # -- selection ---------------------------------------------------------------------------
     @property
@@ -277,8 +305,9 @@ class Player:
         lo, hi = self.first_step, self.last_step
         name = title or ("live engine" if self.live else "replay")
         desc = self.description
+        self._name = name
         self._title = w.HTML(
-            f"<div style='font-family:{FONT}'><b style='font-size:14px'>{html_escape(name)}</b>"
+            PLAYER_STYLE + f"<div style='font-family:{FONT}'><b style='font-size:14px'>{html_escape(name)}</b>"
             + (f"<div style='font-size:12px;color:#444;white-space:normal;max-width:{width - 10}px'>{html_escape(desc)}</div>" if desc else "")
             + "</div>"
         )
@@ -391,13 +420,32 @@ class Player:
         self.last_render_ms = (time.perf_counter() - t0) * 1000.0
 
     # -- display -----------------------------------------------------------------------------
+    def still(self) -> dict[str, Any]:
+        """Every view at the current step as ONE plotly figure (JSON): the picture that
+        stays in a saved notebook (see :mod:`kvlab.viz.still`)."""
+        names = [k for k, s in self.named_steps.items() if s == self._step]
+        header = player_header(self._name, self._step, self.last_step, " · ".join(names))
+        return compose([v.still() for v in self.views.values()], columns=2 if len(self.views) > 1 else 1,
+                       header=header, header_px=34)
+
     def _repr_mimebundle_(self, **kwargs: Any) -> Any:
-        return self.widget._repr_mimebundle_(**kwargs)
+        bundle = self.widget._repr_mimebundle_(**kwargs)
+        if isinstance(bundle, dict):
+            bundle["text/plain"] = ""  # never the VBox(children=...) repr: the still stands in
+        return bundle
 
     def _ipython_display_(self) -> None:
-        from IPython.display import display
+        """Three outputs: a style rule, the still picture, the live widget. While the widget
+        is drawn, the rule hides the still; when it cannot be drawn (a saved notebook
+        reopened: "model not found"), the rule hides the widget's output and the still
+        shows the step instead."""
+        import json
 
-        display(self.widget)
+        import plotly.io as pio
+
+        fig = json.loads(pio.to_json(self.still(), validate=False))
+        display_with_still(self.widget, {"application/vnd.plotly.v1+json": {**fig, "config": {"displayModeBar": False}},
+                                         "text/plain": f"(a still picture of the player at step {self._step})"})
 
     def __repr__(self) -> str:
         mode = "live" if self.live else "replay"

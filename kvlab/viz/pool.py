@@ -17,9 +17,8 @@ from typing import Any
 
 from kvlab.timeline.snapshot import BLOCK_STATES, NULL, Snapshot
 from kvlab.timeline.timeline import Timeline
-from kvlab.viz.base import TOP_LEGEND, View, _go, legend_traces
+from kvlab.viz.base import TOP_LEGEND, View, _go, legend_traces, selection_traces
 from kvlab.viz.style import (
-    HIGHLIGHT,
     STATE_COLORS,
     STATE_HELP,
     STATE_INDEX,
@@ -173,26 +172,17 @@ class PoolView(View):
         self.columns = grid_columns(n)
         self.rows = max(1, math.ceil(n / self.columns))
         self.cell_px = max(4.0, min(40.0, (width - 20) / self.columns))
-        # Square cells under the title and the one-row legend (~50 px).
+        # Square cells under the title, a subtitle line and the one-row legend (~75 px).
         if height is None:
-            height = int(min(640, self.rows * self.cell_px + 58))
+            height = int(min(660, self.rows * self.cell_px + 75))
         super().__init__(timeline, decode=decode, width=width, height=height)
         go = _go()
         fig = self.figure
         fig.add_trace(
             state_heatmap(go, name="blocks", ygap=2)
         )
-        fig.add_trace(
-            go.Scatter(
-                x=[],
-                y=[],
-                mode="markers",
-                marker=dict(symbol="square-open", size=max(5, self.cell_px - 7), color=HIGHLIGHT, line=dict(width=3, color=HIGHLIGHT)),
-                hoverinfo="skip",
-                name="selected request",
-                showlegend=False,
-            )
-        )
+        for tr in selection_traces(go, max(6.0, self.cell_px - 5)):
+            fig.add_trace(tr)
         for tr in legend_traces(go, STATE_COLORS, STATE_LABELS, BLOCK_STATES):
             fig.add_trace(tr)
         fig.update_layout(
@@ -202,19 +192,18 @@ class PoolView(View):
             yaxis=dict(visible=False, range=[self.rows - 0.5, -0.5], fixedrange=True, autorange=False),
             margin=dict(l=10, r=10, t=50, b=6),
         )
-        for tr in fig.data[:2]:
-            tr.showlegend = False
+        fig.data[0].showlegend = False
 
     def update(self, snapshot: Snapshot, selected_request: str | None = None) -> None:
         d = figure_data(snapshot, selected_request, columns=self.columns, decode=self.decode)
         self.last_data = d
         fig = self.figure
         with fig.batch_update():
-            hm, hl = fig.data[0], fig.data[1]
+            hm = fig.data[0]
             self._put("z", hm, "z", d["z"], "num")
             self._put("text", hm, "text", d["text"], "str")
             self._put("hover", hm, "customdata", d["customdata"], "str")
-            self._put("hl.x", hl, "x", d["highlight_x"], "num")
-            self._put("hl.y", hl, "y", d["highlight_y"], "num")
-            self._put("hl.ids", hl, "customdata", d["highlight"], "num")
-            self._header(d["title"], [STATE_LABELS[s] for s in BLOCK_STATES])
+            top = self._header(d["title"], [STATE_LABELS[s] for s in BLOCK_STATES])
+            cell_h = (self.height - top - 6) / self.rows  # cells may be wider than tall: the frame fits both
+            self._put_selection("hl", fig.data[1], fig.data[2], d["highlight_x"], d["highlight_y"], min(self.cell_px, cell_h) - 4)
+            self._put("hl.ids", fig.data[1], "customdata", d["highlight"], "num")

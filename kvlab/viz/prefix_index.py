@@ -7,9 +7,10 @@ all a router or an operator watching a vLLM server gets. So every node is simply
 (sky blue): the stream cannot tell a block in use from one waiting on the free queue.
 
 What one batch changed is drawn on top: blocks it stored get a black ring, blocks it
-removed (evicted) a reddish-purple cross where they were. A *probe* -- a prompt's block
-keys, as a router computes them -- is walked like the engine's own lookup: green rings on
-the leading blocks the index holds, a cross at the first miss. Orphans (cached blocks whose
+removed (evicted) a grey cross where they were. A *probe* -- a prompt's block keys, as a
+router computes them -- is walked like the engine's own lookup in lesson 03's picture: a
+thick black line through the leading blocks the index holds, a black cross at the first
+miss. Orphans (cached blocks whose
 parent the stream does not show: evicted first, or stored before the subscriber joined)
 are roots with a dashed stub to their left.
 
@@ -23,12 +24,13 @@ from typing import Any
 
 from kvlab.timeline.kv_stream import NodeKey, PrefixNode, StreamSnapshot
 from kvlab.viz.base import TOP_LEGEND, View, _go
-from kvlab.viz.style import HIT, MISS, STATE_COLORS, html_escape, render_tokens
+from kvlab.viz.style import INK, MISS, STATE_COLORS, WALK, html_escape, render_tokens
 
 CACHED_COLOR = STATE_COLORS["cached"]
-STORED_RING = "#000000"
+STORED_RING = INK
+REMOVED = "#555555"  # a dark grey cross: where an evicted block was (ink, not a meaning)
 MAX_TEXT_NODES = 40  # beyond this, a node's tokens are in its hover text only
-LEGEND = ("cached block", "stored by this batch", "removed by this batch", "probe hit", "probe: first miss")
+LEGEND = ("cached block", "stored by this batch", "removed by this batch", "probe walk (hits)", "probe: first miss")
 
 
 def short(h: Any) -> str:
@@ -199,9 +201,8 @@ class PrefixIndexView(View):
         fig.add_trace(go.Scatter(x=[], y=[], mode="markers", name=LEGEND[1], hoverinfo="skip",
                                  marker=dict(size=15, symbol="square-open", color=STORED_RING, line=dict(width=2.5, color=STORED_RING))))
         fig.add_trace(go.Scatter(x=[], y=[], mode="markers", name=LEGEND[2], hovertemplate="%{hovertext}<extra></extra>",
-                                 marker=dict(size=12, symbol="x-thin-open", color=MISS, line=dict(width=2.5, color=MISS))))
-        fig.add_trace(go.Scatter(x=[], y=[], mode="markers", name=LEGEND[3], hoverinfo="skip",
-                                 marker=dict(size=17, symbol="square-open", color=HIT, line=dict(width=3, color=HIT))))
+                                 marker=dict(size=12, symbol="x-thin-open", color=REMOVED, line=dict(width=2.5, color=REMOVED))))
+        fig.add_trace(go.Scatter(x=[], y=[], mode="lines", name=LEGEND[3], hoverinfo="skip", line=dict(color=WALK, width=4)))
         fig.add_trace(go.Scatter(x=[], y=[], mode="markers", name=LEGEND[4], hovertemplate="%{hovertext}<extra></extra>",
                                  marker=dict(size=16, symbol="x-thin-open", color=MISS, line=dict(width=3.5, color=MISS))))
         fig.update_layout(
@@ -231,7 +232,7 @@ class PrefixIndexView(View):
             sx += [n["depth"] - 0.6, n["depth"], None]
             sy += [n["row"], n["row"], None]
         new = [n for n in nodes if n["stored"]]
-        hit = [n for n in nodes if n["probe"] == "hit"]
+        hit = sorted((n for n in nodes if n["probe"] == "hit"), key=lambda n: n["depth"])
         pg = d["probe"]["ghost"]
         fig = self.figure
         put = self._put
@@ -251,8 +252,13 @@ class PrefixIndexView(View):
             put("rm.x", fig.data[4], "x", [r["depth"] for r in d["removed"]], "num")
             put("rm.y", fig.data[4], "y", [r["row"] for r in d["removed"]], "num")
             put("rm.h", fig.data[4], "hovertext", [f"removed (evicted): {short(r['hash'])}" for r in d["removed"]], "str")
-            put("hit.x", fig.data[5], "x", [n["depth"] for n in hit], "num")
-            put("hit.y", fig.data[5], "y", [n["row"] for n in hit], "num")
+            # The walk: a stub before the first block, then through every hit, to the miss.
+            wx = [n["depth"] for n in hit] + ([pg[0]] if pg else [])
+            wy = [n["row"] for n in hit] + ([pg[1]] if pg else [])
+            if wx:
+                wx, wy = [wx[0] - 0.45] + wx, [wy[0]] + wy
+            put("hit.x", fig.data[5], "x", wx, "num")
+            put("hit.y", fig.data[5], "y", wy, "num")
             put("miss.x", fig.data[6], "x", [pg[0]] if pg else [], "num")
             put("miss.y", fig.data[6], "y", [pg[1]] if pg else [], "num")
             put("miss.h", fig.data[6], "hovertext", [f"first miss: {short(d['probe']['miss'])}"] if pg else [], "str")

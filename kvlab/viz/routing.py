@@ -12,10 +12,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvlab.viz.base import _go
-from kvlab.viz.style import FONT
+from kvlab.viz.style import FONT, SKY_BLUE
 
-POLICY_COLORS = {"round_robin": "#999999", "least_loaded": "#0072b2", "kv_aware": "#e69f00"}
-OTHER_POLICY_COLORS = ("#009e73", "#cc79a7", "#d55e00", "#f0e442")
+# Policies are told apart by grey shades, not by colours that mean something else in kvlab's
+# pictures (blue is "running", orange "shared"); the KV-aware policy gets the prefix cache's
+# sky blue, because that is what it routes by.
+POLICY_COLORS = {"round_robin": "#c8c8c8", "least_loaded": "#6e6e6e", "kv_aware": SKY_BLUE}
+OTHER_POLICY_COLORS = ("#2b2b2b", "#9e9e9e", "#4d4d4d", "#e0e0e0")
 
 
 def policy_color(policy: str, others: list[str]) -> str:

@@ -18,7 +18,7 @@ from typing import Any
 from kvlab.timeline.kv_stream import KVStream, StreamSeries
 from kvlab.viz.base import TOP_LEGEND, View, _go
 from kvlab.viz.prefix_index import PrefixIndexView
-from kvlab.viz.style import CURSOR, HIGHLIGHT, MISS, STATE_COLORS
+from kvlab.viz.style import CURSOR, INK, MISS, STATE_COLORS
 
 
 MAX_BARS = 240  # beyond this many batches the stored/removed bars are summed per bin
@@ -59,7 +59,7 @@ class StreamSeriesView(View):
         fig.add_trace(go.Bar(x=[], y=[], name="stored", marker_color=STATE_COLORS["in_use"], yaxis="y2"))
         fig.add_trace(go.Bar(x=[], y=[], name="removed", marker_color=MISS, yaxis="y2"))
         fig.add_trace(go.Scatter(x=[], y=[], mode="lines", name="cached blocks", line=dict(color=STATE_COLORS["cached"], width=2.5)))
-        fig.add_trace(go.Scatter(x=[], y=[], mode="markers", name="batches lost before", marker=dict(symbol="triangle-up", size=10, color=HIGHLIGHT)))
+        fig.add_trace(go.Scatter(x=[], y=[], mode="markers", name="batches lost before", marker=dict(symbol="triangle-up", size=10, color=INK)))
         fig.update_layout(
             showlegend=True, legend=TOP_LEGEND, barmode="relative", bargap=0.1,
             xaxis=dict(title=dict(text="batch seq", font=dict(size=10), standoff=2), fixedrange=True),
@@ -148,14 +148,33 @@ class StreamPlayer:
             self._play = w.Play(value=max(0, self.index), min=0, max=n, interval=self.interval_ms, description="play")
             w.jslink((self._play, "value"), (self._slider, "value"))
             self._slider.observe(lambda ch: self.go_to(ch["new"]) if ch["new"] != self.index else None, names="value")
-            head = w.HTML(f"<b>{self.title}</b>")
+            from kvlab.viz.player import PLAYER_STYLE  # the ■ "stop" (back to the start) hidden, as in the Player
+
+            head = w.HTML(PLAYER_STYLE + f"<b>{self.title}</b>")
             self._ui = w.VBox([head, w.HBox([self._play, self._slider]), self.prefixes.widget, self.series.widget])
+            self._ui.add_class("kvlab-player")
         return self._ui
 
-    def _ipython_display_(self) -> None:
-        from IPython.display import display
+    def still(self) -> dict[str, Any]:
+        """Both views as one plotly figure (JSON): what a saved lesson shows without a kernel."""
+        from kvlab.viz.still import compose
 
-        display(self.widget)
+        header = (f"<b>{self.title}</b> · after batch {self.index}<br><span style='font-size:10px;color:#555'>"
+                  "a still picture of the player: run the cell to step through the stream</span>")
+        return compose([self.prefixes.still(), self.series.still()], columns=1, header=header, header_px=34)
+
+    def _ipython_display_(self) -> None:
+        """The widget, with a still picture beside it for a lesson saved or opened without a
+        kernel (see :func:`kvlab.viz.still.display_with_still`)."""
+        import json
+
+        import plotly.io as pio
+
+        from kvlab.viz.still import display_with_still
+
+        fig = json.loads(pio.to_json(self.still(), validate=False))
+        display_with_still(self.widget, {"application/vnd.plotly.v1+json": {**fig, "config": {"displayModeBar": False}},
+                                         "text/plain": f"(a still picture of the stream after batch {self.index})"})
 
 
 __all__ = ["StreamPlayer", "StreamSeriesView", "series_data"]

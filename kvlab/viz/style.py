@@ -1,11 +1,37 @@
-"""Colours and small text helpers shared by every view.
+"""Colours, marks and small text helpers shared by every view.
 
-One palette for the whole package, so that a block has the same colour in the pool, in a
-block table, on the free queue and in the hash forest: a learner who has seen "orange =
-shared" once reads every other picture without a legend. The colours are from the
-Okabe-Ito set, chosen to stay distinguishable for the common kinds of colour blindness;
-states that matter most (shared versus in use versus cached) differ in lightness too, so
-they survive a greyscale print.
+**One colour, one meaning, in every picture.** A learner who has seen "orange = shared"
+once reads every other picture without a legend, so no colour is reused for something
+else anywhere in kvlab's views:
+
+=================  =====================================================================
+colour             meaning (everywhere)
+=================  =====================================================================
+light grey         a free block (nothing reusable in it)
+sky blue           the prefix cache: a cached block; a prefix hit; the hit-rate series
+bluish green       a block in use by one request; KV-cache usage (blocks held)
+orange             a block shared by several requests
+dark grey          the null block (block 0)
+yellow             a waiting request
+blue               a running request
+vermillion         a preempted request (and the preemption marks)
+mid grey           a finished request
+reddish purple     a slot the attention kernel reads
+white              an empty slot / nothing
+black              ink: text, the step cursor, the lookup walk, the kernel's traced loads
+=================  =====================================================================
+
+The colours are the Okabe-Ito set (sky blue lightened, so that "cached" and "shared" do not
+have the same lightness), chosen to stay distinguishable for the common kinds of colour
+blindness: block states, and request states, stay at least ΔE 15 apart (CIELAB) for
+protanopes, deuteranopes and tritanopes, and at least 8 apart in lightness alone, enough for
+a greyscale print (``tests/test_viz.py`` simulates the four; ``tests/browser`` screenshots
+the views under Chromium's emulation of the same deficiencies). Numbers in the cells (ref
+counts, block ids) carry the meaning a second time.
+
+**The selection mark** (the request chosen in the Player's drop-down) is a black frame with
+a white inner frame: nothing else in any view is drawn that way, it needs no colour, and
+one of its two frames contrasts with every fill.
 """
 from __future__ import annotations
 
@@ -13,13 +39,28 @@ from collections.abc import Callable, Sequence
 
 from kvlab.timeline.snapshot import BLOCK_STATES, CACHED, FREE, IN_USE, NULL, SHARED
 
+# -- the palette: one colour per concept (see the table above) --------------------------------
+LIGHT_GREY = "#e6e6e6"
+SKY_BLUE = "#9fd3f2"  # Okabe-Ito sky blue, lightened: "cached" must not share its lightness with "shared"
+BLUISH_GREEN = "#009e73"
+ORANGE = "#e69f00"
+DARK_GREY = "#3b3b3b"
+YELLOW = "#f0e442"
+DARK_YELLOW = "#a89a00"  # the waiting colour, dark enough for a thin line on white
+BLUE = "#0072b2"
+VERMILLION = "#d55e00"
+MID_GREY = "#999999"
+PURPLE = "#cc79a7"
+WHITE = "#ffffff"
+INK = "#000000"
+
 # -- block states (the pool's vocabulary) ---------------------------------------------------
 STATE_COLORS: dict[str, str] = {
-    NULL: "#3b3b3b",  # dark grey: the placeholder block 0, never holds KV
-    FREE: "#e6e6e6",  # light grey: on the free queue, nothing reusable in it
-    CACHED: "#56b4e9",  # sky blue: on the free queue but still hashed -> a hit can revive it
-    IN_USE: "#009e73",  # bluish green: in exactly one block table
-    SHARED: "#e69f00",  # orange: in several block tables (ref count > 1)
+    NULL: DARK_GREY,  # the placeholder block 0, never holds KV
+    FREE: LIGHT_GREY,  # on the free queue, nothing reusable in it
+    CACHED: SKY_BLUE,  # on the free queue but still hashed -> a hit can revive it
+    IN_USE: BLUISH_GREEN,  # in exactly one block table
+    SHARED: ORANGE,  # in several block tables (ref count > 1)
 }
 STATE_LABELS: dict[str, str] = {NULL: "null", FREE: "free", CACHED: "cached", IN_USE: "in use", SHARED: "shared"}
 # The longer wording for hover text, where there is room to say what the state means.
@@ -35,36 +76,43 @@ STATE_INDEX: dict[str, int] = {s: i for i, s in enumerate(BLOCK_STATES)}
 # Text drawn on a cell must stay readable on its fill.
 STATE_TEXT_COLORS: dict[str, str] = {NULL: "white", FREE: "#333333", CACHED: "black", IN_USE: "white", SHARED: "black"}
 
-HIGHLIGHT = "#d55e00"  # vermillion: the selected request's blocks, in every view
-HIT = "#009e73"  # bluish green ring: a hash the latest lookup hit
-MISS = "#cc79a7"  # reddish purple cross: where the latest lookup stopped (not the selection colour)
-CURSOR = "#cc79a7"  # the current step in the timeline
+# -- marks (shapes, not colours) ----------------------------------------------------------------
+SELECT_OUTER = INK  # the selection mark: a black frame ...
+SELECT_INNER = WHITE  # ... with a white frame inside it
+CURSOR = INK  # the current step in the timeline (a dashed line)
+HIT = SKY_BLUE  # a prefix hit belongs to the prefix cache
+WALK = INK  # the latest lookup's walk through the hash chains
+MISS = INK  # where that walk stopped (an x)
+USAGE = BLUISH_GREEN  # KV-cache usage = the share of blocks held by requests
 
 # -- request lifecycle (the timeline's Gantt) -----------------------------------------------
 STATUS_ORDER = ("waiting", "running", "preempted", "finished")
 STATUS_COLORS: dict[str, str] = {
-    "waiting": "#f0e442",  # yellow
-    "running": "#0072b2",  # blue
-    "preempted": "#d55e00",  # vermillion: waiting again, its KV thrown away
-    "finished": "#999999",
+    "waiting": YELLOW,
+    "running": BLUE,
+    "preempted": VERMILLION,  # waiting again, its KV thrown away
+    "finished": MID_GREY,
 }
 
 # -- the attention kernel's reads -----------------------------------------------------------
 KERNEL_ORDER = ("read", "query", "outside_window", "null", "unwritten")
 KERNEL_COLORS: dict[str, str] = {
-    "read": "#0072b2",  # blue: a key/value the query token attends to
-    "query": "#e69f00",  # orange: the query token itself (also read: it attends to itself)
-    "outside_window": "#d9d9d9",  # grey: in the table but outside the sliding window
-    "null": "#3b3b3b",  # the null block: padding, never read
-    "unwritten": "#ffffff",  # a slot of the tail block that holds no token yet
+    "read": PURPLE,  # a key/value the query token attends to
+    "query": PURPLE,  # the query token itself: read too (it attends to itself), marked "q"
+    "outside_window": WHITE,  # in the table but outside the sliding window: not read (marked "×")
+    "null": DARK_GREY,  # the null block: padding, never read
+    "unwritten": WHITE,  # a slot of the tail block that holds no token yet
 }
 KERNEL_LABELS: dict[str, str] = {
     "read": "read",
-    "query": "query token",
-    "outside_window": "outside window",
+    "query": "q = the query token",
+    "outside_window": "× outside window",
     "null": "null ∅",
     "unwritten": "empty slot",
 }
+# Legend symbols of the kernel states (the "q" and "×" are drawn as cell text).
+KERNEL_SYMBOLS: dict[str, str] = {"read": "square", "query": "square", "outside_window": "square-x-open",
+                                  "null": "square", "unwritten": "square"}
 
 FONT = "DejaVu Sans Mono, Menlo, Consolas, monospace"
 
@@ -72,10 +120,13 @@ FONT = "DejaVu Sans Mono, Menlo, Consolas, monospace"
 TONE_STYLES = {
     "": "",
     "step": "color:#666;font-weight:bold",
-    "hit": "color:#007a5a",
-    "evict": "color:#b35900",
-    "alert": f"color:{HIGHLIGHT};font-weight:bold",
+    "hit": f"background:#e3f2fb;border-left:3px solid {SKY_BLUE};padding-left:3px",
+    "evict": "color:#444;font-style:italic",
+    "alert": f"color:{VERMILLION};font-weight:bold",
 }
+
+# plotly's figure options for every view: no toolbar (it covered the titles), no logo.
+PLOTLY_CONFIG = {"displayModeBar": False, "displaylogo": False, "responsive": False}
 
 
 def discrete_colorscale(colors: Sequence[str]) -> list[list[float | str]]:

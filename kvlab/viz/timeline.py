@@ -21,14 +21,19 @@ from kvlab.timeline.timeline import Timeline
 from kvlab.viz.base import TOP_LEGEND, View, _go
 from kvlab.viz.style import (
     CURSOR,
-    HIGHLIGHT,
+    DARK_YELLOW,
+    HIT,
+    SELECT_INNER,
+    SELECT_OUTER,
     STATUS_COLORS,
     STATUS_ORDER,
+    USAGE,
     discrete_colorscale,
 )
 
 _STATUS_INDEX = {s: i for i, s in enumerate(STATUS_ORDER)}
 MAX_ROW_LABELS = 24
+LABEL_PX = 12  # a Gantt row label needs this many pixels, or only every k-th row is named
 LEGEND_LABELS = ("KV usage %", "hit rate %", "# running", "# waiting", "preemption") + STATUS_ORDER
 
 
@@ -63,6 +68,15 @@ def run_data(timeline: Timeline | None) -> dict[str, Any]:
         time[i] = series.time[k]
         preemptions[i] = series.preemptions[k]
     status = timeline.request_status(steps)
+    if not len(series):
+        # No scheduler steps (a manager driven directly, e.g. by an exercise checker): the
+        # usage comes from the blocks held, the queue lengths from the requests' statuses.
+        held = timeline.block_usage
+        for s, i in idx.items():
+            if s in held:
+                usage[i] = 100.0 * held[s]
+            running[i] = sum(1 for r in status.values() if r[i] == "running")
+            waiting[i] = sum(1 for r in status.values() if r[i] in ("waiting", "preempted"))
     return dict(steps=steps, requests=list(status), status=status, usage=usage, hit_rate=hit_rate,
                 running=running, waiting=waiting, preemptions=preemptions, time=time)
 
@@ -85,15 +99,21 @@ class TimelineView(View):
     name = "timeline"
     title = "Timeline"
 
-    def __init__(self, timeline: Timeline | None = None, *, decode: Callable[[int], str] | None = None, width: int = 482, height: int = 400) -> None:
+    def __init__(self, timeline: Timeline | None = None, *, decode: Callable[[int], str] | None = None, width: int = 482,
+                 height: int | None = None) -> None:
+        if height is None:
+            # Room for the Gantt: rows of a readable height for runs with many requests.
+            n = len(timeline.request_ids) if timeline is not None else 0
+            height = int(min(640, 400 + 10 * max(0, n - 8)))
         super().__init__(timeline, decode=decode, width=width, height=height)
         go = _go()
         fig = self.figure
-        fig.add_trace(go.Scatter(x=[], y=[], mode="lines+markers", name="KV usage %", showlegend=True, line=dict(color="#0072b2", width=2), marker=dict(size=4),
+        fig.add_trace(go.Scatter(x=[], y=[], mode="lines+markers", name="KV usage %", showlegend=True, line=dict(color=USAGE, width=2), marker=dict(size=4),
                                  hovertemplate="step %{x} · t = %{customdata:.3f} s<br>KV usage %{y:.0f}%<extra></extra>"), row=1, col=1)
-        fig.add_trace(go.Scatter(x=[], y=[], mode="markers", name="hit rate %", showlegend=True, marker=dict(color="#009e73", size=6, symbol="diamond")), row=1, col=1)
-        fig.add_trace(go.Scatter(x=[], y=[], mode="lines", name="# running", showlegend=True, line=dict(color="#0072b2", shape="hv")), row=2, col=1)
-        fig.add_trace(go.Scatter(x=[], y=[], mode="lines", name="# waiting", showlegend=True, line=dict(color="#b8a800", shape="hv", dash="dot")), row=2, col=1)
+        fig.add_trace(go.Scatter(x=[], y=[], mode="markers", name="hit rate %", showlegend=True, marker=dict(color=HIT, size=7, symbol="diamond",
+                                 line=dict(width=0.5, color="#333333"))), row=1, col=1)
+        fig.add_trace(go.Scatter(x=[], y=[], mode="lines", name="# running", showlegend=True, line=dict(color=STATUS_COLORS["running"], shape="hv")), row=2, col=1)
+        fig.add_trace(go.Scatter(x=[], y=[], mode="lines", name="# waiting", showlegend=True, line=dict(color=DARK_YELLOW, shape="hv", dash="dot")), row=2, col=1)
         fig.add_trace(go.Scatter(x=[], y=[], mode="markers", name="preemption", showlegend=True, marker=dict(color=STATUS_COLORS["preempted"], size=10, symbol="x")), row=2, col=1)
         fig.add_trace(
             go.Heatmap(z=[[None]], zmin=-0.5, zmax=len(STATUS_ORDER) - 0.5, colorscale=discrete_colorscale([STATUS_COLORS[s] for s in STATUS_ORDER]),
@@ -149,6 +169,7 @@ class TimelineView(View):
             put("pre.y", fig.data[4], "y", [d["running"][steps.index(s)] or 0 for s in px], "num")
             hm = fig.data[5]
             put("gantt.x", hm, "x", steps, "num")
+            put("gantt.xgap", hm, "xgap", 1 if len(steps) * 4 < self.width else 0)  # no stripes on long runs
             put("gantt.y", hm, "y", list(range(len(reqs))) or [0], "num")
             put("gantt.z", hm, "z", d["z"] if reqs else [[None]], "num")
             put("gantt.status", hm, "customdata", [[st or "—" for st in d["status"][r]] for r in reqs] or [["—"]], "str")
@@ -157,18 +178,26 @@ class TimelineView(View):
             put("y2.dtick", fig.layout.yaxis2, "dtick", 1 if top <= 6 else None)
             put("y2.range", fig.layout.yaxis2, "range", [-0.3, top + 0.5])
             put("x3.range", fig.layout.xaxis3, "range", [steps[0] - 0.5, steps[-1] + 0.5])
-            every = max(1, -(-len(reqs) // MAX_ROW_LABELS))
-            ticks = [i for i in range(len(reqs)) if i % every == 0 or i == d["selected_row"]]
+            gantt_px = 0.54 * (self.height - 110)
+            every = max(1, -(-len(reqs) // MAX_ROW_LABELS), -(-len(reqs) * LABEL_PX // max(int(gantt_px), 1)))
+            sel = d["selected_row"]
+            # The selected row is always named; its neighbours give way so labels never overlap.
+            ticks = [i for i in range(len(reqs)) if (i % every == 0 and (sel is None or abs(i - sel) >= every)) or i == sel]
             put("y3.tickvals", fig.layout.yaxis3, "tickvals", ticks)
             put("y3.ticktext", fig.layout.yaxis3, "ticktext", [f"<b>▶ {reqs[i]}</b>" if i == d["selected_row"] else reqs[i] for i in ticks])
             put("y3.range", fig.layout.yaxis3, "range", [max(len(reqs), 1) - 0.5, -0.5])
-            shapes = [dict(type="line", xref="x", yref="paper", x0=d["cursor"], x1=d["cursor"], y0=0, y1=1, line=dict(color=CURSOR, width=2))]
-            if d["selected_row"] is not None:
+            shapes = [dict(type="line", xref="x", yref="paper", x0=d["cursor"], x1=d["cursor"], y0=0, y1=1,
+                           line=dict(color=CURSOR, width=1.5, dash="dash"))]
+            if d["selected_row"] is not None:  # the selection mark: black frame, white frame inside
                 r = d["selected_row"]
-                shapes.append(dict(type="rect", xref="x3", yref="y3", x0=steps[0] - 0.5, x1=steps[-1] + 0.5, y0=r - 0.5, y1=r + 0.5,
-                                   line=dict(color=HIGHLIGHT, width=2), fillcolor="rgba(0,0,0,0)"))
+                for color, width, pad in ((SELECT_OUTER, 3, 0.5), (SELECT_INNER, 1.5, 0.36)):
+                    shapes.append(dict(type="rect", xref="x3", yref="y3", x0=steps[0] - 0.5, x1=steps[-1] + 0.5, y0=r - pad, y1=r + pad,
+                                       line=dict(color=color, width=width), fillcolor="rgba(0,0,0,0)"))
             put("shapes", fig.layout, "shapes", shapes)
             i = steps.index(d["cursor"]) if d["cursor"] in steps else None
             usage = d["usage"][i] if i is not None else None
+            peak = max((u for u in d["usage"] if u is not None), default=None)
             extra = f" · usage {usage:.0f}%" if usage is not None else ""
+            if peak is not None and (usage is None or peak - usage >= 0.5):
+                extra += f" (peak {peak:.0f}%)"
             self._header(f"Timeline · step {d['cursor']} of {steps[-1]}{extra}", LEGEND_LABELS, legend_font=9)

@@ -80,6 +80,13 @@ class BatchRecord:
         return len(self.input_ids)
 
 
+def _interpreting() -> bool:
+    """Do the Triton kernels run under the interpreter (no GPU)?"""
+    from kvlab.kernels import INTERPRET
+
+    return INTERPRET
+
+
 def _spec_window(spec: object) -> int | None:
     """Sliding window of a KV-cache group spec (duck-typed: FullAttentionSpec has none)."""
     return getattr(spec, "sliding_window", None)
@@ -105,7 +112,8 @@ class ModelRunner:
     def __init__(self, model: TinyLlama, num_blocks: int, block_size: int,
                  kv_cache_groups: Sequence[object] | None = None, device: str | torch.device | None = None,
                  temperature: float = 0.0, seed: int = 0, backend: str = "triton",
-                 keep_history: bool = False, event_log: EventLog | None = None) -> None:
+                 keep_history: bool = False, event_log: EventLog | None = None,
+                 trace_reads: bool | None = None) -> None:
         if not isinstance(model, TinyLlama):
             raise TypeError(f"model must be a TinyLlama, got {type(model).__name__}")
         num_blocks = check_int("num_blocks", num_blocks, 2, why=" (block 0 is the null block)")
@@ -144,6 +152,20 @@ class ModelRunner:
         self.history: list[BatchRecord] = []
         # The kernel view of the visualisation reads what the kernels were given from here.
         self.event_log = event_log
+        # Observe the attention kernel's real loads (one layer per group) and put them in
+        # the AttentionBatch event: only possible under the Triton interpreter.
+        interpret = self.kernels.name == "triton" and _interpreting()
+        if trace_reads is None:
+            trace_reads = interpret and event_log is not None
+        elif not isinstance(trace_reads, bool):
+            raise TypeError(f"trace_reads must be a bool or None (automatic), got {type(trace_reads).__name__}")
+        elif trace_reads and not interpret:
+            raise ValueError("trace_reads=True needs the Triton backend under the interpreter (no CUDA); "
+                             "on a GPU, kvlab.kernels.trace.probe_reads_nan observes the reads instead")
+        self.trace_reads = trace_reads
+        # Per group, the first layer that uses it: the one whose loads are traced.
+        self.read_layers: list[int] = [self.layer_to_group.index(g) if g in self.layer_to_group else -1
+                                       for g in range(self.num_groups)]
 
     def _resolve_groups(self, kv_cache_groups: Sequence[object] | None) -> tuple[int | None, ...]:
         cfg = self.model.config
@@ -203,7 +225,10 @@ class ModelRunner:
             self.last_batch = None
             return {}
         batch, meta, input_ids, positions = self._prepare_inputs(so.step, order)
-        hidden = self.model.forward_paged(input_ids, positions, self.kv_caches, meta, self.kernels)
+        kernels, reads = self.kernels, None
+        if self.trace_reads:
+            kernels, reads = self._tracing_kernels(len(order))
+        hidden = self.model.forward_paged(input_ids, positions, self.kv_caches, meta, kernels)
         logits = self.model.compute_logits(hidden[torch.tensor(batch.logits_indices, device=self.device)])
         batch.logits = logits.cpu()
         sampled: dict[str, list[int]] = {}
@@ -223,8 +248,34 @@ class ModelRunner:
                 req_ids=list(batch.req_ids), query_lens=list(batch.num_scheduled_tokens), seq_lens=list(batch.seq_lens),
                 block_tables=[[list(r) for r in g] for g in batch.block_tables],
                 slot_mappings=[list(g) for g in batch.slot_mappings], block_size=self.block_size,
-                sliding_windows=list(self.group_windows)))
+                sliding_windows=list(self.group_windows), kernel_reads=reads,
+                read_layers=list(self.read_layers) if reads is not None else []))
         return sampled
+
+    def _tracing_kernels(self, num_seqs: int) -> tuple[PagedKernels, list[list[list[int]]]]:
+        """The kernels with ``unified_attention`` traced for the first layer of each group.
+
+        Layers call ``unified_attention`` in layer order, once each; the wrapper counts the
+        calls to know which layer is calling. The traced call runs the very same kernel
+        (the interpreter only reports its loads), so the step's result is unchanged.
+        """
+        from kvlab.kernels.trace import traced_unified_attention
+
+        reads: list[list[list[int]]] = [[[] for _ in range(num_seqs)] for _ in range(self.num_groups)]
+        traced = {layer: g for g, layer in enumerate(self.read_layers) if layer >= 0}
+        plain = self.kernels.unified_attention
+        calls = [0]
+
+        def unified_attention(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            layer = calls[0]
+            calls[0] += 1
+            if layer not in traced:
+                return plain(*args, **kwargs)
+            out, got = traced_unified_attention(*args, **kwargs)
+            reads[traced[layer]] = got
+            return out
+
+        return self.kernels._replace(unified_attention=unified_attention), reads
 
     # ------------------------------------------------------------------ steps of a step
 

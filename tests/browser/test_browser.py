@@ -1,16 +1,26 @@
-"""The player in a real browser: JupyterLab + headless Chromium, driven by Playwright.
+"""The pictures in a real browser: JupyterLab + headless Chromium, driven by Playwright.
 
 Unit tests check what the views *draw* as data; only a browser shows that the widgets
-actually render: that the plotly and ipywidgets front-end extensions load, that the six
+actually render: that the plotly and ipywidgets front-end extensions load, that the
 figures appear without a traceback, and that pressing the player's Step button round-trips
-through the kernel and redraws a plot.
+through the kernel and redraws a plot. Here:
 
-The test starts its own JupyterLab on a free port with a random token, on a temporary
-root directory holding a copy of ``player_demo.ipynb``, with user settings and
-workspaces in temporary directories too (news fetching and update checks off, notebook
-windowing off so every output is rendered), so it changes nothing on the machine. It uses
-Debian's Chromium (``apt-get install chromium``); it never downloads a browser. The
-screenshot goes to ``test-artifacts/browser_player.png``.
+* every lesson, Run All: every output renders, no error, no raw widget repr;
+* the player: six figures, Step redraws them, the stop button (■ jumped to step 0) is gone;
+* a saved lesson reopened (its widgets' models gone) and a never-run lesson: still
+  pictures instead of "Error displaying widget" or ``VBox(children=…``;
+* a learner filling in an exercise;
+* ``kvlab.export_html`` offline: every request except ``file://`` is blocked, the page is
+  stepped through, the pictures change;
+* the views under Chromium's colour-vision-deficiency emulation (CDP
+  ``Emulation.setEmulatedVisionDeficiency``), screenshots kept for a person to look at.
+
+One JupyterLab serves the whole module (on a free port, a random token, a temporary root
+holding copies of the lessons, exercises and ``player_demo.ipynb``, with user settings and
+workspaces in temporary directories: news fetching and update checks off, notebook
+windowing off so every output is rendered), so it changes nothing on the machine; each test
+shuts its notebook's kernel down. It uses Debian's Chromium (``apt-get install chromium``);
+it never downloads a browser. Screenshots go to ``test-artifacts/``.
 """
 from __future__ import annotations
 
@@ -145,104 +155,149 @@ def _wait_until(page, js: str, timeout_s: float, what: str, also=lambda: True) -
     raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
 
-def _plot_titles(page) -> list[str]:
-    """Every plotly figure's title, in page order ("" for a figure without one)."""
+def _run_all(page) -> None:
+    page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
+    page.locator("li[data-command='runmenu:run-all']").click()
+
+
+
+class Lab:
+    """One JupyterLab server and one Chromium for the whole module."""
+
+    def __init__(self, tmp: Path) -> None:
+        if not CHROMIUM.exists():
+            pytest.skip("Debian's Chromium is not installed (/usr/bin/chromium); `apt-get install -y chromium` to run this test")
+        self.pw_mod = pytest.importorskip("playwright.sync_api")
+        self.root = tmp / "root"
+        for folder in ("notebooks", "exercises"):
+            shutil.copytree(REPO / folder, self.root / folder)
+        shutil.copy(NOTEBOOK, self.root / NOTEBOOK.name)
+        settings, workspaces, runtime = tmp / "settings", tmp / "workspaces", tmp / "runtime"
+        _write_settings(settings)
+        _write_server_config(tmp / "config")
+        workspaces.mkdir()
+        self.token, port = secrets.token_hex(16), _free_port()
+        env = dict(os.environ, JUPYTER_RUNTIME_DIR=str(runtime), JUPYTER_CONFIG_DIR=str(tmp / "config"),
+                   IPYTHONDIR=str(tmp / "ipython"), JUPYTERLAB_SETTINGS_DIR=str(settings))
+        jupyter = Path(sys.executable).with_name("jupyter")
+        cmd = [
+            str(jupyter), "lab", "--allow-root", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
+            f"--ServerApp.token={self.token}", f"--ServerApp.root_dir={self.root}", "--ServerApp.port_retries=0",
+            f"--LabApp.user_settings_dir={settings}", f"--LabApp.workspaces_dir={workspaces}",
+        ]
+        self.log = tmp / "jupyter.log"
+        ARTIFACTS.mkdir(exist_ok=True)
+        with open(self.log, "w") as logf:
+            self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=self.root, start_new_session=True)
+        self.base = f"http://127.0.0.1:{port}"
+        self._pages = 0
+        try:
+            _wait_for_server(f"{self.base}/api/status?token={self.token}", self.proc, self.log)
+            self._pw = self.pw_mod.sync_playwright().start()
+            self.browser = self._pw.chromium.launch(executable_path=str(CHROMIUM), args=BROWSER_ARGS)
+        except BaseException:
+            _stop(self.proc)
+            raise
+
+    def close(self) -> None:
+        try:
+            self.browser.close()
+            self._pw.stop()
+        finally:
+            _stop(self.proc)
+
+    def _api(self, method: str, path: str) -> Any:
+        req = urllib.request.Request(f"{self.base}{path}?token={self.token}", method=method)
+        with urllib.request.urlopen(req, timeout=10) as r:
+            body = r.read()
+        return json.loads(body) if body else None
+
+    def shutdown_kernels(self) -> None:
+        """Stop every kernel: the next test starts from a quiet machine."""
+        for s in self._api("GET", "/api/sessions"):
+            self._api("DELETE", f"/api/sessions/{s['id']}")
+
+    @contextlib.contextmanager
+    def notebook(self, rel: str, *, run_kernel: bool = True) -> Iterator[Any]:
+        """A page on ``rel``, its kernel idle (``run_kernel``); on failure a screenshot
+        ``test-artifacts/browser_failure_<name>.png`` and the server log's tail."""
+        page = self.browser.new_page(viewport={"width": 1400, "height": 2300})
+        self._pages += 1
+        try:
+            page.set_default_timeout(60_000)
+            # A fresh workspace each time: JupyterLab would otherwise reopen the last test's
+            # notebook beside this one (and start its kernel again).
+            page.goto(f"{self.base}/lab/workspaces/t{self._pages}/tree/{rel}?reset&token={self.token}")
+            page.wait_for_selector(".jp-NotebookPanel .jp-Cell", state="attached")
+            if run_kernel:
+                # The kernel must be up before "Run all", or the run is queued behind its start.
+                page.wait_for_timeout(1000)
+                name = Path(rel).name
+                _wait_until(page, KERNEL_READY, 120, "the kernel to start", also=lambda: _kernel_idle(self.base, self.token, name))
+                page.wait_for_timeout(1000)  # the page's websocket to the kernel
+            yield page
+        except BaseException:
+            page.screenshot(path=str(ARTIFACTS / f"browser_failure_{Path(rel).stem}.png"))
+            print(self.log.read_text()[-4000:])
+            raise
+        finally:
+            page.close()
+            self.shutdown_kernels()
+
+
+BROWSER_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+                "--disable-sync", "--disable-component-update", "--disable-dev-shm-usage"]
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
+    server = Lab(tmp_path_factory.mktemp("lab"))
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+# Every plotly figure on screen (not in a collapsed widget, not a hidden still) has drawn its plot area.
+DRAWN = """() => {
+    const shown = [...document.querySelectorAll('.js-plotly-plot')].filter(p => p.offsetParent !== null);
+    return shown.length > 0 && shown.every(p => p.querySelector('.main-svg') !== null);
+}"""
+VISIBLE_TEXT = """(needle) => [...document.querySelectorAll('.jp-OutputArea-output')]
+    .filter(o => o.offsetParent !== null && o.innerText.includes(needle)).length"""
+
+
+def _visible_plot_titles(page) -> list[str]:
+    """The titles of the plotly figures on screen (a still hidden behind its live player is
+    not), their lines joined by " | "."""
     return page.evaluate(
-        "() => [...document.querySelectorAll('.js-plotly-plot')].map(p => (p.querySelector('.gtitle') || {}).textContent || '')"
+        "() => [...document.querySelectorAll('.js-plotly-plot')].filter(p => p.offsetParent !== null).map(p => {"
+        " const t = p.querySelector('.gtitle'); if (!t) return '';"
+        " const lines = [...t.querySelectorAll('tspan.line')].map(x => x.textContent);"
+        " return lines.length ? lines.join(' | ') : t.textContent; })"
     )
 
 
 def _titles_ok(page, step: int) -> bool:
     """All six figures drawn, in order, each titled with ``step`` -- a figure whose widget
     failed to initialise has no title, and one that missed an update shows the old step."""
-    got = _plot_titles(page)
+    got = _visible_plot_titles(page)
     at_step = re.compile(rf"\bstep {step}(?!\d)")
     return len(got) == EXPECTED_PLOTS and all(g.startswith(w) and at_step.search(g) for g, w in zip(got, EXPECTED_TITLES))
-
-
-def _run_all(page) -> None:
-    page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
-    page.locator("li[data-command='runmenu:run-all']").click()
-
-
-@contextlib.contextmanager
-def lab_page(tmp_path: Path, files: dict[Path, str], first: str) -> Iterator[tuple[Any, Any, str, str, Path]]:
-    """JupyterLab on a temporary root holding ``files`` (source -> relative path), Chromium
-    open on ``first`` with its kernel idle. Yields (page, playwright module, base url,
-    token, log); on failure saves ``test-artifacts/browser_failure_<first>.png``."""
-    if not CHROMIUM.exists():
-        pytest.skip("Debian's Chromium is not installed (/usr/bin/chromium); `apt-get install -y chromium` to run this test")
-    playwright_sync = pytest.importorskip("playwright.sync_api")
-    root = tmp_path / "root"
-    for src, rel in files.items():
-        (root / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(src, root / rel)
-    settings, workspaces, runtime = tmp_path / "settings", tmp_path / "workspaces", tmp_path / "runtime"
-    _write_settings(settings)
-    _write_server_config(tmp_path / "config")
-    workspaces.mkdir()
-    token, port = secrets.token_hex(16), _free_port()
-    env = dict(
-        os.environ,
-        JUPYTER_RUNTIME_DIR=str(runtime),
-        JUPYTER_CONFIG_DIR=str(tmp_path / "config"),
-        IPYTHONDIR=str(tmp_path / "ipython"),
-        JUPYTERLAB_SETTINGS_DIR=str(settings),
-    )
-    jupyter = Path(sys.executable).with_name("jupyter")
-    cmd = [
-        str(jupyter), "lab", "--allow-root", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
-        f"--ServerApp.token={token}", f"--ServerApp.root_dir={root}", "--ServerApp.port_retries=0",
-        f"--LabApp.user_settings_dir={settings}", f"--LabApp.workspaces_dir={workspaces}",
-    ]
-    log = tmp_path / "jupyter.log"
-    ARTIFACTS.mkdir(exist_ok=True)
-    with open(log, "w") as logf:
-        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=root, start_new_session=True)
-    try:
-        base = f"http://127.0.0.1:{port}"
-        _wait_for_server(f"{base}/api/status?token={token}", proc, log)
-        with playwright_sync.sync_playwright() as pw:
-            browser = pw.chromium.launch(
-                executable_path=str(CHROMIUM),
-                args=["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-                      "--disable-sync", "--disable-component-update", "--disable-dev-shm-usage"],
-            )
-            try:
-                page = browser.new_page(viewport={"width": 1400, "height": 2300})
-                try:
-                    page.set_default_timeout(60_000)
-                    page.goto(f"{base}/lab/tree/{first}?token={token}")
-                    page.wait_for_selector(".jp-NotebookPanel .jp-Cell", state="attached")
-                    # The kernel must be up before "Run all", or the run is queued behind its start.
-                    page.wait_for_timeout(1000)
-                    name = Path(first).name
-                    _wait_until(page, KERNEL_READY, 120, "the kernel to start", also=lambda: _kernel_idle(base, token, name))
-                    page.wait_for_timeout(1000)  # the page's websocket to the kernel
-                    yield page, playwright_sync, base, token, log
-                except BaseException:
-                    # Keep the evidence: what the page looked like, and the server's log.
-                    page.screenshot(path=str(ARTIFACTS / f"browser_failure_{Path(first).stem}.png"))
-                    print(log.read_text()[-4000:])
-                    raise
-            finally:
-                browser.close()
-    finally:
-        _stop(proc)
 
 
 def _assert_no_errors(page) -> None:
     errors = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
     tracebacks = [t for t in errors.all_text_contents() if "Traceback" in t or "Error" in t]
-    outputs = page.locator(".jp-OutputArea-output").all_text_contents()
-    bad = [t for t in outputs if "Traceback" in t or "Error displaying widget" in t or "Failed to initialize" in t]
-    assert not tracebacks and not bad, f"error output in the notebook: {(tracebacks + bad)[0][:2000]}"
+    bad = [n for n in ("Traceback", "Error displaying widget", "Failed to initialize", "VBox(children")
+           if page.evaluate(VISIBLE_TEXT, n)]
+    assert not tracebacks and not bad, f"error output in the notebook: {(tracebacks or bad)[0][:2000]}"
 
 
 @pytest.mark.timeout(420)
-def test_player_renders_and_steps(tmp_path: Path) -> None:
+def test_player_renders_steps_and_has_no_stop_button(lab: Lab) -> None:
     shot = ARTIFACTS / "browser_player.png"
-    with lab_page(tmp_path, {NOTEBOOK: NOTEBOOK.name}, NOTEBOOK.name) as (page, playwright_sync, _, _, _):
+    with lab.notebook(NOTEBOOK.name) as page:
         page_errors: list[str] = []
         page.on("pageerror", lambda e: page_errors.append(str(e)))
         _run_all(page)
@@ -250,9 +305,8 @@ def test_player_renders_and_steps(tmp_path: Path) -> None:
         # Generous: plotly's first import alone takes ~7 s of CPU, and CI machines are shared.
         _wait_until(page, ALL_CELLS_RAN, 240, "every cell to run")
         try:
-            page.wait_for_function(f"() => document.querySelectorAll('.js-plotly-plot').length >= {EXPECTED_PLOTS}", timeout=60_000)
             _wait_until(page, "() => true", 60, "the six figures to draw their titles", also=lambda: _titles_ok(page, 0))
-        except (TimeoutError, playwright_sync.TimeoutError):
+        except (TimeoutError, lab.pw_mod.TimeoutError):
             # anywidget gives a widget 2 s to load its JavaScript; on an overloaded
             # machine the first figure can miss that (the notebook warms plotly up to
             # avoid it). Then, and only then, run the notebook once more.
@@ -262,40 +316,87 @@ def test_player_renders_and_steps(tmp_path: Path) -> None:
             _wait_until(page, ALL_CELLS_RAN, 240, "every cell to run (second run)")
             _wait_until(page, "() => true", 60, "the six figures (second run)", also=lambda: _titles_ok(page, 0))
         _assert_no_errors(page)
-        assert page.locator(".js-plotly-plot").count() == EXPECTED_PLOTS, _plot_titles(page)
+        assert len(_visible_plot_titles(page)) == EXPECTED_PLOTS, _visible_plot_titles(page)
         assert "player ready" in page.locator(".jp-OutputArea-output").all_text_contents()[-1]
-
+        # The ▶/❚❚ toggle is there; ■ (which jumped back to step 0) and ↻ are not.
+        buttons = page.locator(".kvlab-player .widget-play button")
+        shown = [buttons.nth(i).is_visible() for i in range(buttons.count())]
+        assert shown == [True, False, False], shown
         # Step: the click goes to the kernel, which redraws every figure in place.
         for step in (1, 2):
             page.locator(".kvlab-player button", has_text="Step ▶").click()
             _wait_until(page, "() => true", 30, f"the figures to show step {step}", also=lambda s=step: _titles_ok(page, s))
-        pool_title = _plot_titles(page)[0]
+        pool_title = _visible_plot_titles(page)[0]
         assert "3 shared" in pool_title, pool_title  # step 2: req1 shares blocks 1-3 with req0
+        box = page.locator(".kvlab-player").first.bounding_box()
+        area = page.locator(".jp-OutputArea-output").first.bounding_box()
+        assert box["width"] <= area["width"] + 1, (box, area)  # the player fits the output area
         page.wait_for_timeout(500)  # let plotly finish its transition before the picture
         page.locator(".kvlab-player").first.screenshot(path=str(shot))
     assert shot.exists()
 
 
-# Every plotly figure on screen (not in a collapsed widget) has drawn its plot area.
-DRAWN = """() => {
-    const shown = [...document.querySelectorAll('.js-plotly-plot')].filter(p => p.offsetParent !== null);
-    return shown.length > 0 && shown.every(p => p.querySelector('.main-svg') !== null);
-}"""
+LESSONS = sorted(p.name for p in (REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("lesson", ["00_start_here.ipynb", "04_refcounts_and_eviction.ipynb", "10_kv_events_on_the_wire.ipynb"])
-def test_lesson_renders_every_widget(tmp_path: Path, lesson: str) -> None:
+@pytest.mark.parametrize("lesson", LESSONS)
+def test_lesson_runs_clean(lab: Lab, lesson: str) -> None:
     """A learner's first contact: run all cells of a lesson; every output renders, no error."""
-    src = REPO / "notebooks" / lesson
-    with lab_page(tmp_path, {src: f"notebooks/{lesson}"}, f"notebooks/{lesson}") as (page, _, _, _, _):
+    with lab.notebook(f"notebooks/{lesson}") as page:
+        t = time.monotonic()
         _run_all(page)
-        _wait_until(page, ALL_CELLS_RAN, 420, "every cell of the lesson to run")
+        _wait_until(page, ALL_CELLS_RAN, 480, "every cell of the lesson to run")
         _wait_until(page, DRAWN, 90, "every plotly figure to draw")
         _assert_no_errors(page)
         assert page.locator(".js-plotly-plot").count() >= 1, "a lesson without a single picture"
-        assert page.locator(".jp-OutputArea-output .widget-button, .jp-OutputArea-output .js-plotly-plot").count() >= 1
         page.screenshot(path=str(ARTIFACTS / f"browser_{Path(lesson).stem}.png"), full_page=True)
+        print(f"{lesson}: ran and drew in {time.monotonic() - t:.0f} s")
+
+
+@pytest.mark.timeout(600)
+def test_saved_and_never_run_lessons_show_still_pictures(lab: Lab) -> None:
+    """A never-run lesson (untrusted: no widgets) and a saved one reopened (its widgets'
+    models are gone) both show each Player's still picture: no error, no repr."""
+    lesson = "notebooks/05_preemption.ipynb"  # a Player and two quizzes
+    with lab.notebook(lesson, run_kernel=False) as page:  # the committed file, as a reader opens it
+        _wait_until(page, "() => true", 90, "the stills to draw", also=lambda: _stills(page) == [(True, False)] * 3)
+        _assert_no_errors(page)
+        _still_shot(page, "browser_still_never_run_05.png")
+    with lab.notebook(lesson) as page:
+        _run_all(page)
+        _wait_until(page, ALL_CELLS_RAN, 480, "every cell to run")
+        _wait_until(page, DRAWN, 90, "every figure to draw")
+        # live: the stills hide behind their widgets
+        _wait_until(page, "() => true", 60, "the live widgets", also=lambda: _stills(page) == [(False, True)] * 3)
+        page.keyboard.press("Control+s")
+        page.wait_for_timeout(2000)
+    with lab.notebook(lesson) as page:  # reopened with a fresh kernel: the widget models are gone
+        page.wait_for_timeout(3000)  # the widget manager gives up on the old models
+        _wait_until(page, "() => true", 90, "the stills to show", also=lambda: _stills(page) == [(True, False)] * 3)
+        _assert_no_errors(page)
+        _still_shot(page, "browser_still_reopened_05.png")
+
+
+# Each widget displayed with a still: (is the still on screen and drawn, is the widget on screen).
+STILLS = """() => [...document.querySelectorAll('.jp-OutputArea-child')].filter(c => c.querySelector('.kvlab-still-next')).map(c => {
+    const still = c.nextElementSibling, live = still && still.nextElementSibling;
+    const drawn = still !== null && still.offsetParent !== null
+        && (still.querySelector('.js-plotly-plot .main-svg, .jp-RenderedPlotly img') !== null || still.innerText.trim().length > 0);
+    return [drawn, live !== null && live.offsetParent !== null && live.innerText.trim().length > 0];
+})"""
+
+
+def _stills(page) -> list[tuple[bool, bool]]:
+    return [tuple(x) for x in page.evaluate(STILLS)]
+
+
+def _still_shot(page, name: str) -> None:
+    """A screenshot of the first still (the Player's) and the cell around it."""
+    cell = page.locator(".jp-CodeCell:has(.kvlab-still-next)").first
+    cell.scroll_into_view_if_needed()
+    page.wait_for_timeout(1000)
+    cell.screenshot(path=str(ARTIFACTS / name))
 
 
 LEARNER_ANSWER = """def find_longest_cache_hit(block_hashes, num_tokens, block_size, cached):
@@ -309,11 +410,10 @@ LEARNER_ANSWER = """def find_longest_cache_hit(block_hashes, num_tokens, block_s
 
 
 @pytest.mark.timeout(420)
-def test_learner_fills_an_exercise_and_the_check_passes(tmp_path: Path) -> None:
+def test_learner_fills_an_exercise_and_the_check_passes(lab: Lab) -> None:
     """Open an exercise as a new user would: run it (stubs say "not implemented yet"), type
     an answer into the solution cell, run it and the check below it: the check passes."""
-    nb = "exercises/ex_prefix_cache.ipynb"
-    with lab_page(tmp_path, {REPO / nb: nb}, nb) as (page, _, _, _, _):
+    with lab.notebook("exercises/ex_prefix_cache.ipynb") as page:
         _run_all(page)
         _wait_until(page, ALL_CELLS_RAN, 240, "the exercise notebook to run with its stubs")
         _assert_no_errors(page)
@@ -331,3 +431,129 @@ def test_learner_fills_an_exercise_and_the_check_passes(tmp_path: Path) -> None:
         _wait_until(page, "() => true", 60, "the check to pass",
                     also=lambda: "✔ PASS longest_hit" in check_cell.locator(".jp-OutputArea").inner_text())
         page.screenshot(path=str(ARTIFACTS / "browser_exercise.png"))
+
+
+def _offline_page(lab: Lab, path: Path, viewport: dict[str, int] | None = None) -> tuple[Any, list[str], list[str]]:
+    """A page on a local file with every request except file:// blocked."""
+    page = lab.browser.new_page(viewport=viewport or {"width": 1000, "height": 1300})
+    blocked: list[str] = []
+    errors: list[str] = []
+    page.route("**/*", lambda r: r.continue_() if r.request.url.startswith("file://") else (blocked.append(r.request.url), r.abort()))
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(path.as_uri())
+    return page, blocked, errors
+
+
+def _export_title(page, view: int) -> str:
+    return page.evaluate(f"() => (document.querySelector('#kv-view-{view} .gtitle') || {{}}).textContent || ''")
+
+
+@pytest.mark.timeout(300)
+def test_exported_replay_works_offline(lab: Lab, tmp_path: Path) -> None:
+    import kvlab
+    from kvlab.scenarios import shared_prefix
+
+    t = time.monotonic()
+    path = kvlab.export_html(shared_prefix(), tmp_path / "replay.html")
+    exported = time.monotonic() - t
+    page, blocked, errors = _offline_page(lab, path)
+    try:
+        page.wait_for_function("() => document.body.dataset.step === '0' && document.querySelectorAll('.js-plotly-plot .main-svg').length >= 6")
+        assert _export_title(page, 0).startswith("Block pool · step 0")
+        page.click("#kv-next")
+        page.click("#kv-next")
+        page.wait_for_function("() => document.body.dataset.step === '2'")
+        assert "3 shared" in _export_title(page, 0) and _export_title(page, 4).startswith("Timeline · step 2")
+        assert "req1 prefix hit" in page.inner_text("#kv-status") and "hit/touch" in page.inner_text("#kv-events")
+        page.click("#kv-back")
+        page.wait_for_function("() => document.body.dataset.step === '1'")
+        page.select_option("#kv-jump", "7")
+        page.wait_for_function("() => document.body.dataset.step === '7'")
+        page.fill("#kv-slider", "4")
+        page.dispatch_event("#kv-slider", "input")
+        page.wait_for_function("() => document.body.dataset.step === '4'")
+        page.click("#kv-play")
+        page.wait_for_function("() => document.body.dataset.step === '6'", timeout=10_000)
+        page.click("#kv-play")  # pause: it stays where it is
+        here = page.evaluate("() => document.body.dataset.step")
+        page.wait_for_timeout(1500)
+        assert page.evaluate("() => document.body.dataset.step") == here
+        page.screenshot(path=str(ARTIFACTS / "export_offline.png"), full_page=True)
+        assert not errors, errors
+        assert blocked == [], blocked  # nothing asked for the network
+        print(f"export: {path.stat().st_size / 1e6:.2f} MB written in {exported:.1f} s")
+    finally:
+        page.close()
+
+
+VISIONS = ("none", "protanopia", "deuteranopia", "tritanopia", "achromatopsia")
+
+
+@pytest.mark.timeout(300)
+def test_colour_blind_screenshots(lab: Lab, tmp_path: Path) -> None:
+    """Every view, under Chromium's emulation of each colour-vision deficiency: screenshots
+    for a person to look at (test-artifacts/cvd_*.png). The emulation must be in effect:
+    each deficiency changes the pixels."""
+    import kvlab
+    from kvlab.scenarios import shared_prefix
+
+    # The pool with free, in use, shared and null blocks and the lookup walk; a busy run with
+    # cached blocks and preemptions (the Gantt's four states); the kernel view with traced loads.
+    pages = {"story": kvlab.export_html(shared_prefix(), tmp_path / "story.html", start=2)}
+    pages["preemption"] = kvlab.export_html(_preemption_run(), tmp_path / "pre.html", start=_PRE_STEP[0])
+    pages["kernel"] = kvlab.export_html(_traced_run(), tmp_path / "kernel.html", views=("pool", "table", "kernel", "hash"), start=4)
+    for name, path in pages.items():
+        page, _, errors = _offline_page(lab, path)
+        try:
+            page.wait_for_function("() => document.querySelectorAll('.js-plotly-plot .main-svg').length >= 4")
+            page.wait_for_timeout(500)
+            cdp = page.context.new_cdp_session(page)
+            shots = {}
+            for vision in VISIONS:
+                cdp.send("Emulation.setEmulatedVisionDeficiency", {"type": vision})
+                page.wait_for_timeout(300)
+                out = ARTIFACTS / f"cvd_{name}_{vision}.png"
+                shots[vision] = page.screenshot(path=str(out), full_page=True)
+            assert not errors, errors
+            assert len({bytes(b) for b in shots.values()}) == len(VISIONS), f"{name}: an emulation did not change the pixels"
+        finally:
+            page.close()
+
+
+_PRE_STEP: list[int] = [0]
+
+
+def _preemption_run() -> Any:
+    """A small busy run: shared prefixes, eviction, preemptions (the Gantt's four states)."""
+    from kvlab import Request
+    from kvlab.engine.llm_engine import build_engine
+
+    e = build_engine(num_blocks=24, block_size=4, max_num_batched_tokens=64)
+    system = list(range(500, 512))
+    for i in range(8):
+        e.add_request(Request(f"r{i}", system + list(range(100 * i, 100 * i + 6)), max_tokens=10, arrival_time=0.01 * i))
+    e.run()
+    _PRE_STEP[0] = next(ev.step for ev in e.events if ev.kind == "request_preempted")
+    return e
+
+
+def _traced_run() -> Any:
+    """Lesson 02's engine on the tiny model: the kernel view with traced loads."""
+    import torch
+
+    from kvlab import EventLog, KVCacheManager, Request
+    from kvlab.core.sched.scheduler import Scheduler
+    from kvlab.engine.llm_engine import LLMEngine
+    from kvlab.worker.model import TinyLlama
+    from kvlab.worker.model_runner import ModelRunner
+    from kvlab.worker.tokenizer import ByteTokenizer
+
+    torch.set_num_threads(1)
+    tok, model, log = ByteTokenizer(), TinyLlama(seed=0), EventLog()
+    mgr = KVCacheManager(num_blocks=11, block_size=4, event_log=log)
+    engine = LLMEngine(mgr, Scheduler(mgr), ModelRunner(model, num_blocks=11, block_size=4, event_log=log), tokenizer=tok)
+    engine.add_request(Request("r0", tok.encode("Paged KV!!"), max_tokens=6))
+    engine.step()
+    engine.add_request(Request("r1", tok.encode("blocks"), max_tokens=4))
+    engine.run()
+    return log
