@@ -41,19 +41,21 @@ STILL_STYLE = (
 )
 
 
-def display_with_still(widget: Any, still: dict[str, Any]) -> None:
+def display_with_still(widget: Any, still: dict[str, Any]) -> Any:
     """Display ``widget`` as three outputs -- the style rule, ``still`` (a mime bundle that
     needs no kernel: plotly JSON, HTML, text) and the widget -- so that a lesson saved or
-    never run shows the still where the widget would be. ``widget`` gets the LIVE class."""
+    never run shows the still where the widget would be. ``widget`` gets the LIVE class.
+    Returns the still's display handle (``handle.update(bundle, raw=True)`` redraws it)."""
     from IPython.display import display
 
     widget.add_class(LIVE)
     display({"text/html": STILL_STYLE, "text/plain": ""}, raw=True)
-    display(still, raw=True)
+    handle = display(still, raw=True, display_id=True)
     bundle = widget._repr_mimebundle_()
     if isinstance(bundle, dict):
         bundle["text/plain"] = ""  # never the VBox(children=...) repr: the still stands in
     display(bundle, raw=True)
+    return handle
 
 _AXIS_KEY = re.compile(r"^([xy])axis(\d*)$")
 _TAG = re.compile(r"<[^>]+>")
@@ -77,12 +79,15 @@ def _legend_entries(fig: dict[str, Any]) -> list[tuple[str, str, str]]:
         show = tr.get("showlegend")
         if show is False or not tr.get("name"):
             continue
-        if show is None:  # plotly's default: shown for a scatter, unless it holds no point at all
+        kind = tr.get("type", "scatter")
+        if show is None:  # plotly's default: shown for a scatter or a bar, unless it holds no point at all
             xs = tr.get("x")
-            if tr.get("type", "scatter") != "scatter" or xs is None or len(xs) == 0:
+            if kind not in ("scatter", "bar") or xs is None or len(xs) == 0:
                 continue
         marker, line = tr.get("marker") or {}, tr.get("line") or {}
-        if tr.get("mode") == "lines":
+        if kind == "bar":
+            glyph, color = "■", marker.get("color") if isinstance(marker.get("color"), str) else "#666666"
+        elif tr.get("mode") == "lines":
             glyph, color = "━", line.get("color", "#333333")
         else:
             glyph = _GLYPHS.get(str(marker.get("symbol", "circle")), "■")

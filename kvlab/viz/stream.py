@@ -119,6 +119,7 @@ class StreamPlayer:
         self.index = len(stream) - 1
         self.interval_ms = interval_ms
         self._ui: Any = None
+        self._still_handle: Any = None
         self.go_to(self.index)
 
     def go_to(self, index: int) -> None:
@@ -135,8 +136,11 @@ class StreamPlayer:
         self.go_to(self.index)
 
     def refresh(self) -> None:
-        """After the stream grew: jump to the newest batch when following, else redraw."""
+        """After the stream grew: jump to the newest batch when following, else redraw --
+        and redraw the still a saved lesson will show (a live stream's first picture is empty)."""
         self.go_to(len(self.stream) - 1 if self.follow else self.index)
+        if self._still_handle is not None:
+            self._still_handle.update(self._still_bundle(), raw=True)
 
     @property
     def widget(self) -> Any:
@@ -163,18 +167,21 @@ class StreamPlayer:
                   "a still picture of the player: run the cell to step through the stream</span>")
         return compose([self.prefixes.still(), self.series.still()], columns=1, header=header, header_px=34)
 
-    def _ipython_display_(self) -> None:
-        """The widget, with a still picture beside it for a lesson saved or opened without a
-        kernel (see :func:`kvlab.viz.still.display_with_still`)."""
+    def _still_bundle(self) -> dict[str, Any]:
         import json
 
         import plotly.io as pio
 
+        fig = json.loads(pio.to_json(self.still(), validate=False))
+        return {"application/vnd.plotly.v1+json": {**fig, "config": {"displayModeBar": False}},
+                "text/plain": f"(a still picture of the stream after batch {self.index})"}
+
+    def _ipython_display_(self) -> None:
+        """The widget, with a still picture beside it for a lesson saved or opened without a
+        kernel (see :func:`kvlab.viz.still.display_with_still`); ``refresh`` keeps it current."""
         from kvlab.viz.still import display_with_still
 
-        fig = json.loads(pio.to_json(self.still(), validate=False))
-        display_with_still(self.widget, {"application/vnd.plotly.v1+json": {**fig, "config": {"displayModeBar": False}},
-                                         "text/plain": f"(a still picture of the stream after batch {self.index})"})
+        self._still_handle = display_with_still(self.widget, self._still_bundle())
 
 
 __all__ = ["StreamPlayer", "StreamSeriesView", "series_data"]
