@@ -675,7 +675,7 @@ def test_player_display_leaves_a_still_picture(story, monkeypatch) -> None:
     import IPython.display
 
     shown = []
-    monkeypatch.setattr(IPython.display, "display", lambda obj, raw=False: shown.append(obj))
+    monkeypatch.setattr(IPython.display, "display", lambda obj, raw=False, **kw: shown.append(obj))
     p = show(story, start="req1 prefix hit")
     p._ipython_display_()
     style, still, widget = shown
