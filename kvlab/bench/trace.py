@@ -10,6 +10,9 @@ Two ratios, each measured in one run (this machine's speed drifts):
 Under the interpreter a kernel program costs ~1.5 ms whatever it does; tracing adds a
 range test per load and a few numpy operations per watched load. The goal: the runner's
 tracing costs the lessons well under 25 % per step.
+
+Times are this process's CPU time (``time.process_time``), one thread: on a machine shared
+with other work, wall-clock ratios swing by ±30 % from one run to the next, CPU time far less.
 """
 from __future__ import annotations
 
@@ -28,9 +31,9 @@ def _median_ms(fn: Callable[[], object], reps: int) -> float:
     fn()  # warm-up: the interpreter rewrites the kernel's source once
     times = []
     for _ in range(reps):
-        t = time.perf_counter()
+        t = time.process_time()
         fn()
-        times.append(time.perf_counter() - t)
+        times.append(time.process_time() - t)
     return 1000 * statistics.median(times)
 
 
@@ -77,12 +80,12 @@ def engine_steps(reps: int) -> None:
         eng = LLMEngine(mgr, Scheduler(mgr), runner, tokenizer=tok)
         for i, p in enumerate(("The KV cache grows", "One token at a time, please")):
             eng.add_request(Request(f"g{i}", tok.encode(p), max_tokens=16))
-        t = time.perf_counter()
+        t = time.process_time()
         steps = 0
         while eng.has_unfinished_requests():
             eng.step()
             steps += 1
-        return 1000 * (time.perf_counter() - t) / steps
+        return 1000 * (time.process_time() - t) / steps
 
     run(False)  # warm-up
     off = statistics.median(run(False) for _ in range(reps))
@@ -94,7 +97,8 @@ def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m kvlab.bench trace", description=__doc__.split("\n")[0])
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions (median reported)")
     opts = parser.parse_args(argv)
-    print("trace benchmark: the cost of observing the attention kernel's loads")
+    torch.set_num_threads(1)
+    print("trace benchmark: the cost of observing the attention kernel's loads (CPU ms, median)")
     if not K.INTERPRET:
         print("compiled Triton (CUDA): loads cannot be traced; kvlab.kernels.trace.probe_reads_nan observes them")
         return
