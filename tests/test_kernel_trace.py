@@ -257,3 +257,13 @@ def test_trace_reads_argument_is_checked() -> None:
         ModelRunner(TinyLlama(seed=0), num_blocks=4, block_size=4, trace_reads="yes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="needs the Triton backend under the interpreter"):
         ModelRunner(TinyLlama(seed=0), num_blocks=4, block_size=4, backend="reference", trace_reads=True)
+
+
+@needs_interpreter
+def test_bench_trace_runs_and_reports_ratios(capsys) -> None:
+    from kvlab.bench import trace
+
+    trace.main(["--reps", "1"])
+    out = capsys.readouterr().out
+    assert "decode, 4 seqs x 100 tokens" in out and "lesson 00 engine step" in out
+    assert out.count("x") >= 3 and "ms" in out
