@@ -167,6 +167,9 @@ class Request:
         # max_model_len) or "abort"; None while it runs. (vLLM's ``stop_reason`` is something
         # else: the stop string or token that matched.)
         self.finish_reason: str | None = None
+        # What a KV connector handed back when the request finished (vLLM's
+        # ``kv_transfer_params``: e.g. where a prefill engine saved the prompt's KV).
+        self.kv_transfer_params: dict[str, Any] | None = None
         self._all_token_ids: list[int] = list(prompt)
         self._token_bytes = bytearray(_pack_tokens(prompt))  # the same tokens, packed once
         self._output_token_ids: list[int] = []

@@ -364,6 +364,27 @@ class BlockPool:
         block.cache_key = None  # block.reset_hash(), without the call (hot path)
         return True
 
+    def evict_blocks(self, block_ids: set[int] | Sequence[int]) -> list[int]:
+        """Drop these blocks' prefix-cache entries, held or free (vLLM's ``evict_blocks``):
+        a KV connector reported that their contents did not load, so no request may hit
+        them (lesson 13). Returns the ids that were cached, in the order given."""
+        n = len(self.blocks)
+        ids = list(block_ids)
+        for bid in ids:
+            if not isinstance(bid, int) or not 0 <= bid < n:
+                raise ValueError(f"evict_blocks: block id {bid!r} is not a block of this pool (0..{n - 1})")
+        dropped = []
+        for bid in ids:
+            b = self.blocks[bid]
+            key = b.cache_key
+            if key is not None and self._maybe_evict_cached_block(b):
+                dropped.append(bid)
+                if self.enable_kv_cache_events:
+                    self._queue_block_removed(key)
+                if self.events is not None:
+                    self.events.emit(BlockEvicted(block_id=bid, block_hash=get_block_hash(key), group=get_group_id(key)))
+        return dropped
+
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         """A prefix hit adopts ``blocks`` (one group's, vLLM's flat list): ref += 1, and a
         ref-0 block leaves the free queue *first*, so it cannot be evicted while the request

@@ -361,6 +361,10 @@ class KVCacheManager:
         if self.enable_caching:
             self.coordinator.cache_blocks(request, num_computed_tokens)
 
+    def evict_blocks(self, block_ids: set[int] | Sequence[int]) -> list[int]:
+        """Drop these blocks from the prefix cache (their KV failed to load; vLLM's name)."""
+        return self.block_pool.evict_blocks(block_ids)
+
     def free(self, request: Request) -> None:
         """Release all blocks of a finished or preempted request (tail first)."""
         self.coordinator.free(request.request_id)

@@ -4,7 +4,8 @@ kvlab's own: vLLM measures real time; kvlab's simulated clock advances by this m
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
@@ -20,13 +21,24 @@ class CostModel:
     prefill_s_per_token: float = 0.00012
     decode_s_per_token: float = 0.0003
     kv_read_s_per_token: float = 1e-7
+    # Loading a token's KV from an offload tier (lessons 12-13): 128 KiB per token (an
+    # 8B GQA model, fp16) over ~25 GB/s of PCIe from host memory, ~3 GB/s from an NVMe disk,
+    # ~10 GB/s over a network link from another engine ("FILE", disaggregated prefill).
+    # Stores are copied while the next step computes: free here, as in vLLM.
+    load_s_per_token: dict[str, float] = field(default_factory=lambda: {"CPU": 5.2e-6, "STORAGE": 4.4e-5, "FILE": 1.3e-5})
+    # The vision encoder, per embedding (lesson 14).
+    encoder_s_per_token: float = 0.0002
 
-    def step_time(self, num_prefill_tokens: int, num_decode_tokens: int, num_context_tokens: int) -> float:
+    def step_time(self, num_prefill_tokens: int, num_decode_tokens: int, num_context_tokens: int,
+                  num_loaded_tokens: Mapping[str, int] | None = None, num_encoder_tokens: int = 0) -> float:
         if num_prefill_tokens + num_decode_tokens == 0:
             return 0.0
+        load = sum(self.load_s_per_token.get(m, 0.0) * n for m, n in (num_loaded_tokens or {}).items())
         return (
             self.step_overhead_s
             + self.prefill_s_per_token * num_prefill_tokens
             + self.decode_s_per_token * num_decode_tokens
             + self.kv_read_s_per_token * num_context_tokens
+            + load
+            + self.encoder_s_per_token * num_encoder_tokens
         )

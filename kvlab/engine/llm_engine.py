@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.sched.output import SchedulerOutput
@@ -116,6 +117,8 @@ class LLMEngine:
         # Also a step that only preempted: the executor must drop the victims' state.
         busy = out.total_num_scheduled_tokens or out.finished_req_ids or out.preempted_req_ids
         sampled = self.executor.execute_model(out) if busy else {}
+        take = getattr(self.executor, "take_kv_connector_output", None)
+        kv_out = take() if busy and take is not None else None
         prefill = decode = context = 0
         decode_ids = set(out.scheduled_running_req_ids)
         for rid, n in out.num_scheduled_tokens.items():
@@ -130,9 +133,12 @@ class LLMEngine:
                 if m is not None:
                     m.prefill_tokens_computed += n
             context += r.num_computed_tokens + n
-        self.clock += self.cost_model.step_time(prefill, decode, context)
+        encoder = sum(sched.requests[rid].mm_features[i].length for rid, ids in out.scheduled_encoder_inputs.items() for i in ids)
+        loaded = kv_out.num_loaded_tokens if kv_out is not None else None
+        self.clock += self.cost_model.step_time(prefill, decode, context, loaded, encoder)
         before = {rid: sched.requests[rid].num_output_tokens for rid in out.num_scheduled_tokens}
-        finished = sched.update_from_output(out, sampled, iteration=IterationStats(self.clock, prefill, decode))
+        finished = sched.update_from_output(out, sampled, iteration=IterationStats(self.clock, prefill, decode),
+                                            kv_connector_output=kv_out)
         for rid, n0 in before.items():
             m = self.metrics.get(rid)
             r = sched.requests.get(rid) or next((f for f in finished if f.request_id == rid), None)
@@ -236,16 +242,40 @@ def build_engine(
     cost_model: CostModel | None = None,
     tokenizer: object | None = None,
     manager_kwargs: dict | None = None,
+    kv_transfer_config: Any = None,
     **scheduler_kwargs,
 ) -> LLMEngine:
     """One call for the lessons: manager + scheduler + executor (simulated by default).
 
     The manager's ``max_in_flight_tokens`` (what vLLM's admission gate counts at most for a
     window or chunk group) defaults to the scheduler's ``max_num_batched_tokens``, as vLLM
-    derives it for one batch in flight."""
+    derives it for one batch in flight.
+
+    ``kv_transfer_config``: a :class:`~kvlab.config.kv_transfer.KVTransferConfig` -- both
+    halves of the KV connector it names are built (vLLM's ``--kv-transfer-config``): the
+    scheduler half goes to the scheduler, the worker half to the executor (lessons 12-13)."""
     log = EventLog() if event_log is True else (event_log or None)
     mkw = dict(manager_kwargs or {})
     mkw.setdefault("max_in_flight_tokens", scheduler_kwargs.get("max_num_batched_tokens", 2048))
     mgr = KVCacheManager(num_blocks=num_blocks, block_size=block_size, event_log=log, **mkw)
+    worker_connector = None
+    if kv_transfer_config is not None:
+        from kvlab.config.kv_transfer import KVTransferConfig
+        from kvlab.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        from kvlab.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+        if not isinstance(kv_transfer_config, KVTransferConfig):
+            raise TypeError(f"kv_transfer_config must be a KVTransferConfig, got {type(kv_transfer_config).__name__}")
+        sched_connector = KVConnectorFactory.create_connector(kv_transfer_config, KVConnectorRole.SCHEDULER, block_size)
+        worker_connector = KVConnectorFactory.create_connector(kv_transfer_config, KVConnectorRole.WORKER, block_size)
+        scheduler_kwargs = dict(scheduler_kwargs, connector=sched_connector,
+                                kv_load_failure_policy=kv_transfer_config.kv_load_failure_policy)
     sched = Scheduler(mgr, **scheduler_kwargs)
-    return LLMEngine(mgr, sched, executor or SimulatedExecutor(), cost_model, tokenizer)
+    if executor is None:
+        executor = SimulatedExecutor()
+    if worker_connector is not None:
+        register = getattr(executor, "register_kv_connector", None)
+        if register is None:
+            raise TypeError(f"{type(executor).__name__} cannot run a KV connector (no register_kv_connector)")
+        register(worker_connector, getattr(executor, "kv_caches", []))
+    return LLMEngine(mgr, sched, executor, cost_model, tokenizer)

@@ -390,7 +390,8 @@ class RequestScheduled(Event):
     num_tokens: int = 0
     num_computed_tokens: int = 0  # before this step
     phase: str = "running"  # "new" | "resumed" | "running"
-    num_cached_tokens: int = 0  # prefix hit, for new/resumed
+    num_cached_tokens: int = 0  # prefix hit, for new/resumed (local + external)
+    num_external_tokens: int = 0  # of which a KV connector supplies (lessons 12-13)
 
     def apply(self, state: ReplayState) -> None:
         if self.phase != "running":
@@ -398,7 +399,8 @@ class RequestScheduled(Event):
         state.schedule(self.request_id, self.num_tokens, self.phase)
 
     def describe(self) -> str:
-        return f"schedule {self.request_id}: {self.num_tokens} tokens ({self.phase})"
+        ext = f", {self.num_external_tokens} tokens from a connector" if self.num_external_tokens else ""
+        return f"schedule {self.request_id}: {self.num_tokens} tokens ({self.phase}{ext})"
 
 
 @_register
@@ -522,6 +524,175 @@ class AttentionBatch(Event):
             n = sum(len(r) for g in self.kernel_reads for r in g)
             traced = f"; traced loads: {n} slots"
         return f"attention kernel: {len(self.req_ids)} requests, {sum(self.query_lens)} query tokens{traced}"
+
+
+# --- KV offload tiers and connectors (lessons 12, 13) ---------------------------------------
+@_register
+@dataclass(slots=True)
+class OffloadTiersCreated(Event):
+    """An offloading connector put tiers behind the GPU pool: ``tiers`` = [{"medium": "CPU",
+    "num_blocks": n}, {"medium": "STORAGE", ...}] (vLLM's medium names; STORAGE is the disk
+    tier), each an LRU of block hashes."""
+
+    kind: ClassVar[str] = "offload_tiers_created"
+    tiers: list[dict[str, Any]] = field(default_factory=list)
+
+    def apply(self, state: ReplayState) -> None:
+        state.init_tiers(self.tiers)
+
+    def describe(self) -> str:
+        return "offload tiers: " + ", ".join(f"{t['medium']} ({t['num_blocks']} blocks)" for t in self.tiers)
+
+
+@_register
+@dataclass(slots=True)
+class KVTransfer(Event):
+    """KV moved between the paged cache and somewhere else, block by block.
+
+    ``direction`` "store": GPU blocks ``block_ids`` copied out to ``media[i]`` (a tier's slot
+    ``chunk_ids[i]``, or a file in ``paths``); a "STORAGE" store copies a CPU slot to a file
+    (the cascade). "load": back into GPU blocks ``block_ids`` from ``media[i]`` -- a
+    "STORAGE" block goes through the CPU tier (it lands in CPU slot ``chunk_ids[i]`` first:
+    vLLM's staged promotion). A tier store puts the hashes at the LRU tail; a load touches
+    them.
+    ``medium`` "FILE" is a connector's own files (disaggregated prefill)."""
+
+    kind: ClassVar[str] = "kv_transfer"
+    tone: ClassVar[str] = "hit"
+    direction: str = "store"  # "store" | "load"
+    request_id: str | None = None
+    media: list[str] = field(default_factory=list)  # per block
+    block_ids: list[int] = field(default_factory=list)  # GPU blocks (empty for a CPU -> DISK copy)
+    block_hashes: list[bytes] = field(default_factory=list)
+    chunk_ids: list[int] = field(default_factory=list)  # tier slots (CPU slots for loads)
+    paths: list[str] = field(default_factory=list)
+    num_tokens: int = 0
+
+    def apply(self, state: ReplayState) -> None:
+        state.transfer(self)
+
+    def describe(self) -> str:
+        where = "/".join(dict.fromkeys(self.media)) or "?"
+        ids = _ids(self.block_ids) if self.block_ids else f"slots {_ids(self.chunk_ids)}"
+        if self.direction == "load":
+            return f"load {len(self.media)} block(s) {where} → GPU {ids} for {self.request_id} ({self.num_tokens} tokens)"
+        return f"store {ids} → {where} ({len(self.media)} block(s), {self.request_id})"
+
+
+@_register
+@dataclass(slots=True)
+class OffloadEvicted(Event):
+    """Blocks left a tier: its LRU needed the slot ("lru"), or the entry went bad (a file
+    missing or corrupt, a failed copy) -- ``reason`` says which."""
+
+    kind: ClassVar[str] = "offload_evicted"
+    tone: ClassVar[str] = "evict"
+    medium: str = "CPU"
+    block_hashes: list[bytes] = field(default_factory=list)
+    chunk_ids: list[int] = field(default_factory=list)
+    reason: str = "lru"
+
+    def apply(self, state: ReplayState) -> None:
+        state.tier_remove(self.medium, [h.hex() for h in self.block_hashes])
+
+    def describe(self) -> str:
+        return f"{self.medium}: drop {len(self.block_hashes)} block(s) ({self.reason})"
+
+
+@_register
+@dataclass(slots=True)
+class KVLoadFailed(Event):
+    """Loading a request's external KV failed at ``block_ids``: their cache entries are
+    dropped and the request goes back to the head of the waiting queue to compute what the
+    load should have supplied (``requeued``; vLLM's ``kv_load_failure_policy="recompute"``),
+    or it finishes with an error (policy "fail")."""
+
+    kind: ClassVar[str] = "kv_load_failed"
+    tone: ClassVar[str] = "alert"
+    request_id: str = ""
+    block_ids: list[int] = field(default_factory=list)
+    reason: str = ""
+    requeued: bool = True
+
+    def apply(self, state: ReplayState) -> None:
+        if self.requeued:  # (policy "fail": the RequestFinished that follows finishes it)
+            state.requeue(self.request_id)
+
+    def describe(self) -> str:
+        then = "recompute" if self.requeued else "fail the request"
+        return f"LOAD FAILED {self.request_id} at blocks {_ids(self.block_ids)} ({self.reason}) → {then}"
+
+
+# --- the encoder cache (lesson 14) --------------------------------------------------------------
+@_register
+@dataclass(slots=True)
+class EncoderCacheCreated(Event):
+    """The encoder cache exists: room for ``cache_size`` encoder embeddings."""
+
+    kind: ClassVar[str] = "encoder_cache_created"
+    cache_size: int = 0
+
+    def apply(self, state: ReplayState) -> None:
+        state.init_encoder_cache(self.cache_size)
+
+    def describe(self) -> str:
+        return f"encoder cache: {self.cache_size} embeddings"
+
+
+@_register
+@dataclass(slots=True)
+class EncoderInputScheduled(Event):
+    """Item ``input_id`` of a request is needed this step: ``computed`` -- the encoder runs
+    and its ``num_embeds`` outputs take cache room; otherwise they were cached already (the
+    same item hash) and the request just references them."""
+
+    kind: ClassVar[str] = "encoder_input_scheduled"
+    request_id: str = ""
+    input_id: int = 0
+    mm_hash: str = ""
+    num_embeds: int = 0
+    computed: bool = True
+
+    def apply(self, state: ReplayState) -> None:
+        state.encoder_reference(self.request_id, self.mm_hash, self.num_embeds, self.computed)
+
+    def describe(self) -> str:
+        how = "encode" if self.computed else "reuse cached"
+        return f"{how} {self.mm_hash} ({self.num_embeds} embeddings) for {self.request_id}"
+
+
+@_register
+@dataclass(slots=True)
+class EncoderInputFreed(Event):
+    """A request no longer needs an item (its computed tokens passed it, or it finished);
+    ``unreferenced``: no request needs it now -- evictable, still cached."""
+
+    kind: ClassVar[str] = "encoder_input_freed"
+    request_id: str = ""
+    mm_hash: str = ""
+    unreferenced: bool = False
+
+    def apply(self, state: ReplayState) -> None:
+        state.encoder_release(self.request_id, self.mm_hash)
+
+    def describe(self) -> str:
+        return f"{self.request_id} done with {self.mm_hash}" + (" (now unreferenced)" if self.unreferenced else "")
+
+
+@_register
+@dataclass(slots=True)
+class EncoderCacheEvicted(Event):
+    """Unreferenced encoder outputs evicted, oldest first, to make room."""
+
+    kind: ClassVar[str] = "encoder_cache_evicted"
+    tone: ClassVar[str] = "evict"
+    mm_hashes: list[str] = field(default_factory=list)
+
+    def apply(self, state: ReplayState) -> None:
+        state.encoder_evict(self.mm_hashes)
+
+    def describe(self) -> str:
+        return f"encoder cache: evict {self.mm_hashes}"
 
 
 class EventLog:

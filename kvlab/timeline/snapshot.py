@@ -95,6 +95,57 @@ class LookupView:
 
 
 @dataclass(slots=True)
+class TierView:
+    """One offload tier (lesson 12): its capacity in blocks and its entries in LRU order,
+    head (evicted next) first, as (block hash hex, slot)."""
+
+    medium: str
+    capacity: int
+    entries: list[tuple[str, int]]
+
+    @property
+    def hashes(self) -> list[str]:
+        return [h for h, _ in self.entries]
+
+
+@dataclass(slots=True)
+class TransferView:
+    """One KV transfer of the step (a ``KVTransfer`` event as plain data)."""
+
+    direction: str  # "store" | "load"
+    request_id: str | None
+    media: list[str]  # per block
+    block_ids: list[int]
+    block_hashes: list[str]  # hex
+    chunk_ids: list[int]
+    paths: list[str]
+    num_tokens: int
+
+
+@dataclass(slots=True)
+class EncoderEntryView:
+    mm_hash: str
+    num_embeds: int
+    requests: list[str]  # requests referencing it now (empty: freeable)
+
+
+@dataclass(slots=True)
+class EncoderCacheView:
+    """The encoder cache at one step (lesson 14): entries in insertion order, the
+    unreferenced ones oldest first (evicted first), and this step's decisions as
+    (request, item hash, computed?)."""
+
+    cache_size: int
+    entries: list[EncoderEntryView]
+    freeable: list[str]
+    scheduled: list[tuple[str, str, bool]]
+
+    @property
+    def num_used(self) -> int:
+        return sum(e.num_embeds for e in self.entries)
+
+
+@dataclass(slots=True)
 class Snapshot:
     """Everything the pictures show at the end of one step, as plain data (lessons 02-05).
 
@@ -127,6 +178,10 @@ class Snapshot:
     finished: list[str]
     metrics: dict[str, float]
     step_events: list[str] = field(default_factory=list)
+    # Beyond the pool (lessons 12-14): offload tiers, the step's KV transfers, the encoder cache.
+    tiers: dict[str, TierView] = field(default_factory=dict)
+    transfers: list[TransferView] = field(default_factory=list)
+    encoder_cache: EncoderCacheView | None = None
 
     # -- convenience --------------------------------------------------------------------------
     def block(self, block_id: int) -> BlockView:
@@ -191,6 +246,12 @@ class Snapshot:
         d["requests"] = {k: RequestView(**r) for k, r in d["requests"].items()}
         d["hash_nodes"] = {k: HashNode(**n) for k, n in d["hash_nodes"].items()}
         d["last_lookup"] = LookupView(**d["last_lookup"]) if d["last_lookup"] else None
+        d["tiers"] = {k: TierView(t["medium"], t["capacity"], [tuple(e) for e in t["entries"]]) for k, t in d.get("tiers", {}).items()}
+        d["transfers"] = [TransferView(**t) for t in d.get("transfers", [])]
+        ec = d.get("encoder_cache")
+        if ec is not None:
+            d["encoder_cache"] = EncoderCacheView(ec["cache_size"], [EncoderEntryView(**e) for e in ec["entries"]], ec["freeable"],
+                                                  [tuple(x) for x in ec["scheduled"]])
         return cls(**d)
 
 

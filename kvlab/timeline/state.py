@@ -31,15 +31,19 @@ from kvlab.timeline.snapshot import (
     NULL,
     SHARED,
     BlockView,
+    EncoderCacheView,
+    EncoderEntryView,
     HashNode,
     Holding,
     LookupView,
     RequestView,
     Snapshot,
+    TierView,
+    TransferView,
 )
 
 if TYPE_CHECKING:
-    from kvlab.timeline.events import AttentionBatch, Event, PrefixLookup, StepFinished
+    from kvlab.timeline.events import AttentionBatch, Event, KVTransfer, PrefixLookup, StepFinished
 
 _NONE: tuple[Holding, ...] = ()
 
@@ -92,6 +96,15 @@ class ReplayState:
         self.step = 0
         self.num_events = 0
         self.lifecycle: dict[str, list[tuple[int, str]]] | None = {} if record else None
+        # Offload tiers (lesson 12): medium -> {hash hex: slot}, in LRU order (head first).
+        self.tier_capacity: dict[str, int] = {}
+        self.tiers: dict[str, dict[str, int]] = {}
+        self.transfers: list[TransferView] = []  # this step's
+        # The encoder cache (lesson 14): item hash -> (embeddings, referencing requests).
+        self.encoder_cache_size: int | None = None
+        self.encoder_entries: dict[str, tuple[int, tuple[str, ...]]] = {}
+        self.encoder_freeable: list[str] = []
+        self.encoder_step: list[tuple[str, str, bool]] = []
 
     # -- driving -------------------------------------------------------------------------------
     def apply(self, event: Event) -> None:
@@ -371,9 +384,91 @@ class ReplayState:
         v.finish_reason = reason
         self.finished.append(rid)
 
+    def requeue(self, rid: str) -> None:
+        """A request whose external KV failed to load goes back to the head of the waiting
+        queue with nothing computed (its blocks were freed by their own events); unlike a
+        preemption it is not counted as one."""
+        if rid in self.running:
+            self.running.remove(rid)
+        v = self.request(rid)
+        self._queue_waiting(rid, front=True)
+        self._status(v, "waiting")
+        v.num_computed_tokens = 0
+
+    # -- offload tiers (lesson 12) -----------------------------------------------------------------
+    def init_tiers(self, tiers: list[dict[str, Any]]) -> None:
+        self.tier_capacity = {t["medium"]: int(t["num_blocks"]) for t in tiers}
+        self.tiers = {t["medium"]: {} for t in tiers}
+
+    def transfer(self, e: KVTransfer) -> None:
+        """Apply a KV transfer to the tiers' LRU orders: a store puts each hash at its tier's
+        tail; a load touches it (moves it to the tail), and a STORAGE block is promoted into
+        the CPU tier at the slot it was read into."""
+        tiers = self.tiers
+        hexes = [h.hex() for h in e.block_hashes]
+        for i, (h, medium) in enumerate(zip(hexes, e.media)):
+            slot = e.chunk_ids[i] if i < len(e.chunk_ids) else -1
+            if e.direction == "store":
+                tier = tiers.get(medium)
+                if tier is not None:
+                    tier.pop(h, None)
+                    tier[h] = slot
+            else:
+                if medium != "CPU" and medium in tiers:  # a storage block is promoted through the CPU tier
+                    below = tiers[medium]
+                    if h in below:
+                        below[h] = below.pop(h)
+                    cpu = tiers.get("CPU")
+                    if cpu is not None:
+                        cpu.pop(h, None)
+                        cpu[h] = slot
+                else:
+                    tier = tiers.get(medium)
+                    if tier is not None and h in tier:
+                        tier[h] = tier.pop(h)
+        self.transfers.append(TransferView(e.direction, e.request_id, list(e.media), list(e.block_ids), hexes,
+                                           list(e.chunk_ids), list(e.paths), e.num_tokens))
+
+    def tier_remove(self, medium: str, hexes: Sequence[str]) -> None:
+        tier = self.tiers.get(medium)
+        if tier is not None:
+            for h in hexes:
+                tier.pop(h, None)
+
+    # -- the encoder cache (lesson 14) -------------------------------------------------------------
+    def init_encoder_cache(self, cache_size: int) -> None:
+        self.encoder_cache_size = cache_size
+        self.encoder_entries, self.encoder_freeable = {}, []
+
+    def encoder_reference(self, rid: str, mm_hash: str, num_embeds: int, computed: bool) -> None:
+        n, refs = self.encoder_entries.get(mm_hash, (num_embeds, ()))
+        if mm_hash in self.encoder_freeable:
+            self.encoder_freeable.remove(mm_hash)
+        if rid not in refs:
+            refs = (*refs, rid)
+        self.encoder_entries[mm_hash] = (n, refs)
+        self.encoder_step.append((rid, mm_hash, computed))
+
+    def encoder_release(self, rid: str, mm_hash: str) -> None:
+        entry = self.encoder_entries.get(mm_hash)
+        if entry is None:
+            return
+        n, refs = entry
+        refs = tuple(r for r in refs if r != rid)
+        self.encoder_entries[mm_hash] = (n, refs)
+        if not refs and mm_hash not in self.encoder_freeable:
+            self.encoder_freeable.append(mm_hash)
+
+    def encoder_evict(self, hashes: Sequence[str]) -> None:
+        for h in hashes:
+            self.encoder_entries.pop(h, None)
+            if h in self.encoder_freeable:
+                self.encoder_freeable.remove(h)
+
     # -- steps ---------------------------------------------------------------------------------
     def begin_step(self) -> None:
         self.scheduled, self.phase, self.preempted, self.finished = {}, {}, [], []
+        self.transfers, self.encoder_step = [], []
         self.step_events = []
         self.attention_batch = None
         self.step_finished = None
@@ -403,10 +498,12 @@ class ReplayState:
         for k, v in self.__dict__.items():
             setattr(c, k, v)
         for k in ("ref", "hash", "group_of", "tokens_of", "holds", "released_by", "ever_used", "_next", "_prev",
-                  "waiting", "running", "preempted", "finished", "step_events"):
+                  "waiting", "running", "preempted", "finished", "step_events", "transfers", "encoder_freeable",
+                  "encoder_step"):
             setattr(c, k, list(getattr(self, k)))
-        for k in ("nodes", "requests", "_table_len", "scheduled", "phase", "metrics"):
+        for k in ("nodes", "requests", "_table_len", "scheduled", "phase", "metrics", "tier_capacity", "encoder_entries"):
             setattr(c, k, dict(getattr(self, k)))
+        c.tiers = {m: dict(t) for m, t in self.tiers.items()}
         c._own_nodes, c._own_reqs = set(), set()
         c.lifecycle = None
         return c
@@ -451,4 +548,10 @@ class ReplayState:
             finished=list(self.finished),
             metrics=dict(self.metrics),
             step_events=[e.describe() for e in self.step_events],
+            tiers={m: TierView(m, self.tier_capacity[m], list(t.items())) for m, t in self.tiers.items()},
+            transfers=list(self.transfers),
+            encoder_cache=None if self.encoder_cache_size is None else EncoderCacheView(
+                self.encoder_cache_size,
+                [EncoderEntryView(h, n, list(refs)) for h, (n, refs) in self.encoder_entries.items()],
+                list(self.encoder_freeable), list(self.encoder_step)),
         )

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -399,13 +399,15 @@ class TinyLlama(nn.Module):
 
     @torch.no_grad()
     def forward_paged(self, input_ids: Tensor, positions: Tensor, kv_caches: Sequence[Tensor],
-                      meta: PagedAttentionMetadata, kernels: PagedKernels) -> Tensor:
+                      meta: PagedAttentionMetadata, kernels: PagedKernels, layer_hooks: Any = None) -> Tensor:
         """Hidden states ``[num_tokens, hidden]`` for a flat batch of new tokens.
 
         ``input_ids``/``positions``: int64 ``[num_tokens]``, requests laid end to end as
         ``meta.cu_seqlens_q`` says. ``kv_caches[l]``: layer l's ``[num_blocks, 2, block_size,
         num_kv_heads, head_dim]`` tensor, updated in place. Call :meth:`compute_logits` on
-        the rows you want to sample from.
+        the rows you want to sample from. ``layer_hooks``: an object with ``before(i)`` and
+        ``after(i, kv_caches[i])``, called around each layer (a KV connector's
+        ``wait_for_layer_load`` / ``save_kv_layer``; lessons 12-13).
         """
         cfg = self.config
         if len(kv_caches) != cfg.num_layers:
@@ -418,8 +420,12 @@ class TinyLlama(nn.Module):
                              f"got {tuple(input_ids.shape)} and {tuple(positions.shape)}")
         self._check_token_ids(input_ids, "input_ids")
         h = self.embed_tokens(input_ids)
-        for layer, kv, group in zip(self.layers, kv_caches, meta.layer_to_group):
+        for i, (layer, kv, group) in enumerate(zip(self.layers, kv_caches, meta.layer_to_group)):
+            if layer_hooks is not None:
+                layer_hooks.before(i)
             attn = layer.self_attn.forward_paged(rms_norm(h, layer.input_norm, layer.eps), positions, kv,
                                                  meta, group, kernels)
+            if layer_hooks is not None:
+                layer_hooks.after(i, kv)
             h = layer._finish(h, attn)
         return h

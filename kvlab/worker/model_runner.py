@@ -29,6 +29,7 @@ from torch import Tensor
 from kvlab.core.sched.output import NewRequestData, SchedulerOutput
 from kvlab.timeline.events import AttentionBatch, EventLog
 from kvlab.utils.checks import check_int, check_number
+from kvlab.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin, requests_with_invalid_blocks
 from kvlab.worker.model import (
     PagedAttentionMetadata,
     PagedKernels,
@@ -92,7 +93,7 @@ def _spec_window(spec: object) -> int | None:
     return getattr(spec, "sliding_window", None)
 
 
-class ModelRunner:
+class ModelRunner(KVConnectorModelRunnerMixin):
     """Holds the paged KV cache of every layer and executes SchedulerOutputs on the model.
 
     ``kv_cache_groups``: one spec per KV-cache group, in the KV-cache manager's order
@@ -107,13 +108,18 @@ class ModelRunner:
 
     ``temperature=0`` samples greedily (what the tests compare); above 0 it samples from
     softmax(logits / temperature) with one generator seeded by ``seed``.
+
+    ``kv_connector``: the worker half of a KV connector (lessons 12-13): it loads external
+    KV into the paged caches before the forward pass and saves computed KV after it
+    (``register_kv_connector`` attaches one later). The tiny model has no vision encoder:
+    multimodal items' encoder cache runs with the simulated executor (lesson 14).
     """
 
     def __init__(self, model: TinyLlama, num_blocks: int, block_size: int,
                  kv_cache_groups: Sequence[object] | None = None, device: str | torch.device | None = None,
                  temperature: float = 0.0, seed: int = 0, backend: str = "triton",
                  keep_history: bool = False, event_log: EventLog | None = None,
-                 trace_reads: bool | None = None) -> None:
+                 trace_reads: bool | None = None, kv_connector: object = None) -> None:
         if not isinstance(model, TinyLlama):
             raise TypeError(f"model must be a TinyLlama, got {type(model).__name__}")
         num_blocks = check_int("num_blocks", num_blocks, 2, why=" (block 0 is the null block)")
@@ -166,6 +172,8 @@ class ModelRunner:
         # Per group, the first layer that uses it: the one whose loads are traced.
         self.read_layers: list[int] = [self.layer_to_group.index(g) if g in self.layer_to_group else -1
                                        for g in range(self.num_groups)]
+        if kv_connector is not None:
+            self.register_kv_connector(kv_connector, self.kv_caches)
 
     def _resolve_groups(self, kv_cache_groups: Sequence[object] | None) -> tuple[int | None, ...]:
         cfg = self.model.config
@@ -221,14 +229,26 @@ class ModelRunner:
         staged, order = self._stage(so)
         self.requests = staged
         self.num_steps += 1
+        # A KV connector loads external KV now; a request whose computed prefix holds a
+        # block that failed to load sits this step out (the scheduler gives it back).
+        invalid = self._kv_connector_start(so)
+        skipped: set[str] = set()
+        if invalid:
+            skipped = requests_with_invalid_blocks(((st.req_id, st.block_ids[0], st.num_computed_tokens) for st, _ in order),
+                                                   invalid, self.block_size)
+            order = [(st, n) for st, n in order if st.req_id not in skipped]
+            for rid in skipped:
+                self.requests.pop(rid, None)
         if not order:
             self.last_batch = None
+            self._kv_connector_finish(so, invalid, skipped)
             return {}
         batch, meta, input_ids, positions = self._prepare_inputs(so.step, order)
         kernels, reads = self.kernels, None
         if self.trace_reads:
             kernels, reads = self._tracing_kernels(len(order))
-        hidden = self.model.forward_paged(input_ids, positions, self.kv_caches, meta, kernels)
+        hooks = self._kv_layer_hooks(so, meta)
+        hidden = self.model.forward_paged(input_ids, positions, self.kv_caches, meta, kernels, layer_hooks=hooks)
         logits = self.model.compute_logits(hidden[torch.tensor(batch.logits_indices, device=self.device)])
         batch.logits = logits.cpu()
         sampled: dict[str, list[int]] = {}
@@ -240,6 +260,7 @@ class ModelRunner:
                 sampled[state.req_id] = [tok]
                 batch.sampled[state.req_id] = tok
         self.num_tokens_computed += batch.num_tokens
+        self._kv_connector_finish(so, invalid, skipped)
         self.last_batch = batch
         if self.keep_history:
             self.history.append(batch)

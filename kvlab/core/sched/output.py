@@ -9,6 +9,7 @@ the token ids scheduled this step, so no executor has to mirror the sampler's ou
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -23,6 +24,9 @@ class NewRequestData:
     block_ids: tuple[list[int], ...]  # one list per KV-cache group, the full table
     num_computed_tokens: int  # tokens whose KV is already in the cache (prefix hit)
     new_token_ids: list[int]  # the tokens to compute this step
+    # The request's multimodal items (identifier, offset, length): the worker needs them to
+    # find each scheduled encoder input's placeholder positions (lesson 14).
+    mm_features: list = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -55,3 +59,9 @@ class SchedulerOutput:
     # their state. Preempted requests must be dropped too.
     finished_req_ids: set[str]
     num_common_prefix_blocks: tuple[int, ...] = ()
+    # Encoder inputs to run this step, {req_id: [indices into its mm_features]}, and the
+    # item hashes the encoder cache evicted, whose outputs the worker may drop (lesson 14).
+    scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+    free_encoder_mm_hashes: list[str] = field(default_factory=list)
+    # What the scheduler-side KV connector tells its worker side this step (lessons 12-13).
+    kv_connector_metadata: Any = None

@@ -18,22 +18,31 @@ vLLM: ``vllm/v1/core/sched/scheduler.py``. One step:
    request admitted on its first chunk alone would soon need blocks that are not there and
    preempt someone (lesson 05). ``scheduler_reserve_full_isl=False`` admits on the first
    chunk (vLLM up to 0.18).
+
+Beyond the pool (lessons 12-14): a KV connector (``connector=``, its scheduler half) may
+supply a waiting request's KV beyond the local prefix hit -- *external computed tokens*
+from a CPU/disk tier or another engine; a load that fails gives the request back to
+recompute. Multimodal requests need their items encoded first: a per-step encoder budget
+and the :class:`EncoderCacheManager` decide which encoder inputs run, and cut a prefill
+chunk before an item that cannot.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
+from kvlab.core.encoder_cache_manager import EncoderCacheManager, compute_encoder_budget
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from kvlab.core.sched.request_queue import POLICIES, FCFSRequestQueue, PriorityRequestQueue
 from kvlab.core.single_type_kv_cache_manager import cdiv
 from kvlab.distributed.kv_events import KVEventBatch
 from kvlab.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
-from kvlab.metrics.stats import CachingMetrics, IterationStats, SchedulerStats
+from kvlab.metrics.stats import CachingMetrics, IterationStats, PrefixCacheStats, SchedulerStats
 from kvlab.request import Request, RequestStatus
 from kvlab.timeline.events import (
+    KVLoadFailed,
     RequestAdded,
     RequestFinished,
     RequestPreempted,
@@ -44,6 +53,12 @@ from kvlab.timeline.events import (
     TokensAppended,
 )
 from kvlab.utils.checks import check_int, check_optional_int
+
+if TYPE_CHECKING:  # the core never imports a connector: it calls the hooks of the one it is given
+    from kvlab.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+    from kvlab.outputs import KVConnectorOutput
+
+KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 
 
 class KVEventPublisherLike(Protocol):
@@ -64,6 +79,9 @@ class _StepPlan:
     preempted: list[Request] = field(default_factory=list)
     computed_before: dict[str, int] = field(default_factory=dict)  # req id -> computed tokens before
     admitted: list[tuple[Request, str]] = field(default_factory=list)  # (request, "new"|"resumed")
+    external: dict[str, int] = field(default_factory=dict)  # req id -> tokens a connector supplies
+    encoder_budget: int = 0
+    encoder_inputs: dict[str, list[int]] = field(default_factory=dict)  # req id -> items encoded this step
 
 
 class Scheduler:
@@ -82,6 +100,13 @@ class Scheduler:
 
     One step is :meth:`schedule` (decide) then :meth:`update_from_output` (append the sampled
     tokens, finish requests at ``max_tokens`` or ``eos_token_id``, free their blocks).
+
+    ``connector``: the scheduler half of a KV connector (lessons 12-13); the scheduler calls
+    its hooks at vLLM's places. ``kv_load_failure_policy``: what happens to a request whose
+    external KV failed to load -- "recompute" (kvlab's default: its blocks past the failure
+    are dropped from the prefix cache and it goes back to the head of the waiting queue) or
+    "fail" (it finishes with reason "error"; vLLM 0.33's default). The encoder limits
+    (lesson 14) default to ``max_num_batched_tokens``, as in vLLM.
     """
 
     def __init__(
@@ -96,6 +121,10 @@ class Scheduler:
         scheduler_reserve_full_isl: bool = True,
         *,
         kv_event_publisher: KVEventPublisherLike | None = None,
+        connector: KVConnectorBase_V1 | None = None,
+        kv_load_failure_policy: str = "recompute",
+        max_num_encoder_input_tokens: int | None = None,
+        encoder_cache_size: int | None = None,
     ) -> None:
         if not isinstance(kv_cache_manager, KVCacheManager):
             raise TypeError(f"kv_cache_manager must be a KVCacheManager, got {type(kv_cache_manager).__name__}")
@@ -113,6 +142,17 @@ class Scheduler:
             raise TypeError(f"kv_event_publisher must have a publish(batch) method, got {type(kv_event_publisher).__name__}")
         if kv_event_publisher is not None and not kv_cache_manager.enable_kv_cache_events:
             raise ValueError("kv_event_publisher needs a manager that queues events: KVCacheManager(..., enable_kv_cache_events=True)")
+        if kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
+            raise ValueError(f"kv_load_failure_policy must be one of {KV_LOAD_FAILURE_POLICIES}, got {kv_load_failure_policy!r}")
+        max_num_encoder_input_tokens = check_optional_int("max_num_encoder_input_tokens", max_num_encoder_input_tokens, 1)
+        encoder_cache_size = check_optional_int("encoder_cache_size", encoder_cache_size, 1)
+        if connector is not None:
+            for hook in ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta", "request_finished"):
+                if not callable(getattr(connector, hook, None)):
+                    raise TypeError(f"connector must be a KV connector's scheduler half (it has no {hook}()), got {type(connector).__name__}")
+            role = getattr(getattr(connector, "role", None), "name", None)
+            if role != "SCHEDULER":
+                raise ValueError(f"connector must be built with role=KVConnectorRole.SCHEDULER, got role {role}")
         self.kv_cache_manager = kv_cache_manager
         # vLLM creates it from --kv-events-config; kvlab takes any object with publish(batch)
         # (kvlab.kv_events.ZmqEventPublisher, or a list-like recorder in a test).
@@ -130,6 +170,16 @@ class Scheduler:
             isinstance(g, MambaSpec) and g.mamba_cache_mode == "align" for g in kv_cache_manager.kv_cache_groups
         )
         self.events = kv_cache_manager.events
+        self.connector = connector
+        if connector is not None:
+            connector.bind_kv_cache_manager(kv_cache_manager)  # as vLLM's scheduler does, once
+        self.kv_load_failure_policy = kv_load_failure_policy
+        # vLLM keeps the connector's hits apart: vllm:external_prefix_cache_queries / _hits.
+        self.connector_prefix_cache_stats: PrefixCacheStats | None = PrefixCacheStats() if connector is not None else None
+        self.num_kv_load_failures = 0
+        self.max_num_encoder_input_tokens, encoder_cache_size = compute_encoder_budget(
+            max_num_batched_tokens, max_num_encoder_input_tokens, encoder_cache_size)
+        self.encoder_cache_manager = EncoderCacheManager(encoder_cache_size, self.events)
 
         self.requests: dict[str, Request] = {}
         self.waiting: FCFSRequestQueue | PriorityRequestQueue = (
@@ -179,6 +229,14 @@ class Scheduler:
             )
         if self.max_model_len is not None and request.num_prompt_tokens >= self.max_model_len:
             raise ValueError(f"request {rid!r}: prompt of {request.num_prompt_tokens} tokens >= max_model_len {self.max_model_len}")
+        limit = min(self.max_num_encoder_input_tokens, self.encoder_cache_manager.cache_size)
+        for f in request.mm_features:
+            if f.length > limit:
+                raise ValueError(
+                    f"request {rid!r}: item {f.identifier!r} has {f.length} embeddings, more than the encoder budget "
+                    f"({self.max_num_encoder_input_tokens}) or the encoder cache ({self.encoder_cache_manager.cache_size}) "
+                    "holds: it could never be encoded (raise max_num_encoder_input_tokens / encoder_cache_size)"
+                )
         self.requests[rid] = request
         self.waiting.add_request(request)
         if self.events is not None:
@@ -254,7 +312,7 @@ class Scheduler:
         if events is not None:
             events.step = self.step_count
             events.emit(StepStarted(token_budget=self.max_num_scheduled_tokens))
-        plan = _StepPlan(token_budget=self.max_num_scheduled_tokens)
+        plan = _StepPlan(token_budget=self.max_num_scheduled_tokens, encoder_budget=self.max_num_encoder_input_tokens)
         self._schedule_running(plan)
         if not plan.preempted:
             self._schedule_waiting(plan)
@@ -268,6 +326,7 @@ class Scheduler:
                         num_computed_tokens=plan.computed_before[r.request_id],
                         phase=phase,
                         num_cached_tokens=plan.computed_before[r.request_id] if phase != "running" else 0,
+                        num_external_tokens=plan.external.get(r.request_id, 0),
                     )
                 )
         return out
@@ -291,6 +350,12 @@ class Scheduler:
                 n = min(n, self.max_model_len - 1 - request.num_computed_tokens)
             if self.need_mamba_block_aligned_split:
                 n = self._mamba_block_aligned_split(request, n, request.num_computed_tokens)
+            encoder_inputs: list[int] = []
+            duplicates: list[int] = []
+            new_encoder_budget = plan.encoder_budget
+            if n > 0 and request.mm_features:
+                encoder_inputs, duplicates, n, new_encoder_budget = self._try_schedule_encoder_inputs(
+                    request, request.num_computed_tokens, n, plan.encoder_budget)
             if n <= 0:
                 i += 1
                 continue
@@ -305,6 +370,8 @@ class Scheduler:
                     # Already scheduled this step (priority policy): take its tokens back.
                     plan.running.remove(victim)
                     plan.token_budget += plan.num_scheduled.pop(victim.request_id)
+                    for j in plan.encoder_inputs.pop(victim.request_id, ()):
+                        plan.encoder_budget += victim.mm_features[j].length
                     i -= 1
                 self._preempt_request(victim, for_request=request)
                 plan.preempted.append(victim)
@@ -312,6 +379,9 @@ class Scheduler:
                     break  # it preempted itself: nothing left to free for it
             if new_blocks is None:
                 break
+            if encoder_inputs or duplicates:
+                self._allocate_encoder_inputs(request, encoder_inputs, duplicates, plan)
+            plan.encoder_budget = new_encoder_budget
             plan.running.append(request)
             plan.num_scheduled[request.request_id] = n
             plan.computed_before[request.request_id] = request.num_computed_tokens
@@ -327,21 +397,53 @@ class Scheduler:
                 break
             request = self.waiting.peek_request()
             hits, num_hit_tokens = mgr.get_computed_blocks(request)
-            n = self._num_new_tokens(request, num_hit_tokens)
+            # A KV connector may supply more of the prompt beyond the local hit: external
+            # computed tokens (lessons 12-13). kvlab's connectors load synchronously.
+            num_external = 0
+            if self.connector is not None:
+                ext, load_async = self.connector.get_num_new_matched_tokens(request, num_hit_tokens)
+                if ext is None:
+                    break  # the connector cannot tell yet (vLLM skips the request this step)
+                if load_async:
+                    raise NotImplementedError("kvlab's scheduler runs synchronous KV loads only (load_kv_async=False)")
+                num_external = check_int("connector.get_num_new_matched_tokens()[0]", ext, 0,
+                                         request.num_tokens - 1 - num_hit_tokens)
+            num_computed = num_hit_tokens + num_external
+            n = self._num_new_tokens(request, num_computed)
             if not self.enable_chunked_prefill and n > plan.token_budget:
                 break  # the whole prompt must fit; no skipping ahead
             n = min(n, plan.token_budget)
             if self.need_mamba_block_aligned_split:
-                n = self._mamba_block_aligned_split(request, n, num_hit_tokens)
+                n = self._mamba_block_aligned_split(request, n, num_computed)
                 if n <= 0:
                     break
+            encoder_inputs: list[int] = []
+            duplicates: list[int] = []
+            new_encoder_budget = plan.encoder_budget
+            if request.mm_features:
+                encoder_inputs, duplicates, n, new_encoder_budget = self._try_schedule_encoder_inputs(
+                    request, num_computed, n, plan.encoder_budget)
+                if n <= 0:
+                    self.encoder_cache_manager.free(request)
+                    break  # an item it needs cannot be encoded this step (vLLM skips it)
             # vLLM's admission gate: the whole prompt (after the hit) must fit now, not just
             # this chunk (scheduler_reserve_full_isl; lesson 05 section 7).
             new_blocks = mgr.allocate_slots(
-                request, n, num_hit_tokens, hits, full_sequence_must_fit=self.scheduler_reserve_full_isl
+                request, n, num_hit_tokens, hits, num_external_computed_tokens=num_external,
+                full_sequence_must_fit=self.scheduler_reserve_full_isl,
             )
             if new_blocks is None:
+                if request.mm_features:
+                    self.encoder_cache_manager.free(request)  # untouch what the check referenced
                 break  # head-of-line: a waiting request never preempts
+            if self.connector is not None:
+                self.connector.update_state_after_alloc(request, mgr.get_blocks(request.request_id), num_external)
+                stats = self.connector_prefix_cache_stats
+                if stats is not None and request.num_tokens > num_hit_tokens:
+                    stats.record(request.num_tokens - num_hit_tokens, num_external, request.num_preemptions > 0)
+            if encoder_inputs or duplicates:
+                self._allocate_encoder_inputs(request, encoder_inputs, duplicates, plan)
+            plan.encoder_budget = new_encoder_budget
             mgr.record_prefix_cache_stats(request, num_hit_tokens)  # at admission, as vLLM
             self.waiting.pop_request()
             self.running.append(request)
@@ -349,12 +451,75 @@ class Scheduler:
             (plan.resumed if phase == "resumed" else plan.new).append(request)
             plan.admitted.append((request, phase))
             request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_hit_tokens
+            request.num_computed_tokens = num_computed
             if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit_tokens
+                request.num_cached_tokens = num_computed
             plan.num_scheduled[request.request_id] = n
-            plan.computed_before[request.request_id] = num_hit_tokens
+            plan.computed_before[request.request_id] = num_computed
+            if num_external:
+                plan.external[request.request_id] = num_external
             plan.token_budget -= n
+
+    # -- the encoder (lesson 14) ------------------------------------------------------------------
+    def _try_schedule_encoder_inputs(self, request: Request, num_computed_tokens: int, num_new_tokens: int,
+                                     encoder_budget: int) -> tuple[list[int], list[int], int, int]:
+        """Which of ``request``'s items must be encoded for tokens ``[num_computed_tokens,
+        + num_new_tokens)``, and how many of those tokens can be scheduled (vLLM's
+        ``_try_schedule_encoder_inputs``).
+
+        An item overlapping the window is either cached already (the request just references
+        it: ``check_and_update_cache``) or must be encoded -- whole, the encoder attends over
+        the whole image -- if the compute budget and the cache have room. When they do not,
+        the chunk stops right before the item; a request whose computed tokens already
+        reach into such an item (a prefix hit that ends inside it) gets nothing this step.
+        Returns (items to encode, repeats of an item encoded this step, tokens to schedule,
+        encoder budget left).
+        """
+        ecm = self.encoder_cache_manager
+        to_schedule: list[int] = []
+        duplicates: list[int] = []
+        scheduled_hashes: set[str] = set()
+        num_embeds_to_schedule = 0
+        end = num_computed_tokens + num_new_tokens
+        for i, f in enumerate(request.mm_features):
+            if f.offset >= end:
+                break  # items are sorted by offset
+            if f.offset + f.length <= num_computed_tokens:
+                continue  # already behind the computed tokens
+            if f.identifier in scheduled_hashes:
+                duplicates.append(i)  # the same image again: encoded once
+                continue
+            if ecm.check_and_update_cache(request, i):
+                continue  # cached already: reuse it
+            if not ecm.can_allocate(request, i, encoder_budget, num_embeds_to_schedule):
+                if num_computed_tokens < f.offset:
+                    num_new_tokens = min(num_new_tokens, f.offset - num_computed_tokens)
+                else:
+                    num_new_tokens = 0
+                break
+            num_embeds_to_schedule += f.length
+            encoder_budget -= f.length
+            scheduled_hashes.add(f.identifier)
+            to_schedule.append(i)
+        return to_schedule, duplicates, num_new_tokens, encoder_budget
+
+    def _allocate_encoder_inputs(self, request: Request, input_ids: list[int], duplicates: list[int], plan: _StepPlan) -> None:
+        ecm = self.encoder_cache_manager
+        for i in input_ids:
+            ecm.allocate(request, i)
+        for i in duplicates:
+            ecm.check_and_update_cache(request, i)
+        if input_ids:
+            plan.encoder_inputs[request.request_id] = list(input_ids)
+
+    def _free_encoder_inputs(self, request: Request) -> None:
+        """Drop the request's references to items its computed tokens have passed (vLLM
+        does this after the step ran: the decoder has read the embeddings into its KV)."""
+        ecm = self.encoder_cache_manager
+        for i in sorted(ecm.get_cached_input_ids(request)):
+            f = request.mm_features[i]
+            if f.offset + f.length <= request.num_computed_tokens:
+                ecm.free_encoder_input(request, i)
 
     def _make_output(self, plan: _StepPlan) -> SchedulerOutput:
         mgr = self.kv_cache_manager
@@ -372,6 +537,7 @@ class Scheduler:
                     block_ids=ids,
                     num_computed_tokens=nc,
                     new_token_ids=r.all_token_ids[nc : nc + num_scheduled[r.request_id]],
+                    mm_features=list(r.mm_features),
                 )
             )
         cached = CachedRequestData()
@@ -386,7 +552,7 @@ class Scheduler:
             cached.num_computed_tokens.append(nc)
             cached.new_token_ids.append(r.all_token_ids[nc : nc + num_scheduled[r.request_id]])
         finished, self.finished_req_ids = self.finished_req_ids, set()
-        return SchedulerOutput(
+        out = SchedulerOutput(
             step=self.step_count,
             scheduled_new_reqs=new_data,
             scheduled_cached_reqs=cached,
@@ -397,7 +563,12 @@ class Scheduler:
             scheduled_running_req_ids=[r.request_id for r in plan.running],
             preempted_req_ids={r.request_id for r in plan.preempted},
             finished_req_ids=finished,
+            scheduled_encoder_inputs=plan.encoder_inputs,
+            free_encoder_mm_hashes=self.encoder_cache_manager.get_freed_mm_hashes(),
         )
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta(out)
+        return out
 
     def _mamba_block_aligned_split(self, request: Request, num_new_tokens: int, num_computed_tokens: int) -> int:
         """Cut a prefill chunk so it ends where a Mamba state can be saved: on a block
@@ -434,6 +605,8 @@ class Scheduler:
     def _preempt_request(self, request: Request, for_request: Request) -> None:
         lost = request.num_computed_tokens
         self.kv_cache_manager.free(request)
+        if request.mm_features:
+            self.encoder_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -460,19 +633,30 @@ class Scheduler:
         sampled_token_ids: dict[str, list[int]],
         *,
         iteration: IterationStats | None = None,
+        kv_connector_output: KVConnectorOutput | None = None,
     ) -> list[Request]:
         """Advance computed tokens, append samples of requests whose prompt is done, and
         finish (free) requests at ``max_tokens`` or ``eos_token_id``. Returns finished ones.
 
         ``iteration``: the engine's facts about the step (clock, prefill/decode tokens),
-        written into the step's ``StepFinished`` event beside the scheduler's own stats."""
+        written into the step's ``StepFinished`` event beside the scheduler's own stats.
+        ``kv_connector_output``: the worker-side connector's report; requests whose external
+        KV failed to load are given back (see ``kv_load_failure_policy``) and their output
+        of this step is dropped."""
         finished: list[Request] = []
         events = self.events
+        failed: set[str] = set()
+        if self.connector is not None and kv_connector_output is not None:
+            self.connector.update_connector_output(kv_connector_output)
+            if kv_connector_output.invalid_block_ids:
+                failed = self._handle_invalid_blocks(kv_connector_output.invalid_block_ids, scheduler_output, finished)
         for rid, n in scheduler_output.num_scheduled_tokens.items():
             r = self.requests.get(rid)
-            if r is None or r.status != RequestStatus.RUNNING:
+            if r is None or r.status != RequestStatus.RUNNING or rid in failed:
                 continue
             r.num_computed_tokens += n
+            if r.mm_features:
+                self._free_encoder_inputs(r)
             if r.num_computed_tokens < r.num_tokens:
                 continue  # a partial prefill chunk: no token yet
             new_ids = sampled_token_ids.get(rid) or []
@@ -490,7 +674,8 @@ class Scheduler:
             done = set(map(id, finished))
             self.running = [r for r in self.running if id(r) not in done]
             for r in finished:
-                self._free_request(r, "stop" if r.status == RequestStatus.FINISHED_STOPPED else "length")
+                reason = "error" if r.request_id in failed else "stop" if r.status == RequestStatus.FINISHED_STOPPED else "length"
+                self._free_request(r, reason)
         stats = self.kv_cache_manager.make_prefix_cache_stats()
         if stats is not None:
             # vLLM's counters take only lookups of never-preempted requests: a victim
@@ -528,6 +713,57 @@ class Scheduler:
         """Stop the KV-event publisher (vLLM: ``Scheduler.shutdown``)."""
         if self.kv_event_publisher is not None and callable(getattr(self.kv_event_publisher, "shutdown", None)):
             self.kv_event_publisher.shutdown()
+    def _handle_invalid_blocks(self, invalid_block_ids: set[int], scheduler_output: SchedulerOutput,
+                               finished: list[Request]) -> set[str]:
+        """Requests of this step whose computed prefix holds a block that failed to load
+        (vLLM's ``_handle_invalid_blocks``). For each: the failed block and every later block
+        of its table leave the prefix cache (nobody may hit KV that never arrived), then --
+        policy "recompute" -- its blocks are freed and it goes back to the head of the
+        waiting queue: at re-admission the blocks that did load are an ordinary prefix hit
+        and it computes the rest. Policy "fail" finishes it with reason "error". Returns
+        the ids given back, whose output of this step is dropped."""
+        mgr = self.kv_cache_manager
+        bs = mgr.kv_cache_groups[0].block_size
+        affected: list[tuple[Request, list[int]]] = []
+        for rid in scheduler_output.num_scheduled_tokens:
+            r = self.requests.get(rid)
+            if r is None or r.status != RequestStatus.RUNNING:
+                continue
+            row = mgr.get_block_ids(rid)[0]
+            n_computed_blocks = cdiv(r.num_computed_tokens, bs)  # type: ignore[arg-type]
+            for idx, bid in enumerate(row[:n_computed_blocks]):
+                if bid in invalid_block_ids:
+                    affected.append((r, row[idx:]))
+                    break
+        for r, bad in affected:
+            mgr.evict_blocks(bad)
+        out: set[str] = set()
+        for r, bad in affected:
+            rid = r.request_id
+            self.running.remove(r)
+            self.num_kv_load_failures += 1
+            out.add(rid)
+            if self.kv_load_failure_policy == "recompute":
+                mgr.free(r)
+                if r.mm_features:
+                    self.encoder_cache_manager.free(r)
+                r.status = RequestStatus.PREEMPTED if r.num_preemptions else RequestStatus.WAITING
+                r.num_computed_tokens = 0
+                r.num_cached_tokens = -1
+                self._num_sent_blocks.pop(rid, None)
+                self.waiting.prepend_request(r)
+                if self.connector is not None:
+                    self.connector.request_requeued(r)
+                if self.events is not None:
+                    self.events.emit(KVLoadFailed(request_id=rid, block_ids=[b for b in bad if b in invalid_block_ids],
+                                                  reason="KV load failed", requeued=True))
+            else:
+                if self.events is not None:
+                    self.events.emit(KVLoadFailed(request_id=rid, block_ids=[b for b in bad if b in invalid_block_ids],
+                                                  reason="KV load failed", requeued=False))
+                r.status = RequestStatus.FINISHED_ABORTED
+                finished.append(r)  # freed with reason "error" by update_from_output
+        return out
 
     def _check_stop(self, r: Request) -> bool:
         if r.num_output_tokens >= r.max_tokens or (self.max_model_len is not None and r.num_tokens >= self.max_model_len):
@@ -539,6 +775,14 @@ class Scheduler:
         return False
 
     def _free_request(self, r: Request, finish_reason: str) -> None:
+        if self.connector is not None:
+            # Called once, before the blocks are freed: a producer saves or hands them off now.
+            delay, params = self.connector.request_finished(r, self.kv_cache_manager.get_block_ids(r.request_id)[0])
+            if delay:
+                raise NotImplementedError("kvlab's connectors finish synchronously (request_finished must return False)")
+            r.kv_transfer_params = params
+        if r.mm_features:
+            self.encoder_cache_manager.free(r)
         self.kv_cache_manager.free(r)
         self.requests.pop(r.request_id, None)
         self._num_sent_blocks.pop(r.request_id, None)

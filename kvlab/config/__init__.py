@@ -1,0 +1,1 @@
+"""Configuration records (vLLM: ``vllm/config/``): ``kv_transfer.KVTransferConfig``."""

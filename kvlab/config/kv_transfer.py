@@ -1,0 +1,42 @@
+"""Which KV connector an engine runs, and how (vLLM: ``KVTransferConfig`` in
+``vllm/config/kv_transfer.py``; lessons 12-13).
+
+vLLM is started with ``--kv-transfer-config '{"kv_connector": "OffloadingConnector",
+"kv_role": "kv_both", "kv_connector_extra_config": {...}}'``; the same record, as a
+dataclass, builds both halves of a kvlab connector (``KVConnectorFactory``).
+
+``kv_role``: "kv_producer" (saves KV for others: a prefill engine), "kv_consumer" (loads
+it: a decode engine) or "kv_both" (an offloading cache does both).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    kv_connector: str
+    kv_role: str = "kv_both"
+    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
+    kv_load_failure_policy: str = "recompute"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kv_connector, str) or not self.kv_connector:
+            raise TypeError(f"kv_connector must be a connector name, got {self.kv_connector!r}")
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"kv_role must be one of {KV_ROLES}, got {self.kv_role!r}")
+        if not isinstance(self.kv_connector_extra_config, dict):
+            raise TypeError(f"kv_connector_extra_config must be a dict, got {type(self.kv_connector_extra_config).__name__}")
+        if self.kv_load_failure_policy not in ("recompute", "fail"):
+            raise ValueError(f"kv_load_failure_policy must be 'recompute' or 'fail', got {self.kv_load_failure_policy!r}")
+
+    @property
+    def is_kv_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_kv_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")

@@ -1,0 +1,177 @@
+"""The KV connector interface (vLLM: ``KVConnectorBase_V1`` in
+``vllm/distributed/kv_transfer/kv_connector/v1/base.py``; lessons 12 and 13).
+
+A connector lets KV come from somewhere other than the model's own forward pass -- a CPU or
+disk tier behind the GPU pool, another engine that ran the prefill -- and lets KV leave for
+there. vLLM splits every connector in two halves with the same class and a *role*:
+
+* the **scheduler** half (``KVConnectorRole.SCHEDULER``) decides. When a waiting request's
+  local prefix hit ends, the scheduler asks ``get_num_new_matched_tokens(request,
+  num_computed_tokens)``: how many more tokens can you supply? Those become *external
+  computed tokens*: the KV-cache manager allocates blocks for them
+  (``allocate_slots(..., num_external_computed_tokens=n)``) and the model never computes
+  them. ``update_state_after_alloc`` tells the connector which blocks it must fill;
+  ``build_connector_meta`` packs this step's loads and saves into a
+  :class:`KVConnectorMetadata` that travels to the worker with the ``SchedulerOutput``;
+  ``request_finished`` is called once before a finished request's blocks are freed.
+* the **worker** half (``KVConnectorRole.WORKER``) moves bytes. The model runner binds the
+  step's metadata, calls ``start_load_kv()`` before the forward pass,
+  ``wait_for_layer_load(layer)`` before each layer's attention reads the cache,
+  ``save_kv_layer(layer, kv, meta)`` after each layer wrote it, and ``wait_for_save()`` at the
+  end of the step. Blocks that failed to load are reported by
+  ``get_block_ids_with_load_errors()``; the scheduler recomputes them.
+
+kvlab's connectors move their bytes synchronously inside the step (vLLM's "sync load"
+path); the asynchronous path (``WAITING_FOR_REMOTE_KVS``, ``get_finished``) keeps its hooks
+here but no kvlab connector uses it. Layers are named ``"layers.{i}"``.
+"""
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from collections.abc import Set as AbstractSet
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvlab.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from kvlab.core.sched.output import SchedulerOutput
+    from kvlab.outputs import KVConnectorOutput
+    from kvlab.request import Request
+
+
+def layer_name(layer_idx: int) -> str:
+    """kvlab's name for a layer in the connector hooks (vLLM passes module paths)."""
+    return f"layers.{layer_idx}"
+
+
+class KVConnectorRole(enum.Enum):
+    """Where this half of a connector runs: beside the scheduler, or in the worker."""
+
+    SCHEDULER = 0
+    WORKER = 1
+
+
+class KVConnectorMetadata:  # noqa: B903 - a base class the connectors extend
+    """What the scheduler half tells the worker half for one step (subclassed by each
+    connector; travels as ``SchedulerOutput.kv_connector_metadata``)."""
+
+
+class KVConnectorBase_V1(ABC):  # noqa: N801 - vLLM's name
+    """Base class of every connector. Subclasses implement the abstract hooks of both roles;
+    each instance serves the one ``role`` it was built for."""
+
+    def __init__(self, role: KVConnectorRole) -> None:
+        if not isinstance(role, KVConnectorRole):
+            raise TypeError(f"role must be a KVConnectorRole (SCHEDULER or WORKER), got {role!r}")
+        self._role = role
+        self._connector_metadata: KVConnectorMetadata | None = None
+        self._kv_cache_manager: KVCacheManager | None = None
+
+    @property
+    def role(self) -> KVConnectorRole:
+        return self._role
+
+    def _check_role(self, role: KVConnectorRole, hook: str) -> None:
+        if self._role is not role:
+            raise RuntimeError(f"{type(self).__name__}.{hook} is a {role.name.lower()}-side hook, but this "
+                               f"connector was built with role={self._role.name}")
+
+    # ==============================  worker side  ==============================
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """The model runner hands over the step's metadata before the forward pass."""
+        self._connector_metadata = connector_metadata
+
+    def clear_connector_metadata(self) -> None:
+        """... and takes it back after the step."""
+        self._connector_metadata = None
+
+    def _get_connector_metadata(self) -> KVConnectorMetadata:
+        if self._connector_metadata is None:
+            raise RuntimeError("no connector metadata is bound: the model runner binds it before start_load_kv")
+        return self._connector_metadata
+
+    def has_connector_metadata(self) -> bool:
+        return self._connector_metadata is not None
+
+    def register_kv_caches(self, kv_caches: Sequence[Any]) -> None:
+        """The runner's per-layer paged caches (``[num_blocks, 2, block_size, kv_heads,
+        head_dim]`` each; an empty list for the simulated executor, which has no tensors)."""
+        return
+
+    @abstractmethod
+    def start_load_kv(self, **kwargs: Any) -> None:
+        """Load the KV this step's metadata asks for into the paged cache (before the
+        forward pass; kvlab's loads finish before this returns)."""
+
+    @abstractmethod
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Block until ``layer_name``'s KV is loaded (layer-by-layer pipelining; a no-op
+        when loads are synchronous)."""
+
+    @abstractmethod
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        """Start saving one layer's KV from the paged cache, right after the layer wrote it."""
+
+    @abstractmethod
+    def wait_for_save(self, skip_req_ids: AbstractSet[str] = frozenset()) -> None:
+        """Finish this step's saves (called once per step, after the forward pass).
+        ``skip_req_ids`` (kvlab): requests the runner left out of this step's forward pass
+        because their KV failed to load -- their blocks hold nothing worth saving."""
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Requests whose asynchronous send / receive finished (none: kvlab is synchronous)."""
+        return None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks of this step whose load failed: the scheduler recomputes them."""
+        return set()
+
+    def build_connector_worker_meta(self) -> Any:
+        """The worker's report to the scheduler half (completed jobs, failures)."""
+        return None
+
+    def shutdown(self) -> None:
+        return
+
+    # ==============================  scheduler side  ==============================
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        """The scheduler binds its manager once (vLLM 0.33 does the same): the connector reads
+        block tables and emits events into the manager's event log through it."""
+        self._kv_cache_manager = kv_cache_manager
+
+    @abstractmethod
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """How many tokens beyond the local hit (``num_computed_tokens``) the connector can
+        supply, and whether it loads them asynchronously. ``None``: ask again next step.
+        May be called several times for a request the admission gate turns away, so it
+        changes nothing that matters."""
+
+    @abstractmethod
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        """The request was admitted: ``blocks`` is its whole block table; the last
+        ``num_external_tokens`` tokens of the computed prefix are the connector's to fill."""
+
+    @abstractmethod
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """Pack this step's loads and saves for the worker (must not change the output)."""
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """The worker's report for the step (completions, failures)."""
+        return
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Called once before a finished request's blocks are freed. ``True`` would mean "I
+        am still sending them, free later" (kvlab's connectors are synchronous: always
+        False); the dict is handed back with the request's output (vLLM's
+        ``kv_transfer_params``)."""
+        return False, None
+
+    def request_requeued(self, request: Request) -> None:
+        """kvlab: the scheduler gave the request back (a load failed): forget its plan."""
+        return
+
+    def take_events(self) -> Iterable[Any]:
+        """vLLM KV-cache events of the tiers this connector owns (``BlockStored`` /
+        ``BlockRemoved`` with ``medium`` "CPU" or "STORAGE")."""
+        return ()

@@ -1,0 +1,1 @@
+"""The offloading connector's halves (vLLM: ``.../kv_connector/v1/offloading/``)."""

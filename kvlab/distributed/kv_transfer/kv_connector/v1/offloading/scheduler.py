@@ -1,0 +1,237 @@
+"""The offloading connector's scheduler half (vLLM: ``OffloadingConnectorScheduler`` in
+``vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py``; lesson 12).
+
+* **Lookup** (``get_num_new_matched_tokens``): after the GPU prefix hit ends, walk the
+  request's block hashes through the tiers (CPU first, then storage) and count the run of
+  blocks they hold -- whole blocks, and never the prompt's last token (the model must
+  compute it to sample the next one). Those tokens are external computed tokens.
+* **Load** (``update_state_after_alloc``): the scheduler gave the request GPU blocks for
+  them; pin the blocks in their tiers and plan a load job into those GPU blocks.
+* **Store** (``build_connector_meta``): every block that becomes full in this step is
+  offered to the tiers -- only the prompt's blocks, vLLM's default
+  (``offload_prompt_only``); blocks the request got from a prefix hit or a load are
+  skipped (they came from the cache in the first place). The worker copies them after the
+  forward pass; the CPU tier cascades them to disk.
+* **Completion** (``update_connector_output``): the worker's report unpins loads, makes
+  stores readable, and drops entries that failed (a missing or corrupt file).
+
+Every decision is written to the event log (``KVTransfer``, ``OffloadEvicted``), so the
+lesson's pictures show stores, loads and which tier served each hit, step by step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvlab.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
+from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+    LoadJob,
+    OffloadingConnectorMetadata,
+    OffloadingWorkerMetadata,
+    StoreJob,
+)
+from kvlab.kv_offload.base import get_offload_block_hash, make_offload_key
+from kvlab.kv_offload.tiering.manager import StorePlan, TieringOffloadingManager
+from kvlab.timeline.events import KVTransfer, OffloadEvicted, OffloadTiersCreated
+
+if TYPE_CHECKING:
+    from kvlab.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from kvlab.core.sched.output import SchedulerOutput
+    from kvlab.outputs import KVConnectorOutput
+    from kvlab.request import Request
+
+
+@dataclass(slots=True)
+class RequestOffloadState:
+    req: Request
+    block_ids: list[int] = field(default_factory=list)  # the table as the worker knows it (group 0)
+    next_stored_block_idx: int = 0  # blocks before it were stored, or came from a cache
+    num_locally_computed_tokens: int = 0
+    lookup_media: list[str] = field(default_factory=list)
+
+
+class OffloadingConnectorScheduler:
+    def __init__(self, manager: TieringOffloadingManager, block_size: int, offload_prompt_only: bool = True) -> None:
+        self.manager = manager
+        self.block_size = block_size
+        self.offload_prompt_only = offload_prompt_only
+        self._reqs: dict[str, RequestOffloadState] = {}
+        self._pending_loads: list[LoadJob] = []
+        self._jobs: dict[int, LoadJob | StoreJob] = {}
+        self._next_job_id = 0
+        self._kv_events: list[KVCacheEvent] = []
+        self.events = None  # the engine's EventLog, once bound
+        self.use_int_hashes = True
+        # Per tier, tokens served by loads (a lesson's and the bench's hit counts).
+        self.num_hit_tokens: dict[str, int] = {t.medium: 0 for t in manager.tiers}
+
+    def bind(self, kv_cache_manager: KVCacheManager) -> None:
+        groups = kv_cache_manager.kv_cache_groups
+        if len(groups) != 1 or getattr(groups[0], "type_name", "full") != "full":
+            raise ValueError("the offloading connector needs one full-attention KV-cache group (vLLM's connectors "
+                             f"without the hybrid allocator); got {[type(g).__name__ for g in groups]}")
+        if groups[0].block_size != self.block_size:
+            raise ValueError(f"the connector was built for block_size={self.block_size}, the KV-cache manager uses "
+                             f"{groups[0].block_size}")
+        if not kv_cache_manager.enable_caching:
+            raise ValueError("offloading works by block hash: build the KV-cache manager with enable_caching=True")
+        self.events = kv_cache_manager.events
+        self.use_int_hashes = kv_cache_manager.block_pool.kv_events_use_int_block_hashes
+        if self.events is not None:
+            self.events.emit(OffloadTiersCreated(tiers=[{"medium": t.medium, "num_blocks": t.num_blocks} for t in self.manager.tiers]))
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _state(self, request: Request) -> RequestOffloadState:
+        st = self._reqs.get(request.request_id)
+        if st is None or st.req is not request:
+            st = self._reqs[request.request_id] = RequestOffloadState(request)
+        return st
+
+    def _job_id(self) -> int:
+        self._next_job_id += 1
+        return self._next_job_id
+
+    def _drain(self) -> None:
+        """Turn the tiers' queued changes into timeline events (removals) and vLLM KV events."""
+        merged: list = []
+        for ev in self.manager.take_events():  # one line per run of same-kind removals
+            last = merged[-1] if merged else None
+            if last is not None and ev.removed and last.removed and (last.medium, last.reason) == (ev.medium, ev.reason):
+                last.keys = last.keys + ev.keys
+                last.slots = last.slots + ev.slots
+            else:
+                merged.append(ev)
+        for ev in merged:
+            hashes = [get_offload_block_hash(k) for k in ev.keys]
+            if ev.removed:
+                if self.events is not None:
+                    self.events.emit(OffloadEvicted(medium=ev.medium, block_hashes=hashes, chunk_ids=list(ev.slots), reason=ev.reason))
+                self._kv_events.append(BlockRemoved(block_hashes=[self._ext(h) for h in hashes], medium=ev.medium))
+            else:
+                self._kv_events.append(BlockStored(block_hashes=[self._ext(h) for h in hashes], parent_block_hash=None,
+                                                   token_ids=[], block_size=self.block_size, lora_id=None,
+                                                   medium=ev.medium, lora_name=None))
+
+    def _ext(self, h: bytes) -> bytes | int:
+        return int.from_bytes(h, "big") & 0xFFFF_FFFF_FFFF_FFFF if self.use_int_hashes else h
+
+    # -- the hooks -------------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        st = self._state(request)
+        bs = self.block_size
+        start = num_computed_tokens // bs
+        end = (request.num_tokens - 1) // bs  # whole blocks, never the last token
+        keys = [make_offload_key(h) for h in request.block_hashes[start:end]]
+        media = self.manager.lookup_chain(keys) if keys else []
+        self._drain()  # a lookup may find a file gone and drop its entry
+        st.num_locally_computed_tokens = num_computed_tokens
+        st.lookup_media = media
+        return len(media) * bs, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        st = self._state(request)
+        bs = self.block_size
+        start = st.num_locally_computed_tokens // bs
+        n = num_external_tokens // bs
+        st.next_stored_block_idx = max(st.next_stored_block_idx, start + n)
+        if n == 0:
+            return
+        keys = [make_offload_key(h) for h in request.block_hashes[start:start + n]]
+        media = st.lookup_media[:n]
+        items = self.manager.prepare_load(keys, media)
+        self._drain()
+        gpu_ids = [b.block_id for b in blocks.blocks[0][start:start + n]]
+        job = LoadJob(self._job_id(), request.request_id, gpu_ids, items)
+        self._jobs[job.job_id] = job
+        self._pending_loads.append(job)
+        for m in media:
+            self.num_hit_tokens[m] = self.num_hit_tokens.get(m, 0) + bs
+        if self.events is not None:
+            self.events.emit(KVTransfer(direction="load", request_id=request.request_id, media=list(media), block_ids=gpu_ids,
+                                        block_hashes=[get_offload_block_hash(k) for k in keys],
+                                        chunk_ids=[it.cpu_slot for it in items], paths=[it.path or "" for it in items],
+                                        num_tokens=n * bs))
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadingConnectorMetadata:
+        meta = OffloadingConnectorMetadata(loads=self._pending_loads, block_size=self.block_size)
+        self._pending_loads = []
+        for nr in scheduler_output.scheduled_new_reqs:  # new or resumed: the whole table
+            st = self._reqs.get(nr.req_id)
+            if st is not None:
+                st.block_ids = list(nr.block_ids[0])
+        c = scheduler_output.scheduled_cached_reqs
+        for rid, new_ids in zip(c.req_ids, c.new_block_ids):
+            st = self._reqs.get(rid)
+            if st is not None and new_ids is not None:
+                st.block_ids.extend(new_ids[0])
+        bs = self.block_size
+        for rid, n in scheduler_output.num_scheduled_tokens.items():
+            st = self._reqs.get(rid)
+            if st is None:
+                continue
+            req = st.req
+            after = req.num_computed_tokens + n
+            limit = req.num_prompt_tokens if self.offload_prompt_only else req.num_tokens
+            full = min(after, limit) // bs
+            if full <= st.next_stored_block_idx:
+                continue
+            first = st.next_stored_block_idx
+            keys = [make_offload_key(h) for h in req.block_hashes[first:full]]
+            st.next_stored_block_idx = full
+            plan = self.manager.prepare_store(keys)
+            self._drain()
+            if plan is None or not plan.keys:
+                continue  # the tiers hold them already, or no unpinned room: a future miss
+            index = {k: first + i for i, k in enumerate(keys)}
+            gpu_ids = [st.block_ids[index[k]] for k in plan.keys]
+            job = StoreJob(self._job_id(), rid, gpu_ids, plan)
+            self._jobs[job.job_id] = job
+            meta.stores.append(job)
+            self._emit_store(rid, gpu_ids, plan)
+        return meta
+
+    def _emit_store(self, rid: str, gpu_ids: list[int], plan: StorePlan) -> None:
+        if self.events is None:
+            return
+        self.events.emit(KVTransfer(direction="store", request_id=rid, media=["CPU"] * len(plan.keys), block_ids=gpu_ids,
+                                    block_hashes=[get_offload_block_hash(k) for k in plan.keys], chunk_ids=list(plan.cpu_slots),
+                                    num_tokens=len(plan.keys) * self.block_size))
+        if plan.cascade_keys:
+            self.events.emit(KVTransfer(direction="store", request_id=rid, media=["STORAGE"] * len(plan.cascade_keys),
+                                        block_hashes=[get_offload_block_hash(k) for k in plan.cascade_keys],
+                                        chunk_ids=list(plan.cascade_slots), paths=list(plan.cascade_paths),
+                                        num_tokens=len(plan.cascade_keys) * self.block_size))
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        wm = connector_output.worker_meta
+        if not isinstance(wm, OffloadingWorkerMetadata):
+            return
+        for job_id, res in wm.loads.items():
+            job = self._jobs.pop(job_id, None)
+            if isinstance(job, LoadJob):
+                failed = [res.failed_key] if res.failed_key is not None else []
+                self.manager.complete_load(job.items, failed, reason=res.reason or "load failed")
+        for job_id, (stored, cascaded, _err) in wm.stores.items():
+            job = self._jobs.pop(job_id, None)
+            if isinstance(job, StoreJob):
+                self.manager.complete_store(job.plan, stored, cascaded)
+        self._drain()
+
+    def request_finished(self, request: Request) -> None:
+        self._reqs.pop(request.request_id, None)
+
+    def request_requeued(self, request: Request) -> None:
+        st = self._reqs.get(request.request_id)
+        if st is not None:
+            st.block_ids, st.next_stored_block_idx, st.lookup_media = [], 0, []
+
+    def take_events(self) -> list[KVCacheEvent]:
+        events, self._kv_events = self._kv_events, []
+        return events
+
+    def check_invariants(self) -> None:
+        """Tiers consistent, and no block pinned once every job finished (nothing leaks)."""
+        self.manager.check_invariants()
+        if not self._jobs and not self._pending_loads:
+            for t in self.manager.tiers:
+                assert not t.pinned(), f"{t.medium} tier: blocks still pinned with no job in flight: {t.pinned()}"

@@ -1,0 +1,134 @@
+"""The offloading connector: CPU and disk tiers behind the GPU pool (vLLM:
+``vllm/distributed/kv_transfer/kv_connector/v1/offloading_connector.py``; lesson 12).
+
+Without it, a cached prefix lives only as long as its blocks stay in the GPU pool: once
+LRU eviction reuses them, the next request with that prefix recomputes it. With it, every
+prompt block the engine computes is also copied to host memory (and from there to a file),
+each tier with its own LRU; a prefix that left the GPU pool is still found in a tier and
+*loaded* back -- a copy instead of a prefill. The scheduler sees those blocks as external
+computed tokens.
+
+One class, two roles, as in vLLM: built with ``KVConnectorRole.SCHEDULER`` it keeps the
+tiers' books (:mod:`...offloading.scheduler`), with ``KVConnectorRole.WORKER`` it moves the
+bytes (:mod:`...offloading.worker`). Both are built from the same ``KVTransferConfig``
+(``kv_connector="OffloadingConnector"``; extra config ``num_cpu_blocks``,
+``storage_path`` and ``num_storage_blocks`` for a disk tier, ``offload_prompt_only``).
+"""
+from __future__ import annotations
+
+from collections.abc import Set as AbstractSet
+from typing import TYPE_CHECKING, Any
+
+from kvlab.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingConnectorMetadata
+from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import OffloadingConnectorScheduler
+from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.worker import OffloadingConnectorWorker
+from kvlab.kv_offload.cpu.manager import CPUOffloadingManager
+from kvlab.kv_offload.tiering.fs.manager import FileSystemTierManager
+from kvlab.kv_offload.tiering.manager import TieringOffloadingManager
+from kvlab.utils.checks import check_int
+
+if TYPE_CHECKING:
+    from kvlab.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from kvlab.core.sched.output import SchedulerOutput
+    from kvlab.outputs import KVConnectorOutput
+    from kvlab.request import Request
+
+_KNOWN = {"num_cpu_blocks", "storage_path", "num_storage_blocks", "offload_prompt_only"}
+
+
+class OffloadingConnector(KVConnectorBase_V1):
+    def __init__(self, role: KVConnectorRole, block_size: int, extra_config: dict[str, Any] | None = None) -> None:
+        super().__init__(role)
+        cfg = dict(extra_config or {})
+        unknown = set(cfg) - _KNOWN
+        if unknown:
+            raise ValueError(f"OffloadingConnector: unknown extra config {sorted(unknown)}; known: {sorted(_KNOWN)}")
+        self.block_size = check_int("block_size", block_size, 1)
+        self.num_cpu_blocks = check_int("num_cpu_blocks", cfg.get("num_cpu_blocks", 64), 1)
+        path = cfg.get("storage_path")
+        if path is not None and (not isinstance(path, str) or not path):
+            raise TypeError(f"storage_path must be None or a directory path, got {path!r}")
+        self.storage_path = path
+        self.num_storage_blocks = check_int("num_storage_blocks", cfg.get("num_storage_blocks", 4 * self.num_cpu_blocks), 1)
+        offload_prompt_only = cfg.get("offload_prompt_only", True)
+        if not isinstance(offload_prompt_only, bool):
+            raise TypeError(f"offload_prompt_only must be a bool, got {offload_prompt_only!r}")
+        self.connector_scheduler: OffloadingConnectorScheduler | None = None
+        self.connector_worker: OffloadingConnectorWorker | None = None
+        if role is KVConnectorRole.SCHEDULER:
+            storage = FileSystemTierManager(self.num_storage_blocks, path) if path is not None else None
+            manager = TieringOffloadingManager(CPUOffloadingManager(self.num_cpu_blocks), storage)
+            self.connector_scheduler = OffloadingConnectorScheduler(manager, self.block_size, offload_prompt_only)
+        else:
+            self.connector_worker = OffloadingConnectorWorker(self.num_cpu_blocks, self.block_size)
+
+    @property
+    def scheduler(self) -> OffloadingConnectorScheduler:
+        self._check_role(KVConnectorRole.SCHEDULER, "scheduler")
+        assert self.connector_scheduler is not None
+        return self.connector_scheduler
+
+    @property
+    def worker(self) -> OffloadingConnectorWorker:
+        self._check_role(KVConnectorRole.WORKER, "worker")
+        assert self.connector_worker is not None
+        return self.connector_worker
+
+    @property
+    def manager(self) -> TieringOffloadingManager:
+        """The tiers' books (scheduler side): ``manager.primary`` is the CPU tier."""
+        return self.scheduler.manager
+
+    # -- worker side ------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: Any) -> None:
+        self.worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, OffloadingConnectorMetadata)
+        self.worker.start_load_kv(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads finished in start_load_kv
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # stores copy every layer at once, in wait_for_save (as vLLM's offloading connector)
+
+    def wait_for_save(self, skip_req_ids: AbstractSet[str] = frozenset()) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, OffloadingConnectorMetadata)
+        self.worker.wait_for_save(meta, skip_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.get_block_ids_with_load_errors()
+
+    def build_connector_worker_meta(self) -> Any:
+        return self.worker.build_connector_worker_meta()
+
+    # -- scheduler side ---------------------------------------------------------------------------
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self.scheduler.bind(kv_cache_manager)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadingConnectorMetadata:
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self.scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self.scheduler.request_finished(request)
+        return False, None
+
+    def request_requeued(self, request: Request) -> None:
+        self.scheduler.request_requeued(request)
+
+    def take_events(self) -> list[Any]:
+        return self.scheduler.take_events()

@@ -1,0 +1,35 @@
+"""The storage tier's books (vLLM: ``FileSystemTierManager`` in
+``vllm/v1/kv_offload/tiering/fs/manager.py``; lesson 12).
+
+One file per block under ``root_dir`` (:class:`~kvlab.kv_offload.file_mapper.FileMapper`).
+A lookup trusts the index only if the file is still there (vLLM's tier checks the file
+system too): a file deleted behind the tier's back is a miss, and its entry is dropped with
+a reason naming the file. vLLM's file tier grows until the disk is full; kvlab gives it a
+capacity and its own LRU, like the CPU tier, so the lessons can watch it evict (the
+evicted files are deleted by the worker).
+"""
+from __future__ import annotations
+
+import os
+
+from kvlab.kv_offload.base import LookupResult, Medium, OffloadKey
+from kvlab.kv_offload.cpu.manager import LRUOffloadingManager
+from kvlab.kv_offload.file_mapper import FileMapper
+
+
+class FileSystemTierManager(LRUOffloadingManager):
+    medium = Medium.STORAGE.value
+
+    def __init__(self, num_blocks: int, root_dir: str) -> None:
+        super().__init__(num_blocks)
+        self.file_mapper = FileMapper(root_dir)
+
+    def path_of(self, key: OffloadKey) -> str:
+        return self.file_mapper.get_file_name(key)
+
+    def lookup(self, key: OffloadKey) -> LookupResult:
+        result = super().lookup(key)
+        if result is LookupResult.HIT and not os.path.exists(self.path_of(key)):
+            self.remove([key], reason=f"file missing: {self.path_of(key)}")
+            return LookupResult.MISS
+        return result

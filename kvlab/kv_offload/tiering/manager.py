@@ -1,0 +1,164 @@
+"""A CPU tier with a storage tier behind it (vLLM: ``TieringOffloadingManager`` in
+``vllm/v1/kv_offload/tiering/manager.py``; lesson 12).
+
+vLLM's rules, which kvlab follows:
+
+1. **Store to every tier.** A block offloaded from the GPU goes to the CPU tier and is
+   *cascaded* to the storage tier (a file), so it survives its eviction from host memory.
+2. **The CPU tier is the gateway.** Storage cannot reach GPU memory: a block found only on
+   disk is first read into a CPU slot (*staged promotion*, it becomes a CPU entry again),
+   then copied to the GPU.
+3. **Pins protect blocks in flight.** A block being read is pinned in its tier until the
+   load completes; a block being written is not readable until the store completes.
+
+vLLM promotes asynchronously (a lookup answers "retry later" while the file is read);
+kvlab's worker reads the file in the same step, before the GPU copy.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from kvlab.kv_offload.base import LookupResult, Medium, OffloadingEvent, OffloadKey
+from kvlab.kv_offload.cpu.manager import CPUOffloadingManager
+from kvlab.kv_offload.tiering.fs.manager import FileSystemTierManager
+
+CPU, STORAGE = Medium.CPU.value, Medium.STORAGE.value
+
+
+@dataclass(slots=True)
+class LoadItem:
+    """One block to load: from ``medium``, through CPU slot ``cpu_slot`` (a STORAGE block is
+    read from ``path`` into that slot first)."""
+
+    key: OffloadKey
+    medium: str
+    cpu_slot: int
+    path: str | None = None
+
+
+@dataclass(slots=True)
+class StorePlan:
+    """GPU -> CPU for ``keys`` (slots ``cpu_slots``), then CPU -> file for ``cascade_keys``;
+    ``delete_paths``: files of blocks the storage tier evicted."""
+
+    keys: list[OffloadKey]
+    cpu_slots: list[int]
+    cascade_keys: list[OffloadKey] = field(default_factory=list)
+    cascade_slots: list[int] = field(default_factory=list)
+    cascade_paths: list[str] = field(default_factory=list)
+    delete_paths: list[str] = field(default_factory=list)
+
+
+class TieringOffloadingManager:
+    """The books of all tiers together, as the offloading connector sees them."""
+
+    def __init__(self, primary: CPUOffloadingManager, secondary: FileSystemTierManager | None = None) -> None:
+        if not isinstance(primary, CPUOffloadingManager):
+            raise TypeError(f"primary must be a CPUOffloadingManager, got {type(primary).__name__}")
+        if secondary is not None and not isinstance(secondary, FileSystemTierManager):
+            raise TypeError(f"secondary must be None or a FileSystemTierManager, got {type(secondary).__name__}")
+        self.primary = primary
+        self.secondary = secondary
+
+    @property
+    def tiers(self) -> list[CPUOffloadingManager | FileSystemTierManager]:
+        return [self.primary] + ([self.secondary] if self.secondary is not None else [])
+
+    # -- lookups ----------------------------------------------------------------------------------
+    def where(self, key: OffloadKey) -> str | None:
+        """The tier a load of ``key`` would be served from now (CPU first), or None."""
+        if self.primary.lookup(key) is LookupResult.HIT:
+            return CPU
+        if self.secondary is not None and self.secondary.lookup(key) is LookupResult.HIT:
+            return STORAGE
+        return None
+
+    def lookup_chain(self, keys: Sequence[OffloadKey]) -> list[str]:
+        """The tiers that can serve the longest run of ``keys`` from the first one on: one
+        medium per block, stopping at the first miss -- and at the first storage block that
+        could not get a CPU slot to be promoted through."""
+        media: list[str] = []
+        for key in keys:
+            m = self.where(key)
+            if m is None:
+                break
+            media.append(m)
+        if STORAGE in media:
+            room = self.primary.num_storable(protected=keys[: len(media)])
+            seen = 0
+            for i, m in enumerate(media):
+                if m == STORAGE:
+                    seen += 1
+                    if seen > room:
+                        return media[:i]
+        return media
+
+    # -- loads ------------------------------------------------------------------------------------
+    def prepare_load(self, keys: Sequence[OffloadKey], media: Sequence[str]) -> list[LoadItem]:
+        """Pin every block where it is (touching it in its LRU); a storage block also gets
+        a CPU slot to be read into (it becomes a pending CPU entry). In key order."""
+        if len(keys) != len(media):
+            raise ValueError(f"prepare_load: {len(keys)} keys but {len(media)} media")
+        items = []
+        protected = set(keys)
+        for key, m in zip(keys, media):
+            if m == CPU:
+                (slot,) = self.primary.prepare_load([key])
+                items.append(LoadItem(key, CPU, slot))
+            elif m == STORAGE and self.secondary is not None:
+                self.secondary.prepare_load([key])
+                out = self.primary.prepare_store([key], protected=protected)
+                if out is None or not out.slots:
+                    raise RuntimeError("prepare_load: no CPU slot to promote a storage block through (lookup_chain caps this)")
+                items.append(LoadItem(key, STORAGE, out.slots[0], self.secondary.path_of(key)))
+            else:
+                raise ValueError(f"prepare_load: medium {m!r} is not one of this manager's tiers")
+        return items
+
+    def complete_load(self, items: Iterable[LoadItem], failed: Iterable[OffloadKey] = (), reason: str = "load failed") -> None:
+        """Unpin; a promoted block becomes a readable CPU entry. ``failed`` blocks did not
+        load: they leave the tier that served them (and the CPU slot reserved for them)."""
+        bad = set(failed)
+        for it in items:
+            if it.medium == CPU:
+                self.primary.complete_load([it.key])
+                if it.key in bad:
+                    self.primary.remove([it.key], reason)
+            else:
+                assert self.secondary is not None
+                self.secondary.complete_load([it.key])
+                self.primary.complete_store([it.key], success=it.key not in bad)
+                if it.key in bad:
+                    self.secondary.remove([it.key], reason)
+
+    # -- stores -----------------------------------------------------------------------------------
+    def prepare_store(self, keys: Sequence[OffloadKey]) -> StorePlan | None:
+        """Room in the CPU tier for the keys it lacks, and on disk for those of them the
+        storage tier lacks (cascade). None when the CPU tier has no unpinned room."""
+        out = self.primary.prepare_store(keys)
+        if out is None:
+            return None
+        plan = StorePlan(out.keys_to_store, out.slots)
+        sec = self.secondary
+        if sec is not None and out.keys_to_store:
+            new = [k for k in out.keys_to_store if k not in sec]
+            cascade = sec.prepare_store(new) if new else None
+            if cascade is not None:
+                plan.cascade_keys = cascade.keys_to_store
+                plan.cascade_slots = cascade.slots
+                plan.cascade_paths = [sec.path_of(k) for k in cascade.keys_to_store]
+                plan.delete_paths = [sec.path_of(k) for k in cascade.evicted_keys]
+        return plan
+
+    def complete_store(self, plan: StorePlan, success: bool = True, cascade_success: bool = True) -> None:
+        self.primary.complete_store(plan.keys, success)
+        if self.secondary is not None and plan.cascade_keys:
+            self.secondary.complete_store(plan.cascade_keys, success and cascade_success)
+
+    def take_events(self) -> list[OffloadingEvent]:
+        return [e for t in self.tiers for e in t.take_events()]
+
+    def check_invariants(self) -> None:
+        for t in self.tiers:
+            t.check_invariants()

@@ -1,0 +1,36 @@
+"""What the worker hands back to the scheduler besides sampled tokens (vLLM: ``vllm/v1/outputs.py``).
+
+vLLM's ``ModelRunnerOutput`` carries a ``KVConnectorOutput``: which requests finished an
+asynchronous send or receive, and which *blocks* failed to load -- the scheduler then
+recomputes what those blocks should have held (lessons 12 and 13). kvlab's executors return
+their sampled tokens as a plain dict, and a connector's report travels beside it in this
+record (``executor.take_kv_connector_output()``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class KVConnectorOutput:
+    """One step's report from the worker-side KV connector.
+
+    ``invalid_block_ids``: blocks whose KV could not be loaded (a tier file missing or
+    corrupt, a transfer that failed half way); the scheduler gives their requests back to
+    recompute (vLLM's ``kv_load_failure_policy="recompute"``). ``num_loaded_tokens`` and
+    ``num_stored_tokens`` (kvlab's own) count tokens moved this step per medium ("CPU",
+    "DISK", "FILE"), so the simulated clock can charge the copies. ``worker_meta``: the
+    connector's own report to its scheduler side (vLLM: ``kv_connector_worker_meta``).
+    """
+
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    invalid_block_ids: set[int] = field(default_factory=set)
+    num_loaded_tokens: dict[str, int] = field(default_factory=dict)
+    num_stored_tokens: dict[str, int] = field(default_factory=dict)
+    worker_meta: Any = None
+
+    def is_empty(self) -> bool:
+        return not (self.finished_sending or self.finished_recving or self.invalid_block_ids
+                    or self.num_loaded_tokens or self.num_stored_tokens or self.worker_meta is not None)
