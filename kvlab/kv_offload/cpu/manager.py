@@ -109,7 +109,7 @@ class LRUOffloadingManager(OffloadingManager):
             self._policy.insert(key, BlockStatus(slot))
         return PrepareStoreOutput(to_store, slots, [k for k, _ in evicted], [s.slot for _, s in evicted])
 
-    def complete_store(self, keys: Iterable[OffloadKey], success: bool = True) -> None:
+    def complete_store(self, keys: Iterable[OffloadKey], success: bool = True, reason: str = "store failed") -> None:
         """Stored keys become readable; a failed store forgets them (the slot is free again)."""
         done, dropped, dropped_slots = [], [], []
         for key in keys:
@@ -125,7 +125,7 @@ class LRUOffloadingManager(OffloadingManager):
                 dropped.append(key)
                 dropped_slots.append(status.slot)
         if dropped:
-            self.events.append(OffloadingEvent(dropped, self.medium, True, dropped_slots, reason="store failed"))
+            self.events.append(OffloadingEvent(dropped, self.medium, True, dropped_slots, reason=reason))
         if done:
             self.events.append(OffloadingEvent(done, self.medium, False))
 

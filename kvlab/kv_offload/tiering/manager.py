@@ -128,7 +128,7 @@ class TieringOffloadingManager:
             else:
                 assert self.secondary is not None
                 self.secondary.complete_load([it.key])
-                self.primary.complete_store([it.key], success=it.key not in bad)
+                self.primary.complete_store([it.key], success=it.key not in bad, reason=reason)
                 if it.key in bad:
                     self.secondary.remove([it.key], reason)
 

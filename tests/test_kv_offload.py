@@ -1,0 +1,391 @@
+"""KV offload tiers (lesson 12): the tiers' books, the offloading connector in the engine,
+real tensor copies and real files, and what happens when a transfer fails.
+
+The engine scenarios use a 6-block pool (5 usable blocks of 4 tokens), a CPU tier of 4
+blocks and a storage tier of 12: A (9 tokens), B (17), C (13) push each other out of the
+GPU pool and the CPU tier; A2 = A + 1 token then finds A's prefix only on disk, C2 = C + 3
+tokens finds part of C in the GPU pool and the next block in the CPU tier, B2 = B's first
+13 tokens finds B on disk. Every block id, slot and tier below was checked by hand against
+the LRU rules (see the lesson).
+"""
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from kvlab import Request
+from kvlab.config.kv_transfer import KVTransferConfig
+from kvlab.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from kvlab.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+from kvlab.engine.llm_engine import build_engine
+from kvlab.kv_offload.base import LookupResult, make_offload_key
+from kvlab.kv_offload.cpu.manager import CPUOffloadingManager
+from kvlab.kv_offload.tiering.fs.io import TierFileError, read_block_file, write_block_file
+from kvlab.kv_offload.tiering.fs.manager import FileSystemTierManager
+from kvlab.kv_offload.tiering.manager import TieringOffloadingManager
+from kvlab.timeline import Timeline
+from kvlab.timeline.events import KVLoadFailed, KVTransfer, OffloadEvicted
+
+A = list(range(100, 109))
+B = list(range(200, 217))
+C = list(range(300, 313))
+STORY = [("A", A), ("B", B), ("C", C), ("A2", A + [109]), ("C2", C + [313, 314, 315]), ("B2", B[:13])]
+
+
+def _k(name: str) -> bytes:
+    return make_offload_key(name.encode().ljust(32, b"."))
+
+
+def _config(tmp_path, **extra):
+    cfg = dict(num_cpu_blocks=4, storage_path=str(tmp_path / "kv"), num_storage_blocks=12)
+    cfg.update(extra)
+    return KVTransferConfig("OffloadingConnector", kv_connector_extra_config=cfg)
+
+
+def _engine(tmp_path, executor=None, policy="recompute", **extra):
+    cfg = KVTransferConfig("OffloadingConnector", kv_connector_extra_config=_config(tmp_path, **extra).kv_connector_extra_config,
+                           kv_load_failure_policy=policy)
+    return build_engine(num_blocks=6, block_size=4, max_num_batched_tokens=64, executor=executor, kv_transfer_config=cfg)
+
+
+def _run_story(eng, story=STORY, max_tokens=1):
+    for rid, prompt in story:
+        eng.add_request(Request(rid, prompt, max_tokens=max_tokens))
+        eng.run()
+        eng.scheduler.check_invariants()
+        eng.scheduler.connector.scheduler.check_invariants()
+
+
+def _transfers(eng):
+    return [(e.step, e.direction, e.request_id, e.media, e.block_ids, e.chunk_ids)
+            for e in eng.events if isinstance(e, KVTransfer)]
+
+
+# -- the books ------------------------------------------------------------------------------------
+def test_cpu_tier_lru_slots_pins_and_failed_stores() -> None:
+    m = CPUOffloadingManager(3)
+    out = m.prepare_store([_k("a"), _k("b"), _k("c")])
+    assert out.slots == [0, 1, 2] and out.evicted_keys == []
+    assert m.lookup(_k("a")) is LookupResult.HIT_PENDING  # written, not readable yet
+    m.complete_store([_k("a"), _k("b"), _k("c")])
+    assert m.prepare_load([_k("a")]) == [0]  # pinned and touched: a is most recently used
+    out = m.prepare_store([_k("d")])
+    assert out.evicted_keys == [_k("b")] and out.slots == [1]  # b was the LRU head; its slot is reused
+    assert m.prepare_store([_k("e"), _k("f")]) is None  # a pinned, d pending: only c is evictable
+    assert [k for k, _ in m.entries()] == [_k("c"), _k("a"), _k("d")]  # nothing changed
+    m.complete_store([_k("d")], success=False)  # a failed store frees its slot
+    assert _k("d") not in m and m.prepare_store([_k("e")]).slots == [1]
+    m.complete_load([_k("a")])
+    assert m.pinned() == {_k("e"): -1}
+    m.check_invariants()
+
+
+def test_tiering_cascades_to_disk_and_promotes_through_the_cpu(tmp_path) -> None:
+    t = TieringOffloadingManager(CPUOffloadingManager(2), FileSystemTierManager(4, str(tmp_path)))
+    plan = t.prepare_store([_k("a"), _k("b")])
+    assert plan.cpu_slots == [0, 1] and plan.cascade_slots == [0, 1]
+    assert plan.cascade_paths[0] == os.path.join(str(tmp_path), _k("a")[:-4].hex()[:2], _k("a")[:-4].hex() + "_g0.bin")
+    for p in plan.cascade_paths:
+        write_block_file(p, b"", b"")
+    t.complete_store(plan)
+    plan = t.prepare_store([_k("c")])  # the CPU tier is full: a leaves it, but stays on disk
+    assert plan.cpu_slots == [0] and [e.keys for e in t.primary.take_events() if e.removed] == [[_k("a")]]
+    for p in plan.cascade_paths:
+        write_block_file(p, b"", b"")
+    t.complete_store(plan)
+    assert t.lookup_chain([_k("a"), _k("b"), _k("z")]) == ["STORAGE", "CPU"]
+    assert t.lookup_chain([_k("a"), _k("b"), _k("c")]) == []  # a could only pass by evicting b or c: both wanted
+    items = t.prepare_load([_k("a"), _k("b")], ["STORAGE", "CPU"])
+    # a needs a CPU slot to come through: c is evictable, b is protected by the same load
+    assert [(it.medium, it.cpu_slot) for it in items] == [("STORAGE", 0), ("CPU", 1)]
+    assert t.primary.pinned() == {_k("a"): -1, _k("b"): 1}
+    t.complete_load(items)
+    assert t.primary.pinned() == {} and t.secondary.pinned() == {}
+    assert [k for k, _ in t.primary.entries()] == [_k("a"), _k("b")]  # in key order: a inserted, then b touched
+    t.check_invariants()
+
+
+def test_a_promotion_needs_a_cpu_slot(tmp_path) -> None:
+    t = TieringOffloadingManager(CPUOffloadingManager(1), FileSystemTierManager(4, str(tmp_path)))
+    for name in ("a", "b"):
+        plan = t.prepare_store([_k(name)])
+        for p in plan.cascade_paths:
+            write_block_file(p, b"", b"")
+        t.complete_store(plan)
+    t.primary.prepare_load([_k("b")])  # b pinned in the only CPU slot
+    assert t.lookup_chain([_k("a")]) == []  # a is on disk, but cannot pass through the CPU
+
+
+def test_tier_files_are_checked_and_name_the_file(tmp_path) -> None:
+    path = str(tmp_path / "x.bin")
+    write_block_file(path, _k("a"), b"0123456789")
+    assert read_block_file(path, _k("a"), 10) == b"0123456789"
+    with pytest.raises(TierFileError, match=r"x\.bin: holds another block"):
+        read_block_file(path, _k("b"), 10)
+    raw = bytearray(open(path, "rb").read())
+    raw[-1] ^= 1
+    open(path, "wb").write(bytes(raw))
+    with pytest.raises(TierFileError, match=r"x\.bin: checksum mismatch"):
+        read_block_file(path, _k("a"), 10)
+    with pytest.raises(TierFileError, match=r"x\.bin: holds 10 payload bytes, expected 12"):
+        write_block_file(path, _k("a"), b"0123456789") and read_block_file(path, _k("a"), 12)
+    os.remove(path)
+    with pytest.raises(TierFileError, match=r"x\.bin: missing"):
+        read_block_file(path, _k("a"), 10)
+    assert not os.path.exists(path + ".tmp")
+
+
+# -- the connector in the engine --------------------------------------------------------------------
+def test_story_stores_loads_and_tiers_exactly(tmp_path) -> None:
+    eng = _engine(tmp_path)
+    _run_story(eng)
+    m = eng.metrics
+    assert [(r, m[r].num_cached_tokens, m[r].prefill_tokens_computed) for r, _ in STORY] == [
+        ("A", 0, 9), ("B", 0, 17), ("C", 0, 13), ("A2", 8, 2), ("C2", 12, 4), ("B2", 12, 1)]
+    assert _transfers(eng) == [
+        (1, "store", "A", ["CPU", "CPU"], [1, 2], [0, 1]),
+        (1, "store", "A", ["STORAGE", "STORAGE"], [], [0, 1]),
+        (2, "store", "B", ["CPU"] * 4, [3, 4, 5, 2], [2, 3, 1, 0]),  # fresh slots first, then freed ones, last first
+        (2, "store", "B", ["STORAGE"] * 4, [], [2, 3, 4, 5]),
+        (3, "store", "C", ["CPU"] * 3, [1, 2, 5], [1, 3, 2]),
+        (3, "store", "C", ["STORAGE"] * 3, [], [6, 7, 8]),
+        (4, "load", "A2", ["STORAGE", "STORAGE"], [4, 3], [0, 1]),  # A left the CPU tier in step 2: disk, via CPU slots
+        (5, "load", "C2", ["CPU"], [5], [2]),  # C's first 8 tokens still in the GPU pool, the third block in CPU
+        (5, "store", "C2", ["CPU"], [3], [3]),
+        (5, "store", "C2", ["STORAGE"], [], [9]),
+        (6, "load", "B2", ["STORAGE"] * 3, [4, 3, 5], [0, 1, 2]),
+    ]
+    evicted = [(e.step, e.medium, e.chunk_ids, e.reason) for e in eng.events if isinstance(e, OffloadEvicted)]
+    assert evicted == [(2, "CPU", [0, 1], "lru"), (3, "CPU", [2, 3, 1], "lru"), (4, "CPU", [0, 1], "lru"),
+                       (5, "CPU", [3], "lru"), (6, "CPU", [0, 1, 2], "lru")]
+    conn = eng.scheduler.connector
+    assert conn.scheduler.num_hit_tokens == {"CPU": 4, "STORAGE": 20}
+    stats = eng.scheduler.connector_prefix_cache_stats
+    assert (stats.queries, stats.hits) == (9 + 17 + 13 + 10 + 8 + 13, 8 + 4 + 12)
+    # every stored block is a real file, named by its hash
+    files = sorted(f for _, _, fs in os.walk(tmp_path / "kv") for f in fs)
+    assert len(files) == 10 and all(f.endswith("_g0.bin") for f in files)
+
+
+def test_replayed_tiers_equal_the_live_ones_at_every_step(tmp_path) -> None:
+    rng = random.Random(3)
+    cfg = _config(tmp_path, num_cpu_blocks=5, num_storage_blocks=9)
+    eng = build_engine(num_blocks=10, block_size=4, max_num_batched_tokens=16, kv_transfer_config=cfg)
+    prefixes = [[rng.randrange(1000) for _ in range(12)] for _ in range(5)]
+    mgr = eng.scheduler.connector.manager
+    live = []
+    for i in range(30):
+        eng.add_request(Request(f"r{i}", prefixes[rng.randrange(5)] + [rng.randrange(1000) for _ in range(rng.randint(1, 6))],
+                                max_tokens=rng.randint(1, 6)))
+        while eng.has_unfinished_requests():
+            eng.step()
+            live.append((eng.scheduler.step_count, [k[:-4].hex() for k, _ in mgr.primary.entries()],
+                         [k[:-4].hex() for k, _ in mgr.secondary.entries()]))
+    tl = Timeline(eng.events)
+    for step, cpu, disk in live:
+        snap = tl.at(step)
+        assert snap.tiers["CPU"].hashes == cpu and snap.tiers["STORAGE"].hashes == disk, f"step {step}"
+    assert eng.scheduler.connector.scheduler.num_hit_tokens["STORAGE"] > 0
+
+
+def test_offloading_kv_events_carry_the_medium(tmp_path) -> None:
+    eng = _engine(tmp_path)
+    _run_story(eng, STORY[:2])
+    evs = eng.scheduler.connector.take_events()
+    assert [(type(e).__name__, e.medium, len(e.block_hashes)) for e in evs] == [
+        ("BlockStored", "CPU", 2), ("BlockStored", "STORAGE", 2), ("BlockRemoved", "CPU", 2),
+        ("BlockStored", "CPU", 4), ("BlockStored", "STORAGE", 4)]
+    assert all(isinstance(h, int) for e in evs for h in e.block_hashes)  # vLLM's default: 64-bit ints
+    assert eng.scheduler.connector.take_events() == []
+
+
+def test_offload_prompt_only_false_also_offloads_generated_blocks(tmp_path) -> None:
+    eng = _engine(tmp_path, offload_prompt_only=False)
+    eng.add_request(Request("A", A, max_tokens=6))  # 9 + 6 - 1 = 14 tokens computed: 3 full blocks
+    eng.run()
+    stored = [e.block_ids for e in eng.events if isinstance(e, KVTransfer) and e.media[:1] == ["CPU"]]
+    assert stored == [[1, 2], [3]]
+
+
+# -- real tensors -------------------------------------------------------------------------------------
+def _tiny_runner(num_blocks):
+    from kvlab.worker.model import TinyLlama, TinyLlamaConfig
+    from kvlab.worker.model_runner import ModelRunner
+
+    model = TinyLlama(TinyLlamaConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128), seed=0)
+    return model, ModelRunner(model, num_blocks=num_blocks, block_size=4, device="cpu")
+
+
+def test_real_copies_round_trip_exactly_through_cpu_and_disk(tmp_path) -> None:
+    torch.set_num_threads(1)
+    _, runner = _tiny_runner(6)
+    eng = _engine(tmp_path, executor=runner)
+    story = [(r, [t % 90 + 32 for t in p]) for r, p in STORY]
+    eng.add_request(Request("A", story[0][1], max_tokens=1))
+    eng.run()
+    saved = [kv[[1, 2]].clone() for kv in runner.kv_caches]  # A's two full blocks, every layer
+    for rid, p in story[1:4]:  # B, C, then A2 loads A's blocks from disk into GPU blocks 4 and 3
+        eng.add_request(Request(rid, p, max_tokens=1))
+        eng.run()
+    loads = [e for e in eng.events if isinstance(e, KVTransfer) and e.direction == "load"]
+    assert [(e.request_id, e.media, e.block_ids) for e in loads] == [("A2", ["STORAGE", "STORAGE"], [4, 3])]
+    for layer, kv in enumerate(runner.kv_caches):
+        assert torch.equal(kv[[4, 3]], saved[layer]), f"layer {layer}: the loaded KV differs from the stored KV"
+    buf = eng.executor.kv_connector.worker.buffer
+    assert buf.block_nbytes == 2 * 2 * 4 * 2 * 16 * 4  # layers x (k, v) x block_size x kv heads x head_dim x fp32
+    assert torch.equal(buf.tensor[0], torch.stack([kv[4] for kv in runner.kv_caches]))
+
+
+def test_greedy_outputs_identical_with_and_without_offload(tmp_path) -> None:
+    torch.set_num_threads(1)
+    rng = random.Random(0)
+    docs = [[rng.randrange(32, 120) for _ in range(12)] for _ in range(3)]
+    prompts = [docs[i % 3] + [40 + i] for i in range(6)]
+
+    def run(cfg):
+        model, runner = _tiny_runner(10)
+        eng = build_engine(num_blocks=10, block_size=4, executor=runner, kv_transfer_config=cfg)
+        for i, p in enumerate(prompts):
+            eng.add_request(Request(f"r{i}", p, max_tokens=4))
+            eng.run()
+        return model, eng, [eng.finished[f"r{i}"].output_token_ids for i in range(len(prompts))]
+
+    model, plain, want = run(None)
+    _, off, got = run(_config(tmp_path, num_cpu_blocks=4, num_storage_blocks=16))
+    assert got == want == [model.generate_dense(p, 4) for p in prompts]
+    assert off.scheduler.connector.scheduler.num_hit_tokens == {"CPU": 0, "STORAGE": 24}
+    assert (plain.executor.num_tokens_computed, off.executor.num_tokens_computed) == (84, 60)
+
+
+# -- faults -------------------------------------------------------------------------------------------
+def _corrupt(path: str) -> None:
+    raw = bytearray(open(path, "rb").read())
+    raw[-1] ^= 0xFF
+    open(path, "wb").write(bytes(raw))
+
+
+def test_a_corrupt_file_is_named_treated_as_a_miss_and_recomputed(tmp_path) -> None:
+    eng = _engine(tmp_path)
+    _run_story(eng, STORY[:3])
+    a_paths = [e.paths for e in eng.events if isinstance(e, KVTransfer) and e.request_id == "A" and e.media[0] == "STORAGE"][0]
+    _corrupt(a_paths[1])  # A's second block
+    free_before = eng.kv_cache_manager.block_pool.get_num_free_blocks()
+    eng.add_request(Request("A2", A + [109], max_tokens=3))
+    res = eng.step()
+    failed = [e for e in eng.events if isinstance(e, KVLoadFailed)]
+    assert [(e.step, e.request_id, e.block_ids, e.requeued) for e in failed] == [(4, "A2", [3], True)]
+    dropped = [e for e in eng.events if isinstance(e, OffloadEvicted) and e.reason != "lru"]
+    assert [(e.medium, e.reason.split(":")[0]) for e in dropped] == [("CPU", "TierFileError"), ("STORAGE", "TierFileError")]
+    # (the CPU slot it was read into is given back; the disk entry goes)
+    assert a_paths[1] in dropped[1].reason and "checksum mismatch" in dropped[1].reason
+    assert res.scheduler_output.num_scheduled_tokens == {"A2": 2}
+    assert [r.request_id for r in eng.scheduler.waiting] == ["A2"]  # given back, at the head
+    assert eng.kv_cache_manager.block_pool.get_num_free_blocks() == free_before  # nothing held
+    eng.run()
+    # The good first block came back from disk and stayed cached: the retry hits it in the
+    # GPU pool and computes the rest; the bad block's disk entry is gone, so it is a miss.
+    assert eng.metrics["A2"].num_cached_tokens == 4
+    plain = build_engine(num_blocks=6, block_size=4, max_num_batched_tokens=64)
+    for rid, p in STORY[:3] + [("A2", A + [109])]:
+        plain.add_request(Request(rid, p, max_tokens=3 if rid == "A2" else 1))
+        plain.run()
+    assert eng.finished["A2"].output_token_ids == plain.finished["A2"].output_token_ids
+    eng.scheduler.check_invariants()
+    eng.scheduler.connector.scheduler.check_invariants()
+
+
+def test_a_missing_file_is_a_miss_at_lookup(tmp_path) -> None:
+    eng = _engine(tmp_path)
+    _run_story(eng, STORY[:3])
+    a_paths = [e.paths for e in eng.events if isinstance(e, KVTransfer) and e.request_id == "A" and e.media[0] == "STORAGE"][0]
+    os.remove(a_paths[0])
+    _run_story(eng, STORY[3:4])
+    assert eng.metrics["A2"].num_cached_tokens == 0  # the chain starts with the missing block: nothing to load
+    dropped = [e for e in eng.events if isinstance(e, OffloadEvicted) and e.reason.startswith("file missing")]
+    assert len(dropped) == 1 and dropped[0].medium == "STORAGE" and a_paths[0] in dropped[0].reason
+    assert not any(isinstance(e, KVLoadFailed) for e in eng.events)
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_a_transfer_that_fails_mid_way_falls_back_and_leaks_nothing(tmp_path, policy) -> None:
+    torch.set_num_threads(1)
+    _, runner = _tiny_runner(6)
+    eng = _engine(tmp_path, executor=runner, policy=policy)
+    story = [(r, [t % 90 + 32 for t in p]) for r, p in STORY]
+    _run_story(eng, story[:3])
+    worker = eng.executor.kv_connector.worker
+    seen = []
+
+    def fail_second(direction, key, gpu_block):
+        if direction == "load":
+            seen.append(gpu_block)
+            if len(seen) == 2:
+                raise OSError("link down")
+
+    worker.before_block_copy = fail_second
+    eng.add_request(Request("A2", story[3][1], max_tokens=3))
+    eng.step()
+    worker.before_block_copy = None
+    assert seen == [4, 3]
+    failed = [(e.request_id, e.block_ids, e.requeued) for e in eng.events if isinstance(e, KVLoadFailed)]
+    assert failed == [("A2", [3], policy == "recompute")]
+    eng.run()
+    eng.scheduler.check_invariants()
+    eng.scheduler.connector.scheduler.check_invariants()
+    assert eng.kv_cache_manager.block_pool.get_num_free_blocks() == 5
+    if policy == "fail":
+        assert eng.finished["A2"].finish_reason == "error" and eng.finished["A2"].output_token_ids == []
+        return
+    _, plain_runner = _tiny_runner(6)
+    plain = build_engine(num_blocks=6, block_size=4, max_num_batched_tokens=64, executor=plain_runner)
+    for rid, p in story[:4]:
+        plain.add_request(Request(rid, p, max_tokens=3 if rid == "A2" else 1))
+        plain.run()
+    assert eng.finished["A2"].output_token_ids == plain.finished["A2"].output_token_ids
+    assert eng.metrics["A2"].num_cached_tokens == 4  # the first block loaded fine and stayed cached
+
+
+def test_a_failed_store_only_costs_a_future_miss(tmp_path) -> None:
+    eng = _engine(tmp_path)
+    worker = eng.executor.kv_connector.worker
+
+    def fail_store(direction, key, gpu_block):
+        if direction == "store":
+            raise RuntimeError("host memory gone")
+
+    worker.before_block_copy = fail_store
+    _run_story(eng, STORY[:1])
+    assert len(eng.scheduler.connector.manager.primary) == 0
+    reasons = [e.reason for e in eng.events if isinstance(e, OffloadEvicted)]
+    assert reasons == ["store failed", "store failed"]
+
+
+# -- bad input -------------------------------------------------------------------------------------------
+def test_bad_configuration_is_refused(tmp_path) -> None:
+    from kvlab import FullAttentionSpec, KVCacheManager, Scheduler, SlidingWindowSpec
+
+    with pytest.raises(ValueError, match="unknown extra config"):
+        OffloadingConnector(KVConnectorRole.SCHEDULER, 4, {"num_gpu_blocks": 3})
+    with pytest.raises(TypeError, match="role must be a KVConnectorRole"):
+        OffloadingConnector("scheduler", 4)  # type: ignore[arg-type]
+    sched_half = OffloadingConnector(KVConnectorRole.SCHEDULER, 4)
+    hybrid = KVCacheManager(num_blocks=20, block_size=4, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(sliding_window=8)])
+    with pytest.raises(ValueError, match="one full-attention KV-cache group"):
+        Scheduler(hybrid, connector=sched_half)
+    with pytest.raises(ValueError, match="enable_caching=True"):
+        Scheduler(KVCacheManager(num_blocks=20, block_size=4, enable_caching=False), connector=OffloadingConnector(KVConnectorRole.SCHEDULER, 4))
+    with pytest.raises(ValueError, match="built for block_size=8"):
+        Scheduler(KVCacheManager(num_blocks=20, block_size=4), connector=OffloadingConnector(KVConnectorRole.SCHEDULER, 8))
+    with pytest.raises(ValueError, match="role=KVConnectorRole.SCHEDULER"):
+        Scheduler(KVCacheManager(num_blocks=20, block_size=4), connector=OffloadingConnector(KVConnectorRole.WORKER, 4))
+    with pytest.raises(RuntimeError, match="scheduler-side hook"):
+        OffloadingConnector(KVConnectorRole.WORKER, 4).manager
+    with pytest.raises(ValueError, match="kv_load_failure_policy must be"):
+        KVTransferConfig("OffloadingConnector", kv_load_failure_policy="retry")
+    with pytest.raises(ValueError, match="unknown kv_connector 'Nixl'"):
+        build_engine(num_blocks=8, block_size=4, kv_transfer_config=KVTransferConfig("Nixl"))
+    with pytest.raises(TypeError, match="kv_transfer_config must be a KVTransferConfig"):
+        build_engine(num_blocks=8, block_size=4, kv_transfer_config={"kv_connector": "OffloadingConnector"})
