@@ -20,7 +20,8 @@ class KVConnectorOutput:
     corrupt, a transfer that failed half way); the scheduler gives their requests back to
     recompute (vLLM's ``kv_load_failure_policy="recompute"``). ``num_loaded_tokens`` and
     ``num_stored_tokens`` (kvlab's own) count tokens moved this step per medium ("CPU",
-    "DISK", "FILE"), so the simulated clock can charge the copies. ``worker_meta``: the
+    "STORAGE", "FILE"), so the simulated clock can charge the copies; ``errors`` says why a
+    request's load failed. ``worker_meta``: the
     connector's own report to its scheduler side (vLLM: ``kv_connector_worker_meta``).
     """
 
@@ -29,6 +30,7 @@ class KVConnectorOutput:
     invalid_block_ids: set[int] = field(default_factory=set)
     num_loaded_tokens: dict[str, int] = field(default_factory=dict)
     num_stored_tokens: dict[str, int] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)  # request id -> why its load failed (names the file)
     worker_meta: Any = None
 
     def is_empty(self) -> bool:

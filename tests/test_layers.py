@@ -34,7 +34,11 @@ CONTRACTS = {
         "kvlab/core/kv_cache_utils.py", "from kvlab.kernels import reshape_and_cache"),
     "No import cycle between sibling modules or packages, at any depth": (
         "kvlab/engine/llm_engine.py", "import kvlab.show"),
+    "The offload tiers' scheduler-side books import no torch and no worker code": (
+        "kvlab/kv_offload/tiering/manager.py", "import kvlab.kv_offload.cpu.gpu_worker"),
 }
+# The core must not reach beyond the pool either: a second planted line for its contract.
+CORE_BEYOND_POOL = ("kvlab/core/sched/scheduler.py", "from kvlab.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole")
 
 
 def lint(cwd: pathlib.Path) -> subprocess.CompletedProcess[str]:
@@ -74,6 +78,19 @@ def test_a_planted_violation_breaks_its_contract(copy: pathlib.Path, name: str) 
         target.write_text(original)
     text = " ".join(out.stdout.split())  # long names wrap in the report
     assert out.returncode != 0 and f"{name} BROKEN" in text, out.stdout
+
+
+def test_the_core_may_not_import_a_connector(copy: pathlib.Path) -> None:
+    path, line = CORE_BEYOND_POOL
+    target = copy / path
+    original = target.read_text()
+    target.write_text(original + f"\n{line}  # planted by tests/test_layers.py\n")
+    try:
+        out = lint(copy)
+    finally:
+        target.write_text(original)
+    text = " ".join(out.stdout.split())
+    assert out.returncode != 0 and "The core imports no torch, Triton, plotly or ipywidgets, and nothing above it BROKEN" in text, out.stdout
 
 
 def test_importing_a_view_loads_no_engine_scheduler_or_plotly() -> None:

@@ -61,6 +61,7 @@ class KVConnectorModelRunnerMixin:
             invalid_block_ids=set(invalid), worker_meta=meta,
             num_loaded_tokens=dict(getattr(meta, "num_loaded_tokens", {}) or {}),
             num_stored_tokens=dict(getattr(meta, "num_stored_tokens", {}) or {}),
+            errors=dict(getattr(meta, "errors", {}) or {}),
         )
         conn.clear_connector_metadata()
 

@@ -649,7 +649,8 @@ class Scheduler:
         if self.connector is not None and kv_connector_output is not None:
             self.connector.update_connector_output(kv_connector_output)
             if kv_connector_output.invalid_block_ids:
-                failed = self._handle_invalid_blocks(kv_connector_output.invalid_block_ids, scheduler_output, finished)
+                failed = self._handle_invalid_blocks(kv_connector_output.invalid_block_ids, scheduler_output, finished,
+                                                     kv_connector_output.errors)
         for rid, n in scheduler_output.num_scheduled_tokens.items():
             r = self.requests.get(rid)
             if r is None or r.status != RequestStatus.RUNNING or rid in failed:
@@ -714,7 +715,7 @@ class Scheduler:
         if self.kv_event_publisher is not None and callable(getattr(self.kv_event_publisher, "shutdown", None)):
             self.kv_event_publisher.shutdown()
     def _handle_invalid_blocks(self, invalid_block_ids: set[int], scheduler_output: SchedulerOutput,
-                               finished: list[Request]) -> set[str]:
+                               finished: list[Request], errors: dict[str, str] | None = None) -> set[str]:
         """Requests of this step whose computed prefix holds a block that failed to load
         (vLLM's ``_handle_invalid_blocks``). For each: the failed block and every later block
         of its table leave the prefix cache (nobody may hit KV that never arrived), then --
@@ -756,11 +757,11 @@ class Scheduler:
                     self.connector.request_requeued(r)
                 if self.events is not None:
                     self.events.emit(KVLoadFailed(request_id=rid, block_ids=[b for b in bad if b in invalid_block_ids],
-                                                  reason="KV load failed", requeued=True))
+                                                  reason=(errors or {}).get(rid, "its KV came from a failed load"), requeued=True))
             else:
                 if self.events is not None:
                     self.events.emit(KVLoadFailed(request_id=rid, block_ids=[b for b in bad if b in invalid_block_ids],
-                                                  reason="KV load failed", requeued=False))
+                                                  reason=(errors or {}).get(rid, "its KV came from a failed load"), requeued=False))
                 r.status = RequestStatus.FINISHED_ABORTED
                 finished.append(r)  # freed with reason "error" by update_from_output
         return out

@@ -55,3 +55,4 @@ class OffloadingWorkerMetadata:
     stores: dict[int, tuple[bool, bool, str]] = field(default_factory=dict)  # job id -> (stored, cascaded, error)
     num_loaded_tokens: dict[str, int] = field(default_factory=dict)
     num_stored_tokens: dict[str, int] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)  # req id -> why its load failed

@@ -71,6 +71,7 @@ class OffloadingConnectorWorker:
             if res.failed_key is not None:
                 self._invalid.update(job.gpu_block_ids[res.num_loaded:])
                 self._failed_reqs.add(job.req_id)
+                self._report.errors[job.req_id] = res.reason
             self._report.loads[job.job_id] = res
 
     def get_block_ids_with_load_errors(self) -> set[int]:
