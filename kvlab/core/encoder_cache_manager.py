@@ -62,8 +62,8 @@ class EncoderCacheManager:
         if not self.cached[mm_hash]:
             self.num_freeable_slots -= self.freeable.pop(mm_hash)
         self.cached[mm_hash].add(request.request_id)
-        self._add_cached_input_id(request.request_id, input_id, mm_hash)
-        if self.events is not None:
+        new = self._add_cached_input_id(request.request_id, input_id, mm_hash)
+        if self.events is not None and new:  # vLLM checks again every step the item is in the window
             self.events.emit(EncoderInputScheduled(request_id=request.request_id, input_id=input_id, mm_hash=mm_hash,
                                                    num_embeds=self.num_embeds_by_hash[mm_hash], computed=False))
         return True
@@ -111,13 +111,14 @@ class EncoderCacheManager:
             self.events.emit(EncoderInputScheduled(request_id=request.request_id, input_id=input_id, mm_hash=mm_hash,
                                                    num_embeds=n, computed=True))
 
-    def _add_cached_input_id(self, request_id: str, input_id: int, mm_hash: str) -> None:
+    def _add_cached_input_id(self, request_id: str, input_id: int, mm_hash: str) -> bool:
         ids = self.request_cached_ids.setdefault(request_id, set())
         if input_id in ids:
-            return
+            return False
         ids.add(input_id)
         refs = self.request_hash_refs.setdefault(request_id, {})
         refs[mm_hash] = refs.get(mm_hash, 0) + 1
+        return True
 
     def get_cached_input_ids(self, request: Request) -> set[int]:
         return self.request_cached_ids.get(request.request_id, set())

@@ -177,6 +177,9 @@ class Scheduler:
         # vLLM keeps the connector's hits apart: vllm:external_prefix_cache_queries / _hits.
         self.connector_prefix_cache_stats: PrefixCacheStats | None = PrefixCacheStats() if connector is not None else None
         self.num_kv_load_failures = 0
+        # Requests given back after a failed load compute their prompt: the connector is not
+        # asked again (one more failure of the same source would loop forever).
+        self._no_external: set[str] = set()
         self.max_num_encoder_input_tokens, encoder_cache_size = compute_encoder_budget(
             max_num_batched_tokens, max_num_encoder_input_tokens, encoder_cache_size)
         self.encoder_cache_manager = EncoderCacheManager(encoder_cache_size, self.events)
@@ -400,7 +403,7 @@ class Scheduler:
             # A KV connector may supply more of the prompt beyond the local hit: external
             # computed tokens (lessons 12-13). kvlab's connectors load synchronously.
             num_external = 0
-            if self.connector is not None:
+            if self.connector is not None and request.request_id not in self._no_external:
                 ext, load_async = self.connector.get_num_new_matched_tokens(request, num_hit_tokens)
                 if ext is None:
                     break  # the connector cannot tell yet (vLLM skips the request this step)
@@ -721,7 +724,8 @@ class Scheduler:
         of its table leave the prefix cache (nobody may hit KV that never arrived), then --
         policy "recompute" -- its blocks are freed and it goes back to the head of the
         waiting queue: at re-admission the blocks that did load are an ordinary prefix hit
-        and it computes the rest. Policy "fail" finishes it with reason "error". Returns
+        and it computes the rest (without asking the connector again). Policy "fail"
+        finishes it with reason "error". Returns
         the ids given back, whose output of this step is dropped."""
         mgr = self.kv_cache_manager
         bs = mgr.kv_cache_groups[0].block_size
@@ -752,6 +756,7 @@ class Scheduler:
                 r.num_computed_tokens = 0
                 r.num_cached_tokens = -1
                 self._num_sent_blocks.pop(rid, None)
+                self._no_external.add(rid)
                 self.waiting.prepend_request(r)
                 if self.connector is not None:
                     self.connector.request_requeued(r)
@@ -785,6 +790,7 @@ class Scheduler:
         if r.mm_features:
             self.encoder_cache_manager.free(r)
         self.kv_cache_manager.free(r)
+        self._no_external.discard(r.request_id)
         self.requests.pop(r.request_id, None)
         self._num_sent_blocks.pop(r.request_id, None)
         self.finished_req_ids.add(r.request_id)
