@@ -1,4 +1,4 @@
-"""`python -m kvlab.bench {core,memory,kernel,engine,viz,events,routing,trace,all}` — speed and paper figures.
+"""`python -m kvlab.bench {core,memory,kernel,engine,viz,events,routing,trace,offload,all}` — speed and paper figures.
 
 Every benchmark prints ratios measured in one run (this machine's speed drifts), never
 absolute thresholds checked by tests.
@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-SUITES = ("core", "memory", "kernel", "engine", "viz", "events", "routing", "trace")
+SUITES = ("core", "memory", "kernel", "engine", "viz", "events", "routing", "trace", "offload")
 
 
 def main(argv: list[str] | None = None) -> int:

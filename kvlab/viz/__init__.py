@@ -13,7 +13,12 @@ is the one-line entry point.
 ``FreeQueueView``   the LRU free queue, evicted-next on the left
 ``TimelineView``    usage, hits, preemptions and a Gantt of requests per step
 ``KernelView``      the slots the attention kernel reads for one query token
+``TiersView``       offload tiers (CPU, disk): LRU strips, the step's stores and loads
+``EncoderCacheView`` the encoder cache: items needed, evictable, free room
 ==================  ==========================================================
+
+``kvlab.viz.transfer.transfer_figure`` draws two engines' pools and the KV handed between
+them (disaggregated prefill, lesson 13).
 
 Views read the data layer (:mod:`kvlab.timeline`) and plotting libraries only -- never the
 engine, the scheduler, the runner or the scenarios (a contract checked by ``lint-imports``).
@@ -22,9 +27,11 @@ kvlab's core never imports either.
 """
 from kvlab.viz.base import View, figure_widget_class, preload
 from kvlab.viz.block_table import BlockTableView
+from kvlab.viz.encoder_cache import EncoderCacheView
 from kvlab.viz.free_queue import FreeQueueView
 from kvlab.viz.hash_chain import HashChainView
 from kvlab.viz.kernel import KernelView
+from kvlab.viz.offload import TiersView
 from kvlab.viz.player import DEFAULT_VIEWS, VIEW_CLASSES, Player
 from kvlab.viz.pool import PoolView
 from kvlab.viz.style import STATE_COLORS, STATUS_COLORS
@@ -33,6 +40,7 @@ from kvlab.viz.timeline import TimelineView
 __all__ = [
     "BlockTableView",
     "DEFAULT_VIEWS",
+    "EncoderCacheView",
     "FreeQueueView",
     "HashChainView",
     "KernelView",
@@ -40,6 +48,7 @@ __all__ = [
     "PoolView",
     "STATE_COLORS",
     "STATUS_COLORS",
+    "TiersView",
     "TimelineView",
     "VIEW_CLASSES",
     "View",
