@@ -710,6 +710,20 @@ class EventLog:
         for fn in self._subscribers:
             fn(event)
 
+    def record(self, kind: str, **fields: Any) -> Event:
+        """Build the event registered as ``kind`` from ``fields`` and emit it.
+
+        For emitters that may not import this module's classes: the KV connectors live in
+        ``kvlab.distributed``, which the data layer itself imports (the wire format), so
+        they name their events (``log.record("kv_transfer", ...)``) instead."""
+        try:
+            cls = EVENT_CLASSES[kind]
+        except KeyError:
+            raise ValueError(f"unknown event kind {kind!r}; known kinds: {sorted(EVENT_CLASSES)}") from None
+        event = cls(**fields)
+        self.emit(event)
+        return event
+
     def subscribe(self, fn: Callable[[Event], None]) -> None:
         """Call ``fn(event)`` on every new event (a live Player follows a log this way)."""
         self._subscribers.append(fn)

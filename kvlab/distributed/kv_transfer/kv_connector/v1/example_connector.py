@@ -34,7 +34,6 @@ from typing import TYPE_CHECKING, Any
 
 from kvlab.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 from kvlab.kv_offload.tiering.fs.io import read_block_file, write_block_file
-from kvlab.timeline.events import KVTransfer
 from kvlab.utils.checks import check_int
 
 if TYPE_CHECKING:
@@ -156,8 +155,8 @@ class ExampleConnector(KVConnectorBase_V1):
         if self.events is not None:
             bs = self.block_size
             ids = row[start // bs: -(-meta.end // bs)]
-            self.events.emit(KVTransfer(direction="load", request_id=request.request_id, media=["FILE"] * len(ids), block_ids=ids,
-                                        paths=[meta.folder], num_tokens=num_external_tokens))
+            self.events.record("kv_transfer", direction="load", request_id=request.request_id, media=["FILE"] * len(ids), block_ids=ids,
+                                        paths=[meta.folder], num_tokens=num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ExampleConnectorMetadata:
         self._check_role(KVConnectorRole.SCHEDULER, "build_connector_meta")
@@ -185,8 +184,8 @@ class ExampleConnector(KVConnectorBase_V1):
             meta.requests.append(ReqMeta(rid, folder, row, 0, p, is_store=True, token_ids=list(prompt)))
             if self.events is not None:
                 ids = row[: -(-p // bs)]
-                self.events.emit(KVTransfer(direction="store", request_id=rid, media=["FILE"] * len(ids), block_ids=ids,
-                                            paths=[folder], num_tokens=p))
+                self.events.record("kv_transfer", direction="store", request_id=rid, media=["FILE"] * len(ids), block_ids=ids,
+                                            paths=[folder], num_tokens=p)
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

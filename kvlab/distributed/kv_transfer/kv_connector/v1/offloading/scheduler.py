@@ -32,7 +32,6 @@ from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.common import (
 )
 from kvlab.kv_offload.base import get_offload_block_hash, make_offload_key
 from kvlab.kv_offload.tiering.manager import StorePlan, TieringOffloadingManager
-from kvlab.timeline.events import KVTransfer, OffloadEvicted, OffloadTiersCreated
 
 if TYPE_CHECKING:
     from kvlab.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -78,7 +77,7 @@ class OffloadingConnectorScheduler:
         self.events = kv_cache_manager.events
         self.use_int_hashes = kv_cache_manager.block_pool.kv_events_use_int_block_hashes
         if self.events is not None:
-            self.events.emit(OffloadTiersCreated(tiers=[{"medium": t.medium, "num_blocks": t.num_blocks} for t in self.manager.tiers]))
+            self.events.record("offload_tiers_created", tiers=[{"medium": t.medium, "num_blocks": t.num_blocks} for t in self.manager.tiers])
 
     # -- helpers ---------------------------------------------------------------------------------
     def _state(self, request: Request) -> RequestOffloadState:
@@ -105,7 +104,7 @@ class OffloadingConnectorScheduler:
             hashes = [get_offload_block_hash(k) for k in ev.keys]
             if ev.removed:
                 if self.events is not None:
-                    self.events.emit(OffloadEvicted(medium=ev.medium, block_hashes=hashes, chunk_ids=list(ev.slots), reason=ev.reason))
+                    self.events.record("offload_evicted", medium=ev.medium, block_hashes=hashes, chunk_ids=list(ev.slots), reason=ev.reason)
                 self._kv_events.append(BlockRemoved(block_hashes=[self._ext(h) for h in hashes], medium=ev.medium))
             else:
                 self._kv_events.append(BlockStored(block_hashes=[self._ext(h) for h in hashes], parent_block_hash=None,
@@ -147,10 +146,10 @@ class OffloadingConnectorScheduler:
         for m in media:
             self.num_hit_tokens[m] = self.num_hit_tokens.get(m, 0) + bs
         if self.events is not None:
-            self.events.emit(KVTransfer(direction="load", request_id=request.request_id, media=list(media), block_ids=gpu_ids,
+            self.events.record("kv_transfer", direction="load", request_id=request.request_id, media=list(media), block_ids=gpu_ids,
                                         block_hashes=[get_offload_block_hash(k) for k in keys],
                                         chunk_ids=[it.cpu_slot for it in items], paths=[it.path or "" for it in items],
-                                        num_tokens=n * bs))
+                                        num_tokens=n * bs)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadingConnectorMetadata:
         meta = OffloadingConnectorMetadata(loads=self._pending_loads, block_size=self.block_size)
@@ -193,14 +192,14 @@ class OffloadingConnectorScheduler:
     def _emit_store(self, rid: str, gpu_ids: list[int], plan: StorePlan) -> None:
         if self.events is None:
             return
-        self.events.emit(KVTransfer(direction="store", request_id=rid, media=["CPU"] * len(plan.keys), block_ids=gpu_ids,
+        self.events.record("kv_transfer", direction="store", request_id=rid, media=["CPU"] * len(plan.keys), block_ids=gpu_ids,
                                     block_hashes=[get_offload_block_hash(k) for k in plan.keys], chunk_ids=list(plan.cpu_slots),
-                                    num_tokens=len(plan.keys) * self.block_size))
+                                    num_tokens=len(plan.keys) * self.block_size)
         if plan.cascade_keys:
-            self.events.emit(KVTransfer(direction="store", request_id=rid, media=["STORAGE"] * len(plan.cascade_keys),
+            self.events.record("kv_transfer", direction="store", request_id=rid, media=["STORAGE"] * len(plan.cascade_keys),
                                         block_hashes=[get_offload_block_hash(k) for k in plan.cascade_keys],
                                         chunk_ids=list(plan.cascade_slots), paths=list(plan.cascade_paths),
-                                        num_tokens=len(plan.cascade_keys) * self.block_size))
+                                        num_tokens=len(plan.cascade_keys) * self.block_size)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         wm = connector_output.worker_meta
