@@ -1,0 +1,87 @@
+"""Helpers for lessons 12-14 (offload tiers, connectors, the encoder cache): the scripted
+stories and the plotting recipes, so the notebooks keep to one idea per cell."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvlab.config.kv_transfer import KVTransferConfig
+from kvlab.engine.llm_engine import LLMEngine, build_engine
+from kvlab.request import Request
+from kvlab.timeline.events import EventLog
+
+# The offload story of lesson 12 (and tests/test_kv_offload.py): three prompts push each other
+# out of a 5-block pool and a 4-block CPU tier; then three requests come back for them.
+A = list(range(100, 109))
+B = list(range(200, 217))
+C = list(range(300, 313))
+OFFLOAD_STORY: list[tuple[str, list[int]]] = [("A", A), ("B", B), ("C", C), ("A2", A + [109]),
+                                              ("C2", C + [313, 314, 315]), ("B2", B[:13])]
+
+
+def offload_engine(storage_path: str, *, executor: Any = None, num_blocks: int = 6, block_size: int = 4,
+                   num_cpu_blocks: int = 4, num_storage_blocks: int = 12, **extra: Any) -> LLMEngine:
+    """An engine with a CPU tier and a disk tier behind its pool (the story's sizes)."""
+    cfg = KVTransferConfig("OffloadingConnector", kv_connector_extra_config=dict(
+        num_cpu_blocks=num_cpu_blocks, storage_path=storage_path, num_storage_blocks=num_storage_blocks, **extra))
+    return build_engine(num_blocks=num_blocks, block_size=block_size, max_num_batched_tokens=64, executor=executor,
+                        kv_transfer_config=cfg)
+
+
+def run_one_by_one(engine: LLMEngine, story: Sequence[tuple[str, list[int]]], max_tokens: int = 1) -> None:
+    """Each request alone, to the end: the order of the story is the order of events."""
+    for rid, prompt in story:
+        engine.add_request(Request(rid, list(prompt), max_tokens=max_tokens))
+        engine.run()
+
+
+def transfer_lines(log: EventLog, request_ids: Sequence[str] | None = None, from_step: int = 0) -> list[str]:
+    """Every KV transfer and tier eviction of a run (from ``from_step`` on), one line each."""
+    lines = []
+    for e in log:
+        if e.step >= from_step and e.kind in ("kv_transfer", "offload_evicted", "kv_load_failed"):
+            rid = getattr(e, "request_id", None)
+            if request_ids is None or rid is None or rid in request_ids:
+                lines.append(f"step {e.step}: {e.describe()}")
+    return lines
+
+
+def offload_bench_figure(runs: Sequence[Any]) -> Any:
+    """Bars: where each run's prompt tokens came from (GPU pool / CPU / disk); markers: mean TTFT."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    from kvlab.viz.style import FONT, STATE_COLORS
+
+    names = [r.name.strip() for r in runs]
+    fig = make_subplots(rows=1, cols=2, column_widths=[0.6, 0.4], subplot_titles=(
+        "prompt tokens served from a cache", "mean time to first token (simulated)"))
+    for label, values, color in (("GPU pool", [r.gpu_share for r in runs], STATE_COLORS["in_use"]),
+                                 ("CPU tier", [r.share("CPU") for r in runs], "#56b4e9"),
+                                 ("disk tier", [r.share("STORAGE") for r in runs], "#0072b2")):
+        fig.add_trace(go.Bar(y=names, x=values, name=label, orientation="h", marker_color=color,
+                             hovertemplate="%{x:.1%}<extra>" + label + "</extra>"), row=1, col=1)
+    fig.add_trace(go.Bar(y=names, x=[r.mean_ttft * 1e3 for r in runs], orientation="h", marker_color="#999999",
+                         showlegend=False, text=[f"{r.mean_ttft * 1e3:.0f} ms" for r in runs], textposition="inside",
+                         hovertemplate="%{x:.1f} ms<extra></extra>"), row=1, col=2)
+    fig.update_layout(barmode="stack", width=860, height=300, font=dict(family=FONT, size=11), margin=dict(l=10, r=10, t=40, b=30),
+                      legend=dict(orientation="h", y=-0.15), plot_bgcolor="white")
+    fig.update_xaxes(tickformat=".0%", range=[0, 1], row=1, col=1)
+    fig.update_yaxes(autorange="reversed")
+    fig.update_yaxes(showticklabels=False, row=1, col=2)
+    return fig
+
+
+def encoder_story(**scheduler_kwargs: Any) -> LLMEngine:
+    """Lesson 14's four requests with images (12 tokens per step, an encoder budget of 8
+    embeddings, an encoder cache of 16); not yet run."""
+    from kvlab.request import MultiModalFeature as MM
+
+    kw = dict(max_num_batched_tokens=12, max_num_encoder_input_tokens=8, encoder_cache_size=16)
+    kw.update(scheduler_kwargs)
+    eng = build_engine(num_blocks=32, block_size=4, **kw)
+    eng.add_request(Request("r0", list(range(100, 120)), max_tokens=2, mm_features=[MM("img-a", offset=4, length=8)]))
+    eng.add_request(Request("r1", list(range(200, 214)), max_tokens=2, mm_features=[MM("img-a", offset=2, length=8)]))
+    eng.add_request(Request("r2", list(range(300, 316)), max_tokens=2, mm_features=[MM("img-b", offset=2, length=8)]))
+    eng.add_request(Request("r3", list(range(400, 420)), max_tokens=2, mm_features=[MM("img-c", offset=6, length=8)]))
+    return eng
