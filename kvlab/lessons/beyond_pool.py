@@ -85,3 +85,43 @@ def encoder_story(**scheduler_kwargs: Any) -> LLMEngine:
     eng.add_request(Request("r2", list(range(300, 316)), max_tokens=2, mm_features=[MM("img-b", offset=2, length=8)]))
     eng.add_request(Request("r3", list(range(400, 420)), max_tokens=2, mm_features=[MM("img-c", offset=6, length=8)]))
     return eng
+
+
+def hook_recorder() -> tuple[Any, Any, list[str]]:
+    """Both halves of a connector that writes down every hook call (lesson 13): it offers
+    the first 16 tokens of any longer prompt as external (and loads nothing -- a demo)."""
+    from kvlab.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
+
+    calls: list[str] = []
+
+    class HookRecorder(KVConnectorBase_V1):
+        def get_num_new_matched_tokens(self, request, num_computed_tokens):  # noqa: ANN001, ANN201
+            n = 16 - num_computed_tokens if request.num_tokens > 16 else 0
+            calls.append(f"scheduler: get_num_new_matched_tokens({request.request_id}, local hit {num_computed_tokens}) -> {n}")
+            return n, False
+
+        def update_state_after_alloc(self, request, blocks, num_external_tokens):  # noqa: ANN001, ANN201
+            calls.append(f"scheduler: update_state_after_alloc({request.request_id}, blocks {blocks.get_block_ids()[0]}, "
+                         f"external {num_external_tokens})")
+
+        def build_connector_meta(self, scheduler_output):  # noqa: ANN001, ANN201
+            calls.append(f"scheduler: build_connector_meta(step {scheduler_output.step})")
+            return KVConnectorMetadata()
+
+        def request_finished(self, request, block_ids):  # noqa: ANN001, ANN201
+            calls.append(f"scheduler: request_finished({request.request_id}, blocks {block_ids})")
+            return False, None
+
+        def start_load_kv(self, **kwargs):  # noqa: ANN003, ANN201
+            calls.append("worker:    start_load_kv()")
+
+        def wait_for_layer_load(self, layer_name):  # noqa: ANN001, ANN201
+            calls.append(f"worker:      wait_for_layer_load({layer_name})")
+
+        def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):  # noqa: ANN001, ANN003, ANN201
+            calls.append(f"worker:      save_kv_layer({layer_name}, kv {tuple(kv_layer.shape)})")
+
+        def wait_for_save(self, skip_req_ids=frozenset()):  # noqa: ANN001, ANN201
+            calls.append("worker:    wait_for_save()")
+
+    return HookRecorder(KVConnectorRole.SCHEDULER), HookRecorder(KVConnectorRole.WORKER), calls
