@@ -158,7 +158,90 @@ def gaps_ok(last_seq, seq):
     return range(last_seq + 1, seq) if last_seq is not None and seq > last_seq + 1 else range(0)
 
 
+def tiers_ok(block_hashes, num_computed_tokens, num_tokens, block_size, in_cpu, in_storage):
+    """Walks indices with a while loop and asks the tiers through a table of checks."""
+    media, i, last = [], num_computed_tokens // block_size, (num_tokens - 1) // block_size
+    while i < min(last, len(block_hashes)):
+        found = [name for name, has in (("CPU", in_cpu), ("STORAGE", in_storage)) if has(block_hashes[i])]
+        if not found:
+            break
+        media.append(found[0])
+        i += 1
+    return media
+
+
+def _tiers_wrong(**kw):
+    from kvlab.exercises.checks_beyond_pool import _tier_reference
+
+    def fn(block_hashes, num_computed_tokens, num_tokens, block_size, in_cpu, in_storage):
+        cpu = {h for h in block_hashes if in_cpu(h)}
+        disk = {h for h in block_hashes if in_storage(h)}
+        return _tier_reference(block_hashes, num_computed_tokens, num_tokens, block_size, cpu, disk,
+                               end=num_tokens // block_size if kw.get("last") else None, start=0 if kw.get("from0") else None,
+                               skip_miss=kw.get("skip", False), disk_first=kw.get("disk_first", False))
+    return fn
+
+
+def tiers_cpu_only(block_hashes, num_computed_tokens, num_tokens, block_size, in_cpu, in_storage):
+    return tiers_ok(block_hashes, num_computed_tokens, num_tokens, block_size, in_cpu, lambda h: False)
+
+
+def matched_ok(saved_tokens, num_prompt_tokens, num_computed_tokens):
+    n = saved_tokens if saved_tokens < num_prompt_tokens else num_prompt_tokens - 1
+    return n - num_computed_tokens if n > num_computed_tokens else 0
+
+
+def slots_ok(block_ids, start, end, block_size):
+    out = []
+    for p in range(start, end):
+        block, offset = divmod(p, block_size)
+        out.append(block_ids[block] * block_size + offset)
+    return out
+
+
+def enc_ok(items, num_computed_tokens, num_new_tokens, is_cached, fits):
+    """Filters the window first, then walks it."""
+    end = num_computed_tokens + num_new_tokens
+    window = [i for i, (_, off, n) in enumerate(items) if off < end and off + n > num_computed_tokens]
+    picked, names = [], set()
+    for i in window:
+        name, off, _ = items[i]
+        if name in names or is_cached(i):
+            continue
+        if fits(i):
+            picked.append(i)
+            names.add(name)
+            continue
+        return picked, max(0, off - num_computed_tokens)
+    return picked, num_new_tokens
+
+
+def _enc_wrong(**kw):
+    def fn(items, num_computed_tokens, num_new_tokens, is_cached, fits):
+        out, seen = [], set()
+        end = num_computed_tokens + num_new_tokens
+        for i, (name, off, n) in enumerate(items):
+            if off >= end and not kw.get("no_stop"):
+                break
+            if off + n <= num_computed_tokens or (kw.get("only_starting") and off < num_computed_tokens):
+                continue
+            if name in seen or (not kw.get("ignore_cache") and is_cached(i)):
+                continue
+            if not fits(i):
+                if not kw.get("no_cut"):
+                    num_new_tokens = 0 if kw.get("zero") or num_computed_tokens >= off else min(num_new_tokens, off - num_computed_tokens)
+                break
+            seen.add(name)
+            out.append(i)
+        return out, num_new_tokens
+    return fn
+
+
 CORRECT = {
+    "tier_hits": tiers_ok,
+    "num_matched_tokens": matched_ok,
+    "token_slots": slots_ok,
+    "encoder_inputs": enc_ok,
     "hash_chain": hash_ok,
     "extra_keys": extra_ok,
     "free_queue": QueueOk,
@@ -362,6 +445,30 @@ WRONG = {
         "KeyError on an unknown removal": _copies_keyerror,
         "keeps zero counts": _copies_keep_zero,
     },
+    "tier_hits": {
+        "includes the last token's block": _tiers_wrong(last=True),
+        "starts at block 0 (ignores the local hit)": _tiers_wrong(from0=True),
+        "skips a miss and goes on": _tiers_wrong(skip=True),
+        "asks the disk first": _tiers_wrong(disk_first=True),
+        "never asks the disk": tiers_cpu_only,
+    },
+    "num_matched_tokens": {
+        "ignores the local hit": lambda saved, prompt, hit: min(saved, prompt - 1),
+        "takes the last token too": lambda saved, prompt, hit: max(0, min(saved, prompt) - hit),
+        "negative when the hit is longer": lambda saved, prompt, hit: min(saved, prompt - 1) - hit,
+    },
+    "token_slots": {
+        "forgets × block_size": lambda ids, a, b, bs: [ids[p // bs] + p % bs for p in range(a, b)],
+        "indexes the table from the range start": lambda ids, a, b, bs: [ids[(p - a) // bs] * bs + p % bs for p in range(a, b)],
+        "includes end": lambda ids, a, b, bs: [ids[p // bs] * bs + p % bs for p in range(a, b + 1) if p // bs < len(ids)],
+    },
+    "encoder_inputs": {
+        "never cuts the chunk": _enc_wrong(no_cut=True),
+        "cuts the chunk to 0": _enc_wrong(zero=True),
+        "encodes a cached image again": _enc_wrong(ignore_cache=True),
+        "forgets the image a prefix hit ends in": _enc_wrong(only_starting=True),
+        "encodes images beyond the chunk": _enc_wrong(no_stop=True),
+    },
     "stream_gaps": {
         "forgets the gap": lambda last, seq: range(0),
         "off by one (asks for last_seq again)": lambda last, seq: range(last, seq) if last is not None and seq > last + 1 else range(0),
@@ -447,6 +554,41 @@ def test_specific_teaching_messages():
     assert "forgot the gap" in check("stream_gaps", w["forgets the gap"]).idea
     assert "last_seq itself" in check("stream_gaps", w["off by one (asks for last_seq again)"]).idea
     assert "seq itself" in check("stream_gaps", w["off by one (asks for seq too)"]).idea
+
+
+def test_beyond_pool_teaching_messages():
+    w = WRONG["tier_hits"]
+    assert "last token" in check("tier_hits", w["includes the last token's block"]).idea
+    assert "after the local hit" in check("tier_hits", w["starts at block 0 (ignores the local hit)"]).idea
+    assert "chain" in check("tier_hits", w["skips a miss and goes on"]).idea
+    assert "CPU tier first" in check("tier_hits", w["asks the disk first"]).idea
+    assert "storage tier" in check("tier_hits", w["never asks the disk"]).idea
+    w = WRONG["num_matched_tokens"]
+    assert "BEYOND the local hit" in check("num_matched_tokens", w["ignores the local hit"]).idea
+    assert "last token" in check("num_matched_tokens", w["takes the last token too"]).idea
+    assert "clamp at 0" in check("num_matched_tokens", w["negative when the hit is longer"]).idea
+    w = WRONG["token_slots"]
+    assert "multiply the block id" in check("token_slots", w["forgets × block_size"]).idea
+    assert "position in the request" in check("token_slots", w["indexes the table from the range start"]).idea
+    assert "half open" in check("token_slots", w["includes end"]).idea
+    w = WRONG["encoder_inputs"]
+    assert "right before it" in check("encoder_inputs", w["never cuts the chunk"]).idea
+    assert "not at 0" in check("encoder_inputs", w["cuts the chunk to 0"]).idea
+    assert "shared by hash" in check("encoder_inputs", w["encodes a cached image again"]).idea
+    assert "starts inside an image" in check("encoder_inputs", w["forgets the image a prefix hit ends in"]).idea
+    assert "overlapping the chunk" in check("encoder_inputs", w["encodes images beyond the chunk"]).idea
+
+
+def test_the_engine_run_catches_what_the_cases_miss():
+    """A learner function that passes every case but misbehaves in a situation only the
+    engine reaches is still refused (the engine part of each checker is not decoration)."""
+    def tiers_small_only(block_hashes, num_computed_tokens, num_tokens, block_size, in_cpu, in_storage):
+        media = tiers_ok(block_hashes, num_computed_tokens, num_tokens, block_size, in_cpu, in_storage)
+        return media[:2] if media == ["STORAGE"] * 3 else media  # B2's three disk blocks: only two
+
+    res = check("tier_hits", tiers_small_only)
+    assert not res and "in the engine" in res.message and "first difference" in res.details
+
 
 
 def test_unknown_exercise_id():

@@ -72,14 +72,19 @@ def offload_bench_figure(runs: Sequence[Any]) -> Any:
     return fig
 
 
-def encoder_story(**scheduler_kwargs: Any) -> LLMEngine:
+def encoder_story(scheduler_cls: type | None = None, **scheduler_kwargs: Any) -> LLMEngine:
     """Lesson 14's four requests with images (12 tokens per step, an encoder budget of 8
-    embeddings, an encoder cache of 16); not yet run."""
+    embeddings, an encoder cache of 16); not yet run. ``scheduler_cls``: a Scheduler
+    subclass to run them (the ``encoder_inputs`` checker's seam)."""
+    from kvlab.core.kv_cache_manager import KVCacheManager
+    from kvlab.core.sched.scheduler import Scheduler
+    from kvlab.executor.simulated import SimulatedExecutor
     from kvlab.request import MultiModalFeature as MM
 
-    kw = dict(max_num_batched_tokens=12, max_num_encoder_input_tokens=8, encoder_cache_size=16)
+    kw: dict[str, Any] = dict(max_num_batched_tokens=12, max_num_encoder_input_tokens=8, encoder_cache_size=16)
     kw.update(scheduler_kwargs)
-    eng = build_engine(num_blocks=32, block_size=4, **kw)
+    mgr = KVCacheManager(num_blocks=32, block_size=4, event_log=EventLog(), max_in_flight_tokens=kw["max_num_batched_tokens"])
+    eng = LLMEngine(mgr, (scheduler_cls or Scheduler)(mgr, **kw), SimulatedExecutor())
     eng.add_request(Request("r0", list(range(100, 120)), max_tokens=2, mm_features=[MM("img-a", offset=4, length=8)]))
     eng.add_request(Request("r1", list(range(200, 214)), max_tokens=2, mm_features=[MM("img-a", offset=2, length=8)]))
     eng.add_request(Request("r2", list(range(300, 316)), max_tokens=2, mm_features=[MM("img-b", offset=2, length=8)]))

@@ -84,6 +84,12 @@ class TieringOffloadingManager:
             if m is None:
                 break
             media.append(m)
+        return self.cap_promotions(keys, media)
+
+    def cap_promotions(self, keys: Sequence[OffloadKey], media: Sequence[str]) -> list[str]:
+        """Cut ``media`` before the first storage block that could not get a CPU slot to
+        pass through (every block of the run is protected from that eviction)."""
+        media = list(media)
         if STORAGE in media:
             room = self.primary.num_storable(protected=keys[: len(media)])
             seen = 0

@@ -141,9 +141,20 @@ class ExampleConnector(KVConnectorBase_V1):
         self._check_role(KVConnectorRole.SCHEDULER, "get_num_new_matched_tokens")
         if self.kv_role == "kv_producer" or request.num_preemptions or request.num_tokens != request.num_prompt_tokens:
             return 0, False
-        saved = min(self._saved_tokens(request), request.num_prompt_tokens - 1)
+        n = self.external_tokens(self._saved_tokens(request), request.num_prompt_tokens, num_computed_tokens)
         self._local[request.request_id] = num_computed_tokens
-        return max(0, saved - num_computed_tokens), False
+        return n, False
+
+    def external_tokens(self, saved_tokens: int, num_prompt_tokens: int, num_computed_tokens: int) -> int:
+        """Tokens to take from a folder holding ``saved_tokens``, after a local hit of
+        ``num_computed_tokens``: every saved prompt token but the last (the engine computes
+        it to sample), beyond the hit. (The ``num_matched_tokens`` exercise swaps this.)"""
+        return max(0, min(saved_tokens, num_prompt_tokens - 1) - num_computed_tokens)
+
+    def slots_of(self, rm: ReqMeta, block_size: int) -> list[int]:
+        """The cache slots of tokens ``[rm.start, rm.end)`` through the request's table.
+        (The ``token_slots`` exercise swaps this.)"""
+        return rm.slots(block_size)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if num_external_tokens <= 0:
@@ -217,7 +228,7 @@ class ExampleConnector(KVConnectorBase_V1):
         for rm in meta.requests:
             if rm.is_store:
                 continue
-            slots = rm.slots(bs)
+            slots = self.slots_of(rm, bs)
             try:
                 for layer, kv in enumerate(self.kv_caches):
                     path = self._layer_path(rm.folder, layer)
@@ -256,7 +267,7 @@ class ExampleConnector(KVConnectorBase_V1):
         for rm in meta.requests:
             if not rm.is_store or rm.req_id in self._report.errors:
                 continue
-            slots = rm.slots(bs)
+            slots = self.slots_of(rm, bs)
             path = self._layer_path(rm.folder, layer)
             try:
                 if self.before_layer_io is not None:

@@ -38,6 +38,9 @@ _KNOWN = {"num_cpu_blocks", "storage_path", "num_storage_blocks", "offload_promp
 
 
 class OffloadingConnector(KVConnectorBase_V1):
+    #: The scheduler half's class: a seam (the ``tier_hits`` exercise plugs a subclass in).
+    scheduler_cls: type[OffloadingConnectorScheduler] = OffloadingConnectorScheduler
+
     def __init__(self, role: KVConnectorRole, block_size: int, extra_config: dict[str, Any] | None = None) -> None:
         super().__init__(role)
         cfg = dict(extra_config or {})
@@ -59,7 +62,7 @@ class OffloadingConnector(KVConnectorBase_V1):
         if role is KVConnectorRole.SCHEDULER:
             storage = FileSystemTierManager(self.num_storage_blocks, path) if path is not None else None
             manager = TieringOffloadingManager(CPUOffloadingManager(self.num_cpu_blocks), storage)
-            self.connector_scheduler = OffloadingConnectorScheduler(manager, self.block_size, offload_prompt_only)
+            self.connector_scheduler = self.scheduler_cls(manager, self.block_size, offload_prompt_only)
         else:
             self.connector_worker = OffloadingConnectorWorker(self.num_cpu_blocks, self.block_size)
 

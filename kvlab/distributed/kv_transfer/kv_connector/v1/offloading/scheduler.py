@@ -115,17 +115,23 @@ class OffloadingConnectorScheduler:
         return int.from_bytes(h, "big") & 0xFFFF_FFFF_FFFF_FFFF if self.use_int_hashes else h
 
     # -- the hooks -------------------------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        st = self._state(request)
+    def tier_hits(self, request: Request, num_computed_tokens: int) -> list[str]:
+        """The tier that serves each block after the local hit, in order, as far as the
+        tiers hold the run: whole blocks, never the prompt's last token, CPU before disk.
+        (The ``tier_hits`` exercise swaps this method.)"""
         bs = self.block_size
         start = num_computed_tokens // bs
         end = (request.num_tokens - 1) // bs  # whole blocks, never the last token
         keys = [make_offload_key(h) for h in request.block_hashes[start:end]]
-        media = self.manager.lookup_chain(keys) if keys else []
+        return self.manager.lookup_chain(keys) if keys else []
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        st = self._state(request)
+        media = self.tier_hits(request, num_computed_tokens)
         self._drain()  # a lookup may find a file gone and drop its entry
         st.num_locally_computed_tokens = num_computed_tokens
         st.lookup_media = media
-        return len(media) * bs, False
+        return len(media) * self.block_size, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         st = self._state(request)

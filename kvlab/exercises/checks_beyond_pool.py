@@ -1,0 +1,426 @@
+"""Checkers for lessons 12-14: ``tier_hits`` (offload tiers), ``num_matched_tokens`` and
+``token_slots`` (a consumer connector), ``encoder_inputs`` (the encoder budget).
+
+Each one runs the learner's function on cases built to tell the classic wrong answers
+apart, then plugs it into the real engine through a seam (a connector's scheduler-half
+class, a connector method, a scheduler subclass) and replays the lesson's story.
+"""
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+from kvlab.exercises.registry import call, register
+from kvlab.exercises.result import CheckResult, failed, passed
+
+# --- tier_hits (lesson 12) ---------------------------------------------------------------------------
+
+
+def _tier_cases() -> list[tuple[str, list[bytes], int, int, int, set[bytes], set[bytes], list[str]]]:
+    h = [f"b{i}".encode() for i in range(8)]
+    return [
+        # name, hashes, computed, num_tokens, block_size, in CPU, on disk, expected
+        ("nothing cached locally, CPU then disk", h, 0, 26, 4, {h[0], h[1]}, {h[2], h[3]}, ["CPU", "CPU", "STORAGE", "STORAGE"]),
+        ("a local hit of 8 tokens first", h, 8, 26, 4, {h[0], h[1], h[2]}, {h[3]}, ["CPU", "STORAGE"]),
+        ("the prompt is exactly 5 blocks: the last one is the model's", h, 0, 20, 4, set(h), set(), ["CPU"] * 4),
+        ("a miss in the middle ends the run", h, 0, 30, 4, {h[0], h[2], h[3]}, set(), ["CPU"]),
+        ("on both tiers: CPU is nearer", h, 4, 17, 4, {h[1], h[2]}, {h[1], h[2], h[3]}, ["CPU", "CPU", "STORAGE"]),
+        ("nothing anywhere", h, 0, 30, 4, set(), set(), []),
+    ]
+
+
+@register(
+    "tier_hits",
+    "Which tier serves each block",
+    "tier_hits(block_hashes, num_computed_tokens, num_tokens, block_size, in_cpu, in_storage) -> list[str]",
+    "12_kv_offload_tiers",
+    [
+        "The GPU pool already served num_computed_tokens (whole blocks): start at block num_computed_tokens // block_size.",
+        "A hit never covers the prompt's last token -- the model computes it to sample the next one: stop before block (num_tokens - 1) // block_size.",
+        "A prefix is a chain: the first block no tier holds ends the run, even if later blocks are cached.",
+        "Ask the CPU tier first ('CPU'), then the disk ('STORAGE'): the CPU copy is faster and a disk block goes through the CPU anyway.",
+    ],
+    notebook="ex_offload",
+)
+def check_tier_hits(fn: Any) -> CheckResult:
+    eid = "tier_hits"
+    for name, hashes, computed, ntok, bs, cpu, disk, want in _tier_cases():
+        got = call(fn, list(hashes), computed, ntok, bs, cpu.__contains__, disk.__contains__, where=f"the case '{name}'")
+        got = list(got) if isinstance(got, (list, tuple)) else got
+        if got == want:
+            continue
+        return failed(eid, f"wrong tiers: {name}", case=name, inputs=f"num_computed_tokens={computed}, num_tokens={ntok}, "
+                      f"block_size={bs}, CPU holds {sorted(x.decode() for x in cpu)}, disk holds {sorted(x.decode() for x in disk)}",
+                      expected=repr(want), got=repr(got), idea=_tier_idea(got, hashes, computed, ntok, bs, cpu, disk, want))
+    ok, detail = _tier_story(fn)
+    if not ok:
+        return failed(eid, "in the engine: the offload story does not load what vLLM loads", details=detail,
+                      idea="your function runs inside the offloading connector's lookup; compare your cases with the lesson's story")
+    return passed(eid, "every case matches; inside the offloading connector the lesson's story loads A2 from disk, C2's third "
+                       "block from the CPU tier and B2 from disk, exactly as before.")
+
+
+def _tier_reference(hashes, computed, ntok, bs, cpu, disk, *, end=None, start=None, skip_miss=False, disk_first=False) -> list[str]:
+    out = []
+    a = computed // bs if start is None else start
+    b = (ntok - 1) // bs if end is None else end
+    for h in hashes[a:b]:
+        tiers = [("STORAGE", disk), ("CPU", cpu)] if disk_first else [("CPU", cpu), ("STORAGE", disk)]
+        m = next((name for name, s in tiers if h in s), None)
+        if m is None:
+            if skip_miss:
+                continue
+            break
+        out.append(m)
+    return out
+
+
+def _tier_idea(got, hashes, computed, ntok, bs, cpu, disk, want) -> str:
+    if got == _tier_reference(hashes, computed, ntok, bs, cpu, disk, end=ntok // bs):
+        return "the prompt's last token is never a hit: the model must compute it to sample -- stop before block (num_tokens - 1) // block_size"
+    if got == _tier_reference(hashes, computed, ntok, bs, cpu, disk, start=0):
+        return "start after the local hit: the GPU pool already served num_computed_tokens, block num_computed_tokens // block_size is the first to look up"
+    if got == _tier_reference(hashes, computed, ntok, bs, cpu, disk, skip_miss=True):
+        return "a prefix is a chain: a block after a miss cannot be used without the missing one -- stop at the first miss"
+    if got == _tier_reference(hashes, computed, ntok, bs, cpu, disk, disk_first=True):
+        return "look in the CPU tier first: it is nearer, and a disk block must pass through the CPU anyway"
+    if got == _tier_reference(hashes, computed, ntok, bs, cpu, set()):
+        return "a block the CPU tier lost may still be on disk: ask the storage tier before calling it a miss"
+    return "one medium per block ('CPU' or 'STORAGE'), from the first block after the local hit, up to the first miss"
+
+
+def _tier_story(fn: Callable) -> tuple[bool, str]:
+    """Lesson 12's story with the learner's lookup inside the connector; the transfers must
+    equal the reference run's."""
+    from kvlab.core.kv_cache_manager import KVCacheManager
+    from kvlab.core.sched.scheduler import Scheduler
+    from kvlab.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import OffloadingConnectorScheduler
+    from kvlab.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+    from kvlab.engine.llm_engine import LLMEngine
+    from kvlab.executor.simulated import SimulatedExecutor
+    from kvlab.kv_offload.base import LookupResult, make_offload_key
+    from kvlab.lessons.beyond_pool import OFFLOAD_STORY, run_one_by_one, transfer_lines
+    from kvlab.timeline.events import EventLog
+
+    class LearnerScheduler(OffloadingConnectorScheduler):
+        def tier_hits(self, request, num_computed_tokens):  # noqa: ANN001, ANN201
+            m = self.manager
+
+            def in_cpu(h: bytes) -> bool:
+                return m.primary.lookup(make_offload_key(h)) is LookupResult.HIT
+
+            def in_storage(h: bytes) -> bool:
+                return m.secondary is not None and m.secondary.lookup(make_offload_key(h)) is LookupResult.HIT
+
+            media = call(fn, list(request.block_hashes), num_computed_tokens, request.num_tokens, self.block_size, in_cpu,
+                         in_storage, where=f"looking up {request.request_id!r} in the tiers")
+            start = num_computed_tokens // self.block_size
+            keys = [make_offload_key(h) for h in request.block_hashes[start:start + len(media)]]
+            return m.cap_promotions(keys, list(media))
+
+    learner_connector = type("LearnerOffloadingConnector", (OffloadingConnector,), {"scheduler_cls": LearnerScheduler})
+
+    def run(connector_cls: type) -> list[str]:
+        with tempfile.TemporaryDirectory() as d:
+            extra = dict(num_cpu_blocks=4, storage_path=d, num_storage_blocks=12)
+            log = EventLog()
+            mgr = KVCacheManager(num_blocks=6, block_size=4, event_log=log)
+            sched = Scheduler(mgr, max_num_batched_tokens=64, connector=connector_cls(KVConnectorRole.SCHEDULER, 4, extra))
+            eng = LLMEngine(mgr, sched, SimulatedExecutor(kv_connector=OffloadingConnector(KVConnectorRole.WORKER, 4, extra)))
+            run_one_by_one(eng, OFFLOAD_STORY)
+            return transfer_lines(log)
+
+    want, got = run(OffloadingConnector), run(learner_connector)
+    if got == want:
+        return True, ""
+    diff = next(i for i, (a, b) in enumerate(zip(want + [""], got + [""])) if a != b)
+    return False, f"   first difference: expected {want[diff] if diff < len(want) else '(nothing)'!r}, got {got[diff] if diff < len(got) else '(nothing)'!r}"
+
+
+# --- num_matched_tokens and token_slots (lesson 13) ---------------------------------------------------
+MATCH_CASES = [
+    # name, saved, prompt, local hit, expected
+    ("a fresh request, the whole prompt saved", 41, 41, 0, 40),
+    ("the local pool already had 32 tokens", 41, 41, 32, 8),
+    ("the folder holds only the first 20 tokens", 20, 41, 0, 20),
+    ("the local hit is longer than the folder", 20, 41, 32, 0),
+    ("nothing saved", 0, 41, 16, 0),
+]
+
+
+@register(
+    "num_matched_tokens",
+    "How many tokens the consumer takes",
+    "num_matched_tokens(saved_tokens, num_prompt_tokens, num_computed_tokens) -> int",
+    "13_connectors_and_disaggregated_prefill",
+    [
+        "The answer counts tokens BEYOND the local hit: the GPU pool already supplies num_computed_tokens.",
+        "Never the prompt's last token: the decode engine computes it to sample the first output token.",
+        "A folder may hold less than the local hit already covers: then there is nothing to take (never a negative count).",
+    ],
+    notebook="ex_connector",
+)
+def check_num_matched_tokens(fn: Any) -> CheckResult:
+    eid = "num_matched_tokens"
+    for name, saved, prompt, hit, want in MATCH_CASES:
+        got = call(fn, saved, prompt, hit, where=f"the case '{name}'")
+        if got == want:
+            continue
+        idea = "take every saved prompt token but the last, minus what the local hit already covers, and never fewer than 0"
+        if got == min(saved, prompt - 1):
+            idea = "count only the tokens BEYOND the local hit: the GPU pool already supplies num_computed_tokens of them"
+        elif got == max(0, min(saved, prompt) - hit):
+            idea = "leave the prompt's last token to the model: its logits choose the first output token (at most num_prompt_tokens - 1)"
+        elif got == min(saved, prompt - 1) - hit:
+            idea = "when the local hit is longer than the folder there is nothing to take: clamp at 0, a negative count is an error"
+        return failed(eid, f"wrong count: {name}", case=name, inputs=f"saved_tokens={saved}, num_prompt_tokens={prompt}, "
+                      f"num_computed_tokens={hit}", expected=repr(want), got=repr(got), idea=idea)
+    ok, detail = _pd_run(matched=fn)
+    if not ok:
+        return failed(eid, "in the engine: the prefill/decode pair does not behave", details=detail,
+                      idea="your function decides how many tokens the decode engine takes from the prefill engine's files")
+    return passed(eid, "every case matches; a prefill/decode pair with your count gives the dense model's tokens and the decode "
+                       "engine computes only each prompt's last token.")
+
+
+SLOT_CASES = [
+    # name, block ids, start, end, block size
+    ("a whole prompt from token 0", [7, 3, 9], 0, 10, 4),
+    ("after a local hit of one block", [7, 3, 9], 4, 11, 4),
+    ("a range that starts inside a block", [2, 5], 3, 6, 4),
+    ("blocks of 16", [11, 4], 14, 20, 16),
+]
+
+
+@register(
+    "token_slots",
+    "Where a token range sits in the cache",
+    "token_slots(block_ids, start, end, block_size) -> list[int]",
+    "13_connectors_and_disaggregated_prefill",
+    [
+        "Token p sits in block block_ids[p // block_size] (the table is indexed by the token's position, from 0), at offset p % block_size.",
+        "A slot numbers every token place of the pool: slot = block id × block_size + offset.",
+        "The range is [start, end): end is not included.",
+    ],
+    notebook="ex_connector",
+)
+def check_token_slots(fn: Any) -> CheckResult:
+    eid = "token_slots"
+    for name, ids, a, b, bs in SLOT_CASES:
+        want = [ids[p // bs] * bs + p % bs for p in range(a, b)]
+        got = call(fn, list(ids), a, b, bs, where=f"the case '{name}'")
+        got = list(got) if isinstance(got, (list, tuple, range)) else got
+        if got == want:
+            continue
+        idea = "slot = block_ids[p // block_size] * block_size + p % block_size for every p in [start, end)"
+        if got == [ids[p // bs] + p % bs for p in range(a, b)]:
+            idea = "a block holds block_size slots: multiply the block id by block_size before adding the offset"
+        elif got == [ids[(p - a) // bs] * bs + p % bs for p in range(a, b) if (p - a) // bs < len(ids)]:
+            idea = "the table is indexed by the token's position in the request (p // block_size), not by its position in the range"
+        elif got == [ids[p // bs] * bs + p % bs for p in range(a, b + 1) if p // bs < len(ids)]:
+            idea = "the range is half open: end is not included"
+        return failed(eid, f"wrong slots: {name}", case=name, inputs=f"block_ids={ids}, start={a}, end={b}, block_size={bs}",
+                      expected=repr(want), got=repr(got), idea=idea)
+    ok, detail = _pd_run(slots=fn)
+    if not ok:
+        return failed(eid, "in the engine: the decode engine's tokens differ from the dense model's", details=detail,
+                      idea="your slots place the saved keys and values in the decode engine's cache: a wrong slot is wrong attention")
+    return passed(eid, "every case matches; with your slots the prefill engine saves and the decode engine places the prompt's KV, "
+                       "and its tokens equal the dense model's.")
+
+
+def _pd_run(matched: Callable | None = None, slots: Callable | None = None) -> tuple[bool, str]:
+    """A prefill/decode pair on the small tiny model, the learner's function inside both
+    connectors; outputs must equal the dense forward, and the decode engine must compute
+    only each prompt's last token and its decode steps."""
+    import torch
+
+    from kvlab.config.kv_transfer import KVTransferConfig  # noqa: F401  (the record the lesson shows)
+    from kvlab.core.kv_cache_manager import KVCacheManager
+    from kvlab.core.sched.scheduler import Scheduler
+    from kvlab.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from kvlab.distributed.kv_transfer.kv_connector.v1.example_connector import ExampleConnector
+    from kvlab.engine.llm_engine import LLMEngine
+    from kvlab.request import Request
+    from kvlab.worker.model import TinyLlama, TinyLlamaConfig
+    from kvlab.worker.model_runner import ModelRunner
+
+    attrs: dict[str, Any] = {}
+    if matched is not None:
+        attrs["external_tokens"] = lambda self, saved, prompt, hit: call(matched, saved, prompt, hit, where="the decode engine's lookup")
+    if slots is not None:
+        attrs["slots_of"] = lambda self, rm, bs: list(call(slots, list(rm.block_ids), rm.start, rm.end, bs,
+                                                           where="placing a token range in the cache"))
+    learner = type("LearnerExampleConnector", (ExampleConnector,), attrs)
+    torch.set_num_threads(1)
+    model = TinyLlama(TinyLlamaConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128), seed=0)
+    prompts = [[40 + (7 * i) % 80 for i in range(n)] for n in (13, 21)]
+    with tempfile.TemporaryDirectory() as d:
+        extra = {"shared_storage_path": d}
+
+        def engine(role: str) -> LLMEngine:
+            mgr = KVCacheManager(num_blocks=16, block_size=4)
+            sched = Scheduler(mgr, connector=learner(KVConnectorRole.SCHEDULER, 4, extra, kv_role=role))
+            runner = ModelRunner(model, num_blocks=16, block_size=4, device="cpu",
+                                 kv_connector=learner(KVConnectorRole.WORKER, 4, extra, kv_role=role))
+            return LLMEngine(mgr, sched, runner)
+
+        P, D = engine("kv_producer"), engine("kv_consumer")
+        D.add_request(Request("warm", list(range(50, 59)), max_tokens=1))  # the decode pool's blocks differ from the prefill's
+        D.run()
+        before = D.executor.num_tokens_computed
+        outs = []
+        for i, p in enumerate(prompts):
+            P.add_request(Request(f"r{i}", p, max_tokens=1))
+            P.run()
+            D.add_request(Request(f"r{i}", p, max_tokens=4))
+            D.run()
+            outs.append(D.finished[f"r{i}"].output_token_ids)
+    want = [model.generate_dense(p, 4) for p in prompts]
+    computed = D.executor.num_tokens_computed - before
+    if outs != want:
+        return False, f"   decode outputs {outs}\n   dense outputs  {want}"
+    if computed != 2 * 4:
+        return False, f"   the decode engine computed {computed} tokens; taking every prompt token but the last, it computes 8"
+    return True, ""
+
+
+# --- encoder_inputs (lesson 14) ------------------------------------------------------------------------
+ENC_CASES = [
+    # name, items (id, offset, length), computed, new, cached ids, room (embeddings that fit), expected (to encode, new)
+    ("one image inside the chunk", [("x", 4, 8)], 0, 16, set(), 100, ([0], 16)),
+    ("the image is cached already", [("x", 4, 8)], 0, 16, {"x"}, 100, ([], 16)),
+    ("no room: the chunk stops before the image", [("x", 4, 8)], 0, 16, set(), 6, ([], 4)),
+    ("a prefix hit ends inside the image: it is still needed", [("x", 4, 8)], 8, 8, set(), 100, ([0], 8)),
+    ("a prefix hit ends inside the image and there is no room", [("x", 4, 8)], 8, 8, set(), 6, ([], 0)),
+    ("the second image does not fit", [("x", 0, 4), ("y", 6, 8)], 0, 16, set(), 10, ([0], 6)),
+    ("an image behind the computed tokens, one beyond the chunk", [("x", 0, 4), ("y", 6, 4), ("z", 14, 4)], 4, 6, set(), 100, ([1], 6)),
+    ("the same image twice", [("x", 0, 4), ("x", 6, 4)], 0, 12, set(), 100, ([0], 12)),
+]
+
+
+@register(
+    "encoder_inputs",
+    "Which images a chunk must encode",
+    "encoder_inputs(items, num_computed_tokens, num_new_tokens, is_cached, fits) -> (list[int], int)",
+    "14_encoder_cache",
+    [
+        "The chunk covers tokens [num_computed_tokens, num_computed_tokens + num_new_tokens): only items overlapping it matter -- skip those behind it, stop at the first beyond it.",
+        "An item already in the encoder cache (is_cached) needs no encoder run; neither does a second copy of an item you chose in this call.",
+        "An item is encoded whole. If it does not fit, the chunk stops right before it: num_new_tokens = offset - num_computed_tokens -- or 0 if the computed tokens already reach into it.",
+        "An item the chunk starts inside of (a prefix hit ended in the image) still needs its embeddings.",
+    ],
+    notebook="ex_encoder_cache",
+)
+def check_encoder_inputs(fn: Any) -> CheckResult:
+    eid = "encoder_inputs"
+    for name, items, computed, new, cached, room, want in ENC_CASES:
+        got = _run_enc(fn, items, computed, new, cached, room, where=f"the case '{name}'")
+        if got == want:
+            continue
+        return failed(eid, f"wrong decision: {name}", case=name,
+                      inputs=f"items={items}, num_computed_tokens={computed}, num_new_tokens={new}, cached={sorted(cached)}, room for {room} embeddings",
+                      expected=repr(want), got=repr(got), idea=_enc_idea(items, computed, new, cached, room, got))
+    ok, detail = _enc_story(fn)
+    if not ok:
+        return failed(eid, "in the engine: lesson 14's story does not run as vLLM's", details=detail,
+                      idea="your function decides, inside the scheduler, which images each chunk encodes and where chunks stop")
+    return passed(eid, "every case matches; inside the scheduler lesson 14's story encodes img-a, img-b and img-c once each, "
+                       "reuses img-a for r1 and evicts img-a for img-c, as vLLM does.")
+
+
+def _run_enc(fn: Callable, items, computed, new, cached, room, where: str) -> Any:
+    left = [room]
+
+    def fits(i: int) -> bool:
+        if items[i][2] > left[0]:
+            return False
+        left[0] -= items[i][2]
+        return True
+
+    got = call(fn, list(items), computed, new, lambda i: items[i][0] in cached, fits, where=where)
+    if isinstance(got, tuple) and len(got) == 2:
+        return (list(got[0]), got[1])
+    return got
+
+
+def _enc_reference(items, computed, new, cached, room, *, cut_to_zero=False, no_cut=False, ignore_cache=False,
+                   only_starting=False, no_stop=False) -> tuple[list[int], int]:
+    out: list[int] = []
+    chosen: set[str] = set()
+    end = computed + new
+    left = room
+    for i, (ident, off, length) in enumerate(items):
+        if off >= end and not no_stop:
+            break
+        if off + length <= computed or (only_starting and off < computed):
+            continue
+        if ident in chosen or (ident in cached and not ignore_cache):
+            continue
+        if length > left:
+            if not no_cut:
+                new = 0 if cut_to_zero or computed >= off else min(new, off - computed)
+            break
+        left -= length
+        chosen.add(ident)
+        out.append(i)
+    return out, new
+
+
+def _enc_idea(items, computed, new, cached, room, got) -> str:
+    args = (items, computed, new, cached, room)
+    if got == _enc_reference(*args, no_cut=True):
+        return "an item that does not fit cannot be half computed: stop the chunk right before it (num_new_tokens = offset - num_computed_tokens)"
+    if got == _enc_reference(*args, cut_to_zero=True):
+        return "stop the chunk BEFORE the item, not at 0: the text before the image can still run (0 only if the computed tokens reach into it)"
+    if got == _enc_reference(*args, ignore_cache=True):
+        return "an item already in the encoder cache is shared by hash: do not run the encoder again"
+    if got == _enc_reference(*args, only_starting=True):
+        return "a chunk that starts inside an image (a prefix hit ended there) still needs the whole image's embeddings"
+    if got == _enc_reference(*args, no_stop=True):
+        return "only items overlapping the chunk's tokens are needed now: stop at the first item at or beyond its end"
+    return "items overlapping [num_computed_tokens, num_computed_tokens + num_new_tokens), each encoded whole if it fits"
+
+
+def _enc_story(fn: Callable) -> tuple[bool, str]:
+    from kvlab.core.sched.scheduler import Scheduler
+    from kvlab.lessons.beyond_pool import encoder_story
+
+    class LearnerScheduler(Scheduler):
+        def _try_schedule_encoder_inputs(self, request, num_computed_tokens, num_new_tokens, encoder_budget):  # noqa: ANN001, ANN201
+            ecm = self.encoder_cache_manager
+            items = [(f.identifier, f.offset, f.length) for f in request.mm_features]
+            state = {"budget": encoder_budget, "scheduled": 0}
+
+            def fits(i: int) -> bool:
+                if not ecm.can_allocate(request, i, state["budget"], state["scheduled"]):
+                    return False
+                state["budget"] -= items[i][2]
+                state["scheduled"] += items[i][2]
+                return True
+
+            picked, n = call(fn, items, num_computed_tokens, num_new_tokens, lambda i: ecm.check_and_update_cache(request, i), fits,
+                             where=f"scheduling {request.request_id!r}'s images")
+            picked = list(picked)
+            ids = {items[i][0] for i in picked}
+            end = num_computed_tokens + n
+            dups = [i for i, (ident, off, length) in enumerate(items) if i not in picked and ident in ids
+                    and off < end and off + length > num_computed_tokens]
+            return picked, dups, n, state["budget"]
+
+    def run(sched_cls: type) -> list:
+        eng = encoder_story(sched_cls)
+        rows = []
+        while eng.has_unfinished_requests():
+            so = eng.step().scheduler_output
+            rows.append((so.step, dict(so.num_scheduled_tokens), dict(so.scheduled_encoder_inputs), list(so.free_encoder_mm_hashes)))
+        return rows
+
+    want, got = run(Scheduler), run(LearnerScheduler)
+    if got == want:
+        return True, ""
+    diff = next(i for i, (a, b) in enumerate(zip(want + [None], got + [None])) if a != b)
+    return False, (f"   step {diff + 1}: expected {want[diff] if diff < len(want) else '(done)'}\n"
+                   f"            got      {got[diff] if diff < len(got) else '(done)'}")
