@@ -8,7 +8,7 @@ from typing import Any
 from kvlab.config.kv_transfer import KVTransferConfig
 from kvlab.engine.llm_engine import LLMEngine, build_engine
 from kvlab.request import Request
-from kvlab.timeline.events import EventLog
+from kvlab.timeline.events import EventLog, KVLoadFailed, KVTransfer, OffloadEvicted
 
 # The offload story of lesson 12 (and tests/test_kv_offload.py): three prompts push each other
 # out of a 5-block pool and a 4-block CPU tier; then three requests come back for them.
@@ -39,7 +39,7 @@ def transfer_lines(log: EventLog, request_ids: Sequence[str] | None = None, from
     """Every KV transfer and tier eviction of a run (from ``from_step`` on), one line each."""
     lines = []
     for e in log:
-        if e.step >= from_step and e.kind in ("kv_transfer", "offload_evicted", "kv_load_failed"):
+        if e.step >= from_step and isinstance(e, (KVTransfer, OffloadEvicted, KVLoadFailed)):
             rid = getattr(e, "request_id", None)
             if request_ids is None or rid is None or rid in request_ids:
                 lines.append(f"step {e.step}: {e.describe()}")
