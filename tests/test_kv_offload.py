@@ -389,3 +389,17 @@ def test_bad_configuration_is_refused(tmp_path) -> None:
         build_engine(num_blocks=8, block_size=4, kv_transfer_config=KVTransferConfig("Nixl"))
     with pytest.raises(TypeError, match="kv_transfer_config must be a KVTransferConfig"):
         build_engine(num_blocks=8, block_size=4, kv_transfer_config={"kv_connector": "OffloadingConnector"})
+
+
+def test_a_step_that_never_reports_leaves_no_pin_behind(tmp_path) -> None:
+    """An interrupt between the scheduler's decision and the worker's report (the step is
+    undone) must not leave tier blocks pinned: the next step expires the unreported jobs."""
+    eng = _engine(tmp_path)
+    _run_story(eng, STORY[:3])
+    conn = eng.scheduler.connector.scheduler
+    eng.add_request(Request("A2", A + [109], max_tokens=1))
+    out = eng.scheduler.schedule()  # plans A2's load from disk ... and the executor never runs
+    assert conn.manager.secondary.pinned() and out.kv_connector_metadata.loads
+    conn.build_connector_meta(out)  # the next step's build: the unreported load is expired
+    assert not any(t.pinned() for t in conn.manager.tiers)
+    conn.check_invariants()

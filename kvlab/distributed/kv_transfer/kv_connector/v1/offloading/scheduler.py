@@ -57,6 +57,8 @@ class OffloadingConnectorScheduler:
         self._reqs: dict[str, RequestOffloadState] = {}
         self._pending_loads: list[LoadJob] = []
         self._jobs: dict[int, LoadJob | StoreJob] = {}
+        self._job_build: dict[int, int] = {}  # job id -> the build_connector_meta call it left with
+        self._num_builds = 0
         self._next_job_id = 0
         self._kv_events: list[KVCacheEvent] = []
         self.events = None  # the engine's EventLog, once bound
@@ -157,7 +159,24 @@ class OffloadingConnectorScheduler:
                                         chunk_ids=[it.cpu_slot for it in items], paths=[it.path or "" for it in items],
                                         num_tokens=n * bs)
 
+    def _expire_stale_jobs(self) -> None:
+        """Jobs of an earlier step that were never reported: that step never finished (an
+        exception or an interrupt undid it). Unpin their loads and forget their stores, so
+        an undone step leaves no block pinned in a tier."""
+        for job_id in [j for j, b in self._job_build.items() if b < self._num_builds]:
+            job = self._jobs.pop(job_id, None)
+            del self._job_build[job_id]
+            if isinstance(job, LoadJob):
+                self.manager.complete_load(job.items)
+            elif isinstance(job, StoreJob):
+                self.manager.complete_store(job.plan, success=False)
+        self._drain()
+
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadingConnectorMetadata:
+        self._num_builds += 1
+        self._expire_stale_jobs()
+        for job in self._pending_loads:
+            self._job_build[job.job_id] = self._num_builds
         meta = OffloadingConnectorMetadata(loads=self._pending_loads, block_size=self.block_size)
         self._pending_loads = []
         for nr in scheduler_output.scheduled_new_reqs:  # new or resumed: the whole table
@@ -191,6 +210,7 @@ class OffloadingConnectorScheduler:
             gpu_ids = [st.block_ids[index[k]] for k in plan.keys]
             job = StoreJob(self._job_id(), rid, gpu_ids, plan)
             self._jobs[job.job_id] = job
+            self._job_build[job.job_id] = self._num_builds
             meta.stores.append(job)
             self._emit_store(rid, gpu_ids, plan)
         return meta
@@ -212,11 +232,13 @@ class OffloadingConnectorScheduler:
         if not isinstance(wm, OffloadingWorkerMetadata):
             return
         for job_id, res in wm.loads.items():
+            self._job_build.pop(job_id, None)
             job = self._jobs.pop(job_id, None)
             if isinstance(job, LoadJob):
                 failed = [res.failed_key] if res.failed_key is not None else []
                 self.manager.complete_load(job.items, failed, reason=res.reason or "load failed")
         for job_id, (stored, cascaded, _err) in wm.stores.items():
+            self._job_build.pop(job_id, None)
             job = self._jobs.pop(job_id, None)
             if isinstance(job, StoreJob):
                 self.manager.complete_store(job.plan, stored, cascaded)
