@@ -635,3 +635,19 @@ def test_checker_runs_the_learner_code_inside_the_core(eid):
     assert BlockPool.touch.__module__ == "kvlab.core.block_pool" and BlockPool.free_queue_cls is kv_cache_utils.FreeKVCacheBlockQueue
     assert FullAttentionManager.get_num_blocks_to_allocate.__module__ == "kvlab.core.single_type_kv_cache_manager"
     assert kv_cache_utils.generate_block_hash_extra_keys.__module__ == "kvlab.core.kv_cache_utils"
+
+
+@pytest.mark.parametrize("eid,where", [("tier_hits", "/kvlab/distributed/kv_transfer/"), ("num_matched_tokens", "/kvlab/distributed/kv_transfer/"),
+                                       ("token_slots", "/kvlab/distributed/kv_transfer/"), ("encoder_inputs", "/kvlab/core/sched/")])
+def test_beyond_pool_checkers_run_the_learner_code_inside_the_engine(eid, where):
+    import inspect
+
+    inside: list[bool] = []
+    ok = CORRECT[eid]
+
+    def learner(*args):
+        inside.append(any(where in f.filename.replace("\\", "/") for f in inspect.stack()[1:]))
+        return ok(*args)
+
+    assert check(eid, learner)
+    assert any(inside), f"the learner code never ran inside {where}"

@@ -403,3 +403,22 @@ def test_a_step_that_never_reports_leaves_no_pin_behind(tmp_path) -> None:
     conn.build_connector_meta(out)  # the next step's build: the unreported load is expired
     assert not any(t.pinned() for t in conn.manager.tiers)
     conn.check_invariants()
+
+
+def test_the_scheduler_publishes_tier_events_beside_the_pools(tmp_path) -> None:
+    class Recorder:
+        def __init__(self):
+            self.batches = []
+
+        def publish(self, batch):
+            self.batches.append(batch)
+
+    rec = Recorder()
+    cfg = _config(tmp_path)
+    eng = build_engine(num_blocks=6, block_size=4, max_num_batched_tokens=64, kv_transfer_config=cfg,
+                       kv_event_publisher=rec, manager_kwargs=dict(enable_kv_cache_events=True))
+    _run_story(eng, STORY[:2])
+    media = [(type(e).__name__, e.medium) for b in rec.batches for e in b.events]
+    assert media == [("BlockStored", "GPU"), ("BlockStored", "CPU"), ("BlockStored", "STORAGE"),
+                     ("BlockRemoved", "GPU"), ("BlockRemoved", "GPU"), ("BlockStored", "GPU"), ("BlockRemoved", "CPU"),
+                     ("BlockStored", "CPU"), ("BlockStored", "STORAGE")]

@@ -708,6 +708,8 @@ class Scheduler:
         # time.time()), so a recorded stream lines up with the engine's metrics.
         if self.kv_event_publisher is not None:
             kv_events = self.kv_cache_manager.take_events()
+            if self.connector is not None:  # tiers' BlockStored / BlockRemoved (medium CPU, STORAGE), as vLLM
+                kv_events.extend(self.connector.take_events())
             if kv_events:
                 ts = iteration.time if iteration is not None else time.time()
                 self.kv_event_publisher.publish(KVEventBatch(ts=ts, events=kv_events))
