@@ -25,9 +25,11 @@ class CostModel:
     # 8B GQA model, fp16) over ~25 GB/s of PCIe from host memory, ~3 GB/s from an NVMe disk,
     # ~10 GB/s over a network link from another engine ("FILE", disaggregated prefill).
     # Stores are copied while the next step computes: free here, as in vLLM.
-    load_s_per_token: dict[str, float] = field(default_factory=lambda: {"CPU": 5.2e-6, "STORAGE": 4.4e-5, "FILE": 1.3e-5})
+    # (Left out of the repr: lessons 03 and 08 print the step costs they use.)
+    load_s_per_token: dict[str, float] = field(default_factory=lambda: {"CPU": 5.2e-6, "STORAGE": 4.4e-5, "FILE": 1.3e-5},
+                                               repr=False)
     # The vision encoder, per embedding (lesson 14).
-    encoder_s_per_token: float = 0.0002
+    encoder_s_per_token: float = field(default=0.0002, repr=False)
 
     def step_time(self, num_prefill_tokens: int, num_decode_tokens: int, num_context_tokens: int,
                   num_loaded_tokens: Mapping[str, int] | None = None, num_encoder_tokens: int = 0) -> float:
