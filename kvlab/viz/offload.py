@@ -1,13 +1,14 @@
 """TiersView: the offload tiers behind the GPU pool, step by step (lesson 12).
 
 One row per tier (CPU, then STORAGE = disk), each a strip of its blocks in LRU order --
-evicted next on the left, like the free queue -- with empty room on the right. A cell is
-coloured by what happened to the block in this step: *stored* (copied out of the GPU pool
-this step), *loaded* (this step's prefix hit was served from here: copied back to the GPU),
-or just *resident*. The cell text is the block hash; the hover names the slot and, for a
-loaded block, the request and the GPU block it went to. Below the strips, the step's
-transfers in words ("load 2 blocks STORAGE → GPU [4, 3] for A2"), which is where "which
-tier served each hit" is read off.
+evicted next on the left, like the free queue -- with empty room on the right. Every block a
+tier holds is part of the prefix cache, so it is sky blue, as a cached block in the pool (one
+colour, one meaning: ``kvlab/viz/style.py``); empty slots are light grey. What happened in
+this step is told by marks, not colours: ``+`` before the hash -- *stored* this step (copied
+out of the GPU pool); an ink frame -- *loaded* this step, i.e. this step's prefix hit was
+served from here (copied back to the GPU). The hover names the slot and, for a loaded block,
+the request and the GPU block it went to. Below the strips, the step's transfers in words
+("load 2 block(s) disk → GPU [4, 3] for A2"): which tier served each hit.
 """
 from __future__ import annotations
 
@@ -16,16 +17,14 @@ from typing import Any
 from kvlab.timeline.snapshot import Snapshot
 from kvlab.timeline.timeline import Timeline
 from kvlab.viz.base import TOP_LEGEND, View, _go, legend_traces
-from kvlab.viz.style import FREE, HIT, STATE_COLORS, discrete_colorscale, short_hash
+from kvlab.viz.style import CACHED, FREE, INK, STATE_COLORS, discrete_colorscale, short_hash
 
 TIER_STATUS = ("free", "resident", "stored", "loaded")
-TIER_COLORS = {
-    "free": STATE_COLORS[FREE],  # an empty slot
-    "resident": "#56b4e9",  # sky blue, as a cached block in the pool: kept, evictable
-    "stored": "#0072b2",  # blue: copied out of the GPU pool this step
-    "loaded": HIT,  # green: served this step's hit, copied back to the GPU
-}
-TIER_LABELS = {"free": "empty", "resident": "resident", "stored": "stored this step", "loaded": "loaded this step (a hit)"}
+# A tier holds prefix-cache entries: every entry is "cached" (sky blue); the step's events are marks.
+TIER_COLORS = {"free": STATE_COLORS[FREE], "resident": STATE_COLORS[CACHED], "stored": STATE_COLORS[CACHED],
+               "loaded": STATE_COLORS[CACHED]}
+TIER_LABELS = {"free": "empty slot", "resident": "cached in the tier", "stored": "+ stored this step",
+               "loaded": "loaded this step (a hit)"}
 TIER_NAMES = {"CPU": "CPU", "STORAGE": "disk"}
 MAX_COLUMNS = 32
 
@@ -75,7 +74,7 @@ def figure_data(snapshot: Snapshot, *, max_columns: int = MAX_COLUMNS) -> dict[s
         for c in r["cells"][:cols]:
             i = c["lru_position"]
             zr[i] = TIER_STATUS.index(c["status"])
-            tr[i] = short_hash(c["hash"])[:4]
+            tr[i] = ("+" if c["status"] == "stored" else "") + short_hash(c["hash"])[:4]
             to = f"<br>loaded into GPU block {c['to'][1]} for {c['to'][0]}" if c["to"] else ""
             hr[i] = (f"<b>{r['name']}</b> LRU position {i} (0 = evicted next)<br>hash {short_hash(c['hash'])} · slot "
                      f"{c['slot']}<br>{TIER_LABELS[c['status']]}{to}")
@@ -83,7 +82,10 @@ def figure_data(snapshot: Snapshot, *, max_columns: int = MAX_COLUMNS) -> dict[s
         text.append(tr)
         hover.append(hr)
     used = ", ".join(f"{r['name']} {len(r['cells'])}/{r['capacity']}" for r in rows)
+    frame_x = [c["lru_position"] for r in rows for c in r["cells"][:cols] if c["status"] == "loaded"]
+    frame_y = [r["name"] for r in rows for c in r["cells"][:cols] if c["status"] == "loaded"]
     return dict(rows=rows, z=z, text=text, hover=hover, columns=cols, transfers=lines, served=served,
+                loaded_x=frame_x, loaded_y=frame_y,
                 title=f"Offload tiers · step {snapshot.step} · {used or 'none'}")
 
 
@@ -102,7 +104,9 @@ class TiersView(View):
                                  xgap=2, ygap=6, texttemplate="%{text}", textfont=dict(size=9),
                                  hovertemplate="%{customdata}<extra></extra>", name="tiers"))
         fig.data[0].showlegend = False
-        for tr in legend_traces(go, TIER_COLORS, TIER_LABELS, ("resident", "stored", "loaded")):
+        fig.add_trace(go.Scatter(x=[], y=[], mode="markers", name=TIER_LABELS["loaded"], hoverinfo="skip",
+                                 marker=dict(symbol="square-open", size=22, color=INK, line=dict(width=3, color=INK))))
+        for tr in legend_traces(go, TIER_COLORS, TIER_LABELS, ("resident", "free")):
             fig.add_trace(tr)
         fig.update_layout(showlegend=True, legend=TOP_LEGEND, xaxis=dict(visible=False, fixedrange=True),
                           yaxis=dict(fixedrange=True, autorange="reversed", tickfont=dict(size=11)),
@@ -119,7 +123,11 @@ class TiersView(View):
             self._put("text", hm, "text", d["text"] or [[""]], "str")
             self._put("hover", hm, "customdata", d["hover"] or [[""]], "str")
             self._put("y", hm, "y", names, "str")
-            self._header(d["title"], [TIER_LABELS[s] for s in ("resident", "stored", "loaded")])
+            cell = max(8, (self.width - 70) / max(1, d["columns"]) - 3)
+            self._put("fsize", fig.data[1].marker, "size", cell)
+            self._put("fx", fig.data[1], "x", d["loaded_x"], "num")
+            self._put("fy", fig.data[1], "y", d["loaded_y"], "str")
+            self._header(d["title"] + "  (+ = stored this step)", [TIER_LABELS[s] for s in ("loaded", "resident", "free")])
             note = "<br>".join(d["transfers"][:4]) or "no transfers this step"
             self._put("notes", fig.layout, "annotations", [
                 dict(text="◀ evicted next", x=0, y=0, xref="paper", yref="paper", xanchor="left", yanchor="top", yshift=-2,

@@ -14,7 +14,7 @@ from typing import Any
 from kvlab.timeline.snapshot import BLOCK_STATES, Snapshot
 from kvlab.timeline.timeline import Timeline
 from kvlab.viz.base import _go
-from kvlab.viz.style import FONT, HIGHLIGHT, STATE_COLORS, STATE_INDEX, STATE_LABELS, discrete_colorscale
+from kvlab.viz.style import FONT, INK, STATE_COLORS, STATE_INDEX, STATE_LABELS, discrete_colorscale
 
 
 def find_transfer(timeline: Timeline, request_id: str, direction: str) -> int | None:
@@ -59,7 +59,7 @@ def transfer_figure(prefill: Timeline, decode: Timeline, request_id: str, *, wid
                                showscale=False, xgap=2, ygap=2, hoverinfo="skip"))
     for row, ids in ((0, d["saved_blocks"]), (2, d["loaded_blocks"])):
         fig.add_trace(go.Scatter(x=ids, y=[row] * len(ids), mode="markers", hoverinfo="skip", showlegend=False,
-                                 marker=dict(symbol="square-open", size=18, color=HIGHLIGHT, line=dict(width=3, color=HIGHLIGHT))))
+                                 marker=dict(symbol="square-open", size=18, color=INK, line=dict(width=3, color=INK))))
     for src, dst in d["pairs"]:
         fig.add_annotation(x=dst, y=2, ax=src, ay=0, xref="x", yref="y", axref="x", ayref="y", showarrow=True, arrowhead=3,
                            arrowwidth=1.5, arrowcolor="#555", standoff=9, startstandoff=9)
