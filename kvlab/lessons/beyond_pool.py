@@ -51,21 +51,24 @@ def offload_bench_figure(runs: Sequence[Any]) -> Any:
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
-    from kvlab.viz.style import FONT, STATE_COLORS
+    from kvlab.viz.style import FONT, HIT, INK
 
     names = [r.name.strip() for r in runs]
     fig = make_subplots(rows=1, cols=2, column_widths=[0.6, 0.4], subplot_titles=(
-        "prompt tokens served from a cache", "mean time to first token (simulated)"))
-    for label, values, color in (("GPU pool", [r.gpu_share for r in runs], STATE_COLORS["in_use"]),
-                                 ("CPU tier", [r.share("CPU") for r in runs], "#56b4e9"),
-                                 ("disk tier", [r.share("STORAGE") for r in runs], "#0072b2")):
-        fig.add_trace(go.Bar(y=names, x=values, name=label, orientation="h", marker_color=color,
+        "prompt tokens served from a cache", "mean TTFT (simulated)"))
+    # Every segment is a prefix hit (kvlab's hit colour); the pattern says where it came from.
+    for label, values, shape in (("GPU pool", [r.gpu_share for r in runs], ""),
+                                 ("CPU tier", [r.share("CPU") for r in runs], "/"),
+                                 ("disk tier", [r.share("STORAGE") for r in runs], "x")):
+        fig.add_trace(go.Bar(y=names, x=values, name=label, orientation="h",
+                             marker=dict(color=HIT, line=dict(color=INK, width=1), pattern=dict(shape=shape, fgcolor=INK)),
                              hovertemplate="%{x:.1%}<extra>" + label + "</extra>"), row=1, col=1)
-    fig.add_trace(go.Bar(y=names, x=[r.mean_ttft * 1e3 for r in runs], orientation="h", marker_color="#999999",
+    fig.add_trace(go.Bar(y=names, x=[r.mean_ttft * 1e3 for r in runs], orientation="h",
+                         marker=dict(color="white", line=dict(color=INK, width=1)),
                          showlegend=False, text=[f"{r.mean_ttft * 1e3:.0f} ms" for r in runs], textposition="inside",
                          hovertemplate="%{x:.1f} ms<extra></extra>"), row=1, col=2)
     fig.update_layout(barmode="stack", width=860, height=300, font=dict(family=FONT, size=11), margin=dict(l=10, r=10, t=40, b=30),
-                      legend=dict(orientation="h", y=-0.15), plot_bgcolor="white")
+                      legend=dict(orientation="h", y=-0.15, traceorder="normal"), plot_bgcolor="white")
     fig.update_xaxes(tickformat=".0%", range=[0, 1], row=1, col=1)
     fig.update_yaxes(autorange="reversed")
     fig.update_yaxes(showticklabels=False, row=1, col=2)
