@@ -50,6 +50,7 @@ _EXPORTS: dict[str, str] = {
     "build_engine": "kvlab.engine.llm_engine",
     "export_html": "kvlab.show",
     "get_hash_fn_by_name": "kvlab.utils.hashing",
+    "predict": "kvlab.learner.prediction",
     "hash_block_tokens": "kvlab.core.kv_cache_utils",
     "replay": "kvlab.timeline.timeline",
 }
@@ -75,6 +76,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs only
         MLAAttentionSpec,
         SlidingWindowSpec,
     )
+    from kvlab.learner.prediction import predict
     from kvlab.metrics.stats import CachingMetrics, PrefixCacheStats
     from kvlab.request import MultiModalFeature, Request, RequestStatus
     from kvlab.timeline.events import EventLog

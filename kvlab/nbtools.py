@@ -4,10 +4,14 @@
 bottom in a fresh kernel (as nbval will in CI) and saves it with its outputs -- the cells
 marked ``# NBVAL_CHECK_OUTPUT`` are then the lesson's claims that CI compares -- but without
 the ipywidgets/plotly widget state, which would add megabytes of plotly.js per file.
+Each "predict, then run" answer is printed as plain text (``KVLAB_PREDICT=plain``) and the
+learner's record goes to a temporary ``KVLAB_HOME``.
 """
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -16,15 +20,27 @@ from nbclient import NotebookClient
 
 
 def execute(path: Path, timeout: int = 300) -> float:
+    """Run one notebook as CI will: answers printed as text (no prediction widget), and the
+    learner's record in a throw-away folder (the stored notebook shows nobody's progress)."""
     nb = nbformat.read(path, as_version=4)
     t = time.perf_counter()
-    NotebookClient(
-        nb,
-        timeout=timeout,
-        kernel_name="python3",
-        store_widget_state=False,
-        resources={"metadata": {"path": str(path.parent)}},
-    ).execute()
+    saved = {k: os.environ.get(k) for k in ("KVLAB_HOME", "KVLAB_PREDICT")}
+    with tempfile.TemporaryDirectory(prefix="kvlab-home-") as home:
+        os.environ.update(KVLAB_HOME=home, KVLAB_PREDICT="plain")  # the kernel inherits both
+        try:
+            NotebookClient(
+                nb,
+                timeout=timeout,
+                kernel_name="python3",
+                store_widget_state=False,
+                resources={"metadata": {"path": str(path.parent)}},
+            ).execute()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
     elapsed = time.perf_counter() - t
     nb.metadata.pop("widgets", None)
     for cell in nb.cells:

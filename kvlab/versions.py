@@ -30,7 +30,7 @@ BEHAVIOUR_CHANGES: tuple[BehaviourChange, ...] = (
         "every freed block appended to the free-queue tail (0.23: except blocks leaving a sliding window)",
         "0.24.0 (PR #42656)",
         "unhashed blocks prepended to the head (reused first), hashed ones appended",
-        "04",
+        "04b",
         "`KVCacheManager(..., prepend_uncached_blocks=False)`",
     ),
     BehaviourChange(
@@ -70,7 +70,7 @@ BEHAVIOUR_CHANGES: tuple[BehaviourChange, ...] = (
         "each event a tagged positional array",
         "0.24.0 (PR #42892)",
         'each event a tagged map {"type": ..., field: value}, None-valued optional fields left out',
-        "08",
+        "08b",
         "`kv_events.encode_batch(batch, array_like=True)`",
     ),
     BehaviourChange(

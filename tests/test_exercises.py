@@ -304,6 +304,37 @@ def _evict_no_pop(pool, block):
     return True
 
 
+def _evict_no_reset(pool, block):
+    """Drops the map entry but forgets block.reset_hash()."""
+    if block.cache_key is None:
+        return False
+    pool.cached_block_hash_to_block.pop(block.cache_key, block.block_id)
+    return True
+
+
+def _sw_floor(block_hashes, max_length, block_size, sliding_window, cached):
+    """max(1, W // block_size) blocks: right whenever W is a multiple of the block size."""
+    need = max(1, sliding_window // block_size)
+    hits = [h in cached for h in block_hashes[: max_length // block_size]]
+    for end in range(len(hits), 0, -1):
+        start = max(0, end - need)
+        if all(hits[start:end]) and (end - start >= need or start == 0):
+            return end
+    return 0
+
+
+def _touch_no_remove(pool, blocks):
+    for b in blocks:
+        b.ref_cnt += 1
+
+
+def _touch_always_remove(pool, blocks):
+    for b in blocks:
+        if not b.is_null:
+            pool.free_block_queue.remove(b)
+            b.ref_cnt += 1
+
+
 def _evict_all_dups(pool, block):
     if block.cache_key is None:
         return False
@@ -403,13 +434,16 @@ WRONG = {
         "priority: ignores arrival": lambda r, p: r[-1] if p == "fcfs" else max(r, key=lambda x: x.priority),
     },
     "touch": {
-        "evicting a referenced block (no remove)": lambda pool, blocks: [setattr(b, "ref_cnt", b.ref_cnt + 1) for b in blocks],
+        "evicting a referenced block (no remove)": _touch_no_remove,
+        "removes a shared block too": _touch_always_remove,
         "removes but never counts": lambda pool, blocks: [pool.free_block_queue.remove(b) for b in blocks if b.ref_cnt == 0 and not b.is_null],
     },
-    "stale_hash": {"stale map entry": _evict_no_pop, "drops duplicates too": _evict_all_dups, "does nothing": lambda pool, b: False},
+    "stale_hash": {"stale map entry": _evict_no_pop, "drops duplicates too": _evict_all_dups, "does nothing": lambda pool, b: False,
+                   "forgets reset_hash()": _evict_no_reset},
     "sliding_window_hit": {
         "full-attention rule": _sw_full_rule,
         "cdiv(W) instead of cdiv(W-1)": lambda h, m, bs, w, c: sw_ok(h, m, bs, w + 1, c),
+        "W // block_size blocks": _sw_floor,
     },
     "allocate_capacity": {
         "ignores evictable hits": lambda n, bs, held, refs: max(0, -(-n // bs) - held - len(refs)),
@@ -478,7 +512,8 @@ WRONG = {
 
 
 def test_every_exercise_has_mutations_and_an_alternative():
-    core = set(EXERCISES) - {"slot_mapping", "paged_attention_kernel"}
+    # the kernel exercises: tests/test_exercises_kernels.py; the capstone and the bug hunt: tests/test_capstone.py
+    core = set(EXERCISES) - {"slot_mapping", "paged_attention_kernel", "block_manager", "bug_hunt", "bug_fix"}
     assert core <= set(CORRECT) and core <= set(WRONG)
 
 
@@ -589,6 +624,22 @@ def test_the_engine_run_catches_what_the_cases_miss():
     res = check("tier_hits", tiers_small_only)
     assert not res and "in the engine" in res.message and "first difference" in res.details
 
+
+def test_checker_gaps_closed_with_precise_messages():
+    """Issue 15's gaps: W not a multiple of the block size; reset_hash() forgotten; the touch
+    message names the block."""
+    sw = check("sliding_window_hit", _sw_floor)
+    assert sw.case == "W = 24, not a multiple of the block size" and "W // block_size = 1 rounds down" in sw.idea
+    stale = check("stale_hash", _evict_no_reset)
+    assert stale.message == "block 2 left the map but still carries its hash" and "reset_hash()" in stale.idea
+    assert "Return whether" not in str(stale)  # the old, misleading last hint
+    t = check("touch", _touch_no_remove)
+    assert t.message == "after your touch, block 1 is held (ref_cnt 1) but still on the free queue", str(t)
+    assert t.got == "free queue [5, 4, 6, 7, 8, 9, 10, 3, 2, 1] (head first)"
+    t = check("touch", WRONG["touch"]["removes but never counts"])
+    assert t.message == "after your touch, block 1 has ref_cnt 1" and "ref_cnt 2" in t.expected
+    t = check("touch", _touch_always_remove)
+    assert t.message.startswith("your touch took block 1 off the free queue, but it was not there: ref_cnt 1")
 
 
 def test_unknown_exercise_id():

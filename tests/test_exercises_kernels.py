@@ -113,9 +113,9 @@ def test_kernel_checker_accepts_a_differently_written_step_within_5_seconds():
 @pytest.mark.parametrize(
     "step,idea",
     [
-        (step_no_mask, "masked"),
+        (step_no_mask, "the block lookup is right, but the slots past seq_len"),
         (step_no_running_max, "running max"),
-        (step_logical_block, "block-table"),
+        (step_logical_block, "read logical block j as if it were physical block j"),
         (step_no_rescale, ""),
     ],
     ids=["missing mask", "no running max", "logical block as physical", "no rescale of acc"],
@@ -124,6 +124,13 @@ def test_kernel_checker_rejects_classic_bugs(step, idea):
     res = check("paged_attention_kernel", step)
     assert not res and not res.not_implemented, str(res)
     assert idea in str(res), str(res)
+
+
+def test_kernel_checker_tells_a_missing_lookup_from_a_missing_mask():
+    """The two mistakes used to get one message; each now names only its own fix."""
+    no_mask, logical = str(check("paged_attention_kernel", step_no_mask)), str(check("paged_attention_kernel", step_logical_block))
+    assert "mask the loads" in no_mask and "look the block up" not in no_mask
+    assert "look the block up" in logical and "mask the loads" not in logical
 
 
 def test_kernel_stub_reports_not_implemented():

@@ -32,6 +32,8 @@ CONTRACTS = {
     # analysis as kvlab.kernels, seen as an import of the kvlab package itself.
     "The core, the data layer and the views never import the kvlab package facade": (
         "kvlab/core/kv_cache_utils.py", "from kvlab.kernels import reshape_and_cache"),
+    "The learner's predictions and record import nothing of the engine, the exercises or the views": (
+        "kvlab/learner/store.py", "import kvlab.exercises"),
     "No import cycle between sibling modules or packages, at any depth": (
         "kvlab/engine/llm_engine.py", "import kvlab.show"),
     "The offload tiers' scheduler-side books import no torch and no worker code": (

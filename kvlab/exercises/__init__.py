@@ -4,7 +4,11 @@ Each checker plugs the learner's code into the real engine (their free queue ins
 ``BlockPool``, their victim choice inside the ``Scheduler`` …), replays vLLM's documented
 scenarios and random cases, and explains the first case that failed.
 """
-from kvlab.exercises import checks_beyond_pool, checks_hashing, checks_hybrid, checks_lookup, checks_pool, checks_routing, checks_sched  # noqa: F401  (register)
+from kvlab.exercises import (  # noqa: F401  (register)
+    checks_beyond_pool, checks_bug_hunt, checks_capstone, checks_hashing, checks_hybrid, checks_lookup, checks_pool,
+    checks_routing, checks_sched,
+)
+from kvlab.exercises.progress import show_progress
 from kvlab.exercises.registry import EXERCISES, Exercise, check, hints
 from kvlab.exercises.result import CheckResult
 
@@ -13,4 +17,4 @@ try:  # the kernel exercises need torch + triton
 except ImportError:  # pragma: no cover
     pass
 
-__all__ = ["EXERCISES", "CheckResult", "Exercise", "check", "hints"]
+__all__ = ["EXERCISES", "CheckResult", "Exercise", "check", "hints", "show_progress"]

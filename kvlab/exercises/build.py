@@ -5,6 +5,15 @@ In a solution notebook, each answer sits between ``### BEGIN SOLUTION`` and
 region with a stub that raises ``NotImplementedError`` (at the marker's indentation), so
 the notebook still runs top to bottom and every ``check()`` reports "not implemented
 yet". Cells tagged ``solution-only`` are dropped; all outputs are cleared.
+
+Exercises where the idea is taught: the cells of one exercise (its task, hints, code and
+check) carry the tag ``exercise:<id>`` in the solution notebook. Its first markdown cell
+gets the exercise's level line (``★★☆ · about 15 min``, from ``registry.LEVELS``), and the
+same generated cells -- stubs, never solutions -- are copied into every lesson notebook
+that holds a block of cells tagged ``exercise:<id>``: ``build`` replaces each such block by
+the current one (a cell whose source did not change keeps its stored output). So a lesson
+and ``exercises/`` always show the same exercise, and ``check`` reports either one
+drifting from ``solutions/``.
 """
 from __future__ import annotations
 
@@ -48,9 +57,29 @@ def strip_source(src: str) -> str:
     return "\n".join(out)
 
 
+TAG = "exercise:"
+
+
+def exercise_id(cell: nbformat.NotebookNode) -> str | None:
+    """The exercise a cell belongs to (its ``exercise:<id>`` tag), or None."""
+    for t in cell.get("metadata", {}).get("tags", []):
+        if t.startswith(TAG):
+            return t[len(TAG):]
+    return None
+
+
+def level_line(eid: str) -> str:
+    from kvlab.exercises.registry import EXERCISES
+
+    if eid not in EXERCISES:
+        raise ValueError(f"a cell is tagged {TAG}{eid}, but no exercise {eid!r} is registered")
+    return f"*{EXERCISES[eid].level} · `check(\"{eid}\", ...)` below says what differs*"
+
+
 def exercise_notebook(solution: nbformat.NotebookNode) -> nbformat.NotebookNode:
     nb = copy.deepcopy(solution)
     cells = []
+    seen: set[str] = set()
     for cell in nb.cells:
         if "solution-only" in cell.get("metadata", {}).get("tags", []):
             continue
@@ -58,6 +87,12 @@ def exercise_notebook(solution: nbformat.NotebookNode) -> nbformat.NotebookNode:
             cell.source = strip_source(cell.source)
             cell.outputs = []
             cell.execution_count = None
+        eid = exercise_id(cell)
+        if eid and eid not in seen and cell.cell_type == "markdown":
+            head, _, rest = cell.source.partition("\n")
+            cell.source = f"{head}\n\n{level_line(eid)}\n{rest}" if rest else f"{head}\n\n{level_line(eid)}"
+        if eid:
+            seen.add(eid)
         cell.metadata.pop("execution", None)
         cells.append(cell)
     nb.cells = cells
@@ -73,8 +108,89 @@ def render(solution_path: Path) -> str:
     return nbformat.writes(exercise_notebook(nb)) + "\n"
 
 
+def exercise_blocks(root: Path = ROOT) -> dict[str, list[nbformat.NotebookNode]]:
+    """exercise id -> its generated cells (stubs), from every solution notebook."""
+    blocks: dict[str, list[nbformat.NotebookNode]] = {}
+    for sol in sorted((root / "solutions").glob("*.ipynb")):
+        for cell in exercise_notebook(nbformat.read(sol, as_version=4)).cells:
+            eid = exercise_id(cell)
+            if eid:
+                blocks.setdefault(eid, []).append(cell)
+    return blocks
+
+
+def sync_lesson(nb: nbformat.NotebookNode, blocks: dict[str, list[nbformat.NotebookNode]]) -> bool:
+    """Replace each run of cells tagged ``exercise:<id>`` by the current block; True if changed."""
+    out: list[nbformat.NotebookNode] = []
+    cells = nb.cells
+    i = changed = 0
+    while i < len(cells):
+        eid = exercise_id(cells[i])
+        if eid is None:
+            out.append(cells[i])
+            i += 1
+            continue
+        j = i
+        while j < len(cells) and exercise_id(cells[j]) == eid:
+            j += 1
+        if eid not in blocks:
+            raise ValueError(f"a lesson holds cells tagged {TAG}{eid}, but no solution notebook defines that exercise")
+        old = cells[i:j]
+        for k, new in enumerate(blocks[eid]):
+            cell = copy.deepcopy(new)
+            prev = old[k] if k < len(old) else None
+            if prev is not None and prev.cell_type == cell.cell_type and prev.source == cell.source:
+                if cell.cell_type == "code":  # unchanged: keep what the lesson stored
+                    cell.outputs, cell.execution_count = prev.get("outputs", []), prev.get("execution_count")
+                cell.id = prev.get("id", cell.get("id"))
+            else:
+                changed = True
+            out.append(cell)
+        changed = changed or len(old) != len(blocks[eid])
+        i = j
+    nb.cells = out
+    return bool(changed)
+
+
+def _nb_text(nb: nbformat.NotebookNode) -> str:
+    text = nbformat.writes(nb)
+    return text if text.endswith("\n") else text + "\n"
+
+
+def readme(root: Path = ROOT) -> str:
+    """exercises/README.md: the collected set, in course order, with where each one is taught."""
+    from kvlab.exercises.registry import EXERCISES, LEVELS
+
+    lessons = {p.stem: p.name for p in (root / "notebooks").glob("*.ipynb")}
+    where: dict[str, str] = {}
+    for stem, name in sorted(lessons.items()):
+        text = (root / "notebooks" / name).read_text(encoding="utf-8")
+        for eid in EXERCISES:
+            if f'"{TAG}{eid}"' in text:
+                where.setdefault(eid, stem)
+    rows = []
+    for eid in sorted(EXERCISES, key=lambda e: (where.get(e, EXERCISES[e].lesson), list(LEVELS).index(e))):
+        ex = EXERCISES[eid]
+        lesson = where.get(eid, ex.lesson)
+        link = f"[{lesson[:2]}](../notebooks/{lessons[lesson]})" if lesson in lessons else lesson[:2]
+        rows.append(f"| {link} | `{eid}` — {ex.title} | {ex.level} | [{ex.notebook}]({ex.notebook}.ipynb) |")
+    return "\n".join([
+        "# exercises/ — every exercise of the course, collected",
+        "",
+        "GENERATED from `solutions/` by `python -m kvlab.exercises build` (`make exercises`): never edit by hand.",
+        "Each exercise also sits in the lesson that teaches its idea — the same cells, the same `check()` — so",
+        "do it there or here. Lesson 00 shows which ones you have passed (kept in `~/.kvlab`, or `$KVLAB_HOME`).",
+        "",
+        "| lesson | exercise | level | notebook |",
+        "|---|---|---|---|",
+        *rows,
+        "",
+    ])
+
+
 def build(root: Path = ROOT, check_only: bool = False) -> list[str]:
-    """Write (or, with ``check_only``, compare) every exercise; return the drifted names."""
+    """Write (or, with ``check_only``, compare) every exercise notebook and every lesson's
+    exercise cells; return the names that drifted."""
     drift = []
     (root / "exercises").mkdir(exist_ok=True)
     for sol in sorted((root / "solutions").glob("*.ipynb")):
@@ -84,6 +200,19 @@ def build(root: Path = ROOT, check_only: bool = False) -> list[str]:
             drift.append(sol.name)
             if not check_only:
                 target.write_text(text)
+    target = root / "exercises" / "README.md"
+    text = readme(root)
+    if not target.exists() or target.read_text(encoding="utf-8") != text:
+        drift.append("exercises/README.md")
+        if not check_only:
+            target.write_text(text, encoding="utf-8")
+    blocks = exercise_blocks(root)
+    for lesson in sorted((root / "notebooks").glob("*.ipynb")):
+        nb = nbformat.read(lesson, as_version=4)
+        if sync_lesson(nb, blocks):
+            drift.append(f"notebooks/{lesson.name}")
+            if not check_only:
+                lesson.write_text(_nb_text(nb))
     return drift
 
 
@@ -99,5 +228,5 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print("exercises/ is up to date")
     else:
-        print(f"wrote {len(drift)} exercise notebook(s)" + (f": {', '.join(drift)}" if drift else " (all up to date)"))
+        print(f"updated {len(drift)} file(s)" + (f": {', '.join(drift)}" if drift else " (all up to date)"))
     return 0

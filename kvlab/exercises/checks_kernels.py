@@ -206,6 +206,7 @@ def check_paged_attention_kernel(step: Any) -> CheckResult:
             return failed(eid, f"NaN or inf in the output: {name}", case=name, expected="finite values",
                           got=f"{int((~torch.isfinite(got)).sum())} non-finite values" + _loads_note(loads, table, lens, k.shape[1]),
                           idea=idea, extra=extra)
+        idea = _diagnose(got, q, k, v, table, lens, scale) or idea
         err = (got - want).abs().max().item()
         if err > 1e-4:
             worst = int((got - want).abs().amax(dim=(1, 2)).argmax())
@@ -233,6 +234,41 @@ def _loads_note(loads: list[list[int]], table: torch.Tensor, lens: list[int], bl
     if not wrong:
         return ""
     return "\n            your kernel's loads: " + "; ".join(wrong) + " -- result.show() draws them"
+
+
+def _variant_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, lens: list[int], scale: float,
+                 *, logical: bool = False, unmasked: bool = False) -> torch.Tensor:
+    """Decode attention as a classic mistake computes it: ``logical`` reads logical block j
+    as if it were physical block j (no block-table lookup); ``unmasked`` also reads the
+    slots past ``seq_len`` in the last block (no mask)."""
+    bs = k.shape[1]
+    out = torch.empty_like(q, dtype=torch.float32)
+    for s, n in enumerate(lens):
+        m = -(-n // bs) * bs if unmasked else n
+        pos = torch.arange(m)
+        blocks = pos // bs if logical else table[s, pos // bs].long()
+        keys, vals = k[blocks, pos % bs].float(), v[blocks, pos % bs].float()  # [m, heads, dim]
+        w = torch.softmax(torch.einsum("hd,mhd->hm", q[s].float(), keys) * scale, dim=-1)
+        out[s] = torch.einsum("hm,mhd->hd", w, vals)
+    return out
+
+
+def _diagnose(got: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor,
+              lens: list[int], scale: float) -> str:
+    """Name the mistake when the learner's output equals what one classic mistake computes."""
+    if not torch.isfinite(got).all():
+        return ""
+    for logical, unmasked, idea in (
+        (True, False, "your kernel read logical block j as if it were physical block j: look the block up in the block table "
+                      "first (block_id = tl.load(block_table_ptr + start // BLOCK_SIZE)) -- the masking is right"),
+        (False, True, "the block lookup is right, but the slots past seq_len in the last block were read too: mask the loads "
+                      "(valid = start + offs < seq_len) and give masked scores -inf"),
+        (True, True, "two mistakes: no block-table lookup (logical block j read as physical block j) and no mask for the "
+                     "slots past seq_len"),
+    ):
+        if torch.allclose(got.float(), _variant_ref(q, k, v, table, lens, scale, logical=logical, unmasked=unmasked), atol=1e-4):
+            return idea
+    return ""
 
 
 def reference_slot_mapping(block_table: list[int], start_pos: int, num_tokens: int, block_size: int) -> list[int]:

@@ -55,7 +55,11 @@ def check_longest_hit(fn: Any) -> CheckResult:
 
 
 def reference_sliding_window_hit(block_hashes: list[bytes], max_length: int, block_size: int, sliding_window: int, cached: set) -> int:
-    need = cdiv(sliding_window - 1, block_size)
+    return _with_need(block_hashes, max_length, block_size, cached, cdiv(sliding_window - 1, block_size))
+
+
+def _with_need(block_hashes: list[bytes], max_length: int, block_size: int, cached: set, need: int) -> int:
+    """The rightmost run of ``need`` cached blocks (or a shorter run from block 0)."""
     n = max_length // block_size
     run = 0
     for i in range(n - 1, -1, -1):
@@ -89,6 +93,8 @@ def check_sliding_window_hit(fn: Any) -> CheckResult:
         ("a hole near the end", 8 * 16, 16, 32, set(H[:5]) | {H[6]}, "the run [6] is too short (needs 2): fall back to blocks 3-4"),
         ("window inside one block, W=8", 8 * 16, 16, 8, {H[2], H[5]}, "cdiv(7, 16) = 1 block is enough"),
         ("W = block_size + 1", 8 * 16, 16, 17, {H[0], H[1], H[2], H[6]}, "the query itself is in the window: cdiv(W - 1, bs) = cdiv(16, 16) = 1 cached block before it suffices"),
+        ("W = 24, not a multiple of the block size", 8 * 16, 16, 24, {H[0], H[1], H[2], H[5]},
+         "the window reaches back W - 1 = 23 tokens: that spans cdiv(23, 16) = 2 blocks, so the lone block 5 is not enough"),
         ("only block 0 cached", 8 * 16, 16, 64, {H[0]}, "a run starting at block 0 is a hit even if shorter than needed"),
         ("nothing cached", 8 * 16, 16, 32, set(), "no hit"),
     ]
@@ -98,6 +104,9 @@ def check_sliding_window_hit(fn: Any) -> CheckResult:
         if got != want:
             if got == _full_rule(H, max_len, bs, cached):
                 idea = "that is the full-attention rule (a contiguous prefix from block 0); a window layer only needs the blocks its window reads"
+            elif w % bs and got == _with_need(H, max_len, bs, cached, w // bs):
+                idea = (f"W // block_size = {w // bs} rounds down: a window of {w} tokens reaches {w - 1} tokens back, "
+                        f"into cdiv(W - 1, block_size) = {cdiv(w - 1, bs)} blocks")
             return failed(
                 eid,
                 f"wrong hit length: {name}",

@@ -1,4 +1,4 @@
-"""Checkers: free_queue, free_order, touch, stale_hash (lessons 02 and 04).
+"""Checkers: free_queue, free_order, touch, stale_hash (lessons 04a and 04b).
 
 Each plugs the learner's code into a real ``KVCacheManager`` and replays vLLM's documented
 scenario: on a fresh 11-block pool, two requests sharing 3 full blocks, freed, then a
@@ -16,7 +16,8 @@ from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.kv_cache_utils import KVCacheBlock
 from kvlab.core.single_type_kv_cache_manager import FullAttentionManager
 from kvlab.exercises.registry import call, register
-from kvlab.exercises.result import CheckResult, failed, passed
+from kvlab.exercises.result import LearnerError
+from kvlab.exercises.result import CheckFailed, CheckResult, failed, passed
 from kvlab.kv_cache_interface import FullAttentionSpec
 from kvlab.request import Request
 from kvlab.timeline.events import EventLog
@@ -154,7 +155,7 @@ def _fresh_blocks(n: int) -> list[KVCacheBlock]:
     "free_queue",
     "The free queue: O(1) popleft / remove / append",
     "class FreeQueue(blocks): popleft(), remove(block), append(block), get_all_free_blocks(), num_free_blocks",
-    "04_refcounts_and_eviction",
+    "04b_eviction_and_lru",
     [
         "A prefix hit must pull a block out of the MIDDLE of the queue, so remove(block) must not search.",
         "Keep a doubly linked list through the blocks: block.prev_free_block / block.next_free_block.",
@@ -217,7 +218,7 @@ def check_free_queue(cls: Any) -> CheckResult:
     "free_order",
     "Which block goes back first",
     "blocks_to_free(request_blocks) -> list",
-    "04_refcounts_and_eviction",
+    "04b_eviction_and_lru",
     [
         "The free queue is the eviction order: what you free first is evicted first.",
         "Which part of a finished request is least likely to be reused by the next request: its beginning or its end?",
@@ -252,7 +253,7 @@ def check_free_order(fn: Any) -> CheckResult:
     "touch",
     "Touch: adopt a cached block safely",
     "touch(pool, blocks) -> None",
-    "04_refcounts_and_eviction",
+    "04a_refcounts_and_sharing",
     [
         "A hit block with ref_cnt 0 is still on the free queue: an eviction candidate.",
         "Take it off the queue (pool.free_block_queue.remove) BEFORE incrementing, then ref_cnt += 1.",
@@ -264,7 +265,32 @@ def check_touch(fn: Any) -> CheckResult:
     eid = "touch"
 
     def touch(pool: BlockPool, blocks: Any) -> None:
-        call(fn, pool, list(blocks), where="touching hit blocks")
+        blocks = list(blocks)
+        before = {b.block_id: b.ref_cnt for b in blocks if not b.is_null}
+        try:
+            call(fn, pool, blocks, where="touching hit blocks")
+        except LearnerError as e:
+            held = [bid for bid, r in before.items() if r > 0]
+            if held and "not in the free queue" in str(e):
+                raise CheckFailed(failed(
+                    eid, f"your touch took block {held[0]} off the free queue, but it was not there: ref_cnt {before[held[0]]}, another request holds it",
+                    got=str(e), idea="only a block at ref_cnt 0 sits on the free queue; a shared block (ref_cnt > 0) just gets ref_cnt += 1")) from None
+            raise
+        on_queue = [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
+        for b in blocks:
+            if b.is_null:
+                continue
+            if b.ref_cnt != before[b.block_id] + 1:
+                raise CheckFailed(failed(
+                    eid, f"after your touch, block {b.block_id} has ref_cnt {b.ref_cnt}",
+                    expected=f"ref_cnt {before[b.block_id] + 1} (it was {before[b.block_id]}; one more block table holds it now)",
+                    got=f"ref_cnt {b.ref_cnt}", idea="ref_cnt counts the block tables holding the block: a hit adds one"))
+            if b.block_id in on_queue:
+                raise CheckFailed(failed(
+                    eid, f"after your touch, block {b.block_id} is held (ref_cnt {b.ref_cnt}) but still on the free queue",
+                    expected=f"block {b.block_id} off the queue", got=f"free queue {on_queue} (head first)",
+                    idea=f"the next allocation could pop block {b.block_id} and overwrite KV that a running request reads: "
+                         "remove a ref-0 block from the queue before counting it"))
 
     learner_pool = pool_with(touch=touch)
     mgr = story_manager(block_pool_cls=learner_pool)
@@ -294,12 +320,12 @@ def check_touch(fn: Any) -> CheckResult:
     return passed(eid, extra={"log": obs["log"]}, message="hit blocks leave the free queue before their ref count rises; nothing referenced can be evicted.")
 
 
-# --- stale_hash (bug hunt) --------------------------------------------------------------------
+# --- stale_hash -----------------------------------------------------------------------------
 @register(
     "stale_hash",
-    "Bug hunt: the stale hash entry after reuse",
+    "The stale hash entry after reuse",
     "evict_cached_block(pool, block) -> bool",
-    "04_refcounts_and_eviction",
+    "04b_eviction_and_lru",
     [
         "When a cached free block is reallocated, its old content is about to be overwritten.",
         "Remove exactly this block's entry from pool.cached_block_hash_to_block (key = block.cache_key, and the block id), then block.reset_hash().",
@@ -311,7 +337,15 @@ def check_stale_hash(fn: Any) -> CheckResult:
     eid = "stale_hash"
 
     def evict(pool: BlockPool, block: KVCacheBlock) -> bool:
-        return call(fn, pool, block, where="evicting a reallocated block")
+        key = block.cache_key
+        ret = call(fn, pool, block, where="evicting a reallocated block")
+        if key is not None and block not in pool.cached_block_hash_to_block.blocks_for(key) and block.cache_key is not None:
+            raise CheckFailed(failed(
+                eid, f"block {block.block_id} left the map but still carries its hash",
+                expected=f"block {block.block_id}.cache_key is None after eviction", got=f"block {block.block_id}.cache_key = {block.cache_key.hex()[:16]}…",
+                idea="call block.reset_hash() too: the block is about to hold new tokens, and when they fill it the pool "
+                     "gives it their hash -- a block that still has the old one looks 'already cached'"))
+        return ret
 
     learner_pool = pool_with(_maybe_evict_cached_block=evict)
 

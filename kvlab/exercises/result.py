@@ -98,6 +98,16 @@ def not_implemented(exercise_id: str) -> CheckResult:
     )
 
 
+class CheckFailed(Exception):
+    """Raised from inside the engine by a checker's wrapper around learner code, the moment a
+    rule is broken (e.g. a touched block left on the free queue): ``check()`` returns the
+    carried result instead of a later, vaguer symptom."""
+
+    def __init__(self, result: CheckResult) -> None:
+        super().__init__(result.message)
+        self.result = result
+
+
 class LearnerError(Exception):
     """The learner's code raised; carries a one-line summary instead of a traceback wall."""
 

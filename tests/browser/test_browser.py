@@ -336,7 +336,7 @@ def test_player_renders_steps_and_has_no_stop_button(lab: Lab) -> None:
     assert shot.exists()
 
 
-LESSONS = sorted(p.name for p in (REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+LESSONS = sorted(p.name for p in (REPO / "notebooks").glob("[0-9][0-9]*_*.ipynb"))
 
 
 @pytest.mark.timeout(600)

@@ -1,0 +1,158 @@
+"""The learner's local record: locked predictions and passed exercises, in one JSON file.
+
+Where: ``$KVLAB_HOME/progress.json`` if ``KVLAB_HOME`` is set, else ``~/.kvlab/progress.json``
+-- outside the repository, so ``git pull`` and ``make lab-reset`` never touch it and it is
+never committed. The tests and ``python -m kvlab.nbtools`` point ``KVLAB_HOME`` at a
+temporary folder, so running the course for CI records nothing in anyone's home.
+
+Why a file and not kernel memory: a learner works over days, restarts kernels and opens
+lessons in any order; lesson 00 shows what they passed across all of that.
+
+The file is small and written whole each time (to a temporary name, then renamed: an
+interrupted write leaves the old file, never half a file). Two kernels writing at once
+are serialised by a lock file where the OS has ``fcntl``. A file that is not valid
+progress JSON is moved aside (``progress.json.bad-<time>``) with a warning, never lost and
+never allowed to break a check: recording is best effort, a failed write only warns.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+VERSION = 1
+FILENAME = "progress.json"
+MAX_PREDICTIONS = 5000  # the oldest are dropped beyond this: the file stays small
+
+
+def home() -> Path:
+    """The folder of the learner's record: ``$KVLAB_HOME``, else ``~/.kvlab``."""
+    env = os.environ.get("KVLAB_HOME", "").strip()
+    return Path(env).expanduser() if env else Path.home() / ".kvlab"
+
+
+def _empty() -> dict[str, Any]:
+    return {"version": VERSION, "passed": {}, "predictions": []}
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S")
+
+
+class Store:
+    """One progress file. Reads are fresh each time (another kernel may have written)."""
+
+    def __init__(self, path: Path | str) -> None:
+        if not isinstance(path, (str, Path)) or not str(path).strip():
+            raise ValueError(f"path must be a file path, got {path!r}")
+        self.path = Path(path)
+
+    # -- reading ------------------------------------------------------------------------------
+    def load(self) -> dict[str, Any]:
+        """The whole record; an empty one if there is no file yet."""
+        try:
+            text = self.path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return _empty()
+        except OSError as e:
+            warnings.warn(f"kvlab could not read your progress file {self.path}: {e}", stacklevel=2)
+            return _empty()
+        try:
+            data = json.loads(text)
+            _validate(data)
+        except (json.JSONDecodeError, ValueError) as e:
+            bad = self.path.with_name(f"{self.path.name}.bad-{time.strftime('%Y%m%d-%H%M%S')}")
+            with contextlib.suppress(OSError):
+                self.path.replace(bad)
+            warnings.warn(f"kvlab's progress file {self.path} was not valid ({e}); it was moved to {bad} and a new one started", stacklevel=2)
+            return _empty()
+        return data
+
+    def passed(self) -> dict[str, dict[str, Any]]:
+        """exercise id -> {"first": time, "last": time, "count": passes}."""
+        return self.load()["passed"]
+
+    def predictions(self) -> list[dict[str, Any]]:
+        """Every locked prediction, oldest first."""
+        return self.load()["predictions"]
+
+    # -- writing ------------------------------------------------------------------------------
+    def record_pass(self, exercise_id: str) -> None:
+        if not isinstance(exercise_id, str) or not exercise_id:
+            raise ValueError(f"exercise_id must be a non-empty str, got {exercise_id!r}")
+        with self._update() as data:
+            if data is None:
+                return
+            entry = data["passed"].setdefault(exercise_id, {"first": _now(), "count": 0})
+            entry["last"] = _now()
+            entry["count"] = int(entry.get("count", 0)) + 1
+
+    def record_prediction(self, entry: dict[str, Any]) -> None:
+        """Add one prediction, or update the one with the same ``entry["uid"]``."""
+        if not isinstance(entry, dict) or not isinstance(entry.get("uid"), str):
+            raise ValueError("entry must be a dict with a str 'uid'")
+        with self._update() as data:
+            if data is None:
+                return
+            preds = data["predictions"]
+            for i in range(len(preds) - 1, -1, -1):
+                if preds[i].get("uid") == entry["uid"]:
+                    preds[i] = {**preds[i], **entry}
+                    break
+            else:
+                preds.append(dict(entry))
+            del preds[:-MAX_PREDICTIONS]
+
+    def clear(self) -> None:
+        """Forget everything (the file is removed)."""
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+
+    @contextlib.contextmanager
+    def _update(self) -> Iterator[dict[str, Any] | None]:
+        """Read, let the caller change, write back atomically. Yields None if the folder
+        cannot be written (a warning says so; the learner's check still completes)."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            lock = open(self.path.with_name(f".{self.path.name}.lock"), "a+")  # noqa: SIM115
+        except OSError as e:
+            warnings.warn(f"kvlab could not record your progress in {self.path}: {e}", stacklevel=3)
+            yield None
+            return
+        with lock:
+            _lock(lock)
+            data = self.load()
+            yield data
+            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+            try:
+                tmp.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+                tmp.replace(self.path)
+            except OSError as e:
+                warnings.warn(f"kvlab could not record your progress in {self.path}: {e}", stacklevel=3)
+
+
+def _lock(f: Any) -> None:
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows: last writer wins
+        return
+    fcntl.flock(f.fileno(), fcntl.LOCK_EX)  # released when the file is closed
+
+
+def _validate(data: Any) -> None:
+    if not isinstance(data, dict):
+        raise ValueError(f"expected a JSON object, found {type(data).__name__}")
+    if data.get("version") != VERSION:
+        raise ValueError(f"version {data.get('version')!r} is not {VERSION}")
+    if not isinstance(data.get("passed"), dict) or not isinstance(data.get("predictions"), list):
+        raise ValueError("'passed' must be an object and 'predictions' a list")
+
+
+def store() -> Store:
+    """The learner's store, at ``home()`` as the environment says *now*."""
+    return Store(home() / FILENAME)

@@ -1,0 +1,70 @@
+"""Predict, then reveal, in a real JupyterLab: a learner's working copy of lesson 03 (outputs
+cleared, as ``make lab`` prepares it) run top to bottom; the answers stay hidden under a lock
+until a prediction is locked in; then prediction, result and ✔ appear above the answer. The
+explanation below it is folded in a <details>. The locked prediction lands in the learner's
+record ($KVLAB_HOME), not in the repository.
+
+No KVLAB_PREDICT here: the mode must follow from the front end (JupyterLab sends
+allow_stdin=True). Screenshots: ``test-artifacts/browser_predict_{before,after}.png``.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from test_browser import ALL_CELLS_RAN, ARTIFACTS, REPO, Lab, _assert_no_errors, _run_all, _wait_until
+
+from kvlab.workspace import cleared
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow]
+
+LESSON = "03_prefix_caching.ipynb"
+
+
+@pytest.mark.timeout(420)
+def test_answer_hidden_until_a_prediction_is_locked(tmp_path: Path, monkeypatch) -> None:
+    home = tmp_path / "kvlab-home"
+    monkeypatch.setenv("KVLAB_HOME", str(home))
+    monkeypatch.delenv("KVLAB_PREDICT", raising=False)  # the server's kernels inherit this environment
+    lab = Lab(tmp_path)
+    try:
+        copy = lab.root / "notebooks" / LESSON  # the learner's working copy: outputs cleared, as `make lab` prepares it
+        copy.write_text(json.dumps(cleared(json.loads((REPO / "notebooks" / LESSON).read_text()))))
+        with lab.notebook(f"notebooks/{LESSON}") as page:
+            _run_all(page)
+            _wait_until(page, ALL_CELLS_RAN, 300, "every cell of the lesson to run")
+            _assert_no_errors(page)
+            forms = page.locator(".jp-OutputArea-output", has_text="✎ Predict:")
+            assert forms.count() == 6, forms.count()  # one form per prompt of lesson 03
+            first = forms.first
+            first.scroll_into_view_if_needed()
+            # the answer cell ran, but what it printed is not on the page yet
+            text = page.locator(".jp-Notebook").inner_text()
+            assert "same key False" not in text and "The answer is ready" in text
+            page.screenshot(path=str(ARTIFACTS / "browser_predict_before.png"), clip=_clip(page, first))
+            first.locator("input[type='text']").fill("0")
+            lock = first.locator("button", has_text="Lock in")
+            _wait_until(page, "() => true", 20, "Lock in to enable", also=lambda: lock.is_enabled())
+            lock.click()
+            _wait_until(page, "() => true", 30, "the answer to open",
+                        also=lambda: "same key False" in page.locator(".jp-Notebook").inner_text())
+            answer = page.locator(".jp-OutputArea-output", has_text="your prediction: 0 · result: 0 · ✔ right")
+            assert answer.count() >= 1
+            assert "Locked in: 0" in first.inner_text()
+            # the explanation waits in a closed <details>
+            details = page.locator(".jp-MarkdownOutput details").first
+            assert details.count() == 1 and details.get_attribute("open") is None
+            page.screenshot(path=str(ARTIFACTS / "browser_predict_after.png"), clip=_clip(page, first, below=420))
+    finally:
+        lab.close()
+    rec = json.loads((home / "progress.json").read_text())
+    (pred,) = rec["predictions"]
+    assert pred["prediction"] == 0 and pred["result"] == 0 and pred["matched"] is True
+    assert pred["lesson"] == LESSON.removesuffix(".ipynb")
+
+
+def _clip(page, locator, below: int = 260) -> dict[str, float]:
+    box = locator.bounding_box()
+    return {"x": 0, "y": max(0.0, box["y"] - 200), "width": 1400, "height": box["height"] + 200 + below}

@@ -1,0 +1,114 @@
+"""kvlab.lessons helpers added for the course's shorter lessons, and the write-safety scan."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+import kvlab.kernels  # noqa: F401, I001  (first: it picks the Triton mode)
+from kvlab import KVCacheManager, LLMEngine, Scheduler, Timeline
+from kvlab.lessons.write_safety import scan_writes
+from kvlab.timeline.events import EventLog
+
+
+@pytest.fixture(scope="module")
+def shared_run():
+    from kvlab.worker.model import TinyLlama
+    from kvlab.worker.model_runner import ModelRunner
+    from kvlab.worker.tokenizer import ByteTokenizer
+
+    log = EventLog()
+    mgr = KVCacheManager(num_blocks=12, block_size=4, event_log=log)
+    runner = ModelRunner(TinyLlama(seed=0), num_blocks=12, block_size=4, event_log=log)
+    eng = LLMEngine(mgr, Scheduler(mgr, max_num_batched_tokens=32), runner, tokenizer=ByteTokenizer())
+    eng.generate(["The cache is the pool: "], max_tokens=6)
+    eng.generate(["The cache is the pool: blocks", "The cache is the pool: "], max_tokens=8)
+    return log, eng
+
+
+def test_every_write_lands_in_a_private_unfinished_or_fresh_block(shared_run):
+    log, eng = shared_run
+    scan = scan_writes(Timeline(log))
+    assert scan.safe and scan.writes == scan.to_fresh + scan.to_private > 40
+    assert scan.shared_blocks and scan.shared_blocks <= scan.hit_blocks  # blocks were shared (by hits) ...
+    assert eng.scheduler.num_preemptions >= 1  # ... and a preemption freed and reused blocks, all checked
+
+
+def test_a_planted_write_into_a_shared_block_is_caught(shared_run):
+    log, _ = shared_run
+    tl = Timeline(log)
+    scan = scan_writes(tl)
+    shared = min(scan.shared_blocks)
+    events = copy.deepcopy(list(log))
+    last = max(i for i, e in enumerate(events) if e.kind == "attention_batch")
+    batch = events[last]
+    batch.slot_mappings = [[shared * batch.block_size] + list(m[1:]) for m in batch.slot_mappings]
+    bad = scan_writes(Timeline(events))
+    assert not bad.safe and bad.violations[0][2] == shared
+    assert "already complete and cached" in bad.violations[0][3] or "not in its block table" in bad.violations[0][3]
+    assert "written while shared or cached: [" in bad.summary()
+
+
+def test_lesson_figures_are_plain_data_in_figures_out():
+    import plotly.graph_objects as go
+
+    from kvlab.lessons.prefix_caching import ttft_figure
+    from kvlab.lessons.privacy import timing_attack_figure
+
+    f = ttft_figure({"a": (["r0", "r1"], [0.1, 0.2], [0.1, 0.05])})
+    assert isinstance(f, go.Figure) and [t.name for t in f.data] == ["caching off", "caching on"]
+    g = timing_attack_figure(([True, False], [0.010, 0.014]), {"no salt": ([0, 1], [0, 1], 0.9)})
+    assert [t.name for t in g.data][-2:] == ["no salt (AUC 0.90)", "coin flip"]
+
+
+def test_why_blocks_chart_shows_each_runs_preemptions():
+    from kvlab.bench.memory import CAPACITY_TOKENS, PAPER_SHARES
+    from kvlab.lessons.why_blocks import waste_figure
+    from kvlab.workloads.memory_sim import compare
+    from kvlab.workloads.traces import sharegpt_like
+
+    results = compare(sharegpt_like(60, seed=0, rate=10.0), CAPACITY_TOKENS // 4, block_sizes=(16,))
+    fig = waste_figure(results, PAPER_SHARES)
+    text = [t for t in fig.data if t.type == "scatter"][0].text
+    assert list(text) == [f"{r.num_preemptions:,} preempted" for r in results]
+
+
+def test_eviction_metrics_and_preemption_figures_from_plain_data():
+    import plotly.graph_objects as go
+
+    from kvlab.engine.llm_engine import build_engine
+    from kvlab.lessons.eviction import erosion_figure, hit_rate_figure, pool_kinds_figure
+    from kvlab.lessons.metrics import (
+        gains_figure,
+        gauges_figure,
+        hit_rate_windows_figure,
+        idle_histogram_figure,
+        occupancy_figure,
+        pool_sweep_figure,
+    )
+    from kvlab.lessons.preemption import budget_figure
+    from kvlab.scenarios import shared_prefix
+
+    story = shared_prefix()
+    snap = story.at("both freed")
+    figs = [
+        hit_rate_figure([64, 128], {"tail first": [0.5, 0.7], "head first": [0.3, 0.7]}, "t"),
+        pool_kinds_figure({"a": snap, "b": snap}, {b.block_hash for b in snap.blocks if b.block_hash}),
+        erosion_figure([0, 4], [1024, 0], [11.7, 134.5]),
+        gauges_figure(Timeline(story.log).series.rows()),
+        hit_rate_windows_figure([0.9] * 30, [0.9] * 30, change_at=15),
+        occupancy_figure([1, 2], {16: [0.06, 0.12]}),
+        pool_sweep_figure([64, 128], [3, 0], [100.0, 20.0]),
+        gains_figure({36: 1.05, 791: 0.05}, "g"),
+        idle_histogram_figure({64: [0.1, 0.5], 192: [1.0, 2.0]}),
+    ]
+    eng = build_engine(num_blocks=16, block_size=4, max_num_batched_tokens=8)
+    from kvlab import Request
+
+    eng.add_request(Request("a", list(range(20)), max_tokens=2))
+    eng.run()
+    figs.append(budget_figure({"run": eng.events}, budget=8, colors={"a": "#0072b2"}))
+    assert all(isinstance(f, go.Figure) and f.data for f in figs)
+    kinds = figs[1].data[0].z  # the pool's cells: the document's blocks (hashed) are kind 3
+    assert any(3 in row for row in kinds)
+    assert [t.name for t in figs[-1].data][:1] == ["a"] and list(figs[-1].data[0].y) == [8, 8, 4, 1]

@@ -1,0 +1,280 @@
+"""The learner's loop: predictions locked before answers, and the local progress record."""
+from __future__ import annotations
+
+import json
+import os
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+from kvlab.learner.prediction import Prediction, interactive, parse_number, predict
+from kvlab.learner.store import Store, home, store
+
+
+@pytest.fixture
+def kvhome(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVLAB_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+@pytest.fixture
+def widget_mode(monkeypatch, kvhome):
+    monkeypatch.setenv("KVLAB_PREDICT", "widget")
+    return kvhome
+
+
+# -- the store ---------------------------------------------------------------------------------
+def test_store_lives_in_kvlab_home_and_records_passes(kvhome):
+    assert home() == kvhome and store().path == kvhome / "progress.json"
+    assert store().passed() == {} and not (kvhome / "progress.json").exists()  # reading writes nothing
+    store().record_pass("touch")
+    store().record_pass("touch")
+    store().record_pass("free_order")
+    passed = store().passed()
+    assert sorted(passed) == ["free_order", "touch"] and passed["touch"]["count"] == 2
+    data = json.loads((kvhome / "progress.json").read_text())
+    assert data["version"] == 1
+
+
+def test_home_defaults_to_dot_kvlab(monkeypatch, tmp_path):
+    monkeypatch.delenv("KVLAB_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert home() == tmp_path / ".kvlab"
+
+
+def test_predictions_update_by_uid(kvhome):
+    s = store()
+    s.record_prediction({"uid": "a", "prediction": 3})
+    s.record_prediction({"uid": "b", "prediction": "x"})
+    s.record_prediction({"uid": "a", "result": 4, "matched": False})
+    assert s.predictions() == [{"uid": "a", "prediction": 3, "result": 4, "matched": False}, {"uid": "b", "prediction": "x"}]
+    with pytest.raises(ValueError, match="uid"):
+        s.record_prediction({"prediction": 1})
+
+
+def test_a_corrupt_file_is_moved_aside_not_lost(kvhome):
+    kvhome.mkdir()
+    (kvhome / "progress.json").write_text("{not json")
+    with pytest.warns(UserWarning, match="was not valid"):
+        assert store().passed() == {}
+    (bad,) = kvhome.glob("progress.json.bad-*")
+    assert bad.read_text() == "{not json"
+    (kvhome / "progress.json").write_text(json.dumps({"version": 99, "passed": {}, "predictions": []}))
+    with pytest.warns(UserWarning, match="version 99"):
+        store().record_pass("touch")
+    assert list(store().passed()) == ["touch"]
+
+
+def test_an_unwritable_home_warns_and_never_breaks_a_check(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("KVLAB_HOME", str(blocker / "sub"))  # a folder under a file: cannot exist
+    from kvlab.exercises import check
+
+    with pytest.warns(UserWarning, match="could not record"):
+        res = check("free_order", lambda blocks: blocks[::-1])
+    assert res
+
+
+def test_store_refuses_bad_arguments(kvhome):
+    with pytest.raises(ValueError, match="path"):
+        Store("")
+    with pytest.raises(ValueError, match="exercise_id"):
+        store().record_pass("")
+
+
+def test_check_records_only_passes(kvhome):
+    from kvlab.exercises import check
+
+    assert not check("free_order", lambda blocks: list(blocks))
+    assert store().passed() == {}
+    assert check("free_order", lambda blocks: blocks[::-1])
+    assert list(store().passed()) == ["free_order"]
+
+
+# -- the mode ----------------------------------------------------------------------------------
+def test_mode_from_the_environment(monkeypatch):
+    monkeypatch.setenv("KVLAB_PREDICT", "plain")
+    assert interactive() is False
+    monkeypatch.setenv("KVLAB_PREDICT", "widget")
+    assert interactive() is True
+    monkeypatch.setenv("KVLAB_PREDICT", "sometimes")
+    with pytest.raises(ValueError, match="'plain' or 'widget'"):
+        interactive()
+
+
+def test_mode_follows_the_front_end(monkeypatch):
+    """Unset: a kernel whose cell came from a front end that answers input() is interactive;
+    one driven by nbclient/nbval (allow_stdin=False) is not; no kernel at all is not."""
+    monkeypatch.delenv("KVLAB_PREDICT", raising=False)
+    import IPython
+
+    class Kernel:
+        _allow_stdin = True
+
+    class Shell:
+        kernel = Kernel()
+
+    monkeypatch.setattr(IPython, "get_ipython", lambda: Shell())
+    assert interactive() is True
+    Kernel._allow_stdin = False
+    assert interactive() is False
+    monkeypatch.setattr(IPython, "get_ipython", lambda: None)
+    assert interactive() is False
+
+
+# -- plain mode: the answer prints as text (what CI and the stored notebooks see) ---------------
+def test_plain_mode_prints_question_and_lets_the_answer_through(monkeypatch, kvhome, capsys):
+    monkeypatch.setenv("KVLAB_PREDICT", "plain")
+    p = predict("How many blocks will `r2` get?", kind="number")
+    with p.reveal():
+        print("r2 gets [5]")
+        p.result = 1
+    assert capsys.readouterr().out == "✎ Predict: How many blocks will `r2` get?\nr2 gets [5]\n"
+    q = predict("Which?", choices=["head", "tail"])
+    assert capsys.readouterr().out == "✎ Predict: Which?  [head / tail]\n"
+    assert q.answer_kind == "choice" and store().predictions() == []  # nothing locked, nothing recorded
+
+
+# -- widget mode: hidden until locked ------------------------------------------------------------
+def test_answer_hidden_until_locked_then_prediction_beside_result(widget_mode, capsys):
+    p = predict("How many blocks will r2 get?", kind="number")
+    with p.reveal() as r:
+        print("the answer: 1 block")
+        p.result = 1
+    assert r.done and not r.visible  # ran, but hidden
+    field, button = p._widgets["field"], p._widgets["button"]
+    assert button.disabled
+    field.value = "two"
+    assert button.disabled and "not a number" in p._widgets["status"].value
+    field.value = "2"
+    assert not button.disabled
+    button.click()
+    assert p.locked and r.visible and field.disabled and button.description == "Locked"
+    assert p.summary() == "your prediction: 2 · result: 1 · ✘ not this time (off by 1)"
+    assert "✘ not this time" in r._header.value
+    (rec,) = store().predictions()
+    assert rec["prediction"] == 2.0 and rec["result"] == 1 and rec["matched"] is False and rec["kind"] == "number"
+
+
+def test_locking_before_the_answer_cell_runs(widget_mode):
+    p = predict("Which block is evicted first?", choices=["1", "5"])
+    p.lock("5")
+    with p.reveal() as r:
+        p.result = 5
+    assert r.visible and p.matched() is True
+    (rec,) = store().predictions()
+    assert rec["matched"] is True and rec["result"] == 5  # the result arrived after the lock
+
+
+def test_tolerances_text_and_relock(widget_mode):
+    p = predict("Roughly how full?", kind="number", rel_tol=0.1)
+    p.lock("92 %")
+    p.result = 100.0
+    assert p.matched() is True
+    p.result = 80
+    assert p.matched() is False
+    with pytest.raises(RuntimeError, match="already locked"):
+        p.lock(5)
+    t = predict("What happens to the hash?")
+    with pytest.raises(ValueError, match="write your prediction"):
+        t.lock("   ")
+    t.lock("it stays")
+    t.result = "kept"
+    assert t.matched() is None and t.summary() == "your prediction: it stays · result: kept"
+
+
+def test_an_error_in_the_answer_cell_opens_its_area(widget_mode):
+    p = predict("?", kind="text")
+    with pytest.raises(ZeroDivisionError):
+        with p.reveal() as r:
+            1 / 0
+    assert r.visible  # the learner sees what went wrong even before locking
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(question=""), "question"),
+    (dict(question="q", kind="guess"), "kind must be one of"),
+    (dict(question="q", kind="choice"), "at least 2"),
+    (dict(question="q", choices=["a", "a"]), "distinct"),
+    (dict(question="q", kind="number", choices=["a", "b"]), "only for kind='choice'"),
+    (dict(question="q", kind="number", tol=-1), "tol must be"),
+    (dict(question="q", rel_tol=0.1), "for kind='number'"),
+    (dict(question="q", id=""), "id must be"),
+])
+def test_predict_refuses_bad_arguments(kwargs, match, widget_mode):
+    with pytest.raises(ValueError, match=match):
+        Prediction(**kwargs)
+
+
+def test_parse_number():
+    assert parse_number(" 1,533 ") == 1533 and parse_number("97.3 %") == 97.3
+    for bad in ("", "abc", "nan", "inf"):
+        with pytest.raises(ValueError):
+            parse_number(bad)
+
+
+def test_lesson_name_from_the_jupyter_session(widget_mode, monkeypatch):
+    monkeypatch.setenv("JPY_SESSION_NAME", "/home/me/my-kvlab/notebooks/04_refcounts.ipynb")
+    p = predict("q", kind="number", id="blocks")
+    p.lock(3)
+    (rec,) = store().predictions()
+    assert rec["lesson"] == "04_refcounts" and rec["key"] == "blocks"
+
+
+@pytest.mark.notebook
+def test_a_kernel_driven_by_nbclient_prints_plain_text(tmp_path):
+    """No KVLAB_PREDICT at all: nbclient sends allow_stdin=False, so the answer cell prints
+    its text -- what `# NBVAL_CHECK_OUTPUT` compares -- and no widget is created."""
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        nbformat.v4.new_code_cell('from kvlab.learner import predict\np = predict("How many?", kind="number")'),
+        nbformat.v4.new_code_cell('with p.reveal():\n    print(42)'),
+    ]
+    env = {k: v for k, v in os.environ.items() if k != "KVLAB_PREDICT"}
+    old = os.environ.copy()
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        NotebookClient(nb, timeout=60, kernel_name="python3").execute()
+    finally:
+        os.environ.clear()
+        os.environ.update(old)
+    outs = [[o.get("text", "") for o in c.outputs] for c in nb.cells]
+    assert outs == [["✎ Predict: How many?\n"], ["42\n"]]
+
+
+
+def test_a_lessons_result_must_fit_its_kind(widget_mode):
+    """A result that can never match (not a number; not one of the choices) is the lesson
+    author's mistake: it fails where the lesson runs (nbval), not silently for learners."""
+    p = predict("Which?", choices=["head", "tail"])
+    with pytest.raises(ValueError, match="not one of the choices"):
+        with p.reveal():
+            p.result = "middle"
+    q = predict("How many?", kind="number")
+    with pytest.raises(ValueError, match="not a number"):
+        with q.reveal():
+            q.result = "three"
+    r = predict("How many?", kind="number")
+    with r.reveal():
+        r.result = 3
+    from kvlab.learner.prediction import ASKED
+
+    assert ASKED[-3:] == [p, q, r]
+
+
+def test_hints_are_buttons_in_jupyterlab_and_a_note_elsewhere(monkeypatch):
+    """A stored lesson must not show a widget repr (its model is gone when reopened), nor the
+    hints' text: in plain mode a hints cell shows how many hints there are."""
+    from kvlab.exercises import hints
+
+    monkeypatch.setenv("KVLAB_PREDICT", "plain")
+    note = hints("touch")
+    assert repr(note) == "3 hints for touch: run this cell in JupyterLab to open them one at a time"
+    monkeypatch.setenv("KVLAB_PREDICT", "widget")
+    box = hints("touch")
+    assert type(box).__name__ == "VBox" and box.children[0].description == "Show hint 1"
+    with pytest.raises(ValueError, match="unknown exercise_id"):
+        hints("nope")
