@@ -278,3 +278,40 @@ def test_hints_are_buttons_in_jupyterlab_and_a_note_elsewhere(monkeypatch):
     assert type(box).__name__ == "VBox" and box.children[0].description == "Show hint 1"
     with pytest.raises(ValueError, match="unknown exercise_id"):
         hints("nope")
+
+
+# -- the lessons ---------------------------------------------------------------------------------
+LESSONS = sorted((__import__("pathlib").Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
+
+
+def _prompts(path):
+    """(markdown prompts, the code cell after each) of one lesson: a prompt is a markdown cell
+    with a bold '**Predict' that asks the learner to commit ('**Predict first.**', lesson 00's
+    description of the loop, is not one)."""
+    import re
+
+    cells = nbformat.read(path, as_version=4).cells
+    out = []
+    for i, c in enumerate(cells):
+        if c.cell_type == "markdown" and re.search(r"\*\*Predict(, then run|:)", c.source):
+            out.append((c, next((d for d in cells[i + 1:] if d.cell_type == "code"), None), cells[i + 1:]))
+    return out
+
+
+@pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.stem)
+def test_every_predict_prompt_takes_the_prediction_before_the_answer(path):
+    """Issue 15: every 'Predict' prompt of a lesson is followed by a predict() cell, and that
+    prediction's answer cell runs under ``guess.reveal()`` (hidden until the guess is locked)."""
+    for prompt, nxt, rest in _prompts(path):
+        where = prompt.source.splitlines()[-1][:60]
+        assert nxt is not None and "predict(" in nxt.source, f"{path.name}: a prompt with no predict() after it: {where!r}"
+        following = [c for c in rest if c.cell_type == "code"][1:]
+        upto = next((k for k, c in enumerate(following) if "predict(" in c.source), len(following))
+        assert any("guess.reveal()" in c.source for c in following[:upto]), \
+            f"{path.name}: the answer to {where!r} is not under guess.reveal()"
+
+
+def test_lessons_01_to_14_each_ask_for_predictions():
+    counts = {p.stem[:3].rstrip("_"): len(_prompts(p)) for p in LESSONS}
+    assert {k: v for k, v in counts.items() if k != "00" and v == 0} == {}
+    assert sum(counts.values()) >= 77, counts

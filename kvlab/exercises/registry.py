@@ -46,6 +46,7 @@ LEVELS: dict[str, tuple[int, int]] = {
     "sliding_window_hit": (2, 20), "group_block_hash": (2, 15), "unified_block_sizes": (2, 20),
     "bug_hunt": (2, 30), "bug_fix": (2, 15), "block_manager": (3, 60),
     "stream_gaps": (1, 10), "index_copies": (2, 15), "router_block_keys": (2, 20),
+    "tier_hits": (2, 20), "num_matched_tokens": (1, 10), "token_slots": (1, 10), "encoder_inputs": (2, 25),
 }
 
 

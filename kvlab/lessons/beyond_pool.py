@@ -133,3 +133,125 @@ def hook_recorder() -> tuple[Any, Any, list[str]]:
             calls.append("worker:    wait_for_save()")
 
     return HookRecorder(KVConnectorRole.SCHEDULER), HookRecorder(KVConnectorRole.WORKER), calls
+
+
+def tiers_holding(engine: LLMEngine, request_id: str) -> str:
+    """Where a finished request's full blocks sit now (lesson 12's first prediction):
+    'in the CPU tier and on disk', 'only on disk', 'only in the CPU tier' or 'in neither tier'
+    -- the answer for *all* its blocks, or 'split' when they differ."""
+    from kvlab.kv_offload.base import make_offload_key
+
+    tiers = engine.scheduler.connector.manager
+    places = set()
+    for h in engine.finished[request_id].block_hashes:
+        key = make_offload_key(h)
+        cpu, disk = key in tiers.primary, tiers.secondary is not None and key in tiers.secondary
+        places.add({(True, True): "in the CPU tier and on disk", (False, True): "only on disk",
+                    (True, False): "only in the CPU tier", (False, False): "in neither tier"}[(cpu, disk)])
+    return places.pop() if len(places) == 1 else "split"
+
+
+def first_load(log: EventLog, request_id: str | None = None) -> KVTransfer:
+    """The first load of a run (of ``request_id``, if given)."""
+    return next(e for e in log if isinstance(e, KVTransfer) and e.direction == "load"
+                and (request_id is None or e.request_id == request_id))
+
+
+def tier_files(root: str) -> list[str]:
+    """Every block file the disk tier wrote under ``root``, sorted."""
+    import os
+
+    return sorted(os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs)
+
+
+def flip_last_byte(path: str) -> None:
+    """Corrupt a tier file the way a bad disk would: one bit pattern of its last byte flipped."""
+    with open(path, "r+b") as f:
+        f.seek(-1, 2)
+        last = f.read(1)
+        f.seek(-1, 2)
+        f.write(bytes([last[0] ^ 0xFF]))
+
+
+def printable(story: Sequence[tuple[str, list[int]]]) -> list[tuple[str, list[int]]]:
+    """The story with token ids the tiny model's byte vocabulary can print (32..121)."""
+    return [(rid, [t % 90 + 32 for t in p]) for rid, p in story]
+
+
+# --- lesson 13 -------------------------------------------------------------------------------------
+def pd_engine(model: Any, role: str, path: str, num_blocks: int = 16, block_size: int = 16) -> LLMEngine:
+    """A prefill (``kv_producer``) or decode (``kv_consumer``) engine on the real tiny model,
+    handing KV over through files under ``path`` (vLLM's ExampleConnector)."""
+    from kvlab.worker.model_runner import ModelRunner
+
+    cfg = KVTransferConfig("ExampleConnector", kv_role=role, kv_connector_extra_config={"shared_storage_path": path})
+    return build_engine(num_blocks=num_blocks, block_size=block_size, kv_transfer_config=cfg,
+                        executor=ModelRunner(model, num_blocks=num_blocks, block_size=block_size))
+
+
+def handoff_line(prefill: LLMEngine, decode: LLMEngine, request_id: str) -> str:
+    """One request's hand-off: what the prefill engine saved, what the decode engine loaded,
+    from which blocks into which, and both engines' first token."""
+    saved = next(e for e in prefill.events if isinstance(e, KVTransfer) and e.request_id == request_id)
+    loaded = next(e for e in decode.events if isinstance(e, KVTransfer) and e.request_id == request_id)
+    n = prefill.finished[request_id].num_prompt_tokens
+    return (f"{request_id} ({n} tokens): prefill saved {saved.num_tokens} tokens from blocks {saved.block_ids}, "
+            f"decode loaded {loaded.num_tokens} into blocks {loaded.block_ids}; first token "
+            f"{prefill.finished[request_id].output_token_ids} vs {decode.finished[request_id].output_token_ids[:1]}")
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process still exists (signal 0 checks without touching it)."""
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+# --- lesson 14 -------------------------------------------------------------------------------------
+VQA_ORDER = [0, 0, 1, 0, 2, 1, 0, 3, 1, 2, 0, 4, 1, 0, 2, 5, 0, 1, 3, 0, 2, 1, 4, 5]
+
+
+def vqa(cache_images: int, image_tokens: int = 64) -> tuple[int, float]:
+    """Lesson 14's 24 questions about 6 images (one every 50 ms) with an encoder cache that
+    holds ``cache_images`` images: (embeddings the encoder computed, mean TTFT in s)."""
+    import random
+
+    from kvlab.request import MultiModalFeature as MM
+
+    rng = random.Random(0)
+    e = build_engine(num_blocks=256, block_size=16, max_num_batched_tokens=256,
+                     encoder_cache_size=image_tokens * cache_images, event_log=None)
+    reqs = []
+    for k, img in enumerate(VQA_ORDER):
+        prompt = [rng.randrange(1000) for _ in range(8)] + [9] * image_tokens + [rng.randrange(1000) for _ in range(24)]
+        reqs.append(Request(f"q{k}", prompt, max_tokens=16, arrival_time=0.05 * k,
+                            mm_features=[MM(f"img-{img}", offset=8, length=image_tokens)]))
+    e.run_trace(reqs)
+    return e.executor.num_encoder_tokens_computed, sum(e.metrics[r.request_id].ttft for r in reqs) / len(reqs)
+
+
+def encoder_runs_figure(results: dict[int, tuple[int, float]], image_tokens: int = 64) -> Any:
+    """Bars: embeddings the encoder computed for each cache size (a neutral quantity: outlined)."""
+    import plotly.graph_objects as go
+
+    from kvlab.viz.style import FONT, INK
+
+    return go.Figure(go.Bar(x=[f"room for {n}" for n in results], y=[enc for enc, _ in results.values()],
+                            marker=dict(color="white", line=dict(color=INK, width=1)),
+                            text=[f"{enc // image_tokens} runs" for enc, _ in results.values()], textposition="outside"),
+                     layout=dict(width=420, height=280, title=f"embeddings the encoder computed ({len(VQA_ORDER)} requests, "
+                                 f"{len(set(VQA_ORDER))} images)", font=dict(family=FONT),
+                                 margin=dict(l=40, r=10, t=40, b=30), yaxis=dict(title="embeddings"), plot_bgcolor="white"))
+
+
+def offload_table(runs: Sequence[Any]) -> str:
+    """Lesson 12's bench table: hit rate, where the hits came from, mean and p90 TTFT per run."""
+    lines = [f"{'run':30} {'hit rate':>8} {'GPU':>6} {'CPU':>6} {'disk':>6} {'TTFT mean':>9} {'p90':>8}"]
+    for r in runs:
+        lines.append(f"{r.name:30} {r.hit_rate:>8.1%} {r.gpu_share:>6.1%} {r.share('CPU'):>6.1%} {r.share('STORAGE'):>6.1%} "
+                     f"{r.mean_ttft * 1e3:>7.1f}ms {r.ttft_pct(90) * 1e3:>6.1f}ms")
+    return "\n".join(lines)
