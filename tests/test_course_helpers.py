@@ -112,3 +112,28 @@ def test_eviction_metrics_and_preemption_figures_from_plain_data():
     kinds = figs[1].data[0].z  # the pool's cells: the document's blocks (hashed) are kind 3
     assert any(3 in row for row in kinds)
     assert [t.name for t in figs[-1].data][:1] == ["a"] and list(figs[-1].data[0].y) == [8, 8, 4, 1]
+
+
+def test_beyond_pool_helpers_of_lessons_12_to_14(tmp_path):
+    """The helpers that keep lessons 12-14's cells short answer what the lessons' predictions
+    are checked against: where A's blocks sit after C, the first load, a corrupted file, the
+    hand-off lines and the encoder-cache bars."""
+    from kvlab.lessons.beyond_pool import (OFFLOAD_STORY, encoder_runs_figure, first_load, flip_last_byte, offload_engine,
+                                           printable, run_one_by_one, tier_files, tiers_holding)
+
+    eng = offload_engine(str(tmp_path / "story"))
+    run_one_by_one(eng, OFFLOAD_STORY[:3])
+    assert tiers_holding(eng, "A") == "only on disk"  # B's and C's stores pushed A out of the 4-block CPU tier
+    assert tiers_holding(eng, "C") == "in the CPU tier and on disk"
+    run_one_by_one(eng, OFFLOAD_STORY[3:4])
+    load = first_load(eng.events, "A2")
+    assert (load.media, load.block_ids) == (["STORAGE", "STORAGE"], [4, 3])
+    files = tier_files(str(tmp_path / "story"))
+    assert len(files) == 9
+    before = open(files[0], "rb").read()
+    flip_last_byte(files[0])
+    after = open(files[0], "rb").read()
+    assert after[:-1] == before[:-1] and after[-1] == before[-1] ^ 0xFF
+    assert all(32 <= t < 122 for _, p in printable(OFFLOAD_STORY) for t in p)
+    fig = encoder_runs_figure({1: (1472, 0.04), 3: (1024, 0.037), 6: (384, 0.03)})
+    assert list(fig.data[0].y) == [1472, 1024, 384] and list(fig.data[0].text) == ["23 runs", "16 runs", "6 runs"]
