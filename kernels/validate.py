@@ -74,6 +74,9 @@ def _require_cache_layout(name: str, cache: torch.Tensor) -> None:
     the kernels address them as ``block * block_stride + (offset * H + head) * D + d``.
     """
     _require_ndim(name, cache, 4, "[num_blocks, block_size, num_kv_heads, head_dim]")
+    for dim, size in zip(("num_blocks", "block_size", "num_kv_heads", "head_dim"), cache.shape):
+        if size < 1:
+            raise ValueError(f"{name} has {dim} = {size} (shape {tuple(cache.shape)}); every dimension must be >= 1")
     _, block_size, num_heads, head_dim = cache.shape
     dense = (head_dim * num_heads, head_dim, 1)
     actual = cache.stride()[1:]
@@ -111,6 +114,8 @@ def _require_same_device(tensors: dict[str, torch.Tensor]) -> None:
                 f"{n} is on {tensors[n].device} but {names[0]} is on {first}; "
                 "all kernel arguments must be on the same device"
             )
+    if first.type == "meta":
+        raise ValueError(f"{names[0]} is a meta tensor (a shape without data); the kernels need tensors with data")
     if not INTERPRET and first.type != "cuda":
         raise ValueError(
             f"{names[0]} is on {first}: compiled Triton kernels need CUDA tensors "
@@ -142,6 +147,8 @@ def validate_reshape_and_cache(
                  ("value_cache", value_cache), ("slot_mapping", slot_mapping)):
         _require_tensor(n, x)
     _require_ndim("key", key, 3, "[num_tokens, num_kv_heads, head_dim]")
+    if key.shape[1] < 1 or key.shape[2] < 1:
+        raise ValueError(f"key has shape {tuple(key.shape)}; num_kv_heads and head_dim must be >= 1")
     if value.shape != key.shape:
         raise ValueError(f"value must have the shape of key {tuple(key.shape)}, got {tuple(value.shape)}")
     _require_dtype("key", key, SUPPORTED_DTYPES)
@@ -226,6 +233,8 @@ def validate_unified_attention(
             )
 
     _require_ndim("q", q, 3, "[num_tokens, num_q_heads, head_dim]")
+    if q.shape[1] < 1:
+        raise ValueError(f"q has shape {tuple(q.shape)}: num_q_heads = 0; a query needs at least one head")
     _require_dtype("q", q, SUPPORTED_DTYPES)
     _require_last_dim_contiguous("q", q)
     _require_cache_pair(key_cache, value_cache, "q", q)

@@ -128,6 +128,11 @@ class Request:
         priority = check_int("priority", priority)  # lower runs first
         if arrival_time is not None:
             arrival_time = check_number("arrival_time", arrival_time)
+        if mm_features is not None and (isinstance(mm_features, (str, bytes)) or not isinstance(mm_features, Sequence)):
+            raise TypeError(
+                f"mm_features must be None or a list of MultiModalFeature, got {type(mm_features).__name__}"
+                + (" (wrap a single feature in a list: mm_features=[feature])" if isinstance(mm_features, MultiModalFeature) else "")
+            )
         given = list(mm_features or ())
         for i, f in enumerate(given):  # type-check before sorting reads .offset
             if not isinstance(f, MultiModalFeature):
@@ -175,6 +180,8 @@ class Request:
         self._output_token_ids: list[int] = []
         self.block_hashes: list[BlockHash] = []
         self._block_hasher: Callable[[Request], list[BlockHash]] | None = None
+        # The scheduler this request is queued in (one at a time; cleared when it finishes).
+        self._owner: object | None = None
         if block_hasher is not None:
             self.bind_block_hasher(block_hasher)
 
@@ -210,11 +217,22 @@ class Request:
         if type(token_ids) is int or not isinstance(token_ids, Sequence) or isinstance(token_ids, (str, bytes)):
             token_ids = [token_ids]  # type: ignore[list-item]  # one token (an int, numpy's included)
         ids = _check_token_ids("token_ids", token_ids)  # type: ignore[arg-type]
+        if not ids:
+            return
         self._output_token_ids.extend(ids)
         self._all_token_ids.extend(ids)
-        self._token_bytes += _pack_tokens(ids) if ids else b""
+        self._token_bytes += _pack_tokens(ids)
         if self._block_hasher is not None:
-            self.block_hashes.extend(self._block_hasher(self))
+            try:
+                new = self._block_hasher(self)
+            except BaseException:
+                # All or nothing: a hash function that raises (a learner's, say) must not
+                # leave tokens whose full blocks have no hash -- the request could never be
+                # cached or looked up again.
+                n = len(ids)
+                del self._output_token_ids[-n:], self._all_token_ids[-n:], self._token_bytes[-4 * n :]
+                raise
+            self.block_hashes.extend(new)
 
     # -- hashing --------------------------------------------------------------------------
     def bind_block_hasher(self, hasher: Callable[[Request], list[BlockHash]]) -> None:
@@ -234,12 +252,28 @@ class Request:
                 f"request {self.request_id!r} is already hashed with {_describe_hasher(current)}; "
                 f"a manager with {_describe_hasher(hasher)} cannot reuse it -- create a new Request"
             )
+        hashes = hasher(self)  # first: a hasher that raises leaves the request unbound, as it was
         self._block_hasher = hasher
-        self.block_hashes = hasher(self)
+        self.block_hashes = hashes
 
     @property
     def block_hasher(self) -> Callable[[Request], list[BlockHash]] | None:
         return self._block_hasher
+
+    # -- all or nothing -------------------------------------------------------------------
+    def _get_state(self) -> tuple:
+        """Everything a step may change, in O(1): tokens and hashes only ever grow, so their
+        lengths say where to cut them back (see ``Scheduler.checkpoint``)."""
+        return (self.status, self.num_computed_tokens, self.num_preemptions, self.num_cached_tokens,
+                self.finish_reason, len(self._output_token_ids), len(self._all_token_ids), self.block_hashes,
+                len(self.block_hashes), self._block_hasher, self._owner)
+
+    def _set_state(self, state: tuple) -> None:
+        (self.status, self.num_computed_tokens, self.num_preemptions, self.num_cached_tokens, self.finish_reason,
+         num_out, num_tokens, hashes, num_hashes, self._block_hasher, self._owner) = state
+        del self._output_token_ids[num_out:], self._all_token_ids[num_tokens:], self._token_bytes[4 * num_tokens :]
+        del hashes[num_hashes:]
+        self.block_hashes = hashes
 
     # -- lifecycle ------------------------------------------------------------------------
     def is_finished(self) -> bool:

@@ -207,8 +207,14 @@ def test_touch_shared_block_and_free_order():
     assert [b.ref_cnt for b in a] == [1, 1] and queue_ids(pool.free_block_queue) == [3, 4]
     pool.free_blocks(reversed(a))
     assert queue_ids(pool.free_block_queue) == [2, 1, 3, 4]  # uncached: prepended, tail block first
-    with pytest.raises(RuntimeError, match="freed more often"):
+    with pytest.raises(ValueError, match="freed more often"):
         pool.free_blocks([a[0]])
+    # All or nothing: a list that frees one block too often frees none of them.
+    b = pool.get_new_blocks(1)
+    with pytest.raises(ValueError, match=f"block {b[0].block_id} freed more often"):
+        pool.free_blocks([b[0], b[0]])
+    assert b[0].ref_cnt == 1 and queue_ids(pool.free_block_queue) == [1, 3, 4]
+    pool.check_invariants()
 
 
 def test_null_block_is_never_queued_or_counted():

@@ -117,6 +117,10 @@ def test_request_that_already_ran_is_rejected():
     s1.add_request(r)
     s1.update_from_output(s1.schedule(), {"r": [4]})
     _, s2, _ = make(num_blocks=10)
+    with pytest.raises(ValueError, match=r"'r' is already queued in another scheduler"):
+        s2.add_request(r)  # still running in s1
+    assert len(s2.waiting) == 0
+    s1.finish_requests("r")
     with pytest.raises(ValueError, match=r"'r'.*fresh"):
-        s2.add_request(r)
+        s2.add_request(r)  # finished in s1: not fresh
     assert len(s2.waiting) == 0

@@ -100,6 +100,16 @@ class _CycleBench:
         return t_get / k / 1000.0, t_cache / k / 1000.0, t_free / k / 1000.0
 
 
+class _JournaledCycleBench(_CycleBench):
+    """The same cycle inside an engine step: the pool journals every change so the step can
+    be undone (``BlockPool.checkpoint``); the journal is released every call, as a step's is."""
+
+    def run(self, k: int) -> None:
+        cp = self.pool.checkpoint()
+        super().run(k)
+        self.pool.release(cp)
+
+
 class _Floor:
     """The anchors' floor: 64 pops from one list + 64 appends to another, direction swapped
     every call; methods are looked up as plain code does (nothing bound in advance)."""
@@ -194,6 +204,7 @@ def measure(repeats: int = 200, pool_blocks: int = POOL_BLOCKS, budget_s: float 
         "floor": (_Floor().run, 1),
         "floor (bound methods)": (_BoundFloor().run, 1),
         "cycle": (cycle_bench.run, 1),
+        "cycle (journaled)": (_JournaledCycleBench(pool_blocks).run, 1),
     }
     for name in HASH_ALGOS:
         cases[f"hash:{name}"] = (_request_hasher(get_hash_fn_by_name(name), request_tokens), HASH_REQUEST_BLOCKS)
@@ -255,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     row(f"cycle: {CYCLE_BLOCKS} x alloc+cache+free", r["cycle"],
         f"   target <= {CYCLE_TARGET_FLOOR_UNITS:g} (vLLM ~{VLLM_CYCLE_FLOOR_UNITS:g}): {verdict}")
     print(f"  {'':<36} {r['cycle'] / CYCLE_BLOCKS:9.3f} us per block, pool of {args.pool_blocks:,} blocks, all evictions")
+    row("  the same, undo journal on (an engine step)", r["cycle (journaled)"],
+        f"   {r['cycle (journaled)'] / r['cycle']:.2f}x the cycle (issue 11: steps that can be undone)")
     print("  where a cycle's time goes (timed phase by phase; the timer adds a little):")
     row("  get_new_blocks(64) + 64 evictions", r["cycle:get_new_blocks"])
     row("  cache_full_blocks(64 hashes)", r["cycle:cache_full_blocks"])

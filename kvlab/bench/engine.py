@@ -55,6 +55,67 @@ def make_prompts(num_prompts: int, prompt_len: int) -> list[list[int]]:
     return [ids[7 * i:7 * i + prompt_len] for i in range(num_prompts)]
 
 
+def _sim_engine(num_requests: int, checkpoints: bool) -> LLMEngine:
+    """The simulated executor's engine on a 2,000-block pool, ``num_requests`` requests of
+    20-200 prompt tokens, up to 32 running; ``checkpoints=False`` strips the per-step undo
+    (every call taken as it was before issue 11), for the comparison."""
+    import contextlib
+    import random
+
+    from kvlab.engine.llm_engine import build_engine
+    from kvlab.request import Request
+
+    eng = build_engine(num_blocks=2000, block_size=16, event_log=None, max_num_batched_tokens=512, max_num_seqs=32)
+    if not checkpoints:
+        null = contextlib.nullcontext()
+        eng.scheduler._atomic = lambda: null  # type: ignore[method-assign]
+        eng.kv_cache_manager._atomic = lambda request: None  # type: ignore[method-assign]
+    rng = random.Random(0)
+    for i in range(num_requests):
+        prompt = [rng.randrange(1000) for _ in range(rng.randrange(20, 200))]
+        eng.add_request(Request(f"r{i}", prompt, max_tokens=rng.randrange(10, 60), arrival_time=float(i)))
+    return eng
+
+
+class _NoCheckpoint:
+    executor_called = False
+
+    def save_metrics(self, *args: object) -> None:
+        pass
+
+    def save_finished(self, *args: object) -> None:
+        pass
+
+
+def checkpoint_overhead(num_requests: int = 300, rounds: int = 3) -> tuple[float, float, float]:
+    """What the per-step checkpoint costs (issue 11: a step can be undone). Two identical
+    simulated-executor engines step in lock-step, one with and one without checkpoints, the
+    order swapped every step so both see the same machine; returns the medians of the
+    per-step times (us, without / with) and of the per-step ratios, over ``rounds`` runs."""
+    import statistics
+
+    ratios: list[float] = []
+    plain: list[float] = []
+    guarded: list[float] = []
+    clock = time.perf_counter
+    for _ in range(rounds):
+        a, b = _sim_engine(num_requests, True), _sim_engine(num_requests, False)
+        nocp = _NoCheckpoint()
+        k = 0
+        while a.has_unfinished_requests():
+            if k % 2:
+                t0 = clock(); b._step(nocp); t1 = clock(); a.step(); t2 = clock()  # noqa: E702
+                tb, ta = t1 - t0, t2 - t1
+            else:
+                t0 = clock(); a.step(); t1 = clock(); b._step(nocp); t2 = clock()  # noqa: E702
+                ta, tb = t1 - t0, t2 - t1
+            ratios.append(ta / tb)
+            plain.append(tb)
+            guarded.append(ta)
+            k += 1
+    return 1e6 * statistics.median(plain), 1e6 * statistics.median(guarded), statistics.median(ratios)
+
+
 def _ms(xs: list[float]) -> str:
     return "-" if not xs else f"{1000 * sum(xs) / len(xs):.0f} ms (x{len(xs)})"
 
@@ -70,7 +131,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", choices=("triton", "reference"), default="triton")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (tiny ops: 1 is fastest)")
     ap.add_argument("--check", action="store_true", help="compare the tokens with the dense forward")
+    ap.add_argument("--no-checkpoint-cost", action="store_true", help="skip the per-step checkpoint measurement")
     args = ap.parse_args([] if argv is None else argv)
+
+    if not args.no_checkpoint_cost:
+        plain, guarded, ratio = checkpoint_overhead()
+        print(f"[engine] per-step checkpoint (a step can be undone), simulated executor, 300 requests, up to 32 "
+              f"running, 2,000 blocks: {plain:.0f} us/step without, {guarded:.0f} us with; median per-step ratio "
+              f"{ratio:.3f} ({(ratio - 1) * 100:+.1f}%)")
 
     torch.set_num_threads(args.threads)
     cfg = TinyLlamaConfig() if args.layers is None else TinyLlamaConfig(num_layers=args.layers)

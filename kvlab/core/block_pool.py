@@ -30,12 +30,14 @@ The rules this file enforces:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvlab.core.kv_cache_utils import (
     BlockHashListWithBlockSize,
     FreeKVCacheBlockQueue,
     KVCacheBlock,
+    _undo_pop,
     generate_block_hash_extra_keys,
     get_block_hash,
     get_group_id,
@@ -69,10 +71,18 @@ class BlockHashToBlockMap:
     read.
     """
 
-    __slots__ = ("_cache",)
+    __slots__ = ("_cache", "journal")
 
     def __init__(self) -> None:
         self._cache: dict[bytes, KVCacheBlock | dict[int, KVCacheBlock]] = {}
+        # While a list: every change first records the entry as it was (see BlockPool.checkpoint).
+        self.journal: list | None = None
+
+    def save_entry(self, key: bytes) -> None:
+        """Journal ``key``'s entry as it is now (no-op without a journal)."""
+        if self.journal is not None:
+            v = self._cache.get(key, _MISSING)
+            self.journal.append((_undo_entry, self, key, dict(v) if type(v) is dict else v))
 
     def get_one_block(self, key: bytes) -> KVCacheBlock | None:
         v = self._cache.get(key)
@@ -81,6 +91,8 @@ class BlockHashToBlockMap:
         return next(iter(v.values()))  # type: ignore[union-attr]
 
     def insert(self, key: bytes, block: KVCacheBlock) -> None:
+        if self.journal is not None:
+            self.save_entry(key)
         v = self._cache.get(key)
         if v is None:
             self._cache[key] = block
@@ -91,6 +103,8 @@ class BlockHashToBlockMap:
 
     def pop(self, key: bytes, block_id: int) -> KVCacheBlock | None:
         """Remove block ``block_id``'s entry under ``key``; other blocks under it stay."""
+        if self.journal is not None:
+            self.save_entry(key)
         cache = self._cache
         v = cache.pop(key, None)  # one dict operation in the common case (a lone block)
         if v is None:
@@ -121,10 +135,39 @@ class BlockHashToBlockMap:
         return key in self._cache
 
 
+_MISSING: Any = object()
+
+
+def _undo_entry(cache_map: BlockHashToBlockMap, key: bytes, old: Any) -> None:
+    if old is _MISSING:
+        cache_map._cache.pop(key, None)
+    else:
+        cache_map._cache[key] = dict(old) if type(old) is dict else old
+
+
+class _Refused(Exception):
+    def __init__(self, block: KVCacheBlock) -> None:
+        self.block = block
+
+
 def group_suffix(group_id: int) -> bytes:
     """The 4 bytes a group id adds to a block hash to make its map key (hot loops compute
     it once, then concatenate: ``make_block_hash_with_group_id`` without the call)."""
     return make_block_hash_with_group_id(b"", group_id)
+
+
+@dataclass(slots=True)
+class PoolCheckpoint:
+    """What :meth:`BlockPool.restore` needs: the journal and the few things it does not hold."""
+
+    journal: list
+    queue: Any
+    free_order: list[KVCacheBlock] | None
+    cache_map: BlockHashToBlockMap
+    num_evicted_blocks: int
+    kv_event_queue: list  # the KV-event queue object and its length: events only get appended
+    num_kv_events: int
+    collector: tuple | None  # the metrics collector's state (see _collector_state)
 
 
 class BlockPool:
@@ -232,6 +275,10 @@ class BlockPool:
             raise RuntimeError(
                 f"request {request.request_id!r} has {len(hashes)} block hashes, needs {num_full_blocks}"
             )
+        if num_cached_blocks < 0 or num_full_blocks > len(blocks):
+            raise ValueError(
+                f"cannot cache blocks [{num_cached_blocks}, {num_full_blocks}) of a table of {len(blocks)} blocks"
+            )
         suffix = group_suffix(kv_cache_group_id)
         insert = self.cached_block_hash_to_block.insert
         entries = self.cached_block_hash_to_block._cache  # fast path: a new key (no duplicate yet)
@@ -243,14 +290,18 @@ class BlockPool:
                     f"block_mask has {len(block_mask)} entries for {num_full_blocks - num_cached_blocks} blocks"
                 )
             todo = [i for i, keep in zip(todo, block_mask) if keep]
+        for i in todo:  # all checked before the first change
+            if not blocks[i].is_null and blocks[i].cache_key is not None:
+                raise RuntimeError(f"block {blocks[i].block_id} is already cached")
+        journaled = self.cached_block_hash_to_block.journal is not None
         for i in todo:
             blk = blocks[i]
             if blk.is_null:
                 continue  # left the window / a state that is never read
-            if blk.cache_key is not None:
-                raise RuntimeError(f"block {blk.block_id} is already cached")
             h = hashes[i]
             blk.cache_key = key = h + suffix
+            if journaled:
+                self.cached_block_hash_to_block.save_entry(key)
             if entries.setdefault(key, blk) is not blk:
                 insert(key, blk)  # a duplicate: the map keeps both
             if events is not None:
@@ -312,6 +363,8 @@ class BlockPool:
     # -- allocation ---------------------------------------------------------------------------
     def get_new_blocks(self, num_blocks: int, request_id: str | None = None, group: int = 0) -> list[KVCacheBlock]:
         """Pop ``num_blocks`` from the free-queue head; evict their old cache entries."""
+        if type(num_blocks) is not int:
+            num_blocks = check_int("num_blocks", num_blocks, 0)
         if not 0 <= num_blocks <= self.free_block_queue.num_free_blocks:
             raise ValueError(f"cannot get num_blocks = {num_blocks} free blocks from the pool ({self.get_num_free_blocks()} free)")
         ret = self.free_block_queue.popleft_n(num_blocks)
@@ -319,12 +372,19 @@ class BlockPool:
         if self.enable_caching:
             evict = self._maybe_evict_cached_block
             events = self.events
+            # kvlab's own eviction journals its map change itself; another one (a learner's)
+            # may change the entry any way it likes: journal it before the call.
+            save_entry = (self.cached_block_hash_to_block.save_entry
+                          if self.cached_block_hash_to_block.journal is not None
+                          and type(self)._maybe_evict_cached_block is not BlockPool._maybe_evict_cached_block else None)
             for b in ret:
                 # vLLM's order per block: a sampled residency ends, the old hash goes (and
                 # BlockRemoved is queued), then a new residency may start.
                 if collector is not None:
                     collector.on_block_evicted(b)
                 key = b.cache_key
+                if key is not None and save_entry is not None:
+                    save_entry(key)  # whatever the eviction (a learner's too) does to the entry is undoable
                 if key is not None and evict(b):
                     self.num_evicted_blocks += 1
                     if self.enable_kv_cache_events:
@@ -390,6 +450,7 @@ class BlockPool:
         ref-0 block leaves the free queue *first*, so it cannot be evicted while the request
         is adopting it (lesson 04). The null block is skipped: its ref count is not kept.
         (The caller records the ``BlocksTouched`` event; the touch exercise swaps this.)"""
+        self._check_blocks("blocks", blocks)
         remove = self.free_block_queue.remove
         collector = self.metrics_collector
         for b in blocks:
@@ -411,18 +472,34 @@ class BlockPool:
         caching = self.enable_caching
         # vLLM <= 0.22 (prepend_uncached_blocks=False): every freed block joins the tail.
         to_head_ok = self.prepend_uncached_blocks
-        ordered = ordered_blocks if self.events is None else list(ordered_blocks)
-        for b in ordered:
-            if b.is_null:
-                continue
-            if b.ref_cnt <= 0:
-                raise RuntimeError(f"block {b.block_id} freed more often than it was allocated")
-            b.ref_cnt -= 1
-            if b.ref_cnt == 0:
-                if to_head_ok and (b.cache_key is None or not caching):
-                    without_hash.append(b)
-                else:
-                    with_hash.append(b)
+        ordered = ordered_blocks if type(ordered_blocks) is list else list(ordered_blocks)
+        it = iter(ordered)
+        try:
+            for b in it:
+                if b.is_null:
+                    continue
+                if b.ref_cnt <= 0:
+                    raise _Refused(b)
+                b.ref_cnt -= 1
+                if b.ref_cnt == 0:
+                    if to_head_ok and (b.cache_key is None or not caching):
+                        without_hash.append(b)
+                    else:
+                        with_hash.append(b)
+        except (_Refused, AttributeError) as e:
+            # All or nothing at no cost to the common path: the blocks before the refused one
+            # get their ref counts back (nothing else has changed yet).
+            for done in ordered[: len(ordered) - len(list(it)) - 1]:
+                if not done.is_null:
+                    done.ref_cnt += 1
+            if isinstance(e, _Refused):
+                self._check_blocks("ordered_blocks", ordered)  # another pool's block: say so
+                raise ValueError(
+                    f"ordered_blocks: block {e.block.block_id} freed more often than it was allocated (it is held by "
+                    f"{e.block.ref_cnt} table(s) here); only a table that holds a block may free it"
+                ) from None
+            self._check_blocks("ordered_blocks", ordered)  # names the item that is not a block
+            raise
         self.free_block_queue.prepend_n(without_hash)
         self.free_block_queue.append_n(with_hash)
         if self.events is not None:
@@ -437,6 +514,18 @@ class BlockPool:
                 )
             )
 
+    def _check_blocks(self, name: str, blocks: Any) -> None:
+        """Every item is a block of THIS pool (not a copy, not another pool's)."""
+        if isinstance(blocks, (str, bytes)) or not isinstance(blocks, Iterable):
+            raise TypeError(f"{name} must be a list of KVCacheBlock, got {type(blocks).__name__}")
+        own = self.blocks
+        for i, b in enumerate(blocks):
+            if type(b) is not KVCacheBlock and not isinstance(b, KVCacheBlock):
+                raise TypeError(f"{name}[{i}] must be a KVCacheBlock, got {type(b).__name__} {b!r}")
+            bid = b.block_id
+            if not (type(bid) is int and 0 <= bid < len(own) and own[bid] is b):
+                raise ValueError(f"{name}[{i}] (block {bid!r}) is not a block of this pool")
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix -- allowed only when no request holds a block."""
         num_used = self.num_gpu_blocks - self.get_num_free_blocks()
@@ -444,7 +533,11 @@ class BlockPool:
             if self.events is not None:
                 self.events.emit(CacheReset(success=False))
             return False
-        self.cached_block_hash_to_block = BlockHashToBlockMap()
+        old_map, new_map = self.cached_block_hash_to_block, BlockHashToBlockMap()
+        if old_map.journal is not None:
+            old_map.journal.append((setattr, self, "cached_block_hash_to_block", old_map))
+            new_map.journal = old_map.journal
+        self.cached_block_hash_to_block = new_map
         for b in self.blocks:
             b.reset_hash()
         if self.metrics_collector is not None:
@@ -462,6 +555,95 @@ class BlockPool:
         events, self.kv_event_queue = self.kv_event_queue, []
         return events
 
+    # -- all or nothing ---------------------------------------------------------------------
+    def checkpoint(self) -> PoolCheckpoint:
+        """Start recording how to undo every change to the pool (lesson: a step is all or
+        nothing, even when a learner's function raises or Jupyter interrupts it).
+
+        The queue and the map journal their own changes (O(1) per operation, and nothing is
+        copied); ref counts and block hashes are not journaled: :meth:`restore` derives
+        them from the restored map and the block tables it is given. A free queue of
+        another class (a learner's) cannot journal, so its order is listed here instead.
+        Call :meth:`release` (keep the changes) or :meth:`restore` (undo them).
+        """
+        q = self.free_block_queue
+        own_queue = type(q) is FreeKVCacheBlockQueue
+        cp = PoolCheckpoint(
+            journal=[],
+            queue=q,
+            free_order=None if own_queue else list(q.get_all_free_blocks()),
+            cache_map=self.cached_block_hash_to_block,
+            num_evicted_blocks=self.num_evicted_blocks,
+            kv_event_queue=self.kv_event_queue,
+            num_kv_events=len(self.kv_event_queue),
+            collector=None if self.metrics_collector is None else _collector_state(self.metrics_collector),
+        )
+        # Attached last: an interrupt before this line leaves nothing journaling.
+        if own_queue:
+            q.journal = cp.journal
+        self.cached_block_hash_to_block.journal = cp.journal
+        return cp
+
+    def release(self, cp: PoolCheckpoint) -> None:
+        """Keep every change since ``cp``: stop journaling."""
+        for q in (self.free_block_queue, cp.queue):
+            if type(q) is FreeKVCacheBlockQueue:
+                q.journal = None
+        self.cached_block_hash_to_block.journal = None
+        cp.cache_map.journal = None
+
+    def restore(self, cp: PoolCheckpoint, tables: Iterable[Iterable[KVCacheBlock]], *, drop_reused: bool = False) -> list[KVCacheBlock]:
+        """Undo every change since ``cp``; ``tables`` are the block tables as they were then
+        (the ref counts are recounted from them). Safe to call again after it was itself
+        interrupted: each undo writes absolute values, newest first.
+
+        ``drop_reused``: blocks that sat cached on the free queue at ``cp`` and were handed
+        out since lose their hash now (returned, and logged as evictions): an executor may
+        have written new K/V into them, so their old cache entry would serve wrong values.
+        Journaling goes on until :meth:`release`.
+        """
+        self.free_block_queue = cp.queue
+        self.cached_block_hash_to_block = cp.cache_map
+        journal = cp.journal
+        for i in range(len(journal) - 1, -1, -1):
+            fn, *args = journal[i]
+            fn(*args)
+        blocks = self.blocks
+        if cp.free_order is not None:  # a foreign queue class: rebuilt from the listed order
+            for b in blocks:
+                b.prev_free_block = b.next_free_block = None
+            self.free_block_queue = self.free_queue_cls(list(cp.free_order))
+        for b in blocks:
+            b.cache_key = None
+            b.ref_cnt = 0
+        for key, blks in self.cached_block_hash_to_block.items():
+            for b in blks:
+                b.cache_key = key
+        for table in tables:
+            for b in table:
+                if not b.is_null:
+                    b.ref_cnt += 1
+        self.num_evicted_blocks = cp.num_evicted_blocks
+        del cp.kv_event_queue[cp.num_kv_events :]  # take_events() may have swapped the queue: the old one comes back
+        self.kv_event_queue = cp.kv_event_queue
+        if cp.collector is not None and self.metrics_collector is not None:
+            _set_collector_state(self.metrics_collector, cp.collector)
+        dropped: list[KVCacheBlock] = []
+        if drop_reused:
+            reused = {id(b): b for entry in journal if entry[0] is _undo_pop for b in entry[2]}
+            for b in reused.values():
+                key = b.cache_key
+                if key is not None and b.ref_cnt == 0 and not b.is_null:
+                    self.cached_block_hash_to_block.pop(key, b.block_id)
+                    b.cache_key = None
+                    self.num_evicted_blocks += 1
+                    dropped.append(b)
+                    if self.events is not None:
+                        self.events.emit(BlockEvicted(block_id=b.block_id, block_hash=get_block_hash(key), group=get_group_id(key)))
+                    if self.enable_kv_cache_events:
+                        self._queue_block_removed(key)
+        return dropped
+
     def get_num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks
 
@@ -476,17 +658,27 @@ class BlockPool:
         """Walk every structure and raise AssertionError on the first inconsistency."""
         q = self.free_block_queue
         seen: set[int] = set()
-        prev = q.fake_free_list_head
-        cur = prev.next_free_block
-        while cur is not q.fake_free_list_tail:
-            assert cur is not None, "free queue is broken: a link is None before the tail"
-            assert cur.prev_free_block is prev, f"free queue: block {cur.block_id} has a wrong prev link"
-            assert cur.block_id not in seen, f"free queue: block {cur.block_id} appears twice"
+        own_queue = isinstance(q, FreeKVCacheBlockQueue)
+        if own_queue:  # walk the links themselves
+            prev = q.fake_free_list_head
+            cur = prev.next_free_block
+            free: list[KVCacheBlock] = []
+            while cur is not q.fake_free_list_tail:
+                assert cur is not None, "free queue is broken: a link is None before the tail"
+                assert cur.prev_free_block is prev, f"free queue: block {cur.block_id} has a wrong prev link"
+                assert cur.block_id not in seen, f"free queue: block {cur.block_id} appears twice"
+                free.append(cur)
+                seen.add(cur.block_id)
+                prev, cur = cur, cur.next_free_block
+            assert q.fake_free_list_tail.prev_free_block is prev, "free queue: tail sentinel has a wrong prev link"
+        else:  # another class (a learner's queue): what it lists
+            free = list(q.get_all_free_blocks())
+        for cur in free:
+            assert cur is self.blocks[cur.block_id], f"free queue: block {cur.block_id} is not a block of this pool"
             assert not cur.is_null, "the null block is in the free queue"
             assert cur.ref_cnt == 0, f"block {cur.block_id} is free but has ref_cnt {cur.ref_cnt}"
             seen.add(cur.block_id)
-            prev, cur = cur, cur.next_free_block
-        assert q.fake_free_list_tail.prev_free_block is prev, "free queue: tail sentinel has a wrong prev link"
+        assert len(seen) == len(free), "free queue: a block appears twice"
         assert len(seen) == q.num_free_blocks, f"free queue holds {len(seen)} blocks but counts {q.num_free_blocks}"
         for b in self.blocks:
             if b.is_null:
@@ -494,7 +686,7 @@ class BlockPool:
                 continue
             if b.block_id not in seen:
                 assert b.ref_cnt > 0, f"block {b.block_id} is neither free nor referenced (ref_cnt {b.ref_cnt})"
-                assert b.prev_free_block is None and b.next_free_block is None, f"used block {b.block_id} has queue links"
+                assert not own_queue or (b.prev_free_block is None and b.next_free_block is None), f"used block {b.block_id} has queue links"
             if b.cache_key is not None:
                 assert self.enable_caching, f"block {b.block_id} is cached but caching is off"
                 assert b in self.cached_block_hash_to_block.blocks_for(b.cache_key), f"cached block {b.block_id} is missing from the map"
@@ -508,3 +700,25 @@ class BlockPool:
         used = sum(1 for b in self.blocks if not b.is_null and b.block_id not in seen)
         assert used + q.num_free_blocks + 1 == self.num_gpu_blocks, "free + used + null != total"
 
+
+
+def _collector_state(c: Any) -> tuple:
+    """A block-residency collector's state (see ``BlockPool.checkpoint``): its random
+    generator, its sampled blocks with their mutable fields, its pending evictions."""
+    return (
+        c._rng.getstate(),
+        {bid: (m, m.last_access_ns, tuple(m.access_history)) for bid, m in c.block_metrics.items()},
+        list(c._eviction_events),
+    )
+
+
+def _set_collector_state(c: Any, state: tuple) -> None:
+    rng, metrics, evictions = state
+    c._rng.setstate(rng)
+    c.block_metrics = {}
+    for bid, (m, last, history) in metrics.items():
+        m.last_access_ns = last
+        m.access_history.clear()
+        m.access_history.extend(history)
+        c.block_metrics[bid] = m
+    c._eviction_events = list(evictions)

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from kvlab.core.block_pool import BlockPool
+from kvlab.core.block_pool import BlockPool, PoolCheckpoint, group_suffix
 from kvlab.core.kv_cache_coordinator import get_kv_cache_coordinator, resolve_kv_cache_block_sizes
 from kvlab.core.kv_cache_metrics import KVCacheMetricsCollector
 from kvlab.core.kv_cache_utils import KVCacheBlock, get_request_block_hasher
@@ -34,6 +34,7 @@ from kvlab.request import Request
 from kvlab.timeline.events import EventLog, PoolCreated, PrefixLookup
 from kvlab.utils.checks import check_int, check_optional_int
 from kvlab.utils.hashing import get_hash_fn_by_name
+from kvlab.utils.state import copy_attrs, put_attrs
 
 
 @dataclass(slots=True)
@@ -56,6 +57,23 @@ class KVCacheBlocks:
 
     def __bool__(self) -> bool:
         return any(self.blocks)
+
+
+@dataclass(slots=True)
+class ManagerCheckpoint:
+    """What :meth:`KVCacheManager.restore` needs (see :meth:`KVCacheManager.checkpoint`)."""
+
+    managers: list[dict]
+    requests: dict[str, Request]
+    prefix_cache_stats: PrefixCacheStats | None
+    pool: PoolCheckpoint
+    # id(request) -> (request, its state): every request the call may change, saved before.
+    saved_requests: dict[int, tuple[Request, tuple]] = field(default_factory=dict)
+
+    def save_request(self, request: Request) -> None:
+        """Keep ``request``'s state as it is now (the first save wins)."""
+        if id(request) not in self.saved_requests:
+            self.saved_requests[id(request)] = (request, request._get_state())
 
 
 class KVCacheManager:
@@ -124,6 +142,14 @@ class KVCacheManager:
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {flag!r}")
         hash_fn = get_hash_fn_by_name(hash_algo)
+        if event_log is not None and not isinstance(event_log, EventLog):
+            raise TypeError(f"event_log must be None or an EventLog, got {type(event_log).__name__}")
+        if not (isinstance(block_pool_cls, type) and issubclass(block_pool_cls, BlockPool)):
+            raise TypeError(f"block_pool_cls must be BlockPool or a subclass of it, got {block_pool_cls!r}")
+        if manager_classes is not None and not isinstance(manager_classes, Mapping):
+            raise TypeError(f"manager_classes must be None or a dict {{spec type: manager class}}, got {type(manager_classes).__name__}")
+        if kv_cache_groups is not None and (isinstance(kv_cache_groups, (str, bytes)) or not isinstance(kv_cache_groups, Sequence)):
+            raise TypeError(f"kv_cache_groups must be None or a list of specs, got {type(kv_cache_groups).__name__}")
         groups = list(kv_cache_groups) if kv_cache_groups is not None else [FullAttentionSpec()]
         if not groups:
             raise ValueError("kv_cache_groups must hold at least one spec")
@@ -194,6 +220,7 @@ class KVCacheManager:
         self.request_block_hasher = get_request_block_hasher(hash_block_size, hash_fn)
         self.prefix_cache_stats: PrefixCacheStats | None = PrefixCacheStats() if log_stats else None
         self._requests: dict[str, Request] = {}
+        self._ckpt: ManagerCheckpoint | None = None  # the checkpoint of the call in progress
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple([] for _ in specs))
 
     # -- helpers --------------------------------------------------------------------------
@@ -205,6 +232,8 @@ class KVCacheManager:
     def _bind(self, request: Request) -> None:
         if not isinstance(request, Request):
             raise TypeError(f"request must be a kvlab.Request, got {type(request).__name__}")
+        if self._ckpt is not None and id(request) not in self._ckpt.saved_requests:
+            self._ckpt.save_request(request)  # before the first change a call makes to it
         request.bind_block_hasher(self.request_block_hasher)
 
     def create_kv_cache_blocks(self, blocks: tuple[list[KVCacheBlock], ...]) -> KVCacheBlocks:
@@ -214,6 +243,59 @@ class KVCacheManager:
         """The scheduler calls this at the start of every step (a Mamba state saved during a
         step becomes usable by other requests from the next one)."""
         self.coordinator.new_step_starts()
+
+    # -- all or nothing ---------------------------------------------------------------------
+    def checkpoint(self, saved_requests: dict[int, tuple[Request, tuple]] | None = None) -> ManagerCheckpoint:
+        """Start recording how to undo every change to this manager and its pool (see
+        :meth:`BlockPool.checkpoint`). O(requests holding blocks): the block tables are
+        copied, the pool only journals, and a request's state is saved when a call first
+        touches it -- in ``saved_requests`` (shared with the scheduler's checkpoint).
+        Follow with :meth:`release` (keep) or :meth:`restore` (undo)."""
+        cp = ManagerCheckpoint(
+            # Every attribute of every group's manager (a manager subclass with bookkeeping of
+            # its own is covered too); the coordinator holds no state of its own.
+            managers=[copy_attrs(m) for m in self.coordinator.single_type_managers],
+            requests=dict(self._requests),
+            prefix_cache_stats=None if self.prefix_cache_stats is None else self.prefix_cache_stats.copy(),
+            saved_requests={} if saved_requests is None else saved_requests,
+            pool=None,  # type: ignore[arg-type]
+        )
+        # Requests are saved when a call first touches them (_bind, free): every change to a
+        # request in a step goes through one of those first (the interrupt tests check it).
+        cp.pool = self.block_pool.checkpoint()  # last: it starts the journal
+        self._ckpt = cp
+        return cp
+
+    def release(self, cp: ManagerCheckpoint) -> None:
+        """Keep every change since ``cp``."""
+        self._ckpt = None
+        self.block_pool.release(cp.pool)
+
+    def restore(self, cp: ManagerCheckpoint, *, drop_reused: bool = False) -> list[KVCacheBlock]:
+        """Undo every change since ``cp`` (requests included) and stop recording. Returns the
+        blocks whose cache entry ``drop_reused`` dropped (see :meth:`BlockPool.restore`)."""
+        for m, saved in zip(self.coordinator.single_type_managers, cp.managers):
+            put_attrs(m, saved)
+        self._requests = dict(cp.requests)
+        self.prefix_cache_stats = None if cp.prefix_cache_stats is None else cp.prefix_cache_stats.copy()
+        for r, state in cp.saved_requests.values():
+            r._set_state(state)
+        tables = [t for m in self.coordinator.single_type_managers for t in m.req_to_blocks.values()]
+        dropped = self.block_pool.restore(cp.pool, tables, drop_reused=drop_reused)
+        self.release(cp)
+        return dropped
+
+    def _atomic(self, request: Request | None) -> ManagerCheckpoint | None:
+        """A checkpoint for one call of a manager used on its own (the scheduler's, when it
+        drives, covers the call already: then None)."""
+        if self._ckpt is not None:
+            if request is not None:
+                self._ckpt.save_request(request)
+            return None
+        cp = self.checkpoint()
+        if request is not None:
+            cp.save_request(request)
+        return cp
 
     # -- the three questions ----------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
@@ -300,7 +382,10 @@ class KVCacheManager:
         if known is not None and known is not request:
             raise ValueError(f"request id {rid!r} is already held by another request in this manager; ids must be unique")
         if new_computed_blocks is not None and not isinstance(new_computed_blocks, KVCacheBlocks):
-            raise TypeError(f"new_computed_blocks must be KVCacheBlocks or None, got {type(new_computed_blocks).__name__}")
+            raise TypeError(
+                f"new_computed_blocks must be None or the KVCacheBlocks that get_computed_blocks() returned, "
+                f"got {type(new_computed_blocks).__name__}"
+            )
         hits = new_computed_blocks.blocks if new_computed_blocks is not None else self.empty_kv_cache_blocks.blocks
         if len(hits) != self.num_kv_cache_groups:
             raise ValueError(f"new_computed_blocks has {len(hits)} groups, the manager has {self.num_kv_cache_groups}")
@@ -320,6 +405,8 @@ class KVCacheManager:
                 f"request {rid!r}: {request.num_computed_tokens} computed + {num_new_computed_tokens} hit + "
                 f"{num_external_computed_tokens} external tokens exceed its {request.num_tokens} tokens"
             )
+        if has_hits:
+            self._check_hits(request, hits)
 
         num_local_computed = request.num_computed_tokens + num_new_computed_tokens
         total_computed = num_local_computed + num_external_computed_tokens
@@ -337,23 +424,69 @@ class KVCacheManager:
         num_tokens_need_slot = num_tokens_main_model + num_lookahead_tokens
         if self.max_model_len is not None:
             num_tokens_need_slot = min(num_tokens_need_slot, self.max_model_len)
-        # Blocks that left the window are freed even if this allocation fails: no future
-        # query reads them, and freeing them first may make room.
-        coord.remove_skipped_blocks(rid, total_computed)
-        need = coord.get_num_blocks_to_allocate(rid, num_tokens_need_slot, hits, total_computed, num_local_computed, num_tokens_main_model)
-        if need > self.block_pool.get_num_free_blocks():
-            return None
+        cp = self._atomic(request)  # used on its own, the call undoes itself if anything raises
+        try:
+            # Blocks that left the window are freed even if this allocation fails: no future
+            # query reads them, and freeing them first may make room.
+            coord.remove_skipped_blocks(rid, total_computed)
+            need = coord.get_num_blocks_to_allocate(rid, num_tokens_need_slot, hits, total_computed, num_local_computed, num_tokens_main_model)
+            if need > self.block_pool.get_num_free_blocks():
+                new_blocks = None
+            else:
+                if has_hits or num_external_computed_tokens > 0:
+                    # Hits are adopted before anything is allocated: an allocation must not evict them.
+                    coord.allocate_new_computed_blocks(rid, hits, num_local_computed, num_external_computed_tokens)
+                new_blocks = coord.allocate_new_blocks(rid, num_tokens_need_slot, num_tokens_main_model)
+                self._requests[rid] = request
+                if self.enable_caching and not delay_cache_blocks:
+                    # Cache only what will really be computed (never lookahead slots), and never
+                    # past the tokens the request actually has.
+                    coord.cache_blocks(request, min(total_computed + num_new_tokens, request.num_tokens))
+        except BaseException:
+            if cp is not None:
+                self.restore(cp)
+            raise
+        if cp is not None:
+            self.release(cp)
+        return None if new_blocks is None else self.create_kv_cache_blocks(new_blocks)
 
-        if has_hits or num_external_computed_tokens > 0:
-            # Hits are adopted before anything is allocated: an allocation must not evict them.
-            coord.allocate_new_computed_blocks(rid, hits, num_local_computed, num_external_computed_tokens)
-        new_blocks = coord.allocate_new_blocks(rid, num_tokens_need_slot, num_tokens_main_model)
-        self._requests[rid] = request
-        if self.enable_caching and not delay_cache_blocks:
-            # Cache only what will really be computed (never lookahead slots), and never past
-            # the tokens the request actually has.
-            coord.cache_blocks(request, min(total_computed + num_new_tokens, request.num_tokens))
-        return self.create_kv_cache_blocks(new_blocks)
+    def _check_hits(self, request: Request, hits: tuple[list[KVCacheBlock], ...]) -> None:
+        """Prefix hits are adopted only if each is a block of THIS pool that still carries
+        the hash it was found under (lesson 04). Between ``get_computed_blocks`` and this
+        call a hit can be evicted and reused for another prompt: adopting it would make the
+        request read that prompt's K/V, silently. Checked before anything changes. (Only a
+        full-attention group's hits may not be padded with the null block.)"""
+        pool = self.block_pool
+        blocks = pool.blocks
+        for gid, (spec, group_hits) in enumerate(zip(self.kv_cache_groups, hits)):
+            hashes = pool.resolve_block_hashes(request.block_hashes, spec.block_size)  # type: ignore[arg-type]
+            if len(group_hits) > len(hashes):
+                raise ValueError(
+                    f"new_computed_blocks[{gid}] has {len(group_hits)} blocks, but request {request.request_id!r} "
+                    f"has only {len(hashes)} full blocks of {spec.block_size} tokens"
+                )
+            suffix = group_suffix(gid)
+            for i, b in enumerate(group_hits):
+                where = f"new_computed_blocks[{gid}][{i}]"
+                if not isinstance(b, KVCacheBlock):
+                    raise TypeError(f"{where} must be a KVCacheBlock, got {type(b).__name__}")
+                bid = b.block_id
+                if type(bid) is not int or not 0 <= bid < len(blocks) or blocks[bid] is not b:
+                    raise ValueError(
+                        f"{where} (block {bid!r}) is not a block of this manager's pool; pass the hits that this "
+                        "manager's get_computed_blocks() returned"
+                    )
+                if b.is_null:
+                    if isinstance(spec, FullAttentionSpec):
+                        raise ValueError(f"{where} is the null block; a full-attention group's hits are real blocks")
+                    continue
+                if b.cache_key != hashes[i] + suffix:
+                    raise ValueError(
+                        f"{where}: block {bid} no longer carries the hash of block {i} of request "
+                        f"{request.request_id!r} -- it was evicted and reused since get_computed_blocks() found it, "
+                        "so it holds another prompt's K/V. Look the request up again (get_computed_blocks) and "
+                        "allocate with the new hits"
+                    )
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Cache the request's blocks up to ``num_computed_tokens`` (after a delayed
@@ -367,15 +500,28 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Release all blocks of a finished or preempted request (tail first)."""
-        self.coordinator.free(request.request_id)
-        self._requests.pop(request.request_id, None)
+        if not isinstance(request, Request):
+            raise TypeError(f"request must be a kvlab.Request, got {type(request).__name__} {request!r}")
+        cp = self._atomic(request)
+        try:
+            self.coordinator.free(request.request_id)
+            self._requests.pop(request.request_id, None)
+        except BaseException:
+            if cp is not None:
+                self.restore(cp)
+            raise
+        if cp is not None:
+            self.release(cp)
 
     # -- queries ----------------------------------------------------------------------------
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
         return KVCacheBlocks(self.coordinator.get_blocks(request_id))
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
-        """The request's block table: one list of physical block ids per group."""
+        """The request's block table: one list of physical block ids per group (empty lists
+        for a request that holds no blocks)."""
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str, got {type(request_id).__name__} {request_id!r}")
         return self.get_blocks(request_id).get_block_ids()
 
     def get_num_common_prefix_blocks(self, running_request_id: str, num_running_requests: int | None = None) -> list[int]:
@@ -426,6 +572,26 @@ class KVCacheManager:
                         assert b.cache_key is None or b.cache_key[-4:] == gid.to_bytes(4, "big"), (
                             f"block {b.block_id} in a group-{gid} table is cached for another group"
                         )
+                num_cached = m.num_cached_block.get(rid, 0)
+                req = self._requests.get(rid)
+                if req is None or not num_cached or not self.enable_caching:
+                    continue
+                hashes = self.block_pool.resolve_block_hashes(req.block_hashes, m.block_size)
+                assert num_cached <= len(hashes), f"{rid!r}: {num_cached} cached blocks but {len(hashes)} block hashes"
+                suffix = group_suffix(gid)
+                # Positions a window group never caches (its reachable-block mask) may hold
+                # an uncached block; every other position below num_cached holds a block
+                # cached under THIS request's hash there -- else the request reads another
+                # prompt's K/V (an adopted stale hit).
+                mask = m.reachable_block_mask(0, num_cached) if m.kv_cache_spec.prefix_cacheable else [False] * num_cached
+                for i, b in enumerate(blocks[:num_cached]):
+                    if b.is_null or ((mask is not None and not mask[i]) and b.cache_key is None):
+                        continue
+                    assert b.cache_key == hashes[i] + suffix, (
+                        f"{rid!r}: block {b.block_id} at position {i} of group {gid} carries "
+                        f"{'no hash' if b.cache_key is None else 'another prefix' + chr(39) + 's hash'}; "
+                        "the request would read another prompt's K/V"
+                    )
         for b in self.block_pool.blocks:
             if not b.is_null:
                 assert b.ref_cnt == counts.get(b.block_id, 0), (

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from kvlab.utils.checks import check_int
 from kvlab.utils.hashing import (
     _FORMATS,
     BlockHash,
@@ -34,6 +35,9 @@ from kvlab.utils.hashing import (
     sha256,
     sha256_cbor,
 )
+
+
+_MAX_TOKEN_ID = 2**32 - 1
 
 
 # --- the map key: a block hash with its KV-cache group id ----------------------------------
@@ -100,7 +104,15 @@ class FreeKVCacheBlockQueue:
     Why not a ``deque``: a prefix hit must pull a block out of the *middle* of the queue
     (``touch``), in O(1), without allocating Python objects. Two sentinel blocks (ids -1)
     remove every empty-list special case. Head = evicted next, tail = evicted last.
+
+    While ``journal`` is a list (the engine sets it for the length of one step), every
+    operation first appends how to undo itself: the links it is about to change, as they
+    are. Undoing the entries newest first puts the queue back exactly as it was, even after
+    an operation that an exception (or Jupyter's interrupt) stopped half way: each undo
+    writes absolute values, so a complete newest-first pass repairs any intermediate state.
     """
+
+    journal: list | None = None  # see the class docstring; None = no journal (the default)
 
     def __init__(self, blocks: Sequence[KVCacheBlock]) -> None:
         self.num_free_blocks = len(blocks)
@@ -119,6 +131,8 @@ class FreeKVCacheBlockQueue:
         if first is self.fake_free_list_tail or first is None:
             raise ValueError("no free blocks left in the queue")
         nxt = first.next_free_block
+        if self.journal is not None:
+            self.journal.append((_undo_pop, self, (first,), nxt, self.num_free_blocks))
         self.fake_free_list_head.next_free_block = nxt
         nxt.prev_free_block = self.fake_free_list_head  # type: ignore[union-attr]
         first.prev_free_block = first.next_free_block = None
@@ -130,11 +144,21 @@ class FreeKVCacheBlockQueue:
             raise ValueError(f"cannot pop {n} blocks: only {self.num_free_blocks} are free")
         out: list[KVCacheBlock] = []
         cur = self.fake_free_list_head.next_free_block
-        for _ in range(n):
-            out.append(cur)  # type: ignore[arg-type]
-            nxt = cur.next_free_block  # type: ignore[union-attr]
-            cur.prev_free_block = cur.next_free_block = None  # type: ignore[union-attr]
-            cur = nxt
+        if self.journal is not None:
+            if not n:
+                return out
+            for _ in range(n):  # find them first: the undo needs them all, and what follows
+                out.append(cur)  # type: ignore[arg-type]
+                cur = cur.next_free_block  # type: ignore[union-attr]
+            self.journal.append((_undo_pop, self, tuple(out), cur, self.num_free_blocks))  # a copy: callers keep `out`
+            for b in out:
+                b.prev_free_block = b.next_free_block = None
+        else:
+            for _ in range(n):
+                out.append(cur)  # type: ignore[arg-type]
+                nxt = cur.next_free_block  # type: ignore[union-attr]
+                cur.prev_free_block = cur.next_free_block = None  # type: ignore[union-attr]
+                cur = nxt
         self.fake_free_list_head.next_free_block = cur
         cur.prev_free_block = self.fake_free_list_head  # type: ignore[union-attr]
         self.num_free_blocks -= n
@@ -144,23 +168,22 @@ class FreeKVCacheBlockQueue:
         prev, nxt = block.prev_free_block, block.next_free_block
         if prev is None or nxt is None:
             raise RuntimeError(f"remove() of block {block.block_id}, which is not in the free queue")
+        if self.journal is not None:
+            self.journal.append((_undo_remove, self, block, prev, nxt, self.num_free_blocks))
         prev.next_free_block = nxt
         nxt.prev_free_block = prev
         block.prev_free_block = block.next_free_block = None
         self.num_free_blocks -= 1
 
     def append(self, block: KVCacheBlock) -> None:
-        last = self.fake_free_list_tail.prev_free_block
-        last.next_free_block = block  # type: ignore[union-attr]
-        block.prev_free_block = last
-        block.next_free_block = self.fake_free_list_tail
-        self.fake_free_list_tail.prev_free_block = block
-        self.num_free_blocks += 1
+        self.append_n([block])
 
     def append_n(self, blocks: Sequence[KVCacheBlock]) -> None:
         if not blocks:
             return
         last = self.fake_free_list_tail.prev_free_block
+        if self.journal is not None:
+            self.journal.append((_undo_append, self, tuple(blocks), last, self.num_free_blocks))
         for b in blocks:
             b.prev_free_block = last
             last.next_free_block = b  # type: ignore[union-attr]
@@ -174,6 +197,8 @@ class FreeKVCacheBlockQueue:
         if not blocks:
             return
         first = self.fake_free_list_head.next_free_block
+        if self.journal is not None:
+            self.journal.append((_undo_prepend, self, tuple(blocks), first, self.num_free_blocks))
         prev = self.fake_free_list_head
         for b in blocks:
             b.prev_free_block = prev
@@ -192,6 +217,42 @@ class FreeKVCacheBlockQueue:
             cur = cur.next_free_block
         return out
 
+
+# How to undo each queue operation (journal entries are ``(undo_fn, *args)``). Each writes
+# every link its operation could have changed, with the value it had before.
+def _undo_pop(q: FreeKVCacheBlockQueue, popped: tuple[KVCacheBlock, ...], after: KVCacheBlock, num_free: int) -> None:
+    prev = q.fake_free_list_head
+    for b in popped:
+        prev.next_free_block = b
+        b.prev_free_block = prev
+        prev = b
+    prev.next_free_block = after
+    after.prev_free_block = prev
+    q.num_free_blocks = num_free
+
+
+def _undo_remove(q: FreeKVCacheBlockQueue, block: KVCacheBlock, prev: KVCacheBlock, nxt: KVCacheBlock, num_free: int) -> None:
+    prev.next_free_block = block
+    block.prev_free_block = prev
+    block.next_free_block = nxt
+    nxt.prev_free_block = block
+    q.num_free_blocks = num_free
+
+
+def _undo_append(q: FreeKVCacheBlockQueue, blocks: tuple[KVCacheBlock, ...], last: KVCacheBlock, num_free: int) -> None:
+    for b in blocks:
+        b.prev_free_block = b.next_free_block = None
+    last.next_free_block = q.fake_free_list_tail
+    q.fake_free_list_tail.prev_free_block = last
+    q.num_free_blocks = num_free
+
+
+def _undo_prepend(q: FreeKVCacheBlockQueue, blocks: tuple[KVCacheBlock, ...], first: KVCacheBlock, num_free: int) -> None:
+    for b in blocks:
+        b.prev_free_block = b.next_free_block = None
+    q.fake_free_list_head.next_free_block = first
+    first.prev_free_block = q.fake_free_list_head
+    q.num_free_blocks = num_free
 
 
 # --- NONE_HASH: the "parent" of every first block -----------------------------------------
@@ -268,7 +329,12 @@ def hash_block_tokens(
     curr_block_token_ids: Sequence[int],
     extra_keys: tuple[Any, ...] | None = None,
 ) -> BlockHash:
-    """Hash one full block, chained to its parent: ``hash_fn((parent, tokens, extra))``."""
+    """Hash one full block, chained to its parent: ``hash_fn((parent, tokens, extra))``.
+
+    Token ids must be uint32 ints (numpy's too); a bad one raises a ``TypeError`` /
+    ``ValueError`` that names its position."""
+    if not callable(hash_fn):
+        raise TypeError(f"hash_fn must be a hash function (see get_hash_fn_by_name), got {type(hash_fn).__name__}")
     if not parent_block_hash:
         parent_block_hash = NONE_HASH if hash_fn is _none_hash_fn else none_hash_for(hash_fn)
     if hash_fn is sha256 and extra_keys is None and type(parent_block_hash) is bytes:
@@ -277,8 +343,28 @@ def hash_block_tokens(
         f = _FORMATS.get((len(parent_block_hash), len(curr_block_token_ids))) or _block_format(
             len(parent_block_hash), len(curr_block_token_ids)
         )
-        return _sha256(f.pack(f.header, parent_block_hash, *curr_block_token_ids)).digest()
-    return hash_fn((parent_block_hash, tuple(curr_block_token_ids), extra_keys))
+        try:
+            return _sha256(f.pack(f.header, parent_block_hash, *curr_block_token_ids)).digest()
+        except struct.error:  # a bad token: say which (the check costs nothing on the hot path)
+            _check_block_tokens(curr_block_token_ids)
+            raise
+    if not isinstance(parent_block_hash, (bytes, bytearray, memoryview)):
+        raise TypeError(f"parent_block_hash must be None or bytes, got {type(parent_block_hash).__name__}")
+    if extra_keys is not None and not isinstance(extra_keys, tuple):
+        raise TypeError(f"extra_keys must be None or a tuple, got {type(extra_keys).__name__}")
+    tokens = _check_block_tokens(curr_block_token_ids)
+    return hash_fn((parent_block_hash, tokens, extra_keys))
+
+
+def _check_block_tokens(token_ids: Sequence[int]) -> tuple[int, ...]:
+    if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
+        raise TypeError(f"curr_block_token_ids must be a sequence of token ids, got {type(token_ids).__name__}")
+    out = []
+    for i, t in enumerate(token_ids):
+        if type(t) is not int or not 0 <= t <= _MAX_TOKEN_ID:
+            t = check_int(f"curr_block_token_ids[{i}]", t, 0, _MAX_TOKEN_ID, why=" (token ids are uint32)")
+        out.append(t)
+    return tuple(out)
 
 
 def _gen_mm_extra_hash_keys(

@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from kvlab.utils.checks import check_number
+
 
 @dataclass(slots=True)
 class CostModel:
@@ -30,6 +32,13 @@ class CostModel:
                                                repr=False)
     # The vision encoder, per embedding (lesson 14).
     encoder_s_per_token: float = field(default=0.0002, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("step_overhead_s", "prefill_s_per_token", "decode_s_per_token", "kv_read_s_per_token", "encoder_s_per_token"):
+            setattr(self, name, check_number(name, getattr(self, name), 0))
+        if not isinstance(self.load_s_per_token, Mapping):
+            raise TypeError(f"load_s_per_token must be a dict {{medium: seconds per token}}, got {type(self.load_s_per_token).__name__}")
+        self.load_s_per_token = {m: check_number(f"load_s_per_token[{m!r}]", v, 0) for m, v in self.load_s_per_token.items()}
 
     def step_time(self, num_prefill_tokens: int, num_decode_tokens: int, num_context_tokens: int,
                   num_loaded_tokens: Mapping[str, int] | None = None, num_encoder_tokens: int = 0) -> float:

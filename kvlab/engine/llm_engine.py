@@ -8,20 +8,20 @@ throughput can be read off without a GPU.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.sched.output import SchedulerOutput
-from kvlab.core.sched.scheduler import Scheduler
+from kvlab.core.sched.scheduler import Scheduler, SchedulerCheckpoint
 from kvlab.engine.cost_model import CostModel
 from kvlab.executor.abstract import Executor
 from kvlab.executor.simulated import SimulatedExecutor
 from kvlab.metrics.stats import IterationStats
-from kvlab.request import Request
+from kvlab.request import Request, RequestStatus
 from kvlab.timeline.events import EventLog
-from kvlab.utils.checks import check_optional_int
+from kvlab.utils.checks import check_int, check_optional_int
 
 
 @dataclass(slots=True)
@@ -52,6 +52,42 @@ class RequestMetrics:
         return None if self.finished_time is None else self.finished_time - self.arrival_time
 
 
+_MISSING: Any = object()
+
+
+class EngineInterruptedError(RuntimeError):
+    """The engine stopped in the middle of a call and could not put itself back (an
+    interrupt arrived while it was undoing the call): ``engine.restore()`` does it."""
+
+
+@dataclass(slots=True)
+class _EngineCheckpoint:
+    """One engine call's way back: the scheduler's checkpoint plus the engine's own state
+    (the clock, and the metrics and finished entries the call is about to change)."""
+
+    what: str
+    step: int
+    clock: float
+    ids: int
+    num_eviction_events: int
+    sched: SchedulerCheckpoint | None = None
+    # (request id, its RequestMetrics or _MISSING, the field values): undone newest first,
+    # so when one request is saved twice the older values win.
+    metrics: list[tuple] = field(default_factory=list)
+    finished: dict[str, Request] = field(default_factory=dict)
+    executor_called: bool = False
+
+    def save_metrics(self, metrics: dict[str, RequestMetrics], rid: str) -> None:
+        m = metrics.get(rid, _MISSING)
+        self.metrics.append((rid, m, None if m is _MISSING else (
+            m.arrival_time, m.first_scheduled_time, m.first_token_time, m.finished_time, m.num_output_tokens,
+            m.num_preemptions, m.num_cached_tokens, m.prefill_tokens_computed)))
+
+    def save_finished(self, finished: dict[str, Request], rid: str) -> None:
+        if rid not in self.finished:
+            self.finished[rid] = finished.get(rid, _MISSING)
+
+
 @dataclass(slots=True)
 class StepResult:
     step: int
@@ -73,6 +109,15 @@ class LLMEngine:
     per-step series come from the event log (each ``StepFinished`` carries the clock).
     ``run`` steps until done, ``run_trace`` admits requests at their arrival
     times, ``generate`` is the one-call API for prompts (text when a tokenizer is given).
+
+    Every call is all or nothing -- learners press "interrupt kernel" in the middle of
+    ``run()`` and plug in functions that raise. A step first takes a cheap checkpoint
+    (:meth:`Scheduler.checkpoint`); if anything raises before the step ends -- an
+    exception, ``KeyboardInterrupt``, a failing event subscriber, the executor -- the engine
+    goes back to the end of the previous step (the event log is cut back too: that step
+    never happened) and the exception goes on with a note saying so. Nothing is lost: no
+    request, no block. If the interrupt hits while it is undoing, the engine refuses to go
+    on (:class:`EngineInterruptedError`) until :meth:`restore` finishes the job.
     """
 
     def __init__(
@@ -83,8 +128,18 @@ class LLMEngine:
         cost_model: CostModel | None = None,
         tokenizer: object | None = None,
     ) -> None:
+        if not isinstance(kv_cache_manager, KVCacheManager):
+            raise TypeError(f"kv_cache_manager must be a KVCacheManager, got {type(kv_cache_manager).__name__}")
+        if not isinstance(scheduler, Scheduler):
+            raise TypeError(f"scheduler must be a Scheduler, got {type(scheduler).__name__}")
         if scheduler.kv_cache_manager is not kv_cache_manager:
             raise ValueError("scheduler was built on a different kv_cache_manager")
+        if not callable(getattr(executor, "execute_model", None)):
+            raise TypeError(f"executor must have an execute_model(scheduler_output) method, got {type(executor).__name__}")
+        if cost_model is not None and not isinstance(cost_model, CostModel):
+            raise TypeError(f"cost_model must be None or a CostModel, got {type(cost_model).__name__}")
+        if tokenizer is not None and (isinstance(tokenizer, (str, bytes)) or not callable(getattr(tokenizer, "encode", None))):
+            raise TypeError(f"tokenizer must be None or have an encode(text) method, got {type(tokenizer).__name__}")
         self.kv_cache_manager = kv_cache_manager
         self.scheduler = scheduler
         self.executor = executor
@@ -99,24 +154,150 @@ class LLMEngine:
         self.metrics: dict[str, RequestMetrics] = {}
         self.finished: dict[str, Request] = {}
         self._ids = 0
+        self._pending: _EngineCheckpoint | None = None  # a call in progress (or one left unfinished)
+        self.fault: str | None = None  # what stopped the last call that failed
 
     @property
     def events(self) -> EventLog | None:
         return self.kv_cache_manager.events
 
+    # -- all or nothing ------------------------------------------------------------------------
+    @property
+    def interrupted(self) -> bool:
+        """True when a call stopped half way and could not undo itself: call :meth:`restore`."""
+        return self._pending is not None
+
+    def _check_usable(self) -> None:
+        cp = self._pending
+        if cp is not None:
+            raise EngineInterruptedError(
+                f"the engine stopped in the middle of {cp.what} (step {cp.step + 1}) -- {self.fault or 'interrupted'} -- "
+                "and was interrupted again while it was undoing it, so its state is unfinished and it will not go on. "
+                f"Call engine.restore() to go back to the end of step {cp.step} (every request is kept), then continue."
+            )
+
+    def _begin(self, what: str) -> _EngineCheckpoint:
+        self._check_usable()
+        cp = _EngineCheckpoint(what, self.scheduler.step_count, self.clock, self._ids, len(self.kv_cache_eviction_events))
+        self._pending = cp  # from here on, an interrupt leaves the engine marked
+        cp.sched = self.scheduler.checkpoint()
+        return cp
+
+    def _commit(self, cp: _EngineCheckpoint) -> None:
+        self._pending = None
+        self.scheduler.release(cp.sched)  # type: ignore[arg-type]
+
+    def _fail(self, cp: _EngineCheckpoint, exc: BaseException) -> None:
+        """Undo the failed call, then let ``exc`` go on with a note on what happened."""
+        self.fault = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        self._rollback(cp)
+        self._pending = None
+        exc.add_note(
+            f"kvlab: {cp.what} did not finish, so the engine went back to the end of step {cp.step}: "
+            "no request and no block was lost. Fix the cause and call it again."
+        )
+
+    def _rollback(self, cp: _EngineCheckpoint) -> None:
+        if cp.sched is not None:
+            # An executor that writes K/V may have overwritten blocks that are cached again
+            # after the undo: their cache entries go (the blocks stay free).
+            writes_kv = bool(getattr(self.executor, "writes_kv_cache", True))
+            self.scheduler.restore(cp.sched, drop_reused=cp.executor_called and writes_kv, resync_executor=cp.executor_called)
+        self.clock, self._ids = cp.clock, cp.ids
+        del self.kv_cache_eviction_events[cp.num_eviction_events :]
+        for rid, m, values in reversed(cp.metrics):
+            if m is _MISSING:
+                self.metrics.pop(rid, None)
+            else:
+                (m.arrival_time, m.first_scheduled_time, m.first_token_time, m.finished_time, m.num_output_tokens,
+                 m.num_preemptions, m.num_cached_tokens, m.prefill_tokens_computed) = values
+                self.metrics[rid] = m
+        for rid, r in cp.finished.items():
+            if r is _MISSING:
+                self.finished.pop(rid, None)
+            else:
+                self.finished[rid] = r
+
+    def restore(self) -> str:
+        """Finish undoing a call that stopped half way (see :class:`EngineInterruptedError`):
+        the engine goes back to the end of its last completed step, every request kept.
+        Returns what it did; safe to call again if it is itself interrupted."""
+        cp = self._pending
+        if cp is None:
+            return f"nothing to restore: the engine is at the end of step {self.scheduler.step_count}"
+        self._rollback(cp)
+        self._pending = None
+        return f"restored: the engine is back at the end of step {cp.step}, before the {cp.what} that failed ({self.fault})"
+
+    # -- requests ------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        self.scheduler.add_request(request)
-        self.metrics[request.request_id] = RequestMetrics(request.request_id, self.clock, request.num_prompt_tokens)
+        """Queue ``request`` (all or nothing)."""
+        self._check_usable()
+        self.scheduler.check_request(request)
+        rid = request.request_id
+        old = self.metrics.get(rid, _MISSING)
+        self.metrics[rid] = RequestMetrics(rid, self.clock, request.num_prompt_tokens)
+        try:
+            self.scheduler.add_request(request)
+        except BaseException:
+            if old is _MISSING:
+                self.metrics.pop(rid, None)
+            else:
+                self.metrics[rid] = old
+            raise
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        """Abort requests (vLLM's name): they finish with reason "abort" and free their
+        blocks; ids that are not queued are ignored. All or nothing."""
+        sched = self.scheduler
+        ids, _ = sched.check_finish_args(request_ids)
+        cp = self._begin("abort_request")
+        try:
+            queued = [sched.requests[rid] for rid in ids if rid in sched.requests]
+            sched.finish_requests(ids)
+            for r in queued:
+                cp.save_metrics(self.metrics, r.request_id)
+                cp.save_finished(self.finished, r.request_id)
+                m = self.metrics.get(r.request_id)
+                if m is not None:
+                    m.finished_time = self.clock
+                self.finished[r.request_id] = r
+        except BaseException as e:
+            self._fail(cp, e)
+            raise
+        self._commit(cp)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    # -- steps ---------------------------------------------------------------------------------
     def step(self) -> StepResult:
+        """Schedule, execute, update: one engine step, all or nothing (see the class doc)."""
+        cp = self._begin("step")
+        try:
+            res = self._step(cp)
+        except BaseException as e:
+            self._fail(cp, e)
+            raise
+        self._commit(cp)
+        return res
+
+    def _step(self, cp: _EngineCheckpoint) -> StepResult:
         sched = self.scheduler
         out = sched.schedule()
+        for rid in out.num_scheduled_tokens:
+            cp.save_metrics(self.metrics, rid)
         # Also a step that only preempted: the executor must drop the victims' state.
         busy = out.total_num_scheduled_tokens or out.finished_req_ids or out.preempted_req_ids
-        sampled = self.executor.execute_model(out) if busy else {}
+        sampled: Any = {}
+        if busy:
+            cp.executor_called = True
+            sampled = self.executor.execute_model(out)
+            if not isinstance(sampled, Mapping):
+                raise TypeError(
+                    f"{type(self.executor).__name__}.execute_model returned {type(sampled).__name__}; "
+                    "it must return a dict {request_id: [sampled token ids]}"
+                )
         take = getattr(self.executor, "take_kv_connector_output", None)
         kv_out = take() if busy and take is not None else None
         prefill = decode = context = 0
@@ -151,7 +332,10 @@ class LLMEngine:
             if r.num_cached_tokens >= 0:
                 m.num_cached_tokens = r.num_cached_tokens
         for r in finished:
-            self.metrics[r.request_id].finished_time = self.clock
+            cp.save_finished(self.finished, r.request_id)
+            m = self.metrics.get(r.request_id)
+            if m is not None:
+                m.finished_time = self.clock
             self.finished[r.request_id] = r
         collector = self.kv_cache_manager.metrics_collector
         if collector is not None:  # vLLM drains it into SchedulerStats.kv_cache_eviction_events
@@ -161,40 +345,56 @@ class LLMEngine:
     def run(self, max_steps: int | None = None, progress: bool = False) -> None:
         """Step until every request has finished (or ``max_steps`` steps have run)."""
         max_steps = check_optional_int("max_steps", max_steps, 0)
+        self._check_usable()
         bar = _progress(progress, total=None, desc="steps")
         steps = 0
-        while self.has_unfinished_requests():
-            if max_steps is not None and steps >= max_steps:
-                break
-            res = self.step()
-            steps += 1
-            so = res.scheduler_output
-            # A step may schedule nothing and still progress: under "priority" a request can
-            # be its own victim, which ends the running loop (and admits no one).
-            if so.total_num_scheduled_tokens == 0 and not res.finished and not so.preempted_req_ids:
-                raise RuntimeError("the engine made no progress in a step (nothing could be scheduled)")
+        try:
+            while self.has_unfinished_requests():
+                if max_steps is not None and steps >= max_steps:
+                    break
+                _check_progress(self.step())
+                steps += 1
+                if bar is not None:
+                    bar.update(1)
+        finally:
             if bar is not None:
-                bar.update(1)
-        if bar is not None:
-            bar.close()
+                bar.close()
 
     def run_trace(self, requests: Iterable[Request], progress: bool = False) -> None:
-        """Add each request when the simulated clock reaches its ``arrival_time``."""
-        pending = sorted(requests, key=lambda r: r.arrival_time)
+        """Add each request when the simulated clock reaches its ``arrival_time``.
+
+        Every request is checked before the first is added (a bad one changes nothing). If
+        the run stops (an interrupt), the requests added so far stay in the engine -- call
+        ``run()`` to finish them -- and the rest were never added."""
+        if isinstance(requests, (str, bytes, Request)) or not isinstance(requests, Iterable):
+            raise TypeError(f"requests must be a list of Request, got {type(requests).__name__}")
+        pending = list(requests)
+        seen: set[str] = set()
+        for i, r in enumerate(pending):
+            if not isinstance(r, Request):
+                raise TypeError(f"requests[{i}] must be a kvlab.Request, got {type(r).__name__}")
+            self.scheduler.check_request(r)
+            if r.request_id in seen:
+                raise ValueError(f"requests[{i}]: request id {r.request_id!r} appears twice; ids must be unique")
+            seen.add(r.request_id)
+        self._check_usable()
+        pending.sort(key=lambda r: r.arrival_time)
         bar = _progress(progress, total=len(pending), desc="requests")
         i = 0
-        while i < len(pending) or self.has_unfinished_requests():
-            if not self.has_unfinished_requests() and i < len(pending):
-                self.clock = max(self.clock, pending[i].arrival_time)
-            while i < len(pending) and pending[i].arrival_time <= self.clock:
-                self.add_request(pending[i])
-                self.metrics[pending[i].request_id].arrival_time = pending[i].arrival_time
-                i += 1
-            res = self.step()
-            if bar is not None and res.finished:
-                bar.update(len(res.finished))
-        if bar is not None:
-            bar.close()
+        try:
+            while i < len(pending) or self.has_unfinished_requests():
+                if not self.has_unfinished_requests() and i < len(pending):
+                    self.clock = max(self.clock, pending[i].arrival_time)
+                while i < len(pending) and pending[i].arrival_time <= self.clock:
+                    self.add_request(pending[i])
+                    self.metrics[pending[i].request_id].arrival_time = pending[i].arrival_time
+                    i += 1
+                res = _check_progress(self.step())
+                if bar is not None and res.finished:
+                    bar.update(len(res.finished))
+        finally:
+            if bar is not None:
+                bar.close()
 
     def generate(
         self,
@@ -203,27 +403,67 @@ class LLMEngine:
         progress: bool = False,
         **request_kwargs,
     ) -> list[list[int]]:
-        """Run ``prompts`` to completion; return each one's output token ids, in order."""
-        if isinstance(prompts, (str, bytes)):
-            raise TypeError("prompts must be a list of prompts (a bare string would be read as one prompt per character)")
+        """Run ``prompts`` to completion; return each one's output token ids, in order.
+
+        All or nothing: every prompt becomes a checked Request before the first is queued,
+        so a prompt that can never fit leaves nothing behind. The generated ids
+        (``gen-1``, ``gen-2``, ...) skip every id the engine already knows."""
+        self._check_usable()
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+            raise TypeError(
+                "prompts must be a list of prompts (token-id lists, or strings with a tokenizer), got "
+                f"{type(prompts).__name__}" + (" (a bare string would be read as one prompt per character)" if isinstance(prompts, str) else "")
+            )
+        taken = set(self.scheduler.requests) | set(self.metrics) | set(self.finished)
+        next_id = self._ids
         reqs = []
-        for p in prompts:
+        for i, p in enumerate(prompts):
             if isinstance(p, str):
                 if self.tokenizer is None:
-                    raise TypeError("string prompts need an engine built with a tokenizer")
+                    raise TypeError(f"prompts[{i}] is a string; string prompts need an engine built with a tokenizer")
                 p = self.tokenizer.encode(p)  # type: ignore[attr-defined]
-            self._ids += 1
-            reqs.append(Request(f"gen-{self._ids}", list(p), max_tokens=max_tokens, **request_kwargs))
-        for r in reqs:
-            self.add_request(r)
+            elif isinstance(p, bytes) or not isinstance(p, Sequence) and not hasattr(p, "tolist"):
+                hint = " (one prompt of token ids is generate([[1, 2, 3]]))" if isinstance(p, int) or hasattr(p, "__index__") else ""
+                raise TypeError(f"prompts[{i}] must be a list of token ids or a str, got {type(p).__name__} {p!r}{hint}")
+            elif not isinstance(p, Sequence):
+                p = p.tolist()
+            next_id += 1
+            while f"gen-{next_id}" in taken:
+                next_id += 1
+            r = Request(f"gen-{next_id}", list(p), max_tokens=max_tokens, **request_kwargs)
+            self.scheduler.check_request(r)
+            reqs.append(r)
+        cp = self._begin("generate")
+        try:
+            for r in reqs:
+                cp.save_metrics(self.metrics, r.request_id)
+                self.metrics[r.request_id] = RequestMetrics(r.request_id, self.clock, r.num_prompt_tokens)
+                self.scheduler.add_request(r)
+            self._ids = next_id
+        except BaseException as e:
+            self._fail(cp, e)
+            raise
+        self._commit(cp)
         bar = _progress(progress, total=len(reqs), desc="generate")
-        while self.has_unfinished_requests():
-            res = self.step()
-            if bar is not None and res.finished:
-                bar.update(len(res.finished))
-        if bar is not None:
-            bar.close()
+        try:
+            while self.has_unfinished_requests():
+                res = _check_progress(self.step())
+                if bar is not None and res.finished:
+                    bar.update(len(res.finished))
+        finally:
+            if bar is not None:
+                bar.close()
         return [list(r.output_token_ids) for r in reqs]
+
+
+def _check_progress(res: StepResult) -> StepResult:
+    """A step may schedule nothing and still progress (under "priority" a request can be its
+    own victim, which ends the running loop and admits no one); a step that does nothing at
+    all would repeat forever."""
+    so = res.scheduler_output
+    if so.total_num_scheduled_tokens == 0 and not res.finished and not so.preempted_req_ids:
+        raise RuntimeError("the engine made no progress in a step (nothing could be scheduled)")
+    return res
 
 
 def _progress(enabled: bool, total: int | None, desc: str):
@@ -253,8 +493,18 @@ def build_engine(
 
     ``kv_transfer_config``: a :class:`~kvlab.config.kv_transfer.KVTransferConfig` -- both
     halves of the KV connector it names are built (vLLM's ``--kv-transfer-config``): the
-    scheduler half goes to the scheduler, the worker half to the executor (lessons 12-13)."""
-    log = EventLog() if event_log is True else (event_log or None)
+    scheduler half goes to the scheduler, the worker half to the executor (lessons 12-13).
+    ``event_log``: True (a new log), an ``EventLog`` to record into, or None/False (none)."""
+    if event_log is True:
+        log: EventLog | None = EventLog()
+    elif event_log is None or event_log is False:
+        log = None
+    elif isinstance(event_log, EventLog):
+        log = event_log  # an empty log is falsy by length: test its type, not its truth
+    else:
+        raise TypeError(f"event_log must be True, False, None or an EventLog, got {type(event_log).__name__}")
+    if manager_kwargs is not None and not isinstance(manager_kwargs, Mapping):
+        raise TypeError(f"manager_kwargs must be None or a dict, got {type(manager_kwargs).__name__}")
     mkw = dict(manager_kwargs or {})
     mkw.setdefault("max_in_flight_tokens", scheduler_kwargs.get("max_num_batched_tokens", 2048))
     mgr = KVCacheManager(num_blocks=num_blocks, block_size=block_size, event_log=log, **mkw)

@@ -23,6 +23,10 @@ class SimulatedExecutor(KVConnectorModelRunnerMixin):
     request produces exactly the same tokens -- the property the real runner must have.
     """
 
+    #: It writes no K/V: an undone step leaves no stale values in cached blocks (see
+    #: ``BlockPool.restore``'s ``drop_reused``).
+    writes_kv_cache = False
+
     def __init__(self, vocab_size: int = 32000, eos_token_id: int | None = None, eos_every: int = 0,
                  *, kv_connector: Any = None) -> None:
         self.vocab_size = check_int("vocab_size", vocab_size, 2)

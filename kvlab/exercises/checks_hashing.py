@@ -5,7 +5,7 @@ import random
 from typing import Any
 
 from kvlab.core import kv_cache_utils
-from kvlab.exercises.registry import call, register
+from kvlab.exercises.registry import call, register, returns, same, wrong_kind
 from kvlab.exercises.result import CheckResult, failed, passed
 from kvlab.request import MultiModalFeature, Request
 from kvlab.utils import hashing
@@ -60,7 +60,10 @@ def check_hash_chain(fn: Any) -> CheckResult:
         got = call(fn, spy, parent, list(toks), extra, where=f"hashing the {name}")
         want_obj = (parent or none, tuple(toks), extra)
         want = hashing.sha256(want_obj)
-        if got == want:
+        bad = wrong_kind(eid, got, want, name, "the block hash")
+        if bad is not None:
+            return bad
+        if same(got, want):
             continue
         idea = "a block hash is hash_fn((parent or NONE_HASH, tuple(tokens), extra_keys))"
         if not seen:
@@ -92,7 +95,7 @@ def check_hash_chain(fn: Any) -> CheckResult:
     a = call(fn, hashing.sha256, None, t1, None, where="hashing block 1")
     b1 = call(fn, hashing.sha256, a, t2, None, where="hashing block 2 after prefix A")
     b2 = call(fn, hashing.sha256, call(fn, hashing.sha256, None, t2, None, where="hashing"), t2, None, where="hashing")
-    if b1 == b2:
+    if same(b1, b2):
         return failed(eid, "the same tokens after two different beginnings got the same hash", idea="chain the parent hash")
     return passed(eid, "every case matches vLLM's chained hash; equal tokens after different prefixes hash differently.")
 
@@ -141,8 +144,11 @@ def check_extra_keys(fn: Any) -> CheckResult:
             end = start + 16
             want = _reference_extra_keys(req, start, end)
             got = call(fn, req, start, end, where=f"computing extra keys of block [{start}, {end}) ({name})")
-            if got == want:
+            if same(got, want):
                 continue
+            if got is not None and not isinstance(got, tuple):
+                return failed(eid, f"extra keys must be a tuple or None, got {type(got).__name__} {got!r:.60}",
+                              case=name, expected=repr(want), got=repr(got), idea="return a tuple of keys, or None when the block has none")
             idea = "('lora', name, path) every block, images as ('mm', identifier, offset - start), ('cache_salt', salt) in the first block only"
             keys = list(got) if isinstance(got, tuple) else []
             salt_key = ("cache_salt", req.cache_salt)
@@ -175,7 +181,8 @@ def check_extra_keys(fn: Any) -> CheckResult:
     from kvlab.core.kv_cache_manager import KVCacheManager
 
     def extra_keys(req: Request, start: int, end: int) -> tuple | None:
-        return call(fn, req, start, end, where=f"computing extra keys of block [{start}, {end}) inside the engine")
+        keys = call(fn, req, start, end, where=f"computing extra keys of block [{start}, {end}) inside the engine")
+        return None if keys is None else returns(keys, tuple, "block_extra_keys")
 
     hasher = kv_cache_utils.get_request_block_hasher(16, hashing.sha256, extra_keys_fn=extra_keys)
     mgr = KVCacheManager(num_blocks=16, block_size=16)

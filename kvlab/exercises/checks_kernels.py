@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from kvlab.exercises.registry import call, register
+from kvlab.exercises.registry import call, register, same, wrong_kind
 from kvlab.exercises.result import CheckResult, failed, passed
 from kvlab.kernels import INTERPRET, reshape_and_cache, unified_attention_ref
 from kvlab.kernels.trace import trace_loads
@@ -298,7 +298,12 @@ def check_slot_mapping(fn: Any) -> CheckResult:
     for name, table, start, n, bs, idea in cases:
         want = reference_slot_mapping(table, start, n, bs)
         got = call(fn, list(table), start, n, bs, where=name)
-        if list(got) != want:
+        if isinstance(got, tuple) or hasattr(got, "tolist"):
+            got = list(got.tolist() if hasattr(got, "tolist") else got)
+        bad = wrong_kind(eid, got, want, name, "the slot mapping")
+        if bad is not None:
+            return bad
+        if not same(got, want):
             if list(got) == reference_slot_mapping(table, start + 1, n, bs) or list(got) == reference_slot_mapping(table, start - 1, n, bs):
                 idea = "off by one: the first new token is at position start_pos"
             elif list(got) == list(range(start, start + n)):

@@ -5,7 +5,7 @@ from typing import Any
 
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.single_type_kv_cache_manager import FullAttentionManager, cdiv
-from kvlab.exercises.registry import call, register
+from kvlab.exercises.registry import call, register, returns, same, wrong_kind
 from kvlab.exercises.result import CheckResult, failed, passed
 from kvlab.kv_cache_interface import FullAttentionSpec
 from kvlab.request import Request
@@ -41,7 +41,10 @@ def check_longest_hit(fn: Any) -> CheckResult:
     ]
     for name, hashes, n, bs, cached, want, idea in cases:
         got = call(fn, list(hashes), n, bs, dict(cached), where=f"the case '{name}'")
-        if got != want:
+        bad = wrong_kind(eid, got, want, name, "the number of hit blocks")
+        if bad is not None:
+            return bad
+        if not same(got, want):
             return failed(
                 eid,
                 f"wrong number of hit blocks: {name}",
@@ -101,8 +104,11 @@ def check_sliding_window_hit(fn: Any) -> CheckResult:
     for name, max_len, bs, w, cached, idea in cases:
         want = reference_sliding_window_hit(H, max_len, bs, w, cached)
         got = call(fn, list(H), max_len, bs, w, set(cached), where=f"the case '{name}'")
-        if got != want:
-            if got == _full_rule(H, max_len, bs, cached):
+        bad = wrong_kind(eid, got, want, name, "the hit length")
+        if bad is not None:
+            return bad
+        if not same(got, want):
+            if same(got, _full_rule(H, max_len, bs, cached)):
                 idea = "that is the full-attention rule (a contiguous prefix from block 0); a window layer only needs the blocks its window reads"
             elif w % bs and got == _with_need(H, max_len, bs, cached, w // bs):
                 idea = (f"W // block_size = {w // bs} rounds down: a window of {w} tokens reaches {w - 1} tokens back, "
@@ -151,14 +157,18 @@ def check_allocate_capacity(fn: Any) -> CheckResult:
     ]
     for name, n, bs, held, refs, want, idea in cases:
         got = call(fn, n, bs, held, list(refs), where=f"the case '{name}'")
-        if got != want:
+        bad = wrong_kind(eid, got, want, name, "the block count")
+        if bad is not None:
+            return bad
+        if not same(got, want):
             return failed(eid, f"wrong count: {name}", case=name, inputs=f"num_tokens={n}, block_size={bs}, held={held}, hit ref counts={refs}", expected=str(want), got=str(got), idea=idea)
     # In the engine: a pool whose only free blocks are the request's own evictable hits.
     # The learner's count is the full-attention manager's get_num_blocks_to_allocate.
     def get_num_blocks_to_allocate(self: Any, request_id: str, num_tokens: int, new_computed_blocks: Any, *rest: Any, **kw: Any) -> int:
         held = len(self.req_to_blocks.get(request_id, ()))
         refs = [b.ref_cnt for b in new_computed_blocks if not b.is_null]
-        return call(fn, num_tokens, self.block_size, held, refs, where="counting blocks inside allocate_slots")
+        n = returns(call(fn, num_tokens, self.block_size, held, refs, where="counting blocks inside allocate_slots"), int, "blocks_needed")
+        return int(n)
 
     manager = type("LearnerFullAttentionManager", (FullAttentionManager,), {"get_num_blocks_to_allocate": get_num_blocks_to_allocate})
     mgr = KVCacheManager(num_blocks=4, block_size=4, manager_classes={FullAttentionSpec: manager})

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from kvlab.core.block_pool import BlockPool
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.kv_cache_utils import KVCacheBlock
 from kvlab.core.single_type_kv_cache_manager import FullAttentionManager
-from kvlab.exercises.registry import call, register
+from kvlab.exercises.registry import call, register, returns
 from kvlab.exercises.result import LearnerError
 from kvlab.exercises.result import CheckFailed, CheckResult, failed, passed
 from kvlab.kv_cache_interface import FullAttentionSpec
@@ -167,7 +167,13 @@ def check_free_queue(cls: Any) -> CheckResult:
     eid = "free_queue"
     blocks = _fresh_blocks(6)
     q = call(cls, blocks, where="constructing FreeQueue(blocks)")
-    ids = lambda: [b.block_id for b in call(q.get_all_free_blocks, where="get_all_free_blocks()")]  # noqa: E731
+
+    def ids() -> list[int]:
+        got = returns(call(q.get_all_free_blocks, where="get_all_free_blocks()"), (list, tuple), "get_all_free_blocks()")
+        for b in got:
+            returns(b, KVCacheBlock, "get_all_free_blocks() (each item)")
+        return [b.block_id for b in got]
+
     steps: list[tuple[str, Callable[[], Any], list[int], int]] = [
         ("new queue of blocks 0..5", lambda: None, [0, 1, 2, 3, 4, 5], 6),
         ("popleft() → block 0", lambda: call(q.popleft, where="popleft()"), [1, 2, 3, 4, 5], 5),
@@ -182,7 +188,8 @@ def check_free_queue(cls: Any) -> CheckResult:
         if name.startswith("popleft") and getattr(ret, "block_id", None) != 0:
             return failed(eid, "popleft() must return the head block", case=name, expected="block 0", got=repr(ret), idea="head = evicted next")
         got = ids()
-        if got != want or q.num_free_blocks != n:
+        count = returns(q.num_free_blocks, int, "num_free_blocks")
+        if got != want or count != n:
             return failed(eid, f"queue wrong after {name}", case=name, expected=f"{want} (num_free_blocks={n})", got=f"{got} (num_free_blocks={q.num_free_blocks})", idea="the queue is the eviction order; every operation keeps it exact")
     # Plug it into the real pool (its free-queue class) and replay vLLM's story.
     mgr = story_manager(block_pool_cls=pool_with(free_queue_cls=queue_class_for(cls)))
@@ -229,7 +236,12 @@ def check_free_order(fn: Any) -> CheckResult:
     eid = "free_order"
     sample = [KVCacheBlock(i) for i in (7, 3, 9, 4)]
     got = call(fn, list(sample), where="ordering blocks [7, 3, 9, 4]")
-    got_ids = [b.block_id for b in got] if got is not None else None
+    if got is None:
+        return failed(eid, "got None — a missing return?", expected="[4, 9, 3, 7]", idea="return the blocks in the order they go back to the pool")
+    got = list(returns(got, Iterable, "blocks_to_free"))
+    for b in got:
+        returns(b, KVCacheBlock, "blocks_to_free (each item)")
+    got_ids = [b.block_id for b in got]
     if got_ids != [4, 9, 3, 7]:
         idea = "free the tail first: a long prefix is more useful to the next request than the last few tokens of one answer"
         if got_ids == [7, 3, 9, 4]:
@@ -237,7 +249,7 @@ def check_free_order(fn: Any) -> CheckResult:
         return failed(eid, "wrong free order for a table [7, 3, 9, 4]", expected="[4, 9, 3, 7]", got=repr(got_ids), idea=idea)
     # In the engine: the learner's order is the full-attention manager's free order.
     def free_order(blocks: list[KVCacheBlock]) -> Any:
-        return call(fn, list(blocks), where="freeing a request")
+        return returns(call(fn, list(blocks), where="freeing a request"), Iterable, "blocks_to_free")
 
     manager = type("LearnerFullAttentionManager", (FullAttentionManager,), {"free_order": staticmethod(free_order)})
     mgr = story_manager(manager_classes={FullAttentionSpec: manager})
@@ -338,7 +350,7 @@ def check_stale_hash(fn: Any) -> CheckResult:
 
     def evict(pool: BlockPool, block: KVCacheBlock) -> bool:
         key = block.cache_key
-        ret = call(fn, pool, block, where="evicting a reallocated block")
+        ret = returns(call(fn, pool, block, where="evicting a reallocated block"), bool, "evict_cached_block")
         if key is not None and block not in pool.cached_block_hash_to_block.blocks_for(key) and block.cache_key is not None:
             raise CheckFailed(failed(
                 eid, f"block {block.block_id} left the map but still carries its hash",

@@ -7,8 +7,8 @@ from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.sched.scheduler import Scheduler
 from kvlab.engine.llm_engine import LLMEngine
 from kvlab.executor.simulated import SimulatedExecutor
-from kvlab.exercises.registry import call, register
-from kvlab.exercises.result import CheckResult, failed, passed
+from kvlab.exercises.registry import call, register, returns, same, wrong_kind
+from kvlab.exercises.result import CheckResult, WrongAnswerKind, failed, passed
 from kvlab.request import Request
 from kvlab.timeline.events import EventLog, RequestPreempted
 
@@ -22,7 +22,10 @@ def preemption_run(policy: str, pick: Any | None) -> tuple[list[str], dict[str, 
         def select_victim(self) -> Request:  # type: ignore[override]
             if pick is None:
                 return super().select_victim()
-            return call(pick, list(self.running), self.policy, where="choosing a victim inside the scheduler")
+            victim = returns(call(pick, list(self.running), self.policy, where="choosing a victim inside the scheduler"), Request, "pick_victim")
+            if not any(victim is r for r in self.running):
+                raise WrongAnswerKind(f"pick_victim must return one of the running requests, got {victim!r}")
+            return victim
 
     sched = S(mgr, max_num_batched_tokens=64, policy=policy)
     eng = LLMEngine(mgr, sched, SimulatedExecutor(vocab_size=500))
@@ -61,6 +64,8 @@ def check_preempt_victim(fn: Any) -> CheckResult:
     ]
     for policy, running, want, idea in cases:
         got = call(fn, list(running), policy, where=f"policy={policy!r}, running={[r.request_id for r in running]}")
+        if got is None:
+            return failed(eid, "got None — a missing return?", expected=want.request_id, idea="return the victim: one of the Request objects in `running`")
         if got is not want:
             if policy == "fcfs" and got is running[0]:
                 idea = "that is the OLDEST request: preempting it throws away the most finished work"
@@ -102,9 +107,12 @@ def check_kv_bytes(fn: Any) -> CheckResult:
     ]
     for name, args, want in cases:
         got = call(fn, *args, where=name)
-        if got != want:
+        bad = wrong_kind(eid, got, want, name, "the size in bytes")
+        if bad is not None:
+            return bad
+        if not same(got, want):
             idea = "bytes = 2 × layers × kv heads × head_dim × dtype bytes"
-            if got * 2 == want:
+            if same(got * 2, want):
                 idea = "you counted only the keys (or only the values): the cache holds both, so ×2"
             return failed(eid, f"wrong size for {name}", inputs=f"layers, kv heads, head_dim, bytes = {args}", expected=f"{want:,} bytes", got=f"{got!r}", idea=idea)
     return passed(eid, "OPT-13B: 800 KB per token, as in the paper; a 70B GQA model: 320 KiB, so 8,192 tokens = 2.5 GiB.")

@@ -5,7 +5,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvlab.exercises.result import CheckFailed, CheckResult, LearnerError, failed, not_implemented
+from kvlab.exercises.answers import describe, same, type_problem
+from kvlab.exercises.result import CheckFailed, CheckResult, LearnerError, WrongAnswerKind, failed, not_implemented
+from kvlab.exercises.sandbox import CheckTimeout, kvlab_state_restored, time_limit
+
+#: Seconds a check may run (the learner's code included) before it is stopped. Correct
+#: code needs well under a second for most checks (the free-queue speed test: ~1 s).
+DEFAULT_TIME_LIMIT_S = 20.0
 
 
 @dataclass
@@ -18,6 +24,7 @@ class Exercise:
     checker: Callable[[Any], CheckResult]
     notebook: str = ""  # solutions/<notebook>.ipynb
     tags: list[str] = field(default_factory=list)
+    time_limit_s: float = DEFAULT_TIME_LIMIT_S
 
     @property
     def difficulty(self) -> int:
@@ -50,12 +57,36 @@ LEVELS: dict[str, tuple[int, int]] = {
 }
 
 
-def register(id: str, title: str, signature: str, lesson: str, hints: list[str], notebook: str = "") -> Callable:
+def register(id: str, title: str, signature: str, lesson: str, hints: list[str], notebook: str = "",
+             time_limit_s: float = DEFAULT_TIME_LIMIT_S) -> Callable:
     def deco(fn: Callable[[Any], CheckResult]) -> Callable[[Any], CheckResult]:
-        EXERCISES[id] = Exercise(id, title, signature, lesson, hints, fn, notebook)
+        EXERCISES[id] = Exercise(id, title, signature, lesson, hints, fn, notebook, time_limit_s=time_limit_s)
         return fn
 
     return deco
+
+
+def wrong_kind(eid: str, got: Any, want: Any, case: str, what: str = "your answer", **kw: Any) -> CheckResult | None:
+    """A failed result when ``got`` is not even the right kind of answer (None -- a missing
+    return --, a str for an int, ...); None when its kind fits ``want``."""
+    problem = type_problem(got, want)
+    if problem is None:
+        return None
+    return failed(eid, f"{what} is not the right kind of value: {problem}", case=case, expected=describe(want),
+                  got=describe(got), **kw)
+
+
+def returns(value: Any, kind: type | tuple[type, ...], what: str) -> Any:
+    """``value`` if it is a ``kind`` -- learner code called from inside the engine --, else
+    stop the check with a message about the kind (not a crash deep in the engine)."""
+    if not isinstance(value, kind):
+        names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+        hint = " — a missing return?" if value is None else ""
+        raise WrongAnswerKind(f"{what} must return {names}, got {type(value).__name__} {describe(value)}{hint}")
+    return value
+
+
+__all__ = ["EXERCISES", "Exercise", "register", "call", "check", "hints", "same", "wrong_kind", "returns"]
 
 
 def call(fn: Callable, *args: Any, where: str) -> Any:
@@ -73,7 +104,14 @@ def check(exercise_id: str, learner_obj: Any) -> CheckResult:
 
     ``.message`` explains the first case that failed: inputs, expected, got, and which
     idea it violates.
+
+    Every check runs under a time limit (``Exercise.time_limit_s``: "your code ran longer
+    than N s -- an endless loop?"), and kvlab's modules and classes are put back as they
+    were afterwards, so one submission never changes the next check (see
+    :mod:`kvlab.exercises.sandbox`).
     """
+    if not isinstance(exercise_id, str):
+        raise TypeError(f"exercise_id must be a str, got {type(exercise_id).__name__} {exercise_id!r}")
     try:
         ex = EXERCISES[exercise_id]
     except KeyError:
@@ -87,21 +125,36 @@ def check(exercise_id: str, learner_obj: Any) -> CheckResult:
 
 
 def _run(ex: Exercise, learner_obj: Any) -> CheckResult:
+    """One check, sandboxed: a time limit, kvlab's module state put back afterwards, and every
+    way the learner's code can go wrong turned into a result that says which."""
     exercise_id = ex.id
-    try:
-        return ex.checker(learner_obj)
-    except NotImplementedError:
-        return not_implemented(exercise_id)
-    except CheckFailed as e:
-        return e.result
-    except LearnerError as e:
-        return failed(exercise_id, f"your code raised an error: {e}", idea="fix the error first; the message names the line")
-    except Exception as e:  # noqa: BLE001 - the engine caught an inconsistency the learner's code caused
-        return failed(
-            exercise_id,
-            f"with your code plugged in, the engine stopped: {type(e).__name__}: {e}",
-            idea=ex.hints[-1],
-        )
+    if learner_obj is None:
+        return failed(exercise_id, "got None instead of your code — did you run the cell that defines it, and pass the function (or class) itself?",
+                      idea=f"check({exercise_id!r}, your_function): the name, without calling it")
+    with kvlab_state_restored():
+        try:
+            with time_limit(ex.time_limit_s):
+                return ex.checker(learner_obj)
+        except CheckTimeout:
+            return failed(
+                exercise_id,
+                f"your code ran longer than {ex.time_limit_s:g} s — an endless loop?",
+                idea="look for a loop whose condition never changes (a queue that never advances, a `while` without a step); the check was stopped",
+            )
+        except NotImplementedError:
+            return not_implemented(exercise_id)
+        except CheckFailed as e:
+            return e.result
+        except WrongAnswerKind as e:
+            return failed(exercise_id, str(e), idea="return the value the signature names")
+        except LearnerError as e:
+            return failed(exercise_id, f"your code raised an error: {e}", idea="fix the error first; the message names the line")
+        except Exception as e:  # noqa: BLE001 - the engine caught an inconsistency the learner's code caused
+            return failed(
+                exercise_id,
+                f"with your code plugged in, the engine stopped: {type(e).__name__}: {e}",
+                idea=ex.hints[-1],
+            )
 
 
 @dataclass

@@ -117,3 +117,7 @@ class LearnerError(Exception):
         loc = f" (line {own[-1].lineno}: {own[-1].line})" if own else ""
         super().__init__(f"{type(exc).__name__}: {exc}{loc} — while {where}")
         self.exc = exc
+
+
+class WrongAnswerKind(Exception):
+    """Learner code called from inside the engine returned the wrong kind of value."""

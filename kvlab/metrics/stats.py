@@ -42,6 +42,11 @@ class PrefixCacheStats:
     def hit_rate(self) -> float:
         return self.hits / self.queries if self.queries else 0.0
 
+    def copy(self) -> PrefixCacheStats:
+        """An independent copy (cheap: the engine checkpoints it every step)."""
+        return PrefixCacheStats(self.reset, self.requests, self.queries, self.hits, self.preempted_requests,
+                                self.preempted_queries, self.preempted_hits)
+
 
 @dataclass(slots=True)
 class CachingMetrics:
@@ -73,6 +78,11 @@ class CachingMetrics:
     def reset(self) -> None:
         self.aggregated_requests = self.aggregated_query_total = self.aggregated_query_hit = 0
         self.query_queue.clear()
+
+    def copy(self) -> CachingMetrics:
+        """An independent copy (cheap: the engine checkpoints it every step)."""
+        return CachingMetrics(self.max_recent_requests, self.aggregated_requests, self.aggregated_query_total,
+                              self.aggregated_query_hit, self.query_queue.copy())
 
     @property
     def empty(self) -> bool:

@@ -52,6 +52,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from kvlab.timeline.schema import MAX_BLOCKS, check_num_blocks, check_record, check_version, parse_json
+
 if TYPE_CHECKING:  # the state is only a parameter type here: no import cycle at run time
     from kvlab.timeline.state import ReplayState
 
@@ -85,6 +87,9 @@ class Event:
             d[f.name] = _jsonable(getattr(self, f.name))
         return d
 
+    def check_claims(self, where: str, max_blocks: int) -> None:
+        """Refuse what a file claims that a reader would size memory by (read from JSON)."""
+
 
 def _jsonable(v: Any) -> Any:
     if isinstance(v, bytes):
@@ -93,16 +98,6 @@ def _jsonable(v: Any) -> Any:
         return [_jsonable(x) for x in v]
     if isinstance(v, dict):
         return {str(k): _jsonable(x) for k, x in v.items()}
-    return v
-
-
-def _unjson(v: Any) -> Any:
-    if isinstance(v, dict):
-        if set(v) == {"hex"}:
-            return bytes.fromhex(v["hex"])
-        return {k: _unjson(x) for k, x in v.items()}
-    if isinstance(v, list):
-        return [_unjson(x) for x in v]
     return v
 
 
@@ -117,20 +112,29 @@ def _register(cls: type[Event]) -> type[Event]:
     return cls
 
 
-def event_from_dict(d: dict[str, Any]) -> Event:
-    """The inverse of ``Event.to_dict``: the one place where JSON becomes events."""
-    d = dict(d)
-    kind = d.pop("kind", None)
-    try:
-        cls = EVENT_CLASSES[kind]  # type: ignore[index]
-    except KeyError:
-        raise ValueError(f"unknown event kind {kind!r} in JSON; known kinds: {sorted(EVENT_CLASSES)}") from None
-    seq, step = d.pop("seq", -1), d.pop("step", 0)
-    try:
-        e = cls(**{k: _unjson(v) for k, v in d.items()})
-    except TypeError as err:
-        raise ValueError(f"event {kind!r} in JSON: {err}") from None
-    e.seq, e.step = seq, step
+def event_from_dict(d: dict[str, Any], *, where: str = "event", max_blocks: int = MAX_BLOCKS) -> Event:
+    """The inverse of ``Event.to_dict``: the one place where JSON becomes events.
+
+    Strict (see :mod:`kvlab.timeline.schema`): a known ``kind``, exactly the kind's fields,
+    each of its type and range, ``seq``/``step`` ints >= 0 when present; a ``ValueError``
+    names the field (``where`` prefixes it, e.g. ``events[12]``)."""
+    if not isinstance(d, dict):
+        raise ValueError(f"{where} must be an object, got {type(d).__name__}")
+    kind = d.get("kind")
+    cls = EVENT_CLASSES.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise ValueError(f"{where}: unknown event kind {kind!r}; known kinds: {sorted(EVENT_CLASSES)}")
+    here = f"{where} ({kind})"
+    fields = check_record(cls, d, here, skip=("kind", "seq", "step"))
+    pos = {}
+    for name, default in (("seq", -1), ("step", 0)):
+        v = d.get(name, default)
+        if type(v) is not int or v < (-1 if name == "seq" else 0):
+            raise ValueError(f"{here}.{name} must be an int >= 0, got {v!r:.80}")
+        pos[name] = v
+    e = cls(**fields)
+    e.seq, e.step = pos["seq"], pos["step"]
+    e.check_claims(here, max_blocks)
     return e
 
 
@@ -156,6 +160,9 @@ class PoolCreated(Event):
 
     def describe(self) -> str:
         return f"pool of {self.num_blocks} blocks × {self.block_size} tokens ({len(self.groups)} group(s))"
+
+    def check_claims(self, where: str, max_blocks: int) -> None:
+        check_num_blocks(self.num_blocks, f"{where}.num_blocks", max_blocks)
 
 
 @_register
@@ -702,6 +709,9 @@ class EventLog:
         self.events: list[Event] = []
         self.step = 0
         self._subscribers: list[Callable[[Event], None]] = []
+        # How many times events were taken back (``truncate``): a reader that has seen the
+        # log before compares this to know its copy of the history may be stale.
+        self.truncations = 0
 
     def emit(self, event: Event) -> None:
         event.seq = len(self.events)
@@ -733,8 +743,20 @@ class EventLog:
         if fn in self._subscribers:
             self._subscribers.remove(fn)
 
+    def truncate(self, n: int) -> None:
+        """Forget every event from position ``n`` on. The engine does this when it undoes an
+        interrupted step: the log is the story of what *happened*, and that step did not."""
+        if type(n) is not int or n < 0:
+            raise ValueError(f"n must be an int >= 0, got {n!r}")
+        if n < len(self.events):
+            del self.events[n:]
+            self.truncations += 1
+
     def __len__(self) -> int:
         return len(self.events)
+
+    def __bool__(self) -> bool:
+        return True  # an empty log is still a log (``event_log or None`` must keep it)
 
     def __iter__(self) -> Iterator[Event]:
         return iter(self.events)
@@ -746,22 +768,86 @@ class EventLog:
         return [e for e in self.events if isinstance(e, classes)]
 
     # -- JSON ---------------------------------------------------------------------------------
-    def to_json(self) -> str:
-        return json.dumps({"version": FORMAT_VERSION, "step": self.step, "events": [e.to_dict() for e in self.events]})
+    def to_json(self, *, redact_salts: bool = False) -> str:
+        """The log as versioned JSON (``EventLog.from_json`` reads it back).
+
+        ``redact_salts``: a ``cache_salt`` is a tenant's secret (lesson 06) -- whoever holds
+        it can share that tenant's cache and time its prompts. With True every salt is
+        replaced, here and inside the blocks' extra keys, by ``"<salt 1>"``, ``"<salt 2>"``, ...
+        (the same salt, the same label: the picture still shows who shares a prefix)."""
+        if not isinstance(redact_salts, bool):
+            raise TypeError(f"redact_salts must be True or False, got {redact_salts!r}")
+        dicts = [e.to_dict() for e in self.events]
+        if redact_salts:
+            labels: dict[str, str] = {}
+            for d in dicts:
+                salt = d.get("cache_salt")
+                if isinstance(salt, str):
+                    d["cache_salt"] = labels.setdefault(salt, f"<salt {len(labels) + 1}>")
+            def hide(v: Any) -> Any:  # a salt may sit inside a tagged key: ("cache_salt", salt)
+                if isinstance(v, str):
+                    return labels.get(v, v)
+                return [hide(x) for x in v] if isinstance(v, list) else v
+
+            for d in dicts:
+                if isinstance(d.get("extra_keys"), list):
+                    d["extra_keys"] = hide(d["extra_keys"])
+        return json.dumps({"version": FORMAT_VERSION, "step": self.step, "events": dicts})
 
     @classmethod
-    def from_json(cls, text: str) -> EventLog:
-        data = json.loads(text)
+    def from_json(cls, text: str | bytes, *, max_blocks: int = MAX_BLOCKS) -> EventLog:
+        """Read a log written by :meth:`to_json`, strictly: the version must be this one's,
+        every event must be well formed and in order (``seq`` = its position, steps never
+        going back), and a pool over ``max_blocks`` blocks is refused before anything is
+        allocated. Any problem is a ``ValueError`` naming the field."""
+        max_blocks = _check_max_blocks(max_blocks)
+        data = parse_json(text, "the event log")
+        check_version(data, FORMAT_VERSION, "the event log")
+        unknown = sorted(set(data) - {"version", "step", "events"})
+        if unknown:
+            raise ValueError(f"the event log has unknown field(s) {unknown}; allowed: ['version', 'step', 'events']")
+        for name in ("step", "events"):
+            if name not in data:
+                raise ValueError(f"the event log is missing the field {name!r}")
+        step, raw = data["step"], data["events"]
+        if type(step) is not int or step < 0:
+            raise ValueError(f"step must be an int >= 0, got {step!r:.80}")
+        if not isinstance(raw, list):
+            raise ValueError(f"events must be a list, got {type(raw).__name__}")
+        events: list[Event] = []
+        prev = 0
+        for i, d in enumerate(raw):
+            where = f"events[{i}]"
+            if isinstance(d, dict):
+                for name in ("seq", "step"):
+                    if name not in d:
+                        raise ValueError(f"{where} is missing the field {name!r}")
+            e = event_from_dict(d, where=where, max_blocks=max_blocks)
+            if e.seq != i:
+                raise ValueError(f"{where}.seq = {e.seq}, but it is event {i}: events must be complete and in order")
+            if not prev <= e.step <= step:
+                raise ValueError(f"{where}.step = {e.step} must be in {prev}..{step} (steps never go back; the log is at step {step})")
+            prev = e.step
+            events.append(e)
         log = cls()
-        log.events = [event_from_dict(d) for d in data["events"]]
-        log.step = data.get("step", 0)
+        log.events = events
+        log.step = step
         return log
 
-    def save(self, path: str) -> None:
+    def save(self, path: str, *, redact_salts: bool = False) -> None:
+        """Write :meth:`to_json` to ``path`` (``redact_salts``: see there)."""
+        text = self.to_json(redact_salts=redact_salts)
         with open(path, "w") as f:
-            f.write(self.to_json())
+            f.write(text)
 
     @classmethod
-    def load(cls, path: str) -> EventLog:
-        with open(path) as f:
-            return cls.from_json(f.read())
+    def load(cls, path: str, *, max_blocks: int = MAX_BLOCKS) -> EventLog:
+        """Read a file written by :meth:`save` (strictly: see :meth:`from_json`)."""
+        with open(path, "rb") as f:
+            return cls.from_json(f.read(), max_blocks=max_blocks)
+
+
+def _check_max_blocks(max_blocks: Any) -> int:
+    if type(max_blocks) is not int or max_blocks < 2:
+        raise TypeError(f"max_blocks must be an int >= 2, got {max_blocks!r}")
+    return max_blocks

@@ -26,6 +26,11 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple
 
+from kvlab.timeline.schema import check_record, check_version, parse_json
+
+SNAPSHOT_FORMAT_VERSION = 1
+"""Version of ``Snapshot.to_json``'s format (written into every file)."""
+
 FREE, CACHED, IN_USE, SHARED, NULL = "free", "cached", "in_use", "shared", "null"
 BLOCK_STATES = (FREE, CACHED, IN_USE, SHARED, NULL)
 
@@ -176,7 +181,7 @@ class Snapshot:
     scheduled_phase: dict[str, str]
     preempted: list[str]
     finished: list[str]
-    metrics: dict[str, float]
+    metrics: dict[str, float | None]
     step_events: list[str] = field(default_factory=list)
     # Beyond the pool (lessons 12-14): offload tiers, the step's KV transfers, the encoder cache.
     tiers: dict[str, TierView] = field(default_factory=dict)
@@ -232,27 +237,53 @@ class Snapshot:
         return "\n".join(lines)
 
     # -- JSON --------------------------------------------------------------------------------
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
+    def to_json(self, *, redact_salts: bool = False) -> str:
+        """The snapshot as versioned JSON (``Snapshot.from_json`` reads it back).
+        ``redact_salts``: replace every cache salt -- a tenant's secret (lesson 06) -- by a
+        label (``"<salt 1>"``, ...), in the requests and in the hash nodes' extra keys."""
+        if not isinstance(redact_salts, bool):
+            raise TypeError(f"redact_salts must be True or False, got {redact_salts!r}")
+        d = asdict(self)
+        if redact_salts:
+            labels: dict[str, str] = {}
+            for r in d["requests"].values():
+                if isinstance(r["cache_salt"], str):
+                    r["cache_salt"] = labels.setdefault(r["cache_salt"], f"<salt {len(labels) + 1}>")
+            def hide(v: Any) -> Any:  # a salt may sit inside a tagged key: ("cache_salt", salt)
+                if isinstance(v, str):
+                    return labels.get(v, v)
+                return [hide(x) for x in v] if isinstance(v, (list, tuple)) else v
+
+            for n in d["hash_nodes"].values():
+                n["extra_keys"] = hide(n["extra_keys"])
+        return json.dumps({"version": SNAPSHOT_FORMAT_VERSION, **d})
 
     @classmethod
-    def from_json(cls, text: str) -> "Snapshot":
-        d = json.loads(text)
-        blocks = []
-        for b in d["blocks"]:
-            h = b.pop("last_holder", None)
-            blocks.append(BlockView(**b, last_holder=Holding(*h) if h is not None else None))
-        d["blocks"] = blocks
-        d["requests"] = {k: RequestView(**r) for k, r in d["requests"].items()}
-        d["hash_nodes"] = {k: HashNode(**n) for k, n in d["hash_nodes"].items()}
-        d["last_lookup"] = LookupView(**d["last_lookup"]) if d["last_lookup"] else None
-        d["tiers"] = {k: TierView(t["medium"], t["capacity"], [tuple(e) for e in t["entries"]]) for k, t in d.get("tiers", {}).items()}
-        d["transfers"] = [TransferView(**t) for t in d.get("transfers", [])]
-        ec = d.get("encoder_cache")
-        if ec is not None:
-            d["encoder_cache"] = EncoderCacheView(ec["cache_size"], [EncoderEntryView(**e) for e in ec["entries"]], ec["freeable"],
-                                                  [tuple(x) for x in ec["scheduled"]])
-        return cls(**d)
+    def from_json(cls, text: str | bytes) -> "Snapshot":
+        """Read :meth:`to_json`'s text, strictly: this version only, every field present,
+        of its type and consistent (block ``i`` is block ``i``, queue and request ids name
+        blocks and requests of the snapshot). A ``ValueError`` names the field."""
+        data = parse_json(text, "the snapshot")
+        check_version(data, SNAPSHOT_FORMAT_VERSION, "the snapshot")
+        snap = cls(**check_record(cls, data, "the snapshot", skip=("version",)))
+        n = snap.num_blocks
+        if len(snap.blocks) != n:
+            raise ValueError(f"blocks has {len(snap.blocks)} entries but num_blocks = {n}")
+        for i, b in enumerate(snap.blocks):
+            if b.block_id != i:
+                raise ValueError(f"blocks[{i}].block_id = {b.block_id}: block i must have id i")
+            if b.state not in BLOCK_STATES:
+                raise ValueError(f"blocks[{i}].state = {b.state!r}; allowed: {list(BLOCK_STATES)}")
+        if len(set(snap.free_queue)) != len(snap.free_queue) or any(not 0 < b < n for b in snap.free_queue):
+            raise ValueError(f"free_queue must list distinct block ids in 1..{n - 1}, got {snap.free_queue!r:.120}")
+        for rid, r in snap.requests.items():
+            if r.request_id != rid:
+                raise ValueError(f"requests[{rid!r}].request_id = {r.request_id!r}: it must be its key")
+        for name in ("running", "waiting"):
+            unknown = [rid for rid in getattr(snap, name) if rid not in snap.requests]
+            if unknown:
+                raise ValueError(f"{name} names unknown requests {unknown!r:.120}")
+        return snap
 
 
 def live_snapshot(kv_cache_manager: Any, scheduler: Any = None) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from bisect import insort
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from kvlab.timeline.schema import MAX_BLOCKS, check_num_blocks
 from kvlab.timeline.snapshot import (
     CACHED,
     FREE,
@@ -48,6 +49,12 @@ if TYPE_CHECKING:
 _NONE: tuple[Holding, ...] = ()
 
 
+def _says(e: BaseException) -> str:
+    if isinstance(e, KeyError):
+        return f"unknown {e.args[0]!r}" if e.args else "unknown key"
+    return str(e) or type(e).__name__
+
+
 class ReplayState:
     """The mutable state of a replay; ``apply(event)`` advances it, ``snapshot()`` freezes it.
 
@@ -55,7 +62,8 @@ class ReplayState:
     ``lifecycle[request_id] = [(step, status), ...]`` -- the Gantt chart's data.
     """
 
-    def __init__(self, record: bool = False) -> None:
+    def __init__(self, record: bool = False, max_blocks: int = MAX_BLOCKS) -> None:
+        self.max_blocks = max_blocks  # a PoolCreated over this many blocks is refused
         self.num_blocks = 0
         self.block_size = 0
         self.groups: list[dict[str, Any]] = []
@@ -108,9 +116,17 @@ class ReplayState:
 
     # -- driving -------------------------------------------------------------------------------
     def apply(self, event: Event) -> None:
+        """Apply one event. A log that cannot have happened (a block freed that nobody
+        holds, a request that was never added, an id outside the pool) raises a
+        ``ValueError`` that names the event -- it is never drawn as if it made sense."""
         self.num_events += 1
         self.step = event.step
-        event.apply(self)
+        try:
+            event.apply(self)
+        except (AssertionError, KeyError, IndexError, ValueError, TypeError, AttributeError) as e:
+            raise ValueError(
+                f"event {event.seq} ({type(event).__name__}, step {event.step}) cannot be replayed: {_says(e)}"
+            ) from None
         self.step_events.append(event)
 
     def apply_all(self, events: Sequence[Event], start: int, stop: int) -> None:
@@ -119,6 +135,14 @@ class ReplayState:
 
     # -- the pool ------------------------------------------------------------------------------
     def init_pool(self, num_blocks: int, block_size: int, groups: list[dict[str, Any]]) -> None:
+        check_num_blocks(num_blocks, "num_blocks", self.max_blocks)  # before anything is sized by it
+        if type(num_blocks) is not int or num_blocks < 2:
+            raise ValueError(f"num_blocks = {num_blocks!r}: a pool has at least 2 blocks (block 0 is the null block)")
+        if type(block_size) is not int or block_size < 1:
+            raise ValueError(f"block_size = {block_size!r}: it must be an int >= 1")
+        for i, g in enumerate(groups):
+            if not isinstance(g, dict) or not isinstance(g.get("type"), str):
+                raise ValueError(f"groups[{i}] must be a group spec (an object with a 'type'), got {g!r:.80}")
         n = self.num_blocks = num_blocks
         self.block_size = block_size
         self.groups = groups
@@ -140,25 +164,41 @@ class ReplayState:
         nxt[last], prv[tail] = tail, last
         self.num_free = max(0, n - 1)
 
+    def _block(self, bid: int) -> int:
+        """``bid`` if it names a block of the pool (a negative id would silently index from
+        the end of every per-block list)."""
+        if type(bid) is not int or not 0 <= bid < self.num_blocks:
+            raise ValueError(f"block id {bid!r} is not a block of the pool (0..{self.num_blocks - 1})")
+        return bid
+
     def _unlink(self, bid: int) -> None:
         nxt, prv = self._next, self._prev
-        p, q = prv[bid], nxt[bid]
+        p, q = prv[self._block(bid)], nxt[bid]
         if p < 0:
-            raise AssertionError(f"replay: block {bid} is not on the free queue")
+            raise ValueError(f"block {bid} is not on the free queue")
         nxt[p], prv[q] = q, p
         nxt[bid] = prv[bid] = -1
         self.num_free -= 1
 
     def pop_free_head(self, bid: int) -> None:
         """The pool hands out the free-queue head; the log must agree on which block that is."""
-        if self._next[self.num_blocks] != bid:
-            raise AssertionError(f"replay: allocated block {bid} is not at the free-queue head")
+        if self._next[self.num_blocks] != self._block(bid):
+            raise ValueError(f"allocated block {bid!r} is not at the free-queue head")
         self._unlink(bid)
 
     def remove_free(self, bid: int) -> None:
         self._unlink(bid)
 
+    def _check_freeable(self, bid: int) -> None:
+        if self._block(bid) == 0:
+            raise ValueError("the null block (0) never goes on the free queue")
+        if self._prev[bid] >= 0:
+            raise ValueError(f"block {bid} is put on the free queue twice")
+        if self.ref[bid]:
+            raise ValueError(f"block {bid} goes on the free queue while {self.ref[bid]} table(s) hold it")
+
     def push_free_head(self, bid: int) -> None:
+        self._check_freeable(bid)
         head = self.num_blocks
         first = self._next[head]
         self._next[bid], self._prev[bid] = first, head
@@ -166,6 +206,7 @@ class ReplayState:
         self.num_free += 1
 
     def push_free_tail(self, bid: int) -> None:
+        self._check_freeable(bid)
         tail = self.num_blocks + 1
         last = self._prev[tail]
         self._next[bid], self._prev[bid] = tail, last
@@ -183,7 +224,7 @@ class ReplayState:
         return out
 
     def mark_allocated(self, bid: int, group: int) -> None:
-        self.ever_used[bid] = True
+        self.ever_used[self._block(bid)] = True
         self.group_of[bid] = group
 
     # -- block tables --------------------------------------------------------------------------
@@ -211,7 +252,7 @@ class ReplayState:
 
     def take(self, bid: int, rid: str | None, group: int) -> None:
         """A table takes the block (ref + 1): a fresh allocation or a prefix hit."""
-        if self.ref[bid] == 0:
+        if self.ref[self._block(bid)] == 0:
             self.num_held += 1
         self.ref[bid] += 1
         i = self._append(rid, group, bid)
@@ -224,6 +265,8 @@ class ReplayState:
 
     def release(self, bid: int, rid: str | None, group: int) -> None:
         """The table of ``rid`` lets go of the block (ref - 1)."""
+        if self.ref[self._block(bid)] <= 0:
+            raise ValueError(f"block {bid} is freed but no table holds it (ref_cnt 0)")
         self.ref[bid] -= 1
         if self.ref[bid] == 0:
             self.num_held -= 1
@@ -263,6 +306,8 @@ class ReplayState:
         table = self._table(rid, group)
         if table is not None:
             for pos in positions:
+                if type(pos) is not int or not 0 <= pos < len(table):
+                    raise ValueError(f"position {pos!r} is outside {rid!r}'s table of {len(table)} blocks")
                 table[pos] = 0
 
     # -- the prefix cache ----------------------------------------------------------------------
@@ -275,7 +320,7 @@ class ReplayState:
         return node
 
     def cache(self, bid: int, h: str, parent: str | None, token_ids: list[int], extra_keys: Any, group: int) -> None:
-        self.hash[bid] = h
+        self.hash[self._block(bid)] = h
         self.tokens_of[bid] = list(token_ids)
         self.group_of[bid] = group
         if h in self.nodes:
@@ -285,7 +330,7 @@ class ReplayState:
             self._own_nodes.add(h)
 
     def uncache(self, bid: int) -> None:
-        h = self.hash[bid]
+        h = self.hash[self._block(bid)]
         if h is None:
             return
         if h in self.nodes and bid in self.nodes[h].block_ids:
@@ -341,6 +386,8 @@ class ReplayState:
 
     def add_request(self, rid: str, num_prompt_tokens: int, priority: int, arrival_time: float,
                     cache_salt: str | None, lora_name: str | None) -> None:
+        if rid in self.waiting or rid in self.running:
+            raise ValueError(f"request {rid!r} is added twice while it is queued")
         v = RequestView(rid, "waiting", num_prompt_tokens, num_prompt_tokens, 0, 0, 0, priority, arrival_time,
                         [[] for _ in self.groups], cache_salt, lora_name)
         self.requests[rid] = v
@@ -350,6 +397,8 @@ class ReplayState:
 
     def admit(self, rid: str, num_computed_tokens: int) -> None:
         """A waiting (or preempted) request starts running with its prefix hit computed."""
+        if rid not in self.waiting:
+            raise ValueError(f"request {rid!r} is admitted but it is not waiting")
         self.waiting.remove(rid)
         self.running.append(rid)
         v = self.request(rid)
@@ -357,10 +406,14 @@ class ReplayState:
         v.num_computed_tokens = num_computed_tokens
 
     def schedule(self, rid: str, num_tokens: int, phase: str) -> None:
+        if rid not in self.running:
+            raise ValueError(f"request {rid!r} is scheduled but it is not running")
         self.scheduled[rid] = num_tokens
         self.phase[rid] = phase
 
     def preempt(self, rid: str) -> None:
+        if rid not in self.running:
+            raise ValueError(f"request {rid!r} is preempted but it is not running")
         self.running.remove(rid)
         v = self.request(rid)
         self._queue_waiting(rid, front=True)
@@ -375,6 +428,8 @@ class ReplayState:
         v.num_output_tokens += n
 
     def finish(self, rid: str, reason: str) -> None:
+        if rid not in self.requests:
+            raise ValueError(f"request {rid!r} finishes but it was never added")
         if rid in self.running:
             self.running.remove(rid)
         if rid in self.waiting:

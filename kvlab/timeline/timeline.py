@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from kvlab.timeline.events import AttentionBatch, Event, EventLog, StepFinished
+from kvlab.timeline.schema import MAX_BLOCKS
 from kvlab.timeline.snapshot import Holding, Snapshot
 from kvlab.timeline.state import ReplayState
 
@@ -132,15 +133,22 @@ class Timeline:
         An ``EventLog`` (followed as it grows) or any iterable of events in log order.
     checkpoint_events:
         A copy of the replay state is kept every this many events.
+    max_blocks:
+        A pool over this many blocks is refused before anything is allocated (see
+        :func:`replay`); raise it to view a genuinely larger run.
     """
 
-    def __init__(self, log: EventLog | Iterable[Event], *, checkpoint_events: int = CHECKPOINT_EVENTS) -> None:
+    def __init__(self, log: EventLog | Iterable[Event], *, checkpoint_events: int = CHECKPOINT_EVENTS,
+                 max_blocks: int = MAX_BLOCKS) -> None:
         if not isinstance(checkpoint_events, int) or isinstance(checkpoint_events, bool) or checkpoint_events < 1:
             raise ValueError(f"checkpoint_events must be an int >= 1, got {checkpoint_events!r}")
+        if isinstance(log, (str, bytes)) or not isinstance(log, Iterable):
+            raise TypeError(f"log must be an EventLog or a list of events, got {type(log).__name__} (EventLog.from_json reads saved text)")
         self.log: EventLog | None = log if isinstance(log, EventLog) else None
         self._events: list[Event] = [] if self.log is not None else list(log)
         self._every = checkpoint_events
-        self._head = ReplayState(record=True)  # has applied every event taken in so far
+        self._max_blocks = max_blocks  # a pool over this many blocks is refused (see replay)
+        self._head = ReplayState(record=True, max_blocks=max_blocks)  # has applied every event taken in so far
         self._n = 0
         self._steps: list[int] = []
         self._ends: list[int] = []  # _ends[k]: index after the last event of _steps[k]
@@ -153,7 +161,12 @@ class Timeline:
         self._batches: dict[int, AttentionBatch] = {}
         self._series: StepSeries | None = None
         self._history: _BlockRecorder | None = None
+        self._truncations = self.log.truncations if self.log is not None else 0
         self._ingest()
+
+    def _reset(self) -> None:
+        """Forget everything taken in (the live log was cut back: an undone step)."""
+        self.__init__(self.log, checkpoint_events=self._every, max_blocks=self._max_blocks)  # type: ignore[misc, arg-type]
 
     # -- taking in events ------------------------------------------------------------------------
     @property
@@ -166,9 +179,10 @@ class Timeline:
 
         Snapshots cached for the step of the first new event and later are dropped: a new
         event can belong to a step already seen (a request added after step 3 is an event
-        of step 3). The state copies stay valid: each is the state after its first N events.
+        of step 3). The state copies stay valid: each is the state after its first N events
+        -- unless the log was cut back (an undone step): then everything is taken in again.
         """
-        self._ingest()
+        self._sync()
 
     def _ingest(self) -> None:
         events = self.events
@@ -227,7 +241,9 @@ class Timeline:
         return self._n
 
     def _sync(self) -> None:
-        if len(self.events) != self._n:
+        if self.log is not None and self.log.truncations != self._truncations:
+            self._reset()
+        elif len(self.events) != self._n:
             self._ingest()
 
     # -- steps -------------------------------------------------------------------------------------
@@ -298,7 +314,7 @@ class Timeline:
         base = self._ckpt_at[k - 1] if k else 0
         cur = self._cursor
         if cur is None or not base <= cur.num_events <= end:
-            cur = self._ckpts[k - 1].clone() if k else ReplayState()
+            cur = self._ckpts[k - 1].clone() if k else ReplayState(max_blocks=self._max_blocks)
         cur.apply_all(self.events, cur.num_events, end)
         self._cursor = cur
         return cur
@@ -381,6 +397,7 @@ class Timeline:
         self._sync()
         if self._history is None:
             rec = _BlockRecorder()
+            rec.max_blocks = self._max_blocks
             rec.apply_all(self.events, 0, self._n)
             self._history = rec
         if not isinstance(block_id, int) or not 0 <= block_id < max(self._history.num_blocks, 1):
@@ -388,10 +405,19 @@ class Timeline:
         return list(self._history.history.get(block_id, []))
 
 
-def replay(log: Iterable[Event], step: int | None = None) -> Snapshot:
-    """The snapshot after all events up to ``step`` (default: the end of the log)."""
-    state = ReplayState()
-    for e in log:
+def replay(log: Iterable[Event], step: int | None = None, *, max_blocks: int = MAX_BLOCKS) -> Snapshot:
+    """The snapshot after all events up to ``step`` (default: the end of the log).
+
+    A log that could not have happened raises a ``ValueError`` naming the first bad event;
+    a pool over ``max_blocks`` blocks is refused before anything is allocated."""
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
+        raise TypeError(f"step must be None or an int, got {type(step).__name__} {step!r}")
+    if isinstance(log, (str, bytes)) or not isinstance(log, Iterable):
+        raise TypeError(f"log must be an EventLog or a list of events, got {type(log).__name__} (EventLog.from_json reads saved text)")
+    state = ReplayState(max_blocks=max_blocks)
+    for i, e in enumerate(log):
+        if not isinstance(e, Event):
+            raise TypeError(f"log[{i}] must be an Event, got {type(e).__name__}")
         if step is not None and e.step > step:
             break
         state.apply(e)

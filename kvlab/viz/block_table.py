@@ -129,7 +129,7 @@ def figure_data(snapshot: Snapshot, selected_request: str | None = None, *, max_
                 if xx is None:
                     continue  # inside the ellipsis
                 hover = (
-                    f"<b>{rid}</b> · {group_name(groups[g])} group · logical block {i}<br>"
+                    f"<b>{html_escape(rid)}</b> · {group_name(groups[g])} group · logical block {i}<br>"
                     f"→ physical block {bid}" + (" (null: padding, never read)" if bid == 0 else "") + "<br>"
                     + (f"tokens {i * bs}..{i * bs + bs - 1}<br>state {STATE_HELP[state]}, ref {b.ref_cnt}<br>hash {short_hash(b.block_hash)}"
                        if bid != 0 else f"tokens {i * bs}..{i * bs + bs - 1} left the window")
@@ -145,7 +145,7 @@ def figure_data(snapshot: Snapshot, selected_request: str | None = None, *, max_
     row_labels = []
     for rid in order:
         r = snapshot.requests[rid]
-        lab = f"{rid} · {r.status}" + ("" if any(r.block_table) else " (no blocks)")
+        lab = f"{html_escape(rid)} · {r.status}" + ("" if any(r.block_table) else " (no blocks)")
         row_labels.append(f"<b>▶ {lab}</b>" if rid == selected_request else lab)
     more = ""
     if hidden:

@@ -26,6 +26,7 @@ from kvlab.viz.style import (
     STATE_LABELS,
     discrete_colorscale,
     short_hash,
+    html_escape,
 )
 
 ONE_ROW_LIMIT = 32  # longer queues wrap, row by row, like text
@@ -59,14 +60,14 @@ def figure_data(
         y, x = divmod(pos, cols)
         holder = b.last_holder
         owner = (holder.request_id, holder.group, holder.logical_index) if holder is not None else None
-        owner_txt = f"{owner[0]}[{owner[2]}]" if owner else ""
+        owner_txt = f"{html_escape(owner[0])}[{owner[2]}]" if owner else ""
         label = str(bid)
         z[y][x] = STATE_INDEX[b.state]
         text[y][x] = f"<b>{bid}</b>" + (f"<br><span style='font-size:9px'>{owner_txt}</span>" if owner_labels and owner_txt else "")
         custom[y][x] = (
             f"<b>position {pos}</b> of {len(q)} (0 = evicted next)<br>block {bid} · {STATE_HELP[b.state]}<br>"
             f"hash {short_hash(b.block_hash)}<br>"
-            + (f"last held by {owner[0]} as logical block {owner[2]} (group {owner[1]})" if owner else "never held by a request")
+            + (f"last held by {html_escape(owner[0])} as logical block {owner[2]} (group {owner[1]})" if owner else "never held by a request")
         )
         cells.append(dict(position=pos, block_id=bid, state=b.state, color=STATE_COLORS[b.state], label=label, last_owner=owner, x=x, y=y))
         if owner is not None and owner[0] == selected_request:

@@ -303,7 +303,7 @@ class HashChainView(View):
             dup = f"<br><b>one key, {len(n['block_ids'])} physical blocks</b> (duplicates: a lookup takes either)" if n["duplicate"] else ""
             hover.append(
                 f"<b>hash {short_hash(n['hash'])}</b> ← parent {short_hash(n['parent'])}<br>tokens {full}<br>"
-                f"blocks {n['block_ids']} · {STATE_HELP[n['state']]}<br>held by {', '.join(n['owners']) or '—'}{look}{dup}{extra}"
+                f"blocks {n['block_ids']} · {STATE_HELP[n['state']]}<br>held by {', '.join(map(html_escape, n['owners'])) or '—'}{look}{dup}{extra}"
             )
         lk = d["lookup"]
         gx, gy, gh, gtext = [], [], [], []
@@ -311,7 +311,7 @@ class HashChainView(View):
             gx, gy = [lk["ghost"][0]], [lk["ghost"][1]]
             cached_now = lk["miss"] in {n["hash"] for n in nodes}
             gh = [
-                f"first miss of {lk['request_id']}'s lookup: hash {short_hash(lk['miss'])}<br>"
+                f"first miss of {html_escape(lk['request_id'])}'s lookup: hash {short_hash(lk['miss'])}<br>"
                 + ("the request computed this block afterwards and cached it" if cached_now else "not in the cache; the walk stops here")
             ]
             gtext = ["" if cached_now else "miss"]
@@ -355,7 +355,7 @@ class HashChainView(View):
                 keep = {selected_request, lk["request_id"]}
                 tips = [t for t in tips if keep & set(t[0].split(", "))]
             notes = [
-                dict(x=x, y=y, text=f"◀ {names}", xanchor="left", xshift=12, showarrow=False, font=dict(size=10, color="#444444"))
+                dict(x=x, y=y, text=f"◀ {html_escape(names)}", xanchor="left", xshift=12, showarrow=False, font=dict(size=10, color="#444444"))
                 for names, x, y in tips
             ]
             if not nodes and not gx:

@@ -40,6 +40,7 @@ from kvlab.viz.style import (
     STATE_HELP,
     STATE_LABELS,
     discrete_colorscale,
+    html_escape,
 )
 
 # One colour scale for the kernel states and, for blocks outside the table, the block states.
@@ -200,7 +201,7 @@ def figure_data(
         )
     _rows_to_arrays(out, state_snap, bs, len(manager) > 1, max_rows)
     queries = f"query at position {p}" if q_len == 1 else f"{q_len} queries, positions {q0}–{p}"
-    out["title"] = f"Attention read · {rid} · {queries} · step {snapshot.step}"
+    out["title"] = f"Attention read · {html_escape(rid)} · {queries} · step {snapshot.step}"
     out["subtitle"] = _verdict(out, source)
     return out
 

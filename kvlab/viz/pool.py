@@ -94,7 +94,7 @@ def figure_data(
             lines.append(f"hash {short_hash(b.block_hash)}")
             if b.token_ids:
                 lines.append("tokens " + html_escape(render_tokens(b.token_ids, decode, 32)))
-            lines.append("owners " + (", ".join(b.owners) if b.owners else "—"))
+            lines.append("owners " + (", ".join(map(html_escape, b.owners)) if b.owners else "—"))
             pos = "—" if b.free_position is None else f"{b.free_position} of {len(snapshot.free_queue)} (0 = evicted next)"
             lines.append(f"LRU position {pos}")
         hover = "<br>".join(lines)

@@ -29,6 +29,7 @@ from kvlab.viz.style import (
     STATUS_ORDER,
     USAGE,
     discrete_colorscale,
+    html_escape,
 )
 
 _STATUS_INDEX = {s: i for i, s in enumerate(STATUS_ORDER)}
@@ -173,7 +174,8 @@ class TimelineView(View):
             put("gantt.y", hm, "y", list(range(len(reqs))) or [0], "num")
             put("gantt.z", hm, "z", d["z"] if reqs else [[None]], "num")
             put("gantt.status", hm, "customdata", [[st or "—" for st in d["status"][r]] for r in reqs] or [["—"]], "str")
-            put("gantt.names", hm, "text", [[r] * len(steps) for r in reqs] or [[""]], "str")
+            names = [html_escape(r) for r in reqs]  # request ids are the user's text: never markup
+            put("gantt.names", hm, "text", [[r] * len(steps) for r in names] or [[""]], "str")
             top = max((v for v in d["running"] + d["waiting"] if v is not None), default=1)
             put("y2.dtick", fig.layout.yaxis2, "dtick", 1 if top <= 6 else None)
             put("y2.range", fig.layout.yaxis2, "range", [-0.3, top + 0.5])
@@ -184,7 +186,7 @@ class TimelineView(View):
             # The selected row is always named; its neighbours give way so labels never overlap.
             ticks = [i for i in range(len(reqs)) if (i % every == 0 and (sel is None or abs(i - sel) >= every)) or i == sel]
             put("y3.tickvals", fig.layout.yaxis3, "tickvals", ticks)
-            put("y3.ticktext", fig.layout.yaxis3, "ticktext", [f"<b>▶ {reqs[i]}</b>" if i == d["selected_row"] else reqs[i] for i in ticks])
+            put("y3.ticktext", fig.layout.yaxis3, "ticktext", [f"<b>▶ {names[i]}</b>" if i == d["selected_row"] else names[i] for i in ticks])
             put("y3.range", fig.layout.yaxis3, "range", [max(len(reqs), 1) - 0.5, -0.5])
             shapes = [dict(type="line", xref="x", yref="paper", x0=d["cursor"], x1=d["cursor"], y0=0, y1=1,
                            line=dict(color=CURSOR, width=1.5, dash="dash"))]

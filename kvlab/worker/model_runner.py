@@ -115,6 +115,9 @@ class ModelRunner(KVConnectorModelRunnerMixin):
     multimodal items' encoder cache runs with the simulated executor (lesson 14).
     """
 
+    #: It writes K/V into the blocks (see ``Executor.writes_kv_cache``).
+    writes_kv_cache = True
+
     def __init__(self, model: TinyLlama, num_blocks: int, block_size: int,
                  kv_cache_groups: Sequence[object] | None = None, device: str | torch.device | None = None,
                  temperature: float = 0.0, seed: int = 0, backend: str = "triton",

@@ -29,18 +29,19 @@ chunk before an item that cannot.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvlab.core.encoder_cache_manager import EncoderCacheManager, compute_encoder_budget
-from kvlab.core.kv_cache_manager import KVCacheManager
+from kvlab.core.kv_cache_manager import KVCacheManager, ManagerCheckpoint
 from kvlab.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from kvlab.core.sched.request_queue import POLICIES, FCFSRequestQueue, PriorityRequestQueue
 from kvlab.core.single_type_kv_cache_manager import cdiv
 from kvlab.distributed.kv_events import KVEventBatch
 from kvlab.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
 from kvlab.metrics.stats import CachingMetrics, IterationStats, PrefixCacheStats, SchedulerStats
-from kvlab.request import Request, RequestStatus
+from kvlab.request import _MAX_TOKEN_ID, Request, RequestStatus
 from kvlab.timeline.events import (
     KVLoadFailed,
     RequestAdded,
@@ -53,6 +54,10 @@ from kvlab.timeline.events import (
     TokensAppended,
 )
 from kvlab.utils.checks import check_int, check_optional_int
+from kvlab.utils.state import copy_attrs, put_attrs
+
+#: The statuses ``finish_requests`` may set (every finished one).
+FINISHED_STATUSES = tuple(s for s in RequestStatus if RequestStatus.is_finished(s))
 
 if TYPE_CHECKING:  # the core never imports a connector: it calls the hooks of the one it is given
     from kvlab.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
@@ -82,6 +87,35 @@ class _StepPlan:
     external: dict[str, int] = field(default_factory=dict)  # req id -> tokens a connector supplies
     encoder_budget: int = 0
     encoder_inputs: dict[str, list[int]] = field(default_factory=dict)  # req id -> items encoded this step
+
+
+@dataclass(slots=True)
+class SchedulerCheckpoint:
+    """Everything :meth:`Scheduler.restore` needs to undo the calls since
+    :meth:`Scheduler.checkpoint` (the manager's part, and with it the pool's journal and
+    the saved requests, is in ``manager``)."""
+
+    manager: ManagerCheckpoint
+    state: dict[str, Any]  # the scheduler's own attributes (containers copied)
+    waiting: dict[str, Any]
+    encoder_cache: dict[str, Any]
+    finished: list[Request]  # requests the calls finished (they left ``requests``), in order
+    log_len: int | None
+    log_step: int
+    publish: list = field(default_factory=list)  # KV-event batches to publish once the calls are kept
+
+    def save_request(self, request: Request) -> None:
+        self.manager.save_request(request)
+
+
+#: Scheduler attributes a checkpoint does not copy: objects with owners of their own (the
+#: manager, the log, the connector, the publisher), the request map (journaled: only
+#: finishing requests leave it) and the waiting queue and encoder cache (copied apart).
+_NOT_COPIED = frozenset({
+    "kv_cache_manager", "events", "connector", "kv_event_publisher", "requests", "waiting", "encoder_cache_manager", "_ckpt",
+})
+#: Stats records changed in place: copied with their own ``copy()``.
+_STATS = ("caching_metrics", "connector_prefix_cache_stats")
 
 
 class Scheduler:
@@ -130,6 +164,8 @@ class Scheduler:
             raise TypeError(f"kv_cache_manager must be a KVCacheManager, got {type(kv_cache_manager).__name__}")
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        if not isinstance(enable_chunked_prefill, bool):
+            raise TypeError(f"enable_chunked_prefill must be True or False, got {type(enable_chunked_prefill).__name__} {enable_chunked_prefill!r}")
         max_num_batched_tokens = check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
         max_num_seqs = check_int("max_num_seqs", max_num_seqs, 1)
         long_prefill_token_threshold = check_int(
@@ -195,8 +231,12 @@ class Scheduler:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.caching_metrics = CachingMetrics()
-        # req_id -> the number of blocks per group already reported to the executor
+        # req_id -> the number of blocks per group already reported to the executor (no
+        # entry: the executor does not know the request -- it gets sent in full)
         self._num_sent_blocks: dict[str, list[int]] = {}
+        self._pending_output: SchedulerOutput | None = None  # scheduled, not applied yet
+        self._last_applied_step = 0
+        self._ckpt: SchedulerCheckpoint | None = None  # the checkpoint of the call in progress
         if self.events is not None:
             self.events.emit(
                 SchedulerCreated(
@@ -209,9 +249,42 @@ class Scheduler:
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
+        """Queue a new request (all or nothing: a refused request leaves no trace)."""
+        self.check_request(request)
+        rid = request.request_id
+        log_len = len(self.events) if self.events is not None else 0
+        try:
+            self.requests[rid] = request
+            self.waiting.add_request(request)
+            request._owner = self
+            if self.events is not None:
+                self.events.emit(
+                    RequestAdded(
+                        request_id=rid,
+                        prompt_token_ids=list(request.prompt_token_ids),
+                        max_tokens=request.max_tokens,
+                        priority=request.priority,
+                        arrival_time=request.arrival_time,
+                        cache_salt=request.cache_salt,
+                        lora_name=request.lora_name,
+                    )
+                )
+        except BaseException:  # an interrupt (or a failing log subscriber): as if never added
+            self.requests.pop(rid, None)
+            if any(r is request for r in self.waiting):
+                self.waiting.remove_request(request)
+            request._owner = None
+            if self.events is not None:
+                self.events.truncate(log_len)
+            raise
+
+    def check_request(self, request: Request) -> None:
+        """Raise if ``add_request(request)`` would refuse it; changes nothing."""
         if not isinstance(request, Request):
             raise TypeError(f"request must be a kvlab.Request, got {type(request).__name__}")
         rid = request.request_id
+        if request._owner is not None and request._owner is not self:
+            raise ValueError(f"request {rid!r} is already queued in another scheduler; a Request runs in one scheduler at a time")
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} was already added and has not finished; ids must be unique")
         if request.status != RequestStatus.WAITING or request.num_computed_tokens:
@@ -240,20 +313,6 @@ class Scheduler:
                     f"({self.max_num_encoder_input_tokens}) or the encoder cache ({self.encoder_cache_manager.cache_size}) "
                     "holds: it could never be encoded (raise max_num_encoder_input_tokens / encoder_cache_size)"
                 )
-        self.requests[rid] = request
-        self.waiting.add_request(request)
-        if self.events is not None:
-            self.events.emit(
-                RequestAdded(
-                    request_id=rid,
-                    prompt_token_ids=list(request.prompt_token_ids),
-                    max_tokens=request.max_tokens,
-                    priority=request.priority,
-                    arrival_time=request.arrival_time,
-                    cache_salt=request.cache_salt,
-                    lora_name=request.lora_name,
-                )
-            )
 
     def max_kv_tokens_needed(self, request: Request) -> int:
         """Tokens whose K/V the request may hold at once: the last sampled token never
@@ -282,19 +341,40 @@ class Scheduler:
     def get_num_unfinished_requests(self) -> int:
         return len(self.running) + len(self.waiting)
 
-    def finish_requests(self, request_ids: str | list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
-        """Abort requests (free their blocks)."""
-        ids = [request_ids] if isinstance(request_ids, str) else request_ids
-        for rid in ids:
-            r = self.requests.get(rid)
-            if r is None:
-                continue
-            if r.status == RequestStatus.RUNNING:
-                self.running.remove(r)
-            else:
-                self.waiting.remove_request(r)
-            r.status = status
-            self._free_request(r, "abort")
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        """Finish requests now (an abort, by default) and free their blocks. Ids that are not
+        queued (unknown, or finished already) are ignored, as in vLLM. All or nothing."""
+        ids, reason = self.check_finish_args(request_ids, status)
+        with self._atomic():
+            for rid in ids:
+                r = self.requests.get(rid)
+                if r is None:
+                    continue
+                if self._ckpt is not None:
+                    self._ckpt.save_request(r)
+                if r.status == RequestStatus.RUNNING:
+                    self.running.remove(r)
+                else:
+                    self.waiting.remove_request(r)
+                r.status = status
+                self._free_request(r, reason)
+
+    def check_finish_args(self, request_ids: Any, status: Any = RequestStatus.FINISHED_ABORTED) -> tuple[list[str], str]:
+        """The ids ``finish_requests`` would finish (deduplicated, in order) and the finish
+        reason; raises on bad arguments. Changes nothing."""
+        if isinstance(request_ids, str):
+            ids = [request_ids]
+        elif isinstance(request_ids, (bytes, Mapping)) or not isinstance(request_ids, Iterable):
+            raise TypeError(f"request_ids must be a request id (str) or a list of them, got {type(request_ids).__name__} {request_ids!r}")
+        else:
+            ids = list(request_ids)
+        for i, rid in enumerate(ids):
+            if not isinstance(rid, str):
+                raise TypeError(f"request_ids[{i}] must be a request id (str), got {type(rid).__name__} {rid!r}")
+        if not isinstance(status, RequestStatus) or not RequestStatus.is_finished(status):
+            raise ValueError(f"status must be a finished RequestStatus, one of {[s.name for s in FINISHED_STATUSES]}; got {status!r}")
+        reason = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH_CAPPED: "length"}.get(status, "abort")
+        return list(dict.fromkeys(ids)), reason
 
     # -- one step -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -309,6 +389,12 @@ class Scheduler:
         (head-of-line: the first waiting request that does not fit stops admission). The two
         halves are :meth:`_schedule_running` and :meth:`_schedule_waiting`, as in vLLM.
         """
+        with self._atomic():
+            out = self._schedule()
+            self._pending_output = out
+        return out
+
+    def _schedule(self) -> SchedulerOutput:
         self.step_count += 1
         self.kv_cache_manager.new_step_starts()
         events = self.events
@@ -528,7 +614,11 @@ class Scheduler:
         mgr = self.kv_cache_manager
         num_scheduled = plan.num_scheduled
         new_data = []
-        for r, _ in plan.admitted:  # new and resumed, in admission order
+        # The executor gets a request in full when it is new or resumed -- or when it may
+        # not know it as it is (after a restore: no blocks sent yet), in admission order.
+        sent = self._num_sent_blocks
+        resend = [r for r in plan.running if r.request_id not in sent]
+        for r in [r for r, _ in plan.admitted] + resend:
             ids = mgr.get_block_ids(r.request_id)
             self._num_sent_blocks[r.request_id] = [len(g) for g in ids]
             nc = r.num_computed_tokens
@@ -544,7 +634,10 @@ class Scheduler:
                 )
             )
         cached = CachedRequestData()
+        resent = set(map(id, resend))
         for r in plan.running:
+            if id(r) in resent:
+                continue
             ids = mgr.get_block_ids(r.request_id)
             sent = self._num_sent_blocks[r.request_id]
             delta = tuple(g[s:] for g, s in zip(ids, sent))
@@ -646,6 +739,75 @@ class Scheduler:
         ``kv_connector_output``: the worker-side connector's report; requests whose external
         KV failed to load are given back (see ``kv_load_failure_policy``) and their output
         of this step is dropped."""
+
+        All or nothing: the whole output is checked first -- it must be this scheduler's
+        latest ``schedule()`` output, applied once; ``sampled_token_ids`` maps scheduled
+        request ids to lists of token ids (uint32; numpy ints are fine) -- and nothing
+        changes when it is refused (nor when something raises half way). A request aborted
+        between ``schedule()`` and this call is skipped, its tokens dropped (as vLLM does).
+        """
+        sampled = self._check_output(scheduler_output, sampled_token_ids, iteration, kv_connector_output)
+        with self._atomic():
+            finished = self._update_from_output(scheduler_output, sampled, iteration, kv_connector_output)
+            self._pending_output = None
+            self._last_applied_step = scheduler_output.step
+        return finished
+
+    def _check_output(self, out: Any, sampled_token_ids: Any, iteration: Any, kv_connector_output: Any) -> dict[str, list[int]]:
+        if not isinstance(out, SchedulerOutput):
+            raise TypeError(f"scheduler_output must be the SchedulerOutput of schedule(), got {type(out).__name__}")
+        if out is not self._pending_output:
+            step = getattr(out, "step", None)
+            if self._pending_output is None and isinstance(step, int) and step <= self._last_applied_step:
+                why = f"the output of step {step} was already applied; each output is applied once"
+            elif self._pending_output is not None:
+                why = f"it is not the latest output of this scheduler (step {self._pending_output.step} waits to be applied)"
+            else:
+                why = "this scheduler has no output waiting to be applied (call schedule() first)"
+            raise ValueError(f"scheduler_output refused: {why}")
+        if iteration is not None and not isinstance(iteration, IterationStats):
+            raise TypeError(f"iteration must be None or an IterationStats, got {type(iteration).__name__}")
+        if kv_connector_output is not None and not hasattr(kv_connector_output, "invalid_block_ids"):
+            raise TypeError(f"kv_connector_output must be None or a KVConnectorOutput, got {type(kv_connector_output).__name__}")
+        if not isinstance(sampled_token_ids, Mapping):
+            raise TypeError(f"sampled_token_ids must be a dict {{request_id: [token ids]}}, got {type(sampled_token_ids).__name__}")
+        scheduled = out.num_scheduled_tokens
+        clean: dict[str, list[int]] = {}
+        for rid, toks in sampled_token_ids.items():
+            if not isinstance(rid, str):
+                raise TypeError(f"sampled_token_ids keys must be request ids (str), got {type(rid).__name__} {rid!r}")
+            if rid not in scheduled:
+                raise ValueError(
+                    f"sampled_token_ids[{rid!r}]: request {rid!r} was not scheduled in step {out.step} "
+                    f"(scheduled: {sorted(scheduled)})"
+                )
+            if not isinstance(toks, (list, tuple)):
+                if isinstance(toks, (str, bytes)) or not hasattr(toks, "tolist"):
+                    hint = f" (a list: [{toks!r}])" if isinstance(toks, int) or hasattr(toks, "__index__") else ""
+                    raise TypeError(f"sampled_token_ids[{rid!r}] must be a list of token ids, got {type(toks).__name__} {toks!r}{hint}")
+                toks = toks.tolist()  # a numpy array or a torch tensor
+                if not isinstance(toks, list):
+                    raise TypeError(f"sampled_token_ids[{rid!r}] must be a 1-D list of token ids, got a scalar {toks!r}")
+            clean[rid] = [
+                t if type(t) is int and 0 <= t <= _MAX_TOKEN_ID
+                else check_int(f"sampled_token_ids[{rid!r}][{i}]", t, 0, _MAX_TOKEN_ID, why=" (token ids are uint32)")
+                for i, t in enumerate(toks)
+            ]
+        for rid, n in scheduled.items():
+            r = self.requests.get(rid)
+            if r is None or r.status != RequestStatus.RUNNING:
+                continue  # aborted since it was scheduled: skipped
+            if type(n) is not int or n < 1 or r.num_computed_tokens + n > r.num_tokens:
+                raise ValueError(
+                    f"scheduler_output.num_scheduled_tokens[{rid!r}] = {n!r} does not fit request {rid!r} "
+                    f"({r.num_computed_tokens} of {r.num_tokens} tokens computed); was the output changed?"
+                )
+        return clean
+
+    def _update_from_output(
+        self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, list[int]], iteration: IterationStats | None,
+        kv_connector_output: KVConnectorOutput | None,
+    ) -> list[Request]:
         finished: list[Request] = []
         events = self.events
         failed: set[str] = set()
@@ -663,7 +825,7 @@ class Scheduler:
                 self._free_encoder_inputs(r)
             if r.num_computed_tokens < r.num_tokens:
                 continue  # a partial prefill chunk: no token yet
-            new_ids = sampled_token_ids.get(rid) or []
+            new_ids = sampled_token_ids.get(rid, ())
             appended = []
             for tok in new_ids:
                 r.append_output_token_ids(tok)
@@ -712,7 +874,13 @@ class Scheduler:
                 kv_events.extend(self.connector.take_events())
             if kv_events:
                 ts = iteration.time if iteration is not None else time.time()
-                self.kv_event_publisher.publish(KVEventBatch(ts=ts, events=kv_events))
+                batch = KVEventBatch(ts=ts, events=kv_events)
+                if self._ckpt is not None:
+                    # Sent when the step is kept (release): a step that is undone must not
+                    # have told the routers about blocks it never cached.
+                    self._ckpt.publish.append(batch)
+                else:
+                    self.kv_event_publisher.publish(batch)
         return finished
 
     def shutdown(self) -> None:
@@ -783,6 +951,9 @@ class Scheduler:
         return False
 
     def _free_request(self, r: Request, finish_reason: str) -> None:
+        if self._ckpt is not None:
+            self._ckpt.finished.append(r)  # before it leaves ``requests``: the undo puts it back
+        r._owner = None
         if self.connector is not None:
             # Called once, before the blocks are freed: a producer saves or hands them off now.
             delay, params = self.connector.request_finished(r, self.kv_cache_manager.get_block_ids(r.request_id)[0])
@@ -799,6 +970,97 @@ class Scheduler:
         r.finish_reason = finish_reason
         if self.events is not None:
             self.events.emit(RequestFinished(request_id=r.request_id, reason=finish_reason, num_output_tokens=r.num_output_tokens))
+
+    # -- all or nothing -----------------------------------------------------------------------
+    def checkpoint(self) -> SchedulerCheckpoint:
+        """Start recording how to undo every change to the scheduler, its requests, the
+        KV-cache manager, the pool and the event log (see :meth:`KVCacheManager.checkpoint`).
+
+        Cheap enough for every step: the queues and counters are copied (C-speed container
+        copies; every attribute, so what a later version adds is covered too), a request's
+        state is saved when a call first touches it, and the pool only journals. Follow
+        with :meth:`release` (keep the changes) or :meth:`restore` (undo them). The KV
+        connector and the executor are outside: they hear of an undone step through the
+        next step (the executor gets every running request in full again).
+        """
+        log = self.events
+        state = copy_attrs(self, skip=_NOT_COPIED)
+        for name in _STATS:
+            v = state.get(name)
+            if v is not None:
+                state[name] = v.copy()
+        cp = SchedulerCheckpoint(
+            manager=None,  # type: ignore[arg-type]
+            state=state,
+            waiting=copy_attrs(self.waiting),
+            encoder_cache=copy_attrs(self.encoder_cache_manager, skip=frozenset({"events"})),
+            finished=[],
+            log_len=None if log is None else len(log),
+            log_step=0 if log is None else log.step,
+        )
+        cp.manager = self.kv_cache_manager.checkpoint()
+        self._ckpt = cp
+        return cp
+
+    def release(self, cp: SchedulerCheckpoint) -> None:
+        """Keep every change since ``cp`` (and publish the KV events it held back)."""
+        self._ckpt = None
+        self.kv_cache_manager.release(cp.manager)
+        batches, cp.publish = cp.publish, []
+        for batch in batches:
+            self.kv_event_publisher.publish(batch)  # type: ignore[union-attr]
+
+    def restore(self, cp: SchedulerCheckpoint, *, drop_reused: bool = False, resync_executor: bool = False) -> list:
+        """Undo every change since ``cp``: the event log is cut back to where it was, the
+        queues, counters, requests, block tables and pool are as they were. Safe to call
+        again if it was itself interrupted. ``resync_executor``: the executor may have seen
+        the undone step, so every running request is sent to it in full next time.
+        ``drop_reused``: see :meth:`BlockPool.restore` (for executors that write K/V).
+        Returns the blocks whose cache entries were dropped."""
+        if self.events is not None and cp.log_len is not None:
+            self.events.truncate(cp.log_len)
+            self.events.step = cp.log_step
+        put_attrs(self, cp.state)
+        for name in _STATS:
+            v = cp.state.get(name)
+            if v is not None:
+                setattr(self, name, v.copy())
+        put_attrs(self.waiting, cp.waiting)
+        put_attrs(self.encoder_cache_manager, cp.encoder_cache)
+        for r in reversed(cp.finished):
+            self.requests[r.request_id] = r
+        if resync_executor:
+            self._num_sent_blocks = {}
+        cp.publish = []
+        dropped = self.kv_cache_manager.restore(cp.manager, drop_reused=drop_reused)
+        self._ckpt = None
+        return dropped
+
+    class _Atomic:
+        """``with self._atomic():`` -- the body is all or nothing when no outer checkpoint
+        (an engine step's) covers it already."""
+
+        __slots__ = ("sched", "cp")
+
+        def __init__(self, sched: Scheduler) -> None:
+            self.sched = sched
+            self.cp: SchedulerCheckpoint | None = None
+
+        def __enter__(self) -> None:
+            if self.sched._ckpt is None:
+                self.cp = self.sched.checkpoint()
+
+        def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+            cp = self.cp
+            if cp is None:
+                return
+            if exc_type is None:
+                self.sched.release(cp)
+            else:
+                self.sched.restore(cp)
+
+    def _atomic(self) -> Scheduler._Atomic:
+        return Scheduler._Atomic(self)
 
     # -- metrics ------------------------------------------------------------------------------
     def make_stats(self) -> SchedulerStats:
@@ -829,3 +1091,4 @@ class Scheduler:
         for r in waiting:
             assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), f"{r.request_id} waiting with status {r.status.name}"
             assert r.num_computed_tokens == 0 and not any(self.kv_cache_manager.get_block_ids(r.request_id)), f"waiting {r.request_id} holds KV"
+

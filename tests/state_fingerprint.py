@@ -1,0 +1,123 @@
+"""A full fingerprint of an engine's (or a scheduler's, or a manager's) state, for the
+all-or-nothing tests: a call that raises must leave it exactly as before.
+
+Everything a call could change is in it: per block the ref count, hash and queue links (as
+the free-queue order) and the prefix-cache map with its duplicate order; every group's
+block tables and cached counts; the scheduler's queues, counters and the requests it
+knows; every request's status, counters, tokens, packed tokens, block hashes, hasher and
+owner; the engine's clock, metrics and finished requests; the event log (length, step and
+the events themselves, as JSON dicts).
+"""
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any
+
+from kvlab.core.kv_cache_manager import KVCacheManager
+from kvlab.core.sched.scheduler import Scheduler
+from kvlab.engine.llm_engine import LLMEngine
+from kvlab.request import Request
+
+
+def pool_fingerprint(pool) -> tuple:
+    q = pool.free_block_queue
+    return (
+        tuple((b.block_id, b.ref_cnt, b.cache_key, b.is_null) for b in pool.blocks),
+        tuple(b.block_id for b in q.get_all_free_blocks()),
+        q.num_free_blocks,
+        tuple(sorted((k, tuple(b.block_id for b in v)) for k, v in pool.cached_block_hash_to_block.items())),
+        pool.num_evicted_blocks,
+        # Links of blocks that are not free must be empty.
+        tuple(b.block_id for b in pool.blocks if b.ref_cnt and (b.prev_free_block or b.next_free_block)),
+    )
+
+
+def request_fingerprint(r: Request) -> tuple:
+    return (
+        r.request_id, r.status.name, r.num_computed_tokens, r.num_preemptions, r.num_cached_tokens, r.finish_reason,
+        tuple(r.all_token_ids), tuple(r.output_token_ids), bytes(r.token_bytes), tuple(r.block_hashes),
+        id(r.block_hasher), id(r._owner),
+    )
+
+
+def manager_fingerprint(mgr: KVCacheManager) -> tuple:
+    groups = []
+    for m in mgr.coordinator.single_type_managers:
+        groups.append((
+            tuple(sorted((rid, tuple(b.block_id for b in t)) for rid, t in m.req_to_blocks.items())),
+            tuple(sorted(m.num_cached_block.items())),
+        ))
+    stats = mgr.prefix_cache_stats
+    return (
+        pool_fingerprint(mgr.block_pool),
+        tuple(groups),
+        tuple(sorted(mgr._requests)),
+        None if stats is None else tuple(getattr(stats, f.name) for f in fields(stats)),
+        mgr._ckpt is None,
+        tuple(request_fingerprint(r) for r in sorted(mgr._requests.values(), key=lambda r: r.request_id)),
+    )
+
+
+LOG_EVENTS = True  # False: the log's length and step only (cheap, for long soaks)
+
+
+def log_fingerprint(log) -> tuple:
+    if log is None:
+        return (None,)
+    if not LOG_EVENTS:
+        return (len(log), log.step)
+    return (len(log), log.step, tuple(repr(e.to_dict()) for e in log.events))
+
+
+def scheduler_fingerprint(sched: Scheduler, extra_requests=()) -> tuple:
+    cm = sched.caching_metrics
+    reqs = {id(r): r for r in [*sched.requests.values(), *sched.running, *sched.waiting, *extra_requests]}
+    return (
+        manager_fingerprint(sched.kv_cache_manager),
+        tuple(r.request_id for r in sched.running),
+        tuple(r.request_id for r in sched.waiting),
+        tuple(sorted(sched.requests)),
+        tuple(sorted(sched.finished_req_ids)),
+        tuple(sorted((k, tuple(v)) for k, v in sched._num_sent_blocks.items())),
+        (sched.step_count, sched.num_preemptions, sched.prefix_cache_queries, sched.prefix_cache_hits, sched._last_applied_step),
+        (cm.aggregated_requests, cm.aggregated_query_total, cm.aggregated_query_hit, tuple(cm.query_queue)),
+        None if sched._pending_output is None else id(sched._pending_output),
+        sched._ckpt is None,
+        tuple(sorted(request_fingerprint(r) for r in reqs.values())),
+        log_fingerprint(sched.events),
+    )
+
+
+def engine_fingerprint(eng: LLMEngine, extra_requests=()) -> tuple:
+    return (
+        scheduler_fingerprint(eng.scheduler, [*eng.finished.values(), *extra_requests]),
+        eng.clock,
+        eng._ids,
+        eng._pending is None,
+        tuple(sorted((rid, tuple(getattr(m, f.name) for f in fields(m))) for rid, m in eng.metrics.items())),
+        tuple(eng.finished),
+    )
+
+
+def fingerprint(obj: Any, extra_requests=()) -> tuple:
+    if isinstance(obj, LLMEngine):
+        return engine_fingerprint(obj, extra_requests)
+    if isinstance(obj, Scheduler):
+        return scheduler_fingerprint(obj, extra_requests)
+    if isinstance(obj, KVCacheManager):
+        return (manager_fingerprint(obj), tuple(request_fingerprint(r) for r in extra_requests), log_fingerprint(obj.events))
+    raise TypeError(type(obj).__name__)
+
+
+def first_difference(a: Any, b: Any, path: str = "") -> str | None:
+    """Where two fingerprints differ (for readable assertion messages)."""
+    if a == b:
+        return None
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        if len(a) != len(b):
+            return f"{path}: length {len(a)} != {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            d = first_difference(x, y, f"{path}[{i}]")
+            if d:
+                return d
+    return f"{path}: {str(a)[:300]} != {str(b)[:300]}"

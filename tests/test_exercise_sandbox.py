@@ -1,0 +1,167 @@
+"""Learner code cannot hang a check, fool it, or change kvlab for the next one.
+
+* every check has a time limit: an endless loop -- pure Python, in a ``try/except Exception``,
+  a ``time.sleep``, a Triton kernel under the interpreter, in the main thread or another --
+  is stopped and reported as "your code ran longer than N s — an endless loop?";
+* answers are compared by type and value: an object that claims to equal everything fails,
+  a forgotten ``return`` says "got None — a missing return?";
+* module constants and classes a submission reassigns are put back; the next check (even
+  of a correct solution) is unaffected.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+import kvlab.kernels  # noqa: F401, I001  (before triton: chooses the interpreter)
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from kvlab.core import kv_cache_utils  # noqa: E402
+from kvlab.core.block_pool import BlockPool  # noqa: E402
+from kvlab.exercises import EXERCISES, check  # noqa: E402
+from kvlab.exercises.sandbox import CheckTimeout, time_limit  # noqa: E402
+
+LIMIT = 1.0
+
+
+@pytest.fixture
+def short_limits(monkeypatch):
+    for ex in EXERCISES.values():
+        monkeypatch.setattr(ex, "time_limit_s", LIMIT)
+
+
+def loop_forever(*args):
+    while True:
+        pass
+
+
+def loop_swallowing_exceptions(*args):
+    while True:
+        try:
+            while True:
+                pass
+        except Exception:  # noqa: BLE001 - what a learner writes
+            pass
+
+
+def sleep_forever(*args):
+    time.sleep(3600)
+
+
+@triton.jit
+def step_loops(q, k_cache_ptr, v_cache_ptr, block_table_ptr, start, seq_len, m_i, l_i, acc, scale,
+               stride_block, stride_tok, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
+    i = 0
+    while i >= 0:
+        i += 1
+    return m_i, l_i, acc
+
+
+def kv_ok(num_layers, num_kv_heads, head_dim, dtype_bytes):
+    return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
+
+
+@pytest.mark.parametrize("eid, learner", [
+    ("longest_hit", loop_forever),
+    ("kv_bytes", loop_swallowing_exceptions),
+    ("sliding_window_hit", sleep_forever),
+    ("paged_attention_kernel", step_loops),
+], ids=["pure-python", "except-Exception", "sleep", "triton-interpreter"])
+def test_an_endless_loop_is_stopped_and_named(short_limits, eid, learner):
+    t = time.monotonic()
+    res = check(eid, learner)
+    took = time.monotonic() - t
+    assert not res and res.message == f"your code ran longer than {LIMIT:g} s — an endless loop?"
+    assert took < LIMIT + 10, took  # stopped, not left running (generous: 2 shared cores)
+    assert check("kv_bytes", kv_ok)  # the next check is unaffected
+
+
+def test_an_endless_loop_in_another_thread_is_stopped_too(short_limits):
+    out = []
+    th = threading.Thread(target=lambda: out.append(check("longest_hit", loop_forever)))
+    th.start()
+    th.join(30)
+    assert not th.is_alive(), "the runaway thread was not stopped"
+    assert out[0].message == f"your code ran longer than {LIMIT:g} s — an endless loop?"
+
+
+def test_the_time_limit_gives_back_an_outer_timer():
+    import signal
+
+    fired = []
+    old = signal.signal(signal.SIGALRM, lambda *a: fired.append(1))
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 5.0)
+        with time_limit(2.0):
+            pass
+        left = signal.getitimer(signal.ITIMER_REAL)[0]
+        assert 3.0 < left <= 5.0  # the outer timer runs on, minus the (short) inner time
+        with pytest.raises(CheckTimeout):
+            with time_limit(0.2):
+                while True:
+                    pass
+        assert signal.getitimer(signal.ITIMER_REAL)[0] > 0
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert fired == []
+
+
+class EqualsEverything:
+    def __eq__(self, other):
+        return True
+
+    def __ne__(self, other):
+        return False
+
+    __hash__ = object.__hash__
+
+
+@pytest.mark.parametrize("eid", ["longest_hit", "kv_bytes", "sliding_window_hit", "allocate_capacity", "hash_chain", "slot_mapping"])
+def test_an_answer_that_equals_everything_fails(eid):
+    res = check(eid, lambda *a: EqualsEverything())
+    assert not res and "not the right kind of value" in res.message and "EqualsEverything" in res.message
+
+
+@pytest.mark.parametrize("eid", ["longest_hit", "kv_bytes", "sliding_window_hit", "allocate_capacity", "hash_chain", "slot_mapping", "free_order", "preempt_victim"])
+def test_a_missing_return_is_named(eid):
+    res = check(eid, lambda *a: None)
+    assert not res and "got None — a missing return?" in res.message, str(res)
+
+
+def test_wrong_kinds_are_named():
+    assert "expected an int, got str '819200'" in check("kv_bytes", lambda *a: "819200").message
+    assert "expected bytes, got str" in check("hash_chain", lambda *a: "abc").message
+    res = check("stale_hash", lambda pool, block: None)
+    assert "evict_cached_block must return bool, got NoneType None — a missing return?" in res.message
+    import numpy as np
+    assert check("kv_bytes", lambda l, h, d, b: np.int64(2 * l * h * d * b))  # numpy ints are ints
+    assert "got None instead of your code" in check("kv_bytes", None).message
+
+
+def test_a_submission_that_changes_kvlab_is_undone():
+    root = kv_cache_utils.NONE_HASH
+    touch = BlockPool.touch
+
+    def vandal(hash_fn, parent, tokens, extra):
+        kv_cache_utils.NONE_HASH = b"mine"
+        BlockPool.touch = lambda self, blocks: None
+        return hash_fn((parent or kv_cache_utils.NONE_HASH, tuple(tokens), extra))
+
+    assert not check("hash_chain", vandal)
+    assert kv_cache_utils.NONE_HASH is root and BlockPool.touch is touch
+
+    def good(hash_fn, parent, tokens, extra):
+        return hash_fn((parent or kv_cache_utils.NONE_HASH, tuple(tokens), extra))
+
+    assert check("hash_chain", good)  # the next check sees kvlab as it was
+
+
+def test_check_arguments():
+    with pytest.raises(TypeError, match="exercise_id must be a str"):
+        check(3, kv_ok)
+    with pytest.raises(ValueError, match="unknown exercise_id 'nope'"):
+        check("nope", kv_ok)
