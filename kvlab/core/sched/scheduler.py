@@ -738,7 +738,7 @@ class Scheduler:
         written into the step's ``StepFinished`` event beside the scheduler's own stats.
         ``kv_connector_output``: the worker-side connector's report; requests whose external
         KV failed to load are given back (see ``kv_load_failure_policy``) and their output
-        of this step is dropped."""
+        of this step is dropped.
 
         All or nothing: the whole output is checked first -- it must be this scheduler's
         latest ``schedule()`` output, applied once; ``sampled_token_ids`` maps scheduled
