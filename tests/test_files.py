@@ -15,6 +15,7 @@ from kvlab.timeline import Snapshot, Timeline, replay
 from kvlab.timeline.events import (
     FORMAT_VERSION,
     BlocksAllocated,
+    BlockCached,
     BlocksFreed,
     EventLog,
     PoolCreated,
@@ -143,3 +144,63 @@ def test_request_ids_never_become_markup_in_the_views():
                     assert not re.search(r"<img|<i>|<script|&b<", s), f"{type(view).__name__}: {s!r}"
                     seen.append(s)
     assert any("&lt;img src=x onerror=alert(1)&gt;" in s for s in seen)  # shown, as text
+
+
+def _every_kind_of_run(tmp_path) -> list[EventLog]:
+    """Runs that between them emit nearly every event kind, with the values that do not
+    survive a naive JSON round trip: extra hash keys are tuples (LoRA, image, salt)."""
+    from kvlab.config.kv_transfer import KVTransferConfig
+    from kvlab.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+    from kvlab.request import MultiModalFeature as MM
+
+    enc = build_engine(num_blocks=32, block_size=4, max_num_batched_tokens=12, max_num_encoder_input_tokens=8, encoder_cache_size=16)
+    for i, (img, off, salt) in enumerate([("img-a", 4, "s1"), ("img-a", 2, None), ("img-b", 2, "s2"), ("img-c", 6, None)]):
+        enc.add_request(Request(f"e{i}", list(range(100 * i + 100, 100 * i + 118)), max_tokens=2,
+                                mm_features=[MM(img, offset=off, length=8)], cache_salt=salt, lora_name="l1" if i % 2 else None))
+    enc.run()
+    cfg = KVTransferConfig("OffloadingConnector",
+                           kv_connector_extra_config=dict(num_cpu_blocks=4, storage_path=str(tmp_path / "tiers"), num_storage_blocks=12))
+    off = build_engine(num_blocks=6, block_size=4, max_num_batched_tokens=64, kv_transfer_config=cfg)
+    for rid, p in [("A", range(100, 109)), ("B", range(200, 217)), ("C", range(300, 313)), ("A2", range(100, 110))]:
+        off.add_request(Request(rid, list(p), max_tokens=2))
+        off.run()
+    hyb = build_engine(num_blocks=12, block_size=4, max_num_batched_tokens=16,
+                       manager_kwargs=dict(kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(sliding_window=6)]))
+    for i in range(4):
+        hyb.add_request(Request(f"h{i}", [7] * 8 + list(range(i, i + 9)), max_tokens=6, arrival_time=float(i)))
+    hyb.run()
+    assert hyb.kv_cache_manager.reset_prefix_cache()
+    tight = build_engine(num_blocks=10, block_size=4, max_num_batched_tokens=32)  # preempts
+    for i in range(4):
+        tight.add_request(Request(f"t{i}", [5] * 4 + [i] * 4, max_tokens=12, arrival_time=float(i)))
+    tight.run()
+    return [enc.events, off.events, hyb.events, tight.events]
+
+
+def test_every_event_kind_reads_back_equal_to_the_live_event(tmp_path):
+    """Not just the same JSON: the very same events (a tuple stays a tuple), so a loaded run's
+    snapshots equal the live run's, at every step."""
+    logs = _every_kind_of_run(tmp_path)
+    seen = {e.kind for log in logs for e in log}
+    assert {"block_cached", "blocks_skipped", "request_preempted", "cache_reset", "kv_transfer", "offload_evicted",
+            "encoder_input_scheduled", "encoder_cache_evicted"} <= seen, sorted(seen)
+    tuples = [e.extra_keys for e in logs[0] if isinstance(e, BlockCached) and e.extra_keys]
+    assert (("lora", "l1", None), ("cache_salt", "s2")) not in tuples and any(("cache_salt", "s1") in k for k in tuples)
+    assert all(type(k) is tuple and all(type(x) is tuple for x in k) for k in tuples)
+    for log in logs:
+        back = EventLog.from_json(log.to_json())
+        assert list(back) == list(log)
+        tl, tl_back = Timeline(log), Timeline(back)
+        for s in range(tl.last_step + 1):
+            snap = tl.at(s)
+            assert tl_back.at(s) == snap
+            assert Snapshot.from_json(snap.to_json()) == snap
+
+
+def test_extra_keys_in_a_file_must_be_a_list():
+    log = salted_run()
+    d = json.loads(log.to_json())
+    i = next(i for i, e in enumerate(d["events"]) if e["kind"] == "block_cached")
+    d["events"][i]["extra_keys"] = "cache_salt"
+    with pytest.raises(ValueError, match=rf"events\[{i}\] \(block_cached\)\.extra_keys must be null or a list \(the block's extra hash keys\), got str"):
+        EventLog.from_json(json.dumps(d))

@@ -519,3 +519,72 @@ def test_an_undone_step_of_the_model_runner_never_serves_overwritten_kv(writes_k
     same = got == [model.generate_dense(a_prompt, 2)]
     assert same if writes_kv else not same  # (the hazard is real: a hit on them reads B's K/V)
     eng.scheduler.check_invariants()
+
+
+# --- a KV connector with offload tiers (CPU memory, then disk) ----------------------------------
+OFFLOAD_STORY = [("A", list(range(100, 109))), ("B", list(range(200, 217))), ("C", list(range(300, 313))),
+                 ("A2", list(range(100, 110))), ("C2", list(range(300, 316))), ("B2", list(range(200, 213)))]
+
+
+def _offload_engine(path: str) -> LLMEngine:
+    from kvlab.config.kv_transfer import KVTransferConfig
+    from kvlab.engine.llm_engine import build_engine
+
+    cfg = KVTransferConfig("OffloadingConnector",
+                           kv_connector_extra_config=dict(num_cpu_blocks=4, storage_path=path, num_storage_blocks=12))
+    return build_engine(num_blocks=6, block_size=4, max_num_batched_tokens=64, kv_transfer_config=cfg)
+
+
+def _offload_story(eng: LLMEngine, fault_at: int | None) -> int:
+    seen = [0]
+
+    def boom(_e: Any) -> None:
+        seen[0] += 1
+        if seen[0] == fault_at:
+            raise Interrupt(f"fault at event {fault_at}")
+
+    eng.events.subscribe(boom)
+    hits = 0
+    conn = eng.scheduler.connector.scheduler
+    for rid, prompt in OFFLOAD_STORY:
+        for _ in range(3):
+            try:
+                eng.add_request(Request(rid, prompt, max_tokens=2))
+                break
+            except Interrupt:
+                hits += 1
+        for _ in range(100):
+            if not eng.has_unfinished_requests():
+                break
+            before = fingerprint(eng)
+            try:
+                eng.step()
+            except Interrupt:
+                hits += 1
+                diff = first_difference(comparable(before), comparable(fingerprint(eng)))
+                assert diff is None, f"the failed step changed the state: {diff}"
+            eng.scheduler.check_invariants()
+            conn.check_invariants()
+    return hits
+
+
+def test_an_interrupt_at_every_event_with_offload_tiers_leaves_no_pin_and_no_stale_book(tmp_path):
+    """The connector's scheduler-side books (tiers, pins, jobs) are undone with the step:
+    no tier block stays pinned, the tiers agree with the replayed log, the outputs are the
+    uninterrupted run's."""
+    ref = _offload_engine(str(tmp_path / "ref"))
+    _offload_story(ref, None)
+    want = {rid: r.output_token_ids for rid, r in ref.finished.items()}
+    n = len(ref.events)
+    assert n >= 100
+    hits = 0
+    for k in range(1, n + 1):
+        eng = _offload_engine(str(tmp_path / f"run{k}"))
+        hits += _offload_story(eng, k)
+        assert {rid: r.output_token_ids for rid, r in eng.finished.items()} == want
+        conn = eng.scheduler.connector.scheduler
+        assert not any(t.pinned() for t in conn.manager.tiers), "a tier block stayed pinned"
+        tl = Timeline(eng.events)
+        assert tl.at(tl.last_step).num_blocks == 6  # the log replays
+    TRIED["offload tiers"] = (n, hits)
+    assert hits >= 0.9 * n

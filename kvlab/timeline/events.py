@@ -52,7 +52,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from kvlab.timeline.schema import MAX_BLOCKS, check_num_blocks, check_record, check_version, parse_json
+from kvlab.timeline.schema import MAX_BLOCKS, HashKeys, check_num_blocks, check_record, check_version, parse_json
 
 if TYPE_CHECKING:  # the state is only a parameter type here: no import cycle at run time
     from kvlab.timeline.state import ReplayState
@@ -221,7 +221,7 @@ class BlockCached(Event):
     block_hash: bytes = b""
     parent_hash: bytes | None = None
     token_ids: list[int] = field(default_factory=list)
-    extra_keys: Any = None
+    extra_keys: HashKeys | None = None  # tuples (JSON lists in a file)
 
     def apply(self, state: ReplayState) -> None:
         parent = self.parent_hash.hex() if self.parent_hash else None

@@ -26,12 +26,18 @@ import typing
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["MAX_BLOCKS", "parse_json", "check_record", "check_version", "check_num_blocks"]
+__all__ = ["MAX_BLOCKS", "HashKeys", "parse_json", "check_record", "check_version", "check_num_blocks"]
 
 MAX_BLOCKS = 1 << 20
 """The most blocks a file may declare unless the reader raises the limit (``max_blocks=``):
 about a million, more than a large GPU's pool at block size 16, while a replay of that
 many blocks stays near 100 MB."""
+
+HashKeys = typing.NewType("HashKeys", tuple)
+"""The type of a block's extra hash keys (``BlockCached.extra_keys``, ``HashNode.extra_keys``):
+tuples in memory -- ``(("lora", name, path), ("mm", hash, offset), ("cache_salt", salt))``,
+hashable, as the hash function takes them -- and JSON lists in a file. Read back, every list
+becomes a tuple again, so a saved log's events equal the live ones (lessons 06 and 14)."""
 
 # Fields whose ints may be negative (everything else counts something or names an id).
 _SIGNED = frozenset({"priority", "free_position", "seq"})
@@ -91,6 +97,8 @@ def _type_name(hint: Any) -> str:
         return "null"
     if hint is bytes:
         return 'bytes ({"hex": "..."})'
+    if hint is HashKeys:
+        return "a list (extra hash keys)"
     if dataclasses.is_dataclass(hint):
         return f"a {hint.__name__} object"
     return getattr(hint, "__name__", str(hint))
@@ -113,6 +121,10 @@ def _json_value(v: Any, where: str) -> Any:
             return _hex(v, where)
         return {k: _json_value(x, f"{where}.{k}") for k, x in v.items()}
     raise ValueError(f"{where}: not a JSON value ({type(v).__name__})")
+
+
+def _as_tuples(v: Any) -> Any:
+    return tuple(_as_tuples(x) for x in v) if isinstance(v, list) else v
 
 
 def _hex(v: Any, where: str) -> bytes:
@@ -161,6 +173,10 @@ def check_value(v: Any, hint: Any, where: str, name: str) -> Any:
         return {k: check_value(x, val, f"{where}.{k}", name) for k, x in v.items()}
     if hint is Any:
         return _json_value(v, where)
+    if hint is HashKeys:
+        if not isinstance(v, list):
+            raise ValueError(f"{where} must be null or a list (the block's extra hash keys), got {type(v).__name__} {v!r:.80}")
+        return _as_tuples(_json_value(v, where))
     if hint is bool:
         if type(v) is not bool:
             raise ValueError(f"{where} must be true or false, got {v!r:.80}")

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple
 
-from kvlab.timeline.schema import check_record, check_version, parse_json
+from kvlab.timeline.schema import HashKeys, check_record, check_version, parse_json
 
 SNAPSHOT_FORMAT_VERSION = 1
 """Version of ``Snapshot.to_json``'s format (written into every file)."""
@@ -83,7 +83,7 @@ class HashNode:
     block_hash: str  # hex
     parent_hash: str | None
     token_ids: list[int]
-    extra_keys: Any
+    extra_keys: HashKeys | None  # tuples (JSON lists in a file)
     block_ids: list[int]  # blocks carrying it now (more than one: duplicates)
     group: int
 

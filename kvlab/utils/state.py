@@ -42,3 +42,35 @@ def put_attrs(obj: Any, saved: dict[str, Any]) -> None:
     """Set ``obj``'s attributes back to ``saved`` (copied again: ``saved`` stays reusable)."""
     for k, v in saved.items():
         setattr(obj, k, _copy(v))
+
+
+def restore_into(obj: Any, saved: dict[str, Any], memo: dict[int, Any]) -> None:
+    """Set ``obj``'s attributes back to ``saved`` (a deep copy of them, taken earlier) without
+    replacing the objects a caller may hold: a kvlab object reached through an attribute that
+    is, now and then, of the same class (with a ``__dict__``) is restored into; everything else
+    becomes a fresh deep copy in which those objects are the current ones -- so objects that
+    were shared (a tier in a list and in an attribute) stay shared. ``memo`` maps objects
+    to share as they are (``id -> object``); ``saved`` stays reusable."""
+    import copy
+
+    pairs: list[tuple[Any, dict[str, Any]]] = [(obj, saved)]
+
+    def pair(cur_obj: Any, saved_attrs: dict[str, Any]) -> None:
+        now = vars(cur_obj)
+        for k, v in saved_attrs.items():
+            cur = now.get(k)
+            if (cur is not None and type(cur) is type(v) and type(cur).__module__.startswith("kvlab.")
+                    and hasattr(cur, "__dict__") and id(cur) not in memo and id(v) not in memo):
+                memo[id(v)] = cur
+                pairs.append((cur, vars(v)))
+                pair(cur, vars(v))
+
+    pair(obj, saved)
+    for cur_obj, saved_attrs in pairs:
+        now = vars(cur_obj)
+        for k, v in saved_attrs.items():
+            if memo.get(id(v)) is not now.get(k, _NO):  # not an object restored in place
+                setattr(cur_obj, k, copy.deepcopy(v, memo))
+
+
+_NO = object()

@@ -28,6 +28,7 @@ chunk before an item that cannot.
 """
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -54,7 +55,7 @@ from kvlab.timeline.events import (
     TokensAppended,
 )
 from kvlab.utils.checks import check_int, check_optional_int
-from kvlab.utils.state import copy_attrs, put_attrs
+from kvlab.utils.state import copy_attrs, put_attrs, restore_into
 
 #: The statuses ``finish_requests`` may set (every finished one).
 FINISHED_STATUSES = tuple(s for s in RequestStatus if RequestStatus.is_finished(s))
@@ -102,6 +103,7 @@ class SchedulerCheckpoint:
     finished: list[Request]  # requests the calls finished (they left ``requests``), in order
     log_len: int | None
     log_step: int
+    connector: dict[str, Any] | None  # the KV connector's scheduler-side books (a deep copy)
     publish: list = field(default_factory=list)  # KV-event batches to publish once the calls are kept
 
     def save_request(self, request: Request) -> None:
@@ -997,6 +999,7 @@ class Scheduler:
             finished=[],
             log_len=None if log is None else len(log),
             log_step=0 if log is None else log.step,
+            connector=None if self.connector is None else copy.deepcopy(vars(self.connector), self._shared_memo()),
         )
         cp.manager = self.kv_cache_manager.checkpoint()
         self._ckpt = cp
@@ -1031,10 +1034,19 @@ class Scheduler:
             self.requests[r.request_id] = r
         if resync_executor:
             self._num_sent_blocks = {}
+        if cp.connector is not None and self.connector is not None:
+            restore_into(self.connector, cp.connector, self._shared_memo())
         cp.publish = []
         dropped = self.kv_cache_manager.restore(cp.manager, drop_reused=drop_reused)
         self._ckpt = None
         return dropped
+
+    def _shared_memo(self) -> dict[int, Any]:
+        """What a deep copy of the connector's books must share, not copy: the manager, its
+        pool and log, and the live requests (its per-request records point at them)."""
+        mgr = self.kv_cache_manager
+        shared = [mgr, mgr.block_pool, mgr.events, self.events, *self.requests.values()]
+        return {id(o): o for o in shared if o is not None}
 
     class _Atomic:
         """``with self._atomic():`` -- the body is all or nothing when no outer checkpoint
