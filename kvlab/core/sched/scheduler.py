@@ -799,7 +799,9 @@ class Scheduler:
             r = self.requests.get(rid)
             if r is None or r.status != RequestStatus.RUNNING:
                 continue  # aborted since it was scheduled: skipped
-            if type(n) is not int or n < 1 or r.num_computed_tokens + n > r.num_tokens:
+            # 0 is possible: a manager whose hit covers the whole prompt (no cap at num_tokens - 1,
+            # the capstone's incident 2) leaves nothing to compute; the engine then says it made no progress.
+            if type(n) is not int or n < 0 or r.num_computed_tokens + n > r.num_tokens:
                 raise ValueError(
                     f"scheduler_output.num_scheduled_tokens[{rid!r}] = {n!r} does not fit request {rid!r} "
                     f"({r.num_computed_tokens} of {r.num_tokens} tokens computed); was the output changed?"
