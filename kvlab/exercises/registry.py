@@ -1,6 +1,8 @@
 """The exercise registry and ``check()``: run a learner's code against the real engine."""
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -90,10 +92,11 @@ __all__ = ["EXERCISES", "Exercise", "register", "call", "check", "hints", "same"
 
 
 def call(fn: Callable, *args: Any, where: str) -> Any:
-    """Call learner code: NotImplementedError passes through, anything else is summarised."""
+    """Call learner code: NotImplementedError (and a wrong kind of answer) passes through,
+    anything else is summarised."""
     try:
         return fn(*args)
-    except NotImplementedError:
+    except (NotImplementedError, WrongAnswerKind):
         raise
     except Exception as e:  # noqa: BLE001 - any learner bug becomes a teaching message
         raise LearnerError(e, where) from e
@@ -124,6 +127,27 @@ def check(exercise_id: str, learner_obj: Any) -> CheckResult:
     return result
 
 
+#: Exercises whose function answers with a value that is never None: a None from them is a
+#: forgotten ``return``, said so at once (not "wrong answer", nor a crash deep in the engine).
+RETURNS_A_VALUE = frozenset({
+    "tier_hits", "num_matched_tokens", "token_slots", "encoder_inputs", "group_block_hash", "unified_block_sizes",
+    "router_block_keys", "stream_gaps",
+})
+
+
+def _never_none(fn: Callable, exercise_id: str) -> Callable:
+    name = getattr(fn, "__name__", "your function")
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        value = fn(*args, **kwargs)
+        if value is None:
+            raise WrongAnswerKind(f"{name} returned nothing: got None — a missing return? ({exercise_id} answers with a value)")
+        return value
+
+    return wrapper
+
+
 def _run(ex: Exercise, learner_obj: Any) -> CheckResult:
     """One check, sandboxed: a time limit, kvlab's module state put back afterwards, and every
     way the learner's code can go wrong turned into a result that says which."""
@@ -131,6 +155,8 @@ def _run(ex: Exercise, learner_obj: Any) -> CheckResult:
     if learner_obj is None:
         return failed(exercise_id, "got None instead of your code — did you run the cell that defines it, and pass the function (or class) itself?",
                       idea=f"check({exercise_id!r}, your_function): the name, without calling it")
+    if exercise_id in RETURNS_A_VALUE and inspect.isfunction(learner_obj):
+        learner_obj = _never_none(learner_obj, exercise_id)
     with kvlab_state_restored():
         try:
             with time_limit(ex.time_limit_s):
