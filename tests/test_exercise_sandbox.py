@@ -168,3 +168,88 @@ def test_check_arguments():
         check(3, kv_ok)
     with pytest.raises(ValueError, match="unknown exercise_id 'nope'"):
         check("nope", kv_ok)
+
+
+# --- a forgotten return in a learner's CLASS: named, not a crash deep in the pool ----------------
+class _FreeQueueForgetsReturn:
+    """A dict-backed free queue whose popleft() forgets its return."""
+
+    def __init__(self, blocks):
+        self.d = dict.fromkeys(blocks)
+
+    @property
+    def num_free_blocks(self):
+        return len(self.d)
+
+    def popleft(self):
+        b = next(iter(self.d))
+        del self.d[b]  # ... and no `return b`
+
+    def remove(self, b):
+        del self.d[b]
+
+    def append(self, b):
+        self.d[b] = None
+
+    def get_all_free_blocks(self):
+        return list(self.d)
+
+
+def test_a_class_method_that_forgets_its_return_is_named():
+    res = check("free_queue", _FreeQueueForgetsReturn)
+    assert not res and res.message.startswith("popleft() must return the head block — got None: a missing return?"), str(res)
+
+    from kvlab.exercises.checks_pool import queue_class_for
+    from kvlab.exercises.result import WrongAnswerKind
+    from kvlab.core.kv_cache_utils import KVCacheBlock
+
+    q = queue_class_for(_FreeQueueForgetsReturn)([KVCacheBlock(0), KVCacheBlock(1)])
+    with pytest.raises(WrongAnswerKind, match=r"FreeQueue.popleft\(\) must return KVCacheBlock, got NoneType None — a missing return\?"):
+        q.popleft()  # the pool's own call names it too
+
+    from kvlab.exercises.bug_hunt import OneBlockPerHash
+    from kvlab.core.kv_cache_utils import KVCacheBlock as Blk
+
+    class FixedButSilent(OneBlockPerHash):
+        def insert(self, key, block):
+            v = self._cache.get(key)
+            if v is None:
+                self._cache[key] = block
+            elif isinstance(v, Blk):
+                self._cache[key] = {v.block_id: v, block.block_id: block}
+            else:
+                v[block.block_id] = block
+
+        def pop(self, key, block_id):
+            v = self._cache.get(key)
+            if isinstance(v, Blk):
+                if v.block_id == block_id:
+                    del self._cache[key]
+                return None
+            if v is not None and block_id in v:
+                v.pop(block_id)  # ... and no `return`
+                if len(v) == 1:
+                    self._cache[key] = next(iter(v.values()))
+
+    res = check("bug_fix", FixedButSilent)
+    assert not res and "pop(k, 4) must return the removed block — got None: a missing return?" in res.message, str(res)
+
+
+def test_an_engine_crash_on_none_points_at_a_missing_return():
+    from kvlab.exercises.registry import EXERCISES as REG, Exercise
+
+    def checker(obj):
+        return obj().block_id  # the engine uses what the learner's method gave back
+
+    REG["_none_probe"] = Exercise("_none_probe", "probe", "f()", "00_start_here", ["hint"], checker, "")
+    try:
+        res = check("_none_probe", lambda: None)
+    finally:
+        del REG["_none_probe"]
+    assert not res and res.message.endswith("one of your methods returned None: a missing return?"), res.message
+    other = check("kv_bytes", _divides_by_zero).message
+    assert "ZeroDivisionError" in other and "None" not in other  # other crashes are not told so
+
+
+def _divides_by_zero(*args):
+    return 1 / 0

@@ -90,7 +90,8 @@ def check_bug_fix(cls: Any) -> CheckResult:
         if name.startswith("pop(k, 9)") and ret is not None:
             return failed(eid, "pop of a block that is not under the key must return None and change nothing", got=repr(ret))
         if name in ("pop(k, 4)", "pop(k, 1)") and getattr(ret, "block_id", None) != int(name[7]):
-            return failed(eid, f"{name} must return the removed block", expected=f"block {name[7]}", got=repr(ret),
+            missing = " — got None: a missing return?" if ret is None else ""
+            return failed(eid, f"{name} must return the removed block{missing}", expected=f"block {name[7]}", got=repr(ret),
                           idea="return what you removed (the pool checks it)")
     if b"k" in m:
         return failed(eid, "a key with no block left must leave the map", expected="k not in the map", got="k still there",

@@ -116,10 +116,11 @@ class _Adapter:
         return self.q.num_free_blocks
 
     def popleft(self) -> KVCacheBlock:
-        return self.q.popleft()
+        # the pool uses what comes back: a forgotten ``return`` is named here, not deep in the pool
+        return returns(self.q.popleft(), KVCacheBlock, "FreeQueue.popleft()")
 
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
-        return [self.q.popleft() for _ in range(n)]
+        return [self.popleft() for _ in range(n)]
 
     def remove(self, b: KVCacheBlock) -> None:
         self.q.remove(b)
@@ -186,7 +187,8 @@ def check_free_queue(cls: Any) -> CheckResult:
     for name, op, want, n in steps:
         ret = op()
         if name.startswith("popleft") and getattr(ret, "block_id", None) != 0:
-            return failed(eid, "popleft() must return the head block", case=name, expected="block 0", got=repr(ret), idea="head = evicted next")
+            missing = " — got None: a missing return?" if ret is None else ""
+            return failed(eid, f"popleft() must return the head block{missing}", case=name, expected="block 0", got=repr(ret), idea="head = evicted next")
         got = ids()
         count = returns(q.num_free_blocks, int, "num_free_blocks")
         if got != want or count != n:

@@ -176,9 +176,12 @@ def _run(ex: Exercise, learner_obj: Any) -> CheckResult:
         except LearnerError as e:
             return failed(exercise_id, f"your code raised an error: {e}", idea="fix the error first; the message names the line")
         except Exception as e:  # noqa: BLE001 - the engine caught an inconsistency the learner's code caused
+            # A method of a learner's class that forgets its ``return`` hands the engine a None,
+            # and the engine trips over it later ("'NoneType' object has no attribute ...").
+            none = " — one of your methods returned None: a missing return?" if "NoneType" in str(e) else ""
             return failed(
                 exercise_id,
-                f"with your code plugged in, the engine stopped: {type(e).__name__}: {e}",
+                f"with your code plugged in, the engine stopped: {type(e).__name__}: {e}{none}",
                 idea=ex.hints[-1],
             )
 
