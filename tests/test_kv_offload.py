@@ -45,10 +45,11 @@ def _config(tmp_path, **extra):
     return KVTransferConfig("OffloadingConnector", kv_connector_extra_config=cfg)
 
 
-def _engine(tmp_path, executor=None, policy="recompute", **extra):
+def _engine(tmp_path, executor=None, policy="recompute", manager_kwargs=None, **extra):
     cfg = KVTransferConfig("OffloadingConnector", kv_connector_extra_config=_config(tmp_path, **extra).kv_connector_extra_config,
                            kv_load_failure_policy=policy)
-    return build_engine(num_blocks=6, block_size=4, max_num_batched_tokens=64, executor=executor, kv_transfer_config=cfg)
+    return build_engine(num_blocks=6, block_size=4, max_num_batched_tokens=64, executor=executor, kv_transfer_config=cfg,
+                        manager_kwargs=manager_kwargs)
 
 
 def _run_story(eng, story=STORY, max_tokens=1):
@@ -192,7 +193,10 @@ def test_replayed_tiers_equal_the_live_ones_at_every_step(tmp_path) -> None:
 
 
 def test_offloading_kv_events_carry_the_medium(tmp_path) -> None:
-    eng = _engine(tmp_path)
+    quiet = _engine(tmp_path / "off")  # KV events off (the default): the tiers queue none either,
+    _run_story(quiet, STORY[:2])  # or the queue would grow with every store, for ever
+    assert quiet.scheduler.connector.scheduler._kv_events == [] and quiet.scheduler.connector.take_events() == []
+    eng = _engine(tmp_path, manager_kwargs={"enable_kv_cache_events": True})
     _run_story(eng, STORY[:2])
     evs = eng.scheduler.connector.take_events()
     assert [(type(e).__name__, e.medium, len(e.block_hashes)) for e in evs] == [

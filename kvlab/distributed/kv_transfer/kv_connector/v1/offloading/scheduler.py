@@ -63,6 +63,7 @@ class OffloadingConnectorScheduler:
         self._kv_events: list[KVCacheEvent] = []
         self.events = None  # the engine's EventLog, once bound
         self.use_int_hashes = True
+        self.collect_kv_events = False  # set by bind(): the pool's enable_kv_cache_events
         # Per tier, tokens served by loads (a lesson's and the bench's hit counts).
         self.num_hit_tokens: dict[str, int] = {t.medium: 0 for t in manager.tiers}
 
@@ -78,6 +79,9 @@ class OffloadingConnectorScheduler:
             raise ValueError("offloading works by block hash: build the KV-cache manager with enable_caching=True")
         self.events = kv_cache_manager.events
         self.use_int_hashes = kv_cache_manager.block_pool.kv_events_use_int_block_hashes
+        # vLLM's tiers queue KV events only when KV events are on (as the pool does): with them
+        # off nobody takes the queue, and it would grow with every store for ever.
+        self.collect_kv_events = kv_cache_manager.block_pool.enable_kv_cache_events
         if self.events is not None:
             self.events.record("offload_tiers_created", tiers=[{"medium": t.medium, "num_blocks": t.num_blocks} for t in self.manager.tiers])
 
@@ -107,8 +111,9 @@ class OffloadingConnectorScheduler:
             if ev.removed:
                 if self.events is not None:
                     self.events.record("offload_evicted", medium=ev.medium, block_hashes=hashes, chunk_ids=list(ev.slots), reason=ev.reason)
-                self._kv_events.append(BlockRemoved(block_hashes=[self._ext(h) for h in hashes], medium=ev.medium))
-            else:
+                if self.collect_kv_events:
+                    self._kv_events.append(BlockRemoved(block_hashes=[self._ext(h) for h in hashes], medium=ev.medium))
+            elif self.collect_kv_events:
                 self._kv_events.append(BlockStored(block_hashes=[self._ext(h) for h in hashes], parent_block_hash=None,
                                                    token_ids=[], block_size=self.block_size, lora_id=None,
                                                    medium=ev.medium, lora_name=None))
