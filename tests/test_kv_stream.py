@@ -128,8 +128,10 @@ def test_append_is_all_or_nothing():
     before = (len(s), list(s.series.seq))
     with pytest.raises(ValueError, match="does not follow"):
         s.append(5, KVEventBatch(ts=0.0, events=[]))
-    with pytest.raises(TypeError, match="seq must be an int"):
+    with pytest.raises(ValueError, match="seq=-1 is out of range; seq must be an int >= 0"):
         s.append(-1, KVEventBatch(ts=0.0, events=[]))
+    with pytest.raises(TypeError, match="seq must be an int"):
+        s.append("9", KVEventBatch(ts=0.0, events=[]))
     with pytest.raises(TypeError, match=r"events\[0\] is a str"):
         s.append(9, KVEventBatch(ts=0.0, events=["x"]))  # type: ignore[list-item]
     with pytest.raises(TypeError, match="KVEventBatch or its msgpack payload"):

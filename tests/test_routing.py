@@ -178,8 +178,10 @@ def test_a_dead_server_is_reported_not_waited_for():
         srv.stop(timeout_s=2)
     with pytest.raises(ValueError, match="unknown keys"):
         KVServer.start(engine=dict(num_blok=3))
-    with pytest.raises(ServerDied, match="before it was ready"):
+    with pytest.raises(ValueError, match=r"engine\['num_blocks'\]=0 is out of range"):  # refused before a process starts
         KVServer.start(name="bad", engine=dict(num_blocks=0), kv_events_config=dict(enable_kv_cache_events=True, endpoint="tcp://127.0.0.1:1"))
+    with pytest.raises(ServerDied, match="before it was ready"):  # the process itself cannot bind its socket
+        KVServer.start(name="bad", kv_events_config=dict(enable_kv_cache_events=True, endpoint="ipc:///nonexistent-kvlab-dir/kv.sock"))
 
 
 # --- the fleet -----------------------------------------------------------------------------------------

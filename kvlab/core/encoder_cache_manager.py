@@ -23,7 +23,18 @@ from collections import OrderedDict
 
 from kvlab.request import Request
 from kvlab.timeline.events import EncoderCacheCreated, EncoderCacheEvicted, EncoderInputFreed, EncoderInputScheduled, EventLog
-from kvlab.utils.checks import check_int
+from kvlab.utils.checks import check_int, check_optional_int
+
+
+def _check_item(request: object, input_id: object) -> int:
+    """``input_id`` as a plain int naming one of ``request``'s multimodal items, or raise
+    (checked before the cache changes)."""
+    if not isinstance(request, Request):
+        raise TypeError(f"request must be a kvlab.Request, got {type(request).__name__} {request!r:.60}")
+    n = len(request.mm_features or ())
+    if n == 0:
+        raise ValueError(f"request {request.request_id!r} has no multimodal items (mm_features is empty)")
+    return check_int("input_id", input_id, 0, n - 1, why=f" (request {request.request_id!r} has {n} items)")
 
 
 class EncoderCacheManager:
@@ -56,6 +67,7 @@ class EncoderCacheManager:
     def check_and_update_cache(self, request: Request, input_id: int) -> bool:
         """Is item ``input_id`` of ``request`` cached? If so, the request now references it
         (an unreferenced entry leaves ``freeable``) and the encoder need not run."""
+        input_id = _check_item(request, input_id)
         mm_hash = request.mm_features[input_id].identifier
         if mm_hash not in self.cached:
             return False
@@ -72,6 +84,9 @@ class EncoderCacheManager:
         """Is there compute budget and room for item ``input_id`` (beyond the
         ``num_embeds_to_schedule`` already promised this step)? Room may come from evicting
         unreferenced entries, oldest first -- that eviction happens here, as in vLLM."""
+        input_id = _check_item(request, input_id)
+        encoder_compute_budget = check_int("encoder_compute_budget", encoder_compute_budget, 0)
+        num_embeds_to_schedule = check_int("num_embeds_to_schedule", num_embeds_to_schedule, 0)
         num_embeds = request.mm_features[input_id].length
         if num_embeds > encoder_compute_budget:
             return False
@@ -95,14 +110,19 @@ class EncoderCacheManager:
     def allocate(self, request: Request, input_id: int) -> None:
         """Reserve room for item ``input_id``'s embeddings (``can_allocate`` said yes); the
         worker computes them this step."""
+        input_id = _check_item(request, input_id)
         feature = request.mm_features[input_id]
         mm_hash, n = feature.identifier, feature.length
-        if mm_hash not in self.cached:
-            self.cached[mm_hash] = set()
-        cached_n = self.num_embeds_by_hash.setdefault(mm_hash, n)
+        # Checked first, changed after: a refused allocate leaves the cache as it was.
+        cached_n = self.num_embeds_by_hash.get(mm_hash, n)
         if cached_n != n:
             raise ValueError(f"item {mm_hash!r} has {n} embeddings in request {request.request_id!r} but {cached_n} in the cache")
-        assert self.num_free_slots >= n and self.num_freeable_slots >= n, "allocate() without a successful can_allocate()"
+        if self.num_free_slots < n or self.num_freeable_slots < n:
+            raise ValueError(f"allocate: item {input_id} of request {request.request_id!r} needs {n} embeddings but only "
+                             f"{self.num_free_slots} slots are free; ask can_allocate() first (it evicts to make room)")
+        if mm_hash not in self.cached:
+            self.cached[mm_hash] = set()
+        self.num_embeds_by_hash.setdefault(mm_hash, n)
         self.cached[mm_hash].add(request.request_id)
         self._add_cached_input_id(request.request_id, input_id, mm_hash)
         self.num_free_slots -= n
@@ -121,11 +141,14 @@ class EncoderCacheManager:
         return True
 
     def get_cached_input_ids(self, request: Request) -> set[int]:
+        if not isinstance(request, Request):
+            raise TypeError(f"request must be a kvlab.Request, got {type(request).__name__} {request!r:.60}")
         return self.request_cached_ids.get(request.request_id, set())
 
     def free_encoder_input(self, request: Request, input_id: int) -> None:
         """The request no longer needs item ``input_id`` (its computed tokens passed it).
         The last reference makes the entry freeable; its data stays until space is needed."""
+        input_id = _check_item(request, input_id)
         rid = request.request_id
         mm_hash = request.mm_features[input_id].identifier
         ids = self.request_cached_ids.get(rid)
@@ -152,6 +175,8 @@ class EncoderCacheManager:
 
     def free(self, request: Request) -> None:
         """Drop every reference ``request`` holds (it finished or was preempted)."""
+        if not isinstance(request, Request):
+            raise TypeError(f"request must be a kvlab.Request, got {type(request).__name__} {request!r:.60}")
         for input_id in sorted(self.get_cached_input_ids(request)):
             self.free_encoder_input(request, input_id)
 
@@ -175,6 +200,10 @@ def compute_encoder_budget(max_num_batched_tokens: int, max_num_encoder_input_to
                            encoder_cache_size: int | None, max_tokens_per_item: int = 0) -> tuple[int, int]:
     """(compute budget per step, cache size), both in embeddings: vLLM defaults both to
     ``max_num_batched_tokens`` and raises them to the largest item, so any single item fits."""
+    max_num_batched_tokens = check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
+    max_num_encoder_input_tokens = check_optional_int("max_num_encoder_input_tokens", max_num_encoder_input_tokens, 0)
+    encoder_cache_size = check_optional_int("encoder_cache_size", encoder_cache_size, 0)
+    max_tokens_per_item = check_int("max_tokens_per_item", max_tokens_per_item, 0)
     budget = max_num_batched_tokens if max_num_encoder_input_tokens is None else max_num_encoder_input_tokens
     size = max_num_batched_tokens if encoder_cache_size is None else encoder_cache_size
     return max(budget, max_tokens_per_item), max(size, max_tokens_per_item)

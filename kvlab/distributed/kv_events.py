@@ -45,6 +45,7 @@ disk). ``kvlab.kv_events`` re-exports all four modules (lesson 10).
 """
 from __future__ import annotations
 
+import re
 from collections import Counter
 from collections.abc import Iterable
 from typing import Any
@@ -175,11 +176,40 @@ def _to_array_event(ev: KVCacheEvent) -> _ArrayEvent:
 def _check_batch(batch: Any) -> None:
     if not isinstance(batch, EventBatch):
         raise TypeError(f"batch must be a KVEventBatch, got {type(batch).__name__}")
+    if isinstance(batch.ts, bool) or not isinstance(batch.ts, (int, float)):
+        raise TypeError(f"batch.ts must be a number (the step's unix time), got {type(batch.ts).__name__} {batch.ts!r}")
+    if not isinstance(batch.events, list):
+        raise TypeError(f"batch.events must be a list of BlockStored, BlockRemoved or AllBlocksCleared, got {type(batch.events).__name__}")
     for i, ev in enumerate(batch.events):
         if type(ev) not in _ARRAY_OF:
             raise TypeError(
                 f"batch.events[{i}] is a {type(ev).__name__}; expected BlockStored, BlockRemoved or AllBlocksCleared"
             )
+
+
+_PATH = re.compile(r"`\$\[(\d)\](?:\[(\d+)\])?")
+_TOP = ("batch.ts", "batch.events", "batch.data_parallel_rank")
+
+
+def validate_batch(batch: Any, *, array_like: bool = False) -> None:
+    """Refuse, before anything changes, a batch whose events a subscriber could not read.
+
+    A ``KVEventBatch`` built in Python is not type-checked by msgspec (a struct takes any
+    value), so a ``block_hashes=None`` would be sent, and fail on the other side -- or fail
+    half-way through a consumer's update. The check is the subscriber's own: encode, then
+    decode with the wire schema. TypeError/ValueError name the field (``batch.events[1]...``).
+    """
+    _check_batch(batch)
+    try:
+        payload = encode_batch(batch, array_like=array_like)
+    except (TypeError, OverflowError) as e:
+        raise ValueError(f"batch cannot be encoded: {e}") from None
+    try:
+        (_array_decoder if array_like else _decoder).decode(payload)
+    except msgspec.ValidationError as e:
+        msg = _PATH.sub(lambda m: "`" + (_TOP[int(m.group(1))] if m.group(1) in "012" else "batch")
+                        + (f"[{m.group(2)}]" if m.group(2) is not None else ""), str(e))
+        raise ValueError(f"batch is not a valid KV event batch: {msg}") from None
 
 
 def encode_batch(batch: KVEventBatch, *, array_like: bool = False) -> bytes:
@@ -189,6 +219,8 @@ def encode_batch(batch: KVEventBatch, *, array_like: bool = False) -> bytes:
     arrays); the batch itself is an array either way.
     """
     _check_batch(batch)
+    if not isinstance(array_like, bool):
+        raise TypeError(f"array_like must be True or False, got {array_like!r}")
     if not array_like:
         return _encoder.encode(batch)
     return _encoder.encode(
@@ -208,6 +240,8 @@ def decode_batch(payload: bytes | bytearray | memoryview) -> KVEventBatch:
         return _decoder.decode(payload)
     except msgspec.ValidationError:
         pass
+    except msgspec.DecodeError as e:
+        raise ValueError(f"payload is not a KV event batch: it is not valid msgpack ({e})") from None
     try:
         old = _array_decoder.decode(payload)
     except msgspec.ValidationError as e:
@@ -235,12 +269,21 @@ class CacheIndex:
 
     def apply(self, batch: KVEventBatch | bytes | Iterable[KVCacheEvent]) -> "CacheIndex":
         """Fold one batch (or a payload, or a list of events) into the index."""
+        # All or nothing: the whole batch is checked before the index changes.
         if isinstance(batch, (bytes, bytearray, memoryview)):
-            batch = decode_batch(batch)
-        events = batch.events if isinstance(batch, EventBatch) else list(batch)
-        for i, ev in enumerate(events):
-            if type(ev) not in _ARRAY_OF:
-                raise TypeError(f"events[{i}] is a {type(ev).__name__}; expected BlockStored, BlockRemoved or AllBlocksCleared")
+            batch = decode_batch(batch)  # the wire schema checked every field
+        elif isinstance(batch, EventBatch):
+            validate_batch(batch)
+        elif isinstance(batch, Iterable) and not isinstance(batch, (str, dict)):
+            events = list(batch)
+            for i, ev in enumerate(events):
+                if type(ev) not in _ARRAY_OF:
+                    raise TypeError(f"events[{i}] is a {type(ev).__name__}; expected BlockStored, BlockRemoved or AllBlocksCleared")
+            validate_batch(KVEventBatch(ts=0.0, events=events))
+            batch = KVEventBatch(ts=0.0, events=events)
+        else:
+            raise TypeError(f"batch must be a KVEventBatch, its msgpack payload or a list of events, got {type(batch).__name__}")
+        events = batch.events
         copies = self._copies
         for ev in events:
             self.num_events += 1
@@ -289,4 +332,5 @@ __all__ = [
     "KVEventBatch",
     "decode_batch",
     "encode_batch",
+    "validate_batch",
 ]

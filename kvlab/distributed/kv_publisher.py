@@ -50,7 +50,7 @@ from typing import Any
 
 import zmq
 
-from kvlab.distributed.kv_events import EventBatch, _check_batch, encode_batch
+from kvlab.distributed.kv_events import EventBatch, encode_batch, validate_batch
 from kvlab.utils.checks import check_int, check_number
 
 logger = logging.getLogger("kvlab.kv_events")
@@ -63,6 +63,14 @@ def is_bind_endpoint(endpoint: str) -> bool:
     """vLLM's rule: bind wildcard (``*``, ``::``) and ``ipc://`` / ``inproc://`` endpoints,
     connect to every other one."""
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+def _check_endpoint(name: str, endpoint: object, example: str, optional: bool = False) -> None:
+    what = f"{name} must be {'None or ' if optional else ''}a ZeroMQ address like {example!r}"
+    if not isinstance(endpoint, str):
+        raise TypeError(f"{what}, got {type(endpoint).__name__} {endpoint!r}")
+    if "://" not in endpoint:
+        raise ValueError(f"{what}, got {endpoint!r}")
 
 
 def offset_endpoint_port(endpoint: str | None, data_parallel_rank: int) -> str | None:
@@ -112,6 +120,19 @@ class KVEventsConfig:
     topic: str = ""
 
     def __post_init__(self) -> None:
+        # Checked here, not when a server starts from it: a bad field is named at once.
+        if not isinstance(self.enable_kv_cache_events, bool):
+            raise TypeError(f"enable_kv_cache_events must be True or False, got {self.enable_kv_cache_events!r}")
+        if self.publisher not in (None, "null", "zmq"):
+            raise ValueError(f"publisher must be None, 'null' or 'zmq', got {self.publisher!r}")
+        _check_endpoint("endpoint", self.endpoint, "tcp://*:5557")
+        if self.replay_endpoint is not None:
+            _check_endpoint("replay_endpoint", self.replay_endpoint, "tcp://*:5558", optional=True)
+        self.buffer_steps = check_int("buffer_steps", self.buffer_steps, 1)
+        self.hwm = check_int("hwm", self.hwm, 0, why=" (0 = no limit)")
+        self.max_queue_size = check_int("max_queue_size", self.max_queue_size, 1)
+        if not isinstance(self.topic, str):
+            raise TypeError(f"topic must be a str, got {type(self.topic).__name__}")
         if self.publisher is None:
             self.publisher = "zmq" if self.enable_kv_cache_events else "null"
 
@@ -183,12 +204,14 @@ class ZmqEventPublisher(EventPublisher):
         buffer_steps = check_int("buffer_steps", buffer_steps, 1)
         hwm = check_int("hwm", hwm, 0, why=" (0 = no limit)")
         max_queue_size = check_int("max_queue_size", max_queue_size, 1)
-        if not isinstance(endpoint, str) or "://" not in endpoint:
-            raise ValueError(f"endpoint must be a ZeroMQ address like 'tcp://*:5557', got {endpoint!r}")
-        if replay_endpoint is not None and (not isinstance(replay_endpoint, str) or "://" not in replay_endpoint):
-            raise ValueError(f"replay_endpoint must be None or a ZeroMQ address like 'tcp://*:5558', got {replay_endpoint!r}")
+        _check_endpoint("endpoint", endpoint, "tcp://*:5557")
+        if replay_endpoint is not None:
+            _check_endpoint("replay_endpoint", replay_endpoint, "tcp://*:5558", optional=True)
         if not isinstance(topic, str):
             raise TypeError(f"topic must be a str, got {type(topic).__name__}")
+        for name, flag in (("array_like", array_like), ("replay_topic_frame", replay_topic_frame)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be True or False, got {flag!r}")
         super().__init__(data_parallel_rank)
         self._event_queue: queue.Queue[EventBatch | None] = queue.Queue(maxsize=max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
@@ -223,7 +246,9 @@ class ZmqEventPublisher(EventPublisher):
         """Queue one batch (blocks while ``max_queue_size`` batches wait, as vLLM's does)."""
         if not self._running:
             raise RuntimeError("Publisher is closed")
-        _check_batch(events)
+        # Every field, and the encoding this publisher uses, is checked here, in the caller's
+        # thread: a batch the thread could not send would cost a seq -- a gap no replay fills.
+        validate_batch(events, array_like=self._array_like)
         if events.data_parallel_rank is None:
             events.data_parallel_rank = self._data_parallel_rank
         self._event_queue.put(events)

@@ -29,6 +29,7 @@ from typing import Any, BinaryIO
 import msgspec
 
 from kvlab.distributed.kv_events import KVEventBatch, decode_batch
+from kvlab.utils.checks import check_int, check_number
 
 MAGIC = b"KVEVREC1"
 FORMAT = "kvlab.kv_events.recording"
@@ -117,8 +118,13 @@ class Recorder:
             raise ValueError(f"the recorder of {self.path!r} is closed")
         if not isinstance(payload, (bytes, bytearray, memoryview)):
             raise TypeError(f"payload must be bytes, got {type(payload).__name__}")
+        seq = check_int("seq", seq, 0)
+        if not isinstance(topic, (str, bytes, bytearray, memoryview)):
+            raise TypeError(f"topic must be a str or bytes, got {type(topic).__name__}")
+        if received_at is not None:
+            received_at = check_number("received_at", received_at)
         t = topic.encode() if isinstance(topic, str) else bytes(topic)
-        rec = RecordedBatch(int(seq), t, time.time() if received_at is None else float(received_at), bytes(payload))
+        rec = RecordedBatch(seq, t, time.time() if received_at is None else float(received_at), bytes(payload))
         self._frame(self._f, _enc.encode(rec))
         self._f.flush()
         self.num_records += 1
@@ -143,6 +149,10 @@ def read_recording(path: str | os.PathLike, *, strict: bool = True) -> Recording
     record raises ``ValueError`` naming the record; a file cut in the middle of its last
     record raises too unless ``strict=False`` (then the complete records are returned and
     ``truncated`` is True). Payloads are decoded lazily (``RecordedBatch.batch``)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a file path, got {type(path).__name__} {path!r}")
+    if not isinstance(strict, bool):
+        raise TypeError(f"strict must be True or False, got {strict!r}")
     p = Path(path)
     data = p.read_bytes()
     if not data.startswith(MAGIC):

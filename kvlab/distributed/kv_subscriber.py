@@ -43,7 +43,7 @@ import msgspec
 import zmq
 
 from kvlab.distributed.kv_events import KVEventBatch, decode_batch
-from kvlab.distributed.kv_publisher import END_SEQ, _bind
+from kvlab.distributed.kv_publisher import END_SEQ, _bind, _check_endpoint
 from kvlab.distributed.kv_recording import Recorder
 from kvlab.utils.checks import check_int, check_number, check_optional_int
 
@@ -89,14 +89,19 @@ class Subscriber:
         replay_timeout_s: float = 2.0,
         record_to: str | os.PathLike | Recorder | None = None,
     ) -> None:
-        if not isinstance(endpoint, str) or "://" not in endpoint:
-            raise ValueError(f"endpoint must be a ZeroMQ address like 'tcp://127.0.0.1:5557', got {endpoint!r}")
+        # Every argument is checked before a socket opens (or a recording file is created).
+        _check_endpoint("endpoint", endpoint, "tcp://127.0.0.1:5557")
+        for name, flag in (("bind", bind), ("catch_up", catch_up)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be True or False, got {flag!r}")
         if "*" in endpoint and not bind:
             raise ValueError(f"endpoint={endpoint!r}: a subscriber cannot connect to '*'; connect to the server's host (tcp://127.0.0.1:5557) or pass bind=True")
-        if replay_endpoint is not None and (not isinstance(replay_endpoint, str) or "://" not in replay_endpoint):
-            raise ValueError(f"replay_endpoint must be None or a ZeroMQ address like 'tcp://127.0.0.1:5558', got {replay_endpoint!r}")
+        if replay_endpoint is not None:
+            _check_endpoint("replay_endpoint", replay_endpoint, "tcp://127.0.0.1:5558", optional=True)
         if not isinstance(topic, str):
             raise TypeError(f"topic must be a str, got {type(topic).__name__}")
+        if record_to is not None and not isinstance(record_to, (str, os.PathLike, Recorder)):
+            raise TypeError(f"record_to must be None, a file path or a Recorder, got {type(record_to).__name__}")
         hwm = check_int("hwm", hwm, 0, why=" (0 = no limit)")
         self.replay_timeout_s = check_number("replay_timeout_s", replay_timeout_s, 0, strict=True)
         self.topic = topic

@@ -29,6 +29,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvlab.utils.checks import check_int, check_number
+
 ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 
 
@@ -92,6 +94,15 @@ def _last_table(eng: Any, rid: str) -> list[int]:
 
 
 # -- the proxy ---------------------------------------------------------------------------------------
+def _check_prompt(name: str, prompt: Any) -> list[int]:
+    if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__iter__"):
+        raise TypeError(f"{name} must be a list of token ids, got {type(prompt).__name__} {prompt!r:.60}")
+    toks = [check_int(f"{name}[{j}]", t, 0, 2**32 - 1) for j, t in enumerate(prompt)]
+    if not toks:
+        raise ValueError(f"{name} must not be empty")
+    return toks
+
+
 class EngineProcessError(RuntimeError):
     """An engine process died, answered with an error, or did not answer in time."""
 
@@ -123,14 +134,20 @@ class DisaggregatedPrefill:
 
     def __init__(self, storage_dir: str, *, num_blocks: int = 32, block_size: int = 16, model_seed: int = 0,
                  timeout_s: float = 60.0) -> None:
-        if not isinstance(storage_dir, (str, os.PathLike)):
+        # Checked here, in the proxy: a bad setting is named before any process starts
+        # (a child given "--num-blocks x" would only die with an argparse message).
+        if not isinstance(storage_dir, (str, os.PathLike)) or not os.fspath(storage_dir):
             raise TypeError(f"storage_dir must be a directory path, got {storage_dir!r}")
-        if not (isinstance(timeout_s, (int, float)) and 0 < timeout_s <= 600):
-            raise ValueError(f"timeout_s must be in (0, 600] seconds, got {timeout_s!r}")
+        num_blocks = check_int("num_blocks", num_blocks, 2)
+        block_size = check_int("block_size", block_size, 1)
+        model_seed = check_int("model_seed", model_seed, 0)
+        timeout_s = check_number("timeout_s", timeout_s, 0, strict=True)
+        if timeout_s > 600:
+            raise ValueError(f"timeout_s={timeout_s!r} is out of range; timeout_s must be in (0, 600] seconds")
         self.storage_dir = os.fspath(storage_dir)
         self.kv_dir = os.path.join(self.storage_dir, "kv")
         self.num_blocks, self.block_size, self.model_seed = num_blocks, block_size, model_seed
-        self.timeout_s = float(timeout_s)
+        self.timeout_s = timeout_s
         self.children: dict[str, _Child] = {}
         self.replies: list[dict[str, Any]] = []
         self.log_paths = {r: os.path.join(self.storage_dir, f"{r}_log.json") for r in ROLES}
@@ -200,6 +217,11 @@ class DisaggregatedPrefill:
     def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[list[int]]:
         """Each prompt: prefill engine (``max_tokens=1``: compute the prompt, save its KV),
         then decode engine (load the KV, generate). Returns the decode engine's outputs."""
+        # Every prompt is checked before the first is sent: a bad one sends none.
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+            raise TypeError(f"prompts must be a list of prompts (lists of token ids), got {type(prompts).__name__}")
+        prompts = [_check_prompt(f"prompts[{i}]", p) for i, p in enumerate(prompts)]
+        max_tokens = check_int("max_tokens", max_tokens, 1)
         if not self.children:
             raise RuntimeError("start() the engines first (or use the object as a context manager)")
         outputs = []

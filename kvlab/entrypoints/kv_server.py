@@ -48,6 +48,8 @@ from kvlab.engine.cost_model import CostModel
 from kvlab.engine.llm_engine import LLMEngine, build_engine
 from kvlab.executor.scripted import ScriptedExecutor
 from kvlab.request import Request
+from kvlab.utils.checks import check_int, check_number
+from kvlab.utils.hashing import HASH_ALGOS
 
 READY = "KVLAB-SERVER-READY "
 ENGINE_DEFAULTS: dict[str, Any] = dict(
@@ -72,11 +74,34 @@ class ServerDied(RuntimeError):
 
 
 def _engine_config(raw: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The engine settings, every value checked (and numpy numbers made plain, so they go
+    into JSON): a bad one is refused here, in the parent, before any process starts."""
+    if raw is not None and not isinstance(raw, Mapping):
+        raise TypeError(f"engine must be None or a dict of engine settings, got {type(raw).__name__}")
     cfg = dict(ENGINE_DEFAULTS)
     unknown = set(raw or {}) - set(cfg)
     if unknown:
         raise ValueError(f"engine config has unknown keys {sorted(unknown)}; allowed: {sorted(cfg)}")
     cfg.update(raw or {})
+    cfg["num_blocks"] = check_int("engine['num_blocks']", cfg["num_blocks"], 2)
+    cfg["block_size"] = check_int("engine['block_size']", cfg["block_size"], 1)
+    cfg["max_num_batched_tokens"] = check_int("engine['max_num_batched_tokens']", cfg["max_num_batched_tokens"], 1)
+    cfg["max_num_seqs"] = check_int("engine['max_num_seqs']", cfg["max_num_seqs"], 1)
+    if cfg["hash_algo"] not in HASH_ALGOS:
+        raise ValueError(f"engine['hash_algo'] must be one of {', '.join(HASH_ALGOS)}, got {cfg['hash_algo']!r}")
+    if not isinstance(cfg["autostep"], bool):
+        raise TypeError(f"engine['autostep'] must be True or False, got {cfg['autostep']!r}")
+    cfg["step_delay_s"] = check_number("engine['step_delay_s']", cfg["step_delay_s"], 0)
+    cost = cfg["cost_model"]
+    if cost is not None:
+        if not isinstance(cost, Mapping):
+            raise TypeError(f"engine['cost_model'] must be None or a dict of CostModel fields, got {type(cost).__name__}")
+        try:
+            CostModel(**cost)
+        except TypeError as e:
+            raise TypeError(f"engine['cost_model']: {e}") from None
+        except ValueError as e:
+            raise ValueError(f"engine['cost_model']: {e}") from None
     return cfg
 
 
@@ -289,7 +314,7 @@ class KVServer:
         _engine_config(engine)  # unknown keys raise here, before a process starts
         fd, err_path = tempfile.mkstemp(prefix=f"kvlab-{name}-", suffix=".stderr")
         cmd = [sys.executable, "-m", "kvlab.entrypoints.kv_server", "--name", name, "--kv-events-config", events_json,
-               "--engine-config", json.dumps(dict(engine or {}))]
+               "--engine-config", json.dumps({k: v for k, v in _engine_config(engine).items() if k in (engine or {})})]
         with os.fdopen(fd, "wb") as err:
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL,
                                     env=dict(os.environ if env is None else env))

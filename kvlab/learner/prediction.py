@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvlab.learner.store import store
+from kvlab.utils.checks import check_number
 
 KINDS = ("number", "choice", "text")
 ASKED: list[Prediction] = []  # this kernel's prompts, newest last (tests read their results)
@@ -100,7 +101,9 @@ class Prediction:
 
     def __init__(self, question: str, kind: str = "text", choices: Sequence[str] | None = None, *,
                  tol: float = 0.0, rel_tol: float = 0.0, id: str | None = None, show: bool | None = None) -> None:
-        if not isinstance(question, str) or not question.strip():
+        if not isinstance(question, str):
+            raise TypeError(f"question must be a non-empty str, got {type(question).__name__} {question!r}")
+        if not question.strip():
             raise ValueError(f"question must be a non-empty str, got {question!r}")
         if choices is not None and kind == "text":
             kind = "choice"
@@ -114,13 +117,14 @@ class Prediction:
                 raise ValueError(f"choices must be distinct, got {choices}")
         elif choices is not None:
             raise ValueError(f"choices are only for kind='choice', not kind={kind!r}")
-        for name, v in (("tol", tol), ("rel_tol", rel_tol)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0 or not math.isfinite(v):
-                raise ValueError(f"{name} must be a number >= 0, got {v!r}")
+        tol = check_number("tol", tol, 0)  # numpy numbers too; TypeError for a str, ValueError below 0
+        rel_tol = check_number("rel_tol", rel_tol, 0)
         if (tol or rel_tol) and kind != "number":
             raise ValueError("tol and rel_tol are for kind='number'")
-        if id is not None and (not isinstance(id, str) or not id):
-            raise ValueError(f"id must be a non-empty str, got {id!r}")
+        if id is not None and not isinstance(id, str):
+            raise TypeError(f"id must be None or a non-empty str, got {type(id).__name__} {id!r}")
+        if id == "":
+            raise ValueError(f"id must be None or a non-empty str, got {id!r}")
         self.question = question.strip()
         self.answer_kind = kind
         self.choices = list(choices) if choices else None

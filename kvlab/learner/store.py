@@ -48,7 +48,9 @@ class Store:
     """One progress file. Reads are fresh each time (another kernel may have written)."""
 
     def __init__(self, path: Path | str) -> None:
-        if not isinstance(path, (str, Path)) or not str(path).strip():
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"path must be a file path, got {type(path).__name__} {path!r}")
+        if not str(path).strip():
             raise ValueError(f"path must be a file path, got {path!r}")
         self.path = Path(path)
 
@@ -66,7 +68,7 @@ class Store:
             data = json.loads(text)
             _validate(data)
         except (json.JSONDecodeError, ValueError) as e:
-            bad = self.path.with_name(f"{self.path.name}.bad-{time.strftime('%Y%m%d-%H%M%S')}")
+            bad = _aside(self.path)
             with contextlib.suppress(OSError):
                 self.path.replace(bad)
             warnings.warn(f"kvlab's progress file {self.path} was not valid ({e}); it was moved to {bad} and a new one started", stacklevel=2)
@@ -83,7 +85,9 @@ class Store:
 
     # -- writing ------------------------------------------------------------------------------
     def record_pass(self, exercise_id: str) -> None:
-        if not isinstance(exercise_id, str) or not exercise_id:
+        if not isinstance(exercise_id, str):
+            raise TypeError(f"exercise_id must be a non-empty str, got {type(exercise_id).__name__} {exercise_id!r}")
+        if not exercise_id:
             raise ValueError(f"exercise_id must be a non-empty str, got {exercise_id!r}")
         with self._update() as data:
             if data is None:
@@ -94,7 +98,9 @@ class Store:
 
     def record_prediction(self, entry: dict[str, Any]) -> None:
         """Add one prediction, or update the one with the same ``entry["uid"]``."""
-        if not isinstance(entry, dict) or not isinstance(entry.get("uid"), str):
+        if not isinstance(entry, dict):
+            raise TypeError(f"entry must be a dict with a str 'uid', got {type(entry).__name__}")
+        if not isinstance(entry.get("uid"), str):
             raise ValueError("entry must be a dict with a str 'uid'")
         with self._update() as data:
             if data is None:
@@ -144,13 +150,36 @@ def _lock(f: Any) -> None:
     fcntl.flock(f.fileno(), fcntl.LOCK_EX)  # released when the file is closed
 
 
+def _aside(path: Path) -> Path:
+    """A free name beside ``path`` for a file that is not valid progress: two bad files in
+    the same second must not overwrite each other (the learner's data is never lost)."""
+    stem = f"{path.name}.bad-{time.strftime('%Y%m%d-%H%M%S')}"
+    bad, n = path.with_name(stem), 1
+    while bad.exists():
+        n += 1
+        bad = path.with_name(f"{stem}-{n}")
+    return bad
+
+
 def _validate(data: Any) -> None:
+    """The whole record, every entry: a file that would make a later read or write fail
+    half-way (``"count": "x"``, a prediction that is not an object) is refused here, so it
+    is moved aside whole instead of breaking the learner's next check."""
     if not isinstance(data, dict):
         raise ValueError(f"expected a JSON object, found {type(data).__name__}")
     if data.get("version") != VERSION:
         raise ValueError(f"version {data.get('version')!r} is not {VERSION}")
     if not isinstance(data.get("passed"), dict) or not isinstance(data.get("predictions"), list):
         raise ValueError("'passed' must be an object and 'predictions' a list")
+    for eid, entry in data["passed"].items():
+        if not isinstance(entry, dict):
+            raise ValueError(f"passed[{eid!r}] must be an object, found {type(entry).__name__}")
+        count = entry.get("count", 0)
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"passed[{eid!r}].count must be an int >= 0, found {count!r}")
+    for i, p in enumerate(data["predictions"]):
+        if not isinstance(p, dict) or not isinstance(p.get("uid"), str):
+            raise ValueError(f"predictions[{i}] must be an object with a str 'uid'")
 
 
 def store() -> Store:

@@ -26,7 +26,7 @@ from typing import Any
 
 from kvlab.distributed.kv_events import CacheIndex
 from kvlab.distributed.kv_subscriber import Gap, Subscriber
-from kvlab.entrypoints.kv_server import KVServer
+from kvlab.entrypoints.kv_server import KVServer, _engine_config
 from kvlab.routing.policies import ReplicaState, RoutingPolicy, make_policy, prompt_block_hashes
 from kvlab.timeline.kv_stream import KVStream
 from kvlab.utils.checks import check_int, check_number
@@ -151,10 +151,18 @@ class Fleet:
         keep_streams: bool = False,
         env: Mapping[str, str] | None = None,
     ) -> None:
+        # Everything is checked before a socket opens or a process starts.
         self.num_replicas = check_int("num_replicas", num_replicas, 1, 16)
         self.sync_timeout_s = check_number("sync_timeout_s", sync_timeout_s, 0, strict=True)
-        self.keep_streams = bool(keep_streams)
-        self.engine = dict(engine or {})
+        buffer_steps = check_int("buffer_steps", buffer_steps, 1)
+        start_timeout_s = check_number("start_timeout_s", start_timeout_s, 0, strict=True)
+        if not isinstance(keep_streams, bool):
+            raise TypeError(f"keep_streams must be True or False, got {keep_streams!r}")
+        if env is not None and (not isinstance(env, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
+            raise TypeError(f"env must be None or a dict of str to str (the replicas' environment), got {type(env).__name__}")
+        self.keep_streams = keep_streams
+        full = _engine_config(engine)  # TypeError/ValueError naming engine['key']
+        self.engine = {k: full[k] for k in (engine or {})}  # plain values (numpy ints made int)
         self.block_size: int = int(self.engine.get("block_size", 16))
         self.hash_algo: str = str(self.engine.get("hash_algo", "sha256_cbor"))
         self.names = [f"replica-{i}" for i in range(self.num_replicas)]

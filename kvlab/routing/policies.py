@@ -27,7 +27,7 @@ from typing import Any, Protocol
 from kvlab.core.kv_cache_utils import get_request_block_hasher, maybe_convert_block_hash
 from kvlab.distributed.kv_events import MEDIUM_GPU, CacheIndex
 from kvlab.request import Request
-from kvlab.utils.checks import check_int, check_number
+from kvlab.utils.checks import check_int, check_number, check_optional_int
 from kvlab.utils.hashing import get_hash_fn_by_name
 
 
@@ -47,6 +47,8 @@ def prompt_block_hashes(
     form (low 64 bits of the digest); False the 32-byte digests.
     """
     block_size = check_int("block_size", block_size, 1)
+    if not isinstance(use_int, bool):
+        raise TypeError(f"use_int must be True or False, got {use_int!r}")
     hasher = get_request_block_hasher(block_size, get_hash_fn_by_name(hash_algo))
     req = Request("router-probe", list(token_ids), cache_salt=cache_salt, lora_name=lora_name, block_hasher=hasher)
     return [maybe_convert_block_hash(h, use_int) for h in req.block_hashes]
@@ -75,6 +77,21 @@ class ReplicaState:
         return n
 
 
+def check_choice_args(block_hashes: Any, replicas: Any) -> None:
+    """What every ``choose`` needs, checked before a policy changes anything (RoundRobin's
+    turn, KVAware's ``last_scores``): a non-empty list of :class:`ReplicaState` and a list
+    of block hashes."""
+    if isinstance(replicas, (str, bytes)) or not isinstance(replicas, Sequence):
+        raise TypeError(f"replicas must be a list of ReplicaState, got {type(replicas).__name__}")
+    if not replicas:
+        raise ValueError("replicas must not be empty: a router needs at least one replica to choose from")
+    for i, r in enumerate(replicas):
+        if not isinstance(r, ReplicaState):
+            raise TypeError(f"replicas[{i}] must be a ReplicaState, got {type(r).__name__} {r!r}")
+    if isinstance(block_hashes, (str, bytes)) or not isinstance(block_hashes, Sequence):
+        raise TypeError(f"block_hashes must be a list of block hashes (prompt_block_hashes(...)), got {type(block_hashes).__name__}")
+
+
 class RoutingPolicy(Protocol):
     name: str
 
@@ -90,6 +107,7 @@ class RoundRobin:
         self._next = 0
 
     def choose(self, request: Any, block_hashes: Sequence[Any], replicas: Sequence[ReplicaState]) -> int:
+        check_choice_args(block_hashes, replicas)
         i = self._next % len(replicas)
         self._next += 1
         return i
@@ -101,6 +119,7 @@ class LeastLoaded:
     name = "least_loaded"
 
     def choose(self, request: Any, block_hashes: Sequence[Any], replicas: Sequence[ReplicaState]) -> int:
+        check_choice_args(block_hashes, replicas)
         return min(range(len(replicas)), key=lambda i: (replicas[i].load, i))
 
 
@@ -117,12 +136,15 @@ class KVAware:
 
     def __init__(self, load_weight: float = 0.0, *, group_idx: int | None = 0, medium: str | None = MEDIUM_GPU) -> None:
         self.load_weight = check_number("load_weight", load_weight, 0)
-        self.group_idx = group_idx
+        self.group_idx = check_optional_int("group_idx", group_idx, 0)
+        if medium is not None and not isinstance(medium, str):
+            raise TypeError(f"medium must be None or a str ('GPU', 'CPU', 'STORAGE'), got {type(medium).__name__}")
         self.medium = medium
         self.name = "kv_aware" if not self.load_weight else f"kv_aware+load({self.load_weight:g})"
         self.last_scores: list[float] = []
 
     def choose(self, request: Any, block_hashes: Sequence[Any], replicas: Sequence[ReplicaState]) -> int:
+        check_choice_args(block_hashes, replicas)
         w = self.load_weight
         scores = [r.cached_prefix_blocks(block_hashes, self.group_idx, self.medium) - w * r.load for r in replicas]
         self.last_scores = scores
@@ -145,4 +167,4 @@ def make_policy(policy: str | RoutingPolicy) -> RoutingPolicy:
     return policy
 
 
-__all__ = ["KVAware", "LeastLoaded", "POLICIES", "ReplicaState", "RoundRobin", "RoutingPolicy", "make_policy", "prompt_block_hashes"]
+__all__ = ["KVAware", "check_choice_args", "LeastLoaded", "POLICIES", "ReplicaState", "RoundRobin", "RoutingPolicy", "make_policy", "prompt_block_hashes"]

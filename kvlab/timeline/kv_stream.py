@@ -19,6 +19,7 @@ Jumps to any batch are cheap: the state is copied every ``checkpoint_every`` bat
 """
 from __future__ import annotations
 
+import operator
 import os
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -33,7 +34,9 @@ from kvlab.distributed.kv_events import (
     KVEventBatch,
     decode_batch,
     encode_batch,
+    validate_batch,
 )
+from kvlab.utils.checks import check_int
 from kvlab.distributed.kv_recording import Recorder, Recording, read_recording
 
 NodeKey = tuple[str | None, int | None, ExternalBlockHash]
@@ -191,8 +194,9 @@ class KVStream:
 
     def __init__(self, batches: Iterable[tuple[int, KVEventBatch | bytes]] = (), *, name: str = "",
                  checkpoint_every: int = 64) -> None:
-        if not isinstance(checkpoint_every, int) or isinstance(checkpoint_every, bool) or checkpoint_every < 1:
-            raise ValueError(f"checkpoint_every must be an int >= 1, got {checkpoint_every!r}")
+        checkpoint_every = check_int("checkpoint_every", checkpoint_every, 1)
+        if not isinstance(name, str):
+            raise TypeError(f"name must be a str, got {type(name).__name__}")
         self.name = name
         self.checkpoint_every = checkpoint_every
         self._batches: list[KVEventBatch] = []
@@ -208,6 +212,10 @@ class KVStream:
     @classmethod
     def load(cls, source: str | os.PathLike | Recording, *, strict: bool = True, name: str | None = None) -> "KVStream":
         """A stream from a recording (a path or a ``Recording``); see ``read_recording``."""
+        if not isinstance(source, (str, os.PathLike, Recording)):
+            raise TypeError(f"source must be a recording's path or a Recording, got {type(source).__name__} {source!r}")
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"name must be None or a str, got {type(name).__name__}")
         rec = source if isinstance(source, Recording) else read_recording(source, strict=strict)
         stream = cls(name=name if name is not None else os.path.basename(rec.path))
         for r in rec.records:
@@ -216,8 +224,7 @@ class KVStream:
 
     def append(self, seq: int, batch: KVEventBatch | bytes | bytearray | memoryview) -> None:
         """Add the next batch (all-or-nothing: a bad seq or payload changes nothing)."""
-        if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:
-            raise TypeError(f"seq must be an int >= 0, got {seq!r}")
+        seq = check_int("seq", seq, 0)
         last = self.series.seq[-1] if self.series.seq else None
         if last is not None and seq <= last:
             hint = " (seq 0: the publisher restarted with an empty cache -- start a new KVStream)" if seq == 0 else ""
@@ -228,9 +235,8 @@ class KVStream:
             batch = decode_batch(payload)
         elif not isinstance(batch, EventBatch):
             raise TypeError(f"batch must be a KVEventBatch or its msgpack payload, got {type(batch).__name__}")
-        for i, ev in enumerate(batch.events):
-            if type(ev) not in (BlockStored, BlockRemoved, AllBlocksCleared):
-                raise TypeError(f"batch.events[{i}] is a {type(ev).__name__}; expected BlockStored, BlockRemoved or AllBlocksCleared")
+        else:
+            validate_batch(batch)  # every field, before the stream changes (a payload was checked by decoding)
         k = len(self._batches)
         if k and k % self.checkpoint_every == 0:
             self._checkpoints.append(dict(self._head))
@@ -287,8 +293,9 @@ class KVStream:
         n = len(self._batches)
         if index is None:
             index = n - 1
-        if isinstance(index, bool) or not isinstance(index, int):
+        if isinstance(index, bool) or not hasattr(index, "__index__"):
             raise TypeError(f"index must be an int, got {type(index).__name__}")
+        index = operator.index(index)
         if not -1 <= index < n:
             raise ValueError(f"index={index} is out of range; this stream has batches 0..{n - 1} (-1 = before the first)")
         if index == -1:

@@ -23,6 +23,23 @@ from kvlab.kv_offload.cpu.policies.lru import BlockStatus, LRUCachePolicy
 from kvlab.utils.checks import check_int
 
 
+def _check_key(name: str, key: object) -> None:
+    if not isinstance(key, bytes) or len(key) <= 4:
+        raise TypeError(f"{name} must be an offload key (bytes: a block hash + its 4-byte group, make_offload_key), "
+                        f"got {type(key).__name__} {key!r:.60}")
+
+
+def _check_keys(name: str, keys: object) -> list[OffloadKey]:
+    """``keys`` as a list, every one an offload key -- checked before a tier changes."""
+    if isinstance(keys, (bytes, bytearray, str)) or not isinstance(keys, Iterable):
+        raise TypeError(f"{name} must be a list of offload keys, got {type(keys).__name__} {keys!r:.60}"
+                        + (" (wrap a single key in a list)" if isinstance(keys, bytes) else ""))
+    keys = list(keys)
+    for i, k in enumerate(keys):
+        _check_key(f"{name}[{i}]", k)
+    return keys
+
+
 class LRUOffloadingManager(OffloadingManager):
     """A tier of ``num_blocks`` slots with an LRU: the CPU tier, and (with files behind its
     slots) the storage tier."""
@@ -49,6 +66,7 @@ class LRUOffloadingManager(OffloadingManager):
 
     # -- the OffloadingManager verbs --------------------------------------------------------------
     def lookup(self, key: OffloadKey) -> LookupResult:
+        _check_key("key", key)
         status = self._policy.get(key)
         if status is None:
             return LookupResult.MISS
@@ -60,11 +78,13 @@ class LRUOffloadingManager(OffloadingManager):
 
     def prepare_load(self, keys: Sequence[OffloadKey]) -> list[int]:
         """Pin each key (ref + 1) and move it to the LRU tail; return the slots."""
+        keys = _check_keys("keys", keys)
         slots = []
-        for key in keys:
+        for i, key in enumerate(keys):
             status = self._policy.get(key)
             if status is None or not status.is_ready:
-                raise KeyError(f"prepare_load: block {key.hex()[:16]}… is not readable in the {self.medium} tier")
+                raise ValueError(f"prepare_load: keys[{i}] (block {key.hex()[:16]}…) is not readable in the {self.medium} tier "
+                                 f"({'still being written' if status is not None else 'not stored'}); lookup() says what is")
         for key in keys:
             status = self._policy.get(key)
             assert status is not None
@@ -74,23 +94,25 @@ class LRUOffloadingManager(OffloadingManager):
         return slots
 
     def touch(self, keys: Iterable[OffloadKey]) -> None:
-        self._policy.touch(keys)
+        self._policy.touch(_check_keys("keys", keys))
 
     def complete_load(self, keys: Iterable[OffloadKey]) -> None:
-        for key in keys:
+        for key in _check_keys("keys", keys):
             status = self._policy.get(key)
             if status is not None and status.ref_cnt > 0:
                 status.ref_cnt -= 1
 
     def num_storable(self, protected: Iterable[OffloadKey] = ()) -> int:
         """How many new blocks could be stored now (free slots + evictable blocks)."""
-        return self._num_free_slots() + self._policy.num_evictable(set(protected))
+        return self._num_free_slots() + self._policy.num_evictable(set(_check_keys("protected", protected)))
 
     def prepare_store(self, keys: Sequence[OffloadKey], protected: Iterable[OffloadKey] = ()) -> PrepareStoreOutput | None:
         """Room for the keys not stored yet: free slots first, then the LRU's victims
         (never one of ``keys`` or ``protected``). The new keys are inserted at the LRU
         tail, not readable until ``complete_store``. None = not enough unpinned room, and
         nothing changed."""
+        keys = _check_keys("keys", keys)
+        protected = _check_keys("protected", protected)
         to_store = list(dict.fromkeys(k for k in keys if self._policy.get(k) is None))
         if not to_store:
             return PrepareStoreOutput([], [], [])
@@ -111,6 +133,9 @@ class LRUOffloadingManager(OffloadingManager):
 
     def complete_store(self, keys: Iterable[OffloadKey], success: bool = True, reason: str = "store failed") -> None:
         """Stored keys become readable; a failed store forgets them (the slot is free again)."""
+        keys = _check_keys("keys", keys)
+        if not isinstance(success, bool):
+            raise TypeError(f"success must be True or False, got {success!r}")
         done, dropped, dropped_slots = [], [], []
         for key in keys:
             status = self._policy.get(key)
@@ -132,6 +157,9 @@ class LRUOffloadingManager(OffloadingManager):
     def remove(self, keys: Iterable[OffloadKey], reason: str) -> list[OffloadKey]:
         """Forget blocks that went bad (their file is missing or corrupt, a copy failed);
         a pinned block is unpinned first. Returns the keys that were here."""
+        keys = _check_keys("keys", keys)
+        if not isinstance(reason, str):
+            raise TypeError(f"reason must be a str, got {type(reason).__name__}")
         gone, slots = [], []
         for key in keys:
             status = self._policy.get(key)

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvlab.kv_offload.base import LookupResult, Medium, OffloadingEvent, OffloadKey
-from kvlab.kv_offload.cpu.manager import CPUOffloadingManager
+from kvlab.kv_offload.cpu.manager import CPUOffloadingManager, _check_keys
 from kvlab.kv_offload.tiering.fs.manager import FileSystemTierManager
 
 CPU, STORAGE = Medium.CPU.value, Medium.STORAGE.value
@@ -104,8 +104,29 @@ class TieringOffloadingManager:
     def prepare_load(self, keys: Sequence[OffloadKey], media: Sequence[str]) -> list[LoadItem]:
         """Pin every block where it is (touching it in its LRU); a storage block also gets
         a CPU slot to be read into (it becomes a pending CPU entry). In key order."""
+        keys = _check_keys("keys", keys)
+        if isinstance(media, str) or not isinstance(media, Sequence):
+            raise TypeError(f"media must be a list of 'CPU'/'STORAGE' (lookup_chain's answer), got {type(media).__name__}")
         if len(keys) != len(media):
             raise ValueError(f"prepare_load: {len(keys)} keys but {len(media)} media")
+        # All or nothing: every block is checked before the first one is pinned.
+        tiers = [CPU] + ([STORAGE] if self.secondary is not None else [])
+        promote = 0
+        for i, (key, m) in enumerate(zip(keys, media)):
+            if m not in tiers:
+                raise ValueError(f"prepare_load: media[{i}] = {m!r} is not one of this manager's tiers {tiers}")
+            tier = self.primary if m == CPU else self.secondary
+            assert tier is not None
+            status = tier._policy.get(key)  # not lookup(): checking must not drop entries
+            if status is None or not status.is_ready:
+                raise ValueError(f"prepare_load: keys[{i}] (block {key.hex()[:16]}…) is not readable in the {m} tier")
+            if m == STORAGE:
+                if key in self.primary:
+                    raise ValueError(f"prepare_load: keys[{i}] is in the CPU tier too; load it from 'CPU'")
+                promote += 1
+        if promote > self.primary.num_storable(protected=keys):
+            raise ValueError(f"prepare_load: {promote} storage blocks need a CPU slot to pass through, but only "
+                             f"{self.primary.num_storable(protected=keys)} can be found (lookup_chain caps this)")
         items = []
         protected = set(keys)
         for key, m in zip(keys, media):
@@ -142,6 +163,7 @@ class TieringOffloadingManager:
     def prepare_store(self, keys: Sequence[OffloadKey]) -> StorePlan | None:
         """Room in the CPU tier for the keys it lacks, and on disk for those of them the
         storage tier lacks (cascade). None when the CPU tier has no unpinned room."""
+        keys = _check_keys("keys", keys)
         out = self.primary.prepare_store(keys)
         if out is None:
             return None
