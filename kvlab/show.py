@@ -36,6 +36,7 @@ from kvlab.engine.llm_engine import LLMEngine
 from kvlab.scenarios import Scenario
 from kvlab.timeline.events import EventLog
 from kvlab.timeline.kv_stream import KVStream
+from kvlab.utils.checks import check_optional_int
 from kvlab.viz.player import Player
 from kvlab.viz.stream import StreamPlayer
 
@@ -80,6 +81,10 @@ def export_html(source: Any, path: str | os.PathLike, *, max_steps: int | None =
     """
     from kvlab.viz.export import MAX_STEPS, write_html
 
+    # The arguments first: a bad path or max_steps is named before a Player is built.
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a file path ending in .html, got {type(path).__name__} {path!r}")
+    max_steps = check_optional_int("max_steps", max_steps, 2)
     if isinstance(source, Player):
         if kwargs:
             raise TypeError(f"export_html: options {sorted(kwargs)} apply to a new Player, not to an existing one")
