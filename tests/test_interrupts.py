@@ -538,6 +538,27 @@ def _offload_engine(path: str) -> LLMEngine:
     return build_engine(num_blocks=6, block_size=4, max_num_batched_tokens=64, kv_transfer_config=cfg)
 
 
+def _step_to_end(eng: LLMEngine, fault: type[BaseException], also: Any = None, max_steps: int = 100) -> int:
+    """Step until nothing is left (at most ``max_steps``): a step that raises ``fault`` must
+    leave the state exactly as before it; the invariants (and ``also()``) hold after every
+    step. Returns the steps that raised."""
+    hits = 0
+    for _ in range(max_steps):
+        if not eng.has_unfinished_requests():
+            break
+        before = fingerprint(eng)
+        try:
+            eng.step()
+        except fault:
+            hits += 1
+            diff = first_difference(comparable(before), comparable(fingerprint(eng)))
+            assert diff is None, f"the failed step changed the state: {diff}"
+        eng.scheduler.check_invariants()
+        if also is not None:
+            also()
+    return hits
+
+
 def _offload_story(eng: LLMEngine, fault_at: int | None) -> int:
     seen = [0]
 
@@ -556,18 +577,7 @@ def _offload_story(eng: LLMEngine, fault_at: int | None) -> int:
                 break
             except Interrupt:
                 hits += 1
-        for _ in range(100):
-            if not eng.has_unfinished_requests():
-                break
-            before = fingerprint(eng)
-            try:
-                eng.step()
-            except Interrupt:
-                hits += 1
-                diff = first_difference(comparable(before), comparable(fingerprint(eng)))
-                assert diff is None, f"the failed step changed the state: {diff}"
-            eng.scheduler.check_invariants()
-            conn.check_invariants()
+        hits += _step_to_end(eng, Interrupt, also=conn.check_invariants)
     return hits
 
 
@@ -640,17 +650,7 @@ def _drive_story(eng: LLMEngine, story: list | None, fault: type[BaseException])
     for rid, prompt in story or [(None, None)]:
         if rid is not None:
             eng.add_request(Request(rid, prompt, max_tokens=2))
-        for _ in range(100):
-            if not eng.has_unfinished_requests():
-                break
-            before = fingerprint(eng)
-            try:
-                eng.step()
-            except fault:
-                hits += 1
-                diff = first_difference(comparable(before), comparable(fingerprint(eng)))
-                assert diff is None, f"the failed step changed the state: {diff}"
-            eng.scheduler.check_invariants()
+        hits += _step_to_end(eng, fault)
         assert not eng.has_unfinished_requests(), "no end in sight: a hang"
     return hits
 
