@@ -191,8 +191,10 @@ _PATH = re.compile(r"`\$\[(\d)\](?:\[(\d+)\])?")
 _TOP = ("batch.ts", "batch.events", "batch.data_parallel_rank")
 
 
-def validate_batch(batch: Any, *, array_like: bool = False) -> None:
-    """Refuse, before anything changes, a batch whose events a subscriber could not read.
+def validate_batch(batch: Any, *, array_like: bool = False) -> bytes:
+    """Refuse, before anything changes, a batch whose events a subscriber could not read;
+    return its payload (:func:`encode_batch`'s bytes), so a caller that sends it need not
+    encode it again.
 
     A ``KVEventBatch`` built in Python is not type-checked by msgspec (a struct takes any
     value), so a ``block_hashes=None`` would be sent, and fail on the other side -- or fail
@@ -210,6 +212,7 @@ def validate_batch(batch: Any, *, array_like: bool = False) -> None:
         msg = _PATH.sub(lambda m: "`" + (_TOP[int(m.group(1))] if m.group(1) in "012" else "batch")
                         + (f"[{m.group(2)}]" if m.group(2) is not None else ""), str(e))
         raise ValueError(f"batch is not a valid KV event batch: {msg}") from None
+    return payload
 
 
 def encode_batch(batch: KVEventBatch, *, array_like: bool = False) -> bytes:

@@ -48,9 +48,10 @@ from dataclasses import asdict, dataclass
 from itertools import count
 from typing import Any
 
+import msgspec
 import zmq
 
-from kvlab.distributed.kv_events import EventBatch, encode_batch, validate_batch
+from kvlab.distributed.kv_events import EventBatch, validate_batch
 from kvlab.utils.checks import check_int, check_number
 
 logger = logging.getLogger("kvlab.kv_events")
@@ -213,7 +214,7 @@ class ZmqEventPublisher(EventPublisher):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be True or False, got {flag!r}")
         super().__init__(data_parallel_rank)
-        self._event_queue: queue.Queue[EventBatch | None] = queue.Queue(maxsize=max_queue_size)
+        self._event_queue: queue.Queue[bytes | None] = queue.Queue(maxsize=max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._buffer_lock = threading.Lock()
         self._ctx = zmq.Context.instance()
@@ -248,10 +249,14 @@ class ZmqEventPublisher(EventPublisher):
             raise RuntimeError("Publisher is closed")
         # Every field, and the encoding this publisher uses, is checked here, in the caller's
         # thread: a batch the thread could not send would cost a seq -- a gap no replay fills.
-        validate_batch(events, array_like=self._array_like)
-        if events.data_parallel_rank is None:
-            events.data_parallel_rank = self._data_parallel_rank
-        self._event_queue.put(events)
+        # The check encodes the batch (stamped with this publisher's rank): the thread sends
+        # those bytes as they are.
+        stamped = events
+        if isinstance(events, EventBatch) and events.data_parallel_rank is None:
+            stamped = msgspec.structs.replace(events, data_parallel_rank=self._data_parallel_rank)
+        payload = validate_batch(stamped, array_like=self._array_like)
+        events.data_parallel_rank = stamped.data_parallel_rank
+        self._event_queue.put(payload)
         self.num_published += 1
 
     def flush(self, timeout_s: float = 5.0) -> bool:
@@ -336,14 +341,13 @@ class ZmqEventPublisher(EventPublisher):
                 except Exception:  # noqa: BLE001 - a bad replay request must not stop publishing
                     logger.exception("KV-event publisher: replay request failed")
             try:
-                batch = self._event_queue.get(timeout=0.05)
+                payload = self._event_queue.get(timeout=0.05)  # encoded by publish()
             except queue.Empty:
                 continue
-            if batch is None:
+            if payload is None:
                 break
             try:
                 seq = next(self._seq_gen)
-                payload = encode_batch(batch, array_like=self._array_like)  # type: ignore[arg-type]
                 self._send(seq, payload)
                 with self._buffer_lock:
                     self._buffer.append((seq, payload))
