@@ -282,8 +282,8 @@ class CacheIndex:
             for i, ev in enumerate(events):
                 if type(ev) not in _ARRAY_OF:
                     raise TypeError(f"events[{i}] is a {type(ev).__name__}; expected BlockStored, BlockRemoved or AllBlocksCleared")
-            validate_batch(KVEventBatch(ts=0.0, events=events))
             batch = KVEventBatch(ts=0.0, events=events)
+            validate_batch(batch)
         else:
             raise TypeError(f"batch must be a KVEventBatch, its msgpack payload or a list of events, got {type(batch).__name__}")
         events = batch.events
