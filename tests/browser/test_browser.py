@@ -179,6 +179,9 @@ class Lab:
         self.token, port = secrets.token_hex(16), _free_port()
         env = dict(os.environ, JUPYTER_RUNTIME_DIR=str(runtime), JUPYTER_CONFIG_DIR=str(tmp / "config"),
                    IPYTHONDIR=str(tmp / "ipython"), JUPYTERLAB_SETTINGS_DIR=str(settings))
+        # The kernels run as a learner's do: the root conftest forces KVLAB_PREDICT=plain for
+        # nbval, but here every "predict, then run" answer must stay behind its lock.
+        env.pop("KVLAB_PREDICT", None)
         jupyter = Path(sys.executable).with_name("jupyter")
         cmd = [
             str(jupyter), "lab", "--allow-root", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
@@ -347,11 +350,34 @@ def test_lesson_runs_clean(lab: Lab, lesson: str) -> None:
         t = time.monotonic()
         _run_all(page)
         _wait_until(page, ALL_CELLS_RAN, 480, "every cell of the lesson to run")
+        n = _lock_every_prediction(page)  # the answers (and most pictures) open only then
         _wait_until(page, DRAWN, 90, "every plotly figure to draw")
         _assert_no_errors(page)
         assert page.locator(".js-plotly-plot").count() >= 1, "a lesson without a single picture"
         page.screenshot(path=str(ARTIFACTS / f"browser_{Path(lesson).stem}.png"), full_page=True)
-        print(f"{lesson}: ran and drew in {time.monotonic() - t:.0f} s")
+        print(f"{lesson}: ran, {n} predictions locked, drew in {time.monotonic() - t:.0f} s")
+
+
+def _lock_every_prediction(page) -> int:
+    """Answer every "predict, then run" form as a learner would (a number, the first choice or
+    a sentence), press "Lock in", and wait until no answer is still behind its lock."""
+    forms = page.locator(".jp-OutputArea-output", has_text="✎ Predict:")
+    n = forms.count()
+    for i in range(n):
+        form = forms.nth(i)
+        form.scroll_into_view_if_needed()
+        if form.locator("input[type='radio']").count():
+            form.locator("input[type='radio']").first.check()
+        elif form.locator("textarea").count():
+            form.locator("textarea").first.fill("a guess")
+        else:
+            form.locator("input[type='text']").first.fill("1")
+        lock = form.locator("button", has_text="Lock in")
+        _wait_until(page, "() => true", 20, "Lock in to enable", also=lambda: lock.is_enabled())
+        lock.click()
+    _wait_until(page, "() => true", 60, "every answer to open",
+                also=lambda: "The answer is ready" not in page.locator(".jp-Notebook").inner_text())
+    return n
 
 
 @pytest.mark.timeout(600)
