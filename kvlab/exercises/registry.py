@@ -215,7 +215,18 @@ def hints(exercise_id: str) -> Any:
         import ipywidgets as w
     except ImportError:  # pragma: no cover
         return "\n".join(f"hint {i + 1}: {h}" for i, h in enumerate(ex.hints))
-    out = w.VBox()
+    note = HintsNote(exercise_id, len(ex.hints))
+
+    class HintsBox(w.VBox):
+        """Displayed with a still (the note): a lesson saved with its hints cell open shows
+        the note, not "Error displaying widget", once the buttons' model is gone."""
+
+        def _ipython_display_(self) -> None:
+            from kvlab.utils.notebook_display import display_with_still
+
+            display_with_still(self, {"text/html": note._repr_html_(), "text/plain": repr(note)})
+
+    out = HintsBox()
     shown: list[Any] = []
 
     def reveal(_: Any = None) -> None:

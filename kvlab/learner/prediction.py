@@ -38,6 +38,7 @@ from typing import Any
 
 from kvlab.learner.store import store
 from kvlab.utils.checks import check_number
+from kvlab.utils.notebook_display import display_with_still
 
 KINDS = ("number", "choice", "text")
 ASKED: list[Prediction] = []  # this kernel's prompts, newest last (tests read their results)
@@ -141,9 +142,12 @@ class Prediction:
         del ASKED[:-200]
         self._widgets: dict[str, Any] = {}
         if self._interactive:
-            from IPython.display import display
-
-            display(self._form())
+            # With a still: a lesson saved with its predictions shows the question, not
+            # "Error displaying widget", once the form's model is gone.
+            q = f"✎ Predict: {self.question}"
+            display_with_still(self._form(), {
+                "text/html": f"<div><b>✎ Predict:</b> {_md(self.question)}<br><span style='color:#777'>(run the lesson to answer here)</span></div>",
+                "text/plain": q})
         else:
             line = f"✎ Predict: {self.question}"
             if self.choices:
@@ -315,12 +319,13 @@ class _Reveal:
         if not self.p._interactive:
             return self
         import ipywidgets as w
-        from IPython.display import display
 
         self._out = w.Output()
         self._header = w.HTML()
         self._box = w.VBox([w.HTML("<span style='color:#777'><i class='fa fa-lock'></i> The answer is ready: lock in your prediction above to see it.</span>")])
-        display(self._box)
+        display_with_still(self._box, {
+            "text/html": "<span style='color:#777'>The answer appears here when the lesson runs and a prediction is locked in.</span>",
+            "text/plain": ""})
         self._out.__enter__()
         return self
 

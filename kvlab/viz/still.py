@@ -22,40 +22,10 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from kvlab.utils.notebook_display import LIVE, STILL_MARK, STILL_STYLE, display_with_still  # noqa: F401  (the views import them from here)
 from kvlab.viz.style import FONT, html_escape
 
 GAP_X, GAP_Y = 8, 4  # pixels between two views (the Player's grid gap)
-
-# The still sits in the output right before the widget's. This rule hides the still once
-# the widget is drawn (it carries the LIVE class), and hides the widget's output while it is
-# loading or when it cannot be drawn (its model is gone), so a saved lesson shows the
-# picture instead of an error. (CSS :has() -- Chromium 105+, Firefox 121+, Safari 15.4+.)
-STILL_MARK = "kvlab-still-next"
-LIVE = "kvlab-live"
-STILL_STYLE = (
-    "<style>"
-    f".jp-OutputArea-child:has(.{STILL_MARK}) {{display:none}}"
-    f".jp-OutputArea-child:has(.{STILL_MARK}) + .jp-OutputArea-child:has(+ .jp-OutputArea-child .{LIVE}) {{display:none}}"
-    f".jp-OutputArea-child:has(.{STILL_MARK}) + .jp-OutputArea-child + .jp-OutputArea-child:not(:has(.{LIVE})) {{display:none}}"
-    f"</style><div class='{STILL_MARK}'></div>"
-)
-
-
-def display_with_still(widget: Any, still: dict[str, Any]) -> Any:
-    """Display ``widget`` as three outputs -- the style rule, ``still`` (a mime bundle that
-    needs no kernel: plotly JSON, HTML, text) and the widget -- so that a lesson saved or
-    never run shows the still where the widget would be. ``widget`` gets the LIVE class.
-    Returns the still's display handle (``handle.update(bundle, raw=True)`` redraws it)."""
-    from IPython.display import display
-
-    widget.add_class(LIVE)
-    display({"text/html": STILL_STYLE, "text/plain": ""}, raw=True)
-    handle = display(still, raw=True, display_id=True)
-    bundle = widget._repr_mimebundle_()
-    if isinstance(bundle, dict):
-        bundle["text/plain"] = ""  # never the VBox(children=...) repr: the still stands in
-    display(bundle, raw=True)
-    return handle
 
 _AXIS_KEY = re.compile(r"^([xy])axis(\d*)$")
 _TAG = re.compile(r"<[^>]+>")

@@ -361,7 +361,7 @@ def test_lesson_runs_clean(lab: Lab, lesson: str) -> None:
 def _lock_every_prediction(page) -> int:
     """Answer every "predict, then run" form as a learner would (a number, the first choice or
     a sentence), press "Lock in", and wait until no answer is still behind its lock."""
-    forms = page.locator(".jp-OutputArea-output", has_text="✎ Predict:")
+    forms = page.locator(".jp-OutputArea-output:has(.kvlab-live)", has_text="✎ Predict:")
     n = forms.count()
     for i in range(n):
         form = forms.nth(i)
@@ -383,7 +383,8 @@ def _lock_every_prediction(page) -> int:
 @pytest.mark.timeout(600)
 def test_saved_and_never_run_lessons_show_still_pictures(lab: Lab) -> None:
     """A never-run lesson (untrusted: no widgets) and a saved one reopened (its widgets'
-    models are gone) both show each Player's still picture: no error, no repr."""
+    models are gone) both show each widget's still (Players, quizzes, hints, the prediction forms
+    and their answer areas): no error, no repr."""
     lesson = "notebooks/05_preemption.ipynb"  # a Player and two quizzes
     with lab.notebook(lesson, run_kernel=False) as page:  # the committed file, as a reader opens it
         _wait_until(page, "() => true", 90, "the stills to draw", also=lambda: _stills(page) == [(True, False)] * 3)
@@ -394,12 +395,14 @@ def test_saved_and_never_run_lessons_show_still_pictures(lab: Lab) -> None:
         _wait_until(page, ALL_CELLS_RAN, 480, "every cell to run")
         _wait_until(page, DRAWN, 90, "every figure to draw")
         # live: the stills hide behind their widgets
-        _wait_until(page, "() => true", 60, "the live widgets", also=lambda: _stills(page) == [(False, True)] * 3)
+        # live: the Player, two quizzes, two hints cells, and lesson 05's 6 prediction forms and
+        # their 6 answer areas
+        _wait_until(page, "() => true", 60, "the live widgets", also=lambda: _stills(page) == [(False, True)] * 17)
         page.keyboard.press("Control+s")
         page.wait_for_timeout(2000)
     with lab.notebook(lesson) as page:  # reopened with a fresh kernel: the widget models are gone
         page.wait_for_timeout(3000)  # the widget manager gives up on the old models
-        _wait_until(page, "() => true", 90, "the stills to show", also=lambda: _stills(page) == [(True, False)] * 3)
+        _wait_until(page, "() => true", 90, "the stills to show", also=lambda: _stills(page) == [(True, False)] * 17)
         _assert_no_errors(page)
         _still_shot(page, "browser_still_reopened_05.png")
 

@@ -36,7 +36,7 @@ def test_answer_hidden_until_a_prediction_is_locked(tmp_path: Path, monkeypatch)
             _run_all(page)
             _wait_until(page, ALL_CELLS_RAN, 300, "every cell of the lesson to run")
             _assert_no_errors(page)
-            forms = page.locator(".jp-OutputArea-output", has_text="✎ Predict:")
+            forms = page.locator(".jp-OutputArea-output:has(.kvlab-live)", has_text="✎ Predict:")
             assert forms.count() == 6, forms.count()  # one form per prompt of lesson 03
             first = forms.first
             first.scroll_into_view_if_needed()
