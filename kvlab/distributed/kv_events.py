@@ -162,6 +162,43 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(KVEventBatch)
 _array_decoder = msgspec.msgpack.Decoder(_ArrayKVEventBatch)
 
+MAX_EXTRA_KEYS_DEPTH = 16
+"""How deep one ``extra_keys`` entry may nest. vLLM's entries are tuples of a LoRA name, a
+multimodal ``(identifier, offset)`` pair and a cache salt -- depth 2. The field is typed
+``Any`` on the wire, so a payload could nest it 100,000 deep; msgspec then raises
+``RecursionError`` (Python's limit, about 1,000 levels, less however deep the caller's stack
+is). A fixed bound makes "too deep" one documented answer -- the malformed-payload
+``ValueError`` -- wherever the caller stands."""
+
+_TOO_DEEP = ("it nests deeper than Python's recursion limit; a KV event batch nests a few levels "
+             f"(extra_keys entries at most {MAX_EXTRA_KEYS_DEPTH})")
+
+
+def _too_deep(value: Any, limit: int) -> bool:
+    """Whether ``value`` nests containers more than ``limit`` levels (iterative: a deep
+    value must not blow the stack of the very check that refuses it)."""
+    stack = [(value, 0)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, (list, tuple, dict)):
+            if d >= limit:
+                return True
+            items = [*v.keys(), *v.values()] if isinstance(v, dict) else v
+            stack.extend((c, d + 1) for c in items)
+    return False
+
+
+def _check_depth(events: list[Any]) -> None:
+    """Refuse an ``extra_keys`` entry nested deeper than :data:`MAX_EXTRA_KEYS_DEPTH`."""
+    for i, ev in enumerate(events):
+        keys = getattr(ev, "extra_keys", None)
+        if not isinstance(keys, (list, tuple)):
+            continue  # None, or a wrong type the schema check names
+        for j, entry in enumerate(keys):
+            if _too_deep(entry, MAX_EXTRA_KEYS_DEPTH):
+                raise ValueError(f"batch.events[{i}].extra_keys[{j}] nests deeper than {MAX_EXTRA_KEYS_DEPTH} levels; "
+                                 "vLLM's entries are tuples of names, ints and (identifier, offset) pairs")
+
 
 def _to_array_event(ev: KVCacheEvent) -> _ArrayEvent:
     cls = _ARRAY_OF.get(type(ev))
@@ -202,10 +239,14 @@ def validate_batch(batch: Any, *, array_like: bool = False) -> bytes:
     decode with the wire schema. TypeError/ValueError name the field (``batch.events[1]...``).
     """
     _check_batch(batch)
+    if isinstance(batch.events, list):
+        _check_depth(batch.events)  # before encoding: msgspec would recurse into it
     try:
         payload = encode_batch(batch, array_like=array_like)
     except (TypeError, OverflowError) as e:
         raise ValueError(f"batch cannot be encoded: {e}") from None
+    except RecursionError:
+        raise ValueError(f"batch cannot be encoded: {_TOO_DEEP}") from None
     try:
         (_array_decoder if array_like else _decoder).decode(payload)
     except msgspec.ValidationError as e:
@@ -236,24 +277,44 @@ def decode_batch(payload: bytes | bytearray | memoryview) -> KVEventBatch:
 
     As with vLLM's own structs, tuples nested inside ``extra_keys`` entries (a multimodal
     ``(identifier, offset)``) come back as lists: msgpack has one array type.
+
+    Every reader of the wire -- ``CacheIndex.apply``, ``Subscriber``, ``KVStream``,
+    recordings -- decodes here, so a bad payload is one ``ValueError`` for all of them:
+    invalid msgpack, the wrong schema, or nesting deeper than :data:`MAX_EXTRA_KEYS_DEPTH`
+    (msgspec's ``RecursionError`` included).
     """
     if not isinstance(payload, (bytes, bytearray, memoryview)):
         raise TypeError(f"payload must be bytes, got {type(payload).__name__}")
     try:
-        return _decoder.decode(payload)
+        batch = _decoder.decode(payload)
     except msgspec.ValidationError:
         pass
     except msgspec.DecodeError as e:
         raise ValueError(f"payload is not a KV event batch: it is not valid msgpack ({e})") from None
+    except RecursionError:
+        raise ValueError(f"payload is not a KV event batch: {_TOO_DEEP}") from None
+    else:
+        _check_payload_depth(batch.events)
+        return batch
     try:
         old = _array_decoder.decode(payload)
     except msgspec.ValidationError as e:
         raise ValueError(f"payload is not a KV event batch of vLLM's wire format: {e}") from None
+    except RecursionError:
+        raise ValueError(f"payload is not a KV event batch: {_TOO_DEEP}") from None
+    _check_payload_depth(old.events)
     return KVEventBatch(
         ts=old.ts,
         events=[_CURRENT_OF[type(e)](**{f: getattr(e, f) for f in type(e).__struct_fields__}) for e in old.events],
         data_parallel_rank=old.data_parallel_rank,
     )
+
+
+def _check_payload_depth(events: list[Any]) -> None:
+    try:
+        _check_depth(events)
+    except ValueError as e:
+        raise ValueError(f"payload is not a KV event batch: {str(e).replace('batch.', '', 1)}") from None
 
 
 class CacheIndex:
@@ -333,6 +394,7 @@ __all__ = [
     "ExternalBlockHash",
     "KVCacheEvent",
     "KVEventBatch",
+    "MAX_EXTRA_KEYS_DEPTH",
     "decode_batch",
     "encode_batch",
     "validate_batch",

@@ -16,10 +16,19 @@ Lengths are 4-byte big-endian. Each record is written and flushed as it arrives,
 recording that was interrupted (the kernel stopped, the disk filled) is still readable up
 to its last complete record: :func:`read_recording` refuses a truncated file with a message
 saying how many batches are complete, and ``strict=False`` returns them.
+
+A recording is a regular file: a FIFO would block the reader until someone writes to it, and
+``/dev/zero`` would feed it gigabytes, so both are refused before a byte is read, and a read
+never takes more than the size the file had when it was opened.
+
+A publisher that restarts begins again at seq 0; a subscriber records that seq 0 after the
+old run's last batch, so one recording can hold several runs. Each seq 0 after the first
+record starts a new run segment (``KVStream`` replays it as a fresh, empty cache).
 """
 from __future__ import annotations
 
 import os
+import stat
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -77,13 +86,32 @@ class Recording:
             yield r.seq, r.batch()
 
 
-def is_recording(path: str | os.PathLike) -> bool:
-    """True when ``path`` is a file that starts with the recording magic."""
+def _open_regular(path: str | os.PathLike) -> tuple[BinaryIO, int]:
+    """``path`` opened for reading, and its size -- refused unless it is a regular file.
+
+    ``O_NONBLOCK`` first: opening a FIFO for reading blocks until a writer appears, and the
+    check must come before any wait. ``fstat`` then looks at what was actually opened (no
+    race with a rename between a ``stat`` and the ``open``)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     try:
-        with open(path, "rb") as f:
-            return f.read(len(MAGIC)) == MAGIC
-    except OSError:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"path: {os.fspath(path)!r} is not a regular file (a FIFO, a device or a folder); "
+                             "a recording is a regular .kvev file")
+        return os.fdopen(fd, "rb"), st.st_size
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def is_recording(path: str | os.PathLike) -> bool:
+    """True when ``path`` is a regular file that starts with the recording magic."""
+    try:
+        f, _ = _open_regular(path)
+    except (OSError, ValueError):
         return False
+    with f:
+        return f.read(len(MAGIC)) == MAGIC
 
 
 class Recorder:
@@ -99,7 +127,27 @@ class Recorder:
         self.path = os.fspath(path)
         self.num_records = 0
         header = {"format": FORMAT, "version": VERSION, "endpoint": str(endpoint), "topic": str(topic), "created": time.time()}
-        f: BinaryIO = open(self.path, "wb")
+        # Not open(path, "wb"): a FIFO would block until a reader appears, and a device or a
+        # folder is no place for a recording. Checked before anything is truncated; fstat
+        # checks again what was opened (O_NONBLOCK: a FIFO swapped in meanwhile cannot block).
+        not_regular = (f"path: {self.path!r} is not a regular file (a FIFO, a device or a folder); "
+                       "a recording is written to a regular .kvev file")
+        try:
+            if not stat.S_ISREG(os.stat(self.path).st_mode):
+                raise ValueError(not_regular)
+        except FileNotFoundError:
+            pass
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0), 0o666)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ValueError(not_regular)
+            os.ftruncate(fd, 0)
+            if hasattr(os, "set_blocking"):
+                os.set_blocking(fd, True)
+        except BaseException:
+            os.close(fd)
+            raise
+        f: BinaryIO = os.fdopen(fd, "wb")
         try:
             f.write(MAGIC)
             self._frame(f, _enc.encode(header))
@@ -154,7 +202,9 @@ def read_recording(path: str | os.PathLike, *, strict: bool = True) -> Recording
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be True or False, got {strict!r}")
     p = Path(path)
-    data = p.read_bytes()
+    f, size = _open_regular(p)
+    with f:
+        data = f.read(size)  # at most the size it had when opened: a growing file cannot feed it forever
     if not data.startswith(MAGIC):
         raise ValueError(f"{p}: not a KV-event recording (it does not start with {MAGIC!r})")
     off = len(MAGIC)
@@ -184,6 +234,9 @@ def read_recording(path: str | os.PathLike, *, strict: bool = True) -> Recording
         header = _hdr_dec.decode(raw)
     except msgspec.DecodeError as e:
         raise ValueError(f"{p}: the recording header is corrupt: {e}") from None
+    except RecursionError:
+        raise ValueError(f"{p}: the recording header is corrupt: it nests deeper than Python's recursion limit "
+                         "(a header is one map of names, numbers and strings)") from None
     if header.get("format") != FORMAT or header.get("version") != VERSION:
         raise ValueError(
             f"{p}: recording format {header.get('format')!r} version {header.get('version')!r}; "
@@ -208,6 +261,9 @@ def read_recording(path: str | os.PathLike, *, strict: bool = True) -> Recording
             rec.records.append(_rec_dec.decode(body))
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             raise ValueError(f"{p}: record {i} is corrupt: {e}") from None
+        except RecursionError:
+            raise ValueError(f"{p}: record {i} is corrupt: it nests deeper than Python's recursion limit "
+                             "(a record is [seq, topic, received_at, payload])") from None
         i += 1
     return rec
 

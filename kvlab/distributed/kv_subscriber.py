@@ -15,7 +15,14 @@ a long-running consumer meets:
   into the consumer's loop; the seq it should have carried shows up as a gap, so the replay
   socket gets a chance to supply a good copy.
 * **a wrong topic** (SUB filters by prefix: ``"kv"`` also receives ``"kv-other"``) -- counted
-  and skipped; only the exact topic is accepted (``topic=""`` accepts every topic).
+  and skipped; only the exact topic is accepted (``topic=""`` accepts every topic). A replayed
+  batch is held to the same rule: it must carry the topic of the gap it fills.
+* **an absurd seq** -- ``END_SEQ`` (-1 as a signed int64: vLLM's end-of-replay marker) or a
+  jump of more than :data:`MAX_SEQ_JUMP` batches past the expected seq is a corrupt frame,
+  not a loss: counted as malformed and skipped, so one bad frame cannot make every later
+  batch look like a duplicate. A genuine jump that large (a subscriber joining a server that
+  has run for years) is accepted once the next batch confirms it (seq + 1), and the skipped
+  batch is asked for as part of the gap.
 * **a dead peer** -- every wait is bounded: :meth:`receive` returns when no batch arrives for
   ``timeout_s``, a replay that gets no answer gives up after ``replay_timeout_s`` (its socket
   is rebuilt, so a late answer can never be mistaken for the next one's).
@@ -48,6 +55,12 @@ from kvlab.distributed.kv_recording import Recorder
 from kvlab.utils.checks import check_int, check_number, check_optional_int
 
 logger = logging.getLogger("kvlab.kv_events")
+
+MAX_SEQ_JUMP = 1 << 32
+"""The most batches a seq may run ahead of the expected one (last + 1; 0 before the first):
+4,294,967,296 -- 50 days of 1,000 batches a second, years at a real server's step rate.
+Beyond it a seq frame is taken for corrupt unless the next batch follows it."""
+_SIGNED_LIMIT = 1 << 63  # seqs are int64: END_SEQ and every "negative" seq lie beyond
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,9 +144,14 @@ class Subscriber:
             if isinstance(record_to, Recorder):
                 self.recorder = record_to
             else:
-                self.recorder = Recorder(record_to, endpoint=endpoint, topic=topic)
+                try:
+                    self.recorder = Recorder(record_to, endpoint=endpoint, topic=topic)
+                except BaseException:  # a path that is no file (a FIFO, a folder): no socket left open
+                    self.close()
+                    raise
                 self._owns_recorder = True
         self._last: dict[bytes, int] = {}
+        self._suspect: dict[bytes, int] = {}  # per topic: the last seq skipped as an absurd jump
         self._pending: deque[tuple[int, KVEventBatch]] = deque()  # accepted, not yet yielded
         self.last_topic: bytes | None = None
         self.gaps: list[Gap] = []
@@ -196,7 +214,7 @@ class Subscriber:
                     last = self.last_seq
                     start = last + 1 if last is not None else (0 if self.catch_up else None)
                     if start is not None and start <= until_seq:
-                        topic = self.last_topic if self.last_topic is not None else self._topic_bytes
+                        topic = self.last_topic if self.last_topic is not None else (self._topic_bytes or None)
                         pending.extend(self._fill_gap(topic, start, until_seq + 1, tail=True))
                         if pending:
                             continue
@@ -230,6 +248,8 @@ class Subscriber:
             return []
         seq = int.from_bytes(seq_b, "big")
         last = self._last.get(topic)
+        if self._absurd(topic, seq, 0 if last is None else last + 1):
+            return []
         if last is not None and seq <= last:
             if seq == 0:
                 self.stats["restarts"] += 1
@@ -253,6 +273,19 @@ class Subscriber:
         out.append((seq, batch))
         return out
 
+    def _absurd(self, topic: bytes, seq: int, expected: int) -> bool:
+        """Count and skip a seq no publisher can have reached (see :data:`MAX_SEQ_JUMP`);
+        a huge jump that the next batch confirms (seq + 1) is a real one."""
+        suspect = self._suspect.pop(topic, None)
+        if seq < _SIGNED_LIMIT and (seq - expected <= MAX_SEQ_JUMP or suspect == seq - 1):
+            return False
+        if seq < _SIGNED_LIMIT:
+            self._suspect[topic] = seq
+        what = "END_SEQ or a negative int64" if seq >= _SIGNED_LIMIT else f"{seq - expected:,} batches past the expected seq {expected}"
+        self._malformed(f"a batch on topic {topic!r} with seq {seq} ({what}; at most {MAX_SEQ_JUMP:,} ahead is a loss, "
+                        "beyond that a corrupt seq frame)")
+        return True
+
     def _deliver(self, topic: bytes, seq: int, payload: bytes) -> None:
         self._last[topic] = seq
         self.last_topic = topic
@@ -263,19 +296,20 @@ class Subscriber:
         self.stats["malformed"] += 1
         logger.error("KV events: dropped %s", what)
 
-    def _fill_gap(self, topic: bytes, expected: int, seq: int, tail: bool = False) -> list[tuple[int, KVEventBatch]]:
-        """Ask the replay socket for ``expected .. seq - 1``; ``tail``: seq - 1 is the last
-        batch the publisher reported sending, and nothing arrived after ``expected - 1``."""
+    def _fill_gap(self, topic: bytes | None, expected: int, seq: int, tail: bool = False) -> list[tuple[int, KVEventBatch]]:
+        """Ask the replay socket for ``expected .. seq - 1`` of ``topic`` (None: not known
+        yet -- any topic); ``tail``: seq - 1 is the last batch the publisher reported
+        sending, and nothing arrived after ``expected - 1``."""
         missing = seq - expected
         what = f"the publisher sent up to seq {seq - 1}" if tail else f"got {seq}"
         logger.warning("KV events: gap on topic %r: expected seq %d, %s (%d batches missing)%s", topic, expected, what,
                        missing, "; asking the replay socket" if self.replay_endpoint else "; no replay endpoint")
-        got = self._request_replay(expected, seq) if self.replay_endpoint else []
+        got = self._request_replay(expected, seq, topic) if self.replay_endpoint else []
         for s, t, payload, _ in got:
-            self._deliver(t if t is not None else topic, s, payload)
+            self._deliver(t if t is not None else (topic or b""), s, payload)
         self.stats["replayed"] += len(got)
         self.stats["lost"] += missing - len(got)
-        gap = Gap(expected, seq, len(got), topic)
+        gap = Gap(expected, seq, len(got), topic or b"")
         self.gaps.append(gap)
         if gap.complete:
             logger.info("KV events: replay recovered all %d missing batches", missing)
@@ -290,7 +324,7 @@ class Subscriber:
         start_seq = check_int("start_seq", start_seq, 0)
         if not self.replay_endpoint:
             raise ValueError("this Subscriber has no replay_endpoint")
-        return [(s, b) for s, _, _, b in self._request_replay(start_seq, None)]
+        return [(s, b) for s, _, _, b in self._request_replay(start_seq, None, self._topic_bytes or None)]
 
     def _replay_socket(self) -> zmq.Socket:
         if self._replay is None:
@@ -306,9 +340,12 @@ class Subscriber:
             self._replay.close(linger=0)
             self._replay = None
 
-    def _request_replay(self, start: int, stop: int | None) -> list[tuple[int, bytes | None, bytes, KVEventBatch]]:
-        """Batches ``start .. stop - 1`` (all from ``start`` when stop is None) from the replay
-        socket, in order; reads to the end marker so no stale reply is left behind."""
+    def _request_replay(self, start: int, stop: int | None, topic: bytes | None) -> list[tuple[int, bytes | None, bytes, KVEventBatch]]:
+        """Batches ``start .. stop - 1`` (all from ``start`` when stop is None) of ``topic``
+        (None: any) from the replay socket, in order; reads to the end marker so no stale
+        reply is left behind. A reply of another topic is skipped as a live one would be:
+        it is another engine's seq, not the one missing here."""
+        want = topic
         sock = self._replay_socket()
         got: dict[int, tuple[bytes | None, bytes, KVEventBatch]] = {}
         deadline = time.monotonic() + self.replay_timeout_s
@@ -331,7 +368,7 @@ class Subscriber:
                 self._malformed(f"a replay reply without its empty delimiter frame ({len(frames)} frames)")
                 continue
             rest = frames[1:]
-            topic: bytes | None = None
+            topic = None
             if len(rest) == 3:  # vLLM >= 0.26: [topic, seq, payload]
                 topic, seq_b, payload = rest
             elif len(rest) == 2:  # vLLM <= 0.25: [seq, payload]
@@ -343,6 +380,10 @@ class Subscriber:
                 break
             if len(seq_b) != 8:
                 self._malformed(f"a replay seq frame of {len(seq_b)} bytes")
+                continue
+            if topic is not None and want is not None and topic != want:
+                self.stats["wrong_topic"] += 1
+                logger.warning("KV events: skipped a replayed batch on topic %r (asked for %r)", topic, want)
                 continue
             s = int.from_bytes(seq_b, "big")
             if s < start or (stop is not None and s >= stop) or s in got:
@@ -375,4 +416,4 @@ class Subscriber:
             pass
 
 
-__all__ = ["Gap", "Subscriber"]
+__all__ = ["MAX_SEQ_JUMP", "Gap", "Subscriber"]

@@ -105,6 +105,20 @@ def _engine_config(raw: Mapping[str, Any] | None) -> dict[str, Any]:
     return cfg
 
 
+RECONFIGURABLE = ("autostep", "step_delay_s")
+"""The engine settings :meth:`KVServer.configure` may change while the server runs."""
+
+
+def _configure_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``configure`` settings, checked as :func:`_engine_config` checks them at start:
+    a value the server could not step with is refused before it is applied."""
+    unknown = sorted(set(settings) - set(RECONFIGURABLE))
+    if unknown:
+        raise ValueError(f"configure: unknown settings {unknown}; allowed: {list(RECONFIGURABLE)}")
+    checked = _engine_config(settings)
+    return {k: checked[k] for k in settings}
+
+
 def _build(cfg: dict[str, Any], publisher: Any) -> LLMEngine:
     cost = CostModel(**cfg["cost_model"]) if cfg["cost_model"] else None
     return build_engine(
@@ -197,10 +211,10 @@ class _Server:
             self.engine = _build(self.cfg, self.publisher)
             return self.status(flush=True)
         if op == "configure":
-            for k in ("autostep", "step_delay_s"):
-                if k in msg:
-                    self.cfg[k] = msg[k]
-            return self.status()
+            # All or nothing: every setting is checked before any is applied (an unchecked
+            # step_delay_s=-1 once killed the server at its next autostep).
+            self.cfg.update(_configure_settings({k: v for k, v in msg.items() if k not in ("op", "id")}))
+            return dict(self.status(), **{k: self.cfg[k] for k in RECONFIGURABLE})
         if op == "stop":
             self.running = False
             return self.status()
@@ -442,8 +456,11 @@ class KVServer:
     def reset(self, **kw: Any) -> dict[str, Any]:
         return self.call("reset", **kw)
 
-    def configure(self, **settings: Any) -> dict[str, Any]:
-        return self.call("configure", **settings)
+    def configure(self, *, timeout_s: float = 60.0, **settings: Any) -> dict[str, Any]:
+        """Change ``autostep`` / ``step_delay_s`` while the server runs (checked as at
+        :meth:`start`: a bad value raises here and nothing is sent). The reply holds the
+        status and the settings now in force."""
+        return self.call("configure", timeout_s=timeout_s, **_configure_settings(settings))
 
     def stop(self, timeout_s: float = 5.0) -> float:
         """Ask the server to exit, wait at most ``timeout_s``, then kill it. Returns seconds."""

@@ -16,6 +16,13 @@ started earlier, or its parent was evicted first).
 
 Jumps to any batch are cheap: the state is copied every ``checkpoint_every`` batches, and
 ``at(i)`` replays at most that many batches from the nearest copy.
+
+A publisher that restarts begins again at seq 0 with an empty cache (a new engine process).
+A stream -- live from a ``Subscriber``, or a recording made across the restart -- takes that
+seq 0 as the start of a new *run*: the cache is emptied before the batch (the old engine's
+blocks are gone, no ``BlockRemoved`` says so), ``series.restarts`` / ``StreamSnapshot.restarted``
+mark the batch, and ``runs`` lists where each run starts. Seqs increase within a run, so
+``index_of(seq, run=...)`` looks a seq up in one run (the last by default).
 """
 from __future__ import annotations
 
@@ -88,6 +95,7 @@ class StreamSnapshot:
     missing: int = 0
     num_events: int = 0  # in this batch
     name: str = ""
+    restarted: bool = False  # this batch began a new run: the publisher restarted (seq 0)
 
     @property
     def num_blocks(self) -> int:
@@ -171,7 +179,8 @@ def _apply(
 class StreamSeries:
     """One entry per batch: ``seq``, ``ts``, ``cached_blocks`` (after the batch),
     ``stored_blocks`` / ``removed_blocks`` (block hashes in its events), ``events``,
-    ``cleared`` and ``missing`` (seqs lost before it)."""
+    ``cleared``, ``missing`` (seqs lost before it) and ``restarts`` (the batch began a new
+    run: seq 0 after earlier batches)."""
 
     seq: list[int] = field(default_factory=list)
     ts: list[float] = field(default_factory=list)
@@ -181,6 +190,7 @@ class StreamSeries:
     events: list[int] = field(default_factory=list)
     cleared: list[bool] = field(default_factory=list)
     missing: list[int] = field(default_factory=list)
+    restarts: list[bool] = field(default_factory=list)
 
 
 class KVStream:
@@ -189,7 +199,9 @@ class KVStream:
     Feed it ``(seq, batch)`` pairs -- ``KVStream(sub.receive(...))``, ``stream.extend(...)``
     while a server runs, ``KVStream.load("run.kvev")`` for a recording. A batch may be a
     decoded ``KVEventBatch`` or its msgpack payload. Seqs must increase; a jump is recorded
-    as missing batches (the subscriber already asked the replay socket for them).
+    as missing batches (the subscriber already asked the replay socket for them). A seq 0
+    after earlier batches is a publisher restart: a new run, from an empty cache (see the
+    module doc).
     """
 
     def __init__(self, batches: Iterable[tuple[int, KVEventBatch | bytes]] = (), *, name: str = "",
@@ -204,6 +216,7 @@ class KVStream:
         self._head: dict[NodeKey, PrefixNode] = {}
         self._checkpoints: list[dict[NodeKey, PrefixNode]] = [{}]  # state before batch k * checkpoint_every
         self._cursor: tuple[int, dict[NodeKey, PrefixNode]] | None = None  # last state computed by at()
+        self._run_starts: list[int] = []  # index of each run's first batch
         self.series = StreamSeries()
         self.num_unknown_removals = 0
         self.extend(batches)
@@ -226,9 +239,10 @@ class KVStream:
         """Add the next batch (all-or-nothing: a bad seq or payload changes nothing)."""
         seq = check_int("seq", seq, 0)
         last = self.series.seq[-1] if self.series.seq else None
-        if last is not None and seq <= last:
-            hint = " (seq 0: the publisher restarted with an empty cache -- start a new KVStream)" if seq == 0 else ""
-            raise ValueError(f"seq {seq} does not follow the last batch's seq {last}; a stream's seqs increase{hint}")
+        restart = last is not None and seq == 0
+        if last is not None and seq <= last and not restart:
+            raise ValueError(f"seq {seq} does not follow the last batch's seq {last}; a stream's seqs increase "
+                             "(seq 0 alone starts a new run: the publisher restarted)")
         payload: bytes | None = None
         if isinstance(batch, (bytes, bytearray, memoryview)):
             payload = bytes(batch)
@@ -240,12 +254,17 @@ class KVStream:
         k = len(self._batches)
         if k and k % self.checkpoint_every == 0:
             self._checkpoints.append(dict(self._head))
+        if restart:
+            self._head.clear()  # a new engine process: the old one's blocks are gone
+        if restart or not k:
+            self._run_starts.append(k)
         _, _, cleared, unknown = _apply(self._head, seq, batch, collect=False)
         self.num_unknown_removals += unknown
         self._batches.append(batch)  # type: ignore[arg-type]
         self._payloads.append(payload)
         s = self.series
-        s.missing.append((s.missing[-1] if s.missing else 0) + (seq - last - 1 if last is not None else 0))
+        s.missing.append((s.missing[-1] if s.missing else 0) + (seq - last - 1 if last is not None and not restart else 0))
+        s.restarts.append(restart)
         s.seq.append(seq)
         s.ts.append(batch.ts)
         s.cached_blocks.append(len(self._head))
@@ -278,13 +297,28 @@ class KVStream:
     def batches(self) -> list[KVEventBatch]:
         return list(self._batches)
 
-    def index_of(self, seq: int) -> int:
-        """The batch index holding ``seq`` (ValueError when it never arrived)."""
+    @property
+    def runs(self) -> list[int]:
+        """The index of each run's first batch (one run per publisher start; [] when empty)."""
+        return list(self._run_starts)
+
+    def index_of(self, seq: int, *, run: int = -1) -> int:
+        """The batch index holding ``seq`` in run ``run`` (an index into :attr:`runs`;
+        default the last) -- ValueError when it never arrived."""
         import bisect
 
-        i = bisect.bisect_left(self.series.seq, seq)
-        if i == len(self.series.seq) or self.series.seq[i] != seq:
-            raise ValueError(f"seq {seq} is not in this stream (seqs {self.series.seq[:1]}..{self.series.seq[-1:]}, missing {self.series.missing[-1:] or [0]})")
+        runs = self._run_starts
+        if isinstance(run, bool) or not hasattr(run, "__index__"):
+            raise TypeError(f"run must be an int (an index into runs), got {type(run).__name__}")
+        run = operator.index(run)
+        if runs and not -len(runs) <= run < len(runs):
+            raise ValueError(f"run={run} is out of range; this stream has runs 0..{len(runs) - 1} (-1 = the last)")
+        lo = runs[run] if runs else 0
+        hi = runs[run % len(runs) + 1] if runs and run % len(runs) + 1 < len(runs) else len(self.series.seq)
+        seqs = self.series.seq
+        i = bisect.bisect_left(seqs, seq, lo, hi)
+        if i == hi or seqs[i] != seq:
+            raise ValueError(f"seq {seq} is not in this stream (seqs {seqs[lo:lo + 1]}..{seqs[hi - 1:hi]}, missing {self.series.missing[-1:] or [0]})")
         return i
 
     def at(self, index: int | None = None) -> StreamSnapshot:
@@ -307,13 +341,18 @@ class KVStream:
         else:
             c = index // self.checkpoint_every
             start, state = c * self.checkpoint_every, dict(self._checkpoints[c])
-        seqs = self.series.seq
+        seqs, restarts = self.series.seq, self.series.restarts
         for k in range(start, index):
+            if restarts[k]:
+                state.clear()
             _apply(state, seqs[k], self._batches[k], collect=False)
+        if restarts[index]:
+            state.clear()
         stored, removed, cleared, _ = _apply(state, seqs[index], self._batches[index], collect=True)
         self._cursor = (index + 1, dict(state))  # a copy: the snapshot keeps `state`
         return StreamSnapshot(index, seqs[index], self._batches[index].ts, state, tuple(dict.fromkeys(stored)),
-                              tuple(removed), cleared, self.series.missing[index], len(self._batches[index].events), self.name)
+                              tuple(removed), cleared, self.series.missing[index], len(self._batches[index].events), self.name,
+                              restarted=restarts[index])
 
     def snapshots(self) -> Iterator[StreamSnapshot]:
         for i in range(len(self)):

@@ -12,6 +12,10 @@ change between two steps -- the timeline's series, an untouched hash forest -- i
 once), and every string (cell labels, hover texts) once per file, in a table the traces
 point into; so a file is plotly.js (~4.7 MB) plus what actually changes. The selection (a
 request chosen in the Player) is exported as it is when the file is written.
+
+A :class:`~kvlab.viz.stream.StreamPlayer` (a KV-event stream, live or recorded) exports the
+same way, its batches standing for steps: the prefix forest and the series at every batch,
+each batch's status line and its events.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ from kvlab.viz.style import FONT, PLOTLY_CONFIG
 
 if TYPE_CHECKING:
     from kvlab.viz.player import Player
+    from kvlab.viz.stream import StreamPlayer
 
 MAX_STEPS = 3000  # a longer run is exported at every k-th step (the slider still covers it)
 
@@ -93,6 +98,73 @@ def frames(player: Player, steps: list[int]) -> dict[str, Any]:
     return dict(steps=steps, traces=traces, layouts=layouts, frames=out_frames, status=status, events=events, strings=strings)
 
 
+MAX_LISTED_EVENTS = 40  # a stream batch's event list is cut here (the count is shown)
+
+
+class _Text:
+    """What ``frames`` reads of the Player's status and event widgets: a ``value``."""
+
+    def __init__(self) -> None:
+        self.value = ""
+
+
+class _StreamFrames:
+    """A :class:`StreamPlayer` as :func:`write_html` reads a Player: batch ``i`` is step
+    ``i`` (-1 for a stream with no batch yet), and each batch gets a status line and its
+    event list, as a Player's step does."""
+
+    unit = "batch"
+
+    def __init__(self, sp: StreamPlayer) -> None:
+        self._sp = sp
+        n = len(sp.stream)
+        self.first_step = 0 if n else -1
+        self.last_step = n - 1
+        self.named_steps: dict[str, int] = {}
+        self.views = {"prefixes": sp.prefixes, "series": sp.series}
+        self._name = sp.title
+        self.description = ""
+        self._status = _Text()
+        self._events = _Text()
+        self._batches = sp.stream.batches  # one copy, not one per exported batch
+
+    @property
+    def step(self) -> int:
+        return self._sp.index
+
+    def go_to(self, index: int) -> None:
+        self._sp.go_to(index)
+        if index < 0:
+            self._status.value, self._events.value = "before the first batch", ""
+            return
+        snap, s = self._sp.stream.at(index), self._sp.stream.series
+        notes = []
+        lost = s.missing[index] - (s.missing[index - 1] if index else 0)
+        if lost:
+            notes.append(f"{lost} batch{'es' if lost != 1 else ''} lost before it")
+        if snap.restarted:
+            notes.append("the publisher restarted: a new run, from an empty cache")
+        if snap.cleared:
+            notes.append("AllBlocksCleared")
+        self._status.value = (f"<b>batch {index}</b> · seq {snap.seq} · {snap.num_blocks} blocks cached · "
+                              f"{s.stored_blocks[index]} stored · {s.removed_blocks[index]} removed"
+                              + "".join(f" · {html.escape(x)}" for x in notes))
+        events = self._batches[index].events
+        rows = [f"<li>{html.escape(_describe(e))}</li>" for e in events[:MAX_LISTED_EVENTS]]
+        if len(events) > MAX_LISTED_EVENTS:
+            rows.append(f"<li>… and {len(events) - MAX_LISTED_EVENTS} more events</li>")
+        self._events.value = f"<ul style='font-size:12px;margin:4px 0'>{''.join(rows)}</ul>" if rows else ""
+
+
+def _describe(ev: Any) -> str:
+    kind = type(ev).__name__
+    hashes = getattr(ev, "block_hashes", None)
+    if hashes is None:
+        return kind
+    where = f"group {ev.group_idx}, {ev.medium}" if ev.group_idx is not None else f"{ev.medium}"
+    return f"{kind}: {len(hashes)} block{'s' if len(hashes) != 1 else ''} ({where})"
+
+
 _STYLE = f"""
 body {{ font-family: {FONT}; margin: 12px; color: #111; }}
 .kv-controls {{ display: flex; flex-wrap: wrap; gap: 6px; align-items: center; margin: 6px 0; }}
@@ -130,7 +202,7 @@ function show(i) {
   document.getElementById('kv-status').innerHTML = D.status[k];
   document.getElementById('kv-events').innerHTML = D.events[k];
   slider.value = k;
-  document.getElementById('kv-step').textContent = 'step ' + D.steps[k];
+  document.getElementById('kv-step').textContent = (D.unit || 'step') + ' ' + D.steps[k];
   document.body.dataset.step = D.steps[k];
 }
 function pause() { if (timer) { clearInterval(timer); timer = null; } playBtn.textContent = '▶ Play'; }
@@ -151,9 +223,12 @@ show(k);
 """
 
 
-def write_html(player: Player, path: str | Path, *, max_steps: int = MAX_STEPS) -> Path:
-    """Write ``player``'s whole run as a self-contained HTML replay; returns the path."""
+def write_html(player: Player | StreamPlayer, path: str | Path, *, max_steps: int = MAX_STEPS) -> Path:
+    """Write ``player``'s whole run (a Player's steps, a StreamPlayer's batches) as a
+    self-contained HTML replay; returns the path."""
     from plotly.offline import get_plotlyjs
+
+    from kvlab.viz.stream import StreamPlayer
 
     if not isinstance(max_steps, int) or max_steps < 2:
         raise ValueError(f"max_steps must be an int >= 2, got {max_steps!r}")
@@ -162,6 +237,8 @@ def write_html(player: Player, path: str | Path, *, max_steps: int = MAX_STEPS) 
         raise ValueError(f"path must end in .html, got {str(path)!r}")
     if not path.parent.exists():
         raise FileNotFoundError(f"path: the folder {str(path.parent)!r} does not exist")
+    if isinstance(player, StreamPlayer):
+        player = _StreamFrames(player)  # type: ignore[assignment]
     all_steps = list(range(player.first_step, player.last_step + 1))
     every = max(1, -(-len(all_steps) // max_steps))
     steps = all_steps[::every]
@@ -172,7 +249,7 @@ def write_html(player: Player, path: str | Path, *, max_steps: int = MAX_STEPS) 
             steps.append(s)
     steps.sort()
     data = frames(player, steps)
-    data.update(views=list(player.views), config=dict(PLOTLY_CONFIG), interval=900,
+    data.update(views=list(player.views), config=dict(PLOTLY_CONFIG), interval=900, unit=getattr(player, "unit", "step"),
                 start=steps.index(player.step) if player.step in steps else 0)
     title = html.escape(player._name)
     desc = f"<div class='kv-desc'>{html.escape(player.description)}</div>" if player.description else ""

@@ -24,24 +24,41 @@ from kvlab.viz.style import CURSOR, INK, MISS, STATE_COLORS
 MAX_BARS = 240  # beyond this many batches the stored/removed bars are summed per bin
 
 
+def _joined_seqs(series: StreamSeries) -> list[int]:
+    """x of each batch: its seq, with each run after a publisher restart (seq back to 0)
+    placed after the one before, so the axis keeps going forward."""
+    restarts = series.restarts
+    x: list[int] = []
+    offset = 0
+    for i, seq in enumerate(series.seq):
+        if i and i < len(restarts) and restarts[i]:
+            offset = x[-1] + 1
+        x.append(seq + offset)
+    return x
+
+
 def series_data(series: StreamSeries, cursor: int | None = None, *, max_bars: int = MAX_BARS) -> dict[str, Any]:
-    """The series as plot data: x = seq; ``cached`` per batch; ``bar_x`` / ``stored`` (up) /
-    ``removed`` (negative) per batch, or summed per bin of batches when there are more than
-    ``max_bars`` (``bin`` = batches per bar); ``lost_at`` (seqs right after a loss),
-    ``cleared_at``, and the cursor's seq."""
+    """The series as plot data: x = seq (runs after a publisher restart joined end to end);
+    ``cached`` per batch; ``bar_x`` / ``stored`` (up) / ``removed`` (negative) per batch, or
+    summed per bin of batches when there are more than ``max_bars`` (``bin`` = batches per
+    bar); ``lost_at`` (x right after a loss), ``cleared_at``, ``restarted_at`` and the
+    cursor's x."""
     n = len(series.seq)
-    lost_at = [series.seq[i] for i in range(n) if series.missing[i] > (series.missing[i - 1] if i else 0)]
+    xs = _joined_seqs(series)
+    lost_at = [xs[i] for i in range(n) if series.missing[i] > (series.missing[i - 1] if i else 0)]
+    restarted_at = [xs[i] for i in range(1, n) if i < len(series.restarts) and series.restarts[i]]
     k = max(1, -(-n // max_bars))
     bar_x, stored, removed = [], [], []
     for a in range(0, n, k):
-        bar_x.append(series.seq[min(n - 1, a + k // 2)])
+        bar_x.append(xs[min(n - 1, a + k // 2)])
         stored.append(sum(series.stored_blocks[a : a + k]))
         removed.append(-sum(series.removed_blocks[a : a + k]))
     return dict(
-        x=list(series.seq), cached=list(series.cached_blocks), bar_x=bar_x, stored=stored, removed=removed, bin=k,
-        lost_at=lost_at, cleared_at=[series.seq[i] for i in range(n) if series.cleared[i]],
-        cursor=None if cursor is None or not 0 <= cursor < n else series.seq[cursor],
+        x=xs, cached=list(series.cached_blocks), bar_x=bar_x, stored=stored, removed=removed, bin=k,
+        lost_at=lost_at, cleared_at=[xs[i] for i in range(n) if series.cleared[i]], restarted_at=restarted_at,
+        cursor=None if cursor is None or not 0 <= cursor < n else xs[cursor],
         title=f"{n} batches · {sum(series.events)} events · {series.missing[-1] if n else 0} batches lost"
+        + (f" · {len(restarted_at)} publisher restart{'s' if len(restarted_at) != 1 else ''}" if restarted_at else "")
         + (f" · bars: sums of {k} batches" if k > 1 else ""),
     )
 
@@ -87,6 +104,8 @@ class StreamSeriesView(View):
             shapes = [] if d["cursor"] is None else [dict(type="line", x0=d["cursor"], x1=d["cursor"], yref="paper", y0=0, y1=1,
                                                          line=dict(color=CURSOR, width=2, dash="dot"))]
             shapes += [dict(type="line", x0=s, x1=s, yref="paper", y0=0, y1=1, line=dict(color="#333333", width=1)) for s in d["cleared_at"]]
+            shapes += [dict(type="line", x0=s - 0.5, x1=s - 0.5, yref="paper", y0=0, y1=1, line=dict(color="#333333", width=2, dash="dash"))
+                       for s in d["restarted_at"]]
             put("shapes", fig.layout, "shapes", shapes)
             self._header(d["title"], ["stored", "removed", "cached blocks", "batches lost before"])
 
