@@ -29,7 +29,8 @@ from kvlab.request import Request
 def check_bug_hunt(answers: Any) -> CheckResult:
     eid = "bug_hunt"
     if callable(answers):  # the notebook passes a function returning the dict (its stub raises NotImplementedError)
-        answers = answers()
+        # Through call(): an error in it is the learner's ("your code raised ..."), not the engine's.
+        answers = call(answers, where="calling your answers function")
     if not isinstance(answers, dict):
         return failed(eid, f"answers must be a dict {{incident number: suspect name}}, got {type(answers).__name__}",
                       expected="{1: '...', 2: '...', 3: '...'}", got=repr(answers), idea="one suspect name per incident")

@@ -65,8 +65,11 @@ class Store:
             warnings.warn(f"kvlab could not read your progress file {self.path}: {e}", stacklevel=2)
             return _empty()
         try:
-            data = json.loads(text)
-            _validate(data)
+            try:
+                data = json.loads(text)
+                _validate(data)
+            except RecursionError:
+                raise ValueError("nested deeper than JSON can read or write") from None
         except (json.JSONDecodeError, ValueError) as e:
             bad = _aside(self.path)
             with contextlib.suppress(OSError):
@@ -136,9 +139,10 @@ class Store:
             yield data
             tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
             try:
-                tmp.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+                raw = _encode(data)  # before the file is opened: a failure leaves no half file
+                tmp.write_bytes(raw)
                 tmp.replace(self.path)
-            except OSError as e:
+            except (OSError, ValueError, RecursionError) as e:
                 warnings.warn(f"kvlab could not record your progress in {self.path}: {e}", stacklevel=3)
 
 
@@ -161,6 +165,12 @@ def _aside(path: Path) -> Path:
     return bad
 
 
+def _encode(data: Any) -> bytes:
+    """The file's bytes for ``data``: ValueError (UnicodeEncodeError: a lone surrogate such
+    as ``"\\ud800"``, which JSON can spell but UTF-8 cannot) or RecursionError if it has none."""
+    return (json.dumps(data, indent=1, ensure_ascii=False) + "\n").encode("utf-8")
+
+
 def _validate(data: Any) -> None:
     """The whole record, every entry: a file that would make a later read or write fail
     half-way (``"count": "x"``, a prediction that is not an object) is refused here, so it
@@ -180,6 +190,10 @@ def _validate(data: Any) -> None:
     for i, p in enumerate(data["predictions"]):
         if not isinstance(p, dict) or not isinstance(p.get("uid"), str):
             raise ValueError(f"predictions[{i}] must be an object with a str 'uid'")
+    try:
+        _encode(data)  # it must also write back: every passing check does
+    except UnicodeEncodeError as e:
+        raise ValueError(f"it cannot be written back as UTF-8: {e.object[e.start:e.end]!r} is a lone surrogate") from None
 
 
 def store() -> Store:

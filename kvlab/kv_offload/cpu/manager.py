@@ -201,7 +201,63 @@ class LRUOffloadingManager(OffloadingManager):
         assert len(self._policy.blocks) <= self.num_blocks
 
 
+class SlotWrites:
+    """Which block each CPU slot was last handed out to be written with.
+
+    The worker's copies into a slot cannot be taken back, so neither can this record: an
+    undone step restores the tier's books (``Scheduler.restore``) but not the slots' bytes,
+    and a restored entry whose slot the undone step gave to another block reads that
+    block's KV -- a wrong answer, not a miss. This record is what stays true after the
+    undo; a copy of the books shares it (``__deepcopy__``), so ``restore`` keeps it."""
+
+    __slots__ = ("keys",)
+
+    def __init__(self) -> None:
+        self.keys: dict[int, OffloadKey] = {}
+
+    def __deepcopy__(self, memo: dict[int, object]) -> SlotWrites:
+        return self
+
+
 class CPUOffloadingManager(LRUOffloadingManager):
-    """The CPU tier: host memory right behind the GPU pool (vLLM's primary tier)."""
+    """The CPU tier: host memory right behind the GPU pool (vLLM's primary tier).
+
+    Its slots are bytes the worker writes, so it also remembers which block each slot was
+    last given to (:class:`SlotWrites`): an entry whose slot was given to another block
+    since -- by a step that was then undone -- is dropped at lookup (a miss) or when the
+    block is offered again (it is stored afresh)."""
 
     medium = Medium.CPU.value
+
+    def __init__(self, num_blocks: int) -> None:
+        super().__init__(num_blocks)
+        self.slot_writes = SlotWrites()
+
+    def overwritten(self, key: OffloadKey) -> bool:
+        """True when ``key``'s slot was handed to another block after ``key`` was stored."""
+        _check_key("key", key)
+        status = self._policy.get(key)
+        return status is not None and self.slot_writes.keys.get(status.slot) != key
+
+    def _drop_overwritten(self, keys: Iterable[OffloadKey]) -> None:
+        stale = [k for k in keys if self.overwritten(k)]
+        if stale:
+            self.remove(stale, reason=OVERWRITTEN)
+
+    def lookup(self, key: OffloadKey) -> LookupResult:
+        self._drop_overwritten([key])
+        return super().lookup(key)
+
+    def prepare_store(self, keys: Sequence[OffloadKey], protected: Iterable[OffloadKey] = ()) -> PrepareStoreOutput | None:
+        """As the LRU tier's; an entry whose slot was overwritten is not "here already": it
+        is dropped and stored afresh."""
+        keys = _check_keys("keys", keys)
+        self._drop_overwritten(keys)
+        out = super().prepare_store(keys, protected)
+        if out is not None:
+            self.slot_writes.keys.update(zip(out.slots, out.keys_to_store))
+        return out
+
+
+#: Why a CPU entry left: its slot holds another block (see :class:`SlotWrites`).
+OVERWRITTEN = "slot overwritten by a step that was undone"

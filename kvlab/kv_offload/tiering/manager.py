@@ -118,7 +118,7 @@ class TieringOffloadingManager:
             tier = self.primary if m == CPU else self.secondary
             assert tier is not None
             status = tier._policy.get(key)  # not lookup(): checking must not drop entries
-            if status is None or not status.is_ready:
+            if status is None or not status.is_ready or (m == CPU and self.primary.overwritten(key)):
                 raise ValueError(f"prepare_load: keys[{i}] (block {key.hex()[:16]}…) is not readable in the {m} tier")
             if m == STORAGE:
                 if key in self.primary:

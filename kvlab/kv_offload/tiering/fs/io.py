@@ -7,16 +7,26 @@ that was truncated, overwritten by another block, or flipped on disk is refused 
 :class:`TierFileError` naming the file -- the connector then treats the block as a miss and
 recomputes it. Writes go to ``<path>.tmp`` first and are renamed into place (``os.replace``
 is atomic), as vLLM's file-system tier does: a reader never sees half a file.
+
+The folder may be shared (another engine, another user): the tier neither writes through
+nor reads through a symlink, and reads only regular files, never more bytes than a block
+file holds -- a link, a FIFO or a device in a tier file's place is a bad file, not a hang.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import stat
 import struct
 
 MAGIC = b"KVLABKV1"
 _HEAD = struct.Struct("<8sH")  # magic, key length
 _TAIL = struct.Struct("<Q32s")  # payload length, sha256 of the payload
+# Not every OS has these flags (Windows lacks O_NOFOLLOW and O_NONBLOCK): 0 leaves them out.
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+_O_BINARY = getattr(os, "O_BINARY", 0)
 
 
 class TierFileError(OSError):
@@ -29,27 +39,62 @@ class TierFileError(OSError):
 
 
 def write_block_file(path: str, key: bytes, payload: bytes | memoryview) -> int:
-    """Write one block atomically; returns the bytes written."""
+    """Write one block atomically; returns the bytes written.
+
+    The temporary file is created fresh (``O_CREAT | O_EXCL | O_NOFOLLOW``): a symlink
+    planted at ``<path>.tmp`` would otherwise make the tier write through it, to a file
+    outside its folder. A stale regular ``.tmp`` (a write that died) is removed first;
+    anything else there is refused (:class:`TierFileError`: the store fails, a future miss).
+    """
     data = bytes(payload)
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    folder = os.path.dirname(path) or "."
+    os.makedirs(folder, exist_ok=True)
+    if os.path.islink(folder):  # the tier's own subfolder: a link would lead writes outside
+        raise TierFileError(path, f"its folder {folder} is a symlink; refusing to write through it")
     tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(_HEAD.pack(MAGIC, len(key)))
-        f.write(key)
-        f.write(_TAIL.pack(len(data), hashlib.sha256(data).digest()))
-        f.write(data)
-    os.replace(tmp, path)
+    with contextlib.suppress(FileNotFoundError):
+        if stat.S_ISREG(os.lstat(tmp).st_mode):
+            os.remove(tmp)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_BINARY, 0o644)
+    except FileExistsError:
+        raise TierFileError(path, f"{tmp} exists and is not a regular file (a symlink?); refusing to write through it") from None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(_HEAD.pack(MAGIC, len(key)))
+            f.write(key)
+            f.write(_TAIL.pack(len(data), hashlib.sha256(data).digest()))
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)  # ours (O_EXCL made it): no half file is left behind
+        raise
     return _HEAD.size + len(key) + _TAIL.size + len(data)
 
 
 def read_block_file(path: str, key: bytes, nbytes: int) -> bytes:
     """The payload of ``path`` if it holds block ``key`` with ``nbytes`` intact bytes;
-    otherwise :class:`TierFileError` saying what is wrong."""
+    otherwise :class:`TierFileError` saying what is wrong.
+
+    Only a regular file is read, and only as many bytes as a block file has: a FIFO put in
+    its place would block the step for ever, ``/dev/zero`` (or a link to it) would be read
+    until memory runs out. So the file is opened without following a link and without
+    waiting (``O_NOFOLLOW | O_NONBLOCK``), and checked with ``fstat`` before any read."""
+    size = _HEAD.size + len(key) + _TAIL.size + nbytes
     try:
-        with open(path, "rb") as f:
-            raw = f.read()
+        fd = os.open(path, os.O_RDONLY | _O_NOFOLLOW | _O_NONBLOCK | _O_BINARY)
     except FileNotFoundError:
         raise TierFileError(path, "missing (deleted behind the tier's back?)") from None
+    except OSError as e:
+        if os.path.islink(path):
+            raise TierFileError(path, "is a symlink, not a regular file") from None
+        raise TierFileError(path, f"cannot be opened ({e.strerror or e})") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise TierFileError(path, f"is not a regular file ({_kind(st.st_mode)})")
+        raw = f.read(size + 1)  # never more than a block file holds (and one byte to see it is longer)
     if len(raw) < _HEAD.size or raw[:8] != MAGIC:
         raise TierFileError(path, "not a kvlab block file (bad magic)")
     _, klen = _HEAD.unpack_from(raw, 0)
@@ -63,10 +108,28 @@ def read_block_file(path: str, key: bytes, nbytes: int) -> bytes:
     at += _TAIL.size
     payload = raw[at:]
     if length != nbytes or len(payload) != nbytes:
-        raise TierFileError(path, f"holds {len(payload)} payload bytes, expected {nbytes} (truncated or from another model)")
+        held = max(st.st_size, len(raw)) - at
+        raise TierFileError(path, f"holds {held} payload bytes, expected {nbytes} (truncated or from another model)")
     if hashlib.sha256(payload).digest() != digest:
         raise TierFileError(path, "checksum mismatch (corrupt)")
     return payload
+
+
+def is_regular_file(path: str) -> bool:
+    """True when ``path`` is a regular file itself (not a link, a FIFO, a device): the only
+    kind the tier reads."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISDIR, "a directory"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return f"mode {stat.filemode(mode)}"
 
 
 def delete_block_file(path: str) -> None:

@@ -3,10 +3,10 @@
 
 One file per block under ``root_dir`` (:class:`~kvlab.kv_offload.file_mapper.FileMapper`).
 A lookup trusts the index only if the file is still there (vLLM's tier checks the file
-system too): a file deleted behind the tier's back is a miss, and its entry is dropped with
-a reason naming the file. vLLM's file tier grows until the disk is full; kvlab gives it a
-capacity and its own LRU, like the CPU tier, so the lessons can watch it evict (the
-evicted files are deleted by the worker).
+system too): a file deleted behind the tier's back -- or replaced by a link, a FIFO or a
+device -- is a miss, and its entry is dropped with a reason naming the file. vLLM's file
+tier grows until the disk is full; kvlab gives it a capacity and its own LRU, like the CPU
+tier, so the lessons can watch it evict (the evicted files are deleted by the worker).
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import os
 from kvlab.kv_offload.base import LookupResult, Medium, OffloadKey
 from kvlab.kv_offload.cpu.manager import LRUOffloadingManager
 from kvlab.kv_offload.file_mapper import FileMapper
+from kvlab.kv_offload.tiering.fs.io import is_regular_file
 
 
 class FileSystemTierManager(LRUOffloadingManager):
@@ -29,7 +30,9 @@ class FileSystemTierManager(LRUOffloadingManager):
 
     def lookup(self, key: OffloadKey) -> LookupResult:
         result = super().lookup(key)
-        if result is LookupResult.HIT and not os.path.exists(self.path_of(key)):
-            self.remove([key], reason=f"file missing: {self.path_of(key)}")
+        if result is LookupResult.HIT and not is_regular_file(path := self.path_of(key)):
+            # Gone, or something that is not a file the tier wrote (a link, a FIFO, a device).
+            why = "file missing" if not os.path.lexists(path) else "not a regular file"
+            self.remove([key], reason=f"{why}: {path}")
             return LookupResult.MISS
         return result
