@@ -304,3 +304,21 @@ def test_a_tier_file_that_is_not_a_regular_file_is_a_miss_at_lookup(tmp_path, ki
     assert tier.lookup(KEY) is LookupResult.MISS and KEY not in tier
     (ev,) = tier.take_events()
     assert (ev.medium, ev.removed, ev.reason) == ("STORAGE", True, f"not a regular file: {path}")
+
+
+def test_a_link_planted_at_the_progress_files_temporary_name_is_not_written_through(tmp_path, monkeypatch) -> None:
+    """The progress store writes a temporary file and renames it: a symbolic link planted at
+    that name (or at the lock's) must not make it write to the link's target."""
+    import os
+
+    from kvlab.learner.store import store
+
+    monkeypatch.setenv("KVLAB_HOME", str(tmp_path / "home"))
+    (tmp_path / "home").mkdir()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    (tmp_path / "home" / f".progress.json.{os.getpid()}.tmp").symlink_to(victim)
+    st = store()
+    st.record_pass("kv_bytes")
+    assert victim.read_text() == "keep me"
+    assert "kv_bytes" in json.loads((tmp_path / "home" / "progress.json").read_text())["passed"]

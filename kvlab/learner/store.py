@@ -128,7 +128,7 @@ class Store:
         cannot be written (a warning says so; the learner's check still completes)."""
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            lock = open(self.path.with_name(f".{self.path.name}.lock"), "a+")  # noqa: SIM115
+            lock = os.fdopen(_open_new_or_own(self.path.with_name(f".{self.path.name}.lock"), os.O_RDWR | os.O_CREAT), "r+b")
         except OSError as e:
             warnings.warn(f"kvlab could not record your progress in {self.path}: {e}", stacklevel=3)
             yield None
@@ -140,10 +140,19 @@ class Store:
             tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
             try:
                 raw = _encode(data)  # before the file is opened: a failure leaves no half file
-                tmp.write_bytes(raw)
+                with contextlib.suppress(FileNotFoundError):
+                    tmp.unlink()  # a stale one of ours, or a planted link: the link goes, not its target
+                with os.fdopen(_open_new_or_own(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "wb") as f:
+                    f.write(raw)
                 tmp.replace(self.path)
             except (OSError, ValueError, RecursionError) as e:
                 warnings.warn(f"kvlab could not record your progress in {self.path}: {e}", stacklevel=3)
+
+
+def _open_new_or_own(path: Path, flags: int) -> int:
+    """Open without following a symbolic link: a link planted at the lock or temporary name
+    must not make kvlab write through it to a file elsewhere."""
+    return os.open(path, flags | getattr(os, "O_NOFOLLOW", 0), 0o600)
 
 
 def _lock(f: Any) -> None:
