@@ -2,7 +2,6 @@
 sees when running each of them top to bottom."""
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import nbformat
@@ -95,13 +94,11 @@ def _errors(nb: nbformat.NotebookNode) -> list[str]:
 
 @pytest.mark.notebook
 @pytest.mark.parametrize("path", SOLUTIONS, ids=lambda p: p.stem)
-def test_solution_notebook_passes_every_check_quickly(path):
-    t = time.perf_counter()
+def test_solution_notebook_passes_every_check(path):
     nb = _run(path)
     assert _errors(nb) == []
     outs = _check_outputs(nb)
     assert outs and all(o.startswith("✔ PASS") for o in outs), outs
-    assert time.perf_counter() - t < 120
 
 
 @pytest.mark.notebook

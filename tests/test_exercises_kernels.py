@@ -1,7 +1,6 @@
 """Mutation tests for the kernel exercises (run under the Triton interpreter on CPU)."""
 from __future__ import annotations
 
-import time
 
 import pytest
 
@@ -103,11 +102,9 @@ def step_stub(q, k_cache_ptr, v_cache_ptr, block_table_ptr, start, seq_len, m_i,
     raise NotImplementedError("your code here")
 
 
-def test_kernel_checker_accepts_a_differently_written_step_within_5_seconds():
-    t = time.perf_counter()
+def test_kernel_checker_accepts_a_differently_written_step():
     res = check("paged_attention_kernel", step_ok)
     assert res, str(res)
-    assert time.perf_counter() - t < 15  # 5 s budget on an idle CPU; headroom for a loaded CI box
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@ import numbers
 import operator
 from typing import Any
 
-__all__ = ["same", "type_problem", "describe"]
+__all__ = ["same", "type_problem", "describe", "is_int"]
 
 
 def _is_int(x: Any) -> bool:
@@ -31,6 +31,12 @@ def _is_int(x: Any) -> bool:
         except TypeError:
             return False
     return False
+
+
+def is_int(x: Any) -> bool:
+    """An int -- numpy's and torch's integer scalars too --, never a bool: what a checker
+    accepts where the answer is a whole number."""
+    return _is_int(x)
 
 
 def _kind(want: Any) -> str:

@@ -11,6 +11,7 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
+from kvlab.exercises.answers import describe, is_int
 from kvlab.exercises.registry import call, register
 from kvlab.exercises.result import CheckResult, failed, passed
 
@@ -211,7 +212,12 @@ def check_token_slots(fn: Any) -> CheckResult:
     for name, ids, a, b, bs in SLOT_CASES:
         want = [ids[p // bs] * bs + p % bs for p in range(a, b)]
         got = call(fn, list(ids), a, b, bs, where=f"the case '{name}'")
-        got = list(got) if isinstance(got, (list, tuple, range)) else got
+        slots = _int_list(got)
+        if slots is None:
+            return failed(eid, f"token_slots must return a list of ints (one slot per token) -- got {_slots_kind(got)}", case=name,
+                          inputs=f"block_ids={ids}, start={a}, end={b}, block_size={bs}", expected=repr(want), got=describe(got),
+                          idea="a slot is a whole number: block id × block_size + offset (a list, a tuple or a 1-D numpy array of ints)")
+        got = slots
         if got == want:
             continue
         idea = "slot = block_ids[p // block_size] * block_size + p % block_size for every p in [start, end)"
@@ -229,6 +235,26 @@ def check_token_slots(fn: Any) -> CheckResult:
                       idea="your slots place the saved keys and values in the decode engine's cache: a wrong slot is wrong attention")
     return passed(eid, "every case matches; with your slots the prefill engine saves and the decode engine places the prompt's KV, "
                        "and its tokens equal the dense model's.")
+
+
+def _int_list(got: Any) -> list[int] | None:
+    """``got`` as a list of plain ints when it is a sequence of ints (a list, a tuple, a range,
+    a 1-D numpy array or tensor; numpy ints welcome); None otherwise."""
+    if hasattr(got, "tolist") and getattr(got, "ndim", 1) == 1:
+        got = got.tolist()
+    if not isinstance(got, (list, tuple, range)) or not all(is_int(x) for x in got):
+        return None
+    return [int(x) for x in got]
+
+
+def _slots_kind(got: Any) -> str:
+    if getattr(got, "ndim", 1) != 1:
+        return f"an array of shape {tuple(got.shape)}"
+    items = got.tolist() if hasattr(got, "tolist") else got
+    if isinstance(items, (list, tuple, range)):
+        bad = next(x for x in items if not is_int(x))
+        return f"an item {describe(bad)} of type {type(bad).__name__}"
+    return f"{type(got).__name__} {describe(got)}"
 
 
 def _pd_run(matched: Callable | None = None, slots: Callable | None = None) -> tuple[bool, str]:
@@ -251,8 +277,8 @@ def _pd_run(matched: Callable | None = None, slots: Callable | None = None) -> t
     if matched is not None:
         attrs["external_tokens"] = lambda self, saved, prompt, hit: call(matched, saved, prompt, hit, where="the decode engine's lookup")
     if slots is not None:
-        attrs["slots_of"] = lambda self, rm, bs: list(call(slots, list(rm.block_ids), rm.start, rm.end, bs,
-                                                           where="placing a token range in the cache"))
+        attrs["slots_of"] = lambda self, rm, bs: _int_list(call(slots, list(rm.block_ids), rm.start, rm.end, bs,
+                                                                where="placing a token range in the cache"))
     learner = type("LearnerExampleConnector", (ExampleConnector,), attrs)
     torch.set_num_threads(1)
     model = TinyLlama(TinyLlamaConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128), seed=0)
@@ -298,6 +324,10 @@ ENC_CASES = [
     ("the second image does not fit", [("x", 0, 4), ("y", 6, 8)], 0, 16, set(), 10, ([0], 6)),
     ("an image behind the computed tokens, one beyond the chunk", [("x", 0, 4), ("y", 6, 4), ("z", 14, 4)], 4, 6, set(), 100, ([1], 6)),
     ("the same image twice", [("x", 0, 4), ("x", 6, 4)], 0, 12, set(), 100, ([0], 12)),
+    ("4 tokens computed: no room for an image at offset 12", [("x", 12, 8)], 4, 16, set(), 6, ([], 8)),
+    ("an image starts exactly where the chunk ends", [("x", 0, 4), ("y", 16, 4)], 0, 16, set(), 100, ([0], 16)),
+    ("no room for the first image; a smaller one after it would fit", [("x", 4, 8), ("y", 14, 2), ("z", 18, 8)], 0, 24, set(), 6, ([], 4)),
+    ("a cached image, then one to encode", [("x", 0, 4), ("y", 6, 4)], 0, 12, {"x"}, 100, ([1], 12)),
 ]
 
 
@@ -318,10 +348,14 @@ def check_encoder_inputs(fn: Any) -> CheckResult:
     eid = "encoder_inputs"
     for name, items, computed, new, cached, room, want in ENC_CASES:
         got = _run_enc(fn, items, computed, new, cached, room, where=f"the case '{name}'")
+        inputs = f"items={items}, num_computed_tokens={computed}, num_new_tokens={new}, cached={sorted(cached)}, room for {room} embeddings"
+        if not _enc_pair(got):
+            return failed(eid, _enc_kind_problem(got), case=name, inputs=inputs, expected=repr(want), got=describe(got),
+                          idea="two values, e.g. `return chosen, num_new_tokens` (a tuple or a list of two): the indices of "
+                               "the items to encode, and the chunk's token count")
         if got == want:
             continue
-        return failed(eid, f"wrong decision: {name}", case=name,
-                      inputs=f"items={items}, num_computed_tokens={computed}, num_new_tokens={new}, cached={sorted(cached)}, room for {room} embeddings",
+        return failed(eid, f"wrong decision: {name}", case=name, inputs=inputs,
                       expected=repr(want), got=repr(got), idea=_enc_idea(items, computed, new, cached, room, got))
     ok, detail = _enc_story(fn)
     if not ok:
@@ -341,27 +375,57 @@ def _run_enc(fn: Callable, items, computed, new, cached, room, where: str) -> An
         return True
 
     got = call(fn, list(items), computed, new, lambda i: items[i][0] in cached, fits, where=where)
-    if isinstance(got, tuple) and len(got) == 2:
-        return (list(got[0]), got[1])
+    return _enc_normal(got)
+
+
+def _enc_normal(got: Any) -> Any:
+    """``(chosen, n)`` as ``(list of ints, int)`` when it is a 2-sequence of that kind (a tuple
+    or a list, numpy ints welcome); anything else unchanged, for the message."""
+    if isinstance(got, (tuple, list)) and len(got) == 2:
+        chosen, n = got
+        if isinstance(chosen, (list, tuple, range)) and all(is_int(i) for i in chosen) and is_int(n):
+            return ([int(i) for i in chosen], int(n))
     return got
 
 
+def _enc_pair(got: Any) -> bool:
+    return (isinstance(got, tuple) and len(got) == 2 and isinstance(got[0], list) and all(type(i) is int for i in got[0])
+            and type(got[1]) is int)
+
+
+def _enc_kind_problem(got: Any) -> str:
+    """What is wrong with the kind of an answer that is not ``(chosen, n)``."""
+    if not isinstance(got, (tuple, list)) or len(got) != 2:
+        return f"return (chosen, num_new_tokens), two values -- got {describe(got)}"
+    chosen, n = got
+    if not isinstance(chosen, (list, tuple, range)) or not all(is_int(i) for i in chosen):
+        return f"chosen must be a list of item indices (ints) -- got {describe(chosen)}"
+    return f"num_new_tokens must be an int -- got {type(n).__name__} {describe(n)}"
+
+
 def _enc_reference(items, computed, new, cached, room, *, cut_to_zero=False, no_cut=False, ignore_cache=False,
-                   only_starting=False, no_stop=False) -> tuple[list[int], int]:
+                   only_starting=False, no_stop=False, abs_cut=False, at_end=False, carry_on=False,
+                   stop_at_cached=False) -> tuple[list[int], int]:
     out: list[int] = []
     chosen: set[str] = set()
     end = computed + new
     left = room
     for i, (ident, off, length) in enumerate(items):
-        if off >= end and not no_stop:
+        if (off > end if at_end else off >= end) and not no_stop:
             break
         if off + length <= computed or (only_starting and off < computed):
             continue
-        if ident in chosen or (ident in cached and not ignore_cache):
+        if ident in chosen:
+            continue
+        if ident in cached and not ignore_cache:
+            if stop_at_cached:
+                break
             continue
         if length > left:
             if not no_cut:
-                new = 0 if cut_to_zero or computed >= off else min(new, off - computed)
+                new = 0 if cut_to_zero or computed >= off else (off if abs_cut else min(new, off - computed))
+            if carry_on:
+                continue
             break
         left -= length
         chosen.add(ident)
@@ -379,6 +443,19 @@ def _enc_idea(items, computed, new, cached, room, got) -> str:
         return "an item already in the encoder cache is shared by hash: do not run the encoder again"
     if got == _enc_reference(*args, only_starting=True):
         return "a chunk that starts inside an image (a prefix hit ended there) still needs the whole image's embeddings"
+    if got == _enc_reference(*args, abs_cut=True):
+        off = got[1]  # that variant stops the chunk at the item's offset
+        return (f"num_new_tokens counts tokens from num_computed_tokens: stop the chunk at offset - num_computed_tokens = "
+                f"{off - computed}, not at the offset {off}")
+    if got == _enc_reference(*args, at_end=True):
+        return ("the chunk covers [num_computed_tokens, num_computed_tokens + num_new_tokens): an image starting AT the end is "
+                "not in this chunk -- the next chunk encodes it (stop at offset >= the end)")
+    carried, right = _enc_reference(*args, carry_on=True), _enc_reference(*args)
+    if carried != right and isinstance(got, tuple) and (got == carried or got[0] == carried[0] != right[0]):  # whatever it made of n
+        return ("once an item does not fit, the chunk ends right before it: stop there (break) -- every item after it lies "
+                "beyond the new end, and encoding one now spends the budget on tokens this step does not compute")
+    if got == _enc_reference(*args, stop_at_cached=True):
+        return "a cached item needs no encoder run, but the items after it may: skip it (continue), do not stop at it"
     if got == _enc_reference(*args, no_stop=True):
         return "only items overlapping the chunk's tokens are needed now: stop at the first item at or beyond its end"
     return "items overlapping [num_computed_tokens, num_computed_tokens + num_new_tokens), each encoded whole if it fits"

@@ -26,12 +26,12 @@ Scenarios: vLLM's prefill story (test_prefill: ids ``[1, 2, 3, 4]``, free queue
 duplicate blocks (both copies survive their requests; evicting one keeps the other
 reachable), lookahead slots freed as a group at the queue head, a preemption storm in the real engine (FCFS, chunked prefill, shared prefixes,
 dozens of preemptions: the whole event log must equal kvlab's own run), and scale (each
-call O(1): the same cost at 2,000 and 200,000 blocks).
+call O(1): the same counted work -- comparisons, hashes, lines of the learner's code -- at 500
+and 8,000 blocks; see :mod:`kvlab.exercises.work`).
 """
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -42,6 +42,7 @@ from kvlab.engine.llm_engine import build_engine
 from kvlab.exercises.checks_pool import EXPECTED_STORY, compare_story, run_shared_prefix_story
 from kvlab.exercises.registry import call, register
 from kvlab.exercises.result import CheckFailed, CheckResult, failed, passed
+from kvlab.exercises.work import CountedInt, Work, counting
 from kvlab.request import Request
 from kvlab.timeline.events import EventLog
 
@@ -345,24 +346,25 @@ def _storm(cls: Any) -> dict[str, int]:
             "steps": ref.events.step, "log": eng.events}
 
 
-def _scale(cls: Any) -> float:
-    """Seconds per touch of a cached free block at 2,000 vs 200,000 blocks: the O(n) list trap."""
-    def per_op(n: int) -> float:
-        m = cls(n)
-        ids = m.allocate(n - 1)
-        for i in ids:
-            m.cache(i, i.to_bytes(8, "little"))
-        m.free(ids)
-        rng = random.Random(0)
-        picks = rng.sample(ids, 300)
-        t = time.perf_counter()
-        m.touch(picks)
-        m.free(picks)
-        return (time.perf_counter() - t) / 300
+SCALE_OPS = 100  # blocks touched and freed again per measured manager
+_PER_BLOCK = ("block", "blocks touched and freed")
+SCALE_FACTOR = 4  # 16x the blocks: O(1) work stays ~1x, a scan grows ~16x
 
-    small = min(per_op(2_000) for _ in range(3))
-    big = min(per_op(200_000) for _ in range(2))
-    return big / max(small, 1e-9)
+
+def _scale_work(cls: Any, n: int) -> Work:
+    """The counted work of touching 100 cached free blocks and freeing them again, in an
+    n-block manager (the same seeded picks every run): the O(n) list trap shows as n
+    comparisons or lines per call, on any machine."""
+    m = call(cls, n, where=f"BlockManager({n:,}) for the scale check")
+    ids = call(m.allocate, n - 1, where=f"allocate({n - 1:,}) for the scale check")
+    for i in ids:
+        call(m.cache, i, int(i).to_bytes(8, "little"), where="cache(...) for the scale check")
+    call(m.free, list(ids), where=f"free({n - 1:,} ids) for the scale check")
+    picks = [CountedInt(i) for i in random.Random(0).sample(list(ids), SCALE_OPS)]
+    with counting() as work:
+        call(m.touch, picks, where=f"touch({SCALE_OPS} cached free blocks) of {n:,}")
+        call(m.free, picks, where=f"free({SCALE_OPS} blocks) of {n:,}")
+    return work
 
 
 @register(
@@ -391,9 +393,9 @@ def check_block_manager(cls: Any) -> CheckResult:
     _duplicates_story(cls)
     _lookahead_story(cls)
     storm = _storm(cls)
-    ratio = _scale(cls)
-    if ratio > 30:  # a dict or linked list measures 5-15x here (memory effects); a list's remove 100x and more
-        return failed(EID, f"touch/free are not O(1): {ratio:.0f}× slower per call at 200,000 blocks than at 2,000",
+    small, big = _scale_work(cls, 500), _scale_work(cls, 8_000)
+    if big.per(SCALE_OPS) > SCALE_FACTOR * max(small.per(SCALE_OPS), 1.0):
+        return failed(EID, f"touch/free are not O(1): with 500 blocks they did {small.describe(SCALE_OPS, *_PER_BLOCK)}; with 8,000 blocks {big.describe(SCALE_OPS, *_PER_BLOCK)}",
                       idea="a list's remove() or index() searches the whole queue; use a dict (ordered) or a linked list")
     return passed(
         EID,
@@ -401,5 +403,5 @@ def check_block_manager(cls: Any) -> CheckResult:
         message=(f"vLLM's prefill story ({EXPECTED_STORY['free_order']} freed, evicted in that order), a decoded block, "
                  f"duplicates that both survive, lookahead blocks, and a preemption storm ({storm['preemptions']} preemptions, "
                  f"{storm['evictions']} evictions, {storm['steps']} steps) with the same event log as kvlab's pool; "
-                 f"touch + free cost {ratio:.1f}× per call at 100× the blocks (a list's search costs ~100×)."),
+                 f"touch + free did {small.per(SCALE_OPS):.1f} and {big.per(SCALE_OPS):.1f} counted steps per block with 500 and 8,000 blocks (a list's search does ~16× more)."),
     )

@@ -110,6 +110,12 @@ def _mixed_block_size_story(block_pool_cls: type[BlockPool]) -> tuple:
 
 
 # --- unified_block_sizes ----------------------------------------------------------------------
+def _and(pages: Sequence[int]) -> str:
+    """'65,536 and 32,768' / '8,192, 40,960 and 4,096'."""
+    words = [f"{p:,}" for p in pages]
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
+
+
 def _bytes_per_token(spec: Any, *, mla_doubled: bool = False, no_heads: bool = False) -> int:
     v = spec.head_size if spec.head_size_v is None else spec.head_size_v
     if mla_doubled and isinstance(spec, MLAAttentionSpec):
@@ -119,10 +125,12 @@ def _bytes_per_token(spec: Any, *, mla_doubled: bool = False, no_heads: bool = F
 
 
 def _unify(specs: Sequence[Any], *, mla_doubled: bool = False, no_heads: bool = False, shrink: bool = False,
-           grow_mamba: bool = False) -> list[int]:
+           grow_mamba: bool = False, mamba_left_out: bool = False) -> list[int]:
     pages = [s.page_size_bytes if isinstance(s, MambaSpec) else s.block_size * _bytes_per_token(s, mla_doubled=mla_doubled, no_heads=no_heads)
              for s in specs]
     target = min(pages) if shrink else max(pages)
+    if mamba_left_out:
+        target = max(p for s, p in zip(specs, pages) if not isinstance(s, MambaSpec))
     out = []
     for s, p in zip(specs, pages):
         if isinstance(s, MambaSpec) and not grow_mamba:
@@ -148,6 +156,10 @@ UNIFY_CASES = [
         FullAttentionSpec(block_size=16, num_kv_heads=4, head_size=128),
         SlidingWindowSpec(block_size=16, num_kv_heads=4, head_size=128, sliding_window=512, dtype="fp8"),
         MLAAttentionSpec(block_size=16, head_size=512)]),
+    ("a Mamba state larger than the attention pages", [
+        SlidingWindowSpec(block_size=16, num_kv_heads=1, head_size=64, sliding_window=1024),
+        FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64),
+        MambaSpec(block_size=16, shapes=((4, 1024), (16, 64, 16)), dtypes=("bfloat16", "bfloat16"))]),
 ]
 
 
@@ -174,7 +186,13 @@ def check_unified_block_sizes(fn: Any) -> CheckResult:
         if got == want:
             continue
         idea = "pages: block_size × bytes per token; the largest page wins and the others grow their block size by the ratio"
-        if got == _unify(specs, mla_doubled=True):
+        pages = [s.page_size_bytes for s in specs]
+        if got == [s.block_size for s in specs]:
+            idea = (f"you returned the block sizes unchanged, but the pages differ ({_and(pages)} bytes): one pool serves every "
+                    "group, so each smaller page must grow its block size until its page matches the largest")
+            if got == _unify(specs, no_heads=True):
+                idea += " -- and if you did compare pages: every KV head stores its own key and value, multiply by num_kv_heads"
+        elif got == _unify(specs, mla_doubled=True):
             idea = "MLA stores ONE latent vector per token, no separate value: do not count it twice (head_size_v is 0)"
         elif got == _unify(specs, no_heads=True):
             idea = "every KV head stores its own key and value: multiply by num_kv_heads"
@@ -182,6 +200,10 @@ def check_unified_block_sizes(fn: Any) -> CheckResult:
             idea = "pages must all fit the LARGEST page: grow the smaller pages' block sizes, never shrink the big ones"
         elif got == _unify(specs, grow_mamba=True):
             idea = "a Mamba page holds one state whatever its block size: keep its block size (vLLM pads the page instead)"
+        elif any(isinstance(s, MambaSpec) for s in specs) and got == _unify(specs, mamba_left_out=True):
+            mamba = max(p for s, p in zip(specs, pages) if isinstance(s, MambaSpec))
+            idea = (f"the Mamba page is a page too: here the Mamba state ({mamba:,} bytes) is the largest page, so the attention "
+                    "groups grow their block sizes until their pages match it (vLLM takes the max over every group's page)")
         described = ", ".join(f"{type(s).__name__}(block_size={s.block_size})" for s in specs)
         return failed(eid, f"wrong block sizes: {name}", case=name, inputs=described, expected=repr(want), got=repr(got), idea=idea)
     # In the engine: the manager built with your block sizes hashes at their GCD and hits on their LCM.

@@ -258,6 +258,16 @@ def _diagnose(got: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     """Name the mistake when the learner's output equals what one classic mistake computes."""
     if not torch.isfinite(got).all():
         return ""
+    # The scale: the scores are q·k × scale (1/sqrt(head_dim)); an output equal to the
+    # reference computed with another scale names the scale, whatever else is right.
+    for wrong_scale, idea in (
+        (1.0, f"the softmax scale is missing: multiply the scores q·k by scale (= 1/sqrt(head_dim) = {scale:.4g}) before the "
+              "softmax -- without it the softmax is far too sharp; the rest (block lookup, loads, online softmax) is right"),
+        (scale * scale, "the softmax scale is applied twice (the scores came out as q·k × scale²): multiply by scale once, "
+                        "either the scores or q/k, not both"),
+    ):
+        if torch.allclose(got.float(), _variant_ref(q, k, v, table, lens, wrong_scale), atol=1e-4):
+            return idea
     for logical, unmasked, idea in (
         (True, False, "your kernel read logical block j as if it were physical block j: look the block up in the block table "
                       "first (block_id = tl.load(block_table_ptr + start // BLOCK_SIZE)) -- the masking is right"),

@@ -154,6 +154,9 @@ def check_allocate_capacity(fn: Any) -> CheckResult:
         ("hit on 3 evictable blocks", 53, 16, 0, [0, 0, 0], 4, "1 new + 3 evictable hits that leave the free queue"),
         ("decode, room left in the last block", 18, 16, 2, [], 0, "the request already holds 2 blocks for 18 tokens"),
         ("decode crossing a block boundary", 33, 16, 2, [], 1, "token 33 needs a third block"),
+        # e.g. lookahead slots of a speculative step that were not all used
+        ("the request already holds more blocks than it needs", 20, 16, 3, [], 0,
+         "cdiv(20, 16) = 2 blocks needed, 3 held: nothing to allocate"),
     ]
     for name, n, bs, held, refs, want, idea in cases:
         got = call(fn, n, bs, held, list(refs), where=f"the case '{name}'")
@@ -161,6 +164,9 @@ def check_allocate_capacity(fn: Any) -> CheckResult:
         if bad is not None:
             return bad
         if not same(got, want):
+            if got < 0:
+                idea = (f"a number of blocks to allocate is never negative: {idea} -- clamp the new blocks at 0, then add the "
+                        "evictable hits (vLLM: max(num_new_blocks, 0) + the evictable hit blocks)")
             return failed(eid, f"wrong count: {name}", case=name, inputs=f"num_tokens={n}, block_size={bs}, held={held}, hit ref counts={refs}", expected=str(want), got=str(got), idea=idea)
     # In the engine: a pool whose only free blocks are the request's own evictable hits.
     # The learner's count is the full-attention manager's get_num_blocks_to_allocate.

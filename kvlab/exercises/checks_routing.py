@@ -60,6 +60,16 @@ def _variants(hash_fn: Any, none_hash: bytes, toks: list[int], bs: int, extra: A
         "whole int": chain(none_hash, first, lambda d: int.from_bytes(d, "big")),
         "None root": chain(None, first, _low64),
     }
+    # A list where vLLM builds a tuple: sha256_cbor encodes both as one CBOR array, but
+    # vLLM's default sha256 pickles the key, and a list pickles to other bytes.
+    for name, key in (("list tokens", lambda p, t, x: (p, list(t), x)),
+                      ("list extra", lambda p, t, x: (p, t, None if x is None else list(x))),
+                      ("list key", lambda p, t, x: [p, t, x])):
+        out, p = [], none_hash
+        for b, t in enumerate(blocks):
+            p = hash_fn(key(p, t, first(b)))
+            out.append(_low64(p))
+        v[name] = out
     if len(toks) % bs:
         out, p = [], none_hash
         for b, t in enumerate([*blocks, tuple(toks[n * bs :])]):
@@ -84,6 +94,12 @@ _IDEAS = {
     "None root": "the first block's parent is NONE_HASH (hash_fn of PYTHONHASHSEED or 'vllm-none-hash'), not None: "
     "a router with another root matches nothing",
     "partial block": "only FULL blocks have keys: a trailing partial block is never cached, so it has no key",
+    "list tokens": "hash tuple(block_tokens), not a list: vLLM's default sha256 pickles the key, and a list pickles to other "
+    "bytes than a tuple (sha256_cbor writes both as one CBOR array -- which is why the sha256_cbor cases passed)",
+    "list extra": "pass first_block_extra_keys as it is (a tuple), not as a list: vLLM's default sha256 pickles the key, and a "
+    "list pickles to other bytes than a tuple (sha256_cbor writes both as one CBOR array -- which is why the sha256_cbor cases passed)",
+    "list key": "the key is the tuple (parent, tuple(tokens), extra), not a list: vLLM's default sha256 pickles it, and a list "
+    "pickles to other bytes than a tuple (sha256_cbor writes both as one CBOR array -- which is why the sha256_cbor cases passed)",
 }
 
 
@@ -108,21 +124,26 @@ def check_router_block_keys(fn: Any) -> CheckResult:
     rng = random.Random(11)
     prompt = [rng.randrange(32000) for _ in range(70)]
     salt_keys = kv_cache_utils.generate_block_hash_extra_keys(Request("s", prompt, cache_salt="tenant-a-secret"), 0, bs)
+    # vLLM's default sha256 pickles every key; kvlab's encodes a (bytes, tuple, extra) key its own
+    # way and pickles anything else -- a list where a tuple belongs changes the digest in both.
+    fn_pickle = hashing.sha256
     cases = [
-        ("a plain prompt (4 full blocks + 6 tokens)", prompt, None),
-        ("a salted prompt", prompt, salt_keys),
-        ("a prompt shorter than one block", prompt[:9], None),
-        ("exactly two blocks", prompt[:32], salt_keys),
+        ("a plain prompt (4 full blocks + 6 tokens)", prompt, None, fn_cbor),
+        ("a salted prompt", prompt, salt_keys, fn_cbor),
+        ("a prompt shorter than one block", prompt[:9], None, fn_cbor),
+        ("exactly two blocks", prompt[:32], salt_keys, fn_cbor),
+        ("a salted prompt, hashed with vLLM's default sha256 (pickle)", prompt, salt_keys, fn_pickle),
     ]
-    for name, toks, extra in cases:
-        want = reference_block_keys(fn_cbor, root, toks, bs, extra)
-        got = call(fn, fn_cbor, root, list(toks), bs, extra, where=f"computing the keys of {name}")
+    for name, toks, extra, hash_fn in cases:
+        case_root = kv_cache_utils.none_hash_for(hash_fn)
+        want = reference_block_keys(hash_fn, case_root, toks, bs, extra)
+        got = call(fn, hash_fn, case_root, list(toks), bs, extra, where=f"computing the keys of {name}")
         if isinstance(got, tuple):
             got = list(got)
         if got == want:
             continue
         idea = "each key: low 64 bits of hash_fn((parent, tuple(tokens), extra)), chained from none_hash"
-        for k, v in _variants(fn_cbor, root, list(toks), bs, extra).items():
+        for k, v in _variants(hash_fn, case_root, list(toks), bs, extra).items():
             if got == v and v != want:
                 idea = _IDEAS[k]
                 break

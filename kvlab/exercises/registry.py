@@ -108,8 +108,8 @@ def check(exercise_id: str, learner_obj: Any) -> CheckResult:
     ``.message`` explains the first case that failed: inputs, expected, got, and which
     idea it violates.
 
-    Every check runs under a time limit (``Exercise.time_limit_s``: "your code ran longer
-    than N s -- an endless loop?"), and kvlab's modules and classes are put back as they
+    Every check runs under a limit of CPU time (``Exercise.time_limit_s``: "your code used
+    more than N s of CPU time -- an endless loop?"; see :mod:`kvlab.exercises.sandbox`), and kvlab's modules and classes are put back as they
     were afterwards, so one submission never changes the next check (see
     :mod:`kvlab.exercises.sandbox`).
     """
@@ -159,12 +159,12 @@ def _run(ex: Exercise, learner_obj: Any) -> CheckResult:
         learner_obj = _never_none(learner_obj, exercise_id)
     with kvlab_state_restored():
         try:
-            with time_limit(ex.time_limit_s):
+            with time_limit(ex.time_limit_s) as limit:
                 return ex.checker(learner_obj)
         except CheckTimeout:
             return failed(
                 exercise_id,
-                f"your code ran longer than {ex.time_limit_s:g} s — an endless loop?",
+                limit.message(),
                 idea="look for a loop whose condition never changes (a queue that never advances, a `while` without a step); the check was stopped",
             )
         except NotImplementedError:

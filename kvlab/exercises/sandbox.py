@@ -4,17 +4,29 @@ A check runs learner code inside the real engine. Three things can go wrong that
 learner did not mean, and each has a guard here:
 
 * **It never ends** (``while True:``, a queue whose ``popleft`` never advances, a Triton
-  step that loops). :func:`time_limit` stops it after N seconds with :class:`CheckTimeout`
-  -- a ``BaseException``, so a learner's ``except Exception:`` (or the Triton
-  interpreter's own error wrapping) cannot swallow it. In the main thread (where Jupyter
-  runs every cell) it is a ``SIGALRM`` timer: the handler raises between two bytecodes of
-  a pure-Python loop, of the interpreted kernel, or interrupts a ``time.sleep``; the
-  previous handler and timer (pytest-timeout's, say) are put back afterwards. In another
-  thread a watchdog raises it there with ``PyThreadState_SetAsyncExc`` (a loop in C code,
-  e.g. one huge numpy call, is stopped when it returns to Python). Why not a subprocess:
-  the learner's function lives in the notebook's kernel -- defined in a cell, closing over
-  its globals -- and forking a kernel that holds ZMQ and torch threads is not sound; the
-  in-process timer stops the runaway for real (no thread left spinning).
+  step that loops). :func:`time_limit` stops it with :class:`CheckTimeout` -- a
+  ``BaseException``, so a learner's ``except Exception:`` (or the Triton interpreter's own
+  error wrapping) cannot swallow it. The limit is **CPU time** of the checking thread, not
+  the wall clock: on a busy machine (a shared hub, a slow Binder pod, CI beside other jobs)
+  correct code gets fewer seconds of CPU per second of wall time, and a wall-clock limit
+  turned it into "an endless loop?". An endless loop burns CPU wherever it runs, so the CPU
+  limit gives the same verdict on every machine. A loop that burns none (``time.sleep``, a
+  wait that never returns) is stopped by a wall-clock ceiling, ``WALL_FACTOR`` times the CPU
+  limit, as a last resort.
+
+  A watchdog thread reads the checking thread's CPU clock (``pthread_getcpuclockid``) ten
+  times a second. In the main thread (where Jupyter runs every cell) it stops the code with
+  a signal: the handler raises between two bytecodes of a pure-Python loop or of the
+  interpreted kernel, and interrupts a ``time.sleep``. It knocks again at every poll until
+  the check ends (the code may have caught one knock in a ``finally`` that loops), and since
+  the watchdog is a thread, not an interval timer, ``signal.setitimer(...)`` in learner code
+  does not switch it off. (A loop that catches ``BaseException`` itself and carries on
+  cannot be stopped from inside the process; nor can Jupyter's interrupt stop it.) In
+  another thread the watchdog raises ``CheckTimeout`` there with
+  ``PyThreadState_SetAsyncExc``, again and again until the check ends (a loop in C code, e.g.
+  one huge numpy call, is stopped when it returns to Python). Why not a subprocess: the
+  learner's function lives in the notebook's kernel -- defined in a cell, closing over its
+  globals -- and forking a kernel that holds ZMQ and torch threads is not sound.
 * **It changes kvlab itself** (``kv_cache_utils.NONE_HASH = b""``, ``BlockPool.touch =
   mine``): :func:`kvlab_state_restored` puts every module global and class attribute of
   every loaded ``kvlab`` module back as it was before the check, so the next check (and
@@ -26,75 +38,141 @@ learner did not mean, and each has a guard here:
 from __future__ import annotations
 
 import ctypes
+import importlib.util
+import os
 import signal
 import sys
+import sysconfig
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from types import CodeType, FrameType
 from typing import Any
 
-__all__ = ["CheckTimeout", "time_limit", "kvlab_state_restored"]
+__all__ = ["CheckTimeout", "Limit", "time_limit", "kvlab_state_restored", "WALL_FACTOR"]
+
+#: The wall-clock ceiling is this many times the CPU limit: only code that waits without
+#: computing ever reaches it, so it can be generous.
+WALL_FACTOR = 10.0
+_POLL_S = 0.1
+_SIGNAL = signal.SIGUSR2  # the watchdog's knock on the main thread (no timer: see the docstring)
 
 
 class CheckTimeout(BaseException):
-    """The learner's code ran past the check's time limit (a BaseException on purpose: no
+    """The learner's code ran past the check's limit (a BaseException on purpose: no
     ``except Exception`` in learner code or in the Triton interpreter can swallow it)."""
 
     def __init__(self, seconds: float | None = None) -> None:
-        super().__init__("ran past the time limit" if seconds is None else f"ran longer than {seconds:g} s")
+        super().__init__("ran past the time limit" if seconds is None else f"used more than {seconds:g} s of CPU time")
         self.seconds = seconds
 
 
-@contextmanager
-def time_limit(seconds: float) -> Iterator[None]:
-    """Raise :class:`CheckTimeout` in this thread if the body runs longer than ``seconds``."""
-    if threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer"):
-        yield from _alarm(seconds)
-    else:
-        yield from _watchdog(seconds)
+@dataclass
+class Limit:
+    """The limits of one :func:`time_limit` block and, once it fired, which one: ``"cpu"``
+    (the code kept computing) or ``"wall"`` (it kept waiting)."""
+
+    cpu_s: float
+    wall_s: float
+    reason: str | None = None
+
+    def message(self) -> str:
+        if self.reason == "wall":
+            return (f"your code waited more than {self.wall_s:g} s without finishing, using little CPU — "
+                    "a sleep, or a wait for something that never comes?")
+        return f"your code used more than {self.cpu_s:g} s of CPU time — an endless loop?"
 
 
-def _alarm(seconds: float) -> Iterator[None]:
-    def on_alarm(signum: int, frame: Any) -> None:
-        raise CheckTimeout(seconds)
-
-    old_handler = signal.signal(signal.SIGALRM, on_alarm)
-    old_delay, old_interval = signal.setitimer(signal.ITIMER_REAL, seconds)
-    start = time.monotonic()
+def _thread_cpu_clock(tid: int) -> Any:
     try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old_handler)
-        if old_delay:  # someone else's timer was running: give it back, minus our time
-            left = old_delay - (time.monotonic() - start)
-            signal.setitimer(signal.ITIMER_REAL, max(left, 1e-3), old_interval)
+        clock = time.pthread_getcpuclockid(tid)
+        time.clock_gettime(clock)
+        return lambda: time.clock_gettime(clock)
+    except (AttributeError, OSError):  # no per-thread CPU clock here: the wall clock stands in
+        return time.monotonic
 
 
-def _watchdog(seconds: float) -> Iterator[None]:
+@contextmanager
+def time_limit(seconds: float, wall_s: float | None = None) -> Iterator[Limit]:
+    """Raise :class:`CheckTimeout` in this thread once the body has used ``seconds`` of CPU
+    time, or ``wall_s`` (default ``WALL_FACTOR * seconds``) of wall time; the yielded
+    :class:`Limit` says which."""
+    limit = Limit(float(seconds), float(seconds * WALL_FACTOR if wall_s is None else wall_s))
     tid = threading.get_ident()
+    cpu = _thread_cpu_clock(tid)
+    main = threading.current_thread() is threading.main_thread()
+    cpu0, wall0 = cpu(), time.monotonic()
     done = threading.Event()
-    lock = threading.Lock()
-    fired = [False]
+
+    def knock() -> None:
+        if main:
+            signal.pthread_kill(tid, _SIGNAL)
+        else:
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid), ctypes.py_object(CheckTimeout))
 
     def watch() -> None:
-        if not done.wait(seconds):
-            with lock:
-                if not done.is_set():
-                    fired[0] = True
-                    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid), ctypes.py_object(CheckTimeout))
+        while not done.wait(_POLL_S):
+            if limit.reason is None:
+                if cpu() - cpu0 > limit.cpu_s:
+                    limit.reason = "cpu"
+                elif time.monotonic() - wall0 > limit.wall_s:
+                    limit.reason = "wall"
+            if limit.reason is not None and not done.is_set():
+                knock()  # again at every poll: the code may have caught the last one
 
-    t = threading.Thread(target=watch, name="kvlab-check-watchdog", daemon=True)
-    t.start()
+    def on_knock(signum: int, frame: FrameType | None) -> None:
+        if limit.reason is not None and not done.is_set():
+            raise CheckTimeout(limit.cpu_s)
+
+    old_handler = signal.signal(_SIGNAL, on_knock) if main else None
+    watchdog = threading.Thread(target=watch, name="kvlab-check-watchdog", daemon=True)
+    watchdog.start()
+
+    def stop() -> None:
+        done.set()
+        watchdog.join()  # no knock after this: only then may the signal's old handler come back
+        if limit.reason is not None and not main:
+            # One may be pending. Cleared only when one was sent: clearing with none pending
+            # still raises the interpreter's "something pending" flag, and CPython 3.11 then
+            # spins at the next function entry while a trace function is on.
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid), None)
+        if main:
+            signal.signal(_SIGNAL, old_handler)
+
     try:
-        yield
+        yield limit
     finally:
-        with lock:
-            done.set()
-            if fired[0]:  # raised but perhaps not delivered yet: take it back
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid), None)
-        t.join()
+        while True:  # a timeout still pending when the body ended may land in here: finish anyway
+            try:
+                stop()
+                break
+            except CheckTimeout:
+                continue
+
+
+def _not_learner_dirs() -> tuple[str, ...]:
+    kvlab_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    paths = sysconfig.get_paths()
+    dirs = {kvlab_dir, paths["stdlib"], paths["platstdlib"], paths["purelib"], paths["platlib"]}
+    kernels = importlib.util.find_spec("kvlab.kernels")  # installed from the top-level kernels/ folder
+    if kernels is not None and kernels.origin:
+        dirs.add(os.path.dirname(kernels.origin))
+    return (*(os.path.join(d, "") for d in dirs if d), "<frozen")
+
+
+_NOT_LEARNER = _not_learner_dirs()
+_learner_code: dict[CodeType, bool] = {}
+
+
+def is_learner_code(code: CodeType) -> bool:
+    """Code that is neither kvlab's, the standard library's nor an installed package's: the
+    learner's cell (or a test's stand-in for it). Cached per code object: asked per call."""
+    mine = _learner_code.get(code)
+    if mine is None:
+        mine = _learner_code[code] = not code.co_filename.startswith(_NOT_LEARNER)
+    return mine
 
 
 def _kvlab_modules() -> list[Any]:
