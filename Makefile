@@ -3,6 +3,8 @@ PYTHON ?= python3.11
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvlab-installed
+# Test workers (pytest-xdist): two, one per core of the machines we test on.
+WORKERS ?= 2
 # `make lab` opens the learner's working copies here (outputs cleared, never overwritten).
 WORKDIR ?= my-kvlab
 # JupyterLab refuses to start as root without this (Docker, Codespaces, cloud notebooks).
@@ -20,16 +22,17 @@ $(STAMP): pyproject.toml scripts/install.sh
 
 # The layer contracts (import-linter, config in pyproject.toml), unit/property/kernel/browser
 # tests, then every lesson notebook top to bottom (nbval: cells marked NBVAL_CHECK_OUTPUT must
-# reproduce their stored output).
+# reproduce their stored output). Both on $(WORKERS) workers: a notebook's cells stay on one
+# (loadfile), and so do the browser tests (loadgroup; conftest.py groups them).
 test: install
 	$(BIN)/lint-imports --no-cache
-	$(BIN)/python -m pytest
-	$(BIN)/python -m pytest --nbval-lax -p no:cacheprovider notebooks
+	$(BIN)/python -m pytest -n $(WORKERS) --dist loadgroup
+	$(BIN)/python -m pytest -n $(WORKERS) --dist loadfile --nbval-lax -p no:cacheprovider notebooks
 
 # The quick loop while coding: everything but the slow tests (soak, browser) and the
 # notebook executions; `make test` runs them all.
 test-fast: install
-	$(BIN)/python -m pytest -m "not slow and not notebook" -q
+	$(BIN)/python -m pytest -n $(WORKERS) -m "not slow and not notebook" -q
 
 lab: install
 	$(BIN)/python -m kvlab.workspace prepare --dest $(WORKDIR)

@@ -262,7 +262,6 @@ def test_bad_frames_and_wrong_topics_are_logged_skipped_and_refilled(caplog):
 def test_dead_peers_never_hang_the_consumer():
     """No publisher at all; then a replay endpoint nobody answers: every wait ends."""
     sub = Subscriber("tcp://127.0.0.1:0", bind=True, replay_timeout_s=0.3)
-    t0 = time.monotonic()
     assert list(sub.receive(timeout_s=0.2)) == []
     # a dead replay peer: the gap is logged, the replay request times out, the socket is rebuilt
     dead = CTX.socket(zmq.ROUTER)
@@ -285,7 +284,6 @@ def test_dead_peers_never_hang_the_consumer():
     g = sub.gaps[0]
     assert (g.expected, g.received, g.recovered, g.complete, g.missing) == (1, 5, 0, False, 4)
     assert sub.stats["replay_timeouts"] == 1 and sub.stats["lost"] == 4
-    assert time.monotonic() - t0 < 60  # bounded (the real bound is a few seconds)
     with pytest.raises(ValueError, match="closed"):
         list(sub.receive(0.1))
 

@@ -187,15 +187,14 @@ def test_paper_shape_on_sharegpt() -> None:
     assert rows["paged(16)"].avg_running / rows["max"].avg_running >= 2.5
 
 
-def test_fast_path_is_quick() -> None:
-    # 1,000 ShareGPT-like requests: the closed-form stepping keeps this around a second
-    # (the bound is loose because the test machine is shared).
-    import time
-
-    trace = sharegpt_like(1000, 0, rate=10.0)
-    t0 = time.perf_counter()
-    compare(trace, 15_616, block_sizes=(16, 64))
-    assert time.perf_counter() - t0 < 10
+def test_fast_path_runs_a_thousand_requests() -> None:
+    # 1,000 ShareGPT-like requests through the closed-form stepping (its speed is measured by
+    # `python -m kvlab.bench`, not here: a shared test machine makes timings noise).
+    rows = {r.label: r for r in compare(sharegpt_like(1000, 0, rate=10.0), 15_616, block_sizes=(16, 64))}
+    assert list(rows) == ["max", "pow2", "oracle", "paged(16)", "paged(64)"]
+    assert {k: round(r.token_states_pct, 2) for k, r in rows.items()} == {
+        "max": 21.24, "pow2": 37.92, "oracle": 50.41, "paged(16)": 97.28, "paged(64)": 92.81}
+    assert rows["max"].avg_running == 7.0 and round(rows["paged(16)"].avg_running, 2) == 32.06
 
 
 def test_bench_memory_runs(capsys: pytest.CaptureFixture[str]) -> None:

@@ -138,12 +138,19 @@ def _kernel_idle(base: str, token: str, notebook: str) -> bool:
     return any(s.get("path", "").endswith(notebook) and (s.get("kernel") or {}).get("execution_state") == "idle" for s in sessions)
 
 
+# Every wait below is for a state, bounded; on a machine busy with other jobs the states come
+# later, so the bounds are stretched by this factor (KVLAB_PATIENCE, default 2). A bound is
+# never a verdict on speed: reaching the state is the test.
+PATIENCE = float(os.environ.get("KVLAB_PATIENCE", "2"))
+
+
 def _wait_until(page, js: str, timeout_s: float, what: str, also=lambda: True) -> None:
     """Poll ``js`` in the page; accept JupyterLab's "Select Kernel" dialog if it appears.
 
     The dialog shows up when the notebook opens before the kernel specs have loaded (a
     race on a busy machine); its default button starts the notebook's own kernel.
     """
+    timeout_s *= PATIENCE
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         dialog = page.locator(".jp-Dialog .jp-mod-accept")
@@ -482,9 +489,7 @@ def test_exported_replay_works_offline(lab: Lab, tmp_path: Path) -> None:
     import kvlab
     from kvlab.scenarios import shared_prefix
 
-    t = time.monotonic()
     path = kvlab.export_html(shared_prefix(), tmp_path / "replay.html")
-    exported = time.monotonic() - t
     page, blocked, errors = _offline_page(lab, path)
     try:
         page.wait_for_function("() => document.body.dataset.step === '0' && document.querySelectorAll('.js-plotly-plot .main-svg').length >= 6")
@@ -502,15 +507,19 @@ def test_exported_replay_works_offline(lab: Lab, tmp_path: Path) -> None:
         page.dispatch_event("#kv-slider", "input")
         page.wait_for_function("() => document.body.dataset.step === '4'")
         page.click("#kv-play")
-        page.wait_for_function("() => document.body.dataset.step === '6'", timeout=10_000)
+        # Playing moves on by itself (past step 4); how far before the pause lands depends on
+        # the machine's load, so the test waits for a state, not for a particular step.
+        page.wait_for_function("() => Number(document.body.dataset.step) > 4", timeout=60_000)
         page.click("#kv-play")  # pause: it stays where it is
+        page.wait_for_function("() => document.getElementById('kv-play').textContent === '▶ Play'")
         here = page.evaluate("() => document.body.dataset.step")
+        assert int(here) > 4
         page.wait_for_timeout(1500)
         assert page.evaluate("() => document.body.dataset.step") == here
         page.screenshot(path=str(ARTIFACTS / "export_offline.png"), full_page=True)
         assert not errors, errors
         assert blocked == [], blocked  # nothing asked for the network
-        print(f"export: {path.stat().st_size / 1e6:.2f} MB written in {exported:.1f} s")
+        print(f"export: {path.stat().st_size / 1e6:.2f} MB written")
     finally:
         page.close()
 
