@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml scripts/install.sh
 # The layer contracts (import-linter, config in pyproject.toml), unit/property/kernel/browser
 # tests, then every lesson notebook top to bottom (nbval: cells marked NBVAL_CHECK_OUTPUT must
 # reproduce their stored output). Both on $(WORKERS) workers: a notebook's cells stay on one
-# (loadfile), and so do the browser tests (loadgroup; conftest.py groups them).
+# (loadfile), and so do the browser tests (loadgroup: their xdist_group mark).
 test: install
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest -n $(WORKERS) --dist loadgroup

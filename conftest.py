@@ -12,7 +12,6 @@ import os
 import shutil
 import tempfile
 
-import pytest
 
 _HOME = tempfile.mkdtemp(prefix="kvlab-home-")
 os.environ["KVLAB_HOME"] = _HOME
@@ -21,14 +20,3 @@ os.environ["KVLAB_PREDICT"] = "plain"
 
 def pytest_unconfigure(config):  # noqa: ARG001 - pytest's hook signature
     shutil.rmtree(_HOME, ignore_errors=True)
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config, items):  # noqa: ARG001 - pytest's hook signature
-    """`make test` runs pytest on two workers (pytest-xdist). The browser tests stay together
-    on one worker, in order (``--dist loadgroup``): one JupyterLab and one Chromium serve them
-    all, and two of each would only fight over two cores. Everything else is spread over both
-    workers. (The notebooks run with ``--dist loadfile``: a notebook's cells share a kernel.)"""
-    for item in items:
-        if item.path.parent.name == "browser":
-            item.add_marker(pytest.mark.xdist_group("browser"))

@@ -26,6 +26,7 @@ from kvlab.core.block_pool import BlockPool  # noqa: E402
 from kvlab.exercises import EXERCISES, check  # noqa: E402
 from kvlab.exercises import sandbox  # noqa: E402
 from kvlab.exercises.sandbox import CheckTimeout, time_limit  # noqa: E402
+from test_exercises import QueueOk  # noqa: E402
 
 LIMIT = 1.0  # seconds of CPU time
 WALL = 4.0  # the wall-clock ceiling, in limits (kvlab's default is 10)
@@ -282,3 +283,17 @@ def test_an_engine_crash_on_none_points_at_a_missing_return():
 
 def _divides_by_zero(*args):
     return 1 / 0
+
+
+@pytest.mark.timeout(300, method="thread")
+def test_a_timeout_in_another_thread_leaves_no_pending_flag_behind(short_limits):
+    """The watchdog's exception into another thread is drained, not cleared: clearing left
+    CPython 3.11's "pending" flag up, and the next check that counts work under a trace
+    function (free_queue) spun forever at a function entry."""
+    out = []
+    th = threading.Thread(target=lambda: out.append(check("longest_hit", loop_forever)))
+    th.start()
+    th.join(600)
+    assert out[0].message == CPU_MESSAGE
+    res = check("free_queue", QueueOk)
+    assert res and "2.0 and 2.0 counted steps per call" in res.message, str(res)

@@ -51,7 +51,9 @@ NOTEBOOK = HERE / "player_demo.ipynb"
 EXPECTED_TITLES = ["Block pool", "Free queue", "Block tables", "Hash chains", "Timeline", "Attention read"]
 EXPECTED_PLOTS = len(EXPECTED_TITLES)
 
-pytestmark = [pytest.mark.browser, pytest.mark.slow]
+# One JupyterLab and one Chromium serve every browser test: under pytest-xdist (`make test`)
+# they stay together on one worker (--dist loadgroup), in order.
+pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.xdist_group("browser")]
 
 
 def _free_port() -> int:

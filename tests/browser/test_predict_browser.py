@@ -18,7 +18,9 @@ from test_browser import ALL_CELLS_RAN, ARTIFACTS, REPO, Lab, _assert_no_errors,
 
 from kvlab.workspace import cleared
 
-pytestmark = [pytest.mark.browser, pytest.mark.slow]
+# One JupyterLab and one Chromium serve every browser test: under pytest-xdist (`make test`)
+# they stay together on one worker (--dist loadgroup), in order.
+pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.xdist_group("browser")]
 
 LESSON = "03_prefix_caching.ipynb"
 
