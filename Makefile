@@ -32,7 +32,7 @@ test: install
 # The quick loop while coding: everything but the slow tests (soak, browser) and the
 # notebook executions; `make test` runs them all.
 test-fast: install
-	$(BIN)/python -m pytest -n $(WORKERS) -m "not slow and not notebook" -q
+	$(BIN)/python -m pytest -m "not slow and not notebook" -n $(WORKERS) -q
 
 lab: install
 	$(BIN)/python -m kvlab.workspace prepare --dest $(WORKDIR)

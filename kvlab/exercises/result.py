@@ -6,6 +6,8 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvlab.exercises.sandbox import is_learner_file
+
 
 @dataclass
 class CheckResult:
@@ -113,7 +115,7 @@ class LearnerError(Exception):
 
     def __init__(self, exc: BaseException, where: str) -> None:
         frames = traceback.extract_tb(exc.__traceback__)
-        own = [f for f in frames if "kvlab" not in f.filename.replace("\\", "/").split("/site-packages/")[-1] or "<ipython" in f.filename]
+        own = [f for f in frames if is_learner_file(f.filename)]  # not "kvlab" in the path: a checkout may be called so
         loc = f" (line {own[-1].lineno}: {own[-1].line})" if own else ""
         super().__init__(f"{type(exc).__name__}: {exc}{loc} — while {where}")
         self.exc = exc

@@ -177,12 +177,17 @@ _NOT_LEARNER = _not_learner_dirs()
 _learner_code: dict[CodeType, bool] = {}
 
 
+def is_learner_file(filename: str) -> bool:
+    """A file that is neither kvlab's, the standard library's nor an installed package's: the
+    learner's cell (or a test's stand-in for it), wherever the course is checked out."""
+    return not filename.startswith(_NOT_LEARNER)
+
+
 def is_learner_code(code: CodeType) -> bool:
-    """Code that is neither kvlab's, the standard library's nor an installed package's: the
-    learner's cell (or a test's stand-in for it). Cached per code object: asked per call."""
+    """:func:`is_learner_file` of a code object, cached per code object: asked per call."""
     mine = _learner_code.get(code)
     if mine is None:
-        mine = _learner_code[code] = not code.co_filename.startswith(_NOT_LEARNER)
+        mine = _learner_code[code] = is_learner_file(code.co_filename)
     return mine
 
 
