@@ -34,6 +34,7 @@ _EXPORTS: dict[str, str] = {
     "KVCacheMetricsCollector": "kvlab.core.kv_cache_metrics",
     "KVStream": "kvlab.timeline.kv_stream",
     "LLMEngine": "kvlab.engine.llm_engine",
+    "LoadedModel": "kvlab.model_loader",
     "MLAAttentionSpec": "kvlab.kv_cache_interface",
     "MambaSpec": "kvlab.kv_cache_interface",
     "MultiModalFeature": "kvlab.request",
@@ -52,6 +53,7 @@ _EXPORTS: dict[str, str] = {
     "get_hash_fn_by_name": "kvlab.utils.hashing",
     "predict": "kvlab.learner.prediction",
     "hash_block_tokens": "kvlab.core.kv_cache_utils",
+    "load_model": "kvlab.model_loader",
     "replay": "kvlab.timeline.timeline",
 }
 # Modules exported by name: ``kvlab.show`` (callable) and ``kvlab.kv_events`` (vLLM's KV-cache
@@ -77,6 +79,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs only
         SlidingWindowSpec,
     )
     from kvlab.learner.prediction import predict
+    from kvlab.model_loader import LoadedModel, load_model
     from kvlab.metrics.stats import CachingMetrics, PrefixCacheStats
     from kvlab.request import MultiModalFeature, Request, RequestStatus
     from kvlab.timeline.events import EventLog

@@ -14,6 +14,7 @@ Triton interpreter: a scaled-down shape, and the times measure Python, not a GPU
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -175,10 +176,17 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--reps", type=int, help="timed repetitions (median reported)")
     parser.add_argument("--dtype", choices=["fp16", "bf16", "both"], default="both")
     parser.add_argument("--no-sweep", action="store_true", help="skip the kv-split sweep on CUDA")
+    parser.add_argument("--model", default=os.environ.get("KVLAB_MODEL") or None,
+                        help="a Hugging Face checkpoint (directory or Hub id; default: $KVLAB_MODEL): "
+                             "also time its attention shape (q heads, KV heads, head_dim)")
     opts = parser.parse_args(argv)
 
     cuda = torch.cuda.is_available() and not K.INTERPRET
     shape = GPU_SHAPE if cuda else CPU_SHAPE
+    model_shape = None
+    if opts.model:
+        cfg = model_attention_shape(opts.model)
+        model_shape = Shape(shape.batch, shape.context, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, shape.block_size)
     if opts.batch or opts.context:
         shape = Shape(opts.batch or shape.batch, opts.context or shape.context, shape.num_q_heads,
                       shape.num_kv_heads, shape.head_dim, shape.block_size)
@@ -208,3 +216,17 @@ def main(argv: list[str]) -> None:
     for i, dtype in enumerate(dtypes):
         # Each split count is its own compiled variant: sweep one dtype only.
         run(shape, dtype, cuda, warmup, reps, sweep if i == 0 else ())
+    if model_shape is not None:
+        print(f"\n{opts.model}: {model_shape.num_q_heads} q heads, {model_shape.num_kv_heads} kv heads, "
+              f"head_dim {model_shape.head_dim}; the same batch and context against SDPA")
+        for dtype in dtypes:
+            run(model_shape, dtype, cuda, warmup, reps, ())
+
+
+def model_attention_shape(path_or_id: str):  # noqa: ANN201
+    """A checkpoint's attention geometry, read from its config.json alone (no weights loaded)."""
+    from kvlab.worker.hf_checkpoint import read_config, resolve_checkpoint_dir
+    from kvlab.worker.hf_config import HFModelConfig
+
+    directory = resolve_checkpoint_dir(path_or_id)
+    return HFModelConfig.from_dict(read_config(directory), dtype=torch.float32, where=str(directory / "config.json"))
