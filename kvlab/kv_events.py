@@ -1,4 +1,4 @@
-"""``kvlab.kv_events`` -- the spelling DESIGN.md and the lessons use for vLLM's
+"""``kvlab.kv_events`` -- the spelling the lessons use for vLLM's
 ``vllm/distributed/kv_events.py``: the event structs and wire format
 (:mod:`kvlab.distributed.kv_events`), the ZeroMQ publisher (:mod:`kvlab.distributed.kv_publisher`),
 the subscriber (:mod:`kvlab.distributed.kv_subscriber`) and recordings

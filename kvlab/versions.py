@@ -27,7 +27,7 @@ class BehaviourChange:
 BEHAVIOUR_CHANGES: tuple[BehaviourChange, ...] = (
     BehaviourChange(
         "free order of blocks without a hash",
-        "every freed block appended to the free-queue tail (0.23: except blocks leaving a sliding window)",
+        "every freed block appended to the free-queue tail (0.23 already sent to the head the uncached blocks that left a sliding window or local-attention chunk, and those a sliding-window group freed)",
         "0.24.0 (PR #42656)",
         "unhashed blocks prepended to the head (reused first), hashed ones appended",
         "04b",
@@ -53,7 +53,7 @@ BEHAVIOUR_CHANGES: tuple[BehaviourChange, ...] = (
         "NONE_HASH, the root of every hash chain",
         "random per process unless PYTHONHASHSEED is set",
         "0.29.0",
-        'hash_fn(PYTHONHASHSEED or "vllm-none-hash"): the same in every process (random only for xxhash)',
+        'hash_fn(PYTHONHASHSEED or "vllm-none-hash"): the same in every process (random only for xxhash and xxhash_cbor)',
         "06",
         "`init_none_hash(random_root=True)`",
     ),

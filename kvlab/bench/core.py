@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         f"   target <= {CYCLE_TARGET_FLOOR_UNITS:g} (vLLM ~{VLLM_CYCLE_FLOOR_UNITS:g}): {verdict}")
     print(f"  {'':<36} {r['cycle'] / CYCLE_BLOCKS:9.3f} us per block, pool of {args.pool_blocks:,} blocks, all evictions")
     row("  the same, undo journal on (an engine step)", r["cycle (journaled)"],
-        f"   {r['cycle (journaled)'] / r['cycle']:.2f}x the cycle (issue 11: steps that can be undone)")
+        f"   {r['cycle (journaled)'] / r['cycle']:.2f}x the cycle (a step that can be undone)")
     print("  where a cycle's time goes (timed phase by phase; the timer adds a little):")
     row("  get_new_blocks(64) + 64 evictions", r["cycle:get_new_blocks"])
     row("  cache_full_blocks(64 hashes)", r["cycle:cache_full_blocks"])

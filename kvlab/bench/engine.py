@@ -58,7 +58,7 @@ def make_prompts(num_prompts: int, prompt_len: int) -> list[list[int]]:
 def _sim_engine(num_requests: int, checkpoints: bool) -> LLMEngine:
     """The simulated executor's engine on a 2,000-block pool, ``num_requests`` requests of
     20-200 prompt tokens, up to 32 running; ``checkpoints=False`` strips the per-step undo
-    (every call taken as it was before issue 11), for the comparison."""
+    (every call taken without an undo point), for the comparison."""
     import contextlib
     import random
 
@@ -88,7 +88,7 @@ class _NoCheckpoint:
 
 
 def checkpoint_overhead(num_requests: int = 300, rounds: int = 3) -> tuple[float, float, float]:
-    """What the per-step checkpoint costs (issue 11: a step can be undone). Two identical
+    """What the per-step checkpoint costs (a step can be undone). Two identical
     simulated-executor engines step in lock-step, one with and one without checkpoints, the
     order swapped every step so both see the same machine; returns the medians of the
     per-step times (us, without / with) and of the per-step ratios, over ``rounds`` runs."""

@@ -8,7 +8,7 @@ runs, BlockRemoved per evicted block, int hashes. One batch per "step" of 8 requ
 Printed, each from this one run (minimum over the repeats; this machine's speed drifts):
 
 * decode rate of ``kv_events.decode_batch`` in events/s -- target >= 100,000 events/s,
-  what a router must sustain to follow a busy engine (issue 14 builds on it);
+  what a router must sustain to follow a busy engine (lesson 11's routers read these);
 * the same for ``encode_batch`` and for ``CacheIndex.apply`` (decode + index update);
 * the cost of producing the events: the manager's allocate/free cycle with events on, as a
   ratio to the same cycle with events off;

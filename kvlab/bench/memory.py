@@ -64,7 +64,7 @@ def main(argv: list[str]) -> None:
     try:
         block_sizes = tuple(int(b) for b in args.block_sizes.split(","))
         if 16 not in block_sizes:
-            block_sizes += (16,)  # the concurrency ratio is quoted for vLLM's default block size
+            block_sizes += (16,)  # the concurrency ratio is quoted for the paper's block size (CacheConfig's default, 16)
         trace = sharegpt_like(args.n, args.seed, rate=args.rate)
         rows = compare(trace, args.capacity, block_sizes=block_sizes, step_seconds=args.step_seconds)
     except (TypeError, ValueError) as e:  # bad flags: say which, without a traceback

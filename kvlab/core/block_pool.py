@@ -18,7 +18,8 @@ The rules this file enforces:
   produce a hit, and reusing recently touched memory is good for locality); cached blocks
   go to the *tail* (kept as long as possible, least-recently-used first out). That is
   vLLM 0.24 and later; vLLM 0.22 and older appended every freed block to the tail (0.23
-  already prepended blocks leaving a sliding window). ``prepend_uncached_blocks=False``
+  already prepended the uncached blocks that left a sliding window or local-attention chunk, and
+  those a sliding-window group freed). ``prepend_uncached_blocks=False``
   brings the old rule back; lesson 04 compares the two.
 * With ``enable_kv_cache_events`` the pool queues vLLM's KV cache events at the moments
   vLLM's pool does: ``BlockStored`` when ``cache_full_blocks`` hashes a run of blocks,

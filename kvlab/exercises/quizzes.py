@@ -1,6 +1,6 @@
 """Quizzes with a reveal: each answer is *shown by running the engine*, not just stated.
 
-Seed 001's follow-up questions and the classic wrong answers interviewers hear. In a
+Follow-up questions on the KV cache and the classic wrong answers interviewers hear. In a
 notebook, ``quiz("25_tokens")`` shows the question and a button; the button runs the demo
 (a real engine run) and prints what happened next to the answer.
 """
@@ -107,7 +107,9 @@ def demo_swap_to_cpu() -> str:
                 f"blocks held = {eng.kv_cache_manager.get_block_ids(rid)}, status = {r.status.name}.\n"
                 "Nothing was copied anywhere: its blocks went back to the free queue (their hashes survive "
                 "there as prefix-cache entries), and when it resumes its tokens are recomputed (minus what still hits).\n"
-                "→ Wrong: vLLM V1 preempts by recompute only. Older versions could swap to CPU; the current engine judges recompute cheaper."
+                "→ Wrong: vLLM V1 preempts by recompute, never by swapping (the older V0 engine could swap to CPU). "
+                "With KV offloading on (lesson 12), though, the victim's prompt blocks that the CPU tier already holds "
+                "are loaded back when it resumes, instead of being recomputed."
             )
     return "no preemption happened"  # pragma: no cover
 
@@ -156,7 +158,8 @@ QUIZZES: dict[str, Quiz] = {
         Quiz("fcfs_victim", "Under the default policy, which request does vLLM preempt when no block is free, and what does it cost?",
              "The newest running request: all its blocks are freed, it goes to the head of the waiting queue, and its tokens are computed again (vllm:num_preemptions counts it).", demo_fcfs_victim),
         Quiz("swap_to_cpu", "True or false: vLLM swaps preempted requests to CPU memory.",
-             "False for the current engine: it only recomputes.", demo_swap_to_cpu, wrong_answer=True),
+             "False for the current engine: it preempts by recompute, never swaps. With KV offloading on (lesson 12), what the "
+             "CPU tier already holds of the victim is loaded back when it resumes.", demo_swap_to_cpu, wrong_answer=True),
         Quiz("cache_budget", "True or false: the prefix cache has its own memory budget.",
              "False: the cache is the pool; a busy server keeps fewer old prefixes.", demo_cache_budget, wrong_answer=True),
         Quiz("hash_own_tokens", "True or false: a block hash covers only its own 16 tokens.",

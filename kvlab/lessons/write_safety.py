@@ -19,9 +19,11 @@ Why it holds in vLLM V1 without any copy: a prefix hit only ever adopts *full* b
 positions lie before the request's ``num_computed_tokens``; new tokens are written at
 positions after it, which always fall in blocks the request allocated for itself. Even a
 request that resends a cached prompt recomputes its last block into a block of its own
-(that is where duplicates come from). So V1 has no copy-on-write: nothing shared is ever
-extended in place. (Parallel sampling, ``n > 1``, fans out into child requests that share the
-prompt's full blocks through the prefix cache, each writing its own last block.)
+(that is where duplicates come from). So V1's prefix sharing needs no copy-on-write: nothing
+shared is ever extended in place. (Parallel sampling, ``n > 1``, fans out into child requests
+that share the prompt's full blocks through the prefix cache, each writing its own last block.)
+vLLM 0.33 copies blocks only elsewhere: a prefix hit that ends inside a block on a Mamba
+hybrid (``_apply_cow``), Mamba states in "align" mode, and moves between offload tiers.
 """
 from __future__ import annotations
 

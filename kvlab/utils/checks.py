@@ -3,7 +3,7 @@
 Learners call kvlab from notebooks, with values that come from ``range``, numpy arrays,
 torch tensors or a typo. Every public entry point validates its own arguments with these
 helpers, *before* it changes any state, so a bad call raises and leaves everything as it
-was (the all-or-nothing rule of DESIGN.md). An argument is checked once, at the door that
+was (kvlab's all-or-nothing rule). An argument is checked once, at the door that
 owns it; the layers behind that door trust what they are handed.
 
 What counts as an int: anything ``operator.index`` accepts (``int``, numpy and torch

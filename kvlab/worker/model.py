@@ -181,7 +181,7 @@ def sliding_window_mask(num_tokens: int, sliding_window: int | None, device: tor
 
 
 class PagedKernels(NamedTuple):
-    """The two kernels the paged path needs, with DESIGN.md's signatures."""
+    """The two kernels the paged path needs, with the signatures of ``kvlab.kernels``."""
 
     reshape_and_cache: Callable[..., None]
     unified_attention: Callable[..., Tensor]
