@@ -13,9 +13,25 @@ import shutil
 import tempfile
 
 
+
 _HOME = tempfile.mkdtemp(prefix="kvlab-home-")
 os.environ["KVLAB_HOME"] = _HOME
 os.environ["KVLAB_PREDICT"] = "plain"
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Under pytest-xdist (``make test``) a notebook's cells run in order in one kernel, so
+    they go to one worker together; every other test is its own unit, handed to whichever
+    worker is free. (xdist's own ``--dist loadgroup`` marks cannot do this with pytest 9: the
+    worker renames ``item._nodeid``, which pytest 9 no longer reads.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class NotebookScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return path if path.endswith(".ipynb") else nodeid
+
+    return NotebookScheduling(config, log)
 
 
 def pytest_unconfigure(config):  # noqa: ARG001 - pytest's hook signature

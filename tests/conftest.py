@@ -37,3 +37,8 @@ try:
     torch.set_num_threads(1)
 except ImportError:  # pragma: no cover
     pass
+
+
+# The browser tests' own notebook (tests/browser/player_demo.ipynb) is opened by them in
+# JupyterLab; it is not a lesson for nbval to run when `make test` passes --nbval-lax.
+collect_ignore_glob = ["browser/*.ipynb"]

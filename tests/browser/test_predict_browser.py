@@ -18,9 +18,9 @@ from test_browser import ALL_CELLS_RAN, ARTIFACTS, REPO, Lab, _assert_no_errors,
 
 from kvlab.workspace import cleared
 
-# One JupyterLab and one Chromium serve every browser test: under pytest-xdist (`make test`)
-# they stay together on one worker (--dist loadgroup), in order.
-pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.xdist_group("browser")]
+# This test starts its own JupyterLab and Chromium (its kernels write to their own KVLAB_HOME),
+# so under pytest-xdist (`make test`) it can run on any worker.
+pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 LESSON = "03_prefix_caching.ipynb"
 
