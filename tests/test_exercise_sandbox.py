@@ -12,6 +12,9 @@
 """
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -80,7 +83,7 @@ def loop_after_cancelling_timers(*args):
 
 
 CPU_MESSAGE = f"your code used more than {LIMIT:g} s of CPU time — an endless loop?"
-WALL_MESSAGE = (f"your code waited more than {LIMIT * WALL:g} s without finishing, using little CPU — "
+WALL_MESSAGE = (f"your code waited more than {LIMIT * WALL:g} s without finishing, computing nothing — "
                 "a sleep, or a wait for something that never comes?")
 
 
@@ -109,6 +112,33 @@ def test_the_limit_is_cpu_time_not_wall_time(short_limits):
 
     res = check("kv_bytes", slow_but_correct)
     assert res and slept == [None], str(res)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or not os.path.exists(f"/proc/self/task/{threading.get_native_id()}/schedstat"),
+                    reason="needs Linux's CPU affinity and per-thread schedstat")
+def test_an_endless_loop_on_a_crowded_cpu_is_still_an_endless_loop():
+    """Eight CPU-bound processes share this process's one CPU, so the loop gets at most a ninth
+    of it: 0.3 s of CPU take 2.7 s or more on the clock, past a 1.2 s ceiling on the clock. The
+    ceiling counts only waiting, and the loop never waits (it queues for the CPU): the verdict
+    is the CPU limit's, as on an idle machine."""
+    cpu = min(os.sched_getaffinity(0))
+    before = os.sched_getaffinity(0)
+    hog = f"import os; os.sched_setaffinity(0, {{{cpu}}}); print(flush=True)\nwhile True: pass"
+    hogs = [subprocess.Popen([sys.executable, "-c", hog], stdout=subprocess.PIPE) for _ in range(8)]
+    try:
+        for h in hogs:
+            h.stdout.readline()  # pinned and spinning
+        os.sched_setaffinity(0, {cpu})
+        with pytest.raises(CheckTimeout):
+            with time_limit(0.3, wall_s=1.2) as limit:
+                loop_forever()
+        assert limit.reason == "cpu", limit.message()
+        assert limit.message() == "your code used more than 0.3 s of CPU time — an endless loop?"
+    finally:
+        os.sched_setaffinity(0, before)
+        for h in hogs:
+            h.kill()
+            h.wait()
 
 
 def test_an_endless_loop_in_another_thread_is_stopped_too(short_limits):

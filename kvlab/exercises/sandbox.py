@@ -11,8 +11,11 @@ learner did not mean, and each has a guard here:
   correct code gets fewer seconds of CPU per second of wall time, and a wall-clock limit
   turned it into "an endless loop?". An endless loop burns CPU wherever it runs, so the CPU
   limit gives the same verdict on every machine. A loop that burns none (``time.sleep``, a
-  wait that never returns) is stopped by a wall-clock ceiling, ``WALL_FACTOR`` times the CPU
-  limit, as a last resort.
+  wait that never returns) is stopped by a ceiling on the time the code spends **waiting**,
+  ``WALL_FACTOR`` times the CPU limit: wall time minus the time the thread ran or sat in the
+  run queue for a CPU (Linux's per-thread ``schedstat``). On a busy machine a computing thread
+  queues for a CPU instead of waiting, so load never turns an endless loop into "a wait";
+  where ``schedstat`` is missing, the plain wall clock stands in.
 
   A watchdog thread reads the checking thread's CPU clock (``pthread_getcpuclockid``) ten
   times a second. In the main thread (where Jupyter runs every cell) it stops the code with
@@ -53,8 +56,8 @@ from typing import Any
 
 __all__ = ["CheckTimeout", "Limit", "time_limit", "kvlab_state_restored", "WALL_FACTOR"]
 
-#: The wall-clock ceiling is this many times the CPU limit: only code that waits without
-#: computing ever reaches it, so it can be generous.
+#: The ceiling on waiting (neither running nor queued for a CPU) is this many times the CPU
+#: limit: only code that waits without computing ever reaches it, so it can be generous.
 WALL_FACTOR = 10.0
 _POLL_S = 0.1
 _SIGNAL = signal.SIGUSR2  # the watchdog's knock on the main thread (no timer: see the docstring)
@@ -80,9 +83,26 @@ class Limit:
 
     def message(self) -> str:
         if self.reason == "wall":
-            return (f"your code waited more than {self.wall_s:g} s without finishing, using little CPU — "
+            return (f"your code waited more than {self.wall_s:g} s without finishing, computing nothing — "
                     "a sleep, or a wait for something that never comes?")
         return f"your code used more than {self.cpu_s:g} s of CPU time — an endless loop?"
+
+
+def _thread_busy_clock(native_id: int) -> Any:
+    """Seconds the thread has run or waited in the run queue for a CPU (``schedstat``'s first
+    two fields), or None where the kernel does not report them."""
+    path = f"/proc/self/task/{native_id}/schedstat"
+
+    def busy() -> float:
+        with open(path, "rb") as f:
+            on_cpu, queued = f.read().split()[:2]
+        return (int(on_cpu) + int(queued)) / 1e9
+
+    try:
+        busy()
+    except (OSError, ValueError):
+        return None
+    return busy
 
 
 def _thread_cpu_clock(tid: int) -> Any:
@@ -97,13 +117,14 @@ def _thread_cpu_clock(tid: int) -> Any:
 @contextmanager
 def time_limit(seconds: float, wall_s: float | None = None) -> Iterator[Limit]:
     """Raise :class:`CheckTimeout` in this thread once the body has used ``seconds`` of CPU
-    time, or ``wall_s`` (default ``WALL_FACTOR * seconds``) of wall time; the yielded
-    :class:`Limit` says which."""
+    time, or has waited (neither run nor queued for a CPU) ``wall_s`` seconds (default
+    ``WALL_FACTOR * seconds``); the yielded :class:`Limit` says which."""
     limit = Limit(float(seconds), float(seconds * WALL_FACTOR if wall_s is None else wall_s))
     tid = threading.get_ident()
     cpu = _thread_cpu_clock(tid)
+    busy = _thread_busy_clock(threading.get_native_id()) or (lambda: 0.0)
     main = threading.current_thread() is threading.main_thread()
-    cpu0, wall0 = cpu(), time.monotonic()
+    cpu0, wall0, busy0 = cpu(), time.monotonic(), busy()
     done = threading.Event()
 
     def knock() -> None:
@@ -117,7 +138,7 @@ def time_limit(seconds: float, wall_s: float | None = None) -> Iterator[Limit]:
             if limit.reason is None:
                 if cpu() - cpu0 > limit.cpu_s:
                     limit.reason = "cpu"
-                elif time.monotonic() - wall0 > limit.wall_s:
+                elif (time.monotonic() - wall0) - (busy() - busy0) > limit.wall_s:  # waited, not computed
                     limit.reason = "wall"
             if limit.reason is not None and not done.is_set():
                 knock()  # again at every poll: the code may have caught the last one
