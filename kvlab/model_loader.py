@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,11 +23,8 @@ from kvlab.engine.llm_engine import LLMEngine, build_engine
 from kvlab.kv_cache_interface import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from kvlab.timeline.events import EventLog
 from kvlab.utils.checks import check_int
-from kvlab.worker.hf_checkpoint import load_checkpoint
-from kvlab.worker.hf_config import HFModelConfig
-from kvlab.worker.hf_model import HFCausalLM
+from kvlab.worker.hf_checkpoint import Checkpoint, load_checkpoint
 from kvlab.worker.hf_runner import CheckpointModelRunner, layer_windows
-from kvlab.worker.hf_tokenizer import HFTokenizer
 
 __all__ = ["LoadedModel", "load_model"]
 
@@ -36,16 +32,9 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat
 
 
 @dataclass(frozen=True)
-class LoadedModel:
-    """A checkpoint's model and tokenizer, and how its KV cache is laid out."""
-
-    model: HFCausalLM
-    tokenizer: HFTokenizer
-    directory: Path
-
-    @property
-    def config(self) -> HFModelConfig:
-        return self.model.config
+class LoadedModel(Checkpoint):
+    """A checkpoint's model and tokenizer (the fields of :class:`Checkpoint`), and how its KV
+    cache is laid out."""
 
     @property
     def device(self) -> torch.device:
