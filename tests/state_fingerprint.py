@@ -11,6 +11,7 @@ the events themselves, as JSON dicts).
 from __future__ import annotations
 
 from dataclasses import fields
+from enum import Enum
 from typing import Any
 
 from kvlab.core.kv_cache_manager import KVCacheManager
@@ -33,11 +34,21 @@ def pool_fingerprint(pool) -> tuple:
 
 
 def request_fingerprint(r: Request) -> tuple:
-    return (
-        r.request_id, r.status.name, r.num_computed_tokens, r.num_preemptions, r.num_cached_tokens, r.finish_reason,
-        tuple(r.all_token_ids), tuple(r.output_token_ids), bytes(r.token_bytes), tuple(r.block_hashes),
-        id(r.block_hasher), id(r._owner),
-    )
+    """Every attribute the request has (not a hand-kept list of them: a field added later, or
+    one a connector sets, is in it too), containers by value, other objects by identity."""
+    return tuple((name, _value(v)) for name, v in sorted(vars(r).items()))
+
+
+def _value(v: Any) -> Any:
+    if v is None or isinstance(v, (bool, int, float, str, bytes, Enum)):
+        return v
+    if isinstance(v, bytearray):
+        return bytes(v)
+    if isinstance(v, (list, tuple)):
+        return tuple(_value(x) for x in v)
+    if isinstance(v, dict):
+        return tuple(sorted((repr(k), _value(x)) for k, x in v.items()))
+    return ("object", id(v))  # the hasher, the owning scheduler, a feature, an embeddings tensor
 
 
 def manager_fingerprint(mgr: KVCacheManager) -> tuple:
@@ -83,7 +94,7 @@ def scheduler_fingerprint(sched: Scheduler, extra_requests=()) -> tuple:
         (cm.aggregated_requests, cm.aggregated_query_total, cm.aggregated_query_hit, tuple(cm.query_queue)),
         None if sched._pending_output is None else id(sched._pending_output),
         sched._ckpt is None,
-        tuple(sorted(request_fingerprint(r) for r in reqs.values())),
+        tuple(sorted((request_fingerprint(r) for r in reqs.values()), key=repr)),
         log_fingerprint(sched.events),
     )
 
@@ -97,6 +108,13 @@ def engine_fingerprint(eng: LLMEngine, extra_requests=()) -> tuple:
         tuple(sorted((rid, tuple(getattr(m, f.name) for f in fields(m))) for rid, m in eng.metrics.items())),
         tuple(eng.finished),
     )
+
+
+def comparable(fp: tuple) -> tuple:
+    """An engine fingerprint without the blocks already sent to the executor: after an undone
+    step the engine re-sends every running request in full (the executor may have seen it)."""
+    sched = fp[0]
+    return (sched[:5] + sched[6:], *fp[1:])
 
 
 def fingerprint(obj: Any, extra_requests=()) -> tuple:

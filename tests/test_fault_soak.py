@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import state_fingerprint
-from state_fingerprint import first_difference, fingerprint
+from state_fingerprint import comparable, first_difference, fingerprint
 
 from kvlab.core.block_pool import BlockPool
 from kvlab.core.kv_cache_manager import KVCacheManager
@@ -147,11 +147,6 @@ def live_fingerprint(eng: LLMEngine) -> tuple:
     live = sorted(eng.scheduler.requests)
     return (fingerprint(eng.scheduler), eng.clock, eng._ids, len(eng.finished), list(eng.finished)[-5:],
             [(rid, repr(eng.metrics.get(rid))) for rid in live])
-
-
-def comparable(fp: tuple) -> tuple:
-    sched = fp[0]
-    return (sched[:5] + sched[6:], *fp[1:])
 
 
 def test_soak_with_faults_everywhere(monkeypatch):

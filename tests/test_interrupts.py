@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from state_fingerprint import fingerprint, first_difference
+from state_fingerprint import comparable, fingerprint, first_difference
 
 from kvlab.core.block_pool import BlockPool
 from kvlab.core.kv_cache_manager import KVCacheManager
@@ -97,13 +97,6 @@ def make_engine(policy: str = "fcfs", caching: bool = True, groups=None, num_blo
     for r in reqs:
         eng.add_request(r)
     return eng, reqs
-
-
-def comparable(fp: tuple) -> tuple:
-    """The fingerprint without the blocks already sent to the executor: after an undone step
-    the engine re-sends every running request in full (the executor may have seen it)."""
-    sched = fp[0]
-    return (sched[:5] + sched[6:], *fp[1:])
 
 
 def outputs(reqs: list[Request]) -> dict[str, list[int]]:

@@ -10,6 +10,13 @@ Two questions, each answered as a ratio measured in this one run:
   over the same bytes? Target: kvlab's sha256 <= 1.5x raw SHA-256 of its bytes. vLLM
   pickles the block tuple before hashing; that variant is timed too, for comparison.
 
+* Does a decode step cost more for a request that holds more blocks? The engine's step
+  (schedule + execute with the model-free executor + update, the undo checkpoint on) per
+  running request, for 8 requests each holding 16, 256 and 2,048 blocks, and the growth
+  from the first to the last. A step's work should be what it changes (one token, at most
+  one new block), not the context behind it; the table's copy in the undo checkpoint is
+  what still grows (a C-speed list copy per request).
+
 Why a "floor": this machine's speed drifts by 1.5x or more while others use the CPU, so
 every figure is also printed as a multiple of a floor loop timed in the same run: 64 list
 pops and 64 list appends written as plainly as Python allows (``b.append(a.pop())``, 64
@@ -244,6 +251,32 @@ def measure(repeats: int = 200, pool_blocks: int = POOL_BLOCKS, budget_s: float 
     return out
 
 
+DECODE_HELD = (16, 256, 2048)
+
+
+def decode_step_us(blocks_held: int, num_requests: int = 8, steps: int = 30, rounds: int = 3) -> float:
+    """Median over ``rounds`` of the thread CPU time of one engine decode step per running
+    request, each request holding ``blocks_held`` blocks (prefill excluded)."""
+    from kvlab.core.kv_cache_manager import KVCacheManager
+    from kvlab.core.sched.scheduler import Scheduler
+    from kvlab.engine.llm_engine import LLMEngine
+    from kvlab.executor.simulated import SimulatedExecutor
+
+    samples = []
+    for _ in range(rounds):
+        mgr = KVCacheManager(num_blocks=num_requests * (blocks_held + 4) + 2, block_size=BLOCK_SIZE, enable_caching=False)
+        sched = Scheduler(mgr, max_num_batched_tokens=10**7, max_num_seqs=num_requests, max_model_len=10**7)
+        eng = LLMEngine(mgr, sched, SimulatedExecutor())
+        for i in range(num_requests):
+            eng.add_request(Request(f"r{i}", [7] * (blocks_held * BLOCK_SIZE - 1), max_tokens=steps + 2))
+        eng.step()  # the prefill
+        t = time.thread_time()
+        for _ in range(steps):
+            eng.step()
+        samples.append((time.thread_time() - t) / steps / num_requests * 1e6)
+    return statistics.median(samples)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvlab.bench core", description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=200, help="interleaved rounds; each figure is the median (default 200)")
@@ -289,6 +322,12 @@ def main(argv: list[str] | None = None) -> int:
     row("pickle+sha256 (vLLM's sha256)", r["pickle+sha256 (vLLM)"], f"   {r['pickle+sha256 (vLLM)'] / raw:5.2f}x raw")
     row("one-off hash_block_tokens(16 ints)", r["hash_block_tokens(list)"],
         f"   {r['hash_block_tokens(list)'] / raw:5.2f}x raw (packs the ints per call)")
+    print("  engine decode step per running request (8 requests; CPU time, median of 3), by blocks each holds:")
+    held = {n: decode_step_us(n) for n in DECODE_HELD}
+    for n, us in held.items():
+        row(f"  decode step, {n:,} blocks held", us)
+    print(f"  {'':<36} growth {DECODE_HELD[0]} -> {DECODE_HELD[-1]:,} blocks held: "
+          f"{held[DECODE_HELD[-1]] / held[DECODE_HELD[0]]:.2f}x")
     print(f"  ({time.perf_counter() - t0:.1f} s, pid {os.getpid()})")
     return 0
 

@@ -105,6 +105,7 @@ class SchedulerCheckpoint:
     log_step: int
     connector: dict[str, Any] | None  # the KV connector's scheduler-side books (a deep copy)
     publish: list = field(default_factory=list)  # KV-event batches to publish once the calls are kept
+    added: list[Request] = field(default_factory=list)  # requests the calls added (they leave again on restore)
 
     def save_request(self, request: Request) -> None:
         self.manager.save_request(request)
@@ -271,6 +272,8 @@ class Scheduler:
                         lora_name=request.lora_name,
                     )
                 )
+            if self._ckpt is not None:
+                self._ckpt.added.append(request)
         except BaseException:  # an interrupt (or a failing log subscriber): as if never added
             self.requests.pop(rid, None)
             if any(r is request for r in self.waiting):
@@ -518,7 +521,7 @@ class Scheduler:
                     self.encoder_cache_manager.free(request)
                     break  # an item it needs cannot be encoded this step (vLLM skips it)
             # vLLM's admission gate: the whole prompt (after the hit) must fit now, not just
-            # this chunk (scheduler_reserve_full_isl; lesson 05 section 7).
+            # this chunk (scheduler_reserve_full_isl; lesson 05b section 4).
             new_blocks = mgr.allocate_slots(
                 request, n, num_hit_tokens, hits, num_external_computed_tokens=num_external,
                 full_sequence_must_fit=self.scheduler_reserve_full_isl,
@@ -612,6 +615,18 @@ class Scheduler:
             if f.offset + f.length <= request.num_computed_tokens:
                 ecm.free_encoder_input(request, i)
 
+    def _new_block_ids(self, request_id: str, sent: list[int]) -> tuple[tuple[list[int], ...], list[int]]:
+        """The ids of the blocks a running request got since ``sent`` (per group, how many the
+        executor already has), and the new lengths -- in O(new blocks), not O(blocks held): a
+        decode step must not cost more for a request with a long context (vLLM sends only the
+        step's new blocks too, ``CachedRequestData.new_block_ids``)."""
+        stms = getattr(getattr(self.kv_cache_manager, "coordinator", None), "single_type_managers", None)
+        if stms is None:  # a manager without vLLM's coordinator (a learner's): its full table
+            ids = self.kv_cache_manager.get_block_ids(request_id)
+            return tuple(g[s:] for g, s in zip(ids, sent)), [len(g) for g in ids]
+        tables = [m.req_to_blocks.get(request_id, ()) for m in stms]
+        return tuple([b.block_id for b in t[s:]] for t, s in zip(tables, sent)), [len(t) for t in tables]
+
     def _make_output(self, plan: _StepPlan) -> SchedulerOutput:
         mgr = self.kv_cache_manager
         num_scheduled = plan.num_scheduled
@@ -640,10 +655,7 @@ class Scheduler:
         for r in plan.running:
             if id(r) in resent:
                 continue
-            ids = mgr.get_block_ids(r.request_id)
-            sent = self._num_sent_blocks[r.request_id]
-            delta = tuple(g[s:] for g, s in zip(ids, sent))
-            self._num_sent_blocks[r.request_id] = [len(g) for g in ids]
+            delta, self._num_sent_blocks[r.request_id] = self._new_block_ids(r.request_id, self._num_sent_blocks[r.request_id])
             nc = r.num_computed_tokens
             cached.req_ids.append(r.request_id)
             cached.new_block_ids.append(delta if any(delta) else None)
@@ -771,6 +783,15 @@ class Scheduler:
             raise TypeError(f"iteration must be None or an IterationStats, got {type(iteration).__name__}")
         if kv_connector_output is not None and not hasattr(kv_connector_output, "invalid_block_ids"):
             raise TypeError(f"kv_connector_output must be None or a KVConnectorOutput, got {type(kv_connector_output).__name__}")
+        if kv_connector_output is not None and kv_connector_output.invalid_block_ids and len(self.kv_cache_manager.kv_cache_groups) > 1:
+            # vLLM 0.33 raises here too (Scheduler._handle_invalid_blocks): a block id names a
+            # block of the one pool, but which *group's* table lost it cannot be told from a flat
+            # set, so the failed requests cannot be found.
+            raise RuntimeError(
+                f"kv_connector_output.invalid_block_ids {sorted(kv_connector_output.invalid_block_ids)}: block-level load "
+                f"failures are not supported with {len(self.kv_cache_manager.kv_cache_groups)} KV-cache groups (as in vLLM "
+                "0.33); a connector for a hybrid model must report the failed requests instead"
+            )
         if not isinstance(sampled_token_ids, Mapping):
             raise TypeError(f"sampled_token_ids must be a dict {{request_id: [token ids]}}, got {type(sampled_token_ids).__name__}")
         scheduled = out.num_scheduled_tokens
@@ -1034,6 +1055,10 @@ class Scheduler:
         put_attrs(self.encoder_cache_manager, cp.encoder_cache)
         for r in reversed(cp.finished):
             self.requests[r.request_id] = r
+        for r in cp.added:  # added by the undone calls: not queued any more (the queues are restored)
+            if self.requests.get(r.request_id) is r:
+                del self.requests[r.request_id]
+            r._owner = None
         if resync_executor:
             self._num_sent_blocks = {}
         if cp.connector is not None and self.connector is not None:
@@ -1093,7 +1118,11 @@ class Scheduler:
         """Manager invariants + every running request holds blocks for its computed tokens."""
         self.kv_cache_manager.check_invariants()
         waiting = list(self.waiting)
-        assert len({r.request_id for r in self.running} | {r.request_id for r in waiting}) == len(self.running) + len(waiting), "a request is queued twice"
+        queued = {r.request_id for r in self.running} | {r.request_id for r in waiting}
+        assert len(queued) == len(self.running) + len(waiting), "a request is queued twice"
+        # every known unfinished request is in exactly one queue (a request in ``requests`` but
+        # in no queue would never run, and its id would be refused forever)
+        assert set(self.requests) == queued, f"requests in no queue: {sorted(set(self.requests) - queued)}; queued but unknown: {sorted(queued - set(self.requests))}"
         for r in self.running:
             assert r.status == RequestStatus.RUNNING, f"{r.request_id} in running with status {r.status.name}"
             ids = self.kv_cache_manager.get_block_ids(r.request_id)

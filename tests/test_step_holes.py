@@ -1,0 +1,118 @@
+"""Two holes in the all-or-nothing engine calls, each found by a learner's kind of mistake (a
+log subscriber that raises), each closed: an undone call leaves no request behind in no queue,
+and no field of a request -- including one a connector sets -- keeps a value from the undone
+step."""
+from __future__ import annotations
+
+import pytest
+
+from kvlab import KVCacheManager, Request, Scheduler
+from kvlab.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
+from kvlab.engine.llm_engine import LLMEngine, build_engine
+from kvlab.executor.simulated import SimulatedExecutor
+from kvlab.timeline.events import EventLog
+
+from state_fingerprint import comparable, engine_fingerprint, request_fingerprint
+
+
+def _raise_on(kind: str, nth: int = 1):
+    seen = {"n": 0}
+
+    def subscriber(event) -> None:
+        if event.kind == kind:
+            seen["n"] += 1
+            if seen["n"] == nth:
+                raise RuntimeError(f"a subscriber failed on {kind} #{nth}")
+    return subscriber
+
+
+def test_generate_whose_second_add_fails_leaves_no_request_in_no_queue() -> None:
+    eng = build_engine(num_blocks=16, block_size=4)
+    before = engine_fingerprint(eng)
+    boom = _raise_on("request_added", nth=2)
+    eng.events.subscribe(boom)
+    with pytest.raises(RuntimeError, match="request_added #2"):
+        eng.generate([[1, 2, 3, 4, 5], [6, 7, 8, 9]], max_tokens=2)
+    eng.events.unsubscribe(boom)
+    # the first prompt was queued before the second failed: it must be gone again, and so
+    # must its claim on the id (before the fix: in `requests`, in no queue, id refused forever)
+    assert dict(eng.scheduler.requests) == {} and engine_fingerprint(eng) == before
+    eng.scheduler.check_invariants()
+    assert eng.generate([[1, 2, 3, 4, 5]], max_tokens=2) == [[*eng.finished["gen-1"].output_token_ids]]
+    eng.add_request(Request("gen-1-again", [1, 2, 3], max_tokens=1))
+
+
+def test_the_invariant_names_a_request_that_is_in_no_queue() -> None:
+    eng = build_engine(num_blocks=16, block_size=4)
+    r = Request("lost", [1, 2, 3], max_tokens=1)
+    eng.scheduler.requests["lost"] = r  # what the hole left behind
+    with pytest.raises(AssertionError, match=r"requests in no queue: \['lost'\]"):
+        eng.scheduler.check_invariants()
+
+
+class HandsOff(KVConnectorBase_V1):
+    """A producer: every finished request gets transfer parameters (where its KV went)."""
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        return 0, False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        pass
+
+    def build_connector_meta(self, scheduler_output):
+        return KVConnectorMetadata()
+
+    def request_finished(self, request, block_ids):
+        return False, {"saved_to": f"/kv/{request.request_id}", "blocks": list(block_ids)}
+
+    # the worker side is not used here (a model-free executor)
+    def start_load_kv(self, **kwargs):
+        pass
+
+    def wait_for_layer_load(self, layer_name):
+        pass
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
+        pass
+
+    def wait_for_save(self, skip_req_ids=frozenset()):
+        pass
+
+
+def test_an_undone_step_takes_back_the_kv_transfer_params_it_set() -> None:
+    log = EventLog()
+    mgr = KVCacheManager(num_blocks=16, block_size=4, event_log=log)
+    eng = LLMEngine(mgr, Scheduler(mgr, connector=HandsOff(KVConnectorRole.SCHEDULER)), SimulatedExecutor())
+    r = Request("r", [1, 2, 3, 4, 5, 6], max_tokens=2)
+    eng.add_request(r)
+    eng.step()  # prefill + first token
+    before, r_before = engine_fingerprint(eng), request_fingerprint(r)
+    boom = _raise_on("request_finished")  # after request_finished() handed back the params
+    log.subscribe(boom)
+    with pytest.raises(RuntimeError, match="request_finished #1"):
+        eng.step()
+    log.unsubscribe(boom)
+    assert r.kv_transfer_params is None and request_fingerprint(r) == r_before
+    assert comparable(engine_fingerprint(eng)) == comparable(before)
+    eng.step()
+    assert eng.finished["r"].kv_transfer_params == {"saved_to": "/kv/r", "blocks": [1, 2]}
+
+
+def test_block_level_load_failures_with_two_groups_are_refused_as_in_vllm() -> None:
+    """vLLM 0.33 raises when a connector reports invalid_block_ids for a model with more than
+    one KV-cache group (block ids alone cannot say which group's table lost them); kvlab once
+    handled group 0 only, silently. Refused before anything changes."""
+    from kvlab import FullAttentionSpec, SlidingWindowSpec
+    from kvlab.outputs import KVConnectorOutput
+    from state_fingerprint import scheduler_fingerprint
+
+    mgr = KVCacheManager(num_blocks=16, block_size=4, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(sliding_window=8)])
+    sched = Scheduler(mgr, connector=HandsOff(KVConnectorRole.SCHEDULER))
+    sched.add_request(Request("r", [1, 2, 3, 4, 5, 6], max_tokens=2))
+    out = sched.schedule()
+    before = scheduler_fingerprint(sched)
+    with pytest.raises(RuntimeError, match=r"invalid_block_ids \[1\]: block-level load failures are not supported with 2 KV-cache groups"):
+        sched.update_from_output(out, {"r": [7]}, kv_connector_output=KVConnectorOutput(invalid_block_ids={1}))
+    assert scheduler_fingerprint(sched) == before
+    sched.update_from_output(out, {"r": [7]}, kv_connector_output=KVConnectorOutput())  # then the real output
+    assert sched.requests["r"].output_token_ids == [7]
