@@ -38,7 +38,7 @@ BEHAVIOUR_CHANGES: tuple[BehaviourChange, ...] = (
         "admitted when its first chunk fits",
         "0.19.0 (PR #37307, scheduler_reserve_full_isl=True)",
         "admitted only if the whole prompt (minus prefix hits) fits",
-        "05",
+        "05b",
         "`Scheduler(..., scheduler_reserve_full_isl=False)`",
     ),
     BehaviourChange(

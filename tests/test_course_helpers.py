@@ -137,3 +137,32 @@ def test_beyond_pool_helpers_of_lessons_12_to_14(tmp_path):
     assert all(32 <= t < 122 for _, p in printable(OFFLOAD_STORY) for t in p)
     fig = encoder_runs_figure({1: (1472, 0.04), 3: (1024, 0.037), 6: (384, 0.03)})
     assert list(fig.data[0].y) == [1472, 1024, 384] and list(fig.data[0].text) == ["23 runs", "16 runs", "6 runs"]
+
+
+# -- lessons 12 and 13: vLLM's config records and connector registry, in miniature ------------------
+def test_vllm_offload_configs_size_the_cpu_tier_in_bytes_as_vllm_does():
+    from kvlab.lessons.beyond_pool import offload_config, vllm_offload_configs
+
+    recs = vllm_offload_configs(offload_config("/kv", num_cpu_blocks=4), block_bytes=6_000, page_bytes=4096)
+    tiering = recs["vLLM 0.33, offloading connector"]["kv_connector_extra_config"]
+    assert tiering == {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 4 * 8192,  # 6,000 B padded to 2 pages
+                       "secondary_tiers": [{"type": "fs", "root_dir": "/kv"}]}
+    simple = recs["vLLM 0.33, simple CPU connector"]["kv_connector_extra_config"]
+    assert simple == {"cpu_bytes_to_use": 24_000, "num_cpu_blocks": 4}  # no padding, one tier
+
+
+def test_connector_registry_resolves_names_lazily_and_the_module_path_wins():
+    from kvlab.lessons.beyond_pool import VLLM_KV_CONNECTORS, ConnectorRegistry
+
+    reg = ConnectorRegistry(VLLM_KV_CONNECTORS)
+    assert len(reg.names) == 17 and "NixlConnector" in reg.names  # nothing imported yet (vllm is not installed)
+    reg.register_connector("Mine", "collections", "OrderedDict")
+    from collections import OrderedDict
+    assert reg.get_connector_class("Mine") is OrderedDict
+    assert reg.get_connector_class("Counter", kv_connector_module_path="collections").__name__ == "Counter"  # unregistered
+    with pytest.raises(ValueError, match="already registered"):
+        reg.register_connector("Mine", "collections", "deque")
+    with pytest.raises(ValueError, match="Unsupported connector type: Nope"):
+        reg.get_connector_class("Nope")
+    with pytest.raises(ValueError, match="cannot be an empty string"):
+        reg.get_connector_class("Mine", kv_connector_module_path="")

@@ -1,8 +1,10 @@
 """The learner's loop: predictions locked before answers, and the local progress record."""
 from __future__ import annotations
 
+import ast
 import json
 import os
+import re
 
 import nbformat
 import pytest
@@ -223,6 +225,50 @@ def test_lesson_name_from_the_jupyter_session(widget_mode, monkeypatch):
     assert rec["lesson"] == "04_refcounts" and rec["key"] == "blocks"
 
 
+def test_a_locked_prediction_comes_back_locked_after_a_kernel_restart(widget_mode, monkeypatch):
+    """The learner's record, not kernel memory, says what was locked: the same question of the
+    same lesson comes back locked with its answer open; another lesson's question does not."""
+    monkeypatch.setenv("JPY_SESSION_NAME", "/home/me/my-kvlab/notebooks/03_prefix_caching.ipynb")
+    p = predict("How many blocks hit?", kind="number")
+    p.lock("2")
+    with p.reveal():
+        p.result = 3
+    (first,) = store().predictions()
+    # "a kernel restart": new Prediction objects, same record
+    q = predict("How many blocks hit?", kind="number")
+    assert q.locked and q.value == 2.0 and q.uid == first["uid"] and q.restored_from == first["locked_at"]
+    field, button, status, again = (q._widgets[k] for k in ("field", "button", "status", "again"))
+    assert field.value == "2" and field.disabled and button.description == "Locked"
+    assert "(from your record)" in status.value and "<b>2</b>" in status.value and again.layout.display is None
+    with q.reveal() as r:
+        print("3 blocks")
+        q.result = 3
+    assert r.visible and q.summary() == "your prediction: 2 · result: 3 · ✘ not this time (off by 1)"
+    (rec,) = store().predictions()  # the same entry, updated: no second prediction counted
+    assert rec["uid"] == first["uid"] and rec["locked_at"] == first["locked_at"] and rec["result"] == 3
+    # "Predict again": the answer hides, the form opens; the new lock is a new entry
+    again.click()
+    assert not q.locked and not r.visible and not field.disabled and again.layout.display == "none"
+    assert button.description == "Lock in" and not button.disabled  # "2" is still a valid number
+    field.value = "3"
+    button.click()
+    assert q.locked and r.visible and q.matched() is True and len(store().predictions()) == 2
+    # another lesson, another kind or a choice no longer offered: not restored
+    monkeypatch.setenv("JPY_SESSION_NAME", "/home/me/my-kvlab/notebooks/04a_refcounts.ipynb")
+    assert not predict("How many blocks hit?", kind="number").locked
+    monkeypatch.setenv("JPY_SESSION_NAME", "/home/me/my-kvlab/notebooks/03_prefix_caching.ipynb")
+    assert predict("How many blocks hit?", kind="number").value == 3.0  # the newest lock
+    assert not predict("How many blocks hit?", choices=["2", "4"]).locked
+
+
+def test_no_lesson_name_no_restore(widget_mode, monkeypatch):
+    """Without the Jupyter session's notebook name a question cannot be told apart from the
+    same question in another lesson: it is asked afresh."""
+    monkeypatch.delenv("JPY_SESSION_NAME", raising=False)
+    predict("Which?", choices=["a", "b"]).lock("a")
+    assert not predict("Which?", choices=["a", "b"]).locked
+
+
 @pytest.mark.notebook
 def test_a_kernel_driven_by_nbclient_prints_plain_text(tmp_path):
     """No KVLAB_PREDICT at all: nbclient sends allow_stdin=False, so the answer cell prints
@@ -318,3 +364,82 @@ def test_lessons_01_to_14_each_ask_for_predictions():
     counts = {p.stem[:3].rstrip("_"): len(_prompts(p)) for p in LESSONS}
     assert {k: v for k, v in counts.items() if k != "00" and v == 0} == {}
     assert sum(counts.values()) >= 77, counts
+
+
+# -- nothing gives an answer away before its reveal -----------------------------------------------
+_PROGRESS_BAR = re.compile(r"^[\w .-]*:\s+\d+%\|")  # tqdm's text: "generate:  50%|█████     | 1/2 ..."
+
+
+def _text(o) -> str:
+    t = o.get("text") if o.get("output_type") == "stream" else o.get("data", {}).get("text/plain", "")
+    return "".join(t) if isinstance(t, list) else (t or "")
+
+
+def _before_reveal_leaks(path) -> list[str]:
+    """What a learner sees between a ``guess = predict(...)`` cell and the cell that reveals its
+    answer that could give the answer away: any figure, Player or widget (a progress bar
+    excepted), the predict cell showing more than its question, or the answer cell printing or
+    displaying outside its ``with guess.reveal():`` block (that output is never hidden)."""
+    cells = nbformat.read(path, as_version=4).cells
+    leaks = []
+    for i, c in enumerate(cells):
+        m = re.search(r"^(\w+)\s*=\s*predict\(", c.source, re.M) if c.cell_type == "code" else None
+        if not m:
+            continue
+        var = m.group(1)
+        j = next((k for k in range(i + 1, len(cells)) if cells[k].cell_type == "code" and f"{var}.reveal()" in cells[k].source), None)
+        if j is None:
+            leaks.append(f"cell {i}: `{var}` is never revealed")
+            continue
+        if any(o.output_type != "stream" or not all(line.startswith("✎ Predict:") for line in _text(o).strip().splitlines())
+               for o in c.outputs):
+            leaks.append(f"cell {i}: the predict cell shows more than its question")
+        for k in range(i + 1, j):
+            for o in cells[k].get("outputs", []):
+                if o.output_type in ("display_data", "execute_result") and set(o.get("data", {})) - {"text/plain"} \
+                        and not _PROGRESS_BAR.match(_text(o)):
+                    leaks.append(f"cell {k}: a figure or widget between predict (cell {i}) and its reveal (cell {j}): {_text(o)[:60]!r}")
+        tree = ast.parse("\n".join(line for line in cells[j].source.splitlines() if not line.lstrip().startswith(("%", "!"))))
+        for st in tree.body:
+            if isinstance(st, ast.With) and any(f"{var}.reveal" in ast.unparse(it.context_expr) for it in st.items):
+                continue
+            shown = [n for n in ast.walk(st) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+                     and n.func.id in ("print", "display", "show", "Player")]
+            if shown or (st is tree.body[-1] and isinstance(st, ast.Expr) and not isinstance(st.value, ast.Call)):
+                leaks.append(f"cell {j}: the answer cell shows {ast.unparse(st)[:60]!r} outside `with {var}.reveal():`")
+    return leaks
+
+
+@pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.stem)
+def test_no_answer_is_shown_before_its_reveal(path):
+    """A Player, figure or printed line between a prediction and its reveal draws the answer
+    before the learner has guessed (as lesson 00's Player once did)."""
+    assert _before_reveal_leaks(path) == []
+
+
+def test_the_leak_finder_finds_each_kind_of_leak(tmp_path):
+    nb = nbformat.v4.new_notebook()
+    player = nbformat.v4.new_output("display_data", data={"text/html": "<div class='kvlab-still-next'>…</div>", "text/plain": "Player"})
+    bar = nbformat.v4.new_output("display_data", data={"application/vnd.jupyter.widget-view+json": {}, "text/plain": "generate:  50%|#  | 1/2"})
+    q = nbformat.v4.new_output("stream", name="stdout", text="✎ Predict: how many?\n")
+    nb.cells = [
+        nbformat.v4.new_code_cell("guess = predict('how many?', kind='number')", outputs=[q]),
+        nbformat.v4.new_code_cell("engine.generate(p, progress=True)", outputs=[bar]),   # fine: a progress bar
+        nbformat.v4.new_code_cell("show(engine)", outputs=[player]),                      # leak: a Player
+        nbformat.v4.new_code_cell("with guess.reveal():\n    print(n)\nprint(n)"),        # leak: outside the block
+        nbformat.v4.new_code_cell("g2 = predict('which?', choices=['a', 'b'])\nprint(3)",
+                                  outputs=[q, nbformat.v4.new_output("stream", name="stdout", text="3\n")]),
+        nbformat.v4.new_code_cell("with g2.reveal():\n    x = 1\nx"),                     # leak: the bare value
+        nbformat.v4.new_code_cell("g3 = predict('never revealed')"),
+    ]
+    path = tmp_path / "lesson.ipynb"
+    nbformat.write(nb, path)
+    leaks = _before_reveal_leaks(path)
+    assert [leak.split(":")[0] for leak in leaks] == ["cell 2", "cell 3", "cell 4", "cell 5", "cell 6"], leaks
+
+
+def test_no_lesson_is_longer_than_40_cells():
+    """One sitting: a lesson longer than 40 cells (markdown and code) is split in two, each
+    story whole (as 04a/04b/04c, 05a/05b, 07a/07b are)."""
+    long = {p.name: n for p in LESSONS if (n := len(nbformat.read(p, as_version=4).cells)) > 40}
+    assert long == {}

@@ -1,4 +1,4 @@
-"""Checkers: group_block_hash and unified_block_sizes (lesson 07, hybrid models)."""
+"""Checkers: group_block_hash and unified_block_sizes (lesson 07b, hybrid models)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -28,7 +28,7 @@ def _short(h: Any) -> str:
     "group_block_hash",
     "The hash of a larger block",
     "group_block_hash(block_hashes, hash_block_size, block_size, i) -> bytes",
-    "07_hybrid_models",
+    "07b_pages_mamba_and_mla",
     [
         "Hashes come every hash_block_size tokens; block i of the group covers tokens [i * block_size, (i + 1) * block_size).",
         "Each small hash is chained over everything before it: the one that ends where block i ends names the whole prefix up to there.",
@@ -167,7 +167,7 @@ UNIFY_CASES = [
     "unified_block_sizes",
     "One page size for every group",
     "unified_block_sizes(specs) -> list[int]",
-    "07_hybrid_models",
+    "07b_pages_mamba_and_mla",
     [
         "A page is one block of one layer: block_size × bytes per token.",
         "Bytes per token of an attention layer: num_kv_heads × (head_size + head_size_v) × bytes per element; head_size_v None means = head_size.",

@@ -1,4 +1,4 @@
-"""Checkers: longest_hit, sliding_window_hit, allocate_capacity (lessons 03, 05, 07)."""
+"""Checkers: longest_hit, sliding_window_hit, allocate_capacity (lessons 03, 05b, 07)."""
 from __future__ import annotations
 
 from typing import Any
@@ -79,7 +79,7 @@ def _with_need(block_hashes: list[bytes], max_length: int, block_size: int, cach
     "sliding_window_hit",
     "Prefix hits for a sliding-window group",
     "sliding_window_hit(block_hashes, max_length, block_size, sliding_window, cached: set) -> int",
-    "07_hybrid_models",
+    "07a_sliding_window_groups",
     [
         "The next token at position p reads only keys p - W + 1 … p: blocks before that may be missing (null).",
         "So a hit of length L blocks needs only the last cdiv(W - 1, block_size) blocks before L to be cached, contiguously.",
@@ -138,7 +138,7 @@ def _full_rule(H: list[bytes], max_len: int, bs: int, cached: set) -> int:
     "allocate_capacity",
     "Does it fit? Counting evictable hits",
     "blocks_needed(num_tokens, block_size, num_held_blocks, hit_ref_cnts) -> int",
-    "05_preemption",
+    "05b_recompute_and_admission",
     [
         "New blocks: cdiv(num_tokens, block_size) minus the blocks the request already holds minus its hit blocks.",
         "A hit block with ref_cnt 0 is on the free queue: adopting it takes one block out of the free supply too.",

@@ -1,4 +1,4 @@
-"""Checkers: free_queue, free_order, touch, stale_hash (lessons 04a and 04b).
+"""Checkers: free_queue, free_order, touch, stale_hash (lessons 04a, 04b and 04c).
 
 Each plugs the learner's code into a real ``KVCacheManager`` and replays vLLM's documented
 scenario: on a fresh 11-block pool, two requests sharing 3 full blocks, freed, then a
@@ -231,7 +231,7 @@ def check_free_queue(cls: Any) -> CheckResult:
     "free_order",
     "Which block goes back first",
     "blocks_to_free(request_blocks) -> list",
-    "04b_eviction_and_lru",
+    "04c_tail_first_and_cache_pressure",
     [
         "The free queue is the eviction order: what you free first is evicted first.",
         "Which part of a finished request is least likely to be reused by the next request: its beginning or its end?",

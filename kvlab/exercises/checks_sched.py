@@ -1,4 +1,4 @@
-"""Checkers: preempt_victim (lesson 05) and kv_bytes (lesson 01)."""
+"""Checkers: preempt_victim (lesson 05a) and kv_bytes (lesson 01)."""
 from __future__ import annotations
 
 from typing import Any
@@ -44,7 +44,7 @@ def preemption_run(policy: str, pick: Any | None) -> tuple[list[str], dict[str, 
     "preempt_victim",
     "Who gets preempted",
     "pick_victim(running, policy) -> Request",
-    "05_preemption",
+    "05a_token_budget_and_preemption",
     [
         "`running` is in admission order: running[0] was admitted first.",
         "FCFS protects the oldest work: the victim is the most recently admitted request.",

@@ -2,7 +2,10 @@
 
 Follow-up questions on the KV cache and the classic wrong answers interviewers hear. In a
 notebook, ``quiz("25_tokens")`` shows the question and a button; the button runs the demo
-(a real engine run) and prints what happened next to the answer.
+(a real engine run) and prints what happened next to the answer. A quiz with ``choices``
+(``fcfs_victim``, ``swap_to_cpu``) is a prediction (:mod:`kvlab.learner.prediction`): the
+learner picks a choice and locks it in, and only then does the run's verdict on every choice
+show.
 """
 from __future__ import annotations
 
@@ -10,11 +13,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvlab.core.kv_cache_manager import KVCacheManager
-from kvlab.core.sched.scheduler import Scheduler
-from kvlab.engine.cost_model import CostModel
 from kvlab.engine.llm_engine import LLMEngine, build_engine
 from kvlab.executor.simulated import SimulatedExecutor
 from kvlab.request import Request
+from kvlab.timeline.events import BlocksAllocated, BlocksFreed, KVTransfer, RequestPreempted, RequestScheduled
+from kvlab.timeline.timeline import Timeline
 
 
 @dataclass
@@ -24,6 +27,9 @@ class Quiz:
     answer: str
     demo: Callable[[], str]
     wrong_answer: bool = False  # the question states a classic wrong answer to refute
+    # A choice quiz: the learner picks one and locks it in before the demo's verdict shows (the
+    # demo returns a QuizRun, whose ``result`` is the choice the run proved right).
+    choices: tuple[str, ...] = ()
 
 
 def _admit(mgr: KVCacheManager, req: Request) -> int:
@@ -62,56 +68,98 @@ def demo_two_tenants() -> str:
     return "\n".join(out) + "\n→ Without salts the attacker's TTFT drops when its guess matches what the victim sent: a timing side channel. Per-tenant secret salts make the chains differ from block 0, so nothing is shared."
 
 
-def _preemption_engine(num_blocks: int) -> tuple[LLMEngine, list[Request]]:
-    mgr = KVCacheManager(num_blocks=num_blocks, block_size=4, event_log=None)
-    sched = Scheduler(mgr, max_num_batched_tokens=64)
-    eng = LLMEngine(mgr, sched, SimulatedExecutor(vocab_size=500), CostModel())
-    reqs = [Request(f"r{i}", [100 * i + j for j in range(8)], max_tokens=12, arrival_time=float(i)) for i in range(3)]
-    for r in reqs:
-        eng.add_request(r)
-    return eng, reqs
+def _preemption_run(num_blocks: int, **kwargs: object) -> LLMEngine:
+    """Three equal requests, r0, r1, r2 (8 prompt tokens, 12 to generate), admitted in that
+    order on a pool of 4-token blocks, run to the end."""
+    eng = build_engine(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=64,
+                       executor=SimulatedExecutor(vocab_size=500), **kwargs)  # type: ignore[arg-type]
+    for i in range(3):
+        eng.add_request(Request(f"r{i}", [100 * i + j for j in range(8)], max_tokens=12, arrival_time=float(i)))
+    eng.run()
+    return eng
 
 
-def demo_fcfs_victim() -> str:
-    eng, reqs = _preemption_engine(num_blocks=11)
-    first = None
-    while eng.has_unfinished_requests():
-        res = eng.step()
-        if res.scheduler_output.preempted_req_ids and first is None:
-            first = (res.step, sorted(res.scheduler_output.preempted_req_ids), [r.request_id for r in eng.scheduler.waiting])
-    big, _ = _preemption_engine(num_blocks=200)
-    big.run()
-    lines = [
-        f"step {first[0]}: preempted {first[1]} (admitted last); waiting queue now {first[2]} — the victim is at the head",
-        f"vllm:num_preemptions = {eng.scheduler.num_preemptions}",
+class QuizRun(str):
+    """What a choice quiz's demo printed, with ``result``: the choice the run proved right."""
+
+    result: str
+
+    def __new__(cls, text: str, result: str) -> QuizRun:
+        run = super().__new__(cls, text)
+        run.result = result
+        return run
+
+
+FCFS_CHOICES = ("r0, admitted first", "r2, admitted last", "the request that needs the new block",
+                "none: the request that needs a block waits until one is freed")
+
+
+def demo_fcfs_victim() -> QuizRun:
+    eng = _preemption_run(11)
+    log = list(eng.events)
+    pre = next(e for e in log if isinstance(e, RequestPreempted))
+    freed = next(e for e in reversed(log[:log.index(pre)]) if isinstance(e, BlocksFreed) and e.request_id == pre.request_id)
+    big = _preemption_run(200)
+    snap = Timeline(log).at(pre.step - 1)
+    got = next(e for e in log[log.index(pre):] if isinstance(e, BlocksAllocated) and e.request_id == pre.for_request_id)
+    verdict = {
+        FCFS_CHOICES[0]: f"r0 keeps running: FCFS protects the oldest work (admission order {snap.running}).",
+        FCFS_CHOICES[1]: f"{pre.request_id} is preempted at step {pre.step}: the last of the running list.",
+        FCFS_CHOICES[2]: (f"{pre.for_request_id} needed the block" + (", yet another request paid for it."
+                          if pre.for_request_id != pre.request_id else "; it is the victim only because it was admitted last.")),
+        FCFS_CHOICES[3]: (f"a running request does not wait for a block: in step {got.step} {pre.for_request_id} got block "
+                          f"{got.block_ids[0]}, " + (f"which {pre.request_id} had held." if got.block_ids[0] in freed.block_ids
+                                                     else "freed by the preemption.")),
+    }
+    answer = FCFS_CHOICES[1] if pre.request_id == "r2" else FCFS_CHOICES[0]
+    lines = [("✔ " if c == answer else "✘ ") + f"{c}: {verdict[c]}" for c in FCFS_CHOICES]
+    lines += [
+        f"What it costs {pre.request_id}: {len(freed.block_ids)} blocks freed, {pre.num_computed_tokens_lost} computed tokens lost; "
+        f"waiting queue after, head first: {Timeline(log).at(pre.step).waiting} (vllm:num_preemptions = {eng.scheduler.num_preemptions}).",
     ]
-    for r in reqs:
-        m, m0 = eng.metrics[r.request_id], big.metrics[r.request_id]
-        lines.append(
-            f"{r.request_id}: {r.num_preemptions} preemption(s), latency {m.e2e_latency * 1000:.0f} ms vs {m0.e2e_latency * 1000:.0f} ms in a big pool; "
-            f"prefill tokens computed {m.prefill_tokens_computed} vs {m0.prefill_tokens_computed}"
-        )
-    return "\n".join(lines) + "\n→ The newest running request; all its blocks are freed, it waits at the head of the queue and its tokens are computed again."
+    for rid in ("r0", "r1", "r2"):
+        m, m0 = eng.metrics[rid], big.metrics[rid]
+        lines.append(f"  {rid}: latency {m.e2e_latency * 1000:.0f} ms (a big pool: {m0.e2e_latency * 1000:.0f} ms), "
+                     f"prefill tokens computed {m.prefill_tokens_computed} ({m0.prefill_tokens_computed})")
+    return QuizRun("\n".join(lines), answer)
 
 
-def demo_swap_to_cpu() -> str:
-    eng, reqs = _preemption_engine(num_blocks=11)
-    while eng.has_unfinished_requests():
-        free_before = eng.kv_cache_manager.block_pool.get_num_free_blocks()
-        res = eng.step()
-        if res.scheduler_output.preempted_req_ids:
-            rid = sorted(res.scheduler_output.preempted_req_ids)[0]
-            r = next(x for x in reqs if x.request_id == rid)
-            return (
-                f"{rid} was preempted at step {res.step}: num_computed_tokens = {r.num_computed_tokens}, "
-                f"blocks held = {eng.kv_cache_manager.get_block_ids(rid)}, status = {r.status.name}.\n"
-                "Nothing was copied anywhere: its blocks went back to the free queue (their hashes survive "
-                "there as prefix-cache entries), and when it resumes its tokens are recomputed (minus what still hits).\n"
-                "→ Wrong: vLLM V1 preempts by recompute, never by swapping (the older V0 engine could swap to CPU). "
-                "With KV offloading on (lesson 12), though, the victim's prompt blocks that the CPU tier already holds "
-                "are loaded back when it resumes, instead of being recomputed."
-            )
-    return "no preemption happened"  # pragma: no cover
+SWAP_CHOICES = ("copies them to CPU memory, and back when it resumes",
+                "frees them; what no cache holds any more is computed again when it resumes",
+                "keeps them on the GPU, reserved until it resumes")
+
+
+def demo_swap_to_cpu() -> QuizRun:
+    from kvlab.config.kv_transfer import KVTransferConfig
+
+    eng = _preemption_run(11)
+    log = list(eng.events)
+    pre = next(e for e in log if isinstance(e, RequestPreempted))
+    i = log.index(pre)
+    freed = next(e for e in reversed(log[:i]) if isinstance(e, BlocksFreed) and e.request_id == pre.request_id)
+    reused = next(e for e in log[i:] if isinstance(e, BlocksAllocated) and set(e.block_ids) & set(freed.block_ids))
+    back = next(e for e in log[i:] if isinstance(e, RequestScheduled) and e.request_id == pre.request_id and e.phase == "resumed")
+    copies = sum(isinstance(e, KVTransfer) for e in log)
+    tier = _preemption_run(11, kv_transfer_config=KVTransferConfig(
+        "OffloadingConnector", kv_connector_extra_config={"num_cpu_blocks": 16}))
+    back2 = next(e for e in tier.events if isinstance(e, RequestScheduled) and e.request_id == pre.request_id
+                 and e.phase == "resumed")
+    verdict = {
+        SWAP_CHOICES[0]: (f"no copy was made ({copies} KV transfers in the run). Swapping was the V0 engine's "
+                          "preemption_mode='swap' (V0 was the default before vLLM 0.8 and was removed in 0.11)."),
+        SWAP_CHOICES[1]: (f"{pre.request_id} gave its {len(freed.block_ids)} blocks back at step {pre.step} and lost "
+                          f"{pre.num_computed_tokens_lost} computed tokens; resuming at step {back.step}, it found "
+                          f"{back.num_cached_tokens} of them still cached and computed "
+                          f"{pre.num_computed_tokens_lost - back.num_cached_tokens} again."),
+        SWAP_CHOICES[2]: (f"nothing is reserved: {reused.request_id} got block(s) {sorted(set(reused.block_ids) & set(freed.block_ids))} "
+                          f"of {pre.request_id}'s at step {reused.step}."),
+    }
+    answer = SWAP_CHOICES[1] if copies == 0 else SWAP_CHOICES[0]
+    lines = [("✔ " if c == answer else "✘ ") + f"{c}: {verdict[c]}" for c in SWAP_CHOICES]
+    lines.append(f"With a CPU tier behind the pool (the offloading connector, lesson 12), {pre.request_id}'s prompt blocks were "
+                 f"stored there when first computed: on resuming it loaded {back2.num_external_tokens} tokens from the tier "
+                 f"and found {back2.num_cached_tokens - back2.num_external_tokens} in the pool.")
+    return QuizRun("\n".join(lines), answer)
 
 
 def demo_cache_budget() -> str:
@@ -155,11 +203,15 @@ QUIZZES: dict[str, Quiz] = {
              "16 — one full block; the last 9 are computed on every request because only full blocks are cached.", demo_25_tokens),
         Quiz("two_tenants", "Two tenants send the same system prompt. What can one learn about the other, and what field stops it?",
              "They share blocks, so one tenant's TTFT reveals whether the other sent a prefix; a secret per-tenant cache_salt in the first block's hash means they never share a block.", demo_two_tenants),
-        Quiz("fcfs_victim", "Under the default policy, which request does vLLM preempt when no block is free, and what does it cost?",
-             "The newest running request: all its blocks are freed, it goes to the head of the waiting queue, and its tokens are computed again (vllm:num_preemptions counts it).", demo_fcfs_victim),
-        Quiz("swap_to_cpu", "True or false: vLLM swaps preempted requests to CPU memory.",
-             "False for the current engine: it preempts by recompute, never swaps. With KV offloading on (lesson 12), what the "
-             "CPU tier already holds of the victim is loaded back when it resumes.", demo_swap_to_cpu, wrong_answer=True),
+        Quiz("fcfs_victim", "Three equal requests, r0, r1 and r2, are admitted in that order and decode until no block "
+             "is free. Under the default policy (fcfs), which one is preempted?",
+             "The newest running request, r2: all its blocks are freed, its computed tokens drop to 0, it goes to the head "
+             "of the waiting queue and is computed again later (vllm:num_preemptions counts it).",
+             demo_fcfs_victim, choices=FCFS_CHOICES),
+        Quiz("swap_to_cpu", "A running request is preempted. What does vLLM 0.33 do with the KV blocks it held?",
+             "It frees them and recomputes what no cache still holds when the request resumes; it never swaps (the V0 "
+             "engine could, before vLLM 0.11). With KV offloading on (lesson 12), the victim's blocks that the CPU tier "
+             "stored are loaded back instead of recomputed.", demo_swap_to_cpu, choices=SWAP_CHOICES),
         Quiz("cache_budget", "True or false: the prefix cache has its own memory budget.",
              "False: the cache is the pool; a busy server keeps fewer old prefixes.", demo_cache_budget, wrong_answer=True),
         Quiz("hash_own_tokens", "True or false: a block hash covers only its own 16 tokens.",
@@ -169,8 +221,19 @@ QUIZZES: dict[str, Quiz] = {
 
 
 def quiz(quiz_id: str):
-    """A question with a "Reveal (runs the engine)" button."""
+    """A question with a "Reveal (runs the engine)" button; a choice quiz is a prediction instead:
+    pick an answer and lock it in, and only then does the engine run's verdict show."""
     q = QUIZZES[quiz_id]
+    if q.choices:
+        from kvlab.learner.prediction import predict
+
+        guess = predict(q.question, choices=list(q.choices), id=f"quiz:{q.id}")
+        with guess.reveal():
+            run = q.demo()
+            print(run)
+            print(f"\nAnswer: {q.answer}")
+            guess.result = getattr(run, "result", None)
+        return None
     import ipywidgets as w
 
     out = w.Output()

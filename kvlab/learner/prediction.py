@@ -24,7 +24,10 @@ VS Code) is interactive, and one driven by nbclient or nbval (which send
 ``allow_stdin=False``) is not.
 
 Each locked prediction, and the result it was compared with, is recorded in the learner's
-local store (:mod:`kvlab.learner.store`).
+local store (:mod:`kvlab.learner.store`). That record also survives a kernel restart: when a
+lesson runs again, a question the learner already locked in (same lesson, same question) comes
+back locked, with the earlier prediction and its answer open -- a restart is not a reason to
+guess again, nor to be made to. "Predict again" unlocks it for a fresh guess.
 """
 from __future__ import annotations
 
@@ -135,13 +138,16 @@ class Prediction:
         self.uid = f"{self.lesson}::{self.key}::{time.time_ns()}"
         self.value: Any = None  # the locked prediction
         self.locked = False
+        self.locked_at = ""
         self.result: Any = None  # set inside ``with p.reveal():`` to compare
         self._reveals: list[_Reveal] = []
         self._interactive = interactive() if show is None else show
+        self.restored_from: str | None = None  # when the record held this lock: its time
         ASKED.append(self)
         del ASKED[:-200]
         self._widgets: dict[str, Any] = {}
         if self._interactive:
+            self._restore()
             # With a still: a lesson saved with its predictions shows the question, not
             # "Error displaying widget", once the form's model is gone.
             q = f"✎ Predict: {self.question}"
@@ -180,13 +186,52 @@ class Prediction:
     def lock(self, value: Any) -> None:
         """Commit to ``value`` (the form's button calls this). Opens every reveal area."""
         if self.locked:
-            raise RuntimeError(f"already locked in: {_fmt(self.value)} (run the predict cell again to start over)")
+            raise RuntimeError(f"already locked in: {_fmt(self.value)} (press \"Predict again\" to start over)")
         self.value = self.validate(value)
         self.locked = True
+        self.locked_at = time.strftime("%Y-%m-%dT%H:%M:%S")
         self._record()
         self._lock_form()
         for r in self._reveals:
             r.open()
+
+    def unlock(self) -> None:
+        """Start over: the form opens for a new prediction and the answers hide again until it
+        is locked (the earlier prediction stays in the record; the new one is added)."""
+        if not self.locked:
+            return
+        self.value, self.locked, self.restored_from = None, False, None
+        self.uid = f"{self.lesson}::{self.key}::{time.time_ns()}"
+        for r in self._reveals:
+            r.close()
+        if self._widgets:
+            f, b, s, again = (self._widgets[k] for k in ("field", "button", "status", "again"))
+            f.disabled, again.layout.display = False, "none"
+            b.description, b.button_style, b.icon = "Lock in", "primary", "lock"
+            s.value = "<span style='color:#555'>The answer below stays hidden until you lock in a prediction.</span>"
+            self._validate_field()
+
+    def _restore(self) -> None:
+        """Come back locked if the learner's record already holds this question's lock (the
+        newest one), e.g. after a kernel restart. Only with a known lesson: the same question
+        text in two lessons stays two questions. A record that no longer fits the question
+        (a choice the lesson no longer offers) is ignored."""
+        if not self.lesson:
+            return
+        try:
+            records = store().predictions()
+        except Exception:  # noqa: BLE001 - the record is best effort; the form still works
+            return
+        for rec in reversed(records):
+            if rec.get("lesson") == self.lesson and rec.get("key") == self.key and rec.get("kind") == self.answer_kind:
+                try:
+                    self.value = self.validate(rec.get("prediction"))
+                except (ValueError, TypeError):
+                    return
+                self.locked, self.uid = True, str(rec["uid"])
+                self.locked_at = str(rec.get("locked_at") or "")
+                self.restored_from = self.locked_at or "an earlier session"
+                return
 
     def matched(self) -> bool | None:
         """Whether the locked prediction matches ``result`` (None: nothing to compare)."""
@@ -242,7 +287,7 @@ class Prediction:
     def _record(self) -> None:
         store().record_prediction({
             "uid": self.uid, "lesson": self.lesson, "key": self.key, "question": self.question,
-            "kind": self.answer_kind, "prediction": self.value, "locked_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "kind": self.answer_kind, "prediction": self.value, "locked_at": self.locked_at,
             **({"result": _jsonable(self.result), "matched": self.matched()} if self.result is not None else {}),
         })
 
@@ -260,16 +305,8 @@ class Prediction:
                           tooltip="commit to your prediction; the answer below opens")
         status = w.HTML("<span style='color:#555'>The answer below stays hidden until you lock in a prediction.</span>")
 
-        def changed(_: Any = None) -> None:
-            try:
-                self.validate(field.value)
-            except (ValueError, TypeError) as e:
-                button.disabled = True
-                if self.answer_kind == "number" and field.value.strip():
-                    status.value = f"<span style='color:#a00'>{html.escape(str(e))}</span>"
-                return
-            button.disabled = False
-            status.value = "<span style='color:#555'>Lock it in when you are sure.</span>"
+        again = w.Button(description="Predict again", icon="undo", layout=w.Layout(display="none"),
+                         tooltip="unlock: the answer hides again until you lock in a new prediction")
 
         def clicked(_: Any = None) -> None:
             try:
@@ -277,11 +314,30 @@ class Prediction:
             except (ValueError, TypeError, RuntimeError) as e:
                 status.value = f"<span style='color:#a00'>{html.escape(str(e))}</span>"
 
-        field.observe(changed, names="value")
+        field.observe(lambda _: self._validate_field(), names="value")
         button.on_click(clicked)
-        self._widgets = {"field": field, "button": button, "status": status}
-        row = w.HBox([field, button], layout=w.Layout(align_items="center", flex_flow="row wrap"))
+        again.on_click(lambda _: self.unlock())
+        self._widgets = {"field": field, "button": button, "status": status, "again": again}
+        if self.locked:  # restored from the record
+            field.value = self.value if self.answer_kind == "choice" else _fmt(self.value)
+            self._lock_form()
+        row = w.HBox([field, button, again], layout=w.Layout(align_items="center", flex_flow="row wrap"))
         return w.VBox([title, row, status], layout=w.Layout(border="1px solid #c8c8c8", padding="6px 10px", margin="4px 0", max_width="100%"))
+
+    def _validate_field(self) -> None:
+        """Enable "Lock in" only for a value that can be locked; say why a number is not one."""
+        field, button, status = self._widgets["field"], self._widgets["button"], self._widgets["status"]
+        if self.locked:
+            return
+        try:
+            self.validate(field.value)
+        except (ValueError, TypeError) as e:
+            button.disabled = True
+            if self.answer_kind == "number" and str(field.value or "").strip():
+                status.value = f"<span style='color:#a00'>{html.escape(str(e))}</span>"
+            return
+        button.disabled = False
+        status.value = "<span style='color:#555'>Lock it in when you are sure.</span>"
 
     def _lock_form(self) -> None:
         if not self._widgets:
@@ -291,7 +347,9 @@ class Prediction:
         b.disabled = True
         b.description = "Locked"
         b.button_style = "success"
-        s.value = f"<span style='color:#1b5e20'>Locked in: <b>{html.escape(_fmt(self.value))}</b>. The answer is open below.</span>"
+        self._widgets["again"].layout.display = None
+        when = f" on {html.escape(self.restored_from.replace('T', ' '))} (from your record)" if self.restored_from else ""
+        s.value = f"<span style='color:#1b5e20'>Locked in{when}: <b>{html.escape(_fmt(self.value))}</b>. The answer is open below.</span>"
 
 
 def _jsonable(x: Any) -> Any:
@@ -314,6 +372,7 @@ class _Reveal:
         self._box: Any = None
         self._out: Any = None
         self._header: Any = None
+        self._waiting: Any = None
 
     def __enter__(self) -> _Reveal:
         if not self.p._interactive:
@@ -322,7 +381,8 @@ class _Reveal:
 
         self._out = w.Output()
         self._header = w.HTML()
-        self._box = w.VBox([w.HTML("<span style='color:#777'><i class='fa fa-lock'></i> The answer is ready: lock in your prediction above to see it.</span>")])
+        self._waiting = w.HTML("<span style='color:#777'><i class='fa fa-lock'></i> The answer is ready: lock in your prediction above to see it.</span>")
+        self._box = w.VBox([self._waiting])
         display_with_still(self._box, {
             "text/html": "<span style='color:#777'>The answer appears here when the lesson runs and a prediction is locked in.</span>",
             "text/plain": ""})
@@ -351,6 +411,11 @@ class _Reveal:
         text = html.escape(self.p.summary()) if self.p.locked else "no prediction locked in"
         self._header.value = f"<div style='border-left:4px solid {colour};padding:2px 8px;color:{colour}'>{text}</div>"
         self._box.children = (self._header, self._out)
+
+    def close(self) -> None:
+        """Hide the answer again (the prediction was unlocked)."""
+        if self._box is not None and self.done:
+            self._box.children = (self._waiting,)
 
 
 def predict(question: str, kind: str = "text", choices: Sequence[str] | None = None, *,

@@ -19,13 +19,52 @@ OFFLOAD_STORY: list[tuple[str, list[int]]] = [("A", A), ("B", B), ("C", C), ("A2
                                               ("C2", C + [313, 314, 315]), ("B2", B[:13])]
 
 
+def offload_config(storage_path: str, *, num_cpu_blocks: int = 4, num_storage_blocks: int = 12, **extra: Any) -> KVTransferConfig:
+    """The story's tiers: a CPU tier of ``num_cpu_blocks`` and a disk tier of ``num_storage_blocks``
+    under ``storage_path``, as kvlab's offloading connector reads them."""
+    return KVTransferConfig("OffloadingConnector", kv_connector_extra_config=dict(
+        num_cpu_blocks=num_cpu_blocks, storage_path=storage_path, num_storage_blocks=num_storage_blocks, **extra))
+
+
 def offload_engine(storage_path: str, *, executor: Any = None, num_blocks: int = 6, block_size: int = 4,
                    num_cpu_blocks: int = 4, num_storage_blocks: int = 12, **extra: Any) -> LLMEngine:
     """An engine with a CPU tier and a disk tier behind its pool (the story's sizes)."""
-    cfg = KVTransferConfig("OffloadingConnector", kv_connector_extra_config=dict(
-        num_cpu_blocks=num_cpu_blocks, storage_path=storage_path, num_storage_blocks=num_storage_blocks, **extra))
+    cfg = offload_config(storage_path, num_cpu_blocks=num_cpu_blocks, num_storage_blocks=num_storage_blocks, **extra)
     return build_engine(num_blocks=num_blocks, block_size=block_size, max_num_batched_tokens=64, executor=executor,
                         kv_transfer_config=cfg)
+
+
+def vllm_offload_configs(cfg: KVTransferConfig, block_bytes: int, page_bytes: int | None = None) -> dict[str, dict[str, Any]]:
+    """kvlab's tier config beside the two vLLM 0.33 ``--kv-transfer-config`` records that set up
+    the same CPU tier (lesson 12, section 6). vLLM sizes a CPU tier in bytes, not blocks:
+
+    * ``OffloadingConnector`` (``vllm/v1/kv_offload/cpu/spec.py``, ``CPUOffloadingSpec``) rounds
+      every offloaded block up to a memory page (``mmap.PAGESIZE``) and keeps
+      ``cpu_bytes_to_use // padded block`` slots; a file tier behind it is a ``secondary_tiers``
+      entry of ``TieringOffloadingSpec`` (``{"type": "fs", "root_dir": ...}``), with no capacity
+      of its own.
+    * ``SimpleCPUOffloadConnector`` (``vllm/v1/simple_kv_offload/manager.py``,
+      ``SimpleCPUOffloadScheduler._derive_cpu_config``) keeps ``cpu_bytes_to_use // block`` blocks
+      (or ``num_cpu_blocks``, bounded by those bytes) and has one tier only
+      (``kv_offload_backend``: ``"cpu"`` or ``"disk"``).
+    """
+    import mmap
+
+    extra = cfg.kv_connector_extra_config
+    n_cpu, path = int(extra["num_cpu_blocks"]), extra.get("storage_path")
+    page = int(page_bytes or mmap.PAGESIZE)
+    padded = -(-int(block_bytes) // page) * page
+    tiering: dict[str, Any] = {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": n_cpu * padded}
+    if path is not None:
+        tiering["secondary_tiers"] = [{"type": "fs", "root_dir": path}]
+    return {
+        "kvlab (this lesson)": {"kv_connector": cfg.kv_connector, "kv_role": cfg.kv_role, "kv_connector_extra_config": dict(extra)},
+        "vLLM 0.33, offloading connector": {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                                            "kv_connector_extra_config": tiering},
+        "vLLM 0.33, simple CPU connector": {"kv_connector": "SimpleCPUOffloadConnector", "kv_role": "kv_both",
+                                            "kv_connector_extra_config": {"cpu_bytes_to_use": n_cpu * int(block_bytes),
+                                                                          "num_cpu_blocks": n_cpu}},
+    }
 
 
 def run_one_by_one(engine: LLMEngine, story: Sequence[tuple[str, list[int]]], max_tokens: int = 1) -> None:
@@ -75,10 +114,11 @@ def offload_bench_figure(runs: Sequence[Any]) -> Any:
     return fig
 
 
-def encoder_story(scheduler_cls: type | None = None, **scheduler_kwargs: Any) -> LLMEngine:
+def encoder_story(scheduler_cls: type | None = None, *, executor: Any = None, **scheduler_kwargs: Any) -> LLMEngine:
     """Lesson 14's four requests with images (12 tokens per step, an encoder budget of 8
     embeddings, an encoder cache of 16); not yet run. ``scheduler_cls``: a Scheduler
-    subclass to run them (the ``encoder_inputs`` checker's seam)."""
+    subclass to run them (the ``encoder_inputs`` checker's seam); ``executor``: another
+    executor than the simulated one."""
     from kvlab.core.kv_cache_manager import KVCacheManager
     from kvlab.core.sched.scheduler import Scheduler
     from kvlab.executor.simulated import SimulatedExecutor
@@ -87,7 +127,7 @@ def encoder_story(scheduler_cls: type | None = None, **scheduler_kwargs: Any) ->
     kw: dict[str, Any] = dict(max_num_batched_tokens=12, max_num_encoder_input_tokens=8, encoder_cache_size=16)
     kw.update(scheduler_kwargs)
     mgr = KVCacheManager(num_blocks=32, block_size=4, event_log=EventLog(), max_in_flight_tokens=kw["max_num_batched_tokens"])
-    eng = LLMEngine(mgr, (scheduler_cls or Scheduler)(mgr, **kw), SimulatedExecutor())
+    eng = LLMEngine(mgr, (scheduler_cls or Scheduler)(mgr, **kw), executor if executor is not None else SimulatedExecutor())
     eng.add_request(Request("r0", list(range(100, 120)), max_tokens=2, mm_features=[MM("img-a", offset=4, length=8)]))
     eng.add_request(Request("r1", list(range(200, 214)), max_tokens=2, mm_features=[MM("img-a", offset=2, length=8)]))
     eng.add_request(Request("r2", list(range(300, 316)), max_tokens=2, mm_features=[MM("img-b", offset=2, length=8)]))
@@ -189,15 +229,77 @@ def pd_engine(model: Any, role: str, path: str, num_blocks: int = 16, block_size
                         executor=ModelRunner(model, num_blocks=num_blocks, block_size=block_size))
 
 
+def kv_bytes_per_token(engine: LLMEngine) -> int:
+    """KV bytes one token takes in a real engine's cache: K and V of every layer
+    (caches ``[num_blocks, 2, block_size, kv_heads, head_dim]``)."""
+    return sum(kv[0, :, 0].numel() * kv.element_size() for kv in engine.executor.kv_caches)
+
+
 def handoff_line(prefill: LLMEngine, decode: LLMEngine, request_id: str) -> str:
-    """One request's hand-off: what the prefill engine saved, what the decode engine loaded,
-    from which blocks into which, and both engines' first token."""
+    """One request's hand-off: what the prefill engine saved, what the decode engine loaded
+    (tokens and KV bytes), from which blocks into which, and both engines' first token."""
     saved = next(e for e in prefill.events if isinstance(e, KVTransfer) and e.request_id == request_id)
     loaded = next(e for e in decode.events if isinstance(e, KVTransfer) and e.request_id == request_id)
-    n = prefill.finished[request_id].num_prompt_tokens
-    return (f"{request_id} ({n} tokens): prefill saved {saved.num_tokens} tokens from blocks {saved.block_ids}, "
-            f"decode loaded {loaded.num_tokens} into blocks {loaded.block_ids}; first token "
+    n, per_token = prefill.finished[request_id].num_prompt_tokens, kv_bytes_per_token(decode)
+    return (f"{request_id} ({n} tokens): prefill saved {saved.num_tokens} tokens ({saved.num_tokens * per_token:,} B) "
+            f"from blocks {saved.block_ids}, decode loaded {loaded.num_tokens} ({loaded.num_tokens * per_token:,} B) "
+            f"into blocks {loaded.block_ids}; first token "
             f"{prefill.finished[request_id].output_token_ids} vs {decode.finished[request_id].output_token_ids[:1]}")
+
+
+# vLLM 0.33's connector registry: the register_connector(name, module, class) calls at the bottom of
+# vllm/distributed/kv_transfer/kv_connector/factory.py (lesson 13, section 5).
+_V1 = "vllm.distributed.kv_transfer.kv_connector.v1."
+VLLM_KV_CONNECTORS: dict[str, tuple[str, str]] = {
+    "ExampleConnector": (_V1 + "example_connector", "ExampleConnector"),
+    "ExampleHiddenStatesConnector": (_V1 + "example_hidden_states_connector", "ExampleHiddenStatesConnector"),
+    "LMCacheConnectorV1": (_V1 + "lmcache_connector", "LMCacheConnectorV1"),
+    "LMCacheMPConnector": (_V1 + "lmcache_mp_connector", "LMCacheMPConnector"),
+    "NixlConnector": (_V1 + "nixl", "NixlConnector"),
+    "NixlPullConnector": (_V1 + "nixl", "NixlPullConnector"),
+    "NixlPushConnector": (_V1 + "nixl", "NixlPushConnector"),
+    "MultiConnector": (_V1 + "multi_connector", "MultiConnector"),
+    "HiSparseConnector": (_V1 + "hisparse.connector", "HiSparseConnector"),
+    "MoRIIOConnector": (_V1 + "moriio.moriio_connector", "MoRIIOConnector"),
+    "OffloadingConnector": (_V1 + "offloading_connector", "OffloadingConnector"),
+    "DecodeBenchConnector": (_V1 + "decode_bench_connector", "DecodeBenchConnector"),
+    "MooncakeConnector": (_V1 + "mooncake.mooncake_connector", "MooncakeConnector"),
+    "MooncakeStoreConnector": (_V1 + "mooncake.store.connector", "MooncakeStoreConnector"),
+    "FlexKVConnectorV1": (_V1 + "flexkv_connector", "FlexKVConnectorV1"),
+    "SimpleCPUOffloadConnector": (_V1 + "simple_cpu_offload_connector", "SimpleCPUOffloadConnector"),
+    "HF3FSKVConnector": (_V1 + "hf3fs.hf3fs_connector", "HF3FSKVConnector"),
+}
+
+
+class ConnectorRegistry:
+    """How vLLM 0.33's ``KVConnectorFactory`` finds a connector class, in miniature: names map
+    to (module, class) and a module is imported only when an engine asks for its name
+    (``register_connector``, ``get_connector_class``). A ``kv_connector_module_path`` in the
+    config wins over the registry: a connector outside vLLM's tree needs no registration."""
+
+    def __init__(self, entries: dict[str, tuple[str, str]] | None = None) -> None:
+        self._registry: dict[str, tuple[str, str]] = dict(entries or {})
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._registry)
+
+    def register_connector(self, name: str, module_path: str, class_name: str) -> None:
+        if name in self._registry:
+            raise ValueError(f"Connector '{name}' is already registered.")
+        self._registry[name] = (module_path, class_name)
+
+    def get_connector_class(self, kv_connector: str, kv_connector_module_path: str | None = None) -> type:
+        import importlib
+
+        if kv_connector_module_path is not None and not kv_connector_module_path:
+            raise ValueError("kv_connector_module_path cannot be an empty string.")
+        if kv_connector_module_path:
+            return getattr(importlib.import_module(kv_connector_module_path), kv_connector)
+        if kv_connector not in self._registry:
+            raise ValueError(f"Unsupported connector type: {kv_connector}")
+        module, cls = self._registry[kv_connector]
+        return getattr(importlib.import_module(module), cls)
 
 
 def pid_alive(pid: int) -> bool:
@@ -243,9 +345,9 @@ def encoder_runs_figure(results: dict[int, tuple[int, float]], image_tokens: int
     return go.Figure(go.Bar(x=[f"room for {n}" for n in results], y=[enc for enc, _ in results.values()],
                             marker=dict(color="white", line=dict(color=INK, width=1)),
                             text=[f"{enc // image_tokens} runs" for enc, _ in results.values()], textposition="outside"),
-                     layout=dict(width=420, height=280, title=f"embeddings the encoder computed ({len(VQA_ORDER)} requests, "
+                     layout=dict(width=420, height=300, title=f"embeddings the encoder computed<br>({len(VQA_ORDER)} requests, "
                                  f"{len(set(VQA_ORDER))} images)", font=dict(family=FONT),
-                                 margin=dict(l=40, r=10, t=40, b=30), yaxis=dict(title="embeddings"), plot_bgcolor="white"))
+                                 margin=dict(l=40, r=10, t=60, b=30), yaxis=dict(title="embeddings"), plot_bgcolor="white"))
 
 
 def offload_table(runs: Sequence[Any]) -> str:
@@ -255,3 +357,69 @@ def offload_table(runs: Sequence[Any]) -> str:
         lines.append(f"{r.name:30} {r.hit_rate:>8.1%} {r.gpu_share:>6.1%} {r.share('CPU'):>6.1%} {r.share('STORAGE'):>6.1%} "
                      f"{r.mean_ttft * 1e3:>7.1f}ms {r.ttft_pct(90) * 1e3:>6.1f}ms")
     return "\n".join(lines)
+
+
+
+def ec_consumer_engine(remote: Sequence[str], num_blocks: int = 32, block_size: int = 4, **scheduler_kwargs: Any) -> LLMEngine:
+    """An engine with an encoder-cache connector in the consumer role (lesson 14, section 4;
+    vLLM 0.33's ``vllm/distributed/ec_transfer/``, ``ec_role="ec_consumer"``): another instance
+    has encoded the items whose hash is in ``remote``, and the connector has them.
+
+    The scheduler's rule is vLLM's (``Scheduler._try_schedule_encoder_inputs``): an item not in
+    the local encoder cache must pass ``can_allocate`` (room in the cache, and no more embeddings
+    than the budget left); if the connector then has it (``has_cache_item``), it is an external
+    load -- room reserved, no encoder budget spent -- and the worker loads it instead of running
+    the encoder (``executor.num_encoder_tokens_loaded``)."""
+    from kvlab.core.kv_cache_manager import KVCacheManager
+    from kvlab.core.sched.scheduler import Scheduler
+    from kvlab.executor.simulated import SimulatedExecutor
+
+    store = set(remote)
+
+    class ECConsumerScheduler(Scheduler):
+        def _try_schedule_encoder_inputs(self, request, num_computed_tokens, num_new_tokens, encoder_budget):  # noqa: ANN001, ANN202
+            ecm = self.encoder_cache_manager
+            to_schedule: list[int] = []
+            duplicates: list[int] = []
+            scheduled: set[str] = set()
+            num_embeds_to_schedule = 0
+            end = num_computed_tokens + num_new_tokens
+            for i, f in enumerate(request.mm_features):
+                if f.offset >= end:
+                    break
+                if f.offset + f.length <= num_computed_tokens:
+                    continue
+                if f.identifier in scheduled:
+                    duplicates.append(i)
+                    continue
+                if ecm.check_and_update_cache(request, i):
+                    continue
+                if not ecm.can_allocate(request, i, encoder_budget, num_embeds_to_schedule):
+                    num_new_tokens = min(num_new_tokens, f.offset - num_computed_tokens) if num_computed_tokens < f.offset else 0
+                    break
+                num_embeds_to_schedule += f.length
+                scheduled.add(f.identifier)
+                to_schedule.append(i)
+                if f.identifier not in store:  # has_cache_item() is False: the encoder runs here
+                    encoder_budget -= f.length
+            return to_schedule, duplicates, num_new_tokens, encoder_budget
+
+    class ECConsumerExecutor(SimulatedExecutor):
+        num_encoder_tokens_loaded = 0
+
+        def _run_encoder(self, so, skipped):  # noqa: ANN001, ANN202
+            for rid, input_ids in so.scheduled_encoder_inputs.items():
+                if rid in skipped:
+                    continue
+                for i in input_ids:
+                    f = self._mm[rid][i]
+                    self.encoder_cache[f.identifier] = f.length
+                    if f.identifier in store:
+                        self.num_encoder_tokens_loaded += f.length  # the worker's EC connector loads it
+                    else:
+                        self.num_encoder_tokens_computed += f.length
+
+    scheduler_kwargs.setdefault("max_num_batched_tokens", 32)
+    mgr = KVCacheManager(num_blocks=num_blocks, block_size=block_size, event_log=EventLog(),
+                         max_in_flight_tokens=scheduler_kwargs["max_num_batched_tokens"])
+    return LLMEngine(mgr, ECConsumerScheduler(mgr, **scheduler_kwargs), ECConsumerExecutor())

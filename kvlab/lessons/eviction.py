@@ -1,4 +1,4 @@
-"""Lesson 04b (eviction): the pictures of who keeps a cached block and for how long.
+"""Lessons 04b and 04c (eviction, tail-first freeing, cache pressure): the pictures of who keeps a cached block and for how long.
 
 Plain data in, plotly figures out; the lesson computes the numbers.
 

@@ -1,4 +1,4 @@
-"""Lesson 07 (hybrid models): the pictures of groups that do not look alike.
+"""Lesson 07b (hybrid models): the pictures of groups that do not look alike.
 
 * :func:`block_layout_figure` -- one request's block tables laid out along the token axis, one
   row per group, each block as wide as the tokens it holds: groups of different block sizes

@@ -18,11 +18,16 @@ from typing import Any
 # picture instead of an error. (CSS :has() -- Chromium 105+, Firefox 121+, Safari 15.4+.)
 STILL_MARK = "kvlab-still-next"
 LIVE = "kvlab-live"
+# Each selector names the output's *own* content (``> .jp-OutputArea-output > …``): a widget
+# shown this way inside another widget's output area (a Player inside a prediction's hidden
+# answer) puts its mark in a nested output area, and a bare ``:has(.mark)`` would then match
+# -- and hide -- the outer output holding the whole answer.
+_OWN = f"> .jp-OutputArea-output > .{STILL_MARK}"
 STILL_STYLE = (
     "<style>"
-    f".jp-OutputArea-child:has(.{STILL_MARK}) {{display:none}}"
-    f".jp-OutputArea-child:has(.{STILL_MARK}) + .jp-OutputArea-child:has(+ .jp-OutputArea-child .{LIVE}) {{display:none}}"
-    f".jp-OutputArea-child:has(.{STILL_MARK}) + .jp-OutputArea-child + .jp-OutputArea-child:not(:has(.{LIVE})) {{display:none}}"
+    f".jp-OutputArea-child:has({_OWN}) {{display:none}}"
+    f".jp-OutputArea-child:has({_OWN}) + .jp-OutputArea-child:has(+ .jp-OutputArea-child .{LIVE}) {{display:none}}"
+    f".jp-OutputArea-child:has({_OWN}) + .jp-OutputArea-child + .jp-OutputArea-child:not(:has(.{LIVE})) {{display:none}}"
     f"</style><div class='{STILL_MARK}'></div>"
 )
 

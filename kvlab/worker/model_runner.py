@@ -144,9 +144,10 @@ class ModelRunner(KVConnectorModelRunnerMixin):
         model.to(self.device)  # only after every check passed
         self.layer_to_group: tuple[int, ...] = tuple(
             self.group_windows.index(cfg.layer_sliding_window(i)) for i in range(cfg.num_layers))
-        # One tensor per layer, [num_blocks, 2 (k|v), block_size, kv_heads, head_dim]: the
-        # layout keeps a block's keys and values next to each other, as vLLM's FlashAttention
-        # backend does; the kernels get the strided views kv[:, 0] and kv[:, 1].
+        # One tensor per layer, [num_blocks, 2 (k|v), block_size, kv_heads, head_dim]: a block's
+        # keys and values sit next to each other, as in vLLM 0.33's FlashAttention layout (there
+        # one byte buffer serves every layer, each viewing it as [num_blocks, kv_heads,
+        # block_size, 2 * head_dim]; lesson 02); the kernels get the strided views kv[:, 0] and kv[:, 1].
         self.kv_caches: list[Tensor] = [
             torch.zeros(num_blocks, 2, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=cfg.dtype, device=self.device)
             for _ in range(cfg.num_layers)]

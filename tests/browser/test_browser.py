@@ -174,7 +174,7 @@ def _run_all(page) -> None:
 class Lab:
     """One JupyterLab server and one Chromium for the whole module."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, home: Path | None = None) -> None:
         if not CHROMIUM.exists():
             pytest.skip("Debian's Chromium is not installed (/usr/bin/chromium); `apt-get install -y chromium` to run this test")
         self.pw_mod = pytest.importorskip("playwright.sync_api")
@@ -187,8 +187,12 @@ class Lab:
         _write_server_config(tmp / "config")
         workspaces.mkdir()
         self.token, port = secrets.token_hex(16), _free_port()
+        # The kernels' learner record (KVLAB_HOME): this server's own, emptied as each notebook
+        # opens -- a lesson that an earlier test ran here would otherwise come back with its
+        # predictions already locked (they are restored from the record).
+        self.home = home or tmp / "kvlab-home"
         env = dict(os.environ, JUPYTER_RUNTIME_DIR=str(runtime), JUPYTER_CONFIG_DIR=str(tmp / "config"),
-                   IPYTHONDIR=str(tmp / "ipython"), JUPYTERLAB_SETTINGS_DIR=str(settings))
+                   IPYTHONDIR=str(tmp / "ipython"), JUPYTERLAB_SETTINGS_DIR=str(settings), KVLAB_HOME=str(self.home))
         # The kernels run as a learner's do: the root conftest forces KVLAB_PREDICT=plain for
         # nbval, but here every "predict, then run" answer must stay behind its lock.
         env.pop("KVLAB_PREDICT", None)
@@ -234,6 +238,7 @@ class Lab:
     def notebook(self, rel: str, *, run_kernel: bool = True) -> Iterator[Any]:
         """A page on ``rel``, its kernel idle (``run_kernel``); on failure a screenshot
         ``test-artifacts/browser_failure_<name>.png`` and the server log's tail."""
+        (self.home / "progress.json").unlink(missing_ok=True)
         page = self.browser.new_page(viewport={"width": 1400, "height": 2300})
         self._pages += 1
         try:
@@ -395,31 +400,31 @@ def test_saved_and_never_run_lessons_show_still_pictures(lab: Lab) -> None:
     """A never-run lesson (untrusted: no widgets) and a saved one reopened (its widgets'
     models are gone) both show each widget's still (Players, quizzes, hints, the prediction forms
     and their answer areas): no error, no repr."""
-    lesson = "notebooks/05_preemption.ipynb"  # a Player and two quizzes
+    lesson = "notebooks/05a_token_budget_and_preemption.ipynb"  # a Player and four prediction forms
     with lab.notebook(lesson, run_kernel=False) as page:  # the committed file, as a reader opens it
-        _wait_until(page, "() => true", 90, "the stills to draw", also=lambda: _stills(page) == [(True, False)] * 3)
+        _wait_until(page, "() => true", 90, "the stills to draw", also=lambda: _stills(page) == [(True, False)] * 1)
         _assert_no_errors(page)
-        _still_shot(page, "browser_still_never_run_05.png")
+        _still_shot(page, "browser_still_never_run_05a.png")
     with lab.notebook(lesson) as page:
         _run_all(page)
         _wait_until(page, ALL_CELLS_RAN, 480, "every cell to run")
         _wait_until(page, DRAWN, 90, "every figure to draw")
-        # live: the stills hide behind their widgets (the Player, two quizzes, two hints cells,
-        # the prediction forms and their answer areas)
-        _wait_until(page, "() => true", 60, "the live widgets", also=lambda: _stills(page) == [(False, True)] * N_WIDGETS_05,
+        # live: the stills hide behind their widgets (the Player, the hints cell, the four
+        # prediction forms and their five answer areas)
+        _wait_until(page, "() => true", 60, "the live widgets", also=lambda: _stills(page) == [(False, True)] * N_WIDGETS_05A,
                     seen=lambda: _stills(page))
         page.keyboard.press("Control+s")
         page.wait_for_timeout(2000)
     with lab.notebook(lesson) as page:  # reopened with a fresh kernel: the widget models are gone
         page.wait_for_timeout(3000)  # the widget manager gives up on the old models
-        _wait_until(page, "() => true", 90, "the stills to show", also=lambda: _stills(page) == [(True, False)] * N_WIDGETS_05,
+        _wait_until(page, "() => true", 90, "the stills to show", also=lambda: _stills(page) == [(True, False)] * N_WIDGETS_05A,
                     seen=lambda: _stills(page))
         _assert_no_errors(page)
-        _still_shot(page, "browser_still_reopened_05.png")
+        _still_shot(page, "browser_still_reopened_05a.png")
 
 
-# The widgets lesson 05 displays with a still, run top to bottom.
-N_WIDGETS_05 = 18
+# The widgets lesson 05a displays with a still, run top to bottom.
+N_WIDGETS_05A = 11
 # Each widget displayed with a still: (is the still on screen and drawn, is the widget on screen).
 STILLS = """() => [...document.querySelectorAll('.jp-OutputArea-child')].filter(c => c.querySelector('.kvlab-still-next')).map(c => {
     const still = c.nextElementSibling, live = still && still.nextElementSibling;

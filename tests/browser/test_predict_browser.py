@@ -5,13 +5,15 @@ explanation below it is folded in a <details>. The locked prediction lands in th
 record ($KVLAB_HOME), not in the repository.
 
 No KVLAB_PREDICT here: the mode must follow from the front end (JupyterLab sends
-allow_stdin=True). Screenshots: ``test-artifacts/browser_predict_{before,after}.png``.
+allow_stdin=True). After a kernel restart and a second run, the locked prediction comes
+back locked from that record. Screenshots: ``test-artifacts/browser_predict_{before,after,restored}.png``.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import nbformat
 import pytest
 
 from test_browser import ALL_CELLS_RAN, ARTIFACTS, REPO, Lab, _assert_no_errors, _run_all, _wait_until
@@ -30,7 +32,7 @@ def test_answer_hidden_until_a_prediction_is_locked(tmp_path: Path, monkeypatch)
     home = tmp_path / "kvlab-home"
     monkeypatch.setenv("KVLAB_HOME", str(home))
     monkeypatch.delenv("KVLAB_PREDICT", raising=False)  # the server's kernels inherit this environment
-    lab = Lab(tmp_path)
+    lab = Lab(tmp_path, home=home)
     try:
         copy = lab.root / "notebooks" / LESSON  # the learner's working copy: outputs cleared, as `make lab` prepares it
         copy.write_text(json.dumps(cleared(json.loads((REPO / "notebooks" / LESSON).read_text()))))
@@ -39,7 +41,7 @@ def test_answer_hidden_until_a_prediction_is_locked(tmp_path: Path, monkeypatch)
             _wait_until(page, ALL_CELLS_RAN, 300, "every cell of the lesson to run")
             _assert_no_errors(page)
             forms = page.locator(".jp-OutputArea-output:has(.kvlab-live)", has_text="✎ Predict:")
-            assert forms.count() == 6, forms.count()  # one form per prompt of lesson 03
+            assert forms.count() == 7, forms.count()  # one form per prompt of lesson 03
             first = forms.first
             first.scroll_into_view_if_needed()
             # the answer cell ran, but what it printed is not on the page yet
@@ -59,12 +61,46 @@ def test_answer_hidden_until_a_prediction_is_locked(tmp_path: Path, monkeypatch)
             details = page.locator(".jp-MarkdownOutput details").first
             assert details.count() == 1 and details.get_attribute("open") is None
             page.screenshot(path=str(ARTIFACTS / "browser_predict_after.png"), clip=_clip(page, first, below=420))
+            # A kernel restart and a second run: the locked prediction comes back locked from
+            # the learner's record, its answer open; the six others still wait for a guess.
+            page.locator(".jp-NotebookPanel-toolbar [data-command='notebook:restart-run-all']").first.click()
+            page.locator(".jp-Dialog .jp-mod-accept").click()
+            _wait_until(page, "() => true", 300, "the second run to restore the lock",
+                        also=lambda: "(from your record)" in forms.first.inner_text()
+                        and "same key False" in page.locator(".jp-Notebook").inner_text())
+            _wait_until(page, ALL_CELLS_RAN, 300, "every cell of the second run")
+            assert forms.count() == 7 and "Predict again" in forms.first.inner_text()
+            assert sum("Lock in" in forms.nth(i).inner_text() for i in range(7)) == 6
+            page.screenshot(path=str(ARTIFACTS / "browser_predict_restored.png"), clip=_clip(page, first, below=420))
+        rec = json.loads((home / "progress.json").read_text())  # (emptied as the next notebook opens)
+        (pred,) = rec["predictions"]
+        assert pred["prediction"] == 0 and pred["result"] == 0 and pred["matched"] is True
+        assert pred["lesson"] == LESSON.removesuffix(".ipynb")
+        # A Player inside a prediction's answer: hidden until the lock, then shown with the rest
+        # of the answer (its still's style rule must not hide the answer area around it).
+        nb = nbformat.v4.new_notebook()
+        nb.cells = [nbformat.v4.new_code_cell(src) for src in (
+            "from IPython.display import display\nfrom kvlab import build_engine, predict, show\n"
+            "engine = build_engine(num_blocks=8, block_size=4)\nengine.generate([[1, 2, 3, 4, 5]], max_tokens=2)",
+            'guess = predict("How many blocks did the request hold?", kind="number")',
+            'with guess.reveal():\n    print("the request held 2 blocks")\n    display(show(engine))',
+        )]
+        nbformat.write(nb, lab.root / "nested_player.ipynb")
+        with lab.notebook("nested_player.ipynb") as page:
+            _run_all(page)
+            _wait_until(page, ALL_CELLS_RAN, 300, "every cell to run")
+            answer_shown = "() => [...document.querySelectorAll('.jp-OutputArea-output')].some(o => o.offsetParent !== null && o.innerText.includes('the request held 2 blocks'))"
+            assert not page.evaluate(answer_shown) and page.locator(".kvlab-player").first.is_hidden()
+            form = page.locator(".jp-OutputArea-output:has(.kvlab-live)", has_text="✎ Predict:").first
+            form.locator("input[type='text']").fill("2")
+            lock = form.locator("button", has_text="Lock in")
+            _wait_until(page, "() => true", 20, "Lock in to enable", also=lambda: lock.is_enabled())
+            lock.click()
+            _wait_until(page, answer_shown, 60, "the answer, Player included, to show",
+                        also=lambda: page.locator(".kvlab-player").first.is_visible())
+            _assert_no_errors(page)
     finally:
         lab.close()
-    rec = json.loads((home / "progress.json").read_text())
-    (pred,) = rec["predictions"]
-    assert pred["prediction"] == 0 and pred["result"] == 0 and pred["matched"] is True
-    assert pred["lesson"] == LESSON.removesuffix(".ipynb")
 
 
 def _clip(page, locator, below: int = 260) -> dict[str, float]:
