@@ -236,7 +236,7 @@ def test_a_locked_prediction_comes_back_locked_after_a_kernel_restart(widget_mod
     (first,) = store().predictions()
     # "a kernel restart": new Prediction objects, same record
     q = predict("How many blocks hit?", kind="number")
-    assert q.locked and q.value == 2.0 and q.uid == first["uid"] and q.restored_from == first["locked_at"]
+    assert q.locked and q.value == 2.0 and q.uid == first["uid"] and q.restored and q.locked_at == first["locked_at"]
     field, button, status, again = (q._widgets[k] for k in ("field", "button", "status", "again"))
     assert field.value == "2" and field.disabled and button.description == "Locked"
     assert "(from your record)" in status.value and "<b>2</b>" in status.value and again.layout.display is None

@@ -90,6 +90,13 @@ class QuizRun(str):
         return run
 
 
+def _first_preemption(log: list) -> tuple[int, RequestPreempted, BlocksFreed]:
+    """The run's first preemption: its place in the log, the event, and the blocks it freed."""
+    i, pre = next((i, e) for i, e in enumerate(log) if isinstance(e, RequestPreempted))
+    freed = next(e for e in reversed(log[:i]) if isinstance(e, BlocksFreed) and e.request_id == pre.request_id)
+    return i, pre, freed
+
+
 FCFS_CHOICES = ("r0, admitted first", "r2, admitted last", "the request that needs the new block",
                 "none: the request that needs a block waits until one is freed")
 
@@ -97,11 +104,10 @@ FCFS_CHOICES = ("r0, admitted first", "r2, admitted last", "the request that nee
 def demo_fcfs_victim() -> QuizRun:
     eng = _preemption_run(11)
     log = list(eng.events)
-    pre = next(e for e in log if isinstance(e, RequestPreempted))
-    freed = next(e for e in reversed(log[:log.index(pre)]) if isinstance(e, BlocksFreed) and e.request_id == pre.request_id)
+    i, pre, freed = _first_preemption(log)
     big = _preemption_run(200)
     snap = Timeline(log).at(pre.step - 1)
-    got = next(e for e in log[log.index(pre):] if isinstance(e, BlocksAllocated) and e.request_id == pre.for_request_id)
+    got = next(e for e in log[i:] if isinstance(e, BlocksAllocated) and e.request_id == pre.for_request_id)
     verdict = {
         FCFS_CHOICES[0]: f"r0 keeps running: FCFS protects the oldest work (admission order {snap.running}).",
         FCFS_CHOICES[1]: f"{pre.request_id} is preempted at step {pre.step}: the last of the running list.",
@@ -134,9 +140,7 @@ def demo_swap_to_cpu() -> QuizRun:
 
     eng = _preemption_run(11)
     log = list(eng.events)
-    pre = next(e for e in log if isinstance(e, RequestPreempted))
-    i = log.index(pre)
-    freed = next(e for e in reversed(log[:i]) if isinstance(e, BlocksFreed) and e.request_id == pre.request_id)
+    i, pre, freed = _first_preemption(log)
     reused = next(e for e in log[i:] if isinstance(e, BlocksAllocated) and set(e.block_ids) & set(freed.block_ids))
     back = next(e for e in log[i:] if isinstance(e, RequestScheduled) and e.request_id == pre.request_id and e.phase == "resumed")
     copies = sum(isinstance(e, KVTransfer) for e in log)

@@ -44,6 +44,7 @@ from kvlab.utils.checks import check_number
 from kvlab.utils.notebook_display import display_with_still
 
 KINDS = ("number", "choice", "text")
+_HIDDEN_UNTIL_LOCKED = "<span style='color:#555'>The answer below stays hidden until you lock in a prediction.</span>"
 ASKED: list[Prediction] = []  # this kernel's prompts, newest last (tests read their results)
 _MODE_ENV = "KVLAB_PREDICT"
 
@@ -142,7 +143,7 @@ class Prediction:
         self.result: Any = None  # set inside ``with p.reveal():`` to compare
         self._reveals: list[_Reveal] = []
         self._interactive = interactive() if show is None else show
-        self.restored_from: str | None = None  # when the record held this lock: its time
+        self.restored = False  # locked from the learner's record (a kernel restart), not in this run
         ASKED.append(self)
         del ASKED[:-200]
         self._widgets: dict[str, Any] = {}
@@ -200,7 +201,7 @@ class Prediction:
         is locked (the earlier prediction stays in the record; the new one is added)."""
         if not self.locked:
             return
-        self.value, self.locked, self.restored_from = None, False, None
+        self.value, self.locked, self.restored = None, False, False
         self.uid = f"{self.lesson}::{self.key}::{time.time_ns()}"
         for r in self._reveals:
             r.close()
@@ -208,7 +209,7 @@ class Prediction:
             f, b, s, again = (self._widgets[k] for k in ("field", "button", "status", "again"))
             f.disabled, again.layout.display = False, "none"
             b.description, b.button_style, b.icon = "Lock in", "primary", "lock"
-            s.value = "<span style='color:#555'>The answer below stays hidden until you lock in a prediction.</span>"
+            s.value = _HIDDEN_UNTIL_LOCKED
             self._validate_field()
 
     def _restore(self) -> None:
@@ -228,9 +229,8 @@ class Prediction:
                     self.value = self.validate(rec.get("prediction"))
                 except (ValueError, TypeError):
                     return
-                self.locked, self.uid = True, str(rec["uid"])
+                self.locked, self.restored, self.uid = True, True, str(rec["uid"])
                 self.locked_at = str(rec.get("locked_at") or "")
-                self.restored_from = self.locked_at or "an earlier session"
                 return
 
     def matched(self) -> bool | None:
@@ -303,7 +303,7 @@ class Prediction:
             field = w.Textarea(placeholder="your prediction, in a few words", rows=2, layout=w.Layout(width="100%", max_width="560px"))
         button = w.Button(description="Lock in", button_style="primary", disabled=True, icon="lock",
                           tooltip="commit to your prediction; the answer below opens")
-        status = w.HTML("<span style='color:#555'>The answer below stays hidden until you lock in a prediction.</span>")
+        status = w.HTML(_HIDDEN_UNTIL_LOCKED)
 
         again = w.Button(description="Predict again", icon="undo", layout=w.Layout(display="none"),
                          tooltip="unlock: the answer hides again until you lock in a new prediction")
@@ -348,7 +348,9 @@ class Prediction:
         b.description = "Locked"
         b.button_style = "success"
         self._widgets["again"].layout.display = None
-        when = f" on {html.escape(self.restored_from.replace('T', ' '))} (from your record)" if self.restored_from else ""
+        when = ""
+        if self.restored:
+            when = (f" on {html.escape(self.locked_at.replace('T', ' '))}" if self.locked_at else "") + " (from your record)"
         s.value = f"<span style='color:#1b5e20'>Locked in{when}: <b>{html.escape(_fmt(self.value))}</b>. The answer is open below.</span>"
 
 

@@ -619,12 +619,9 @@ class Scheduler:
         """The ids of the blocks a running request got since ``sent`` (per group, how many the
         executor already has), and the new lengths -- in O(new blocks), not O(blocks held): a
         decode step must not cost more for a request with a long context (vLLM sends only the
-        step's new blocks too, ``CachedRequestData.new_block_ids``)."""
-        stms = getattr(getattr(self.kv_cache_manager, "coordinator", None), "single_type_managers", None)
-        if stms is None:  # a manager without vLLM's coordinator (a learner's): its full table
-            ids = self.kv_cache_manager.get_block_ids(request_id)
-            return tuple(g[s:] for g, s in zip(ids, sent)), [len(g) for g in ids]
-        tables = [m.req_to_blocks.get(request_id, ()) for m in stms]
+        step's new blocks too, ``CachedRequestData.new_block_ids``). ``get_blocks`` hands out
+        the tables themselves; only their new tails become ids."""
+        tables = self.kv_cache_manager.get_blocks(request_id).blocks
         return tuple([b.block_id for b in t[s:]] for t, s in zip(tables, sent)), [len(t) for t in tables]
 
     def _make_output(self, plan: _StepPlan) -> SchedulerOutput:
