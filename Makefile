@@ -21,20 +21,26 @@ $(STAMP): pyproject.toml scripts/install.sh
 	$(BIN)/python -m kvlab.workspace settings
 	touch $(STAMP)
 
-# The layer contracts (import-linter, config in pyproject.toml), then one pytest run of the
-# unit/property/kernel/browser tests and every lesson notebook top to bottom (nbval: cells
-# marked NBVAL_CHECK_OUTPUT must reproduce their stored output), on $(WORKERS) workers: a
+# Where Chromium is, every lesson runs once, in JupyterLab (tests/browser: every output renders,
+# and the cells marked NBVAL_CHECK_OUTPUT reproduce their stored output, nbval's rules); without
+# it, nbval runs the lessons in a plain kernel instead, so their claims are checked either way.
+LESSONS_BY_NBVAL := $(if $(wildcard /usr/bin/chromium),,notebooks)
+
+# The layer contracts (import-linter) and the lint (ruff; both configured in pyproject.toml), then one pytest run of the
+# unit/property/kernel/browser tests and the lessons (above), on $(WORKERS) workers: a
 # notebook's cells stay together on one worker (the root conftest.py's scheduler), every other
 # test goes to whichever worker is free.
 test: install
 	$(BIN)/lint-imports --no-cache
-	$(BIN)/python -m pytest -n $(WORKERS) --nbval-lax -p no:cacheprovider tests notebooks
+	$(BIN)/ruff check kvlab kernels tests
+	$(BIN)/python -m pytest -n $(WORKERS) --nbval-lax -p no:cacheprovider tests $(LESSONS_BY_NBVAL)
 
 # The same, with the exhaustive interrupt sweeps: an interrupt at *every* event of each run
 # (`make test` takes a seeded sample of them, the same points every run).
 test-full: install
 	$(BIN)/lint-imports --no-cache
-	KVLAB_SWEEP=full $(BIN)/python -m pytest -n $(WORKERS) --nbval-lax -p no:cacheprovider tests notebooks
+	$(BIN)/ruff check kvlab kernels tests
+	KVLAB_SWEEP=full $(BIN)/python -m pytest -n $(WORKERS) --nbval-lax -p no:cacheprovider tests $(LESSONS_BY_NBVAL)
 
 # The quick loop while coding: everything but the slow tests (soak, browser) and the
 # notebook executions; `make test` runs them all.

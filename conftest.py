@@ -34,5 +34,12 @@ def pytest_xdist_make_scheduler(config, log):
     return NotebookScheduling(config, log)
 
 
+def pytest_collection_modifyitems(config, items):  # noqa: ARG001 - pytest's hook signature
+    """The tests marked ``slow`` (browser, soak, fresh installs) go first, everything else keeps
+    its order: on a few workers the run then ends with a tail of short tests that fills every
+    worker, not with one long test running alone while the others have nothing left to do."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 def pytest_unconfigure(config):  # noqa: ARG001 - pytest's hook signature
     shutil.rmtree(_HOME, ignore_errors=True)

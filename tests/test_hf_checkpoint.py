@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import kvlab
-from kvlab import Request, load_model
+from kvlab import load_model
 from kvlab.worker.hf_runner import CheckpointModelRunner
 from kvlab.worker.tiny_checkpoint import write_tiny_checkpoint
 

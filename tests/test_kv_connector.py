@@ -90,7 +90,7 @@ def test_every_hook_is_called_where_vllm_calls_it(model) -> None:
     eng = LLMEngine(mgr, sched, runner)
     eng.add_request(Request("r", PROMPTS[0], max_tokens=2))
     eng.run()
-    layers = [f"W.wait_for_layer_load(layers.0)", "W.save_kv_layer(layers.0, (8, 2, 16, 2, 32))",
+    layers = ["W.wait_for_layer_load(layers.0)", "W.save_kv_layer(layers.0, (8, 2, 16, 2, 32))",
               "W.wait_for_layer_load(layers.1)", "W.save_kv_layer(layers.1, (8, 2, 16, 2, 32))"]
     worker_step = ["W.bind_connector_metadata", "W.start_load_kv", *layers, "W.wait_for_save", "W.clear_connector_metadata"]
     assert Recorder.calls == [

@@ -120,3 +120,21 @@ def test_the_public_api_is_importable_from_the_top_level() -> None:
     assert callable(build_engine) and callable(replay)
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         kvlab.nope  # noqa: B018
+
+
+RUFF = pathlib.Path(sys.executable).with_name("ruff")
+
+
+def test_ruff_passes_on_the_tree_and_catches_a_planted_mistake(tmp_path: pathlib.Path) -> None:
+    """`make test` runs `ruff check` with pyproject.toml's settings: the tree passes, and the
+    mistakes the lint is there for (an unused import, an undefined name) fail it."""
+    out = subprocess.run([str(RUFF), "check", "--no-cache", "kvlab", "kernels", "tests"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    planted = tmp_path / "kvlab" / "planted.py"
+    planted.parent.mkdir()
+    planted.write_text("import os\n\n\ndef f():\n    return undefined_name\n")
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    out = subprocess.run([str(RUFF), "check", "--no-cache", "--output-format", "concise", "kvlab"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    assert [line.split(" ", 2)[1] for line in out.stdout.splitlines() if line.startswith("kvlab/")] == ["F401", "F821"], out.stdout

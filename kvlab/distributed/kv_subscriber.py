@@ -30,7 +30,10 @@ a long-running consumer meets:
 
 ``catch_up=True`` asks the replay socket for everything from seq 0 when the first batch
 received is not seq 0: a router that starts after the engine still learns every block the
-engine stored (as far back as the publisher's buffer reaches).
+engine stored (as far back as the publisher's buffer reaches). That catch-up is logged at INFO
+(the subscriber asked for it) and, when the replay returns every batch, it is not a gap: ``gaps``
+lists the losses -- batches missed after the first one received (a WARNING each), and a
+catch-up the publisher's buffer could not complete.
 
 Bind or connect: a vLLM server with the default ``tcp://*:5557`` binds, so the subscriber
 connects (``bind=False``, the default). A server given ``tcp://host:port`` connects to its
@@ -302,15 +305,24 @@ class Subscriber:
         sending, and nothing arrived after ``expected - 1``."""
         missing = seq - expected
         what = f"the publisher sent up to seq {seq - 1}" if tail else f"got {seq}"
-        logger.warning("KV events: gap on topic %r: expected seq %d, %s (%d batches missing)%s", topic, expected, what,
-                       missing, "; asking the replay socket" if self.replay_endpoint else "; no replay endpoint")
+        catching_up = self.catch_up and expected == 0 and (topic is None or topic not in self._last)
+        if catching_up:
+            # Nothing received yet on this topic, and catching up was asked for: the batches
+            # sent before this subscriber's subscription took effect (ZeroMQ's "slow joiner")
+            # are fetched by design -- news, not a warning.
+            logger.info("KV events: catching up on topic %r: seq 0..%d were sent before this subscriber's first batch%s",
+                        topic, seq - 1, "; asking the replay socket" if self.replay_endpoint else "; no replay endpoint")
+        else:
+            logger.warning("KV events: gap on topic %r: expected seq %d, %s (%d batches missing)%s", topic, expected, what,
+                           missing, "; asking the replay socket" if self.replay_endpoint else "; no replay endpoint")
         got = self._request_replay(expected, seq, topic) if self.replay_endpoint else []
         for s, t, payload, _ in got:
             self._deliver(t if t is not None else (topic or b""), s, payload)
         self.stats["replayed"] += len(got)
         self.stats["lost"] += missing - len(got)
         gap = Gap(expected, seq, len(got), topic or b"")
-        self.gaps.append(gap)
+        if not (catching_up and gap.complete):  # a catch-up that got everything lost nothing
+            self.gaps.append(gap)
         if gap.complete:
             logger.info("KV events: replay recovered all %d missing batches", missing)
         else:

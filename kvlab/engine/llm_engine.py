@@ -19,9 +19,9 @@ from kvlab.engine.cost_model import CostModel
 from kvlab.executor.abstract import Executor
 from kvlab.executor.simulated import SimulatedExecutor
 from kvlab.metrics.stats import IterationStats
-from kvlab.request import Request, RequestStatus
+from kvlab.request import Request
 from kvlab.timeline.events import EventLog
-from kvlab.utils.checks import check_int, check_optional_int
+from kvlab.utils.checks import check_optional_int
 
 
 @dataclass(slots=True)

@@ -6,7 +6,6 @@ import html
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from kvlab.exercises.registry import EXERCISES, LEVELS
 from kvlab.learner.store import store

@@ -24,7 +24,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvlab.distributed.kv_events import CacheIndex
 from kvlab.distributed.kv_subscriber import Gap, Subscriber
 from kvlab.entrypoints.kv_server import KVServer, _engine_config
 from kvlab.routing.policies import ReplicaState, RoutingPolicy, make_policy, prompt_block_hashes

@@ -5,7 +5,10 @@ actually render: that the plotly and ipywidgets front-end extensions load, that 
 figures appear without a traceback, and that pressing the player's Step button round-trips
 through the kernel and redraws a plot. Here:
 
-* every lesson, Run All: every output renders, no error, no raw widget repr;
+* every lesson, Run All on the learner's working copy, every prediction locked: every output
+  renders, no error, no raw widget repr, and every cell marked ``# NBVAL_CHECK_OUTPUT``
+  reproduces its stored output (checked_outputs.py: nbval's check, made on this run -- the
+  lessons run once in ``make test``, here);
 * the player: six figures, Step redraws them, the stop button (■ jumped to step 0) is gone;
 * a saved lesson reopened (its widgets' models gone) and a never-run lesson: still
   pictures instead of "Error displaying widget" or ``VBox(children=…``;
@@ -16,7 +19,8 @@ through the kernel and redraws a plot. Here:
   ``Emulation.setEmulatedVisionDeficiency``), screenshots kept for a person to look at.
 
 One JupyterLab serves the module's tests on each pytest-xdist worker that runs them (on a free port, a random token, a temporary root
-holding copies of the lessons, exercises and ``player_demo.ipynb``, with user settings and
+holding copies of the lessons, exercises and ``player_demo.ipynb`` and the learner's working
+copies under ``my-kvlab/`` (as ``make lab`` prepares them), with user settings and
 workspaces in temporary directories: news fetching and update checks off, notebook
 windowing off so every output is rendered), so it changes nothing on the machine; each test
 shuts its notebook's kernel down. It uses Debian's Chromium (``apt-get install chromium``);
@@ -41,6 +45,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+import checked_outputs
+from kvlab import workspace
 
 CHROMIUM = Path("/usr/bin/chromium")
 HERE = Path(__file__).resolve().parent
@@ -79,6 +86,11 @@ def _write_settings(settings_dir: Path) -> None:
         "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {"fetchNews": "false", "checkForUpdates": False},
         # "full" windowing detaches cells outside the viewport; the test counts every plot.
         "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"},
+        # A saved lesson keeps its widgets' state: the answers behind the prediction locks live
+        # in Output widgets, and the lessons' checked outputs are read from there
+        # (checked_outputs.py). A learner's Lab keeps the default (off); the test that
+        # reopens a saved lesson removes the state first.
+        "@jupyter-widgets/jupyterlab-manager/plugin.jupyterlab-settings": {"saveState": True},
     }
     for rel, content in files.items():
         path = settings_dir / rel
@@ -182,6 +194,8 @@ class Lab:
         for folder in ("notebooks", "exercises"):
             shutil.copytree(REPO / folder, self.root / folder)
         shutil.copy(NOTEBOOK, self.root / NOTEBOOK.name)
+        # The learner's working copies, as `make lab` prepares them (outputs cleared).
+        workspace.prepare(REPO, self.root / WORKDIR)
         settings, workspaces, runtime = tmp / "settings", tmp / "workspaces", tmp / "runtime"
         _write_settings(settings)
         _write_server_config(tmp / "config")
@@ -201,6 +215,9 @@ class Lab:
             str(jupyter), "lab", "--allow-root", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
             f"--ServerApp.token={self.token}", f"--ServerApp.root_dir={self.root}", "--ServerApp.port_retries=0",
             f"--LabApp.user_settings_dir={settings}", f"--LabApp.workspaces_dir={workspaces}",
+            # window.jupyterapp: the lessons open, save and close through Lab's own commands in
+            # one page, instead of loading the whole application again for each (5 s of CPU).
+            "--LabApp.expose_app_in_browser=True",
         ]
         self.log = tmp / "jupyter.log"
         ARTIFACTS.mkdir(exist_ok=True)
@@ -208,6 +225,7 @@ class Lab:
             self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=self.root, start_new_session=True)
         self.base = f"http://127.0.0.1:{port}"
         self._pages = 0
+        self._lesson_page: Any = None
         try:
             _wait_for_server(f"{self.base}/api/status?token={self.token}", self.proc, self.log)
             self._pw = self.pw_mod.sync_playwright().start()
@@ -218,6 +236,7 @@ class Lab:
 
     def close(self) -> None:
         try:
+            self._drop_lesson_page()
             self.browser.close()
             self._pw.stop()
         finally:
@@ -261,6 +280,60 @@ class Lab:
         finally:
             page.close()
             self.shutdown_kernels()
+
+
+    @contextlib.contextmanager
+    def working_copy(self, lesson: str) -> Iterator[Any]:
+        """The learner's working copy of ``lesson`` open in the page kept for lessons, its
+        kernel idle. Lab is loaded once; each lesson opens through ``docmanager:open`` and is
+        closed (its kernel shut down) afterwards. On failure: a screenshot, the server log's
+        tail, and the page is dropped (the next lesson gets a fresh one)."""
+        (self.home / "progress.json").unlink(missing_ok=True)
+        if self._lesson_page is None:
+            page = self.browser.new_page(viewport={"width": 1400, "height": 2300})
+            page.set_default_timeout(60_000)
+            self._pages += 1
+            page.goto(f"{self.base}/lab/workspaces/t{self._pages}?reset&token={self.token}")
+            _wait_until(page, "() => !!(window.jupyterapp && window.jupyterapp.shell)", 60, "JupyterLab to load")
+            page.evaluate("() => window.jupyterapp.restored")
+            self._lesson_page = page
+        page = self._lesson_page
+        rel = f"{WORKDIR}/notebooks/{lesson}"
+        try:
+            page.evaluate(OPEN_NOTEBOOK, rel)
+            page.wait_for_selector(".jp-NotebookPanel .jp-Cell", state="attached")
+            _wait_until(page, KERNEL_READY, 120, "the kernel to start", also=lambda: _kernel_idle(self.base, self.token, lesson))
+            page.wait_for_timeout(1000)  # the page's websocket to the kernel
+            yield page
+            page.evaluate("() => { const w = window.__kvlabNotebook; window.__kvlabNotebook = null; w.dispose(); }")
+        except BaseException:
+            page.screenshot(path=str(ARTIFACTS / f"browser_failure_{Path(lesson).stem}.png"))
+            print(self.log.read_text()[-4000:])
+            self._drop_lesson_page()
+            raise
+        finally:
+            self.shutdown_kernels()
+
+    def save_lesson(self, lesson: str) -> dict:
+        """Save the open lesson (with its widgets' state) and read the file JupyterLab wrote."""
+        page = self._lesson_page
+        page.evaluate("() => window.__kvlabNotebook.context.save()")
+        return checked_outputs.load(self.root / WORKDIR / "notebooks" / lesson)
+
+    def _drop_lesson_page(self) -> None:
+        if self._lesson_page is not None:
+            with contextlib.suppress(Exception):
+                self._lesson_page.close()
+            self._lesson_page = None
+
+
+# Open a notebook in the lessons' page (its previous one is closed by then) and keep a handle.
+OPEN_NOTEBOOK = """async (path) => {
+    const w = await window.jupyterapp.commands.execute('docmanager:open', {path, factory: 'Notebook'});
+    await w.context.ready;
+    window.__kvlabNotebook = w;
+}"""
+WORKDIR = "my-kvlab"
 
 
 BROWSER_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
@@ -360,8 +433,11 @@ LESSONS = sorted(p.name for p in (REPO / "notebooks").glob("[0-9][0-9]*_*.ipynb"
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("lesson", LESSONS)
 def test_lesson_runs_clean(lab: Lab, lesson: str) -> None:
-    """A learner's first contact: run all cells of a lesson; every output renders, no error."""
-    with lab.notebook(f"notebooks/{lesson}") as page:
+    """A learner's first contact: run all cells of their working copy of a lesson (outputs
+    cleared, as `make lab` prepares it); every output renders, no error; and every cell marked
+    ``# NBVAL_CHECK_OUTPUT`` reproduces the output stored in the lesson (nbval's check, made
+    on this run: checked_outputs.py) -- the one run of each lesson in `make test`."""
+    with lab.working_copy(lesson) as page:
         t = time.monotonic()
         _run_all(page)
         _wait_until(page, ALL_CELLS_RAN, 480, "every cell of the lesson to run")
@@ -370,7 +446,12 @@ def test_lesson_runs_clean(lab: Lab, lesson: str) -> None:
         _assert_no_errors(page)
         assert page.locator(".js-plotly-plot").count() >= 1, "a lesson without a single picture"
         page.screenshot(path=str(ARTIFACTS / f"browser_{Path(lesson).stem}.png"), full_page=True)
-        print(f"{lesson}: ran, {n} predictions locked, drew in {time.monotonic() - t:.0f} s")
+        ran = lab.save_lesson(lesson)
+        stored = checked_outputs.load(REPO / "notebooks" / lesson)
+        checked = checked_outputs.checked_cells(stored)
+        problems = checked_outputs.mismatches(stored, ran)
+        assert not problems, f"{lesson}: {len(problems)} of {len(checked)} checked cells differ from the lesson:\n" + "\n".join(problems)
+        print(f"{lesson}: ran, {n} predictions locked, {len(checked)} checked outputs reproduced, in {time.monotonic() - t:.0f} s")
 
 
 def _lock_every_prediction(page) -> int:
@@ -415,6 +496,12 @@ def test_saved_and_never_run_lessons_show_still_pictures(lab: Lab) -> None:
                     seen=lambda: _stills(page))
         page.keyboard.press("Control+s")
         page.wait_for_timeout(2000)
+    # Saved as a learner's Lab saves it: without widget state (this Lab saves it for the
+    # lessons' checked outputs; a learner's keeps JupyterLab's default, off).
+    saved = lab.root / lesson
+    nb = json.loads(saved.read_text())
+    assert nb["metadata"].pop("widgets", None) is not None, "the save did not reach the file"
+    saved.write_text(json.dumps(nb))
     with lab.notebook(lesson) as page:  # reopened with a fresh kernel: the widget models are gone
         page.wait_for_timeout(3000)  # the widget manager gives up on the old models
         _wait_until(page, "() => true", 90, "the stills to show", also=lambda: _stills(page) == [(True, False)] * N_WIDGETS_05A,
