@@ -287,3 +287,47 @@ def test_bench_core_runs_and_reports_ratios(capsys):
     assert out.count("floor units") >= 10 and "target <= 25" in out and "target <= 1.5x" in out
     with pytest.raises(SystemExit):
         core.main(["--pool-blocks", "10"])
+
+
+class _Req:
+    """What cache_full_blocks reads of a request."""
+
+    def __init__(self, rid: str, hashes: list[bytes]) -> None:
+        self.request_id, self.block_hashes, self.all_token_ids = rid, hashes, list(range(4 * len(hashes)))
+
+
+class _LearnersMap(BlockHashToBlockMap):
+    """A learner's map: it stores the way kvlab's does but journals nothing."""
+
+    __slots__ = ()
+
+    def insert(self, key: bytes, block: KVCacheBlock) -> None:
+        self._cache[key] = block
+
+    def pop(self, key: bytes, block_id: int) -> KVCacheBlock | None:
+        return self._cache.pop(key, None)
+
+
+def _entries(pool: BlockPool) -> dict[bytes, list[int]]:
+    return {k: sorted(b.block_id for b in blks) for k, blks in pool.cached_block_hash_to_block.items()}
+
+
+@pytest.mark.parametrize("map_cls", [BlockHashToBlockMap, _LearnersMap], ids=["kvlab's map", "a learner's map"])
+def test_restore_brings_back_the_map_whoever_wrote_it(map_cls: type) -> None:
+    """A pool checkpoint undoes caching and eviction: kvlab's map journals its own changes, a
+    map of another class is saved by value (it may change its entries any way it likes)."""
+    pool = BlockPool(6)
+    pool.cached_block_hash_to_block = map_cls()
+    a = pool.get_new_blocks(2)
+    pool.cache_full_blocks(_Req("a", [b"h0", b"h1"]), a, 0, 2, 4, 0)
+    pool.free_blocks(reversed(a))
+    before, free_before = _entries(pool), [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
+    cp = pool.checkpoint()
+    b = pool.get_new_blocks(5)  # every free block: the two cached ones are evicted
+    pool.cache_full_blocks(_Req("b", [b"x0", b"x1", b"x2"]), b, 0, 3, 4, 0)
+    assert _entries(pool) != before
+    pool.restore(cp, tables=[])
+    pool.release(cp)
+    assert _entries(pool) == before == {b"h0" + group_suffix(0): [a[0].block_id], b"h1" + group_suffix(0): [a[1].block_id]}
+    assert [blk.block_id for blk in pool.free_block_queue.get_all_free_blocks()] == free_before
+    pool.check_invariants()

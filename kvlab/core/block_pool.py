@@ -94,10 +94,10 @@ class BlockHashToBlockMap:
     def insert(self, key: bytes, block: KVCacheBlock) -> None:
         if self.journal is not None:
             self.save_entry(key)
-        v = self._cache.get(key)
-        if v is None:
-            self._cache[key] = block
-        elif type(v) is KVCacheBlock:
+        v = self._cache.setdefault(key, block)  # the common case, a new key: one dict operation
+        if v is block:
+            return
+        if type(v) is KVCacheBlock:
             self._cache[key] = {v.block_id: v, block.block_id: block}
         else:
             v[block.block_id] = block  # type: ignore[index]
@@ -165,6 +165,7 @@ class PoolCheckpoint:
     queue: Any
     free_order: list[KVCacheBlock] | None
     cache_map: BlockHashToBlockMap
+    map_entries: dict | None  # a map of another class (a learner's): its entries, by value
     num_evicted_blocks: int
     kv_event_queue: list  # the KV-event queue object and its length: events only get appended
     num_kv_events: int
@@ -282,7 +283,6 @@ class BlockPool:
             )
         suffix = group_suffix(kv_cache_group_id)
         insert = self.cached_block_hash_to_block.insert
-        entries = self.cached_block_hash_to_block._cache  # fast path: a new key (no duplicate yet)
         events = self.events
         todo: Iterable[int] = range(num_cached_blocks, num_full_blocks)
         if block_mask is not None:  # a block that can never serve a hit is not cached
@@ -294,17 +294,13 @@ class BlockPool:
         for i in todo:  # all checked before the first change
             if not blocks[i].is_null and blocks[i].cache_key is not None:
                 raise RuntimeError(f"block {blocks[i].block_id} is already cached")
-        journaled = self.cached_block_hash_to_block.journal is not None
         for i in todo:
             blk = blocks[i]
             if blk.is_null:
                 continue  # left the window / a state that is never read
             h = hashes[i]
             blk.cache_key = key = h + suffix
-            if journaled:
-                self.cached_block_hash_to_block.save_entry(key)
-            if entries.setdefault(key, blk) is not blk:
-                insert(key, blk)  # a duplicate: the map keeps both
+            insert(key, blk)  # a duplicate key keeps both blocks
             if events is not None:
                 events.emit(
                     BlockCached(
@@ -563,17 +559,21 @@ class BlockPool:
 
         The queue and the map journal their own changes (O(1) per operation, and nothing is
         copied); ref counts and block hashes are not journaled: :meth:`restore` derives
-        them from the restored map and the block tables it is given. A free queue of
-        another class (a learner's) cannot journal, so its order is listed here instead.
+        them from the restored map and the block tables it is given. A free queue or a map
+        of another class (a learner's) cannot be trusted to journal, so the queue's order
+        and the map's entries are saved here instead, by value.
         Call :meth:`release` (keep the changes) or :meth:`restore` (undo them).
         """
         q = self.free_block_queue
         own_queue = type(q) is FreeKVCacheBlockQueue
+        m = self.cached_block_hash_to_block
+        own_map = type(m).insert is BlockHashToBlockMap.insert and type(m).pop is BlockHashToBlockMap.pop
         cp = PoolCheckpoint(
             journal=[],
             queue=q,
             free_order=None if own_queue else list(q.get_all_free_blocks()),
-            cache_map=self.cached_block_hash_to_block,
+            cache_map=m,
+            map_entries=None if own_map else _entries_by_value(m),
             num_evicted_blocks=self.num_evicted_blocks,
             kv_event_queue=self.kv_event_queue,
             num_kv_events=len(self.kv_event_queue),
@@ -609,6 +609,8 @@ class BlockPool:
         for i in range(len(journal) - 1, -1, -1):
             fn, *args = journal[i]
             fn(*args)
+        if cp.map_entries is not None:  # a foreign map class: its entries as they were
+            cp.cache_map._cache = _entries_by_value(cp.map_entries)
         blocks = self.blocks
         if cp.free_order is not None:  # a foreign queue class: rebuilt from the listed order
             for b in blocks:
@@ -701,6 +703,15 @@ class BlockPool:
         used = sum(1 for b in self.blocks if not b.is_null and b.block_id not in seen)
         assert used + q.num_free_blocks + 1 == self.num_gpu_blocks, "free + used + null != total"
 
+
+
+def _entries_by_value(m: Any) -> dict | None:
+    """A copy of a map's entries (kvlab's storage: key -> a block or {block_id: block}), or
+    None for a map that does not keep them that way (nothing to save by value)."""
+    entries = m if type(m) is dict else getattr(m, "_cache", None)
+    if type(entries) is not dict:
+        return None
+    return {k: dict(v) if type(v) is dict else v for k, v in entries.items()}
 
 
 def _collector_state(c: Any) -> tuple:

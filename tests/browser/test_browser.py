@@ -173,7 +173,10 @@ def _wait_until(page, js: str, timeout_s: float, what: str, also=lambda: True, s
             dialog.first.click()
         if page.evaluate(js) and also():
             return
-        page.wait_for_timeout(500)
+        # Once a second: each look is a round trip through Playwright's driver into the page
+        # (and, for the kernel's state, the server); on two cores they compete with the work
+        # being waited for.
+        page.wait_for_timeout(1000)
     raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}" + (f"; the page shows {seen()}" if seen else ""))
 
 
@@ -454,6 +457,11 @@ def test_lesson_runs_clean(lab: Lab, lesson: str) -> None:
         print(f"{lesson}: ran, {n} predictions locked, {len(checked)} checked outputs reproduced, in {time.monotonic() - t:.0f} s")
 
 
+# An answer still behind its lock: the waiting line is in the DOM (textContent: no layout of
+# the whole notebook, which innerText would force on every look).
+STILL_LOCKED = "() => document.querySelector('.jp-Notebook').textContent.includes('The answer is ready')"
+
+
 def _lock_every_prediction(page) -> int:
     """Answer every "predict, then run" form as a learner would (a number, the first choice or
     a sentence), press "Lock in", and wait until no answer is still behind its lock."""
@@ -472,7 +480,7 @@ def _lock_every_prediction(page) -> int:
         _wait_until(page, "() => true", 20, "Lock in to enable", also=lambda: lock.is_enabled())
         lock.click()
     _wait_until(page, "() => true", 60, "every answer to open",
-                also=lambda: "The answer is ready" not in page.locator(".jp-Notebook").inner_text())
+                also=lambda: not page.evaluate(STILL_LOCKED))
     return n
 
 
