@@ -289,7 +289,7 @@ def test_bench_core_runs_and_reports_ratios(capsys):
         core.main(["--pool-blocks", "10"])
 
 
-class _Req:
+class _CacheReq:
     """What cache_full_blocks reads of a request."""
 
     def __init__(self, rid: str, hashes: list[bytes]) -> None:
@@ -319,12 +319,12 @@ def test_restore_brings_back_the_map_whoever_wrote_it(map_cls: type) -> None:
     pool = BlockPool(6)
     pool.cached_block_hash_to_block = map_cls()
     a = pool.get_new_blocks(2)
-    pool.cache_full_blocks(_Req("a", [b"h0", b"h1"]), a, 0, 2, 4, 0)
+    pool.cache_full_blocks(_CacheReq("a", [b"h0", b"h1"]), a, 0, 2, 4, 0)
     pool.free_blocks(reversed(a))
     before, free_before = _entries(pool), [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
     cp = pool.checkpoint()
     b = pool.get_new_blocks(5)  # every free block: the two cached ones are evicted
-    pool.cache_full_blocks(_Req("b", [b"x0", b"x1", b"x2"]), b, 0, 3, 4, 0)
+    pool.cache_full_blocks(_CacheReq("b", [b"x0", b"x1", b"x2"]), b, 0, 3, 4, 0)
     assert _entries(pool) != before
     pool.restore(cp, tables=[])
     pool.release(cp)

@@ -530,11 +530,7 @@ class BlockPool:
             if self.events is not None:
                 self.events.emit(CacheReset(success=False))
             return False
-        old_map, new_map = self.cached_block_hash_to_block, BlockHashToBlockMap()
-        if old_map.journal is not None:
-            old_map.journal.append((setattr, self, "cached_block_hash_to_block", old_map))
-            new_map.journal = old_map.journal
-        self.cached_block_hash_to_block = new_map
+        self.cached_block_hash_to_block = BlockHashToBlockMap()
         for b in self.blocks:
             b.reset_hash()
         if self.metrics_collector is not None:
