@@ -308,15 +308,30 @@ class _LearnersMap(BlockHashToBlockMap):
         return self._cache.pop(key, None)
 
 
+class _LearnersEviction(BlockPool):
+    """A learner's eviction: it writes straight into the map's storage (no journal)."""
+
+    def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
+        key = block.cache_key
+        if key is None:
+            return False
+        self.cached_block_hash_to_block._cache.pop(key, None)
+        block.cache_key = None
+        return True
+
+
 def _entries(pool: BlockPool) -> dict[bytes, list[int]]:
     return {k: sorted(b.block_id for b in blks) for k, blks in pool.cached_block_hash_to_block.items()}
 
 
-@pytest.mark.parametrize("map_cls", [BlockHashToBlockMap, _LearnersMap], ids=["kvlab's map", "a learner's map"])
-def test_restore_brings_back_the_map_whoever_wrote_it(map_cls: type) -> None:
-    """A pool checkpoint undoes caching and eviction: kvlab's map journals its own changes, a
-    map of another class is saved by value (it may change its entries any way it likes)."""
-    pool = BlockPool(6)
+@pytest.mark.parametrize(("pool_cls", "map_cls"), [(BlockPool, BlockHashToBlockMap), (BlockPool, _LearnersMap),
+                                                    (_LearnersEviction, BlockHashToBlockMap)],
+                         ids=["kvlab's map", "a learner's map", "a learner's eviction"])
+def test_restore_brings_back_the_map_whoever_wrote_it(pool_cls: type, map_cls: type) -> None:
+    """A pool checkpoint undoes caching and eviction: kvlab's map journals its own changes; a
+    map of another class, or a map that another class's eviction changes, is saved by value
+    (a learner's code may change the entries any way it likes)."""
+    pool = pool_cls(6)
     pool.cached_block_hash_to_block = map_cls()
     a = pool.get_new_blocks(2)
     pool.cache_full_blocks(_CacheReq("a", [b"h0", b"h1"]), a, 0, 2, 4, 0)

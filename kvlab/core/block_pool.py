@@ -369,19 +369,12 @@ class BlockPool:
         if self.enable_caching:
             evict = self._maybe_evict_cached_block
             events = self.events
-            # kvlab's own eviction journals its map change itself; another one (a learner's)
-            # may change the entry any way it likes: journal it before the call.
-            save_entry = (self.cached_block_hash_to_block.save_entry
-                          if self.cached_block_hash_to_block.journal is not None
-                          and type(self)._maybe_evict_cached_block is not BlockPool._maybe_evict_cached_block else None)
             for b in ret:
                 # vLLM's order per block: a sampled residency ends, the old hash goes (and
                 # BlockRemoved is queued), then a new residency may start.
                 if collector is not None:
                     collector.on_block_evicted(b)
                 key = b.cache_key
-                if key is not None and save_entry is not None:
-                    save_entry(key)  # whatever the eviction (a learner's too) does to the entry is undoable
                 if key is not None and evict(b):
                     self.num_evicted_blocks += 1
                     if self.enable_kv_cache_events:
@@ -556,14 +549,17 @@ class BlockPool:
         The queue and the map journal their own changes (O(1) per operation, and nothing is
         copied); ref counts and block hashes are not journaled: :meth:`restore` derives
         them from the restored map and the block tables it is given. A free queue or a map
-        of another class (a learner's) cannot be trusted to journal, so the queue's order
-        and the map's entries are saved here instead, by value.
+        of another class (a learner's), or an eviction of another pool class (a learner's
+        ``_maybe_evict_cached_block`` may change the map any way it likes), cannot be trusted
+        to journal, so the queue's order and the map's entries are saved here instead, by value.
         Call :meth:`release` (keep the changes) or :meth:`restore` (undo them).
         """
         q = self.free_block_queue
         own_queue = type(q) is FreeKVCacheBlockQueue
         m = self.cached_block_hash_to_block
-        own_map = type(m).insert is BlockHashToBlockMap.insert and type(m).pop is BlockHashToBlockMap.pop
+        # Only kvlab's own map, changed only by kvlab's own eviction, journals every change.
+        own_map = (type(m).insert is BlockHashToBlockMap.insert and type(m).pop is BlockHashToBlockMap.pop
+                   and type(self)._maybe_evict_cached_block is BlockPool._maybe_evict_cached_block)
         cp = PoolCheckpoint(
             journal=[],
             queue=q,
