@@ -560,12 +560,13 @@ class BlockPool:
         # Only kvlab's own map, changed only by kvlab's own eviction, journals every change.
         own_map = (type(m).insert is BlockHashToBlockMap.insert and type(m).pop is BlockHashToBlockMap.pop
                    and type(self)._maybe_evict_cached_block is BlockPool._maybe_evict_cached_block)
+        entries = getattr(m, "_cache", None)  # kvlab's storage, which a map of another class may not keep
         cp = PoolCheckpoint(
             journal=[],
             queue=q,
             free_order=None if own_queue else list(q.get_all_free_blocks()),
             cache_map=m,
-            map_entries=None if own_map else _entries_by_value(m),
+            map_entries=_copy_entries(entries) if not own_map and type(entries) is dict else None,
             num_evicted_blocks=self.num_evicted_blocks,
             kv_event_queue=self.kv_event_queue,
             num_kv_events=len(self.kv_event_queue),
@@ -602,7 +603,7 @@ class BlockPool:
             fn, *args = journal[i]
             fn(*args)
         if cp.map_entries is not None:  # a foreign map class: its entries as they were
-            cp.cache_map._cache = _entries_by_value(cp.map_entries)
+            cp.cache_map._cache = _copy_entries(cp.map_entries)
         blocks = self.blocks
         if cp.free_order is not None:  # a foreign queue class: rebuilt from the listed order
             for b in blocks:
@@ -697,12 +698,9 @@ class BlockPool:
 
 
 
-def _entries_by_value(m: Any) -> dict | None:
-    """A copy of a map's entries (kvlab's storage: key -> a block or {block_id: block}), or
-    None for a map that does not keep them that way (nothing to save by value)."""
-    entries = m if type(m) is dict else getattr(m, "_cache", None)
-    if type(entries) is not dict:
-        return None
+def _copy_entries(entries: dict) -> dict:
+    """A copy of a map's storage (key -> a block, or {block_id: block}) that later changes to
+    the map cannot reach."""
     return {k: dict(v) if type(v) is dict else v for k, v in entries.items()}
 
 

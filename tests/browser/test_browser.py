@@ -261,29 +261,20 @@ class Lab:
         """A page on ``rel``, its kernel idle (``run_kernel``); on failure a screenshot
         ``test-artifacts/browser_failure_<name>.png`` and the server log's tail."""
         (self.home / "progress.json").unlink(missing_ok=True)
-        page = self.browser.new_page(viewport={"width": 1400, "height": 2300})
-        self._pages += 1
+        page = self._new_page()
         try:
-            page.set_default_timeout(60_000)
-            # A fresh workspace each time: JupyterLab would otherwise reopen the last test's
-            # notebook beside this one (and start its kernel again).
-            page.goto(f"{self.base}/lab/workspaces/t{self._pages}/tree/{rel}?reset&token={self.token}")
+            page.goto(self._fresh_workspace(f"/tree/{rel}"))
             page.wait_for_selector(".jp-NotebookPanel .jp-Cell", state="attached")
             if run_kernel:
-                # The kernel must be up before "Run all", or the run is queued behind its start.
                 page.wait_for_timeout(1000)
-                name = Path(rel).name
-                _wait_until(page, KERNEL_READY, 120, "the kernel to start", also=lambda: _kernel_idle(self.base, self.token, name))
-                page.wait_for_timeout(1000)  # the page's websocket to the kernel
+                self._wait_for_kernel(page, Path(rel).name)
             yield page
         except BaseException:
-            page.screenshot(path=str(ARTIFACTS / f"browser_failure_{Path(rel).stem}.png"))
-            print(self.log.read_text()[-4000:])
+            self._report_failure(page, rel)
             raise
         finally:
             page.close()
             self.shutdown_kernels()
-
 
     @contextlib.contextmanager
     def working_copy(self, lesson: str) -> Iterator[Any]:
@@ -293,29 +284,45 @@ class Lab:
         tail, and the page is dropped (the next lesson gets a fresh one)."""
         (self.home / "progress.json").unlink(missing_ok=True)
         if self._lesson_page is None:
-            page = self.browser.new_page(viewport={"width": 1400, "height": 2300})
-            page.set_default_timeout(60_000)
-            self._pages += 1
-            page.goto(f"{self.base}/lab/workspaces/t{self._pages}?reset&token={self.token}")
+            page = self._new_page()
+            page.goto(self._fresh_workspace(""))
             _wait_until(page, "() => !!(window.jupyterapp && window.jupyterapp.shell)", 60, "JupyterLab to load")
             page.evaluate("() => window.jupyterapp.restored")
             self._lesson_page = page
         page = self._lesson_page
-        rel = f"{WORKDIR}/notebooks/{lesson}"
         try:
-            page.evaluate(OPEN_NOTEBOOK, rel)
+            page.evaluate(OPEN_NOTEBOOK, f"{WORKDIR}/notebooks/{lesson}")
             page.wait_for_selector(".jp-NotebookPanel .jp-Cell", state="attached")
-            _wait_until(page, KERNEL_READY, 120, "the kernel to start", also=lambda: _kernel_idle(self.base, self.token, lesson))
-            page.wait_for_timeout(1000)  # the page's websocket to the kernel
+            self._wait_for_kernel(page, lesson)
             yield page
             page.evaluate("() => { const w = window.__kvlabNotebook; window.__kvlabNotebook = null; w.dispose(); }")
         except BaseException:
-            page.screenshot(path=str(ARTIFACTS / f"browser_failure_{Path(lesson).stem}.png"))
-            print(self.log.read_text()[-4000:])
+            self._report_failure(page, lesson)
             self._drop_lesson_page()
             raise
         finally:
             self.shutdown_kernels()
+
+    def _new_page(self) -> Any:
+        page = self.browser.new_page(viewport={"width": 1400, "height": 2300})
+        page.set_default_timeout(60_000)
+        return page
+
+    def _fresh_workspace(self, route: str) -> str:
+        """JupyterLab's URL in a workspace of its own (``route``: e.g. ``/tree/<path>``): in the
+        last one it would reopen the last test's notebook beside this one, kernel and all."""
+        self._pages += 1
+        return f"{self.base}/lab/workspaces/t{self._pages}{route}?reset&token={self.token}"
+
+    def _wait_for_kernel(self, page: Any, name: str) -> None:
+        """Until the notebook ``name``'s kernel is idle: "Run all" before that would be queued
+        behind the kernel's start."""
+        _wait_until(page, KERNEL_READY, 120, "the kernel to start", also=lambda: _kernel_idle(self.base, self.token, name))
+        page.wait_for_timeout(1000)  # the page's websocket to the kernel
+
+    def _report_failure(self, page: Any, rel: str) -> None:
+        page.screenshot(path=str(ARTIFACTS / f"browser_failure_{Path(rel).stem}.png"))
+        print(self.log.read_text()[-4000:])
 
     def save_lesson(self, lesson: str) -> dict:
         """Save the open lesson (with its widgets' state) and read the file JupyterLab wrote."""
