@@ -496,25 +496,37 @@ def test_live_player_redraws_once_per_step_not_mid_step() -> None:
     assert p.snapshot.running == [] and p.snapshot.requests["a"].finish_reason == "abort"
 
 
-def test_every_view_uses_the_shared_bundle_widget() -> None:
-    """Six figures must not mean six evaluations of plotly's 5 MB widget code in the page."""
+def test_plotlys_bundle_reaches_the_page_once_per_kernel() -> None:
+    """Thirty figures must not mean thirty copies of plotly's 5 MB widget code sent, parsed
+    and saved: one hidden loader carries it, each figure's module only waits for it."""
     import json
 
     import plotly.graph_objects as go
 
+    import kvlab.viz.base as base
     from kvlab.viz import figure_widget_class, preload
 
     cls = figure_widget_class()
     assert cls is figure_widget_class() and issubclass(cls, go.FigureWidget)
-    assert "globalThis[KEY] ??= import(" in cls._esm and "export default mod.default" in cls._esm
-    literal = cls._esm.split("const SOURCE = ", 1)[1].split(";\n", 1)[0]  # a JSON string has no raw newline
-    assert json.loads(literal) == str(go.FigureWidget._esm)  # plotly's own code, unchanged
-    for view in (PoolView(), TimelineView(), KernelView()):
-        # anywidget adds traits through a per-instance subclass, so compare what the browser
-        # receives: the shared-bundle module, not plotly's raw bundle.
-        assert isinstance(view.widget, go.FigureWidget) and view.widget._esm == cls._esm
+    views = (PoolView(), TimelineView(), KernelView())
+    widgets = [v.widget for v in views]
+    assert len(base._LOADER) == 1
+    loader = base._LOADER[0]
+    # the loader's module imports plotly's own code, unchanged, once per page ...
+    literal = loader._esm.split("new Blob([", 1)[1].split("], { type", 1)[0]
+    assert json.loads(literal) == str(go.FigureWidget._esm)
+    assert "if (!slot.started)" in loader._esm and "import(url).then(slot.resolve" in loader._esm
+    key = loader._esm.split("const KEY = ", 1)[1].split(";", 1)[0]
+    for w in widgets:
+        # ... and what each figure sends is a few lines that await the same slot
+        assert isinstance(w, go.FigureWidget) and len(w._esm) < 1000
+        assert f"const KEY = {key};" in w._esm and "const mod = await slot.module;" in w._esm
+        assert "export default mod.default;" in w._esm and "import(" not in w._esm
     preload()
-    preload()  # idempotent
+    assert base._LOADER == [loader]  # idempotent while the loader's comm is open
+    loader.close()
+    preload()  # a closed loader (Widget.close_all()) is replaced
+    assert len(base._LOADER) == 1 and base._LOADER[0] is not loader and base._LOADER[0].comm is not None
 
 
 # -- pictures a learner can trust ------------------------------------------------------------------

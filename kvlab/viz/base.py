@@ -33,41 +33,73 @@ def _go() -> Any:
 
 
 _FIGURE_WIDGET: type | None = None
+_LOADER: list[Any] = []  # the kernel's one loader widget (see figure_widget_class)
+
+# Both modules below find the same slot in the page: a promise of plotly's widget module that
+# the loader fulfils once and every figure awaits. The slot is made by whichever runs first.
+_SLOT_JS = (
+    "const slot = (globalThis[KEY] ??= (() => {\n"
+    "  const s = { started: false };\n"
+    "  s.module = new Promise((resolve, reject) => { s.resolve = resolve; s.reject = reject; });\n"
+    "  return s;\n"
+    "})());\n"
+)
 
 
 def figure_widget_class() -> type:
-    """``go.FigureWidget`` whose browser code is evaluated once per page, not per figure.
+    """``go.FigureWidget`` whose ~5 MB of browser code reaches the page once per kernel.
 
     Why: plotly's ``FigureWidget`` is an anywidget whose JavaScript (plotly.js and the
-    widget, ~5 MB) is sent as the ``_esm`` source of every figure, and anywidget imports
-    that source from a fresh blob URL for each figure -- a full parse and evaluation each
-    time, which must finish within anywidget's 2-second start-up budget. A player shows
-    six figures at once; on a slow or busy machine the later ones miss the budget and stay
-    blank (measured here: one import 2-3.5 s, six concurrent ones 5-19 s). This subclass
-    ships a small module instead that holds the same source as a string, imports it once,
-    and keeps the module in ``globalThis`` under a key derived from its content; every
-    later figure reuses it. The bytes sent are unchanged, the widget code is plotly's own.
+    widget, ~5 MB) is the ``_esm`` source of every figure. That source travels with each
+    figure from the kernel through the Jupyter server to the page (a player has six
+    figures, the capstone some thirty: 160 MB), anywidget imports it from a fresh blob URL
+    for each figure (a full parse and evaluation, which must finish within anywidget's
+    2-second start-up budget; on a busy machine the later figures missed it and stayed
+    blank), and a notebook saved with its widgets' state kept one copy per figure.
+
+    So the bundle travels once: the first figure a kernel makes first creates one hidden
+    loader widget (:func:`preload`) whose module holds plotly's source unchanged and
+    imports it once per page; each figure's own module is a few lines that wait for that
+    import and re-export plotly's widget. The widget code is plotly's own.
     """
     global _FIGURE_WIDGET
     if _FIGURE_WIDGET is None:
         import hashlib
         import json
 
+        import anywidget
+
         go = _go()
         source = str(go.FigureWidget._esm)  # anywidget keeps the bundle as file contents
-        key = "__kvlab_plotly_widget_" + hashlib.sha1(source.encode()).hexdigest()[:16]
-        shim = (
-            "// kvlab: evaluate plotly's widget bundle once per page and share it between figures.\n"
-            f"const KEY = {json.dumps(key)};\n"
-            f"const SOURCE = {json.dumps(source)};\n"
-            "globalThis[KEY] ??= import(URL.createObjectURL(new Blob([SOURCE], { type: 'text/javascript' })));\n"
-            "const mod = await globalThis[KEY];\n"
+        key = json.dumps("__kvlab_plotly_widget_" + hashlib.sha1(source.encode()).hexdigest()[:16])
+        loader_esm = (
+            "// kvlab: plotly's widget bundle, imported once per page for every figure (see kvlab.viz.base).\n"
+            f"const KEY = {key};\n{_SLOT_JS}"
+            "if (!slot.started) {\n"
+            "  slot.started = true;\n"
+            f"  const url = URL.createObjectURL(new Blob([{json.dumps(source)}], {{ type: 'text/javascript' }}));\n"
+            "  import(url).then(slot.resolve, slot.reject).finally(() => URL.revokeObjectURL(url));\n"
+            "}\n"
+            "await slot.module;\n"
+            "export default {};\n"
+        )
+        figure_esm = (
+            "// kvlab: plotly's widget, from the bundle the page imported once (see kvlab.viz.base).\n"
+            f"const KEY = {key};\n{_SLOT_JS}"
+            "const mod = await slot.module;\n"
             "export const FigureModel = mod.FigureModel;\n"
             "export const FigureView = mod.FigureView;\n"
             "export default mod.default;\n"
         )
+
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            preload()  # the loader's comm opens first, so the page has the bundle coming
+            go.FigureWidget.__init__(self, *args, **kwargs)
+
+        loader = type("KvlabPlotlyLoader", (anywidget.AnyWidget,), {"_esm": loader_esm, "__module__": __name__})
         _FIGURE_WIDGET = type("KvlabFigureWidget", (go.FigureWidget,),
-                              {"_esm": shim, "__module__": __name__, "_build_update_params_from_batch": _complete_batch})
+                              {"_esm": figure_esm, "__module__": __name__, "__init__": __init__,
+                               "_loader_class": loader, "_build_update_params_from_batch": _complete_batch})
     return _FIGURE_WIDGET
 
 
@@ -95,19 +127,17 @@ def _complete_batch(self: Any) -> tuple[dict[str, Any], dict[str, Any], list[int
     return restyle, relayout, traces
 
 
-_PRELOADED: list[Any] = []
-
-
 def preload() -> None:
-    """Start loading plotly's widget code in the browser now, before any figure is shown.
+    """Send plotly's widget code to the page now, before any figure is shown.
 
-    Call it in a notebook's first cell: creating one (never displayed) figure makes the
-    page import the shared widget bundle (see :func:`figure_widget_class`), so the six
-    figures of a player, created in a later cell, find it ready instead of racing
-    anywidget's start-up budget on a slow machine. Calling it again does nothing.
+    It creates this kernel's hidden loader widget (see :func:`figure_widget_class`), whose
+    module imports the ~5 MB bundle once per page; every figure waits for that import.
+    The first figure calls it by itself; calling it earlier (a notebook's first cell) lets
+    the page load the bundle while the next cells run. Calling it again does nothing,
+    unless the loader was closed (``Widget.close_all()``): then a new one is made.
     """
-    if not _PRELOADED:
-        _PRELOADED.append(figure_widget_class()())
+    if not _LOADER or _LOADER[0].comm is None:
+        _LOADER[:] = [figure_widget_class()._loader_class()]
 
 
 class View:
