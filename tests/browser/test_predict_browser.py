@@ -3,15 +3,14 @@ cleared, as ``make lab`` prepares it) run top to bottom; the answers stay hidden
 until a prediction is locked in; then prediction, result and ✔ appear above the answer. The
 explanation below it is folded in a <details>. The locked prediction lands in the learner's
 record ($KVLAB_HOME), not in the repository.
-
 No KVLAB_PREDICT here: the mode must follow from the front end (JupyterLab sends
-allow_stdin=True). After a kernel restart and a second run, the locked prediction comes
-back locked from that record. Screenshots: ``test-artifacts/browser_predict_{before,after,restored}.png``.
+allow_stdin=True). After a kernel restart and a second run (of a three-cell notebook), the
+locked prediction comes back locked from that record, its answer open. Screenshots:
+``test-artifacts/browser_predict_{before,after,restored}.png``.
 """
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import nbformat
 import pytest
@@ -20,87 +19,82 @@ from test_browser import ALL_CELLS_RAN, ARTIFACTS, REPO, Lab, _assert_no_errors,
 
 from kvlab.workspace import cleared
 
-# This test starts its own JupyterLab and Chromium (its kernels write to their own KVLAB_HOME),
-# so under pytest-xdist (`make test`) it can run on any worker.
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 LESSON = "03_prefix_caching.ipynb"
+# A Player inside a prediction's answer; the third cell re-runs after a restart.
+NESTED = (
+    "from IPython.display import display\nfrom kvlab import build_engine, predict, show\n"
+    "engine = build_engine(num_blocks=8, block_size=4)\nengine.generate([[1, 2, 3, 4, 5]], max_tokens=2)",
+    'guess = predict("How many blocks did the request hold?", kind="number")',
+    'with guess.reveal():\n    print("the request held 2 blocks")\n    display(show(engine))',
+)
+ANSWER_SHOWN = ("() => [...document.querySelectorAll('.jp-OutputArea-output')]"
+                ".some(o => o.offsetParent !== null && o.innerText.includes('the request held 2 blocks'))")
 
 
 @pytest.mark.timeout(420)
-def test_answer_hidden_until_a_prediction_is_locked(tmp_path: Path, monkeypatch) -> None:
-    home = tmp_path / "kvlab-home"
-    monkeypatch.setenv("KVLAB_HOME", str(home))
-    monkeypatch.delenv("KVLAB_PREDICT", raising=False)  # the server's kernels inherit this environment
-    lab = Lab(tmp_path, home=home)
-    try:
-        copy = lab.root / "notebooks" / LESSON  # the learner's working copy: outputs cleared, as `make lab` prepares it
-        copy.write_text(json.dumps(cleared(json.loads((REPO / "notebooks" / LESSON).read_text()))))
-        with lab.notebook(f"notebooks/{LESSON}") as page:
-            _run_all(page)
-            _wait_until(page, ALL_CELLS_RAN, 300, "every cell of the lesson to run")
-            _assert_no_errors(page)
-            forms = page.locator(".jp-OutputArea-output:has(.kvlab-live)", has_text="✎ Predict:")
-            assert forms.count() == 7, forms.count()  # one form per prompt of lesson 03
-            first = forms.first
-            first.scroll_into_view_if_needed()
-            # the answer cell ran, but what it printed is not on the page yet
-            text = page.locator(".jp-Notebook").inner_text()
-            assert "same key False" not in text and "The answer is ready" in text
-            page.screenshot(path=str(ARTIFACTS / "browser_predict_before.png"), clip=_clip(page, first))
-            first.locator("input[type='text']").fill("0")
-            lock = first.locator("button", has_text="Lock in")
-            _wait_until(page, "() => true", 20, "Lock in to enable", also=lambda: lock.is_enabled())
-            lock.click()
-            _wait_until(page, "() => true", 30, "the answer to open",
-                        also=lambda: "same key False" in page.locator(".jp-Notebook").inner_text())
-            answer = page.locator(".jp-OutputArea-output", has_text="your prediction: 0 · result: 0 · ✔ right")
-            assert answer.count() >= 1
-            assert "Locked in: 0" in first.inner_text()
-            # the explanation waits in a closed <details>
-            details = page.locator(".jp-MarkdownOutput details").first
-            assert details.count() == 1 and details.get_attribute("open") is None
-            page.screenshot(path=str(ARTIFACTS / "browser_predict_after.png"), clip=_clip(page, first, below=420))
-            # A kernel restart and a second run: the locked prediction comes back locked from
-            # the learner's record, its answer open; the six others still wait for a guess.
-            page.locator(".jp-NotebookPanel-toolbar [data-command='notebook:restart-run-all']").first.click()
-            page.locator(".jp-Dialog .jp-mod-accept").click()
-            _wait_until(page, "() => true", 300, "the second run to restore the lock",
-                        also=lambda: "(from your record)" in forms.first.inner_text()
-                        and "same key False" in page.locator(".jp-Notebook").inner_text())
-            _wait_until(page, ALL_CELLS_RAN, 300, "every cell of the second run")
-            assert forms.count() == 7 and "Predict again" in forms.first.inner_text()
-            assert sum("Lock in" in forms.nth(i).inner_text() for i in range(7)) == 6
-            page.screenshot(path=str(ARTIFACTS / "browser_predict_restored.png"), clip=_clip(page, first, below=420))
-        rec = json.loads((home / "progress.json").read_text())  # (emptied as the next notebook opens)
-        (pred,) = rec["predictions"]
-        assert pred["prediction"] == 0 and pred["result"] == 0 and pred["matched"] is True
-        assert pred["lesson"] == LESSON.removesuffix(".ipynb")
-        # A Player inside a prediction's answer: hidden until the lock, then shown with the rest
-        # of the answer (its still's style rule must not hide the answer area around it).
-        nb = nbformat.v4.new_notebook()
-        nb.cells = [nbformat.v4.new_code_cell(src) for src in (
-            "from IPython.display import display\nfrom kvlab import build_engine, predict, show\n"
-            "engine = build_engine(num_blocks=8, block_size=4)\nengine.generate([[1, 2, 3, 4, 5]], max_tokens=2)",
-            'guess = predict("How many blocks did the request hold?", kind="number")',
-            'with guess.reveal():\n    print("the request held 2 blocks")\n    display(show(engine))',
-        )]
-        nbformat.write(nb, lab.root / "nested_player.ipynb")
-        with lab.notebook("nested_player.ipynb") as page:
-            _run_all(page)
-            _wait_until(page, ALL_CELLS_RAN, 300, "every cell to run")
-            answer_shown = "() => [...document.querySelectorAll('.jp-OutputArea-output')].some(o => o.offsetParent !== null && o.innerText.includes('the request held 2 blocks'))"
-            assert not page.evaluate(answer_shown) and page.locator(".kvlab-player").first.is_hidden()
-            form = page.locator(".jp-OutputArea-output:has(.kvlab-live)", has_text="✎ Predict:").first
-            form.locator("input[type='text']").fill("2")
-            lock = form.locator("button", has_text="Lock in")
-            _wait_until(page, "() => true", 20, "Lock in to enable", also=lambda: lock.is_enabled())
-            lock.click()
-            _wait_until(page, answer_shown, 60, "the answer, Player included, to show",
-                        also=lambda: page.locator(".kvlab-player").first.is_visible())
-            _assert_no_errors(page)
-    finally:
-        lab.close()
+def test_answer_hidden_until_a_prediction_is_locked(lab: Lab) -> None:
+    copy = lab.root / "notebooks" / LESSON  # the learner's working copy: outputs cleared, as `make lab` prepares it
+    copy.write_text(json.dumps(cleared(json.loads((REPO / "notebooks" / LESSON).read_text()))))
+    with lab.notebook(f"notebooks/{LESSON}") as page:
+        _run_all(page)
+        _wait_until(page, ALL_CELLS_RAN, 300, "every cell of the lesson to run")
+        _assert_no_errors(page)
+        forms = page.locator(".jp-OutputArea-output:has(.kvlab-live)", has_text="✎ Predict:")
+        assert forms.count() == 7, forms.count()  # one form per prompt of lesson 03
+        first = forms.first
+        first.scroll_into_view_if_needed()
+        # the answer cell ran, but what it printed is not on the page yet
+        text = page.locator(".jp-Notebook").inner_text()
+        assert "same key False" not in text and "The answer is ready" in text
+        page.screenshot(path=str(ARTIFACTS / "browser_predict_before.png"), clip=_clip(page, first))
+        first.locator("input[type='text']").fill("0")
+        lock = first.locator("button", has_text="Lock in")
+        _wait_until(page, "() => true", 20, "Lock in to enable", also=lambda: lock.is_enabled())
+        lock.click()
+        _wait_until(page, "() => true", 30, "the answer to open",
+                    also=lambda: "same key False" in page.locator(".jp-Notebook").inner_text())
+        answer = page.locator(".jp-OutputArea-output", has_text="your prediction: 0 · result: 0 · ✔ right")
+        assert answer.count() >= 1
+        assert "Locked in: 0" in first.inner_text()
+        assert sum("Lock in" in forms.nth(i).inner_text() for i in range(7)) == 6  # the six others still wait
+        # the explanation waits in a closed <details>
+        details = page.locator(".jp-MarkdownOutput details").first
+        assert details.count() == 1 and details.get_attribute("open") is None
+        page.screenshot(path=str(ARTIFACTS / "browser_predict_after.png"), clip=_clip(page, first, below=420))
+    rec = json.loads((lab.home / "progress.json").read_text())  # (emptied as the next notebook opens)
+    (pred,) = rec["predictions"]
+    assert pred["prediction"] == 0 and pred["result"] == 0 and pred["matched"] is True
+    assert pred["lesson"] == LESSON.removesuffix(".ipynb")
+
+    # A Player inside a prediction's answer: hidden until the lock, then shown with the rest of
+    # the answer (its still's style rule must not hide the answer area around it). Then a kernel
+    # restart and a second run: the prediction comes back locked from the learner's record.
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(src) for src in NESTED]
+    nbformat.write(nb, lab.root / "nested_player.ipynb")
+    with lab.notebook("nested_player.ipynb") as page:
+        _run_all(page)
+        _wait_until(page, ALL_CELLS_RAN, 300, "every cell to run")
+        assert not page.evaluate(ANSWER_SHOWN) and page.locator(".kvlab-player").first.is_hidden()
+        form = page.locator(".jp-OutputArea-output:has(.kvlab-live)", has_text="✎ Predict:").first
+        form.locator("input[type='text']").fill("2")
+        lock = form.locator("button", has_text="Lock in")
+        _wait_until(page, "() => true", 20, "Lock in to enable", also=lambda: lock.is_enabled())
+        lock.click()
+        _wait_until(page, ANSWER_SHOWN, 60, "the answer, Player included, to show",
+                    also=lambda: page.locator(".kvlab-player").first.is_visible())
+        _assert_no_errors(page)
+        page.locator(".jp-NotebookPanel-toolbar [data-command='notebook:restart-run-all']").first.click()
+        page.locator(".jp-Dialog .jp-mod-accept").click()
+        form = page.locator(".jp-OutputArea-output:has(.kvlab-live)", has_text="✎ Predict:").first
+        _wait_until(page, ANSWER_SHOWN, 300, "the second run to restore the lock",
+                    also=lambda: "(from your record)" in form.inner_text() and page.locator(".kvlab-player").first.is_visible())
+        _wait_until(page, ALL_CELLS_RAN, 300, "every cell of the second run")
+        assert "Predict again" in form.inner_text() and "Lock in" not in form.inner_text()
+        _assert_no_errors(page)
+        page.screenshot(path=str(ARTIFACTS / "browser_predict_restored.png"), clip=_clip(page, form, below=420))
 
 
 def _clip(page, locator, below: int = 260) -> dict[str, float]:
