@@ -30,7 +30,7 @@ def test_wheel_installs_kernels_as_kvlab_kernels(tmp_path):
     (wheel,) = tmp_path.glob("kvlab-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     for f in ["kvlab/kernels/__init__.py", "kvlab/kernels/attention.py", "kvlab/kernels/cache_ops.py",
-              "kvlab/viz/player.py", "kvlab/exercises/checks_kernels.py", "kvlab/core/block_pool.py", "kvlab/core/sched/scheduler.py"]:
+              "kvlab/viz/player.py", "kvlab/exercises/checks_kernels.py", "kvlab/exercises/kernel_harness.py", "kvlab/core/block_pool.py", "kvlab/core/sched/scheduler.py"]:
         assert f in names, f"{f} missing from the wheel"
     assert not any(n.startswith("kernels/") for n in names), "kernels/ must install as kvlab/kernels/"
 
