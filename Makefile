@@ -36,7 +36,8 @@ test: install
 	$(BIN)/python -m pytest -n $(WORKERS) --nbval-lax -p no:cacheprovider tests $(LESSONS_BY_NBVAL)
 
 # The same, with the exhaustive interrupt sweeps: an interrupt at *every* event of each run
-# (`make test` takes a seeded sample of them, the same points every run).
+# (`make test` takes a seeded sample of them, the same points every run), and the fault soak
+# over 5,000 requests instead of 2,500.
 test-full: install
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/ruff check kvlab kernels tests
