@@ -4,6 +4,7 @@
 Triton interpreter (CPU) and must do so before anything imports ``triton``. Nothing here
 imports the rest of kvlab; the engine's core stays pure Python.
 """
+
 from __future__ import annotations
 
 from ._env import DEVICE, INTERPRET  # noqa: I001  (must come first: sets TRITON_INTERPRET)

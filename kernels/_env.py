@@ -34,6 +34,7 @@ Policy
 * No CUDA: interpreter mode; ``TRITON_INTERPRET`` is forced to ``1`` because compiled
   Triton has no CPU backend.
 """
+
 from __future__ import annotations
 
 import os

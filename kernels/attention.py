@@ -44,6 +44,7 @@ How the work is cut (why the grid looks like this)
 Choices are made on the host (``_plan``): no ``@triton.autotune`` (it does not run under
 the interpreter) and no device-side asserts (same reason; ``validate.py`` checks inputs).
 """
+
 from __future__ import annotations
 
 import math
@@ -63,27 +64,38 @@ _LOG2E = 1.0 / math.log(2.0)  # exp(x) == exp2(x * log2(e)); exp2 is the fast ha
 
 @triton.jit
 def _unified_attention_kernel(
-    q_ptr, key_cache_ptr, value_cache_ptr, out_ptr,
-    part_out_ptr, part_m_ptr, part_l_ptr,   # split partials (unused when NUM_SPLITS == 1)
-    cu_seqlens_q_ptr, seq_lens_ptr, block_table_ptr,
-    tile_seq_ptr, tile_q_start_ptr,         # q-tile schedule; tile_seq == -1: idle slot
-    qk_scale,                               # softmax_scale * log2(e): we use exp2, not exp
-    sliding_window,                         # W (ignored unless USE_WINDOW)
-    stride_q_tok, stride_q_head,
-    stride_o_tok, stride_o_head,
-    stride_kc_block, stride_vc_block,
+    q_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_m_ptr,
+    part_l_ptr,  # split partials (unused when NUM_SPLITS == 1)
+    cu_seqlens_q_ptr,
+    seq_lens_ptr,
+    block_table_ptr,
+    tile_seq_ptr,
+    tile_q_start_ptr,  # q-tile schedule; tile_seq == -1: idle slot
+    qk_scale,  # softmax_scale * log2(e): we use exp2, not exp
+    sliding_window,  # W (ignored unless USE_WINDOW)
+    stride_q_tok,
+    stride_q_head,
+    stride_o_tok,
+    stride_o_head,
+    stride_kc_block,
+    stride_vc_block,
     stride_bt_seq,
-    BLOCK_SIZE: tl.constexpr,               # tokens per cache block (fixed per engine)
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block (fixed per engine)
     NUM_KV_HEADS: tl.constexpr,
-    HEADS_PER_KV: tl.constexpr,             # query heads sharing one kv head
+    HEADS_PER_KV: tl.constexpr,  # query heads sharing one kv head
     HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,                  # rows of the q tile = BLOCK_Q * HEADS_PER_KV (+ padding)
-    BLOCK_Q: tl.constexpr,                  # query tokens per q tile
-    BLOCK_N: tl.constexpr,                  # key positions per KV step
+    BLOCK_M: tl.constexpr,  # rows of the q tile = BLOCK_Q * HEADS_PER_KV (+ padding)
+    BLOCK_Q: tl.constexpr,  # query tokens per q tile
+    BLOCK_N: tl.constexpr,  # key positions per KV step
     NUM_SPLITS: tl.constexpr,
     USE_WINDOW: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,                # operand type for tl.dot (fp32 under the interpreter)
-    DOT_PRECISION: tl.constexpr,            # "ieee" keeps fp32 inputs exact on GPUs (no TF32)
+    DOT_DTYPE: tl.constexpr,  # operand type for tl.dot (fp32 under the interpreter)
+    DOT_PRECISION: tl.constexpr,  # "ieee" keeps fp32 inputs exact on GPUs (no TF32)
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -91,31 +103,30 @@ def _unified_attention_kernel(
 
     # ---- which sequence, which query tokens --------------------------------------------
     seq = tl.load(tile_seq_ptr + tile)
-    live = seq >= 0                          # the grid may be padded with idle slots
+    live = seq >= 0  # the grid may be padded with idle slots
     seq = tl.maximum(seq, 0)
     q_tile_start = tl.load(tile_q_start_ptr + tile)
     q_begin = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.where(live, tl.load(cu_seqlens_q_ptr + seq + 1) - q_begin, 0)
     seq_len = tl.load(seq_lens_ptr + seq)
-    context_len = seq_len - q_len            # tokens cached before the new ones
+    context_len = seq_len - q_len  # tokens cached before the new ones
 
     rows = tl.arange(0, BLOCK_M)
-    row_tok = rows // HEADS_PER_KV           # query token within the tile
+    row_tok = rows // HEADS_PER_KV  # query token within the tile
     row_head = kv_head * HEADS_PER_KV + rows % HEADS_PER_KV
     row_ok = (row_tok < BLOCK_Q) & (q_tile_start + row_tok < q_len)
-    row_q_pos = context_len + q_tile_start + row_tok   # absolute position of each query
-    q_token = q_begin + q_tile_start + row_tok          # row in q / out
+    row_q_pos = context_len + q_tile_start + row_tok  # absolute position of each query
+    q_token = q_begin + q_tile_start + row_tok  # row in q / out
 
     d = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + q_token[:, None] * stride_q_tok + row_head[:, None] * stride_q_head + d[None, :],
-                mask=row_ok[:, None], other=0.0)
+    q = tl.load(q_ptr + q_token[:, None] * stride_q_tok + row_head[:, None] * stride_q_head + d[None, :], mask=row_ok[:, None], other=0.0)
     # Fold softmax_scale * log2(e) into q once instead of scaling every score tile.
     q = (q.to(tl.float32) * qk_scale).to(DOT_DTYPE)
     q_pos_col = row_q_pos[:, None]
 
     # ---- which keys: causal (up to the last query of the tile), maybe windowed ---------
     n_q_rows = tl.minimum(q_len - q_tile_start, BLOCK_Q)
-    kv_hi = tl.where(live, context_len + q_tile_start + n_q_rows, 0)    # exclusive
+    kv_hi = tl.where(live, context_len + q_tile_start + n_q_rows, 0)  # exclusive
     kv_lo = 0
     if USE_WINDOW:
         # The earliest query of the tile sees keys from (its position - W + 1) on.
@@ -129,14 +140,14 @@ def _unified_attention_kernel(
     hi = tl.minimum(lo + steps_per_split * BLOCK_N, kv_hi)
 
     # ---- online softmax state, one entry per row, in fp32 ------------------------------
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)   # running max of scores (log2 units)
-    l_i = tl.full([BLOCK_M], 0.0, tl.float32)             # running sum of exp2(score - m_i)
-    acc = tl.full([BLOCK_M, HEAD_DIM], 0.0, tl.float32)   # running sum of p * V
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of scores (log2 units)
+    l_i = tl.full([BLOCK_M], 0.0, tl.float32)  # running sum of exp2(score - m_i)
+    acc = tl.full([BLOCK_M, HEAD_DIM], 0.0, tl.float32)  # running sum of p * V
 
     offs_n = tl.arange(0, BLOCK_N)
     block_table_row = block_table_ptr + seq.to(tl.int64) * stride_bt_seq
     for start in range(lo, hi, BLOCK_N):
-        pos = start + offs_n                              # logical key positions
+        pos = start + offs_n  # logical key positions
         pos_ok = (pos >= kv_lo) & (pos < hi)
 
         # 1. Block-table lookup: logical page -> physical block, for every position.
@@ -147,10 +158,12 @@ def _unified_attention_kernel(
 
         # 2. Masked loads: K as [HEAD_DIM, BLOCK_N] (already transposed for q @ K^T),
         #    V as [BLOCK_N, HEAD_DIM]. Positions outside the range read nothing.
-        k = tl.load(key_cache_ptr + (block * stride_kc_block + in_block)[None, :] + d[:, None],
-                    mask=pos_ok[None, :], other=0.0).to(DOT_DTYPE)
-        v = tl.load(value_cache_ptr + (block * stride_vc_block + in_block)[:, None] + d[None, :],
-                    mask=pos_ok[:, None], other=0.0).to(DOT_DTYPE)
+        k = tl.load(key_cache_ptr + (block * stride_kc_block + in_block)[None, :] + d[:, None], mask=pos_ok[None, :], other=0.0).to(
+            DOT_DTYPE
+        )
+        v = tl.load(value_cache_ptr + (block * stride_vc_block + in_block)[:, None] + d[None, :], mask=pos_ok[:, None], other=0.0).to(
+            DOT_DTYPE
+        )
 
         # 3. Scores, then the mask: in range, causal (and inside the window).
         #    -inf => probability exactly 0 after exp2.
@@ -165,7 +178,7 @@ def _unified_attention_kernel(
         #    m = -inf; subtracting 0 instead of -inf keeps exp2 at 0 rather than NaN.
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_ref)                      # how much the old sums shrink
+        alpha = tl.exp2(m_i - m_ref)  # how much the old sums shrink
         p = tl.exp2(s - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
 
@@ -175,10 +188,13 @@ def _unified_attention_kernel(
         m_i = m_new
 
     if NUM_SPLITS == 1:
-        l_safe = tl.where(l_i == 0.0, 1.0, l_i)          # only idle/padding rows have l == 0
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # only idle/padding rows have l == 0
         out = acc / l_safe[:, None]
-        tl.store(out_ptr + q_token[:, None] * stride_o_tok + row_head[:, None] * stride_o_head + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(
+            out_ptr + q_token[:, None] * stride_o_tok + row_head[:, None] * stride_o_head + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None],
+        )
     else:
         # Partial results of this split; _merge_splits_kernel combines them.
         part = (q_token * (NUM_KV_HEADS * HEADS_PER_KV) + row_head) * NUM_SPLITS + split
@@ -189,15 +205,18 @@ def _unified_attention_kernel(
 
 @triton.jit
 def _merge_splits_kernel(
-    part_out_ptr, part_m_ptr, part_l_ptr,   # [num_tokens * NUM_Q_HEADS rows, NUM_SPLITS (, HEAD_DIM)] fp32
+    part_out_ptr,
+    part_m_ptr,
+    part_l_ptr,  # [num_tokens * NUM_Q_HEADS rows, NUM_SPLITS (, HEAD_DIM)] fp32
     out_ptr,
-    num_rows,                               # num_tokens * NUM_Q_HEADS
-    stride_o_tok, stride_o_head,
+    num_rows,  # num_tokens * NUM_Q_HEADS
+    stride_o_tok,
+    stride_o_head,
     NUM_Q_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     SPLITS_POW2: tl.constexpr,
-    BLOCK_R: tl.constexpr,                  # (token, head) rows per program
+    BLOCK_R: tl.constexpr,  # (token, head) rows per program
 ):
     """Combine the splits of each (token, head) row, exactly like one more softmax step.
 
@@ -208,22 +227,24 @@ def _merge_splits_kernel(
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     s = tl.arange(0, SPLITS_POW2)
     d = tl.arange(0, HEAD_DIM)
-    ok = (r[:, None] < num_rows) & (s[None, :] < NUM_SPLITS)             # [BLOCK_R, S]
+    ok = (r[:, None] < num_rows) & (s[None, :] < NUM_SPLITS)  # [BLOCK_R, S]
     part = r[:, None] * NUM_SPLITS + s[None, :]
     m = tl.load(part_m_ptr + part, mask=ok, other=float("-inf"))
     l = tl.load(part_l_ptr + part, mask=ok, other=0.0)
-    acc = tl.load(part_out_ptr + part[:, :, None] * HEAD_DIM + d[None, None, :],
-                  mask=ok[:, :, None], other=0.0)                          # [BLOCK_R, S, D]
+    acc = tl.load(part_out_ptr + part[:, :, None] * HEAD_DIM + d[None, None, :], mask=ok[:, :, None], other=0.0)  # [BLOCK_R, S, D]
     m_max = tl.max(m, axis=1)
-    m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)   # a split that saw no key has m = -inf
+    m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)  # a split that saw no key has m = -inf
     w = tl.exp2(m - m_ref[:, None])
     num = tl.sum(acc * w[:, :, None], axis=1)
     den = tl.sum(l * w, axis=1)
     out = num / tl.where(den == 0.0, 1.0, den)[:, None]
     token = r // NUM_Q_HEADS
     head = r % NUM_Q_HEADS
-    tl.store(out_ptr + token[:, None] * stride_o_tok + head[:, None] * stride_o_head + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=(r < num_rows)[:, None])
+    tl.store(
+        out_ptr + token[:, None] * stride_o_tok + head[:, None] * stride_o_head + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=(r < num_rows)[:, None],
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,8 +266,9 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _plan(q: torch.Tensor, num_kv_heads: int, num_seqs: int, max_kv_len: int,
-          num_splits: int | None = None, block_n: int | None = None) -> _Plan:
+def _plan(
+    q: torch.Tensor, num_kv_heads: int, num_seqs: int, max_kv_len: int, num_splits: int | None = None, block_n: int | None = None
+) -> _Plan:
     """Pick tile sizes and the number of KV splits, from shapes alone (no host sync).
 
     Interpreter: each program costs ~2 ms and each tile op ~0.1 ms almost regardless of
@@ -282,7 +304,7 @@ def _plan(q: torch.Tensor, num_kv_heads: int, num_seqs: int, max_kv_len: int,
         # benchmark's 64 decodes x 8 kv heads on a 132-SM H200 this gives 8 splits of
         # 512 tokens (8 steps each). Unmeasured guess: tune with the bench's sweep.
         target = 16 * _sm_count(q.device)
-        max_useful = max(1, max_kv_len // (4 * block_n))   # keep >= 4 KV steps per split
+        max_useful = max(1, max_kv_len // (4 * block_n))  # keep >= 4 KV steps per split
         num_splits = 1
         while num_splits * 2 <= min(max_useful, 16) and programs * num_splits < target:
             num_splits *= 2
@@ -293,8 +315,7 @@ def _plan(q: torch.Tensor, num_kv_heads: int, num_seqs: int, max_kv_len: int,
     return _Plan(block_m, block_q, block_n, num_splits, num_warps, num_stages)
 
 
-def _schedule(cu_seqlens_q: torch.Tensor, num_tokens: int, block_q: int,
-              exact: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _schedule(cu_seqlens_q: torch.Tensor, num_tokens: int, block_q: int, exact: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Map grid slot -> (sequence, first query offset) for every q tile of the batch.
 
     ``exact``: size the grid to the true tile count. That needs the count on the host,
@@ -346,13 +367,11 @@ def _launch(
         return out
     group = num_q_heads // num_kv_heads
     plan = _plan(q, num_kv_heads, num_seqs, block_table.shape[1] * block_size, num_splits, block_n)
-    tile_seq, tile_q_start = _schedule(cu_seqlens_q, num_tokens, plan.block_q,
-                                       exact=cu_seqlens_q.device.type == "cpu")
+    tile_seq, tile_q_start = _schedule(cu_seqlens_q, num_tokens, plan.block_q, exact=cu_seqlens_q.device.type == "cpu")
     if tile_seq.numel() == 0:
         return out
     if plan.num_splits > 1:
-        part_out = torch.empty((num_tokens, num_q_heads, plan.num_splits, head_dim),
-                               dtype=torch.float32, device=q.device)
+        part_out = torch.empty((num_tokens, num_q_heads, plan.num_splits, head_dim), dtype=torch.float32, device=q.device)
         part_m = torch.empty((num_tokens, num_q_heads, plan.num_splits), dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
     else:
@@ -363,15 +382,26 @@ def _launch(
         dot_dtype = _TRITON_DTYPE[q.dtype]
     grid = (tile_seq.numel(), num_kv_heads, plan.num_splits)
     _unified_attention_kernel[grid](
-        q, key_cache, value_cache, out,
-        part_out, part_m, part_l,
-        cu_seqlens_q, seq_lens, block_table,
-        tile_seq, tile_q_start,
+        q,
+        key_cache,
+        value_cache,
+        out,
+        part_out,
+        part_m,
+        part_l,
+        cu_seqlens_q,
+        seq_lens,
+        block_table,
+        tile_seq,
+        tile_q_start,
         float(softmax_scale) * _LOG2E,
         0 if sliding_window is None else int(sliding_window),
-        q.stride(0), q.stride(1),
-        out.stride(0), out.stride(1),
-        key_cache.stride(0), value_cache.stride(0),
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        value_cache.stride(0),
         block_table.stride(0),
         BLOCK_SIZE=block_size,
         NUM_KV_HEADS=num_kv_heads,
@@ -394,9 +424,13 @@ def _launch(
         budget = 1 << 16 if INTERPRET else 4096
         block_r = min(triton.next_power_of_2(num_rows), max(1, budget // (splits_pow2 * head_dim)))
         _merge_splits_kernel[(triton.cdiv(num_rows, block_r),)](
-            part_out, part_m, part_l, out,
+            part_out,
+            part_m,
+            part_l,
+            out,
             num_rows,
-            out.stride(0), out.stride(1),
+            out.stride(0),
+            out.stride(1),
             NUM_Q_HEADS=num_q_heads,
             HEAD_DIM=head_dim,
             NUM_SPLITS=plan.num_splits,
@@ -431,7 +465,5 @@ def unified_attention(
         softmax_scale: usually ``head_dim ** -0.5``.
         sliding_window: ``W`` lets position ``p`` see keys ``p-W+1 .. p``; None = full.
     """
-    validate_unified_attention(q, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table,
-                               softmax_scale, sliding_window)
-    return _launch(q, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table,
-                   softmax_scale, sliding_window)
+    validate_unified_attention(q, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, softmax_scale, sliding_window)
+    return _launch(q, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, softmax_scale, sliding_window)

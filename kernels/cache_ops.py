@@ -7,6 +7,7 @@ block_size + offset``. This kernel is the bridge: one program copies a chunk of 
 each to its own slot. A negative slot means "no room for this token" (e.g. padding) and
 is skipped, so the cache keeps whatever was there.
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,21 +22,26 @@ __all__ = ["reshape_and_cache"]
 
 @triton.jit
 def _reshape_and_cache_kernel(
-    key_ptr, value_ptr,              # [num_tokens, H, D], last dim contiguous
-    key_cache_ptr, value_cache_ptr,  # [num_blocks, block_size, H, D], dense inside a block
-    slot_mapping_ptr,                # [num_tokens] int64; negative = skip
+    key_ptr,
+    value_ptr,  # [num_tokens, H, D], last dim contiguous
+    key_cache_ptr,
+    value_cache_ptr,  # [num_blocks, block_size, H, D], dense inside a block
+    slot_mapping_ptr,  # [num_tokens] int64; negative = skip
     num_tokens,
-    stride_k_tok, stride_k_head,
-    stride_v_tok, stride_v_head,
-    stride_kc_block, stride_vc_block,
-    BLOCK_SIZE: tl.constexpr,        # tokens per cache block (fixed per engine)
+    stride_k_tok,
+    stride_k_head,
+    stride_v_tok,
+    stride_v_head,
+    stride_kc_block,
+    stride_vc_block,
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block (fixed per engine)
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    BLOCK_T: tl.constexpr,           # tokens per program
-    BLOCK_HD: tl.constexpr,          # next power of two >= NUM_HEADS * HEAD_DIM
+    BLOCK_T: tl.constexpr,  # tokens per program
+    BLOCK_HD: tl.constexpr,  # next power of two >= NUM_HEADS * HEAD_DIM
 ):
     pid = tl.program_id(0)
-    tok = pid * BLOCK_T + tl.arange(0, BLOCK_T)       # [BLOCK_T] token indices
+    tok = pid * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T] token indices
     tok_ok = tok < num_tokens
     # Where does each token go? Padding tokens carry slot -1 and are masked out below.
     slot = tl.load(slot_mapping_ptr + tok, mask=tok_ok, other=-1)
@@ -53,10 +59,8 @@ def _reshape_and_cache_kernel(
     mask = keep[:, None] & hd_ok[None, :]
 
     tok64 = tok.to(tl.int64)
-    k = tl.load(key_ptr + tok64[:, None] * stride_k_tok + head[None, :] * stride_k_head + chan[None, :],
-                mask=mask, other=0.0)
-    v = tl.load(value_ptr + tok64[:, None] * stride_v_tok + head[None, :] * stride_v_head + chan[None, :],
-                mask=mask, other=0.0)
+    k = tl.load(key_ptr + tok64[:, None] * stride_k_tok + head[None, :] * stride_k_head + chan[None, :], mask=mask, other=0.0)
+    v = tl.load(value_ptr + tok64[:, None] * stride_v_tok + head[None, :] * stride_v_head + chan[None, :], mask=mask, other=0.0)
 
     # Inside a block the cache is dense: token `offset` starts NUM_HEADS*HEAD_DIM elements
     # after token `offset - 1`, so the flat index `hd` is exactly the in-token offset.
@@ -104,11 +108,18 @@ def reshape_and_cache(
     block_t = _tokens_per_program(num_tokens, block_hd)
     grid = (triton.cdiv(num_tokens, block_t),)
     _reshape_and_cache_kernel[grid](
-        key, value, key_cache, value_cache, slot_mapping,
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
         num_tokens,
-        key.stride(0), key.stride(1),
-        value.stride(0), value.stride(1),
-        key_cache.stride(0), value_cache.stride(0),
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        key_cache.stride(0),
+        value_cache.stride(0),
         BLOCK_SIZE=key_cache.shape[1],
         NUM_HEADS=num_heads,
         HEAD_DIM=head_dim,

@@ -7,6 +7,7 @@ kernel disagree, the reference is the one a learner should be able to check by h
 
 Same signatures as the kernels (``reshape_and_cache`` / ``unified_attention``).
 """
+
 from __future__ import annotations
 
 import torch
@@ -34,8 +35,7 @@ def reshape_and_cache_ref(
     value_cache[block_id, offset] = value[keep]
 
 
-def _gather_tokens(cache: torch.Tensor, block_ids: torch.Tensor, block_size: int,
-                   lo: int, hi: int) -> torch.Tensor:
+def _gather_tokens(cache: torch.Tensor, block_ids: torch.Tensor, block_size: int, lo: int, hi: int) -> torch.Tensor:
     """Tokens ``lo..hi-1`` of one sequence, gathered page by page: ``[hi - lo, H, D]``.
 
     Only the pages that hold those tokens are touched: with a sliding window the pages
@@ -46,7 +46,7 @@ def _gather_tokens(cache: torch.Tensor, block_ids: torch.Tensor, block_size: int
     pages = cache[block_ids[first_page:n_pages].long()]  # [pages, block_size, H, D]
     tokens = pages.reshape(-1, *cache.shape[2:])
     start = lo - first_page * block_size
-    return tokens[start:start + hi - lo]
+    return tokens[start : start + hi - lo]
 
 
 def unified_attention_ref(

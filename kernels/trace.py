@@ -26,6 +26,7 @@ Cost under the interpreter: one range test per load, and for the watched tensors
 vectorised integer divisions and a ``np.unique`` per load (measured by ``python -m
 kvlab.bench kernel``). Nothing is recorded outside a ``with trace_loads(...)`` block.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -109,8 +110,13 @@ class LoadTrace:
                 continue
             st = t.untyped_storage()
             self._watched[name] = _Watched(
-                lo=st.data_ptr(), hi=st.data_ptr() + st.nbytes(), first=t.data_ptr(), itemsize=t.element_size(),
-                shape=tuple(t.shape), strides=tuple(t.stride()))
+                lo=st.data_ptr(),
+                hi=st.data_ptr() + st.nbytes(),
+                first=t.data_ptr(),
+                itemsize=t.element_size(),
+                shape=tuple(t.shape),
+                strides=tuple(t.stride()),
+            )
             self._current.loads[name] = {}
         for name in self.capture:
             t = named_args.get(name)
@@ -118,8 +124,7 @@ class LoadTrace:
                 self._current.captured[name] = t.detach().to("cpu", copy=True)
         self.launches.append(self._current)
 
-    def _record(self, addresses: np.ndarray, mask: np.ndarray, program: tuple[int, int, int],
-                grid: tuple[int, int, int]) -> None:
+    def _record(self, addresses: np.ndarray, mask: np.ndarray, program: tuple[int, int, int], grid: tuple[int, int, int]) -> None:
         launch = self._current
         if launch is None:
             return
@@ -189,8 +194,9 @@ def trace_loads(watch: Sequence[str], *, capture: Sequence[str] = (), kernels: S
     :func:`probe_reads_nan`. Traces do not nest.
     """
     if not INTERPRET:
-        raise RuntimeError("trace_loads needs the Triton interpreter (no CUDA, or TRITON_INTERPRET=1); "
-                           "on a GPU, observe the reads with probe_reads_nan")
+        raise RuntimeError(
+            "trace_loads needs the Triton interpreter (no CUDA, or TRITON_INTERPRET=1); on a GPU, observe the reads with probe_reads_nan"
+        )
     if isinstance(watch, str) or isinstance(capture, str):
         raise TypeError("watch and capture must be sequences of argument names, not a single string")
     if _ACTIVE:
@@ -244,18 +250,23 @@ def reads_by_sequence(launch: KernelLaunch, num_seqs: int) -> tuple[list[list[in
     return [sorted(s) for s in out[0]], [sorted(s) for s in out[1]]
 
 
-def traced_unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                             cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
-                             softmax_scale: float, sliding_window: int | None = None
-                             ) -> tuple[torch.Tensor, list[list[int]]]:
+def traced_unified_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    softmax_scale: float,
+    sliding_window: int | None = None,
+) -> tuple[torch.Tensor, list[list[int]]]:
     """``unified_attention`` under :func:`trace_loads`: returns ``(out, reads)`` with
     ``reads[s]`` = the sorted slots (``block * block_size + offset``) sequence ``s``'s
     programs loaded from the K or V cache -- observed, not derived from the block table."""
     from .attention import unified_attention
 
     with trace_loads(_CACHE_ARGS, capture=("tile_seq_ptr",), kernels=("_unified_attention_kernel",)) as trace:
-        out = unified_attention(q, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table,
-                                softmax_scale, sliding_window)
+        out = unified_attention(q, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, softmax_scale, sliding_window)
     num_seqs = int(seq_lens.shape[0])
     reads: list[set[int]] = [set() for _ in range(num_seqs)]
     for launch in trace.launches:
@@ -266,10 +277,18 @@ def traced_unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cac
     return out, [sorted(r) for r in reads]
 
 
-def probe_reads_nan(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                    cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
-                    softmax_scale: float, sliding_window: int | None = None, *,
-                    blocks: Sequence[int] | None = None) -> list[list[int]]:
+def probe_reads_nan(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    softmax_scale: float,
+    sliding_window: int | None = None,
+    *,
+    blocks: Sequence[int] | None = None,
+) -> list[list[int]]:
     """The slots each sequence's attention loads, found by NaN poisoning (works on a GPU).
 
     For every block in ``blocks`` (default: all, the null block included), a copy of the
@@ -303,7 +322,7 @@ def probe_reads_nan(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
             k[where] = k_saved
             v[where] = v_saved
         bad = torch.isnan(out).flatten(1).any(dim=1).tolist()
-        return [s for s in range(num_seqs) if any(bad[cu[s]:cu[s + 1]])]
+        return [s for s in range(num_seqs) if any(bad[cu[s] : cu[s + 1]])]
 
     reads: list[set[int]] = [set() for _ in range(num_seqs)]
     for b in candidates:

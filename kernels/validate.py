@@ -12,6 +12,7 @@ all the data-dependent verdicts are gathered into one tensor and read back with 
 ``.tolist()``, so a CUDA caller pays one host synchronisation per launch, not one per
 check. Only when something is wrong do we spend more effort locating the first culprit.
 """
+
 from __future__ import annotations
 
 import math
@@ -48,9 +49,7 @@ def _require_ndim(name: str, x: torch.Tensor, ndim: int, layout: str) -> None:
 
 def _require_dtype(name: str, x: torch.Tensor, allowed: Sequence[torch.dtype]) -> None:
     if x.dtype not in allowed:
-        raise ValueError(
-            f"{name} has dtype {str(x.dtype).removeprefix('torch.')}; allowed: {_dtype_names(allowed)}"
-        )
+        raise ValueError(f"{name} has dtype {str(x.dtype).removeprefix('torch.')}; allowed: {_dtype_names(allowed)}")
 
 
 def _require_contiguous(name: str, x: torch.Tensor) -> None:
@@ -60,9 +59,7 @@ def _require_contiguous(name: str, x: torch.Tensor) -> None:
 
 def _require_last_dim_contiguous(name: str, x: torch.Tensor) -> None:
     if x.shape[-1] > 1 and x.stride(-1) != 1:
-        raise ValueError(
-            f"{name} must have a contiguous last dimension (stride 1), got strides {x.stride()}"
-        )
+        raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got strides {x.stride()}")
 
 
 def _require_cache_layout(name: str, cache: torch.Tensor) -> None:
@@ -95,10 +92,7 @@ def _require_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor, ref_
     shape, and in the dtype of ``ref`` (the tensor whose K/V or queries meet them)."""
     _require_cache_layout("key_cache", key_cache)
     if value_cache.shape != key_cache.shape:
-        raise ValueError(
-            f"value_cache must have the shape of key_cache {tuple(key_cache.shape)}, "
-            f"got {tuple(value_cache.shape)}"
-        )
+        raise ValueError(f"value_cache must have the shape of key_cache {tuple(key_cache.shape)}, got {tuple(value_cache.shape)}")
     _require_cache_layout("value_cache", value_cache)
     for n, c in (("key_cache", key_cache), ("value_cache", value_cache)):
         if c.dtype != ref.dtype:
@@ -110,16 +104,12 @@ def _require_same_device(tensors: dict[str, torch.Tensor]) -> None:
     first = tensors[names[0]].device
     for n in names[1:]:
         if tensors[n].device != first:
-            raise ValueError(
-                f"{n} is on {tensors[n].device} but {names[0]} is on {first}; "
-                "all kernel arguments must be on the same device"
-            )
+            raise ValueError(f"{n} is on {tensors[n].device} but {names[0]} is on {first}; all kernel arguments must be on the same device")
     if first.type == "meta":
         raise ValueError(f"{names[0]} is a meta tensor (a shape without data); the kernels need tensors with data")
     if not INTERPRET and first.type != "cuda":
         raise ValueError(
-            f"{names[0]} is on {first}: compiled Triton kernels need CUDA tensors "
-            "(or run with TRITON_INTERPRET=1 to use the interpreter)"
+            f"{names[0]} is on {first}: compiled Triton kernels need CUDA tensors (or run with TRITON_INTERPRET=1 to use the interpreter)"
         )
 
 
@@ -143,8 +133,7 @@ def validate_reshape_and_cache(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Raise TypeError/ValueError unless ``reshape_and_cache`` can run safely on these."""
-    for n, x in (("key", key), ("value", value), ("key_cache", key_cache),
-                 ("value_cache", value_cache), ("slot_mapping", slot_mapping)):
+    for n, x in (("key", key), ("value", value), ("key_cache", key_cache), ("value_cache", value_cache), ("slot_mapping", slot_mapping)):
         _require_tensor(n, x)
     _require_ndim("key", key, 3, "[num_tokens, num_kv_heads, head_dim]")
     if key.shape[1] < 1 or key.shape[2] < 1:
@@ -161,19 +150,16 @@ def validate_reshape_and_cache(
     num_blocks, block_size = key_cache.shape[:2]
     if key_cache.shape[2:] != (num_heads, head_dim):
         raise ValueError(
-            f"key_cache holds [num_kv_heads, head_dim] = {tuple(key_cache.shape[2:])} per token "
-            f"but key has {(num_heads, head_dim)}"
+            f"key_cache holds [num_kv_heads, head_dim] = {tuple(key_cache.shape[2:])} per token but key has {(num_heads, head_dim)}"
         )
     _require_ndim("slot_mapping", slot_mapping, 1, "[num_tokens]")
     _require_dtype("slot_mapping", slot_mapping, (torch.int64,))
     _require_contiguous("slot_mapping", slot_mapping)
     if slot_mapping.shape[0] != num_tokens:
         raise ValueError(
-            f"slot_mapping has {slot_mapping.shape[0]} entries but key has {num_tokens} tokens; "
-            "there must be exactly one slot per token"
+            f"slot_mapping has {slot_mapping.shape[0]} entries but key has {num_tokens} tokens; there must be exactly one slot per token"
         )
-    _require_same_device({"key": key, "value": value, "key_cache": key_cache,
-                          "value_cache": value_cache, "slot_mapping": slot_mapping})
+    _require_same_device({"key": key, "value": value, "key_cache": key_cache, "value_cache": value_cache, "slot_mapping": slot_mapping})
     if num_tokens == 0:
         return
 
@@ -213,23 +199,25 @@ def validate_unified_attention(
     sliding_window: int | None,
 ) -> None:
     """Raise TypeError/ValueError unless ``unified_attention`` can run safely on these."""
-    for n, x in (("q", q), ("key_cache", key_cache), ("value_cache", value_cache),
-                 ("cu_seqlens_q", cu_seqlens_q), ("seq_lens", seq_lens),
-                 ("block_table", block_table)):
+    for n, x in (
+        ("q", q),
+        ("key_cache", key_cache),
+        ("value_cache", value_cache),
+        ("cu_seqlens_q", cu_seqlens_q),
+        ("seq_lens", seq_lens),
+        ("block_table", block_table),
+    ):
         _require_tensor(n, x)
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
         raise TypeError(f"softmax_scale must be a float, got {type(softmax_scale).__name__}")
     if not (math.isfinite(softmax_scale) and softmax_scale > 0):
-        raise ValueError(
-            f"softmax_scale must be a positive finite number (usually head_dim ** -0.5), got {softmax_scale}"
-        )
+        raise ValueError(f"softmax_scale must be a positive finite number (usually head_dim ** -0.5), got {softmax_scale}")
     if sliding_window is not None:
         if isinstance(sliding_window, bool) or not isinstance(sliding_window, numbers.Integral):
             raise TypeError(f"sliding_window must be None or an int, got {type(sliding_window).__name__}")
         if sliding_window < 1:
             raise ValueError(
-                f"sliding_window must be >= 1 (the number of keys a query sees, itself included) "
-                f"or None, got {sliding_window}"
+                f"sliding_window must be >= 1 (the number of keys a query sees, itself included) or None, got {sliding_window}"
             )
 
     _require_ndim("q", q, 3, "[num_tokens, num_q_heads, head_dim]")
@@ -244,13 +232,11 @@ def validate_unified_attention(
         raise ValueError(f"key_cache has head_dim {cache_head_dim} but q has {head_dim}; they must match")
     if head_dim & (head_dim - 1) or not (_MIN_HEAD_DIM <= head_dim <= _MAX_HEAD_DIM):
         raise ValueError(
-            f"q has head_dim {head_dim}; the kernel supports powers of two from "
-            f"{_MIN_HEAD_DIM} to {_MAX_HEAD_DIM} (e.g. 32, 64, 128)"
+            f"q has head_dim {head_dim}; the kernel supports powers of two from {_MIN_HEAD_DIM} to {_MAX_HEAD_DIM} (e.g. 32, 64, 128)"
         )
     if num_kv_heads < 1 or num_q_heads % num_kv_heads:
         raise ValueError(
-            f"q has {num_q_heads} heads, which must be a multiple of key_cache's "
-            f"{num_kv_heads} kv heads (grouped-query attention)"
+            f"q has {num_q_heads} heads, which must be a multiple of key_cache's {num_kv_heads} kv heads (grouped-query attention)"
         )
 
     _require_ndim("cu_seqlens_q", cu_seqlens_q, 1, "[num_seqs + 1]")
@@ -262,16 +248,20 @@ def validate_unified_attention(
     num_seqs = seq_lens.shape[0]
     if cu_seqlens_q.shape[0] != num_seqs + 1:
         raise ValueError(
-            f"cu_seqlens_q must have num_seqs + 1 = {num_seqs + 1} entries (seq_lens has "
-            f"{num_seqs}), got {cu_seqlens_q.shape[0]}"
+            f"cu_seqlens_q must have num_seqs + 1 = {num_seqs + 1} entries (seq_lens has {num_seqs}), got {cu_seqlens_q.shape[0]}"
         )
     if block_table.shape[0] != num_seqs:
-        raise ValueError(
-            f"block_table must have one row per sequence ({num_seqs}), got {block_table.shape[0]} rows"
-        )
-    _require_same_device({"q": q, "key_cache": key_cache, "value_cache": value_cache,
-                          "cu_seqlens_q": cu_seqlens_q, "seq_lens": seq_lens,
-                          "block_table": block_table})
+        raise ValueError(f"block_table must have one row per sequence ({num_seqs}), got {block_table.shape[0]} rows")
+    _require_same_device(
+        {
+            "q": q,
+            "key_cache": key_cache,
+            "value_cache": value_cache,
+            "cu_seqlens_q": cu_seqlens_q,
+            "seq_lens": seq_lens,
+            "block_table": block_table,
+        }
+    )
     if num_seqs == 0:
         if num_tokens:
             raise ValueError(f"q has {num_tokens} tokens but there are no sequences (seq_lens is empty)")
@@ -306,13 +296,10 @@ def validate_unified_attention(
     if "monotone" in failed:
         (s,) = _first_index(failed["monotone"])
         raise ValueError(
-            f"cu_seqlens_q must be non-decreasing: cu_seqlens_q[{s + 1}] = {int(cu[s + 1])} < "
-            f"cu_seqlens_q[{s}] = {int(cu[s])}"
+            f"cu_seqlens_q must be non-decreasing: cu_seqlens_q[{s + 1}] = {int(cu[s + 1])} < cu_seqlens_q[{s}] = {int(cu[s])}"
         )
     if "total" in failed:
-        raise ValueError(
-            f"cu_seqlens_q[-1] must equal the number of query tokens in q ({num_tokens}), got {int(cu[-1])}"
-        )
+        raise ValueError(f"cu_seqlens_q[-1] must equal the number of query tokens in q ({num_tokens}), got {int(cu[-1])}")
     if "negative" in failed:
         (s,) = _first_index(failed["negative"])
         raise ValueError(f"seq_lens[{s}] = {int(lens[s])} is negative; sequence lengths must be >= 0")

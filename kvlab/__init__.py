@@ -15,6 +15,7 @@ loaded on first use: importing ``kvlab.viz.pool`` must not load the engine, and 
 the engine must not load plotly. The core is pure Python; torch, Triton (``kvlab.kernels``)
 and plotly are imported only by the parts that need them.
 """
+
 from __future__ import annotations
 
 import importlib

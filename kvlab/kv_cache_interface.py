@@ -15,6 +15,7 @@ spec decides three things:
 The geometry fields (``num_kv_heads``, ``head_size``, ``dtype``) only feed the byte counts;
 the block manager never reads them. ``block_size=None`` means "the manager's block size".
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace

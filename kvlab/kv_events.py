@@ -4,6 +4,7 @@
 the subscriber (:mod:`kvlab.distributed.kv_subscriber`) and recordings
 (:mod:`kvlab.distributed.kv_recording`) -- the same objects, re-exported, so
 ``from kvlab import kv_events`` works without loading the engine."""
+
 from kvlab.distributed.kv_events import *  # noqa: F403
 from kvlab.distributed.kv_events import __all__ as _wire
 from kvlab.distributed.kv_publisher import *  # noqa: F403

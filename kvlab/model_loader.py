@@ -11,6 +11,7 @@ lesson::
     out = engine.generate([m.tokenizer.encode_chat(messages)], max_tokens=32)
     print(m.tokenizer.decode(out[0]))
 """
+
 from __future__ import annotations
 
 import os
@@ -45,8 +46,7 @@ class LoadedModel(Checkpoint):
         the model's KV heads, head size and dtype: what the block manager is built with."""
         cfg = self.config
         geo = dict(num_kv_heads=cfg.num_kv_heads, head_size=cfg.head_dim, dtype=_DTYPE_NAMES[cfg.dtype])
-        return [FullAttentionSpec(**geo) if w is None else SlidingWindowSpec(sliding_window=w, **geo)
-                for w in layer_windows(self.model)]
+        return [FullAttentionSpec(**geo) if w is None else SlidingWindowSpec(sliding_window=w, **geo) for w in layer_windows(self.model)]
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -58,10 +58,18 @@ class LoadedModel(Checkpoint):
         block_size = check_int("block_size", block_size, 1)
         return (1 << 30) // (self.kv_bytes_per_token * block_size)
 
-    def build_engine(self, num_blocks: int = 64, block_size: int = 16, *, enable_caching: bool = True,
-                     event_log: EventLog | bool | None = True, backend: str | None = None,
-                     runner_kwargs: dict[str, Any] | None = None, manager_kwargs: dict[str, Any] | None = None,
-                     **scheduler_kwargs: Any) -> LLMEngine:
+    def build_engine(
+        self,
+        num_blocks: int = 64,
+        block_size: int = 16,
+        *,
+        enable_caching: bool = True,
+        event_log: EventLog | bool | None = True,
+        backend: str | None = None,
+        runner_kwargs: dict[str, Any] | None = None,
+        manager_kwargs: dict[str, Any] | None = None,
+        **scheduler_kwargs: Any,
+    ) -> LLMEngine:
         """An engine whose executor runs this model on the paged cache.
 
         ``num_blocks`` blocks of ``block_size`` tokens, each present in every layer (block 0 is
@@ -81,24 +89,38 @@ class LoadedModel(Checkpoint):
         if not isinstance(enable_caching, bool):
             raise TypeError(f"enable_caching must be a bool, got {type(enable_caching).__name__}")
         groups = self.kv_cache_groups()
-        runner = CheckpointModelRunner(self.model, num_blocks, block_size, kv_cache_groups=groups, backend=backend,
-                                       event_log=log, **dict(runner_kwargs or {}))
+        runner = CheckpointModelRunner(
+            self.model, num_blocks, block_size, kv_cache_groups=groups, backend=backend, event_log=log, **dict(runner_kwargs or {})
+        )
         mkw = dict(manager_kwargs or {})
         mkw.setdefault("kv_cache_groups", groups)
         mkw.setdefault("enable_caching", enable_caching)
-        return build_engine(num_blocks=num_blocks, block_size=block_size, executor=runner,
-                            event_log=log if log is not None else None, tokenizer=self.tokenizer,
-                            manager_kwargs=mkw, **scheduler_kwargs)
+        return build_engine(
+            num_blocks=num_blocks,
+            block_size=block_size,
+            executor=runner,
+            event_log=log if log is not None else None,
+            tokenizer=self.tokenizer,
+            manager_kwargs=mkw,
+            **scheduler_kwargs,
+        )
 
     def __repr__(self) -> str:
         c = self.config
-        return (f"LoadedModel({c.architecture}, {self.model.num_parameters():,} parameters, {c.num_layers} layers, "
-                f"{c.num_heads} q heads / {c.num_kv_heads} KV heads x {c.head_dim}, {_DTYPE_NAMES[c.dtype]} "
-                f"on {self.device}, from {str(self.directory)!r})")
+        return (
+            f"LoadedModel({c.architecture}, {self.model.num_parameters():,} parameters, {c.num_layers} layers, "
+            f"{c.num_heads} q heads / {c.num_kv_heads} KV heads x {c.head_dim}, {_DTYPE_NAMES[c.dtype]} "
+            f"on {self.device}, from {str(self.directory)!r})"
+        )
 
 
-def load_model(path_or_id: str | os.PathLike, *, dtype: str | torch.dtype | None = None,
-               device: str | torch.device | None = None, revision: str | None = None) -> LoadedModel:
+def load_model(
+    path_or_id: str | os.PathLike,
+    *,
+    dtype: str | torch.dtype | None = None,
+    device: str | torch.device | None = None,
+    revision: str | None = None,
+) -> LoadedModel:
     """Load a Llama / Mistral / Qwen2 / Qwen3 checkpoint (a directory, or a Hub model id when
     ``huggingface_hub`` is installed). ``device=None``: CUDA when present, else the CPU;
     ``dtype=None``: float32 on the CPU, the checkpoint's dtype on CUDA."""

@@ -7,6 +7,7 @@ the ipywidgets/plotly widget state, which would add megabytes of plotly.js per f
 Each "predict, then run" answer is printed as plain text (``KVLAB_PREDICT=plain``) and the
 learner's record goes to a temporary ``KVLAB_HOME``.
 """
+
 from __future__ import annotations
 
 import os

@@ -6,6 +6,7 @@ recomputes what those blocks should have held (lessons 12 and 13). kvlab's execu
 their sampled tokens as a plain dict, and a connector's report travels beside it in this
 record (``executor.take_kv_connector_output()``).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -34,5 +35,11 @@ class KVConnectorOutput:
     worker_meta: Any = None
 
     def is_empty(self) -> bool:
-        return not (self.finished_sending or self.finished_recving or self.invalid_block_ids
-                    or self.num_loaded_tokens or self.num_stored_tokens or self.worker_meta is not None)
+        return not (
+            self.finished_sending
+            or self.finished_recving
+            or self.invalid_block_ids
+            or self.num_loaded_tokens
+            or self.num_stored_tokens
+            or self.worker_meta is not None
+        )

@@ -4,6 +4,7 @@ vLLM: ``vllm/v1/request.py``. The fields that matter to the KV cache are the tok
 ``num_computed_tokens`` (how many tokens already have K/V in the cache -- the scheduler
 moves it), and ``block_hashes`` (one per full block, grown as tokens are appended).
 """
+
 from __future__ import annotations
 
 import enum
@@ -281,10 +282,7 @@ class Request:
         return RequestStatus.is_finished(self.status)
 
     def __repr__(self) -> str:
-        return (
-            f"Request({self.request_id!r}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
-            f"status={self.status.name})"
-        )
+        return f"Request({self.request_id!r}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, status={self.status.name})"
 
 
 def _hasher_params(hasher: object) -> tuple:

@@ -16,6 +16,7 @@ picture can be rendered as the characters it holds (``scenario.decode``).
 >>> sc.at("both freed").free_queue
 [5, 4, 6, 7, 8, 9, 10, 3, 2, 1]
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence

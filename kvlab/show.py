@@ -29,6 +29,7 @@ The views draw every block of the pool, so a run whose ``PoolCreated.num_blocks`
 million blocks would otherwise take minutes and gigabytes); ``kvlab.replay`` and
 ``Timeline`` still read it.
 """
+
 from __future__ import annotations
 
 import os
@@ -94,8 +95,10 @@ def show(source: Any, **kwargs: Any) -> Player | StreamPlayer:
         if not os.path.exists(source):
             raise FileNotFoundError(f"source: no saved event log at {os.fspath(source)!r}")
         if not os.path.isfile(source):  # a FIFO would block the read, /dev/zero never end it
-            raise ValueError(f"source: {os.fspath(source)!r} is not a regular file (a folder, a FIFO or a device); "
-                             "show reads a saved event log (.json) or a recorded KV-event stream (.kvev)")
+            raise ValueError(
+                f"source: {os.fspath(source)!r} is not a regular file (a folder, a FIFO or a device); "
+                "show reads a saved event log (.json) or a recorded KV-event stream (.kvev)"
+            )
         if is_recording(source):
             return StreamPlayer(KVStream.load(source), **kwargs)
         log = EventLog.load(os.fspath(source))

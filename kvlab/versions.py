@@ -5,6 +5,7 @@ themselves (the PyPI wheels / sdist of each version: ``vllm/v1/core/block_pool.p
 ``kv_cache_utils.py``, ``vllm/config/*.py``, ``vllm/distributed/kv_events.py``), and each has a
 switch in kvlab that brings the older rule back, so a lesson can run both side by side.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

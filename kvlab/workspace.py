@@ -17,6 +17,7 @@ their edits would fight ``git pull``. So ``make lab`` opens copies instead:
 ``python -m kvlab.workspace prepare|reset|settings [--dest my-kvlab]`` is what the Makefile
 and the Binder configuration run.
 """
+
 from __future__ import annotations
 
 import argparse

@@ -9,6 +9,7 @@ Profiles (choose with ``HYPOTHESIS_PROFILE=name``; ``ci`` is the default):
 * ``dev``      -- the same sizes with fresh random seeds on every run.
 * ``thorough`` -- bug hunting: 1,000 examples per machine, random seeds.
 """
+
 from __future__ import annotations
 
 import os

@@ -8,6 +8,7 @@ knows; every request's status, counters, tokens, packed tokens, block hashes, ha
 owner; the engine's clock, metrics and finished requests; the event log (length, step and
 the events themselves, as JSON dicts).
 """
+
 from __future__ import annotations
 
 from dataclasses import fields
@@ -54,10 +55,12 @@ def _value(v: Any) -> Any:
 def manager_fingerprint(mgr: KVCacheManager) -> tuple:
     groups = []
     for m in mgr.coordinator.single_type_managers:
-        groups.append((
-            tuple(sorted((rid, tuple(b.block_id for b in t)) for rid, t in m.req_to_blocks.items())),
-            tuple(sorted(m.num_cached_block.items())),
-        ))
+        groups.append(
+            (
+                tuple(sorted((rid, tuple(b.block_id for b in t)) for rid, t in m.req_to_blocks.items())),
+                tuple(sorted(m.num_cached_block.items())),
+            )
+        )
     stats = mgr.prefix_cache_stats
     return (
         pool_fingerprint(mgr.block_pool),

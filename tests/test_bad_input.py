@@ -3,6 +3,7 @@
 Every case runs against a manager that already holds state (a running request, cached
 free blocks); afterwards the pool must be exactly as before and pass ``check_invariants``.
 """
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -91,27 +92,64 @@ CASES = [
     ("sliding_window float", lambda w: SlidingWindowSpec(sliding_window=32.0), TypeError, "sliding_window"),
     ("no groups", lambda w: KVCacheManager(num_blocks=11, kv_cache_groups=[]), ValueError, "kv_cache_groups"),
     ("group not a spec", lambda w: KVCacheManager(num_blocks=11, kv_cache_groups=["full"]), TypeError, r"kv_cache_groups\[0\]"),
-    ("group block_size 0", lambda w: FullAttentionSpec(block_size=0), ValueError, r"FullAttentionSpec.block_size must be None or an int >= 1"),
+    (
+        "group block_size 0",
+        lambda w: FullAttentionSpec(block_size=0),
+        ValueError,
+        r"FullAttentionSpec.block_size must be None or an int >= 1",
+    ),
     ("group block_size float", lambda w: SlidingWindowSpec(sliding_window=8, block_size=8.0), TypeError, "block_size"),
-    ("chunk not a block multiple", lambda w: KVCacheManager(num_blocks=11, block_size=16, kv_cache_groups=[
-        FullAttentionSpec(), ChunkedLocalAttentionSpec(attention_chunk_size=24)]), ValueError, r"attention_chunk_size 24.*multiple of block_size 16"),
+    (
+        "chunk not a block multiple",
+        lambda w: KVCacheManager(
+            num_blocks=11, block_size=16, kv_cache_groups=[FullAttentionSpec(), ChunkedLocalAttentionSpec(attention_chunk_size=24)]
+        ),
+        ValueError,
+        r"attention_chunk_size 24.*multiple of block_size 16",
+    ),
     ("chunk size 0", lambda w: ChunkedLocalAttentionSpec(attention_chunk_size=0), ValueError, "attention_chunk_size"),
-    ("chunked local, mixed block sizes", lambda w: KVCacheManager(num_blocks=11, block_size=16, kv_cache_groups=[
-        FullAttentionSpec(block_size=32), ChunkedLocalAttentionSpec(attention_chunk_size=64)]), ValueError, "ChunkedLocalAttentionSpec"),
-    ("mamba without align, caching on", lambda w: KVCacheManager(num_blocks=11, kv_cache_groups=[
-        FullAttentionSpec(), MambaSpec(mamba_cache_mode="none")]), ValueError, "mamba_cache_mode='align'"),
+    (
+        "chunked local, mixed block sizes",
+        lambda w: KVCacheManager(
+            num_blocks=11,
+            block_size=16,
+            kv_cache_groups=[FullAttentionSpec(block_size=32), ChunkedLocalAttentionSpec(attention_chunk_size=64)],
+        ),
+        ValueError,
+        "ChunkedLocalAttentionSpec",
+    ),
+    (
+        "mamba without align, caching on",
+        lambda w: KVCacheManager(num_blocks=11, kv_cache_groups=[FullAttentionSpec(), MambaSpec(mamba_cache_mode="none")]),
+        ValueError,
+        "mamba_cache_mode='align'",
+    ),
     ("mamba mode unknown", lambda w: MambaSpec(mamba_cache_mode="all"), ValueError, "mamba_cache_mode"),
-    ("mamba block > hash block", lambda w: KVCacheManager(num_blocks=11, block_size=16, kv_cache_groups=[
-        FullAttentionSpec(), MambaSpec(block_size=32)]), ValueError, "fine-grained partial hits"),
+    (
+        "mamba block > hash block",
+        lambda w: KVCacheManager(num_blocks=11, block_size=16, kv_cache_groups=[FullAttentionSpec(), MambaSpec(block_size=32)]),
+        ValueError,
+        "fine-grained partial hits",
+    ),
     ("mamba shapes/dtypes", lambda w: MambaSpec(shapes=((4, 4),), dtypes=("bfloat16", "float32")), ValueError, "shapes and dtypes"),
     ("spec dtype unknown", lambda w: FullAttentionSpec(dtype="float64"), ValueError, "dtype"),
     ("mla heads 0", lambda w: MLAAttentionSpec(num_kv_heads=0), ValueError, "num_kv_heads"),
-    ("spec of another kind", lambda w: KVCacheManager(num_blocks=11, kv_cache_groups=[_NotASpec()]), TypeError, r"kv_cache_groups\[0\] must be one of"),
+    (
+        "spec of another kind",
+        lambda w: KVCacheManager(num_blocks=11, kv_cache_groups=[_NotASpec()]),
+        TypeError,
+        r"kv_cache_groups\[0\] must be one of",
+    ),
     ("use_eagle not bool", lambda w: KVCacheManager(num_blocks=11, use_eagle=1), TypeError, "use_eagle"),
     ("max_in_flight_tokens 0", lambda w: KVCacheManager(num_blocks=11, max_in_flight_tokens=0), ValueError, "max_in_flight_tokens"),
     ("max_model_len=0", lambda w: KVCacheManager(num_blocks=11, max_model_len=0), ValueError, "max_model_len"),
     # requests
-    ("prompt_embeds rows != tokens", lambda w: Request("x", [0, 0, 0], prompt_embeds=[[0.5], [0.25]]), ValueError, "prompt_embeds has 2 rows"),
+    (
+        "prompt_embeds rows != tokens",
+        lambda w: Request("x", [0, 0, 0], prompt_embeds=[[0.5], [0.25]]),
+        ValueError,
+        "prompt_embeds has 2 rows",
+    ),
     ("prompt_embeds not rows", lambda w: Request("x", [0], prompt_embeds=3.5), TypeError, "prompt_embeds"),
     ("lora_path without lora_name", lambda w: Request("x", [1], lora_path="/a"), TypeError, "lora_path"),
     ("prompt str", lambda w: Request("x", "hello"), TypeError, "prompt_token_ids"),
@@ -128,7 +166,12 @@ CASES = [
     ("cache_salt int", lambda w: Request("x", [1], cache_salt=5), TypeError, "cache_salt"),
     ("cache_salt bytes", lambda w: Request("x", [1], cache_salt=b"s"), TypeError, "cache_salt"),
     ("lora_name int", lambda w: Request("x", [1], lora_name=3), TypeError, "lora_name"),
-    ("mm overlapping", lambda w: Request("x", list(range(20)), mm_features=[MMF("a", 2, 5), MMF("b", 6, 3)]), ValueError, r"mm_features.*overlap"),
+    (
+        "mm overlapping",
+        lambda w: Request("x", list(range(20)), mm_features=[MMF("a", 2, 5), MMF("b", 6, 3)]),
+        ValueError,
+        r"mm_features.*overlap",
+    ),
     ("mm out of range", lambda w: Request("x", list(range(20)), mm_features=[MMF("a", 15, 6)]), ValueError, r"mm_features.*\[15, 21\)"),
     ("mm negative offset", lambda w: Request("x", list(range(20)), mm_features=[MMF("a", -1, 3)]), ValueError, r"offset.*>= 0"),
     ("mm zero length", lambda w: Request("x", list(range(20)), mm_features=[MMF("a", 3, 0)]), ValueError, r"length.*>= 1"),
@@ -144,9 +187,24 @@ CASES = [
     ("computed != hits", _hits_mismatch, ValueError, "num_new_computed_tokens"),
     ("hits for running", _hits_for_running, ValueError, "already running"),
     ("external for running", lambda w: w.mgr.allocate_slots(w.live, 1, num_external_computed_tokens=4), ValueError, "already running"),
-    ("external > tokens", lambda w: w.mgr.allocate_slots(Request("e", list(range(5))), 1, num_external_computed_tokens=8), ValueError, "exceed its 5 tokens"),
-    ("external < 0", lambda w: w.mgr.allocate_slots(Request("e", list(range(5))), 1, num_external_computed_tokens=-1), ValueError, "num_external_computed_tokens"),
-    ("gate flag not bool", lambda w: w.mgr.allocate_slots(Request("e", list(range(5))), 1, full_sequence_must_fit="yes"), TypeError, "full_sequence_must_fit"),
+    (
+        "external > tokens",
+        lambda w: w.mgr.allocate_slots(Request("e", list(range(5))), 1, num_external_computed_tokens=8),
+        ValueError,
+        "exceed its 5 tokens",
+    ),
+    (
+        "external < 0",
+        lambda w: w.mgr.allocate_slots(Request("e", list(range(5))), 1, num_external_computed_tokens=-1),
+        ValueError,
+        "num_external_computed_tokens",
+    ),
+    (
+        "gate flag not bool",
+        lambda w: w.mgr.allocate_slots(Request("e", list(range(5))), 1, full_sequence_must_fit="yes"),
+        TypeError,
+        "full_sequence_must_fit",
+    ),
     ("hits not KVCacheBlocks", lambda w: w.mgr.allocate_slots(Request("e", list(range(5))), 4, 4, [[1]]), TypeError, "new_computed_blocks"),
     ("not a Request", lambda w: w.mgr.allocate_slots(SimpleNamespace(request_id="n"), 1), TypeError, "request"),
     ("hasher of another manager", _other_hasher, ValueError, "already hashed"),

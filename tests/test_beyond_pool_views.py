@@ -1,4 +1,5 @@
 """The pictures of lessons 12-14 as data: offload tiers, the encoder cache, a P/D hand-off."""
+
 from __future__ import annotations
 
 import torch
@@ -19,8 +20,9 @@ C = list(range(300, 313))
 
 
 def _offload_timeline(tmp_path) -> Timeline:
-    cfg = KVTransferConfig("OffloadingConnector", kv_connector_extra_config=dict(
-        num_cpu_blocks=4, storage_path=str(tmp_path), num_storage_blocks=12))
+    cfg = KVTransferConfig(
+        "OffloadingConnector", kv_connector_extra_config=dict(num_cpu_blocks=4, storage_path=str(tmp_path), num_storage_blocks=12)
+    )
     eng = build_engine(num_blocks=6, block_size=4, max_num_batched_tokens=64, kv_transfer_config=cfg)
     for rid, p in [("A", A), ("B", B), ("C", C), ("A2", A + [109]), ("C2", C + [313, 314, 315])]:
         eng.add_request(Request(rid, p, max_tokens=1))
@@ -50,7 +52,9 @@ def test_encoder_cache_view_data() -> None:
     eng.step()
     d = ev.figure_data(Timeline(eng.events).at(1))
     assert [(s["mm_hash"], s["start"], s["length"], s["status"]) for s in d["segments"]] == [
-        ("img-a", 0, 8, "freeable"), ("", 8, 8, "free")]
+        ("img-a", 0, 8, "freeable"),
+        ("", 8, 8, "free"),
+    ]
     assert d["decisions"] == ["encode img-a for r0"] and d["title"] == "Encoder cache · step 1 · 8/16 embeddings"
     v = EncoderCacheView(Timeline(eng.events))
     v.update(Timeline(eng.events).at(1))
@@ -66,8 +70,9 @@ def test_transfer_view_pairs_the_two_engines_blocks(tmp_path) -> None:
 
     def engine(role):
         cfg = KVTransferConfig("ExampleConnector", kv_role=role, kv_connector_extra_config={"shared_storage_path": str(tmp_path)})
-        return build_engine(num_blocks=12, block_size=4, executor=ModelRunner(model, num_blocks=12, block_size=4, device="cpu"),
-                            kv_transfer_config=cfg)
+        return build_engine(
+            num_blocks=12, block_size=4, executor=ModelRunner(model, num_blocks=12, block_size=4, device="cpu"), kv_transfer_config=cfg
+        )
 
     P, D = engine("kv_producer"), engine("kv_consumer")
     D.add_request(Request("warm", list(range(40, 50)), max_tokens=1))  # the decode pool is not empty
@@ -79,6 +84,10 @@ def test_transfer_view_pairs_the_two_engines_blocks(tmp_path) -> None:
     tp, td = Timeline(P.events), Timeline(D.events)
     assert (tv.find_transfer(tp, "r", "store"), tv.find_transfer(td, "r", "load")) == (1, 2)
     d = tv.figure_data(tp.at(1), td.at(2), "r")
-    assert d["pairs"] == [(1, 3), (2, 4), (3, 5)]  # warm's partial block 3 was reused first and (d["saved_tokens"], d["loaded_tokens"]) == (11, 10)
+    assert d["pairs"] == [
+        (1, 3),
+        (2, 4),
+        (3, 5),
+    ]  # warm's partial block 3 was reused first and (d["saved_tokens"], d["loaded_tokens"]) == (11, 10)
     fig = tv.transfer_figure(tp, td, "r")
     assert len(fig.layout.annotations) == 4  # three arrows and the files label

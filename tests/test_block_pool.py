@@ -1,4 +1,5 @@
 """BlockPool, its free queue (the eviction order) and its hash -> block map."""
+
 from __future__ import annotations
 
 import pytest
@@ -324,9 +325,11 @@ def _entries(pool: BlockPool) -> dict[bytes, list[int]]:
     return {k: sorted(b.block_id for b in blks) for k, blks in pool.cached_block_hash_to_block.items()}
 
 
-@pytest.mark.parametrize(("pool_cls", "map_cls"), [(BlockPool, BlockHashToBlockMap), (BlockPool, _LearnersMap),
-                                                    (_LearnersEviction, BlockHashToBlockMap)],
-                         ids=["kvlab's map", "a learner's map", "a learner's eviction"])
+@pytest.mark.parametrize(
+    ("pool_cls", "map_cls"),
+    [(BlockPool, BlockHashToBlockMap), (BlockPool, _LearnersMap), (_LearnersEviction, BlockHashToBlockMap)],
+    ids=["kvlab's map", "a learner's map", "a learner's eviction"],
+)
 def test_restore_brings_back_the_map_whoever_wrote_it(pool_cls: type, map_cls: type) -> None:
     """A pool checkpoint undoes caching and eviction: kvlab's map journals its own changes; a
     map of another class, or a map that another class's eviction changes, is saved by value

@@ -1,4 +1,5 @@
 """Mutation tests for the capstone (a whole block manager) and the bug hunt."""
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -351,11 +352,14 @@ def test_bug_hunt_accepts_the_right_diagnosis_only():
     assert wrong == 12  # every wrong name of every incident is refused, each with what rules it out
 
 
-@pytest.mark.parametrize("answers,words", [
-    ([1, 2, 3], "must be a dict"),
-    ({1: "stale_hash", 2: "full_hit_crash"}, "no answer for incident 3"),
-    ({**RIGHT, 2: "crash"}, "is not a suspect"),
-])
+@pytest.mark.parametrize(
+    "answers,words",
+    [
+        ([1, 2, 3], "must be a dict"),
+        ({1: "stale_hash", 2: "full_hit_crash"}, "no answer for incident 3"),
+        ({**RIGHT, 2: "crash"}, "is not a suspect"),
+    ],
+)
 def test_bug_hunt_refuses_malformed_answers(answers, words):
     res = check("bug_hunt", answers)
     assert not res and words in res.message
@@ -492,4 +496,6 @@ def test_capstone_and_fix_run_inside_the_core():
     assert check("block_manager", Spy) and len(calls) > 10 and all(calls[:10])  # the scale test calls it directly after
     from kvlab.core.block_pool import BlockHashToBlockMap, BlockPool
 
-    assert BlockPool.get_new_blocks.__module__ == "kvlab.core.block_pool" and BlockHashToBlockMap.insert.__module__ == "kvlab.core.block_pool"
+    assert (
+        BlockPool.get_new_blocks.__module__ == "kvlab.core.block_pool" and BlockHashToBlockMap.insert.__module__ == "kvlab.core.block_pool"
+    )

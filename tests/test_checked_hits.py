@@ -6,6 +6,7 @@ vLLM looks up and allocates in one scheduler call, so a stale hit cannot happen 
 learner driving the manager by hand (lesson 03's cells, run out of order) can: look up,
 let another request evict and reuse the blocks, then allocate with the old hits.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -65,8 +66,7 @@ def test_a_forged_block_after_a_real_hit_moves_no_ref_count(forged):
     hits, n = mgr.get_computed_blocks(r)
     assert n == 8
     real = hits.blocks[0][0]
-    fake = {"a fresh block": KVCacheBlock(2), "a free block without the hash": mgr.block_pool.blocks[5],
-            "not a block": "block 2"}[forged]
+    fake = {"a fresh block": KVCacheBlock(2), "a free block without the hash": mgr.block_pool.blocks[5], "not a block": "block 2"}[forged]
     bad = KVCacheBlocks(([real, fake],))
     before = fingerprint(mgr, [r])
     with pytest.raises((ValueError, TypeError), match=r"new_computed_blocks\[0\]\[1\]"):
@@ -108,5 +108,8 @@ def test_check_invariants_notices_a_request_reading_another_prompts_kv():
     mgr.block_pool.free_block_queue.append(mine)
     m.req_to_blocks["x"][0] = theirs
     mgr.block_pool.check_invariants()  # the pool alone is consistent ...
-    with pytest.raises(AssertionError, match=r"'x': block 1 at position 0 of group 0 carries another prefix's hash; the request would read another prompt's K/V"):
+    with pytest.raises(
+        AssertionError,
+        match=r"'x': block 1 at position 0 of group 0 carries another prefix's hash; the request would read another prompt's K/V",
+    ):
         mgr.check_invariants()  # ... the manager sees whose K/V it is

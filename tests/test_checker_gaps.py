@@ -2,6 +2,7 @@
 right answers (or honest mistakes) they used to misjudge. Each mutant below passed -- or
 got a misleading message from -- the checker before this issue; every test names the
 message it gets now. Correct answers for every exercise stay in tests/test_exercises.py."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -134,10 +135,14 @@ def test_unified_sizes_unchanged_hear_that_they_are_unchanged():
 
 
 # --- allocate_capacity: never negative ---------------------------------------------------------------
-@pytest.mark.parametrize("fn", [
-    lambda n, bs, held, refs: -(-n // bs) - held - len(refs) + refs.count(0),  # no clamp (vLLM: max(num_new_blocks, 0))
-    lambda n, bs, held, refs: ((-(-n // bs) - held - len(refs)) or 0) + refs.count(0),  # `or 0` keeps a negative
-], ids=["no clamp", "or 0"])
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda n, bs, held, refs: -(-n // bs) - held - len(refs) + refs.count(0),  # no clamp (vLLM: max(num_new_blocks, 0))
+        lambda n, bs, held, refs: ((-(-n // bs) - held - len(refs)) or 0) + refs.count(0),  # `or 0` keeps a negative
+    ],
+    ids=["no clamp", "or 0"],
+)
 def test_capacity_that_goes_negative_is_refused(fn):
     res = check("allocate_capacity", fn)
     assert not res
@@ -157,14 +162,18 @@ def _keys_with(make_key):
             parent = hash_fn(make_key(parent, token_ids[b * block_size : (b + 1) * block_size], first_extra if b == 0 else None))
             keys.append(int.from_bytes(parent, "big") & MASK64)
         return keys
+
     return fn
 
 
-@pytest.mark.parametrize("name,make_key", [
-    ("tokens as a list", lambda p, toks, x: (p, list(toks), x)),
-    ("extra keys as a list", lambda p, toks, x: (p, tuple(toks), None if x is None else list(x))),
-    ("the key as a list", lambda p, toks, x: [p, tuple(toks), x]),
-])
+@pytest.mark.parametrize(
+    "name,make_key",
+    [
+        ("tokens as a list", lambda p, toks, x: (p, list(toks), x)),
+        ("extra keys as a list", lambda p, toks, x: (p, tuple(toks), None if x is None else list(x))),
+        ("the key as a list", lambda p, toks, x: [p, tuple(toks), x]),
+    ],
+)
 def test_router_keys_built_from_lists_are_refused(name, make_key):
     res = check("router_block_keys", _keys_with(make_key))
     assert not res, name
@@ -196,15 +205,23 @@ def _enc(*, abs_cut=False, at_end=False, carry_on=False, stop_at_cached=False, a
             picked.append(i)
             names.add(name)
         return [picked, num_new_tokens] if as_list else (picked, num_new_tokens)
+
     return fn
 
 
-@pytest.mark.parametrize("kw,case,idea", [
-    ({"abs_cut": True}, "4 tokens computed: no room for an image at offset 12", "offset - num_computed_tokens = 8, not at the offset 12"),
-    ({"at_end": True}, "an image starts exactly where the chunk ends", "an image starting AT the end"),
-    ({"carry_on": True}, "no room for the first image; a smaller one after it would fit", "stop there"),
-    ({"stop_at_cached": True}, "a cached image, then one to encode", "do not stop"),
-])
+@pytest.mark.parametrize(
+    "kw,case,idea",
+    [
+        (
+            {"abs_cut": True},
+            "4 tokens computed: no room for an image at offset 12",
+            "offset - num_computed_tokens = 8, not at the offset 12",
+        ),
+        ({"at_end": True}, "an image starts exactly where the chunk ends", "an image starting AT the end"),
+        ({"carry_on": True}, "no room for the first image; a smaller one after it would fit", "stop there"),
+        ({"stop_at_cached": True}, "a cached image, then one to encode", "do not stop"),
+    ],
+)
 def test_encoder_inputs_mistakes_that_passed_are_refused(kw, case, idea):
     res = check("encoder_inputs", _enc(**kw))
     assert not res
@@ -246,8 +263,22 @@ def test_token_slots_refuses_floats_with_a_message_about_the_kind():
 
 # --- paged_attention_kernel: the softmax scale -------------------------------------------------------
 @triton.jit
-def step_no_scale(q, k_cache_ptr, v_cache_ptr, block_table_ptr, start, seq_len, m_i, l_i, acc, scale,
-                  stride_block, stride_tok, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
+def step_no_scale(
+    q,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,
+    start,
+    seq_len,
+    m_i,
+    l_i,
+    acc,
+    scale,
+    stride_block,
+    stride_tok,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
     offs = tl.arange(0, BLOCK_SIZE)
     d = tl.arange(0, HEAD_DIM)
     blk = tl.load(block_table_ptr + start // BLOCK_SIZE)
@@ -263,8 +294,22 @@ def step_no_scale(q, k_cache_ptr, v_cache_ptr, block_table_ptr, start, seq_len, 
 
 
 @triton.jit
-def step_scale_twice(q, k_cache_ptr, v_cache_ptr, block_table_ptr, start, seq_len, m_i, l_i, acc, scale,
-                     stride_block, stride_tok, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
+def step_scale_twice(
+    q,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,
+    start,
+    seq_len,
+    m_i,
+    l_i,
+    acc,
+    scale,
+    stride_block,
+    stride_tok,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
     offs = tl.arange(0, BLOCK_SIZE)
     d = tl.arange(0, HEAD_DIM)
     blk = tl.load(block_table_ptr + start // BLOCK_SIZE)

@@ -1,5 +1,6 @@
 """kvlab.utils.checks: one meaning of "an int" at every public door (numpy ints welcome,
 bools refused), messages that name the argument and the allowed range."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -24,11 +25,14 @@ def test_non_integers_and_bools_are_type_errors(value):
         check_int("n", value, 1)
 
 
-@pytest.mark.parametrize("lo, hi, value, allowed", [
-    (1, None, 0, "an int >= 1"),
-    (0, 4, 5, "an int in 0..4"),
-    (None, 4, 5, "an int <= 4"),
-])
+@pytest.mark.parametrize(
+    "lo, hi, value, allowed",
+    [
+        (1, None, 0, "an int >= 1"),
+        (0, 4, 5, "an int in 0..4"),
+        (None, 4, 5, "an int <= 4"),
+    ],
+)
 def test_out_of_range_names_argument_value_and_range(lo, hi, value, allowed):
     with pytest.raises(ValueError) as e:
         check_int("block_size", value, lo, hi, why=" (tokens per block)")
@@ -52,12 +56,23 @@ def test_optional_int_and_number():
 def test_public_doors_accept_numpy_ints_and_store_plain_ints():
     mgr = KVCacheManager(num_blocks=np.int64(11), block_size=np.int32(4), max_model_len=np.int64(64))
     assert type(mgr.num_blocks) is int and type(mgr.block_size) is int and type(mgr.max_model_len) is int
-    sched = Scheduler(mgr, max_num_batched_tokens=np.int64(32), max_num_seqs=np.int64(4),
-                      long_prefill_token_threshold=np.int64(0), max_model_len=np.int64(64))
+    sched = Scheduler(
+        mgr,
+        max_num_batched_tokens=np.int64(32),
+        max_num_seqs=np.int64(4),
+        long_prefill_token_threshold=np.int64(0),
+        max_model_len=np.int64(64),
+    )
     assert type(sched.max_num_scheduled_tokens) is int and type(sched.max_num_running_reqs) is int
     prompt = list(np.arange(9, dtype=np.int64))
-    r = Request("r", prompt, max_tokens=np.int64(3), eos_token_id=np.int64(5), priority=np.int8(1),
-                mm_features=[MultiModalFeature("img", np.int64(2), np.int64(3))])
+    r = Request(
+        "r",
+        prompt,
+        max_tokens=np.int64(3),
+        eos_token_id=np.int64(5),
+        priority=np.int8(1),
+        mm_features=[MultiModalFeature("img", np.int64(2), np.int64(3))],
+    )
     assert all(type(t) is int for t in r.prompt_token_ids) and type(r.max_tokens) is int
     assert type(r.mm_features[0].offset) is int and type(r.eos_token_id) is int
     # the hashes of numpy tokens equal those of the same plain ints
@@ -72,16 +87,23 @@ def test_public_doors_accept_numpy_ints_and_store_plain_ints():
     assert SimulatedExecutor(vocab_size=np.int64(50)).vocab_size == 50
 
 
-@pytest.mark.parametrize("call, exc, needle", [
-    (lambda: KVCacheManager(num_blocks=11, block_size=np.float64(4)), TypeError, "block_size must be an int >= 1"),
-    (lambda: KVCacheManager(num_blocks=np.bool_(True)), TypeError, "num_blocks"),
-    (lambda: Request("r", [1], priority=1.0), TypeError, "priority must be an int"),
-    (lambda: Request("r", [1], arrival_time=float("nan")), ValueError, "arrival_time"),
-    (lambda: Request("r", [1], eos_token_id=-1), ValueError, "eos_token_id=-1 is out of range; eos_token_id must be None or"),
-    (lambda: SimulatedExecutor(eos_every=-1), ValueError, "eos_every"),
-    (lambda: simulate(from_lengths([(2, 2)]), np.int64(100), "paged", block_size=np.int64(4), step_seconds=-1), ValueError, "step_seconds"),
-    (lambda: sharegpt_like(np.int64(0), 1), ValueError, "n=0 is out of range"),
-])
+@pytest.mark.parametrize(
+    "call, exc, needle",
+    [
+        (lambda: KVCacheManager(num_blocks=11, block_size=np.float64(4)), TypeError, "block_size must be an int >= 1"),
+        (lambda: KVCacheManager(num_blocks=np.bool_(True)), TypeError, "num_blocks"),
+        (lambda: Request("r", [1], priority=1.0), TypeError, "priority must be an int"),
+        (lambda: Request("r", [1], arrival_time=float("nan")), ValueError, "arrival_time"),
+        (lambda: Request("r", [1], eos_token_id=-1), ValueError, "eos_token_id=-1 is out of range; eos_token_id must be None or"),
+        (lambda: SimulatedExecutor(eos_every=-1), ValueError, "eos_every"),
+        (
+            lambda: simulate(from_lengths([(2, 2)]), np.int64(100), "paged", block_size=np.int64(4), step_seconds=-1),
+            ValueError,
+            "step_seconds",
+        ),
+        (lambda: sharegpt_like(np.int64(0), 1), ValueError, "n=0 is out of range"),
+    ],
+)
 def test_door_errors_name_the_argument(call, exc, needle):
     with pytest.raises(exc, match=needle):
         call()

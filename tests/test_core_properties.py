@@ -18,6 +18,7 @@ needs exceed the free ones, and then changes nothing; a successful one leaves
 cdiv(slots, block_size) blocks in every table; every computed full block carries the
 request's hash for that position and every other block none.
 """
+
 from __future__ import annotations
 
 from hypothesis import strategies as st
@@ -181,8 +182,13 @@ class CoreMachine(RuleBasedStateMachine):
 
     # -- rules --------------------------------------------------------------------------------
     @precondition(lambda self: len(self.waiting) + len(self.running) < 5)
-    @rule(data=st.data(), salt=st.sampled_from([None] * 8 + ["s1", "s2"]), lora=st.sampled_from([None] * 9 + ["l1"]),
-          suffix=st.lists(ALPHABET, max_size=6), follow_up=st.booleans())
+    @rule(
+        data=st.data(),
+        salt=st.sampled_from([None] * 8 + ["s1", "s2"]),
+        lora=st.sampled_from([None] * 9 + ["l1"]),
+        suffix=st.lists(ALPHABET, max_size=6),
+        follow_up=st.booleans(),
+    )
     def add_request(self, data, salt, lora, suffix, follow_up):
         """A prompt from one of the shared prefixes, or (like the next turn of a chat) the
         whole text of an earlier request, generated tokens included, plus a few tokens."""
@@ -220,8 +226,7 @@ class CoreMachine(RuleBasedStateMachine):
         free = self.mgr.block_pool.get_num_free_blocks()
         slots = n + chunk + lookahead
         need = sum(
-            cdiv(slots, self.bs) - len(blocks) + sum(1 for b in blocks if b.ref_cnt == 0 and not b.is_null)
-            for blocks in hits.blocks
+            cdiv(slots, self.bs) - len(blocks) + sum(1 for b in blocks if b.ref_cnt == 0 and not b.is_null) for blocks in hits.blocks
         )
         new = self.mgr.allocate_slots(req, chunk, n, hits, num_lookahead_tokens=lookahead)
         if new is None:

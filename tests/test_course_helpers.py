@@ -1,4 +1,5 @@
 """kvlab.lessons helpers added for the course's shorter lessons, and the write-safety scan."""
+
 from __future__ import annotations
 
 import copy
@@ -118,8 +119,17 @@ def test_beyond_pool_helpers_of_lessons_12_to_14(tmp_path):
     """The helpers that keep lessons 12-14's cells short answer what the lessons' predictions
     are checked against: where A's blocks sit after C, the first load, a corrupted file, the
     hand-off lines and the encoder-cache bars."""
-    from kvlab.lessons.beyond_pool import (OFFLOAD_STORY, encoder_runs_figure, first_load, flip_last_byte, offload_engine,
-                                           printable, run_one_by_one, tier_files, tiers_holding)
+    from kvlab.lessons.beyond_pool import (
+        OFFLOAD_STORY,
+        encoder_runs_figure,
+        first_load,
+        flip_last_byte,
+        offload_engine,
+        printable,
+        run_one_by_one,
+        tier_files,
+        tiers_holding,
+    )
 
     eng = offload_engine(str(tmp_path / "story"))
     run_one_by_one(eng, OFFLOAD_STORY[:3])
@@ -145,8 +155,11 @@ def test_vllm_offload_configs_size_the_cpu_tier_in_bytes_as_vllm_does():
 
     recs = vllm_offload_configs(offload_config("/kv", num_cpu_blocks=4), block_bytes=6_000, page_bytes=4096)
     tiering = recs["vLLM 0.33, offloading connector"]["kv_connector_extra_config"]
-    assert tiering == {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 4 * 8192,  # 6,000 B padded to 2 pages
-                       "secondary_tiers": [{"type": "fs", "root_dir": "/kv"}]}
+    assert tiering == {
+        "spec_name": "TieringOffloadingSpec",
+        "cpu_bytes_to_use": 4 * 8192,  # 6,000 B padded to 2 pages
+        "secondary_tiers": [{"type": "fs", "root_dir": "/kv"}],
+    }
     simple = recs["vLLM 0.33, simple CPU connector"]["kv_connector_extra_config"]
     assert simple == {"cpu_bytes_to_use": 24_000, "num_cpu_blocks": 4}  # no padding, one tier
 
@@ -158,6 +171,7 @@ def test_connector_registry_resolves_names_lazily_and_the_module_path_wins():
     assert len(reg.names) == 17 and "NixlConnector" in reg.names  # nothing imported yet (vllm is not installed)
     reg.register_connector("Mine", "collections", "OrderedDict")
     from collections import OrderedDict
+
     assert reg.get_connector_class("Mine") is OrderedDict
     assert reg.get_connector_class("Counter", kv_connector_module_path="collections").__name__ == "Counter"  # unregistered
     with pytest.raises(ValueError, match="already registered"):

@@ -13,6 +13,7 @@ no number in the prose that contradicts the checked output it talks about.
    copy of the output. Sentences that name another source (the paper, a PR, an issue, a blog)
    quote that source, not the output, and are left out.
 """
+
 from __future__ import annotations
 
 import ast
@@ -33,8 +34,7 @@ FORBIDDEN = [
     (re.compile(r"\bFACTS(?:\.md)?\b"), "the private facts file"),
     (re.compile(r"\bDESIGN(?:\.md)?\b"), "the private design document"),
     (re.compile(r"\bissues? \d+\b", re.I), "the project's own issue tracker (vLLM's issues are cited as '#NNNN')"),
-    (re.compile(r"\bkvlab (?:before|until) it followed\b|\bkvlab before\b|\bkvlab (?:used to|previously)\b", re.I),
-     "kvlab's own history"),
+    (re.compile(r"\bkvlab (?:before|until) it followed\b|\bkvlab before\b|\bkvlab (?:used to|previously)\b", re.I), "kvlab's own history"),
     (re.compile(r"\b(?:earlier|older|previous|old|former) (?:versions? of )?kvlab\b", re.I), "kvlab's own history"),
     (re.compile(r"\bproduct card\b", re.I), "the project's private brief"),
 ]
@@ -82,7 +82,7 @@ def module_references(path: Path) -> list[str]:
     # comments a learner reads beside the code
     for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if "#" in line:
-            for hit in forbidden_references(line[line.index("#"):]):
+            for hit in forbidden_references(line[line.index("#") :]):
                 out.append(f"{_where(path)} line {n} (comment): {hit}")
     return out
 
@@ -107,12 +107,28 @@ def test_readmes_and_packages_cite_nothing_the_learner_lacks():
 
 
 def test_the_scan_finds_each_kind_of_reference():
-    planted = ("As seed 001 says", "A seed says so", "(FACTS.md)", "see DESIGN.md", "issue 23 item 4",
-               "kvlab before it followed vLLM 0.33", "earlier kvlab counted", "../../shared/FACTS.md")
+    planted = (
+        "As seed 001 says",
+        "A seed says so",
+        "(FACTS.md)",
+        "see DESIGN.md",
+        "issue 23 item 4",
+        "kvlab before it followed vLLM 0.33",
+        "earlier kvlab counted",
+        "../../shared/FACTS.md",
+    )
     for text in planted:
         assert forbidden_references(text), text
-    fine = ("vLLM issue #53395", "Issue #25780 reported it", "vLLM PR #57336", "TinyLlama(seed=0)",
-            "the hash of a fixed seed", "seeded traces", "facts about the step", "the design document's example")
+    fine = (
+        "vLLM issue #53395",
+        "Issue #25780 reported it",
+        "vLLM PR #57336",
+        "TinyLlama(seed=0)",
+        "the hash of a fixed seed",
+        "seeded traces",
+        "facts about the step",
+        "the design document's example",
+    )
     for text in fine:
         assert not forbidden_references(text), text
 
@@ -211,9 +227,11 @@ def test_prose_quotes_the_checked_output(path):
 
 def test_a_stale_quote_is_caught():
     """Lesson 08a once quoted its Prometheus counters from an older run."""
-    output = ('vllm:prefix_cache_queries_total{model_name="kvlab-tiny"} 7533.0\n'
-              'vllm:prefix_cache_hits_total{model_name="kvlab-tiny"} 5376.0\n'
-              "vllm:kv_cache_usage_perc = 0.667  ->  66.7%\n")
+    output = (
+        'vllm:prefix_cache_queries_total{model_name="kvlab-tiny"} 7533.0\n'
+        'vllm:prefix_cache_hits_total{model_name="kvlab-tiny"} 5376.0\n'
+        "vllm:kv_cache_usage_perc = 0.667  ->  66.7%\n"
+    )
     stale = "The counters say that 5,632 of the 7,887 prompt tokens looked up were hits; usage 66.9 %."
     assert len(stale_numbers(stale, output)) == 3
     assert stale_numbers("The counters say that 5,376 of the 7,533 tokens were hits; usage 66.7 %.", output) == []

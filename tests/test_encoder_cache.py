@@ -6,6 +6,7 @@ another offset) reuses it, r2 encodes img-b and fills the cache, r3's img-c evic
 oldest unreferenced entry (img-a). Each decision below was checked against vLLM 0.33's
 ``EncoderCacheManager`` and ``_try_schedule_encoder_inputs`` rules by hand.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -19,8 +20,7 @@ from kvlab.timeline.events import EncoderCacheEvicted, EncoderInputFreed, Encode
 
 
 def _story(**kw):
-    eng = build_engine(num_blocks=32, block_size=4, max_num_batched_tokens=12, max_num_encoder_input_tokens=8,
-                       encoder_cache_size=16, **kw)
+    eng = build_engine(num_blocks=32, block_size=4, max_num_batched_tokens=12, max_num_encoder_input_tokens=8, encoder_cache_size=16, **kw)
     eng.add_request(Request("r0", list(range(100, 120)), max_tokens=2, mm_features=[MM("img-a", offset=4, length=8)]))
     eng.add_request(Request("r1", list(range(200, 214)), max_tokens=2, mm_features=[MM("img-a", offset=2, length=8)]))
     eng.add_request(Request("r2", list(range(300, 316)), max_tokens=2, mm_features=[MM("img-b", offset=2, length=8)]))
@@ -30,8 +30,16 @@ def _story(**kw):
         so = eng.step().scheduler_output
         ecm = eng.scheduler.encoder_cache_manager
         ecm.check_invariants()
-        rows.append((so.step, dict(so.num_scheduled_tokens), dict(so.scheduled_encoder_inputs), list(so.free_encoder_mm_hashes),
-                     {h: sorted(r) for h, r in ecm.cached.items()}, list(ecm.freeable)))
+        rows.append(
+            (
+                so.step,
+                dict(so.num_scheduled_tokens),
+                dict(so.scheduled_encoder_inputs),
+                list(so.free_encoder_mm_hashes),
+                {h: sorted(r) for h, r in ecm.cached.items()},
+                list(ecm.freeable),
+            )
+        )
     return eng, rows
 
 
@@ -51,11 +59,16 @@ def test_items_are_encoded_once_shared_by_hash_and_evicted_oldest_first() -> Non
     assert eng.executor.encoder_cache == {"img-b": 8, "img-c": 8}  # the worker dropped img-a when told
     words = [(e.step, e.describe()) for e in eng.events if isinstance(e, (EncoderInputScheduled, EncoderInputFreed, EncoderCacheEvicted))]
     assert words == [
-        (1, "encode img-a (8 embeddings) for r0"), (1, "r0 done with img-a (now unreferenced)"),
-        (2, "reuse cached img-a (8 embeddings) for r1"), (3, "r1 done with img-a (now unreferenced)"),
-        (4, "encode img-b (8 embeddings) for r2"), (4, "r2 done with img-b (now unreferenced)"),
-        (5, "encoder cache: evict ['img-a']"), (5, "encode img-c (8 embeddings) for r3"),
-        (6, "r3 done with img-c (now unreferenced)")]
+        (1, "encode img-a (8 embeddings) for r0"),
+        (1, "r0 done with img-a (now unreferenced)"),
+        (2, "reuse cached img-a (8 embeddings) for r1"),
+        (3, "r1 done with img-a (now unreferenced)"),
+        (4, "encode img-b (8 embeddings) for r2"),
+        (4, "r2 done with img-b (now unreferenced)"),
+        (5, "encoder cache: evict ['img-a']"),
+        (5, "encode img-c (8 embeddings) for r3"),
+        (6, "r3 done with img-c (now unreferenced)"),
+    ]
 
 
 def test_the_replayed_encoder_cache_equals_the_live_one() -> None:
@@ -94,8 +107,9 @@ def test_a_prefix_hit_past_an_item_needs_no_encoder() -> None:
 
 def test_a_repeated_image_in_one_request_is_encoded_once() -> None:
     eng = build_engine(num_blocks=32, block_size=4, max_num_batched_tokens=64)
-    eng.add_request(Request("a", list(range(30)), max_tokens=1,
-                            mm_features=[MM("img", offset=2, length=6), MM("img", offset=12, length=6)]))
+    eng.add_request(
+        Request("a", list(range(30)), max_tokens=1, mm_features=[MM("img", offset=2, length=6), MM("img", offset=12, length=6)])
+    )
     so = eng.step().scheduler_output
     assert so.scheduled_encoder_inputs == {"a": [0]} and eng.executor.num_encoder_tokens_computed == 6
     eng.run()

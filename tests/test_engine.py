@@ -1,4 +1,5 @@
 """The engine loop: simulated executor, cost model, generate, run_trace, per-request metrics."""
+
 from __future__ import annotations
 
 import pytest
@@ -19,7 +20,7 @@ def reference_output(executor: SimulatedExecutor, prompt: list[int], n: int) -> 
     ctx = list(prompt)
     for _ in range(n):
         ctx.append(executor.next_token(ctx))
-    return ctx[len(prompt):]
+    return ctx[len(prompt) :]
 
 
 def test_simulated_executor_is_a_function_of_the_context():

@@ -1,5 +1,6 @@
 """The engine's calls as a learner uses them: the log they record into, generate's ids and
 its all-or-nothing admission, aborts, and a Request whose hash function raises."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,5 @@
 """Events emitted by the core: exact kinds, ids and order for vLLM's scenario; JSON round trip."""
+
 from __future__ import annotations
 
 from kvlab import (
@@ -82,7 +83,12 @@ def test_scenario_event_hashes_and_payloads(common_prefix):
     log, mgr, reqs = scenario(common_prefix)
     r0 = reqs["r0"]
     created = log[0]
-    assert (created.num_blocks, created.block_size, created.groups, created.hash_algo) == (11, 16, [{"type": "full", "block_size": 16}], "sha256")
+    assert (created.num_blocks, created.block_size, created.groups, created.hash_algo) == (
+        11,
+        16,
+        [{"type": "full", "block_size": 16}],
+        "sha256",
+    )
     cached = [e for e in log.of_type(BlockCached) if e.request_id == "r0"]
     assert [e.block_hash for e in cached] == r0.block_hashes
     assert [e.parent_hash for e in cached] == [None] + r0.block_hashes[:2]
@@ -106,7 +112,9 @@ def test_extra_keys_in_cached_events():
 
 def test_sliding_window_events():
     log = EventLog()
-    mgr = KVCacheManager(num_blocks=11, block_size=16, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(sliding_window=32)], event_log=log)
+    mgr = KVCacheManager(
+        num_blocks=11, block_size=16, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(sliding_window=32)], event_log=log
+    )
     req = Request("r", list(range(50)))
     run(mgr, req)
     start = len(log)

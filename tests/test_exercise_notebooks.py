@@ -1,5 +1,6 @@
 """The exercise notebooks: one source (solutions/), generated exercises/, and what a learner
 sees when running each of them top to bottom."""
+
 from __future__ import annotations
 
 from pathlib import Path

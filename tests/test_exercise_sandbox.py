@@ -10,6 +10,7 @@
 * module constants and classes a submission reassigns are put back; the next check (even
   of a correct solution) is unaffected.
 """
+
 from __future__ import annotations
 
 import os
@@ -61,8 +62,22 @@ def sleep_forever(*args):
 
 
 @triton.jit
-def step_loops(q, k_cache_ptr, v_cache_ptr, block_table_ptr, start, seq_len, m_i, l_i, acc, scale,
-               stride_block, stride_tok, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
+def step_loops(
+    q,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,
+    start,
+    seq_len,
+    m_i,
+    l_i,
+    acc,
+    scale,
+    stride_block,
+    stride_tok,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
     i = 0
     while i >= 0:
         i += 1
@@ -83,17 +98,23 @@ def loop_after_cancelling_timers(*args):
 
 
 CPU_MESSAGE = f"your code used more than {LIMIT:g} s of CPU time — an endless loop?"
-WALL_MESSAGE = (f"your code waited more than {LIMIT * WALL:g} s without finishing, computing nothing — "
-                "a sleep, or a wait for something that never comes?")
+WALL_MESSAGE = (
+    f"your code waited more than {LIMIT * WALL:g} s without finishing, computing nothing — "
+    "a sleep, or a wait for something that never comes?"
+)
 
 
-@pytest.mark.parametrize("eid, learner, message", [
-    ("longest_hit", loop_forever, CPU_MESSAGE),
-    ("kv_bytes", loop_swallowing_exceptions, CPU_MESSAGE),
-    ("kv_bytes", loop_after_cancelling_timers, CPU_MESSAGE),
-    ("sliding_window_hit", sleep_forever, WALL_MESSAGE),
-    ("paged_attention_kernel", step_loops, CPU_MESSAGE),
-], ids=["pure-python", "except-Exception", "setitimer-0", "sleep", "triton-interpreter"])
+@pytest.mark.parametrize(
+    "eid, learner, message",
+    [
+        ("longest_hit", loop_forever, CPU_MESSAGE),
+        ("kv_bytes", loop_swallowing_exceptions, CPU_MESSAGE),
+        ("kv_bytes", loop_after_cancelling_timers, CPU_MESSAGE),
+        ("sliding_window_hit", sleep_forever, WALL_MESSAGE),
+        ("paged_attention_kernel", step_loops, CPU_MESSAGE),
+    ],
+    ids=["pure-python", "except-Exception", "setitimer-0", "sleep", "triton-interpreter"],
+)
 def test_an_endless_loop_is_stopped_and_named(short_limits, eid, learner, message):
     res = check(eid, learner)  # returns at all: the runaway was stopped, whatever it caught
     assert not res and res.message == message, res.message
@@ -114,8 +135,10 @@ def test_the_limit_is_cpu_time_not_wall_time(short_limits):
     assert res and slept == [None], str(res)
 
 
-@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or not os.path.exists(f"/proc/self/task/{threading.get_native_id()}/schedstat"),
-                    reason="needs Linux's CPU affinity and per-thread schedstat")
+@pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity") or not os.path.exists(f"/proc/self/task/{threading.get_native_id()}/schedstat"),
+    reason="needs Linux's CPU affinity and per-thread schedstat",
+)
 def test_an_endless_loop_on_a_crowded_cpu_is_still_an_endless_loop():
     """Eight CPU-bound processes share this process's one CPU, so the loop gets at most a ninth
     of it: 0.3 s of CPU take 2.7 s or more on the clock, past a 1.2 s ceiling on the clock. The
@@ -186,10 +209,28 @@ def test_an_answer_that_equals_everything_fails(eid):
     assert not res and "not the right kind of value" in res.message and "EqualsEverything" in res.message
 
 
-@pytest.mark.parametrize("eid", ["longest_hit", "kv_bytes", "sliding_window_hit", "allocate_capacity", "hash_chain", "slot_mapping", "free_order", "preempt_victim",
-                                 # the course's exercises beyond the pool: None was "wrong answer" or "the engine stopped: TypeError"
-                                 "tier_hits", "num_matched_tokens", "token_slots", "encoder_inputs", "group_block_hash",
-                                 "unified_block_sizes", "router_block_keys", "stream_gaps"])
+@pytest.mark.parametrize(
+    "eid",
+    [
+        "longest_hit",
+        "kv_bytes",
+        "sliding_window_hit",
+        "allocate_capacity",
+        "hash_chain",
+        "slot_mapping",
+        "free_order",
+        "preempt_victim",
+        # the course's exercises beyond the pool: None was "wrong answer" or "the engine stopped: TypeError"
+        "tier_hits",
+        "num_matched_tokens",
+        "token_slots",
+        "encoder_inputs",
+        "group_block_hash",
+        "unified_block_sizes",
+        "router_block_keys",
+        "stream_gaps",
+    ],
+)
 def test_a_missing_return_is_named(eid):
     res = check(eid, lambda *a: None)
     assert not res and "got None — a missing return?" in res.message, str(res)
@@ -201,6 +242,7 @@ def test_wrong_kinds_are_named():
     res = check("stale_hash", lambda pool, block: None)
     assert "evict_cached_block must return bool, got NoneType None — a missing return?" in res.message
     import numpy as np
+
     assert check("kv_bytes", lambda l, h, d, b: np.int64(2 * l * h * d * b))  # numpy ints are ints
     assert "got None instead of your code" in check("kv_bytes", None).message
 

@@ -1,5 +1,6 @@
 """Mutation tests: every checker accepts correct code (written two ways) and rejects the
 classic wrong answers with a message about the right idea."""
+
 from __future__ import annotations
 
 
@@ -29,7 +30,9 @@ def _lora(r):
 
 
 def _imgs(r, s, e, absolute=False):
-    return tuple(("mm", f.identifier, f.offset if absolute else f.offset - s) for f in r.mm_features if f.offset < e and f.offset + f.length > s)
+    return tuple(
+        ("mm", f.identifier, f.offset if absolute else f.offset - s) for f in r.mm_features if f.offset < e and f.offset + f.length > s
+    )
 
 
 class QueueOk:
@@ -175,9 +178,19 @@ def _tiers_wrong(**kw):
     def fn(block_hashes, num_computed_tokens, num_tokens, block_size, in_cpu, in_storage):
         cpu = {h for h in block_hashes if in_cpu(h)}
         disk = {h for h in block_hashes if in_storage(h)}
-        return _tier_reference(block_hashes, num_computed_tokens, num_tokens, block_size, cpu, disk,
-                               end=num_tokens // block_size if kw.get("last") else None, start=0 if kw.get("from0") else None,
-                               skip_miss=kw.get("skip", False), disk_first=kw.get("disk_first", False))
+        return _tier_reference(
+            block_hashes,
+            num_computed_tokens,
+            num_tokens,
+            block_size,
+            cpu,
+            disk,
+            end=num_tokens // block_size if kw.get("last") else None,
+            start=0 if kw.get("from0") else None,
+            skip_miss=kw.get("skip", False),
+            disk_first=kw.get("disk_first", False),
+        )
+
     return fn
 
 
@@ -233,6 +246,7 @@ def _enc_wrong(**kw):
             seen.add(name)
             out.append(i)
         return out, num_new_tokens
+
     return fn
 
 
@@ -413,11 +427,27 @@ WRONG = {
         "only the tokens": lambda f, p, t, x: f(tuple(t)),
     },
     "extra_keys": {
-        "salt on every block": lambda r, s, e: (((_lora(r),) if r.lora_name else ()) + _imgs(r, s, e) + ((("cache_salt", r.cache_salt),) if r.cache_salt else ())) or None,
+        "salt on every block": lambda r, s, e: (
+            ((_lora(r),) if r.lora_name else ()) + _imgs(r, s, e) + ((("cache_salt", r.cache_salt),) if r.cache_salt else ())
+        )
+        or None,
         "empty tuple instead of None": lambda r, s, e: extra_ok(r, s, e) or (),
-        "absolute image offset": lambda r, s, e: (((_lora(r),) if r.lora_name else ()) + _imgs(r, s, e, absolute=True) + ((("cache_salt", r.cache_salt),) if r.cache_salt and s == 0 else ())) or None,
-        "lora only in the first block": lambda r, s, e: (((_lora(r),) if r.lora_name and s == 0 else ()) + _imgs(r, s, e) + ((("cache_salt", r.cache_salt),) if r.cache_salt and s == 0 else ())) or None,
-        "salt first": lambda r, s, e: (((("cache_salt", r.cache_salt),) if r.cache_salt and s == 0 else ()) + ((_lora(r),) if r.lora_name else ()) + _imgs(r, s, e)) or None,
+        "absolute image offset": lambda r, s, e: (
+            ((_lora(r),) if r.lora_name else ())
+            + _imgs(r, s, e, absolute=True)
+            + ((("cache_salt", r.cache_salt),) if r.cache_salt and s == 0 else ())
+        )
+        or None,
+        "lora only in the first block": lambda r, s, e: (
+            ((_lora(r),) if r.lora_name and s == 0 else ())
+            + _imgs(r, s, e)
+            + ((("cache_salt", r.cache_salt),) if r.cache_salt and s == 0 else ())
+        )
+        or None,
+        "salt first": lambda r, s, e: (
+            ((("cache_salt", r.cache_salt),) if r.cache_salt and s == 0 else ()) + ((_lora(r),) if r.lora_name else ()) + _imgs(r, s, e)
+        )
+        or None,
         "untagged (vLLM < 0.31)": lambda r, s, e: tuple(k[1:] if k[0] == "mm" else k[1] for k in (extra_ok(r, s, e) or ())) or None,
     },
     "free_queue": {"O(n) list remove": QueueList, "pops the newest (LIFO)": QueueLIFO},
@@ -435,10 +465,16 @@ WRONG = {
     "touch": {
         "evicting a referenced block (no remove)": _touch_no_remove,
         "removes a shared block too": _touch_always_remove,
-        "removes but never counts": lambda pool, blocks: [pool.free_block_queue.remove(b) for b in blocks if b.ref_cnt == 0 and not b.is_null],
+        "removes but never counts": lambda pool, blocks: [
+            pool.free_block_queue.remove(b) for b in blocks if b.ref_cnt == 0 and not b.is_null
+        ],
     },
-    "stale_hash": {"stale map entry": _evict_no_pop, "drops duplicates too": _evict_all_dups, "does nothing": lambda pool, b: False,
-                   "forgets reset_hash()": _evict_no_reset},
+    "stale_hash": {
+        "stale map entry": _evict_no_pop,
+        "drops duplicates too": _evict_all_dups,
+        "does nothing": lambda pool, b: False,
+        "forgets reset_hash()": _evict_no_reset,
+    },
     "sliding_window_hit": {
         "full-attention rule": _sw_full_rule,
         "cdiv(W) instead of cdiv(W-1)": lambda h, m, bs, w, c: sw_ok(h, m, bs, w + 1, c),
@@ -614,6 +650,7 @@ def test_beyond_pool_teaching_messages():
 def test_the_engine_run_catches_what_the_cases_miss():
     """A learner function that passes every case but misbehaves in a situation only the
     engine reaches is still refused (the engine part of each checker is not decoration)."""
+
     def tiers_small_only(block_hashes, num_computed_tokens, num_tokens, block_size, in_cpu, in_storage):
         media = tiers_ok(block_hashes, num_computed_tokens, num_tokens, block_size, in_cpu, in_storage)
         return media[:2] if media == ["STORAGE"] * 3 else media  # B2's three disk blocks: only two
@@ -663,6 +700,7 @@ def test_checker_runs_the_learner_code_inside_the_core(eid):
     inside: list[bool] = []
     ok = CORRECT[eid]
     if eid == "free_queue":
+
         class Spy(ok):
             def __init__(self, blocks):
                 inside.append(_called_from_core())
@@ -670,6 +708,7 @@ def test_checker_runs_the_learner_code_inside_the_core(eid):
 
         learner = Spy
     else:
+
         def learner(*args):
             inside.append(_called_from_core())
             return ok(*args)
@@ -685,8 +724,15 @@ def test_checker_runs_the_learner_code_inside_the_core(eid):
     assert kv_cache_utils.generate_block_hash_extra_keys.__module__ == "kvlab.core.kv_cache_utils"
 
 
-@pytest.mark.parametrize("eid,where", [("tier_hits", "/kvlab/distributed/kv_transfer/"), ("num_matched_tokens", "/kvlab/distributed/kv_transfer/"),
-                                       ("token_slots", "/kvlab/distributed/kv_transfer/"), ("encoder_inputs", "/kvlab/core/sched/")])
+@pytest.mark.parametrize(
+    "eid,where",
+    [
+        ("tier_hits", "/kvlab/distributed/kv_transfer/"),
+        ("num_matched_tokens", "/kvlab/distributed/kv_transfer/"),
+        ("token_slots", "/kvlab/distributed/kv_transfer/"),
+        ("encoder_inputs", "/kvlab/core/sched/"),
+    ],
+)
 def test_beyond_pool_checkers_run_the_learner_code_inside_the_engine(eid, where):
     import inspect
 

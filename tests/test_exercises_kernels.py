@@ -1,4 +1,5 @@
 """Mutation tests for the kernel exercises (run under the Triton interpreter on CPU)."""
+
 from __future__ import annotations
 
 
@@ -14,8 +15,22 @@ from kvlab.exercises import (
 
 
 @triton.jit
-def step_ok(q, k_cache_ptr, v_cache_ptr, block_table_ptr, start, seq_len, m_i, l_i, acc, scale,
-            stride_block, stride_tok, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
+def step_ok(
+    q,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,
+    start,
+    seq_len,
+    m_i,
+    l_i,
+    acc,
+    scale,
+    stride_block,
+    stride_tok,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
     # Written differently from the notebook's solution: exp2 with log2(e) folded in.
     offs = tl.arange(0, BLOCK_SIZE)
     d = tl.arange(0, HEAD_DIM)
@@ -32,8 +47,22 @@ def step_ok(q, k_cache_ptr, v_cache_ptr, block_table_ptr, start, seq_len, m_i, l
 
 
 @triton.jit
-def step_no_mask(q, k_cache_ptr, v_cache_ptr, block_table_ptr, start, seq_len, m_i, l_i, acc, scale,
-                 stride_block, stride_tok, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
+def step_no_mask(
+    q,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,
+    start,
+    seq_len,
+    m_i,
+    l_i,
+    acc,
+    scale,
+    stride_block,
+    stride_tok,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
     offs = tl.arange(0, BLOCK_SIZE)
     d = tl.arange(0, HEAD_DIM)
     blk = tl.load(block_table_ptr + start // BLOCK_SIZE)
@@ -48,8 +77,22 @@ def step_no_mask(q, k_cache_ptr, v_cache_ptr, block_table_ptr, start, seq_len, m
 
 
 @triton.jit
-def step_no_running_max(q, k_cache_ptr, v_cache_ptr, block_table_ptr, start, seq_len, m_i, l_i, acc, scale,
-                        stride_block, stride_tok, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
+def step_no_running_max(
+    q,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,
+    start,
+    seq_len,
+    m_i,
+    l_i,
+    acc,
+    scale,
+    stride_block,
+    stride_tok,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
     offs = tl.arange(0, BLOCK_SIZE)
     d = tl.arange(0, HEAD_DIM)
     blk = tl.load(block_table_ptr + start // BLOCK_SIZE)
@@ -63,8 +106,22 @@ def step_no_running_max(q, k_cache_ptr, v_cache_ptr, block_table_ptr, start, seq
 
 
 @triton.jit
-def step_logical_block(q, k_cache_ptr, v_cache_ptr, block_table_ptr, start, seq_len, m_i, l_i, acc, scale,
-                       stride_block, stride_tok, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
+def step_logical_block(
+    q,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,
+    start,
+    seq_len,
+    m_i,
+    l_i,
+    acc,
+    scale,
+    stride_block,
+    stride_tok,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
     offs = tl.arange(0, BLOCK_SIZE)
     d = tl.arange(0, HEAD_DIM)
     blk = start // BLOCK_SIZE  # forgot the block table
@@ -80,8 +137,22 @@ def step_logical_block(q, k_cache_ptr, v_cache_ptr, block_table_ptr, start, seq_
 
 
 @triton.jit
-def step_no_rescale(q, k_cache_ptr, v_cache_ptr, block_table_ptr, start, seq_len, m_i, l_i, acc, scale,
-                    stride_block, stride_tok, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
+def step_no_rescale(
+    q,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,
+    start,
+    seq_len,
+    m_i,
+    l_i,
+    acc,
+    scale,
+    stride_block,
+    stride_tok,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
     offs = tl.arange(0, BLOCK_SIZE)
     d = tl.arange(0, HEAD_DIM)
     blk = tl.load(block_table_ptr + start // BLOCK_SIZE)
@@ -97,8 +168,22 @@ def step_no_rescale(q, k_cache_ptr, v_cache_ptr, block_table_ptr, start, seq_len
 
 
 @triton.jit
-def step_stub(q, k_cache_ptr, v_cache_ptr, block_table_ptr, start, seq_len, m_i, l_i, acc, scale,
-              stride_block, stride_tok, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
+def step_stub(
+    q,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,
+    start,
+    seq_len,
+    m_i,
+    l_i,
+    acc,
+    scale,
+    stride_block,
+    stride_tok,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
     raise NotImplementedError("your code here")
 
 
@@ -169,8 +254,12 @@ def test_a_failing_kernel_check_draws_the_learners_loads():
     fig = res.show()
     titles = [a.text for a in fig.layout.annotations if a.text.startswith("Attention read")]
     assert [t.split(" · ")[1] for t in titles] == ["seq0", "seq1", "seq2"]
-    assert any("✖ 0 (null)" in str(list(ax.ticktext or ())) for k, ax in fig.layout.to_plotly_json().items()
-               if k.startswith("yaxis") for ax in [fig.layout[k]])
+    assert any(
+        "✖ 0 (null)" in str(list(ax.ticktext or ()))
+        for k, ax in fig.layout.to_plotly_json().items()
+        if k.startswith("yaxis")
+        for ax in [fig.layout[k]]
+    )
     res = check("paged_attention_kernel", step_no_mask)  # loads past the end of each sequence
     assert "seq0: 11 slots loaded that its table does not hold" in str(res)
     d = res.extra["kernel_reads"]

@@ -1,4 +1,5 @@
 """``kvlab.export_html``: one self-contained HTML replay (the browser test opens it offline)."""
+
 from __future__ import annotations
 
 import json

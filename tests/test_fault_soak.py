@@ -14,6 +14,7 @@ aborted has exactly the tokens an undisturbed run gives (the simulated executor'
 a function of the context), an aborted one a prefix of them; no block is held, nothing
 hangs, no request is lost. The figures are printed (``pytest -s``) for the closing note.
 """
+
 from __future__ import annotations
 
 import os
@@ -141,7 +142,7 @@ def reference_tokens(prompt: list[int], n: int) -> list[int]:
     ex, ctx = SimulatedExecutor(vocab_size=VOCAB), list(prompt)
     for _ in range(n):
         ctx.append(ex.next_token(ctx))
-    return ctx[len(prompt):]
+    return ctx[len(prompt) :]
 
 
 def live_fingerprint(eng: LLMEngine) -> tuple:
@@ -149,8 +150,14 @@ def live_fingerprint(eng: LLMEngine) -> tuple:
     scheduler's full fingerprint: pool, tables, queues, counters, requests), the clock, the
     metrics of live requests and how many have finished -- O(live), not O(all requests)."""
     live = sorted(eng.scheduler.requests)
-    return (fingerprint(eng.scheduler), eng.clock, eng._ids, len(eng.finished), list(eng.finished)[-5:],
-            [(rid, repr(eng.metrics.get(rid))) for rid in live])
+    return (
+        fingerprint(eng.scheduler),
+        eng.clock,
+        eng._ids,
+        len(eng.finished),
+        list(eng.finished)[-5:],
+        [(rid, repr(eng.metrics.get(rid))) for rid in live],
+    )
 
 
 def test_soak_with_faults_everywhere(monkeypatch):
@@ -232,9 +239,13 @@ def test_soak_with_faults_everywhere(monkeypatch):
 
     injected = sum(FAULTS.count.values())
     hits = sum(m.num_cached_tokens for m in eng.metrics.values())
-    print(f"\n[fault soak] {N} requests ({len(completed)} completed, {len(aborted)} aborted), {steps} steps kept, "
-          f"calls undone {dict(sorted(failed.items()))}, {injected} faults injected {dict(sorted(FAULTS.count.items()))}, "
-          f"{sched.num_preemptions} preemptions, {hits} prefix-hit tokens, {took:.1f} s")
+    print(
+        f"\n[fault soak] {N} requests ({len(completed)} completed, {len(aborted)} aborted), {steps} steps kept, "
+        f"calls undone {dict(sorted(failed.items()))}, {injected} faults injected {dict(sorted(FAULTS.count.items()))}, "
+        f"{sched.num_preemptions} preemptions, {hits} prefix-hit tokens, {took:.1f} s"
+    )
     assert len(aborted) >= 50 and sched.num_preemptions >= 100 and hits > 0
-    assert injected >= 500 and all(FAULTS.count.get(k, 0) >= 10 for k in (
-        "interrupt at an event", "hash function", "free queue", "touch", "victim choice", "executor (before)", "executor (after)"))
+    assert injected >= 500 and all(
+        FAULTS.count.get(k, 0) >= 10
+        for k in ("interrupt at an event", "hash function", "free queue", "touch", "victim choice", "executor (before)", "executor (after)")
+    )

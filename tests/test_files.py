@@ -1,6 +1,7 @@
 """Saved files are read strictly; what they claim is checked before memory is sized by it;
 cache salts can be left out; request ids never become markup in the views.
 (The one-line bad-file cases are in tests/test_public_bad_input.py.)"""
+
 from __future__ import annotations
 
 import json
@@ -79,7 +80,10 @@ def test_a_small_file_claiming_a_billion_blocks_is_refused_before_anything_is_al
     assert len(text) < 5_200
     tracemalloc.start()
     try:
-        with pytest.raises(ValueError, match=r"events\[0\] \(pool_created\)\.num_blocks = 1,000,000,000 is more blocks than this reader allows \(max_blocks = 1,048,576\)"):
+        with pytest.raises(
+            ValueError,
+            match=r"events\[0\] \(pool_created\)\.num_blocks = 1,000,000,000 is more blocks than this reader allows \(max_blocks = 1,048,576\)",
+        ):
             EventLog.from_json(text)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
@@ -155,17 +159,30 @@ def _every_kind_of_run(tmp_path) -> list[EventLog]:
 
     enc = build_engine(num_blocks=32, block_size=4, max_num_batched_tokens=12, max_num_encoder_input_tokens=8, encoder_cache_size=16)
     for i, (img, off, salt) in enumerate([("img-a", 4, "s1"), ("img-a", 2, None), ("img-b", 2, "s2"), ("img-c", 6, None)]):
-        enc.add_request(Request(f"e{i}", list(range(100 * i + 100, 100 * i + 118)), max_tokens=2,
-                                mm_features=[MM(img, offset=off, length=8)], cache_salt=salt, lora_name="l1" if i % 2 else None))
+        enc.add_request(
+            Request(
+                f"e{i}",
+                list(range(100 * i + 100, 100 * i + 118)),
+                max_tokens=2,
+                mm_features=[MM(img, offset=off, length=8)],
+                cache_salt=salt,
+                lora_name="l1" if i % 2 else None,
+            )
+        )
     enc.run()
-    cfg = KVTransferConfig("OffloadingConnector",
-                           kv_connector_extra_config=dict(num_cpu_blocks=4, storage_path=str(tmp_path / "tiers"), num_storage_blocks=12))
+    cfg = KVTransferConfig(
+        "OffloadingConnector", kv_connector_extra_config=dict(num_cpu_blocks=4, storage_path=str(tmp_path / "tiers"), num_storage_blocks=12)
+    )
     off = build_engine(num_blocks=6, block_size=4, max_num_batched_tokens=64, kv_transfer_config=cfg)
     for rid, p in [("A", range(100, 109)), ("B", range(200, 217)), ("C", range(300, 313)), ("A2", range(100, 110))]:
         off.add_request(Request(rid, list(p), max_tokens=2))
         off.run()
-    hyb = build_engine(num_blocks=12, block_size=4, max_num_batched_tokens=16,
-                       manager_kwargs=dict(kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(sliding_window=6)]))
+    hyb = build_engine(
+        num_blocks=12,
+        block_size=4,
+        max_num_batched_tokens=16,
+        manager_kwargs=dict(kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(sliding_window=6)]),
+    )
     for i in range(4):
         hyb.add_request(Request(f"h{i}", [7] * 8 + list(range(i, i + 9)), max_tokens=6, arrival_time=float(i)))
     hyb.run()
@@ -182,8 +199,16 @@ def test_every_event_kind_reads_back_equal_to_the_live_event(tmp_path):
     snapshots equal the live run's, at every step."""
     logs = _every_kind_of_run(tmp_path)
     seen = {e.kind for log in logs for e in log}
-    assert {"block_cached", "blocks_skipped", "request_preempted", "cache_reset", "kv_transfer", "offload_evicted",
-            "encoder_input_scheduled", "encoder_cache_evicted"} <= seen, sorted(seen)
+    assert {
+        "block_cached",
+        "blocks_skipped",
+        "request_preempted",
+        "cache_reset",
+        "kv_transfer",
+        "offload_evicted",
+        "encoder_input_scheduled",
+        "encoder_cache_evicted",
+    } <= seen, sorted(seen)
     tuples = [e.extra_keys for e in logs[0] if isinstance(e, BlockCached) and e.extra_keys]
     assert (("lora", "l1", None), ("cache_salt", "s2")) not in tuples and any(("cache_salt", "s1") in k for k in tuples)
     assert all(type(k) is tuple and all(type(x) is tuple for x in k) for k in tuples)
@@ -202,5 +227,7 @@ def test_extra_keys_in_a_file_must_be_a_list():
     d = json.loads(log.to_json())
     i = next(i for i, e in enumerate(d["events"]) if e["kind"] == "block_cached")
     d["events"][i]["extra_keys"] = "cache_salt"
-    with pytest.raises(ValueError, match=rf"events\[{i}\] \(block_cached\)\.extra_keys must be null or a list \(the block's extra hash keys\), got str"):
+    with pytest.raises(
+        ValueError, match=rf"events\[{i}\] \(block_cached\)\.extra_keys must be null or a list \(the block's extra hash keys\), got str"
+    ):
         EventLog.from_json(json.dumps(d))

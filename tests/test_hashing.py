@@ -1,4 +1,5 @@
 """Block hashing: hash functions, the block encoding, NONE_HASH, extra keys, the chain."""
+
 from __future__ import annotations
 
 import hashlib
@@ -61,7 +62,9 @@ def test_hash_functions_match_their_definitions():
 def test_block_encoding_is_canonical_bytes():
     body = encode((b"\xaa\xbb", (1, 2**32 - 1), None))
     # tag, parent length, token count, parent, tokens (uint32 little-endian)
-    assert body == b"\x01kvlab-block\x00" + b"\x02\x00\x00\x00" + b"\x02\x00\x00\x00" + b"\xaa\xbb" + b"\x01\x00\x00\x00" + b"\xff\xff\xff\xff"
+    assert (
+        body == b"\x01kvlab-block\x00" + b"\x02\x00\x00\x00" + b"\x02\x00\x00\x00" + b"\xaa\xbb" + b"\x01\x00\x00\x00" + b"\xff\xff\xff\xff"
+    )
     with_extra = encode((b"\xaa\xbb", (1, 2**32 - 1), ("x",)))
     assert with_extra == body + pickle.dumps(("x",), protocol=pickle.HIGHEST_PROTOCOL)
 

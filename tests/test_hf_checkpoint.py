@@ -7,6 +7,7 @@ preemption, chunked prefill, sliding-window groups -- the greedy tokens must equ
 forward of the same weights; and the dense forward itself must equal an independent
 forward written from Hugging Face's formulas on the raw tensors.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,20 +31,55 @@ ROOT = Path(__file__).resolve().parents[1]
 # name -> write_tiny_checkpoint options: several shapes, each family's own feature.
 CHECKPOINTS = {
     # tied embeddings, Llama 3 RoPE scaling, GQA 4:2
-    "llama": dict(architecture="LlamaForCausalLM", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                  tie_word_embeddings=True, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                          "high_freq_factor": 4.0,
-                                                          "original_max_position_embeddings": 16}),
+    "llama": dict(
+        architecture="LlamaForCausalLM",
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        tie_word_embeddings=True,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+    ),
     # q/k/v biases; layers 1 and 2 slide a 6-token window, layer 0 is full attention
-    "qwen2_window": dict(architecture="Qwen2ForCausalLM", hidden_size=48, num_layers=3, num_heads=6, num_kv_heads=2,
-                         sliding_window=6, max_window_layers=1, intermediate_size=96),
+    "qwen2_window": dict(
+        architecture="Qwen2ForCausalLM",
+        hidden_size=48,
+        num_layers=3,
+        num_heads=6,
+        num_kv_heads=2,
+        sliding_window=6,
+        max_window_layers=1,
+        intermediate_size=96,
+    ),
     # q/k norm, head_dim 32 != hidden/heads (16), one KV head, linear RoPE scaling
-    "qwen3": dict(architecture="Qwen3ForCausalLM", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=1,
-                  head_dim=32, rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    "qwen3": dict(
+        architecture="Qwen3ForCausalLM",
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=1,
+        head_dim=32,
+        rope_scaling={"rope_type": "linear", "factor": 2.0},
+    ),
     # every layer slides (one KV-cache group), 3 shards with an index, stored in bfloat16, dynamic NTK RoPE
-    "mistral_sharded": dict(architecture="MistralForCausalLM", hidden_size=32, num_layers=3, num_heads=4,
-                            num_kv_heads=4, sliding_window=8, num_shards=3, dtype="bfloat16", intermediate_size=64,
-                            rope_scaling={"type": "dynamic", "factor": 2.0}),
+    "mistral_sharded": dict(
+        architecture="MistralForCausalLM",
+        hidden_size=32,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=4,
+        sliding_window=8,
+        num_shards=3,
+        dtype="bfloat16",
+        intermediate_size=64,
+        rope_scaling={"type": "dynamic", "factor": 2.0},
+    ),
 }
 SYSTEM = "You are a helpful assistant. Answer in one short sentence."
 
@@ -68,10 +104,20 @@ def chat(m: kvlab.LoadedModel, *questions: str) -> list[int]:
 
 
 def test_each_family_loads_with_its_shapes_and_groups(models: dict[str, kvlab.LoadedModel]) -> None:
-    got = {name: (m.config.architecture, m.config.num_layers, m.config.num_heads, m.config.num_kv_heads,
-                  m.config.head_dim, [getattr(g, "sliding_window", None) for g in m.kv_cache_groups()],
-                  m.config.sliding_window_layers, m.model.lm_head is None, m.config.dtype)
-           for name, m in models.items()}
+    got = {
+        name: (
+            m.config.architecture,
+            m.config.num_layers,
+            m.config.num_heads,
+            m.config.num_kv_heads,
+            m.config.head_dim,
+            [getattr(g, "sliding_window", None) for g in m.kv_cache_groups()],
+            m.config.sliding_window_layers,
+            m.model.lm_head is None,
+            m.config.dtype,
+        )
+        for name, m in models.items()
+    }
     assert got == {
         "llama": ("LlamaForCausalLM", 2, 4, 2, 16, [None], (), True, torch.float32),
         "qwen2_window": ("Qwen2ForCausalLM", 3, 6, 2, 8, [None, 6], (1, 2), False, torch.float32),
@@ -83,8 +129,11 @@ def test_each_family_loads_with_its_shapes_and_groups(models: dict[str, kvlab.Lo
     assert models["qwen3"].model.layers[1].self_attn.k_norm.shape == (32,)
     # bytes per token: 2 (K and V) x layers x KV heads x head_dim x 4 bytes (float32)
     assert {n: m.kv_bytes_per_token for n, m in models.items()} == {
-        "llama": 2 * 2 * 2 * 16 * 4, "qwen2_window": 2 * 3 * 2 * 8 * 4, "qwen3": 2 * 2 * 1 * 32 * 4,
-        "mistral_sharded": 2 * 3 * 4 * 8 * 4}
+        "llama": 2 * 2 * 2 * 16 * 4,
+        "qwen2_window": 2 * 3 * 2 * 8 * 4,
+        "qwen3": 2 * 2 * 1 * 32 * 4,
+        "mistral_sharded": 2 * 3 * 4 * 8 * 4,
+    }
     assert models["llama"].blocks_per_gib(16) == 2**30 // (512 * 16)
 
 
@@ -104,8 +153,9 @@ def test_the_weights_are_the_files_tensors(ckpt_dirs: dict[str, Path], models: d
 def test_the_tokenizer_and_chat_template_are_the_checkpoints(models: dict[str, kvlab.LoadedModel]) -> None:
     tok = models["qwen3"].tokenizer
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a block?"}]
-    assert tok.apply_chat_template(msgs) == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n"
-                                             "What is a block?<|im_end|>\n<|im_start|>assistant\n")
+    assert tok.apply_chat_template(msgs) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is a block?<|im_end|>\n<|im_start|>assistant\n"
+    )
     ids = tok.encode_chat(msgs)
     assert ids[0] == tok._tok.token_to_id("<|im_start|>") and tok.decode(ids) == "system\nBe brief.\nuser\nWhat is a block?\nassistant\n"
     assert tok.decode(tok.encode("The KV cache keeps the keys.")) == "The KV cache keeps the keys."
@@ -127,8 +177,7 @@ def test_a_hub_id_is_downloaded_with_huggingface_hub(ckpt_dirs, monkeypatch: pyt
     assert asked == [("someone/tiny-qwen3", "main", ["*.jinja", "*.json", "*.safetensors", "tokenizer*"])]
     assert m.directory == ckpt_dirs["qwen3"] and m.config.architecture == "Qwen3ForCausalLM"
     monkeypatch.setitem(sys.modules, "huggingface_hub", None)  # as if it were not installed
-    with pytest.raises(FileNotFoundError, match="'someone/tiny-qwen3' is not a local directory, and huggingface_hub "
-                                                "is not installed"):
+    with pytest.raises(FileNotFoundError, match="'someone/tiny-qwen3' is not a local directory, and huggingface_hub is not installed"):
         load_model("someone/tiny-qwen3")
 
 
@@ -173,8 +222,7 @@ def _hf_reference_logits(directory: Path, ids: list[int]) -> torch.Tensor:
     if kind == "linear":
         inv = inv / scaling["factor"]
     if kind == "llama3":
-        f, lo, hi, old = (scaling[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
-                                               "original_max_position_embeddings"))
+        f, lo, hi, old = (scaling[k] for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"))
         wavelen = 2 * math.pi / inv
         scaled = torch.where(wavelen > old / lo, inv / f, inv)
         smooth = (old / wavelen - lo) / (hi - lo)
@@ -185,7 +233,7 @@ def _hf_reference_logits(directory: Path, ids: list[int]) -> torch.Tensor:
     cos, sin = emb.cos()[None], emb.sin()[None]  # [1, n, d]
 
     def rotate_half(x: torch.Tensor) -> torch.Tensor:
-        return torch.cat((-x[..., d // 2:], x[..., : d // 2]), dim=-1)
+        return torch.cat((-x[..., d // 2 :], x[..., : d // 2]), dim=-1)
 
     window = cfg.get("sliding_window") if fam == "mistral" or cfg.get("use_sliding_window") else None
     h = w["model.embed_tokens.weight"][ids]
@@ -232,8 +280,7 @@ def test_the_dense_forward_equals_hugging_faces_formulas(name: str, ckpt_dirs, m
 def test_logits_match_transformers_when_it_is_installed(ckpt_dirs, models) -> None:
     transformers = pytest.importorskip("transformers")
     for name in ("llama", "qwen2_window", "qwen3"):
-        hf = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt_dirs[name]), torch_dtype=torch.float32,
-                                                               attn_implementation="eager")
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt_dirs[name]), torch_dtype=torch.float32, attn_implementation="eager")
         ids = chat(models[name], "What is a block?")
         with torch.no_grad():
             theirs = hf(torch.tensor([ids])).logits[0].float()
@@ -270,18 +317,20 @@ def test_a_hit_after_the_first_request_finished_and_chunked_prefill(models) -> N
     assert (len(first), len(second), eng.metrics["gen-2"].num_cached_tokens) == (38, 46, 36)
 
 
-@pytest.mark.parametrize(("name", "caching", "num_blocks", "resume_hit", "computed"), [
-    # 36-token prompts sharing 26 tokens (3 whole blocks of 8). With caching, 8 usable blocks hold 5 + 2; at step 6
-    # (position 40) both need a 6th block, one is free: gen-2 is preempted, and on its return all 5 of its blocks
-    # are still cached (40 of its 41 tokens hit), so no token is computed twice: 36 + 11 + 12 + 11 = 70, as
-    # without preemption.
-    ("llama", True, 9, 40, 70),
-    # Without caching, 10 usable blocks hold 5 + 5; gen-2 is preempted at step 6 and recomputes its prompt and its
-    # 5 outputs: gen-1 36 + 11, gen-2 36 + 4 before and 41 + 6 after = 134.
-    ("qwen3", False, 11, 0, 134),
-])
-def test_paged_greedy_tokens_equal_the_dense_ones_under_preemption(name, caching, num_blocks, resume_hit, computed,
-                                                                   models) -> None:
+@pytest.mark.parametrize(
+    ("name", "caching", "num_blocks", "resume_hit", "computed"),
+    [
+        # 36-token prompts sharing 26 tokens (3 whole blocks of 8). With caching, 8 usable blocks hold 5 + 2; at step 6
+        # (position 40) both need a 6th block, one is free: gen-2 is preempted, and on its return all 5 of its blocks
+        # are still cached (40 of its 41 tokens hit), so no token is computed twice: 36 + 11 + 12 + 11 = 70, as
+        # without preemption.
+        ("llama", True, 9, 40, 70),
+        # Without caching, 10 usable blocks hold 5 + 5; gen-2 is preempted at step 6 and recomputes its prompt and its
+        # 5 outputs: gen-1 36 + 11, gen-2 36 + 4 before and 41 + 6 after = 134.
+        ("qwen3", False, 11, 0, 134),
+    ],
+)
+def test_paged_greedy_tokens_equal_the_dense_ones_under_preemption(name, caching, num_blocks, resume_hit, computed, models) -> None:
     m = models[name]
     prompts = [chat(m, "Why?"), chat(m, "How?")]
     assert [len(p) for p in prompts] == [36, 36]
@@ -351,8 +400,11 @@ def test_an_unsupported_architecture_is_named_with_the_supported_ones(ckpt_dirs,
     d = _copy(ckpt_dirs["llama"], tmp_path / "gpt2")
     cfg = json.loads((d / "config.json").read_text())
     (d / "config.json").write_text(json.dumps(dict(cfg, architectures=["GPT2LMHeadModel"])))
-    with pytest.raises(ValueError, match=r"architecture 'GPT2LMHeadModel' is not supported; supported architectures: "
-                                         r"LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
+    with pytest.raises(
+        ValueError,
+        match=r"architecture 'GPT2LMHeadModel' is not supported; supported architectures: "
+        r"LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM",
+    ):
         load_model(d)
     (d / "config.json").write_text(json.dumps(dict(cfg, rope_scaling={"rope_type": "yarn", "factor": 4.0})))
     with pytest.raises(ValueError, match="rope_type 'yarn' is not supported; supported: default, linear, dynamic, llama3"):
@@ -363,8 +415,11 @@ def test_a_config_that_does_not_fit_the_weights_names_the_tensor_and_both_shapes
     d = _copy(ckpt_dirs["qwen2_window"], tmp_path / "wider")
     cfg = json.loads((d / "config.json").read_text())
     (d / "config.json").write_text(json.dumps(dict(cfg, intermediate_size=100)))
-    with pytest.raises(ValueError, match=r"tensor 'model.layers.0.mlp.(gate|up)_proj.weight' in model.safetensors has "
-                                         r"shape \[96, 48\], but config.json implies \[100, 48\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"tensor 'model.layers.0.mlp.(gate|up)_proj.weight' in model.safetensors has "
+        r"shape \[96, 48\], but config.json implies \[100, 48\]",
+    ):
         load_model(d)
     (d / "config.json").write_text(json.dumps(dict(cfg, num_hidden_layers=4)))
     with pytest.raises(ValueError, match=r"tensor 'model.layers.3.input_layernorm.weight' is missing, and 11 more"):
@@ -391,8 +446,10 @@ def test_a_dtype_the_device_cannot_run_is_refused(ckpt_dirs) -> None:
 
 
 def test_importing_kvlab_stays_cheap() -> None:
-    code = ("import sys, kvlab; assert 'load_model' in kvlab.__all__ and 'LoadedModel' in kvlab.__all__;"
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'safetensors', 'tokenizers')))")
+    code = (
+        "import sys, kvlab; assert 'load_model' in kvlab.__all__ and 'LoadedModel' in kvlab.__all__;"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'safetensors', 'tokenizers')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
 
@@ -401,8 +458,10 @@ def test_importing_kvlab_stays_cheap() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not os.environ.get("KVLAB_MODEL") or not torch.cuda.is_available(),
-                    reason="needs KVLAB_MODEL=<checkpoint dir or Hub id> and a CUDA device")
+@pytest.mark.skipif(
+    not os.environ.get("KVLAB_MODEL") or not torch.cuda.is_available(),
+    reason="needs KVLAB_MODEL=<checkpoint dir or Hub id> and a CUDA device",
+)
 def test_a_real_model_on_the_gpu_gives_the_dense_tokens_through_the_paged_cache() -> None:
     m = load_model(os.environ["KVLAB_MODEL"], dtype="float32")
     eng = m.build_engine(num_blocks=256, block_size=16)

@@ -1,4 +1,5 @@
 """Sliding-window groups, alone and next to full attention (vLLM's hybrid coordinator)."""
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -29,8 +30,11 @@ def evicted(mgr, req, *where):
 
 
 def hybrid3():
-    return KVCacheManager(num_blocks=21, block_size=16, kv_cache_groups=[
-        FullAttentionSpec(), SlidingWindowSpec(sliding_window=32), SlidingWindowSpec(sliding_window=32)])
+    return KVCacheManager(
+        num_blocks=21,
+        block_size=16,
+        kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(sliding_window=32), SlidingWindowSpec(sliding_window=32)],
+    )
 
 
 # --- the hybrid scenario -------------------------------------------------------------------------

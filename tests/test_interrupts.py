@@ -15,6 +15,7 @@ Where the faults come from:
   touch, the eviction, the free order, the block count, the victim choice;
 * an interrupt while the engine is undoing a step (then ``engine.restore()``).
 """
+
 from __future__ import annotations
 
 import os
@@ -48,10 +49,14 @@ CONFIGS = {
     "no-caching": dict(caching=False),
     # Every kind of group in one pool, two block sizes, and vLLM's KV events published over
     # a (recording) publisher with a sampling residency collector: all undone with a step.
-    "every-group-kind": dict(groups=[FullAttentionSpec(), SlidingWindowSpec(sliding_window=5),
-                                     ChunkedLocalAttentionSpec(attention_chunk_size=8), MambaSpec()], num_blocks=39, prefix=24),
-    "block-sizes+kv-events": dict(groups=[FullAttentionSpec(), SlidingWindowSpec(sliding_window=20, block_size=12)],
-                                  num_blocks=21, prefix=24, kv_events=True),
+    "every-group-kind": dict(
+        groups=[FullAttentionSpec(), SlidingWindowSpec(sliding_window=5), ChunkedLocalAttentionSpec(attention_chunk_size=8), MambaSpec()],
+        num_blocks=39,
+        prefix=24,
+    ),
+    "block-sizes+kv-events": dict(
+        groups=[FullAttentionSpec(), SlidingWindowSpec(sliding_window=20, block_size=12)], num_blocks=21, prefix=24, kv_events=True
+    ),
 }
 SLOW_CONFIGS = {"every-group-kind"}  # ~600 events, each point a whole run: `make test` only
 
@@ -74,20 +79,37 @@ class Recorder:
         self.payloads.append(kv_events.encode_batch(batch))
 
 
-def make_engine(policy: str = "fcfs", caching: bool = True, groups=None, num_blocks: int = 14,
-                executor: Any = None, pool_cls: type[BlockPool] = BlockPool, manager_classes=None,
-                scheduler_cls: type[Scheduler] = Scheduler, hasher: Any = None,
-                kv_events: bool = False, prefix: int = 8) -> tuple[LLMEngine, list[Request]]:
+def make_engine(
+    policy: str = "fcfs",
+    caching: bool = True,
+    groups=None,
+    num_blocks: int = 14,
+    executor: Any = None,
+    pool_cls: type[BlockPool] = BlockPool,
+    manager_classes=None,
+    scheduler_cls: type[Scheduler] = Scheduler,
+    hasher: Any = None,
+    kv_events: bool = False,
+    prefix: int = 8,
+) -> tuple[LLMEngine, list[Request]]:
     """A small pool that preempts, with prefix hits: 6 requests, three sharing a ``prefix``-token prefix."""
     log = EventLog()
-    mgr = KVCacheManager(num_blocks=num_blocks, block_size=4, kv_cache_groups=groups, enable_caching=caching,
-                         event_log=log, block_pool_cls=pool_cls, manager_classes=manager_classes,
-                         enable_kv_cache_events=kv_events,
-                         metrics_collector=KVCacheMetricsCollector(sample_rate=0.5, seed=3) if kv_events else None)
+    mgr = KVCacheManager(
+        num_blocks=num_blocks,
+        block_size=4,
+        kv_cache_groups=groups,
+        enable_caching=caching,
+        event_log=log,
+        block_pool_cls=pool_cls,
+        manager_classes=manager_classes,
+        enable_kv_cache_events=kv_events,
+        metrics_collector=KVCacheMetricsCollector(sample_rate=0.5, seed=3) if kv_events else None,
+    )
     if hasher is not None:
         mgr.request_block_hasher = hasher
-    sched = scheduler_cls(mgr, max_num_batched_tokens=24, max_num_seqs=4, policy=policy,
-                          kv_event_publisher=Recorder() if kv_events else None)
+    sched = scheduler_cls(
+        mgr, max_num_batched_tokens=24, max_num_seqs=4, policy=policy, kv_event_publisher=Recorder() if kv_events else None
+    )
     eng = LLMEngine(mgr, sched, executor or SimulatedExecutor(vocab_size=50))
     rng = random.Random(1)
     reqs = []
@@ -106,8 +128,11 @@ def outputs(reqs: list[Request]) -> dict[str, list[int]]:
 def log_dump(eng: LLMEngine) -> list[str]:
     """The event log, the KV-event batches published and the residencies measured."""
     pub = eng.scheduler.kv_event_publisher
-    return ([repr(e.to_dict()) for e in eng.events] + [p.hex() for p in (pub.payloads if pub is not None else [])]
-            + [repr(e) for e in eng.kv_cache_eviction_events])
+    return (
+        [repr(e.to_dict()) for e in eng.events]
+        + [p.hex() for p in (pub.payloads if pub is not None else [])]
+        + [repr(e) for e in eng.kv_cache_eviction_events]
+    )
 
 
 def drive(eng: LLMEngine, reqs: list[Request], faults: tuple[type[BaseException], ...]) -> int:
@@ -319,6 +344,7 @@ def hook_extra_keys(t: Trigger) -> dict:
     def extra_keys(r: Any, s: int, e: int) -> Any:
         t()
         return generate_block_hash_extra_keys(r, s, e)
+
     return dict(hasher=get_request_block_hasher(4, hashing.sha256, extra_keys_fn=extra_keys))
 
 
@@ -329,7 +355,9 @@ def _queue_subclass(t: Trigger) -> type:
         def method(self, *a):
             t()
             return base(self, *a)
+
         return method
+
     return type("LearnerQueue", (FreeKVCacheBlockQueue,), {n: wrap(n) for n in ("popleft_n", "remove", "append_n", "prepend_n")})
 
 
@@ -339,6 +367,7 @@ def hook_queue_subclass(t: Trigger) -> dict:
 
 def hook_queue_adapter(t: Trigger) -> dict:
     """The free_queue exercise's adapter around a learner's own queue class."""
+
     class LearnerQueue:
         def __init__(self, blocks):
             self.q = list(blocks)
@@ -361,6 +390,7 @@ def hook_queue_adapter(t: Trigger) -> dict:
 
         def get_all_free_blocks(self):
             return list(self.q)
+
     return dict(pool_cls=type("P", (BlockPool,), {"free_queue_cls": queue_class_for(LearnerQueue)}))
 
 
@@ -372,6 +402,7 @@ def hook_touch(t: Trigger) -> dict:
                     self.free_block_queue.remove(b)
                 t()  # half way: some blocks touched, some not
                 b.ref_cnt += 1
+
     return dict(pool_cls=type("P", (BlockPool,), {"touch": touch}))
 
 
@@ -384,6 +415,7 @@ def hook_evict(t: Trigger) -> dict:
         t()  # the map entry is gone, the block still has its hash
         block.reset_hash()
         return True
+
     return dict(pool_cls=type("P", (BlockPool,), {"_maybe_evict_cached_block": evict}))
 
 
@@ -391,6 +423,7 @@ def hook_free_order(t: Trigger) -> dict:
     def free_order(blocks):
         t()
         return reversed(blocks)
+
     return dict(manager_classes={FullAttentionSpec: type("M", (FullAttentionManager,), {"free_order": staticmethod(free_order)})})
 
 
@@ -398,6 +431,7 @@ def hook_blocks_needed(t: Trigger) -> dict:
     def count(self, *args, **kwargs):
         t()
         return FullAttentionManager.get_num_blocks_to_allocate(self, *args, **kwargs)
+
     return dict(manager_classes={FullAttentionSpec: type("M", (FullAttentionManager,), {"get_num_blocks_to_allocate": count})})
 
 
@@ -405,6 +439,7 @@ def hook_victim(t: Trigger) -> dict:
     def select_victim(self):
         t()
         return Scheduler.select_victim(self)
+
     return dict(scheduler_cls=type("S", (Scheduler,), {"select_victim": select_victim}))
 
 
@@ -540,16 +575,23 @@ def test_an_undone_step_of_the_model_runner_never_serves_overwritten_kv(writes_k
 
 
 # --- a KV connector with offload tiers (CPU memory, then disk) ----------------------------------
-OFFLOAD_STORY = [("A", list(range(100, 109))), ("B", list(range(200, 217))), ("C", list(range(300, 313))),
-                 ("A2", list(range(100, 110))), ("C2", list(range(300, 316))), ("B2", list(range(200, 213)))]
+OFFLOAD_STORY = [
+    ("A", list(range(100, 109))),
+    ("B", list(range(200, 217))),
+    ("C", list(range(300, 313))),
+    ("A2", list(range(100, 110))),
+    ("C2", list(range(300, 316))),
+    ("B2", list(range(200, 213))),
+]
 
 
 def _offload_engine(path: str) -> LLMEngine:
     from kvlab.config.kv_transfer import KVTransferConfig
     from kvlab.engine.llm_engine import build_engine
 
-    cfg = KVTransferConfig("OffloadingConnector",
-                           kv_connector_extra_config=dict(num_cpu_blocks=4, storage_path=path, num_storage_blocks=12))
+    cfg = KVTransferConfig(
+        "OffloadingConnector", kv_connector_extra_config=dict(num_cpu_blocks=4, storage_path=path, num_storage_blocks=12)
+    )
     return build_engine(num_blocks=6, block_size=4, max_num_batched_tokens=64, kv_transfer_config=cfg)
 
 
@@ -624,8 +666,10 @@ def teardown_module() -> None:
     if TRIED:
         for name, (tried, hits) in TRIED.items():
             print(f"[interrupts] {name}: {tried} points, {hits} hit a call")
-        print(f"[interrupts] total: {sum(t for t, _ in TRIED.values())} points, {sum(h for _, h in TRIED.values())} hit a call; "
-              "0 leaks, 0 hangs, 0 lost requests (each is an assertion)")
+        print(
+            f"[interrupts] total: {sum(t for t, _ in TRIED.values())} points, {sum(h for _, h in TRIED.values())} hit a call; "
+            "0 leaks, 0 hangs, 0 lost requests (each is an assertion)"
+        )
 
 
 # --- learner code beyond the pool: the connector's tier lookup, the encoder-input choice ---------

@@ -11,6 +11,7 @@ checker, and the disk tier's folder.
 5. The disk tier neither writes nor reads through a symlink, reads only regular files and
    never more bytes than a block file holds: a bad file is a miss, not a hang.
 """
+
 from __future__ import annotations
 
 import json
@@ -53,8 +54,9 @@ def _tiny_engine(storage_path: str | None, offload: bool = True) -> LLMEngine:
     if storage_path is not None:
         extra.update(storage_path=storage_path, num_storage_blocks=8)
     cfg = KVTransferConfig("OffloadingConnector", kv_connector_extra_config=extra) if offload else None
-    return build_engine(num_blocks=4, block_size=4, executor=ModelRunner(model, num_blocks=4, block_size=4, device="cpu"),
-                        kv_transfer_config=cfg)
+    return build_engine(
+        num_blocks=4, block_size=4, executor=ModelRunner(model, num_blocks=4, block_size=4, device="cpu"), kv_transfer_config=cfg
+    )
 
 
 def _ask_a_again(eng: LLMEngine) -> list[int]:
@@ -116,8 +118,10 @@ def test_an_undone_step_never_serves_the_cpu_slots_it_overwrote():
     assert eng.scheduler.connector.scheduler.num_hit_tokens == {"CPU": 0}
     dropped = [(e.medium, e.chunk_ids, e.reason) for e in eng.events if isinstance(e, OffloadEvicted) and e.reason != "lru"]
     # A's lookup stops at its first block; its second goes when A offers it again (and is stored afresh)
-    assert dropped == [("CPU", [0], "slot overwritten by a step that was undone"),
-                       ("CPU", [1], "slot overwritten by a step that was undone")]
+    assert dropped == [
+        ("CPU", [0], "slot overwritten by a step that was undone"),
+        ("CPU", [1], "slot overwritten by a step that was undone"),
+    ]
     assert sorted(slot for _, slot in cpu.entries()) == [0, 1] and {k for k, _ in cpu.entries()} == {k for k, _ in books}
 
 
@@ -163,10 +167,14 @@ NESTED = '{"version": 1, "passed": {}, "predictions": [{"uid": "x", "v": ' + "["
 SURROGATE = '{"version": 1, "passed": {"\\ud800": {"count": 1}}, "predictions": []}'
 
 
-@pytest.mark.parametrize("text, why", [
-    (NESTED, "nested deeper than JSON can read or write"),
-    (SURROGATE, "it cannot be written back as UTF-8: '\\ud800' is a lone surrogate"),
-], ids=["deeply-nested", "lone-surrogate"])
+@pytest.mark.parametrize(
+    "text, why",
+    [
+        (NESTED, "nested deeper than JSON can read or write"),
+        (SURROGATE, "it cannot be written back as UTF-8: '\\ud800' is a lone surrogate"),
+    ],
+    ids=["deeply-nested", "lone-surrogate"],
+)
 def test_a_progress_file_that_cannot_be_walked_or_written_back_is_moved_aside(kvhome, text, why):
     from kvlab.exercises import check
     from kvlab.learner.store import store
@@ -177,7 +185,8 @@ def test_a_progress_file_that_cannot_be_walked_or_written_back_is_moved_aside(kv
         assert check("free_order", lambda blocks: blocks[::-1])
     bad = path.with_name(next(p.name for p in kvhome.glob("progress.json.bad-*")))
     assert [str(w.message) for w in warned] == [
-        f"kvlab's progress file {path} was not valid ({why}); it was moved to {bad} and a new one started"]
+        f"kvlab's progress file {path} was not valid ({why}); it was moved to {bad} and a new one started"
+    ]
     assert bad.read_text(encoding="utf-8") == text  # never lost
     assert list(store().passed()) == ["free_order"] and json.loads(path.read_text())["version"] == 1
 
@@ -193,8 +202,10 @@ def test_bug_hunt_says_your_code_raised_when_the_answers_function_does(kvhome):
     assert not res
     assert res.message.startswith("your code raised")
     line = answers.__code__.co_firstlineno + 1
-    assert res.message.endswith(f"KeyError: 'x' (line {line}: return {{1: \"stale_hash\", 2: \"full_hit_crash\", 3: {{}}[\"x\"]}}) "
-                                "— while calling your answers function")
+    assert res.message.endswith(
+        f'KeyError: \'x\' (line {line}: return {{1: "stale_hash", 2: "full_hit_crash", 3: {{}}["x"]}}) '
+        "— while calling your answers function"
+    )
     assert "engine stopped" not in res.message and res.idea == "fix the error first; the message names the line"
 
 

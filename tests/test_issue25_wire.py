@@ -6,6 +6,7 @@ given as a recording, a recording across a publisher restart, a log that claims 
 KV-event stream. Every socket is on loopback (127.0.0.1, OS-chosen ports), every wait is
 bounded, and no assertion depends on a duration: the tests wait for states and count.
 """
+
 from __future__ import annotations
 
 import os
@@ -37,8 +38,17 @@ DEEP = 100_000
 
 
 def stored(h: int, parent: int | None = None, extra: list | None = None) -> BlockStored:
-    return BlockStored(block_hashes=[h], parent_block_hash=parent, token_ids=list(range(4)), block_size=4, lora_id=None,
-                       medium="GPU", lora_name=None, extra_keys=extra, group_idx=0)
+    return BlockStored(
+        block_hashes=[h],
+        parent_block_hash=parent,
+        token_ids=list(range(4)),
+        block_size=4,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+        extra_keys=extra,
+        group_idx=0,
+    )
 
 
 def payload(i: int) -> bytes:
@@ -109,7 +119,8 @@ def test_deep_nesting_in_a_recording(tmp_path):
         read_recording(tmp_path / "hdr.kvev")
     good = path.read_bytes()[: 8 + 4 + int.from_bytes(path.read_bytes()[8:12], "big")]
     record = msgspec.msgpack.encode([0, b"kv", 1.0, payload(0), [MARK]]).replace(
-        b"\x91" + msgspec.msgpack.encode(MARK), b"\x91" * DEEP + b"\xc0")
+        b"\x91" + msgspec.msgpack.encode(MARK), b"\x91" * DEEP + b"\xc0"
+    )
     (tmp_path / "rec.kvev").write_bytes(good + len(record).to_bytes(4, "big") + record)
     with pytest.raises(ValueError, match=r"rec\.kvev: record 0 is corrupt: it nests deeper"):
         read_recording(tmp_path / "rec.kvev")
@@ -173,8 +184,13 @@ def test_deep_nesting_live_and_replayed_is_counted_malformed():
     replay = ScriptedReplay([[b"kv", SEQ[3], nested(DEEP)]])
     pub = RawPub(replay_endpoint=replay.endpoint)
     try:
-        pub.send([b"kv", SEQ[0], payload(0)], [b"kv", SEQ[1], nested(DEEP)], [b"kv", SEQ[2], payload(2)],
-                 [b"kv", SEQ[4], payload(4)], [b"kv", SEQ[5], payload(5)])
+        pub.send(
+            [b"kv", SEQ[0], payload(0)],
+            [b"kv", SEQ[1], nested(DEEP)],
+            [b"kv", SEQ[2], payload(2)],
+            [b"kv", SEQ[4], payload(4)],
+            [b"kv", SEQ[5], payload(5)],
+        )
         got = [s for s, _ in pub.sub.receive(timeout_s=10.0, until_seq=5)]
     finally:
         pub.close()
@@ -206,16 +222,24 @@ def test_replayed_batches_of_another_topic_are_skipped(tmp_path):
 def test_an_absurd_seq_is_counted_and_skipped():
     pub = RawPub()
     try:
-        pub.send([b"kv", SEQ[0], payload(0)], [b"kv", END_SEQ, payload(9)], [b"kv", SEQ[1], payload(1)],
-                 [b"kv", (2 + 2**40).to_bytes(8, "big"), payload(9)], [b"kv", SEQ[2], payload(2)],
-                 [b"kv", SEQ[3], payload(3)])
+        pub.send(
+            [b"kv", SEQ[0], payload(0)],
+            [b"kv", END_SEQ, payload(9)],
+            [b"kv", SEQ[1], payload(1)],
+            [b"kv", (2 + 2**40).to_bytes(8, "big"), payload(9)],
+            [b"kv", SEQ[2], payload(2)],
+            [b"kv", SEQ[3], payload(3)],
+        )
         got = [s for s, _ in pub.sub.receive(timeout_s=10.0, until_seq=3)]
         assert got == [0, 1, 2, 3]
         assert pub.sub.stats["malformed"] == 2 and pub.sub.stats["duplicates"] == 0 and pub.sub.gaps == []
         # A jump that large is real when the next batch follows it: accepted, the gap noted.
         far = 4 + MAX_SEQ_JUMP + 1
-        pub.send([b"kv", far.to_bytes(8, "big"), payload(10)], [b"kv", (far + 1).to_bytes(8, "big"), payload(11)],
-                 [b"kv", (far + 2).to_bytes(8, "big"), payload(12)])
+        pub.send(
+            [b"kv", far.to_bytes(8, "big"), payload(10)],
+            [b"kv", (far + 1).to_bytes(8, "big"), payload(11)],
+            [b"kv", (far + 2).to_bytes(8, "big"), payload(12)],
+        )
         got = [s for s, _ in pub.sub.receive(timeout_s=10.0, until_seq=far + 2)]
     finally:
         pub.close()
@@ -292,8 +316,10 @@ def test_show_refuses_a_pool_too_large_to_draw(tmp_path):
     path = tmp_path / "huge.json"
     path.write_text(text)
     assert MAX_SHOW_BLOCKS == 65_536 and path.stat().st_size < 8_000
-    msg = (r"^source: events\[0\]\.num_blocks = 1,048,576 \(PoolCreated\) is more blocks than the views draw "
-           r"\(at most MAX_SHOW_BLOCKS = 65,536\); read the run without views")
+    msg = (
+        r"^source: events\[0\]\.num_blocks = 1,048,576 \(PoolCreated\) is more blocks than the views draw "
+        r"\(at most MAX_SHOW_BLOCKS = 65,536\); read the run without views"
+    )
     log = EventLog.from_json(text)
     for source in (str(path), log, list(log.events), iter(log.events)):
         with pytest.raises(ValueError, match=msg):
@@ -311,11 +337,18 @@ def test_configure_is_checked_and_the_server_survives_a_bad_value():
     from kvlab import Request
     from kvlab.entrypoints.kv_server import KVServer, ServerError
 
-    srv = KVServer.start(name="cfg", engine=dict(num_blocks=16, block_size=4),
-                         kv_events_config=dict(enable_kv_cache_events=True, endpoint="tcp://127.0.0.1:1"))
+    srv = KVServer.start(
+        name="cfg",
+        engine=dict(num_blocks=16, block_size=4),
+        kv_events_config=dict(enable_kv_cache_events=True, endpoint="tcp://127.0.0.1:1"),
+    )
     try:
         bad = [
-            (dict(step_delay_s=-1), ValueError, r"engine\['step_delay_s'\]=-1 is out of range; engine\['step_delay_s'\] must be a finite number >= 0"),
+            (
+                dict(step_delay_s=-1),
+                ValueError,
+                r"engine\['step_delay_s'\]=-1 is out of range; engine\['step_delay_s'\] must be a finite number >= 0",
+            ),
             (dict(step_delay_s="fast"), TypeError, r"engine\['step_delay_s'\] must be a finite number >= 0, got str 'fast'"),
             (dict(step_delay_s=float("nan")), ValueError, r"engine\['step_delay_s'\]=nan is out of range"),
             (dict(autostep="yes"), TypeError, r"engine\['autostep'\] must be True or False, got 'yes'"),

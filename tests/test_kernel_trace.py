@@ -5,6 +5,7 @@ The slots a kernel loads are recorded from the interpreter's load primitive
 fetched: the same as an independent method (NaN poisoning) on the same inputs, different
 when the kernel is given a different table, and empty for masked-off lanes.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -45,8 +46,8 @@ def _slots(table_row: list[int], positions: range) -> list[int]:
 def test_traced_loads_are_exactly_each_sequences_slots(interleaved: bool) -> None:
     k, v = _caches(interleaved=interleaved)
     q, table, cu, seq_lens = _decode_batch()
-    out, reads = traced_unified_attention(q, k, v, cu, seq_lens, table, D ** -0.5)
-    assert torch.equal(out, unified_attention(q, k, v, cu, seq_lens, table, D ** -0.5))  # tracing changes nothing
+    out, reads = traced_unified_attention(q, k, v, cu, seq_lens, table, D**-0.5)
+    assert torch.equal(out, unified_attention(q, k, v, cu, seq_lens, table, D**-0.5))  # tracing changes nothing
     assert reads == [_slots([1, 2, 3, 6], range(13)), _slots([4, 5], range(8))]
     assert reads[0] == [4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 24]
     assert not any(s // BS == 0 for r in reads for s in r)  # the null block: never loaded
@@ -57,13 +58,13 @@ def test_traced_loads_follow_the_window_and_the_prefill() -> None:
     k, v = _caches()
     q, table, cu, seq_lens = _decode_batch()
     windowed = torch.tensor([[0, 2, 3, 6], [4, 5, 0, 0]], dtype=torch.int32)  # block 1 left the window: null
-    _, reads = traced_unified_attention(q, k, v, cu, seq_lens, windowed, D ** -0.5, sliding_window=6)
+    _, reads = traced_unified_attention(q, k, v, cu, seq_lens, windowed, D**-0.5, sliding_window=6)
     # W = 6: the query at 12 reads positions 7..12, the one at 7 reads 2..7.
     assert reads == [_slots([0, 2, 3, 6], range(7, 13)), _slots([4, 5], range(2, 8))]
     g = torch.Generator().manual_seed(3)
     q_pre = torch.randn(21, HQ, D, generator=g)  # both sequences prefill every token this step
     cu_pre = torch.tensor([0, 13, 21], dtype=torch.int32)
-    _, reads = traced_unified_attention(q_pre, k, v, cu_pre, seq_lens, windowed, D ** -0.5, sliding_window=6)
+    _, reads = traced_unified_attention(q_pre, k, v, cu_pre, seq_lens, windowed, D**-0.5, sliding_window=6)
     # The union of every query's window: from the first query's window start (position 0) on,
     # so the null entry of the first row *would* be read -- the kernel reads block 0 here.
     assert reads[1] == _slots([4, 5], range(8)) and 0 in {s // BS for s in reads[0]}
@@ -74,7 +75,7 @@ def test_a_wrong_table_shows_in_the_loads() -> None:
     k, v = _caches()
     q, table, cu, seq_lens = _decode_batch()
     swapped = table[[1, 0]].contiguous()  # a runner that forgot to move table rows with their requests
-    _, reads = traced_unified_attention(q, k, v, cu, seq_lens, swapped, D ** -0.5)
+    _, reads = traced_unified_attention(q, k, v, cu, seq_lens, swapped, D**-0.5)
     assert reads[0] == _slots([4, 5, 0, 0], range(13))  # r0 reads r1's blocks and the null block
     assert {s // BS for s in reads[0]} == {0, 4, 5}
 
@@ -85,18 +86,18 @@ def test_the_nan_probe_finds_the_same_slots_as_the_trace() -> None:
     k, v = _caches()
     q, table, cu, seq_lens = _decode_batch()
     for t, w in ((table, None), (torch.tensor([[0, 2, 3, 6], [4, 5, 0, 0]], dtype=torch.int32), 6)):
-        _, traced = traced_unified_attention(q, k, v, cu, seq_lens, t, D ** -0.5, sliding_window=w)
-        assert probe_reads_nan(q, k, v, cu, seq_lens, t, D ** -0.5, sliding_window=w) == traced
+        _, traced = traced_unified_attention(q, k, v, cu, seq_lens, t, D**-0.5, sliding_window=w)
+        assert probe_reads_nan(q, k, v, cu, seq_lens, t, D**-0.5, sliding_window=w) == traced
 
 
 def test_the_nan_probe_leaves_the_caches_alone_and_checks_its_input() -> None:
     k, v = _caches()
     k0, v0 = k.clone(), v.clone()
     q, table, cu, seq_lens = _decode_batch()
-    probe_reads_nan(q, k, v, cu, seq_lens, table, D ** -0.5, blocks=[1, 4])
+    probe_reads_nan(q, k, v, cu, seq_lens, table, D**-0.5, blocks=[1, 4])
     assert torch.equal(k, k0) and torch.equal(v, v0)
     with pytest.raises(ValueError, match="blocks: 11 is not a block id in 0..10"):
-        probe_reads_nan(q, k, v, cu, seq_lens, table, D ** -0.5, blocks=[11])
+        probe_reads_nan(q, k, v, cu, seq_lens, table, D**-0.5, blocks=[11])
 
 
 @needs_interpreter
@@ -141,13 +142,15 @@ def test_nan_probe_on_the_gpu_finds_each_sequences_slots() -> None:
     """On a GPU the compiled kernel cannot be traced; the NaN probe observes its reads."""
     k, v = (t.cuda() for t in _caches())
     q, table, cu, seq_lens = (t.cuda() for t in _decode_batch())
-    reads = probe_reads_nan(q, k, v, cu, seq_lens, table, D ** -0.5)
+    reads = probe_reads_nan(q, k, v, cu, seq_lens, table, D**-0.5)
     assert reads == [_slots([1, 2, 3, 6], range(13)), _slots([4, 5], range(8))]
     swapped = table[[1, 0]].contiguous()
-    assert probe_reads_nan(q, k, v, cu, seq_lens, swapped, D ** -0.5)[0] == _slots([4, 5, 0, 0], range(13))
+    assert probe_reads_nan(q, k, v, cu, seq_lens, swapped, D**-0.5)[0] == _slots([4, 5, 0, 0], range(13))
     windowed = torch.tensor([[0, 2, 3, 6], [4, 5, 0, 0]], dtype=torch.int32, device="cuda")
-    assert probe_reads_nan(q, k, v, cu, seq_lens, windowed, D ** -0.5, sliding_window=6) == [
-        _slots([0, 2, 3, 6], range(7, 13)), _slots([4, 5], range(2, 8))]
+    assert probe_reads_nan(q, k, v, cu, seq_lens, windowed, D**-0.5, sliding_window=6) == [
+        _slots([0, 2, 3, 6], range(7, 13)),
+        _slots([4, 5], range(2, 8)),
+    ]
 
 
 # -- the model runner puts the observed loads into the data layer ----------------------------------
@@ -165,9 +168,11 @@ def _real_engine(config=None, num_blocks: int = 11, block_size: int = 4, **runne
     log = EventLog()
     groups = None
     if model.config.sliding_window is not None:
-        groups = [FullAttentionSpec(block_size=block_size), SlidingWindowSpec(block_size=block_size, sliding_window=model.config.sliding_window)]
-    mgr = KVCacheManager(num_blocks=num_blocks, block_size=block_size, event_log=log,
-                         **({"kv_cache_groups": groups} if groups else {}))
+        groups = [
+            FullAttentionSpec(block_size=block_size),
+            SlidingWindowSpec(block_size=block_size, sliding_window=model.config.sliding_window),
+        ]
+    mgr = KVCacheManager(num_blocks=num_blocks, block_size=block_size, event_log=log, **({"kv_cache_groups": groups} if groups else {}))
     runner = ModelRunner(model, num_blocks=num_blocks, block_size=block_size, event_log=log, **runner_kwargs)
     return LLMEngine(mgr, Scheduler(mgr), runner, tokenizer=tok), log, tok
 

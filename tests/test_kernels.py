@@ -15,6 +15,7 @@ sequence's last block, pages before a sliding window) holds NaN, and block-table
 that must not be read hold -1. A single stray load therefore turns the output into NaN
 instead of hiding inside the tolerance.
 """
+
 from __future__ import annotations
 
 import ast
@@ -36,11 +37,10 @@ from kvlab.kernels.attention import _launch, _schedule
 HAS_CUDA = torch.cuda.is_available()
 
 DEVICES = [
-    pytest.param("interp", id="interp",
-                 marks=pytest.mark.skipif(not K.INTERPRET, reason="compiled mode: see the cuda variant")),
-    pytest.param("cuda", id="cuda",
-                 marks=[pytest.mark.gpu,
-                        pytest.mark.skipif(not HAS_CUDA or K.INTERPRET, reason="needs CUDA (compiled Triton)")]),
+    pytest.param("interp", id="interp", marks=pytest.mark.skipif(not K.INTERPRET, reason="compiled mode: see the cuda variant")),
+    pytest.param(
+        "cuda", id="cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA or K.INTERPRET, reason="needs CUDA (compiled Triton)")]
+    ),
 ]
 
 
@@ -74,6 +74,7 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
 # Batch builder
 # ----------------------------------------------------------------------------------------
 
+
 @dataclass
 class Batch:
     q: torch.Tensor
@@ -86,13 +87,23 @@ class Batch:
     window: int | None
 
     def args(self) -> tuple:
-        return (self.q, self.key_cache, self.value_cache, self.cu_seqlens_q, self.seq_lens,
-                self.block_table, self.scale, self.window)
+        return (self.q, self.key_cache, self.value_cache, self.cu_seqlens_q, self.seq_lens, self.block_table, self.scale, self.window)
 
 
-def make_batch(q_lens: list[int], ctx_lens: list[int], num_q_heads: int, num_kv_heads: int,
-               head_dim: int, block_size: int, dtype: torch.dtype, window: int | None = None, *,
-               device: str, interleaved: bool = True, seed: int = 0) -> Batch:
+def make_batch(
+    q_lens: list[int],
+    ctx_lens: list[int],
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    window: int | None = None,
+    *,
+    device: str,
+    interleaved: bool = True,
+    seed: int = 0,
+) -> Batch:
     """A batch whose sequences live in randomly placed blocks of a poisoned cache.
 
     ``interleaved``: caches are ``kv[:, 0]`` / ``kv[:, 1]`` of one
@@ -101,7 +112,7 @@ def make_batch(q_lens: list[int], ctx_lens: list[int], num_q_heads: int, num_kv_
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [q + c for q, c in zip(q_lens, ctx_lens)]
     pages = [-(-n // block_size) for n in seq_lens]
-    num_blocks = sum(pages) + 3                         # 3 spare blocks, never referenced
+    num_blocks = sum(pages) + 3  # 3 spare blocks, never referenced
     perm = torch.randperm(num_blocks, generator=gen)
     table = torch.full((len(seq_lens), max(pages) + 2), -1, dtype=torch.int32)  # 2 padding columns
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
@@ -113,7 +124,7 @@ def make_batch(q_lens: list[int], ctx_lens: list[int], num_q_heads: int, num_kv_
         value_cache = torch.full(shape, float("nan"), dtype=dtype)
     used = 0
     for s, (n, p) in enumerate(zip(seq_lens, pages)):
-        table[s, :p] = perm[used:used + p].to(torch.int32)
+        table[s, :p] = perm[used : used + p].to(torch.int32)
         used += p
         pos = torch.arange(n)
         blocks, offs = table[s, pos // block_size].long(), pos % block_size
@@ -131,9 +142,16 @@ def make_batch(q_lens: list[int], ctx_lens: list[int], num_q_heads: int, num_kv_
             key_cache, value_cache = kv[:, 0], kv[:, 1]
         else:
             key_cache, value_cache = key_cache.to(device), value_cache.to(device)
-    return Batch(q.to(device), key_cache, value_cache, cu.to(device),
-                 torch.tensor(seq_lens, dtype=torch.int32, device=device), table.to(device),
-                 head_dim ** -0.5, window)
+    return Batch(
+        q.to(device),
+        key_cache,
+        value_cache,
+        cu.to(device),
+        torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        table.to(device),
+        head_dim**-0.5,
+        window,
+    )
 
 
 # id: (q_lens, ctx_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, window)
@@ -160,6 +178,7 @@ CASES = {
 # unified_attention
 # ----------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("variant", DEVICES)
 @pytest.mark.parametrize("case", list(CASES))
 def test_unified_attention_matches_reference(case: str, variant: str) -> None:
@@ -171,8 +190,7 @@ def test_unified_attention_matches_reference(case: str, variant: str) -> None:
 @pytest.mark.parametrize("variant", DEVICES)
 def test_contiguous_caches_and_strided_q(variant: str) -> None:
     """Separately allocated caches, and q as a strided slice of a fused projection."""
-    b = make_batch([1, 5, 37], [130, 18, 0], 8, 2, 64, 16, torch.float16, device=_device(variant),
-                   interleaved=False, seed=3)
+    b = make_batch([1, 5, 37], [130, 18, 0], 8, 2, 64, 16, torch.float16, device=_device(variant), interleaved=False, seed=3)
     assert b.key_cache.is_contiguous()
     fused = torch.zeros(b.q.shape[0], 12, 64, dtype=b.q.dtype, device=b.q.device)
     fused[:, 2:10] = b.q
@@ -185,12 +203,15 @@ def test_contiguous_caches_and_strided_q(variant: str) -> None:
 # interpreter checks the merge too (including splits that see no key: the window case),
 # and force small KV steps so one step can be smaller than a page or span several.
 @pytest.mark.parametrize("variant", DEVICES)
-@pytest.mark.parametrize("case,num_splits,block_n", [
-    ("mixed-gqa4-d64-bs16-fp32", 3, None),
-    ("window40-spans-blocks-gqa4-fp16", 2, 32),        # some splits lie wholly outside the window
-    ("decode-gqa1-d128-bs16-fp16", 4, 64),             # 64-token steps = 4 pages each
-    ("chunk-after-130-gqa4-d128-bs32-fp16-w64", 1, 16),  # 16-token steps inside 32-token pages
-])
+@pytest.mark.parametrize(
+    "case,num_splits,block_n",
+    [
+        ("mixed-gqa4-d64-bs16-fp32", 3, None),
+        ("window40-spans-blocks-gqa4-fp16", 2, 32),  # some splits lie wholly outside the window
+        ("decode-gqa1-d128-bs16-fp16", 4, 64),  # 64-token steps = 4 pages each
+        ("chunk-after-130-gqa4-d128-bs32-fp16-w64", 1, 16),  # 16-token steps inside 32-token pages
+    ],
+)
 def test_forced_splits_and_step_sizes(case: str, num_splits: int, block_n: int | None, variant: str) -> None:
     b = make_batch(*CASES[case], device=_device(variant), seed=1)
     out = _launch(*b.args(), num_splits=num_splits, block_n=block_n)
@@ -205,8 +226,7 @@ def test_forced_splits_and_step_sizes(case: str, num_splits: int, block_n: int |
     block_size=st.sampled_from([16, 32]),
     window=st.one_of(st.none(), st.integers(1, 80)),
 )
-def test_random_batches_property(seqs: list[tuple[int, int]], group: int, block_size: int,
-                                 window: int | None) -> None:
+def test_random_batches_property(seqs: list[tuple[int, int]], group: int, block_size: int, window: int | None) -> None:
     """Random mixes of decodes/prefills, contexts, GQA 1/3/4, windows from 1 to 80."""
     q_lens, ctx = [s[0] for s in seqs], [s[1] for s in seqs]
     b = make_batch(q_lens, ctx, group, 1, 32, block_size, torch.float32, window, device=K.DEVICE)
@@ -235,26 +255,37 @@ def test_prefill_in_chunks_then_decode_matches_dense_attention(variant: str) -> 
 
     def slots(seq: int, lo: int, hi: int) -> torch.Tensor:
         pos = torch.arange(lo, hi, device=device)
-        return (table[seq, pos // bs].long() * bs + pos % bs)
+        return table[seq, pos // bs].long() * bs + pos % bs
 
     # B's first 12 tokens were cached by an earlier step.
     K.reshape_and_cache(k_b[:12].to(device), v_b[:12].to(device), kc, vc, slots(1, 0, 12))
     # Step 1.
     K.reshape_and_cache(k_a[:20].to(device), v_a[:20].to(device), kc, vc, slots(0, 0, 20))
-    out1 = K.unified_attention(q_a[:20].to(device), kc, vc,
-                               torch.tensor([0, 20], dtype=torch.int32, device=device),
-                               torch.tensor([20], dtype=torch.int32, device=device), table[:1], d ** -0.5)
+    out1 = K.unified_attention(
+        q_a[:20].to(device),
+        kc,
+        vc,
+        torch.tensor([0, 20], dtype=torch.int32, device=device),
+        torch.tensor([20], dtype=torch.int32, device=device),
+        table[:1],
+        d**-0.5,
+    )
     # Step 2: A's second chunk and B's decode in one batch.
     new_k = torch.cat([k_a[20:], k_b[12:]]).to(device)
     new_v = torch.cat([v_a[20:], v_b[12:]]).to(device)
     K.reshape_and_cache(new_k, new_v, kc, vc, torch.cat([slots(0, 20, 37), slots(1, 12, 13)]))
-    out2 = K.unified_attention(torch.cat([q_a[20:], q_b[12:]]).to(device), kc, vc,
-                               torch.tensor([0, 17, 18], dtype=torch.int32, device=device),
-                               torch.tensor([37, 13], dtype=torch.int32, device=device), table, d ** -0.5)
+    out2 = K.unified_attention(
+        torch.cat([q_a[20:], q_b[12:]]).to(device),
+        kc,
+        vc,
+        torch.tensor([0, 17, 18], dtype=torch.int32, device=device),
+        torch.tensor([37, 13], dtype=torch.int32, device=device),
+        table,
+        d**-0.5,
+    )
 
     def dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        q_, k_, v_ = (x.transpose(0, 1) for x in (q, k.repeat_interleave(hq // hkv, 1),
-                                                  v.repeat_interleave(hq // hkv, 1)))
+        q_, k_, v_ = (x.transpose(0, 1) for x in (q, k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)))
         n_q, n_k = q.shape[0], k.shape[0]
         mask = torch.ones(n_q, n_k, dtype=torch.bool).tril(n_k - n_q)  # queries are the last n_q positions
         return torch.nn.functional.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask).transpose(0, 1)
@@ -276,8 +307,8 @@ def test_reference_agrees_with_sdpa_sliding_window() -> None:
     k = b.key_cache[table[:1].long()].reshape(-1, 1, 32)[:16]
     v = b.value_cache[table[:1].long()].reshape(-1, 1, 32)[:16]
     dense = torch.nn.functional.scaled_dot_product_attention(
-        b.q.transpose(0, 1), k.expand(-1, 2, -1).transpose(0, 1), v.expand(-1, 2, -1).transpose(0, 1),
-        attn_mask=mask).transpose(0, 1)
+        b.q.transpose(0, 1), k.expand(-1, 2, -1).transpose(0, 1), v.expand(-1, 2, -1).transpose(0, 1), attn_mask=mask
+    ).transpose(0, 1)
     torch.testing.assert_close(ref, dense, atol=1e-5, rtol=1e-5)
 
 
@@ -316,14 +347,19 @@ def test_decode_batch_with_automatic_splits_gpu(dtype: torch.dtype) -> None:
 # reshape_and_cache
 # ----------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("variant", DEVICES)
-@pytest.mark.parametrize("num_tokens,heads,head_dim,block_size,dtype", [
-    (37, 2, 64, 16, torch.float32),
-    (200, 1, 128, 32, torch.float16),   # more tokens than one interpreter program takes
-    (9, 5, 32, 16, torch.bfloat16),     # 5 heads x 32: a row of 160, padded to 256
-])
-def test_reshape_and_cache_matches_reference(num_tokens: int, heads: int, head_dim: int,
-                                             block_size: int, dtype: torch.dtype, variant: str) -> None:
+@pytest.mark.parametrize(
+    "num_tokens,heads,head_dim,block_size,dtype",
+    [
+        (37, 2, 64, 16, torch.float32),
+        (200, 1, 128, 32, torch.float16),  # more tokens than one interpreter program takes
+        (9, 5, 32, 16, torch.bfloat16),  # 5 heads x 32: a row of 160, padded to 256
+    ],
+)
+def test_reshape_and_cache_matches_reference(
+    num_tokens: int, heads: int, head_dim: int, block_size: int, dtype: torch.dtype, variant: str
+) -> None:
     device = _device(variant)
     gen = torch.Generator().manual_seed(num_tokens)
     num_blocks = -(-num_tokens // block_size) + 2
@@ -332,7 +368,7 @@ def test_reshape_and_cache_matches_reference(num_tokens: int, heads: int, head_d
     key, value = fused[:, 1], fused[:, 2]
     kv = torch.randn(num_blocks, 2, block_size, heads, head_dim, generator=gen).to(dtype).to(device)
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
-    slots[::4] = -1                                  # padding tokens: skipped
+    slots[::4] = -1  # padding tokens: skipped
     slots = slots.to(device)
     expected = kv.clone()
     K.reshape_and_cache_ref(key, value, expected[:, 0], expected[:, 1], slots)
@@ -359,23 +395,37 @@ def test_reshape_and_cache_all_skipped_and_empty() -> None:
 # Validation: every bad input raises before launch, naming the argument
 # ----------------------------------------------------------------------------------------
 
+
 def _rc_args() -> dict:
     kv = torch.zeros(4, 2, 16, 2, 32, device=K.DEVICE)
-    return dict(key=torch.zeros(5, 2, 32, device=K.DEVICE), value=torch.zeros(5, 2, 32, device=K.DEVICE),
-                key_cache=kv[:, 0], value_cache=kv[:, 1],
-                slot_mapping=torch.tensor([0, 17, -1, 63, 5], dtype=torch.int64, device=K.DEVICE))
+    return dict(
+        key=torch.zeros(5, 2, 32, device=K.DEVICE),
+        value=torch.zeros(5, 2, 32, device=K.DEVICE),
+        key_cache=kv[:, 0],
+        value_cache=kv[:, 1],
+        slot_mapping=torch.tensor([0, 17, -1, 63, 5], dtype=torch.int64, device=K.DEVICE),
+    )
 
 
 def _ua_args() -> dict:
     b = make_batch([1, 5], [20, 3], 4, 2, 32, 16, torch.float32, device=K.DEVICE)
-    return dict(q=b.q, key_cache=b.key_cache, value_cache=b.value_cache, cu_seqlens_q=b.cu_seqlens_q,
-                seq_lens=b.seq_lens, block_table=b.block_table, softmax_scale=b.scale, sliding_window=None)
+    return dict(
+        q=b.q,
+        key_cache=b.key_cache,
+        value_cache=b.value_cache,
+        cu_seqlens_q=b.cu_seqlens_q,
+        seq_lens=b.seq_lens,
+        block_table=b.block_table,
+        softmax_scale=b.scale,
+        sliding_window=None,
+    )
 
 
 def _set(name: str, fn):
     def mutate(a: dict) -> dict:
         a[name] = fn(a)
         return a
+
     return mutate
 
 
@@ -386,23 +436,34 @@ RC_BAD = [
     ("key-int", _set("key", lambda a: a["key"].int()), ValueError, r"key has dtype int32"),
     ("value-dtype", _set("value", lambda a: a["value"].half()), ValueError, r"value has dtype"),
     ("cache-dtype", _set("key_cache", lambda a: a["key_cache"].half()), ValueError, r"key_cache has dtype"),
-    ("cache-heads", lambda a: {**a, "key_cache": torch.zeros(4, 16, 1, 64, device=K.DEVICE),
-                               "value_cache": torch.zeros(4, 16, 1, 64, device=K.DEVICE)},
-     ValueError, r"key_cache holds \[num_kv_heads, head_dim\] = \(1, 64\) per token but key has \(2, 32\)"),
-    ("cache-not-dense", _set("key_cache", lambda a: a["key_cache"].transpose(1, 2)), ValueError,
-     r"key_cache must be dense inside each block"),
-    ("value-cache-shape", _set("value_cache", lambda a: a["value_cache"][:3]), ValueError,
-     r"value_cache must have the shape"),
-    ("slots-int32", _set("slot_mapping", lambda a: a["slot_mapping"].int()), ValueError,
-     r"slot_mapping has dtype int32"),
-    ("slots-length", _set("slot_mapping", lambda a: a["slot_mapping"][:4]), ValueError,
-     r"slot_mapping has 4 entries"),
-    ("slot-too-big", _set("slot_mapping", lambda a: a["slot_mapping"].index_fill(0, torch.tensor([3]), 64)),
-     ValueError, r"slot_mapping\[3\] = 64 is outside the cache.*< num_blocks \* block_size = 4 \* 16 = 64"),
-    ("slot-duplicate", _set("slot_mapping", lambda a: a["slot_mapping"].index_fill(0, torch.tensor([4]), 17)),
-     ValueError, r"slot_mapping\[1\] and slot_mapping\[4\] both name slot 17"),
-    ("slots-other-device", _set("slot_mapping", lambda a: a["slot_mapping"].to("meta")), ValueError,
-     r"slot_mapping is on meta"),
+    (
+        "cache-heads",
+        lambda a: {**a, "key_cache": torch.zeros(4, 16, 1, 64, device=K.DEVICE), "value_cache": torch.zeros(4, 16, 1, 64, device=K.DEVICE)},
+        ValueError,
+        r"key_cache holds \[num_kv_heads, head_dim\] = \(1, 64\) per token but key has \(2, 32\)",
+    ),
+    (
+        "cache-not-dense",
+        _set("key_cache", lambda a: a["key_cache"].transpose(1, 2)),
+        ValueError,
+        r"key_cache must be dense inside each block",
+    ),
+    ("value-cache-shape", _set("value_cache", lambda a: a["value_cache"][:3]), ValueError, r"value_cache must have the shape"),
+    ("slots-int32", _set("slot_mapping", lambda a: a["slot_mapping"].int()), ValueError, r"slot_mapping has dtype int32"),
+    ("slots-length", _set("slot_mapping", lambda a: a["slot_mapping"][:4]), ValueError, r"slot_mapping has 4 entries"),
+    (
+        "slot-too-big",
+        _set("slot_mapping", lambda a: a["slot_mapping"].index_fill(0, torch.tensor([3]), 64)),
+        ValueError,
+        r"slot_mapping\[3\] = 64 is outside the cache.*< num_blocks \* block_size = 4 \* 16 = 64",
+    ),
+    (
+        "slot-duplicate",
+        _set("slot_mapping", lambda a: a["slot_mapping"].index_fill(0, torch.tensor([4]), 17)),
+        ValueError,
+        r"slot_mapping\[1\] and slot_mapping\[4\] both name slot 17",
+    ),
+    ("slots-other-device", _set("slot_mapping", lambda a: a["slot_mapping"].to("meta")), ValueError, r"slot_mapping is on meta"),
 ]
 
 
@@ -420,44 +481,89 @@ UA_BAD = [
     ("window-float", _set("sliding_window", lambda a: 2.5), TypeError, r"sliding_window must be None or an int"),
     ("q-2d", _set("q", lambda a: a["q"][:, 0]), ValueError, r"q must be 3-D"),
     ("q-dtype", _set("q", lambda a: a["q"].half()), ValueError, r"key_cache has dtype .* but q has"),
-    ("q-last-dim-strided", _set("q", lambda a: torch.zeros(6, 4, 64, device=K.DEVICE)[:, :, ::2]), ValueError,
-     r"q must have a contiguous last dimension"),
-    ("head-dim-48", lambda a: {**a, "q": torch.zeros(6, 4, 48, device=K.DEVICE),
-                               "key_cache": torch.zeros(9, 16, 2, 48, device=K.DEVICE),
-                               "value_cache": torch.zeros(9, 16, 2, 48, device=K.DEVICE)},
-     ValueError, r"q has head_dim 48; .*powers of two"),
-    ("gqa-not-multiple", _set("q", lambda a: torch.zeros(6, 3, 32, device=K.DEVICE)), ValueError,
-     r"q has 3 heads, which must be a multiple of key_cache's 2"),
-    ("value-cache-shape", _set("value_cache", lambda a: a["value_cache"][:, :8]), ValueError,
-     r"value_cache must have the shape"),
-    ("cu-int64", _set("cu_seqlens_q", lambda a: a["cu_seqlens_q"].long()), ValueError,
-     r"cu_seqlens_q has dtype int64"),
+    (
+        "q-last-dim-strided",
+        _set("q", lambda a: torch.zeros(6, 4, 64, device=K.DEVICE)[:, :, ::2]),
+        ValueError,
+        r"q must have a contiguous last dimension",
+    ),
+    (
+        "head-dim-48",
+        lambda a: {
+            **a,
+            "q": torch.zeros(6, 4, 48, device=K.DEVICE),
+            "key_cache": torch.zeros(9, 16, 2, 48, device=K.DEVICE),
+            "value_cache": torch.zeros(9, 16, 2, 48, device=K.DEVICE),
+        },
+        ValueError,
+        r"q has head_dim 48; .*powers of two",
+    ),
+    (
+        "gqa-not-multiple",
+        _set("q", lambda a: torch.zeros(6, 3, 32, device=K.DEVICE)),
+        ValueError,
+        r"q has 3 heads, which must be a multiple of key_cache's 2",
+    ),
+    ("value-cache-shape", _set("value_cache", lambda a: a["value_cache"][:, :8]), ValueError, r"value_cache must have the shape"),
+    ("cu-int64", _set("cu_seqlens_q", lambda a: a["cu_seqlens_q"].long()), ValueError, r"cu_seqlens_q has dtype int64"),
     ("seq-lens-int64", _set("seq_lens", lambda a: a["seq_lens"].long()), ValueError, r"seq_lens has dtype int64"),
-    ("cu-length", _set("cu_seqlens_q", lambda a: a["cu_seqlens_q"][:2]), ValueError,
-     r"cu_seqlens_q must have num_seqs \+ 1 = 3 entries"),
+    ("cu-length", _set("cu_seqlens_q", lambda a: a["cu_seqlens_q"][:2]), ValueError, r"cu_seqlens_q must have num_seqs \+ 1 = 3 entries"),
     ("cu-first", _set("cu_seqlens_q", lambda a: a["cu_seqlens_q"] + 1), ValueError, r"cu_seqlens_q\[0\] must be 0"),
-    ("cu-decreasing", _set("cu_seqlens_q", lambda a: torch.tensor([0, 7, 6], dtype=torch.int32, device=K.DEVICE)),
-     ValueError, r"cu_seqlens_q must be non-decreasing: cu_seqlens_q\[2\] = 6 < cu_seqlens_q\[1\] = 7"),
-    ("cu-total", _set("cu_seqlens_q", lambda a: torch.tensor([0, 1, 5], dtype=torch.int32, device=K.DEVICE)),
-     ValueError, r"cu_seqlens_q\[-1\] must equal the number of query tokens in q \(6\)"),
-    ("seq-len-negative", lambda a: {**a, "q": a["q"][:1],
-                                    "cu_seqlens_q": torch.tensor([0, 1, 1], dtype=torch.int32, device=K.DEVICE),
-                                    "seq_lens": torch.tensor([21, -3], dtype=torch.int32, device=K.DEVICE)},
-     ValueError, r"seq_lens\[1\] = -3 is negative"),
-    ("seq-len-short", _set("seq_lens", lambda a: torch.tensor([21, 4], dtype=torch.int32, device=K.DEVICE)),
-     ValueError, r"seq_lens\[1\] = 4 is shorter than the sequence's 5 query tokens"),
-    ("table-rows", _set("block_table", lambda a: a["block_table"][:1]), ValueError,
-     r"block_table must have one row per sequence"),
-    ("table-columns", _set("block_table", lambda a: a["block_table"][:, :1].contiguous()), ValueError,
-     r"block_table has 1 columns but sequence 0 .* needs 2"),
-    ("table-id-too-big", _set("block_table", lambda a: a["block_table"].index_fill(1, torch.tensor([1]), 99)),
-     ValueError, r"block_table\[0, 1\] = 99 is not a valid block id.*\[0, num_blocks = \d+\)"),
-    ("table-id-negative", _set("block_table", lambda a: a["block_table"].index_fill(1, torch.tensor([0]), -1)),
-     ValueError, r"block_table\[0, 0\] = -1 is not a valid block id"),
-    ("table-not-contiguous", _set("block_table", lambda a: a["block_table"].t().contiguous().t()), ValueError,
-     r"block_table must be contiguous"),
-    ("table-other-device", _set("block_table", lambda a: a["block_table"].to("meta")), ValueError,
-     r"block_table is on meta"),
+    (
+        "cu-decreasing",
+        _set("cu_seqlens_q", lambda a: torch.tensor([0, 7, 6], dtype=torch.int32, device=K.DEVICE)),
+        ValueError,
+        r"cu_seqlens_q must be non-decreasing: cu_seqlens_q\[2\] = 6 < cu_seqlens_q\[1\] = 7",
+    ),
+    (
+        "cu-total",
+        _set("cu_seqlens_q", lambda a: torch.tensor([0, 1, 5], dtype=torch.int32, device=K.DEVICE)),
+        ValueError,
+        r"cu_seqlens_q\[-1\] must equal the number of query tokens in q \(6\)",
+    ),
+    (
+        "seq-len-negative",
+        lambda a: {
+            **a,
+            "q": a["q"][:1],
+            "cu_seqlens_q": torch.tensor([0, 1, 1], dtype=torch.int32, device=K.DEVICE),
+            "seq_lens": torch.tensor([21, -3], dtype=torch.int32, device=K.DEVICE),
+        },
+        ValueError,
+        r"seq_lens\[1\] = -3 is negative",
+    ),
+    (
+        "seq-len-short",
+        _set("seq_lens", lambda a: torch.tensor([21, 4], dtype=torch.int32, device=K.DEVICE)),
+        ValueError,
+        r"seq_lens\[1\] = 4 is shorter than the sequence's 5 query tokens",
+    ),
+    ("table-rows", _set("block_table", lambda a: a["block_table"][:1]), ValueError, r"block_table must have one row per sequence"),
+    (
+        "table-columns",
+        _set("block_table", lambda a: a["block_table"][:, :1].contiguous()),
+        ValueError,
+        r"block_table has 1 columns but sequence 0 .* needs 2",
+    ),
+    (
+        "table-id-too-big",
+        _set("block_table", lambda a: a["block_table"].index_fill(1, torch.tensor([1]), 99)),
+        ValueError,
+        r"block_table\[0, 1\] = 99 is not a valid block id.*\[0, num_blocks = \d+\)",
+    ),
+    (
+        "table-id-negative",
+        _set("block_table", lambda a: a["block_table"].index_fill(1, torch.tensor([0]), -1)),
+        ValueError,
+        r"block_table\[0, 0\] = -1 is not a valid block id",
+    ),
+    (
+        "table-not-contiguous",
+        _set("block_table", lambda a: a["block_table"].t().contiguous().t()),
+        ValueError,
+        r"block_table must be contiguous",
+    ),
+    ("table-other-device", _set("block_table", lambda a: a["block_table"].to("meta")), ValueError, r"block_table is on meta"),
 ]
 
 
@@ -470,10 +576,10 @@ def test_unified_attention_rejects(mutate, exc, match) -> None:
 def test_padding_columns_and_pages_before_the_window_may_hold_anything() -> None:
     """Only the columns a sequence reads are checked (vLLM pads with the null block)."""
     a = _ua_args()
-    a["block_table"][:, -2:] = 12345           # padding columns: never read
+    a["block_table"][:, -2:] = 12345  # padding columns: never read
     K.unified_attention(**a)
     a = _ua_args()
-    a["sliding_window"] = 2                    # seq 0: query at 20 sees 19..20: page 0 unused
+    a["sliding_window"] = 2  # seq 0: query at 20 sees 19..20: page 0 unused
     a["block_table"][0, 0] = -7
     K.unified_attention(**a)
 
@@ -481,6 +587,7 @@ def test_padding_columns_and_pages_before_the_window_may_hold_anything() -> None
 # ----------------------------------------------------------------------------------------
 # Mode selection (kernels/_env.py)
 # ----------------------------------------------------------------------------------------
+
 
 def test_mode_and_device() -> None:
     assert K.DEVICE == ("cuda" if HAS_CUDA else "cpu")
@@ -490,8 +597,7 @@ def test_mode_and_device() -> None:
 
 def _run_python(code: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          env=env, timeout=120)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env, timeout=120)
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="the mismatch under test is triton compiled-mode on a CPU-only machine")

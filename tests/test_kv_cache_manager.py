@@ -1,4 +1,5 @@
 """KVCacheManager with one full-attention group: vLLM's documented scenarios, exact ids."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,5 +1,6 @@
 """KVCacheMetricsCollector: vLLM's sampled block residency (vllm/v1/core/kv_cache_metrics.py),
 driven by a clock we control."""
+
 from __future__ import annotations
 
 import pytest

@@ -2,6 +2,7 @@
 called where vLLM calls them, the file-backed ExampleConnector hands a prompt's KV from a
 prefill engine to a decode engine -- in one process and in two -- and a broken hand-off
 falls back to computing the prompt."""
+
 from __future__ import annotations
 
 import os
@@ -22,8 +23,9 @@ from kvlab.worker.model_runner import ModelRunner
 from kvlab.worker.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
-PROMPTS = [TOK.encode(s) for s in ("Disaggregated prefill: one engine reads, ", "the other one writes the answer. Here",
-                                   "Blocks, not buffers.")]
+PROMPTS = [
+    TOK.encode(s) for s in ("Disaggregated prefill: one engine reads, ", "the other one writes the answer. Here", "Blocks, not buffers.")
+]
 
 
 @pytest.fixture(scope="module")
@@ -90,13 +92,20 @@ def test_every_hook_is_called_where_vllm_calls_it(model) -> None:
     eng = LLMEngine(mgr, sched, runner)
     eng.add_request(Request("r", PROMPTS[0], max_tokens=2))
     eng.run()
-    layers = ["W.wait_for_layer_load(layers.0)", "W.save_kv_layer(layers.0, (8, 2, 16, 2, 32))",
-              "W.wait_for_layer_load(layers.1)", "W.save_kv_layer(layers.1, (8, 2, 16, 2, 32))"]
+    layers = [
+        "W.wait_for_layer_load(layers.0)",
+        "W.save_kv_layer(layers.0, (8, 2, 16, 2, 32))",
+        "W.wait_for_layer_load(layers.1)",
+        "W.save_kv_layer(layers.1, (8, 2, 16, 2, 32))",
+    ]
     worker_step = ["W.bind_connector_metadata", "W.start_load_kv", *layers, "W.wait_for_save", "W.clear_connector_metadata"]
     assert Recorder.calls == [
-        "S.get_num_new_matched_tokens(r, 0)", "S.update_state_after_alloc(r, [1, 2, 3], 16)", "S.build_connector_meta(step 1)",
+        "S.get_num_new_matched_tokens(r, 0)",
+        "S.update_state_after_alloc(r, [1, 2, 3], 16)",
+        "S.build_connector_meta(step 1)",
         *worker_step,
-        "S.build_connector_meta(step 2)", *worker_step,
+        "S.build_connector_meta(step 2)",
+        *worker_step,
         "S.request_finished(r, [1, 2, 3])",
     ]
     # the 16 external tokens were never computed: the model ran 41 - 16 prompt tokens + 1 decode
@@ -175,8 +184,13 @@ def test_connector_bad_input(tmp_path) -> None:
     with pytest.raises(ValueError, match="kv_role must be one of"):
         KVTransferConfig("ExampleConnector", kv_role="prefill")
     with pytest.raises(ValueError, match="worker half"):
-        ModelRunner(TinyLlama(seed=0), num_blocks=4, block_size=16, device="cpu",
-                    kv_connector=ExampleConnector(KVConnectorRole.SCHEDULER, 16, {"shared_storage_path": str(tmp_path)}))
+        ModelRunner(
+            TinyLlama(seed=0),
+            num_blocks=4,
+            block_size=16,
+            device="cpu",
+            kv_connector=ExampleConnector(KVConnectorRole.SCHEDULER, 16, {"shared_storage_path": str(tmp_path)}),
+        )
 
 
 # -- two processes -------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """KV cache events from the manager: vLLM's BlockPool/KVCacheManager behaviour (v0.33.0)
 re-expressed as exact event sequences, plus the hash bytes an outside consumer recomputes."""
+
 from __future__ import annotations
 
 import hashlib
@@ -228,7 +229,9 @@ def test_sha256_cbor_matches_vllm_bytes_for_the_default_seed(monkeypatch):
 def test_a_consumer_recomputes_every_stored_hash_from_the_events(monkeypatch):
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)
     kv_cache_utils.init_none_hash()
-    mgr = KVCacheManager(num_blocks=16, block_size=4, hash_algo="sha256_cbor", enable_kv_cache_events=True, kv_events_use_int_block_hashes=False)
+    mgr = KVCacheManager(
+        num_blocks=16, block_size=4, hash_algo="sha256_cbor", enable_kv_cache_events=True, kv_events_use_int_block_hashes=False
+    )
     for rid, toks in [("a", list(range(13))), ("b", list(range(8)) + [99] * 9)]:
         run(mgr, Request(rid, toks))
     payload = encode_batch(KVEventBatch(ts=0.0, events=mgr.take_events(), data_parallel_rank=0))

@@ -5,6 +5,7 @@ The expected payloads below are spelled out byte by byte from the msgpack spec a
 struct definitions (array_like batch, tagged-map events with omit_defaults; tagged arrays for
 vLLM <= 0.23) -- they are not produced by kvlab's encoder.
 """
+
 from __future__ import annotations
 
 import msgspec
@@ -33,7 +34,7 @@ def s(text: str) -> str:
     """A msgpack fixstr (< 32 bytes): 0xa0 | length, then UTF-8 -- as hex."""
     b = text.encode()
     assert len(b) < 32
-    return f"{0xa0 | len(b):02x}" + b.hex()
+    return f"{0xA0 | len(b):02x}" + b.hex()
 
 
 H32 = bytes(range(32))  # a 32-byte digest (hashes are digests when int hashes are off)
@@ -70,25 +71,45 @@ MAP_PAYLOAD = hx(
     # The header is a map16 (de 000b), not a fixmap: BlockStored has 15 fields + the tag, and
     # msgspec sizes the header for the most entries the struct could have.
     "de 000b",
-    s("type"), s("BlockStored"),
-    s("block_hashes"), "92", "c4 20" + H32.hex(), "07",  # [bin8(32), 7]
-    s("parent_block_hash"), "c0",
-    s("token_ids"), "94 01 02 cd012c ce00011170",  # 1, 2, uint16 300, uint32 70000
-    s("block_size"), "02",
-    s("lora_id"), "c0",
-    s("medium"), s("GPU"),
-    s("lora_name"), s("sql-lora"),
-    s("extra_keys"), "92 c0", "93" + s("sql-lora") + "92" + s("img-a") + "03" + s("tenant"),
-    s("group_idx"), "00",
-    "b2" + b"kv_cache_spec_kind".hex(), "ae" + b"full_attention".hex(),
+    s("type"),
+    s("BlockStored"),
+    s("block_hashes"),
+    "92",
+    "c4 20" + H32.hex(),
+    "07",  # [bin8(32), 7]
+    s("parent_block_hash"),
+    "c0",
+    s("token_ids"),
+    "94 01 02 cd012c ce00011170",  # 1, 2, uint16 300, uint32 70000
+    s("block_size"),
+    "02",
+    s("lora_id"),
+    "c0",
+    s("medium"),
+    s("GPU"),
+    s("lora_name"),
+    s("sql-lora"),
+    s("extra_keys"),
+    "92 c0",
+    "93" + s("sql-lora") + "92" + s("img-a") + "03" + s("tenant"),
+    s("group_idx"),
+    "00",
+    "b2" + b"kv_cache_spec_kind".hex(),
+    "ae" + b"full_attention".hex(),
     # BlockRemoved: tag + 3 fields (locality, ownership omitted)
     "84",
-    s("type"), s("BlockRemoved"),
-    s("block_hashes"), "91 cf ffffffffffffffff",  # uint64 2**64 - 1
-    s("medium"), s("GPU"),
-    s("group_idx"), "01",
+    s("type"),
+    s("BlockRemoved"),
+    s("block_hashes"),
+    "91 cf ffffffffffffffff",  # uint64 2**64 - 1
+    s("medium"),
+    s("GPU"),
+    s("group_idx"),
+    "01",
     # AllBlocksCleared: just the tag
-    "81", s("type"), s("AllBlocksCleared"),
+    "81",
+    s("type"),
+    s("AllBlocksCleared"),
     "00",  # data_parallel_rank 0
 )
 
@@ -100,19 +121,27 @@ ARRAY_PAYLOAD = hx(
     "93",
     "9c",  # BlockStored: 12 items = tag + the 11 fields of vLLM 0.23
     s("BlockStored"),
-    "92", "c4 20" + H32.hex(), "07",
+    "92",
+    "c4 20" + H32.hex(),
+    "07",
     "c0",
     "94 01 02 cd012c ce00011170",
     "02",
     "c0",
     s("GPU"),
     s("sql-lora"),
-    "92 c0", "93" + s("sql-lora") + "92" + s("img-a") + "03" + s("tenant"),
+    "92 c0",
+    "93" + s("sql-lora") + "92" + s("img-a") + "03" + s("tenant"),
     "00",
     "ae" + b"full_attention".hex(),
     "c0",  # kv_cache_spec_sliding_window None, still written
-    "94", s("BlockRemoved"), "91 cf ffffffffffffffff", s("GPU"), "01",
-    "91", s("AllBlocksCleared"),
+    "94",
+    s("BlockRemoved"),
+    "91 cf ffffffffffffffff",
+    s("GPU"),
+    "01",
+    "91",
+    s("AllBlocksCleared"),
     "00",
 )
 
@@ -234,7 +263,16 @@ def test_round_trip_in_both_encodings(batch):
 
 # --- CacheIndex -----------------------------------------------------------------------------------
 def _stored(*hs, group=0):
-    return BlockStored(block_hashes=list(hs), parent_block_hash=None, token_ids=[], block_size=4, lora_id=None, medium="GPU", lora_name=None, group_idx=group)
+    return BlockStored(
+        block_hashes=list(hs),
+        parent_block_hash=None,
+        token_ids=[],
+        block_size=4,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+        group_idx=group,
+    )
 
 
 def _removed(*hs, group=0):

@@ -5,6 +5,7 @@ Every socket binds loopback (127.0.0.1, OS-chosen ports) or an ipc path in a tem
 every wait is bounded. A publisher whose endpoint is a plain host address *connects* (vLLM's
 rule), so these tests bind the subscriber and let the publisher dial in.
 """
+
 from __future__ import annotations
 
 import logging
@@ -25,8 +26,16 @@ CTX = zmq.Context.instance()
 
 
 def stored(h: int, parent: int | None = None, n: int = 1) -> BlockStored:
-    return BlockStored(block_hashes=[h + i for i in range(n)], parent_block_hash=parent, token_ids=list(range(16 * n)), block_size=16,
-                       lora_id=None, medium="GPU", lora_name=None, group_idx=0)
+    return BlockStored(
+        block_hashes=[h + i for i in range(n)],
+        parent_block_hash=parent,
+        token_ids=list(range(16 * n)),
+        block_size=16,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+        group_idx=0,
+    )
 
 
 def batch(i: int) -> KVEventBatch:
@@ -76,7 +85,14 @@ def test_bind_or_connect_follows_vllm():
 def test_kv_events_config_reads_vllms_cli_json():
     c = KVEventsConfig.from_cli('{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:5557", "topic": "kv-events"}')
     assert (c.publisher, c.endpoint, c.topic, c.buffer_steps, c.hwm, c.max_queue_size, c.replay_endpoint) == (
-        "zmq", "tcp://127.0.0.1:5557", "kv-events", 10_000, 100_000, 100_000, None)
+        "zmq",
+        "tcp://127.0.0.1:5557",
+        "kv-events",
+        10_000,
+        100_000,
+        100_000,
+        None,
+    )
     assert KVEventsConfig().publisher == "null"
     with pytest.raises(ValueError, match="unknown keys"):
         KVEventsConfig.from_cli('{"enable_kv_cache_events": true, "port": 5}')
@@ -133,7 +149,10 @@ def test_replay_socket_answers_from_start_seq_then_end_marker():
     assert END_SEQ == b"\xff" * 8
     # the buffer keeps the last 4 batches (2..5); seqs >= 3 come back, then the end marker
     assert [(f[0], f[1], int.from_bytes(f[2], "big"), decode_batch(f[3]).ts) for f in replies[:-1]] == [
-        (b"", b"t", 3, 3.0), (b"", b"t", 4, 4.0), (b"", b"t", 5, 5.0)]
+        (b"", b"t", 3, 3.0),
+        (b"", b"t", 4, 4.0),
+        (b"", b"t", 5, 5.0),
+    ]
     assert replies[-1] == [b"", b"", END_SEQ, b""]
     assert [int.from_bytes(again[0][2], "big"), again[1]] == [5, [b"", b"", END_SEQ, b""]]
 
@@ -176,7 +195,10 @@ def test_loopback_stream_with_gaps_recovered_through_the_replay_socket(caplog):
     # Batch 0 lost before anything arrived is catching up (asked for): news, not a warning; the
     # two gaps in the middle of the stream are warnings.
     assert [(r.levelname, r.message.split(":")[1].strip()) for r in caplog.records if "recovered" not in r.message] == [
-        ("INFO", "catching up on topic b'kv'"), ("WARNING", "gap on topic b'kv'"), ("WARNING", "gap on topic b'kv'")]
+        ("INFO", "catching up on topic b'kv'"),
+        ("WARNING", "gap on topic b'kv'"),
+        ("WARNING", "gap on topic b'kv'"),
+    ]
     assert sum("recovered all" in r.message for r in caplog.records) == 3
 
 

@@ -8,6 +8,7 @@ tokens finds part of C in the GPU pool and the next block in the CPU tier, B2 = 
 13 tokens finds B on disk. Every block id, slot and tier below was checked by hand against
 the LRU rules (see the lesson).
 """
+
 from __future__ import annotations
 
 import os
@@ -46,10 +47,12 @@ def _config(tmp_path, **extra):
 
 
 def _engine(tmp_path, executor=None, policy="recompute", manager_kwargs=None, **extra):
-    cfg = KVTransferConfig("OffloadingConnector", kv_connector_extra_config=_config(tmp_path, **extra).kv_connector_extra_config,
-                           kv_load_failure_policy=policy)
-    return build_engine(num_blocks=6, block_size=4, max_num_batched_tokens=64, executor=executor, kv_transfer_config=cfg,
-                        manager_kwargs=manager_kwargs)
+    cfg = KVTransferConfig(
+        "OffloadingConnector", kv_connector_extra_config=_config(tmp_path, **extra).kv_connector_extra_config, kv_load_failure_policy=policy
+    )
+    return build_engine(
+        num_blocks=6, block_size=4, max_num_batched_tokens=64, executor=executor, kv_transfer_config=cfg, manager_kwargs=manager_kwargs
+    )
 
 
 def _run_story(eng, story=STORY, max_tokens=1):
@@ -61,8 +64,7 @@ def _run_story(eng, story=STORY, max_tokens=1):
 
 
 def _transfers(eng):
-    return [(e.step, e.direction, e.request_id, e.media, e.block_ids, e.chunk_ids)
-            for e in eng.events if isinstance(e, KVTransfer)]
+    return [(e.step, e.direction, e.request_id, e.media, e.block_ids, e.chunk_ids) for e in eng.events if isinstance(e, KVTransfer)]
 
 
 # -- the books ------------------------------------------------------------------------------------
@@ -145,7 +147,13 @@ def test_story_stores_loads_and_tiers_exactly(tmp_path) -> None:
     _run_story(eng)
     m = eng.metrics
     assert [(r, m[r].num_cached_tokens, m[r].prefill_tokens_computed) for r, _ in STORY] == [
-        ("A", 0, 9), ("B", 0, 17), ("C", 0, 13), ("A2", 8, 2), ("C2", 12, 4), ("B2", 12, 1)]
+        ("A", 0, 9),
+        ("B", 0, 17),
+        ("C", 0, 13),
+        ("A2", 8, 2),
+        ("C2", 12, 4),
+        ("B2", 12, 1),
+    ]
     assert _transfers(eng) == [
         (1, "store", "A", ["CPU", "CPU"], [1, 2], [0, 1]),
         (1, "store", "A", ["STORAGE", "STORAGE"], [], [0, 1]),
@@ -160,8 +168,13 @@ def test_story_stores_loads_and_tiers_exactly(tmp_path) -> None:
         (6, "load", "B2", ["STORAGE"] * 3, [4, 3, 5], [0, 1, 2]),
     ]
     evicted = [(e.step, e.medium, e.chunk_ids, e.reason) for e in eng.events if isinstance(e, OffloadEvicted)]
-    assert evicted == [(2, "CPU", [0, 1], "lru"), (3, "CPU", [2, 3, 1], "lru"), (4, "CPU", [0, 1], "lru"),
-                       (5, "CPU", [3], "lru"), (6, "CPU", [0, 1, 2], "lru")]
+    assert evicted == [
+        (2, "CPU", [0, 1], "lru"),
+        (3, "CPU", [2, 3, 1], "lru"),
+        (4, "CPU", [0, 1], "lru"),
+        (5, "CPU", [3], "lru"),
+        (6, "CPU", [0, 1, 2], "lru"),
+    ]
     conn = eng.scheduler.connector
     assert conn.scheduler.num_hit_tokens == {"CPU": 4, "STORAGE": 20}
     stats = eng.scheduler.connector_prefix_cache_stats
@@ -179,12 +192,20 @@ def test_replayed_tiers_equal_the_live_ones_at_every_step(tmp_path) -> None:
     mgr = eng.scheduler.connector.manager
     live = []
     for i in range(30):
-        eng.add_request(Request(f"r{i}", prefixes[rng.randrange(5)] + [rng.randrange(1000) for _ in range(rng.randint(1, 6))],
-                                max_tokens=rng.randint(1, 6)))
+        eng.add_request(
+            Request(
+                f"r{i}", prefixes[rng.randrange(5)] + [rng.randrange(1000) for _ in range(rng.randint(1, 6))], max_tokens=rng.randint(1, 6)
+            )
+        )
         while eng.has_unfinished_requests():
             eng.step()
-            live.append((eng.scheduler.step_count, [k[:-4].hex() for k, _ in mgr.primary.entries()],
-                         [k[:-4].hex() for k, _ in mgr.secondary.entries()]))
+            live.append(
+                (
+                    eng.scheduler.step_count,
+                    [k[:-4].hex() for k, _ in mgr.primary.entries()],
+                    [k[:-4].hex() for k, _ in mgr.secondary.entries()],
+                )
+            )
     tl = Timeline(eng.events)
     for step, cpu, disk in live:
         snap = tl.at(step)
@@ -200,8 +221,12 @@ def test_offloading_kv_events_carry_the_medium(tmp_path) -> None:
     _run_story(eng, STORY[:2])
     evs = eng.scheduler.connector.take_events()
     assert [(type(e).__name__, e.medium, len(e.block_hashes)) for e in evs] == [
-        ("BlockStored", "CPU", 2), ("BlockStored", "STORAGE", 2), ("BlockRemoved", "CPU", 2),
-        ("BlockStored", "CPU", 4), ("BlockStored", "STORAGE", 4)]
+        ("BlockStored", "CPU", 2),
+        ("BlockStored", "STORAGE", 2),
+        ("BlockRemoved", "CPU", 2),
+        ("BlockStored", "CPU", 4),
+        ("BlockStored", "STORAGE", 4),
+    ]
     assert all(isinstance(h, int) for e in evs for h in e.block_hashes)  # vLLM's default: 64-bit ints
     assert eng.scheduler.connector.take_events() == []
 
@@ -380,7 +405,9 @@ def test_bad_configuration_is_refused(tmp_path) -> None:
     with pytest.raises(ValueError, match="one full-attention KV-cache group"):
         Scheduler(hybrid, connector=sched_half)
     with pytest.raises(ValueError, match="enable_caching=True"):
-        Scheduler(KVCacheManager(num_blocks=20, block_size=4, enable_caching=False), connector=OffloadingConnector(KVConnectorRole.SCHEDULER, 4))
+        Scheduler(
+            KVCacheManager(num_blocks=20, block_size=4, enable_caching=False), connector=OffloadingConnector(KVConnectorRole.SCHEDULER, 4)
+        )
     with pytest.raises(ValueError, match="built for block_size=8"):
         Scheduler(KVCacheManager(num_blocks=20, block_size=4), connector=OffloadingConnector(KVConnectorRole.SCHEDULER, 8))
     with pytest.raises(ValueError, match="role=KVConnectorRole.SCHEDULER"):
@@ -419,10 +446,24 @@ def test_the_scheduler_publishes_tier_events_beside_the_pools(tmp_path) -> None:
 
     rec = Recorder()
     cfg = _config(tmp_path)
-    eng = build_engine(num_blocks=6, block_size=4, max_num_batched_tokens=64, kv_transfer_config=cfg,
-                       kv_event_publisher=rec, manager_kwargs=dict(enable_kv_cache_events=True))
+    eng = build_engine(
+        num_blocks=6,
+        block_size=4,
+        max_num_batched_tokens=64,
+        kv_transfer_config=cfg,
+        kv_event_publisher=rec,
+        manager_kwargs=dict(enable_kv_cache_events=True),
+    )
     _run_story(eng, STORY[:2])
     media = [(type(e).__name__, e.medium) for b in rec.batches for e in b.events]
-    assert media == [("BlockStored", "GPU"), ("BlockStored", "CPU"), ("BlockStored", "STORAGE"),
-                     ("BlockRemoved", "GPU"), ("BlockRemoved", "GPU"), ("BlockStored", "GPU"), ("BlockRemoved", "CPU"),
-                     ("BlockStored", "CPU"), ("BlockStored", "STORAGE")]
+    assert media == [
+        ("BlockStored", "GPU"),
+        ("BlockStored", "CPU"),
+        ("BlockStored", "STORAGE"),
+        ("BlockRemoved", "GPU"),
+        ("BlockRemoved", "GPU"),
+        ("BlockStored", "GPU"),
+        ("BlockRemoved", "CPU"),
+        ("BlockStored", "CPU"),
+        ("BlockStored", "STORAGE"),
+    ]

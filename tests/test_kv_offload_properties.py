@@ -9,6 +9,7 @@ Whatever the workload, whichever copies fail and whichever files go bad between 
   block stays pinned (nothing leaks);
 * the tiers rebuilt from the event log equal the live ones.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,8 +27,14 @@ from kvlab.timeline.events import KVLoadFailed
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 10_000), cpu=st.integers(2, 12), disk=st.sampled_from([0, 8, 24, 48]), p_fail=st.sampled_from([0.0, 0.05, 0.3]),
-       prompt_only=st.booleans(), bs=st.sampled_from([2, 4]))
+@given(
+    seed=st.integers(0, 10_000),
+    cpu=st.integers(2, 12),
+    disk=st.sampled_from([0, 8, 24, 48]),
+    p_fail=st.sampled_from([0.0, 0.05, 0.3]),
+    prompt_only=st.booleans(),
+    bs=st.sampled_from([2, 4]),
+)
 def test_random_workloads_and_faults_keep_outputs_and_leak_nothing(seed, cpu, disk, p_fail, prompt_only, bs) -> None:
     rng = random.Random(seed)
     prefixes = [[rng.randrange(1000) for _ in range(rng.randint(bs, 5 * bs))] for _ in range(6)]
@@ -39,8 +46,13 @@ def test_random_workloads_and_faults_keep_outputs_and_leak_nothing(seed, cpu, di
         extra = dict(num_cpu_blocks=cpu, offload_prompt_only=prompt_only)
         if disk:
             extra.update(storage_path=d, num_storage_blocks=disk)
-        eng = build_engine(num_blocks=10, block_size=bs, max_num_batched_tokens=3 * bs, max_num_seqs=3,
-                           kv_transfer_config=KVTransferConfig("OffloadingConnector", kv_connector_extra_config=extra))
+        eng = build_engine(
+            num_blocks=10,
+            block_size=bs,
+            max_num_batched_tokens=3 * bs,
+            max_num_seqs=3,
+            kv_transfer_config=KVTransferConfig("OffloadingConnector", kv_connector_extra_config=extra),
+        )
         plain = build_engine(num_blocks=10, block_size=bs, max_num_batched_tokens=3 * bs, max_num_seqs=3)
         fault_rng = random.Random(seed + 1)
 
@@ -60,8 +72,13 @@ def test_random_workloads_and_faults_keep_outputs_and_leak_nothing(seed, cpu, di
                     eng.step()
                     eng.scheduler.check_invariants()
                     conn.check_invariants()
-                    live.append((eng.scheduler.step_count, [h[:-4].hex() for h, _ in mgr.primary.entries()],
-                                 [h[:-4].hex() for h, _ in mgr.secondary.entries()] if mgr.secondary else None))
+                    live.append(
+                        (
+                            eng.scheduler.step_count,
+                            [h[:-4].hex() for h, _ in mgr.primary.entries()],
+                            [h[:-4].hex() for h, _ in mgr.secondary.entries()] if mgr.secondary else None,
+                        )
+                    )
                 plain.run()
                 if disk and fault_rng.random() < 0.5:  # a file goes bad behind the tier's back
                     files = sorted(os.path.join(r, f) for r, _, fs in os.walk(d) for f in fs)

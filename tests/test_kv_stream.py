@@ -1,6 +1,7 @@
 """A KV-event stream as data (``KVStream``), recordings on disk, and the views that draw
 them: snapshots equal to the engine's pool, any batch in any order, a recorded stream that
 replays into exactly the same pictures (issue 14)."""
+
 from __future__ import annotations
 
 import random
@@ -20,8 +21,16 @@ from kvlab.viz import prefix_index, routing, stream as stream_view
 
 
 def st_(hashes, parent, *, bs=2, group=0, medium="GPU"):
-    return BlockStored(block_hashes=list(hashes), parent_block_hash=parent, token_ids=[h % 100 for h in hashes for _ in range(bs)],
-                       block_size=bs, lora_id=None, medium=medium, lora_name=None, group_idx=group)
+    return BlockStored(
+        block_hashes=list(hashes),
+        parent_block_hash=parent,
+        token_ids=[h % 100 for h in hashes for _ in range(bs)],
+        block_size=bs,
+        lora_id=None,
+        medium=medium,
+        lora_name=None,
+        group_idx=group,
+    )
 
 
 def rm(*hashes, group=0):
@@ -31,13 +40,17 @@ def rm(*hashes, group=0):
 def story() -> KVStream:
     """seq 0: chain 1-2-3; seq 1: branch 2-4 and a duplicate of 3; seq 3 (2 lost): remove 3
     once (a copy stays) and 4; seq 4: an orphan 9 (parent 8 never seen); seq 5: cleared."""
-    return KVStream([
-        (0, KVEventBatch(ts=0.5, events=[st_([1, 2, 3], None)])),
-        (1, KVEventBatch(ts=1.0, events=[st_([4], 2), st_([3], 2)])),
-        (3, KVEventBatch(ts=2.0, events=[rm(3), rm(4)])),
-        (4, KVEventBatch(ts=2.5, events=[st_([9], 8)])),
-        (5, KVEventBatch(ts=3.0, events=[AllBlocksCleared(), st_([7], None)])),
-    ], name="story", checkpoint_every=2)
+    return KVStream(
+        [
+            (0, KVEventBatch(ts=0.5, events=[st_([1, 2, 3], None)])),
+            (1, KVEventBatch(ts=1.0, events=[st_([4], 2), st_([3], 2)])),
+            (3, KVEventBatch(ts=2.0, events=[rm(3), rm(4)])),
+            (4, KVEventBatch(ts=2.5, events=[st_([9], 8)])),
+            (5, KVEventBatch(ts=3.0, events=[AllBlocksCleared(), st_([7], None)])),
+        ],
+        name="story",
+        checkpoint_every=2,
+    )
 
 
 def keys(snap: StreamSnapshot) -> dict[int, int]:
@@ -97,8 +110,13 @@ ops = st.lists(st.tuples(st.sampled_from(["add", "add", "free", "reset"]), st.in
 
 @given(ops, st.booleans())
 def test_the_stream_rebuilds_the_pools_map_and_agrees_with_cache_index(seq, use_int):
-    mgr = KVCacheManager(num_blocks=9, block_size=2, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(sliding_window=3)],
-                         enable_kv_cache_events=True, kv_events_use_int_block_hashes=use_int)
+    mgr = KVCacheManager(
+        num_blocks=9,
+        block_size=2,
+        kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(sliding_window=3)],
+        enable_kv_cache_events=True,
+        kv_events_use_int_block_hashes=use_int,
+    )
     stream, index, running = KVStream(checkpoint_every=3), CacheIndex(), []
     for n, (op, variant, length) in enumerate(seq):
         if op == "add":
@@ -117,7 +135,9 @@ def test_the_stream_rebuilds_the_pools_map_and_agrees_with_cache_index(seq, use_
         snap = stream.at()
         expect = {}
         for key, blocks in mgr.block_pool.cached_block_hash_to_block.items():
-            expect[(kv_cache_utils.get_group_id(key), kv_cache_utils.maybe_convert_block_hash(kv_cache_utils.get_block_hash(key), use_int))] = len(blocks)
+            expect[
+                (kv_cache_utils.get_group_id(key), kv_cache_utils.maybe_convert_block_hash(kv_cache_utils.get_block_hash(key), use_int))
+            ] = len(blocks)
         assert {(k[1], k[2]): node.copies for k, node in snap.nodes.items()} == expect
         assert {(g, h): c for (_, g, h), c in index._copies.items()} == expect
         assert snap.num_blocks == stream.series.cached_blocks[-1]
@@ -256,7 +276,9 @@ def test_routing_figure_data_groups_by_trace_and_policy():
     # Greys tell policies apart (colours keep their one meaning); KV-aware's own is the cache's sky blue.
     assert d["colors"] == {"round_robin": "#c8c8c8", "kv_aware+load(2)": "#2b2b2b"}
     assert routing.figure_data([dict(rows[0], policy="kv_aware")])["colors"] == {"kv_aware": "#9fd3f2"}
-    assert d["cells"][("t1", "round_robin")] == dict(hit_rate=50.0, ttft_mean_ms=200.0, ttft_p90_ms=500.0, prefill_share=[25.0, 75.0], imbalance=1.5)
+    assert d["cells"][("t1", "round_robin")] == dict(
+        hit_rate=50.0, ttft_mean_ms=200.0, ttft_p90_ms=500.0, prefill_share=[25.0, 75.0], imbalance=1.5
+    )
     assert d["cells"][("t2", "round_robin")]["prefill_share"] == [0.0, 0.0]
     fig = routing.routing_figure(rows)
     bars = [t for t in fig.data if t.type == "bar" and t.xaxis == "x3"]

@@ -1,6 +1,7 @@
 """Lesson 07b's picture of the physical KV memory: kvlab specs planned the way vLLM 0.33 lays out
 a hybrid model (``vllm/v1/core/kv_cache_planning.py``: ``_get_kv_cache_groups_uniform_page_size``
 and ``get_kv_cache_config_from_groups``, default layer-outer layout)."""
+
 from __future__ import annotations
 
 import pytest
@@ -26,8 +27,10 @@ def test_the_lessons_six_layer_model():
     assert len(plan.kv_cache_tensors) == 3  # one per group
     for t, layers in zip(plan.kv_cache_tensors, plan.group_layers):
         assert t == KVCacheTensor(size=1_310_720, layers=layers, layer_stride=655_360, block_stride=65_536, offset=0)
-    assert plan.regions() == [(0, 655_360, ("layers.0", "layers.1", "layers.2")),
-                              (655_360, 1_310_720, ("layers.3", "layers.4", "layers.5"))]
+    assert plan.regions() == [
+        (0, 655_360, ("layers.0", "layers.1", "layers.2")),
+        (655_360, 1_310_720, ("layers.3", "layers.4", "layers.5")),
+    ]
 
 
 def test_a_block_id_is_the_same_bytes_for_every_layer_that_shares_them():

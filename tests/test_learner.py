@@ -1,4 +1,5 @@
 """The learner's loop: predictions locked before answers, and the local progress record."""
+
 from __future__ import annotations
 
 import ast
@@ -195,16 +196,19 @@ def test_an_error_in_the_answer_cell_opens_its_area(widget_mode):
     assert r.visible  # the learner sees what went wrong even before locking
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(question=""), "question"),
-    (dict(question="q", kind="guess"), "kind must be one of"),
-    (dict(question="q", kind="choice"), "at least 2"),
-    (dict(question="q", choices=["a", "a"]), "distinct"),
-    (dict(question="q", kind="number", choices=["a", "b"]), "only for kind='choice'"),
-    (dict(question="q", kind="number", tol=-1), "tol must be"),
-    (dict(question="q", rel_tol=0.1), "for kind='number'"),
-    (dict(question="q", id=""), "id must be"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(question=""), "question"),
+        (dict(question="q", kind="guess"), "kind must be one of"),
+        (dict(question="q", kind="choice"), "at least 2"),
+        (dict(question="q", choices=["a", "a"]), "distinct"),
+        (dict(question="q", kind="number", choices=["a", "b"]), "only for kind='choice'"),
+        (dict(question="q", kind="number", tol=-1), "tol must be"),
+        (dict(question="q", rel_tol=0.1), "for kind='number'"),
+        (dict(question="q", id=""), "id must be"),
+    ],
+)
 def test_predict_refuses_bad_arguments(kwargs, match, widget_mode):
     with pytest.raises(ValueError, match=match):
         Prediction(**kwargs)
@@ -276,7 +280,7 @@ def test_a_kernel_driven_by_nbclient_prints_plain_text(tmp_path):
     nb = nbformat.v4.new_notebook()
     nb.cells = [
         nbformat.v4.new_code_cell('from kvlab.learner import predict\np = predict("How many?", kind="number")'),
-        nbformat.v4.new_code_cell('with p.reveal():\n    print(42)'),
+        nbformat.v4.new_code_cell("with p.reveal():\n    print(42)"),
     ]
     env = {k: v for k, v in os.environ.items() if k != "KVLAB_PREDICT"}
     old = os.environ.copy()
@@ -289,7 +293,6 @@ def test_a_kernel_driven_by_nbclient_prints_plain_text(tmp_path):
         os.environ.update(old)
     outs = [[o.get("text", "") for o in c.outputs] for c in nb.cells]
     assert outs == [["✎ Predict: How many?\n"], ["42\n"]]
-
 
 
 def test_a_lessons_result_must_fit_its_kind(widget_mode):
@@ -343,7 +346,7 @@ def _prompts(path):
     out = []
     for i, c in enumerate(cells):
         if c.cell_type == "markdown" and re.search(r"\*\*Predict(, then run|:)", c.source):
-            out.append((c, next((d for d in cells[i + 1:] if d.cell_type == "code"), None), cells[i + 1:]))
+            out.append((c, next((d for d in cells[i + 1 :] if d.cell_type == "code"), None), cells[i + 1 :]))
     return out
 
 
@@ -356,8 +359,9 @@ def test_every_predict_prompt_takes_the_prediction_before_the_answer(path):
         assert nxt is not None and "predict(" in nxt.source, f"{path.name}: a prompt with no predict() after it: {where!r}"
         following = [c for c in rest if c.cell_type == "code"][1:]
         upto = next((k for k, c in enumerate(following) if "predict(" in c.source), len(following))
-        assert any("guess.reveal()" in c.source for c in following[:upto]), \
+        assert any("guess.reveal()" in c.source for c in following[:upto]), (
             f"{path.name}: the answer to {where!r} is not under guess.reveal()"
+        )
 
 
 def test_lessons_01_to_14_each_ask_for_predictions():
@@ -391,20 +395,27 @@ def _before_reveal_leaks(path) -> list[str]:
         if j is None:
             leaks.append(f"cell {i}: `{var}` is never revealed")
             continue
-        if any(o.output_type != "stream" or not all(line.startswith("✎ Predict:") for line in _text(o).strip().splitlines())
-               for o in c.outputs):
+        if any(
+            o.output_type != "stream" or not all(line.startswith("✎ Predict:") for line in _text(o).strip().splitlines()) for o in c.outputs
+        ):
             leaks.append(f"cell {i}: the predict cell shows more than its question")
         for k in range(i + 1, j):
             for o in cells[k].get("outputs", []):
-                if o.output_type in ("display_data", "execute_result") and set(o.get("data", {})) - {"text/plain"} \
-                        and not _PROGRESS_BAR.match(_text(o)):
+                if (
+                    o.output_type in ("display_data", "execute_result")
+                    and set(o.get("data", {})) - {"text/plain"}
+                    and not _PROGRESS_BAR.match(_text(o))
+                ):
                     leaks.append(f"cell {k}: a figure or widget between predict (cell {i}) and its reveal (cell {j}): {_text(o)[:60]!r}")
         tree = ast.parse("\n".join(line for line in cells[j].source.splitlines() if not line.lstrip().startswith(("%", "!"))))
         for st in tree.body:
             if isinstance(st, ast.With) and any(f"{var}.reveal" in ast.unparse(it.context_expr) for it in st.items):
                 continue
-            shown = [n for n in ast.walk(st) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
-                     and n.func.id in ("print", "display", "show", "Player")]
+            shown = [
+                n
+                for n in ast.walk(st)
+                if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in ("print", "display", "show", "Player")
+            ]
             if shown or (st is tree.body[-1] and isinstance(st, ast.Expr) and not isinstance(st.value, ast.Call)):
                 leaks.append(f"cell {j}: the answer cell shows {ast.unparse(st)[:60]!r} outside `with {var}.reveal():`")
     return leaks
@@ -420,16 +431,19 @@ def test_no_answer_is_shown_before_its_reveal(path):
 def test_the_leak_finder_finds_each_kind_of_leak(tmp_path):
     nb = nbformat.v4.new_notebook()
     player = nbformat.v4.new_output("display_data", data={"text/html": "<div class='kvlab-still-next'>…</div>", "text/plain": "Player"})
-    bar = nbformat.v4.new_output("display_data", data={"application/vnd.jupyter.widget-view+json": {}, "text/plain": "generate:  50%|#  | 1/2"})
+    bar = nbformat.v4.new_output(
+        "display_data", data={"application/vnd.jupyter.widget-view+json": {}, "text/plain": "generate:  50%|#  | 1/2"}
+    )
     q = nbformat.v4.new_output("stream", name="stdout", text="✎ Predict: how many?\n")
     nb.cells = [
         nbformat.v4.new_code_cell("guess = predict('how many?', kind='number')", outputs=[q]),
-        nbformat.v4.new_code_cell("engine.generate(p, progress=True)", outputs=[bar]),   # fine: a progress bar
-        nbformat.v4.new_code_cell("show(engine)", outputs=[player]),                      # leak: a Player
-        nbformat.v4.new_code_cell("with guess.reveal():\n    print(n)\nprint(n)"),        # leak: outside the block
-        nbformat.v4.new_code_cell("g2 = predict('which?', choices=['a', 'b'])\nprint(3)",
-                                  outputs=[q, nbformat.v4.new_output("stream", name="stdout", text="3\n")]),
-        nbformat.v4.new_code_cell("with g2.reveal():\n    x = 1\nx"),                     # leak: the bare value
+        nbformat.v4.new_code_cell("engine.generate(p, progress=True)", outputs=[bar]),  # fine: a progress bar
+        nbformat.v4.new_code_cell("show(engine)", outputs=[player]),  # leak: a Player
+        nbformat.v4.new_code_cell("with guess.reveal():\n    print(n)\nprint(n)"),  # leak: outside the block
+        nbformat.v4.new_code_cell(
+            "g2 = predict('which?', choices=['a', 'b'])\nprint(3)", outputs=[q, nbformat.v4.new_output("stream", name="stdout", text="3\n")]
+        ),
+        nbformat.v4.new_code_cell("with g2.reveal():\n    x = 1\nx"),  # leak: the bare value
         nbformat.v4.new_code_cell("g3 = predict('never revealed')"),
     ]
     path = tmp_path / "lesson.ipynb"

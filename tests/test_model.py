@@ -1,5 +1,6 @@
 """The toy model and the byte tokenizer: shapes, determinism, hand-checked building blocks,
 and a dense forward whose sliding-window layers match an explicit masked computation."""
+
 from __future__ import annotations
 
 import math
@@ -106,11 +107,7 @@ def test_rope_scores_depend_only_on_relative_position() -> None:
 
 def test_sliding_window_mask() -> None:
     m = sliding_window_mask(5, 2)
-    expected = torch.tensor([[1, 0, 0, 0, 0],
-                             [1, 1, 0, 0, 0],
-                             [0, 1, 1, 0, 0],
-                             [0, 0, 1, 1, 0],
-                             [0, 0, 0, 1, 1]], dtype=torch.bool)
+    expected = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 1, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 0, 1, 1]], dtype=torch.bool)
     assert torch.equal(m, expected)
     assert torch.equal(sliding_window_mask(4, None), torch.ones(4, 4, dtype=torch.bool).tril())
 
@@ -143,8 +140,7 @@ def test_causality(default_model: TinyLlama) -> None:
 
 
 def test_tied_embeddings_share_the_matrix() -> None:
-    model = TinyLlama(TinyLlamaConfig(hidden_size=64, num_layers=1, intermediate_size=64,
-                                      tie_word_embeddings=True))
+    model = TinyLlama(TinyLlamaConfig(hidden_size=64, num_layers=1, intermediate_size=64, tie_word_embeddings=True))
     assert model.lm_head is None
     assert model.forward_dense(PROMPT).shape == (len(PROMPT), 259)
 
@@ -173,8 +169,9 @@ def _manual_layer(model: TinyLlama, layer_idx: int, h: torch.Tensor) -> torch.Te
 
 
 def test_dense_forward_with_sliding_window_matches_manual_masking() -> None:
-    cfg = TinyLlamaConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64,
-                          sliding_window=3, sliding_window_layers=(1,))
+    cfg = TinyLlamaConfig(
+        hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64, sliding_window=3, sliding_window_layers=(1,)
+    )
     model = TinyLlama(cfg, seed=5)
     ids = PROMPT[:10]
     h = model.embed_tokens(torch.tensor(ids))
@@ -183,8 +180,7 @@ def test_dense_forward_with_sliding_window_matches_manual_masking() -> None:
     manual = model.compute_logits(h)
     torch.testing.assert_close(model.forward_dense(ids), manual, rtol=1e-4, atol=1e-4)
     # The window really matters: without it, layer 1 sees more and the logits change.
-    no_window = TinyLlama(TinyLlamaConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                                          intermediate_size=64), seed=5)
+    no_window = TinyLlama(TinyLlamaConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64), seed=5)
     assert not torch.allclose(no_window.forward_dense(ids)[5:], manual[5:], atol=1e-3)
 
 
@@ -203,33 +199,39 @@ def test_greedy_output_is_not_degenerate(default_model: TinyLlama) -> None:
 def test_generate_dense_stops_at_eos(default_model: TinyLlama) -> None:
     out = default_model.generate_dense(PROMPT, 8)
     stopped = default_model.generate_dense(PROMPT, 8, eos_token_id=out[2])
-    assert stopped == out[:out.index(out[2]) + 1]
+    assert stopped == out[: out.index(out[2]) + 1]
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(hidden_size=0), "hidden_size"),
-    (dict(hidden_size=130), "divisible by num_heads"),
-    (dict(num_kv_heads=3), "multiple of num_kv_heads"),
-    (dict(hidden_size=12, num_heads=4, num_kv_heads=2), "even"),
-    (dict(sliding_window=0, sliding_window_layers=(0,)), "sliding_window must be"),
-    (dict(sliding_window=16), "go together"),
-    (dict(sliding_window_layers=(1,)), "go together"),
-    (dict(sliding_window=16, sliding_window_layers=(2,)), "0..1"),
-    (dict(sliding_window=16, sliding_window_layers=(1, 1)), "distinct"),
-    (dict(rope_theta=0.0), "rope_theta"),
-    (dict(init_scale=-1.0), "init_scale"),
-    (dict(dtype=torch.int32), "dtype"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(hidden_size=0), "hidden_size"),
+        (dict(hidden_size=130), "divisible by num_heads"),
+        (dict(num_kv_heads=3), "multiple of num_kv_heads"),
+        (dict(hidden_size=12, num_heads=4, num_kv_heads=2), "even"),
+        (dict(sliding_window=0, sliding_window_layers=(0,)), "sliding_window must be"),
+        (dict(sliding_window=16), "go together"),
+        (dict(sliding_window_layers=(1,)), "go together"),
+        (dict(sliding_window=16, sliding_window_layers=(2,)), "0..1"),
+        (dict(sliding_window=16, sliding_window_layers=(1, 1)), "distinct"),
+        (dict(rope_theta=0.0), "rope_theta"),
+        (dict(init_scale=-1.0), "init_scale"),
+        (dict(dtype=torch.int32), "dtype"),
+    ],
+)
 def test_bad_config_raises(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         TinyLlamaConfig(**kwargs)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(num_layers=True), "num_layers"),
-    (dict(hidden_size=128.0), "hidden_size"),
-    (dict(sliding_window=16.5, sliding_window_layers=(0,)), "sliding_window"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(num_layers=True), "num_layers"),
+        (dict(hidden_size=128.0), "hidden_size"),
+        (dict(sliding_window=16.5, sliding_window_layers=(0,)), "sliding_window"),
+    ],
+)
 def test_bad_config_types_raise_type_error(kwargs: dict, match: str) -> None:
     with pytest.raises(TypeError, match=match):
         TinyLlamaConfig(**kwargs)

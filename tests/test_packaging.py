@@ -4,6 +4,7 @@ The package list in pyproject.toml is explicit (setuptools cannot *find* a folde
 is renamed on install), so a new subpackage that is not listed would work in the editable
 install used by `make test` and be missing from a wheel. This test builds the wheel.
 """
+
 from __future__ import annotations
 
 import subprocess
@@ -25,12 +26,21 @@ def test_every_package_is_listed_in_pyproject():
 def test_wheel_installs_kernels_as_kvlab_kernels(tmp_path):
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path)],
-        check=True, capture_output=True,
+        check=True,
+        capture_output=True,
     )
     (wheel,) = tmp_path.glob("kvlab-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    for f in ["kvlab/kernels/__init__.py", "kvlab/kernels/attention.py", "kvlab/kernels/cache_ops.py",
-              "kvlab/viz/player.py", "kvlab/exercises/checks_kernels.py", "kvlab/exercises/kernel_harness.py", "kvlab/core/block_pool.py", "kvlab/core/sched/scheduler.py"]:
+    for f in [
+        "kvlab/kernels/__init__.py",
+        "kvlab/kernels/attention.py",
+        "kvlab/kernels/cache_ops.py",
+        "kvlab/viz/player.py",
+        "kvlab/exercises/checks_kernels.py",
+        "kvlab/exercises/kernel_harness.py",
+        "kvlab/core/block_pool.py",
+        "kvlab/core/sched/scheduler.py",
+    ]:
         assert f in names, f"{f} missing from the wheel"
     assert not any(n.startswith("kernels/") for n in names), "kernels/ must install as kvlab/kernels/"
 

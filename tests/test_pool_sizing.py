@@ -1,4 +1,5 @@
 """kvlab.lessons.pool_sizing: vLLM 0.33's memory -> block-count arithmetic, with exact values."""
+
 from __future__ import annotations
 
 import pytest
@@ -18,8 +19,9 @@ def test_requested_memory_rounds_up_like_vllm():
 
 
 def test_budget_subtracts_every_non_kv_part():
-    budget = kv_cache_budget(80 * GiB, 0.92, weights=LLAMA3_8B_WEIGHTS, peak_activations=3 * GiB // 2,
-                             non_torch=GiB // 2, cuda_graphs=GiB // 2)
+    budget = kv_cache_budget(
+        80 * GiB, 0.92, weights=LLAMA3_8B_WEIGHTS, peak_activations=3 * GiB // 2, non_torch=GiB // 2, cuda_graphs=GiB // 2
+    )
     assert budget == 79_027_398_247 - 16_060_522_496 - 2_684_354_560 == 60_282_521_191
     assert kv_cache_budget(1000, 0.5, weights=100, peak_activations=50, non_torch=25) == 325
 

@@ -1,4 +1,5 @@
 """Request: fields as given, token bookkeeping, block-hash growth, lifecycle."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,8 +16,17 @@ from kvlab import (
 
 def test_fields_are_kept_as_given():
     img = MultiModalFeature(identifier="img-a", offset=2, length=3)
-    r = Request("r0", [5, 6, 7, 8, 9], max_tokens=4, eos_token_id=2, cache_salt="s", lora_name="l",
-                priority=-3, arrival_time=12.5, mm_features=[img])
+    r = Request(
+        "r0",
+        [5, 6, 7, 8, 9],
+        max_tokens=4,
+        eos_token_id=2,
+        cache_salt="s",
+        lora_name="l",
+        priority=-3,
+        arrival_time=12.5,
+        mm_features=[img],
+    )
     assert (r.request_id, r.prompt_token_ids, r.max_tokens, r.eos_token_id) == ("r0", [5, 6, 7, 8, 9], 4, 2)
     assert (r.cache_salt, r.lora_name, r.priority, r.arrival_time) == ("s", "l", -3, 12.5)
     assert r.mm_features == [img] and img.modality == "image"
@@ -73,7 +83,10 @@ def test_block_hashes_grow_exactly_when_a_block_fills():
 
 def test_status_is_finished():
     assert [s for s in RequestStatus if RequestStatus.is_finished(s)] == [
-        RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_ABORTED]
+        RequestStatus.FINISHED_STOPPED,
+        RequestStatus.FINISHED_LENGTH_CAPPED,
+        RequestStatus.FINISHED_ABORTED,
+    ]
     r = Request("r", [1])
     r.status = RequestStatus.PREEMPTED
     assert not r.is_finished()

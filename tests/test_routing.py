@@ -1,6 +1,7 @@
 """Engines in their own processes publishing KV events, and a router that learns their caches
 from the streams (issue 14): the scheduler's publisher hook, the server process and its
 client, the router's hashing, the policies, and the lock-step fleet."""
+
 from __future__ import annotations
 
 import pytest
@@ -32,8 +33,9 @@ class ListPublisher:
 # --- the scheduler publishes one batch per step ------------------------------------------------------
 def test_scheduler_publishes_each_steps_events_stamped_with_the_clock():
     pub = ListPublisher()
-    eng = build_engine(num_blocks=16, block_size=4, event_log=None, manager_kwargs=dict(enable_kv_cache_events=True),
-                       kv_event_publisher=pub)
+    eng = build_engine(
+        num_blocks=16, block_size=4, event_log=None, manager_kwargs=dict(enable_kv_cache_events=True), kv_event_publisher=pub
+    )
     eng.add_request(Request("a", list(range(10)), max_tokens=3))
     clocks = []
     while eng.has_unfinished_requests():
@@ -100,8 +102,20 @@ def replicas(loads, cached):
     out = []
     for i, (load, hs) in enumerate(zip(loads, cached)):
         st = ReplicaState(f"r{i}", load=load)
-        st.index.apply([BlockStored(block_hashes=list(hs), parent_block_hash=None, token_ids=[], block_size=16, lora_id=None,
-                                    medium="GPU", lora_name=None, group_idx=0)])
+        st.index.apply(
+            [
+                BlockStored(
+                    block_hashes=list(hs),
+                    parent_block_hash=None,
+                    token_ids=[],
+                    block_size=16,
+                    lora_id=None,
+                    medium="GPU",
+                    lora_name=None,
+                    group_idx=0,
+                )
+            ]
+        )
         out.append(st)
     return out
 
@@ -135,8 +149,11 @@ def test_a_server_process_streams_what_an_in_process_engine_caches():
     trace = multi_tenant(2, 24, 3, rate=4.0)
     engine = dict(num_blocks=64, block_size=16)
     sub = Subscriber("tcp://127.0.0.1:0", topic="kv@s", bind=True, catch_up=True)
-    srv = KVServer.start(name="s", engine=engine, kv_events_config=dict(
-        enable_kv_cache_events=True, endpoint=sub.endpoint, replay_endpoint="tcp://127.0.0.1:0", topic="kv@s"))
+    srv = KVServer.start(
+        name="s",
+        engine=engine,
+        kv_events_config=dict(enable_kv_cache_events=True, endpoint=sub.endpoint, replay_endpoint="tcp://127.0.0.1:0", topic="kv@s"),
+    )
     try:
         assert srv.alive and srv.startup_s > 0 and srv.replay_endpoint.startswith("tcp://127.0.0.1:")
         sub.replay_endpoint = srv.replay_endpoint
@@ -158,8 +175,14 @@ def test_a_server_process_streams_what_an_in_process_engine_caches():
     assert not srv.alive and stop_s < 30
     # the same trace, same config, in this process: same cache, same hits
     pub = ListPublisher()
-    eng = build_engine(num_blocks=64, block_size=16, executor=ScriptedExecutor(), event_log=None,
-                       manager_kwargs=dict(enable_kv_cache_events=True, hash_algo="sha256_cbor"), kv_event_publisher=pub)
+    eng = build_engine(
+        num_blocks=64,
+        block_size=16,
+        executor=ScriptedExecutor(),
+        event_log=None,
+        manager_kwargs=dict(enable_kv_cache_events=True, hash_algo="sha256_cbor"),
+        kv_event_publisher=pub,
+    )
     eng.run_trace(trace.to_requests())
     local = KVStream(enumerate(pub.batches))
     assert len(stream) == len(local) == status["published"]
@@ -168,8 +191,9 @@ def test_a_server_process_streams_what_an_in_process_engine_caches():
 
 
 def test_a_dead_server_is_reported_not_waited_for():
-    srv = KVServer.start(name="doomed", engine=dict(num_blocks=16), kv_events_config=dict(
-        enable_kv_cache_events=True, endpoint="tcp://127.0.0.1:1"))
+    srv = KVServer.start(
+        name="doomed", engine=dict(num_blocks=16), kv_events_config=dict(enable_kv_cache_events=True, endpoint="tcp://127.0.0.1:1")
+    )
     try:
         srv.kill()
         with pytest.raises(ServerDied, match="doomed .* exited with code"):
@@ -179,7 +203,9 @@ def test_a_dead_server_is_reported_not_waited_for():
     with pytest.raises(ValueError, match="unknown keys"):
         KVServer.start(engine=dict(num_blok=3))
     with pytest.raises(ValueError, match=r"engine\['num_blocks'\]=0 is out of range"):  # refused before a process starts
-        KVServer.start(name="bad", engine=dict(num_blocks=0), kv_events_config=dict(enable_kv_cache_events=True, endpoint="tcp://127.0.0.1:1"))
+        KVServer.start(
+            name="bad", engine=dict(num_blocks=0), kv_events_config=dict(enable_kv_cache_events=True, endpoint="tcp://127.0.0.1:1")
+        )
     with pytest.raises(ServerDied, match="before it was ready"):  # the process itself cannot bind its socket
         KVServer.start(name="bad", kv_events_config=dict(enable_kv_cache_events=True, endpoint="ipc:///nonexistent-kvlab-dir/kv.sock"))
 

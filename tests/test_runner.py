@@ -5,6 +5,7 @@ freeing, preemption) and hands the runner SchedulerOutputs built by hand.
 Ground truth is always ``TinyLlama.generate_dense`` / ``forward_dense`` (no cache at all).
 The kernels are the real Triton ones (interpreted on CPU), so the model is kept tiny.
 """
+
 from __future__ import annotations
 
 import random
@@ -24,15 +25,18 @@ torch.set_num_threads(1)
 BS = 4  # small blocks: many blocks per prompt, so the tables are interesting
 WINDOW = 8
 SMALL = TinyLlamaConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
-HYBRID = TinyLlamaConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
-                         sliding_window=WINDOW, sliding_window_layers=(1,))
+HYBRID = TinyLlamaConfig(
+    hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, sliding_window=WINDOW, sliding_window_layers=(1,)
+)
 # Logits: paged (online softmax in the kernel, per-block accumulation) vs dense SDPA in
 # float32 differ by rounding only; observed max |diff| is ~1e-5.
 LOGIT_TOL = dict(rtol=1e-4, atol=2e-4)
 
-PROMPTS = [list(b"Blocks, not buffers: paged."),  # 27 tokens: 7 blocks, the last one partial
-           list(b"Logical -> physical."),  # 20 tokens: exactly 5 blocks
-           list(b"Short one.")]
+PROMPTS = [
+    list(b"Blocks, not buffers: paged."),  # 27 tokens: 7 blocks, the last one partial
+    list(b"Logical -> physical."),  # 20 tokens: exactly 5 blocks
+    list(b"Short one."),
+]
 
 
 @pytest.fixture(scope="module")
@@ -92,8 +96,7 @@ class Req:
 class Driver:
     """Plays scheduler + KV-cache manager for one runner."""
 
-    def __init__(self, runner: ModelRunner, chunk: int | None = None, pool_seed: int = 0,
-                 check_logits: bool = True) -> None:
+    def __init__(self, runner: ModelRunner, chunk: int | None = None, pool_seed: int = 0, check_logits: bool = True) -> None:
         self.runner = runner
         self.pool = Pool(runner.num_blocks, pool_seed)
         self.chunk = chunk
@@ -108,8 +111,7 @@ class Driver:
         self.num_steps = 0
         self.max_logit_diff = 0.0
 
-    def add(self, rid: str, prompt: list[int], max_tokens: int,
-            hit: tuple[int, list[list[int]]] | None = None) -> Req:
+    def add(self, rid: str, prompt: list[int], max_tokens: int, hit: tuple[int, list[list[int]]] | None = None) -> Req:
         req = Req(rid, list(prompt), max_tokens, list(prompt))
         req.blocks = [[] for _ in range(self.groups)]
         req.pending = [[] for _ in range(self.groups)]
@@ -162,10 +164,11 @@ class Driver:
                     b = self.pool.take()
                     req.blocks[g].append(b)
                     req.pending[g].append(b)
-            todo = req.tokens[req.computed:req.computed + n]
+            todo = req.tokens[req.computed : req.computed + n]
             if not req.sent:
-                new_reqs.append(NewRequestData(req.rid, req.prompt, list(req.tokens),
-                                               tuple(list(r) for r in req.blocks), req.computed, todo))
+                new_reqs.append(
+                    NewRequestData(req.rid, req.prompt, list(req.tokens), tuple(list(r) for r in req.blocks), req.computed, todo)
+                )
                 req.sent = True
             else:
                 cached.req_ids.append(req.rid)
@@ -175,28 +178,31 @@ class Driver:
             req.pending = [[] for _ in range(self.groups)]
             sched[req.rid] = n
         so = SchedulerOutput(
-            step=self.num_steps, scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached,
-            num_scheduled_tokens=sched, total_num_scheduled_tokens=sum(sched.values()),
+            step=self.num_steps,
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=sched,
+            total_num_scheduled_tokens=sum(sched.values()),
             scheduled_new_req_ids=[r.req_id for r in new_reqs if not self.active[r.req_id].resumed],
             scheduled_resumed_req_ids=[r.req_id for r in new_reqs if self.active[r.req_id].resumed],
             scheduled_running_req_ids=list(cached.req_ids),
-            preempted_req_ids=self.preempted, finished_req_ids=self.finished)
+            preempted_req_ids=self.preempted,
+            finished_req_ids=self.finished,
+        )
         self.preempted, self.finished = set(), set()
         self.num_steps += 1
         out = self.runner.execute_model(so)
-        complete = {rid for rid, n in sched.items()
-                    if self.active[rid].computed + n == len(self.active[rid].tokens)}
+        complete = {rid for rid, n in sched.items() if self.active[rid].computed + n == len(self.active[rid].tokens)}
         assert set(out) == complete, "tokens only for requests whose known tokens are all computed"
         batch = self.runner.last_batch
         for row, rid in enumerate(batch.req_ids if batch is not None else ()):
             req = self.active[rid]
             req.computed += sched[rid]
             if self.check_logits:
-                dense = self.runner.model.forward_dense(req.tokens[:req.computed])[-1]
+                dense = self.runner.model.forward_dense(req.tokens[: req.computed])[-1]
                 torch.testing.assert_close(batch.logits[row], dense, **LOGIT_TOL)
                 finite = dense.isfinite()
-                self.max_logit_diff = max(self.max_logit_diff,
-                                          float((batch.logits[row] - dense)[finite].abs().max()))
+                self.max_logit_diff = max(self.max_logit_diff, float((batch.logits[row] - dense)[finite].abs().max()))
         for rid, toks in out.items():
             req = self.active[rid]
             assert len(toks) == 1
@@ -290,7 +296,7 @@ def test_prefix_hit_skips_compute(model: TinyLlama) -> None:
     assert rec.num_scheduled_tokens[row] == len(p1) - k * BS  # only the uncached tail was fed
     assert rec.positions[rec.cu_seqlens_q[row]] == k * BS
     assert runner.num_tokens_computed - before == len(p1) - k * BS + 1  # + r0's decode token
-    r1_slots = rec.slot_mappings[0][rec.cu_seqlens_q[row]:rec.cu_seqlens_q[row + 1]]
+    r1_slots = rec.slot_mappings[0][rec.cu_seqlens_q[row] : rec.cu_seqlens_q[row + 1]]
     assert not {s // BS for s in r1_slots} & set(hit_blocks)  # shared blocks are read, never written
     assert runner.block_table("r1")[0][:k] == hit_blocks
     assert driver.run() == {"r0": model.generate_dense(p0, 4), "r1": model.generate_dense(p1, 4)}
@@ -311,7 +317,7 @@ def test_sliding_window_groups_with_null_and_reused_blocks(hybrid: TinyLlama) ->
     k = 4
     first_needed = (k * BS - WINDOW + 1) // BS
     window_row = [0] * first_needed + r0.blocks[1][first_needed:k]
-    p2 = PROMPTS[0][:k * BS] + list(b"tail")
+    p2 = PROMPTS[0][: k * BS] + list(b"tail")
     driver.add("r2", p2, 5, hit=(k * BS, [r0.blocks[0][:k], window_row]))
     rows: dict[str, list[int]] = {}
     while driver.active:
@@ -319,8 +325,7 @@ def test_sliding_window_groups_with_null_and_reused_blocks(hybrid: TinyLlama) ->
         rows |= {rid: runner.block_table(rid)[1] for rid in driver.active}
     assert rows["r2"][:first_needed] == [0] * first_needed
     got = {rid: r.outputs for rid, r in driver.done.items()}
-    want = {"r0": hybrid.generate_dense(prompts[0], 7), "r1": hybrid.generate_dense(prompts[1], 7),
-            "r2": hybrid.generate_dense(p2, 5)}
+    want = {"r0": hybrid.generate_dense(prompts[0], 7), "r1": hybrid.generate_dense(prompts[1], 7), "r2": hybrid.generate_dense(p2, 5)}
     assert got == want
     # Window blocks that left the window went back to the pool and were handed out again
     # while the runner's (append-only) rows still held their old ids: some physical block
@@ -369,14 +374,19 @@ def _new(req_id: str, tokens: list[int], blocks: list[int], computed: int = 0, g
     return NewRequestData(req_id, tokens, tokens, tuple([list(blocks)] * groups), computed, tokens[computed:])
 
 
-def _output(new: list[NewRequestData], cached: CachedRequestData | None = None, sched: dict[str, int] | None = None,
-            finished: set[str] | None = None) -> SchedulerOutput:
+def _output(
+    new: list[NewRequestData],
+    cached: CachedRequestData | None = None,
+    sched: dict[str, int] | None = None,
+    finished: set[str] | None = None,
+) -> SchedulerOutput:
     cached = cached or CachedRequestData()
     if sched is None:
         sched = {r.req_id: len(r.new_token_ids) for r in new}
         sched |= {rid: len(t) for rid, t in zip(cached.req_ids, cached.new_token_ids)}
-    return SchedulerOutput(0, new, cached, sched, sum(sched.values()), [r.req_id for r in new], [],
-                           list(cached.req_ids), set(), finished or set())
+    return SchedulerOutput(
+        0, new, cached, sched, sum(sched.values()), [r.req_id for r in new], [], list(cached.req_ids), set(), finished or set()
+    )
 
 
 def test_bad_scheduler_outputs_raise_and_change_nothing(model: TinyLlama) -> None:
@@ -399,8 +409,7 @@ def test_bad_scheduler_outputs_raise_and_change_nothing(model: TinyLlama) -> Non
         (_output([], CachedRequestData(["ok"], [None], [10], [[nxt + 1]])), "holds"),
         (_output([], CachedRequestData(["ok"], [([6], [7])], [10], [[nxt]])), "one list per KV-cache group"),
         (_output([], CachedRequestData(["ok"], [None], [10], [[nxt]]), finished={"ok"}), "finished"),
-        (_output([_new("ok", toks, [3, 4, 5])], CachedRequestData(["ok"], [None], [10], [[nxt]]), sched={"ok": 10}),
-         "twice"),
+        (_output([_new("ok", toks, [3, 4, 5])], CachedRequestData(["ok"], [None], [10], [[nxt]]), sched={"ok": 10}), "twice"),
     ]
     for so, match in cases:
         with pytest.raises(ValueError, match=match):
@@ -418,15 +427,18 @@ def test_empty_step_drops_finished(model: TinyLlama) -> None:
     assert runner.requests == {} and runner.last_batch is None
 
 
-@pytest.mark.parametrize("kwargs, exc, match", [
-    (dict(num_blocks=1), ValueError, "num_blocks"),
-    (dict(block_size=0), ValueError, "block_size"),
-    (dict(temperature=-0.5), ValueError, "temperature"),
-    (dict(backend="cuda-graphs"), ValueError, "backend"),
-    (dict(kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(sliding_window=8)]), ValueError, "do not match"),
-    (dict(kv_cache_groups=[SlidingWindowSpec(sliding_window=8)]), ValueError, "full-attention group"),
-    (dict(kv_cache_groups=[FullAttentionSpec(block_size=16)]), ValueError, "block_size"),
-])
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        (dict(num_blocks=1), ValueError, "num_blocks"),
+        (dict(block_size=0), ValueError, "block_size"),
+        (dict(temperature=-0.5), ValueError, "temperature"),
+        (dict(backend="cuda-graphs"), ValueError, "backend"),
+        (dict(kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(sliding_window=8)]), ValueError, "do not match"),
+        (dict(kv_cache_groups=[SlidingWindowSpec(sliding_window=8)]), ValueError, "full-attention group"),
+        (dict(kv_cache_groups=[FullAttentionSpec(block_size=16)]), ValueError, "block_size"),
+    ],
+)
 def test_bad_constructor_args(model: TinyLlama, kwargs: dict, exc: type, match: str) -> None:
     args = dict(num_blocks=8, block_size=BS) | kwargs
     with pytest.raises(exc, match=match):

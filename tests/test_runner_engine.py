@@ -4,6 +4,7 @@ executor, running the tiny model through the Triton kernels (interpreted on CPU)
 Whatever the engine does with memory — prefix caching, preemption by recompute, chunked
 prefill, sliding-window groups — the greedy tokens must equal the dense forward's.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -36,17 +37,21 @@ def dense(model: TinyLlama) -> list[list[int]]:
     return [model.generate_dense(p, MAX_TOKENS) for p in PROMPTS]
 
 
-def make_engine(model: TinyLlama, num_blocks: int = 64, block_size: int = BS, enable_caching: bool = True,
-                kv_cache_groups: list | None = None, **sched_kwargs) -> tuple[LLMEngine, ModelRunner]:
-    mgr = KVCacheManager(num_blocks=num_blocks, block_size=block_size, kv_cache_groups=kv_cache_groups,
-                         enable_caching=enable_caching)
+def make_engine(
+    model: TinyLlama,
+    num_blocks: int = 64,
+    block_size: int = BS,
+    enable_caching: bool = True,
+    kv_cache_groups: list | None = None,
+    **sched_kwargs,
+) -> tuple[LLMEngine, ModelRunner]:
+    mgr = KVCacheManager(num_blocks=num_blocks, block_size=block_size, kv_cache_groups=kv_cache_groups, enable_caching=enable_caching)
     runner = ModelRunner(model, num_blocks=num_blocks, block_size=block_size, kv_cache_groups=kv_cache_groups)
     return LLMEngine(mgr, Scheduler(mgr, **sched_kwargs), runner), runner
 
 
 @pytest.mark.parametrize("enable_caching", [True, False])
-def test_engine_matches_dense_with_and_without_prefix_caching(model: TinyLlama, dense: list[list[int]],
-                                                              enable_caching: bool) -> None:
+def test_engine_matches_dense_with_and_without_prefix_caching(model: TinyLlama, dense: list[list[int]], enable_caching: bool) -> None:
     engine, runner = make_engine(model, enable_caching=enable_caching)
     assert engine.generate(PROMPTS, max_tokens=MAX_TOKENS) == dense
     # Every token went through the model once (except each request's last sampled one),
@@ -69,8 +74,7 @@ def test_engine_matches_dense_under_preemption(model: TinyLlama) -> None:
 
 
 def test_engine_matches_dense_with_chunked_prefill(model: TinyLlama, dense: list[list[int]]) -> None:
-    engine, runner = make_engine(model, max_num_batched_tokens=10, enable_chunked_prefill=True,
-                                 enable_caching=False)
+    engine, runner = make_engine(model, max_num_batched_tokens=10, enable_chunked_prefill=True, enable_caching=False)
     runner.keep_history = True
     assert engine.generate(PROMPTS[:2], max_tokens=MAX_TOKENS) == dense[:2]
     # The 17- and 23-token prompts were fed in chunks of at most 10 tokens a step, and the
@@ -83,8 +87,7 @@ def test_engine_matches_dense_with_chunked_prefill(model: TinyLlama, dense: list
 def test_shared_prefix_is_not_recomputed() -> None:
     # One layer is enough here (the point is what reaches the kernels) and halves the cost
     # of the 512-token prefill under the interpreter.
-    model = TinyLlama(TinyLlamaConfig(hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2,
-                                      intermediate_size=128), seed=0)
+    model = TinyLlama(TinyLlamaConfig(hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=128), seed=0)
     prefix = [32 + (7 * i) % 90 for i in range(512)]  # 32 full blocks of 16
     p0, p1 = prefix + list(b"first"), prefix + list(b"second!")
     engine, runner = make_engine(model, num_blocks=40, block_size=16)
@@ -98,8 +101,9 @@ def test_shared_prefix_is_not_recomputed() -> None:
 
 
 def test_engine_with_sliding_window_group(dense: list[list[int]]) -> None:
-    cfg = TinyLlamaConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
-                          sliding_window=8, sliding_window_layers=(1,))
+    cfg = TinyLlamaConfig(
+        hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, sliding_window=8, sliding_window_layers=(1,)
+    )
     hybrid = TinyLlama(cfg, seed=0)
     groups = [FullAttentionSpec(), SlidingWindowSpec(sliding_window=8)]
     engine, runner = make_engine(hybrid, num_blocks=40, kv_cache_groups=groups)

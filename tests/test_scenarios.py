@@ -3,6 +3,7 @@
 Each test states a scenario's claim as a fact about its event log or snapshots, so a
 change in the engine that breaks a lesson's story fails here with the scenario's name.
 """
+
 from __future__ import annotations
 
 import pytest

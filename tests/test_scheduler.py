@@ -12,6 +12,7 @@ Conventions used in the hand derivations below:
   step gets one sampled token, ``tok(r)`` = 50_000 + its current length (deterministic and
   never inside a prompt range, so no request can hit another one's blocks by accident).
 """
+
 from __future__ import annotations
 
 from kvlab import KVCacheManager, Request, RequestStatus, Scheduler
@@ -600,7 +601,11 @@ def test_stats_and_prometheus_text():
     ]
     helps = [ln.split()[2] for ln in lines if ln.startswith("# HELP")]
     assert helps == [
-        "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-        "vllm:num_preemptions", "vllm:prefix_cache_queries", "vllm:prefix_cache_hits",
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:num_preemptions",
+        "vllm:prefix_cache_queries",
+        "vllm:prefix_cache_hits",
     ]
     assert 'model_name="m"' in s.to_prometheus(model_name="m")

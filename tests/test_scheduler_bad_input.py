@@ -1,5 +1,6 @@
 """Bad input to the Scheduler: a clear error that names the argument, raised before any
 state changes (nothing queued, nothing emitted, nothing lost)."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,5 @@
 """Tests for kvlab.workloads.memory_sim: hand-computed memory splits, an independent reference, invariants."""
+
 from __future__ import annotations
 
 from collections import deque
@@ -193,7 +194,12 @@ def test_fast_path_runs_a_thousand_requests() -> None:
     rows = {r.label: r for r in compare(sharegpt_like(1000, 0, rate=10.0), 15_616, block_sizes=(16, 64))}
     assert list(rows) == ["max", "pow2", "oracle", "paged(16)", "paged(64)"]
     assert {k: round(r.token_states_pct, 2) for k, r in rows.items()} == {
-        "max": 21.24, "pow2": 37.92, "oracle": 50.41, "paged(16)": 97.28, "paged(64)": 92.81}
+        "max": 21.24,
+        "pow2": 37.92,
+        "oracle": 50.41,
+        "paged(16)": 97.28,
+        "paged(64)": 92.81,
+    }
     assert rows["max"].avg_running == 7.0 and round(rows["paged(16)"].avg_running, 2) == 32.06
 
 
@@ -293,11 +299,10 @@ def reference(trace: Trace, capacity: int, strategy: str, bs: int, max_model_len
                 j["blocks"] = need
             else:
                 size = reservation_size(strategy, j["p"] + j["o"], max_model_len)
-                start = next((s for s in range(capacity - size + 1)
-                              if all(x is None for x in owner[s:s + size])), None)
+                start = next((s for s in range(capacity - size + 1) if all(x is None for x in owner[s : s + size])), None)
                 if start is None:
                     break
-                owner[start:start + size] = [j] * size
+                owner[start : start + size] = [j] * size
                 j["size"] = size
             waiting.popleft()
             j["stored"] = base + 1
@@ -309,12 +314,16 @@ def reference(trace: Trace, capacity: int, strategy: str, bs: int, max_model_len
             row = [tokens, 0, held - tokens, capacity - (capacity // bs) * bs, free_blocks * bs]
         else:
             unused = owner.count(None)
-            row = [tokens, sum(j["p"] + j["o"] - j["stored"] for j in running),
-                   sum(j["size"] - j["p"] - j["o"] for j in running),
-                   unused if waiting else 0, 0 if waiting else unused]
+            row = [
+                tokens,
+                sum(j["p"] + j["o"] - j["stored"] for j in running),
+                sum(j["size"] - j["p"] - j["o"] for j in running),
+                unused if waiting else 0,
+                0 if waiting else unused,
+            ]
         assert sum(row) == capacity
         if n:
-            for key in (["busy", "sat"] if waiting else ["busy"]):
+            for key in ["busy", "sat"] if waiting else ["busy"]:
                 sums[key] = [a + b for a, b in zip(sums[key], row + [n, 1])]
         peak = max(peak, n)
         for j in [j for j in running if j["stored"] == j["p"] + j["o"]]:
@@ -327,20 +336,23 @@ def reference(trace: Trace, capacity: int, strategy: str, bs: int, max_model_len
         t += 1
     acc = sums["sat"] if sums["sat"][6] else sums["busy"]
     out = {f: 100 * acc[i] / (acc[6] * capacity) for i, f in enumerate(SHARES)}
-    out.update(avg_running=acc[5] / acc[6], measured_steps=acc[6], saturated_steps=sums["sat"][6],
-               busy_steps=sums["busy"][6], peak_running=peak, num_preemptions=preemptions,
-               total_steps=last - trace[0].arrival_time + 1)
+    out.update(
+        avg_running=acc[5] / acc[6],
+        measured_steps=acc[6],
+        saturated_steps=sums["sat"][6],
+        busy_steps=sums["busy"][6],
+        peak_running=peak,
+        num_preemptions=preemptions,
+        total_steps=last - trace[0].arrival_time + 1,
+    )
     return out
 
 
-tiny_traces = st.lists(
-    st.tuples(st.integers(1, 12), st.integers(1, 12), st.integers(0, 20)), min_size=1, max_size=8
-)
+tiny_traces = st.lists(st.tuples(st.integers(1, 12), st.integers(1, 12), st.integers(0, 20)), min_size=1, max_size=8)
 
 
 @settings(max_examples=120, deadline=None)
-@given(specs=tiny_traces, capacity=st.integers(24, 60), bs=st.sampled_from([1, 2, 4, 8]),
-       strategy=st.sampled_from(STRATEGIES))
+@given(specs=tiny_traces, capacity=st.integers(24, 60), bs=st.sampled_from([1, 2, 4, 8]), strategy=st.sampled_from(STRATEGIES))
 def test_simulator_matches_the_slow_reference(specs, capacity, bs, strategy) -> None:
     trace = from_lengths([(p, o, float(a)) for p, o, a in specs])
     want = reference(trace, capacity, strategy, bs, 24)
@@ -368,9 +380,14 @@ def test_shares_sum_to_100_and_none_is_negative(specs, capacity, bs) -> None:
 
 
 @settings(max_examples=15, deadline=None)
-@given(seed=st.integers(0, 10**6), n=st.integers(20, 60), capacity=st.sampled_from([2048, 3072, 4096]),
-       bs=st.sampled_from([1, 2, 4, 8, 16]), shape=st.sampled_from(["sharegpt", "alpaca"]),
-       rate=st.sampled_from([None, 50.0]))
+@given(
+    seed=st.integers(0, 10**6),
+    n=st.integers(20, 60),
+    capacity=st.sampled_from([2048, 3072, 4096]),
+    bs=st.sampled_from([1, 2, 4, 8, 16]),
+    shape=st.sampled_from(["sharegpt", "alpaca"]),
+    rate=st.sampled_from([None, 50.0]),
+)
 def test_paged_holds_more_token_states_than_any_reservation(seed, n, capacity, bs, shape, rate) -> None:
     # The claim of Fig. 2, for realistic traces whenever memory is the bottleneck (the paged
     # run has a backlog). Not a theorem for arbitrary tiny traces: the averages run over

@@ -9,6 +9,7 @@ simulator stores a token's state in the step that produces it, the engine writes
 sampled token's K/V one step later, so a simulator request with prompt P is an engine
 request with prompt P + 1 (see ``memory_sim.paged_decisions``).
 """
+
 from __future__ import annotations
 
 import math
@@ -74,9 +75,7 @@ def test_a_sharegpt_like_trace_with_many_preemptions():
 
 @settings(max_examples=60)
 @given(
-    specs=st.lists(
-        st.tuples(st.integers(1, 20), st.integers(1, 20), st.integers(0, 12)), min_size=1, max_size=12
-    ),
+    specs=st.lists(st.tuples(st.integers(1, 20), st.integers(1, 20), st.integers(0, 12)), min_size=1, max_size=12),
     bs=st.sampled_from([1, 2, 4, 8]),
     extra_blocks=st.integers(0, 6),
 )

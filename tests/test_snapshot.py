@@ -11,6 +11,7 @@ would say. Three kinds of checks:
   and on a hybrid full + sliding-window manager -- also through a ``Timeline`` that is
   refreshed as the log grows, as the live player uses it.
 """
+
 from __future__ import annotations
 
 import random
@@ -179,8 +180,18 @@ def _workload(seed: int, n: int, block_size: int, priorities: bool) -> list[Requ
     prefixes = [[rng.randrange(500) for _ in range(rng.choice((2 * block_size, 3 * block_size)))] for _ in range(2)]
     reqs = []
     for i in range(n):
-        prompt = (prefixes[rng.randrange(2)] if rng.random() < 0.8 else []) + [rng.randrange(500) for _ in range(rng.randint(1, 2 * block_size))]
-        reqs.append(Request(f"r{i}", prompt, max_tokens=rng.randint(2, 3 * block_size), priority=rng.randrange(3) if priorities else 0, arrival_time=float(i)))
+        prompt = (prefixes[rng.randrange(2)] if rng.random() < 0.8 else []) + [
+            rng.randrange(500) for _ in range(rng.randint(1, 2 * block_size))
+        ]
+        reqs.append(
+            Request(
+                f"r{i}",
+                prompt,
+                max_tokens=rng.randint(2, 3 * block_size),
+                priority=rng.randrange(3) if priorities else 0,
+                arrival_time=float(i),
+            )
+        )
     return reqs
 
 

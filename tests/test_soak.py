@@ -11,6 +11,7 @@ spreads, so the tail is kept (p50 input 9 tokens, max 170). n stays 1,000. Arriv
 Poisson at 20 req/s on the simulated clock -- a little above what the small pool can serve,
 so a queue forms but stays short (check_invariants() walks the waiting queue every step).
 """
+
 from __future__ import annotations
 
 import random
@@ -47,8 +48,7 @@ def make_requests(trace) -> list[Request]:
     # Priorities matter only under policy="priority"; arrival times are the trace's.
     rng = random.Random(7)
     return [
-        Request(t.request_id, t.prompt_token_ids, max_tokens=t.max_tokens, priority=rng.randrange(3),
-                arrival_time=t.arrival_time)
+        Request(t.request_id, t.prompt_token_ids, max_tokens=t.max_tokens, priority=rng.randrange(3), arrival_time=t.arrival_time)
         for t in trace
     ]
 
@@ -81,8 +81,9 @@ def drive(eng: LLMEngine, reqs: list[Request], check: bool) -> int:
 def reference(trace) -> dict[str, list[int]]:
     """Unbounded pool and batch: nothing is ever preempted."""
     total = sum(r.prompt_len + r.max_tokens for r in trace)
-    eng = build_engine(num_blocks=total // BLOCK_SIZE + N + 1, block_size=BLOCK_SIZE, event_log=None,
-                       max_num_batched_tokens=1 << 20, max_num_seqs=2 * N)
+    eng = build_engine(
+        num_blocks=total // BLOCK_SIZE + N + 1, block_size=BLOCK_SIZE, event_log=None, max_num_batched_tokens=1 << 20, max_num_seqs=2 * N
+    )
     reqs = make_requests(trace)
     drive(eng, reqs, check=False)
     assert eng.scheduler.num_preemptions == 0
@@ -93,7 +94,7 @@ def reference(trace) -> dict[str, list[int]]:
         ctx = list(r.prompt_token_ids)
         for _ in range(r.max_tokens):
             ctx.append(ex.next_token(ctx))
-        assert outs[r.request_id] == ctx[r.num_prompt_tokens:]
+        assert outs[r.request_id] == ctx[r.num_prompt_tokens :]
     return outs
 
 
@@ -103,9 +104,15 @@ _prefill: dict[tuple[str, bool], int] = {}
 @pytest.mark.parametrize("caching", [True, False], ids=["caching", "no-caching"])
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 def test_soak_small_pool(trace, reference, policy, caching):
-    eng = build_engine(num_blocks=SMALL_POOL, block_size=BLOCK_SIZE, event_log=None, policy=policy,
-                       manager_kwargs={"enable_caching": caching}, max_num_batched_tokens=BUDGET,
-                       max_num_seqs=MAX_SEQS)
+    eng = build_engine(
+        num_blocks=SMALL_POOL,
+        block_size=BLOCK_SIZE,
+        event_log=None,
+        policy=policy,
+        manager_kwargs={"enable_caching": caching},
+        max_num_batched_tokens=BUDGET,
+        max_num_seqs=MAX_SEQS,
+    )
     reqs = make_requests(trace)
     drive(eng, reqs, check=True)
     sched, mgr = eng.scheduler, eng.kv_cache_manager

@@ -4,6 +4,7 @@ Each scenario's numbers (hit lengths, hit blocks, new blocks, tables, ref counts
 are cached) were checked against vLLM 0.33.0's own ``KVCacheManager`` run side by side on the
 same operations; kvlab's tests state them as facts. Block size 4 unless a spec says otherwise.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -37,8 +38,16 @@ def admit(m, rid, tokens, new=None, ext=0, la=0, gate=False, delay=False):
     r = Request(rid, tokens)
     hits, n = m.get_computed_blocks(r)
     num_new = new if new is not None else len(tokens) - n - ext
-    out = m.allocate_slots(r, num_new, n, hits, num_lookahead_tokens=la, num_external_computed_tokens=ext,
-                           full_sequence_must_fit=gate, delay_cache_blocks=delay)
+    out = m.allocate_slots(
+        r,
+        num_new,
+        n,
+        hits,
+        num_lookahead_tokens=la,
+        num_external_computed_tokens=ext,
+        full_sequence_must_fit=gate,
+        delay_cache_blocks=delay,
+    )
     if out is not None:
         r.num_computed_tokens = n + ext + num_new
     m.check_invariants()
@@ -164,8 +173,14 @@ def test_mla_bytes_per_token():
 
 # --- groups of different block sizes -----------------------------------------------------------
 def test_block_size_resolution_lcm_and_gcd():
-    m, _ = mgr([FullAttentionSpec(block_size=4), SlidingWindowSpec(sliding_window=3, block_size=4),
-                SlidingWindowSpec(sliding_window=40, block_size=12)], 40)
+    m, _ = mgr(
+        [
+            FullAttentionSpec(block_size=4),
+            SlidingWindowSpec(sliding_window=3, block_size=4),
+            SlidingWindowSpec(sliding_window=40, block_size=12),
+        ],
+        40,
+    )
     assert (m.scheduler_block_size, m.hash_block_size) == (12, 4)
     m2, _ = mgr([FullAttentionSpec(block_size=4), SlidingWindowSpec(sliding_window=3, block_size=12)], 10, enable_caching=False)
     assert (m2.scheduler_block_size, m2.hash_block_size) == (12, 12)  # no caching: hash at the LCM
@@ -175,8 +190,11 @@ def test_mixed_block_sizes_exact_scenario():
     """Hashes every 4 tokens; a 12-token block's hash is the last 4-token hash inside it.
     Hits are multiples of 12. The 4-token window group caches only the block that ends each
     12-token segment (a hit of a multiple of 12 reads only that one)."""
-    groups = [FullAttentionSpec(block_size=4), SlidingWindowSpec(sliding_window=3, block_size=4),
-              SlidingWindowSpec(sliding_window=40, block_size=12)]
+    groups = [
+        FullAttentionSpec(block_size=4),
+        SlidingWindowSpec(sliding_window=3, block_size=4),
+        SlidingWindowSpec(sliding_window=40, block_size=12),
+    ]
     m, log = mgr(groups, 40)
     a, _, _, new = admit(m, "a", P)
     assert new == ([1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12], [13, 14])
@@ -243,8 +261,9 @@ def test_mamba_state_cached_this_step_is_usable_only_next_step():
 def test_mamba_none_mode_needs_caching_off_and_keeps_one_state():
     with pytest.raises(ValueError, match="align"):
         KVCacheManager(num_blocks=10, block_size=4, kv_cache_groups=[MambaSpec(mamba_cache_mode="none")])
-    m = KVCacheManager(num_blocks=10, block_size=4, enable_caching=False,
-                       kv_cache_groups=[MambaSpec(mamba_cache_mode="none", block_size=64)])
+    m = KVCacheManager(
+        num_blocks=10, block_size=4, enable_caching=False, kv_cache_groups=[MambaSpec(mamba_cache_mode="none", block_size=64)]
+    )
     r = Request("r", list(range(40)))
     assert m.allocate_slots(r, 40).get_block_ids() == ([1],)
     r.num_computed_tokens = 40
@@ -310,7 +329,9 @@ def test_empty_prompt_with_lookahead_slots():
     m = KVCacheManager(num_blocks=10, block_size=4)
     r = Request("0", [])
     assert m.allocate_slots(r, 3, num_lookahead_tokens=2).get_block_ids() == ([1, 2],)
-    assert KVCacheManager(num_blocks=10, block_size=4).allocate_slots(Request("1", []), 3, num_lookahead_tokens=4).get_block_ids() == ([1, 2],)
+    assert KVCacheManager(num_blocks=10, block_size=4).allocate_slots(Request("1", []), 3, num_lookahead_tokens=4).get_block_ids() == (
+        [1, 2],
+    )
     with pytest.raises(ValueError, match="must not be empty"):
         Scheduler(KVCacheManager(num_blocks=10, block_size=4)).add_request(Request("e", []))
 
@@ -360,7 +381,7 @@ def test_prompt_embeddings_go_into_the_hash():
     assert plain.block_hashes[0] != same_list.block_hashes[0]
     from kvlab.core.kv_cache_utils import generate_block_hash_extra_keys
 
-    (tag, digest), = generate_block_hash_extra_keys(same_np, 4, 8)
+    ((tag, digest),) = generate_block_hash_extra_keys(same_np, 4, 8)
     import hashlib
 
     assert tag == "prompt_embeds" and digest == hashlib.sha256(np.asarray(rows[4:8], dtype=np.float32).tobytes()).digest()

@@ -7,6 +7,7 @@ table holds no null block, a hit is a multiple of the scheduler block size below
 request's length and every group's hit covers it exactly, a refused allocation of a new
 request changes nothing, and the event log replays to the live pool.
 """
+
 from __future__ import annotations
 
 
@@ -33,31 +34,58 @@ LAYOUTS = {
     "mla+window": [MLAAttentionSpec(), SlidingWindowSpec(sliding_window=6)],
     "mamba": [FullAttentionSpec(), MambaSpec()],
     "block sizes": [FullAttentionSpec(), SlidingWindowSpec(sliding_window=3), SlidingWindowSpec(sliding_window=20, block_size=12)],
-    "everything": [FullAttentionSpec(), SlidingWindowSpec(sliding_window=5), ChunkedLocalAttentionSpec(attention_chunk_size=8), MambaSpec()],
+    "everything": [
+        FullAttentionSpec(),
+        SlidingWindowSpec(sliding_window=5),
+        ChunkedLocalAttentionSpec(attention_chunk_size=8),
+        MambaSpec(),
+    ],
     "windows only": [SlidingWindowSpec(sliding_window=6), SlidingWindowSpec(sliding_window=2)],
 }
 BASES = [[(7 * i + k) % 50 for i in range(60)] for k in range(3)]
 
 
 class MixedGroupsMachine(RuleBasedStateMachine):
-    @initialize(layout=st.sampled_from(sorted(LAYOUTS)), num_blocks=st.integers(12, 48), eagle=st.booleans(),
-                caching=st.booleans(), in_flight=st.sampled_from([None, 8]))
+    @initialize(
+        layout=st.sampled_from(sorted(LAYOUTS)),
+        num_blocks=st.integers(12, 48),
+        eagle=st.booleans(),
+        caching=st.booleans(),
+        in_flight=st.sampled_from([None, 8]),
+    )
     def setup(self, layout, num_blocks, eagle, caching, in_flight):
         if layout in ("chunked", "everything"):
             eagle = False  # vLLM refuses EAGLE with chunked local attention
         self.log = EventLog()
-        self.mgr = KVCacheManager(num_blocks=num_blocks, block_size=4, kv_cache_groups=LAYOUTS[layout], enable_caching=caching,
-                                  use_eagle=eagle, max_in_flight_tokens=in_flight, event_log=self.log)
+        self.mgr = KVCacheManager(
+            num_blocks=num_blocks,
+            block_size=4,
+            kv_cache_groups=LAYOUTS[layout],
+            enable_caching=caching,
+            use_eagle=eagle,
+            max_in_flight_tokens=in_flight,
+            event_log=self.log,
+        )
         self.running: dict[str, Request] = {}
         self.n = 0
 
     def state(self):
         pool = self.mgr.block_pool
-        return ([b.block_id for b in pool.free_block_queue.get_all_free_blocks()], [b.ref_cnt for b in pool.blocks],
-                [b.cache_key for b in pool.blocks])
+        return (
+            [b.block_id for b in pool.free_block_queue.get_all_free_blocks()],
+            [b.ref_cnt for b in pool.blocks],
+            [b.cache_key for b in pool.blocks],
+        )
 
-    @rule(base=st.integers(0, 2), length=st.integers(1, 60), tail=st.lists(st.integers(50, 60), max_size=6),
-          chunk=st.integers(1, 64), ext=st.integers(0, 20), lookahead=st.sampled_from([0, 0, 3]), gate=st.booleans())
+    @rule(
+        base=st.integers(0, 2),
+        length=st.integers(1, 60),
+        tail=st.lists(st.integers(50, 60), max_size=6),
+        chunk=st.integers(1, 64),
+        ext=st.integers(0, 20),
+        lookahead=st.sampled_from([0, 0, 3]),
+        gate=st.booleans(),
+    )
     def admit(self, base, length, tail, chunk, ext, lookahead, gate):
         self.n += 1
         r = Request(f"r{self.n}", BASES[base][:length] + tail)
@@ -71,8 +99,9 @@ class MixedGroupsMachine(RuleBasedStateMachine):
             assert len(g) * spec.block_size == n or (not n and not g)
         ext = min(ext, r.num_tokens - n - 1)
         chunk = min(chunk, r.num_tokens - n - ext)
-        out = m.allocate_slots(r, chunk, n, hits, num_lookahead_tokens=lookahead, num_external_computed_tokens=ext,
-                               full_sequence_must_fit=gate)
+        out = m.allocate_slots(
+            r, chunk, n, hits, num_lookahead_tokens=lookahead, num_external_computed_tokens=ext, full_sequence_must_fit=gate
+        )
         if out is None:
             assert self.state() == before, "a refused allocation changes nothing"
             return
@@ -116,7 +145,6 @@ class MixedGroupsMachine(RuleBasedStateMachine):
         assert snap.free_queue == live["free_queue"]
         assert [b.ref_cnt for b in snap.blocks] == live["ref_cnt"]
         assert [b.block_hash for b in snap.blocks] == live["hashes"]
-
 
 
 TestMixedGroups = MixedGroupsMachine.TestCase

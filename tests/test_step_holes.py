@@ -2,6 +2,7 @@
 log subscriber that raises), each closed: an undone call leaves no request behind in no queue,
 and no field of a request -- including one a connector sets -- keeps a value from the undone
 step."""
+
 from __future__ import annotations
 
 import pytest
@@ -23,6 +24,7 @@ def _raise_on(kind: str, nth: int = 1):
             seen["n"] += 1
             if seen["n"] == nth:
                 raise RuntimeError(f"a subscriber failed on {kind} #{nth}")
+
     return subscriber
 
 

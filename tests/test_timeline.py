@@ -8,6 +8,7 @@
 * the per-step series come from the ``StepFinished`` records, with the simulated clock;
 * a free block names the request that *released* it last, not the one that took it last.
 """
+
 from __future__ import annotations
 
 import pathlib
@@ -223,7 +224,11 @@ def test_block_history() -> None:
     e = _last_taker_frees_first()
     hist = Timeline(e.events).block_history(1)
     assert [(r.action, r.holding.request_id if r.holding else None, r.ref_cnt) for r in hist] == [
-        ("take", "A", 1), ("cache", None, 1), ("take", "B", 2), ("release", "B", 1), ("release", "A", 0)
+        ("take", "A", 1),
+        ("cache", None, 1),
+        ("take", "B", 2),
+        ("release", "B", 1),
+        ("release", "A", 0),
     ]
     assert hist[1].block_hash is not None and [r.step for r in hist] == sorted(r.step for r in hist)
     assert all(e.events[r.seq].step == r.step for r in hist)

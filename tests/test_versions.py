@@ -1,5 +1,6 @@
 """The vLLM release kvlab follows is stated once (kvlab/versions.py) and repeated verbatim in
 the README and lesson 00."""
+
 from __future__ import annotations
 
 import json
@@ -20,7 +21,9 @@ def test_lesson_00_prints_the_same_table():
     nb = json.loads((ROOT / "notebooks" / "00_start_here.ipynb").read_text())
     outputs = "".join(
         "".join(o.get("text", "")) + "".join(o.get("data", {}).get("text/markdown", ""))
-        for c in nb["cells"] if c["cell_type"] == "code" for o in c.get("outputs", [])
+        for c in nb["cells"]
+        if c["cell_type"] == "code"
+        for o in c.get("outputs", [])
     )
     assert versions.VLLM_RELEASE in outputs and versions.VLLM_COMMIT in outputs
     for change in versions.BEHAVIOUR_CHANGES:

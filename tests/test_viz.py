@@ -6,6 +6,7 @@ built-in scenarios, the ids, colours by state, labels and highlights that the pi
 show -- and that the player's ``go_to`` / ``next`` / ``back`` and request selection change
 the figures (in place) as expected.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -116,7 +117,15 @@ def test_block_table_ids_sharing_partial_tail_and_highlight(story) -> None:
     assert "8/16" in d["text"][0][3]
     # Selecting req1 outlines every cell that points at one of req1's blocks -- also req0's
     # cells for the shared blocks 1-3, which makes the sharing visible.
-    assert d["highlight"] == [("req0", 0, 0), ("req0", 0, 1), ("req0", 0, 2), ("req1", 0, 0), ("req1", 0, 1), ("req1", 0, 2), ("req1", 0, 3)]
+    assert d["highlight"] == [
+        ("req0", 0, 0),
+        ("req0", 0, 1),
+        ("req0", 0, 2),
+        ("req1", 0, 0),
+        ("req1", 0, 1),
+        ("req1", 0, 2),
+        ("req1", 0, 3),
+    ]
     assert "<b>" in d["row_labels"][1] and "<b>" not in d["row_labels"][0]
 
 
@@ -134,7 +143,16 @@ def test_block_table_groups_side_by_side_with_null_padding(window) -> None:
     assert d["group_offsets"] == [0, 6] and d["group_widths"] == [5, 5]
     s2 = [c for c in d["cells"] if c["request_id"] == "S2"]
     assert [(c["group"], c["label"]) for c in s2] == [
-        (0, "1"), (0, "2"), (0, "3"), (0, "4"), (0, "11"), (1, "∅"), (1, "∅"), (1, "7"), (1, "8"), (1, "12")
+        (0, "1"),
+        (0, "2"),
+        (0, "3"),
+        (0, "4"),
+        (0, "11"),
+        (1, "∅"),
+        (1, "∅"),
+        (1, "7"),
+        (1, "8"),
+        (1, "12"),
     ]
     nulls = [c for c in d["cells"] if c["block_id"] == 0]
     assert nulls and {c["color"] for c in nulls} == {STATE_COLORS["null"]}
@@ -300,8 +318,15 @@ def _attention_batch(snap, req_ids: list[str]) -> AttentionBatch:
     seq_lens = [snap.requests[r].num_computed_tokens for r in req_ids]
     slots = [[t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables[g], seq_lens)] for g in range(groups)]
     windows = [g.get("sliding_window") for g in snap.groups]
-    return AttentionBatch(req_ids=req_ids, query_lens=[1] * len(req_ids), seq_lens=seq_lens, block_tables=tables,
-                          slot_mappings=slots, block_size=bs, sliding_windows=windows)
+    return AttentionBatch(
+        req_ids=req_ids,
+        query_lens=[1] * len(req_ids),
+        seq_lens=seq_lens,
+        block_tables=tables,
+        slot_mappings=slots,
+        block_size=bs,
+        sliding_windows=windows,
+    )
 
 
 def test_kernel_view_prefers_the_attention_batch_event(window) -> None:
@@ -709,7 +734,7 @@ _MACHADO = {  # Machado, Oliveira & Fernandes 2009, severity 1, on linear RGB
 
 def _lab_as_seen(hex_color: str, vision: str) -> tuple[float, float, float]:
     """CIELAB of a colour as a viewer with ``vision`` sees it (``achromatopsia``: luminance only)."""
-    rgb = [int(hex_color[i:i + 2], 16) / 255 for i in (1, 3, 5)]
+    rgb = [int(hex_color[i : i + 2], 16) / 255 for i in (1, 3, 5)]
     lin = [c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in rgb]
     if vision == "achromatopsia":
         y = 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2]
@@ -747,8 +772,9 @@ def test_batch_updates_send_no_placeholders_for_properties_a_trace_holds() -> No
 
     import plotly.graph_objects as go
 
-    w = figure_widget_class()(data=[go.Scatter(x=[1], marker=dict(size=11), showlegend=False),
-                                    go.Scatter(x=[2], marker=dict(size=5)), go.Heatmap(z=[[1]])])
+    w = figure_widget_class()(
+        data=[go.Scatter(x=[1], marker=dict(size=11), showlegend=False), go.Scatter(x=[2], marker=dict(size=5)), go.Heatmap(z=[[1]])]
+    )
     sent = []
     w._send_update_msg = lambda **k: sent.append(k)
     with w.batch_update():

@@ -4,6 +4,7 @@ The O(1) checks count comparisons, hashes and lines of the learner's code at two
 (kvlab/exercises/work.py). The counts are exact and the same every run, so these tests pin
 them: a timing-based checker could never be asserted like this.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -78,8 +79,12 @@ def test_counted_objects_count_what_c_code_does():
 def test_correct_queues_do_the_same_work_at_both_sizes_every_run():
     for cls, per_call in ((QueueOk, "2.0 and 2.0"), (QueueByIdDict, "2.0 and 2.0")):
         messages = {check("free_queue", cls).message for _ in range(3)}
-        assert messages == {("exact queue order in vLLM's story, and remove() does the same work at 500 and 8,000 blocks "
-                             f"({per_call} counted steps per call).")}
+        assert messages == {
+            (
+                "exact queue order in vLLM's story, and remove() does the same work at 500 and 8,000 blocks "
+                f"({per_call} counted steps per call)."
+            )
+        }
 
 
 def test_scanning_queues_are_refused_with_what_was_counted():
@@ -87,7 +92,8 @@ def test_scanning_queues_are_refused_with_what_was_counted():
     assert not res and res.message == (
         "remove() is not O(1): with 500 blocks it did 236.4 steps per call (23,539 comparisons, 0 hashes, 100 lines of "
         "your code over 100 calls); with 8,000 blocks 4,437.7 steps per call (443,672 comparisons, 0 hashes, 100 lines "
-        "of your code over 100 calls)")
+        "of your code over 100 calls)"
+    )
     res = check("free_queue", QueueScanLoop)
     assert not res and "0 comparisons, 0 hashes, 887,744 lines of your code" in res.message, res.message
 
@@ -96,5 +102,6 @@ def test_capstone_counts_touch_and_free_per_block():
     ok = check("block_manager", ManagerOk)
     assert ok and "touch + free did 16.0 and 16.0 counted steps per block with 500 and 8,000 blocks" in ok.message, ok.message
     res = check("block_manager", ListQueue)
-    assert not res and res.message.startswith("touch/free are not O(1): with 500 blocks they did 244.7 steps per block "
-                                              "(23,569 comparisons"), res.message
+    assert not res and res.message.startswith(
+        "touch/free are not O(1): with 500 blocks they did 244.7 steps per block (23,569 comparisons"
+    ), res.message

@@ -1,4 +1,5 @@
 """Tests for kvlab.workloads: seeded traces whose statistics and sharing are exact."""
+
 from __future__ import annotations
 
 import hashlib
@@ -235,8 +236,7 @@ def test_salted_tenants_have_distinct_unguessable_salts() -> None:
         assert name not in salt and str(i) != salt
         # Nothing an attacker can compute from public facts (name, index) gives the salt.
         for guess in (name, str(i)):
-            assert salt not in (hashlib.sha256(guess.encode()).hexdigest()[:32],
-                                hashlib.md5(guess.encode()).hexdigest())
+            assert salt not in (hashlib.sha256(guess.encode()).hexdigest()[:32], hashlib.md5(guess.encode()).hexdigest())
     # The key is the seed: another seed, other salts for the very same tenant names.
     other = {r.tenant: r.cache_salt for r in multi_tenant(5, 80, 10, salted=True)}
     assert all(other[t] != salt_of[t] for t in other)
@@ -327,12 +327,12 @@ def test_bad_input_names_the_argument(call, exc, needle) -> None:
 
 
 @settings(max_examples=25, deadline=None)
-@given(seed=st.integers(0, 2**32), n=st.integers(1, 30), max_model_len=st.integers(64, 4096),
-       rate=st.one_of(st.none(), st.floats(0.1, 100)))
+@given(
+    seed=st.integers(0, 2**32), n=st.integers(1, 30), max_model_len=st.integers(64, 4096), rate=st.one_of(st.none(), st.floats(0.1, 100))
+)
 def test_independent_traces_always_fit(seed: int, n: int, max_model_len: int, rate: float | None) -> None:
     mean_in, mean_out = min(161.31, max_model_len / 4), min(337.99, max_model_len / 4)
-    trace = sharegpt_like(n, seed, rate=rate, max_model_len=max_model_len, mean_input=mean_in,
-                          mean_output=mean_out)
+    trace = sharegpt_like(n, seed, rate=rate, max_model_len=max_model_len, mean_input=mean_in, mean_output=mean_out)
     assert len(trace) == n
     assert all(1 <= r.prompt_len and 1 <= r.max_tokens and r.total_len <= max_model_len for r in trace)
     assert [r.arrival_time for r in trace] == sorted(r.arrival_time for r in trace)
@@ -341,8 +341,10 @@ def test_independent_traces_always_fit(seed: int, n: int, max_model_len: int, ra
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 2**32), k=st.integers(1, 200), n=st.integers(1, 12))
 def test_shared_prefix_property(seed: int, k: int, n: int) -> None:
-    for trace in (shared_system_prompt_chat(n, seed, system_prompt_len=k, vocab=BYTE_VOCAB),
-                  multi_tenant(2, n, seed, shared_prefix_len=k, num_prefixes=1)):
+    for trace in (
+        shared_system_prompt_chat(n, seed, system_prompt_len=k, vocab=BYTE_VOCAB),
+        multi_tenant(2, n, seed, shared_prefix_len=k, num_prefixes=1),
+    ):
         first = trace[0].prompt_token_ids[:k]
         assert all(r.prompt_token_ids[:k] == first and r.shared_prefix_len == k for r in trace)
 

@@ -1,4 +1,5 @@
 """`make lab`'s working copies, its JupyterLab defaults, and the shared install script."""
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,12 @@ REPO = Path(__file__).resolve().parents[1]
 def _nb(*cells: tuple[str, str, list]) -> dict:
     return {
         "cells": [
-            {"cell_type": t, "metadata": {"execution": {"x": 1}} if t == "code" else {}, "source": s,
-             **({"outputs": o, "execution_count": 3} if t == "code" else {})}
+            {
+                "cell_type": t,
+                "metadata": {"execution": {"x": 1}} if t == "code" else {},
+                "source": s,
+                **({"outputs": o, "execution_count": 3} if t == "code" else {}),
+            }
             for t, s, o in cells
         ],
         "metadata": {"widgets": {"state": "big"}, "kernelspec": {"name": "python3"}},
@@ -34,7 +39,9 @@ def fake_repo(tmp_path: Path) -> Path:
     for sub in ("notebooks", "exercises", "solutions"):
         (repo / sub).mkdir(parents=True)
     out = [{"output_type": "stream", "name": "stdout", "text": "42\n"}]
-    (repo / "notebooks" / "00_a.ipynb").write_text(json.dumps(_nb(("markdown", "# A", []), ("code", "# NBVAL_CHECK_OUTPUT\nprint(42)", out))))
+    (repo / "notebooks" / "00_a.ipynb").write_text(
+        json.dumps(_nb(("markdown", "# A", []), ("code", "# NBVAL_CHECK_OUTPUT\nprint(42)", out)))
+    )
     (repo / "notebooks" / "README.md").write_text("course map\n")
     (repo / "exercises" / "ex_a.ipynb").write_text(json.dumps(_nb(("code", "x = 1", out))))
     (repo / "solutions" / "ex_a.ipynb").write_text(json.dumps(_nb(("code", "x = 'answer'", []))))
@@ -44,8 +51,7 @@ def fake_repo(tmp_path: Path) -> Path:
 def test_prepare_copies_lessons_and_exercises_with_outputs_cleared(fake_repo: Path):
     made = workspace.prepare(fake_repo, "work")
     dest = fake_repo / "work"
-    assert sorted(p.relative_to(dest).as_posix() for p in made) == [
-        "exercises/ex_a.ipynb", "notebooks/00_a.ipynb", "notebooks/README.md"]
+    assert sorted(p.relative_to(dest).as_posix() for p in made) == ["exercises/ex_a.ipynb", "notebooks/00_a.ipynb", "notebooks/README.md"]
     assert not (dest / "solutions").exists()  # the answers stay out of the learner's folder
     nb = json.loads((dest / "notebooks" / "00_a.ipynb").read_text())
     code = nb["cells"][1]
@@ -105,13 +111,18 @@ def test_the_real_course_copies_cleanly(tmp_path: Path):
 def test_lab_settings_merge_and_reject_garbage(tmp_path: Path):
     path = tmp_path / "share" / "jupyter" / "lab" / "settings" / "overrides.json"
     path.parent.mkdir(parents=True)
-    path.write_text(json.dumps({"@jupyterlab/apputils-extension:themes": {"theme": "JupyterLab Dark"},
-                                "@jupyterlab/apputils-extension:notification": {"doNotDisturbMode": True}}))
+    path.write_text(
+        json.dumps(
+            {
+                "@jupyterlab/apputils-extension:themes": {"theme": "JupyterLab Dark"},
+                "@jupyterlab/apputils-extension:notification": {"doNotDisturbMode": True},
+            }
+        )
+    )
     assert workspace.write_lab_settings(tmp_path) == path
     got = json.loads(path.read_text())
     assert got["@jupyterlab/apputils-extension:themes"] == {"theme": "JupyterLab Dark"}
-    assert got["@jupyterlab/apputils-extension:notification"] == {
-        "doNotDisturbMode": True, "fetchNews": "false", "checkForUpdates": False}
+    assert got["@jupyterlab/apputils-extension:notification"] == {"doNotDisturbMode": True, "fetchNews": "false", "checkForUpdates": False}
     path.write_text("{not json")
     with pytest.raises(ValueError, match="overrides.json is not valid JSON"):
         workspace.write_lab_settings(tmp_path)
@@ -159,9 +170,20 @@ def test_binder_install_steps_work_in_a_fresh_venv(tmp_path: Path):
     subprocess.run(["scripts/install.sh", str(py), "lab"], cwd=src, env=env, check=True, timeout=1200)
     subprocess.run([str(py), "-m", "kvlab.workspace", "prepare"], cwd=src, env=env, check=True, timeout=120)
     subprocess.run([str(py), "-m", "kvlab.workspace", "settings"], cwd=src, env=env, check=True, timeout=120)
-    r = subprocess.run([str(py), "-c", "import torch, kvlab, kvlab.viz, kvlab.kernels; print(torch.__version__, kvlab.kernels.INTERPRET)"],
-                       cwd=tmp_path, env=env, capture_output=True, text=True, check=True, timeout=300)
+    r = subprocess.run(
+        [str(py), "-c", "import torch, kvlab, kvlab.viz, kvlab.kernels; print(torch.__version__, kvlab.kernels.INTERPRET)"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
     assert r.stdout.split() == ["2.13.0+cpu", "True"]
     assert (src / "my-kvlab" / workspace.FIRST_LESSON).is_file()
-    assert json.loads((tmp_path / "venv" / "share" / "jupyter" / "lab" / "settings" / "overrides.json").read_text())[
-        "@jupyterlab/apputils-extension:notification"]["fetchNews"] == "false"
+    assert (
+        json.loads((tmp_path / "venv" / "share" / "jupyter" / "lab" / "settings" / "overrides.json").read_text())[
+            "@jupyterlab/apputils-extension:notification"
+        ]["fetchNews"]
+        == "false"
+    )

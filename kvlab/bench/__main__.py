@@ -3,6 +3,7 @@
 Every benchmark prints ratios measured in one run (this machine's speed drifts), never
 absolute thresholds checked by tests.
 """
+
 from __future__ import annotations
 
 import importlib

@@ -25,6 +25,7 @@ anchors. Measurements are short interleaved rounds (floor, cycle, hashes, floor,
 each figure is the MEDIAN over the rounds: a neighbour that takes the CPU for a few
 milliseconds spoils a minority of rounds, not the median.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -85,7 +86,6 @@ class _CycleBench:
             free(reversed(blocks))
             i = (i + 1) % m
         self.next = i
-
 
     def run_split(self, k: int) -> tuple[float, float, float]:
         """The same cycle, timed phase by phase (microseconds per cycle, summed over k)."""
@@ -296,17 +296,25 @@ def main(argv: list[str] | None = None) -> int:
     row(f"floor: {CYCLE_BLOCKS} x b.append(a.pop())", floor)
     units = r["cycle"] / floor
     verdict = "OK" if units <= CYCLE_TARGET_FLOOR_UNITS else "MISSED"
-    row(f"cycle: {CYCLE_BLOCKS} x alloc+cache+free", r["cycle"],
-        f"   target <= {CYCLE_TARGET_FLOOR_UNITS:g} (vLLM ~{VLLM_CYCLE_FLOOR_UNITS:g}): {verdict}")
+    row(
+        f"cycle: {CYCLE_BLOCKS} x alloc+cache+free",
+        r["cycle"],
+        f"   target <= {CYCLE_TARGET_FLOOR_UNITS:g} (vLLM ~{VLLM_CYCLE_FLOOR_UNITS:g}): {verdict}",
+    )
     print(f"  {'':<36} {r['cycle'] / CYCLE_BLOCKS:9.3f} us per block, pool of {args.pool_blocks:,} blocks, all evictions")
-    row("  the same, undo journal on (an engine step)", r["cycle (journaled)"],
-        f"   {r['cycle (journaled)'] / r['cycle']:.2f}x the cycle (a step that can be undone)")
+    row(
+        "  the same, undo journal on (an engine step)",
+        r["cycle (journaled)"],
+        f"   {r['cycle (journaled)'] / r['cycle']:.2f}x the cycle (a step that can be undone)",
+    )
     print("  where a cycle's time goes (timed phase by phase; the timer adds a little):")
     row("  get_new_blocks(64) + 64 evictions", r["cycle:get_new_blocks"])
     row("  cache_full_blocks(64 hashes)", r["cycle:cache_full_blocks"])
     row("  free_blocks(reversed(64))", r["cycle:free_blocks"])
-    print(f"  (the old floor, pop/append bound in advance: {r['floor (bound methods)']:.3f} us; the cycle is "
-          f"{r['cycle'] / r['floor (bound methods)']:.2f} of those units)")
+    print(
+        f"  (the old floor, pop/append bound in advance: {r['floor (bound methods)']:.3f} us; the cycle is "
+        f"{r['cycle'] / r['floor (bound methods)']:.2f} of those units)"
+    )
     raw = r["raw sha256"]
     print(f"  chained block hash of {BLOCK_SIZE} tokens, per block, as the engine hashes (request block hasher,")
     print(f"  {HASH_REQUEST_BLOCKS} blocks), vs raw SHA-256 of the same bytes:")
@@ -320,14 +328,16 @@ def main(argv: list[str] | None = None) -> int:
             extra += "   (unsafe, teaching only)"
         row(f"hash: {name}", us, extra)
     row("pickle+sha256 (vLLM's sha256)", r["pickle+sha256 (vLLM)"], f"   {r['pickle+sha256 (vLLM)'] / raw:5.2f}x raw")
-    row("one-off hash_block_tokens(16 ints)", r["hash_block_tokens(list)"],
-        f"   {r['hash_block_tokens(list)'] / raw:5.2f}x raw (packs the ints per call)")
+    row(
+        "one-off hash_block_tokens(16 ints)",
+        r["hash_block_tokens(list)"],
+        f"   {r['hash_block_tokens(list)'] / raw:5.2f}x raw (packs the ints per call)",
+    )
     print("  engine decode step per running request (8 requests; CPU time, median of 3), by blocks each holds:")
     held = {n: decode_step_us(n) for n in DECODE_HELD}
     for n, us in held.items():
         row(f"  decode step, {n:,} blocks held", us)
-    print(f"  {'':<36} growth {DECODE_HELD[0]} -> {DECODE_HELD[-1]:,} blocks held: "
-          f"{held[DECODE_HELD[-1]] / held[DECODE_HELD[0]]:.2f}x")
+    print(f"  {'':<36} growth {DECODE_HELD[0]} -> {DECODE_HELD[-1]:,} blocks held: {held[DECODE_HELD[-1]] / held[DECODE_HELD[0]]:.2f}x")
     print(f"  ({time.perf_counter() - t0:.1f} s, pid {os.getpid()})")
     return 0
 

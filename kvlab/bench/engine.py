@@ -10,6 +10,7 @@ The sizing target for the default model: 4 prompts x 100 tokens, 32 tokens each,
 about 20 s on a 2-core CPU under the interpreter, so lessons that run the real engine stay
 interactive.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,10 @@ from kvlab.worker.model_runner import ModelRunner
 from kvlab.worker.tokenizer import ByteTokenizer
 
 TARGET_S = 20.0
-_TEXT = ("Blocks, not buffers: the KV cache is cut into fixed-size pages, a block table maps each "
-         "request's logical blocks to physical ones, and identical prefixes share their blocks. ")
+_TEXT = (
+    "Blocks, not buffers: the KV cache is cut into fixed-size pages, a block table maps each "
+    "request's logical blocks to physical ones, and identical prefixes share their blocks. "
+)
 
 
 @dataclass
@@ -52,7 +55,7 @@ class _TimedExecutor:
 def make_prompts(num_prompts: int, prompt_len: int) -> list[list[int]]:
     """Distinct prompts (each starts at a different offset of the text): no prefix hits."""
     ids = ByteTokenizer().encode(_TEXT * (1 + (prompt_len + 7 * num_prompts) // len(_TEXT)))
-    return [ids[7 * i:7 * i + prompt_len] for i in range(num_prompts)]
+    return [ids[7 * i : 7 * i + prompt_len] for i in range(num_prompts)]
 
 
 def _sim_engine(num_requests: int, checkpoints: bool) -> LLMEngine:
@@ -104,10 +107,18 @@ def checkpoint_overhead(num_requests: int = 300, rounds: int = 3) -> tuple[float
         k = 0
         while a.has_unfinished_requests():
             if k % 2:
-                t0 = clock(); b._step(nocp); t1 = clock(); a.step(); t2 = clock()  # noqa: E702
+                t0 = clock()
+                b._step(nocp)
+                t1 = clock()
+                a.step()
+                t2 = clock()  # noqa: E702
                 tb, ta = t1 - t0, t2 - t1
             else:
-                t0 = clock(); a.step(); t1 = clock(); b._step(nocp); t2 = clock()  # noqa: E702
+                t0 = clock()
+                a.step()
+                t1 = clock()
+                b._step(nocp)
+                t2 = clock()  # noqa: E702
                 ta, tb = t1 - t0, t2 - t1
             ratios.append(ta / tb)
             plain.append(tb)
@@ -136,9 +147,11 @@ def main(argv: list[str] | None = None) -> int:
 
     if not args.no_checkpoint_cost:
         plain, guarded, ratio = checkpoint_overhead()
-        print(f"[engine] per-step checkpoint (a step can be undone), simulated executor, 300 requests, up to 32 "
-              f"running, 2,000 blocks: {plain:.0f} us/step without, {guarded:.0f} us with; median per-step ratio "
-              f"{ratio:.3f} ({(ratio - 1) * 100:+.1f}%)")
+        print(
+            f"[engine] per-step checkpoint (a step can be undone), simulated executor, 300 requests, up to 32 "
+            f"running, 2,000 blocks: {plain:.0f} us/step without, {guarded:.0f} us with; median per-step ratio "
+            f"{ratio:.3f} ({(ratio - 1) * 100:+.1f}%)"
+        )
 
     torch.set_num_threads(args.threads)
     cfg = TinyLlamaConfig() if args.layers is None else TinyLlamaConfig(num_layers=args.layers)
@@ -153,14 +166,20 @@ def main(argv: list[str] | None = None) -> int:
     outputs = engine.generate(prompts, max_tokens=args.max_tokens)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     n_out = sum(len(o) for o in outputs)
-    print(f"[engine] model: {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads} q / "
-          f"{cfg.num_kv_heads} kv heads x {cfg.head_dim}; kernels: {runner.kernels.name}")
-    print(f"[engine] {args.prompts} prompts x {args.prompt_len} tokens -> {args.max_tokens} tokens each: "
-          f"{wall:.2f} s ({cpu:.2f} s CPU: less than wall when other processes share the cores), "
-          f"{n_out / wall:.1f} output tok/s, "
-          f"{runner.num_tokens_computed / wall:.1f} computed tok/s ({runner.num_tokens_computed} tokens)")
-    print(f"[engine] per step: prefill {_ms(timed.prefill_s)}, decode {_ms(timed.decode_s)}; "
-          f"{wall / TARGET_S:.2f}x of the {TARGET_S:.0f} s sizing target")
+    print(
+        f"[engine] model: {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads} q / "
+        f"{cfg.num_kv_heads} kv heads x {cfg.head_dim}; kernels: {runner.kernels.name}"
+    )
+    print(
+        f"[engine] {args.prompts} prompts x {args.prompt_len} tokens -> {args.max_tokens} tokens each: "
+        f"{wall:.2f} s ({cpu:.2f} s CPU: less than wall when other processes share the cores), "
+        f"{n_out / wall:.1f} output tok/s, "
+        f"{runner.num_tokens_computed / wall:.1f} computed tok/s ({runner.num_tokens_computed} tokens)"
+    )
+    print(
+        f"[engine] per step: prefill {_ms(timed.prefill_s)}, decode {_ms(timed.decode_s)}; "
+        f"{wall / TARGET_S:.2f}x of the {TARGET_S:.0f} s sizing target"
+    )
     if args.check:
         same = outputs == [model.generate_dense(p, args.max_tokens) for p in prompts]
         print(f"[engine] tokens identical to the dense forward: {same}")

@@ -18,6 +18,7 @@ Printed, each from this one run (minimum over the repeats; this machine's speed 
   first batch received to the last, plus the publisher's start-up. Both processes share this
   machine's cores, as a router and an engine on one host would.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -117,8 +118,14 @@ def zmq_end_to_end(payloads: list[bytes], n_events: int, timeout_s: float = 60.0
             proc.join(timeout=5)
         sub.close()
     span = (last - first) if first is not None and last is not None and last > first else float("nan")
-    return dict(batches=got, events=events, rate=(events - (events / max(got, 1))) / span if got > 1 else float("nan"),
-                startup_s=startup, lost=sub.stats["lost"], gaps=len(sub.gaps))
+    return dict(
+        batches=got,
+        events=events,
+        rate=(events - (events / max(got, 1))) / span if got > 1 else float("nan"),
+        startup_s=startup,
+        lost=sub.stats["lost"],
+        gaps=len(sub.gaps),
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

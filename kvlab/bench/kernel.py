@@ -11,6 +11,7 @@ fp16 and bf16, blocks placed at random. Also sweeps the number of KV splits so t
 planner's choice can be checked on this GPU. Without CUDA the kernels run under the
 Triton interpreter: a scaled-down shape, and the times measure Python, not a GPU.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,16 +30,16 @@ from kvlab.kernels.attention import _launch, _plan
 # Vendor spec-sheet HBM bandwidth, TB/s. Matched as substrings of the device name, first
 # match wins, so more specific names come first ("GH200" before "H200", "A100" before "A10").
 _PEAK_TBPS: tuple[tuple[str, float], ...] = (
-    ("GH200", 4.0),            # 96 GB HBM3 variant
+    ("GH200", 4.0),  # 96 GB HBM3 variant
     ("H200", 4.8),
     ("H100 NVL", 3.9),
     ("H100 PCIe", 2.0),
-    ("H100", 3.35),            # SXM5, reported as "NVIDIA H100 80GB HBM3"
+    ("H100", 3.35),  # SXM5, reported as "NVIDIA H100 80GB HBM3"
     ("H800", 3.35),
     ("B200", 8.0),
     ("A100-SXM4-80GB", 2.039),
-    ("A100 80GB", 1.935),      # PCIe
-    ("A100", 1.555),           # 40 GB, SXM4 or PCIe
+    ("A100 80GB", 1.935),  # PCIe
+    ("A100", 1.555),  # 40 GB, SXM4 or PCIe
     ("A10G", 0.6),
     ("A10", 0.6),
     ("L40S", 0.864),
@@ -97,11 +98,10 @@ def _decode_batch(shape: Shape, dtype: torch.dtype, device: str, seed: int = 0):
     """Paged caches with randomly placed blocks, plus the same K/V laid out contiguously."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     pages = shape.context // shape.block_size
-    num_blocks = shape.batch * pages + 1          # block 0 stays unused, like vLLM's null block
+    num_blocks = shape.batch * pages + 1  # block 0 stays unused, like vLLM's null block
     block_table = (torch.randperm(num_blocks - 1, generator=gen) + 1).to(torch.int32)
     block_table = block_table.view(shape.batch, pages).to(device)
-    kv = torch.randn(num_blocks, 2, shape.block_size, shape.num_kv_heads, shape.head_dim,
-                     dtype=dtype, device=device)
+    kv = torch.randn(num_blocks, 2, shape.block_size, shape.num_kv_heads, shape.head_dim, dtype=dtype, device=device)
     q = torch.randn(shape.batch, shape.num_q_heads, shape.head_dim, dtype=dtype, device=device)
     cu = torch.arange(shape.batch + 1, dtype=torch.int32, device=device)
     seq_lens = torch.full((shape.batch,), shape.context, dtype=torch.int32, device=device)
@@ -110,7 +110,7 @@ def _decode_batch(shape: Shape, dtype: torch.dtype, device: str, seed: int = 0):
 
 def _dense_kv(kv: torch.Tensor, block_table: torch.Tensor, shape: Shape, which: int) -> torch.Tensor:
     """[batch, kv_heads, context, head_dim] contiguous copy of K (which=0) or V (which=1)."""
-    paged = kv[:, which][block_table.long()]      # [batch, pages, block_size, H, D]
+    paged = kv[:, which][block_table.long()]  # [batch, pages, block_size, H, D]
     dense = paged.reshape(shape.batch, shape.context, shape.num_kv_heads, shape.head_dim)
     return dense.transpose(1, 2).contiguous()
 
@@ -121,15 +121,15 @@ def _sdpa(q4: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> t
     except (TypeError, RuntimeError):  # older torch or a backend without GQA support
         group = q4.shape[1] // k.shape[1]
         return torch.nn.functional.scaled_dot_product_attention(
-            q4, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), scale=scale)
+            q4, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), scale=scale
+        )
 
 
-def run(shape: Shape, dtype: torch.dtype, cuda: bool, warmup: int, reps: int,
-        sweep: tuple[int, ...]) -> None:
+def run(shape: Shape, dtype: torch.dtype, cuda: bool, warmup: int, reps: int, sweep: tuple[int, ...]) -> None:
     device = "cuda" if cuda else K.DEVICE
     q, kv, cu, seq_lens, table = _decode_batch(shape, dtype, device)
     kc, vc = kv[:, 0], kv[:, 1]
-    scale = shape.head_dim ** -0.5
+    scale = shape.head_dim**-0.5
     args = (q, kc, vc, cu, seq_lens, table, scale)
 
     plan = _plan(q, shape.num_kv_heads, shape.batch, table.shape[1] * shape.block_size)
@@ -138,15 +138,19 @@ def run(shape: Shape, dtype: torch.dtype, cuda: bool, warmup: int, reps: int,
     t_api = _time(lambda: K.unified_attention(*args), warmup, reps, cuda)
 
     k_dense, v_dense = _dense_kv(kv, table, shape, 0), _dense_kv(kv, table, shape, 1)
-    q4 = q.unsqueeze(2)                           # [batch, q_heads, 1, head_dim]
+    q4 = q.unsqueeze(2)  # [batch, q_heads, 1, head_dim]
     ref = _sdpa(q4, k_dense, v_dense, scale).squeeze(2)
-    t_sdpa = _time(functools.partial(_sdpa, q4, k_dense, v_dense, scale), warmup, reps, cuda)  # not a closure: the tensors are deleted below
+    t_sdpa = _time(
+        functools.partial(_sdpa, q4, k_dense, v_dense, scale), warmup, reps, cuda
+    )  # not a closure: the tensors are deleted below
     max_err = (out.float() - ref.float()).abs().max().item()
 
     kv_bytes = 2 * shape.batch * shape.context * shape.num_kv_heads * shape.head_dim * q.element_size()
     name = str(dtype).removeprefix("torch.")
-    print(f"\n[{name}] plan: BLOCK_M={plan.block_m} (q tokens/tile {plan.block_q}), BLOCK_N={plan.block_n}, "
-          f"kv splits={plan.num_splits}; max |kernel - sdpa| = {max_err:.2e}")
+    print(
+        f"\n[{name}] plan: BLOCK_M={plan.block_m} (q tokens/tile {plan.block_q}), BLOCK_N={plan.block_n}, "
+        f"kv splits={plan.num_splits}; max |kernel - sdpa| = {max_err:.2e}"
+    )
     print(f"  {'':28s}{'time':>12s}{'KV GB/s':>12s}{'% peak':>9s}")
     peak = peak_bandwidth(torch.cuda.get_device_name()) if cuda else None
 
@@ -177,9 +181,12 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--reps", type=int, help="timed repetitions (median reported)")
     parser.add_argument("--dtype", choices=["fp16", "bf16", "both"], default="both")
     parser.add_argument("--no-sweep", action="store_true", help="skip the kv-split sweep on CUDA")
-    parser.add_argument("--model", default=os.environ.get("KVLAB_MODEL") or None,
-                        help="a Hugging Face checkpoint (directory or Hub id; default: $KVLAB_MODEL): "
-                             "also time its attention shape (q heads, KV heads, head_dim)")
+    parser.add_argument(
+        "--model",
+        default=os.environ.get("KVLAB_MODEL") or None,
+        help="a Hugging Face checkpoint (directory or Hub id; default: $KVLAB_MODEL): "
+        "also time its attention shape (q heads, KV heads, head_dim)",
+    )
     opts = parser.parse_args(argv)
 
     cuda = torch.cuda.is_available() and not K.INTERPRET
@@ -189,37 +196,45 @@ def main(argv: list[str]) -> None:
         cfg = model_attention_shape(opts.model)
         model_shape = Shape(shape.batch, shape.context, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, shape.block_size)
     if opts.batch or opts.context:
-        shape = Shape(opts.batch or shape.batch, opts.context or shape.context, shape.num_q_heads,
-                      shape.num_kv_heads, shape.head_dim, shape.block_size)
+        shape = Shape(
+            opts.batch or shape.batch,
+            opts.context or shape.context,
+            shape.num_q_heads,
+            shape.num_kv_heads,
+            shape.head_dim,
+            shape.block_size,
+        )
     if shape.context % shape.block_size:
         parser.error(f"--context must be a multiple of the block size {shape.block_size}")
     warmup, reps = (5, 30) if cuda else (1, 3)
     reps = opts.reps or reps
-    dtypes = {"fp16": [torch.float16], "bf16": [torch.bfloat16],
-              "both": [torch.float16, torch.bfloat16]}[opts.dtype]
+    dtypes = {"fp16": [torch.float16], "bf16": [torch.bfloat16], "both": [torch.float16, torch.bfloat16]}[opts.dtype]
 
     print("kernel benchmark: decode attention (one query token per sequence)")
     if cuda:
         name = torch.cuda.get_device_name()
         peak = peak_bandwidth(name)
-        print(f"device: {name}; peak HBM bandwidth: "
-              + (f"{peak / 1e12:.2f} TB/s (vendor figure)" if peak else "unknown peak"))
+        print(f"device: {name}; peak HBM bandwidth: " + (f"{peak / 1e12:.2f} TB/s (vendor figure)" if peak else "unknown peak"))
     else:
         print("!" * 78)
         print("!! NO CUDA: Triton is running under its INTERPRETER (numpy on the CPU).")
         print("!! The shape is scaled down and every time below measures Python overhead,")
         print("!! not a GPU kernel. Bandwidth and SDPA ratios here say nothing about GPUs.")
         print("!" * 78)
-    print(f"shape: {shape.batch} seqs x {shape.context} tokens, {shape.num_q_heads} q heads, "
-          f"{shape.num_kv_heads} kv heads, head_dim {shape.head_dim}, block_size {shape.block_size}, "
-          f"random block placement; median of {reps} (warmup {warmup})")
+    print(
+        f"shape: {shape.batch} seqs x {shape.context} tokens, {shape.num_q_heads} q heads, "
+        f"{shape.num_kv_heads} kv heads, head_dim {shape.head_dim}, block_size {shape.block_size}, "
+        f"random block placement; median of {reps} (warmup {warmup})"
+    )
     sweep = () if opts.no_sweep else (1, 2, 4, 8, 16)
     for i, dtype in enumerate(dtypes):
         # Each split count is its own compiled variant: sweep one dtype only.
         run(shape, dtype, cuda, warmup, reps, sweep if i == 0 else ())
     if model_shape is not None:
-        print(f"\n{opts.model}: {model_shape.num_q_heads} q heads, {model_shape.num_kv_heads} kv heads, "
-              f"head_dim {model_shape.head_dim}; the same batch and context against SDPA")
+        print(
+            f"\n{opts.model}: {model_shape.num_q_heads} q heads, {model_shape.num_kv_heads} kv heads, "
+            f"head_dim {model_shape.head_dim}; the same batch and context against SDPA"
+        )
         for dtype in dtypes:
             run(model_shape, dtype, cuda, warmup, reps, ())
 

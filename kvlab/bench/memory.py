@@ -5,6 +5,7 @@ contiguous Orca-style strategies and the paged cache at several block sizes, all
 same KV capacity (``kvlab.workloads.memory_sim``), and prints our shares and batch sizes beside the paper's.
 Everything is simulated memory bookkeeping, so the run is deterministic for a given seed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,9 +50,13 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m kvlab.bench memory", description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=1000, help="requests in the trace (default 1000)")
     ap.add_argument("--seed", type=int, default=0, help="trace seed (default 0)")
-    ap.add_argument("--rate", type=float, default=10.0,
-                    help="Poisson arrival rate, req/s (default 10: faster than any strategy serves, "
-                         "so every strategy runs with a backlog; the paper's batch sizes are at 2)")
+    ap.add_argument(
+        "--rate",
+        type=float,
+        default=10.0,
+        help="Poisson arrival rate, req/s (default 10: faster than any strategy serves, "
+        "so every strategy runs with a backlog; the paper's batch sizes are at 2)",
+    )
     ap.add_argument("--capacity", type=int, default=CAPACITY_TOKENS, help="KV capacity in token slots")
     ap.add_argument("--step-seconds", type=float, default=0.04, help="seconds per engine step (default 0.04)")
     ap.add_argument("--block-sizes", default="8,16,32,64", help="paged block sizes, comma-separated")
@@ -76,8 +81,10 @@ def main(argv: list[str]) -> None:
     gib = args.capacity * KV_BYTES_PER_TOKEN / 2**30
     print("== memory: where KV memory goes (PagedAttention paper, Fig. 2) ==")
     print(trace.summary())
-    print(f"capacity {args.capacity:,} token slots x {KV_BYTES_PER_TOKEN // 1024} KiB = {gib:.1f} GiB of KV "
-          f"(OPT-13B on an A100-40GB); Poisson {args.rate:g} req/s, {args.step_seconds:g} s/step")
+    print(
+        f"capacity {args.capacity:,} token slots x {KV_BYTES_PER_TOKEN // 1024} KiB = {gib:.1f} GiB of KV "
+        f"(OPT-13B on an A100-40GB); Poisson {args.rate:g} req/s, {args.step_seconds:g} s/step"
+    )
     print("shares are % of capacity, averaged over the steps with a waiting backlog\n")
 
     print("KV memory holding token states     kvlab    paper")

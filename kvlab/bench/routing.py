@@ -13,6 +13,7 @@ load term. Printed, all from this one run:
 * the processes' start-up and stop times and each run's wall time, with gaps seen (and
   recovered) on the event streams.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,16 +34,20 @@ def main(argv: list[str] | None = None) -> None:
     fleet = Fleet(args.replicas, engine=STANDARD_ENGINE)
     try:
         per = ", ".join(f"{s:.2f}" for s in fleet.replica_startup_s)
-        print(f"[routing] {args.replicas} replica processes ready in {fleet.startup_s:.2f} s (each, spawn -> ready: {per} s); "
-              f"engine {STANDARD_ENGINE}, hash sha256_cbor")
+        print(
+            f"[routing] {args.replicas} replica processes ready in {fleet.startup_s:.2f} s (each, spawn -> ready: {per} s); "
+            f"engine {STANDARD_ENGINE}, hash sha256_cbor"
+        )
         results = compare(traces, standard_policies(), fleet=fleet)
     finally:
         stop_s = fleet.stop()
     print(format_table(results))
     for r in results:
         gaps = f", {len(r.gaps)} gaps ({sum(g.recovered for g in r.gaps)} batches replayed)" if r.gaps else ", no gaps"
-        print(f"[routing] {r.trace:12} {r.policy:20} router predicted the cached tokens exactly for {r.prediction_exact:.1%} "
-              f"of requests; {r.wall_s:.2f} s wall{gaps}")
+        print(
+            f"[routing] {r.trace:12} {r.policy:20} router predicted the cached tokens exactly for {r.prediction_exact:.1%} "
+            f"of requests; {r.wall_s:.2f} s wall{gaps}"
+        )
     print(f"[routing] stopping {args.replicas} processes: {stop_s:.2f} s; everything: {time.perf_counter() - t0:.1f} s")
 
 

@@ -14,6 +14,7 @@ tracing costs the lessons well under 25 % per step.
 Times are this process's CPU time (``time.process_time``), one thread: on a machine shared
 with other work, wall-clock ratios swing by ±30 % from one run to the next, CPU time far less.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,8 +59,8 @@ def kernel_calls(reps: int) -> None:
         q = torch.randn(sum(qlens), hq, d, generator=g)
         cu = torch.tensor([0] + list(torch.cumsum(torch.tensor(qlens), 0).tolist()), dtype=torch.int32)
         seq_lens = torch.tensor(lens, dtype=torch.int32)
-        plain = _median_ms(lambda: K.unified_attention(q, k, v, cu, seq_lens, table, d ** -0.5), reps)
-        traced = _median_ms(lambda: traced_unified_attention(q, k, v, cu, seq_lens, table, d ** -0.5), reps)
+        plain = _median_ms(lambda: K.unified_attention(q, k, v, cu, seq_lens, table, d**-0.5), reps)
+        traced = _median_ms(lambda: traced_unified_attention(q, k, v, cu, seq_lens, table, d**-0.5), reps)
         print(f"{name:<34} {plain:8.1f} ms {traced:8.1f} ms {traced / plain:6.2f}x")
 
 

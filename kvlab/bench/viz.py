@@ -10,6 +10,7 @@ Two measurements, each printed as ratios taken in one run (this machine's speed 
   a ``Player`` with every view steps through the run; one redraw = every view's
   ``update`` on a cached snapshot, median over steps (target <= 200 ms on a laptop CPU).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -83,15 +84,27 @@ def bench_jumps(num_requests: int, rounds: int = 5) -> dict[str, float]:
     r_slow, r_med = (t_build + slowest) / t_replay, median / t_replay
     preemptions = timeline.series.num_preemptions[-1]
     print(f"[viz] jumps: {num_requests} requests, {len(log)} events, {len(steps)} steps, {preemptions} preemptions")
-    print(f"[viz]   one full replay {1000 * t_replay:.1f} ms; Timeline built in {1000 * t_build:.1f} ms "
-          f"(medians of {rounds}); first jump to step {steps[-1] - 1}: {1000 * first_late:.2f} ms")
-    print(f"[viz]   build + slowest jump = {r_slow:.2f} x replay (target <= {BUILD_PLUS_SLOWEST_MAX:g}) -> "
-          f"{'OK' if r_slow <= BUILD_PLUS_SLOWEST_MAX else 'SLOW'}")
-    print(f"[viz]   median jump {1000 * median:.2f} ms = {r_med:.4f} x replay (target <= {MEDIAN_JUMP_MAX:g}, aim <= "
-          f"{MEDIAN_JUMP_AIM_MS:g} ms) -> {'OK' if r_med <= MEDIAN_JUMP_MAX and 1000 * median <= MEDIAN_JUMP_AIM_MS else 'SLOW'}"
-          f"; slowest {1000 * slowest:.2f} ms over {len(jumps)} jumps in random order")
-    return {"replay_ms": 1000 * t_replay, "build_ms": 1000 * t_build, "slowest_jump_ms": 1000 * slowest,
-            "median_jump_ms": 1000 * median, "build_plus_slowest_x": r_slow, "median_jump_x": r_med}
+    print(
+        f"[viz]   one full replay {1000 * t_replay:.1f} ms; Timeline built in {1000 * t_build:.1f} ms "
+        f"(medians of {rounds}); first jump to step {steps[-1] - 1}: {1000 * first_late:.2f} ms"
+    )
+    print(
+        f"[viz]   build + slowest jump = {r_slow:.2f} x replay (target <= {BUILD_PLUS_SLOWEST_MAX:g}) -> "
+        f"{'OK' if r_slow <= BUILD_PLUS_SLOWEST_MAX else 'SLOW'}"
+    )
+    print(
+        f"[viz]   median jump {1000 * median:.2f} ms = {r_med:.4f} x replay (target <= {MEDIAN_JUMP_MAX:g}, aim <= "
+        f"{MEDIAN_JUMP_AIM_MS:g} ms) -> {'OK' if r_med <= MEDIAN_JUMP_MAX and 1000 * median <= MEDIAN_JUMP_AIM_MS else 'SLOW'}"
+        f"; slowest {1000 * slowest:.2f} ms over {len(jumps)} jumps in random order"
+    )
+    return {
+        "replay_ms": 1000 * t_replay,
+        "build_ms": 1000 * t_build,
+        "slowest_jump_ms": 1000 * slowest,
+        "median_jump_ms": 1000 * median,
+        "build_plus_slowest_x": r_slow,
+        "median_jump_x": r_med,
+    }
 
 
 def bench_redraw(num_blocks: int, num_requests: int, max_steps: int) -> dict[str, float]:
@@ -129,12 +142,17 @@ def bench_redraw(num_blocks: int, num_requests: int, max_steps: int) -> dict[str
         totals.append((time.perf_counter() - t_all) * 1000)
     snap = timeline.at(chosen[len(chosen) // 2])
     med = statistics.median(totals)
-    print(f"[viz] redraws: pool {num_blocks} blocks, {num_requests} requests, {num_steps} engine steps "
-          f"(run {t_run:.2f} s, snapshot {t_replay * 1000:.1f} ms/step, player built in {t_build:.2f} s)")
-    print(f"[viz]   mid-run snapshot: {len(snap.running)} running, {len(snap.hash_nodes)} cached hashes, "
-          f"{len(snap.free_queue)} free blocks")
-    print(f"[viz]   redraw of all views: median {med:.1f} ms, p90 {sorted(totals)[int(0.9 * (len(totals) - 1))]:.1f} ms "
-          f"over {len(totals)} steps (target <= {REDRAW_TARGET_MS:g} ms) -> {'OK' if med <= REDRAW_TARGET_MS else 'SLOW'}")
+    print(
+        f"[viz] redraws: pool {num_blocks} blocks, {num_requests} requests, {num_steps} engine steps "
+        f"(run {t_run:.2f} s, snapshot {t_replay * 1000:.1f} ms/step, player built in {t_build:.2f} s)"
+    )
+    print(
+        f"[viz]   mid-run snapshot: {len(snap.running)} running, {len(snap.hash_nodes)} cached hashes, {len(snap.free_queue)} free blocks"
+    )
+    print(
+        f"[viz]   redraw of all views: median {med:.1f} ms, p90 {sorted(totals)[int(0.9 * (len(totals) - 1))]:.1f} ms "
+        f"over {len(totals)} steps (target <= {REDRAW_TARGET_MS:g} ms) -> {'OK' if med <= REDRAW_TARGET_MS else 'SLOW'}"
+    )
     for name, ts in per_view.items():
         print(f"[viz]     {name:<9} {statistics.median(ts):7.1f} ms")
     return {"median_ms": med, **{f"{k}_ms": statistics.median(v) for k, v in per_view.items()}}

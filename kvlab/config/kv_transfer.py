@@ -8,6 +8,7 @@ dataclass, builds both halves of a kvlab connector (``KVConnectorFactory``).
 ``kv_role``: "kv_producer" (saves KV for others: a prefill engine), "kv_consumer" (loads
 it: a decode engine) or "kv_both" (an offloading cache does both).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -28,6 +28,7 @@ The rules this file enforces:
   over (the manager adds each group's spec kind). A ``KVCacheMetricsCollector`` is told of
   every allocation, prefix hit (touch) and eviction (lesson 08).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
@@ -274,22 +275,16 @@ class BlockPool:
             return
         hashes = self.resolve_block_hashes(request.block_hashes, block_size)
         if len(hashes) < num_full_blocks:
-            raise RuntimeError(
-                f"request {request.request_id!r} has {len(hashes)} block hashes, needs {num_full_blocks}"
-            )
+            raise RuntimeError(f"request {request.request_id!r} has {len(hashes)} block hashes, needs {num_full_blocks}")
         if num_cached_blocks < 0 or num_full_blocks > len(blocks):
-            raise ValueError(
-                f"cannot cache blocks [{num_cached_blocks}, {num_full_blocks}) of a table of {len(blocks)} blocks"
-            )
+            raise ValueError(f"cannot cache blocks [{num_cached_blocks}, {num_full_blocks}) of a table of {len(blocks)} blocks")
         suffix = group_suffix(kv_cache_group_id)
         insert = self.cached_block_hash_to_block.insert
         events = self.events
         todo: Iterable[int] = range(num_cached_blocks, num_full_blocks)
         if block_mask is not None:  # a block that can never serve a hit is not cached
             if len(block_mask) != num_full_blocks - num_cached_blocks:
-                raise ValueError(
-                    f"block_mask has {len(block_mask)} entries for {num_full_blocks - num_cached_blocks} blocks"
-                )
+                raise ValueError(f"block_mask has {len(block_mask)} entries for {num_full_blocks - num_cached_blocks} blocks")
             todo = [i for i, keep in zip(todo, block_mask) if keep]
         for i in todo:  # all checked before the first change
             if not blocks[i].is_null and blocks[i].cache_key is not None:
@@ -314,9 +309,7 @@ class BlockPool:
                     )
                 )
         if self.enable_kv_cache_events:
-            self._queue_block_stored(
-                request, blocks, hashes, num_cached_blocks, num_full_blocks, block_size, kv_cache_group_id, block_mask
-            )
+            self._queue_block_stored(request, blocks, hashes, num_cached_blocks, num_full_blocks, block_size, kv_cache_group_id, block_mask)
 
     def _queue_block_stored(
         self,
@@ -558,8 +551,11 @@ class BlockPool:
         own_queue = type(q) is FreeKVCacheBlockQueue
         m = self.cached_block_hash_to_block
         # Only kvlab's own map, changed only by kvlab's own eviction, journals every change.
-        own_map = (type(m).insert is BlockHashToBlockMap.insert and type(m).pop is BlockHashToBlockMap.pop
-                   and type(self)._maybe_evict_cached_block is BlockPool._maybe_evict_cached_block)
+        own_map = (
+            type(m).insert is BlockHashToBlockMap.insert
+            and type(m).pop is BlockHashToBlockMap.pop
+            and type(self)._maybe_evict_cached_block is BlockPool._maybe_evict_cached_block
+        )
         entries = getattr(m, "_cache", None)  # kvlab's storage, which a map of another class may not keep
         cp = PoolCheckpoint(
             journal=[],
@@ -682,7 +678,9 @@ class BlockPool:
                 continue
             if b.block_id not in seen:
                 assert b.ref_cnt > 0, f"block {b.block_id} is neither free nor referenced (ref_cnt {b.ref_cnt})"
-                assert not own_queue or (b.prev_free_block is None and b.next_free_block is None), f"used block {b.block_id} has queue links"
+                assert not own_queue or (b.prev_free_block is None and b.next_free_block is None), (
+                    f"used block {b.block_id} has queue links"
+                )
             if b.cache_key is not None:
                 assert self.enable_caching, f"block {b.block_id} is cached but caching is off"
                 assert b in self.cached_block_hash_to_block.blocks_for(b.cache_key), f"cached block {b.block_id} is missing from the map"
@@ -695,7 +693,6 @@ class BlockPool:
         assert n_entries == sum(b.cache_key is not None for b in self.blocks), "map and block hashes disagree"
         used = sum(1 for b in self.blocks if not b.is_null and b.block_id not in seen)
         assert used + q.num_free_blocks + 1 == self.num_gpu_blocks, "free + used + null != total"
-
 
 
 def _copy_entries(entries: dict) -> dict:

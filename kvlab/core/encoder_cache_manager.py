@@ -17,6 +17,7 @@ reference it, and ``freeable`` holds unreferenced entries oldest first -- evicte
 how many embeddings the encoder computes per step (the *encoder compute budget*); both
 limits default to ``max_num_batched_tokens``, as in vLLM.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -76,8 +77,15 @@ class EncoderCacheManager:
         self.cached[mm_hash].add(request.request_id)
         new = self._add_cached_input_id(request.request_id, input_id, mm_hash)
         if self.events is not None and new:  # vLLM checks again every step the item is in the window
-            self.events.emit(EncoderInputScheduled(request_id=request.request_id, input_id=input_id, mm_hash=mm_hash,
-                                                   num_embeds=self.num_embeds_by_hash[mm_hash], computed=False))
+            self.events.emit(
+                EncoderInputScheduled(
+                    request_id=request.request_id,
+                    input_id=input_id,
+                    mm_hash=mm_hash,
+                    num_embeds=self.num_embeds_by_hash[mm_hash],
+                    computed=False,
+                )
+            )
         return True
 
     def can_allocate(self, request: Request, input_id: int, encoder_compute_budget: int, num_embeds_to_schedule: int) -> bool:
@@ -118,8 +126,10 @@ class EncoderCacheManager:
         if cached_n != n:
             raise ValueError(f"item {mm_hash!r} has {n} embeddings in request {request.request_id!r} but {cached_n} in the cache")
         if self.num_free_slots < n or self.num_freeable_slots < n:
-            raise ValueError(f"allocate: item {input_id} of request {request.request_id!r} needs {n} embeddings but only "
-                             f"{self.num_free_slots} slots are free; ask can_allocate() first (it evicts to make room)")
+            raise ValueError(
+                f"allocate: item {input_id} of request {request.request_id!r} needs {n} embeddings but only "
+                f"{self.num_free_slots} slots are free; ask can_allocate() first (it evicts to make room)"
+            )
         if mm_hash not in self.cached:
             self.cached[mm_hash] = set()
         self.num_embeds_by_hash.setdefault(mm_hash, n)
@@ -128,8 +138,9 @@ class EncoderCacheManager:
         self.num_free_slots -= n
         self.num_freeable_slots -= n
         if self.events is not None:
-            self.events.emit(EncoderInputScheduled(request_id=request.request_id, input_id=input_id, mm_hash=mm_hash,
-                                                   num_embeds=n, computed=True))
+            self.events.emit(
+                EncoderInputScheduled(request_id=request.request_id, input_id=input_id, mm_hash=mm_hash, num_embeds=n, computed=True)
+            )
 
     def _add_cached_input_id(self, request_id: str, input_id: int, mm_hash: str) -> bool:
         ids = self.request_cached_ids.setdefault(request_id, set())
@@ -196,8 +207,9 @@ class EncoderCacheManager:
             assert (not refs) == (h in self.freeable), f"{h}: referenced by {refs} but freeable={h in self.freeable}"
 
 
-def compute_encoder_budget(max_num_batched_tokens: int, max_num_encoder_input_tokens: int | None,
-                           encoder_cache_size: int | None, max_tokens_per_item: int = 0) -> tuple[int, int]:
+def compute_encoder_budget(
+    max_num_batched_tokens: int, max_num_encoder_input_tokens: int | None, encoder_cache_size: int | None, max_tokens_per_item: int = 0
+) -> tuple[int, int]:
     """(compute budget per step, cache size), both in embeddings: vLLM defaults both to
     ``max_num_batched_tokens`` and raises them to the largest item, so any single item fits."""
     max_num_batched_tokens = check_int("max_num_batched_tokens", max_num_batched_tokens, 1)

@@ -16,6 +16,7 @@ Three coordinators, as in vLLM:
   length is a multiple of the scheduler block size (the LCM of the groups' block sizes), so
   that each group's hit is a whole number of its blocks.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
@@ -82,7 +83,13 @@ class KVCacheCoordinator:
         self.manager_for_spec: dict[type, type[SingleTypeKVCacheManager]] = {**MANAGER_FOR_SPEC, **(manager_classes or {})}
         self.single_type_managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
             get_manager_for_kv_cache_spec(
-                spec, block_pool, gid, enable_caching, scheduler_block_size, max_in_flight_tokens, max_model_len,
+                spec,
+                block_pool,
+                gid,
+                enable_caching,
+                scheduler_block_size,
+                max_in_flight_tokens,
+                max_model_len,
                 manager_cls=self.manager_for_spec[type(spec)],
             )
             for gid, spec in enumerate(self.specs)
@@ -104,8 +111,13 @@ class KVCacheCoordinator:
     ) -> int:
         return sum(
             m.get_num_blocks_to_allocate(
-                request_id, num_tokens, new_computed_blocks[i], total_computed_tokens,
-                num_local_computed_tokens, num_tokens_main_model, apply_admission_cap,
+                request_id,
+                num_tokens,
+                new_computed_blocks[i],
+                total_computed_tokens,
+                num_local_computed_tokens,
+                num_tokens_main_model,
+                apply_admission_cap,
             )
             for i, m in enumerate(self.single_type_managers)
         )
@@ -156,7 +168,9 @@ class KVCacheCoordinator:
         for m in self.single_type_managers:
             m.new_step_starts()
 
-    def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
         raise NotImplementedError
 
 
@@ -173,8 +187,13 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
     def find_longest_cache_hit(self, block_hashes, max_cache_hit_length):
         m = self.single_type_managers[0]
         return type(m).find_longest_cache_hit(
-            block_hashes, max_cache_hit_length, [0], self.block_pool, m.kv_cache_spec,
-            drop_eagle_block=0 in self.eagle_group_ids, alignment_tokens=m.block_size,
+            block_hashes,
+            max_cache_hit_length,
+            [0],
+            self.block_pool,
+            m.kv_cache_spec,
+            drop_eagle_block=0 in self.eagle_group_ids,
+            alignment_tokens=m.block_size,
         )
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -198,7 +217,9 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         super().__init__(*args, **kwargs)
         for m in self.single_type_managers:
             if m.block_size % self.hash_block_size:
-                raise ValueError(f"group {m.kv_cache_group_id}: block_size {m.block_size} is not a multiple of the hash block size {self.hash_block_size}")
+                raise ValueError(
+                    f"group {m.kv_cache_group_id}: block_size {m.block_size} is not a multiple of the hash block size {self.hash_block_size}"
+                )
             m.cache_hit_alignment_tokens = self.scheduler_block_size
             if isinstance(m, ChunkedLocalAttentionManager) and m.block_size != self.scheduler_block_size:
                 raise ValueError(
@@ -257,8 +278,13 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                     # match one block more, then drop it: back at the candidate length
                     max_length = min(curr + bs, len(block_hashes) * self.hash_block_size)
                 blocks, new_len = cls.find_longest_cache_hit(
-                    block_hashes, max_length, gids, self.block_pool, spec,
-                    drop_eagle_block=drop, alignment_tokens=self.scheduler_block_size,
+                    block_hashes,
+                    max_length,
+                    gids,
+                    self.block_pool,
+                    spec,
+                    drop_eagle_block=drop,
+                    alignment_tokens=self.scheduler_block_size,
                 )
                 if drop:
                     eagle_verified.add(idx)
@@ -297,8 +323,12 @@ def get_kv_cache_coordinator(
     manager_classes: Mapping[type, type[SingleTypeKVCacheManager]] | None = None,
 ) -> KVCacheCoordinator:
     kw = dict(
-        scheduler_block_size=scheduler_block_size, hash_block_size=hash_block_size, use_eagle=use_eagle,
-        max_model_len=max_model_len, max_in_flight_tokens=max_in_flight_tokens, manager_classes=manager_classes,
+        scheduler_block_size=scheduler_block_size,
+        hash_block_size=hash_block_size,
+        use_eagle=use_eagle,
+        max_model_len=max_model_len,
+        max_in_flight_tokens=max_in_flight_tokens,
+        manager_classes=manager_classes,
     )
     if not enable_caching:
         return KVCacheCoordinatorNoPrefixCache(specs, block_pool, False, **kw)  # type: ignore[arg-type]

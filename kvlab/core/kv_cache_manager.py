@@ -9,6 +9,7 @@ vLLM: ``vllm/v1/core/kv_cache_manager.py``. Three questions, three methods:
   do not fit it returns None and no ref count has moved.
 * ``free(request)`` -- give every block back, tail first.
 """
+
 from __future__ import annotations
 
 import os
@@ -181,9 +182,15 @@ class KVCacheManager:
         )
         num_blocks = block_pool.num_gpu_blocks
         coordinator = get_kv_cache_coordinator(
-            specs, block_pool, enable_caching,
-            scheduler_block_size=scheduler_block_size, hash_block_size=hash_block_size, use_eagle=use_eagle,
-            max_model_len=max_model_len, max_in_flight_tokens=max_in_flight_tokens, manager_classes=manager_classes,
+            specs,
+            block_pool,
+            enable_caching,
+            scheduler_block_size=scheduler_block_size,
+            hash_block_size=hash_block_size,
+            use_eagle=use_eagle,
+            max_model_len=max_model_len,
+            max_in_flight_tokens=max_in_flight_tokens,
+            manager_classes=manager_classes,
         )
 
         self.block_size = block_size
@@ -399,7 +406,9 @@ class KVCacheManager:
         if not has_hits and num_new_computed_tokens:
             raise ValueError(f"num_new_computed_tokens = {num_new_computed_tokens} but new_computed_blocks is empty")
         if (known is not None or request.num_computed_tokens) and (has_hits or num_external_computed_tokens):
-            raise ValueError(f"request {rid!r} is already running (it has computed tokens); prefix hits and external tokens are only for new requests")
+            raise ValueError(
+                f"request {rid!r} is already running (it has computed tokens); prefix hits and external tokens are only for new requests"
+            )
         if request.num_computed_tokens + num_new_computed_tokens + num_external_computed_tokens > request.num_tokens:
             raise ValueError(
                 f"request {rid!r}: {request.num_computed_tokens} computed + {num_new_computed_tokens} hit + "
@@ -429,7 +438,9 @@ class KVCacheManager:
             # Blocks that left the window are freed even if this allocation fails: no future
             # query reads them, and freeing them first may make room.
             coord.remove_skipped_blocks(rid, total_computed)
-            need = coord.get_num_blocks_to_allocate(rid, num_tokens_need_slot, hits, total_computed, num_local_computed, num_tokens_main_model)
+            need = coord.get_num_blocks_to_allocate(
+                rid, num_tokens_need_slot, hits, total_computed, num_local_computed, num_tokens_main_model
+            )
             if need > self.block_pool.get_num_free_blocks():
                 new_blocks = None
             else:

@@ -20,6 +20,7 @@ kvlab reads time from a clock you give it (``clock``: seconds as a float); insid
 ``LLMEngine`` that is the engine's simulated clock, so residencies are in simulated
 seconds. Sampling uses its own seeded ``random.Random`` so a lesson reruns identically.
 """
+
 from __future__ import annotations
 
 import random

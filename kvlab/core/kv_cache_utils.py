@@ -15,6 +15,7 @@ with its kind (vLLM >= 0.31): the LoRA adapter (every block), the multimodal ite
 overlapping the block, the tenant's ``cache_salt`` (first block only -- the chain carries it
 to every later block) and, for prompts given as embeddings, a digest of the block's rows.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -367,9 +368,7 @@ def _check_block_tokens(token_ids: Sequence[int]) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _gen_mm_extra_hash_keys(
-    request: Any, start_token_idx: int, end_token_idx: int, start_mm_idx: int
-) -> tuple[list[Any], int]:
+def _gen_mm_extra_hash_keys(request: Any, start_token_idx: int, end_token_idx: int, start_mm_idx: int) -> tuple[list[Any], int]:
     """``("mm", identifier, offset - start)`` for each item overlapping ``[start, end)``,
     walking the (offset-sorted) items from ``start_mm_idx``; returns the keys and the index
     the next block resumes from."""
@@ -428,9 +427,7 @@ def _gen_prompt_embeds_extra_hash_keys(request: Any, start_token_idx: int, end_t
     return [("prompt_embeds", digest)]
 
 
-def generate_block_hash_extra_keys(
-    request: Any, start_token_idx: int, end_token_idx: int, start_mm_idx: int = 0
-) -> tuple[Any, ...] | None:
+def generate_block_hash_extra_keys(request: Any, start_token_idx: int, end_token_idx: int, start_mm_idx: int = 0) -> tuple[Any, ...] | None:
     """Extra keys for the block covering tokens ``[start, end)``, in vLLM's order and, as in
     vLLM >= 0.31, each tagged with what it is (so a LoRA name can never be mistaken for a
     salt):

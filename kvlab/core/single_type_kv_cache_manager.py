@@ -20,6 +20,7 @@ manager                    what a hit needs / what the request may drop
 Every manager keeps its tables append-only except for null padding: a block a request no
 longer needs becomes the null block (id 0) in its table and goes back to the pool.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
@@ -139,9 +140,7 @@ class SingleTypeKVCacheManager:
         req_blocks.extend(adopted)
         self.num_cached_block[request_id] = len(req_blocks)
 
-    def allocate_external_computed_blocks(
-        self, request_id: str, num_local_computed_tokens: int, num_external_computed_tokens: int
-    ) -> None:
+    def allocate_external_computed_blocks(self, request_id: str, num_local_computed_tokens: int, num_external_computed_tokens: int) -> None:
         """Blocks for tokens whose KV a connector supplies (``num_external_computed_tokens``):
         the request needs slots to receive them, except where they fall outside the window.
         Runs only after every group's hits were touched (vLLM issue #33775)."""
@@ -252,7 +251,9 @@ class SingleTypeKVCacheManager:
         events = self.block_pool.events
         if events is not None:
             events.emit(
-                BlocksSkipped(request_id=request_id, group=self.kv_cache_group_id, positions=positions, block_ids=[b.block_id for b in removed])
+                BlocksSkipped(
+                    request_id=request_id, group=self.kv_cache_group_id, positions=positions, block_ids=[b.block_id for b in removed]
+                )
             )
         self.block_pool.free_blocks(removed, request_id=request_id, group=self.kv_cache_group_id, reason="window")
 
@@ -288,8 +289,9 @@ def _lookup(block_pool: BlockPool, block_hash: BlockHash, group_ids: Sequence[in
 
 class FullAttentionManager(SingleTypeKVCacheManager):
     @classmethod
-    def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids, block_pool, kv_cache_spec,
-                               drop_eagle_block=False, alignment_tokens=None):
+    def find_longest_cache_hit(
+        cls, block_hashes, max_length, kv_cache_group_ids, block_pool, kv_cache_spec, drop_eagle_block=False, alignment_tokens=None
+    ):
         """Walk the chain from the first block and stop at the first miss (a later block
         cannot be cached without its parent having been: the hashes are chained)."""
         bs = kv_cache_spec.block_size
@@ -357,8 +359,9 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         return [i >= shift and (i - shift) % per_segment >= per_segment - need for i in range(start_block, end_block)]
 
     @classmethod
-    def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids, block_pool, kv_cache_spec,
-                               drop_eagle_block=False, alignment_tokens=None):
+    def find_longest_cache_hit(
+        cls, block_hashes, max_length, kv_cache_group_ids, block_pool, kv_cache_spec, drop_eagle_block=False, alignment_tokens=None
+    ):
         """Search right to left for ``need`` contiguous cached blocks ending at an aligned
         length; blocks before the run are the null block. Without such a run, only a run
         starting at block 0 is usable (nothing before it was ever in the window)."""
@@ -404,7 +407,9 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
 
 
 class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
-    def __init__(self, kv_cache_spec: ChunkedLocalAttentionSpec, block_pool: BlockPool, kv_cache_group_id: int, *args: Any, **kwargs: Any) -> None:
+    def __init__(
+        self, kv_cache_spec: ChunkedLocalAttentionSpec, block_pool: BlockPool, kv_cache_group_id: int, *args: Any, **kwargs: Any
+    ) -> None:
         super().__init__(kv_cache_spec, block_pool, kv_cache_group_id, *args, **kwargs)
         self.attention_chunk_size = kv_cache_spec.attention_chunk_size
 
@@ -413,8 +418,9 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
         return num_computed_tokens // self.attention_chunk_size * self.attention_chunk_size
 
     @classmethod
-    def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids, block_pool, kv_cache_spec,
-                               drop_eagle_block=False, alignment_tokens=None):
+    def find_longest_cache_hit(
+        cls, block_hashes, max_length, kv_cache_group_ids, block_pool, kv_cache_spec, drop_eagle_block=False, alignment_tokens=None
+    ):
         """Blocks of chunks before the hit's own chunk are never read: they count as hit
         without a lookup (null blocks). Inside the last chunk, walk left to right."""
         bs = kv_cache_spec.block_size
@@ -453,8 +459,9 @@ class MambaManager(SingleTypeKVCacheManager):
         return num_computed_tokens - 1
 
     @classmethod
-    def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids, block_pool, kv_cache_spec,
-                               drop_eagle_block=False, alignment_tokens=None):
+    def find_longest_cache_hit(
+        cls, block_hashes, max_length, kv_cache_group_ids, block_pool, kv_cache_spec, drop_eagle_block=False, alignment_tokens=None
+    ):
         """One saved state suffices: the LAST cached block (right to left) whose end is an
         aligned length; the blocks before it are the null block."""
         bs = kv_cache_spec.block_size
@@ -471,21 +478,41 @@ class MambaManager(SingleTypeKVCacheManager):
             return computed, (i + 1) * bs
         return computed, 0
 
-    def get_num_blocks_to_allocate(self, request_id, num_tokens, new_computed_blocks, total_computed_tokens,
-                                   num_local_computed_tokens, num_tokens_main_model, apply_admission_cap=False):
+    def get_num_blocks_to_allocate(
+        self,
+        request_id,
+        num_tokens,
+        new_computed_blocks,
+        total_computed_tokens,
+        num_local_computed_tokens,
+        num_tokens_main_model,
+        apply_admission_cap=False,
+    ):
         if new_computed_blocks and new_computed_blocks[-1].cache_key in self.cached_blocks_this_step:
             # The state was saved by a request of this very step: usable only from the next.
             return self.block_pool.num_gpu_blocks + 1
         if self.mamba_cache_mode != "align":
-            return super().get_num_blocks_to_allocate(request_id, num_tokens, new_computed_blocks, total_computed_tokens,
-                                                      num_local_computed_tokens, num_tokens_main_model, apply_admission_cap)
+            return super().get_num_blocks_to_allocate(
+                request_id,
+                num_tokens,
+                new_computed_blocks,
+                total_computed_tokens,
+                num_local_computed_tokens,
+                num_tokens_main_model,
+                apply_admission_cap,
+            )
         held = self.req_to_blocks.get(request_id, ())
         # One new state block per step at most (lookahead slots are not states).
         num_new = cdiv(num_tokens_main_model, self.block_size) - len(new_computed_blocks) - len(held)
         if num_new > 0:
             num_new = 1
         count = num_new + self._get_num_evictable_blocks(new_computed_blocks)
-        if not apply_admission_cap and total_computed_tokens > num_local_computed_tokens and not held and request_id not in self.num_cached_block:
+        if (
+            not apply_admission_cap
+            and total_computed_tokens > num_local_computed_tokens
+            and not held
+            and request_id not in self.num_cached_block
+        ):
             # External tokens (a connector supplies their KV) get a state block of their
             # own in allocate_external_computed_blocks, which vLLM 0.33 leaves out of this
             # count: it can then fail half-way through an allocation. kvlab also counts

@@ -43,6 +43,7 @@ bind-or-connect rule), ``kv_subscriber.py`` (``Subscriber``: reads kvlab's or a 
 server's stream, refills gaps from the replay socket) and ``kv_recording.py`` (streams on
 disk). ``kvlab.kv_events`` re-exports all four modules (lesson 10).
 """
+
 from __future__ import annotations
 
 import re
@@ -170,8 +171,10 @@ multimodal ``(identifier, offset)`` pair and a cache salt -- depth 2. The field 
 is). A fixed bound makes "too deep" one documented answer -- the malformed-payload
 ``ValueError`` -- wherever the caller stands."""
 
-_TOO_DEEP = ("it nests deeper than Python's recursion limit; a KV event batch nests a few levels "
-             f"(extra_keys entries at most {MAX_EXTRA_KEYS_DEPTH})")
+_TOO_DEEP = (
+    "it nests deeper than Python's recursion limit; a KV event batch nests a few levels "
+    f"(extra_keys entries at most {MAX_EXTRA_KEYS_DEPTH})"
+)
 
 
 def _too_deep(value: Any, limit: int) -> bool:
@@ -196,8 +199,10 @@ def _check_depth(events: list[Any]) -> None:
             continue  # None, or a wrong type the schema check names
         for j, entry in enumerate(keys):
             if _too_deep(entry, MAX_EXTRA_KEYS_DEPTH):
-                raise ValueError(f"batch.events[{i}].extra_keys[{j}] nests deeper than {MAX_EXTRA_KEYS_DEPTH} levels; "
-                                 "vLLM's entries are tuples of names, ints and (identifier, offset) pairs")
+                raise ValueError(
+                    f"batch.events[{i}].extra_keys[{j}] nests deeper than {MAX_EXTRA_KEYS_DEPTH} levels; "
+                    "vLLM's entries are tuples of names, ints and (identifier, offset) pairs"
+                )
 
 
 def _to_array_event(ev: KVCacheEvent) -> _ArrayEvent:
@@ -219,9 +224,7 @@ def _check_batch(batch: Any) -> None:
         raise TypeError(f"batch.events must be a list of BlockStored, BlockRemoved or AllBlocksCleared, got {type(batch.events).__name__}")
     for i, ev in enumerate(batch.events):
         if type(ev) not in _ARRAY_OF:
-            raise TypeError(
-                f"batch.events[{i}] is a {type(ev).__name__}; expected BlockStored, BlockRemoved or AllBlocksCleared"
-            )
+            raise TypeError(f"batch.events[{i}] is a {type(ev).__name__}; expected BlockStored, BlockRemoved or AllBlocksCleared")
 
 
 _PATH = re.compile(r"`\$\[(\d)\](?:\[(\d+)\])?")
@@ -250,8 +253,12 @@ def validate_batch(batch: Any, *, array_like: bool = False) -> bytes:
     try:
         (_array_decoder if array_like else _decoder).decode(payload)
     except msgspec.ValidationError as e:
-        msg = _PATH.sub(lambda m: "`" + (_TOP[int(m.group(1))] if m.group(1) in "012" else "batch")
-                        + (f"[{m.group(2)}]" if m.group(2) is not None else ""), str(e))
+        msg = _PATH.sub(
+            lambda m: "`"
+            + (_TOP[int(m.group(1))] if m.group(1) in "012" else "batch")
+            + (f"[{m.group(2)}]" if m.group(2) is not None else ""),
+            str(e),
+        )
         raise ValueError(f"batch is not a valid KV event batch: {msg}") from None
     return payload
 

@@ -35,6 +35,7 @@ kvlab's differences, each on purpose:
 * ``flush(timeout_s)`` waits until every batch published so far has been sent (a
   lock-step simulation needs it), and ``num_published`` counts ``publish`` calls.
 """
+
 from __future__ import annotations
 
 import json
@@ -285,7 +286,9 @@ class ZmqEventPublisher(EventPublisher):
         while not self._event_queue.empty() and time.monotonic() - start < self.SHUTDOWN_TIMEOUT:
             time.sleep(0.02)
         if not self._event_queue.empty():
-            logger.warning("KV-event publisher: %d batches still queued after %.1f s; dropped", self._event_queue.qsize(), self.SHUTDOWN_TIMEOUT)
+            logger.warning(
+                "KV-event publisher: %d batches still queued after %.1f s; dropped", self._event_queue.qsize(), self.SHUTDOWN_TIMEOUT
+            )
         self._thread.join(timeout=self.SHUTDOWN_TIMEOUT)
         for sock in (self._pub, self._replay):
             if sock is not None:
@@ -300,8 +303,10 @@ class ZmqEventPublisher(EventPublisher):
 
     def __repr__(self) -> str:
         mode = "binds" if self.binds else "connects to"
-        return (f"ZmqEventPublisher({mode} {self.endpoint!r}, replay={self.replay_endpoint!r}, topic={self.topic!r}, "
-                f"sent={self.num_sent}, buffered={len(self._buffer)})")
+        return (
+            f"ZmqEventPublisher({mode} {self.endpoint!r}, replay={self.replay_endpoint!r}, topic={self.topic!r}, "
+            f"sent={self.num_sent}, buffered={len(self._buffer)})"
+        )
 
     # -- sockets and the thread -------------------------------------------------------------
     def _socket_setup(self) -> None:

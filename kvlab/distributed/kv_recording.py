@@ -25,6 +25,7 @@ A publisher that restarts begins again at seq 0; a subscriber records that seq 0
 old run's last batch, so one recording can hold several runs. Each seq 0 after the first
 record starts a new run segment (``KVStream`` replays it as a fresh, empty cache).
 """
+
 from __future__ import annotations
 
 import os
@@ -96,8 +97,9 @@ def _open_regular(path: str | os.PathLike) -> tuple[BinaryIO, int]:
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise ValueError(f"path: {os.fspath(path)!r} is not a regular file (a FIFO, a device or a folder); "
-                             "a recording is a regular .kvev file")
+            raise ValueError(
+                f"path: {os.fspath(path)!r} is not a regular file (a FIFO, a device or a folder); a recording is a regular .kvev file"
+            )
         return os.fdopen(fd, "rb"), st.st_size
     except BaseException:
         os.close(fd)
@@ -130,8 +132,9 @@ class Recorder:
         # Not open(path, "wb"): a FIFO would block until a reader appears, and a device or a
         # folder is no place for a recording. Checked before anything is truncated; fstat
         # checks again what was opened (O_NONBLOCK: a FIFO swapped in meanwhile cannot block).
-        not_regular = (f"path: {self.path!r} is not a regular file (a FIFO, a device or a folder); "
-                       "a recording is written to a regular .kvev file")
+        not_regular = (
+            f"path: {self.path!r} is not a regular file (a FIFO, a device or a folder); a recording is written to a regular .kvev file"
+        )
         try:
             if not stat.S_ISREG(os.stat(self.path).st_mode):
                 raise ValueError(not_regular)
@@ -235,8 +238,10 @@ def read_recording(path: str | os.PathLike, *, strict: bool = True) -> Recording
     except msgspec.DecodeError as e:
         raise ValueError(f"{p}: the recording header is corrupt: {e}") from None
     except RecursionError:
-        raise ValueError(f"{p}: the recording header is corrupt: it nests deeper than Python's recursion limit "
-                         "(a header is one map of names, numbers and strings)") from None
+        raise ValueError(
+            f"{p}: the recording header is corrupt: it nests deeper than Python's recursion limit "
+            "(a header is one map of names, numbers and strings)"
+        ) from None
     if header.get("format") != FORMAT or header.get("version") != VERSION:
         raise ValueError(
             f"{p}: recording format {header.get('format')!r} version {header.get('version')!r}; "
@@ -262,8 +267,10 @@ def read_recording(path: str | os.PathLike, *, strict: bool = True) -> Recording
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             raise ValueError(f"{p}: record {i} is corrupt: {e}") from None
         except RecursionError:
-            raise ValueError(f"{p}: record {i} is corrupt: it nests deeper than Python's recursion limit "
-                             "(a record is [seq, topic, received_at, payload])") from None
+            raise ValueError(
+                f"{p}: record {i} is corrupt: it nests deeper than Python's recursion limit "
+                "(a record is [seq, topic, received_at, payload])"
+            ) from None
         i += 1
     return rec
 

@@ -39,6 +39,7 @@ Bind or connect: a vLLM server with the default ``tcp://*:5557`` binds, so the s
 connects (``bind=False``, the default). A server given ``tcp://host:port`` connects to its
 consumer, which must then ``bind=True`` to that address (vLLM's rule, ``is_bind_endpoint``).
 """
+
 from __future__ import annotations
 
 import logging
@@ -111,7 +112,9 @@ class Subscriber:
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be True or False, got {flag!r}")
         if "*" in endpoint and not bind:
-            raise ValueError(f"endpoint={endpoint!r}: a subscriber cannot connect to '*'; connect to the server's host (tcp://127.0.0.1:5557) or pass bind=True")
+            raise ValueError(
+                f"endpoint={endpoint!r}: a subscriber cannot connect to '*'; connect to the server's host (tcp://127.0.0.1:5557) or pass bind=True"
+            )
         if replay_endpoint is not None:
             _check_endpoint("replay_endpoint", replay_endpoint, "tcp://127.0.0.1:5558", optional=True)
         if not isinstance(topic, str):
@@ -178,8 +181,10 @@ class Subscriber:
 
     def __repr__(self) -> str:
         how = "bound to" if self.bind else "connected to"
-        return (f"Subscriber({how} {self.endpoint!r}, topic={self.topic!r}, replay={self.replay_endpoint!r}, "
-                f"last_seq={self.last_seq}, gaps={len(self.gaps)})")
+        return (
+            f"Subscriber({how} {self.endpoint!r}, topic={self.topic!r}, replay={self.replay_endpoint!r}, "
+            f"last_seq={self.last_seq}, gaps={len(self.gaps)})"
+        )
 
     # -- reading --------------------------------------------------------------------------------
     def receive(
@@ -285,8 +290,9 @@ class Subscriber:
         if seq < _SIGNED_LIMIT:
             self._suspect[topic] = seq
         what = "END_SEQ or a negative int64" if seq >= _SIGNED_LIMIT else f"{seq - expected:,} batches past the expected seq {expected}"
-        self._malformed(f"a batch on topic {topic!r} with seq {seq} ({what}; at most {MAX_SEQ_JUMP:,} ahead is a loss, "
-                        "beyond that a corrupt seq frame)")
+        self._malformed(
+            f"a batch on topic {topic!r} with seq {seq} ({what}; at most {MAX_SEQ_JUMP:,} ahead is a loss, beyond that a corrupt seq frame)"
+        )
         return True
 
     def _deliver(self, topic: bytes, seq: int, payload: bytes) -> None:
@@ -310,11 +316,21 @@ class Subscriber:
             # Nothing received yet on this topic, and catching up was asked for: the batches
             # sent before this subscriber's subscription took effect (ZeroMQ's "slow joiner")
             # are fetched by design -- news, not a warning.
-            logger.info("KV events: catching up on topic %r: seq 0..%d were sent before this subscriber's first batch%s",
-                        topic, seq - 1, "; asking the replay socket" if self.replay_endpoint else "; no replay endpoint")
+            logger.info(
+                "KV events: catching up on topic %r: seq 0..%d were sent before this subscriber's first batch%s",
+                topic,
+                seq - 1,
+                "; asking the replay socket" if self.replay_endpoint else "; no replay endpoint",
+            )
         else:
-            logger.warning("KV events: gap on topic %r: expected seq %d, %s (%d batches missing)%s", topic, expected, what,
-                           missing, "; asking the replay socket" if self.replay_endpoint else "; no replay endpoint")
+            logger.warning(
+                "KV events: gap on topic %r: expected seq %d, %s (%d batches missing)%s",
+                topic,
+                expected,
+                what,
+                missing,
+                "; asking the replay socket" if self.replay_endpoint else "; no replay endpoint",
+            )
         got = self._request_replay(expected, seq, topic) if self.replay_endpoint else []
         for s, t, payload, _ in got:
             self._deliver(t if t is not None else (topic or b""), s, payload)
@@ -326,8 +342,12 @@ class Subscriber:
         if gap.complete:
             logger.info("KV events: replay recovered all %d missing batches", missing)
         else:
-            logger.warning("KV events: %d of %d missing batches are lost for good (not in the publisher's buffer); "
-                           "an index built from this stream may be stale", missing - len(got), missing)
+            logger.warning(
+                "KV events: %d of %d missing batches are lost for good (not in the publisher's buffer); "
+                "an index built from this stream may be stale",
+                missing - len(got),
+                missing,
+            )
         return [(s, b) for s, _, _, b in got]
 
     def replay(self, start_seq: int = 0) -> list[tuple[int, KVEventBatch]]:
@@ -371,8 +391,11 @@ class Subscriber:
             left = deadline - time.monotonic()
             if left <= 0 or not sock.poll(int(left * 1000) + 1):
                 self.stats["replay_timeouts"] += 1
-                logger.warning("KV events: the replay socket %s did not finish answering within %.1f s (dead peer?)",
-                               self.replay_endpoint, self.replay_timeout_s)
+                logger.warning(
+                    "KV events: the replay socket %s did not finish answering within %.1f s (dead peer?)",
+                    self.replay_endpoint,
+                    self.replay_timeout_s,
+                )
                 self._drop_replay_socket()
                 break
             frames = sock.recv_multipart()

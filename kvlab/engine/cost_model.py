@@ -2,6 +2,7 @@
 
 kvlab's own: vLLM measures real time; kvlab's simulated clock advances by this model.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -28,8 +29,7 @@ class CostModel:
     # ~10 GB/s over a network link from another engine ("FILE", disaggregated prefill).
     # Stores are copied while the next step computes: free here, as in vLLM.
     # (Left out of the repr: lessons 03 and 08 print the step costs they use.)
-    load_s_per_token: dict[str, float] = field(default_factory=lambda: {"CPU": 5.2e-6, "STORAGE": 4.4e-5, "FILE": 1.3e-5},
-                                               repr=False)
+    load_s_per_token: dict[str, float] = field(default_factory=lambda: {"CPU": 5.2e-6, "STORAGE": 4.4e-5, "FILE": 1.3e-5}, repr=False)
     # The vision encoder, per embedding (lesson 14).
     encoder_s_per_token: float = field(default=0.0002, repr=False)
 
@@ -40,8 +40,14 @@ class CostModel:
             raise TypeError(f"load_s_per_token must be a dict {{medium: seconds per token}}, got {type(self.load_s_per_token).__name__}")
         self.load_s_per_token = {m: check_number(f"load_s_per_token[{m!r}]", v, 0) for m, v in self.load_s_per_token.items()}
 
-    def step_time(self, num_prefill_tokens: int, num_decode_tokens: int, num_context_tokens: int,
-                  num_loaded_tokens: Mapping[str, int] | None = None, num_encoder_tokens: int = 0) -> float:
+    def step_time(
+        self,
+        num_prefill_tokens: int,
+        num_decode_tokens: int,
+        num_context_tokens: int,
+        num_loaded_tokens: Mapping[str, int] | None = None,
+        num_encoder_tokens: int = 0,
+    ) -> float:
         if num_prefill_tokens + num_decode_tokens == 0:
             return 0.0
         load = sum(self.load_s_per_token.get(m, 0.0) * n for m, n in (num_loaded_tokens or {}).items())

@@ -6,6 +6,7 @@ context), and ``kvlab.worker.model_runner.ModelRunner`` runs the real tiny model
 kernels. Either way the clock advances by a ``CostModel`` of the step, so TTFT, TPOT and
 throughput can be read off without a GPU.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
@@ -79,9 +80,24 @@ class _EngineCheckpoint:
 
     def save_metrics(self, metrics: dict[str, RequestMetrics], rid: str) -> None:
         m = metrics.get(rid, _MISSING)
-        self.metrics.append((rid, m, None if m is _MISSING else (
-            m.arrival_time, m.first_scheduled_time, m.first_token_time, m.finished_time, m.num_output_tokens,
-            m.num_preemptions, m.num_cached_tokens, m.prefill_tokens_computed)))
+        self.metrics.append(
+            (
+                rid,
+                m,
+                None
+                if m is _MISSING
+                else (
+                    m.arrival_time,
+                    m.first_scheduled_time,
+                    m.first_token_time,
+                    m.finished_time,
+                    m.num_output_tokens,
+                    m.num_preemptions,
+                    m.num_cached_tokens,
+                    m.prefill_tokens_computed,
+                ),
+            )
+        )
 
     def save_finished(self, finished: dict[str, Request], rid: str) -> None:
         if rid not in self.finished:
@@ -209,8 +225,16 @@ class LLMEngine:
             if m is _MISSING:
                 self.metrics.pop(rid, None)
             else:
-                (m.arrival_time, m.first_scheduled_time, m.first_token_time, m.finished_time, m.num_output_tokens,
-                 m.num_preemptions, m.num_cached_tokens, m.prefill_tokens_computed) = values
+                (
+                    m.arrival_time,
+                    m.first_scheduled_time,
+                    m.first_token_time,
+                    m.finished_time,
+                    m.num_output_tokens,
+                    m.num_preemptions,
+                    m.num_cached_tokens,
+                    m.prefill_tokens_computed,
+                ) = values
                 self.metrics[rid] = m
         for rid, r in cp.finished.items():
             if r is _MISSING:
@@ -318,8 +342,7 @@ class LLMEngine:
         loaded = kv_out.num_loaded_tokens if kv_out is not None else None
         self.clock += self.cost_model.step_time(prefill, decode, context, loaded, encoder)
         before = {rid: sched.requests[rid].num_output_tokens for rid in out.num_scheduled_tokens}
-        finished = sched.update_from_output(out, sampled, iteration=IterationStats(self.clock, prefill, decode),
-                                            kv_connector_output=kv_out)
+        finished = sched.update_from_output(out, sampled, iteration=IterationStats(self.clock, prefill, decode), kv_connector_output=kv_out)
         for rid, n0 in before.items():
             m = self.metrics.get(rid)
             r = sched.requests.get(rid) or next((f for f in finished if f.request_id == rid), None)
@@ -412,7 +435,8 @@ class LLMEngine:
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
             raise TypeError(
                 "prompts must be a list of prompts (token-id lists, or strings with a tokenizer), got "
-                f"{type(prompts).__name__}" + (" (a bare string would be read as one prompt per character)" if isinstance(prompts, str) else "")
+                f"{type(prompts).__name__}"
+                + (" (a bare string would be read as one prompt per character)" if isinstance(prompts, str) else "")
             )
         taken = set(self.scheduler.requests) | set(self.metrics) | set(self.finished)
         next_id = self._ids
@@ -518,8 +542,9 @@ def build_engine(
             raise TypeError(f"kv_transfer_config must be a KVTransferConfig, got {type(kv_transfer_config).__name__}")
         sched_connector = KVConnectorFactory.create_connector(kv_transfer_config, KVConnectorRole.SCHEDULER, block_size)
         worker_connector = KVConnectorFactory.create_connector(kv_transfer_config, KVConnectorRole.WORKER, block_size)
-        scheduler_kwargs = dict(scheduler_kwargs, connector=sched_connector,
-                                kv_load_failure_policy=kv_transfer_config.kv_load_failure_policy)
+        scheduler_kwargs = dict(
+            scheduler_kwargs, connector=sched_connector, kv_load_failure_policy=kv_transfer_config.kv_load_failure_policy
+        )
     sched = Scheduler(mgr, **scheduler_kwargs)
     if executor is None:
         executor = SimulatedExecutor()

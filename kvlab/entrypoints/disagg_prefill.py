@@ -16,6 +16,7 @@ every wait (``timeout_s``) and kills both children when it leaves, even on an er
 Run one process by hand: ``python -m kvlab.entrypoints.disagg_prefill --role prefill
 --storage /tmp/kv --log /tmp/p.json`` and type a JSON line.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -71,11 +72,16 @@ def serve(role: str, storage: str, log_path: str, num_blocks: int = 32, block_si
             eng.add_request(req)
             eng.run()
             done = eng.finished[rid]
-            reply = {"ok": True, "id": rid, "output": list(done.output_token_ids),
-                     "num_cached_tokens": eng.metrics[rid].num_cached_tokens,
-                     "num_tokens_computed": eng.executor.num_tokens_computed - before,
-                     "block_ids": eng.events is not None and _last_table(eng, rid),
-                     "kv_transfer_params": done.kv_transfer_params, "finish_reason": done.finish_reason}
+            reply = {
+                "ok": True,
+                "id": rid,
+                "output": list(done.output_token_ids),
+                "num_cached_tokens": eng.metrics[rid].num_cached_tokens,
+                "num_tokens_computed": eng.executor.num_tokens_computed - before,
+                "block_ids": eng.events is not None and _last_table(eng, rid),
+                "kv_transfer_params": done.kv_transfer_params,
+                "finish_reason": done.finish_reason,
+            }
         except Exception as e:  # noqa: BLE001 - reported to the proxy, the process keeps serving
             reply = {"ok": False, "id": msg.get("id"), "error": f"{type(e).__name__}: {e}"}
         out.write(json.dumps(reply) + "\n")
@@ -132,8 +138,9 @@ class DisaggregatedPrefill:
     ``decode_log.json``) for the pictures.
     """
 
-    def __init__(self, storage_dir: str, *, num_blocks: int = 32, block_size: int = 16, model_seed: int = 0,
-                 timeout_s: float = 60.0) -> None:
+    def __init__(
+        self, storage_dir: str, *, num_blocks: int = 32, block_size: int = 16, model_seed: int = 0, timeout_s: float = 60.0
+    ) -> None:
         # Checked here, in the proxy: a bad setting is named before any process starts
         # (a child given "--num-blocks x" would only die with an argparse message).
         if not isinstance(storage_dir, (str, os.PathLike)) or not os.fspath(storage_dir):
@@ -164,9 +171,23 @@ class DisaggregatedPrefill:
         try:
             for role in ROLES:  # both start at once: their imports overlap
                 err = os.path.join(self.storage_dir, f"{role}_stderr.txt")
-                cmd = [sys.executable, "-m", "kvlab.entrypoints.disagg_prefill", "--role", role, "--storage", self.kv_dir,
-                       "--log", self.log_paths[role], "--num-blocks", str(self.num_blocks), "--block-size",
-                       str(self.block_size), "--model-seed", str(self.model_seed)]
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "kvlab.entrypoints.disagg_prefill",
+                    "--role",
+                    role,
+                    "--storage",
+                    self.kv_dir,
+                    "--log",
+                    self.log_paths[role],
+                    "--num-blocks",
+                    str(self.num_blocks),
+                    "--block-size",
+                    str(self.block_size),
+                    "--model-seed",
+                    str(self.model_seed),
+                ]
                 with open(err, "wb") as ef:
                     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=ef)
                 self.children[role] = _Child(role, proc, err)
@@ -186,15 +207,13 @@ class DisaggregatedPrefill:
             while b"\n" not in child.buf:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise EngineProcessError(f"the {child.role} engine did not answer within {self.timeout_s:.0f} s\n"
-                                             f"{child.stderr_tail()}")
+                    raise EngineProcessError(f"the {child.role} engine did not answer within {self.timeout_s:.0f} s\n{child.stderr_tail()}")
                 if not sel.select(timeout=left):
                     continue
                 chunk = os.read(out.fileno(), 65536)
                 if not chunk:
                     code = child.proc.poll()
-                    raise EngineProcessError(f"the {child.role} engine exited (code {code}) without answering\n"
-                                             f"{child.stderr_tail()}")
+                    raise EngineProcessError(f"the {child.role} engine exited (code {code}) without answering\n{child.stderr_tail()}")
                 child.buf += chunk
         line, child.buf = child.buf.split(b"\n", 1)
         return json.loads(line)

@@ -22,6 +22,7 @@ process is alive while it waits (a dead server raises :class:`ServerDied` with i
 and the end of its stderr); the server exits by itself when its parent process is gone;
 :func:`stop_all` (also registered with ``atexit``) kills every server this process started.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,8 +54,14 @@ from kvlab.utils.hashing import HASH_ALGOS
 
 READY = "KVLAB-SERVER-READY "
 ENGINE_DEFAULTS: dict[str, Any] = dict(
-    num_blocks=256, block_size=16, hash_algo="sha256_cbor", max_num_batched_tokens=2048, max_num_seqs=128,
-    autostep=False, step_delay_s=0.0, cost_model=None,
+    num_blocks=256,
+    block_size=16,
+    hash_algo="sha256_cbor",
+    max_num_batched_tokens=2048,
+    max_num_seqs=128,
+    autostep=False,
+    step_delay_s=0.0,
+    cost_model=None,
 )
 _enc = msgspec.msgpack.Encoder()
 _dec = msgspec.msgpack.Decoder()
@@ -122,9 +129,14 @@ def _configure_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
 def _build(cfg: dict[str, Any], publisher: Any) -> LLMEngine:
     cost = CostModel(**cfg["cost_model"]) if cfg["cost_model"] else None
     return build_engine(
-        num_blocks=cfg["num_blocks"], block_size=cfg["block_size"], executor=ScriptedExecutor(), event_log=None,
-        cost_model=cost, manager_kwargs=dict(enable_kv_cache_events=True, hash_algo=cfg["hash_algo"]),
-        max_num_batched_tokens=cfg["max_num_batched_tokens"], max_num_seqs=cfg["max_num_seqs"],
+        num_blocks=cfg["num_blocks"],
+        block_size=cfg["block_size"],
+        executor=ScriptedExecutor(),
+        event_log=None,
+        cost_model=cost,
+        manager_kwargs=dict(enable_kv_cache_events=True, hash_algo=cfg["hash_algo"]),
+        max_num_batched_tokens=cfg["max_num_batched_tokens"],
+        max_num_seqs=cfg["max_num_seqs"],
         kv_event_publisher=publisher,
     )
 
@@ -150,9 +162,14 @@ class _Server:
         e = self.engine
         s = e.scheduler
         return dict(
-            name=self.name, clock=e.clock, num_running=len(s.running), num_waiting=len(s.waiting),
-            num_unfinished=s.get_num_unfinished_requests(), num_finished=len(e.finished),
-            published=getattr(self.publisher, "num_published", 0), kv_cache_usage=e.kv_cache_manager.usage,
+            name=self.name,
+            clock=e.clock,
+            num_running=len(s.running),
+            num_waiting=len(s.waiting),
+            num_unfinished=s.get_num_unfinished_requests(),
+            num_finished=len(e.finished),
+            published=getattr(self.publisher, "num_published", 0),
+            kv_cache_usage=e.kv_cache_manager.usage,
             pid=os.getpid(),
         )
 
@@ -170,8 +187,14 @@ class _Server:
         if op == "add":
             reqs = []
             for r in msg.get("requests", []):
-                req = Request(r["request_id"], r["prompt_token_ids"], max_tokens=r["max_tokens"], cache_salt=r.get("cache_salt"),
-                              lora_name=r.get("lora_name"), arrival_time=r.get("arrival_time", e.clock))
+                req = Request(
+                    r["request_id"],
+                    r["prompt_token_ids"],
+                    max_tokens=r["max_tokens"],
+                    cache_salt=r.get("cache_salt"),
+                    lora_name=r.get("lora_name"),
+                    arrival_time=r.get("arrival_time", e.clock),
+                )
                 reqs.append((req, r))
             for req, r in reqs:  # all checked first: a bad request adds none
                 if req.request_id in e.scheduler.requests or req.request_id in e.metrics:
@@ -197,8 +220,18 @@ class _Server:
                 n += 1
             return self.status(flush=True)
         if op == "metrics":
-            rows = [[m.request_id, m.arrival_time, m.first_token_time, m.finished_time, m.num_prompt_tokens, m.num_cached_tokens,
-                     m.num_preemptions] for m in e.metrics.values()]
+            rows = [
+                [
+                    m.request_id,
+                    m.arrival_time,
+                    m.first_token_time,
+                    m.finished_time,
+                    m.num_prompt_tokens,
+                    m.num_cached_tokens,
+                    m.num_preemptions,
+                ]
+                for m in e.metrics.values()
+            ]
             return dict(self.status(), metrics=rows)
         if op == "reset":
             if e.has_unfinished_requests():
@@ -257,8 +290,11 @@ class _Server:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvlab.entrypoints.kv_server", description=__doc__.split("\n\n")[0])
     ap.add_argument("--name", default="kvlab-server")
-    ap.add_argument("--kv-events-config", default='{"enable_kv_cache_events": true}',
-                    help="vLLM's --kv-events-config JSON (endpoint, replay_endpoint, topic, buffer_steps, hwm, ...)")
+    ap.add_argument(
+        "--kv-events-config",
+        default='{"enable_kv_cache_events": true}',
+        help="vLLM's --kv-events-config JSON (endpoint, replay_endpoint, topic, buffer_steps, hwm, ...)",
+    )
     ap.add_argument("--engine-config", default="{}", help=f"JSON: engine settings (defaults {json.dumps(ENGINE_DEFAULTS)})")
     ap.add_argument("--control", default="tcp://127.0.0.1:0", help="where to bind the command socket (loopback)")
     args = ap.parse_args(argv)
@@ -267,9 +303,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.perf_counter()
     server = _Server(args.name, engine_cfg, events_cfg, args.control)
     pub = server.publisher
-    info = dict(name=args.name, pid=os.getpid(), control=server.control, endpoint=getattr(pub, "endpoint", None),
-                replay_endpoint=getattr(pub, "replay_endpoint", None), topic=events_cfg.topic,
-                build_s=time.perf_counter() - t0, engine=engine_cfg)
+    info = dict(
+        name=args.name,
+        pid=os.getpid(),
+        control=server.control,
+        endpoint=getattr(pub, "endpoint", None),
+        replay_endpoint=getattr(pub, "replay_endpoint", None),
+        topic=events_cfg.topic,
+        build_s=time.perf_counter() - t0,
+        engine=engine_cfg,
+    )
     print(READY + json.dumps(info), flush=True)
     sys.stdout = sys.stderr  # nobody reads stdout after the handshake: never block on a full pipe
     server.serve()
@@ -316,7 +359,9 @@ class KVServer:
 
     # -- starting ---------------------------------------------------------------------------------
     @staticmethod
-    def _spawn(name: str, kv_events_config: Any, engine: Mapping[str, Any] | None, env: Mapping[str, str] | None) -> tuple[subprocess.Popen, str, float]:
+    def _spawn(
+        name: str, kv_events_config: Any, engine: Mapping[str, Any] | None, env: Mapping[str, str] | None
+    ) -> tuple[subprocess.Popen, str, float]:
         if isinstance(kv_events_config, KVEventsConfig):
             events_json = json.dumps(asdict(kv_events_config))
         elif isinstance(kv_events_config, str):
@@ -327,11 +372,21 @@ class KVServer:
             raise TypeError(f"kv_events_config must be a dict, a JSON string or a KVEventsConfig, got {type(kv_events_config).__name__}")
         _engine_config(engine)  # unknown keys raise here, before a process starts
         fd, err_path = tempfile.mkstemp(prefix=f"kvlab-{name}-", suffix=".stderr")
-        cmd = [sys.executable, "-m", "kvlab.entrypoints.kv_server", "--name", name, "--kv-events-config", events_json,
-               "--engine-config", json.dumps({k: v for k, v in _engine_config(engine).items() if k in (engine or {})})]
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvlab.entrypoints.kv_server",
+            "--name",
+            name,
+            "--kv-events-config",
+            events_json,
+            "--engine-config",
+            json.dumps({k: v for k, v in _engine_config(engine).items() if k in (engine or {})}),
+        ]
         with os.fdopen(fd, "wb") as err:
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL,
-                                    env=dict(os.environ if env is None else env))
+            proc = subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL, env=dict(os.environ if env is None else env)
+            )
         return proc, err_path, time.perf_counter()
 
     @classmethod
@@ -354,12 +409,19 @@ class KVServer:
                     line = buf.split(b"\n", 1)[0].decode(errors="replace")
                     if line.startswith(READY):
                         proc.stdout.close()
-                        return cls(proc, json.loads(line[len(READY):]), err_path, time.perf_counter() - t0)
+                        return cls(proc, json.loads(line[len(READY) :]), err_path, time.perf_counter() - t0)
                     buf = buf.split(b"\n", 1)[1]
 
     @classmethod
-    def start(cls, *, name: str = "kvlab-server", kv_events_config: Any = None, engine: Mapping[str, Any] | None = None,
-              start_timeout_s: float = 30.0, env: Mapping[str, str] | None = None) -> "KVServer":
+    def start(
+        cls,
+        *,
+        name: str = "kvlab-server",
+        kv_events_config: Any = None,
+        engine: Mapping[str, Any] | None = None,
+        start_timeout_s: float = 30.0,
+        env: Mapping[str, str] | None = None,
+    ) -> "KVServer":
         """Start one server process and wait (at most ``start_timeout_s``) until it is ready.
 
         ``kv_events_config``: vLLM's ``--kv-events-config`` as a dict, JSON text or
@@ -367,12 +429,14 @@ class KVServer:
         ``engine``: ``num_blocks``, ``block_size``, ``hash_algo``, ``max_num_batched_tokens``,
         ``max_num_seqs``, ``autostep``, ``step_delay_s``, ``cost_model`` (CostModel fields).
         """
-        return cls.start_many([dict(name=name, kv_events_config=kv_events_config, engine=engine)],
-                              start_timeout_s=start_timeout_s, env=env)[0]
+        return cls.start_many(
+            [dict(name=name, kv_events_config=kv_events_config, engine=engine)], start_timeout_s=start_timeout_s, env=env
+        )[0]
 
     @classmethod
-    def start_many(cls, specs: Iterable[Mapping[str, Any]], *, start_timeout_s: float = 30.0,
-                   env: Mapping[str, str] | None = None) -> list["KVServer"]:
+    def start_many(
+        cls, specs: Iterable[Mapping[str, Any]], *, start_timeout_s: float = 30.0, env: Mapping[str, str] | None = None
+    ) -> list["KVServer"]:
         """Start several servers at once (each spec: ``name``, ``kv_events_config``, ``engine``),
         then wait for all; if one fails, every one started is killed and the error raised."""
         spawned: list[tuple[subprocess.Popen, str, float]] = []
@@ -430,8 +494,10 @@ class KVServer:
                     raise ServerError(f"{self.name}: {reply.get('error')}")
                 return reply
             if not self.alive:
-                raise ServerDied(f"{self.name} (pid {self.proc.pid}) exited with code {self.proc.returncode} while "
-                                 f"answering {op!r}:\n{_tail(self._stderr_path)}")
+                raise ServerDied(
+                    f"{self.name} (pid {self.proc.pid}) exited with code {self.proc.returncode} while "
+                    f"answering {op!r}:\n{_tail(self._stderr_path)}"
+                )
 
     def add(self, requests: Iterable[Any], **kw: Any) -> dict[str, Any]:
         """Add requests: kvlab ``Request`` s or trace entries (``TraceRequest``: their scripted
@@ -450,7 +516,15 @@ class KVServer:
         return self.call("status", **kw)
 
     def metrics(self, **kw: Any) -> list[dict[str, Any]]:
-        keys = ("request_id", "arrival_time", "first_token_time", "finished_time", "num_prompt_tokens", "num_cached_tokens", "num_preemptions")
+        keys = (
+            "request_id",
+            "arrival_time",
+            "first_token_time",
+            "finished_time",
+            "num_prompt_tokens",
+            "num_cached_tokens",
+            "num_preemptions",
+        )
         return [dict(zip(keys, row)) for row in self.call("metrics", **kw)["metrics"]]
 
     def reset(self, **kw: Any) -> dict[str, Any]:
@@ -508,8 +582,13 @@ def _request_dict(r: Any) -> dict[str, Any]:
     (lock-step replay) and its scripted answer; a live ``Request`` arrives "now"."""
     if not all(hasattr(r, a) for a in ("request_id", "prompt_token_ids", "max_tokens")):
         raise TypeError(f"requests must be kvlab Requests or trace entries (TraceRequest), got {type(r).__name__}")
-    d = dict(request_id=r.request_id, prompt_token_ids=list(r.prompt_token_ids), max_tokens=r.max_tokens,
-             cache_salt=r.cache_salt, lora_name=r.lora_name)
+    d = dict(
+        request_id=r.request_id,
+        prompt_token_ids=list(r.prompt_token_ids),
+        max_tokens=r.max_tokens,
+        cache_salt=r.cache_salt,
+        lora_name=r.lora_name,
+    )
     if not isinstance(r, Request):
         d["arrival_time"] = r.arrival_time
         out = getattr(r, "output_token_ids", None)

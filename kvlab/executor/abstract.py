@@ -4,6 +4,7 @@ vLLM: ``vllm/v1/executor/abstract.py``. kvlab has two executors: the
 :class:`~kvlab.executor.simulated.SimulatedExecutor` (no model) and the real
 :class:`~kvlab.worker.model_runner.ModelRunner` (tiny model + Triton kernels).
 """
+
 from __future__ import annotations
 
 from typing import Protocol

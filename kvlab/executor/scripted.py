@@ -7,6 +7,7 @@ the trace wrote (``TraceRequest.output_token_ids``) by request and position, so 
 conversation is exactly the trace, even after a preemption recomputes it. Requests without
 a script fall back to the simulated tokens.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence

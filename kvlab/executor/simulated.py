@@ -5,6 +5,7 @@ It also plays the worker's other parts without tensors: the worker half of a KV 
 cache (lesson 14: "running the encoder" records the item's embeddings, and a scheduled
 token whose image has no cached embeddings is an error, as in vLLM's model runner).
 """
+
 from __future__ import annotations
 
 import zlib
@@ -27,8 +28,7 @@ class SimulatedExecutor(KVConnectorModelRunnerMixin):
     #: ``BlockPool.restore``'s ``drop_reused``).
     writes_kv_cache = False
 
-    def __init__(self, vocab_size: int = 32000, eos_token_id: int | None = None, eos_every: int = 0,
-                 *, kv_connector: Any = None) -> None:
+    def __init__(self, vocab_size: int = 32000, eos_token_id: int | None = None, eos_every: int = 0, *, kv_connector: Any = None) -> None:
         self.vocab_size = check_int("vocab_size", vocab_size, 2)
         self.eos_token_id = check_optional_int("eos_token_id", eos_token_id, 0)
         # > 0: emit eos when crc % eos_every == 0 (varied output lengths); 0: never.
@@ -101,8 +101,10 @@ class SimulatedExecutor(KVConnectorModelRunnerMixin):
         end = num_computed + n
         for f in self._mm.get(rid, ()):
             if f.offset < end and f.offset + f.length > num_computed and f.identifier not in self.encoder_cache:
-                raise RuntimeError(f"request {rid!r}: tokens {num_computed}..{end - 1} need the embeddings of item "
-                                   f"{f.identifier!r}, which are not in the encoder cache (a scheduler bug)")
+                raise RuntimeError(
+                    f"request {rid!r}: tokens {num_computed}..{end - 1} need the embeddings of item "
+                    f"{f.identifier!r}, which are not in the encoder cache (a scheduler bug)"
+                )
 
     def _step(self, rid: str, num_computed: int, n: int, out: dict[str, list[int]]) -> None:
         toks = self._tokens[rid]

@@ -4,9 +4,18 @@ Each checker plugs the learner's code into the real engine (their free queue ins
 ``BlockPool``, their victim choice inside the ``Scheduler`` …), replays vLLM's documented
 scenarios and random cases, and explains the first case that failed.
 """
+
 from kvlab.exercises import (  # noqa: F401  (register)
-    checks_beyond_pool, checks_bug_hunt, checks_capstone, checks_hashing, checks_hybrid, checks_kernels, checks_lookup,
-    checks_pool, checks_routing, checks_sched,
+    checks_beyond_pool,
+    checks_bug_hunt,
+    checks_capstone,
+    checks_hashing,
+    checks_hybrid,
+    checks_kernels,
+    checks_lookup,
+    checks_pool,
+    checks_routing,
+    checks_sched,
 )
 from kvlab.exercises.progress import show_progress
 from kvlab.exercises.registry import EXERCISES, Exercise, check, hints

@@ -10,6 +10,7 @@ of value (ints -- numpy's count too --, bytes, str, tuples, lists, None, ...).
 :func:`type_problem` says what is wrong with the *kind* of answer, in the words a
 learner needs: ``got None -- a missing return?``, ``expected an int, got str '3'``.
 """
+
 from __future__ import annotations
 
 import numbers

@@ -22,6 +22,7 @@ Everything a learner needs is in the pictures: the pool (which block holds what,
 hash), the block tables, the hash chains and each step's events (an eviction is an event;
 a missing one is a clue).
 """
+
 from __future__ import annotations
 
 import html
@@ -63,10 +64,17 @@ class GreedyHitManager(KVCacheManager):
         max_hit = request.num_tokens  # "why recompute a token we already have?"
         blocks, n = self.coordinator.find_longest_cache_hit(request.block_hashes, max_hit)
         if self.events is not None:
-            self.events.emit(PrefixLookup(
-                request_id=request.request_id, num_tokens=request.num_tokens, block_hashes=list(request.block_hashes),
-                hit_block_ids=[[b.block_id for b in g] for g in blocks], num_hit_tokens=n, max_hit_tokens=max_hit,
-                preempted=request.num_preemptions > 0))
+            self.events.emit(
+                PrefixLookup(
+                    request_id=request.request_id,
+                    num_tokens=request.num_tokens,
+                    block_hashes=list(request.block_hashes),
+                    hit_block_ids=[[b.block_id for b in g] for g in blocks],
+                    num_hit_tokens=n,
+                    max_hit_tokens=max_hit,
+                    preempted=request.num_preemptions > 0,
+                )
+            )
         return self.create_kv_cache_blocks(blocks), n
 
 
@@ -154,10 +162,15 @@ def incident_stale_hash() -> Incident:
     _run(eng, marks, "c arrives", Request("c", doc_a + [21, 22, 23], max_tokens=1))
     c = eng.metrics["c"]
     return Incident(
-        1, "an answer from someone else's document",
+        1,
+        "an answer from someone else's document",
         "Request c resends a's 8-token document with a new question. It was served 8 tokens from the cache, "
         "and answered about b's text instead of a's.",
-        eng, marks, "c arrives", facts={"c_cached_tokens": c.num_cached_tokens})
+        eng,
+        marks,
+        "c arrives",
+        facts={"c_cached_tokens": c.num_cached_tokens},
+    )
 
 
 def incident_full_hit() -> Incident:
@@ -176,9 +189,14 @@ def incident_full_hit() -> Incident:
     except RuntimeError as e:
         error = f"RuntimeError: {e}"
     return Incident(
-        2, "the same prompt twice stops the server",
-        "A user pressed 'retry': request b is exactly request a's prompt. The server never answered b, and the "
-        "engine stopped.", eng, marks, "the same prompt again", error=error)
+        2,
+        "the same prompt twice stops the server",
+        "A user pressed 'retry': request b is exactly request a's prompt. The server never answered b, and the engine stopped.",
+        eng,
+        marks,
+        "the same prompt again",
+        error=error,
+    )
 
 
 def incident_duplicates(map_cls: Any = OneBlockPerHash) -> Incident:
@@ -188,8 +206,7 @@ def incident_duplicates(map_cls: Any = OneBlockPerHash) -> Incident:
     scratch.add_request(x0)
     scratch.run()
     said = list(x0.output_token_ids[:2])  # what x will answer first (the simulated model is deterministic)
-    eng = build_engine(num_blocks=12, block_size=4, max_num_batched_tokens=64,
-                       manager_kwargs={"block_pool_cls": map_pool(map_cls)})
+    eng = build_engine(num_blocks=12, block_size=4, max_num_batched_tokens=64, manager_kwargs={"block_pool_cls": map_pool(map_cls)})
     marks: dict[str, int] = {}
     eng.add_request(Request("x", doc, max_tokens=3))
     _mark(eng, marks, "x starts answering")
@@ -199,12 +216,17 @@ def incident_duplicates(map_cls: Any = OneBlockPerHash) -> Incident:
     _run(eng, marks, "c asks about the same text", Request("c", doc + said + [9], max_tokens=1))
     c = eng.metrics["c"]
     return Incident(
-        3, "a cached text recomputed",
+        3,
+        "a cached text recomputed",
         "Request x answered a 6-token question. Request y, sent while x was still answering, quoted the question "
         "and x's first two words. After a burst of other traffic, c asked about that same 8-token text: "
         f"only {c.num_cached_tokens} of its 8 tokens came from the cache. An engineer swears the rest was still "
         "in the pool.",
-        eng, marks, "c asks about the same text", facts={"c_cached_tokens": c.num_cached_tokens})
+        eng,
+        marks,
+        "c asks about the same text",
+        facts={"c_cached_tokens": c.num_cached_tokens},
+    )
 
 
 INCIDENTS: dict[int, tuple[Callable[[], Incident], str]] = {
@@ -218,20 +240,20 @@ RULED_OUT: dict[tuple[int, str], str] = {
     (1, "full_hit_crash"): "c's hit is 8 tokens of an 11-token prompt: capped correctly, and nothing crashed",
     (1, "duplicate_overwritten"): "no two blocks ever carried the same hash here: a ran alone, b and c hold other tokens",
     (1, "touch_without_remove"): "step 'c arrives' shows c's hit blocks leaving the free queue; but look at what block 2 held "
-                                  "before that: at step 'b arrives' b was given block 2 and no block was evicted",
+    "before that: at step 'b arrives' b was given block 2 and no block was evicted",
     (1, "forward_free_order"): "a's blocks went back tail first (2 before 1 at the tail); the trouble is what happened to "
-                               "block 2 when b took it -- look for an eviction event at step 'b arrives'",
+    "block 2 when b took it -- look for an eviction event at step 'b arrives'",
     (2, "stale_hash"): "b's hit blocks really hold b's tokens (the same prompt); the problem is how many tokens were hit",
     (2, "duplicate_overwritten"): "a and b never ran at the same time, so no duplicate was made",
     (2, "touch_without_remove"): "b's hit blocks left the free queue correctly; compare b's hit with its prompt length",
     (2, "forward_free_order"): "the free order does not matter here; compare b's hit (tokens) with its prompt length",
     (3, "stale_hash"): "every reallocated block lost its hash (each has an eviction event); the block that still holds "
-                       "the text was never reallocated -- so why does c's lookup miss it?",
+    "the text was never reallocated -- so why does c's lookup miss it?",
     (3, "full_hit_crash"): "nothing crashed, and c was not hit too much -- it was hit too little",
     (3, "touch_without_remove"): "no held block was ever evicted; look at which hashes two blocks shared after step 3, "
-                                 "and what the burst of traffic evicted",
+    "and what the burst of traffic evicted",
     (3, "forward_free_order"): "x and y freed tail first; one block with the text's hash is still in the pool -- "
-                               "why does c's lookup not find it?",
+    "why does c's lookup not find it?",
 }
 
 

@@ -15,6 +15,7 @@ the current one (a cell whose source did not change keeps its stored output). So
 and ``exercises/`` always show the same exercise, and ``check`` reports either one
 drifting from ``solutions/``.
 """
+
 from __future__ import annotations
 
 import copy
@@ -64,7 +65,7 @@ def exercise_id(cell: nbformat.NotebookNode) -> str | None:
     """The exercise a cell belongs to (its ``exercise:<id>`` tag), or None."""
     for t in cell.get("metadata", {}).get("tags", []):
         if t.startswith(TAG):
-            return t[len(TAG):]
+            return t[len(TAG) :]
     return None
 
 
@@ -73,7 +74,7 @@ def level_line(eid: str) -> str:
 
     if eid not in EXERCISES:
         raise ValueError(f"a cell is tagged {TAG}{eid}, but no exercise {eid!r} is registered")
-    return f"*{EXERCISES[eid].level} · `check(\"{eid}\", ...)` below says what differs*"
+    return f'*{EXERCISES[eid].level} · `check("{eid}", ...)` below says what differs*'
 
 
 def exercise_notebook(solution: nbformat.NotebookNode) -> nbformat.NotebookNode:
@@ -174,18 +175,20 @@ def readme(root: Path = ROOT) -> str:
         lesson = where.get(eid, ex.lesson)
         link = f"[{lesson[:2]}](../notebooks/{lessons[lesson]})" if lesson in lessons else lesson[:2]
         rows.append(f"| {link} | `{eid}` — {ex.title} | {ex.level} | [{ex.notebook}]({ex.notebook}.ipynb) |")
-    return "\n".join([
-        "# exercises/ — every exercise of the course, collected",
-        "",
-        "GENERATED from `solutions/` by `python -m kvlab.exercises build` (`make exercises`): never edit by hand.",
-        "Each exercise also sits in the lesson that teaches its idea — the same cells, the same `check()` — so",
-        "do it there or here. Lesson 00 shows which ones you have passed (kept in `~/.kvlab`, or `$KVLAB_HOME`).",
-        "",
-        "| lesson | exercise | level | notebook |",
-        "|---|---|---|---|",
-        *rows,
-        "",
-    ])
+    return "\n".join(
+        [
+            "# exercises/ — every exercise of the course, collected",
+            "",
+            "GENERATED from `solutions/` by `python -m kvlab.exercises build` (`make exercises`): never edit by hand.",
+            "Each exercise also sits in the lesson that teaches its idea — the same cells, the same `check()` — so",
+            "do it there or here. Lesson 00 shows which ones you have passed (kept in `~/.kvlab`, or `$KVLAB_HOME`).",
+            "",
+            "| lesson | exercise | level | notebook |",
+            "|---|---|---|---|",
+            *rows,
+            "",
+        ]
+    )
 
 
 def build(root: Path = ROOT, check_only: bool = False) -> list[str]:

@@ -5,6 +5,7 @@ Each one runs the learner's function on cases built to tell the classic wrong an
 apart, then plugs it into the real engine through a seam (a connector's scheduler-half
 class, a connector method, a scheduler subclass) and replays the lesson's story.
 """
+
 from __future__ import annotations
 
 import tempfile
@@ -51,15 +52,29 @@ def check_tier_hits(fn: Any) -> CheckResult:
         got = list(got) if isinstance(got, (list, tuple)) else got
         if got == want:
             continue
-        return failed(eid, f"wrong tiers: {name}", case=name, inputs=f"num_computed_tokens={computed}, num_tokens={ntok}, "
-                      f"block_size={bs}, CPU holds {sorted(x.decode() for x in cpu)}, disk holds {sorted(x.decode() for x in disk)}",
-                      expected=repr(want), got=repr(got), idea=_tier_idea(got, hashes, computed, ntok, bs, cpu, disk, want))
+        return failed(
+            eid,
+            f"wrong tiers: {name}",
+            case=name,
+            inputs=f"num_computed_tokens={computed}, num_tokens={ntok}, "
+            f"block_size={bs}, CPU holds {sorted(x.decode() for x in cpu)}, disk holds {sorted(x.decode() for x in disk)}",
+            expected=repr(want),
+            got=repr(got),
+            idea=_tier_idea(got, hashes, computed, ntok, bs, cpu, disk, want),
+        )
     ok, detail = _tier_story(fn)
     if not ok:
-        return failed(eid, "in the engine: the offload story does not load what vLLM loads", details=detail,
-                      idea="your function runs inside the offloading connector's lookup; compare your cases with the lesson's story")
-    return passed(eid, "every case matches; inside the offloading connector the lesson's story loads A2 from disk, C2's third "
-                       "block from the CPU tier and B2 from disk, exactly as before.")
+        return failed(
+            eid,
+            "in the engine: the offload story does not load what vLLM loads",
+            details=detail,
+            idea="your function runs inside the offloading connector's lookup; compare your cases with the lesson's story",
+        )
+    return passed(
+        eid,
+        "every case matches; inside the offloading connector the lesson's story loads A2 from disk, C2's third "
+        "block from the CPU tier and B2 from disk, exactly as before.",
+    )
 
 
 def _tier_reference(hashes, computed, ntok, bs, cpu, disk, *, end=None, start=None, skip_miss=False, disk_first=False) -> list[str]:
@@ -115,10 +130,18 @@ def _tier_story(fn: Callable) -> tuple[bool, str]:
             def in_storage(h: bytes) -> bool:
                 return m.secondary is not None and m.secondary.lookup(make_offload_key(h)) is LookupResult.HIT
 
-            media = call(fn, list(request.block_hashes), num_computed_tokens, request.num_tokens, self.block_size, in_cpu,
-                         in_storage, where=f"looking up {request.request_id!r} in the tiers")
+            media = call(
+                fn,
+                list(request.block_hashes),
+                num_computed_tokens,
+                request.num_tokens,
+                self.block_size,
+                in_cpu,
+                in_storage,
+                where=f"looking up {request.request_id!r} in the tiers",
+            )
             start = num_computed_tokens // self.block_size
-            keys = [make_offload_key(h) for h in request.block_hashes[start:start + len(media)]]
+            keys = [make_offload_key(h) for h in request.block_hashes[start : start + len(media)]]
             return m.cap_promotions(keys, list(media))
 
     learner_connector = type("LearnerOffloadingConnector", (OffloadingConnector,), {"scheduler_cls": LearnerScheduler})
@@ -137,7 +160,10 @@ def _tier_story(fn: Callable) -> tuple[bool, str]:
     if got == want:
         return True, ""
     diff = next(i for i, (a, b) in enumerate(zip(want + [""], got + [""])) if a != b)
-    return False, f"   first difference: expected {want[diff] if diff < len(want) else '(nothing)'!r}, got {got[diff] if diff < len(got) else '(nothing)'!r}"
+    return (
+        False,
+        f"   first difference: expected {want[diff] if diff < len(want) else '(nothing)'!r}, got {got[diff] if diff < len(got) else '(nothing)'!r}",
+    )
 
 
 # --- num_matched_tokens and token_slots (lesson 13) ---------------------------------------------------
@@ -176,14 +202,28 @@ def check_num_matched_tokens(fn: Any) -> CheckResult:
             idea = "leave the prompt's last token to the model: its logits choose the first output token (at most num_prompt_tokens - 1)"
         elif got == min(saved, prompt - 1) - hit:
             idea = "when the local hit is longer than the folder there is nothing to take: clamp at 0, a negative count is an error"
-        return failed(eid, f"wrong count: {name}", case=name, inputs=f"saved_tokens={saved}, num_prompt_tokens={prompt}, "
-                      f"num_computed_tokens={hit}", expected=repr(want), got=repr(got), idea=idea)
+        return failed(
+            eid,
+            f"wrong count: {name}",
+            case=name,
+            inputs=f"saved_tokens={saved}, num_prompt_tokens={prompt}, num_computed_tokens={hit}",
+            expected=repr(want),
+            got=repr(got),
+            idea=idea,
+        )
     ok, detail = _pd_run(matched=fn)
     if not ok:
-        return failed(eid, "in the engine: the prefill/decode pair does not behave", details=detail,
-                      idea="your function decides how many tokens the decode engine takes from the prefill engine's files")
-    return passed(eid, "every case matches; a prefill/decode pair with your count gives the dense model's tokens and the decode "
-                       "engine computes only each prompt's last token.")
+        return failed(
+            eid,
+            "in the engine: the prefill/decode pair does not behave",
+            details=detail,
+            idea="your function decides how many tokens the decode engine takes from the prefill engine's files",
+        )
+    return passed(
+        eid,
+        "every case matches; a prefill/decode pair with your count gives the dense model's tokens and the decode "
+        "engine computes only each prompt's last token.",
+    )
 
 
 SLOT_CASES = [
@@ -214,9 +254,15 @@ def check_token_slots(fn: Any) -> CheckResult:
         got = call(fn, list(ids), a, b, bs, where=f"the case '{name}'")
         slots = _int_list(got)
         if slots is None:
-            return failed(eid, f"token_slots must return a list of ints (one slot per token) -- got {_slots_kind(got)}", case=name,
-                          inputs=f"block_ids={ids}, start={a}, end={b}, block_size={bs}", expected=repr(want), got=describe(got),
-                          idea="a slot is a whole number: block id × block_size + offset (a list, a tuple or a 1-D numpy array of ints)")
+            return failed(
+                eid,
+                f"token_slots must return a list of ints (one slot per token) -- got {_slots_kind(got)}",
+                case=name,
+                inputs=f"block_ids={ids}, start={a}, end={b}, block_size={bs}",
+                expected=repr(want),
+                got=describe(got),
+                idea="a slot is a whole number: block id × block_size + offset (a list, a tuple or a 1-D numpy array of ints)",
+            )
         got = slots
         if got == want:
             continue
@@ -227,14 +273,28 @@ def check_token_slots(fn: Any) -> CheckResult:
             idea = "the table is indexed by the token's position in the request (p // block_size), not by its position in the range"
         elif got == [ids[p // bs] * bs + p % bs for p in range(a, b + 1) if p // bs < len(ids)]:
             idea = "the range is half open: end is not included"
-        return failed(eid, f"wrong slots: {name}", case=name, inputs=f"block_ids={ids}, start={a}, end={b}, block_size={bs}",
-                      expected=repr(want), got=repr(got), idea=idea)
+        return failed(
+            eid,
+            f"wrong slots: {name}",
+            case=name,
+            inputs=f"block_ids={ids}, start={a}, end={b}, block_size={bs}",
+            expected=repr(want),
+            got=repr(got),
+            idea=idea,
+        )
     ok, detail = _pd_run(slots=fn)
     if not ok:
-        return failed(eid, "in the engine: the decode engine's tokens differ from the dense model's", details=detail,
-                      idea="your slots place the saved keys and values in the decode engine's cache: a wrong slot is wrong attention")
-    return passed(eid, "every case matches; with your slots the prefill engine saves and the decode engine places the prompt's KV, "
-                       "and its tokens equal the dense model's.")
+        return failed(
+            eid,
+            "in the engine: the decode engine's tokens differ from the dense model's",
+            details=detail,
+            idea="your slots place the saved keys and values in the decode engine's cache: a wrong slot is wrong attention",
+        )
+    return passed(
+        eid,
+        "every case matches; with your slots the prefill engine saves and the decode engine places the prompt's KV, "
+        "and its tokens equal the dense model's.",
+    )
 
 
 def _int_list(got: Any) -> list[int] | None:
@@ -277,8 +337,9 @@ def _pd_run(matched: Callable | None = None, slots: Callable | None = None) -> t
     if matched is not None:
         attrs["external_tokens"] = lambda self, saved, prompt, hit: call(matched, saved, prompt, hit, where="the decode engine's lookup")
     if slots is not None:
-        attrs["slots_of"] = lambda self, rm, bs: _int_list(call(slots, list(rm.block_ids), rm.start, rm.end, bs,
-                                                                where="placing a token range in the cache"))
+        attrs["slots_of"] = lambda self, rm, bs: _int_list(
+            call(slots, list(rm.block_ids), rm.start, rm.end, bs, where="placing a token range in the cache")
+        )
     learner = type("LearnerExampleConnector", (ExampleConnector,), attrs)
     torch.set_num_threads(1)
     model = TinyLlama(TinyLlamaConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128), seed=0)
@@ -289,8 +350,9 @@ def _pd_run(matched: Callable | None = None, slots: Callable | None = None) -> t
         def engine(role: str) -> LLMEngine:
             mgr = KVCacheManager(num_blocks=16, block_size=4)
             sched = Scheduler(mgr, connector=learner(KVConnectorRole.SCHEDULER, 4, extra, kv_role=role))
-            runner = ModelRunner(model, num_blocks=16, block_size=4, device="cpu",
-                                 kv_connector=learner(KVConnectorRole.WORKER, 4, extra, kv_role=role))
+            runner = ModelRunner(
+                model, num_blocks=16, block_size=4, device="cpu", kv_connector=learner(KVConnectorRole.WORKER, 4, extra, kv_role=role)
+            )
             return LLMEngine(mgr, sched, runner)
 
         P, D = engine("kv_producer"), engine("kv_consumer")
@@ -350,19 +412,40 @@ def check_encoder_inputs(fn: Any) -> CheckResult:
         got = _run_enc(fn, items, computed, new, cached, room, where=f"the case '{name}'")
         inputs = f"items={items}, num_computed_tokens={computed}, num_new_tokens={new}, cached={sorted(cached)}, room for {room} embeddings"
         if not _enc_pair(got):
-            return failed(eid, _enc_kind_problem(got), case=name, inputs=inputs, expected=repr(want), got=describe(got),
-                          idea="two values, e.g. `return chosen, num_new_tokens` (a tuple or a list of two): the indices of "
-                               "the items to encode, and the chunk's token count")
+            return failed(
+                eid,
+                _enc_kind_problem(got),
+                case=name,
+                inputs=inputs,
+                expected=repr(want),
+                got=describe(got),
+                idea="two values, e.g. `return chosen, num_new_tokens` (a tuple or a list of two): the indices of "
+                "the items to encode, and the chunk's token count",
+            )
         if got == want:
             continue
-        return failed(eid, f"wrong decision: {name}", case=name, inputs=inputs,
-                      expected=repr(want), got=repr(got), idea=_enc_idea(items, computed, new, cached, room, got))
+        return failed(
+            eid,
+            f"wrong decision: {name}",
+            case=name,
+            inputs=inputs,
+            expected=repr(want),
+            got=repr(got),
+            idea=_enc_idea(items, computed, new, cached, room, got),
+        )
     ok, detail = _enc_story(fn)
     if not ok:
-        return failed(eid, "in the engine: lesson 14's story does not run as vLLM's", details=detail,
-                      idea="your function decides, inside the scheduler, which images each chunk encodes and where chunks stop")
-    return passed(eid, "every case matches; inside the scheduler lesson 14's story encodes img-a, img-b and img-c once each, "
-                       "reuses img-a for r1 and evicts img-a for img-c, as vLLM does.")
+        return failed(
+            eid,
+            "in the engine: lesson 14's story does not run as vLLM's",
+            details=detail,
+            idea="your function decides, inside the scheduler, which images each chunk encodes and where chunks stop",
+        )
+    return passed(
+        eid,
+        "every case matches; inside the scheduler lesson 14's story encodes img-a, img-b and img-c once each, "
+        "reuses img-a for r1 and evicts img-a for img-c, as vLLM does.",
+    )
 
 
 def _run_enc(fn: Callable, items, computed, new, cached, room, where: str) -> Any:
@@ -389,8 +472,13 @@ def _enc_normal(got: Any) -> Any:
 
 
 def _enc_pair(got: Any) -> bool:
-    return (isinstance(got, tuple) and len(got) == 2 and isinstance(got[0], list) and all(type(i) is int for i in got[0])
-            and type(got[1]) is int)
+    return (
+        isinstance(got, tuple)
+        and len(got) == 2
+        and isinstance(got[0], list)
+        and all(type(i) is int for i in got[0])
+        and type(got[1]) is int
+    )
 
 
 def _enc_kind_problem(got: Any) -> str:
@@ -403,9 +491,23 @@ def _enc_kind_problem(got: Any) -> str:
     return f"num_new_tokens must be an int -- got {type(n).__name__} {describe(n)}"
 
 
-def _enc_reference(items, computed, new, cached, room, *, cut_to_zero=False, no_cut=False, ignore_cache=False,
-                   only_starting=False, no_stop=False, abs_cut=False, at_end=False, carry_on=False,
-                   stop_at_cached=False) -> tuple[list[int], int]:
+def _enc_reference(
+    items,
+    computed,
+    new,
+    cached,
+    room,
+    *,
+    cut_to_zero=False,
+    no_cut=False,
+    ignore_cache=False,
+    only_starting=False,
+    no_stop=False,
+    abs_cut=False,
+    at_end=False,
+    carry_on=False,
+    stop_at_cached=False,
+) -> tuple[list[int], int]:
     out: list[int] = []
     chosen: set[str] = set()
     end = computed + new
@@ -445,15 +547,21 @@ def _enc_idea(items, computed, new, cached, room, got) -> str:
         return "a chunk that starts inside an image (a prefix hit ended there) still needs the whole image's embeddings"
     if got == _enc_reference(*args, abs_cut=True):
         off = got[1]  # that variant stops the chunk at the item's offset
-        return (f"num_new_tokens counts tokens from num_computed_tokens: stop the chunk at offset - num_computed_tokens = "
-                f"{off - computed}, not at the offset {off}")
+        return (
+            f"num_new_tokens counts tokens from num_computed_tokens: stop the chunk at offset - num_computed_tokens = "
+            f"{off - computed}, not at the offset {off}"
+        )
     if got == _enc_reference(*args, at_end=True):
-        return ("the chunk covers [num_computed_tokens, num_computed_tokens + num_new_tokens): an image starting AT the end is "
-                "not in this chunk -- the next chunk encodes it (stop at offset >= the end)")
+        return (
+            "the chunk covers [num_computed_tokens, num_computed_tokens + num_new_tokens): an image starting AT the end is "
+            "not in this chunk -- the next chunk encodes it (stop at offset >= the end)"
+        )
     carried, right = _enc_reference(*args, carry_on=True), _enc_reference(*args)
     if carried != right and isinstance(got, tuple) and (got == carried or got[0] == carried[0] != right[0]):  # whatever it made of n
-        return ("once an item does not fit, the chunk ends right before it: stop there (break) -- every item after it lies "
-                "beyond the new end, and encoding one now spends the budget on tokens this step does not compute")
+        return (
+            "once an item does not fit, the chunk ends right before it: stop there (break) -- every item after it lies "
+            "beyond the new end, and encoding one now spends the budget on tokens this step does not compute"
+        )
     if got == _enc_reference(*args, stop_at_cached=True):
         return "a cached item needs no encoder run, but the items after it may: skip it (continue), do not stop at it"
     if got == _enc_reference(*args, no_stop=True):
@@ -478,13 +586,23 @@ def _enc_story(fn: Callable) -> tuple[bool, str]:
                 state["scheduled"] += items[i][2]
                 return True
 
-            picked, n = call(fn, items, num_computed_tokens, num_new_tokens, lambda i: ecm.check_and_update_cache(request, i), fits,
-                             where=f"scheduling {request.request_id!r}'s images")
+            picked, n = call(
+                fn,
+                items,
+                num_computed_tokens,
+                num_new_tokens,
+                lambda i: ecm.check_and_update_cache(request, i),
+                fits,
+                where=f"scheduling {request.request_id!r}'s images",
+            )
             picked = list(picked)
             ids = {items[i][0] for i in picked}
             end = num_computed_tokens + n
-            dups = [i for i, (ident, off, length) in enumerate(items) if i not in picked and ident in ids
-                    and off < end and off + length > num_computed_tokens]
+            dups = [
+                i
+                for i, (ident, off, length) in enumerate(items)
+                if i not in picked and ident in ids and off < end and off + length > num_computed_tokens
+            ]
             return picked, dups, n, state["budget"]
 
     def run(sched_cls: type) -> list:
@@ -499,5 +617,7 @@ def _enc_story(fn: Callable) -> tuple[bool, str]:
     if got == want:
         return True, ""
     diff = next(i for i, (a, b) in enumerate(zip(want + [None], got + [None])) if a != b)
-    return False, (f"   step {diff + 1}: expected {want[diff] if diff < len(want) else '(done)'}\n"
-                   f"            got      {got[diff] if diff < len(got) else '(done)'}")
+    return False, (
+        f"   step {diff + 1}: expected {want[diff] if diff < len(want) else '(done)'}\n"
+        f"            got      {got[diff] if diff < len(got) else '(done)'}"
+    )

@@ -1,5 +1,6 @@
 """Checkers: bug_hunt (name the planted bug of each incident) and bug_fix (fix incident 3's
 hash map). The incidents and their bugs: :mod:`kvlab.exercises.bug_hunt`."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -32,22 +33,45 @@ def check_bug_hunt(answers: Any) -> CheckResult:
         # Through call(): an error in it is the learner's ("your code raised ..."), not the engine's.
         answers = call(answers, where="calling your answers function")
     if not isinstance(answers, dict):
-        return failed(eid, f"answers must be a dict {{incident number: suspect name}}, got {type(answers).__name__}",
-                      expected="{1: '...', 2: '...', 3: '...'}", got=repr(answers), idea="one suspect name per incident")
+        return failed(
+            eid,
+            f"answers must be a dict {{incident number: suspect name}}, got {type(answers).__name__}",
+            expected="{1: '...', 2: '...', 3: '...'}",
+            got=repr(answers),
+            idea="one suspect name per incident",
+        )
     missing = [n for n in INCIDENTS if n not in answers]
     if missing:
-        return failed(eid, f"no answer for incident {missing[0]}", expected=f"a suspect for each of {sorted(INCIDENTS)}",
-                      got=repr(answers), idea=f"the suspects: {', '.join(SUSPECTS)}")
+        return failed(
+            eid,
+            f"no answer for incident {missing[0]}",
+            expected=f"a suspect for each of {sorted(INCIDENTS)}",
+            got=repr(answers),
+            idea=f"the suspects: {', '.join(SUSPECTS)}",
+        )
     for n, (_, truth) in INCIDENTS.items():
         name = answers[n]
         if name not in SUSPECTS:
-            return failed(eid, f"incident {n}: {name!r} is not a suspect", expected=f"one of {', '.join(SUSPECTS)}",
-                          got=repr(name), idea="the suspects and what each does: kvlab.exercises.bug_hunt.SUSPECTS")
+            return failed(
+                eid,
+                f"incident {n}: {name!r} is not a suspect",
+                expected=f"one of {', '.join(SUSPECTS)}",
+                got=repr(name),
+                idea="the suspects and what each does: kvlab.exercises.bug_hunt.SUSPECTS",
+            )
         if name != truth:
-            return failed(eid, f"incident {n}: not {name}", case=f"incident {n}", got=name,
-                          idea=RULED_OUT.get((n, name), "look again at the step the report is about"))
-    return passed(eid, "all three: a reallocated block that kept its hash (kvcached #362), a hit that covered the whole "
-                       "prompt (InfiniLM #381), a map that kept one block per hash (kvcached #401). Now fix the third: bug_fix.")
+            return failed(
+                eid,
+                f"incident {n}: not {name}",
+                case=f"incident {n}",
+                got=name,
+                idea=RULED_OUT.get((n, name), "look again at the step the report is about"),
+            )
+    return passed(
+        eid,
+        "all three: a reallocated block that kept its hash (kvcached #362), a hit that covered the whole "
+        "prompt (InfiniLM #381), a map that kept one block per hash (kvcached #401). Now fix the third: bug_fix.",
+    )
 
 
 def _blk(i: int) -> KVCacheBlock:
@@ -85,22 +109,40 @@ def check_bug_fix(cls: Any) -> CheckResult:
         ret = call(op, where=name)
         got = [x.block_id for x in m.blocks_for(b"k")]
         if got != want:
-            idea = ("pop removes exactly block_id; the other blocks under the key stay" if name.startswith("pop")
-                    else "keep every block cached under the key, oldest first")
+            idea = (
+                "pop removes exactly block_id; the other blocks under the key stay"
+                if name.startswith("pop")
+                else "keep every block cached under the key, oldest first"
+            )
             return failed(eid, f"after {name}, the map holds {got} under k", case=name, expected=str(want), got=str(got), idea=idea)
         if name.startswith("pop(k, 9)") and ret is not None:
             return failed(eid, "pop of a block that is not under the key must return None and change nothing", got=repr(ret))
         if name in ("pop(k, 4)", "pop(k, 1)") and getattr(ret, "block_id", None) != int(name[7]):
             missing = " — got None: a missing return?" if ret is None else ""
-            return failed(eid, f"{name} must return the removed block{missing}", expected=f"block {name[7]}", got=repr(ret),
-                          idea="return what you removed (the pool checks it)")
+            return failed(
+                eid,
+                f"{name} must return the removed block{missing}",
+                expected=f"block {name[7]}",
+                got=repr(ret),
+                idea="return what you removed (the pool checks it)",
+            )
     if b"k" in m:
-        return failed(eid, "a key with no block left must leave the map", expected="k not in the map", got="k still there",
-                      idea="delete the entry when its last block is popped")
+        return failed(
+            eid,
+            "a key with no block left must leave the map",
+            expected="k not in the map",
+            got="k still there",
+            idea="delete the entry when its last block is popped",
+        )
     inc = incident_duplicates(cls)
     if inc.facts["c_cached_tokens"] != 8:
-        return failed(eid, "incident 3 again, with your map: c still misses", case="incident 3",
-                      expected="8 of 8 tokens from the cache", got=f"{inc.facts['c_cached_tokens']} tokens")
+        return failed(
+            eid,
+            "incident 3 again, with your map: c still misses",
+            case="incident 3",
+            expected="8 of 8 tokens from the cache",
+            got=f"{inc.facts['c_cached_tokens']} tokens",
+        )
     # vLLM's duplicate scenario (test_duplicate_blocks_with_one_hash_coexist) on a pool with your map
     mgr = KVCacheManager(num_blocks=11, block_size=16, block_pool_cls=map_pool(cls))
     prompt = list(range(32)) + [5]
@@ -115,11 +157,19 @@ def check_bug_fix(cls: Any) -> CheckResult:
     mgr.allocate_slots(z, 128 - n, n, h)
     hits, n = mgr.get_computed_blocks(Request("y", prompt))
     if hits.get_block_ids() != ([4, 5],):
-        return failed(eid, "vLLM's duplicate scenario: after a's copies are evicted, b's must still hit", case="test_duplicate_blocks_with_one_hash_coexist",
-                      expected="hit [4, 5]", got=str(hits.get_block_ids()[0]))
+        return failed(
+            eid,
+            "vLLM's duplicate scenario: after a's copies are evicted, b's must still hit",
+            case="test_duplicate_blocks_with_one_hash_coexist",
+            expected="hit [4, 5]",
+            got=str(hits.get_block_ids()[0]),
+        )
     mgr.block_pool.check_invariants()
-    return passed(eid, "duplicates kept and popped by block id: incident 3's c now gets 8 of 8 tokens, and vLLM's duplicate scenario hits b's copies [4, 5].",
-                  extra={"log": inc.log})
+    return passed(
+        eid,
+        "duplicates kept and popped by block id: incident 3's c now gets 8 of 8 tokens, and vLLM's duplicate scenario hits b's copies [4, 5].",
+        extra={"log": inc.log},
+    )
 
 
 __all__ = ["BlockHashToBlockMap", "OneBlockPerHash"]

@@ -29,6 +29,7 @@ dozens of preemptions: the whole event log must equal kvlab's own run), and scal
 call O(1): the same counted work -- comparisons, hashes, lines of the learner's code -- at 500
 and 8,000 blocks; see :mod:`kvlab.exercises.work`).
 """
+
 from __future__ import annotations
 
 import random
@@ -52,16 +53,29 @@ EID = "block_manager"
 def _ids(x: Any, what: str) -> list[int]:
     """The learner's returned ids as a list of ints, or a failure naming what came back."""
     if x is None:
-        raise CheckFailed(failed(EID, f"{what} returned None", expected="a list of block ids", got="None",
-                                 idea="a missing return?"))
+        raise CheckFailed(failed(EID, f"{what} returned None", expected="a list of block ids", got="None", idea="a missing return?"))
     try:
         out = list(x)
     except TypeError:
-        raise CheckFailed(failed(EID, f"{what} returned {type(x).__name__} {x!r}", expected="a list of block ids",
-                                 got=repr(x), idea="return the ids as a list of ints")) from None
+        raise CheckFailed(
+            failed(
+                EID,
+                f"{what} returned {type(x).__name__} {x!r}",
+                expected="a list of block ids",
+                got=repr(x),
+                idea="return the ids as a list of ints",
+            )
+        ) from None
     if not all(isinstance(i, int) and not isinstance(i, bool) for i in out):
-        raise CheckFailed(failed(EID, f"{what} returned {out!r}", expected="a list of int block ids", got=repr(out),
-                                 idea="block ids are ints; return ids, not KVCacheBlock objects"))
+        raise CheckFailed(
+            failed(
+                EID,
+                f"{what} returned {out!r}",
+                expected="a list of int block ids",
+                got=repr(out),
+                idea="block ids are ints; return ids, not KVCacheBlock objects",
+            )
+        )
     return out
 
 
@@ -88,8 +102,13 @@ class ManagerPool(BlockPool):
         if got == want and n == len(want):
             return
         if got == want:
-            raise self._fail(op, f"after {op}, num_free_blocks is {n!r}", f"{len(want)}", repr(n),
-                             "num_free_blocks counts the blocks on the free queue (the null block is never there)")
+            raise self._fail(
+                op,
+                f"after {op}, num_free_blocks is {n!r}",
+                f"{len(want)}",
+                repr(n),
+                "num_free_blocks counts the blocks on the free queue (the null block is never there)",
+            )
         if not idea:
             idea = _queue_idea(op, want, got)
         raise self._fail(op, f"after {op}, your free queue differs from vLLM's", f"{want} (head first)", f"{got}", idea)
@@ -103,14 +122,20 @@ class ManagerPool(BlockPool):
             return got
         copies = [b.block_id for b in self.cached_block_hash_to_block.blocks_for(key)]
         if want is None:
-            idea = (f"block {got} was reallocated: its old hash must leave the map when allocate() pops it "
-                    "(lazy eviction), or a later request 'hits' KV that now belongs to another prompt")
+            idea = (
+                f"block {got} was reallocated: its old hash must leave the map when allocate() pops it "
+                "(lazy eviction), or a later request 'hits' KV that now belongs to another prompt"
+            )
         elif got is None and copies:
-            idea = (f"the map must still find {copies}: two blocks may carry one hash (duplicates), and dropping one "
-                    "must keep the other -- remove by (hash, block id), never by hash alone")
+            idea = (
+                f"the map must still find {copies}: two blocks may carry one hash (duplicates), and dropping one "
+                "must keep the other -- remove by (hash, block id), never by hash alone"
+            )
         elif isinstance(got, int) and got in copies and op.startswith(f"cache(block {got},"):
-            idea = (f"blocks {want} (cached first) and {got} now carry one hash: keep both -- duplicates arise when two "
-                    f"requests compute one prefix at once -- and let lookup return block {want}, the one cached first")
+            idea = (
+                f"blocks {want} (cached first) and {got} now carry one hash: keep both -- duplicates arise when two "
+                f"requests compute one prefix at once -- and let lookup return block {want}, the one cached first"
+            )
         elif isinstance(got, int) and got in copies:
             idea = "with duplicates, lookup returns the block that was cached first and is still cached"
         else:
@@ -151,13 +176,16 @@ class ManagerPool(BlockPool):
         super().touch(blocks)
         idea = ""
         if any(r == 0 for r in refs.values()):
-            idea = "a block at ref_cnt 0 sits on the free queue; a hit takes it off BEFORE counting it, so it cannot be evicted while in use"
+            idea = (
+                "a block at ref_cnt 0 sits on the free queue; a hit takes it off BEFORE counting it, so it cannot be evicted while in use"
+            )
         else:
             idea = "these blocks are held by another request (ref_cnt > 0): they are not on the queue; a hit only counts them"
         self._compare_queue(op, ids, idea if _queue_differs(self) else "")
 
-    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock], request_id: str | None = None, group: int = 0,
-                    reason: str = "request") -> None:
+    def free_blocks(
+        self, ordered_blocks: Iterable[KVCacheBlock], request_id: str | None = None, group: int = 0, reason: str = "request"
+    ) -> None:
         ordered = list(ordered_blocks)
         ids = [b.block_id for b in ordered if not b.is_null]
         op = f"free({ids})" + (f" of {request_id}" if request_id else "")
@@ -165,9 +193,16 @@ class ManagerPool(BlockPool):
         super().free_blocks(ordered, request_id, group, reason)
         self._compare_queue(op, ids)
 
-    def cache_full_blocks(self, request: Any, blocks: Sequence[KVCacheBlock], num_cached_blocks: int,
-                          num_full_blocks: int, block_size: int, kv_cache_group_id: int,
-                          block_mask: Sequence[bool] | None = None) -> None:
+    def cache_full_blocks(
+        self,
+        request: Any,
+        blocks: Sequence[KVCacheBlock],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
+        kv_cache_group_id: int,
+        block_mask: Sequence[bool] | None = None,
+    ) -> None:
         before = {b.block_id for b in blocks[num_cached_blocks:num_full_blocks] if b.cache_key is not None}
         super().cache_full_blocks(request, blocks, num_cached_blocks, num_full_blocks, block_size, kv_cache_group_id, block_mask)
         for b in blocks[num_cached_blocks:num_full_blocks]:
@@ -204,10 +239,14 @@ def _queue_idea(op: str, want: list[int], got: list[int]) -> str:
         return "the null block (0) is never on the free queue"
     if op.startswith("free"):
         if sorted(got) != sorted(want):
-            return ("a block returns to the queue only when its ref_cnt reaches 0 (another request may still hold it); "
-                    "every block reaching 0 does return")
-        return ("freed blocks without a hash go to the HEAD (reused first: they can never hit), in the order given; "
-                "cached blocks go to the TAIL, in the order given (the request's tail first)")
+            return (
+                "a block returns to the queue only when its ref_cnt reaches 0 (another request may still hold it); "
+                "every block reaching 0 does return"
+            )
+        return (
+            "freed blocks without a hash go to the HEAD (reused first: they can never hit), in the order given; "
+            "cached blocks go to the TAIL, in the order given (the request's tail first)"
+        )
     if op.startswith("allocate"):
         return "allocate pops from the head; nothing else on the queue moves"
     return "the free queue holds exactly the blocks with ref_cnt 0, in eviction order"
@@ -257,9 +296,16 @@ def _decode_story(cls: Any) -> None:
     stage.text = "a block filled by decoding · a new prompt starting with the decoded block"
     hits, n = mgr.get_computed_blocks(Request("e", prompt + [7, 8]))
     if hits.get_block_ids() != ([1],):
-        raise CheckFailed(failed(EID, "a block completed by a sampled token was not found by a later prompt", case=stage.text,
-                                 expected="hit [1] (16 tokens)", got=f"{hits.get_block_ids()[0]} ({n} tokens)",
-                                 idea="a block gets its hash when its 16th token is computed, prompt or output"))
+        raise CheckFailed(
+            failed(
+                EID,
+                "a block completed by a sampled token was not found by a later prompt",
+                case=stage.text,
+                expected="hit [1] (16 tokens)",
+                got=f"{hits.get_block_ids()[0]} ({n} tokens)",
+                idea="a block gets its hash when its 16th token is computed, prompt or output",
+            )
+        )
 
 
 def _duplicates_story(cls: Any) -> None:
@@ -282,10 +328,16 @@ def _duplicates_story(cls: Any) -> None:
     stage.text = "duplicate blocks · the same prompt again"
     hits, n = mgr.get_computed_blocks(Request("y", prompt))
     if hits.get_block_ids() != ([4, 5],) or got != [[1, 2, 3], [4, 5, 6]]:
-        raise CheckFailed(failed(EID, "duplicates: b's copies must still be reachable after a's were evicted", case=stage.text,
-                                 expected="a [1, 2, 3], b [4, 5, 6]; then a hit on [4, 5]",
-                                 got=f"a {got[0]}, b {got[1]}; then a hit on {hits.get_block_ids()[0]}",
-                                 idea="both copies survive their requests (neither is 'eliminated when freed'); evicting one keeps the other"))
+        raise CheckFailed(
+            failed(
+                EID,
+                "duplicates: b's copies must still be reachable after a's were evicted",
+                case=stage.text,
+                expected="a [1, 2, 3], b [4, 5, 6]; then a hit on [4, 5]",
+                got=f"a {got[0]}, b {got[1]}; then a hit on {hits.get_block_ids()[0]}",
+                idea="both copies survive their requests (neither is 'eliminated when freed'); evicting one keeps the other",
+            )
+        )
 
 
 def _lookahead_story(cls: Any) -> None:
@@ -311,8 +363,12 @@ def storm_requests() -> list[Request]:
     rng = random.Random(15)
     systems = [[1000 * s + i for i in range(12)] for s in range(3)]
     return [
-        Request(f"r{i:02d}", systems[i % 3] + [rng.randrange(50, 500) for _ in range(rng.randrange(2, 9))],
-                max_tokens=rng.randrange(20, 40), arrival_time=float(i))
+        Request(
+            f"r{i:02d}",
+            systems[i % 3] + [rng.randrange(50, 500) for _ in range(rng.randrange(2, 9))],
+            max_tokens=rng.randrange(20, 40),
+            arrival_time=float(i),
+        )
         for i in range(24)
     ]
 
@@ -339,11 +395,21 @@ def _storm(cls: Any) -> dict[str, int]:
     eng.run(max_steps=2000)
     a, b = ref.events.to_json(), eng.events.to_json()
     if a != b:  # pragma: no cover - the call-by-call comparison fails first
-        raise CheckFailed(failed(EID, "the preemption storm's event log differs from kvlab's run", case="the preemption storm",
-                                 idea="compare the Player of result.show() with kvlab.show() of the same run"))
+        raise CheckFailed(
+            failed(
+                EID,
+                "the preemption storm's event log differs from kvlab's run",
+                case="the preemption storm",
+                idea="compare the Player of result.show() with kvlab.show() of the same run",
+            )
+        )
     s = ref.scheduler
-    return {"preemptions": s.num_preemptions, "evictions": ref.kv_cache_manager.block_pool.num_evicted_blocks,
-            "steps": ref.events.step, "log": eng.events}
+    return {
+        "preemptions": s.num_preemptions,
+        "evictions": ref.kv_cache_manager.block_pool.num_evicted_blocks,
+        "steps": ref.events.step,
+        "log": eng.events,
+    }
 
 
 SCALE_OPS = 100  # blocks touched and freed again per measured manager
@@ -383,8 +449,13 @@ def _scale_work(cls: Any, n: int) -> Work:
 )
 def check_block_manager(cls: Any) -> CheckResult:
     if not isinstance(cls, type):
-        return failed(EID, f"pass the class itself, got {type(cls).__name__}", expected="BlockManager (the class)",
-                      got=repr(cls), idea="check('block_manager', BlockManager) -- no parentheses")
+        return failed(
+            EID,
+            f"pass the class itself, got {type(cls).__name__}",
+            expected="BlockManager (the class)",
+            got=repr(cls),
+            idea="check('block_manager', BlockManager) -- no parentheses",
+        )
     obs = _prefill_story(cls)
     bad = compare_story(EID, obs, "block manager")
     if bad is not None:  # pragma: no cover - the call-by-call comparison fails first
@@ -395,13 +466,18 @@ def check_block_manager(cls: Any) -> CheckResult:
     storm = _storm(cls)
     small, big = _scale_work(cls, 500), _scale_work(cls, 8_000)
     if big.per(SCALE_OPS) > SCALE_FACTOR * max(small.per(SCALE_OPS), 1.0):
-        return failed(EID, f"touch/free are not O(1): with 500 blocks they did {small.describe(SCALE_OPS, *_PER_BLOCK)}; with 8,000 blocks {big.describe(SCALE_OPS, *_PER_BLOCK)}",
-                      idea="a list's remove() or index() searches the whole queue; use a dict (ordered) or a linked list")
+        return failed(
+            EID,
+            f"touch/free are not O(1): with 500 blocks they did {small.describe(SCALE_OPS, *_PER_BLOCK)}; with 8,000 blocks {big.describe(SCALE_OPS, *_PER_BLOCK)}",
+            idea="a list's remove() or index() searches the whole queue; use a dict (ordered) or a linked list",
+        )
     return passed(
         EID,
         extra={"log": obs["log"], "storm_log": storm["log"]},
-        message=(f"vLLM's prefill story ({EXPECTED_STORY['free_order']} freed, evicted in that order), a decoded block, "
-                 f"duplicates that both survive, lookahead blocks, and a preemption storm ({storm['preemptions']} preemptions, "
-                 f"{storm['evictions']} evictions, {storm['steps']} steps) with the same event log as kvlab's pool; "
-                 f"touch + free did {small.per(SCALE_OPS):.1f} and {big.per(SCALE_OPS):.1f} counted steps per block with 500 and 8,000 blocks (a list's search does ~16× more)."),
+        message=(
+            f"vLLM's prefill story ({EXPECTED_STORY['free_order']} freed, evicted in that order), a decoded block, "
+            f"duplicates that both survive, lookahead blocks, and a preemption storm ({storm['preemptions']} preemptions, "
+            f"{storm['evictions']} evictions, {storm['steps']} steps) with the same event log as kvlab's pool; "
+            f"touch + free did {small.per(SCALE_OPS):.1f} and {big.per(SCALE_OPS):.1f} counted steps per block with 500 and 8,000 blocks (a list's search does ~16× more)."
+        ),
     )

@@ -1,4 +1,5 @@
 """Checkers: hash_chain, extra_keys (lesson 03)."""
+
 from __future__ import annotations
 
 import random
@@ -147,8 +148,14 @@ def check_extra_keys(fn: Any) -> CheckResult:
             if same(got, want):
                 continue
             if got is not None and not isinstance(got, tuple):
-                return failed(eid, f"extra keys must be a tuple or None, got {type(got).__name__} {got!r:.60}",
-                              case=name, expected=repr(want), got=repr(got), idea="return a tuple of keys, or None when the block has none")
+                return failed(
+                    eid,
+                    f"extra keys must be a tuple or None, got {type(got).__name__} {got!r:.60}",
+                    case=name,
+                    expected=repr(want),
+                    got=repr(got),
+                    idea="return a tuple of keys, or None when the block has none",
+                )
             idea = "('lora', name, path) every block, images as ('mm', identifier, offset - start), ('cache_salt', salt) in the first block only"
             keys = list(got) if isinstance(got, tuple) else []
             salt_key = ("cache_salt", req.cache_salt)
@@ -163,7 +170,11 @@ def check_extra_keys(fn: Any) -> CheckResult:
                 idea = "the first block must carry ('cache_salt', salt), or two tenants share blocks (a timing side channel)"
             elif req.lora_name and lora_key not in keys:
                 idea = "every block depends on the adapter: ('lora', name, path) goes into every block"
-            elif req.mm_features and start and any(isinstance(k, tuple) and len(k) == 3 and k[0] == "mm" and k[2] == img.offset for k in keys):
+            elif (
+                req.mm_features
+                and start
+                and any(isinstance(k, tuple) and len(k) == 3 and k[0] == "mm" and k[2] == img.offset for k in keys)
+            ):
                 idea = "the image offset is relative to the block start: offset - start (negative when it began earlier)"
             elif keys and want and set(map(repr, keys)) == set(map(repr, want)):
                 idea = "right keys, wrong order: LoRA, then images, then the salt"
@@ -195,4 +206,6 @@ def check_extra_keys(fn: Any) -> CheckResult:
     _, hit_same = mgr.get_computed_blocks(c)
     if hit or hit_same != 32:
         return failed(eid, f"in the engine: other tenant hit {hit} tokens (want 0), same tenant hit {hit_same} (want 32)")
-    return passed(eid, "every block's extra keys match; in the engine, salted tenants share nothing and one tenant still hits its own prefix.")
+    return passed(
+        eid, "every block's extra keys match; in the engine, salted tenants share nothing and one tenant still hits its own prefix."
+    )

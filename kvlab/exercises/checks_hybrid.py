@@ -1,4 +1,5 @@
 """Checkers: group_block_hash and unified_block_sizes (lesson 07b, hybrid models)."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -59,9 +60,15 @@ def check_group_block_hash(fn: Any) -> CheckResult:
             idea = "i counts blocks of block_size tokens but hashes come every hash_block_size tokens: scale the index by k = block_size // hash_block_size"
         elif (i + 1) * k < len(small) and got == small[(i + 1) * k]:
             idea = "off by one: the block ends at small hash (i + 1) * k - 1; (i + 1) * k already belongs to the next block"
-        return failed(eid, f"wrong hash: {name}", case=name,
-                      inputs=f"block_hashes=[h0 .. h11], hash_block_size={hbs}, block_size={bs}, i={i}",
-                      expected=_short(want), got=_short(got), idea=idea)
+        return failed(
+            eid,
+            f"wrong hash: {name}",
+            case=name,
+            inputs=f"block_hashes=[h0 .. h11], hash_block_size={hbs}, block_size={bs}, i={i}",
+            expected=_short(want),
+            got=_short(got),
+            idea=idea,
+        )
     # In the engine: the pool and the managers read a larger group's hashes through your
     # function (the pool's block_hash_view_cls seam).
     reference = _mixed_block_size_story(BlockPool)
@@ -80,7 +87,9 @@ def check_group_block_hash(fn: Any) -> CheckResult:
                 idx += len(self)
             if not 0 <= idx < len(self):
                 raise IndexError(idx)
-            return call(fn, list(self.block_hashes), self.hash_block_size, self.target, idx, where="reading a group's block hash inside the engine")
+            return call(
+                fn, list(self.block_hashes), self.hash_block_size, self.target, idx, where="reading a group's block hash inside the engine"
+            )
 
         def __iter__(self) -> Any:
             return (self[j] for j in range(len(self)))
@@ -88,17 +97,25 @@ def check_group_block_hash(fn: Any) -> CheckResult:
     learner_pool = type("LearnerBlockPool", (BlockPool,), {"block_hash_view_cls": LearnerView})
     got_story = _mixed_block_size_story(learner_pool)
     if got_story != reference:
-        return failed(eid, "in the engine: a second request does not get the hit vLLM gives it",
-                      expected=repr(reference), got=repr(got_story),
-                      idea="the pool caches a 12-token block under the hash your function returns; the lookup must find the same one")
+        return failed(
+            eid,
+            "in the engine: a second request does not get the hit vLLM gives it",
+            expected=repr(reference),
+            got=repr(got_story),
+            idea="the pool caches a 12-token block under the hash your function returns; the lookup must find the same one",
+        )
     return passed(eid, "every case matches vLLM >= 0.24; in the engine a 12-token group caches and hits exactly as vLLM's does.")
 
 
 def _mixed_block_size_story(block_pool_cls: type[BlockPool]) -> tuple:
     """Full attention (4-token blocks) beside a window of 40 tokens (12-token blocks):
     a 24-token prompt, freed, then the same prompt + 1 token."""
-    mgr = KVCacheManager(num_blocks=40, block_size=4, block_pool_cls=block_pool_cls, kv_cache_groups=[
-        FullAttentionSpec(block_size=4), SlidingWindowSpec(sliding_window=40, block_size=12)])
+    mgr = KVCacheManager(
+        num_blocks=40,
+        block_size=4,
+        block_pool_cls=block_pool_cls,
+        kv_cache_groups=[FullAttentionSpec(block_size=4), SlidingWindowSpec(sliding_window=40, block_size=12)],
+    )
     a = Request("a", list(range(100, 124)))
     hits, n = mgr.get_computed_blocks(a)
     mgr.allocate_slots(a, 24 - n, n, hits)
@@ -124,10 +141,19 @@ def _bytes_per_token(spec: Any, *, mla_doubled: bool = False, no_heads: bool = F
     return heads * (spec.head_size + v) * DTYPE_SIZES[spec.dtype]
 
 
-def _unify(specs: Sequence[Any], *, mla_doubled: bool = False, no_heads: bool = False, shrink: bool = False,
-           grow_mamba: bool = False, mamba_left_out: bool = False) -> list[int]:
-    pages = [s.page_size_bytes if isinstance(s, MambaSpec) else s.block_size * _bytes_per_token(s, mla_doubled=mla_doubled, no_heads=no_heads)
-             for s in specs]
+def _unify(
+    specs: Sequence[Any],
+    *,
+    mla_doubled: bool = False,
+    no_heads: bool = False,
+    shrink: bool = False,
+    grow_mamba: bool = False,
+    mamba_left_out: bool = False,
+) -> list[int]:
+    pages = [
+        s.page_size_bytes if isinstance(s, MambaSpec) else s.block_size * _bytes_per_token(s, mla_doubled=mla_doubled, no_heads=no_heads)
+        for s in specs
+    ]
     target = min(pages) if shrink else max(pages)
     if mamba_left_out:
         target = max(p for s, p in zip(specs, pages) if not isinstance(s, MambaSpec))
@@ -143,23 +169,40 @@ def _unify(specs: Sequence[Any], *, mla_doubled: bool = False, no_heads: bool = 
 
 
 UNIFY_CASES = [
-    ("full attention (8 KV heads) + a window with 4", [
-        FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128),
-        SlidingWindowSpec(block_size=16, num_kv_heads=4, head_size=128, sliding_window=4096)]),
-    ("MLA beside full attention with 2 KV heads of 64", [
-        MLAAttentionSpec(block_size=16),
-        FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=72)]),
-    ("full attention + a Mamba state", [
-        FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128),
-        MambaSpec(block_size=16, shapes=((4, 1024), (16, 64, 16)), dtypes=("bfloat16", "bfloat16"))]),
-    ("three groups, fp8 window", [
-        FullAttentionSpec(block_size=16, num_kv_heads=4, head_size=128),
-        SlidingWindowSpec(block_size=16, num_kv_heads=4, head_size=128, sliding_window=512, dtype="fp8"),
-        MLAAttentionSpec(block_size=16, head_size=512)]),
-    ("a Mamba state larger than the attention pages", [
-        SlidingWindowSpec(block_size=16, num_kv_heads=1, head_size=64, sliding_window=1024),
-        FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64),
-        MambaSpec(block_size=16, shapes=((4, 1024), (16, 64, 16)), dtypes=("bfloat16", "bfloat16"))]),
+    (
+        "full attention (8 KV heads) + a window with 4",
+        [
+            FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128),
+            SlidingWindowSpec(block_size=16, num_kv_heads=4, head_size=128, sliding_window=4096),
+        ],
+    ),
+    (
+        "MLA beside full attention with 2 KV heads of 64",
+        [MLAAttentionSpec(block_size=16), FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=72)],
+    ),
+    (
+        "full attention + a Mamba state",
+        [
+            FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128),
+            MambaSpec(block_size=16, shapes=((4, 1024), (16, 64, 16)), dtypes=("bfloat16", "bfloat16")),
+        ],
+    ),
+    (
+        "three groups, fp8 window",
+        [
+            FullAttentionSpec(block_size=16, num_kv_heads=4, head_size=128),
+            SlidingWindowSpec(block_size=16, num_kv_heads=4, head_size=128, sliding_window=512, dtype="fp8"),
+            MLAAttentionSpec(block_size=16, head_size=512),
+        ],
+    ),
+    (
+        "a Mamba state larger than the attention pages",
+        [
+            SlidingWindowSpec(block_size=16, num_kv_heads=1, head_size=64, sliding_window=1024),
+            FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64),
+            MambaSpec(block_size=16, shapes=((4, 1024), (16, 64, 16)), dtypes=("bfloat16", "bfloat16")),
+        ],
+    ),
 ]
 
 
@@ -188,8 +231,10 @@ def check_unified_block_sizes(fn: Any) -> CheckResult:
         idea = "pages: block_size × bytes per token; the largest page wins and the others grow their block size by the ratio"
         pages = [s.page_size_bytes for s in specs]
         if got == [s.block_size for s in specs]:
-            idea = (f"you returned the block sizes unchanged, but the pages differ ({_and(pages)} bytes): one pool serves every "
-                    "group, so each smaller page must grow its block size until its page matches the largest")
+            idea = (
+                f"you returned the block sizes unchanged, but the pages differ ({_and(pages)} bytes): one pool serves every "
+                "group, so each smaller page must grow its block size until its page matches the largest"
+            )
             if got == _unify(specs, no_heads=True):
                 idea += " -- and if you did compare pages: every KV head stores its own key and value, multiply by num_kv_heads"
         elif got == _unify(specs, mla_doubled=True):
@@ -202,8 +247,10 @@ def check_unified_block_sizes(fn: Any) -> CheckResult:
             idea = "a Mamba page holds one state whatever its block size: keep its block size (vLLM pads the page instead)"
         elif any(isinstance(s, MambaSpec) for s in specs) and got == _unify(specs, mamba_left_out=True):
             mamba = max(p for s, p in zip(specs, pages) if isinstance(s, MambaSpec))
-            idea = (f"the Mamba page is a page too: here the Mamba state ({mamba:,} bytes) is the largest page, so the attention "
-                    "groups grow their block sizes until their pages match it (vLLM takes the max over every group's page)")
+            idea = (
+                f"the Mamba page is a page too: here the Mamba state ({mamba:,} bytes) is the largest page, so the attention "
+                "groups grow their block sizes until their pages match it (vLLM takes the max over every group's page)"
+            )
         described = ", ".join(f"{type(s).__name__}(block_size={s.block_size})" for s in specs)
         return failed(eid, f"wrong block sizes: {name}", case=name, inputs=described, expected=repr(want), got=repr(got), idea=idea)
     # In the engine: the manager built with your block sizes hashes at their GCD and hits on their LCM.
@@ -211,5 +258,8 @@ def check_unified_block_sizes(fn: Any) -> CheckResult:
     mgr = KVCacheManager(num_blocks=40, block_size=16, kv_cache_groups=specs)
     if len({s.page_size_bytes for s in mgr.kv_cache_groups}) != 1:
         return failed(eid, "in the engine: the groups' pages differ", got=repr([s.page_size_bytes for s in mgr.kv_cache_groups]))
-    return passed(eid, f"every case matches vLLM's page-size rule; in the engine the groups share {mgr.kv_cache_groups[0].page_size_bytes:,}-byte pages, "
-                       f"hashes every {mgr.hash_block_size} tokens and hits on multiples of {mgr.scheduler_block_size}.")
+    return passed(
+        eid,
+        f"every case matches vLLM's page-size rule; in the engine the groups share {mgr.kv_cache_groups[0].page_size_bytes:,}-byte pages, "
+        f"hashes every {mgr.hash_block_size} tokens and hits on multiples of {mgr.scheduler_block_size}.",
+    )

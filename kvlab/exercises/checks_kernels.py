@@ -25,6 +25,7 @@ block-table lookup shows loads in blocks that are not the sequence's -- block 0 
 This module holds what each exercise is (title, signature, hints); the checks, which need
 torch and Triton, are in :mod:`kvlab.exercises.kernel_harness`, imported when one runs.
 """
+
 from __future__ import annotations
 
 from typing import Any

@@ -1,4 +1,5 @@
 """Checkers: longest_hit, sliding_window_hit, allocate_capacity (lessons 03, 05b, 07)."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -33,9 +34,25 @@ def check_longest_hit(fn: Any) -> CheckResult:
     cases = [
         ("nothing cached", H[:3], 50, 16, {}, 0, "no hit: everything is computed"),
         ("two of three blocks cached", H[:3], 50, 16, {H[0]: 1, H[1]: 2}, 2, "hits are the cached blocks before the first miss"),
-        ("a hole in the middle", H[:4], 70, 16, {H[0]: 1, H[2]: 3, H[3]: 4}, 1, "stop at the first miss: block 2's hash names a prefix that includes block 1, which was not found"),
+        (
+            "a hole in the middle",
+            H[:4],
+            70,
+            16,
+            {H[0]: 1, H[2]: 3, H[3]: 4},
+            1,
+            "stop at the first miss: block 2's hash names a prefix that includes block 1, which was not found",
+        ),
         ("the 25-token question", H[:1], 25, 16, {H[0]: 1}, 1, "16 of the 25 tokens come from the cache; the last 9 are a partial block"),
-        ("a fully cached 32-token prompt", H[:2], 32, 16, {H[0]: 1, H[1]: 2}, 1, "the hit never covers the last token: at most num_tokens - 1 tokens, whole blocks only"),
+        (
+            "a fully cached 32-token prompt",
+            H[:2],
+            32,
+            16,
+            {H[0]: 1, H[1]: 2},
+            1,
+            "the hit never covers the last token: at most num_tokens - 1 tokens, whole blocks only",
+        ),
         ("a 16-token prompt", H[:1], 16, 16, {H[0]: 1}, 0, "a prompt of exactly one block gets no hit: its last token must be computed"),
         ("block size 4", H[:5], 21, 4, {h: i for i, h in enumerate(H[:5])}, 5, "5 full blocks of 4 = 20 tokens ≤ 21 - 1"),
     ]
@@ -95,9 +112,22 @@ def check_sliding_window_hit(fn: Any) -> CheckResult:
         ("first blocks evicted, W=32", 8 * 16, 16, 32, set(H[3:]), "evicted blocks left of the window do not matter"),
         ("a hole near the end", 8 * 16, 16, 32, set(H[:5]) | {H[6]}, "the run [6] is too short (needs 2): fall back to blocks 3-4"),
         ("window inside one block, W=8", 8 * 16, 16, 8, {H[2], H[5]}, "cdiv(7, 16) = 1 block is enough"),
-        ("W = block_size + 1", 8 * 16, 16, 17, {H[0], H[1], H[2], H[6]}, "the query itself is in the window: cdiv(W - 1, bs) = cdiv(16, 16) = 1 cached block before it suffices"),
-        ("W = 24, not a multiple of the block size", 8 * 16, 16, 24, {H[0], H[1], H[2], H[5]},
-         "the window reaches back W - 1 = 23 tokens: that spans cdiv(23, 16) = 2 blocks, so the lone block 5 is not enough"),
+        (
+            "W = block_size + 1",
+            8 * 16,
+            16,
+            17,
+            {H[0], H[1], H[2], H[6]},
+            "the query itself is in the window: cdiv(W - 1, bs) = cdiv(16, 16) = 1 cached block before it suffices",
+        ),
+        (
+            "W = 24, not a multiple of the block size",
+            8 * 16,
+            16,
+            24,
+            {H[0], H[1], H[2], H[5]},
+            "the window reaches back W - 1 = 23 tokens: that spans cdiv(23, 16) = 2 blocks, so the lone block 5 is not enough",
+        ),
         ("only block 0 cached", 8 * 16, 16, 64, {H[0]}, "a run starting at block 0 is a hit even if shorter than needed"),
         ("nothing cached", 8 * 16, 16, 32, set(), "no hit"),
     ]
@@ -111,8 +141,10 @@ def check_sliding_window_hit(fn: Any) -> CheckResult:
             if same(got, _full_rule(H, max_len, bs, cached)):
                 idea = "that is the full-attention rule (a contiguous prefix from block 0); a window layer only needs the blocks its window reads"
             elif w % bs and got == _with_need(H, max_len, bs, cached, w // bs):
-                idea = (f"W // block_size = {w // bs} rounds down: a window of {w} tokens reaches {w - 1} tokens back, "
-                        f"into cdiv(W - 1, block_size) = {cdiv(w - 1, bs)} blocks")
+                idea = (
+                    f"W // block_size = {w // bs} rounds down: a window of {w} tokens reaches {w - 1} tokens back, "
+                    f"into cdiv(W - 1, block_size) = {cdiv(w - 1, bs)} blocks"
+                )
             return failed(
                 eid,
                 f"wrong hit length: {name}",
@@ -155,8 +187,15 @@ def check_allocate_capacity(fn: Any) -> CheckResult:
         ("decode, room left in the last block", 18, 16, 2, [], 0, "the request already holds 2 blocks for 18 tokens"),
         ("decode crossing a block boundary", 33, 16, 2, [], 1, "token 33 needs a third block"),
         # e.g. lookahead slots of a speculative step that were not all used
-        ("the request already holds more blocks than it needs", 20, 16, 3, [], 0,
-         "cdiv(20, 16) = 2 blocks needed, 3 held: nothing to allocate"),
+        (
+            "the request already holds more blocks than it needs",
+            20,
+            16,
+            3,
+            [],
+            0,
+            "cdiv(20, 16) = 2 blocks needed, 3 held: nothing to allocate",
+        ),
     ]
     for name, n, bs, held, refs, want, idea in cases:
         got = call(fn, n, bs, held, list(refs), where=f"the case '{name}'")
@@ -165,9 +204,20 @@ def check_allocate_capacity(fn: Any) -> CheckResult:
             return bad
         if not same(got, want):
             if got < 0:
-                idea = (f"a number of blocks to allocate is never negative: {idea} -- clamp the new blocks at 0, then add the "
-                        "evictable hits (vLLM: max(num_new_blocks, 0) + the evictable hit blocks)")
-            return failed(eid, f"wrong count: {name}", case=name, inputs=f"num_tokens={n}, block_size={bs}, held={held}, hit ref counts={refs}", expected=str(want), got=str(got), idea=idea)
+                idea = (
+                    f"a number of blocks to allocate is never negative: {idea} -- clamp the new blocks at 0, then add the "
+                    "evictable hits (vLLM: max(num_new_blocks, 0) + the evictable hit blocks)"
+                )
+            return failed(
+                eid,
+                f"wrong count: {name}",
+                case=name,
+                inputs=f"num_tokens={n}, block_size={bs}, held={held}, hit ref counts={refs}",
+                expected=str(want),
+                got=str(got),
+                idea=idea,
+            )
+
     # In the engine: a pool whose only free blocks are the request's own evictable hits.
     # The learner's count is the full-attention manager's get_num_blocks_to_allocate.
     def get_num_blocks_to_allocate(self: Any, request_id: str, num_tokens: int, new_computed_blocks: Any, *rest: Any, **kw: Any) -> int:
@@ -187,9 +237,17 @@ def check_allocate_capacity(fn: Any) -> CheckResult:
     try:
         res = mgr.allocate_slots(b, 13 - k, k, h)
     except ValueError as e:
-        return failed(eid, "in the engine your count let an allocation through that the pool cannot serve", got=f"crash: {e}", idea="the request's own hit blocks are counted as needed: they are part of the free supply you were about to use")
+        return failed(
+            eid,
+            "in the engine your count let an allocation through that the pool cannot serve",
+            got=f"crash: {e}",
+            idea="the request's own hit blocks are counted as needed: they are part of the free supply you were about to use",
+        )
     if res is not None:
-        return failed(eid, "in the engine: a request whose hits are the only free blocks was admitted", expected="None (does not fit: 2 hits + 2 new > 3 free)", got=repr(res.get_block_ids()))
+        return failed(
+            eid,
+            "in the engine: a request whose hits are the only free blocks was admitted",
+            expected="None (does not fit: 2 hits + 2 new > 3 free)",
+            got=repr(res.get_block_ids()),
+        )
     return passed(eid, "evictable hits are counted: an allocation that cannot be served is refused before anything changes.")
-
-

@@ -4,6 +4,7 @@ Each plugs the learner's code into a real ``KVCacheManager`` and replays vLLM's 
 scenario: on a fresh 11-block pool, two requests sharing 3 full blocks, freed, then a
 long request that evicts everything -- the block ids must come out in vLLM's order.
 """
+
 from __future__ import annotations
 
 import random
@@ -72,12 +73,16 @@ def pool_with(**methods: Any) -> type[BlockPool]:
 
 
 EXPECTED_STORY = {
-    "req0.hit": [], "req0.new": [1, 2, 3, 4],
-    "req1.hit": [1, 2, 3], "req1.new": [5],
+    "req0.hit": [],
+    "req0.new": [1, 2, 3, 4],
+    "req1.hit": [1, 2, 3],
+    "req1.new": [5],
     "refs_after_req1": [2, 2, 2],
     "free_order": EXPECTED_FREE_ORDER,
-    "req2.hit": [1, 2, 3], "req2.new": [5],
-    "req3.hit": [], "req3.new": EXPECTED_FREE_ORDER,
+    "req2.hit": [1, 2, 3],
+    "req2.new": [5],
+    "req3.hit": [],
+    "req3.new": EXPECTED_FREE_ORDER,
     "num_free_end": 0,
 }
 STORY_IDEAS = {
@@ -97,7 +102,10 @@ def compare_story(eid: str, obs: dict[str, Any], what: str) -> CheckResult | Non
                 case="fresh 11-block pool; req0 = 48+7 tokens, req1 = same 48+5, free both, req2 = 48+6, free, req3 = 160 new tokens",
                 expected=repr(want),
                 got=repr(obs.get(k)),
-                idea=STORY_IDEAS.get(k.split(".")[-1] if k.startswith("free") else k, STORY_IDEAS.get(k, "follow the block through allocate → cache → free → evict")),
+                idea=STORY_IDEAS.get(
+                    k.split(".")[-1] if k.startswith("free") else k,
+                    STORY_IDEAS.get(k, "follow the block through allocate → cache → free → evict"),
+                ),
             )
     return None
 
@@ -203,11 +211,25 @@ def check_free_queue(cls: Any) -> CheckResult:
         ret = op()
         if name.startswith("popleft") and getattr(ret, "block_id", None) != 0:
             missing = " — got None: a missing return?" if ret is None else ""
-            return failed(eid, f"popleft() must return the head block{missing}", case=name, expected="block 0", got=repr(ret), idea="head = evicted next")
+            return failed(
+                eid,
+                f"popleft() must return the head block{missing}",
+                case=name,
+                expected="block 0",
+                got=repr(ret),
+                idea="head = evicted next",
+            )
         got = ids()
         count = returns(q.num_free_blocks, int, "num_free_blocks")
         if got != want or count != n:
-            return failed(eid, f"queue wrong after {name}", case=name, expected=f"{want} (num_free_blocks={n})", got=f"{got} (num_free_blocks={q.num_free_blocks})", idea="the queue is the eviction order; every operation keeps it exact")
+            return failed(
+                eid,
+                f"queue wrong after {name}",
+                case=name,
+                expected=f"{want} (num_free_blocks={n})",
+                got=f"{got} (num_free_blocks={q.num_free_blocks})",
+                idea="the queue is the eviction order; every operation keeps it exact",
+            )
     # Plug it into the real pool (its free-queue class) and replay vLLM's story.
     mgr = story_manager(block_pool_cls=pool_with(free_queue_cls=queue_class_for(cls)))
     obs = run_shared_prefix_story(mgr)
@@ -223,7 +245,11 @@ def check_free_queue(cls: Any) -> CheckResult:
             f"remove() is not O(1): with 500 blocks it did {small.describe(REMOVES)}; with 8,000 blocks {big.describe(REMOVES)}",
             idea="a list's remove() compares block after block; a prefix hit on a big server would scan the whole pool. Link the blocks (or key a dict by them) instead.",
         )
-    return passed(eid, extra={"log": obs["log"]}, message=f"exact queue order in vLLM's story, and remove() does the same work at 500 and 8,000 blocks ({small.per(REMOVES):.1f} and {big.per(REMOVES):.1f} counted steps per call).")
+    return passed(
+        eid,
+        extra={"log": obs["log"]},
+        message=f"exact queue order in vLLM's story, and remove() does the same work at 500 and 8,000 blocks ({small.per(REMOVES):.1f} and {big.per(REMOVES):.1f} counted steps per call).",
+    )
 
 
 # --- free_order -------------------------------------------------------------------------------
@@ -243,7 +269,9 @@ def check_free_order(fn: Any) -> CheckResult:
     sample = [KVCacheBlock(i) for i in (7, 3, 9, 4)]
     got = call(fn, list(sample), where="ordering blocks [7, 3, 9, 4]")
     if got is None:
-        return failed(eid, "got None — a missing return?", expected="[4, 9, 3, 7]", idea="return the blocks in the order they go back to the pool")
+        return failed(
+            eid, "got None — a missing return?", expected="[4, 9, 3, 7]", idea="return the blocks in the order they go back to the pool"
+        )
     got = list(returns(got, Iterable, "blocks_to_free"))
     for b in got:
         returns(b, KVCacheBlock, "blocks_to_free (each item)")
@@ -253,6 +281,7 @@ def check_free_order(fn: Any) -> CheckResult:
         if got_ids == [7, 3, 9, 4]:
             idea = "forward order puts the request's FIRST block at the eviction end: the shared beginning would be evicted first"
         return failed(eid, "wrong free order for a table [7, 3, 9, 4]", expected="[4, 9, 3, 7]", got=repr(got_ids), idea=idea)
+
     # In the engine: the learner's order is the full-attention manager's free order.
     def free_order(blocks: list[KVCacheBlock]) -> Any:
         return returns(call(fn, list(blocks), where="freeing a request"), Iterable, "blocks_to_free")
@@ -263,7 +292,11 @@ def check_free_order(fn: Any) -> CheckResult:
     bad = compare_story(eid, obs, "free order")
     if bad is not None:
         return bad
-    return passed(eid, extra={"log": obs["log"]}, message="tail first: in vLLM's story the shared prefix 3, 2, 1 sits at the far end of the eviction order.")
+    return passed(
+        eid,
+        extra={"log": obs["log"]},
+        message="tail first: in vLLM's story the shared prefix 3, 2, 1 sits at the far end of the eviction order.",
+    )
 
 
 # --- touch ------------------------------------------------------------------------------------
@@ -292,16 +325,27 @@ def check_touch(fn: Any) -> CheckResult:
         except LearnerError as e:
             nulls = [b for b in blocks if b.is_null]
             if nulls and f"block {nulls[0].block_id}," in str(e) and "not in the free queue" in str(e):
-                raise CheckFailed(failed(
-                    eid, f"your touch took the null block (block {nulls[0].block_id}) off the free queue, but the null block is never on it",
-                    case=case[0], got=str(e),
-                    idea="a sliding-window hit pads the blocks that fell out of the window with the null block (block.is_null): it is in "
-                         "no free queue and no request frees it -- skip it, as vLLM's touch does (ref_cnt == 0 and not block.is_null)")) from None
+                raise CheckFailed(
+                    failed(
+                        eid,
+                        f"your touch took the null block (block {nulls[0].block_id}) off the free queue, but the null block is never on it",
+                        case=case[0],
+                        got=str(e),
+                        idea="a sliding-window hit pads the blocks that fell out of the window with the null block (block.is_null): it is in "
+                        "no free queue and no request frees it -- skip it, as vLLM's touch does (ref_cnt == 0 and not block.is_null)",
+                    )
+                ) from None
             held = [bid for bid, r in before.items() if r > 0]
             if held and "not in the free queue" in str(e):
-                raise CheckFailed(failed(
-                    eid, f"your touch took block {held[0]} off the free queue, but it was not there: ref_cnt {before[held[0]]}, another request holds it",
-                    case=case[0], got=str(e), idea="only a block at ref_cnt 0 sits on the free queue; a shared block (ref_cnt > 0) just gets ref_cnt += 1")) from None
+                raise CheckFailed(
+                    failed(
+                        eid,
+                        f"your touch took block {held[0]} off the free queue, but it was not there: ref_cnt {before[held[0]]}, another request holds it",
+                        case=case[0],
+                        got=str(e),
+                        idea="only a block at ref_cnt 0 sits on the free queue; a shared block (ref_cnt > 0) just gets ref_cnt += 1",
+                    )
+                ) from None
             raise
         on_queue = [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
         for i, b in enumerate(blocks):
@@ -310,18 +354,32 @@ def check_touch(fn: Any) -> CheckResult:
             if b.ref_cnt != before[b.block_id] + 1:
                 idea = "ref_cnt counts the block tables holding the block: a hit adds one"
                 if b.ref_cnt == before[b.block_id] and any(x.is_null for x in blocks[:i]):
-                    idea = ("the null blocks pad a sliding-window hit on the LEFT and the real hit blocks come after them: "
-                            "skip a null block (continue), do not stop at it (break)")
-                raise CheckFailed(failed(
-                    eid, f"after your touch, block {b.block_id} has ref_cnt {b.ref_cnt}", case=case[0],
-                    expected=f"ref_cnt {before[b.block_id] + 1} (it was {before[b.block_id]}; one more block table holds it now)",
-                    got=f"ref_cnt {b.ref_cnt}", idea=idea))
+                    idea = (
+                        "the null blocks pad a sliding-window hit on the LEFT and the real hit blocks come after them: "
+                        "skip a null block (continue), do not stop at it (break)"
+                    )
+                raise CheckFailed(
+                    failed(
+                        eid,
+                        f"after your touch, block {b.block_id} has ref_cnt {b.ref_cnt}",
+                        case=case[0],
+                        expected=f"ref_cnt {before[b.block_id] + 1} (it was {before[b.block_id]}; one more block table holds it now)",
+                        got=f"ref_cnt {b.ref_cnt}",
+                        idea=idea,
+                    )
+                )
             if b.block_id in on_queue:
-                raise CheckFailed(failed(
-                    eid, f"after your touch, block {b.block_id} is held (ref_cnt {b.ref_cnt}) but still on the free queue",
-                    case=case[0], expected=f"block {b.block_id} off the queue", got=f"free queue {on_queue} (head first)",
-                    idea=f"the next allocation could pop block {b.block_id} and overwrite KV that a running request reads: "
-                         "remove a ref-0 block from the queue before counting it"))
+                raise CheckFailed(
+                    failed(
+                        eid,
+                        f"after your touch, block {b.block_id} is held (ref_cnt {b.ref_cnt}) but still on the free queue",
+                        case=case[0],
+                        expected=f"block {b.block_id} off the queue",
+                        got=f"free queue {on_queue} (head first)",
+                        idea=f"the next allocation could pop block {b.block_id} and overwrite KV that a running request reads: "
+                        "remove a ref-0 block from the queue before counting it",
+                    )
+                )
 
     learner_pool = pool_with(touch=touch)
     mgr = story_manager(block_pool_cls=learner_pool)
@@ -330,7 +388,12 @@ def check_touch(fn: Any) -> CheckResult:
     try:
         pool.check_invariants()
     except AssertionError as e:
-        return failed(eid, "after your touch the pool is inconsistent", got=str(e), idea="a touched block with ref_cnt 0 must leave the free queue, or it can be evicted while in use")
+        return failed(
+            eid,
+            "after your touch the pool is inconsistent",
+            got=str(e),
+            idea="a touched block with ref_cnt 0 must leave the free queue, or it can be evicted while in use",
+        )
     bad = compare_story(eid, obs, "touch")
     if bad is not None:
         return bad
@@ -347,7 +410,13 @@ def check_touch(fn: Any) -> CheckResult:
     held = mgr.get_block_ids("b")[0]
     queue = [x.block_id for x in pool.free_block_queue.get_all_free_blocks()]
     if any(bid in queue for bid in held):
-        return failed(eid, "a block held by request b is still on the free queue", expected=f"queue without {held}", got=f"queue {queue}", idea="evicting a referenced block would overwrite KV that b is reading")
+        return failed(
+            eid,
+            "a block held by request b is still on the free queue",
+            expected=f"queue without {held}",
+            got=f"queue {queue}",
+            idea="evicting a referenced block would overwrite KV that b is reading",
+        )
     # Sliding-window hits: the blocks that fell out of the window are the null block, and
     # they reach touch with the real hit blocks (the full-attention stories never pass one).
     for name, story in WINDOW_STORIES:
@@ -356,11 +425,20 @@ def check_touch(fn: Any) -> CheckResult:
         got = story(learner_pool)
         for k, v in want.items():
             if got.get(k) != v:
-                return failed(eid, f"with your touch, a sliding-window hit diverges from vLLM's at `{k}`", case=name,
-                              expected=repr(v), got=repr(got.get(k)),
-                              idea="touch skips the null block (it pads the window's hit on the left) and adopts every real hit block")
-    return passed(eid, extra={"log": obs["log"]}, message="hit blocks leave the free queue before their ref count rises; nothing referenced "
-                                                          "can be evicted; a sliding window's null padding is left alone.")
+                return failed(
+                    eid,
+                    f"with your touch, a sliding-window hit diverges from vLLM's at `{k}`",
+                    case=name,
+                    expected=repr(v),
+                    got=repr(got.get(k)),
+                    idea="touch skips the null block (it pads the window's hit on the left) and adopts every real hit block",
+                )
+    return passed(
+        eid,
+        extra={"log": obs["log"]},
+        message="hit blocks leave the free queue before their ref count rises; nothing referenced "
+        "can be evicted; a sliding window's null padding is left alone.",
+    )
 
 
 def _free_ids(mgr: KVCacheManager) -> list[int]:
@@ -374,7 +452,9 @@ def _refs(mgr: KVCacheManager) -> dict[int, int]:
 def _window_alone(block_pool_cls: type[BlockPool]) -> dict[str, Any]:
     """A 32-token window (16-token blocks): an 81-token prompt computed and freed, then the
     same prompt + 1 token hits its last two blocks, padded with three null blocks."""
-    mgr = KVCacheManager(num_blocks=12, block_size=16, kv_cache_groups=[SlidingWindowSpec(sliding_window=32)], block_pool_cls=block_pool_cls)
+    mgr = KVCacheManager(
+        num_blocks=12, block_size=16, kv_cache_groups=[SlidingWindowSpec(sliding_window=32)], block_pool_cls=block_pool_cls
+    )
     obs: dict[str, Any] = {}
     a = Request("a", list(range(81)))
     h, n = mgr.get_computed_blocks(a)
@@ -394,8 +474,12 @@ def _window_alone(block_pool_cls: type[BlockPool]) -> dict[str, Any]:
 def _window_beside_full(block_pool_cls: type[BlockPool]) -> dict[str, Any]:
     """Full attention beside a 32-token window: a runs, c shares its first 3 blocks; the
     window's hit is [null, 6, 7] -- the null block and two blocks a still holds."""
-    mgr = KVCacheManager(num_blocks=20, block_size=16, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(sliding_window=32)],
-                         block_pool_cls=block_pool_cls)
+    mgr = KVCacheManager(
+        num_blocks=20,
+        block_size=16,
+        kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(sliding_window=32)],
+        block_pool_cls=block_pool_cls,
+    )
     obs: dict[str, Any] = {}
     a = Request("a", list(range(55)))
     h, n = mgr.get_computed_blocks(a)
@@ -413,8 +497,11 @@ def _window_beside_full(block_pool_cls: type[BlockPool]) -> dict[str, Any]:
 
 
 WINDOW_STORIES: list[tuple[str, Callable[[type[BlockPool]], dict[str, Any]]]] = [
-    ("a sliding window of 32 tokens alone: an 81-token prompt freed, then the same prompt + 1 hits [0, 0, 0, 4, 5] "
-     "(null, null, null, then its last two blocks)", _window_alone),
+    (
+        "a sliding window of 32 tokens alone: an 81-token prompt freed, then the same prompt + 1 hits [0, 0, 0, 4, 5] "
+        "(null, null, null, then its last two blocks)",
+        _window_alone,
+    ),
     ("full attention beside a 32-token window while request a runs: c (53 tokens) hits [1, 2, 3] and [0, 6, 7]", _window_beside_full),
 ]
 
@@ -440,17 +527,28 @@ def check_stale_hash(fn: Any) -> CheckResult:
         ret = returns(call(fn, pool, block, where="evicting a reallocated block"), bool, "evict_cached_block")
         removed = key is not None and block not in pool.cached_block_hash_to_block.blocks_for(key)
         if removed and block.cache_key is not None:
-            raise CheckFailed(failed(
-                eid, f"block {block.block_id} left the map but still carries its hash",
-                expected=f"block {block.block_id}.cache_key is None after eviction", got=f"block {block.block_id}.cache_key = {block.cache_key.hex()[:16]}…",
-                idea="call block.reset_hash() too: the block is about to hold new tokens, and when they fill it the pool "
-                     "gives it their hash -- a block that still has the old one looks 'already cached'"))
+            raise CheckFailed(
+                failed(
+                    eid,
+                    f"block {block.block_id} left the map but still carries its hash",
+                    expected=f"block {block.block_id}.cache_key is None after eviction",
+                    got=f"block {block.block_id}.cache_key = {block.cache_key.hex()[:16]}…",
+                    idea="call block.reset_hash() too: the block is about to hold new tokens, and when they fill it the pool "
+                    "gives it their hash -- a block that still has the old one looks 'already cached'",
+                )
+            )
         if removed and ret is False:
-            raise CheckFailed(failed(
-                eid, f"your eviction removed block {block.block_id}'s hash from the map but returned False",
-                case="reallocating a cached block", expected="True (a hash was removed)", got="False",
-                idea="the pool counts an eviction and publishes a BlockRemoved KV event only when you return True: with False, "
-                     "a router listening to the events still believes the hash is cached here (vLLM returns True exactly when it removed a hash)"))
+            raise CheckFailed(
+                failed(
+                    eid,
+                    f"your eviction removed block {block.block_id}'s hash from the map but returned False",
+                    case="reallocating a cached block",
+                    expected="True (a hash was removed)",
+                    got="False",
+                    idea="the pool counts an eviction and publishes a BlockRemoved KV event only when you return True: with False, "
+                    "a router listening to the events still believes the hash is cached here (vLLM returns True exactly when it removed a hash)",
+                )
+            )
         return ret
 
     learner_pool = pool_with(_maybe_evict_cached_block=evict)
@@ -467,13 +565,24 @@ def check_stale_hash(fn: Any) -> CheckResult:
     a2 = Request("a2", list(range(9)))
     h, n = mgr.get_computed_blocks(a2)
     if n:
-        return failed(eid, f"after its blocks were reused by b, a's prompt still 'hits' {n} tokens", expected="0 tokens", got=f"{n} tokens, blocks {h.get_block_ids()[0]}", idea="a stale map entry returns another prompt's KV: the model would answer from the wrong context")
+        return failed(
+            eid,
+            f"after its blocks were reused by b, a's prompt still 'hits' {n} tokens",
+            expected="0 tokens",
+            got=f"{n} tokens, blocks {h.get_block_ids()[0]}",
+            idea="a stale map entry returns another prompt's KV: the model would answer from the wrong context",
+        )
     mgr = story_manager(block_pool_cls=learner_pool)
     obs = run_shared_prefix_story(mgr)
     try:
         mgr.block_pool.check_invariants()
     except AssertionError as e:
-        return failed(eid, "after reallocating cached blocks the pool is inconsistent", got=str(e), idea="a reallocated block must lose both its map entry and its hash")
+        return failed(
+            eid,
+            "after reallocating cached blocks the pool is inconsistent",
+            got=str(e),
+            idea="a reallocated block must lose both its map entry and its hash",
+        )
     bad = compare_story(eid, obs, "eviction")
     if bad is not None:
         return bad
@@ -495,15 +604,28 @@ def check_stale_hash(fn: Any) -> CheckResult:
     left = [blk.block_id for blk in pool.cached_block_hash_to_block.blocks_for(key)]
     other = hy if first == hx else hx
     if left != [other]:
-        return failed(eid, "two blocks carried one hash (duplicates); evicting one must keep the other", expected=f"map keeps [{other}]", got=f"map keeps {left}", idea="pop by (hash, block id), not by hash alone")
+        return failed(
+            eid,
+            "two blocks carried one hash (duplicates); evicting one must keep the other",
+            expected=f"map keeps [{other}]",
+            got=f"map keeps {left}",
+            idea="pop by (hash, block id), not by hash alone",
+        )
     # vLLM calls the eviction on every block it reallocates, cached or not: a block without
     # a hash has nothing to remove, and the answer must say so.
     pool = KVCacheManager(num_blocks=4, block_size=4).block_pool
     plain = pool.blocks[1]
     ret = returns(call(fn, pool, plain, where="evicting a block that has no hash"), bool, "evict_cached_block")
     if ret is not False or len(pool.cached_block_hash_to_block) or plain.cache_key is not None:
-        return failed(eid, f"your eviction returned {ret} for block {plain.block_id}, which has no hash: nothing was removed",
-                      case="reallocating a block that was never cached", expected="False (no hash, nothing removed)", got=repr(ret),
-                      idea="True means 'a hash was removed': the pool would count an eviction and publish a BlockRemoved KV event "
-                           "for a hash that was never stored (vLLM returns False when block.block_hash is None)")
-    return passed(eid, extra={"log": obs["log"]}, message="reallocated blocks drop exactly their own entry; no stale hit, duplicates survive.")
+        return failed(
+            eid,
+            f"your eviction returned {ret} for block {plain.block_id}, which has no hash: nothing was removed",
+            case="reallocating a block that was never cached",
+            expected="False (no hash, nothing removed)",
+            got=repr(ret),
+            idea="True means 'a hash was removed': the pool would count an eviction and publish a BlockRemoved KV event "
+            "for a hash that was never stored (vLLM returns False when block.block_hash is None)",
+        )
+    return passed(
+        eid, extra={"log": obs["log"]}, message="reallocated blocks drop exactly their own entry; no stale hit, duplicates survive."
+    )

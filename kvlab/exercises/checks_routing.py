@@ -5,6 +5,7 @@ predict a real engine's prefix hits from its published events, the index update 
 consumer of a real engine's stream (duplicates, evictions, a reset, a late join), the gap
 rule into a consumer of a real ZeroMQ publisher that loses batches on the way.
 """
+
 from __future__ import annotations
 
 import random
@@ -62,9 +63,11 @@ def _variants(hash_fn: Any, none_hash: bytes, toks: list[int], bs: int, extra: A
     }
     # A list where vLLM builds a tuple: sha256_cbor encodes both as one CBOR array, but
     # vLLM's default sha256 pickles the key, and a list pickles to other bytes.
-    for name, key in (("list tokens", lambda p, t, x: (p, list(t), x)),
-                      ("list extra", lambda p, t, x: (p, t, None if x is None else list(x))),
-                      ("list key", lambda p, t, x: [p, t, x])):
+    for name, key in (
+        ("list tokens", lambda p, t, x: (p, list(t), x)),
+        ("list extra", lambda p, t, x: (p, t, None if x is None else list(x))),
+        ("list key", lambda p, t, x: [p, t, x]),
+    ):
         out, p = [], none_hash
         for b, t in enumerate(blocks):
             p = hash_fn(key(p, t, first(b)))
@@ -147,11 +150,15 @@ def check_router_block_keys(fn: Any) -> CheckResult:
             if got == v and v != want:
                 idea = _IDEAS[k]
                 break
-        return failed(eid, f"wrong keys for {name}", case=name,
-                      inputs=f"{len(toks)} tokens, block_size={bs}, first_block_extra_keys={extra!r}",
-                      expected=f"{len(want)} keys {want[:2]}{'…' if len(want) > 2 else ''}",
-                      got=f"{len(got) if hasattr(got, '__len__') else '?'} keys {list(got)[:2] if hasattr(got, '__iter__') else got!r}…",
-                      idea=idea)
+        return failed(
+            eid,
+            f"wrong keys for {name}",
+            case=name,
+            inputs=f"{len(toks)} tokens, block_size={bs}, first_block_extra_keys={extra!r}",
+            expected=f"{len(want)} keys {want[:2]}{'…' if len(want) > 2 else ''}",
+            got=f"{len(got) if hasattr(got, '__len__') else '?'} keys {list(got)[:2] if hasattr(got, '__iter__') else got!r}…",
+            idea=idea,
+        )
     # In a real engine: walking your keys through an index built from its stream must
     # predict the engine's own prefix hits, and its published keys must be yours.
     mgr = KVCacheManager(num_blocks=40, block_size=bs, enable_kv_cache_events=True, hash_algo="sha256_cbor")
@@ -172,21 +179,31 @@ def check_router_block_keys(fn: Any) -> CheckResult:
         predicted = min(walk, (len(toks) - 1) // bs) * bs
         hits, num_hit = mgr.get_computed_blocks(req)
         if predicted != num_hit:
-            return failed(eid, f"the router predicted {predicted} cached tokens for {req.request_id}; the engine found {num_hit}",
-                          case=f"request {req.request_id} (tenant {tenant!r})",
-                          idea="the router's keys must equal the replica's published keys, block for block")
+            return failed(
+                eid,
+                f"the router predicted {predicted} cached tokens for {req.request_id}; the engine found {num_hit}",
+                case=f"request {req.request_id} (tenant {tenant!r})",
+                idea="the router's keys must equal the replica's published keys, block for block",
+            )
         mgr.allocate_slots(req, req.num_tokens - num_hit, num_hit, hits)
         events = mgr.take_events()
         index.apply(events)
         published = [h for ev in events if type(ev) is BlockStored for h in ev.block_hashes]
         k0 = num_hit // bs
         if published != keys[k0 : k0 + len(published)]:
-            return failed(eid, f"request {req.request_id}: the engine published keys your function did not compute",
-                          expected=str(published[:2]), got=str(keys[k0 : k0 + 2]),
-                          idea="the keys must be the replica's own: same chain, same salt rule, low 64 bits")
+            return failed(
+                eid,
+                f"request {req.request_id}: the engine published keys your function did not compute",
+                expected=str(published[:2]),
+                got=str(keys[k0 : k0 + 2]),
+                idea="the keys must be the replica's own: same chain, same salt rule, low 64 bits",
+            )
         mgr.free(req)
-    return passed(eid, "your keys equal the replica's published keys, salted or not; walking them through the index "
-                       "built from its stream predicted every prefix hit the engine found.")
+    return passed(
+        eid,
+        "your keys equal the replica's published keys, salted or not; walking them through the index "
+        "built from its stream predicted every prefix hit the engine found.",
+    )
 
 
 # --- index_copies ------------------------------------------------------------------------------------
@@ -223,11 +240,19 @@ def check_index_copies(fn: Any) -> CheckResult:
     # 7 usable blocks. Block hashes 'stored before you subscribed' are later evicted: their
     # removals are unknown to the consumer.
     script = [
-        ("two requests store one prefix; its 2nd block is stored twice (recomputed: two copies)",
-         lambda: run(Request("a", list(range(8))), Request("b", list(range(8))))),
-        ("everything is freed (no event: freed blocks stay cached), then a big request evicts "
-         "blocks -- two of them stored before you subscribed", lambda: (free_all(), run(Request("big", list(range(50, 66)))))),
-        ("another request evicts one copy of the duplicated block, then the second copy", lambda: run(Request("more", list(range(80, 88))))),
+        (
+            "two requests store one prefix; its 2nd block is stored twice (recomputed: two copies)",
+            lambda: run(Request("a", list(range(8))), Request("b", list(range(8)))),
+        ),
+        (
+            "everything is freed (no event: freed blocks stay cached), then a big request evicts "
+            "blocks -- two of them stored before you subscribed",
+            lambda: (free_all(), run(Request("big", list(range(50, 66))))),
+        ),
+        (
+            "another request evicts one copy of the duplicated block, then the second copy",
+            lambda: run(Request("more", list(range(80, 88)))),
+        ),
         ("a request stores a new prefix", lambda: run(Request("late", list(range(300, 305))))),
         ("every request finishes, then reset_prefix_cache(): AllBlocksCleared", lambda: (free_all(), mgr.reset_prefix_cache())),
         ("a request stores a prefix into the empty cache", lambda: run(Request("after", list(range(400, 409))))),
@@ -244,9 +269,12 @@ def check_index_copies(fn: Any) -> CheckResult:
                 call(fn, copies, ev, where=f"applying {type(ev).__name__} after: {what}")
             except LearnerError as e:
                 if type(ev) is BlockRemoved and isinstance(e.exc, KeyError):
-                    return failed(eid, f"your code raised KeyError on a BlockRemoved ({what})", case=what,
-                                  idea="a removal of a hash you never saw -- stored before you subscribed -- must be ignored, "
-                                       "not crash the consumer")
+                    return failed(
+                        eid,
+                        f"your code raised KeyError on a BlockRemoved ({what})",
+                        case=what,
+                        idea="a removal of a hash you never saw -- stored before you subscribed -- must be ignored, not crash the consumer",
+                    )
                 raise
             want = {h: c for (_, _, h), c in expected._copies.items()}
             if copies == want:
@@ -255,17 +283,27 @@ def check_index_copies(fn: Any) -> CheckResult:
             if type(ev) is AllBlocksCleared:
                 idea = "AllBlocksCleared means the engine dropped every cached block: empty the index"
             elif any(v <= 0 for v in copies.values()):
-                idea = ("delete a hash when its count reaches 0, and ignore unknown ones: a key with 0 (or fewer) copies "
-                        "still answers 'in the index' to a router")
+                idea = (
+                    "delete a hash when its count reaches 0, and ignore unknown ones: a key with 0 (or fewer) copies "
+                    "still answers 'in the index' to a router"
+                )
             elif type(ev) is BlockRemoved and set(want) - set(copies):
-                idea = ("count copies, not membership: vLLM keeps duplicate blocks and removes each copy with its own "
-                        "BlockRemoved -- after one removal the engine still holds the other copy")
+                idea = (
+                    "count copies, not membership: vLLM keeps duplicate blocks and removes each copy with its own "
+                    "BlockRemoved -- after one removal the engine still holds the other copy"
+                )
             elif type(ev) is BlockStored and any(copies.get(h) != want.get(h) for h in ev.block_hashes):
                 idea = "a hash stored twice has two copies: add 1 per stored hash, do not set it to 1"
-            return failed(eid, f"after {type(ev).__name__} ({what}) your index differs from the engine's cache",
-                          case=what, inputs=repr(ev)[:160], expected=repr(want)[:200], got=repr(copies)[:200], idea=idea)
-    return passed(eid, "your index followed a real engine's stream: a late join, duplicates removed copy by copy, "
-                       "evictions, and a reset.")
+            return failed(
+                eid,
+                f"after {type(ev).__name__} ({what}) your index differs from the engine's cache",
+                case=what,
+                inputs=repr(ev)[:160],
+                expected=repr(want)[:200],
+                got=repr(copies)[:200],
+                idea=idea,
+            )
+    return passed(eid, "your index followed a real engine's stream: a late join, duplicates removed copy by copy, evictions, and a reset.")
 
 
 # --- stream_gaps -------------------------------------------------------------------------------------
@@ -284,7 +322,14 @@ def check_index_copies(fn: Any) -> CheckResult:
 )
 def check_stream_gaps(fn: Any) -> CheckResult:
     eid = "stream_gaps"
-    cases = [((None, 7), range(0)), ((4, 5), range(0)), ((4, 9), range(5, 9)), ((4, 6), range(5, 6)), ((9, 9), range(0)), ((9, 3), range(0))]
+    cases = [
+        ((None, 7), range(0)),
+        ((4, 5), range(0)),
+        ((4, 9), range(5, 9)),
+        ((4, 6), range(5, 6)),
+        ((9, 9), range(0)),
+        ((9, 3), range(0)),
+    ]
     for (last, seq), want in cases:
         got = call(fn, last, seq, where=f"replay_range({last}, {seq})")
         if list(got) == list(want):
@@ -298,8 +343,14 @@ def check_stream_gaps(fn: Any) -> CheckResult:
             idea = "off by one: seq itself just arrived; stop before it"
         elif last is None:
             idea = "with nothing delivered yet there is no gap to fill (a late joiner catches up separately)"
-        return failed(eid, f"replay_range({last}, {seq}) is wrong", inputs=f"last_seq={last}, seq={seq}",
-                      expected=f"{list(want)}", got=f"{list(got)}", idea=idea)
+        return failed(
+            eid,
+            f"replay_range({last}, {seq}) is wrong",
+            inputs=f"last_seq={last}, seq={seq}",
+            expected=f"{list(want)}",
+            got=f"{list(got)}",
+            idea=idea,
+        )
     # A real publisher on loopback that loses batches 2, 3 and 6 on the way; a consumer with
     # your rule in it asks the publisher's replay socket and must end with every batch, in order.
     return _stream_gaps_live(fn, eid)
@@ -328,8 +379,22 @@ def _stream_gaps_live(fn: Any, eid: str) -> CheckResult:
     try:
         sub.poll(50)
         for i in range(8):
-            pub.publish(KVEventBatch(ts=float(i), events=[BlockStored(block_hashes=[i], parent_block_hash=None, token_ids=[0] * 4,
-                                                                      block_size=4, lora_id=None, medium="GPU", lora_name=None)]))
+            pub.publish(
+                KVEventBatch(
+                    ts=float(i),
+                    events=[
+                        BlockStored(
+                            block_hashes=[i],
+                            parent_block_hash=None,
+                            token_ids=[0] * 4,
+                            block_size=4,
+                            lora_id=None,
+                            medium="GPU",
+                            lora_name=None,
+                        )
+                    ],
+                )
+            )
         pub.flush(5.0)
         last: int | None = None
         deadline = time.monotonic() + 5.0
@@ -362,9 +427,16 @@ def _stream_gaps_live(fn: Any, eid: str) -> CheckResult:
         dealer.close(linger=0)
         sub.close(linger=0)
     if delivered != list(range(8)):
-        return failed(eid, "with your rule inside a live consumer, the batches delivered were not 0..7 in order",
-                      case="a real ZmqEventPublisher on loopback that lost batches 2, 3 and 6",
-                      expected=str(list(range(8))), got=str(delivered),
-                      idea="a dropped batch leaves a hole only the replay socket can fill; ask for exactly the missing seqs")
-    return passed(eid, "every gap was caught: a live consumer with your rule asked the replay socket for the lost batches "
-                       "(2, 3 and 6) and delivered 0..7 in order.")
+        return failed(
+            eid,
+            "with your rule inside a live consumer, the batches delivered were not 0..7 in order",
+            case="a real ZmqEventPublisher on loopback that lost batches 2, 3 and 6",
+            expected=str(list(range(8))),
+            got=str(delivered),
+            idea="a dropped batch leaves a hole only the replay socket can fill; ask for exactly the missing seqs",
+        )
+    return passed(
+        eid,
+        "every gap was caught: a live consumer with your rule asked the replay socket for the lost batches "
+        "(2, 3 and 6) and delivered 0..7 in order.",
+    )

@@ -1,4 +1,5 @@
 """Checkers: preempt_victim (lesson 05a) and kv_bytes (lesson 01)."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -22,7 +23,9 @@ def preemption_run(policy: str, pick: Any | None) -> tuple[list[str], dict[str, 
         def select_victim(self) -> Request:  # type: ignore[override]
             if pick is None:
                 return super().select_victim()
-            victim = returns(call(pick, list(self.running), self.policy, where="choosing a victim inside the scheduler"), Request, "pick_victim")
+            victim = returns(
+                call(pick, list(self.running), self.policy, where="choosing a victim inside the scheduler"), Request, "pick_victim"
+            )
             if not any(victim is r for r in self.running):
                 raise WrongAnswerKind(f"pick_victim must return one of the running requests, got {victim!r}")
             return victim
@@ -65,7 +68,12 @@ def check_preempt_victim(fn: Any) -> CheckResult:
     for policy, running, want, idea in cases:
         got = call(fn, list(running), policy, where=f"policy={policy!r}, running={[r.request_id for r in running]}")
         if got is None:
-            return failed(eid, "got None — a missing return?", expected=want.request_id, idea="return the victim: one of the Request objects in `running`")
+            return failed(
+                eid,
+                "got None — a missing return?",
+                expected=want.request_id,
+                idea="return the victim: one of the Request objects in `running`",
+            )
         if got is not want:
             if policy == "fcfs" and got is running[0]:
                 idea = "that is the OLDEST request: preempting it throws away the most finished work"
@@ -114,5 +122,12 @@ def check_kv_bytes(fn: Any) -> CheckResult:
             idea = "bytes = 2 × layers × kv heads × head_dim × dtype bytes"
             if same(got * 2, want):
                 idea = "you counted only the keys (or only the values): the cache holds both, so ×2"
-            return failed(eid, f"wrong size for {name}", inputs=f"layers, kv heads, head_dim, bytes = {args}", expected=f"{want:,} bytes", got=f"{got!r}", idea=idea)
+            return failed(
+                eid,
+                f"wrong size for {name}",
+                inputs=f"layers, kv heads, head_dim, bytes = {args}",
+                expected=f"{want:,} bytes",
+                got=f"{got!r}",
+                idea=idea,
+            )
     return passed(eid, "OPT-13B: 800 KB per token, as in the paper; a 70B GQA model: 320 KiB, so 8,192 tokens = 2.5 GiB.")

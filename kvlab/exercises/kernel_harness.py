@@ -6,6 +6,7 @@ Why a module of its own: it needs torch and Triton (~1.5 s to import), and
 ``kvlab.exercises`` is imported by every lesson and exercise notebook that checks anything;
 only the two kernel checks import this, when they run.
 """
+
 from __future__ import annotations
 
 import math
@@ -35,9 +36,23 @@ _STEP: Any = None  # the learner's block step, looked up by the kernel at run ti
 
 
 @triton.jit
-def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, out_ptr, scale,
-                   stride_q_seq, stride_q_head, stride_block, stride_tok, stride_bt,
-                   NUM_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
+def _decode_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    scale,
+    stride_q_seq,
+    stride_q_head,
+    stride_block,
+    stride_tok,
+    stride_bt,
+    NUM_HEADS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -49,14 +64,35 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_pt
     kc = k_cache_ptr + head * HEAD_DIM  # this head's slice of every slot (one kv head per q head)
     vc = v_cache_ptr + head * HEAD_DIM
     for start in range(0, seq_len, BLOCK_SIZE):
-        m_i, l_i, acc = _STEP(q, kc, vc, block_table_ptr + seq * stride_bt, start, seq_len, m_i, l_i, acc,
-                              scale, stride_block, stride_tok, BLOCK_SIZE, HEAD_DIM)
+        m_i, l_i, acc = _STEP(
+            q,
+            kc,
+            vc,
+            block_table_ptr + seq * stride_bt,
+            start,
+            seq_len,
+            m_i,
+            l_i,
+            acc,
+            scale,
+            stride_block,
+            stride_tok,
+            BLOCK_SIZE,
+            HEAD_DIM,
+        )
     tl.store(out_ptr + seq * stride_q_seq + head * stride_q_head + d, acc / l_i)
 
 
-def run_decode(step: Any, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-               loads: list[list[int]] | None = None) -> torch.Tensor:
+def run_decode(
+    step: Any,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    loads: list[list[int]] | None = None,
+) -> torch.Tensor:
     """Decode attention (one query per sequence) with the learner's block step.
 
     ``loads``: a list to fill, under the interpreter, with each sequence's loaded slots
@@ -69,12 +105,25 @@ def run_decode(step: Any, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     _STEP = step
     trace = None
     try:
-        with (trace_loads(("k_cache_ptr", "v_cache_ptr"), kernels=("_decode_kernel",)) if loads is not None and INTERPRET
-              else _no_trace()) as trace:
+        with (
+            trace_loads(("k_cache_ptr", "v_cache_ptr"), kernels=("_decode_kernel",)) if loads is not None and INTERPRET else _no_trace()
+        ) as trace:
             _decode_kernel[(num_seqs, num_heads)](
-                q, k_cache, v_cache, block_table, seq_lens, out, scale,
-                q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_table.stride(0),
-                NUM_HEADS=num_heads, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
+                q,
+                k_cache,
+                v_cache,
+                block_table,
+                seq_lens,
+                out,
+                scale,
+                q.stride(0),
+                q.stride(1),
+                k_cache.stride(0),
+                k_cache.stride(1),
+                block_table.stride(0),
+                NUM_HEADS=num_heads,
+                BLOCK_SIZE=block_size,
+                HEAD_DIM=head_dim,
             )
     finally:
         _STEP = None
@@ -99,8 +148,7 @@ class _no_trace:
         return None
 
 
-def decode_reads_log(table: torch.Tensor, seq_lens: list[int], block_size: int, num_blocks: int,
-                     loads: list[list[int]]) -> EventLog:
+def decode_reads_log(table: torch.Tensor, seq_lens: list[int], block_size: int, num_blocks: int, loads: list[list[int]]) -> EventLog:
     """A one-step log of the checker's decode batch with the learner's kernel's loads, for
     the kernel view: sequence ``s`` (request ``seq{s}``) holds the blocks of its table row
     and decodes one token at position ``seq_lens[s] - 1``."""
@@ -117,12 +165,19 @@ def decode_reads_log(table: torch.Tensor, seq_lens: list[int], block_size: int, 
         log.emit(RequestScheduled(request_id=f"seq{s}", num_tokens=1, num_computed_tokens=n - 1, phase="new"))
         log.emit(BlocksTouched(request_id=f"seq{s}", block_ids=rows[s]))
     width = max(len(r) for r in rows)
-    log.emit(AttentionBatch(req_ids=[f"seq{s}" for s in range(len(seq_lens))], query_lens=[1] * len(seq_lens),
-                            seq_lens=list(seq_lens), block_tables=[[r + [0] * (width - len(r)) for r in rows]],
-                            slot_mappings=[[rows[s][(n - 1) // block_size] * block_size + (n - 1) % block_size
-                                            for s, n in enumerate(seq_lens)]],
-                            block_size=block_size, sliding_windows=[None], kernel_reads=[[list(x) for x in loads]],
-                            read_layers=[0]))
+    log.emit(
+        AttentionBatch(
+            req_ids=[f"seq{s}" for s in range(len(seq_lens))],
+            query_lens=[1] * len(seq_lens),
+            seq_lens=list(seq_lens),
+            block_tables=[[r + [0] * (width - len(r)) for r in rows]],
+            slot_mappings=[[rows[s][(n - 1) // block_size] * block_size + (n - 1) % block_size for s, n in enumerate(seq_lens)]],
+            block_size=block_size,
+            sliding_windows=[None],
+            kernel_reads=[[list(x) for x in loads]],
+            read_layers=[0],
+        )
+    )
     return log
 
 
@@ -147,10 +202,20 @@ def _case(seed: int, seq_lens: list[int], block_size: int = 16, head_dim: int = 
 def check_paged_attention_kernel(step: Any) -> CheckResult:
     eid = "paged_attention_kernel"
     cases = [
-        ("three sequences, shuffled blocks, lengths not multiples of 16", 1, [37, 16, 5], 1.0,
-         "block-table lookup + masked loads: positions >= seq_len must not contribute"),
-        ("large scores (exp would overflow without the running max)", 2, [40, 23], 12.0,
-         "keep a running max: subtract it before exp, and rescale l_i and acc when it grows"),
+        (
+            "three sequences, shuffled blocks, lengths not multiples of 16",
+            1,
+            [37, 16, 5],
+            1.0,
+            "block-table lookup + masked loads: positions >= seq_len must not contribute",
+        ),
+        (
+            "large scores (exp would overflow without the running max)",
+            2,
+            [40, 23],
+            12.0,
+            "keep a running max: subtract it before exp, and rescale l_i and acc when it grows",
+        ),
         ("a long context across many blocks", 3, [130], 1.0, "rescale the accumulator by alpha at every block"),
     ]
     for name, seed, lens, big, idea in cases:
@@ -165,8 +230,12 @@ def check_paged_attention_kernel(step: Any) -> CheckResult:
             if "NotImplementedError" in repr(e):  # the interpreter wraps what the step raised
                 raise NotImplementedError from e
             msg = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
-            return failed(eid, f"the kernel failed to run with your step: {type(e).__name__}: {msg}", case=name,
-                          idea="a @triton.jit function returns a tuple (m_i, l_i, acc); every tensor op must be tl.* inside the kernel")
+            return failed(
+                eid,
+                f"the kernel failed to run with your step: {type(e).__name__}: {msg}",
+                case=name,
+                idea="a @triton.jit function returns a tuple (m_i, l_i, acc); every tensor op must be tl.* inside the kernel",
+            )
         cu = torch.arange(len(lens) + 1, dtype=torch.int32)
         want = unified_attention_ref(q, k, v, cu, seq_lens, table, scale)
         extra: dict[str, Any] = {}
@@ -174,19 +243,30 @@ def check_paged_attention_kernel(step: Any) -> CheckResult:
             extra["kernel_reads"] = decode_reads_log(table, lens, k.shape[1], k.shape[0], loads)
             extra["case"] = name
         if not torch.isfinite(got).all():
-            return failed(eid, f"NaN or inf in the output: {name}", case=name, expected="finite values",
-                          got=f"{int((~torch.isfinite(got)).sum())} non-finite values" + _loads_note(loads, table, lens, k.shape[1]),
-                          idea=idea, extra=extra)
+            return failed(
+                eid,
+                f"NaN or inf in the output: {name}",
+                case=name,
+                expected="finite values",
+                got=f"{int((~torch.isfinite(got)).sum())} non-finite values" + _loads_note(loads, table, lens, k.shape[1]),
+                idea=idea,
+                extra=extra,
+            )
         idea = _diagnose(got, q, k, v, table, lens, scale) or idea
         err = (got - want).abs().max().item()
         if err > 1e-4:
             worst = int((got - want).abs().amax(dim=(1, 2)).argmax())
-            return failed(eid, f"wrong attention output: {name}", case=name,
-                          inputs=f"seq_lens={lens}, block_size=16, shuffled block table row {worst}: {table[worst].tolist()}",
-                          expected=f"out[{worst}, 0, :4] = {[round(x, 4) for x in want[worst, 0, :4].tolist()]}",
-                          got=f"out[{worst}, 0, :4] = {[round(x, 4) for x in got[worst, 0, :4].tolist()]} (max error {err:.3g})"
-                          + _loads_note(loads, table, lens, k.shape[1]),
-                          idea=idea, extra=extra)
+            return failed(
+                eid,
+                f"wrong attention output: {name}",
+                case=name,
+                inputs=f"seq_lens={lens}, block_size=16, shuffled block table row {worst}: {table[worst].tolist()}",
+                expected=f"out[{worst}, 0, :4] = {[round(x, 4) for x in want[worst, 0, :4].tolist()]}",
+                got=f"out[{worst}, 0, :4] = {[round(x, 4) for x in got[worst, 0, :4].tolist()]} (max error {err:.3g})"
+                + _loads_note(loads, table, lens, k.shape[1]),
+                idea=idea,
+                extra=extra,
+            )
     return passed(eid, "matches the reference on shuffled block tables, ragged lengths and large scores (fp32 online softmax).")
 
 
@@ -200,15 +280,27 @@ def _loads_note(loads: list[list[int]], table: torch.Tensor, lens: list[int], bl
         got = set(loads[s])
         if got != want:
             extra, missing = len(got - want), len(want - got)
-            wrong.append(f"seq{s}: {extra} slots loaded that its table does not hold" * bool(extra)
-                         + (", " if extra and missing else "") + f"{missing} of its slots not loaded" * bool(missing))
+            wrong.append(
+                f"seq{s}: {extra} slots loaded that its table does not hold" * bool(extra)
+                + (", " if extra and missing else "")
+                + f"{missing} of its slots not loaded" * bool(missing)
+            )
     if not wrong:
         return ""
     return "\n            your kernel's loads: " + "; ".join(wrong) + " -- result.show() draws them"
 
 
-def _variant_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, lens: list[int], scale: float,
-                 *, logical: bool = False, unmasked: bool = False) -> torch.Tensor:
+def _variant_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    table: torch.Tensor,
+    lens: list[int],
+    scale: float,
+    *,
+    logical: bool = False,
+    unmasked: bool = False,
+) -> torch.Tensor:
     """Decode attention as a classic mistake computes it: ``logical`` reads logical block j
     as if it were physical block j (no block-table lookup); ``unmasked`` also reads the
     slots past ``seq_len`` in the last block (no mask)."""
@@ -224,28 +316,46 @@ def _variant_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch
     return out
 
 
-def _diagnose(got: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor,
-              lens: list[int], scale: float) -> str:
+def _diagnose(
+    got: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, lens: list[int], scale: float
+) -> str:
     """Name the mistake when the learner's output equals what one classic mistake computes."""
     if not torch.isfinite(got).all():
         return ""
     # The scale: the scores are q·k × scale (1/sqrt(head_dim)); an output equal to the
     # reference computed with another scale names the scale, whatever else is right.
     for wrong_scale, idea in (
-        (1.0, f"the softmax scale is missing: multiply the scores q·k by scale (= 1/sqrt(head_dim) = {scale:.4g}) before the "
-              "softmax -- without it the softmax is far too sharp; the rest (block lookup, loads, online softmax) is right"),
-        (scale * scale, "the softmax scale is applied twice (the scores came out as q·k × scale²): multiply by scale once, "
-                        "either the scores or q/k, not both"),
+        (
+            1.0,
+            f"the softmax scale is missing: multiply the scores q·k by scale (= 1/sqrt(head_dim) = {scale:.4g}) before the "
+            "softmax -- without it the softmax is far too sharp; the rest (block lookup, loads, online softmax) is right",
+        ),
+        (
+            scale * scale,
+            "the softmax scale is applied twice (the scores came out as q·k × scale²): multiply by scale once, "
+            "either the scores or q/k, not both",
+        ),
     ):
         if torch.allclose(got.float(), _variant_ref(q, k, v, table, lens, wrong_scale), atol=1e-4):
             return idea
     for logical, unmasked, idea in (
-        (True, False, "your kernel read logical block j as if it were physical block j: look the block up in the block table "
-                      "first (block_id = tl.load(block_table_ptr + start // BLOCK_SIZE)) -- the masking is right"),
-        (False, True, "the block lookup is right, but the slots past seq_len in the last block were read too: mask the loads "
-                      "(valid = start + offs < seq_len) and give masked scores -inf"),
-        (True, True, "two mistakes: no block-table lookup (logical block j read as physical block j) and no mask for the "
-                     "slots past seq_len"),
+        (
+            True,
+            False,
+            "your kernel read logical block j as if it were physical block j: look the block up in the block table "
+            "first (block_id = tl.load(block_table_ptr + start // BLOCK_SIZE)) -- the masking is right",
+        ),
+        (
+            False,
+            True,
+            "the block lookup is right, but the slots past seq_len in the last block were read too: mask the loads "
+            "(valid = start + offs < seq_len) and give masked scores -inf",
+        ),
+        (
+            True,
+            True,
+            "two mistakes: no block-table lookup (logical block j read as physical block j) and no mask for the slots past seq_len",
+        ),
     ):
         if torch.allclose(got.float(), _variant_ref(q, k, v, table, lens, scale, logical=logical, unmasked=unmasked), atol=1e-4):
             return idea
@@ -277,16 +387,24 @@ def check_slot_mapping(fn: Any) -> CheckResult:
                 idea = "off by one: the first new token is at position start_pos"
             elif list(got) == list(range(start, start + n)):
                 idea = "a position is not a slot: look the block up in the block table"
-            return failed(eid, f"wrong slots: {name}", case=name,
-                          inputs=f"block_table={table}, start_pos={start}, num_tokens={n}, block_size={bs}",
-                          expected=str(want), got=str(list(got)), idea=idea)
+            return failed(
+                eid,
+                f"wrong slots: {name}",
+                case=name,
+                inputs=f"block_table={table}, start_pos={start}, num_tokens={n}, block_size={bs}",
+                expected=str(want),
+                got=str(list(got)),
+                idea=idea,
+            )
     # The real kernel writes where the learner's slots say; compare with the reference slots.
     g = torch.Generator().manual_seed(0)
     table, start, n, bs = [6, 2, 9, 4], 10, 30, 16
     key = torch.randn(n, 2, 32, generator=g)
     val = torch.randn(n, 2, 32, generator=g)
     caches = [torch.zeros(12, bs, 2, 32) for _ in range(4)]
-    reshape_and_cache(key, val, caches[0], caches[1], torch.tensor(call(fn, table, start, n, bs, where="the kernel case"), dtype=torch.int64))
+    reshape_and_cache(
+        key, val, caches[0], caches[1], torch.tensor(call(fn, table, start, n, bs, where="the kernel case"), dtype=torch.int64)
+    )
     reshape_and_cache(key, val, caches[2], caches[3], torch.tensor(reference_slot_mapping(table, start, n, bs), dtype=torch.int64))
     if not (torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])):
         return failed(eid, "the Triton reshape_and_cache kernel wrote K/V to the wrong slots with your mapping")

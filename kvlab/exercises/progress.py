@@ -1,5 +1,6 @@
 """Lesson 00's progress table: every exercise of the course, where it sits, and whether the
 learner has passed it (read from the local record, :mod:`kvlab.learner.store`)."""
+
 from __future__ import annotations
 
 import html
@@ -24,8 +25,10 @@ class Progress:
         return sum(r[4] for r in self.rows)
 
     def __str__(self) -> str:
-        lines = [f"{self.num_passed} of {len(self.rows)} exercises passed · {self.predictions} predictions locked in"
-                 + (f" ({self.right} of {self.checked} right)" if self.checked else "")]
+        lines = [
+            f"{self.num_passed} of {len(self.rows)} exercises passed · {self.predictions} predictions locked in"
+            + (f" ({self.right} of {self.checked} right)" if self.checked else "")
+        ]
         for lesson, eid, title, level, ok in self.rows:
             lines.append(f"  {'✔' if ok else '·'} {_num(lesson):<3}  {eid:<22} {level:<22} {title}")
         lines.append(f"(kept in {self.where})")
@@ -39,11 +42,14 @@ class Progress:
             f"<td>{html.escape(title)}</td><td>{html.escape(level)}</td></tr>"
             for lesson, eid, title, level, ok in self.rows
         )
-        head = (f"<b>{self.num_passed} of {len(self.rows)} exercises passed</b> · {self.predictions} predictions locked in"
-                + (f" ({self.right} of {self.checked} right)" if self.checked else ""))
-        return (f"<div>{head}<table style='font-size:12px'><tr><th>passed</th><th>lesson</th><th>exercise</th>"
-                f"<th></th><th>level</th></tr>{body}</table><span style='color:#777;font-size:11px'>kept in "
-                f"{html.escape(self.where)}</span></div>")
+        head = f"<b>{self.num_passed} of {len(self.rows)} exercises passed</b> · {self.predictions} predictions locked in" + (
+            f" ({self.right} of {self.checked} right)" if self.checked else ""
+        )
+        return (
+            f"<div>{head}<table style='font-size:12px'><tr><th>passed</th><th>lesson</th><th>exercise</th>"
+            f"<th></th><th>level</th></tr>{body}</table><span style='color:#777;font-size:11px'>kept in "
+            f"{html.escape(self.where)}</span></div>"
+        )
 
 
 def _num(lesson: str) -> str:
@@ -72,5 +78,3 @@ def show_progress() -> Progress:
     exs = sorted(EXERCISES.values(), key=lambda e: (e.lesson, order[e.id]))
     rows = [(e.lesson, e.id, e.title, e.level, e.id in done) for e in exs]
     return Progress(rows, len(preds), sum(1 for p in checked if p["matched"]), len(checked), _where(s.path))
-
-

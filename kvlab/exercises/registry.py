@@ -1,4 +1,5 @@
 """The exercise registry and ``check()``: run a learner's code against the real engine."""
+
 from __future__ import annotations
 
 import functools
@@ -48,19 +49,37 @@ EXERCISES: dict[str, Exercise] = {}
 # How hard and how long, as each lesson announces an exercise (★ to ★★★, minutes for a learner who
 # has just read the lesson). One table, so the lessons, exercises/ and lesson 00's progress agree.
 LEVELS: dict[str, tuple[int, int]] = {
-    "kv_bytes": (1, 5), "slot_mapping": (1, 10), "paged_attention_kernel": (3, 40),
-    "hash_chain": (1, 10), "longest_hit": (1, 10), "extra_keys": (2, 20),
-    "free_queue": (2, 25), "free_order": (1, 5), "touch": (1, 10), "stale_hash": (2, 15),
-    "preempt_victim": (1, 10), "allocate_capacity": (2, 15),
-    "sliding_window_hit": (2, 20), "group_block_hash": (2, 15), "unified_block_sizes": (2, 20),
-    "bug_hunt": (2, 30), "bug_fix": (2, 15), "block_manager": (3, 60),
-    "stream_gaps": (1, 10), "index_copies": (2, 15), "router_block_keys": (2, 20),
-    "tier_hits": (2, 20), "num_matched_tokens": (1, 10), "token_slots": (1, 10), "encoder_inputs": (2, 25),
+    "kv_bytes": (1, 5),
+    "slot_mapping": (1, 10),
+    "paged_attention_kernel": (3, 40),
+    "hash_chain": (1, 10),
+    "longest_hit": (1, 10),
+    "extra_keys": (2, 20),
+    "free_queue": (2, 25),
+    "free_order": (1, 5),
+    "touch": (1, 10),
+    "stale_hash": (2, 15),
+    "preempt_victim": (1, 10),
+    "allocate_capacity": (2, 15),
+    "sliding_window_hit": (2, 20),
+    "group_block_hash": (2, 15),
+    "unified_block_sizes": (2, 20),
+    "bug_hunt": (2, 30),
+    "bug_fix": (2, 15),
+    "block_manager": (3, 60),
+    "stream_gaps": (1, 10),
+    "index_copies": (2, 15),
+    "router_block_keys": (2, 20),
+    "tier_hits": (2, 20),
+    "num_matched_tokens": (1, 10),
+    "token_slots": (1, 10),
+    "encoder_inputs": (2, 25),
 }
 
 
-def register(id: str, title: str, signature: str, lesson: str, hints: list[str], notebook: str = "",
-             time_limit_s: float = DEFAULT_TIME_LIMIT_S) -> Callable:
+def register(
+    id: str, title: str, signature: str, lesson: str, hints: list[str], notebook: str = "", time_limit_s: float = DEFAULT_TIME_LIMIT_S
+) -> Callable:
     def deco(fn: Callable[[Any], CheckResult]) -> Callable[[Any], CheckResult]:
         EXERCISES[id] = Exercise(id, title, signature, lesson, hints, fn, notebook, time_limit_s=time_limit_s)
         return fn
@@ -74,8 +93,7 @@ def wrong_kind(eid: str, got: Any, want: Any, case: str, what: str = "your answe
     problem = type_problem(got, want)
     if problem is None:
         return None
-    return failed(eid, f"{what} is not the right kind of value: {problem}", case=case, expected=describe(want),
-                  got=describe(got), **kw)
+    return failed(eid, f"{what} is not the right kind of value: {problem}", case=case, expected=describe(want), got=describe(got), **kw)
 
 
 def returns(value: Any, kind: type | tuple[type, ...], what: str) -> Any:
@@ -129,10 +147,18 @@ def check(exercise_id: str, learner_obj: Any) -> CheckResult:
 
 #: Exercises whose function answers with a value that is never None: a None from them is a
 #: forgotten ``return``, said so at once (not "wrong answer", nor a crash deep in the engine).
-RETURNS_A_VALUE = frozenset({
-    "tier_hits", "num_matched_tokens", "token_slots", "encoder_inputs", "group_block_hash", "unified_block_sizes",
-    "router_block_keys", "stream_gaps",
-})
+RETURNS_A_VALUE = frozenset(
+    {
+        "tier_hits",
+        "num_matched_tokens",
+        "token_slots",
+        "encoder_inputs",
+        "group_block_hash",
+        "unified_block_sizes",
+        "router_block_keys",
+        "stream_gaps",
+    }
+)
 
 
 def _never_none(fn: Callable, exercise_id: str) -> Callable:
@@ -153,8 +179,11 @@ def _run(ex: Exercise, learner_obj: Any) -> CheckResult:
     way the learner's code can go wrong turned into a result that says which."""
     exercise_id = ex.id
     if learner_obj is None:
-        return failed(exercise_id, "got None instead of your code — did you run the cell that defines it, and pass the function (or class) itself?",
-                      idea=f"check({exercise_id!r}, your_function): the name, without calling it")
+        return failed(
+            exercise_id,
+            "got None instead of your code — did you run the cell that defines it, and pass the function (or class) itself?",
+            idea=f"check({exercise_id!r}, your_function): the name, without calling it",
+        )
     if exercise_id in RETURNS_A_VALUE and inspect.isfunction(learner_obj):
         learner_obj = _never_none(learner_obj, exercise_id)
     with kvlab_state_restored():

@@ -1,4 +1,5 @@
 """``CheckResult``: what a checker says -- passed or not, and the first case that failed."""
+
 from __future__ import annotations
 
 import html
@@ -77,8 +78,10 @@ def _kernel_reads_figure(log: Any, case: str, width: int = 940) -> Any:
         view = KernelView(tl, width=(width - 8) // 2, height=380)
         view.update(snap, rid)
         figures.append(view.still())
-    header = (f"<b>your kernel's loads</b>{' · case: ' + html.escape(case) if case else ''}<br>"
-              "<span style='font-size:10px;color:#555'>• loaded and expected · ✖ loaded, not expected · ○ expected, not loaded</span>")
+    header = (
+        f"<b>your kernel's loads</b>{' · case: ' + html.escape(case) if case else ''}<br>"
+        "<span style='font-size:10px;color:#555'>• loaded and expected · ✖ loaded, not expected · ○ expected, not loaded</span>"
+    )
     fig = compose(figures, columns=2, header=header, header_px=34)
     return go.Figure(fig)
 

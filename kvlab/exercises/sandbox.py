@@ -38,6 +38,7 @@ learner did not mean, and each has a guard here:
   module objects are not undone -- the checks keep no such state of their own.
 * **Its answer only looks right**: see :mod:`kvlab.exercises.answers`.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -83,8 +84,10 @@ class Limit:
 
     def message(self) -> str:
         if self.reason == "wall":
-            return (f"your code waited more than {self.wall_s:g} s without finishing, computing nothing — "
-                    "a sleep, or a wait for something that never comes?")
+            return (
+                f"your code waited more than {self.wall_s:g} s without finishing, computing nothing — "
+                "a sleep, or a wait for something that never comes?"
+            )
         return f"your code used more than {self.cpu_s:g} s of CPU time — an endless loop?"
 
 

@@ -18,6 +18,7 @@ A linked list costs a few lines per operation, a dict a hash and a few lines; a 
 n of something. Checkers run the same operations on a small and a large structure and
 compare the work per operation (lesson 04b: why ``remove`` must not search).
 """
+
 from __future__ import annotations
 
 import sys
@@ -49,8 +50,10 @@ class Work:
         return self.total / max(n, 1)
 
     def describe(self, n: int, unit: str = "call", over: str = "calls") -> str:
-        return (f"{self.per(n):,.1f} steps per {unit} ({self.comparisons:,} comparisons, {self.hashes:,} hashes, "
-                f"{self.lines:,} lines of your code over {n} {over})")
+        return (
+            f"{self.per(n):,.1f} steps per {unit} ({self.comparisons:,} comparisons, {self.hashes:,} hashes, "
+            f"{self.lines:,} lines of your code over {n} {over})"
+        )
 
 
 _active: list[Work] = []  # the stretch being measured (a stack: measurements do not nest in practice)

@@ -18,6 +18,7 @@ A block is named by an *offload key*: its block hash followed by its KV-cache gr
 big-endian bytes -- byte for byte kvlab's ``KVCacheBlock.cache_key`` (vLLM's
 ``make_offload_key``), so a tier and the GPU prefix cache speak of the same block.
 """
+
 from __future__ import annotations
 
 import enum

@@ -5,6 +5,7 @@ content hash, so two engines that share ``root`` (and hash function) name the sa
 with the same file -- how vLLM's file-system tier shares a cache across instances. The
 two-digit subdirectory keeps any one directory small.
 """
+
 from __future__ import annotations
 
 import os

@@ -9,6 +9,7 @@
 
 Nothing here imports the engine: the exercises import the store, never the other way.
 """
+
 from kvlab.learner.prediction import Prediction, interactive, predict
 from kvlab.learner.store import Store, store
 

@@ -29,6 +29,7 @@ lesson runs again, a question the learner already locked in (same lesson, same q
 back locked, with the earlier prediction and its answer open -- a restart is not a reason to
 guess again, nor to be made to. "Predict again" unlocks it for a fresh guess.
 """
+
 from __future__ import annotations
 
 import html
@@ -104,8 +105,17 @@ def _md(text: str) -> str:
 class Prediction:
     """One question: the form (or a printed line), the locked value, its reveal areas."""
 
-    def __init__(self, question: str, kind: str = "text", choices: Sequence[str] | None = None, *,
-                 tol: float = 0.0, rel_tol: float = 0.0, id: str | None = None, show: bool | None = None) -> None:
+    def __init__(
+        self,
+        question: str,
+        kind: str = "text",
+        choices: Sequence[str] | None = None,
+        *,
+        tol: float = 0.0,
+        rel_tol: float = 0.0,
+        id: str | None = None,
+        show: bool | None = None,
+    ) -> None:
         if not isinstance(question, str):
             raise TypeError(f"question must be a non-empty str, got {type(question).__name__} {question!r}")
         if not question.strip():
@@ -152,9 +162,13 @@ class Prediction:
             # With a still: a lesson saved with its predictions shows the question, not
             # "Error displaying widget", once the form's model is gone.
             q = f"✎ Predict: {self.question}"
-            display_with_still(self._form(), {
-                "text/html": f"<div><b>✎ Predict:</b> {_md(self.question)}<br><span style='color:#777'>(run the lesson to answer here)</span></div>",
-                "text/plain": q})
+            display_with_still(
+                self._form(),
+                {
+                    "text/html": f"<div><b>✎ Predict:</b> {_md(self.question)}<br><span style='color:#777'>(run the lesson to answer here)</span></div>",
+                    "text/plain": q,
+                },
+            )
         else:
             line = f"✎ Predict: {self.question}"
             if self.choices:
@@ -187,7 +201,7 @@ class Prediction:
     def lock(self, value: Any) -> None:
         """Commit to ``value`` (the form's button calls this). Opens every reveal area."""
         if self.locked:
-            raise RuntimeError(f"already locked in: {_fmt(self.value)} (press \"Predict again\" to start over)")
+            raise RuntimeError(f'already locked in: {_fmt(self.value)} (press "Predict again" to start over)')
         self.value = self.validate(value)
         self.locked = True
         self.locked_at = time.strftime("%Y-%m-%dT%H:%M:%S")
@@ -285,11 +299,18 @@ class Prediction:
                 raise ValueError(f"result {r!r} is not a number (question: {self.question!r})")
 
     def _record(self) -> None:
-        store().record_prediction({
-            "uid": self.uid, "lesson": self.lesson, "key": self.key, "question": self.question,
-            "kind": self.answer_kind, "prediction": self.value, "locked_at": self.locked_at,
-            **({"result": _jsonable(self.result), "matched": self.matched()} if self.result is not None else {}),
-        })
+        store().record_prediction(
+            {
+                "uid": self.uid,
+                "lesson": self.lesson,
+                "key": self.key,
+                "question": self.question,
+                "kind": self.answer_kind,
+                "prediction": self.value,
+                "locked_at": self.locked_at,
+                **({"result": _jsonable(self.result), "matched": self.matched()} if self.result is not None else {}),
+            }
+        )
 
     def _form(self) -> Any:
         import ipywidgets as w
@@ -301,12 +322,21 @@ class Prediction:
             field = w.RadioButtons(options=self.choices, value=None, layout=w.Layout(width="auto"))
         else:
             field = w.Textarea(placeholder="your prediction, in a few words", rows=2, layout=w.Layout(width="100%", max_width="560px"))
-        button = w.Button(description="Lock in", button_style="primary", disabled=True, icon="lock",
-                          tooltip="commit to your prediction; the answer below opens")
+        button = w.Button(
+            description="Lock in",
+            button_style="primary",
+            disabled=True,
+            icon="lock",
+            tooltip="commit to your prediction; the answer below opens",
+        )
         status = w.HTML(_HIDDEN_UNTIL_LOCKED)
 
-        again = w.Button(description="Predict again", icon="undo", layout=w.Layout(display="none"),
-                         tooltip="unlock: the answer hides again until you lock in a new prediction")
+        again = w.Button(
+            description="Predict again",
+            icon="undo",
+            layout=w.Layout(display="none"),
+            tooltip="unlock: the answer hides again until you lock in a new prediction",
+        )
 
         def clicked(_: Any = None) -> None:
             try:
@@ -322,7 +352,9 @@ class Prediction:
             field.value = self.value if self.answer_kind == "choice" else _fmt(self.value)
             self._lock_form()
         row = w.HBox([field, button, again], layout=w.Layout(align_items="center", flex_flow="row wrap"))
-        return w.VBox([title, row, status], layout=w.Layout(border="1px solid #c8c8c8", padding="6px 10px", margin="4px 0", max_width="100%"))
+        return w.VBox(
+            [title, row, status], layout=w.Layout(border="1px solid #c8c8c8", padding="6px 10px", margin="4px 0", max_width="100%")
+        )
 
     def _validate_field(self) -> None:
         """Enable "Lock in" only for a value that can be locked; say why a number is not one."""
@@ -383,11 +415,17 @@ class _Reveal:
 
         self._out = w.Output()
         self._header = w.HTML()
-        self._waiting = w.HTML("<span style='color:#777'><i class='fa fa-lock'></i> The answer is ready: lock in your prediction above to see it.</span>")
+        self._waiting = w.HTML(
+            "<span style='color:#777'><i class='fa fa-lock'></i> The answer is ready: lock in your prediction above to see it.</span>"
+        )
         self._box = w.VBox([self._waiting])
-        display_with_still(self._box, {
-            "text/html": "<span style='color:#777'>The answer appears here when the lesson runs and a prediction is locked in.</span>",
-            "text/plain": ""})
+        display_with_still(
+            self._box,
+            {
+                "text/html": "<span style='color:#777'>The answer appears here when the lesson runs and a prediction is locked in.</span>",
+                "text/plain": "",
+            },
+        )
         self._out.__enter__()
         return self
 
@@ -420,8 +458,15 @@ class _Reveal:
             self._box.children = (self._waiting,)
 
 
-def predict(question: str, kind: str = "text", choices: Sequence[str] | None = None, *,
-            tol: float = 0.0, rel_tol: float = 0.0, id: str | None = None) -> Prediction:
+def predict(
+    question: str,
+    kind: str = "text",
+    choices: Sequence[str] | None = None,
+    *,
+    tol: float = 0.0,
+    rel_tol: float = 0.0,
+    id: str | None = None,
+) -> Prediction:
     """Ask for a prediction before the next cell's answer is shown (see the module docstring).
 
     ``kind``: ``"number"`` (compared with ``result`` within ``tol`` absolute or ``rel_tol``

@@ -14,6 +14,7 @@ are serialised by a lock file where the OS has ``fcntl``. A file that is not val
 progress JSON is moved aside (``progress.json.bad-<time>``) with a warning, never lost and
 never allowed to break a check: recording is best effort, a failed write only warns.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -74,7 +75,9 @@ class Store:
             bad = _aside(self.path)
             with contextlib.suppress(OSError):
                 self.path.replace(bad)
-            warnings.warn(f"kvlab's progress file {self.path} was not valid ({e}); it was moved to {bad} and a new one started", stacklevel=2)
+            warnings.warn(
+                f"kvlab's progress file {self.path} was not valid ({e}); it was moved to {bad} and a new one started", stacklevel=2
+            )
             return _empty()
         return data
 
@@ -202,7 +205,7 @@ def _validate(data: Any) -> None:
     try:
         _encode(data)  # it must also write back: every passing check does
     except UnicodeEncodeError as e:
-        raise ValueError(f"it cannot be written back as UTF-8: {e.object[e.start:e.end]!r} is a lone surrogate") from None
+        raise ValueError(f"it cannot be written back as UTF-8: {e.object[e.start : e.end]!r} is a lone surrogate") from None
 
 
 def store() -> Store:

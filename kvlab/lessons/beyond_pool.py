@@ -1,5 +1,6 @@
 """Helpers for lessons 12-14 (offload tiers, connectors, the encoder cache): the scripted
 stories and the plotting recipes, so the notebooks keep to one idea per cell."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -15,23 +16,33 @@ from kvlab.timeline.events import EventLog, KVLoadFailed, KVTransfer, OffloadEvi
 A = list(range(100, 109))
 B = list(range(200, 217))
 C = list(range(300, 313))
-OFFLOAD_STORY: list[tuple[str, list[int]]] = [("A", A), ("B", B), ("C", C), ("A2", A + [109]),
-                                              ("C2", C + [313, 314, 315]), ("B2", B[:13])]
+OFFLOAD_STORY: list[tuple[str, list[int]]] = [("A", A), ("B", B), ("C", C), ("A2", A + [109]), ("C2", C + [313, 314, 315]), ("B2", B[:13])]
 
 
 def offload_config(storage_path: str, *, num_cpu_blocks: int = 4, num_storage_blocks: int = 12, **extra: Any) -> KVTransferConfig:
     """The story's tiers: a CPU tier of ``num_cpu_blocks`` and a disk tier of ``num_storage_blocks``
     under ``storage_path``, as kvlab's offloading connector reads them."""
-    return KVTransferConfig("OffloadingConnector", kv_connector_extra_config=dict(
-        num_cpu_blocks=num_cpu_blocks, storage_path=storage_path, num_storage_blocks=num_storage_blocks, **extra))
+    return KVTransferConfig(
+        "OffloadingConnector",
+        kv_connector_extra_config=dict(
+            num_cpu_blocks=num_cpu_blocks, storage_path=storage_path, num_storage_blocks=num_storage_blocks, **extra
+        ),
+    )
 
 
-def offload_engine(storage_path: str, *, executor: Any = None, num_blocks: int = 6, block_size: int = 4,
-                   num_cpu_blocks: int = 4, num_storage_blocks: int = 12, **extra: Any) -> LLMEngine:
+def offload_engine(
+    storage_path: str,
+    *,
+    executor: Any = None,
+    num_blocks: int = 6,
+    block_size: int = 4,
+    num_cpu_blocks: int = 4,
+    num_storage_blocks: int = 12,
+    **extra: Any,
+) -> LLMEngine:
     """An engine with a CPU tier and a disk tier behind its pool (the story's sizes)."""
     cfg = offload_config(storage_path, num_cpu_blocks=num_cpu_blocks, num_storage_blocks=num_storage_blocks, **extra)
-    return build_engine(num_blocks=num_blocks, block_size=block_size, max_num_batched_tokens=64, executor=executor,
-                        kv_transfer_config=cfg)
+    return build_engine(num_blocks=num_blocks, block_size=block_size, max_num_batched_tokens=64, executor=executor, kv_transfer_config=cfg)
 
 
 def vllm_offload_configs(cfg: KVTransferConfig, block_bytes: int, page_bytes: int | None = None) -> dict[str, dict[str, Any]]:
@@ -59,11 +70,16 @@ def vllm_offload_configs(cfg: KVTransferConfig, block_bytes: int, page_bytes: in
         tiering["secondary_tiers"] = [{"type": "fs", "root_dir": path}]
     return {
         "kvlab (this lesson)": {"kv_connector": cfg.kv_connector, "kv_role": cfg.kv_role, "kv_connector_extra_config": dict(extra)},
-        "vLLM 0.33, offloading connector": {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-                                            "kv_connector_extra_config": tiering},
-        "vLLM 0.33, simple CPU connector": {"kv_connector": "SimpleCPUOffloadConnector", "kv_role": "kv_both",
-                                            "kv_connector_extra_config": {"cpu_bytes_to_use": n_cpu * int(block_bytes),
-                                                                          "num_cpu_blocks": n_cpu}},
+        "vLLM 0.33, offloading connector": {
+            "kv_connector": "OffloadingConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": tiering,
+        },
+        "vLLM 0.33, simple CPU connector": {
+            "kv_connector": "SimpleCPUOffloadConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"cpu_bytes_to_use": n_cpu * int(block_bytes), "num_cpu_blocks": n_cpu},
+        },
     }
 
 
@@ -93,21 +109,50 @@ def offload_bench_figure(runs: Sequence[Any]) -> Any:
     from kvlab.viz.style import FONT, HIT, INK
 
     names = [r.name.strip() for r in runs]
-    fig = make_subplots(rows=1, cols=2, column_widths=[0.6, 0.4], subplot_titles=(
-        "prompt tokens served from a cache", "mean TTFT (simulated)"))
+    fig = make_subplots(
+        rows=1, cols=2, column_widths=[0.6, 0.4], subplot_titles=("prompt tokens served from a cache", "mean TTFT (simulated)")
+    )
     # Every segment is a prefix hit (kvlab's hit colour); the pattern says where it came from.
-    for label, values, shape in (("GPU pool", [r.gpu_share for r in runs], ""),
-                                 ("CPU tier", [r.share("CPU") for r in runs], "/"),
-                                 ("disk tier", [r.share("STORAGE") for r in runs], "x")):
-        fig.add_trace(go.Bar(y=names, x=values, name=label, orientation="h",
-                             marker=dict(color=HIT, line=dict(color=INK, width=1), pattern=dict(shape=shape, fgcolor=INK)),
-                             hovertemplate="%{x:.1%}<extra>" + label + "</extra>"), row=1, col=1)
-    fig.add_trace(go.Bar(y=names, x=[r.mean_ttft * 1e3 for r in runs], orientation="h",
-                         marker=dict(color="white", line=dict(color=INK, width=1)),
-                         showlegend=False, text=[f"{r.mean_ttft * 1e3:.0f} ms" for r in runs], textposition="inside",
-                         hovertemplate="%{x:.1f} ms<extra></extra>"), row=1, col=2)
-    fig.update_layout(barmode="stack", width=860, height=300, font=dict(family=FONT, size=11), margin=dict(l=10, r=10, t=40, b=30),
-                      legend=dict(orientation="h", y=-0.15, traceorder="normal"), plot_bgcolor="white")
+    for label, values, shape in (
+        ("GPU pool", [r.gpu_share for r in runs], ""),
+        ("CPU tier", [r.share("CPU") for r in runs], "/"),
+        ("disk tier", [r.share("STORAGE") for r in runs], "x"),
+    ):
+        fig.add_trace(
+            go.Bar(
+                y=names,
+                x=values,
+                name=label,
+                orientation="h",
+                marker=dict(color=HIT, line=dict(color=INK, width=1), pattern=dict(shape=shape, fgcolor=INK)),
+                hovertemplate="%{x:.1%}<extra>" + label + "</extra>",
+            ),
+            row=1,
+            col=1,
+        )
+    fig.add_trace(
+        go.Bar(
+            y=names,
+            x=[r.mean_ttft * 1e3 for r in runs],
+            orientation="h",
+            marker=dict(color="white", line=dict(color=INK, width=1)),
+            showlegend=False,
+            text=[f"{r.mean_ttft * 1e3:.0f} ms" for r in runs],
+            textposition="inside",
+            hovertemplate="%{x:.1f} ms<extra></extra>",
+        ),
+        row=1,
+        col=2,
+    )
+    fig.update_layout(
+        barmode="stack",
+        width=860,
+        height=300,
+        font=dict(family=FONT, size=11),
+        margin=dict(l=10, r=10, t=40, b=30),
+        legend=dict(orientation="h", y=-0.15, traceorder="normal"),
+        plot_bgcolor="white",
+    )
     fig.update_xaxes(tickformat=".0%", range=[0, 1], row=1, col=1)
     fig.update_yaxes(autorange="reversed")
     fig.update_yaxes(showticklabels=False, row=1, col=2)
@@ -149,8 +194,10 @@ def hook_recorder() -> tuple[Any, Any, list[str]]:
             return n, False
 
         def update_state_after_alloc(self, request, blocks, num_external_tokens):  # noqa: ANN001, ANN201
-            calls.append(f"scheduler: update_state_after_alloc({request.request_id}, blocks {blocks.get_block_ids()[0]}, "
-                         f"external {num_external_tokens})")
+            calls.append(
+                f"scheduler: update_state_after_alloc({request.request_id}, blocks {blocks.get_block_ids()[0]}, "
+                f"external {num_external_tokens})"
+            )
 
         def build_connector_meta(self, scheduler_output):  # noqa: ANN001, ANN201
             calls.append(f"scheduler: build_connector_meta(step {scheduler_output.step})")
@@ -186,15 +233,22 @@ def tiers_holding(engine: LLMEngine, request_id: str) -> str:
     for h in engine.finished[request_id].block_hashes:
         key = make_offload_key(h)
         cpu, disk = key in tiers.primary, tiers.secondary is not None and key in tiers.secondary
-        places.add({(True, True): "in the CPU tier and on disk", (False, True): "only on disk",
-                    (True, False): "only in the CPU tier", (False, False): "in neither tier"}[(cpu, disk)])
+        places.add(
+            {
+                (True, True): "in the CPU tier and on disk",
+                (False, True): "only on disk",
+                (True, False): "only in the CPU tier",
+                (False, False): "in neither tier",
+            }[(cpu, disk)]
+        )
     return places.pop() if len(places) == 1 else "split"
 
 
 def first_load(log: EventLog, request_id: str | None = None) -> KVTransfer:
     """The first load of a run (of ``request_id``, if given)."""
-    return next(e for e in log if isinstance(e, KVTransfer) and e.direction == "load"
-                and (request_id is None or e.request_id == request_id))
+    return next(
+        e for e in log if isinstance(e, KVTransfer) and e.direction == "load" and (request_id is None or e.request_id == request_id)
+    )
 
 
 def tier_files(root: str) -> list[str]:
@@ -225,8 +279,12 @@ def pd_engine(model: Any, role: str, path: str, num_blocks: int = 16, block_size
     from kvlab.worker.model_runner import ModelRunner
 
     cfg = KVTransferConfig("ExampleConnector", kv_role=role, kv_connector_extra_config={"shared_storage_path": path})
-    return build_engine(num_blocks=num_blocks, block_size=block_size, kv_transfer_config=cfg,
-                        executor=ModelRunner(model, num_blocks=num_blocks, block_size=block_size))
+    return build_engine(
+        num_blocks=num_blocks,
+        block_size=block_size,
+        kv_transfer_config=cfg,
+        executor=ModelRunner(model, num_blocks=num_blocks, block_size=block_size),
+    )
 
 
 def kv_bytes_per_token(engine: LLMEngine) -> int:
@@ -241,10 +299,12 @@ def handoff_line(prefill: LLMEngine, decode: LLMEngine, request_id: str) -> str:
     saved = next(e for e in prefill.events if isinstance(e, KVTransfer) and e.request_id == request_id)
     loaded = next(e for e in decode.events if isinstance(e, KVTransfer) and e.request_id == request_id)
     n, per_token = prefill.finished[request_id].num_prompt_tokens, kv_bytes_per_token(decode)
-    return (f"{request_id} ({n} tokens): prefill saved {saved.num_tokens} tokens ({saved.num_tokens * per_token:,} B) "
-            f"from blocks {saved.block_ids}, decode loaded {loaded.num_tokens} ({loaded.num_tokens * per_token:,} B) "
-            f"into blocks {loaded.block_ids}; first token "
-            f"{prefill.finished[request_id].output_token_ids} vs {decode.finished[request_id].output_token_ids[:1]}")
+    return (
+        f"{request_id} ({n} tokens): prefill saved {saved.num_tokens} tokens ({saved.num_tokens * per_token:,} B) "
+        f"from blocks {saved.block_ids}, decode loaded {loaded.num_tokens} ({loaded.num_tokens * per_token:,} B) "
+        f"into blocks {loaded.block_ids}; first token "
+        f"{prefill.finished[request_id].output_token_ids} vs {decode.finished[request_id].output_token_ids[:1]}"
+    )
 
 
 # vLLM 0.33's connector registry: the register_connector(name, module, class) calls at the bottom of
@@ -325,13 +385,15 @@ def vqa(cache_images: int, image_tokens: int = 64) -> tuple[int, float]:
     from kvlab.request import MultiModalFeature as MM
 
     rng = random.Random(0)
-    e = build_engine(num_blocks=256, block_size=16, max_num_batched_tokens=256,
-                     encoder_cache_size=image_tokens * cache_images, event_log=None)
+    e = build_engine(
+        num_blocks=256, block_size=16, max_num_batched_tokens=256, encoder_cache_size=image_tokens * cache_images, event_log=None
+    )
     reqs = []
     for k, img in enumerate(VQA_ORDER):
         prompt = [rng.randrange(1000) for _ in range(8)] + [9] * image_tokens + [rng.randrange(1000) for _ in range(24)]
-        reqs.append(Request(f"q{k}", prompt, max_tokens=16, arrival_time=0.05 * k,
-                            mm_features=[MM(f"img-{img}", offset=8, length=image_tokens)]))
+        reqs.append(
+            Request(f"q{k}", prompt, max_tokens=16, arrival_time=0.05 * k, mm_features=[MM(f"img-{img}", offset=8, length=image_tokens)])
+        )
     e.run_trace(reqs)
     return e.executor.num_encoder_tokens_computed, sum(e.metrics[r.request_id].ttft for r in reqs) / len(reqs)
 
@@ -342,22 +404,35 @@ def encoder_runs_figure(results: dict[int, tuple[int, float]], image_tokens: int
 
     from kvlab.viz.style import FONT, INK
 
-    return go.Figure(go.Bar(x=[f"room for {n}" for n in results], y=[enc for enc, _ in results.values()],
-                            marker=dict(color="white", line=dict(color=INK, width=1)),
-                            text=[f"{enc // image_tokens} runs" for enc, _ in results.values()], textposition="outside"),
-                     layout=dict(width=420, height=300, title=f"embeddings the encoder computed<br>({len(VQA_ORDER)} requests, "
-                                 f"{len(set(VQA_ORDER))} images)", font=dict(family=FONT),
-                                 margin=dict(l=40, r=10, t=60, b=30), yaxis=dict(title="embeddings"), plot_bgcolor="white"))
+    return go.Figure(
+        go.Bar(
+            x=[f"room for {n}" for n in results],
+            y=[enc for enc, _ in results.values()],
+            marker=dict(color="white", line=dict(color=INK, width=1)),
+            text=[f"{enc // image_tokens} runs" for enc, _ in results.values()],
+            textposition="outside",
+        ),
+        layout=dict(
+            width=420,
+            height=300,
+            title=f"embeddings the encoder computed<br>({len(VQA_ORDER)} requests, {len(set(VQA_ORDER))} images)",
+            font=dict(family=FONT),
+            margin=dict(l=40, r=10, t=60, b=30),
+            yaxis=dict(title="embeddings"),
+            plot_bgcolor="white",
+        ),
+    )
 
 
 def offload_table(runs: Sequence[Any]) -> str:
     """Lesson 12's bench table: hit rate, where the hits came from, mean and p90 TTFT per run."""
     lines = [f"{'run':30} {'hit rate':>8} {'GPU':>6} {'CPU':>6} {'disk':>6} {'TTFT mean':>9} {'p90':>8}"]
     for r in runs:
-        lines.append(f"{r.name:30} {r.hit_rate:>8.1%} {r.gpu_share:>6.1%} {r.share('CPU'):>6.1%} {r.share('STORAGE'):>6.1%} "
-                     f"{r.mean_ttft * 1e3:>7.1f}ms {r.ttft_pct(90) * 1e3:>6.1f}ms")
+        lines.append(
+            f"{r.name:30} {r.hit_rate:>8.1%} {r.gpu_share:>6.1%} {r.share('CPU'):>6.1%} {r.share('STORAGE'):>6.1%} "
+            f"{r.mean_ttft * 1e3:>7.1f}ms {r.ttft_pct(90) * 1e3:>6.1f}ms"
+        )
     return "\n".join(lines)
-
 
 
 def ec_consumer_engine(remote: Sequence[str], num_blocks: int = 32, block_size: int = 4, **scheduler_kwargs: Any) -> LLMEngine:
@@ -420,6 +495,7 @@ def ec_consumer_engine(remote: Sequence[str], num_blocks: int = 32, block_size: 
                         self.num_encoder_tokens_computed += f.length
 
     scheduler_kwargs.setdefault("max_num_batched_tokens", 32)
-    mgr = KVCacheManager(num_blocks=num_blocks, block_size=block_size, event_log=EventLog(),
-                         max_in_flight_tokens=scheduler_kwargs["max_num_batched_tokens"])
+    mgr = KVCacheManager(
+        num_blocks=num_blocks, block_size=block_size, event_log=EventLog(), max_in_flight_tokens=scheduler_kwargs["max_num_batched_tokens"]
+    )
     return LLMEngine(mgr, ECConsumerScheduler(mgr, **scheduler_kwargs), ECConsumerExecutor())

@@ -20,6 +20,7 @@ vLLM 0.33 plans a hybrid model's KV memory in ``vllm/v1/core/kv_cache_planning.p
 :func:`layout_figure` draws the result. kvlab's own model runner keeps it simpler: each
 layer gets a tensor of its own with a page for every block id.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
@@ -111,10 +112,15 @@ def plan_kv_cache_layout(layer_specs: Mapping[str, KVCacheSpec] | Sequence[KVCac
     groups, group_specs = _group_layers(unified)
     bytes_per_block = max(len(g) for g in groups) * page
     size = bytes_per_block * num_blocks
-    tensors = tuple(KVCacheTensor(size=size, layers=g, layer_stride=page * num_blocks, block_stride=page, offset=0)
-                    for g in groups)
-    return KVCacheLayoutPlan(group_layers=tuple(groups), group_specs=tuple(group_specs), num_blocks=num_blocks,
-                             page_size_bytes=page, bytes_per_block=bytes_per_block, kv_cache_tensors=tensors)
+    tensors = tuple(KVCacheTensor(size=size, layers=g, layer_stride=page * num_blocks, block_stride=page, offset=0) for g in groups)
+    return KVCacheLayoutPlan(
+        group_layers=tuple(groups),
+        group_specs=tuple(group_specs),
+        num_blocks=num_blocks,
+        page_size_bytes=page,
+        bytes_per_block=bytes_per_block,
+        kv_cache_tensors=tensors,
+    )
 
 
 def _kind(spec: KVCacheSpec) -> str:
@@ -126,8 +132,9 @@ def _kib(n: int) -> str:
     return f"{n // 1024:,} KiB" if n % 1024 == 0 else f"{n:,} B"
 
 
-def layout_figure(plan: KVCacheLayoutPlan, tables: Sequence[Sequence[int]] = (), block: int | None = None,
-                  title: str = "", width: int = 840) -> go.Figure:
+def layout_figure(
+    plan: KVCacheLayoutPlan, tables: Sequence[Sequence[int]] = (), block: int | None = None, title: str = "", width: int = 840
+) -> go.Figure:
     """The backing buffer, one row per stretch of ``num_blocks`` pages that the same layers
     view (one layer of each group), each page a cell labelled with its block id and the group
     whose table holds it (``tables``: one block table per group, e.g. a request's). ``block``:
@@ -140,11 +147,20 @@ def layout_figure(plan: KVCacheLayoutPlan, tables: Sequence[Sequence[int]] = (),
     for r, (start, _end, viewers) in enumerate(regions):
         for b in range(plan.num_blocks):
             state = "null" if b == 0 else ("in_use" if b in holder else "free")
-            shapes.append(dict(type="rect", x0=b, x1=b + 1, y0=r - 0.36, y1=r + 0.36, fillcolor=STATE_COLORS[state],
-                               line=dict(color="white", width=2), layer="below"))
+            shapes.append(
+                dict(
+                    type="rect",
+                    x0=b,
+                    x1=b + 1,
+                    y0=r - 0.36,
+                    y1=r + 0.36,
+                    fillcolor=STATE_COLORS[state],
+                    line=dict(color="white", width=2),
+                    layer="below",
+                )
+            )
             label = "∅" if b == 0 else (f"{b}<br>G{holder[b]}" if b in holder else str(b))
-            notes.append(dict(x=b + 0.5, y=r, text=label, showarrow=False,
-                              font=dict(family=FONT, size=12, color=STATE_TEXT_COLORS[state])))
+            notes.append(dict(x=b + 0.5, y=r, text=label, showarrow=False, font=dict(family=FONT, size=12, color=STATE_TEXT_COLORS[state])))
             off = start + b * plan.page_size_bytes
             who = "the null block" if b == 0 else (f"held by group {holder[b]}" if b in holder else "free")
             views = ", ".join(f"{v} (G{plan.group_of(v)}, {plan.group_specs[plan.group_of(v)].block_size} tokens)" for v in viewers)
@@ -152,25 +168,54 @@ def layout_figure(plan: KVCacheLayoutPlan, tables: Sequence[Sequence[int]] = (),
             hy.append(r)
             htext.append(f"block {b} ({who})<br>bytes {off:,} – {off + plan.page_size_bytes - 1:,}<br>viewed as: {views}")
         if block is not None:
-            shapes.append(dict(type="rect", x0=block, x1=block + 1, y0=r - 0.42, y1=r + 0.42,
-                               line=dict(color=INK, width=3), fillcolor="rgba(0,0,0,0)"))
-            notes.append(dict(x=block + 0.5, y=r + 0.42, yanchor="top", showarrow=False, text=f"byte {start + block * plan.page_size_bytes:,}",
-                              font=dict(family=FONT, size=11, color=INK), bgcolor="white"))
-    fig.add_scatter(x=hx, y=hy, mode="markers", marker=dict(opacity=0, size=30), hovertext=htext,
-                    hoverinfo="text", showlegend=False)
+            shapes.append(
+                dict(
+                    type="rect", x0=block, x1=block + 1, y0=r - 0.42, y1=r + 0.42, line=dict(color=INK, width=3), fillcolor="rgba(0,0,0,0)"
+                )
+            )
+            notes.append(
+                dict(
+                    x=block + 0.5,
+                    y=r + 0.42,
+                    yanchor="top",
+                    showarrow=False,
+                    text=f"byte {start + block * plan.page_size_bytes:,}",
+                    font=dict(family=FONT, size=11, color=INK),
+                    bgcolor="white",
+                )
+            )
+    fig.add_scatter(x=hx, y=hy, mode="markers", marker=dict(opacity=0, size=30), hovertext=htext, hoverinfo="text", showlegend=False)
+
     def viewer(v: str) -> str:
         spec = plan.group_specs[plan.group_of(v)]
         return f"{v} · G{plan.group_of(v)} {_kind(spec)}, {spec.block_size} tok"
 
     ticktext = [f"bytes {_kib(s)} – {_kib(e)}:<br>" + "<br>".join(viewer(v) for v in viewers) for s, e, viewers in regions]
     fig.update_layout(
-        title=dict(text=title, font=dict(size=14)), width=width, height=130 + 105 * len(regions),
-        margin=dict(l=215, r=15, t=45, b=55), shapes=shapes, annotations=notes, plot_bgcolor="white",
-        xaxis=dict(range=[0, plan.num_blocks], tickvals=[b + 0.5 for b in range(plan.num_blocks)],
-                   ticktext=[_kib(b * plan.page_size_bytes) for b in range(plan.num_blocks)], showgrid=False,
-                   title=f"offset of the page inside its row (one page = {plan.page_size_bytes:,} bytes)",
-                   tickfont=dict(size=10), zeroline=False),
-        yaxis=dict(tickvals=list(range(len(regions))), ticktext=ticktext, autorange="reversed", showgrid=False,
-                   range=[len(regions) - 0.4, -0.55], tickfont=dict(family=FONT, size=11), zeroline=False),
+        title=dict(text=title, font=dict(size=14)),
+        width=width,
+        height=130 + 105 * len(regions),
+        margin=dict(l=215, r=15, t=45, b=55),
+        shapes=shapes,
+        annotations=notes,
+        plot_bgcolor="white",
+        xaxis=dict(
+            range=[0, plan.num_blocks],
+            tickvals=[b + 0.5 for b in range(plan.num_blocks)],
+            ticktext=[_kib(b * plan.page_size_bytes) for b in range(plan.num_blocks)],
+            showgrid=False,
+            title=f"offset of the page inside its row (one page = {plan.page_size_bytes:,} bytes)",
+            tickfont=dict(size=10),
+            zeroline=False,
+        ),
+        yaxis=dict(
+            tickvals=list(range(len(regions))),
+            ticktext=ticktext,
+            autorange="reversed",
+            showgrid=False,
+            range=[len(regions) - 0.4, -0.55],
+            tickfont=dict(family=FONT, size=11),
+            zeroline=False,
+        ),
     )
     return fig

@@ -11,6 +11,7 @@ swaps two requests) -- and :func:`swapped_rows_run` replays lesson 02's two requ
 each request's queries then read the *other* request's blocks, and the padding zeros of the
 other row send loads into the null block.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -42,8 +43,9 @@ class SwappedRowsRunner(ModelRunner):
         return batch, meta, input_ids, positions
 
 
-def swapped_rows_run(model: TinyLlama, tokenizer: Any, prompts: dict[str, tuple[str, int]],
-                     num_blocks: int = 11, block_size: int = 4, steps: int = 2) -> EventLog:
+def swapped_rows_run(
+    model: TinyLlama, tokenizer: Any, prompts: dict[str, tuple[str, int]], num_blocks: int = 11, block_size: int = 4, steps: int = 2
+) -> EventLog:
     """Run ``prompts`` (request id -> (prompt text, max_tokens)) for ``steps`` steps on a
     fresh engine whose runner has the swapped-rows bug; the first request is added one step
     ahead of the others, as in lesson 02. Returns the event log (kernel loads traced)."""
@@ -96,6 +98,5 @@ def reads_summary(log: EventLog, step: int) -> list[str]:
             owners = [o for o in at.blocks[b].owners if o != rid]
             return "its own" if b in own else (f"{'+'.join(owners)}'s" if owners else at.blocks[b].state)
 
-        lines.append(f"{rid}: its table {own} · the kernel got {given} · loaded blocks "
-                     + ", ".join(f"{b} ({whose(b)})" for b in loaded))
+        lines.append(f"{rid}: its table {own} · the kernel got {given} · loaded blocks " + ", ".join(f"{b} ({whose(b)})" for b in loaded))
     return lines

@@ -24,6 +24,7 @@ KV-cache group with one spec for every layer (a plain full-attention model) and 
 default layer-outermost layout are covered; hybrid models (several groups sharing one page
 size) are lesson 07's subject.
 """
+
 from __future__ import annotations
 
 import math
@@ -33,8 +34,7 @@ from typing import Sequence
 from kvlab.kv_cache_interface import AttentionSpec
 from kvlab.utils.checks import check_int
 
-__all__ = ["GiB", "KVCacheConfig", "KVCacheGroupSpec", "KVCacheTensor", "get_kv_cache_config",
-           "kv_cache_budget", "requested_memory"]
+__all__ = ["GiB", "KVCacheConfig", "KVCacheGroupSpec", "KVCacheTensor", "get_kv_cache_config", "kv_cache_budget", "requested_memory"]
 
 GiB = 1 << 30
 
@@ -50,8 +50,9 @@ def requested_memory(total_bytes: int, gpu_memory_utilization: float) -> int:
     return math.ceil(total_bytes * gpu_memory_utilization)
 
 
-def kv_cache_budget(total_bytes: int, gpu_memory_utilization: float, *, weights: int, peak_activations: int,
-                    non_torch: int, cuda_graphs: int = 0) -> int:
+def kv_cache_budget(
+    total_bytes: int, gpu_memory_utilization: float, *, weights: int, peak_activations: int, non_torch: int, cuda_graphs: int = 0
+) -> int:
     """Bytes left for the KV cache: the requested share minus everything that is not KV cache.
 
     ``weights``: the model's parameters; ``peak_activations``: how far the profiling forward
@@ -60,15 +61,16 @@ def kv_cache_budget(total_bytes: int, gpu_memory_utilization: float, *, weights:
     0.33 subtracts it unless ``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0``). A budget of zero
     or less is refused, as vLLM refuses to start with "no available memory for the cache
     blocks"."""
-    parts = {"weights": weights, "peak_activations": peak_activations, "non_torch": non_torch,
-             "cuda_graphs": cuda_graphs}
+    parts = {"weights": weights, "peak_activations": peak_activations, "non_torch": non_torch, "cuda_graphs": cuda_graphs}
     for name, value in parts.items():
         check_int(name, value, 0)
     budget = requested_memory(total_bytes, gpu_memory_utilization) - sum(parts.values())
     if budget <= 0:
-        raise ValueError(f"no memory left for the KV cache: {gpu_memory_utilization} x {total_bytes:,} bytes "
-                         f"is used up by {', '.join(f'{k}={v:,}' for k, v in parts.items())}; raise "
-                         f"gpu_memory_utilization or use a GPU with more memory")
+        raise ValueError(
+            f"no memory left for the KV cache: {gpu_memory_utilization} x {total_bytes:,} bytes "
+            f"is used up by {', '.join(f'{k}={v:,}' for k, v in parts.items())}; raise "
+            f"gpu_memory_utilization or use a GPU with more memory"
+        )
     return budget
 
 
@@ -140,9 +142,11 @@ def get_kv_cache_config(layer_names: Sequence[str], spec: AttentionSpec, availab
     bytes_per_block = page * len(layers)
     num_blocks = available_memory // bytes_per_block
     if num_blocks < 2:
-        raise ValueError(f"{available_memory:,} bytes hold {num_blocks} block(s) of {bytes_per_block:,} bytes; "
-                         "a pool needs at least 2 (block 0 is the null block)")
-    tensor = KVCacheTensor(size=num_blocks * bytes_per_block, layers=layers, layer_stride=page * num_blocks,
-                           block_stride=page)
-    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=(tensor,),
-                         kv_cache_groups=(KVCacheGroupSpec(layer_names=layers, kv_cache_spec=spec),))
+        raise ValueError(
+            f"{available_memory:,} bytes hold {num_blocks} block(s) of {bytes_per_block:,} bytes; "
+            "a pool needs at least 2 (block 0 is the null block)"
+        )
+    tensor = KVCacheTensor(size=num_blocks * bytes_per_block, layers=layers, layer_stride=page * num_blocks, block_stride=page)
+    return KVCacheConfig(
+        num_blocks=num_blocks, kv_cache_tensors=(tensor,), kv_cache_groups=(KVCacheGroupSpec(layer_names=layers, kv_cache_spec=spec),)
+    )

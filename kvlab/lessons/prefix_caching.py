@@ -3,6 +3,7 @@
 It takes plain data -- per workload the requests in arrival order and each run's TTFT per
 request -- so the lesson keeps its numbers and this module keeps the plotting recipe.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
@@ -20,8 +21,18 @@ def ttft_figure(runs: Mapping[str, tuple[Sequence[str], Sequence[float], Sequenc
     fig = make_subplots(rows=1, cols=len(runs), subplot_titles=list(runs), horizontal_spacing=0.07)
     for col, (ids, off, on) in enumerate(runs.values(), start=1):
         for ttft, label, color in ((off, "caching off", OFF), (on, "caching on", ON)):
-            fig.add_scatter(x=list(range(len(ids))), y=[t * 1e3 for t in ttft], hovertext=list(ids), mode="lines+markers",
-                            name=label, line_color=color, legendgroup=label, showlegend=col == 1, row=1, col=col)
+            fig.add_scatter(
+                x=list(range(len(ids))),
+                y=[t * 1e3 for t in ttft],
+                hovertext=list(ids),
+                mode="lines+markers",
+                name=label,
+                line_color=color,
+                legendgroup=label,
+                showlegend=col == 1,
+                row=1,
+                col=col,
+            )
         fig.update_xaxes(title_text="request, in arrival order", row=1, col=col)
     fig.update_yaxes(title_text="simulated TTFT (ms)", row=1, col=1)
     fig.update_layout(width=width, height=380, margin=dict(t=60, b=50, l=60, r=20), legend=dict(orientation="h", y=1.16))

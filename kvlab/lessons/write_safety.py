@@ -25,6 +25,7 @@ that share the prompt's full blocks through the prefix cache, each writing its o
 vLLM 0.33 copies blocks only elsewhere: a prefix hit that ends inside a block on a Mamba
 hybrid (``_apply_cow``), Mamba states in "align" mode, and moves between offload tiers.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -6,6 +6,7 @@ vLLM: ``PrefixCacheStats`` in ``vllm/v1/metrics/stats.py``, ``CachingMetrics`` i
 rate in the logs is over a rolling window of the most recent ~1,000 requests -- so the two
 can disagree after the workload changes.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -44,8 +45,9 @@ class PrefixCacheStats:
 
     def copy(self) -> PrefixCacheStats:
         """An independent copy (cheap: the engine checkpoints it every step)."""
-        return PrefixCacheStats(self.reset, self.requests, self.queries, self.hits, self.preempted_requests,
-                                self.preempted_queries, self.preempted_hits)
+        return PrefixCacheStats(
+            self.reset, self.requests, self.queries, self.hits, self.preempted_requests, self.preempted_queries, self.preempted_hits
+        )
 
 
 @dataclass(slots=True)
@@ -81,8 +83,13 @@ class CachingMetrics:
 
     def copy(self) -> CachingMetrics:
         """An independent copy (cheap: the engine checkpoints it every step)."""
-        return CachingMetrics(self.max_recent_requests, self.aggregated_requests, self.aggregated_query_total,
-                              self.aggregated_query_hit, self.query_queue.copy())
+        return CachingMetrics(
+            self.max_recent_requests,
+            self.aggregated_requests,
+            self.aggregated_query_total,
+            self.aggregated_query_hit,
+            self.query_queue.copy(),
+        )
 
     @property
     def empty(self) -> bool:
@@ -123,8 +130,20 @@ class SchedulerStats:
             ("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", "", self.num_waiting_reqs),
             ("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", "", self.kv_cache_usage),
             ("vllm:num_preemptions", "counter", "Cumulative number of preemptions from the engine.", "_total", self.num_preemptions),
-            ("vllm:prefix_cache_queries", "counter", "Prefix cache queries, in terms of number of queried tokens.", "_total", self.prefix_cache_queries),
-            ("vllm:prefix_cache_hits", "counter", "Prefix cache hits, in terms of number of cached tokens.", "_total", self.prefix_cache_hits),
+            (
+                "vllm:prefix_cache_queries",
+                "counter",
+                "Prefix cache queries, in terms of number of queried tokens.",
+                "_total",
+                self.prefix_cache_queries,
+            ),
+            (
+                "vllm:prefix_cache_hits",
+                "counter",
+                "Prefix cache hits, in terms of number of cached tokens.",
+                "_total",
+                self.prefix_cache_hits,
+            ),
         ]
         out = []
         for name, typ, help_, suffix, value in rows:

@@ -16,6 +16,7 @@ clock), the **load** per replica (requests, and prefill tokens really computed) 
 router's **prediction**: how many tokens it expected each request to find cached, against
 what the replica found.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -107,20 +108,30 @@ class RoutingResult:
     def row(self) -> dict[str, Any]:
         """The table row the bench and lesson 11 print."""
         return dict(
-            trace=self.trace, policy=self.policy, hit_rate=self.hit_rate, ttft_mean=self.ttft_mean,
-            ttft_p50=self.ttft_percentile(50), ttft_p90=self.ttft_percentile(90),
-            requests_per_replica=self.requests_per_replica, prefill_per_replica=self.prefill_per_replica,
-            imbalance=self.imbalance, prediction_exact=self.prediction_exact,
+            trace=self.trace,
+            policy=self.policy,
+            hit_rate=self.hit_rate,
+            ttft_mean=self.ttft_mean,
+            ttft_p50=self.ttft_percentile(50),
+            ttft_p90=self.ttft_percentile(90),
+            requests_per_replica=self.requests_per_replica,
+            prefill_per_replica=self.prefill_per_replica,
+            imbalance=self.imbalance,
+            prediction_exact=self.prediction_exact,
         )
 
     def __repr__(self) -> str:
-        return (f"RoutingResult({self.policy} on {self.trace}: hit {self.hit_rate:.1%}, TTFT mean {self.ttft_mean * 1e3:.0f} ms, "
-                f"requests/replica {self.requests_per_replica})")
+        return (
+            f"RoutingResult({self.policy} on {self.trace}: hit {self.hit_rate:.1%}, TTFT mean {self.ttft_mean * 1e3:.0f} ms, "
+            f"requests/replica {self.requests_per_replica})"
+        )
 
 
 def format_table(results: Iterable[RoutingResult]) -> str:
     """The routing table: one line per (trace, policy)."""
-    lines = [f"{'trace':12} {'policy':20} {'hit rate':>8} {'TTFT mean':>9} {'p50':>7} {'p90':>7} {'prefill imbalance':>17}  requests per replica"]
+    lines = [
+        f"{'trace':12} {'policy':20} {'hit rate':>8} {'TTFT mean':>9} {'p50':>7} {'p90':>7} {'prefill imbalance':>17}  requests per replica"
+    ]
     for r in results:
         lines.append(
             f"{r.trace:12} {r.policy:20} {r.hit_rate:>8.1%} {r.ttft_mean * 1e3:>6.0f} ms {r.ttft_percentile(50) * 1e3:>4.0f} ms "
@@ -173,9 +184,18 @@ class Fleet:
             for name in self.names:
                 self.subscribers.append(Subscriber("tcp://127.0.0.1:0", topic=f"kv@{name}", bind=True, catch_up=True))
             specs = [
-                dict(name=name, engine=self.engine, kv_events_config=dict(
-                    enable_kv_cache_events=True, publisher="zmq", endpoint=sub.endpoint, replay_endpoint="tcp://127.0.0.1:0",
-                    topic=f"kv@{name}", buffer_steps=buffer_steps))
+                dict(
+                    name=name,
+                    engine=self.engine,
+                    kv_events_config=dict(
+                        enable_kv_cache_events=True,
+                        publisher="zmq",
+                        endpoint=sub.endpoint,
+                        replay_endpoint="tcp://127.0.0.1:0",
+                        topic=f"kv@{name}",
+                        buffer_steps=buffer_steps,
+                    ),
+                )
                 for name, sub in zip(self.names, self.subscribers)
             ]
             self.servers = KVServer.start_many(specs, start_timeout_s=start_timeout_s, env=env)
@@ -206,11 +226,14 @@ class Fleet:
                 if streams is not None:
                     streams[i].append(seq, batch)
             if (sub.last_seq if sub.last_seq is not None else -1) < target:
-                raise RuntimeError(f"{self.names[i]}: the router's stream stopped at seq {sub.last_seq}, the replica published "
-                                   f"up to {target}; the missing batches are not in its replay buffer")
+                raise RuntimeError(
+                    f"{self.names[i]}: the router's stream stopped at seq {sub.last_seq}, the replica published "
+                    f"up to {target}; the missing batches are not in its replay buffer"
+                )
 
-    def route(self, trace: Sequence[Any], policy: str | RoutingPolicy, *, name: str | None = None,
-              router_hash_algo: str | None = None) -> RoutingResult:
+    def route(
+        self, trace: Sequence[Any], policy: str | RoutingPolicy, *, name: str | None = None, router_hash_algo: str | None = None
+    ) -> RoutingResult:
         """Replay ``trace`` (arrival order) through ``policy``; return the measurements.
 
         ``router_hash_algo`` lets the router hash prompts differently from the replicas
@@ -238,8 +261,9 @@ class Fleet:
             self.servers[i].add([r])
             states[i].num_routed += 1
             states[i].load += 1
-            routed.append(RoutedRequest(r.request_id, i, float(r.arrival_time), len(r.prompt_token_ids), hit * bs,
-                                        group=getattr(r, "group", None)))
+            routed.append(
+                RoutedRequest(r.request_id, i, float(r.arrival_time), len(r.prompt_token_ids), hit * bs, group=getattr(r, "group", None))
+            )
         self._sync(states, self._broadcast("run"), streams)
         by_id = {x.request_id: x for x in routed}
         for srv in self.servers:
@@ -324,6 +348,13 @@ def standard_policies() -> list[Any]:
 
 
 __all__ = [
-    "STANDARD_ENGINE", "STANDARD_REPLICAS", "Fleet", "RoutedRequest", "RoutingResult", "compare", "format_table",
-    "standard_policies", "standard_traces",
+    "STANDARD_ENGINE",
+    "STANDARD_REPLICAS",
+    "Fleet",
+    "RoutedRequest",
+    "RoutingResult",
+    "compare",
+    "format_table",
+    "standard_policies",
+    "standard_traces",
 ]

@@ -18,6 +18,7 @@ only for that tenant), and the published form of a hash (its low 64 bits as an i
 A policy is any object with ``name`` and ``choose(request, block_hashes, replicas)``; each
 :class:`ReplicaState` is what the router knows of one replica.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -163,8 +164,20 @@ def make_policy(policy: str | RoutingPolicy) -> RoutingPolicy:
         except KeyError:
             raise ValueError(f"policy={policy!r} is unknown; choose one of {sorted(POLICIES)} or pass a policy object") from None
     if not callable(getattr(policy, "choose", None)) or not isinstance(getattr(policy, "name", None), str):
-        raise TypeError(f"policy must be a name or an object with .name and .choose(request, block_hashes, replicas), got {type(policy).__name__}")
+        raise TypeError(
+            f"policy must be a name or an object with .name and .choose(request, block_hashes, replicas), got {type(policy).__name__}"
+        )
     return policy
 
 
-__all__ = ["KVAware", "check_choice_args", "LeastLoaded", "POLICIES", "ReplicaState", "RoundRobin", "RoutingPolicy", "make_policy", "prompt_block_hashes"]
+__all__ = [
+    "KVAware",
+    "check_choice_args",
+    "LeastLoaded",
+    "POLICIES",
+    "ReplicaState",
+    "RoundRobin",
+    "RoutingPolicy",
+    "make_policy",
+    "prompt_block_hashes",
+]

@@ -13,6 +13,7 @@
 The core writes events into this package; every picture reads it and nothing else. It
 imports no view and nothing of the engine (a contract checked by ``lint-imports``).
 """
+
 from kvlab.timeline.events import Event, EventLog
 from kvlab.timeline.kv_stream import KVStream, StreamSnapshot
 from kvlab.timeline.snapshot import Snapshot

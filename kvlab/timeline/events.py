@@ -44,6 +44,7 @@ batch) is kvlab's own: the pictures need it, routers do not. vLLM's wire format 
 
 Emitting is optional (``event_log=None`` costs one ``is None`` test per operation).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -368,8 +369,7 @@ class RequestAdded(Event):
     lora_name: str | None = None
 
     def apply(self, state: ReplayState) -> None:
-        state.add_request(self.request_id, len(self.prompt_token_ids), self.priority, self.arrival_time,
-                          self.cache_salt, self.lora_name)
+        state.add_request(self.request_id, len(self.prompt_token_ids), self.priority, self.arrival_time, self.cache_salt, self.lora_name)
 
     def describe(self) -> str:
         return f"add {self.request_id} ({len(self.prompt_token_ids)} prompt tokens)"
@@ -471,8 +471,16 @@ class StepFinished(Event):
 
     kind: ClassVar[str] = "step_finished"
     METRICS: ClassVar[tuple[str, ...]] = (
-        "time", "num_running", "num_waiting", "kv_cache_usage", "num_preemptions", "prefix_cache_queries",
-        "prefix_cache_hits", "num_scheduled_tokens", "num_prefill_tokens", "num_decode_tokens",
+        "time",
+        "num_running",
+        "num_waiting",
+        "kv_cache_usage",
+        "num_preemptions",
+        "prefix_cache_queries",
+        "prefix_cache_hits",
+        "num_scheduled_tokens",
+        "num_prefill_tokens",
+        "num_decode_tokens",
     )
     num_running: int = 0
     num_waiting: int = 0
@@ -784,6 +792,7 @@ class EventLog:
                 salt = d.get("cache_salt")
                 if isinstance(salt, str):
                     d["cache_salt"] = labels.setdefault(salt, f"<salt {len(labels) + 1}>")
+
             def hide(v: Any) -> Any:  # a salt may sit inside a tagged key: ("cache_salt", salt)
                 if isinstance(v, str):
                     return labels.get(v, v)

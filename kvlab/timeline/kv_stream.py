@@ -24,6 +24,7 @@ blocks are gone, no ``BlockRemoved`` says so), ``series.restarts`` / ``StreamSna
 mark the batch, and ``runs`` lists where each run starts. Seqs increase within a run, so
 ``index_of(seq, run=...)`` looks a seq up in one run (the last by default).
 """
+
 from __future__ import annotations
 
 import operator
@@ -145,11 +146,33 @@ def _apply(
                 key = (ev.medium, ev.group_idx, h)
                 old = nodes.get(key)
                 if old is not None:
-                    nodes[key] = PrefixNode(old.block_hash, old.parent_hash, old.token_ids, old.block_size, old.medium,
-                                            old.group_idx, old.copies + 1, old.stored_seq, old.stored_ts, old.lora_name, old.extra_keys)
+                    nodes[key] = PrefixNode(
+                        old.block_hash,
+                        old.parent_hash,
+                        old.token_ids,
+                        old.block_size,
+                        old.medium,
+                        old.group_idx,
+                        old.copies + 1,
+                        old.stored_seq,
+                        old.stored_ts,
+                        old.lora_name,
+                        old.extra_keys,
+                    )
                 else:
-                    nodes[key] = PrefixNode(h, parent, toks, ev.block_size, ev.medium, ev.group_idx, 1, seq, batch.ts,
-                                            ev.lora_name, extra[i] if extra is not None and i < len(extra) else None)
+                    nodes[key] = PrefixNode(
+                        h,
+                        parent,
+                        toks,
+                        ev.block_size,
+                        ev.medium,
+                        ev.group_idx,
+                        1,
+                        seq,
+                        batch.ts,
+                        ev.lora_name,
+                        extra[i] if extra is not None and i < len(extra) else None,
+                    )
                 if collect:
                     stored.append(key)
                 parent = h
@@ -160,8 +183,19 @@ def _apply(
                 if old is None:
                     unknown += 1
                 elif old.copies > 1:
-                    nodes[key] = PrefixNode(old.block_hash, old.parent_hash, old.token_ids, old.block_size, old.medium,
-                                            old.group_idx, old.copies - 1, old.stored_seq, old.stored_ts, old.lora_name, old.extra_keys)
+                    nodes[key] = PrefixNode(
+                        old.block_hash,
+                        old.parent_hash,
+                        old.token_ids,
+                        old.block_size,
+                        old.medium,
+                        old.group_idx,
+                        old.copies - 1,
+                        old.stored_seq,
+                        old.stored_ts,
+                        old.lora_name,
+                        old.extra_keys,
+                    )
                 else:
                     del nodes[key]
                     if collect:
@@ -204,8 +238,7 @@ class KVStream:
     module doc).
     """
 
-    def __init__(self, batches: Iterable[tuple[int, KVEventBatch | bytes]] = (), *, name: str = "",
-                 checkpoint_every: int = 64) -> None:
+    def __init__(self, batches: Iterable[tuple[int, KVEventBatch | bytes]] = (), *, name: str = "", checkpoint_every: int = 64) -> None:
         checkpoint_every = check_int("checkpoint_every", checkpoint_every, 1)
         if not isinstance(name, str):
             raise TypeError(f"name must be a str, got {type(name).__name__}")
@@ -241,8 +274,10 @@ class KVStream:
         last = self.series.seq[-1] if self.series.seq else None
         restart = last is not None and seq == 0
         if last is not None and seq <= last and not restart:
-            raise ValueError(f"seq {seq} does not follow the last batch's seq {last}; a stream's seqs increase "
-                             "(seq 0 alone starts a new run: the publisher restarted)")
+            raise ValueError(
+                f"seq {seq} does not follow the last batch's seq {last}; a stream's seqs increase "
+                "(seq 0 alone starts a new run: the publisher restarted)"
+            )
         payload: bytes | None = None
         if isinstance(batch, (bytes, bytearray, memoryview)):
             payload = bytes(batch)
@@ -318,7 +353,9 @@ class KVStream:
         seqs = self.series.seq
         i = bisect.bisect_left(seqs, seq, lo, hi)
         if i == hi or seqs[i] != seq:
-            raise ValueError(f"seq {seq} is not in this stream (seqs {seqs[lo:lo + 1]}..{seqs[hi - 1:hi]}, missing {self.series.missing[-1:] or [0]})")
+            raise ValueError(
+                f"seq {seq} is not in this stream (seqs {seqs[lo : lo + 1]}..{seqs[hi - 1 : hi]}, missing {self.series.missing[-1:] or [0]})"
+            )
         return i
 
     def at(self, index: int | None = None) -> StreamSnapshot:
@@ -350,9 +387,19 @@ class KVStream:
             state.clear()
         stored, removed, cleared, _ = _apply(state, seqs[index], self._batches[index], collect=True)
         self._cursor = (index + 1, dict(state))  # a copy: the snapshot keeps `state`
-        return StreamSnapshot(index, seqs[index], self._batches[index].ts, state, tuple(dict.fromkeys(stored)),
-                              tuple(removed), cleared, self.series.missing[index], len(self._batches[index].events), self.name,
-                              restarted=restarts[index])
+        return StreamSnapshot(
+            index,
+            seqs[index],
+            self._batches[index].ts,
+            state,
+            tuple(dict.fromkeys(stored)),
+            tuple(removed),
+            cleared,
+            self.series.missing[index],
+            len(self._batches[index].events),
+            self.name,
+            restarted=restarts[index],
+        )
 
     def snapshots(self) -> Iterator[StreamSnapshot]:
         for i in range(len(self)):

@@ -16,6 +16,7 @@ The checks here are structural (one record at a time); whether the events make s
 after another (a block freed that nobody holds, a request that was never added) is
 checked when they are replayed (``ReplayState`` raises a ``ValueError`` naming the event).
 """
+
 from __future__ import annotations
 
 import dataclasses

@@ -19,6 +19,7 @@ Block states (the colours of lesson 02/04):
 * ``in_use`` -- held by one block table (ref 1);
 * ``shared`` -- held by several tables (ref > 1).
 """
+
 from __future__ import annotations
 
 import json
@@ -215,9 +216,7 @@ class Snapshot:
         for rid in self.running + self.waiting:
             r = self.requests[rid]
             tables = " | ".join(str(t) for t in r.block_table)
-            lines.append(
-                f"  {rid:>8} {r.status:<9} computed {r.num_computed_tokens:>4}/{r.num_tokens:<4} table {tables}"
-            )
+            lines.append(f"  {rid:>8} {r.status:<9} computed {r.num_computed_tokens:>4}/{r.num_tokens:<4} table {tables}")
         if self.scheduled:
             lines.append("scheduled: " + ", ".join(f"{k}:{v} ({self.scheduled_phase[k]})" for k, v in self.scheduled.items()))
         if self.preempted:
@@ -249,6 +248,7 @@ class Snapshot:
             for r in d["requests"].values():
                 if isinstance(r["cache_salt"], str):
                     r["cache_salt"] = labels.setdefault(r["cache_salt"], f"<salt {len(labels) + 1}>")
+
             def hide(v: Any) -> Any:  # a salt may sit inside a tagged key: ("cache_salt", salt)
                 if isinstance(v, str):
                     return labels.get(v, v)

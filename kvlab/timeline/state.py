@@ -18,6 +18,7 @@ Two requirements shape it:
   a handful of list copies, not a walk over every request. :meth:`snapshot` shares records
   the same way, so freezing a snapshot costs little even with a thousand requests.
 """
+
 from __future__ import annotations
 
 from bisect import insort
@@ -124,9 +125,7 @@ class ReplayState:
         try:
             event.apply(self)
         except (AssertionError, KeyError, IndexError, ValueError, TypeError, AttributeError) as e:
-            raise ValueError(
-                f"event {event.seq} ({type(event).__name__}, step {event.step}) cannot be replayed: {_says(e)}"
-            ) from None
+            raise ValueError(f"event {event.seq} ({type(event).__name__}, step {event.step}) cannot be replayed: {_says(e)}") from None
         self.step_events.append(event)
 
     def apply_all(self, events: Sequence[Event], start: int, stop: int) -> None:
@@ -363,9 +362,21 @@ class ReplayState:
         """The request's record, safe to change (copied first if a clone or snapshot shares it)."""
         v = self.requests[rid]
         if rid not in self._own_reqs:
-            v = RequestView(v.request_id, v.status, v.num_prompt_tokens, v.num_tokens, v.num_computed_tokens,
-                            v.num_output_tokens, v.num_preemptions, v.priority, v.arrival_time,
-                            [list(t) for t in v.block_table], v.cache_salt, v.lora_name, v.finish_reason)
+            v = RequestView(
+                v.request_id,
+                v.status,
+                v.num_prompt_tokens,
+                v.num_tokens,
+                v.num_computed_tokens,
+                v.num_output_tokens,
+                v.num_preemptions,
+                v.priority,
+                v.arrival_time,
+                [list(t) for t in v.block_table],
+                v.cache_salt,
+                v.lora_name,
+                v.finish_reason,
+            )
             self.requests[rid] = v
             self._own_reqs.add(rid)
         return v
@@ -384,12 +395,25 @@ class ReplayState:
         else:
             self.waiting.append(rid)
 
-    def add_request(self, rid: str, num_prompt_tokens: int, priority: int, arrival_time: float,
-                    cache_salt: str | None, lora_name: str | None) -> None:
+    def add_request(
+        self, rid: str, num_prompt_tokens: int, priority: int, arrival_time: float, cache_salt: str | None, lora_name: str | None
+    ) -> None:
         if rid in self.waiting or rid in self.running:
             raise ValueError(f"request {rid!r} is added twice while it is queued")
-        v = RequestView(rid, "waiting", num_prompt_tokens, num_prompt_tokens, 0, 0, 0, priority, arrival_time,
-                        [[] for _ in self.groups], cache_salt, lora_name)
+        v = RequestView(
+            rid,
+            "waiting",
+            num_prompt_tokens,
+            num_prompt_tokens,
+            0,
+            0,
+            0,
+            priority,
+            arrival_time,
+            [[] for _ in self.groups],
+            cache_salt,
+            lora_name,
+        )
         self.requests[rid] = v
         self._own_reqs.add(rid)
         self._status(v, "waiting")
@@ -481,8 +505,9 @@ class ReplayState:
                     tier = tiers.get(medium)
                     if tier is not None and h in tier:
                         tier[h] = tier.pop(h)
-        self.transfers.append(TransferView(e.direction, e.request_id, list(e.media), list(e.block_ids), hexes,
-                                           list(e.chunk_ids), list(e.paths), e.num_tokens))
+        self.transfers.append(
+            TransferView(e.direction, e.request_id, list(e.media), list(e.block_ids), hexes, list(e.chunk_ids), list(e.paths), e.num_tokens)
+        )
 
     def tier_remove(self, medium: str, hexes: Sequence[str]) -> None:
         tier = self.tiers.get(medium)
@@ -552,9 +577,25 @@ class ReplayState:
         c = ReplayState.__new__(ReplayState)
         for k, v in self.__dict__.items():
             setattr(c, k, v)
-        for k in ("ref", "hash", "group_of", "tokens_of", "holds", "released_by", "ever_used", "_next", "_prev",
-                  "waiting", "running", "preempted", "finished", "step_events", "transfers", "encoder_freeable",
-                  "encoder_step"):
+        for k in (
+            "ref",
+            "hash",
+            "group_of",
+            "tokens_of",
+            "holds",
+            "released_by",
+            "ever_used",
+            "_next",
+            "_prev",
+            "waiting",
+            "running",
+            "preempted",
+            "finished",
+            "step_events",
+            "transfers",
+            "encoder_freeable",
+            "encoder_step",
+        ):
             setattr(c, k, list(getattr(self, k)))
         for k in ("nodes", "requests", "_table_len", "scheduled", "phase", "metrics", "tier_capacity", "encoder_entries"):
             setattr(c, k, dict(getattr(self, k)))
@@ -579,9 +620,18 @@ class ReplayState:
                 state = SHARED if r > 1 else IN_USE
             t = tokens[bid]
             blocks.append(
-                BlockView(bid, state, r, h, [x.request_id for x in held], pos.get(bid), self.group_of[bid],
-                          list(t) if t is not None else None, self.ever_used[bid],
-                          held[-1] if held else self.released_by[bid])
+                BlockView(
+                    bid,
+                    state,
+                    r,
+                    h,
+                    [x.request_id for x in held],
+                    pos.get(bid),
+                    self.group_of[bid],
+                    list(t) if t is not None else None,
+                    self.ever_used[bid],
+                    held[-1] if held else self.released_by[bid],
+                )
             )
         return Snapshot(
             step=self.step,
@@ -605,8 +655,12 @@ class ReplayState:
             step_events=[e.describe() for e in self.step_events],
             tiers={m: TierView(m, self.tier_capacity[m], list(t.items())) for m, t in self.tiers.items()},
             transfers=list(self.transfers),
-            encoder_cache=None if self.encoder_cache_size is None else EncoderCacheView(
+            encoder_cache=None
+            if self.encoder_cache_size is None
+            else EncoderCacheView(
                 self.encoder_cache_size,
                 [EncoderEntryView(h, n, list(refs)) for h, (n, refs) in self.encoder_entries.items()],
-                list(self.encoder_freeable), list(self.encoder_step)),
+                list(self.encoder_freeable),
+                list(self.encoder_step),
+            ),
         )

@@ -17,6 +17,7 @@ first use (:meth:`Timeline.block_history`); the snapshot itself says who held a 
 A Timeline over a live ``EventLog`` follows it: every accessor first takes in the events
 appended since (``refresh()`` does it explicitly).
 """
+
 from __future__ import annotations
 
 from bisect import bisect_right
@@ -138,8 +139,9 @@ class Timeline:
         :func:`replay`); raise it to view a genuinely larger run.
     """
 
-    def __init__(self, log: EventLog | Iterable[Event], *, checkpoint_events: int = CHECKPOINT_EVENTS,
-                 max_blocks: int = MAX_BLOCKS) -> None:
+    def __init__(
+        self, log: EventLog | Iterable[Event], *, checkpoint_events: int = CHECKPOINT_EVENTS, max_blocks: int = MAX_BLOCKS
+    ) -> None:
         if not isinstance(checkpoint_events, int) or isinstance(checkpoint_events, bool) or checkpoint_events < 1:
             raise ValueError(f"checkpoint_events must be an int >= 1, got {checkpoint_events!r}")
         if isinstance(log, (str, bytes)) or not isinstance(log, Iterable):

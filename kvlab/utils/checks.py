@@ -11,6 +11,7 @@ integer scalars), except ``bool`` -- ``True`` where a count belongs is always a 
 helpers return a plain ``int``/``float``, so numpy scalars never leak into kvlab's state
 (where, for instance, they would hash differently from the ints they equal).
 """
+
 from __future__ import annotations
 
 import math

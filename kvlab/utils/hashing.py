@@ -12,6 +12,7 @@ keys when present). The encoding is injective, so the hash is still a faithful f
 of (parent, tokens, extra keys); any other object is pickled, as in vLLM. Token ids must
 fit in 32 bits (``Request`` checks).
 """
+
 from __future__ import annotations
 
 import hashlib

@@ -8,6 +8,7 @@ displayed after a still (a mime bundle that needs no kernel: plotly JSON, HTML, 
 style rule that shows exactly one of the two. Here, not in the views, because the learner's
 predictions (``kvlab.learner``) need it and may not import a view.
 """
+
 from __future__ import annotations
 
 from typing import Any

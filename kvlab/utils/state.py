@@ -7,6 +7,7 @@ every attribute, with containers copied two levels deep (a ``dict`` of ``list`` 
 tables is a new dict of new lists holding the same block objects), everything else kept
 by reference (blocks, specs, the pool: those have owners that checkpoint them).
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict, defaultdict, deque
@@ -59,8 +60,14 @@ def restore_into(obj: Any, saved: dict[str, Any], memo: dict[int, Any]) -> None:
         now = vars(cur_obj)
         for k, v in saved_attrs.items():
             cur = now.get(k)
-            if (cur is not None and type(cur) is type(v) and type(cur).__module__.startswith("kvlab.")
-                    and hasattr(cur, "__dict__") and id(cur) not in memo and id(v) not in memo):
+            if (
+                cur is not None
+                and type(cur) is type(v)
+                and type(cur).__module__.startswith("kvlab.")
+                and hasattr(cur, "__dict__")
+                and id(cur) not in memo
+                and id(v) not in memo
+            ):
                 memo[id(v)] = cur
                 pairs.append((cur, vars(v)))
                 pair(cur, vars(v))

@@ -25,6 +25,7 @@ engine, the scheduler, the runner or the scenarios (a contract checked by ``lint
 plotly is imported when the first view is built, ipywidgets when the first player is;
 kvlab's core never imports either.
 """
+
 from kvlab.viz.base import View, figure_widget_class, preload
 from kvlab.viz.block_table import BlockTableView
 from kvlab.viz.encoder_cache import EncoderCacheView

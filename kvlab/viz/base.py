@@ -9,6 +9,7 @@ Each view module also exposes a pure ``figure_data(snapshot, ...)`` function tha
 plain Python data (ids, colours, labels). The view draws exactly that data, so tests check
 the picture without a browser.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -97,9 +98,17 @@ def figure_widget_class() -> type:
             go.FigureWidget.__init__(self, *args, **kwargs)
 
         loader = type("KvlabPlotlyLoader", (anywidget.AnyWidget,), {"_esm": loader_esm, "__module__": __name__})
-        _FIGURE_WIDGET = type("KvlabFigureWidget", (go.FigureWidget,),
-                              {"_esm": figure_esm, "__module__": __name__, "__init__": __init__,
-                               "_loader_class": loader, "_build_update_params_from_batch": _complete_batch})
+        _FIGURE_WIDGET = type(
+            "KvlabFigureWidget",
+            (go.FigureWidget,),
+            {
+                "_esm": figure_esm,
+                "__module__": __name__,
+                "__init__": __init__,
+                "_loader_class": loader,
+                "_build_update_params_from_batch": _complete_batch,
+            },
+        )
     return _FIGURE_WIDGET
 
 
@@ -302,8 +311,10 @@ def selection_traces(go: Any, size: float, name: str = "selected request") -> li
     common = dict(x=[], y=[], mode="markers", hoverinfo="skip", showlegend=False, name=name)
     return [
         go.Scatter(**common, marker=dict(symbol="square-open", size=size, color=SELECT_OUTER, line=dict(width=3.5, color=SELECT_OUTER))),
-        go.Scatter(**common, marker=dict(symbol="square-open", size=max(3.0, size - 6), color=SELECT_INNER,
-                                         line=dict(width=1.5, color=SELECT_INNER))),
+        go.Scatter(
+            **common,
+            marker=dict(symbol="square-open", size=max(3.0, size - 6), color=SELECT_INNER, line=dict(width=1.5, color=SELECT_INNER)),
+        ),
     ]
 
 
@@ -369,4 +380,6 @@ def legend_rows(labels: Sequence[str], width: float, font_size: int = 10) -> int
     return -(-len(widths) // cols)
 
 
-TOP_LEGEND = dict(orientation="h", x=0.0, xanchor="left", y=1.0, yanchor="bottom", font=dict(size=10), itemclick=False, itemdoubleclick=False)
+TOP_LEGEND = dict(
+    orientation="h", x=0.0, xanchor="left", y=1.0, yanchor="bottom", font=dict(size=10), itemclick=False, itemdoubleclick=False
+)

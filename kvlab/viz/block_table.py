@@ -9,6 +9,7 @@ same thing in numbers. The tail block, if not full, shows how many of its slots 
 tokens; a null block (id 0, sliding-window padding) is drawn ∅. With several KV-cache
 groups the tables sit side by side, one column band per group.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -48,8 +49,9 @@ def _shown_columns(width: int, cap: int | None) -> list[int | None]:
     return list(range(head)) + [None] + list(range(width - tail, width))
 
 
-def figure_data(snapshot: Snapshot, selected_request: str | None = None, *, max_requests: int = 64,
-                max_columns: int | None = None) -> dict[str, Any]:
+def figure_data(
+    snapshot: Snapshot, selected_request: str | None = None, *, max_requests: int = 64, max_columns: int | None = None
+) -> dict[str, Any]:
     """The block tables as plain data.
 
     ``rows`` lists the request ids drawn (top to bottom) and ``cells`` one dict per drawn
@@ -118,8 +120,19 @@ def figure_data(snapshot: Snapshot, selected_request: str | None = None, *, max_
                         py.append(y)
                 b = snapshot.blocks[bid]
                 cells.append(
-                    dict(request_id=rid, group=g, logical=i, block_id=bid, state=state, color=STATE_COLORS[state],
-                         label="∅" if bid == 0 else str(bid), partial=partial, fill=fill, x=xx, y=y)
+                    dict(
+                        request_id=rid,
+                        group=g,
+                        logical=i,
+                        block_id=bid,
+                        state=state,
+                        color=STATE_COLORS[state],
+                        label="∅" if bid == 0 else str(bid),
+                        partial=partial,
+                        fill=fill,
+                        x=xx,
+                        y=y,
+                    )
                 )
                 if bid in selected_blocks:
                     highlight.append((rid, g, i))
@@ -130,9 +143,14 @@ def figure_data(snapshot: Snapshot, selected_request: str | None = None, *, max_
                     continue  # inside the ellipsis
                 hover = (
                     f"<b>{html_escape(rid)}</b> · {group_name(groups[g])} group · logical block {i}<br>"
-                    f"→ physical block {bid}" + (" (null: padding, never read)" if bid == 0 else "") + "<br>"
-                    + (f"tokens {i * bs}..{i * bs + bs - 1}<br>state {STATE_HELP[state]}, ref {b.ref_cnt}<br>hash {short_hash(b.block_hash)}"
-                       if bid != 0 else f"tokens {i * bs}..{i * bs + bs - 1} left the window")
+                    f"→ physical block {bid}"
+                    + (" (null: padding, never read)" if bid == 0 else "")
+                    + "<br>"
+                    + (
+                        f"tokens {i * bs}..{i * bs + bs - 1}<br>state {STATE_HELP[state]}, ref {b.ref_cnt}<br>hash {short_hash(b.block_hash)}"
+                        if bid != 0
+                        else f"tokens {i * bs}..{i * bs + bs - 1} left the window"
+                    )
                     + (f"<br>partial: {fill} of {bs} slots hold tokens" if partial else "")
                 )
                 z[y][xx] = STATE_INDEX[state]
@@ -141,7 +159,9 @@ def figure_data(snapshot: Snapshot, selected_request: str | None = None, *, max_
             for j, li in enumerate(shown[g]):
                 if li is None and len(table) > (shown[g][j - 1] or 0) + 1:
                     text[y][offsets[g] + j] = "…"
-                    custom[y][offsets[g] + j] = f"<b>{rid}</b>: logical blocks {shown[g][j - 1] + 1}..{shown[g][j + 1] - 1} not drawn (hover the pool)"
+                    custom[y][offsets[g] + j] = (
+                        f"<b>{rid}</b>: logical blocks {shown[g][j - 1] + 1}..{shown[g][j + 1] - 1} not drawn (hover the pool)"
+                    )
     row_labels = []
     for rid in order:
         r = snapshot.requests[rid]
@@ -189,8 +209,15 @@ class BlockTableView(View):
     name = "table"
     title = "Block tables"
 
-    def __init__(self, timeline: Timeline | None = None, *, decode: Callable[[int], str] | None = None, width: int = 482,
-                 height: int = 330, max_requests: int | None = None) -> None:
+    def __init__(
+        self,
+        timeline: Timeline | None = None,
+        *,
+        decode: Callable[[int], str] | None = None,
+        width: int = 482,
+        height: int = 330,
+        max_requests: int | None = None,
+    ) -> None:
         super().__init__(timeline, decode=decode, width=width, height=height)
         # Room for the title, the column axis, the legend and the "more" line.
         fit = max(1, int((height - 150) // ROW_PX))
@@ -198,14 +225,19 @@ class BlockTableView(View):
         self.max_columns = max(MIN_COLUMNS, int((width - 150) // COLUMN_PX))
         go = _go()
         fig = self.figure
-        fig.add_trace(
-            state_heatmap(go, name="tables", ygap=3, showlegend=False)
-        )
+        fig.add_trace(state_heatmap(go, name="tables", ygap=3, showlegend=False))
         for tr in selection_traces(go, 24):
             fig.add_trace(tr)
         fig.add_trace(
-            go.Scatter(x=[], y=[], mode="markers", name="partial tail",
-                       marker=dict(symbol="triangle-right", size=8, color="#222222"), hoverinfo="skip", showlegend=True)
+            go.Scatter(
+                x=[],
+                y=[],
+                mode="markers",
+                name="partial tail",
+                marker=dict(symbol="triangle-right", size=8, color="#222222"),
+                hoverinfo="skip",
+                showlegend=True,
+            )
         )
         for tr in legend_traces(go, STATE_COLORS, STATE_LABELS, ("in_use", "shared", "null")):
             fig.add_trace(tr)
@@ -213,8 +245,15 @@ class BlockTableView(View):
             showlegend=True,
             legend=dict(TOP_LEGEND, y=0, yanchor="top"),
             # Column labels on top, right above the tables (small tables leave room below).
-            xaxis=dict(side="top", showgrid=False, zeroline=False, fixedrange=True, tickfont=dict(size=9), autorange=False,
-                       title=dict(text="logical block index (cell: physical block id)", font=dict(size=10), standoff=2)),
+            xaxis=dict(
+                side="top",
+                showgrid=False,
+                zeroline=False,
+                fixedrange=True,
+                tickfont=dict(size=9),
+                autorange=False,
+                title=dict(text="logical block index (cell: physical block id)", font=dict(size=10), standoff=2),
+            ),
             yaxis=dict(autorange=False, range=[0.5, -0.5], showgrid=False, zeroline=False, fixedrange=True, automargin=True),
             margin=dict(l=10, r=10, t=80, b=44),
         )
@@ -258,6 +297,18 @@ class BlockTableView(View):
             if not d["rows"]:
                 notes.append(dict(text="no running or waiting request", showarrow=False, xref="paper", yref="paper", x=0.5, y=0.5))
             if d["more"]:
-                notes.append(dict(text=html_escape(d["more"]), showarrow=False, xref="paper", yref="paper", x=0, y=0,
-                                  xanchor="left", yanchor="top", yshift=-22, font=dict(size=10, color="#444444")))
+                notes.append(
+                    dict(
+                        text=html_escape(d["more"]),
+                        showarrow=False,
+                        xref="paper",
+                        yref="paper",
+                        x=0,
+                        y=0,
+                        xanchor="left",
+                        yanchor="top",
+                        yshift=-22,
+                        font=dict(size=10, color="#444444"),
+                    )
+                )
             self._put("notes", fig.layout, "annotations", notes)

@@ -6,6 +6,7 @@ sky blue once nobody does -- still cached, and evicted oldest first when room is
 and grey for the free room. Below it, the step's decisions: which items the encoder ran
 ("encode"), which a request found cached by hash ("reuse").
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -30,14 +31,21 @@ def figure_data(snapshot: Snapshot) -> dict[str, Any]:
     order = {h: i for i, h in enumerate(ec.freeable)}
     for e in ec.entries:
         status = "referenced" if e.requests else "freeable"
-        segments.append(dict(mm_hash=e.mm_hash, start=at, length=e.num_embeds, status=status, requests=list(e.requests),
-                             evict_rank=order.get(e.mm_hash)))
+        segments.append(
+            dict(
+                mm_hash=e.mm_hash, start=at, length=e.num_embeds, status=status, requests=list(e.requests), evict_rank=order.get(e.mm_hash)
+            )
+        )
         at += e.num_embeds
     if at < ec.cache_size:
         segments.append(dict(mm_hash="", start=at, length=ec.cache_size - at, status="free", requests=[], evict_rank=None))
     decisions = [f"{'encode' if computed else 'reuse'} {h} for {rid}" for rid, h, computed in ec.scheduled]
-    return dict(segments=segments, decisions=decisions, cache_size=ec.cache_size,
-                title=f"Encoder cache · step {snapshot.step} · {ec.num_used}/{ec.cache_size} embeddings")
+    return dict(
+        segments=segments,
+        decisions=decisions,
+        cache_size=ec.cache_size,
+        title=f"Encoder cache · step {snapshot.step} · {ec.num_used}/{ec.cache_size} embeddings",
+    )
 
 
 class EncoderCacheView(View):
@@ -50,13 +58,31 @@ class EncoderCacheView(View):
         super().__init__(timeline, decode=decode, width=width, height=height)
         go = _go()
         fig = self.figure
-        fig.add_trace(go.Bar(x=[], y=[], base=[], orientation="h", marker=dict(color=[], line=dict(color="white", width=2)),
-                             text=[], textposition="inside", insidetextanchor="middle", hovertext=[],
-                             hovertemplate="%{hovertext}<extra></extra>", showlegend=False))
+        fig.add_trace(
+            go.Bar(
+                x=[],
+                y=[],
+                base=[],
+                orientation="h",
+                marker=dict(color=[], line=dict(color="white", width=2)),
+                text=[],
+                textposition="inside",
+                insidetextanchor="middle",
+                hovertext=[],
+                hovertemplate="%{hovertext}<extra></extra>",
+                showlegend=False,
+            )
+        )
         for tr in legend_traces(go, ENCODER_COLORS, ENCODER_LABELS, ("referenced", "freeable", "free")):
             fig.add_trace(tr)
-        fig.update_layout(showlegend=True, legend=TOP_LEGEND, barmode="overlay", yaxis=dict(visible=False, fixedrange=True),
-                          xaxis=dict(title="embeddings", fixedrange=True), margin=dict(l=12, r=12, t=50, b=80))
+        fig.update_layout(
+            showlegend=True,
+            legend=TOP_LEGEND,
+            barmode="overlay",
+            yaxis=dict(visible=False, fixedrange=True),
+            xaxis=dict(title="embeddings", fixedrange=True),
+            margin=dict(l=12, r=12, t=50, b=80),
+        )
 
     def update(self, snapshot: Snapshot, selected_request: str | None = None) -> None:
         d = figure_data(snapshot)
@@ -70,13 +96,38 @@ class EncoderCacheView(View):
             self._put("base", bar, "base", [s["start"] for s in segs], "num")
             self._put("color", bar.marker, "color", [ENCODER_COLORS[s["status"]] for s in segs], "str")
             self._put("text", bar, "text", [s["mm_hash"] for s in segs], "str")
-            self._put("hover", bar, "hovertext", [
-                html_escape(f"{s['mm_hash'] or 'free'}: {s['length']} embeddings, "
-                            + (f"needed by {', '.join(s['requests'])}" if s["requests"] else ENCODER_LABELS[s["status"]]))
-                for s in segs], "str")
+            self._put(
+                "hover",
+                bar,
+                "hovertext",
+                [
+                    html_escape(
+                        f"{s['mm_hash'] or 'free'}: {s['length']} embeddings, "
+                        + (f"needed by {', '.join(s['requests'])}" if s["requests"] else ENCODER_LABELS[s["status"]])
+                    )
+                    for s in segs
+                ],
+                "str",
+            )
             self._put("xr", fig.layout.xaxis, "range", [0, max(1, d["cache_size"])])
             self._header(d["title"], [ENCODER_LABELS[k] for k in ("referenced", "freeable", "free")])
             note = "; ".join(d["decisions"]) or "no encoder work this step"
-            self._put("notes", fig.layout, "annotations", [dict(text=html_escape(note), x=0, y=0, xref="paper", yref="paper",
-                                                              xanchor="left", yanchor="top", yshift=-36, showarrow=False,
-                                                              font=dict(size=10))])
+            self._put(
+                "notes",
+                fig.layout,
+                "annotations",
+                [
+                    dict(
+                        text=html_escape(note),
+                        x=0,
+                        y=0,
+                        xref="paper",
+                        yref="paper",
+                        xanchor="left",
+                        yanchor="top",
+                        yshift=-36,
+                        showarrow=False,
+                        font=dict(size=10),
+                    )
+                ],
+            )

@@ -17,6 +17,7 @@ A :class:`~kvlab.viz.stream.StreamPlayer` (a KV-event stream, live or recorded) 
 same way, its batches standing for steps: the prefix forest and the series at every batch,
 each batch's status line and its events.
 """
+
 from __future__ import annotations
 
 import html
@@ -58,12 +59,14 @@ def frames(player: Player, steps: list[int]) -> dict[str, Any]:
         if isinstance(obj, list) and obj:
             flat = obj if not isinstance(obj[0], list) else [x for row in obj for x in row]
             if flat and all(isinstance(x, str) for x in flat):
+
                 def idx(x: str) -> int:
                     i = s_index.get(x)
                     if i is None:
                         i = s_index[x] = len(strings)
                         strings.append(x)
                     return i
+
                 if isinstance(obj[0], list):
                     return {"__s": [[idx(x) for x in row] for row in obj]}
                 return {"__s": [idx(x) for x in obj]}
@@ -146,9 +149,10 @@ class _StreamFrames:
             notes.append("the publisher restarted: a new run, from an empty cache")
         if snap.cleared:
             notes.append("AllBlocksCleared")
-        self._status.value = (f"<b>batch {index}</b> · seq {snap.seq} · {snap.num_blocks} blocks cached · "
-                              f"{s.stored_blocks[index]} stored · {s.removed_blocks[index]} removed"
-                              + "".join(f" · {html.escape(x)}" for x in notes))
+        self._status.value = (
+            f"<b>batch {index}</b> · seq {snap.seq} · {snap.num_blocks} blocks cached · "
+            f"{s.stored_blocks[index]} stored · {s.removed_blocks[index]} removed" + "".join(f" · {html.escape(x)}" for x in notes)
+        )
         events = self._batches[index].events
         rows = [f"<li>{html.escape(_describe(e))}</li>" for e in events[:MAX_LISTED_EVENTS]]
         if len(events) > MAX_LISTED_EVENTS:
@@ -249,8 +253,13 @@ def write_html(player: Player | StreamPlayer, path: str | Path, *, max_steps: in
             steps.append(s)
     steps.sort()
     data = frames(player, steps)
-    data.update(views=list(player.views), config=dict(PLOTLY_CONFIG), interval=900, unit=getattr(player, "unit", "step"),
-                start=steps.index(player.step) if player.step in steps else 0)
+    data.update(
+        views=list(player.views),
+        config=dict(PLOTLY_CONFIG),
+        interval=900,
+        unit=getattr(player, "unit", "step"),
+        start=steps.index(player.step) if player.step in steps else 0,
+    )
     title = html.escape(player._name)
     desc = f"<div class='kv-desc'>{html.escape(player.description)}</div>" if player.description else ""
     jump = ""

@@ -10,6 +10,7 @@ it had there (``req0[3]``), which makes that order visible. For a block two requ
 shared, that is the one that let go of it *last* -- its release is what put the block on
 the queue (``BlockView.last_holder``, kept by the data layer).
 """
+
 from __future__ import annotations
 
 import math
@@ -67,7 +68,11 @@ def figure_data(
         custom[y][x] = (
             f"<b>position {pos}</b> of {len(q)} (0 = evicted next)<br>block {bid} · {STATE_HELP[b.state]}<br>"
             f"hash {short_hash(b.block_hash)}<br>"
-            + (f"last held by {html_escape(owner[0])} as logical block {owner[2]} (group {owner[1]})" if owner else "never held by a request")
+            + (
+                f"last held by {html_escape(owner[0])} as logical block {owner[2]} (group {owner[1]})"
+                if owner
+                else "never held by a request"
+            )
         )
         cells.append(dict(position=pos, block_id=bid, state=b.state, color=STATE_COLORS[b.state], label=label, last_owner=owner, x=x, y=y))
         if owner is not None and owner[0] == selected_request:
@@ -96,8 +101,15 @@ class FreeQueueView(View):
     name = "free"
     title = "Free queue"
 
-    def __init__(self, timeline: Timeline | None = None, *, num_blocks: int | None = None, decode: Callable[[int], str] | None = None,
-                 width: int = 482, height: int | None = None) -> None:
+    def __init__(
+        self,
+        timeline: Timeline | None = None,
+        *,
+        num_blocks: int | None = None,
+        decode: Callable[[int], str] | None = None,
+        width: int = 482,
+        height: int | None = None,
+    ) -> None:
         n = num_blocks or (timeline.at(timeline.first_step).num_blocks if timeline is not None else 16)
         # Up to 128 blocks the cells stay big enough for their labels (>= 26 px: a few
         # rows); bigger pools wrap at 32 or 64 cells per row.
@@ -112,10 +124,17 @@ class FreeQueueView(View):
         fig = self.figure
         fig.add_trace(
             go.Heatmap(
-                z=[[None]], zmin=-0.5, zmax=len(BLOCK_STATES) - 0.5,
+                z=[[None]],
+                zmin=-0.5,
+                zmax=len(BLOCK_STATES) - 0.5,
                 colorscale=discrete_colorscale([STATE_COLORS[s] for s in BLOCK_STATES]),
-                showscale=False, xgap=2, ygap=2, texttemplate="%{text}", textfont=dict(size=11),
-                hovertemplate="%{customdata}<extra></extra>", name="free queue",
+                showscale=False,
+                xgap=2,
+                ygap=2,
+                texttemplate="%{text}",
+                textfont=dict(size=11),
+                hovertemplate="%{customdata}<extra></extra>",
+                name="free queue",
             )
         )
         for tr in selection_traces(go, 20, name="held last by the selected request"):
@@ -149,9 +168,33 @@ class FreeQueueView(View):
             self._put("yr", fig.layout.yaxis, "range", [max(self.max_rows, rows) - 0.5, -0.5])
             self._header(d["title"], [STATE_LABELS[FREE], STATE_LABELS[CACHED]])
             notes = [
-                dict(text="◀ evicted next", x=0, y=0, xref="paper", yref="paper", xanchor="left", yanchor="top", yshift=-4, showarrow=False, font=dict(size=10)),
-                dict(text="evicted last ▶", x=1, y=0, xref="paper", yref="paper", xanchor="right", yanchor="top", yshift=-4, showarrow=False, font=dict(size=10)),
+                dict(
+                    text="◀ evicted next",
+                    x=0,
+                    y=0,
+                    xref="paper",
+                    yref="paper",
+                    xanchor="left",
+                    yanchor="top",
+                    yshift=-4,
+                    showarrow=False,
+                    font=dict(size=10),
+                ),
+                dict(
+                    text="evicted last ▶",
+                    x=1,
+                    y=0,
+                    xref="paper",
+                    yref="paper",
+                    xanchor="right",
+                    yanchor="top",
+                    yshift=-4,
+                    showarrow=False,
+                    font=dict(size=10),
+                ),
             ]
             if not n:
-                notes.append(dict(text="empty: every block is held by a request", x=0.5, y=0.7, xref="paper", yref="paper", showarrow=False))
+                notes.append(
+                    dict(text="empty: every block is held by a request", x=0.5, y=0.7, xref="paper", yref="paper", showarrow=False)
+                )
             self._put("notes", fig.layout, "annotations", notes)

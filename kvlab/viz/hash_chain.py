@@ -13,6 +13,7 @@ at the first miss; nothing after a miss can be used, even if it is cached.
 The layout is a small "tidy tree" computed here: leaves get consecutive rows, a parent
 sits halfway between its first and last child.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -38,8 +39,15 @@ _NODE_STATES = (CACHED, IN_USE, SHARED)
 MAX_TEXT_NODES = 300  # beyond this, labels live in the hover text only
 MAX_TIPS = 16  # request names drawn at the end of their chains
 MIN_LABEL_ROW_PX = 34  # rows closer than this (two label lines, above and below) get labels only on the walk and the selection
-LEGEND_LABELS = ("parent evicted", STATE_LABELS[CACHED], STATE_LABELS[IN_USE], STATE_LABELS[SHARED], "lookup walk (hits)",
-                 "first miss", "×2 one key, two blocks")
+LEGEND_LABELS = (
+    "parent evicted",
+    STATE_LABELS[CACHED],
+    STATE_LABELS[IN_USE],
+    STATE_LABELS[SHARED],
+    "lookup walk (hits)",
+    "first miss",
+    "×2 one key, two blocks",
+)
 
 
 def _layout(snapshot: Snapshot) -> tuple[dict[str, int], dict[str, float], list[tuple[str, str]], set[str]]:
@@ -225,52 +233,124 @@ class HashChainView(View):
     name = "hash"
     title = "Hash chains"
 
-    def __init__(self, timeline: Timeline | None = None, *, decode: Callable[[int], str] | None = None, width: int = 482, height: int = 330) -> None:
+    def __init__(
+        self, timeline: Timeline | None = None, *, decode: Callable[[int], str] | None = None, width: int = 482, height: int = 330
+    ) -> None:
         super().__init__(timeline, decode=decode, width=width, height=height)
         go = _go()
         fig = self.figure
         # 0 edges, 1 the lookup walk, 2 duplicate shadows, 3 hashes, 4 first miss, 5 parent
         # evicted, 6-7 the selection mark, then legend-only traces.
-        fig.add_trace(go.Scatter(x=[], y=[], mode="lines", line=dict(color="#9a9a9a", width=1.5), hoverinfo="skip", name="edges", showlegend=False))
-        fig.add_trace(go.Scatter(x=[], y=[], mode="lines", line=dict(color=WALK, width=4), hoverinfo="skip", name="lookup walk", showlegend=False))
-        fig.add_trace(go.Scatter(x=[], y=[], mode="markers", hoverinfo="skip", name="duplicates", showlegend=False,
-                                 marker=dict(size=15, symbol="square", cmin=-0.5, cmax=len(_NODE_STATES) - 0.5,
-                                             colorscale=discrete_colorscale([STATE_COLORS[s] for s in _NODE_STATES]),
-                                             line=dict(width=1.5, color="#333333"))))
+        fig.add_trace(
+            go.Scatter(x=[], y=[], mode="lines", line=dict(color="#9a9a9a", width=1.5), hoverinfo="skip", name="edges", showlegend=False)
+        )
+        fig.add_trace(
+            go.Scatter(x=[], y=[], mode="lines", line=dict(color=WALK, width=4), hoverinfo="skip", name="lookup walk", showlegend=False)
+        )
         fig.add_trace(
             go.Scatter(
-                x=[], y=[], mode="markers+text", name="hashes", textposition="bottom center", showlegend=False,
-                textfont=dict(size=10), hovertemplate="%{hovertext}<extra></extra>", cliponaxis=False,
-                # Colours as numbers on a discrete scale: plotly validates a list of colour
-                # *strings* one regex at a time, which dominated the redraw of big forests.
-                marker=dict(size=15, symbol="square", cmin=-0.5, cmax=len(_NODE_STATES) - 0.5,
-                            colorscale=discrete_colorscale([STATE_COLORS[s] for s in _NODE_STATES]),
-                            line=dict(width=1, color="#555555")),
+                x=[],
+                y=[],
+                mode="markers",
+                hoverinfo="skip",
+                name="duplicates",
+                showlegend=False,
+                marker=dict(
+                    size=15,
+                    symbol="square",
+                    cmin=-0.5,
+                    cmax=len(_NODE_STATES) - 0.5,
+                    colorscale=discrete_colorscale([STATE_COLORS[s] for s in _NODE_STATES]),
+                    line=dict(width=1.5, color="#333333"),
+                ),
             )
         )
         fig.add_trace(
-            go.Scatter(x=[], y=[], mode="markers+text", name="first miss", text=[], textposition="bottom center", showlegend=False,
-                       marker=dict(symbol="x-thin-open", size=16, line=dict(width=3, color=MISS), color=MISS),
-                       textfont=dict(size=10, color=MISS), hovertemplate="%{hovertext}<extra></extra>", cliponaxis=False)
+            go.Scatter(
+                x=[],
+                y=[],
+                mode="markers+text",
+                name="hashes",
+                textposition="bottom center",
+                showlegend=False,
+                textfont=dict(size=10),
+                hovertemplate="%{hovertext}<extra></extra>",
+                cliponaxis=False,
+                # Colours as numbers on a discrete scale: plotly validates a list of colour
+                # *strings* one regex at a time, which dominated the redraw of big forests.
+                marker=dict(
+                    size=15,
+                    symbol="square",
+                    cmin=-0.5,
+                    cmax=len(_NODE_STATES) - 0.5,
+                    colorscale=discrete_colorscale([STATE_COLORS[s] for s in _NODE_STATES]),
+                    line=dict(width=1, color="#555555"),
+                ),
+            )
         )
         fig.add_trace(
-            go.Scatter(x=[], y=[], mode="markers", name="parent evicted", hoverinfo="skip",
-                       marker=dict(symbol="diamond-open", size=22, color="#777777", line=dict(width=1.5, color="#777777")))
+            go.Scatter(
+                x=[],
+                y=[],
+                mode="markers+text",
+                name="first miss",
+                text=[],
+                textposition="bottom center",
+                showlegend=False,
+                marker=dict(symbol="x-thin-open", size=16, line=dict(width=3, color=MISS), color=MISS),
+                textfont=dict(size=10, color=MISS),
+                hovertemplate="%{hovertext}<extra></extra>",
+                cliponaxis=False,
+            )
+        )
+        fig.add_trace(
+            go.Scatter(
+                x=[],
+                y=[],
+                mode="markers",
+                name="parent evicted",
+                hoverinfo="skip",
+                marker=dict(symbol="diamond-open", size=22, color="#777777", line=dict(width=1.5, color="#777777")),
+            )
         )
         for tr in selection_traces(go, 22):
             fig.add_trace(tr)
         for tr in legend_traces(go, STATE_COLORS, STATE_LABELS, (CACHED, IN_USE, SHARED)):
             fig.add_trace(tr)
-        fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines", name="lookup walk (hits)", line=dict(color=WALK, width=4), hoverinfo="skip"))
-        fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name="first miss",
-                                 marker=dict(symbol="x-thin-open", size=11, color=MISS, line=dict(width=3, color=MISS)), hoverinfo="skip"))
-        fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name="×2 one key, two blocks",
-                                 marker=dict(symbol="square", size=11, color="white", line=dict(width=1.5, color="#333333")), hoverinfo="skip"))
+        fig.add_trace(
+            go.Scatter(x=[None], y=[None], mode="lines", name="lookup walk (hits)", line=dict(color=WALK, width=4), hoverinfo="skip")
+        )
+        fig.add_trace(
+            go.Scatter(
+                x=[None],
+                y=[None],
+                mode="markers",
+                name="first miss",
+                marker=dict(symbol="x-thin-open", size=11, color=MISS, line=dict(width=3, color=MISS)),
+                hoverinfo="skip",
+            )
+        )
+        fig.add_trace(
+            go.Scatter(
+                x=[None],
+                y=[None],
+                mode="markers",
+                name="×2 one key, two blocks",
+                marker=dict(symbol="square", size=11, color="white", line=dict(width=1.5, color="#333333")),
+                hoverinfo="skip",
+            )
+        )
         fig.update_layout(
             showlegend=True,
             legend=TOP_LEGEND,
-            xaxis=dict(title=dict(text="block position in the prefix", font=dict(size=10), standoff=2), dtick=1,
-                       zeroline=False, showgrid=False, fixedrange=True, autorange=False),
+            xaxis=dict(
+                title=dict(text="block position in the prefix", font=dict(size=10), standoff=2),
+                dtick=1,
+                zeroline=False,
+                showgrid=False,
+                fixedrange=True,
+                autorange=False,
+            ),
             yaxis=dict(visible=False, autorange=False, fixedrange=True),
             margin=dict(l=16, r=16, t=80, b=36),
         )
@@ -355,7 +435,15 @@ class HashChainView(View):
                 keep = {selected_request, lk["request_id"]}
                 tips = [t for t in tips if keep & set(t[0].split(", "))]
             notes = [
-                dict(x=x, y=y, text=f"◀ {html_escape(names)}", xanchor="left", xshift=12, showarrow=False, font=dict(size=10, color="#444444"))
+                dict(
+                    x=x,
+                    y=y,
+                    text=f"◀ {html_escape(names)}",
+                    xanchor="left",
+                    xshift=12,
+                    showarrow=False,
+                    font=dict(size=10, color="#444444"),
+                )
                 for names, x, y in tips
             ]
             if not nodes and not gx:

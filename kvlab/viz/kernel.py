@@ -20,6 +20,7 @@ block table makes the kernel read). The subtitle states the verdict: how many sl
 loaded, and that block 0 and the out-of-window slots were never read. Without a trace (the
 simulated executor, a GPU) the picture is the table's arithmetic and says so.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -101,8 +102,19 @@ def figure_data(
     """
     bs = snapshot.block_size
     rid = pick_request(snapshot, selected_request, batch)
-    out: dict[str, Any] = dict(request_id=rid, source=None, position=None, query_positions=[], groups=[], rows=[], z=[],
-                               text=[], customdata=[], row_labels=[], marks={k: ([], []) for k in MARK_LABELS})
+    out: dict[str, Any] = dict(
+        request_id=rid,
+        source=None,
+        position=None,
+        query_positions=[],
+        groups=[],
+        rows=[],
+        z=[],
+        text=[],
+        customdata=[],
+        row_labels=[],
+        marks={k: ([], []) for k in MARK_LABELS},
+    )
     if rid is None:
         out["title"] = f"Attention read · step {snapshot.step} · no request holds K/V"
         out["subtitle"] = ""
@@ -174,8 +186,7 @@ def figure_data(
                 cells.append((pos, slot, state))
                 loaded.append(got)
             gt = given[g] if g < len(given) else []
-            group_rows.append(dict(group=g, logical=li, block_id=bid, cells=cells, loaded=loaded,
-                                   given=gt[li] if li < len(gt) else None))
+            group_rows.append(dict(group=g, logical=li, block_id=bid, cells=cells, loaded=loaded, given=gt[li] if li < len(gt) else None))
         stray: list[int] = []
         unexpected: list[int] = []
         missed: list[int] = []
@@ -187,17 +198,29 @@ def figure_data(
             for bid in stray:
                 st = state_snap.blocks[bid].state if bid < len(state_snap.blocks) else "free"
                 cells = [(None, bid * bs + off, f"block:{st}") for off in range(bs)]
-                group_rows.append(dict(group=g, logical=None, block_id=bid, cells=cells,
-                                       loaded=[bid * bs + off in seen for off in range(bs)], given=None))
+                group_rows.append(
+                    dict(group=g, logical=None, block_id=bid, cells=cells, loaded=[bid * bs + off in seen for off in range(bs)], given=None)
+                )
         out["rows"].extend(group_rows)
         gname = group_name(group_specs[g]) if g < len(group_specs) else f"group {g}"
         out["groups"].append(
-            dict(name=gname, window=w, table=table, given_table=given[g] if g < len(given) else [],
-                 read_blocks=read_blocks, read_slots=read_slots,
-                 query_slot=(table[p // bs] * bs + p % bs) if p // bs < len(table) and table[p // bs] != 0 else None,
-                 first_read=first_read, observed_slots=sorted(seen) if seen is not None else None,
-                 missed=missed, unexpected=unexpected, stray_blocks=stray, null_loads=null_loads,
-                 outside_window_loads=outside_loads, past_end_loads=past_end_loads)
+            dict(
+                name=gname,
+                window=w,
+                table=table,
+                given_table=given[g] if g < len(given) else [],
+                read_blocks=read_blocks,
+                read_slots=read_slots,
+                query_slot=(table[p // bs] * bs + p % bs) if p // bs < len(table) and table[p // bs] != 0 else None,
+                first_read=first_read,
+                observed_slots=sorted(seen) if seen is not None else None,
+                missed=missed,
+                unexpected=unexpected,
+                stray_blocks=stray,
+                null_loads=null_loads,
+                outside_window_loads=outside_loads,
+                past_end_loads=past_end_loads,
+            )
         )
     _rows_to_arrays(out, state_snap, bs, len(manager) > 1, max_rows)
     queries = f"query at position {p}" if q_len == 1 else f"{q_len} queries, positions {q0}–{p}"
@@ -232,8 +255,11 @@ def _verdict(out: dict[str, Any], source: str) -> str:
             if gr["missed"]:
                 bad.append(f"{len(gr['missed'])} expected slots not loaded")
             parts.append(f"{label}{n} slots loaded: " + ", ".join(bad))
-    how = {"traced": "traced kernel loads", "attention_batch": "from the AttentionBatch (loads not traced)",
-           "block_table": "derived from the block table (no kernel in this run)"}[source]
+    how = {
+        "traced": "traced kernel loads",
+        "attention_batch": "from the AttentionBatch (loads not traced)",
+        "block_table": "derived from the block table (no kernel in this run)",
+    }[source]
     return " · ".join(parts) + f" · {how}"
 
 
@@ -269,8 +295,10 @@ def _rows_to_arrays(out: dict[str, Any], snap: Snapshot, bs: int, several_groups
             for off in range(bs):
                 zrow.append(_KIDX["read"])
                 trow.append("")
-                crow.append(f"logical blocks {run[0]['logical']}..{run[-1]['logical']} → blocks {blocks}<br>every slot read"
-                            + (" and loaded (traced)" if traced else ""))
+                crow.append(
+                    f"logical blocks {run[0]['logical']}..{run[-1]['logical']} → blocks {blocks}<br>every slot read"
+                    + (" and loaded (traced)" if traced else "")
+                )
                 if traced:
                     marks["loaded"][0].append(off + 0.3)
                     marks["loaded"][1].append(y - 0.22)
@@ -288,15 +316,27 @@ def _rows_to_arrays(out: dict[str, Any], snap: Snapshot, bs: int, several_groups
                 out["row_labels"].append(f"{prefix}L{li} → {'∅' if bid == 0 else bid}{also}")
             for off, ((pos, slot, state), got) in enumerate(zip(r["cells"], r["loaded"])):
                 zrow.append(_KIDX[state])
-                trow.append("q" if state == "query" else "×" if state == "outside_window" else "" if slot is None or state == "unwritten" else str(slot))
+                trow.append(
+                    "q"
+                    if state == "query"
+                    else "×"
+                    if state == "outside_window"
+                    else ""
+                    if slot is None or state == "unwritten"
+                    else str(slot)
+                )
                 if li is None:
                     st = state.split(":", 1)[1]
-                    hover = (f"block {bid}, offset {off}: slot {slot}<br><b>not in this request's table</b><br>"
-                             f"block state: {STATE_HELP.get(st, st)}")
+                    hover = (
+                        f"block {bid}, offset {off}: slot {slot}<br><b>not in this request's table</b><br>"
+                        f"block state: {STATE_HELP.get(st, st)}"
+                    )
                 else:
-                    hover = (f"position {pos} → block {bid} (logical {li}), offset {off}<br>"
-                             + (f"slot {bid} × {bs} + {off} = {slot}" if slot is not None else "null block: no slot")
-                             + f"<br>{KERNEL_LABELS[state]}")
+                    hover = (
+                        f"position {pos} → block {bid} (logical {li}), offset {off}<br>"
+                        + (f"slot {bid} × {bs} + {off} = {slot}" if slot is not None else "null block: no slot")
+                        + f"<br>{KERNEL_LABELS[state]}"
+                    )
                 expected = state in ("read", "query")
                 if got is not None:
                     hover += "<br>traced: " + ("loaded" if got else "not loaded")
@@ -317,15 +357,28 @@ class KernelView(View):
     name = "kernel"
     title = "Attention read"
 
-    def __init__(self, timeline: Timeline | None = None, *, decode: Callable[[int], str] | None = None, width: int = 482, height: int = 330) -> None:
+    def __init__(
+        self, timeline: Timeline | None = None, *, decode: Callable[[int], str] | None = None, width: int = 482, height: int = 330
+    ) -> None:
         super().__init__(timeline, decode=decode, width=width, height=height)
         self._at_batch: tuple[int, Snapshot] | None = None
         go = _go()
         fig = self.figure
         fig.add_trace(
-            go.Heatmap(z=[[None]], zmin=-0.5, zmax=len(_CATEGORIES) - 0.5, colorscale=discrete_colorscale(_COLORS),
-                       showscale=False, xgap=1, ygap=3, texttemplate="%{text}", textfont=dict(size=8),
-                       hovertemplate="%{customdata}<extra></extra>", name="slots", showlegend=False)
+            go.Heatmap(
+                z=[[None]],
+                zmin=-0.5,
+                zmax=len(_CATEGORIES) - 0.5,
+                colorscale=discrete_colorscale(_COLORS),
+                showscale=False,
+                xgap=1,
+                ygap=3,
+                texttemplate="%{text}",
+                textfont=dict(size=8),
+                hovertemplate="%{customdata}<extra></extra>",
+                name="slots",
+                showlegend=False,
+            )
         )
         marks = {
             "loaded": dict(symbol="circle", size=5, color=INK, line=dict(width=1, color="white")),
@@ -343,8 +396,14 @@ class KernelView(View):
         fig.update_layout(
             showlegend=True,
             legend=dict(TOP_LEGEND, font=dict(size=9)),
-            xaxis=dict(title=dict(text="offset in block (slot = block × block_size + offset)", font=dict(size=10), standoff=2),
-                       fixedrange=True, showgrid=False, zeroline=False, side="bottom", autorange=False),
+            xaxis=dict(
+                title=dict(text="offset in block (slot = block × block_size + offset)", font=dict(size=10), standoff=2),
+                fixedrange=True,
+                showgrid=False,
+                zeroline=False,
+                side="bottom",
+                autorange=False,
+            ),
             yaxis=dict(fixedrange=True, showgrid=False, zeroline=False, automargin=True, autorange=False),
             margin=dict(l=10, r=10, t=86, b=36),
         )

@@ -10,6 +10,7 @@ served from here (copied back to the GPU). The hover names the slot and, for a l
 the request and the GPU block it went to. Below the strips, the step's transfers in words
 ("load 2 block(s) disk → GPU [4, 3] for A2"): which tier served each hit.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -21,10 +22,8 @@ from kvlab.viz.style import CACHED, FREE, INK, STATE_COLORS, discrete_colorscale
 
 TIER_STATUS = ("free", "resident", "stored", "loaded")
 # A tier holds prefix-cache entries: every entry is "cached" (sky blue); the step's events are marks.
-TIER_COLORS = {"free": STATE_COLORS[FREE], "resident": STATE_COLORS[CACHED], "stored": STATE_COLORS[CACHED],
-               "loaded": STATE_COLORS[CACHED]}
-TIER_LABELS = {"free": "empty slot", "resident": "cached in the tier", "stored": "+ stored this step",
-               "loaded": "loaded this step (a hit)"}
+TIER_COLORS = {"free": STATE_COLORS[FREE], "resident": STATE_COLORS[CACHED], "stored": STATE_COLORS[CACHED], "loaded": STATE_COLORS[CACHED]}
+TIER_LABELS = {"free": "empty slot", "resident": "cached in the tier", "stored": "+ stored this step", "loaded": "loaded this step (a hit)"}
 TIER_NAMES = {"CPU": "CPU", "STORAGE": "disk"}
 MAX_COLUMNS = 32
 
@@ -76,17 +75,28 @@ def figure_data(snapshot: Snapshot, *, max_columns: int = MAX_COLUMNS) -> dict[s
             zr[i] = TIER_STATUS.index(c["status"])
             tr[i] = ("+" if c["status"] == "stored" else "") + short_hash(c["hash"])[:4]
             to = f"<br>loaded into GPU block {c['to'][1]} for {c['to'][0]}" if c["to"] else ""
-            hr[i] = (f"<b>{r['name']}</b> LRU position {i} (0 = evicted next)<br>hash {short_hash(c['hash'])} · slot "
-                     f"{c['slot']}<br>{TIER_LABELS[c['status']]}{to}")
+            hr[i] = (
+                f"<b>{r['name']}</b> LRU position {i} (0 = evicted next)<br>hash {short_hash(c['hash'])} · slot "
+                f"{c['slot']}<br>{TIER_LABELS[c['status']]}{to}"
+            )
         z.append(zr)
         text.append(tr)
         hover.append(hr)
     used = ", ".join(f"{r['name']} {len(r['cells'])}/{r['capacity']}" for r in rows)
     frame_x = [c["lru_position"] for r in rows for c in r["cells"][:cols] if c["status"] == "loaded"]
     frame_y = [r["name"] for r in rows for c in r["cells"][:cols] if c["status"] == "loaded"]
-    return dict(rows=rows, z=z, text=text, hover=hover, columns=cols, transfers=lines, served=served,
-                loaded_x=frame_x, loaded_y=frame_y,
-                title=f"Offload tiers · step {snapshot.step} · {used or 'none'}")
+    return dict(
+        rows=rows,
+        z=z,
+        text=text,
+        hover=hover,
+        columns=cols,
+        transfers=lines,
+        served=served,
+        loaded_x=frame_x,
+        loaded_y=frame_y,
+        title=f"Offload tiers · step {snapshot.step} · {used or 'none'}",
+    )
 
 
 class TiersView(View):
@@ -99,18 +109,41 @@ class TiersView(View):
         super().__init__(timeline, decode=decode, width=width, height=height)
         go = _go()
         fig = self.figure
-        fig.add_trace(go.Heatmap(z=[[None]], zmin=-0.5, zmax=len(TIER_STATUS) - 0.5,
-                                 colorscale=discrete_colorscale([TIER_COLORS[s] for s in TIER_STATUS]), showscale=False,
-                                 xgap=2, ygap=6, texttemplate="%{text}", textfont=dict(size=9),
-                                 hovertemplate="%{customdata}<extra></extra>", name="tiers"))
+        fig.add_trace(
+            go.Heatmap(
+                z=[[None]],
+                zmin=-0.5,
+                zmax=len(TIER_STATUS) - 0.5,
+                colorscale=discrete_colorscale([TIER_COLORS[s] for s in TIER_STATUS]),
+                showscale=False,
+                xgap=2,
+                ygap=6,
+                texttemplate="%{text}",
+                textfont=dict(size=9),
+                hovertemplate="%{customdata}<extra></extra>",
+                name="tiers",
+            )
+        )
         fig.data[0].showlegend = False
-        fig.add_trace(go.Scatter(x=[], y=[], mode="markers", name=TIER_LABELS["loaded"], hoverinfo="skip",
-                                 marker=dict(symbol="square-open", size=22, color=INK, line=dict(width=3, color=INK))))
+        fig.add_trace(
+            go.Scatter(
+                x=[],
+                y=[],
+                mode="markers",
+                name=TIER_LABELS["loaded"],
+                hoverinfo="skip",
+                marker=dict(symbol="square-open", size=22, color=INK, line=dict(width=3, color=INK)),
+            )
+        )
         for tr in legend_traces(go, TIER_COLORS, TIER_LABELS, ("resident", "free")):
             fig.add_trace(tr)
-        fig.update_layout(showlegend=True, legend=TOP_LEGEND, xaxis=dict(visible=False, fixedrange=True),
-                          yaxis=dict(fixedrange=True, autorange="reversed", tickfont=dict(size=11)),
-                          margin=dict(l=48, r=10, t=50, b=70))
+        fig.update_layout(
+            showlegend=True,
+            legend=TOP_LEGEND,
+            xaxis=dict(visible=False, fixedrange=True),
+            yaxis=dict(fixedrange=True, autorange="reversed", tickfont=dict(size=11)),
+            margin=dict(l=48, r=10, t=50, b=70),
+        )
 
     def update(self, snapshot: Snapshot, selected_request: str | None = None) -> None:
         d = figure_data(snapshot)
@@ -129,8 +162,35 @@ class TiersView(View):
             self._put("fy", fig.data[1], "y", d["loaded_y"], "str")
             self._header(d["title"] + "  (+ = stored this step)", [TIER_LABELS[s] for s in ("loaded", "resident", "free")])
             note = "<br>".join(d["transfers"][:4]) or "no transfers this step"
-            self._put("notes", fig.layout, "annotations", [
-                dict(text="◀ evicted next", x=0, y=0, xref="paper", yref="paper", xanchor="left", yanchor="top", yshift=-2,
-                     showarrow=False, font=dict(size=10)),
-                dict(text=note, x=0, y=0, xref="paper", yref="paper", xanchor="left", yanchor="top", yshift=-18,
-                     showarrow=False, align="left", font=dict(size=10))])
+            self._put(
+                "notes",
+                fig.layout,
+                "annotations",
+                [
+                    dict(
+                        text="◀ evicted next",
+                        x=0,
+                        y=0,
+                        xref="paper",
+                        yref="paper",
+                        xanchor="left",
+                        yanchor="top",
+                        yshift=-2,
+                        showarrow=False,
+                        font=dict(size=10),
+                    ),
+                    dict(
+                        text=note,
+                        x=0,
+                        y=0,
+                        xref="paper",
+                        yref="paper",
+                        xanchor="left",
+                        yanchor="top",
+                        yshift=-18,
+                        showarrow=False,
+                        align="left",
+                        font=dict(size=10),
+                    ),
+                ],
+            )

@@ -21,6 +21,7 @@ to the first step, is hidden), and "Run step" runs one engine step *and shows it
 to the widget it always leaves a still picture of the same step (:mod:`kvlab.viz.still`),
 so a lesson saved or opened without a kernel shows the pictures, not an error.
 """
+
 from __future__ import annotations
 
 import time
@@ -307,26 +308,39 @@ class Player:
         desc = self.description
         self._name = name
         self._title = w.HTML(
-            PLAYER_STYLE + f"<div style='font-family:{FONT}'><b style='font-size:14px'>{html_escape(name)}</b>"
-            + (f"<div style='font-size:12px;color:#444;white-space:normal;max-width:{width - 10}px'>{html_escape(desc)}</div>" if desc else "")
+            PLAYER_STYLE
+            + f"<div style='font-family:{FONT}'><b style='font-size:14px'>{html_escape(name)}</b>"
+            + (
+                f"<div style='font-size:12px;color:#444;white-space:normal;max-width:{width - 10}px'>{html_escape(desc)}</div>"
+                if desc
+                else ""
+            )
             + "</div>"
         )
         bl = w.Layout(width="auto")
         self.back_button = w.Button(description="◀ Back", tooltip="previous step", layout=bl)
         self.step_button = w.Button(description="Step ▶", tooltip="next step", layout=bl)
         self.play = w.Play(value=lo, min=lo, max=hi, step=1, interval=interval_ms, description="play", show_repeat=False)
-        self.slider = w.IntSlider(value=lo, min=lo, max=hi, step=1, description="step", continuous_update=False, layout=w.Layout(width="360px"))
+        self.slider = w.IntSlider(
+            value=lo, min=lo, max=hi, step=1, description="step", continuous_update=False, layout=w.Layout(width="360px")
+        )
         w.jslink((self.play, "value"), (self.slider, "value"))
         # "" stands for "nothing selected": a None value leaves an ipywidgets Dropdown blank.
-        self.request_dropdown = w.Dropdown(options=self._request_options(), value="", description="request",
-                                           layout=w.Layout(width="210px"), style={"description_width": "56px"})
+        self.request_dropdown = w.Dropdown(
+            options=self._request_options(),
+            value="",
+            description="request",
+            layout=w.Layout(width="210px"),
+            style={"description_width": "56px"},
+        )
         controls: list[Any] = [self.back_button, self.play, self.step_button, self.slider]
         second: list[Any] = [self.request_dropdown]
         self.jump_dropdown = None
         if self.named_steps:
             opts = [("—", -1)] + [(f"{k} (step {v})", v) for k, v in self.named_steps.items()]
-            self.jump_dropdown = w.Dropdown(options=opts, value=-1, description="jump to", layout=w.Layout(width="300px"),
-                                            style={"description_width": "56px"})
+            self.jump_dropdown = w.Dropdown(
+                options=opts, value=-1, description="jump to", layout=w.Layout(width="300px"), style={"description_width": "56px"}
+            )
             second.append(self.jump_dropdown)
             self.jump_dropdown.observe(self._on_jump, names="value")
         self.run_button = None
@@ -343,8 +357,11 @@ class Player:
         figs = [v.widget for v in self.views.values()]
         grid = w.GridBox(
             figs,
-            layout=w.Layout(grid_template_columns="repeat(2, max-content)" if len(figs) > 1 else "max-content",
-                            grid_gap="4px 8px", align_items="flex-start"),
+            layout=w.Layout(
+                grid_template_columns="repeat(2, max-content)" if len(figs) > 1 else "max-content",
+                grid_gap="4px 8px",
+                align_items="flex-start",
+            ),
         )
         row = w.Layout(flex_flow="row wrap", align_items="center")
         self.widget = w.VBox(
@@ -416,7 +433,11 @@ class Player:
         if names:
             texts = [f"<b>{html_escape(k)}</b>" + (f": {html_escape(self.notes[k])}" if k in self.notes else "") for k in names]
             note = " · ".join(texts)
-        self._status.value = f"<div style='font-family:{FONT};font-size:12px;min-height:16px'>step {self._step} of {self.last_step}" + (f" — {note}" if note else "") + "</div>"
+        self._status.value = (
+            f"<div style='font-family:{FONT};font-size:12px;min-height:16px'>step {self._step} of {self.last_step}"
+            + (f" — {note}" if note else "")
+            + "</div>"
+        )
         self.last_render_ms = (time.perf_counter() - t0) * 1000.0
 
     # -- display -----------------------------------------------------------------------------
@@ -425,8 +446,7 @@ class Player:
         stays in a saved notebook (see :mod:`kvlab.viz.still`)."""
         names = [k for k, s in self.named_steps.items() if s == self._step]
         header = player_header(self._name, self._step, self.last_step, " · ".join(names))
-        return compose([v.still() for v in self.views.values()], columns=2 if len(self.views) > 1 else 1,
-                       header=header, header_px=34)
+        return compose([v.still() for v in self.views.values()], columns=2 if len(self.views) > 1 else 1, header=header, header_px=34)
 
     def _repr_mimebundle_(self, **kwargs: Any) -> Any:
         bundle = self.widget._repr_mimebundle_(**kwargs)
@@ -444,8 +464,13 @@ class Player:
         import plotly.io as pio
 
         fig = json.loads(pio.to_json(self.still(), validate=False))
-        display_with_still(self.widget, {"application/vnd.plotly.v1+json": {**fig, "config": {"displayModeBar": False}},
-                                         "text/plain": f"(a still picture of the player at step {self._step})"})
+        display_with_still(
+            self.widget,
+            {
+                "application/vnd.plotly.v1+json": {**fig, "config": {"displayModeBar": False}},
+                "text/plain": f"(a still picture of the player at step {self._step})",
+            },
+        )
 
     def __repr__(self) -> str:
         mode = "live" if self.live else "replay"

@@ -9,6 +9,7 @@ from eviction.
 One heatmap draws all the blocks (a 2,000-block pool is one trace with 2,000 cells, not
 2,000 traces); the legend entries and the selection outline are separate small traces.
 """
+
 from __future__ import annotations
 
 import math
@@ -133,7 +134,6 @@ def figure_data(
     )
 
 
-
 def state_heatmap(go: Any, *, name: str, ygap: int, **kwargs: Any) -> Any:
     """One heatmap whose cells are coloured by block state (the pool and the block tables
     share it, so a state has the same colour in both). ``z`` holds ``STATE_INDEX`` values;
@@ -152,6 +152,7 @@ def state_heatmap(go: Any, *, name: str, ygap: int, **kwargs: Any) -> Any:
         name=name,
         **kwargs,
     )
+
 
 class PoolView(View):
     """The block pool as a grid: colour = state, label = ref count, hover = the details."""
@@ -178,9 +179,7 @@ class PoolView(View):
         super().__init__(timeline, decode=decode, width=width, height=height)
         go = _go()
         fig = self.figure
-        fig.add_trace(
-            state_heatmap(go, name="blocks", ygap=2)
-        )
+        fig.add_trace(state_heatmap(go, name="blocks", ygap=2))
         for tr in selection_traces(go, max(6.0, self.cell_px - 5)):
             fig.add_trace(tr)
         for tr in legend_traces(go, STATE_COLORS, STATE_LABELS, BLOCK_STATES):

@@ -17,6 +17,7 @@ are roots with a dashed stub to their left.
 ``figure_data(snapshot, probe=...)`` returns all of it as plain data (tests read it); the
 view draws exactly that.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -42,7 +43,9 @@ def short(h: Any) -> str:
     return bytes(h).hex()[:8]
 
 
-def _layout(nodes: dict[NodeKey, PrefixNode]) -> tuple[dict[NodeKey, int], dict[NodeKey, float], list[tuple[NodeKey, NodeKey]], set[NodeKey]]:
+def _layout(
+    nodes: dict[NodeKey, PrefixNode],
+) -> tuple[dict[NodeKey, int], dict[NodeKey, float], list[tuple[NodeKey, NodeKey]], set[NodeKey]]:
     """Tidy tree: leaves on consecutive rows, a parent halfway between its first and last
     child; roots (and orphans) in the order they were stored."""
     children: dict[NodeKey | None, list[NodeKey]] = {}
@@ -139,12 +142,24 @@ def figure_data(
     hit_set = set(hits)
     nodes_out = []
     for k, n in live.items():
-        nodes_out.append(dict(
-            key=k, hash=n.block_hash, parent=n.parent_hash, depth=depth[k], row=row[k],
-            label=render_tokens(list(n.token_ids), decode, max_label_chars), tokens=list(n.token_ids), copies=n.copies,
-            stored=k in stored, orphan=k in orphans, stored_seq=n.stored_seq, lora_name=n.lora_name, extra_keys=n.extra_keys,
-            probe="hit" if k in hit_set else ("miss" if k == miss else None),
-        ))
+        nodes_out.append(
+            dict(
+                key=k,
+                hash=n.block_hash,
+                parent=n.parent_hash,
+                depth=depth[k],
+                row=row[k],
+                label=render_tokens(list(n.token_ids), decode, max_label_chars),
+                tokens=list(n.token_ids),
+                copies=n.copies,
+                stored=k in stored,
+                orphan=k in orphans,
+                stored_seq=n.stored_seq,
+                lora_name=n.lora_name,
+                extra_keys=n.extra_keys,
+                probe="hit" if k in hit_set else ("miss" if k == miss else None),
+            )
+        )
     removed = [dict(key=k, hash=n.block_hash, depth=depth[k], row=row[k]) for k, n in ghosts.items()]
     edges_out = [(p[2], c[2]) for p, c in edges if p in live and c in live]
     ex: list[float | None] = []
@@ -156,8 +171,9 @@ def figure_data(
     leaves = {k for k in live} - {p for p, _ in edges}
     seq = "—" if snapshot.seq is None else str(snapshot.seq)
     who = f"{snapshot.name} · " if snapshot.name else ""
-    title = (f"{who}cached prefixes after batch seq {seq} · {len(live)} blocks in {len(leaves)} chains"
-             + (f" ({hidden} older not drawn)" if hidden else ""))
+    title = f"{who}cached prefixes after batch seq {seq} · {len(live)} blocks in {len(leaves)} chains" + (
+        f" ({hidden} older not drawn)" if hidden else ""
+    )
     changes = []
     if snapshot.cleared:
         changes.append("AllBlocksCleared")
@@ -171,10 +187,19 @@ def figure_data(
     if probe is not None:
         summary += f" · probe: {len(hits)} of {len(probe)} blocks cached" + (" then the first miss" if miss is not None else "")
     return dict(
-        nodes=nodes_out, edges=edges_out, edge_x=ex, edge_y=ey, removed=removed,
+        nodes=nodes_out,
+        edges=edges_out,
+        edge_x=ex,
+        edge_y=ey,
+        removed=removed,
         probe=dict(hits=[k[2] for k in hits], miss=None if miss is None else miss[2], num_hit_blocks=len(hits), ghost=ghost),
-        counts=dict(blocks=len(live), chains=len(leaves), stored=len(stored), removed=len(ghosts), orphans=len(orphans & set(live)), hidden=hidden),
-        max_depth=max(depth.values(), default=0), num_rows=max(row.values(), default=0.0) + 1, title=title, summary=summary,
+        counts=dict(
+            blocks=len(live), chains=len(leaves), stored=len(stored), removed=len(ghosts), orphans=len(orphans & set(live)), hidden=hidden
+        ),
+        max_depth=max(depth.values(), default=0),
+        num_rows=max(row.values(), default=0.0) + 1,
+        title=title,
+        summary=summary,
     )
 
 
@@ -185,30 +210,78 @@ class PrefixIndexView(View):
     name = "prefixes"
     title = "Cached prefixes (from the KV-event stream)"
 
-    def __init__(self, *, decode: Callable[[int], str] | None = None, width: int = 760, height: int = 380,
-                 group_idx: int | None = 0, medium: str | None = "GPU") -> None:
+    def __init__(
+        self,
+        *,
+        decode: Callable[[int], str] | None = None,
+        width: int = 760,
+        height: int = 380,
+        group_idx: int | None = 0,
+        medium: str | None = "GPU",
+    ) -> None:
         super().__init__(None, decode=decode, width=width, height=height)
         self.group_idx = group_idx
         self.medium = medium
         go = _go()
         fig = self.figure
         fig.add_trace(go.Scatter(x=[], y=[], mode="lines", line=dict(color="#9a9a9a", width=1.2), hoverinfo="skip", showlegend=False))
-        fig.add_trace(go.Scatter(x=[], y=[], mode="lines", line=dict(color="#9a9a9a", width=1.2, dash="dot"), hoverinfo="skip", showlegend=False))
-        fig.add_trace(go.Scatter(
-            x=[], y=[], mode="markers+text", name=LEGEND[0], textposition="bottom center", textfont=dict(size=9),
-            hovertemplate="%{hovertext}<extra></extra>", cliponaxis=False,
-            marker=dict(size=12, symbol="square", color=CACHED_COLOR, line=dict(width=1, color="#555555"))))
-        fig.add_trace(go.Scatter(x=[], y=[], mode="markers", name=LEGEND[1], hoverinfo="skip",
-                                 marker=dict(size=15, symbol="square-open", color=STORED_RING, line=dict(width=2.5, color=STORED_RING))))
-        fig.add_trace(go.Scatter(x=[], y=[], mode="markers", name=LEGEND[2], hovertemplate="%{hovertext}<extra></extra>",
-                                 marker=dict(size=12, symbol="x-thin-open", color=REMOVED, line=dict(width=2.5, color=REMOVED))))
+        fig.add_trace(
+            go.Scatter(x=[], y=[], mode="lines", line=dict(color="#9a9a9a", width=1.2, dash="dot"), hoverinfo="skip", showlegend=False)
+        )
+        fig.add_trace(
+            go.Scatter(
+                x=[],
+                y=[],
+                mode="markers+text",
+                name=LEGEND[0],
+                textposition="bottom center",
+                textfont=dict(size=9),
+                hovertemplate="%{hovertext}<extra></extra>",
+                cliponaxis=False,
+                marker=dict(size=12, symbol="square", color=CACHED_COLOR, line=dict(width=1, color="#555555")),
+            )
+        )
+        fig.add_trace(
+            go.Scatter(
+                x=[],
+                y=[],
+                mode="markers",
+                name=LEGEND[1],
+                hoverinfo="skip",
+                marker=dict(size=15, symbol="square-open", color=STORED_RING, line=dict(width=2.5, color=STORED_RING)),
+            )
+        )
+        fig.add_trace(
+            go.Scatter(
+                x=[],
+                y=[],
+                mode="markers",
+                name=LEGEND[2],
+                hovertemplate="%{hovertext}<extra></extra>",
+                marker=dict(size=12, symbol="x-thin-open", color=REMOVED, line=dict(width=2.5, color=REMOVED)),
+            )
+        )
         fig.add_trace(go.Scatter(x=[], y=[], mode="lines", name=LEGEND[3], hoverinfo="skip", line=dict(color=WALK, width=4)))
-        fig.add_trace(go.Scatter(x=[], y=[], mode="markers", name=LEGEND[4], hovertemplate="%{hovertext}<extra></extra>",
-                                 marker=dict(size=16, symbol="x-thin-open", color=MISS, line=dict(width=3.5, color=MISS))))
+        fig.add_trace(
+            go.Scatter(
+                x=[],
+                y=[],
+                mode="markers",
+                name=LEGEND[4],
+                hovertemplate="%{hovertext}<extra></extra>",
+                marker=dict(size=16, symbol="x-thin-open", color=MISS, line=dict(width=3.5, color=MISS)),
+            )
+        )
         fig.update_layout(
-            showlegend=True, legend=TOP_LEGEND,
-            xaxis=dict(title=dict(text="block position in the prefix", font=dict(size=10), standoff=2), zeroline=False,
-                       showgrid=False, fixedrange=True, autorange=False),
+            showlegend=True,
+            legend=TOP_LEGEND,
+            xaxis=dict(
+                title=dict(text="block position in the prefix", font=dict(size=10), standoff=2),
+                zeroline=False,
+                showgrid=False,
+                fixedrange=True,
+                autorange=False,
+            ),
             yaxis=dict(visible=False, autorange=False, fixedrange=True),
             margin=dict(l=16, r=16, t=80, b=36),
         )
@@ -223,8 +296,10 @@ class PrefixIndexView(View):
             extra = f"<br>copies: {n['copies']}" if n["copies"] > 1 else ""
             if n["orphan"]:
                 extra += "<br>its parent is not in the stream (evicted first, or stored before we joined)"
-            hover.append(f"<b>{short(n['hash'])}</b> ← parent {short(n['parent'])}<br>tokens "
-                         f"{html_escape(render_tokens(n['tokens'], self.decode, 48))}<br>stored in batch seq {n['stored_seq']}{extra}")
+            hover.append(
+                f"<b>{short(n['hash'])}</b> ← parent {short(n['parent'])}<br>tokens "
+                f"{html_escape(render_tokens(n['tokens'], self.decode, 48))}<br>stored in batch seq {n['stored_seq']}{extra}"
+            )
         orph = [n for n in nodes if n["orphan"]]
         sx: list[float | None] = []
         sy: list[float | None] = []
@@ -265,7 +340,9 @@ class PrefixIndexView(View):
             ymin = min([-0.6] + ([pg[1] - 0.5] if pg else []))
             put("xr", fig.layout.xaxis, "range", [-0.8, max(d["max_depth"], pg[0] if pg else 0) + 0.8])
             put("yr", fig.layout.yaxis, "range", [max(d["num_rows"], 2) - 0.3, ymin])
-            notes = [] if nodes else [dict(text="no cached block in the stream yet", showarrow=False, xref="paper", yref="paper", x=0.5, y=0.5)]
+            notes = (
+                [] if nodes else [dict(text="no cached block in the stream yet", showarrow=False, xref="paper", yref="paper", x=0.5, y=0.5)]
+            )
             put("notes", fig.layout, "annotations", notes)
             self._header(d["title"], LEGEND, subtitle=html_escape(d["summary"]))
 

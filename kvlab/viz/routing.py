@@ -6,6 +6,7 @@ replicas.
 hit_rate, ttft_mean, ttft_p90, prefill_per_replica, ...) -- the view never sees the fleet,
 the router or a socket -- and ``routing_figure(rows)`` draws them.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
@@ -47,8 +48,11 @@ def figure_data(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         work = list(r["prefill_per_replica"])
         total = sum(work) or 1
         cells[(t, p)] = dict(
-            hit_rate=100 * float(r["hit_rate"]), ttft_mean_ms=1e3 * float(r["ttft_mean"]), ttft_p90_ms=1e3 * float(r["ttft_p90"]),
-            prefill_share=[100 * w / total for w in work], imbalance=float(r["imbalance"]),
+            hit_rate=100 * float(r["hit_rate"]),
+            ttft_mean_ms=1e3 * float(r["ttft_mean"]),
+            ttft_p90_ms=1e3 * float(r["ttft_p90"]),
+            prefill_share=[100 * w / total for w in work],
+            imbalance=float(r["imbalance"]),
         )
     others: list[str] = []
     colors = {p: policy_color(p, others) for p in policies}
@@ -62,8 +66,12 @@ def routing_figure(rows: Sequence[Mapping[str, Any]], *, width: int = 980, heigh
 
     go = _go()
     d = figure_data(rows)
-    fig = make_subplots(rows=1, cols=3, horizontal_spacing=0.08,
-                        subplot_titles=("prefix-cache hit rate (%)", "simulated TTFT (ms): mean, ◆ p90", "prefill work per replica (%)"))
+    fig = make_subplots(
+        rows=1,
+        cols=3,
+        horizontal_spacing=0.08,
+        subplot_titles=("prefix-cache hit rate (%)", "simulated TTFT (ms): mean, ◆ p90", "prefill work per replica (%)"),
+    )
     # Panels 1-2: numeric x, each policy at its own offset inside its trace's slot, so a p90
     # marker sits exactly on its mean bar.
     n_pol = max(1, len(d["policies"]))
@@ -73,13 +81,49 @@ def routing_figure(rows: Sequence[Mapping[str, Any]], *, width: int = 980, heigh
         ts = [i for i, t in enumerate(d["traces"]) if (t, p) in d["cells"]]
         xs = [i - 0.4 + width_each * (j + 0.5) for i in ts]
         cell = [d["cells"][(d["traces"][i], p)] for i in ts]
-        fig.add_trace(go.Bar(x=xs, y=[v["hit_rate"] for v in cell], width=width_each * 0.95, name=p, marker_color=c, legendgroup=p,
-                             text=[f"{v['hit_rate']:.0f}" for v in cell], textposition="outside", cliponaxis=False), row=1, col=1)
-        fig.add_trace(go.Bar(x=xs, y=[v["ttft_mean_ms"] for v in cell], width=width_each * 0.95, name=p, marker_color=c, legendgroup=p,
-                             showlegend=False, hovertemplate=f"{p}: mean %{{y:.0f}} ms<extra></extra>"), row=1, col=2)
-        fig.add_trace(go.Scatter(x=xs, y=[v["ttft_p90_ms"] for v in cell], mode="markers", name=f"{p} p90", legendgroup=p, showlegend=False,
-                                 marker=dict(symbol="diamond", size=9, color=c, line=dict(width=1, color="#333333")),
-                                 hovertemplate=f"{p}: p90 %{{y:.0f}} ms<extra></extra>"), row=1, col=2)
+        fig.add_trace(
+            go.Bar(
+                x=xs,
+                y=[v["hit_rate"] for v in cell],
+                width=width_each * 0.95,
+                name=p,
+                marker_color=c,
+                legendgroup=p,
+                text=[f"{v['hit_rate']:.0f}" for v in cell],
+                textposition="outside",
+                cliponaxis=False,
+            ),
+            row=1,
+            col=1,
+        )
+        fig.add_trace(
+            go.Bar(
+                x=xs,
+                y=[v["ttft_mean_ms"] for v in cell],
+                width=width_each * 0.95,
+                name=p,
+                marker_color=c,
+                legendgroup=p,
+                showlegend=False,
+                hovertemplate=f"{p}: mean %{{y:.0f}} ms<extra></extra>",
+            ),
+            row=1,
+            col=2,
+        )
+        fig.add_trace(
+            go.Scatter(
+                x=xs,
+                y=[v["ttft_p90_ms"] for v in cell],
+                mode="markers",
+                name=f"{p} p90",
+                legendgroup=p,
+                showlegend=False,
+                marker=dict(symbol="diamond", size=9, color=c, line=dict(width=1, color="#333333")),
+                hovertemplate=f"{p}: p90 %{{y:.0f}} ms<extra></extra>",
+            ),
+            row=1,
+            col=2,
+        )
     for col in (1, 2):
         fig.update_xaxes(tickvals=list(range(len(d["traces"]))), ticktext=d["traces"], range=[-0.5, len(d["traces"]) - 0.5], row=1, col=col)
     # prefill shares: x = "trace / policy", one stacked segment per replica
@@ -96,12 +140,31 @@ def routing_figure(rows: Sequence[Mapping[str, Any]], *, width: int = 980, heigh
     for k in range(n_rep):
         y = [s[k] if k < len(s) else 0.0 for s in shares]
         # One barmode per figure: stack by hand with `base`.
-        fig.add_trace(go.Bar(x=x, y=y, base=list(base), marker_color=greys[k % len(greys)], name=f"replica {k}", showlegend=False,
-                             hovertemplate=f"replica {k}: %{{y:.0f}} %<extra></extra>"), row=1, col=3)
+        fig.add_trace(
+            go.Bar(
+                x=x,
+                y=y,
+                base=list(base),
+                marker_color=greys[k % len(greys)],
+                name=f"replica {k}",
+                showlegend=False,
+                hovertemplate=f"replica {k}: %{{y:.0f}} %<extra></extra>",
+            ),
+            row=1,
+            col=3,
+        )
         base = [b + v for b, v in zip(base, y)]
-    fig.update_layout(width=width, height=height, barmode="overlay", font=dict(family=FONT, size=11), paper_bgcolor="white",
-                      plot_bgcolor="white", margin=dict(l=40, r=10, t=60, b=40), legend=dict(orientation="h", y=-0.3, x=0),
-                      bargap=0.25)
+    fig.update_layout(
+        width=width,
+        height=height,
+        barmode="overlay",
+        font=dict(family=FONT, size=11),
+        paper_bgcolor="white",
+        plot_bgcolor="white",
+        margin=dict(l=40, r=10, t=60, b=40),
+        legend=dict(orientation="h", y=-0.3, x=0),
+        bargap=0.25,
+    )
     fig.update_yaxes(range=[0, 108], row=1, col=1)
     fig.update_yaxes(type="log", row=1, col=2)
     fig.update_yaxes(range=[0, 100], row=1, col=3)

@@ -15,6 +15,7 @@ Player does, renames each view's axes (``x`` -> ``x7``), maps its domains, paper
 annotations and shapes, title and legend into its cell of the big figure, and gives each
 view its own legend (plotly's ``legend2``, ``legend3``, ...).
 """
+
 from __future__ import annotations
 
 import copy
@@ -30,8 +31,18 @@ GAP_X, GAP_Y = 8, 4  # pixels between two views (the Player's grid gap)
 _AXIS_KEY = re.compile(r"^([xy])axis(\d*)$")
 _TAG = re.compile(r"<[^>]+>")
 CHAR_PX = 6.7  # width of one character of the views' monospace font at 10-11 px
-_GLYPHS = {"square": "■", "square-open": "□", "square-x-open": "⊠", "circle": "●", "circle-open": "○", "x": "✖",
-           "x-thin-open": "✖", "diamond": "◆", "diamond-open": "◇", "triangle-right": "▶"}
+_GLYPHS = {
+    "square": "■",
+    "square-open": "□",
+    "square-x-open": "⊠",
+    "circle": "●",
+    "circle-open": "○",
+    "x": "✖",
+    "x-thin-open": "✖",
+    "diamond": "◆",
+    "diamond-open": "◇",
+    "triangle-right": "▶",
+}
 
 
 def _axis_id(letter: str, n: int) -> str:
@@ -112,13 +123,33 @@ def compose(figures: Sequence[dict[str, Any]], *, columns: int = 2, header: str 
 
     data: list[dict[str, Any]] = []
     layout: dict[str, Any] = dict(
-        width=width, height=height, margin=dict(l=0, r=0, t=0, b=0), showlegend=True, hovermode="closest",
-        font=dict(family=FONT, size=11), paper_bgcolor="white", plot_bgcolor="white", dragmode=False,
-        annotations=[], shapes=[],
+        width=width,
+        height=height,
+        margin=dict(l=0, r=0, t=0, b=0),
+        showlegend=True,
+        hovermode="closest",
+        font=dict(family=FONT, size=11),
+        paper_bgcolor="white",
+        plot_bgcolor="white",
+        dragmode=False,
+        annotations=[],
+        shapes=[],
     )
     if header:
-        layout["annotations"].append(dict(text=header, xref="paper", yref="paper", x=0, y=1, xanchor="left", yanchor="top",
-                                          showarrow=False, align="left", font=dict(size=12)))
+        layout["annotations"].append(
+            dict(
+                text=header,
+                xref="paper",
+                yref="paper",
+                x=0,
+                y=1,
+                xanchor="left",
+                yanchor="top",
+                showarrow=False,
+                align="left",
+                font=dict(size=12),
+            )
+        )
     next_axis = {"x": 1, "y": 1}
     for i, fig in enumerate(figs):
         lay = fig["layout"]
@@ -176,10 +207,20 @@ def compose(figures: Sequence[dict[str, Any]], *, columns: int = 2, header: str 
         if entries:
             lg = lay.get("legend") or {}
             text, _ = _legend_text(entries, w - 30)
-            layout["annotations"].append(dict(
-                text=text, xref="paper", yref="paper", x=paper_x(float(lg.get("x", 0.0))), y=paper_y(float(lg.get("y", 1.0))),
-                xanchor=lg.get("xanchor", "left"), yanchor=lg.get("yanchor", "bottom"), showarrow=False, align="left",
-                font=dict(size=(lg.get("font") or {}).get("size", 10))))
+            layout["annotations"].append(
+                dict(
+                    text=text,
+                    xref="paper",
+                    yref="paper",
+                    x=paper_x(float(lg.get("x", 0.0))),
+                    y=paper_y(float(lg.get("y", 1.0))),
+                    xanchor=lg.get("xanchor", "left"),
+                    yanchor=lg.get("yanchor", "bottom"),
+                    showarrow=False,
+                    align="left",
+                    font=dict(size=(lg.get("font") or {}).get("size", 10)),
+                )
+            )
 
         def ref(r: str | None, letter: str) -> str:
             if r is None:  # plotly's default: the first axis of that letter
@@ -213,15 +254,27 @@ def compose(figures: Sequence[dict[str, Any]], *, columns: int = 2, header: str 
         if title.get("text"):
             tx, ty = float(title.get("x", 0.01)), float(title.get("y", 1.0))
             top_px = max(0.0, (1 - ty) * h - 8)  # plotly draws a title's first line ~8 px above its anchor
-            layout["annotations"].append(dict(
-                text=title["text"], xref="paper", yref="paper", x=px_x(ox + tx * w), y=px_y(oy + top_px),
-                xanchor=title.get("xanchor", "left"), yanchor=title.get("yanchor", "top"), showarrow=False, align="left",
-                font=dict(size=(title.get("font") or {}).get("size", 13))))
+            layout["annotations"].append(
+                dict(
+                    text=title["text"],
+                    xref="paper",
+                    yref="paper",
+                    x=px_x(ox + tx * w),
+                    y=px_y(oy + top_px),
+                    xanchor=title.get("xanchor", "left"),
+                    yanchor=title.get("yanchor", "top"),
+                    showarrow=False,
+                    align="left",
+                    font=dict(size=(title.get("font") or {}).get("size", 13)),
+                )
+            )
     return dict(data=data, layout=layout)
 
 
 def player_header(title: str, step: int, last_step: int, note: str = "") -> str:
     """The line above a still: what it shows and how to get the live Player back."""
     extra = f" — {html_escape(note)}" if note else ""
-    return (f"<b>{html_escape(title)}</b> · step {step} of {last_step}{extra}<br>"
-            "<span style='font-size:10px;color:#555'>a still picture of the Player: run the cell to step through the run</span>")
+    return (
+        f"<b>{html_escape(title)}</b> · step {step} of {last_step}{extra}<br>"
+        "<span style='font-size:10px;color:#555'>a still picture of the Player: run the cell to step through the run</span>"
+    )

@@ -10,6 +10,7 @@
   :meth:`StreamPlayer.refresh` after appending -- a live loop does). A recording loaded
   with ``KVStream.load`` plays in the very same player.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -54,8 +55,15 @@ def series_data(series: StreamSeries, cursor: int | None = None, *, max_bars: in
         stored.append(sum(series.stored_blocks[a : a + k]))
         removed.append(-sum(series.removed_blocks[a : a + k]))
     return dict(
-        x=xs, cached=list(series.cached_blocks), bar_x=bar_x, stored=stored, removed=removed, bin=k,
-        lost_at=lost_at, cleared_at=[xs[i] for i in range(n) if series.cleared[i]], restarted_at=restarted_at,
+        x=xs,
+        cached=list(series.cached_blocks),
+        bar_x=bar_x,
+        stored=stored,
+        removed=removed,
+        bin=k,
+        lost_at=lost_at,
+        cleared_at=[xs[i] for i in range(n) if series.cleared[i]],
+        restarted_at=restarted_at,
         cursor=None if cursor is None or not 0 <= cursor < n else xs[cursor],
         title=f"{n} batches · {sum(series.events)} events · {series.missing[-1] if n else 0} batches lost"
         + (f" · {len(restarted_at)} publisher restart{'s' if len(restarted_at) != 1 else ''}" if restarted_at else "")
@@ -76,12 +84,19 @@ class StreamSeriesView(View):
         fig.add_trace(go.Bar(x=[], y=[], name="stored", marker_color=STATE_COLORS["in_use"], yaxis="y2"))
         fig.add_trace(go.Bar(x=[], y=[], name="removed", marker_color=MISS, yaxis="y2"))
         fig.add_trace(go.Scatter(x=[], y=[], mode="lines", name="cached blocks", line=dict(color=STATE_COLORS["cached"], width=2.5)))
-        fig.add_trace(go.Scatter(x=[], y=[], mode="markers", name="batches lost before", marker=dict(symbol="triangle-up", size=10, color=INK)))
+        fig.add_trace(
+            go.Scatter(x=[], y=[], mode="markers", name="batches lost before", marker=dict(symbol="triangle-up", size=10, color=INK))
+        )
         fig.update_layout(
-            showlegend=True, legend=TOP_LEGEND, barmode="relative", bargap=0.1,
+            showlegend=True,
+            legend=TOP_LEGEND,
+            barmode="relative",
+            bargap=0.1,
             xaxis=dict(title=dict(text="batch seq", font=dict(size=10), standoff=2), fixedrange=True),
             yaxis=dict(title=dict(text="cached blocks", font=dict(size=10)), fixedrange=True, rangemode="tozero"),
-            yaxis2=dict(title=dict(text="stored / removed", font=dict(size=10)), overlaying="y", side="right", fixedrange=True, showgrid=False),
+            yaxis2=dict(
+                title=dict(text="stored / removed", font=dict(size=10)), overlaying="y", side="right", fixedrange=True, showgrid=False
+            ),
             margin=dict(l=56, r=56, t=70, b=36),
         )
 
@@ -101,11 +116,22 @@ class StreamSeriesView(View):
             put("c.y", fig.data[2], "y", d["cached"], "num")
             put("l.x", fig.data[3], "x", d["lost_at"], "num")
             put("l.y", fig.data[3], "y", [0] * len(d["lost_at"]), "num")
-            shapes = [] if d["cursor"] is None else [dict(type="line", x0=d["cursor"], x1=d["cursor"], yref="paper", y0=0, y1=1,
-                                                         line=dict(color=CURSOR, width=2, dash="dot"))]
-            shapes += [dict(type="line", x0=s, x1=s, yref="paper", y0=0, y1=1, line=dict(color="#333333", width=1)) for s in d["cleared_at"]]
-            shapes += [dict(type="line", x0=s - 0.5, x1=s - 0.5, yref="paper", y0=0, y1=1, line=dict(color="#333333", width=2, dash="dash"))
-                       for s in d["restarted_at"]]
+            shapes = (
+                []
+                if d["cursor"] is None
+                else [
+                    dict(
+                        type="line", x0=d["cursor"], x1=d["cursor"], yref="paper", y0=0, y1=1, line=dict(color=CURSOR, width=2, dash="dot")
+                    )
+                ]
+            )
+            shapes += [
+                dict(type="line", x0=s, x1=s, yref="paper", y0=0, y1=1, line=dict(color="#333333", width=1)) for s in d["cleared_at"]
+            ]
+            shapes += [
+                dict(type="line", x0=s - 0.5, x1=s - 0.5, yref="paper", y0=0, y1=1, line=dict(color="#333333", width=2, dash="dash"))
+                for s in d["restarted_at"]
+            ]
             put("shapes", fig.layout, "shapes", shapes)
             self._header(d["title"], ["stored", "removed", "cached blocks", "batches lost before"])
 
@@ -125,8 +151,17 @@ class StreamPlayer:
     of this prompt is cached?); ``follow``: stay at the newest batch as the stream grows.
     """
 
-    def __init__(self, stream: KVStream, *, probe: Sequence[Any] | None = None, decode: Callable[[int], str] | None = None,
-                 follow: bool = False, width: int = 760, interval_ms: int = 400, title: str | None = None) -> None:
+    def __init__(
+        self,
+        stream: KVStream,
+        *,
+        probe: Sequence[Any] | None = None,
+        decode: Callable[[int], str] | None = None,
+        follow: bool = False,
+        width: int = 760,
+        interval_ms: int = 400,
+        title: str | None = None,
+    ) -> None:
         if not isinstance(stream, KVStream):
             raise TypeError(f"stream must be a KVStream (KVStream.load(path) for a recording), got {type(stream).__name__}")
         self.stream = stream
@@ -166,8 +201,9 @@ class StreamPlayer:
         if self._ui is None:
             w = _widgets()
             n = max(0, len(self.stream) - 1)
-            self._slider = w.IntSlider(value=max(0, self.index), min=0, max=n, description="batch", continuous_update=False,
-                                       layout=w.Layout(width="60%"))
+            self._slider = w.IntSlider(
+                value=max(0, self.index), min=0, max=n, description="batch", continuous_update=False, layout=w.Layout(width="60%")
+            )
             self._play = w.Play(value=max(0, self.index), min=0, max=n, interval=self.interval_ms, description="play")
             w.jslink((self._play, "value"), (self._slider, "value"))
             self._slider.observe(lambda ch: self.go_to(ch["new"]) if ch["new"] != self.index else None, names="value")
@@ -182,8 +218,10 @@ class StreamPlayer:
         """Both views as one plotly figure (JSON): what a saved lesson shows without a kernel."""
         from kvlab.viz.still import compose
 
-        header = (f"<b>{self.title}</b> · after batch {self.index}<br><span style='font-size:10px;color:#555'>"
-                  "a still picture of the player: run the cell to step through the stream</span>")
+        header = (
+            f"<b>{self.title}</b> · after batch {self.index}<br><span style='font-size:10px;color:#555'>"
+            "a still picture of the player: run the cell to step through the stream</span>"
+        )
         return compose([self.prefixes.still(), self.series.still()], columns=1, header=header, header_px=34)
 
     def _still_bundle(self) -> dict[str, Any]:
@@ -192,8 +230,10 @@ class StreamPlayer:
         import plotly.io as pio
 
         fig = json.loads(pio.to_json(self.still(), validate=False))
-        return {"application/vnd.plotly.v1+json": {**fig, "config": {"displayModeBar": False}},
-                "text/plain": f"(a still picture of the stream after batch {self.index})"}
+        return {
+            "application/vnd.plotly.v1+json": {**fig, "config": {"displayModeBar": False}},
+            "text/plain": f"(a still picture of the stream after batch {self.index})",
+        }
 
     def _ipython_display_(self) -> None:
         """The widget, with a still picture beside it for a lesson saved or opened without a

@@ -33,6 +33,7 @@ counts, block ids) carry the meaning a second time.
 a white inner frame: nothing else in any view is drawn that way, it needs no colour, and
 one of its two frames contrasts with every fill.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -111,8 +112,13 @@ KERNEL_LABELS: dict[str, str] = {
     "unwritten": "empty slot",
 }
 # Legend symbols of the kernel states (the "q" and "×" are drawn as cell text).
-KERNEL_SYMBOLS: dict[str, str] = {"read": "square", "query": "square", "outside_window": "square-x-open",
-                                  "null": "square", "unwritten": "square"}
+KERNEL_SYMBOLS: dict[str, str] = {
+    "read": "square",
+    "query": "square",
+    "outside_window": "square-x-open",
+    "null": "square",
+    "unwritten": "square",
+}
 
 FONT = "DejaVu Sans Mono, Menlo, Consolas, monospace"
 

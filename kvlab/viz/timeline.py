@@ -11,6 +11,7 @@ agree; hovering a point shows the simulated clock at that step.
 Only the cursor moves when the player steps; the data is recomputed only when the log
 grows (live mode).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -48,8 +49,9 @@ def run_data(timeline: Timeline | None) -> dict[str, Any]:
     (None before it arrived and after the step it finished in).
     """
     if timeline is None or not timeline.num_events:
-        return dict(steps=[0], requests=[], status={}, usage=[None], hit_rate=[None], running=[None], waiting=[None],
-                    preemptions=[0], time=[None])
+        return dict(
+            steps=[0], requests=[], status={}, usage=[None], hit_rate=[None], running=[None], waiting=[None], preemptions=[0], time=[None]
+        )
     steps = list(range(timeline.first_step, timeline.last_step + 1))
     n = len(steps)
     idx = {s: i for i, s in enumerate(steps)}
@@ -78,12 +80,22 @@ def run_data(timeline: Timeline | None) -> dict[str, Any]:
                 usage[i] = 100.0 * held[s]
             running[i] = sum(1 for r in status.values() if r[i] == "running")
             waiting[i] = sum(1 for r in status.values() if r[i] in ("waiting", "preempted"))
-    return dict(steps=steps, requests=list(status), status=status, usage=usage, hit_rate=hit_rate,
-                running=running, waiting=waiting, preemptions=preemptions, time=time)
+    return dict(
+        steps=steps,
+        requests=list(status),
+        status=status,
+        usage=usage,
+        hit_rate=hit_rate,
+        running=running,
+        waiting=waiting,
+        preemptions=preemptions,
+        time=time,
+    )
 
 
-def figure_data(snapshot: Snapshot, selected_request: str | None = None, *, timeline: Timeline | None = None,
-                run: dict[str, Any] | None = None) -> dict[str, Any]:
+def figure_data(
+    snapshot: Snapshot, selected_request: str | None = None, *, timeline: Timeline | None = None, run: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """``run_data`` of the timeline plus the cursor (the snapshot's step), the Gantt matrix
     ``z`` (status indices) and the row of the selected request."""
     d = dict(run if run is not None else run_data(timeline))
@@ -100,8 +112,9 @@ class TimelineView(View):
     name = "timeline"
     title = "Timeline"
 
-    def __init__(self, timeline: Timeline | None = None, *, decode: Callable[[int], str] | None = None, width: int = 482,
-                 height: int | None = None) -> None:
+    def __init__(
+        self, timeline: Timeline | None = None, *, decode: Callable[[int], str] | None = None, width: int = 482, height: int | None = None
+    ) -> None:
         if height is None:
             # Room for the Gantt: rows of a readable height for runs with many requests.
             n = len(timeline.request_ids) if timeline is not None else 0
@@ -109,20 +122,76 @@ class TimelineView(View):
         super().__init__(timeline, decode=decode, width=width, height=height)
         go = _go()
         fig = self.figure
-        fig.add_trace(go.Scatter(x=[], y=[], mode="lines+markers", name="KV usage %", showlegend=True, line=dict(color=USAGE, width=2), marker=dict(size=4),
-                                 hovertemplate="step %{x} · t = %{customdata:.3f} s<br>KV usage %{y:.0f}%<extra></extra>"), row=1, col=1)
-        fig.add_trace(go.Scatter(x=[], y=[], mode="markers", name="hit rate %", showlegend=True, marker=dict(color=HIT, size=7, symbol="diamond",
-                                 line=dict(width=0.5, color="#333333"))), row=1, col=1)
-        fig.add_trace(go.Scatter(x=[], y=[], mode="lines", name="# running", showlegend=True, line=dict(color=STATUS_COLORS["running"], shape="hv")), row=2, col=1)
-        fig.add_trace(go.Scatter(x=[], y=[], mode="lines", name="# waiting", showlegend=True, line=dict(color=DARK_YELLOW, shape="hv", dash="dot")), row=2, col=1)
-        fig.add_trace(go.Scatter(x=[], y=[], mode="markers", name="preemption", showlegend=True, marker=dict(color=STATUS_COLORS["preempted"], size=10, symbol="x")), row=2, col=1)
         fig.add_trace(
-            go.Heatmap(z=[[None]], zmin=-0.5, zmax=len(STATUS_ORDER) - 0.5, colorscale=discrete_colorscale([STATUS_COLORS[s] for s in STATUS_ORDER]),
-                       showscale=False, xgap=1, ygap=1, hovertemplate="%{text} · step %{x}: %{customdata}<extra></extra>", name="requests", showlegend=False),
-            row=3, col=1,
+            go.Scatter(
+                x=[],
+                y=[],
+                mode="lines+markers",
+                name="KV usage %",
+                showlegend=True,
+                line=dict(color=USAGE, width=2),
+                marker=dict(size=4),
+                hovertemplate="step %{x} · t = %{customdata:.3f} s<br>KV usage %{y:.0f}%<extra></extra>",
+            ),
+            row=1,
+            col=1,
+        )
+        fig.add_trace(
+            go.Scatter(
+                x=[],
+                y=[],
+                mode="markers",
+                name="hit rate %",
+                showlegend=True,
+                marker=dict(color=HIT, size=7, symbol="diamond", line=dict(width=0.5, color="#333333")),
+            ),
+            row=1,
+            col=1,
+        )
+        fig.add_trace(
+            go.Scatter(x=[], y=[], mode="lines", name="# running", showlegend=True, line=dict(color=STATUS_COLORS["running"], shape="hv")),
+            row=2,
+            col=1,
+        )
+        fig.add_trace(
+            go.Scatter(x=[], y=[], mode="lines", name="# waiting", showlegend=True, line=dict(color=DARK_YELLOW, shape="hv", dash="dot")),
+            row=2,
+            col=1,
+        )
+        fig.add_trace(
+            go.Scatter(
+                x=[],
+                y=[],
+                mode="markers",
+                name="preemption",
+                showlegend=True,
+                marker=dict(color=STATUS_COLORS["preempted"], size=10, symbol="x"),
+            ),
+            row=2,
+            col=1,
+        )
+        fig.add_trace(
+            go.Heatmap(
+                z=[[None]],
+                zmin=-0.5,
+                zmax=len(STATUS_ORDER) - 0.5,
+                colorscale=discrete_colorscale([STATUS_COLORS[s] for s in STATUS_ORDER]),
+                showscale=False,
+                xgap=1,
+                ygap=1,
+                hovertemplate="%{text} · step %{x}: %{customdata}<extra></extra>",
+                name="requests",
+                showlegend=False,
+            ),
+            row=3,
+            col=1,
         )
         for s in STATUS_ORDER:
-            fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=s, marker=dict(symbol="square", size=10, color=STATUS_COLORS[s])), row=3, col=1)
+            fig.add_trace(
+                go.Scatter(x=[None], y=[None], mode="markers", name=s, marker=dict(symbol="square", size=10, color=STATUS_COLORS[s])),
+                row=3,
+                col=1,
+            )
         fig.update_layout(
             showlegend=True,
             legend=dict(TOP_LEGEND, font=dict(size=9)),
@@ -186,15 +255,41 @@ class TimelineView(View):
             # The selected row is always named; its neighbours give way so labels never overlap.
             ticks = [i for i in range(len(reqs)) if (i % every == 0 and (sel is None or abs(i - sel) >= every)) or i == sel]
             put("y3.tickvals", fig.layout.yaxis3, "tickvals", ticks)
-            put("y3.ticktext", fig.layout.yaxis3, "ticktext", [f"<b>▶ {names[i]}</b>" if i == d["selected_row"] else names[i] for i in ticks])
+            put(
+                "y3.ticktext",
+                fig.layout.yaxis3,
+                "ticktext",
+                [f"<b>▶ {names[i]}</b>" if i == d["selected_row"] else names[i] for i in ticks],
+            )
             put("y3.range", fig.layout.yaxis3, "range", [max(len(reqs), 1) - 0.5, -0.5])
-            shapes = [dict(type="line", xref="x", yref="paper", x0=d["cursor"], x1=d["cursor"], y0=0, y1=1,
-                           line=dict(color=CURSOR, width=1.5, dash="dash"))]
+            shapes = [
+                dict(
+                    type="line",
+                    xref="x",
+                    yref="paper",
+                    x0=d["cursor"],
+                    x1=d["cursor"],
+                    y0=0,
+                    y1=1,
+                    line=dict(color=CURSOR, width=1.5, dash="dash"),
+                )
+            ]
             if d["selected_row"] is not None:  # the selection mark: black frame, white frame inside
                 r = d["selected_row"]
                 for color, width, pad in ((SELECT_OUTER, 3, 0.5), (SELECT_INNER, 1.5, 0.36)):
-                    shapes.append(dict(type="rect", xref="x3", yref="y3", x0=steps[0] - 0.5, x1=steps[-1] + 0.5, y0=r - pad, y1=r + pad,
-                                       line=dict(color=color, width=width), fillcolor="rgba(0,0,0,0)"))
+                    shapes.append(
+                        dict(
+                            type="rect",
+                            xref="x3",
+                            yref="y3",
+                            x0=steps[0] - 0.5,
+                            x1=steps[-1] + 0.5,
+                            y0=r - pad,
+                            y1=r + pad,
+                            line=dict(color=color, width=width),
+                            fillcolor="rgba(0,0,0,0)",
+                        )
+                    )
             put("shapes", fig.layout, "shapes", shapes)
             i = steps.index(d["cursor"]) if d["cursor"] in steps else None
             usage = d["usage"][i] if i is not None else None

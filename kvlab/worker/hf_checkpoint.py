@@ -11,6 +11,7 @@ without initialising its weights.
 
 vLLM: ``vllm/model_executor/model_loader/`` (``default_loader.py``, ``weight_utils.py``).
 """
+
 from __future__ import annotations
 
 import json
@@ -52,24 +53,33 @@ def resolve_checkpoint_dir(path_or_id: str | os.PathLike, revision: str | None =
     if p.is_dir():
         return p
     text = os.fspath(path_or_id)
-    looks_like_id = (not p.is_absolute() and not text.startswith((".", "~")) and text.count("/") <= 1
-                     and not p.exists() and text.strip() == text and text != "")
+    looks_like_id = (
+        not p.is_absolute()
+        and not text.startswith((".", "~"))
+        and text.count("/") <= 1
+        and not p.exists()
+        and text.strip() == text
+        and text != ""
+    )
     if not looks_like_id:
         raise FileNotFoundError(f"path_or_id: {text!r} is not a checkpoint directory")
     try:
         from huggingface_hub import snapshot_download
     except ImportError:
-        raise FileNotFoundError(f"path_or_id: {text!r} is not a local directory, and huggingface_hub is not installed "
-                                "to download it as a model id (pip install huggingface_hub, or pass a directory)") from None
-    return Path(snapshot_download(text, revision=revision,
-                                  allow_patterns=["*.json", "*.safetensors", "*.jinja", "tokenizer*"]))
+        raise FileNotFoundError(
+            f"path_or_id: {text!r} is not a local directory, and huggingface_hub is not installed "
+            "to download it as a model id (pip install huggingface_hub, or pass a directory)"
+        ) from None
+    return Path(snapshot_download(text, revision=revision, allow_patterns=["*.json", "*.safetensors", "*.jinja", "tokenizer*"]))
 
 
 def read_config(directory: str | os.PathLike) -> dict:
     path = Path(directory) / "config.json"
     if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {directory}: no config.json (a Hugging Face checkpoint directory holds "
-                                "config.json, *.safetensors and tokenizer.json)")
+        raise FileNotFoundError(
+            f"checkpoint {directory}: no config.json (a Hugging Face checkpoint directory holds "
+            "config.json, *.safetensors and tokenizer.json)"
+        )
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
@@ -90,16 +100,17 @@ def check_dtype(dtype: str | torch.dtype | None, device: torch.device, checkpoin
         raise ValueError(f"dtype must be one of {sorted(DTYPES)} or None (automatic), got {dtype!r}")
     if device.type == "cpu":
         if dtype not in (None, "float32"):
-            raise ValueError(f"dtype={dtype!r} cannot run on device 'cpu': kvlab runs float32 there "
-                             "(dtype='float32' or None); half precision needs a CUDA device")
+            raise ValueError(
+                f"dtype={dtype!r} cannot run on device 'cpu': kvlab runs float32 there "
+                "(dtype='float32' or None); half precision needs a CUDA device"
+            )
         return torch.float32
     if device.type != "cuda":
         raise ValueError(f"device must be 'cpu' or 'cuda', got {str(device)!r}")
     want = dtype or (checkpoint_dtype if checkpoint_dtype in DTYPES else "float32")
     if want == "bfloat16" and not torch.cuda.is_bf16_supported():
         if dtype == "bfloat16":
-            raise ValueError(f"dtype='bfloat16' cannot run on {torch.cuda.get_device_name(device)}; "
-                             "use 'float16' or 'float32'")
+            raise ValueError(f"dtype='bfloat16' cannot run on {torch.cuda.get_device_name(device)}; use 'float16' or 'float32'")
         want = "float16"
     return DTYPES[want]
 
@@ -140,8 +151,13 @@ def _shape(file: Path, name: str) -> tuple[int, ...]:
         return tuple(sf.get_slice(name).get_shape())
 
 
-def load_checkpoint(path_or_id: str | os.PathLike, *, dtype: str | torch.dtype | None = None,
-                    device: str | torch.device | None = None, revision: str | None = None) -> Checkpoint:
+def load_checkpoint(
+    path_or_id: str | os.PathLike,
+    *,
+    dtype: str | torch.dtype | None = None,
+    device: str | torch.device | None = None,
+    revision: str | None = None,
+) -> Checkpoint:
     """Read, check and load a checkpoint. ``device=None``: CUDA when present, else the CPU."""
     directory = resolve_checkpoint_dir(path_or_id, revision)
     raw = read_config(directory)
@@ -154,8 +170,7 @@ def load_checkpoint(path_or_id: str | os.PathLike, *, dtype: str | torch.dtype |
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' but no CUDA device is available; use device='cpu'")
     probe = HFModelConfig.from_dict(raw, dtype=torch.float32, where=str(directory / "config.json"))
-    cfg = HFModelConfig.from_dict(raw, dtype=check_dtype(dtype, dev, probe.checkpoint_dtype),
-                                  where=str(directory / "config.json"))
+    cfg = HFModelConfig.from_dict(raw, dtype=check_dtype(dtype, dev, probe.checkpoint_dtype), where=str(directory / "config.json"))
     tokenizer = HFTokenizer(directory, eos_token_ids=cfg.eos_token_ids, bos_token_id=cfg.bos_token_id)
     files = _weight_files(directory)
 
@@ -175,20 +190,26 @@ def load_checkpoint(path_or_id: str | os.PathLike, *, dtype: str | torch.dtype |
         else:
             source[name] = hf_name
     if unexpected:
-        raise ValueError(f"checkpoint {directory}: {len(unexpected)} tensor(s) that a {cfg.architecture} with this "
-                         f"config.json does not have, e.g. {sorted(unexpected)[:3]}")
+        raise ValueError(
+            f"checkpoint {directory}: {len(unexpected)} tensor(s) that a {cfg.architecture} with this "
+            f"config.json does not have, e.g. {sorted(unexpected)[:3]}"
+        )
     missing = [n for n in expected if n not in source]
     if missing:
         hf_names = [kvlab_to_hf_name(n) for n in missing]
         tied = " (config.json says tie_word_embeddings=false)" if "lm_head.weight" in missing else ""
-        raise ValueError(f"checkpoint {directory}: tensor {hf_names[0]!r} is missing{tied}"
-                         + (f", and {len(missing) - 1} more" if len(missing) > 1 else ""))
+        raise ValueError(
+            f"checkpoint {directory}: tensor {hf_names[0]!r} is missing{tied}"
+            + (f", and {len(missing) - 1} more" if len(missing) > 1 else "")
+        )
     for name in expected:  # in the model's order: the first layer's first tensor is named first
         hf_name = source[name]
         got = _shape(files[hf_name], hf_name)
         if got != expected[name]:
-            raise ValueError(f"checkpoint {directory}: tensor {hf_name!r} in {files[hf_name].name} has shape "
-                             f"{list(got)}, but config.json implies {list(expected[name])}")
+            raise ValueError(
+                f"checkpoint {directory}: tensor {hf_name!r} in {files[hf_name].name} has shape "
+                f"{list(got)}, but config.json implies {list(expected[name])}"
+            )
 
     from safetensors import safe_open
 

@@ -16,6 +16,7 @@ extra knobs of the supported families, so a loaded checkpoint plugs into
 vLLM: ``vllm/transformers_utils/config.py`` and the model classes in
 ``vllm/model_executor/models/`` (``llama.py``, ``qwen2.py``, ``qwen3.py``, ``mistral``).
 """
+
 from __future__ import annotations
 
 import math
@@ -64,20 +65,30 @@ class HFModelConfig(TinyLlamaConfig):
     output_ascii_only: bool = False
 
     def __post_init__(self) -> None:  # the parent's checks, minus "hidden_size % num_heads"
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
-                     "intermediate_size", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "intermediate_size",
+            "max_position_embeddings",
+        ):
             object.__setattr__(self, name, check_int(f"config.{name}", getattr(self, name), 1))
         if self.head_dim == 0:
             if self.hidden_size % self.num_heads:
-                raise ValueError(f"config.json: hidden_size ({self.hidden_size}) is not divisible by "
-                                 f"num_attention_heads ({self.num_heads}) and no head_dim is given")
+                raise ValueError(
+                    f"config.json: hidden_size ({self.hidden_size}) is not divisible by "
+                    f"num_attention_heads ({self.num_heads}) and no head_dim is given"
+                )
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
         object.__setattr__(self, "head_dim", check_int("config.head_dim", self.head_dim, 2))
         if self.head_dim % 2:
             raise ValueError(f"config.json: head_dim must be even for RoPE, got {self.head_dim}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"config.json: num_attention_heads ({self.num_heads}) must be a multiple of "
-                             f"num_key_value_heads ({self.num_kv_heads})")
+            raise ValueError(
+                f"config.json: num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads ({self.num_kv_heads})"
+            )
         if not self.rope_theta > 0:
             raise ValueError(f"config.json: rope_theta must be > 0, got {self.rope_theta!r}")
         if not self.rms_norm_eps > 0:
@@ -167,8 +178,7 @@ class HFModelConfig(TinyLlamaConfig):
 
 
 def _unsupported(arch: object) -> str:
-    return (f"architecture {arch!r} is not supported; supported architectures: "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    return f"architecture {arch!r} is not supported; supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
 
 
 def _freeze(v: Any) -> Any:

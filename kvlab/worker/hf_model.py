@@ -14,6 +14,7 @@ The modules are built without initialising weights (on PyTorch's ``meta`` device
 take the checkpoint's tensors (:mod:`kvlab.worker.hf_checkpoint`): a 500M-parameter model is
 not first filled with random numbers it would throw away.
 """
+
 from __future__ import annotations
 
 import math
@@ -117,8 +118,12 @@ class HFCausalLM(TinyLlama):
         return sum(p.numel() for p in self.parameters())
 
 
-_RENAMES = ((".input_layernorm.weight", ".input_norm"), (".post_attention_layernorm.weight", ".post_attn_norm"),
-            (".self_attn.q_norm.weight", ".self_attn.q_norm"), (".self_attn.k_norm.weight", ".self_attn.k_norm"))
+_RENAMES = (
+    (".input_layernorm.weight", ".input_norm"),
+    (".post_attention_layernorm.weight", ".post_attn_norm"),
+    (".self_attn.q_norm.weight", ".self_attn.q_norm"),
+    (".self_attn.k_norm.weight", ".self_attn.k_norm"),
+)
 
 
 def hf_to_kvlab_name(name: str) -> str | None:
@@ -127,7 +132,7 @@ def hf_to_kvlab_name(name: str) -> str | None:
     if name.endswith("rotary_emb.inv_freq"):
         return None
     if name.startswith("model."):
-        name = name[len("model."):]
+        name = name[len("model.") :]
     for old, new in _RENAMES:
         if name.endswith(old):
             return name[: -len(old)] + new

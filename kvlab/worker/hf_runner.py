@@ -11,6 +11,7 @@ On the CPU it runs the torch references of the kernels (``backend="reference"``)
 same block tables and slot mappings, the same arithmetic, without the Triton interpreter,
 which is far too slow for a real model's sizes. On CUDA it runs the compiled Triton kernels.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -41,9 +42,16 @@ def default_backend(device: str | torch.device | None) -> str:
 class CheckpointModelRunner(ModelRunner):
     """A :class:`ModelRunner` for an :class:`HFCausalLM` (see the module docstring)."""
 
-    def __init__(self, model: HFCausalLM, num_blocks: int, block_size: int,
-                 kv_cache_groups: Sequence[object] | None = None, device: str | torch.device | None = None,
-                 backend: str | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        model: HFCausalLM,
+        num_blocks: int,
+        block_size: int,
+        kv_cache_groups: Sequence[object] | None = None,
+        device: str | torch.device | None = None,
+        backend: str | None = None,
+        **kwargs: Any,
+    ) -> None:
         if not isinstance(model, HFCausalLM):
             raise TypeError(f"model must be an HFCausalLM (kvlab.load_model(...).model), got {type(model).__name__}")
         if device is None:
@@ -59,14 +67,19 @@ class CheckpointModelRunner(ModelRunner):
         for g in groups:
             kind = getattr(g, "type_name", "full")
             if kind not in ("full", "sliding_window"):
-                raise ValueError(f"kv_cache_groups: the model runner runs full-attention and sliding-window groups only, "
-                                 f"got {type(g).__name__}")
+                raise ValueError(
+                    f"kv_cache_groups: the model runner runs full-attention and sliding-window groups only, got {type(g).__name__}"
+                )
             bs = getattr(g, "block_size", None)
             if bs is not None and bs != self.block_size:
-                raise ValueError(f"kv_cache_groups: a group has block_size={bs}, but the runner's block_size is "
-                                 f"{self.block_size}; all groups must share it")
+                raise ValueError(
+                    f"kv_cache_groups: a group has block_size={bs}, but the runner's block_size is "
+                    f"{self.block_size}; all groups must share it"
+                )
         windows = tuple(getattr(g, "sliding_window", None) for g in groups)
         if windows != needed:
-            raise ValueError(f"kv_cache_groups {windows!r} (sliding windows; None = full attention) do not match the "
-                             f"model, whose layers need exactly {needed!r}, in that order")
+            raise ValueError(
+                f"kv_cache_groups {windows!r} (sliding windows; None = full attention) do not match the "
+                f"model, whose layers need exactly {needed!r}, in that order"
+            )
         return windows

@@ -9,6 +9,7 @@ a chat server turns a conversation into one prompt. Why the template matters for
 cache: every turn re-renders the whole conversation, and only a prefix that comes out as
 the *same tokens* turn after turn can hit the prefix cache (lesson 15).
 """
+
 from __future__ import annotations
 
 import json
@@ -38,8 +39,10 @@ class HFTokenizer:
         directory = Path(directory)
         path = directory / "tokenizer.json"
         if not path.is_file():
-            raise FileNotFoundError(f"checkpoint {directory}: no tokenizer.json (kvlab reads the fast-tokenizer "
-                                    "file; a checkpoint with only tokenizer.model / vocab.json is not supported)")
+            raise FileNotFoundError(
+                f"checkpoint {directory}: no tokenizer.json (kvlab reads the fast-tokenizer "
+                "file; a checkpoint with only tokenizer.model / vocab.json is not supported)"
+            )
         self.directory = directory
         self._tok = Tokenizer.from_file(str(path))
         cfg_path = directory / "tokenizer_config.json"
@@ -116,8 +119,7 @@ class HFTokenizer:
         def raise_exception(message: str) -> None:
             raise ValueError(f"chat template: {message}")
 
-        def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
-                   sort_keys: bool = False) -> str:
+        def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False) -> str:
             return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
@@ -125,13 +127,16 @@ class HFTokenizer:
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         return env.from_string(self.chat_template).render(
-            messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "", tools=None)
+            messages=[dict(m) for m in messages],
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            tools=None,
+        )
 
     def encode_chat(self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True) -> list[int]:
         """:meth:`apply_chat_template`, tokenized (the template wrote the special tokens itself)."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt),
-                           add_special_tokens=False)
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt), add_special_tokens=False)
 
     def __repr__(self) -> str:
         return f"HFTokenizer({str(self.directory)!r}, vocab_size={self.vocab_size})"

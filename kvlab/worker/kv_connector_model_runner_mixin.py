@@ -8,6 +8,7 @@ unbind. A request whose computed prefix holds a block that failed to load is lef
 the forward pass (its KV is not there) and dropped from the executor's state; the
 scheduler gives it back to be recomputed. Torch-free: the simulated executor uses it too.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -58,7 +59,8 @@ class KVConnectorModelRunnerMixin:
         conn.wait_for_save(skip_req_ids=frozenset(skipped))
         meta = conn.build_connector_worker_meta()
         self._kv_connector_output = KVConnectorOutput(
-            invalid_block_ids=set(invalid), worker_meta=meta,
+            invalid_block_ids=set(invalid),
+            worker_meta=meta,
             num_loaded_tokens=dict(getattr(meta, "num_loaded_tokens", {}) or {}),
             num_stored_tokens=dict(getattr(meta, "num_stored_tokens", {}) or {}),
             errors=dict(getattr(meta, "errors", {}) or {}),

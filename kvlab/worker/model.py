@@ -17,6 +17,7 @@ and two ways to run it:
 The weights are random (seeded), so the "text" is gibberish, but deterministic gibberish:
 greedy decoding gives a fixed token sequence to compare engines on.
 """
+
 from __future__ import annotations
 
 import math
@@ -82,15 +83,23 @@ class TinyLlamaConfig:
     dtype: torch.dtype = torch.float32
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
-                     "intermediate_size", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "intermediate_size",
+            "max_position_embeddings",
+        ):
             object.__setattr__(self, name, check_int(name, getattr(self, name), 1))
         if self.hidden_size % self.num_heads:
             raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads}): "
-                "in grouped-query attention each KV head serves a whole group of query heads")
+                "in grouped-query attention each KV head serves a whole group of query heads"
+            )
         if self.head_dim % 2:
             raise ValueError(f"head_dim = hidden_size / num_heads must be even for RoPE, got {self.head_dim}")
         if not self.rope_theta > 0:
@@ -110,7 +119,8 @@ class TinyLlamaConfig:
         if (w is None) != (len(layers) == 0):
             raise ValueError(
                 "sliding_window and sliding_window_layers go together: set both (the window size and "
-                f"which layers use it) or neither; got sliding_window={w!r}, sliding_window_layers={layers!r}")
+                f"which layers use it) or neither; got sliding_window={w!r}, sliding_window_layers={layers!r}"
+            )
         layers = tuple(check_int(f"sliding_window_layers[{k}]", i, 0, self.num_layers - 1) for k, i in enumerate(layers))
         if len(set(layers)) != len(layers):
             raise ValueError(f"sliding_window_layers must be distinct layer indices, got {layers!r}")
@@ -155,8 +165,9 @@ def apply_rope(x: Tensor, positions: Tensor, theta: float) -> Tensor:
     """Rotate ``x [num_tokens, num_heads, head_dim]`` by its tokens' positions (NeoX layout:
     dimension i is paired with i + head_dim/2, as in Llama's HF/vLLM implementation)."""
     if x.dim() != 3 or positions.shape != (x.shape[0],):
-        raise ValueError(f"apply_rope wants x [tokens, heads, head_dim] and positions [tokens]; "
-                         f"got {tuple(x.shape)} and {tuple(positions.shape)}")
+        raise ValueError(
+            f"apply_rope wants x [tokens, heads, head_dim] and positions [tokens]; got {tuple(x.shape)} and {tuple(positions.shape)}"
+        )
     half = x.shape[-1] // 2
     cos, sin = rope_cos_sin(positions, x.shape[-1], theta)
     cos, sin = cos[:, None, :], sin[:, None, :]
@@ -254,19 +265,27 @@ class Attention(nn.Module):
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         mask = sliding_window_mask(x.shape[0], self.sliding_window, x.device)
         # [heads, tokens, dim] for SDPA; boolean mask: True = may attend.
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                           attn_mask=mask, scale=self.scale)
+        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=self.scale)
         return self.o_proj(o.transpose(0, 1).reshape(x.shape[0], -1))
 
-    def forward_paged(self, x: Tensor, positions: Tensor, kv_cache: Tensor, meta: PagedAttentionMetadata,
-                      group: int, kernels: PagedKernels) -> Tensor:
+    def forward_paged(
+        self, x: Tensor, positions: Tensor, kv_cache: Tensor, meta: PagedAttentionMetadata, group: int, kernels: PagedKernels
+    ) -> Tensor:
         q, k, v = self.qkv(x, positions)
         key_cache, value_cache = kv_cache[:, 0], kv_cache[:, 1]  # views into [blocks, 2, bs, Hkv, D]
         # 1) write this step's keys/values into their slots; 2) attend over the whole context,
         # reading the earlier tokens' keys/values back from the blocks the table points to.
         kernels.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mappings[group])
-        o = kernels.unified_attention(q, key_cache, value_cache, meta.cu_seqlens_q, meta.seq_lens,
-                                      meta.block_tables[group], self.scale, sliding_window=self.sliding_window)
+        o = kernels.unified_attention(
+            q,
+            key_cache,
+            value_cache,
+            meta.cu_seqlens_q,
+            meta.seq_lens,
+            meta.block_tables[group],
+            self.scale,
+            sliding_window=self.sliding_window,
+        )
         return self.o_proj(o.reshape(x.shape[0], -1))
 
 
@@ -349,8 +368,7 @@ class TinyLlama(nn.Module):
 
     def _check_token_ids(self, ids: Tensor, name: str) -> None:
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
-            raise ValueError(f"{name} must be token ids in 0..{self.config.vocab_size - 1}, "
-                             f"got values {int(ids.min())}..{int(ids.max())}")
+            raise ValueError(f"{name} must be token ids in 0..{self.config.vocab_size - 1}, got values {int(ids.min())}..{int(ids.max())}")
 
     @property
     def device(self) -> torch.device:
@@ -366,8 +384,9 @@ class TinyLlama(nn.Module):
         if ids.numel() == 0:
             raise ValueError("token_ids must contain at least one token")
         if ids.numel() > self.config.max_position_embeddings:
-            raise ValueError(f"token_ids has {ids.numel()} tokens; at most max_position_embeddings="
-                             f"{self.config.max_position_embeddings} are allowed")
+            raise ValueError(
+                f"token_ids has {ids.numel()} tokens; at most max_position_embeddings={self.config.max_position_embeddings} are allowed"
+            )
         self._check_token_ids(ids, "token_ids")
         positions = torch.arange(ids.numel(), device=self.device)
         h = self.embed_tokens(ids)
@@ -377,8 +396,7 @@ class TinyLlama(nn.Module):
         return self.compute_logits(h)
 
     @torch.no_grad()
-    def generate_dense(self, prompt_ids: Sequence[int], max_tokens: int,
-                       eos_token_id: int | None = None) -> list[int]:
+    def generate_dense(self, prompt_ids: Sequence[int], max_tokens: int, eos_token_id: int | None = None) -> list[int]:
         """Greedy decoding by re-running ``forward_dense`` on the whole sequence each step.
 
         Quadratic and slow on purpose: it is the reference the paged engine must match token
@@ -398,8 +416,15 @@ class TinyLlama(nn.Module):
     # ----------------------------------------------------------------- paged
 
     @torch.no_grad()
-    def forward_paged(self, input_ids: Tensor, positions: Tensor, kv_caches: Sequence[Tensor],
-                      meta: PagedAttentionMetadata, kernels: PagedKernels, layer_hooks: Any = None) -> Tensor:
+    def forward_paged(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        kv_caches: Sequence[Tensor],
+        meta: PagedAttentionMetadata,
+        kernels: PagedKernels,
+        layer_hooks: Any = None,
+    ) -> Tensor:
         """Hidden states ``[num_tokens, hidden]`` for a flat batch of new tokens.
 
         ``input_ids``/``positions``: int64 ``[num_tokens]``, requests laid end to end as
@@ -413,18 +438,17 @@ class TinyLlama(nn.Module):
         if len(kv_caches) != cfg.num_layers:
             raise ValueError(f"kv_caches must hold one tensor per layer ({cfg.num_layers}), got {len(kv_caches)}")
         if len(meta.layer_to_group) != cfg.num_layers:
-            raise ValueError(f"meta.layer_to_group must name a group for each of the {cfg.num_layers} layers, "
-                             f"got {meta.layer_to_group!r}")
+            raise ValueError(f"meta.layer_to_group must name a group for each of the {cfg.num_layers} layers, got {meta.layer_to_group!r}")
         if input_ids.shape != positions.shape or input_ids.dim() != 1:
-            raise ValueError(f"input_ids and positions must both be [num_tokens]; "
-                             f"got {tuple(input_ids.shape)} and {tuple(positions.shape)}")
+            raise ValueError(
+                f"input_ids and positions must both be [num_tokens]; got {tuple(input_ids.shape)} and {tuple(positions.shape)}"
+            )
         self._check_token_ids(input_ids, "input_ids")
         h = self.embed_tokens(input_ids)
         for i, (layer, kv, group) in enumerate(zip(self.layers, kv_caches, meta.layer_to_group)):
             if layer_hooks is not None:
                 layer_hooks.before(i)
-            attn = layer.self_attn.forward_paged(rms_norm(h, layer.input_norm, layer.eps), positions, kv,
-                                                 meta, group, kernels)
+            attn = layer.self_attn.forward_paged(rms_norm(h, layer.input_norm, layer.eps), positions, kv, meta, group, kernels)
             if layer_hooks is not None:
                 layer_hooks.after(i, kv)
             h = layer._finish(h, attn)

@@ -18,6 +18,7 @@ visualisation's "kernel view"), and :attr:`ModelRunner.num_tokens_computed` coun
 tokens that went through the model, which is how a lesson *shows* that a prefix-cache hit
 skipped work.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -118,11 +119,21 @@ class ModelRunner(KVConnectorModelRunnerMixin):
     #: It writes K/V into the blocks (see ``Executor.writes_kv_cache``).
     writes_kv_cache = True
 
-    def __init__(self, model: TinyLlama, num_blocks: int, block_size: int,
-                 kv_cache_groups: Sequence[object] | None = None, device: str | torch.device | None = None,
-                 temperature: float = 0.0, seed: int = 0, backend: str = "triton",
-                 keep_history: bool = False, event_log: EventLog | None = None,
-                 trace_reads: bool | None = None, kv_connector: object = None) -> None:
+    def __init__(
+        self,
+        model: TinyLlama,
+        num_blocks: int,
+        block_size: int,
+        kv_cache_groups: Sequence[object] | None = None,
+        device: str | torch.device | None = None,
+        temperature: float = 0.0,
+        seed: int = 0,
+        backend: str = "triton",
+        keep_history: bool = False,
+        event_log: EventLog | None = None,
+        trace_reads: bool | None = None,
+        kv_connector: object = None,
+    ) -> None:
         if not isinstance(model, TinyLlama):
             raise TypeError(f"model must be a TinyLlama, got {type(model).__name__}")
         num_blocks = check_int("num_blocks", num_blocks, 2, why=" (block 0 is the null block)")
@@ -142,15 +153,15 @@ class ModelRunner(KVConnectorModelRunnerMixin):
         self.temperature = float(temperature)
         self.group_windows: tuple[int | None, ...] = self._resolve_groups(kv_cache_groups)
         model.to(self.device)  # only after every check passed
-        self.layer_to_group: tuple[int, ...] = tuple(
-            self.group_windows.index(cfg.layer_sliding_window(i)) for i in range(cfg.num_layers))
+        self.layer_to_group: tuple[int, ...] = tuple(self.group_windows.index(cfg.layer_sliding_window(i)) for i in range(cfg.num_layers))
         # One tensor per layer, [num_blocks, 2 (k|v), block_size, kv_heads, head_dim]: a block's
         # keys and values sit next to each other, as in vLLM 0.33's FlashAttention layout (there
         # one byte buffer serves every layer, each viewing it as [num_blocks, kv_heads,
         # block_size, 2 * head_dim]; lesson 02); the kernels get the strided views kv[:, 0] and kv[:, 1].
         self.kv_caches: list[Tensor] = [
             torch.zeros(num_blocks, 2, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=cfg.dtype, device=self.device)
-            for _ in range(cfg.num_layers)]
+            for _ in range(cfg.num_layers)
+        ]
         # Memory of the cache, for the lessons' "how many tokens fit" arithmetic.
         self.kv_cache_bytes = sum(t.numel() * t.element_size() for t in self.kv_caches)
         self.requests: dict[str, CachedRequestState] = {}
@@ -170,12 +181,13 @@ class ModelRunner(KVConnectorModelRunnerMixin):
         elif not isinstance(trace_reads, bool):
             raise TypeError(f"trace_reads must be a bool or None (automatic), got {type(trace_reads).__name__}")
         elif trace_reads and not interpret:
-            raise ValueError("trace_reads=True needs the Triton backend under the interpreter (no CUDA); "
-                             "on a GPU, kvlab.kernels.trace.probe_reads_nan observes the reads instead")
+            raise ValueError(
+                "trace_reads=True needs the Triton backend under the interpreter (no CUDA); "
+                "on a GPU, kvlab.kernels.trace.probe_reads_nan observes the reads instead"
+            )
         self.trace_reads = trace_reads
         # Per group, the first layer that uses it: the one whose loads are traced.
-        self.read_layers: list[int] = [self.layer_to_group.index(g) if g in self.layer_to_group else -1
-                                       for g in range(self.num_groups)]
+        self.read_layers: list[int] = [self.layer_to_group.index(g) if g in self.layer_to_group else -1 for g in range(self.num_groups)]
         if kv_connector is not None:
             self.register_kv_connector(kv_connector, self.kv_caches)
 
@@ -198,8 +210,10 @@ class ModelRunner(KVConnectorModelRunnerMixin):
         for g in groups:
             bs = getattr(g, "block_size", None)
             if bs is not None and bs != self.block_size:
-                raise ValueError(f"kv_cache_groups: a group has block_size={bs}, but the runner's "
-                                 f"block_size is {self.block_size}; all groups must share it")
+                raise ValueError(
+                    f"kv_cache_groups: a group has block_size={bs}, but the runner's "
+                    f"block_size is {self.block_size}; all groups must share it"
+                )
         if not groups or windows[0] is not None:
             raise ValueError(f"kv_cache_groups must start with the full-attention group; got windows {windows!r}")
         if len(set(windows)) != len(windows):
@@ -208,7 +222,8 @@ class ModelRunner(KVConnectorModelRunnerMixin):
         if set(windows) != needed | {None}:
             raise ValueError(
                 f"kv_cache_groups {windows!r} (sliding windows; None = full) do not match the model, whose layers "
-                f"need {sorted(needed, key=lambda w: -1 if w is None else w)!r}")
+                f"need {sorted(needed, key=lambda w: -1 if w is None else w)!r}"
+            )
         return windows
 
     # ------------------------------------------------------------------ public API
@@ -238,8 +253,9 @@ class ModelRunner(KVConnectorModelRunnerMixin):
         invalid = self._kv_connector_start(so)
         skipped: set[str] = set()
         if invalid:
-            skipped = requests_with_invalid_blocks(((st.req_id, st.block_ids[0], st.num_computed_tokens) for st, _ in order),
-                                                   invalid, self.block_size)
+            skipped = requests_with_invalid_blocks(
+                ((st.req_id, st.block_ids[0], st.num_computed_tokens) for st, _ in order), invalid, self.block_size
+            )
             order = [(st, n) for st, n in order if st.req_id not in skipped]
             for rid in skipped:
                 self.requests.pop(rid, None)
@@ -269,12 +285,19 @@ class ModelRunner(KVConnectorModelRunnerMixin):
         if self.keep_history:
             self.history.append(batch)
         if self.event_log is not None:
-            self.event_log.emit(AttentionBatch(
-                req_ids=list(batch.req_ids), query_lens=list(batch.num_scheduled_tokens), seq_lens=list(batch.seq_lens),
-                block_tables=[[list(r) for r in g] for g in batch.block_tables],
-                slot_mappings=[list(g) for g in batch.slot_mappings], block_size=self.block_size,
-                sliding_windows=list(self.group_windows), kernel_reads=reads,
-                read_layers=list(self.read_layers) if reads is not None else []))
+            self.event_log.emit(
+                AttentionBatch(
+                    req_ids=list(batch.req_ids),
+                    query_lens=list(batch.num_scheduled_tokens),
+                    seq_lens=list(batch.seq_lens),
+                    block_tables=[[list(r) for r in g] for g in batch.block_tables],
+                    slot_mappings=[list(g) for g in batch.slot_mappings],
+                    block_size=self.block_size,
+                    sliding_windows=list(self.group_windows),
+                    kernel_reads=reads,
+                    read_layers=list(self.read_layers) if reads is not None else [],
+                )
+            )
         return sampled
 
     def _tracing_kernels(self, num_seqs: int) -> tuple[PagedKernels, list[list[list[int]]]]:
@@ -322,12 +345,12 @@ class ModelRunner(KVConnectorModelRunnerMixin):
                 raise ValueError(f"request {req_id!r} is scheduled twice in step {so.step}")
             seen.add(req_id)
             if req_id in dropped:
-                raise ValueError(f"request {req_id!r} is scheduled in step {so.step} but also listed as "
-                                 "finished/preempted")
+                raise ValueError(f"request {req_id!r} is scheduled in step {so.step} but also listed as finished/preempted")
             n = so.num_scheduled_tokens.get(req_id)
             if n is None or n != len(new_token_ids) or n < 1:
-                raise ValueError(f"request {req_id!r}: num_scheduled_tokens={n!r} must be >= 1 and equal "
-                                 f"len(new_token_ids)={len(new_token_ids)}")
+                raise ValueError(
+                    f"request {req_id!r}: num_scheduled_tokens={n!r} must be >= 1 and equal len(new_token_ids)={len(new_token_ids)}"
+                )
             return n
 
         for new in so.scheduled_new_reqs:
@@ -340,15 +363,18 @@ class ModelRunner(KVConnectorModelRunnerMixin):
         cached = so.scheduled_cached_reqs
         cols = (cached.new_block_ids, cached.num_computed_tokens, cached.new_token_ids)
         if any(len(c) != cached.num_reqs for c in cols):
-            raise ValueError("scheduled_cached_reqs: req_ids, new_block_ids, num_computed_tokens and "
-                             "new_token_ids must have the same length")
+            raise ValueError(
+                "scheduled_cached_reqs: req_ids, new_block_ids, num_computed_tokens and new_token_ids must have the same length"
+            )
         for req_id, new_blocks, num_computed, new_tokens in zip(cached.req_ids, *cols):
             n = check_scheduled(req_id, new_tokens)
             old = staged.get(req_id)
             if old is None:
-                raise ValueError(f"scheduled_cached_reqs: request {req_id!r} is unknown to the runner (never sent "
-                                 "as new, or dropped as finished/preempted); resumed requests must come as "
-                                 "NewRequestData")
+                raise ValueError(
+                    f"scheduled_cached_reqs: request {req_id!r} is unknown to the runner (never sent "
+                    "as new, or dropped as finished/preempted); resumed requests must come as "
+                    "NewRequestData"
+                )
             rows = [list(r) for r in old.block_ids]
             if new_blocks is not None:
                 self._check_groups(new_blocks, f"request {req_id!r}: new_block_ids")
@@ -364,8 +390,7 @@ class ModelRunner(KVConnectorModelRunnerMixin):
             raise ValueError(f"num_scheduled_tokens names requests that are not scheduled: {extra!r}")
         total = sum(n for _, n in order)
         if total != so.total_num_scheduled_tokens:
-            raise ValueError(f"total_num_scheduled_tokens={so.total_num_scheduled_tokens} but the scheduled "
-                             f"requests add up to {total}")
+            raise ValueError(f"total_num_scheduled_tokens={so.total_num_scheduled_tokens} but the scheduled requests add up to {total}")
         for state, n in order:
             self._check_block_table(state, n)
         return staged, order
@@ -376,9 +401,12 @@ class ModelRunner(KVConnectorModelRunnerMixin):
 
     def _state_from_new(self, new: NewRequestData) -> CachedRequestState:
         self._check_groups(new.block_ids, f"request {new.req_id!r}: block_ids")
-        return CachedRequestState(req_id=new.req_id, token_ids=[int(t) for t in new.all_token_ids],
-                                  block_ids=[[int(b) for b in row] for row in new.block_ids],
-                                  num_computed_tokens=new.num_computed_tokens)
+        return CachedRequestState(
+            req_id=new.req_id,
+            token_ids=[int(t) for t in new.all_token_ids],
+            block_ids=[[int(b) for b in row] for row in new.block_ids],
+            num_computed_tokens=new.num_computed_tokens,
+        )
 
     def _check_tokens(self, state: CachedRequestState, num_computed: int, new_tokens: list[int], step: int) -> None:
         """Merge the step's ``new_token_ids`` into the known tokens, checking they agree.
@@ -389,8 +417,10 @@ class ModelRunner(KVConnectorModelRunnerMixin):
         """
         rid = state.req_id
         if type(num_computed) is not int or not 0 <= num_computed <= state.num_tokens:
-            raise ValueError(f"request {rid!r}: num_computed_tokens={num_computed!r} must be an int in "
-                             f"0..{state.num_tokens} (the tokens the runner knows) in step {step}")
+            raise ValueError(
+                f"request {rid!r}: num_computed_tokens={num_computed!r} must be an int in "
+                f"0..{state.num_tokens} (the tokens the runner knows) in step {step}"
+            )
         vocab = self.model.config.vocab_size
         for i, tok in enumerate(new_tokens):
             if not 0 <= tok < vocab:
@@ -398,8 +428,10 @@ class ModelRunner(KVConnectorModelRunnerMixin):
             pos = num_computed + i
             if pos < state.num_tokens:
                 if state.token_ids[pos] != tok:
-                    raise ValueError(f"request {rid!r}: new_token_ids says token {tok} at position {pos}, but the "
-                                     f"request holds {state.token_ids[pos]} there (step {step})")
+                    raise ValueError(
+                        f"request {rid!r}: new_token_ids says token {tok} at position {pos}, but the "
+                        f"request holds {state.token_ids[pos]} there (step {step})"
+                    )
             else:
                 state.token_ids.append(int(tok))
         state.num_computed_tokens = num_computed
@@ -412,8 +444,7 @@ class ModelRunner(KVConnectorModelRunnerMixin):
         for g, (row, window) in enumerate(zip(state.block_ids, self.group_windows)):
             where = f"request {state.req_id!r}, group {g}"
             if len(row) < num_needed:
-                raise ValueError(f"{where}: block table has {len(row)} blocks, but {seq_len} tokens need "
-                                 f"{num_needed} blocks of {bs}")
+                raise ValueError(f"{where}: block table has {len(row)} blocks, but {seq_len} tokens need {num_needed} blocks of {bs}")
             bad = [b for b in row if not 0 <= b < self.num_blocks]
             if bad:
                 raise ValueError(f"{where}: block ids {bad} out of range 0..{self.num_blocks - 1}")
@@ -422,11 +453,14 @@ class ModelRunner(KVConnectorModelRunnerMixin):
             first_key = 0 if window is None else max(0, state.num_computed_tokens - window + 1)
             for idx in range(first_key // bs, num_needed):
                 if row[idx] == NULL_BLOCK_ID:
-                    raise ValueError(f"{where}: table entry {idx} is the null block {NULL_BLOCK_ID}, but tokens "
-                                     f"{idx * bs}..{idx * bs + bs - 1} are read or written this step")
+                    raise ValueError(
+                        f"{where}: table entry {idx} is the null block {NULL_BLOCK_ID}, but tokens "
+                        f"{idx * bs}..{idx * bs + bs - 1} are read or written this step"
+                    )
 
-    def _prepare_inputs(self, step: int, order: list[tuple[CachedRequestState, int]]
-                        ) -> tuple[BatchRecord, PagedAttentionMetadata, Tensor, Tensor]:
+    def _prepare_inputs(
+        self, step: int, order: list[tuple[CachedRequestState, int]]
+    ) -> tuple[BatchRecord, PagedAttentionMetadata, Tensor, Tensor]:
         """Flatten the batch into the kernels' inputs (host lists first, then tensors)."""
         bs = self.block_size
         input_ids: list[int] = []
@@ -436,27 +470,35 @@ class ModelRunner(KVConnectorModelRunnerMixin):
         slots: list[list[int]] = [[] for _ in range(self.num_groups)]
         for state, n in order:
             start = state.num_computed_tokens
-            input_ids += state.token_ids[start:start + n]
+            input_ids += state.token_ids[start : start + n]
             positions += range(start, start + n)
             cu.append(cu[-1] + n)
             seq_lens.append(start + n)
             for g, row in enumerate(state.block_ids):
                 slots[g] += [row[p // bs] * bs + p % bs for p in range(start, start + n)]
         width = max(len(row) for state, _ in order for row in state.block_ids)
-        tables = [[row + [0] * (width - len(row)) for row in (state.block_ids[g] for state, _ in order)]
-                  for g in range(self.num_groups)]
+        tables = [[row + [0] * (width - len(row)) for row in (state.block_ids[g] for state, _ in order)] for g in range(self.num_groups)]
         dev = self.device
         meta = PagedAttentionMetadata(
             cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             slot_mappings=tuple(torch.tensor(s, dtype=torch.int64, device=dev) for s in slots),
             block_tables=tuple(torch.tensor(t, dtype=torch.int32, device=dev) for t in tables),
-            layer_to_group=self.layer_to_group)
-        batch = BatchRecord(step=step, req_ids=[s.req_id for s, _ in order], num_scheduled_tokens=[n for _, n in order],
-                            input_ids=input_ids, positions=positions, cu_seqlens_q=cu, seq_lens=seq_lens,
-                            slot_mappings=slots, block_tables=tables, logits_indices=[c - 1 for c in cu[1:]])
-        return (batch, meta, torch.tensor(input_ids, dtype=torch.long, device=dev),
-                torch.tensor(positions, dtype=torch.long, device=dev))
+            layer_to_group=self.layer_to_group,
+        )
+        batch = BatchRecord(
+            step=step,
+            req_ids=[s.req_id for s, _ in order],
+            num_scheduled_tokens=[n for _, n in order],
+            input_ids=input_ids,
+            positions=positions,
+            cu_seqlens_q=cu,
+            seq_lens=seq_lens,
+            slot_mappings=slots,
+            block_tables=tables,
+            logits_indices=[c - 1 for c in cu[1:]],
+        )
+        return (batch, meta, torch.tensor(input_ids, dtype=torch.long, device=dev), torch.tensor(positions, dtype=torch.long, device=dev))
 
     def _sample(self, logits: Tensor) -> int:
         if self.temperature == 0.0:

@@ -8,6 +8,7 @@ trained here on a few sentences, its alphabet printable ASCII), ``tokenizer_conf
 weights are seeded random numbers: the text it writes is word salad, but the same word
 salad on every machine, which is what a checked lesson needs.
 """
+
 from __future__ import annotations
 
 import json
@@ -64,7 +65,7 @@ def _tensors(cfg: dict[str, Any], family: str, gen: torch.Generator, dtype: torc
     hq, hkv, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
 
     def lin(out_f: int, in_f: int) -> torch.Tensor:
-        return torch.randn(out_f, in_f, generator=gen) * (2.0 / in_f ** 0.5)
+        return torch.randn(out_f, in_f, generator=gen) * (2.0 / in_f**0.5)
 
     def norm(n: int) -> torch.Tensor:
         return 1.0 + 0.2 * torch.randn(n, generator=gen)
@@ -93,13 +94,26 @@ def _tensors(cfg: dict[str, Any], family: str, gen: torch.Generator, dtype: torc
     return {k: x.to(dtype).contiguous() for k, x in t.items()}
 
 
-def write_tiny_checkpoint(directory: str | os.PathLike, *, architecture: str = "Qwen2ForCausalLM",
-                          hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
-                          head_dim: int | None = None, intermediate_size: int = 128, tie_word_embeddings: bool = False,
-                          sliding_window: int | None = None, max_window_layers: int | None = None,
-                          rope_scaling: dict[str, Any] | None = None, rope_theta: float = 10000.0,
-                          num_shards: int = 1, dtype: str = "float32", tokenizer_vocab_size: int = 400,
-                          seed: int = 0) -> Path:
+def write_tiny_checkpoint(
+    directory: str | os.PathLike,
+    *,
+    architecture: str = "Qwen2ForCausalLM",
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int | None = None,
+    intermediate_size: int = 128,
+    tie_word_embeddings: bool = False,
+    sliding_window: int | None = None,
+    max_window_layers: int | None = None,
+    rope_scaling: dict[str, Any] | None = None,
+    rope_theta: float = 10000.0,
+    num_shards: int = 1,
+    dtype: str = "float32",
+    tokenizer_vocab_size: int = 400,
+    seed: int = 0,
+) -> Path:
     """Write a tiny checkpoint into ``directory`` (created if needed); return its path.
 
     ``sliding_window``: Mistral slides on every layer; Qwen2/Qwen3 on the layers from
@@ -148,11 +162,21 @@ def write_tiny_checkpoint(directory: str | os.PathLike, *, architecture: str = "
     elif sliding_window is not None:
         raise ValueError(f"sliding_window: {architecture} has no sliding-window layers")
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>", "chat_template": CHATML_TEMPLATE}, indent=2) + "\n", encoding="utf-8")
-    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos_id, bos_id]}, indent=2) + "\n",
-                                                encoding="utf-8")
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": None,
+                "eos_token": "<|im_end|>",
+                "pad_token": "<|endoftext|>",
+                "chat_template": CHATML_TEMPLATE,
+            },
+            indent=2,
+        )
+        + "\n",
+        encoding="utf-8",
+    )
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos_id, bos_id]}, indent=2) + "\n", encoding="utf-8")
     tensors = _tensors(cfg, family, torch.Generator().manual_seed(seed), DTYPES[dtype])
     meta = {"format": "pt"}
     if num_shards == 1:
@@ -166,7 +190,7 @@ def write_tiny_checkpoint(directory: str | os.PathLike, *, architecture: str = "
         save_file({n: tensors[n] for n in part}, str(out / fname), metadata=meta)
         weight_map.update({n: fname for n in part})
     total = sum(t.numel() * t.element_size() for t in tensors.values())
-    (out / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n",
-        encoding="utf-8")
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n", encoding="utf-8"
+    )
     return out

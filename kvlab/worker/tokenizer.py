@@ -6,6 +6,7 @@ small), and a picture of a KV block can print the very characters whose keys and
 sit in it: a 16-token block holds 16 bytes of text. ``token_to_text`` renders one token so
 that invisible characters (spaces, newlines) stay visible in those pictures.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable

@@ -83,6 +83,7 @@ step count, so those stretches are summed in closed form. A 1,000-request ShareG
 trace through every strategy and eight block sizes takes a second or two.
 ``fast=False`` walks every step instead; the tests check that both agree exactly.
 """
+
 from __future__ import annotations
 
 import math
@@ -186,9 +187,7 @@ def _check_strategy(strategy: object) -> str:
 def _check_block_size(block_size: object) -> int:
     block_size = check_int("block_size", block_size)
     if block_size < 1 or block_size & (block_size - 1):
-        raise ValueError(
-            f"block_size={block_size} is not allowed; it must be a power of two >= 1, such as 1, 2, 4, ..., 256"
-        )
+        raise ValueError(f"block_size={block_size} is not allowed; it must be a power of two >= 1, such as 1, 2, 4, ..., 256")
     return block_size
 
 
@@ -255,8 +254,7 @@ class _Acc:
         self.steps = self.tokens = self.reservation = self.internal = 0
         self.external = self.free = self.running = 0
 
-    def add(self, steps: int, tokens: int, reservation: int, internal: int, external: int,
-            free: int, running: int) -> None:
+    def add(self, steps: int, tokens: int, reservation: int, internal: int, external: int, free: int, running: int) -> None:
         self.steps += steps
         self.tokens += tokens
         self.reservation += reservation
@@ -347,8 +345,15 @@ class _Sim:
         else:
             unreserved = self.capacity - self.reserved_sum
             saturated = bool(waiting)
-            self._measure(1, tokens, self.final_sum - tokens, self.reserved_sum - self.final_sum,
-                          unreserved if saturated else 0, 0 if saturated else unreserved, n)
+            self._measure(
+                1,
+                tokens,
+                self.final_sum - tokens,
+                self.reserved_sum - self.final_sum,
+                unreserved if saturated else 0,
+                0 if saturated else unreserved,
+                n,
+            )
         self.peak = max(self.peak, n)
 
         done = [j for j in running if j.finish == t]
@@ -397,8 +402,7 @@ class _Sim:
         self.final_sum -= job.prompt_len + job.output_len
         return 0
 
-    def _measure(self, steps: int, tokens: int, reservation: int, internal: int, external: int,
-                 free: int, running: int) -> None:
+    def _measure(self, steps: int, tokens: int, reservation: int, internal: int, external: int, free: int, running: int) -> None:
         if running == 0:
             return
         self.busy.add(steps, tokens, reservation, internal, external, free, running)
@@ -465,8 +469,15 @@ class _Sim:
         else:
             unreserved = cap_steps - self.reserved_sum * m
             saturated = bool(self.waiting)
-            self._measure(m, tokens, self.final_sum * m - tokens, (self.reserved_sum - self.final_sum) * m,
-                          unreserved if saturated else 0, 0 if saturated else unreserved, n * m)
+            self._measure(
+                m,
+                tokens,
+                self.final_sum * m - tokens,
+                (self.reserved_sum - self.final_sum) * m,
+                unreserved if saturated else 0,
+                0 if saturated else unreserved,
+                n * m,
+            )
 
     def run(self, fast: bool) -> None:
         t: int | None = self.jobs[0].arrival_step
@@ -478,8 +489,9 @@ class _Sim:
             t = nxt
 
 
-def _jobs_from_trace(trace: Iterable[TraceRequest], strategy: str, block_size: int, capacity: int,
-                     max_model_len: int, step_seconds: float) -> list[_Job]:
+def _jobs_from_trace(
+    trace: Iterable[TraceRequest], strategy: str, block_size: int, capacity: int, max_model_len: int, step_seconds: float
+) -> list[_Job]:
     jobs: list[_Job] = []
     usable = capacity if strategy != "paged" else (capacity // block_size) * block_size
     for req in trace:
@@ -510,9 +522,16 @@ def _jobs_from_trace(trace: Iterable[TraceRequest], strategy: str, block_size: i
     return jobs
 
 
-def simulate(trace: Iterable[TraceRequest], capacity_tokens: int, strategy: str = "paged", *,
-             block_size: int = 16, max_model_len: int = DEFAULT_MAX_MODEL_LEN,
-             step_seconds: float = DEFAULT_STEP_SECONDS, fast: bool = True) -> SimResult:
+def simulate(
+    trace: Iterable[TraceRequest],
+    capacity_tokens: int,
+    strategy: str = "paged",
+    *,
+    block_size: int = 16,
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN,
+    step_seconds: float = DEFAULT_STEP_SECONDS,
+    fast: bool = True,
+) -> SimResult:
     """Replay ``trace`` in ``capacity_tokens`` KV slots under one strategy.
 
     ``strategy`` is ``"max"``, ``"pow2"``, ``"oracle"`` or ``"paged"`` (``block_size`` is
@@ -559,9 +578,14 @@ def simulate(trace: Iterable[TraceRequest], capacity_tokens: int, strategy: str 
     )
 
 
-def paged_decisions(trace: Iterable[TraceRequest], capacity_tokens: int, *, block_size: int = 16,
-                    max_model_len: int = DEFAULT_MAX_MODEL_LEN,
-                    step_seconds: float = DEFAULT_STEP_SECONDS) -> list[tuple[int, str, str]]:
+def paged_decisions(
+    trace: Iterable[TraceRequest],
+    capacity_tokens: int,
+    *,
+    block_size: int = 16,
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN,
+    step_seconds: float = DEFAULT_STEP_SECONDS,
+) -> list[tuple[int, str, str]]:
     """The paged strategy's scheduling decisions: ``(step, "admit" | "preempt", request_id)``
     in the order it makes them (arrival steps as in :func:`simulate`).
 
@@ -584,10 +608,15 @@ def paged_decisions(trace: Iterable[TraceRequest], capacity_tokens: int, *, bloc
     return sim.decisions
 
 
-def compare(trace: Iterable[TraceRequest], capacity_tokens: int,
-            strategies: Sequence[str] = STRATEGIES, block_sizes: Sequence[int] = (16,), *,
-            max_model_len: int = DEFAULT_MAX_MODEL_LEN,
-            step_seconds: float = DEFAULT_STEP_SECONDS) -> list[SimResult]:
+def compare(
+    trace: Iterable[TraceRequest],
+    capacity_tokens: int,
+    strategies: Sequence[str] = STRATEGIES,
+    block_sizes: Sequence[int] = (16,),
+    *,
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN,
+    step_seconds: float = DEFAULT_STEP_SECONDS,
+) -> list[SimResult]:
     """One :class:`SimResult` per contiguous strategy, and one per block size for
     ``"paged"``, all on the same trace and the same capacity - the rows of Fig. 2."""
     trace = list(trace)
@@ -600,21 +629,29 @@ def compare(trace: Iterable[TraceRequest], capacity_tokens: int,
             _check_block_size(b)
     rows: list[SimResult] = []
     for s in strategies:
-        for b in (block_sizes if s == "paged" else (16,)):
-            rows.append(simulate(trace, capacity_tokens, s, block_size=b, max_model_len=max_model_len,
-                                 step_seconds=step_seconds))
+        for b in block_sizes if s == "paged" else (16,):
+            rows.append(simulate(trace, capacity_tokens, s, block_size=b, max_model_len=max_model_len, step_seconds=step_seconds))
     return rows
 
 
 def format_table(rows: Iterable[SimResult]) -> str:
     """A fixed-width text table of results (one line per strategy)."""
-    header = ("strategy", "token states %", "reservation %", "internal %", "external %", "free %",
-              "avg running", "peak", "preempted")
+    header = ("strategy", "token states %", "reservation %", "internal %", "external %", "free %", "avg running", "peak", "preempted")
     lines = [header]
     for r in rows:
-        lines.append((r.label, f"{r.token_states_pct:.1f}", f"{r.reservation_pct:.1f}",
-                      f"{r.internal_pct:.1f}", f"{r.external_pct:.1f}", f"{r.free_pct:.1f}",
-                      f"{r.avg_running:.2f}", str(r.peak_running), str(r.num_preemptions)))
+        lines.append(
+            (
+                r.label,
+                f"{r.token_states_pct:.1f}",
+                f"{r.reservation_pct:.1f}",
+                f"{r.internal_pct:.1f}",
+                f"{r.external_pct:.1f}",
+                f"{r.free_pct:.1f}",
+                f"{r.avg_running:.2f}",
+                str(r.peak_running),
+                str(r.num_preemptions),
+            )
+        )
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     out = []
     for k, line in enumerate(lines):

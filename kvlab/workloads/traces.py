@@ -39,6 +39,7 @@ Conventions shared by all generators:
 * Every prompt plus its output fits in ``max_model_len`` tokens (default 2,048, the OPT-13B
   setting of the paper).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -140,9 +141,7 @@ class TraceRequest:
             raise ValueError(f"prompt_token_ids of {self.request_id!r} is empty; a request needs >= 1 token")
         self.max_tokens = check_int(f"max_tokens of {self.request_id!r}", self.max_tokens, 1)
         if not math.isfinite(self.arrival_time) or self.arrival_time < 0:
-            raise ValueError(
-                f"arrival_time of {self.request_id!r} is {self.arrival_time!r}; it must be finite and >= 0"
-            )
+            raise ValueError(f"arrival_time of {self.request_id!r} is {self.arrival_time!r}; it must be finite and >= 0")
         if not 0 <= self.shared_prefix_len <= len(self.prompt_token_ids):
             raise ValueError(
                 f"shared_prefix_len of {self.request_id!r} is {self.shared_prefix_len}; "
@@ -415,8 +414,9 @@ def _solve_mu(mean_of_mu: Any, target: float, what: str) -> float:
 
 
 @lru_cache(maxsize=64)
-def _calibrate(mean_input: float, mean_output: float, input_sigma: float, output_sigma: float,
-               input_cap: int, max_model_len: int) -> tuple[float, float]:
+def _calibrate(
+    mean_input: float, mean_output: float, input_sigma: float, output_sigma: float, input_cap: int, max_model_len: int
+) -> tuple[float, float]:
     """Log-normal mus such that the means *after clipping* equal the targets.
 
     Clipping (input <= input_cap, output <= max_model_len - input) cuts the tail and so
@@ -424,8 +424,7 @@ def _calibrate(mean_input: float, mean_output: float, input_sigma: float, output
     expectation instead of a few percent low. The output's cap depends on the input, so its
     mean is averaged over 128 quantiles of the (clipped) input distribution.
     """
-    mu_in = _solve_mu(lambda mu: _mean_clamped_lognormal(mu, input_sigma, 1, input_cap),
-                      mean_input, "mean_input")
+    mu_in = _solve_mu(lambda mu: _mean_clamped_lognormal(mu, input_sigma, 1, input_cap), mean_input, "mean_input")
     zs = [_STD_NORMAL.inv_cdf((k + 0.5) / 128) for k in range(128)]
     inputs = [min(max(math.exp(mu_in + input_sigma * z), 1.0), input_cap) for z in zs]
     caps = [max(max_model_len - x, 1.0) for x in inputs]
@@ -452,9 +451,20 @@ def _lengths(rng: random.Random, n: int, mean: float, sigma: float, lo: int, hi:
 # --------------------------------------------------------------------------------------
 
 
-def _independent(kind: str, n: int, seed: int, *, rate: float | None, max_model_len: int,
-                 mean_input: float, mean_output: float, input_sigma: float, output_sigma: float,
-                 vocab: Vocab, id_prefix: str) -> Trace:
+def _independent(
+    kind: str,
+    n: int,
+    seed: int,
+    *,
+    rate: float | None,
+    max_model_len: int,
+    mean_input: float,
+    mean_output: float,
+    input_sigma: float,
+    output_sigma: float,
+    vocab: Vocab,
+    id_prefix: str,
+) -> Trace:
     n = check_int("n", n, 1)
     seed = check_int("seed", seed)
     rate = _check_rate(rate)
@@ -465,12 +475,9 @@ def _independent(kind: str, n: int, seed: int, *, rate: float | None, max_model_
     output_sigma = check_number("output_sigma", output_sigma, 0, strict=True)
     ids = _vocab_range(vocab)
     if mean_input + mean_output >= max_model_len:
-        raise ValueError(
-            f"mean_input + mean_output = {mean_input + mean_output} must be < max_model_len={max_model_len}"
-        )
+        raise ValueError(f"mean_input + mean_output = {mean_input + mean_output} must be < max_model_len={max_model_len}")
     input_cap = max_model_len - 1  # leave room for at least one output token
-    mu_in, mu_out = _calibrate(float(mean_input), float(mean_output), float(input_sigma),
-                               float(output_sigma), input_cap, max_model_len)
+    mu_in, mu_out = _calibrate(float(mean_input), float(mean_output), float(input_sigma), float(output_sigma), input_cap, max_model_len)
 
     len_rng = _stream(kind, seed, "lengths")
     tok_rng = _stream(kind, seed, "tokens")
@@ -480,17 +487,31 @@ def _independent(kind: str, n: int, seed: int, *, rate: float | None, max_model_
         p = _draw_length(len_rng, mu_in, input_sigma, 1, input_cap)
         o = _draw_length(len_rng, mu_out, output_sigma, 1, max_model_len - p)
         reqs.append(TraceRequest(f"{id_prefix}{i}", _tokens(tok_rng, ids, p), o, times[i]))
-    params = dict(n=n, rate=rate, max_model_len=max_model_len, mean_input=mean_input,
-                  mean_output=mean_output, input_sigma=input_sigma, output_sigma=output_sigma,
-                  vocab=vocab)
+    params = dict(
+        n=n,
+        rate=rate,
+        max_model_len=max_model_len,
+        mean_input=mean_input,
+        mean_output=mean_output,
+        input_sigma=input_sigma,
+        output_sigma=output_sigma,
+        vocab=vocab,
+    )
     return Trace(kind, reqs, seed, params)
 
 
-def sharegpt_like(n: int, seed: int, *, rate: float | None = 2.0,
-                  max_model_len: int = DEFAULT_MAX_MODEL_LEN,
-                  mean_input: float = SHAREGPT_MEAN_INPUT, mean_output: float = SHAREGPT_MEAN_OUTPUT,
-                  input_sigma: float = SHAREGPT_INPUT_SIGMA, output_sigma: float = SHAREGPT_OUTPUT_SIGMA,
-                  vocab: Vocab = DEFAULT_VOCAB) -> Trace:
+def sharegpt_like(
+    n: int,
+    seed: int,
+    *,
+    rate: float | None = 2.0,
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN,
+    mean_input: float = SHAREGPT_MEAN_INPUT,
+    mean_output: float = SHAREGPT_MEAN_OUTPUT,
+    input_sigma: float = SHAREGPT_INPUT_SIGMA,
+    output_sigma: float = SHAREGPT_OUTPUT_SIGMA,
+    vocab: Vocab = DEFAULT_VOCAB,
+) -> Trace:
     """``n`` independent chat requests shaped like the paper's ShareGPT trace.
 
     Lengths are log-normal - a few very long conversations among many short ones - clipped
@@ -503,26 +524,54 @@ def sharegpt_like(n: int, seed: int, *, rate: float | None = 2.0,
     Why heavy tails matter here: a system that reserves memory for the *possible* length of
     a request wastes most of it on the typical, much shorter one.
     """
-    return _independent("sharegpt_like", n, seed, rate=rate, max_model_len=max_model_len,
-                        mean_input=mean_input, mean_output=mean_output, input_sigma=input_sigma,
-                        output_sigma=output_sigma, vocab=vocab, id_prefix="sg")
+    return _independent(
+        "sharegpt_like",
+        n,
+        seed,
+        rate=rate,
+        max_model_len=max_model_len,
+        mean_input=mean_input,
+        mean_output=mean_output,
+        input_sigma=input_sigma,
+        output_sigma=output_sigma,
+        vocab=vocab,
+        id_prefix="sg",
+    )
 
 
-def alpaca_like(n: int, seed: int, *, rate: float | None = 2.0,
-                max_model_len: int = DEFAULT_MAX_MODEL_LEN,
-                mean_input: float = ALPACA_MEAN_INPUT, mean_output: float = ALPACA_MEAN_OUTPUT,
-                input_sigma: float = ALPACA_INPUT_SIGMA, output_sigma: float = ALPACA_OUTPUT_SIGMA,
-                vocab: Vocab = DEFAULT_VOCAB) -> Trace:
+def alpaca_like(
+    n: int,
+    seed: int,
+    *,
+    rate: float | None = 2.0,
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN,
+    mean_input: float = ALPACA_MEAN_INPUT,
+    mean_output: float = ALPACA_MEAN_OUTPUT,
+    input_sigma: float = ALPACA_INPUT_SIGMA,
+    output_sigma: float = ALPACA_OUTPUT_SIGMA,
+    vocab: Vocab = DEFAULT_VOCAB,
+) -> Trace:
     """``n`` short instruction-following requests shaped like the paper's Alpaca trace
     (means 19.31 input / 58.45 output tokens). Short requests are where block size matters
     most: a 16-token block is most of a 19-token prompt."""
-    return _independent("alpaca_like", n, seed, rate=rate, max_model_len=max_model_len,
-                        mean_input=mean_input, mean_output=mean_output, input_sigma=input_sigma,
-                        output_sigma=output_sigma, vocab=vocab, id_prefix="al")
+    return _independent(
+        "alpaca_like",
+        n,
+        seed,
+        rate=rate,
+        max_model_len=max_model_len,
+        mean_input=mean_input,
+        mean_output=mean_output,
+        input_sigma=input_sigma,
+        output_sigma=output_sigma,
+        vocab=vocab,
+        id_prefix="al",
+    )
 
 
-def from_lengths(lengths: Iterable[tuple[int, int] | tuple[int, int, float]], *, seed: int = 0,
-                 vocab: Vocab = DEFAULT_VOCAB, name: str = "from_lengths") -> Trace:
+def from_lengths(
+    lengths: Iterable[tuple[int, int] | tuple[int, int, float]], *, seed: int = 0, vocab: Vocab = DEFAULT_VOCAB, name: str = "from_lengths"
+) -> Trace:
     """A trace from explicit ``(prompt_len, output_len)`` or ``(prompt_len, output_len,
     arrival_time)`` tuples (arrival defaults to 0). Request ids are ``r0, r1, ...``.
 
@@ -555,11 +604,18 @@ def _fit_output(prompt_len: int, wanted: int, max_model_len: int) -> int:
     return min(wanted, max_model_len - prompt_len)
 
 
-def shared_system_prompt_chat(n: int, seed: int, *, system_prompt_len: int = 256,
-                              mean_user_len: float = 48.0, mean_output: float = 128.0,
-                              sigma: float = 0.8, rate: float | None = 2.0,
-                              max_model_len: int = DEFAULT_MAX_MODEL_LEN,
-                              vocab: Vocab = DEFAULT_VOCAB) -> Trace:
+def shared_system_prompt_chat(
+    n: int,
+    seed: int,
+    *,
+    system_prompt_len: int = 256,
+    mean_user_len: float = 48.0,
+    mean_output: float = 128.0,
+    sigma: float = 0.8,
+    rate: float | None = 2.0,
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN,
+    vocab: Vocab = DEFAULT_VOCAB,
+) -> Trace:
     """``n`` chat requests that all begin with one system prompt of ``system_prompt_len``
     tokens, followed by a unique user message (log-normal, mean ``mean_user_len``).
 
@@ -586,18 +642,34 @@ def shared_system_prompt_chat(n: int, seed: int, *, system_prompt_len: int = 256
     for i in range(n):
         prompt = system + _tokens(tok_rng, ids, user_lens[i])
         out = _fit_output(len(prompt), out_lens[i], max_model_len)
-        reqs.append(TraceRequest(f"chat{i}", prompt, out, times[i], group="system",
-                                 shared_prefix_len=system_prompt_len))
-    params = dict(n=n, system_prompt_len=system_prompt_len, mean_user_len=mean_user_len,
-                  mean_output=mean_output, sigma=sigma, rate=rate, max_model_len=max_model_len,
-                  vocab=vocab)
+        reqs.append(TraceRequest(f"chat{i}", prompt, out, times[i], group="system", shared_prefix_len=system_prompt_len))
+    params = dict(
+        n=n,
+        system_prompt_len=system_prompt_len,
+        mean_user_len=mean_user_len,
+        mean_output=mean_output,
+        sigma=sigma,
+        rate=rate,
+        max_model_len=max_model_len,
+        vocab=vocab,
+    )
     return Trace(kind, reqs, seed, params)
 
 
-def document_qa(num_docs: int, questions_per_doc: int, seed: int, *, doc_len: int = 1024,
-                mean_question_len: float = 24.0, mean_output: float = 64.0, sigma: float = 0.6,
-                rate: float | None = 2.0, interleave: bool = True,
-                max_model_len: int = DEFAULT_MAX_MODEL_LEN, vocab: Vocab = DEFAULT_VOCAB) -> Trace:
+def document_qa(
+    num_docs: int,
+    questions_per_doc: int,
+    seed: int,
+    *,
+    doc_len: int = 1024,
+    mean_question_len: float = 24.0,
+    mean_output: float = 64.0,
+    sigma: float = 0.6,
+    rate: float | None = 2.0,
+    interleave: bool = True,
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN,
+    vocab: Vocab = DEFAULT_VOCAB,
+) -> Trace:
     """Many questions about the same long documents: prompt = document + question.
 
     ``num_docs`` documents of ``doc_len`` tokens each get ``questions_per_doc`` questions.
@@ -630,19 +702,37 @@ def document_qa(num_docs: int, questions_per_doc: int, seed: int, *, doc_len: in
     for i, (d, j) in enumerate(pairs):
         prompt = docs[d] + _tokens(tok_rng, ids, q_lens[i])
         out = _fit_output(len(prompt), o_lens[i], max_model_len)
-        reqs.append(TraceRequest(f"doc{d}-q{j}", prompt, out, times[i], group=f"doc{d}",
-                                 shared_prefix_len=doc_len))
-    params = dict(num_docs=num_docs, questions_per_doc=questions_per_doc, doc_len=doc_len,
-                  mean_question_len=mean_question_len, mean_output=mean_output, sigma=sigma,
-                  rate=rate, interleave=interleave, max_model_len=max_model_len, vocab=vocab)
+        reqs.append(TraceRequest(f"doc{d}-q{j}", prompt, out, times[i], group=f"doc{d}", shared_prefix_len=doc_len))
+    params = dict(
+        num_docs=num_docs,
+        questions_per_doc=questions_per_doc,
+        doc_len=doc_len,
+        mean_question_len=mean_question_len,
+        mean_output=mean_output,
+        sigma=sigma,
+        rate=rate,
+        interleave=interleave,
+        max_model_len=max_model_len,
+        vocab=vocab,
+    )
     return Trace(kind, reqs, seed, params)
 
 
-def multi_turn(num_conversations: int, turns: int, seed: int, *, system_prompt_len: int = 0,
-               mean_user_len: float = 40.0, mean_output: float = 120.0, sigma: float = 0.8,
-               rate: float | None = 0.5, think_time: float = 5.0,
-               decode_seconds_per_token: float = 0.04,
-               max_model_len: int = DEFAULT_MAX_MODEL_LEN, vocab: Vocab = DEFAULT_VOCAB) -> Trace:
+def multi_turn(
+    num_conversations: int,
+    turns: int,
+    seed: int,
+    *,
+    system_prompt_len: int = 0,
+    mean_user_len: float = 40.0,
+    mean_output: float = 120.0,
+    sigma: float = 0.8,
+    rate: float | None = 0.5,
+    think_time: float = 5.0,
+    decode_seconds_per_token: float = 0.04,
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN,
+    vocab: Vocab = DEFAULT_VOCAB,
+) -> Trace:
     """Chat sessions where every turn resends the whole history.
 
     Turn k+1's prompt is turn k's prompt, then turn k's answer (``output_token_ids``,
@@ -689,16 +779,27 @@ def multi_turn(num_conversations: int, turns: int, seed: int, *, system_prompt_l
             prompt = history + _tokens(tok_rng, ids, u_lens[i])
             out = _fit_output(len(prompt), o_lens[i], max_model_len)
             answer = _tokens(tok_rng, ids, out)
-            reqs.append(TraceRequest(f"conv{c}-t{k}", prompt, out, round(t, 6),
-                                     output_token_ids=answer, group=f"conv{c}",
-                                     shared_prefix_len=len(history)))
+            reqs.append(
+                TraceRequest(
+                    f"conv{c}-t{k}", prompt, out, round(t, 6), output_token_ids=answer, group=f"conv{c}", shared_prefix_len=len(history)
+                )
+            )
             history = prompt + answer
             t += out * decode_seconds_per_token + (gap_rng.expovariate(1 / think_time) if think_time else 0.0)
     reqs.sort(key=lambda r: r.arrival_time)  # stable: simultaneous arrivals keep their order
-    params = dict(num_conversations=num_conversations, turns=turns, system_prompt_len=system_prompt_len,
-                  mean_user_len=mean_user_len, mean_output=mean_output, sigma=sigma, rate=rate,
-                  think_time=think_time, decode_seconds_per_token=decode_seconds_per_token,
-                  max_model_len=max_model_len, vocab=vocab)
+    params = dict(
+        num_conversations=num_conversations,
+        turns=turns,
+        system_prompt_len=system_prompt_len,
+        mean_user_len=mean_user_len,
+        mean_output=mean_output,
+        sigma=sigma,
+        rate=rate,
+        think_time=think_time,
+        decode_seconds_per_token=decode_seconds_per_token,
+        max_model_len=max_model_len,
+        vocab=vocab,
+    )
     return Trace(kind, reqs, seed, params)
 
 
@@ -716,11 +817,22 @@ def tenant_salt(seed: int, tenant_index: int) -> str:
     return hmac.new(key, f"tenant/{tenant_index}".encode(), hashlib.sha256).hexdigest()[:32]
 
 
-def multi_tenant(num_tenants: int, n: int, seed: int, *, salted: bool = False,
-                 salt_scheme: Literal["secret", "name"] = "secret", shared_prefix_len: int = 256,
-                 num_prefixes: int = 4, mean_suffix_len: float = 48.0, mean_output: float = 128.0,
-                 sigma: float = 0.8, rate: float | None = 2.0,
-                 max_model_len: int = DEFAULT_MAX_MODEL_LEN, vocab: Vocab = DEFAULT_VOCAB) -> Trace:
+def multi_tenant(
+    num_tenants: int,
+    n: int,
+    seed: int,
+    *,
+    salted: bool = False,
+    salt_scheme: Literal["secret", "name"] = "secret",
+    shared_prefix_len: int = 256,
+    num_prefixes: int = 4,
+    mean_suffix_len: float = 48.0,
+    mean_output: float = 128.0,
+    sigma: float = 0.8,
+    rate: float | None = 2.0,
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN,
+    vocab: Vocab = DEFAULT_VOCAB,
+) -> Trace:
     """Tenants whose prompts open with popular prefixes that are shared *across* tenants.
 
     There are ``num_prefixes`` prefixes of ``shared_prefix_len`` tokens (think: a popular
@@ -769,10 +881,30 @@ def multi_tenant(num_tenants: int, n: int, seed: int, *, salted: bool = False,
         j = pick_rng.choices(range(num_prefixes), weights=weights)[0]
         prompt = prefixes[j] + _tokens(tok_rng, ids, s_lens[i])
         out = _fit_output(len(prompt), o_lens[i], max_model_len)
-        reqs.append(TraceRequest(f"{names[t]}-r{i}", prompt, out, times[i], cache_salt=salts[t],
-                                 tenant=names[t], group=f"prefix{j}", shared_prefix_len=shared_prefix_len))
-    params = dict(num_tenants=num_tenants, n=n, salted=salted, salt_scheme=salt_scheme,
-                  shared_prefix_len=shared_prefix_len, num_prefixes=num_prefixes,
-                  mean_suffix_len=mean_suffix_len, mean_output=mean_output, sigma=sigma,
-                  rate=rate, max_model_len=max_model_len, vocab=vocab)
+        reqs.append(
+            TraceRequest(
+                f"{names[t]}-r{i}",
+                prompt,
+                out,
+                times[i],
+                cache_salt=salts[t],
+                tenant=names[t],
+                group=f"prefix{j}",
+                shared_prefix_len=shared_prefix_len,
+            )
+        )
+    params = dict(
+        num_tenants=num_tenants,
+        n=n,
+        salted=salted,
+        salt_scheme=salt_scheme,
+        shared_prefix_len=shared_prefix_len,
+        num_prefixes=num_prefixes,
+        mean_suffix_len=mean_suffix_len,
+        mean_output=mean_output,
+        sigma=sigma,
+        rate=rate,
+        max_model_len=max_model_len,
+        vocab=vocab,
+    )
     return Trace(kind, reqs, seed, params)

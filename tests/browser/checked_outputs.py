@@ -15,6 +15,7 @@ answer's outputs live in the widget's state. The notebook is saved with widget s
 (``saveState``), and :func:`flatten` puts each answer's outputs back where the area stands,
 which is where the plain (nbval) run prints them.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,7 @@ WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
 REVEAL_STILL = "The answer appears here when the lesson runs"
 STYLE_CLASS = "kvlab-still-next"
 # nbval's skip list (nbval.plugin.IPyNbFile.skip_compare, images included without --nbdime).
-SKIP = {"metadata", "traceback", "prompt_number", "output_type", "name", "execution_count",
-        WIDGET_VIEW, "image/png", "image/jpeg"}
+SKIP = {"metadata", "traceback", "prompt_number", "output_type", "name", "execution_count", WIDGET_VIEW, "image/png", "image/jpeg"}
 
 
 def _text(value: Any) -> Any:
@@ -81,8 +81,12 @@ def _coalesce(outputs: list[dict]) -> list[dict]:
     """Consecutive stream outputs of one name merged, as a notebook file stores them."""
     merged: list[dict] = []
     for o in outputs:
-        if o.get("output_type") == "stream" and merged and merged[-1].get("output_type") == "stream" \
-                and merged[-1].get("name") == o.get("name"):
+        if (
+            o.get("output_type") == "stream"
+            and merged
+            and merged[-1].get("output_type") == "stream"
+            and merged[-1].get("name") == o.get("name")
+        ):
             merged[-1] = {**merged[-1], "text": _text(merged[-1]["text"]) + _text(o["text"])}
         else:
             merged.append(o)
@@ -110,8 +114,11 @@ def _by_key(outputs: list[dict]) -> dict[str, list[Any]]:
 
 def checked_cells(nb: dict) -> list[int]:
     """Indices of the code cells marked ``# NBVAL_CHECK_OUTPUT``."""
-    return [i for i, c in enumerate(nb["cells"])
-            if c["cell_type"] == "code" and any(line.strip() == f"# {MARKER}" for line in _text(c["source"]).splitlines())]
+    return [
+        i
+        for i, c in enumerate(nb["cells"])
+        if c["cell_type"] == "code" and any(line.strip() == f"# {MARKER}" for line in _text(c["source"]).splitlines())
+    ]
 
 
 def mismatches(stored: dict, ran: dict) -> list[str]:

@@ -1,4 +1,5 @@
 """The browser tests' one JupyterLab and Chromium per test worker (see test_browser.Lab)."""
+
 from __future__ import annotations
 
 from collections.abc import Iterator

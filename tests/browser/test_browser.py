@@ -26,6 +26,7 @@ windowing off so every output is rendered), so it changes nothing on the machine
 shuts its notebook's kernel down. It uses Debian's Chromium (``apt-get install chromium``);
 it never downloads a browser. Screenshots go to ``test-artifacts/``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -185,7 +186,6 @@ def _run_all(page) -> None:
     page.locator("li[data-command='runmenu:run-all']").click()
 
 
-
 class Lab:
     """One JupyterLab server and one Chromium for the whole module."""
 
@@ -208,16 +208,30 @@ class Lab:
         # opens -- a lesson that an earlier test ran here would otherwise come back with its
         # predictions already locked (they are restored from the record).
         self.home = home or tmp / "kvlab-home"
-        env = dict(os.environ, JUPYTER_RUNTIME_DIR=str(runtime), JUPYTER_CONFIG_DIR=str(tmp / "config"),
-                   IPYTHONDIR=str(tmp / "ipython"), JUPYTERLAB_SETTINGS_DIR=str(settings), KVLAB_HOME=str(self.home))
+        env = dict(
+            os.environ,
+            JUPYTER_RUNTIME_DIR=str(runtime),
+            JUPYTER_CONFIG_DIR=str(tmp / "config"),
+            IPYTHONDIR=str(tmp / "ipython"),
+            JUPYTERLAB_SETTINGS_DIR=str(settings),
+            KVLAB_HOME=str(self.home),
+        )
         # The kernels run as a learner's do: the root conftest forces KVLAB_PREDICT=plain for
         # nbval, but here every "predict, then run" answer must stay behind its lock.
         env.pop("KVLAB_PREDICT", None)
         jupyter = Path(sys.executable).with_name("jupyter")
         cmd = [
-            str(jupyter), "lab", "--allow-root", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
-            f"--ServerApp.token={self.token}", f"--ServerApp.root_dir={self.root}", "--ServerApp.port_retries=0",
-            f"--LabApp.user_settings_dir={settings}", f"--LabApp.workspaces_dir={workspaces}",
+            str(jupyter),
+            "lab",
+            "--allow-root",
+            "--no-browser",
+            "--ip=127.0.0.1",
+            f"--port={port}",
+            f"--ServerApp.token={self.token}",
+            f"--ServerApp.root_dir={self.root}",
+            "--ServerApp.port_retries=0",
+            f"--LabApp.user_settings_dir={settings}",
+            f"--LabApp.workspaces_dir={workspaces}",
             # window.jupyterapp: the lessons open, save and close through Lab's own commands in
             # one page, instead of loading the whole application again for each (5 s of CPU).
             "--LabApp.expose_app_in_browser=True",
@@ -346,8 +360,16 @@ OPEN_NOTEBOOK = """async (path) => {
 WORKDIR = "my-kvlab"
 
 
-BROWSER_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-                "--disable-sync", "--disable-component-update", "--disable-dev-shm-usage"]
+BROWSER_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-sync",
+    "--disable-component-update",
+    "--disable-dev-shm-usage",
+]
 
 
 # Every plotly figure on screen (not in a collapsed widget, not a hidden still) has drawn its plot area.
@@ -381,8 +403,7 @@ def _titles_ok(page, step: int) -> bool:
 def _assert_no_errors(page) -> None:
     errors = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
     tracebacks = [t for t in errors.all_text_contents() if "Traceback" in t or "Error" in t]
-    bad = [n for n in ("Traceback", "Error displaying widget", "Failed to initialize", "VBox(children")
-           if page.evaluate(VISIBLE_TEXT, n)]
+    bad = [n for n in ("Traceback", "Error displaying widget", "Failed to initialize", "VBox(children") if page.evaluate(VISIBLE_TEXT, n)]
     assert not tracebacks and not bad, f"error output in the notebook: {(tracebacks or bad)[0][:2000]}"
 
 
@@ -448,8 +469,14 @@ def test_lesson_runs_clean(lab: Lab, lesson: str) -> None:
         assert page.locator(".js-plotly-plot").count() >= 1, "a lesson without a single picture"
         page.screenshot(path=str(ARTIFACTS / f"browser_{Path(lesson).stem}.png"), full_page=True)
         if lesson == STILLS_LESSON:  # live: the stills hide behind their widgets
-            _wait_until(page, "() => true", 60, "the live widgets", also=lambda: _stills(page) == [(False, True)] * N_WIDGETS_05A,
-                        seen=lambda: _stills(page))
+            _wait_until(
+                page,
+                "() => true",
+                60,
+                "the live widgets",
+                also=lambda: _stills(page) == [(False, True)] * N_WIDGETS_05A,
+                seen=lambda: _stills(page),
+            )
         ran = lab.save_lesson(lesson)
         stored = checked_outputs.load(REPO / "notebooks" / lesson)
         checked = checked_outputs.checked_cells(stored)
@@ -482,8 +509,7 @@ def _lock_every_prediction(page) -> int:
         lock = form.locator("button", has_text="Lock in")
         _wait_until(page, "() => true", 20, "Lock in to enable", also=lambda: lock.is_enabled())
         lock.click()
-    _wait_until(page, "() => true", 60, "every answer to open",
-                also=lambda: not page.evaluate(STILL_LOCKED))
+    _wait_until(page, "() => true", 60, "every answer to open", also=lambda: not page.evaluate(STILL_LOCKED))
     return n
 
 
@@ -508,8 +534,14 @@ def _reopened_lesson_shows_stills(lab: Lab, lesson: str, ran: dict) -> None:
     (lab.root / rel).write_text(json.dumps(ran))
     with lab.notebook(rel) as page:
         page.wait_for_timeout(3000)  # the widget manager gives up on the old models
-        _wait_until(page, "() => true", 90, "the stills to show", also=lambda: _stills(page) == [(True, False)] * N_WIDGETS_05A,
-                    seen=lambda: _stills(page))
+        _wait_until(
+            page,
+            "() => true",
+            90,
+            "the stills to show",
+            also=lambda: _stills(page) == [(True, False)] * N_WIDGETS_05A,
+            seen=lambda: _stills(page),
+        )
         _assert_no_errors(page)
         _still_shot(page, "browser_still_reopened_05a.png")
 
@@ -568,8 +600,13 @@ def test_learner_fills_an_exercise_and_the_check_passes(lab: Lab) -> None:
         page.keyboard.insert_text(LEARNER_ANSWER)
         page.keyboard.press("Shift+Enter")  # run the answer; the focus moves to the check cell
         page.keyboard.press("Shift+Enter")  # run the check
-        _wait_until(page, "() => true", 60, "the check to pass",
-                    also=lambda: "✔ PASS longest_hit" in check_cell.locator(".jp-OutputArea").inner_text())
+        _wait_until(
+            page,
+            "() => true",
+            60,
+            "the check to pass",
+            also=lambda: "✔ PASS longest_hit" in check_cell.locator(".jp-OutputArea").inner_text(),
+        )
         page.screenshot(path=str(ARTIFACTS / "browser_exercise.png"))
 
 
@@ -596,7 +633,9 @@ def test_exported_replay_works_offline(lab: Lab, tmp_path: Path) -> None:
     path = kvlab.export_html(shared_prefix(), tmp_path / "replay.html")
     page, blocked, errors = _offline_page(lab, path)
     try:
-        page.wait_for_function("() => document.body.dataset.step === '0' && document.querySelectorAll('.js-plotly-plot .main-svg').length >= 6")
+        page.wait_for_function(
+            "() => document.body.dataset.step === '0' && document.querySelectorAll('.js-plotly-plot .main-svg').length >= 6"
+        )
         assert _export_title(page, 0).startswith("Block pool · step 0")
         page.click("#kv-next")
         page.click("#kv-next")

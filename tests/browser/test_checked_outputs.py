@@ -2,21 +2,37 @@
 
 No browser here: the saved notebooks are built by hand in the shape JupyterLab writes them
 (an answer area as three outputs, the answer's outputs in an Output widget's state)."""
+
 from __future__ import annotations
 
 import copy
 
 import checked_outputs as co
 
-STYLE = {"output_type": "display_data", "metadata": {},
-         "data": {"text/html": ["<style>.jp-OutputArea-child:has(> .jp-OutputArea-output > .kvlab-still-next) {display:none}</style>"], "text/plain": [""]}}
-STILL = {"output_type": "display_data", "metadata": {},
-         "data": {"text/html": ["<span style='color:#777'>The answer appears here when the lesson runs and a prediction is locked in.</span>"], "text/plain": [""]}}
+STYLE = {
+    "output_type": "display_data",
+    "metadata": {},
+    "data": {
+        "text/html": ["<style>.jp-OutputArea-child:has(> .jp-OutputArea-output > .kvlab-still-next) {display:none}</style>"],
+        "text/plain": [""],
+    },
+}
+STILL = {
+    "output_type": "display_data",
+    "metadata": {},
+    "data": {
+        "text/html": ["<span style='color:#777'>The answer appears here when the lesson runs and a prediction is locked in.</span>"],
+        "text/plain": [""],
+    },
+}
 
 
 def _view(model_id: str) -> dict:
-    return {"output_type": "display_data", "metadata": {},
-            "data": {co.WIDGET_VIEW: {"model_id": model_id, "version_major": 2, "version_minor": 0}, "text/plain": [""]}}
+    return {
+        "output_type": "display_data",
+        "metadata": {},
+        "data": {co.WIDGET_VIEW: {"model_id": model_id, "version_major": 2, "version_minor": 0}, "text/plain": [""]},
+    }
 
 
 def _stream(text: str, name: str = "stdout") -> dict:
@@ -41,8 +57,13 @@ def _pair(stored_answer: list[dict], ran_answer: list[dict], extra: list[dict] |
     and its run in JupyterLab (the same print captured by the answer area's Output)."""
     src = "# NBVAL_CHECK_OUTPUT\nwith guess.reveal():\n    print(n)\n"
     stored = {"cells": [_cell("guess = predict('n?')", []), _cell(src, stored_answer)], "metadata": {}}
-    ran = {"cells": [_cell("guess = predict('n?')", []), _cell(src.replace("# NBVAL_CHECK_OUTPUT\n", ""), [STYLE, STILL, _view("box")] + (extra or []))],
-           "metadata": {"widgets": {co.WIDGET_STATE: {"state": _state(ran_answer)}}}}
+    ran = {
+        "cells": [
+            _cell("guess = predict('n?')", []),
+            _cell(src.replace("# NBVAL_CHECK_OUTPUT\n", ""), [STYLE, STILL, _view("box")] + (extra or [])),
+        ],
+        "metadata": {"widgets": {co.WIDGET_STATE: {"state": _state(ran_answer)}}},
+    }
     return stored, ran
 
 
@@ -62,10 +83,13 @@ def test_a_different_answer_is_reported_with_both_texts() -> None:
 
 def test_a_missing_answer_or_an_extra_output_kind_is_reported() -> None:
     stored, ran = _pair([_stream("blocks: 3\n")], [])
-    assert co.mismatches(stored, ran) == ["cell 1 (# NBVAL_CHECK_OUTPUT / with guess.reveal():): output kinds [] where the lesson has ['stdout']"]
+    assert co.mismatches(stored, ran) == [
+        "cell 1 (# NBVAL_CHECK_OUTPUT / with guess.reveal():): output kinds [] where the lesson has ['stdout']"
+    ]
     stored, ran = _pair([_stream("blocks: 3\n")], [_stream("blocks: 3\n"), _stream("oops\n", "stderr")])
     assert co.mismatches(stored, ran) == [
-        "cell 1 (# NBVAL_CHECK_OUTPUT / with guess.reveal():): output kinds ['stderr', 'stdout'] where the lesson has ['stdout']"]
+        "cell 1 (# NBVAL_CHECK_OUTPUT / with guess.reveal():): output kinds ['stderr', 'stdout'] where the lesson has ['stdout']"
+    ]
 
 
 def test_a_split_print_is_one_print_and_order_of_displays_counts() -> None:

@@ -8,6 +8,7 @@ allow_stdin=True). After a kernel restart and a second run (of a three-cell note
 locked prediction comes back locked from that record, its answer open. Screenshots:
 ``test-artifacts/browser_predict_{before,after,restored}.png``.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,10 @@ NESTED = (
     'guess = predict("How many blocks did the request hold?", kind="number")',
     'with guess.reveal():\n    print("the request held 2 blocks")\n    display(show(engine))',
 )
-ANSWER_SHOWN = ("() => [...document.querySelectorAll('.jp-OutputArea-output')]"
-                ".some(o => o.offsetParent !== null && o.innerText.includes('the request held 2 blocks'))")
+ANSWER_SHOWN = (
+    "() => [...document.querySelectorAll('.jp-OutputArea-output')]"
+    ".some(o => o.offsetParent !== null && o.innerText.includes('the request held 2 blocks'))"
+)
 
 
 @pytest.mark.timeout(420)
@@ -53,8 +56,9 @@ def test_answer_hidden_until_a_prediction_is_locked(lab: Lab) -> None:
         lock = first.locator("button", has_text="Lock in")
         _wait_until(page, "() => true", 20, "Lock in to enable", also=lambda: lock.is_enabled())
         lock.click()
-        _wait_until(page, "() => true", 30, "the answer to open",
-                    also=lambda: "same key False" in page.locator(".jp-Notebook").inner_text())
+        _wait_until(
+            page, "() => true", 30, "the answer to open", also=lambda: "same key False" in page.locator(".jp-Notebook").inner_text()
+        )
         answer = page.locator(".jp-OutputArea-output", has_text="your prediction: 0 · result: 0 · ✔ right")
         assert answer.count() >= 1
         assert "Locked in: 0" in first.inner_text()
@@ -83,14 +87,20 @@ def test_answer_hidden_until_a_prediction_is_locked(lab: Lab) -> None:
         lock = form.locator("button", has_text="Lock in")
         _wait_until(page, "() => true", 20, "Lock in to enable", also=lambda: lock.is_enabled())
         lock.click()
-        _wait_until(page, ANSWER_SHOWN, 60, "the answer, Player included, to show",
-                    also=lambda: page.locator(".kvlab-player").first.is_visible())
+        _wait_until(
+            page, ANSWER_SHOWN, 60, "the answer, Player included, to show", also=lambda: page.locator(".kvlab-player").first.is_visible()
+        )
         _assert_no_errors(page)
         page.locator(".jp-NotebookPanel-toolbar [data-command='notebook:restart-run-all']").first.click()
         page.locator(".jp-Dialog .jp-mod-accept").click()
         form = page.locator(".jp-OutputArea-output:has(.kvlab-live)", has_text="✎ Predict:").first
-        _wait_until(page, ANSWER_SHOWN, 300, "the second run to restore the lock",
-                    also=lambda: "(from your record)" in form.inner_text() and page.locator(".kvlab-player").first.is_visible())
+        _wait_until(
+            page,
+            ANSWER_SHOWN,
+            300,
+            "the second run to restore the lock",
+            also=lambda: "(from your record)" in form.inner_text() and page.locator(".kvlab-player").first.is_visible(),
+        )
         _wait_until(page, ALL_CELLS_RAN, 300, "every cell of the second run")
         assert "Predict again" in form.inner_text() and "Lock in" not in form.inner_text()
         _assert_no_errors(page)

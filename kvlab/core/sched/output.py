@@ -6,6 +6,7 @@ exactly as vLLM's GPU model runner does: a new or resumed request arrives whole 
 ``scheduled_cached_reqs`` (the block ids appended since last step). kvlab also hands over
 the token ids scheduled this step, so no executor has to mirror the sampler's output.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

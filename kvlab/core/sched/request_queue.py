@@ -4,6 +4,7 @@ vLLM: ``vllm/v1/core/sched/request_queue.py``. FCFS is a deque (a preempted requ
 back to the *front*); ``priority`` is a heap on ``(priority, arrival_time)`` -- a preempted
 request simply goes back onto the heap, where its old key puts it.
 """
+
 from __future__ import annotations
 
 import heapq

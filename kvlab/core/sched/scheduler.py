@@ -26,6 +26,7 @@ recompute. Multimodal requests need their items encoded first: a per-step encode
 and the :class:`EncoderCacheManager` decide which encoder inputs run, and cut a prefill
 chunk before an item that cannot.
 """
+
 from __future__ import annotations
 
 import copy
@@ -114,9 +115,18 @@ class SchedulerCheckpoint:
 #: Scheduler attributes a checkpoint does not copy: objects with owners of their own (the
 #: manager, the log, the connector, the publisher), the request map (journaled: only
 #: finishing requests leave it) and the waiting queue and encoder cache (copied apart).
-_NOT_COPIED = frozenset({
-    "kv_cache_manager", "events", "connector", "kv_event_publisher", "requests", "waiting", "encoder_cache_manager", "_ckpt",
-})
+_NOT_COPIED = frozenset(
+    {
+        "kv_cache_manager",
+        "events",
+        "connector",
+        "kv_event_publisher",
+        "requests",
+        "waiting",
+        "encoder_cache_manager",
+        "_ckpt",
+    }
+)
 #: Stats records changed in place: copied with their own ``copy()``.
 _STATS = ("caching_metrics", "connector_prefix_cache_stats")
 
@@ -168,12 +178,12 @@ class Scheduler:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         if not isinstance(enable_chunked_prefill, bool):
-            raise TypeError(f"enable_chunked_prefill must be True or False, got {type(enable_chunked_prefill).__name__} {enable_chunked_prefill!r}")
+            raise TypeError(
+                f"enable_chunked_prefill must be True or False, got {type(enable_chunked_prefill).__name__} {enable_chunked_prefill!r}"
+            )
         max_num_batched_tokens = check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
         max_num_seqs = check_int("max_num_seqs", max_num_seqs, 1)
-        long_prefill_token_threshold = check_int(
-            "long_prefill_token_threshold", long_prefill_token_threshold, 0, why=" (0 = off)"
-        )
+        long_prefill_token_threshold = check_int("long_prefill_token_threshold", long_prefill_token_threshold, 0, why=" (0 = off)")
         max_model_len = check_optional_int("max_model_len", max_model_len, 2)
         if not isinstance(scheduler_reserve_full_isl, bool):
             raise TypeError(f"scheduler_reserve_full_isl must be a bool, got {scheduler_reserve_full_isl!r}")
@@ -188,7 +198,9 @@ class Scheduler:
         if connector is not None:
             for hook in ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta", "request_finished"):
                 if not callable(getattr(connector, hook, None)):
-                    raise TypeError(f"connector must be a KV connector's scheduler half (it has no {hook}()), got {type(connector).__name__}")
+                    raise TypeError(
+                        f"connector must be a KV connector's scheduler half (it has no {hook}()), got {type(connector).__name__}"
+                    )
             role = getattr(getattr(connector, "role", None), "name", None)
             if role != "SCHEDULER":
                 raise ValueError(f"connector must be built with role=KVConnectorRole.SCHEDULER, got role {role}")
@@ -220,13 +232,12 @@ class Scheduler:
         # asked again (one more failure of the same source would loop forever).
         self._no_external: set[str] = set()
         self.max_num_encoder_input_tokens, encoder_cache_size = compute_encoder_budget(
-            max_num_batched_tokens, max_num_encoder_input_tokens, encoder_cache_size)
+            max_num_batched_tokens, max_num_encoder_input_tokens, encoder_cache_size
+        )
         self.encoder_cache_manager = EncoderCacheManager(encoder_cache_size, self.events)
 
         self.requests: dict[str, Request] = {}
-        self.waiting: FCFSRequestQueue | PriorityRequestQueue = (
-            PriorityRequestQueue() if policy == "priority" else FCFSRequestQueue()
-        )
+        self.waiting: FCFSRequestQueue | PriorityRequestQueue = PriorityRequestQueue() if policy == "priority" else FCFSRequestQueue()
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()  # since the last schedule(), for the executor
         self.step_count = 0
@@ -449,7 +460,8 @@ class Scheduler:
             new_encoder_budget = plan.encoder_budget
             if n > 0 and request.mm_features:
                 encoder_inputs, duplicates, n, new_encoder_budget = self._try_schedule_encoder_inputs(
-                    request, request.num_computed_tokens, n, plan.encoder_budget)
+                    request, request.num_computed_tokens, n, plan.encoder_budget
+                )
             if n <= 0:
                 i += 1
                 continue
@@ -500,8 +512,7 @@ class Scheduler:
                     break  # the connector cannot tell yet (vLLM skips the request this step)
                 if load_async:
                     raise NotImplementedError("kvlab's scheduler runs synchronous KV loads only (load_kv_async=False)")
-                num_external = check_int("connector.get_num_new_matched_tokens()[0]", ext, 0,
-                                         request.num_tokens - 1 - num_hit_tokens)
+                num_external = check_int("connector.get_num_new_matched_tokens()[0]", ext, 0, request.num_tokens - 1 - num_hit_tokens)
             num_computed = num_hit_tokens + num_external
             n = self._num_new_tokens(request, num_computed)
             if not self.enable_chunked_prefill and n > plan.token_budget:
@@ -516,14 +527,19 @@ class Scheduler:
             new_encoder_budget = plan.encoder_budget
             if request.mm_features:
                 encoder_inputs, duplicates, n, new_encoder_budget = self._try_schedule_encoder_inputs(
-                    request, num_computed, n, plan.encoder_budget)
+                    request, num_computed, n, plan.encoder_budget
+                )
                 if n <= 0:
                     self.encoder_cache_manager.free(request)
                     break  # an item it needs cannot be encoded this step (vLLM skips it)
             # vLLM's admission gate: the whole prompt (after the hit) must fit now, not just
             # this chunk (scheduler_reserve_full_isl; lesson 05b section 4).
             new_blocks = mgr.allocate_slots(
-                request, n, num_hit_tokens, hits, num_external_computed_tokens=num_external,
+                request,
+                n,
+                num_hit_tokens,
+                hits,
+                num_external_computed_tokens=num_external,
                 full_sequence_must_fit=self.scheduler_reserve_full_isl,
             )
             if new_blocks is None:
@@ -555,8 +571,9 @@ class Scheduler:
             plan.token_budget -= n
 
     # -- the encoder (lesson 14) ------------------------------------------------------------------
-    def _try_schedule_encoder_inputs(self, request: Request, num_computed_tokens: int, num_new_tokens: int,
-                                     encoder_budget: int) -> tuple[list[int], list[int], int, int]:
+    def _try_schedule_encoder_inputs(
+        self, request: Request, num_computed_tokens: int, num_new_tokens: int, encoder_budget: int
+    ) -> tuple[list[int], list[int], int, int]:
         """Which of ``request``'s items must be encoded for tokens ``[num_computed_tokens,
         + num_new_tokens)``, and how many of those tokens can be scheduled (vLLM's
         ``_try_schedule_encoder_inputs``).
@@ -722,7 +739,8 @@ class Scheduler:
         self.waiting.prepend_request(request)
         if self.events is not None:
             reason = "no free block; " + (
-                "preempted the newest running request (FCFS)" if self.policy == "fcfs"
+                "preempted the newest running request (FCFS)"
+                if self.policy == "fcfs"
                 else "preempted the running request with the largest (priority, arrival_time)"
             )
             self.events.emit(
@@ -798,8 +816,7 @@ class Scheduler:
                 raise TypeError(f"sampled_token_ids keys must be request ids (str), got {type(rid).__name__} {rid!r}")
             if rid not in scheduled:
                 raise ValueError(
-                    f"sampled_token_ids[{rid!r}]: request {rid!r} was not scheduled in step {out.step} "
-                    f"(scheduled: {sorted(scheduled)})"
+                    f"sampled_token_ids[{rid!r}]: request {rid!r} was not scheduled in step {out.step} (scheduled: {sorted(scheduled)})"
                 )
             if not isinstance(toks, (list, tuple)):
                 if isinstance(toks, (str, bytes)) or not hasattr(toks, "tolist"):
@@ -809,7 +826,8 @@ class Scheduler:
                 if not isinstance(toks, list):
                     raise TypeError(f"sampled_token_ids[{rid!r}] must be a 1-D list of token ids, got a scalar {toks!r}")
             clean[rid] = [
-                t if type(t) is int and 0 <= t <= _MAX_TOKEN_ID
+                t
+                if type(t) is int and 0 <= t <= _MAX_TOKEN_ID
                 else check_int(f"sampled_token_ids[{rid!r}][{i}]", t, 0, _MAX_TOKEN_ID, why=" (token ids are uint32)")
                 for i, t in enumerate(toks)
             ]
@@ -827,7 +845,10 @@ class Scheduler:
         return clean
 
     def _update_from_output(
-        self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, list[int]], iteration: IterationStats | None,
+        self,
+        scheduler_output: SchedulerOutput,
+        sampled_token_ids: dict[str, list[int]],
+        iteration: IterationStats | None,
         kv_connector_output: KVConnectorOutput | None,
     ) -> list[Request]:
         finished: list[Request] = []
@@ -836,8 +857,9 @@ class Scheduler:
         if self.connector is not None and kv_connector_output is not None:
             self.connector.update_connector_output(kv_connector_output)
             if kv_connector_output.invalid_block_ids:
-                failed = self._handle_invalid_blocks(kv_connector_output.invalid_block_ids, scheduler_output, finished,
-                                                     kv_connector_output.errors)
+                failed = self._handle_invalid_blocks(
+                    kv_connector_output.invalid_block_ids, scheduler_output, finished, kv_connector_output.errors
+                )
         for rid, n in scheduler_output.num_scheduled_tokens.items():
             r = self.requests.get(rid)
             if r is None or r.status != RequestStatus.RUNNING or rid in failed:
@@ -909,8 +931,10 @@ class Scheduler:
         """Stop the KV-event publisher (vLLM: ``Scheduler.shutdown``)."""
         if self.kv_event_publisher is not None and callable(getattr(self.kv_event_publisher, "shutdown", None)):
             self.kv_event_publisher.shutdown()
-    def _handle_invalid_blocks(self, invalid_block_ids: set[int], scheduler_output: SchedulerOutput,
-                               finished: list[Request], errors: dict[str, str] | None = None) -> set[str]:
+
+    def _handle_invalid_blocks(
+        self, invalid_block_ids: set[int], scheduler_output: SchedulerOutput, finished: list[Request], errors: dict[str, str] | None = None
+    ) -> set[str]:
         """Requests of this step whose computed prefix holds a block that failed to load
         (vLLM's ``_handle_invalid_blocks``). For each: the failed block and every later block
         of its table leave the prefix cache (nobody may hit KV that never arrived), then --
@@ -953,12 +977,24 @@ class Scheduler:
                 if self.connector is not None:
                     self.connector.request_requeued(r)
                 if self.events is not None:
-                    self.events.emit(KVLoadFailed(request_id=rid, block_ids=[b for b in bad if b in invalid_block_ids],
-                                                  reason=(errors or {}).get(rid, "its KV came from a failed load"), requeued=True))
+                    self.events.emit(
+                        KVLoadFailed(
+                            request_id=rid,
+                            block_ids=[b for b in bad if b in invalid_block_ids],
+                            reason=(errors or {}).get(rid, "its KV came from a failed load"),
+                            requeued=True,
+                        )
+                    )
             else:
                 if self.events is not None:
-                    self.events.emit(KVLoadFailed(request_id=rid, block_ids=[b for b in bad if b in invalid_block_ids],
-                                                  reason=(errors or {}).get(rid, "its KV came from a failed load"), requeued=False))
+                    self.events.emit(
+                        KVLoadFailed(
+                            request_id=rid,
+                            block_ids=[b for b in bad if b in invalid_block_ids],
+                            reason=(errors or {}).get(rid, "its KV came from a failed load"),
+                            requeued=False,
+                        )
+                    )
                 r.status = RequestStatus.FINISHED_ABORTED
                 finished.append(r)  # freed with reason "error" by update_from_output
         return out
@@ -1119,7 +1155,9 @@ class Scheduler:
         assert len(queued) == len(self.running) + len(waiting), "a request is queued twice"
         # every known unfinished request is in exactly one queue (a request in ``requests`` but
         # in no queue would never run, and its id would be refused forever)
-        assert set(self.requests) == queued, f"requests in no queue: {sorted(set(self.requests) - queued)}; queued but unknown: {sorted(queued - set(self.requests))}"
+        assert set(self.requests) == queued, (
+            f"requests in no queue: {sorted(set(self.requests) - queued)}; queued but unknown: {sorted(queued - set(self.requests))}"
+        )
         for r in self.running:
             assert r.status == RequestStatus.RUNNING, f"{r.request_id} in running with status {r.status.name}"
             ids = self.kv_cache_manager.get_block_ids(r.request_id)
@@ -1130,5 +1168,6 @@ class Scheduler:
                     assert 0 not in g, f"{r.request_id}: a null block in a full-attention table {g}"
         for r in waiting:
             assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), f"{r.request_id} waiting with status {r.status.name}"
-            assert r.num_computed_tokens == 0 and not any(self.kv_cache_manager.get_block_ids(r.request_id)), f"waiting {r.request_id} holds KV"
-
+            assert r.num_computed_tokens == 0 and not any(self.kv_cache_manager.get_block_ids(r.request_id)), (
+                f"waiting {r.request_id} holds KV"
+            )

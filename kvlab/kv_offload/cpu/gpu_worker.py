@@ -13,6 +13,7 @@ reads from a file.
 The simulated executor has no tensors (``kv_caches`` is empty): then a slot is zero bytes,
 files carry only their header, and everything else -- slots, files, checks -- is the same.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -35,8 +36,9 @@ class CPUKVBuffer:
             first = self.kv_caches[0]
             for i, t in enumerate(self.kv_caches):
                 if t.shape != first.shape or t.dtype != first.dtype:
-                    raise ValueError(f"kv_caches[{i}] has shape {tuple(t.shape)} {t.dtype}; every layer must match "
-                                     f"{tuple(first.shape)} {first.dtype}")
+                    raise ValueError(
+                        f"kv_caches[{i}] has shape {tuple(t.shape)} {t.dtype}; every layer must match {tuple(first.shape)} {first.dtype}"
+                    )
             # [slots, layers, 2, block_size, kv_heads, head_dim], pinned would be nicer on CUDA
             self.tensor = torch.zeros((self.num_blocks, len(self.kv_caches), *first.shape[1:]), dtype=first.dtype)
             self.block_nbytes = self.tensor[0].numel() * self.tensor.element_size()

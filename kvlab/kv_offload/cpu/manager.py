@@ -7,6 +7,7 @@ needed is the LRU policy's call (``policies/lru.py``). The manager also queues
 :class:`OffloadingEvent` records (stored / removed) for the connector, which turns them
 into kvlab timeline events and vLLM KV events (medium "CPU").
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
@@ -25,15 +26,19 @@ from kvlab.utils.checks import check_int
 
 def _check_key(name: str, key: object) -> None:
     if not isinstance(key, bytes) or len(key) <= 4:
-        raise TypeError(f"{name} must be an offload key (bytes: a block hash + its 4-byte group, make_offload_key), "
-                        f"got {type(key).__name__} {key!r:.60}")
+        raise TypeError(
+            f"{name} must be an offload key (bytes: a block hash + its 4-byte group, make_offload_key), "
+            f"got {type(key).__name__} {key!r:.60}"
+        )
 
 
 def _check_keys(name: str, keys: object) -> list[OffloadKey]:
     """``keys`` as a list, every one an offload key -- checked before a tier changes."""
     if isinstance(keys, (bytes, bytearray, str)) or not isinstance(keys, Iterable):
-        raise TypeError(f"{name} must be a list of offload keys, got {type(keys).__name__} {keys!r:.60}"
-                        + (" (wrap a single key in a list)" if isinstance(keys, bytes) else ""))
+        raise TypeError(
+            f"{name} must be a list of offload keys, got {type(keys).__name__} {keys!r:.60}"
+            + (" (wrap a single key in a list)" if isinstance(keys, bytes) else "")
+        )
     keys = list(keys)
     for i, k in enumerate(keys):
         _check_key(f"{name}[{i}]", k)
@@ -83,8 +88,10 @@ class LRUOffloadingManager(OffloadingManager):
         for i, key in enumerate(keys):
             status = self._policy.get(key)
             if status is None or not status.is_ready:
-                raise ValueError(f"prepare_load: keys[{i}] (block {key.hex()[:16]}…) is not readable in the {self.medium} tier "
-                                 f"({'still being written' if status is not None else 'not stored'}); lookup() says what is")
+                raise ValueError(
+                    f"prepare_load: keys[{i}] (block {key.hex()[:16]}…) is not readable in the {self.medium} tier "
+                    f"({'still being written' if status is not None else 'not stored'}); lookup() says what is"
+                )
         for key in keys:
             status = self._policy.get(key)
             assert status is not None

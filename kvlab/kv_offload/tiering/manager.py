@@ -14,6 +14,7 @@ vLLM's rules, which kvlab follows:
 vLLM promotes asynchronously (a lookup answers "retry later" while the file is read);
 kvlab's worker reads the file in the same step, before the GPU copy.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
@@ -125,8 +126,10 @@ class TieringOffloadingManager:
                     raise ValueError(f"prepare_load: keys[{i}] is in the CPU tier too; load it from 'CPU'")
                 promote += 1
         if promote > self.primary.num_storable(protected=keys):
-            raise ValueError(f"prepare_load: {promote} storage blocks need a CPU slot to pass through, but only "
-                             f"{self.primary.num_storable(protected=keys)} can be found (lookup_chain caps this)")
+            raise ValueError(
+                f"prepare_load: {promote} storage blocks need a CPU slot to pass through, but only "
+                f"{self.primary.num_storable(protected=keys)} can be found (lookup_chain caps this)"
+            )
         items = []
         protected = set(keys)
         for key, m in zip(keys, media):

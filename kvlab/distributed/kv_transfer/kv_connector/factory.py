@@ -1,5 +1,6 @@
 """Build a connector by name (vLLM: ``KVConnectorFactory`` in
 ``vllm/distributed/kv_transfer/kv_connector/factory.py``)."""
+
 from __future__ import annotations
 
 import importlib

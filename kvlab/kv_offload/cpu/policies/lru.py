@@ -9,6 +9,7 @@ vLLM 0.33 ranks blocks per *request* (recency is committed when a request finish
 blocks ordered head to tail); kvlab keeps the plain per-block LRU of the first offloading
 releases -- the same idea, one rule fewer (lesson 12 says so).
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict

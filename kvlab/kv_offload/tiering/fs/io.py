@@ -12,6 +12,7 @@ The folder may be shared (another engine, another user): the tier neither writes
 nor reads through a symlink, and reads only regular files, never more bytes than a block
 file holds -- a link, a FIFO or a device in a tier file's place is a bad file, not a hang.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -99,7 +100,7 @@ def read_block_file(path: str, key: bytes, nbytes: int) -> bytes:
         raise TierFileError(path, "not a kvlab block file (bad magic)")
     _, klen = _HEAD.unpack_from(raw, 0)
     at = _HEAD.size
-    if raw[at:at + klen] != key:
+    if raw[at : at + klen] != key:
         raise TierFileError(path, "holds another block (key mismatch)")
     at += klen
     if len(raw) < at + _TAIL.size:
@@ -125,8 +126,13 @@ def is_regular_file(path: str) -> bool:
 
 
 def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-                       (stat.S_ISDIR, "a directory"), (stat.S_ISSOCK, "a socket")):
+    for test, name in (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
         if test(mode):
             return name
     return f"mode {stat.filemode(mode)}"

@@ -8,6 +8,7 @@ device -- is a miss, and its entry is dropped with a reason naming the file. vLL
 tier grows until the disk is full; kvlab gives it a capacity and its own LRU, like the CPU
 tier, so the lessons can watch it evict (the evicted files are deleted by the worker).
 """
+
 from __future__ import annotations
 
 import os

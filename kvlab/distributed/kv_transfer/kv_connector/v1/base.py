@@ -25,6 +25,7 @@ kvlab's connectors move their bytes synchronously inside the step (vLLM's "sync 
 path); the asynchronous path (``WAITING_FOR_REMOTE_KVS``, ``get_finished``) keeps its hooks
 here but no kvlab connector uses it. Layers are named ``"layers.{i}"``.
 """
+
 from __future__ import annotations
 
 import enum
@@ -74,8 +75,9 @@ class KVConnectorBase_V1(ABC):  # noqa: N801 - vLLM's name
 
     def _check_role(self, role: KVConnectorRole, hook: str) -> None:
         if self._role is not role:
-            raise RuntimeError(f"{type(self).__name__}.{hook} is a {role.name.lower()}-side hook, but this "
-                               f"connector was built with role={self._role.name}")
+            raise RuntimeError(
+                f"{type(self).__name__}.{hook} is a {role.name.lower()}-side hook, but this connector was built with role={self._role.name}"
+            )
 
     # ==============================  worker side  ==============================
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:

@@ -23,6 +23,7 @@ last token; kvlab also loads the partial last block (like the P/D connectors), s
 engines' outputs can be compared token for token. Files carry kvlab's checked format: a
 missing or corrupt layer file is a load failure, recomputed by the decode engine.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -82,8 +83,9 @@ class ExampleWorkerReport:
 
 
 class ExampleConnector(KVConnectorBase_V1):
-    def __init__(self, role: KVConnectorRole, block_size: int, extra_config: dict[str, Any] | None = None,
-                 kv_role: str = "kv_both") -> None:
+    def __init__(
+        self, role: KVConnectorRole, block_size: int, extra_config: dict[str, Any] | None = None, kv_role: str = "kv_both"
+    ) -> None:
         super().__init__(role)
         cfg = dict(extra_config or {})
         unknown = set(cfg) - {"shared_storage_path"}
@@ -165,9 +167,16 @@ class ExampleConnector(KVConnectorBase_V1):
         self._loads[request.request_id] = meta
         if self.events is not None:
             bs = self.block_size
-            ids = row[start // bs: -(-meta.end // bs)]
-            self.events.record("kv_transfer", direction="load", request_id=request.request_id, media=["FILE"] * len(ids), block_ids=ids,
-                                        paths=[meta.folder], num_tokens=num_external_tokens)
+            ids = row[start // bs : -(-meta.end // bs)]
+            self.events.record(
+                "kv_transfer",
+                direction="load",
+                request_id=request.request_id,
+                media=["FILE"] * len(ids),
+                block_ids=ids,
+                paths=[meta.folder],
+                num_tokens=num_external_tokens,
+            )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ExampleConnectorMetadata:
         self._check_role(KVConnectorRole.SCHEDULER, "build_connector_meta")
@@ -195,8 +204,9 @@ class ExampleConnector(KVConnectorBase_V1):
             meta.requests.append(ReqMeta(rid, folder, row, 0, p, is_store=True, token_ids=list(prompt)))
             if self.events is not None:
                 ids = row[: -(-p // bs)]
-                self.events.record("kv_transfer", direction="store", request_id=rid, media=["FILE"] * len(ids), block_ids=ids,
-                                            paths=[folder], num_tokens=p)
+                self.events.record(
+                    "kv_transfer", direction="store", request_id=rid, media=["FILE"] * len(ids), block_ids=ids, paths=[folder], num_tokens=p
+                )
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -206,8 +216,11 @@ class ExampleConnector(KVConnectorBase_V1):
             return False, None
         # A prefill engine answers with where the decode engine finds the KV (vLLM's
         # kv_transfer_params; a P/D proxy forwards them).
-        return False, {"shared_storage_path": self.storage_path, "folder": os.path.basename(self.folder_of(request)),
-                       "num_tokens": request.num_prompt_tokens}
+        return False, {
+            "shared_storage_path": self.storage_path,
+            "folder": os.path.basename(self.folder_of(request)),
+            "num_tokens": request.num_prompt_tokens,
+        }
 
     # ==============================  worker side  ==============================
     def register_kv_caches(self, kv_caches: Any) -> None:
@@ -237,10 +250,10 @@ class ExampleConnector(KVConnectorBase_V1):
                     data = self._read_layer(path, rm, layer, kv)
                     blocks = [s // bs for s in slots]
                     offsets = [s % bs for s in slots]
-                    kv[blocks, :, offsets] = data[rm.start:rm.end].to(kv.device)
+                    kv[blocks, :, offsets] = data[rm.start : rm.end].to(kv.device)
             except Exception as e:  # noqa: BLE001 - a failed load is reported, the blocks recomputed
                 self._report.errors[rm.req_id] = f"{type(e).__name__}: {e}"
-                self._invalid.update(rm.block_ids[rm.start // bs: -(-rm.end // bs)])
+                self._invalid.update(rm.block_ids[rm.start // bs : -(-rm.end // bs)])
                 continue
             self._report.num_loaded_tokens["FILE"] = self._report.num_loaded_tokens.get("FILE", 0) + rm.end - rm.start
 
@@ -285,8 +298,7 @@ class ExampleConnector(KVConnectorBase_V1):
         for rm in meta.requests:
             if not rm.is_store or rm.req_id in skip_req_ids or rm.req_id in self._report.errors:
                 continue
-            manifest = {"token_ids": rm.token_ids, "num_tokens": rm.end, "block_size": meta.block_size,
-                        "num_layers": len(self.kv_caches)}
+            manifest = {"token_ids": rm.token_ids, "num_tokens": rm.end, "block_size": meta.block_size, "num_layers": len(self.kv_caches)}
             os.makedirs(rm.folder, exist_ok=True)
             tmp = os.path.join(rm.folder, MANIFEST + ".tmp")
             with open(tmp, "w") as f:

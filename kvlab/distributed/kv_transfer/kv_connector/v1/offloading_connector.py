@@ -14,6 +14,7 @@ bytes (:mod:`...offloading.worker`). Both are built from the same ``KVTransferCo
 (``kv_connector="OffloadingConnector"``; extra config ``num_cpu_blocks``,
 ``storage_path`` and ``num_storage_blocks`` for a disk tier, ``offload_prompt_only``).
 """
+
 from __future__ import annotations
 
 from collections.abc import Set as AbstractSet

@@ -1,5 +1,6 @@
 """What the offloading connector's two halves tell each other (vLLM:
 ``vllm/distributed/kv_transfer/kv_connector/v1/offloading/common.py``)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -18,6 +18,7 @@
 Every decision is written to the event log (``KVTransfer``, ``OffloadEvicted``), so the
 lesson's pictures show stores, loads and which tier served each hit, step by step.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -70,11 +71,12 @@ class OffloadingConnectorScheduler:
     def bind(self, kv_cache_manager: KVCacheManager) -> None:
         groups = kv_cache_manager.kv_cache_groups
         if len(groups) != 1 or getattr(groups[0], "type_name", "full") != "full":
-            raise ValueError("the offloading connector needs one full-attention KV-cache group (vLLM's connectors "
-                             f"without the hybrid allocator); got {[type(g).__name__ for g in groups]}")
+            raise ValueError(
+                "the offloading connector needs one full-attention KV-cache group (vLLM's connectors "
+                f"without the hybrid allocator); got {[type(g).__name__ for g in groups]}"
+            )
         if groups[0].block_size != self.block_size:
-            raise ValueError(f"the connector was built for block_size={self.block_size}, the KV-cache manager uses "
-                             f"{groups[0].block_size}")
+            raise ValueError(f"the connector was built for block_size={self.block_size}, the KV-cache manager uses {groups[0].block_size}")
         if not kv_cache_manager.enable_caching:
             raise ValueError("offloading works by block hash: build the KV-cache manager with enable_caching=True")
         self.events = kv_cache_manager.events
@@ -83,7 +85,9 @@ class OffloadingConnectorScheduler:
         # off nobody takes the queue, and it would grow with every store for ever.
         self.collect_kv_events = kv_cache_manager.block_pool.enable_kv_cache_events
         if self.events is not None:
-            self.events.record("offload_tiers_created", tiers=[{"medium": t.medium, "num_blocks": t.num_blocks} for t in self.manager.tiers])
+            self.events.record(
+                "offload_tiers_created", tiers=[{"medium": t.medium, "num_blocks": t.num_blocks} for t in self.manager.tiers]
+            )
 
     # -- helpers ---------------------------------------------------------------------------------
     def _state(self, request: Request) -> RequestOffloadState:
@@ -114,9 +118,17 @@ class OffloadingConnectorScheduler:
                 if self.collect_kv_events:
                     self._kv_events.append(BlockRemoved(block_hashes=[self._ext(h) for h in hashes], medium=ev.medium))
             elif self.collect_kv_events:
-                self._kv_events.append(BlockStored(block_hashes=[self._ext(h) for h in hashes], parent_block_hash=None,
-                                                   token_ids=[], block_size=self.block_size, lora_id=None,
-                                                   medium=ev.medium, lora_name=None))
+                self._kv_events.append(
+                    BlockStored(
+                        block_hashes=[self._ext(h) for h in hashes],
+                        parent_block_hash=None,
+                        token_ids=[],
+                        block_size=self.block_size,
+                        lora_id=None,
+                        medium=ev.medium,
+                        lora_name=None,
+                    )
+                )
 
     def _ext(self, h: bytes) -> bytes | int:
         return int.from_bytes(h, "big") & 0xFFFF_FFFF_FFFF_FFFF if self.use_int_hashes else h
@@ -148,21 +160,28 @@ class OffloadingConnectorScheduler:
         st.next_stored_block_idx = max(st.next_stored_block_idx, start + n)
         if n == 0:
             return
-        keys = [make_offload_key(h) for h in request.block_hashes[start:start + n]]
+        keys = [make_offload_key(h) for h in request.block_hashes[start : start + n]]
         media = st.lookup_media[:n]
         items = self.manager.prepare_load(keys, media)
         self._drain()
-        gpu_ids = [b.block_id for b in blocks.blocks[0][start:start + n]]
+        gpu_ids = [b.block_id for b in blocks.blocks[0][start : start + n]]
         job = LoadJob(self._job_id(), request.request_id, gpu_ids, items)
         self._jobs[job.job_id] = job
         self._pending_loads.append(job)
         for m in media:
             self.num_hit_tokens[m] = self.num_hit_tokens.get(m, 0) + bs
         if self.events is not None:
-            self.events.record("kv_transfer", direction="load", request_id=request.request_id, media=list(media), block_ids=gpu_ids,
-                                        block_hashes=[get_offload_block_hash(k) for k in keys],
-                                        chunk_ids=[it.cpu_slot for it in items], paths=[it.path or "" for it in items],
-                                        num_tokens=n * bs)
+            self.events.record(
+                "kv_transfer",
+                direction="load",
+                request_id=request.request_id,
+                media=list(media),
+                block_ids=gpu_ids,
+                block_hashes=[get_offload_block_hash(k) for k in keys],
+                chunk_ids=[it.cpu_slot for it in items],
+                paths=[it.path or "" for it in items],
+                num_tokens=n * bs,
+            )
 
     def _expire_stale_jobs(self) -> None:
         """Jobs of an earlier step that were never reported: that step never finished (an
@@ -223,14 +242,27 @@ class OffloadingConnectorScheduler:
     def _emit_store(self, rid: str, gpu_ids: list[int], plan: StorePlan) -> None:
         if self.events is None:
             return
-        self.events.record("kv_transfer", direction="store", request_id=rid, media=["CPU"] * len(plan.keys), block_ids=gpu_ids,
-                                    block_hashes=[get_offload_block_hash(k) for k in plan.keys], chunk_ids=list(plan.cpu_slots),
-                                    num_tokens=len(plan.keys) * self.block_size)
+        self.events.record(
+            "kv_transfer",
+            direction="store",
+            request_id=rid,
+            media=["CPU"] * len(plan.keys),
+            block_ids=gpu_ids,
+            block_hashes=[get_offload_block_hash(k) for k in plan.keys],
+            chunk_ids=list(plan.cpu_slots),
+            num_tokens=len(plan.keys) * self.block_size,
+        )
         if plan.cascade_keys:
-            self.events.record("kv_transfer", direction="store", request_id=rid, media=["STORAGE"] * len(plan.cascade_keys),
-                                        block_hashes=[get_offload_block_hash(k) for k in plan.cascade_keys],
-                                        chunk_ids=list(plan.cascade_slots), paths=list(plan.cascade_paths),
-                                        num_tokens=len(plan.cascade_keys) * self.block_size)
+            self.events.record(
+                "kv_transfer",
+                direction="store",
+                request_id=rid,
+                media=["STORAGE"] * len(plan.cascade_keys),
+                block_hashes=[get_offload_block_hash(k) for k in plan.cascade_keys],
+                chunk_ids=list(plan.cascade_slots),
+                paths=list(plan.cascade_paths),
+                num_tokens=len(plan.cascade_keys) * self.block_size,
+            )
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         wm = connector_output.worker_meta

@@ -14,6 +14,7 @@ blocks are deleted. A store that fails only costs a future miss.
 ``before_block_copy`` is a seam for tests and lessons: called as ``(direction, key,
 gpu_block)`` before each block moves; whatever it raises is a transfer failure.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -69,7 +70,7 @@ class OffloadingConnectorWorker:
                 res.num_loaded += 1
                 loaded[item.medium] = loaded.get(item.medium, 0) + meta.block_size
             if res.failed_key is not None:
-                self._invalid.update(job.gpu_block_ids[res.num_loaded:])
+                self._invalid.update(job.gpu_block_ids[res.num_loaded :])
                 self._failed_reqs.add(job.req_id)
                 self._report.errors[job.req_id] = res.reason
             self._report.loads[job.job_id] = res
