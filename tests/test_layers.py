@@ -5,6 +5,7 @@ again on a copy of the tree with one planted violation per contract -- each cont
 report itself broken, so a contract that silently checks nothing (a typo in a module name,
 a package the analysis cannot see) fails this test.
 """
+
 from __future__ import annotations
 
 import os
@@ -20,24 +21,31 @@ LINT = pathlib.Path(sys.executable).with_name("lint-imports")
 
 CONTRACTS = {
     # contract name (as printed) -> (file to plant into, the planted line)
-    "The core imports no torch, Triton, plotly, ipywidgets or ZeroMQ, and nothing above it": (
-        "kvlab/core/block_pool.py", "import torch"),
-    "kernels/ (kvlab.kernels) imports nothing of kvlab": (
-        "kernels/reference.py", "from kvlab.core.block_pool import BlockPool"),
+    "The core imports no torch, Triton, plotly, ipywidgets or ZeroMQ, and nothing above it": ("kvlab/core/block_pool.py", "import torch"),
+    "kernels/ (kvlab.kernels) imports nothing of kvlab": ("kernels/reference.py", "from kvlab.core.block_pool import BlockPool"),
     "Views import the data layer and plotting libraries only: no engine, scheduler, runner, executor or scenarios": (
-        "kvlab/viz/pool.py", "from kvlab.engine.llm_engine import LLMEngine"),
+        "kvlab/viz/pool.py",
+        "from kvlab.engine.llm_engine import LLMEngine",
+    ),
     "The data layer (kvlab.timeline) imports no view, nothing of the engine, and no socket": (
-        "kvlab/timeline/snapshot.py", "import kvlab.viz.style"),
+        "kvlab/timeline/snapshot.py",
+        "import kvlab.viz.style",
+    ),
     # A core module importing the kernels through their installed name: invisible to the
     # analysis as kvlab.kernels, seen as an import of the kvlab package itself.
     "The core, the data layer and the views never import the kvlab package facade": (
-        "kvlab/core/kv_cache_utils.py", "from kvlab.kernels import reshape_and_cache"),
+        "kvlab/core/kv_cache_utils.py",
+        "from kvlab.kernels import reshape_and_cache",
+    ),
     "The learner's predictions and record import nothing of the engine, the exercises or the views": (
-        "kvlab/learner/store.py", "import kvlab.exercises"),
-    "No import cycle between sibling modules or packages, at any depth": (
-        "kvlab/engine/llm_engine.py", "import kvlab.show"),
+        "kvlab/learner/store.py",
+        "import kvlab.exercises",
+    ),
+    "No import cycle between sibling modules or packages, at any depth": ("kvlab/engine/llm_engine.py", "import kvlab.show"),
     "The offload tiers' scheduler-side books import no torch and no worker code": (
-        "kvlab/kv_offload/tiering/manager.py", "import kvlab.kv_offload.cpu.gpu_worker"),
+        "kvlab/kv_offload/tiering/manager.py",
+        "import kvlab.kv_offload.cpu.gpu_worker",
+    ),
 }
 # The core must not reach beyond the pool either: a second planted line for its contract.
 CORE_BEYOND_POOL = ("kvlab/core/sched/scheduler.py", "from kvlab.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole")
@@ -116,7 +124,11 @@ def test_the_public_api_is_importable_from_the_top_level() -> None:
 
     assert callable(show) and show.show is kvlab.show.show
     assert {LLMEngine.__module__, EventLog.__module__, Snapshot.__module__, Timeline.__module__} == {
-        "kvlab.engine.llm_engine", "kvlab.timeline.events", "kvlab.timeline.snapshot", "kvlab.timeline.timeline"}
+        "kvlab.engine.llm_engine",
+        "kvlab.timeline.events",
+        "kvlab.timeline.snapshot",
+        "kvlab.timeline.timeline",
+    }
     assert callable(build_engine) and callable(replay)
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         kvlab.nope  # noqa: B018
@@ -128,13 +140,31 @@ RUFF = pathlib.Path(sys.executable).with_name("ruff")
 def test_ruff_passes_on_the_tree_and_catches_a_planted_mistake(tmp_path: pathlib.Path) -> None:
     """`make test` runs `ruff check` with pyproject.toml's settings: the tree passes, and the
     mistakes the lint is there for (an unused import, an undefined name) fail it."""
-    out = subprocess.run([str(RUFF), "check", "--no-cache", "kvlab", "kernels", "tests"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [str(RUFF), "check", "--no-cache", "kvlab", "kernels", "tests"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     planted = tmp_path / "kvlab" / "planted.py"
     planted.parent.mkdir()
     planted.write_text("import os\n\n\ndef f():\n    return undefined_name\n")
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
-    out = subprocess.run([str(RUFF), "check", "--no-cache", "--output-format", "concise", "kvlab"], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [str(RUFF), "check", "--no-cache", "--output-format", "concise", "kvlab"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 1
     assert [line.split(" ", 2)[1] for line in out.stdout.splitlines() if line.startswith("kvlab/")] == ["F401", "F821"], out.stdout
+
+
+def test_ruff_format_passes_on_the_tree_and_catches_an_unformatted_file(tmp_path: pathlib.Path) -> None:
+    """`make test` runs `ruff format --check`: the tree is formatted, and a file that is not
+    (here: single quotes, a cramped call) fails the check and is named."""
+    out = subprocess.run(
+        [str(RUFF), "format", "--check", "--no-cache", "kvlab", "kernels", "tests"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    planted = tmp_path / "kvlab" / "planted.py"
+    planted.parent.mkdir()
+    planted.write_text("def f( x ):\n    return {'a':x}\n")
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    out = subprocess.run([str(RUFF), "format", "--check", "--no-cache", "kvlab"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "kvlab/planted.py" in out.stdout, out.stdout + out.stderr
