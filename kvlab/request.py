@@ -261,22 +261,6 @@ class Request:
     def block_hasher(self) -> Callable[[Request], list[BlockHash]] | None:
         return self._block_hasher
 
-    # -- all or nothing -------------------------------------------------------------------
-    def _get_state(self) -> tuple:
-        """Everything a step may change, in O(1) for the token lists: every attribute is
-        saved as it is (a copy of the instance's own ``__dict__``, so a field added later --
-        or one a connector sets, like ``kv_transfer_params`` -- cannot be forgotten), and the
-        lists that only ever grow (tokens, packed tokens, block hashes) by their lengths, to
-        be cut back (see ``Scheduler.checkpoint``)."""
-        return (self.__dict__.copy(), len(self._output_token_ids), len(self._all_token_ids), len(self.block_hashes))
-
-    def _set_state(self, state: tuple) -> None:
-        attrs, num_out, num_tokens, num_hashes = state
-        self.__dict__.clear()
-        self.__dict__.update(attrs)
-        del self._output_token_ids[num_out:], self._all_token_ids[num_tokens:], self._token_bytes[4 * num_tokens :]
-        del self.block_hashes[num_hashes:]
-
     # -- lifecycle ------------------------------------------------------------------------
     def is_finished(self) -> bool:
         return RequestStatus.is_finished(self.status)

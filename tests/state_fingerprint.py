@@ -31,6 +31,10 @@ def pool_fingerprint(pool) -> tuple:
         pool.num_evicted_blocks,
         # Links of blocks that are not free must be empty.
         tuple(b.block_id for b in pool.blocks if b.ref_cnt and (b.prev_free_block or b.next_free_block)),
+        # Outside a call, the queue and the map run as the classes they were built as (the
+        # journaled subclasses exist only while a transaction is open).
+        type(q).__name__,
+        type(pool.cached_block_hash_to_block).__name__,
     )
 
 
@@ -67,7 +71,7 @@ def manager_fingerprint(mgr: KVCacheManager) -> tuple:
         tuple(groups),
         tuple(sorted(mgr._requests)),
         None if stats is None else tuple(getattr(stats, f.name) for f in fields(stats)),
-        mgr._ckpt is None,
+        mgr._txn is None,
         tuple(request_fingerprint(r) for r in sorted(mgr._requests.values(), key=lambda r: r.request_id)),
     )
 
@@ -96,7 +100,8 @@ def scheduler_fingerprint(sched: Scheduler, extra_requests=()) -> tuple:
         (sched.step_count, sched.num_preemptions, sched.prefix_cache_queries, sched.prefix_cache_hits, sched._last_applied_step),
         (cm.aggregated_requests, cm.aggregated_query_total, cm.aggregated_query_hit, tuple(cm.query_queue)),
         None if sched._pending_output is None else id(sched._pending_output),
-        sched._ckpt is None,
+        sched._txn is None,
+        type(sched.kv_event_publisher).__name__,  # not the stand-in that holds a step's batches back
         tuple(sorted((request_fingerprint(r) for r in reqs.values()), key=repr)),
         log_fingerprint(sched.events),
     )

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvlab import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock, Request
 from kvlab.core.block_pool import BlockHashToBlockMap, group_suffix
+from kvlab.core.transaction import checkpoint_pool, release_pool, restore_pool
 
 
 def ids(blocks):
@@ -340,12 +343,67 @@ def test_restore_brings_back_the_map_whoever_wrote_it(pool_cls: type, map_cls: t
     pool.cache_full_blocks(_CacheReq("a", [b"h0", b"h1"]), a, 0, 2, 4, 0)
     pool.free_blocks(reversed(a))
     before, free_before = _entries(pool), [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
-    cp = pool.checkpoint()
+    cp = checkpoint_pool(pool)
     b = pool.get_new_blocks(5)  # every free block: the two cached ones are evicted
     pool.cache_full_blocks(_CacheReq("b", [b"x0", b"x1", b"x2"]), b, 0, 3, 4, 0)
     assert _entries(pool) != before
-    pool.restore(cp, tables=[])
-    pool.release(cp)
+    restore_pool(pool, cp, tables=[])
+    release_pool(pool, cp)
     assert _entries(pool) == before == {b"h0" + group_suffix(0): [a[0].block_id], b"h1" + group_suffix(0): [a[1].block_id]}
     assert [blk.block_id for blk in pool.free_block_queue.get_all_free_blocks()] == free_before
+    pool.check_invariants()
+
+
+def _pool_state(pool: BlockPool) -> tuple:
+    return (
+        [b.block_id for b in pool.free_block_queue.get_all_free_blocks()],
+        pool.free_block_queue.num_free_blocks,
+        _entries(pool),
+        [(b.ref_cnt, b.cache_key) for b in pool.blocks],
+        pool.num_evicted_blocks,
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from("get touch free cache reset".split()), st.integers(0, 7)), max_size=25))
+def test_a_checkpoint_undoes_any_mix_of_pool_operations(ops: list[tuple[str, int]]) -> None:
+    """Whatever the pool did since a checkpoint (pops, touches of free cached blocks, frees to
+    either end, caching, evictions, a reset), restoring it gives back the very same queue
+    order, map, ref counts and hashes; and kvlab's taught classes run again afterwards (the
+    journaled subclasses exist only while the checkpoint is open)."""
+    pool = BlockPool(8)
+    warm = pool.get_new_blocks(4)
+    pool.cache_full_blocks(_CacheReq("w", [b"w0", b"w1", b"w2"]), warm, 0, 3, 4, 0)
+    pool.free_blocks(list(reversed(warm)))
+    held = pool.get_new_blocks(1)
+    tables = [list(held)]
+    before = _pool_state(pool)
+    cp = checkpoint_pool(pool)
+    assert type(pool.free_block_queue).__name__ == "JournaledFreeKVCacheBlockQueue"
+    mine: list[KVCacheBlock] = []
+    for op, n in ops:
+        free = pool.get_num_free_blocks()
+        if op == "get" and free:
+            mine += pool.get_new_blocks(1 + n % free)
+        elif op == "touch":
+            cached = [b for b in pool.free_block_queue.get_all_free_blocks() if b.cache_key is not None][:1]
+            pool.touch(cached)
+            mine += cached
+        elif op == "free" and mine:
+            k = 1 + n % len(mine)
+            pool.free_blocks(mine[-k:])
+            del mine[-k:]
+        elif op == "cache" and mine and mine[-1].cache_key is None:
+            pool.cache_full_blocks(_CacheReq(f"c{n}", [bytes([n])]), mine[-1:], 0, 1, 4, 0)
+        elif op == "reset" and not mine:
+            pool.free_blocks(held)
+            pool.reset_prefix_cache()
+            held = pool.get_new_blocks(1)
+            mine.clear()
+    restore_pool(pool, cp, tables)
+    release_pool(pool, cp)
+    assert _pool_state(pool) == before
+    assert type(pool.free_block_queue) is FreeKVCacheBlockQueue
+    assert type(pool.cached_block_hash_to_block) is BlockHashToBlockMap
+    assert not hasattr(pool.free_block_queue, "journal") and not hasattr(pool.cached_block_hash_to_block, "journal")
     pool.check_invariants()

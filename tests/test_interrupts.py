@@ -29,6 +29,7 @@ from state_fingerprint import comparable, fingerprint, first_difference
 from kvlab.core.block_pool import BlockPool
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.kv_cache_utils import FreeKVCacheBlockQueue, get_request_block_hasher
+from kvlab.core import transaction
 from kvlab.core.sched.scheduler import Scheduler
 from kvlab.core.single_type_kv_cache_manager import FullAttentionManager
 from kvlab.engine.llm_engine import EngineInterruptedError, LLMEngine
@@ -493,7 +494,7 @@ def test_an_interrupt_during_the_undo_leaves_the_engine_marked_until_restore():
 
     eng.events.subscribe(boom)
     calls = [0]
-    real = Request._set_state
+    real = transaction.set_request_state
 
     def flaky(self, state):  # the undo restores requests one by one: stop it half way
         calls[0] += 1
@@ -501,12 +502,12 @@ def test_an_interrupt_during_the_undo_leaves_the_engine_marked_until_restore():
             raise Interrupt("again, while undoing")
         real(self, state)
 
-    Request._set_state = flaky
+    transaction.set_request_state = flaky
     try:
         with pytest.raises(Interrupt):
             eng.step()
     finally:
-        Request._set_state = real
+        transaction.set_request_state = real
         eng.events.unsubscribe(boom)
     assert eng.interrupted
     for call in (eng.step, eng.run, lambda: eng.add_request(Request("new", [1, 2])), lambda: eng.generate([[1, 2]])):

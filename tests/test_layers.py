@@ -46,6 +46,10 @@ CONTRACTS = {
         "kvlab/kv_offload/tiering/manager.py",
         "import kvlab.kv_offload.cpu.gpu_worker",
     ),
+    "The taught free queue, hash map and block pool know nothing of kvlab.core.transaction": (
+        "kvlab/core/block_pool.py",
+        "from kvlab.core.transaction import checkpoint_pool",
+    ),
 }
 # The core must not reach beyond the pool either: a second planted line for its contract.
 CORE_BEYOND_POOL = ("kvlab/core/sched/scheduler.py", "from kvlab.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole")

@@ -40,6 +40,7 @@ from collections.abc import Callable
 
 from kvlab.core.block_pool import BlockPool
 from kvlab.core.kv_cache_utils import get_request_block_hasher, hash_block_tokens
+from kvlab.core.transaction import checkpoint_pool, release_pool
 from kvlab.request import Request
 from kvlab.utils.hashing import HASH_ALGOS, UNSAFE_HASH_ALGOS, encode, get_hash_fn_by_name
 
@@ -109,12 +110,12 @@ class _CycleBench:
 
 class _JournaledCycleBench(_CycleBench):
     """The same cycle inside an engine step: the pool journals every change so the step can
-    be undone (``BlockPool.checkpoint``); the journal is released every call, as a step's is."""
+    be undone (``kvlab.core.transaction``); the journal is released every call, as a step's is."""
 
     def run(self, k: int) -> None:
-        cp = self.pool.checkpoint()
+        cp = checkpoint_pool(self.pool)
         super().run(k)
-        self.pool.release(cp)
+        release_pool(self.pool, cp)
 
 
 class _Floor:

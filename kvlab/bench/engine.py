@@ -62,17 +62,14 @@ def _sim_engine(num_requests: int, checkpoints: bool) -> LLMEngine:
     """The simulated executor's engine on a 2,000-block pool, ``num_requests`` requests of
     20-200 prompt tokens, up to 32 running; ``checkpoints=False`` strips the per-step undo
     (every call taken without an undo point), for the comparison."""
-    import contextlib
     import random
 
     from kvlab.engine.llm_engine import build_engine
     from kvlab.request import Request
 
     eng = build_engine(num_blocks=2000, block_size=16, event_log=None, max_num_batched_tokens=512, max_num_seqs=32)
-    if not checkpoints:
-        null = contextlib.nullcontext()
-        eng.scheduler._atomic = lambda: null  # type: ignore[method-assign]
-        eng.kv_cache_manager._atomic = lambda request: None  # type: ignore[method-assign]
+    if not checkpoints:  # as if a transaction were always open: no call opens one of its own
+        eng.scheduler._txn = eng.kv_cache_manager._txn = _NoCheckpoint()
     rng = random.Random(0)
     for i in range(num_requests):
         prompt = [rng.randrange(1000) for _ in range(rng.randrange(20, 200))]
@@ -81,7 +78,13 @@ def _sim_engine(num_requests: int, checkpoints: bool) -> LLMEngine:
 
 
 class _NoCheckpoint:
+    """Stands in for the engine's, the scheduler's and the manager's checkpoints: saves nothing."""
+
     executor_called = False
+    saved_requests: tuple = ()
+
+    def save_request(self, *args: object) -> None:
+        pass
 
     def save_metrics(self, *args: object) -> None:
         pass

@@ -32,14 +32,12 @@ The rules this file enforces:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvlab.core.kv_cache_utils import (
     BlockHashListWithBlockSize,
     FreeKVCacheBlockQueue,
     KVCacheBlock,
-    _undo_pop,
     generate_block_hash_extra_keys,
     get_block_hash,
     get_group_id,
@@ -73,18 +71,8 @@ class BlockHashToBlockMap:
     read.
     """
 
-    __slots__ = ("_cache", "journal")
-
     def __init__(self) -> None:
         self._cache: dict[bytes, KVCacheBlock | dict[int, KVCacheBlock]] = {}
-        # While a list: every change first records the entry as it was (see BlockPool.checkpoint).
-        self.journal: list | None = None
-
-    def save_entry(self, key: bytes) -> None:
-        """Journal ``key``'s entry as it is now (no-op without a journal)."""
-        if self.journal is not None:
-            v = self._cache.get(key, _MISSING)
-            self.journal.append((_undo_entry, self, key, dict(v) if type(v) is dict else v))
 
     def get_one_block(self, key: bytes) -> KVCacheBlock | None:
         v = self._cache.get(key)
@@ -93,8 +81,6 @@ class BlockHashToBlockMap:
         return next(iter(v.values()))  # type: ignore[union-attr]
 
     def insert(self, key: bytes, block: KVCacheBlock) -> None:
-        if self.journal is not None:
-            self.save_entry(key)
         v = self._cache.setdefault(key, block)  # the common case, a new key: one dict operation
         if v is block:
             return
@@ -105,8 +91,6 @@ class BlockHashToBlockMap:
 
     def pop(self, key: bytes, block_id: int) -> KVCacheBlock | None:
         """Remove block ``block_id``'s entry under ``key``; other blocks under it stay."""
-        if self.journal is not None:
-            self.save_entry(key)
         cache = self._cache
         v = cache.pop(key, None)  # one dict operation in the common case (a lone block)
         if v is None:
@@ -137,16 +121,6 @@ class BlockHashToBlockMap:
         return key in self._cache
 
 
-_MISSING: Any = object()
-
-
-def _undo_entry(cache_map: BlockHashToBlockMap, key: bytes, old: Any) -> None:
-    if old is _MISSING:
-        cache_map._cache.pop(key, None)
-    else:
-        cache_map._cache[key] = dict(old) if type(old) is dict else old
-
-
 class _Refused(Exception):
     def __init__(self, block: KVCacheBlock) -> None:
         self.block = block
@@ -156,21 +130,6 @@ def group_suffix(group_id: int) -> bytes:
     """The 4 bytes a group id adds to a block hash to make its map key (hot loops compute
     it once, then concatenate: ``make_block_hash_with_group_id`` without the call)."""
     return make_block_hash_with_group_id(b"", group_id)
-
-
-@dataclass(slots=True)
-class PoolCheckpoint:
-    """What :meth:`BlockPool.restore` needs: the journal and the few things it does not hold."""
-
-    journal: list
-    queue: Any
-    free_order: list[KVCacheBlock] | None
-    cache_map: BlockHashToBlockMap
-    map_entries: dict | None  # a map of another class (a learner's): its entries, by value
-    num_evicted_blocks: int
-    kv_event_queue: list  # the KV-event queue object and its length: events only get appended
-    num_kv_events: int
-    collector: tuple | None  # the metrics collector's state (see _collector_state)
 
 
 class BlockPool:
@@ -534,108 +493,6 @@ class BlockPool:
         events, self.kv_event_queue = self.kv_event_queue, []
         return events
 
-    # -- all or nothing ---------------------------------------------------------------------
-    def checkpoint(self) -> PoolCheckpoint:
-        """Start recording how to undo every change to the pool (lesson: a step is all or
-        nothing, even when a learner's function raises or Jupyter interrupts it).
-
-        The queue and the map journal their own changes (O(1) per operation, and nothing is
-        copied); ref counts and block hashes are not journaled: :meth:`restore` derives
-        them from the restored map and the block tables it is given. A free queue or a map
-        of another class (a learner's), or an eviction of another pool class (a learner's
-        ``_maybe_evict_cached_block`` may change the map any way it likes), cannot be trusted
-        to journal, so the queue's order and the map's entries are saved here instead, by value.
-        Call :meth:`release` (keep the changes) or :meth:`restore` (undo them).
-        """
-        q = self.free_block_queue
-        own_queue = type(q) is FreeKVCacheBlockQueue
-        m = self.cached_block_hash_to_block
-        # Only kvlab's own map, changed only by kvlab's own eviction, journals every change.
-        own_map = (
-            type(m).insert is BlockHashToBlockMap.insert
-            and type(m).pop is BlockHashToBlockMap.pop
-            and type(self)._maybe_evict_cached_block is BlockPool._maybe_evict_cached_block
-        )
-        entries = getattr(m, "_cache", None)  # kvlab's storage, which a map of another class may not keep
-        cp = PoolCheckpoint(
-            journal=[],
-            queue=q,
-            free_order=None if own_queue else list(q.get_all_free_blocks()),
-            cache_map=m,
-            map_entries=_copy_entries(entries) if not own_map and type(entries) is dict else None,
-            num_evicted_blocks=self.num_evicted_blocks,
-            kv_event_queue=self.kv_event_queue,
-            num_kv_events=len(self.kv_event_queue),
-            collector=None if self.metrics_collector is None else _collector_state(self.metrics_collector),
-        )
-        # Attached last: an interrupt before this line leaves nothing journaling.
-        if own_queue:
-            q.journal = cp.journal
-        self.cached_block_hash_to_block.journal = cp.journal
-        return cp
-
-    def release(self, cp: PoolCheckpoint) -> None:
-        """Keep every change since ``cp``: stop journaling."""
-        for q in (self.free_block_queue, cp.queue):
-            if type(q) is FreeKVCacheBlockQueue:
-                q.journal = None
-        self.cached_block_hash_to_block.journal = None
-        cp.cache_map.journal = None
-
-    def restore(self, cp: PoolCheckpoint, tables: Iterable[Iterable[KVCacheBlock]], *, drop_reused: bool = False) -> list[KVCacheBlock]:
-        """Undo every change since ``cp``; ``tables`` are the block tables as they were then
-        (the ref counts are recounted from them). Safe to call again after it was itself
-        interrupted: each undo writes absolute values, newest first.
-
-        ``drop_reused``: blocks that sat cached on the free queue at ``cp`` and were handed
-        out since lose their hash now (returned, and logged as evictions): an executor may
-        have written new K/V into them, so their old cache entry would serve wrong values.
-        Journaling goes on until :meth:`release`.
-        """
-        self.free_block_queue = cp.queue
-        self.cached_block_hash_to_block = cp.cache_map
-        journal = cp.journal
-        for i in range(len(journal) - 1, -1, -1):
-            fn, *args = journal[i]
-            fn(*args)
-        if cp.map_entries is not None:  # a foreign map class: its entries as they were
-            cp.cache_map._cache = _copy_entries(cp.map_entries)
-        blocks = self.blocks
-        if cp.free_order is not None:  # a foreign queue class: rebuilt from the listed order
-            for b in blocks:
-                b.prev_free_block = b.next_free_block = None
-            self.free_block_queue = self.free_queue_cls(list(cp.free_order))
-        for b in blocks:
-            b.cache_key = None
-            b.ref_cnt = 0
-        for key, blks in self.cached_block_hash_to_block.items():
-            for b in blks:
-                b.cache_key = key
-        for table in tables:
-            for b in table:
-                if not b.is_null:
-                    b.ref_cnt += 1
-        self.num_evicted_blocks = cp.num_evicted_blocks
-        del cp.kv_event_queue[cp.num_kv_events :]  # take_events() may have swapped the queue: the old one comes back
-        self.kv_event_queue = cp.kv_event_queue
-        if cp.collector is not None and self.metrics_collector is not None:
-            _set_collector_state(self.metrics_collector, cp.collector)
-        dropped: list[KVCacheBlock] = []
-        if drop_reused:
-            reused = {id(b): b for entry in journal if entry[0] is _undo_pop for b in entry[2]}
-            for b in reused.values():
-                key = b.cache_key
-                if key is not None and b.ref_cnt == 0 and not b.is_null:
-                    self.cached_block_hash_to_block.pop(key, b.block_id)
-                    b.cache_key = None
-                    self.num_evicted_blocks += 1
-                    dropped.append(b)
-                    if self.events is not None:
-                        self.events.emit(BlockEvicted(block_id=b.block_id, block_hash=get_block_hash(key), group=get_group_id(key)))
-                    if self.enable_kv_cache_events:
-                        self._queue_block_removed(key)
-        return dropped
-
     def get_num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks
 
@@ -693,31 +550,3 @@ class BlockPool:
         assert n_entries == sum(b.cache_key is not None for b in self.blocks), "map and block hashes disagree"
         used = sum(1 for b in self.blocks if not b.is_null and b.block_id not in seen)
         assert used + q.num_free_blocks + 1 == self.num_gpu_blocks, "free + used + null != total"
-
-
-def _copy_entries(entries: dict) -> dict:
-    """A copy of a map's storage (key -> a block, or {block_id: block}) that later changes to
-    the map cannot reach."""
-    return {k: dict(v) if type(v) is dict else v for k, v in entries.items()}
-
-
-def _collector_state(c: Any) -> tuple:
-    """A block-residency collector's state (see ``BlockPool.checkpoint``): its random
-    generator, its sampled blocks with their mutable fields, its pending evictions."""
-    return (
-        c._rng.getstate(),
-        {bid: (m, m.last_access_ns, tuple(m.access_history)) for bid, m in c.block_metrics.items()},
-        list(c._eviction_events),
-    )
-
-
-def _set_collector_state(c: Any, state: tuple) -> None:
-    rng, metrics, evictions = state
-    c._rng.setstate(rng)
-    c.block_metrics = {}
-    for bid, (m, last, history) in metrics.items():
-        m.last_access_ns = last
-        m.access_history.clear()
-        m.access_history.extend(history)
-        c.block_metrics[bid] = m
-    c._eviction_events = list(evictions)

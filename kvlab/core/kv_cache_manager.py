@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
-from kvlab.core.block_pool import BlockPool, PoolCheckpoint, group_suffix
+from kvlab.core.block_pool import BlockPool, group_suffix
 from kvlab.core.kv_cache_coordinator import get_kv_cache_coordinator, resolve_kv_cache_block_sizes
 from kvlab.core.kv_cache_metrics import KVCacheMetricsCollector
 from kvlab.core.kv_cache_utils import KVCacheBlock, get_request_block_hasher
 from kvlab.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
+from kvlab.core.transaction import manager_call, manager_lookup
 from kvlab.distributed.kv_events import BlockStored, KVCacheEvent
 from kvlab.kv_cache_interface import (
     KV_CACHE_SPEC_TYPES,
@@ -35,7 +37,6 @@ from kvlab.request import Request
 from kvlab.timeline.events import EventLog, PoolCreated, PrefixLookup
 from kvlab.utils.checks import check_int, check_optional_int
 from kvlab.utils.hashing import get_hash_fn_by_name
-from kvlab.utils.state import copy_attrs, put_attrs
 
 
 @dataclass(slots=True)
@@ -58,23 +59,6 @@ class KVCacheBlocks:
 
     def __bool__(self) -> bool:
         return any(self.blocks)
-
-
-@dataclass(slots=True)
-class ManagerCheckpoint:
-    """What :meth:`KVCacheManager.restore` needs (see :meth:`KVCacheManager.checkpoint`)."""
-
-    managers: list[dict]
-    requests: dict[str, Request]
-    prefix_cache_stats: PrefixCacheStats | None
-    pool: PoolCheckpoint
-    # id(request) -> (request, its state): every request the call may change, saved before.
-    saved_requests: dict[int, tuple[Request, tuple]] = field(default_factory=dict)
-
-    def save_request(self, request: Request) -> None:
-        """Keep ``request``'s state as it is now (the first save wins)."""
-        if id(request) not in self.saved_requests:
-            self.saved_requests[id(request)] = (request, request._get_state())
 
 
 class KVCacheManager:
@@ -105,6 +89,10 @@ class KVCacheManager:
     ``max_num_batched_tokens``) caps what the whole-prompt admission gate counts for window
     and chunk groups; None means no cap.
     """
+
+    #: The open transaction's checkpoint, set and cleared by ``kvlab.core.transaction`` (kvlab's
+    #: addition: every call is all or nothing); the manager itself never reads it.
+    _txn: Any = None
 
     def __init__(
         self,
@@ -227,7 +215,6 @@ class KVCacheManager:
         self.request_block_hasher = get_request_block_hasher(hash_block_size, hash_fn)
         self.prefix_cache_stats: PrefixCacheStats | None = PrefixCacheStats() if log_stats else None
         self._requests: dict[str, Request] = {}
-        self._ckpt: ManagerCheckpoint | None = None  # the checkpoint of the call in progress
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple([] for _ in specs))
 
     # -- helpers --------------------------------------------------------------------------
@@ -239,8 +226,6 @@ class KVCacheManager:
     def _bind(self, request: Request) -> None:
         if not isinstance(request, Request):
             raise TypeError(f"request must be a kvlab.Request, got {type(request).__name__}")
-        if self._ckpt is not None and id(request) not in self._ckpt.saved_requests:
-            self._ckpt.save_request(request)  # before the first change a call makes to it
         request.bind_block_hasher(self.request_block_hasher)
 
     def create_kv_cache_blocks(self, blocks: tuple[list[KVCacheBlock], ...]) -> KVCacheBlocks:
@@ -251,60 +236,8 @@ class KVCacheManager:
         step becomes usable by other requests from the next one)."""
         self.coordinator.new_step_starts()
 
-    # -- all or nothing ---------------------------------------------------------------------
-    def checkpoint(self, saved_requests: dict[int, tuple[Request, tuple]] | None = None) -> ManagerCheckpoint:
-        """Start recording how to undo every change to this manager and its pool (see
-        :meth:`BlockPool.checkpoint`). O(requests holding blocks): the block tables are
-        copied, the pool only journals, and a request's state is saved when a call first
-        touches it -- in ``saved_requests`` (shared with the scheduler's checkpoint).
-        Follow with :meth:`release` (keep) or :meth:`restore` (undo)."""
-        cp = ManagerCheckpoint(
-            # Every attribute of every group's manager (a manager subclass with bookkeeping of
-            # its own is covered too); the coordinator holds no state of its own.
-            managers=[copy_attrs(m) for m in self.coordinator.single_type_managers],
-            requests=dict(self._requests),
-            prefix_cache_stats=None if self.prefix_cache_stats is None else self.prefix_cache_stats.copy(),
-            saved_requests={} if saved_requests is None else saved_requests,
-            pool=None,  # type: ignore[arg-type]
-        )
-        # Requests are saved when a call first touches them (_bind, free): every change to a
-        # request in a step goes through one of those first (the interrupt tests check it).
-        cp.pool = self.block_pool.checkpoint()  # last: it starts the journal
-        self._ckpt = cp
-        return cp
-
-    def release(self, cp: ManagerCheckpoint) -> None:
-        """Keep every change since ``cp``."""
-        self._ckpt = None
-        self.block_pool.release(cp.pool)
-
-    def restore(self, cp: ManagerCheckpoint, *, drop_reused: bool = False) -> list[KVCacheBlock]:
-        """Undo every change since ``cp`` (requests included) and stop recording. Returns the
-        blocks whose cache entry ``drop_reused`` dropped (see :meth:`BlockPool.restore`)."""
-        for m, saved in zip(self.coordinator.single_type_managers, cp.managers):
-            put_attrs(m, saved)
-        self._requests = dict(cp.requests)
-        self.prefix_cache_stats = None if cp.prefix_cache_stats is None else cp.prefix_cache_stats.copy()
-        for r, state in cp.saved_requests.values():
-            r._set_state(state)
-        tables = [t for m in self.coordinator.single_type_managers for t in m.req_to_blocks.values()]
-        dropped = self.block_pool.restore(cp.pool, tables, drop_reused=drop_reused)
-        self.release(cp)
-        return dropped
-
-    def _atomic(self, request: Request | None) -> ManagerCheckpoint | None:
-        """A checkpoint for one call of a manager used on its own (the scheduler's, when it
-        drives, covers the call already: then None)."""
-        if self._ckpt is not None:
-            if request is not None:
-                self._ckpt.save_request(request)
-            return None
-        cp = self.checkpoint()
-        if request is not None:
-            cp.save_request(request)
-        return cp
-
     # -- the three questions ----------------------------------------------------------------
+    @manager_lookup
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
         """Longest prefix of the request whose KV every group can supply from the cache.
 
@@ -342,6 +275,7 @@ class KVCacheManager:
         if self.prefix_cache_stats is not None and self.enable_caching:
             self.prefix_cache_stats.record(request.num_tokens, num_hits, request.num_preemptions > 0)
 
+    @manager_call
     def allocate_slots(
         self,
         request: Request,
@@ -433,33 +367,22 @@ class KVCacheManager:
         num_tokens_need_slot = num_tokens_main_model + num_lookahead_tokens
         if self.max_model_len is not None:
             num_tokens_need_slot = min(num_tokens_need_slot, self.max_model_len)
-        cp = self._atomic(request)  # used on its own, the call undoes itself if anything raises
-        try:
-            # Blocks that left the window are freed even if this allocation fails: no future
-            # query reads them, and freeing them first may make room.
-            coord.remove_skipped_blocks(rid, total_computed)
-            need = coord.get_num_blocks_to_allocate(
-                rid, num_tokens_need_slot, hits, total_computed, num_local_computed, num_tokens_main_model
-            )
-            if need > self.block_pool.get_num_free_blocks():
-                new_blocks = None
-            else:
-                if has_hits or num_external_computed_tokens > 0:
-                    # Hits are adopted before anything is allocated: an allocation must not evict them.
-                    coord.allocate_new_computed_blocks(rid, hits, num_local_computed, num_external_computed_tokens)
-                new_blocks = coord.allocate_new_blocks(rid, num_tokens_need_slot, num_tokens_main_model)
-                self._requests[rid] = request
-                if self.enable_caching and not delay_cache_blocks:
-                    # Cache only what will really be computed (never lookahead slots), and never
-                    # past the tokens the request actually has.
-                    coord.cache_blocks(request, min(total_computed + num_new_tokens, request.num_tokens))
-        except BaseException:
-            if cp is not None:
-                self.restore(cp)
-            raise
-        if cp is not None:
-            self.release(cp)
-        return None if new_blocks is None else self.create_kv_cache_blocks(new_blocks)
+        # Blocks that left the window are freed even if this allocation fails: no future
+        # query reads them, and freeing them first may make room.
+        coord.remove_skipped_blocks(rid, total_computed)
+        need = coord.get_num_blocks_to_allocate(rid, num_tokens_need_slot, hits, total_computed, num_local_computed, num_tokens_main_model)
+        if need > self.block_pool.get_num_free_blocks():
+            return None
+        if has_hits or num_external_computed_tokens > 0:
+            # Hits are adopted before anything is allocated: an allocation must not evict them.
+            coord.allocate_new_computed_blocks(rid, hits, num_local_computed, num_external_computed_tokens)
+        new_blocks = coord.allocate_new_blocks(rid, num_tokens_need_slot, num_tokens_main_model)
+        self._requests[rid] = request
+        if self.enable_caching and not delay_cache_blocks:
+            # Cache only what will really be computed (never lookahead slots), and never
+            # past the tokens the request actually has.
+            coord.cache_blocks(request, min(total_computed + num_new_tokens, request.num_tokens))
+        return self.create_kv_cache_blocks(new_blocks)
 
     def _check_hits(self, request: Request, hits: tuple[list[KVCacheBlock], ...]) -> None:
         """Prefix hits are adopted only if each is a block of THIS pool that still carries
@@ -509,20 +432,13 @@ class KVCacheManager:
         """Drop these blocks from the prefix cache (their KV failed to load; vLLM's name)."""
         return self.block_pool.evict_blocks(block_ids)
 
+    @manager_call
     def free(self, request: Request) -> None:
         """Release all blocks of a finished or preempted request (tail first)."""
         if not isinstance(request, Request):
             raise TypeError(f"request must be a kvlab.Request, got {type(request).__name__} {request!r}")
-        cp = self._atomic(request)
-        try:
-            self.coordinator.free(request.request_id)
-            self._requests.pop(request.request_id, None)
-        except BaseException:
-            if cp is not None:
-                self.restore(cp)
-            raise
-        if cp is not None:
-            self.release(cp)
+        self.coordinator.free(request.request_id)
+        self._requests.pop(request.request_id, None)
 
     # -- queries ----------------------------------------------------------------------------
     def get_blocks(self, request_id: str) -> KVCacheBlocks:

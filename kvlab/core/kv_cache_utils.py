@@ -106,14 +106,9 @@ class FreeKVCacheBlockQueue:
     (``touch``), in O(1), without allocating Python objects. Two sentinel blocks (ids -1)
     remove every empty-list special case. Head = evicted next, tail = evicted last.
 
-    While ``journal`` is a list (the engine sets it for the length of one step), every
-    operation first appends how to undo itself: the links it is about to change, as they
-    are. Undoing the entries newest first puts the queue back exactly as it was, even after
-    an operation that an exception (or Jupyter's interrupt) stopped half way: each undo
-    writes absolute values, so a complete newest-first pass repairs any intermediate state.
+    kvlab's engine undoes a call that raised or was interrupted (``kvlab.core.transaction``
+    runs this queue as its journaled subclass meanwhile); nothing here knows about it.
     """
-
-    journal: list | None = None  # see the class docstring; None = no journal (the default)
 
     def __init__(self, blocks: Sequence[KVCacheBlock]) -> None:
         self.num_free_blocks = len(blocks)
@@ -132,8 +127,6 @@ class FreeKVCacheBlockQueue:
         if first is self.fake_free_list_tail or first is None:
             raise ValueError("no free blocks left in the queue")
         nxt = first.next_free_block
-        if self.journal is not None:
-            self.journal.append((_undo_pop, self, (first,), nxt, self.num_free_blocks))
         self.fake_free_list_head.next_free_block = nxt
         nxt.prev_free_block = self.fake_free_list_head  # type: ignore[union-attr]
         first.prev_free_block = first.next_free_block = None
@@ -145,21 +138,11 @@ class FreeKVCacheBlockQueue:
             raise ValueError(f"cannot pop {n} blocks: only {self.num_free_blocks} are free")
         out: list[KVCacheBlock] = []
         cur = self.fake_free_list_head.next_free_block
-        if self.journal is not None:
-            if not n:
-                return out
-            for _ in range(n):  # find them first: the undo needs them all, and what follows
-                out.append(cur)  # type: ignore[arg-type]
-                cur = cur.next_free_block  # type: ignore[union-attr]
-            self.journal.append((_undo_pop, self, tuple(out), cur, self.num_free_blocks))  # a copy: callers keep `out`
-            for b in out:
-                b.prev_free_block = b.next_free_block = None
-        else:
-            for _ in range(n):
-                out.append(cur)  # type: ignore[arg-type]
-                nxt = cur.next_free_block  # type: ignore[union-attr]
-                cur.prev_free_block = cur.next_free_block = None  # type: ignore[union-attr]
-                cur = nxt
+        for _ in range(n):
+            out.append(cur)  # type: ignore[arg-type]
+            nxt = cur.next_free_block  # type: ignore[union-attr]
+            cur.prev_free_block = cur.next_free_block = None  # type: ignore[union-attr]
+            cur = nxt
         self.fake_free_list_head.next_free_block = cur
         cur.prev_free_block = self.fake_free_list_head  # type: ignore[union-attr]
         self.num_free_blocks -= n
@@ -169,8 +152,6 @@ class FreeKVCacheBlockQueue:
         prev, nxt = block.prev_free_block, block.next_free_block
         if prev is None or nxt is None:
             raise RuntimeError(f"remove() of block {block.block_id}, which is not in the free queue")
-        if self.journal is not None:
-            self.journal.append((_undo_remove, self, block, prev, nxt, self.num_free_blocks))
         prev.next_free_block = nxt
         nxt.prev_free_block = prev
         block.prev_free_block = block.next_free_block = None
@@ -183,8 +164,6 @@ class FreeKVCacheBlockQueue:
         if not blocks:
             return
         last = self.fake_free_list_tail.prev_free_block
-        if self.journal is not None:
-            self.journal.append((_undo_append, self, tuple(blocks), last, self.num_free_blocks))
         for b in blocks:
             b.prev_free_block = last
             last.next_free_block = b  # type: ignore[union-attr]
@@ -198,8 +177,6 @@ class FreeKVCacheBlockQueue:
         if not blocks:
             return
         first = self.fake_free_list_head.next_free_block
-        if self.journal is not None:
-            self.journal.append((_undo_prepend, self, tuple(blocks), first, self.num_free_blocks))
         prev = self.fake_free_list_head
         for b in blocks:
             b.prev_free_block = prev
@@ -217,43 +194,6 @@ class FreeKVCacheBlockQueue:
             out.append(cur)
             cur = cur.next_free_block
         return out
-
-
-# How to undo each queue operation (journal entries are ``(undo_fn, *args)``). Each writes
-# every link its operation could have changed, with the value it had before.
-def _undo_pop(q: FreeKVCacheBlockQueue, popped: tuple[KVCacheBlock, ...], after: KVCacheBlock, num_free: int) -> None:
-    prev = q.fake_free_list_head
-    for b in popped:
-        prev.next_free_block = b
-        b.prev_free_block = prev
-        prev = b
-    prev.next_free_block = after
-    after.prev_free_block = prev
-    q.num_free_blocks = num_free
-
-
-def _undo_remove(q: FreeKVCacheBlockQueue, block: KVCacheBlock, prev: KVCacheBlock, nxt: KVCacheBlock, num_free: int) -> None:
-    prev.next_free_block = block
-    block.prev_free_block = prev
-    block.next_free_block = nxt
-    nxt.prev_free_block = block
-    q.num_free_blocks = num_free
-
-
-def _undo_append(q: FreeKVCacheBlockQueue, blocks: tuple[KVCacheBlock, ...], last: KVCacheBlock, num_free: int) -> None:
-    for b in blocks:
-        b.prev_free_block = b.next_free_block = None
-    last.next_free_block = q.fake_free_list_tail
-    q.fake_free_list_tail.prev_free_block = last
-    q.num_free_blocks = num_free
-
-
-def _undo_prepend(q: FreeKVCacheBlockQueue, blocks: tuple[KVCacheBlock, ...], first: KVCacheBlock, num_free: int) -> None:
-    for b in blocks:
-        b.prev_free_block = b.next_free_block = None
-    q.fake_free_list_head.next_free_block = first
-    first.prev_free_block = q.fake_free_list_head
-    q.num_free_blocks = num_free
 
 
 # --- NONE_HASH: the "parent" of every first block -----------------------------------------

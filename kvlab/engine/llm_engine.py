@@ -15,7 +15,8 @@ from typing import Any
 
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.sched.output import SchedulerOutput
-from kvlab.core.sched.scheduler import Scheduler, SchedulerCheckpoint
+from kvlab.core.sched.scheduler import Scheduler
+from kvlab.core.transaction import EngineCheckpoint, engine_call, rollback_engine
 from kvlab.engine.cost_model import CostModel
 from kvlab.executor.abstract import Executor
 from kvlab.executor.simulated import SimulatedExecutor
@@ -53,55 +54,9 @@ class RequestMetrics:
         return None if self.finished_time is None else self.finished_time - self.arrival_time
 
 
-_MISSING: Any = object()
-
-
 class EngineInterruptedError(RuntimeError):
     """The engine stopped in the middle of a call and could not put itself back (an
     interrupt arrived while it was undoing the call): ``engine.restore()`` does it."""
-
-
-@dataclass(slots=True)
-class _EngineCheckpoint:
-    """One engine call's way back: the scheduler's checkpoint plus the engine's own state
-    (the clock, and the metrics and finished entries the call is about to change)."""
-
-    what: str
-    step: int
-    clock: float
-    ids: int
-    num_eviction_events: int
-    sched: SchedulerCheckpoint | None = None
-    # (request id, its RequestMetrics or _MISSING, the field values): undone newest first,
-    # so when one request is saved twice the older values win.
-    metrics: list[tuple] = field(default_factory=list)
-    finished: dict[str, Request] = field(default_factory=dict)
-    executor_called: bool = False
-
-    def save_metrics(self, metrics: dict[str, RequestMetrics], rid: str) -> None:
-        m = metrics.get(rid, _MISSING)
-        self.metrics.append(
-            (
-                rid,
-                m,
-                None
-                if m is _MISSING
-                else (
-                    m.arrival_time,
-                    m.first_scheduled_time,
-                    m.first_token_time,
-                    m.finished_time,
-                    m.num_output_tokens,
-                    m.num_preemptions,
-                    m.num_cached_tokens,
-                    m.prefill_tokens_computed,
-                ),
-            )
-        )
-
-    def save_finished(self, finished: dict[str, Request], rid: str) -> None:
-        if rid not in self.finished:
-            self.finished[rid] = finished.get(rid, _MISSING)
 
 
 @dataclass(slots=True)
@@ -128,7 +83,7 @@ class LLMEngine:
 
     Every call is all or nothing -- learners press "interrupt kernel" in the middle of
     ``run()`` and plug in functions that raise. A step first takes a cheap checkpoint
-    (:meth:`Scheduler.checkpoint`); if anything raises before the step ends -- an
+    (``kvlab.core.transaction``); if anything raises before the step ends -- an
     exception, ``KeyboardInterrupt``, a failing event subscriber, the executor -- the engine
     goes back to the end of the previous step (the event log is cut back too: that step
     never happened) and the exception goes on with a note saying so. Nothing is lost: no
@@ -170,7 +125,7 @@ class LLMEngine:
         self.metrics: dict[str, RequestMetrics] = {}
         self.finished: dict[str, Request] = {}
         self._ids = 0
-        self._pending: _EngineCheckpoint | None = None  # a call in progress (or one left unfinished)
+        self._pending: EngineCheckpoint | None = None  # a call in progress (or one left unfinished)
         self.fault: str | None = None  # what stopped the last call that failed
 
     @property
@@ -192,56 +147,6 @@ class LLMEngine:
                 f"Call engine.restore() to go back to the end of step {cp.step} (every request is kept), then continue."
             )
 
-    def _begin(self, what: str) -> _EngineCheckpoint:
-        self._check_usable()
-        cp = _EngineCheckpoint(what, self.scheduler.step_count, self.clock, self._ids, len(self.kv_cache_eviction_events))
-        self._pending = cp  # from here on, an interrupt leaves the engine marked
-        cp.sched = self.scheduler.checkpoint()
-        return cp
-
-    def _commit(self, cp: _EngineCheckpoint) -> None:
-        self._pending = None
-        self.scheduler.release(cp.sched)  # type: ignore[arg-type]
-
-    def _fail(self, cp: _EngineCheckpoint, exc: BaseException) -> None:
-        """Undo the failed call, then let ``exc`` go on with a note on what happened."""
-        self.fault = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        self._rollback(cp)
-        self._pending = None
-        exc.add_note(
-            f"kvlab: {cp.what} did not finish, so the engine went back to the end of step {cp.step}: "
-            "no request and no block was lost. Fix the cause and call it again."
-        )
-
-    def _rollback(self, cp: _EngineCheckpoint) -> None:
-        if cp.sched is not None:
-            # An executor that writes K/V may have overwritten blocks that are cached again
-            # after the undo: their cache entries go (the blocks stay free).
-            writes_kv = bool(getattr(self.executor, "writes_kv_cache", True))
-            self.scheduler.restore(cp.sched, drop_reused=cp.executor_called and writes_kv, resync_executor=cp.executor_called)
-        self.clock, self._ids = cp.clock, cp.ids
-        del self.kv_cache_eviction_events[cp.num_eviction_events :]
-        for rid, m, values in reversed(cp.metrics):
-            if m is _MISSING:
-                self.metrics.pop(rid, None)
-            else:
-                (
-                    m.arrival_time,
-                    m.first_scheduled_time,
-                    m.first_token_time,
-                    m.finished_time,
-                    m.num_output_tokens,
-                    m.num_preemptions,
-                    m.num_cached_tokens,
-                    m.prefill_tokens_computed,
-                ) = values
-                self.metrics[rid] = m
-        for rid, r in cp.finished.items():
-            if r is _MISSING:
-                self.finished.pop(rid, None)
-            else:
-                self.finished[rid] = r
-
     def restore(self) -> str:
         """Finish undoing a call that stopped half way (see :class:`EngineInterruptedError`):
         the engine goes back to the end of its last completed step, every request kept.
@@ -249,7 +154,7 @@ class LLMEngine:
         cp = self._pending
         if cp is None:
             return f"nothing to restore: the engine is at the end of step {self.scheduler.step_count}"
-        self._rollback(cp)
+        rollback_engine(self, cp)
         self._pending = None
         return f"restored: the engine is back at the end of step {cp.step}, before the {cp.what} that failed ({self.fault})"
 
@@ -259,12 +164,12 @@ class LLMEngine:
         self._check_usable()
         self.scheduler.check_request(request)
         rid = request.request_id
-        old = self.metrics.get(rid, _MISSING)
+        old = self.metrics.get(rid)
         self.metrics[rid] = RequestMetrics(rid, self.clock, request.num_prompt_tokens)
         try:
             self.scheduler.add_request(request)
         except BaseException:
-            if old is _MISSING:
+            if old is None:
                 self.metrics.pop(rid, None)
             else:
                 self.metrics[rid] = old
@@ -275,8 +180,7 @@ class LLMEngine:
         blocks; ids that are not queued are ignored. All or nothing."""
         sched = self.scheduler
         ids, _ = sched.check_finish_args(request_ids)
-        cp = self._begin("abort_request")
-        try:
+        with engine_call(self, "abort_request") as cp:
             queued = [sched.requests[rid] for rid in ids if rid in sched.requests]
             sched.finish_requests(ids)
             for r in queued:
@@ -286,10 +190,6 @@ class LLMEngine:
                 if m is not None:
                     m.finished_time = self.clock
                 self.finished[r.request_id] = r
-        except BaseException as e:
-            self._fail(cp, e)
-            raise
-        self._commit(cp)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -297,16 +197,10 @@ class LLMEngine:
     # -- steps ---------------------------------------------------------------------------------
     def step(self) -> StepResult:
         """Schedule, execute, update: one engine step, all or nothing (see the class doc)."""
-        cp = self._begin("step")
-        try:
-            res = self._step(cp)
-        except BaseException as e:
-            self._fail(cp, e)
-            raise
-        self._commit(cp)
-        return res
+        with engine_call(self, "step") as cp:
+            return self._step(cp)
 
-    def _step(self, cp: _EngineCheckpoint) -> StepResult:
+    def _step(self, cp: EngineCheckpoint) -> StepResult:
         sched = self.scheduler
         out = sched.schedule()
         for rid in out.num_scheduled_tokens:
@@ -457,17 +351,12 @@ class LLMEngine:
             r = Request(f"gen-{next_id}", list(p), max_tokens=max_tokens, **request_kwargs)
             self.scheduler.check_request(r)
             reqs.append(r)
-        cp = self._begin("generate")
-        try:
+        with engine_call(self, "generate") as cp:
             for r in reqs:
                 cp.save_metrics(self.metrics, r.request_id)
                 self.metrics[r.request_id] = RequestMetrics(r.request_id, self.clock, r.num_prompt_tokens)
                 self.scheduler.add_request(r)
             self._ids = next_id
-        except BaseException as e:
-            self._fail(cp, e)
-            raise
-        self._commit(cp)
         bar = _progress(progress, total=len(reqs), desc="generate")
         try:
             while self.has_unfinished_requests():

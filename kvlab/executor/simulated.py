@@ -25,7 +25,7 @@ class SimulatedExecutor(KVConnectorModelRunnerMixin):
     """
 
     #: It writes no K/V: an undone step leaves no stale values in cached blocks (see
-    #: ``BlockPool.restore``'s ``drop_reused``).
+    #: ``kvlab.core.transaction.restore_pool``'s ``drop_reused``).
     writes_kv_cache = False
 
     def __init__(self, vocab_size: int = 32000, eos_token_id: int | None = None, eos_every: int = 0, *, kv_connector: Any = None) -> None:

@@ -1,4 +1,4 @@
-"""Copies of an object's attributes, for all-or-nothing calls (see ``KVCacheManager.checkpoint``).
+"""Copies of an object's attributes, for all-or-nothing calls (see ``kvlab.core.transaction``).
 
 A checkpoint must be cheap enough to take before every engine step, yet complete enough
 that restoring it undoes anything the step did -- including what code added later (a new

@@ -29,17 +29,17 @@ chunk before an item that cannot.
 
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvlab.core.encoder_cache_manager import EncoderCacheManager, compute_encoder_budget
-from kvlab.core.kv_cache_manager import KVCacheManager, ManagerCheckpoint
+from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from kvlab.core.sched.request_queue import POLICIES, FCFSRequestQueue, PriorityRequestQueue
 from kvlab.core.single_type_kv_cache_manager import cdiv
+from kvlab.core.transaction import adds_request, scheduler_call
 from kvlab.distributed.kv_events import KVEventBatch
 from kvlab.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
 from kvlab.metrics.stats import CachingMetrics, IterationStats, PrefixCacheStats, SchedulerStats
@@ -56,7 +56,6 @@ from kvlab.timeline.events import (
     TokensAppended,
 )
 from kvlab.utils.checks import check_int, check_optional_int
-from kvlab.utils.state import copy_attrs, put_attrs, restore_into
 
 #: The statuses ``finish_requests`` may set (every finished one).
 FINISHED_STATUSES = tuple(s for s in RequestStatus if RequestStatus.is_finished(s))
@@ -91,46 +90,6 @@ class _StepPlan:
     encoder_inputs: dict[str, list[int]] = field(default_factory=dict)  # req id -> items encoded this step
 
 
-@dataclass(slots=True)
-class SchedulerCheckpoint:
-    """Everything :meth:`Scheduler.restore` needs to undo the calls since
-    :meth:`Scheduler.checkpoint` (the manager's part, and with it the pool's journal and
-    the saved requests, is in ``manager``)."""
-
-    manager: ManagerCheckpoint
-    state: dict[str, Any]  # the scheduler's own attributes (containers copied)
-    waiting: dict[str, Any]
-    encoder_cache: dict[str, Any]
-    finished: list[Request]  # requests the calls finished (they left ``requests``), in order
-    log_len: int | None
-    log_step: int
-    connector: dict[str, Any] | None  # the KV connector's scheduler-side books (a deep copy)
-    publish: list = field(default_factory=list)  # KV-event batches to publish once the calls are kept
-    added: list[Request] = field(default_factory=list)  # requests the calls added (they leave again on restore)
-
-    def save_request(self, request: Request) -> None:
-        self.manager.save_request(request)
-
-
-#: Scheduler attributes a checkpoint does not copy: objects with owners of their own (the
-#: manager, the log, the connector, the publisher), the request map (journaled: only
-#: finishing requests leave it) and the waiting queue and encoder cache (copied apart).
-_NOT_COPIED = frozenset(
-    {
-        "kv_cache_manager",
-        "events",
-        "connector",
-        "kv_event_publisher",
-        "requests",
-        "waiting",
-        "encoder_cache_manager",
-        "_ckpt",
-    }
-)
-#: Stats records changed in place: copied with their own ``copy()``.
-_STATS = ("caching_metrics", "connector_prefix_cache_stats")
-
-
 class Scheduler:
     """Who gets tokens each step, and who gives its blocks back when the pool runs dry
     (vLLM: ``vllm/v1/core/sched/scheduler.py``; lesson 05).
@@ -155,6 +114,10 @@ class Scheduler:
     "fail" (it finishes with reason "error"; vLLM 0.33's default). The encoder limits
     (lesson 14) default to ``max_num_batched_tokens``, as in vLLM.
     """
+
+    #: The open transaction's checkpoint, set and cleared by ``kvlab.core.transaction`` (kvlab's
+    #: addition: every call is all or nothing); the scheduler itself never reads it.
+    _txn: Any = None
 
     def __init__(
         self,
@@ -250,7 +213,6 @@ class Scheduler:
         self._num_sent_blocks: dict[str, list[int]] = {}
         self._pending_output: SchedulerOutput | None = None  # scheduled, not applied yet
         self._last_applied_step = 0
-        self._ckpt: SchedulerCheckpoint | None = None  # the checkpoint of the call in progress
         if self.events is not None:
             self.events.emit(
                 SchedulerCreated(
@@ -262,37 +224,26 @@ class Scheduler:
             )
 
     # -- requests ----------------------------------------------------------------------------
+    @adds_request
     def add_request(self, request: Request) -> None:
         """Queue a new request (all or nothing: a refused request leaves no trace)."""
         self.check_request(request)
         rid = request.request_id
-        log_len = len(self.events) if self.events is not None else 0
-        try:
-            self.requests[rid] = request
-            self.waiting.add_request(request)
-            request._owner = self
-            if self.events is not None:
-                self.events.emit(
-                    RequestAdded(
-                        request_id=rid,
-                        prompt_token_ids=list(request.prompt_token_ids),
-                        max_tokens=request.max_tokens,
-                        priority=request.priority,
-                        arrival_time=request.arrival_time,
-                        cache_salt=request.cache_salt,
-                        lora_name=request.lora_name,
-                    )
+        self.requests[rid] = request
+        self.waiting.add_request(request)
+        request._owner = self
+        if self.events is not None:
+            self.events.emit(
+                RequestAdded(
+                    request_id=rid,
+                    prompt_token_ids=list(request.prompt_token_ids),
+                    max_tokens=request.max_tokens,
+                    priority=request.priority,
+                    arrival_time=request.arrival_time,
+                    cache_salt=request.cache_salt,
+                    lora_name=request.lora_name,
                 )
-            if self._ckpt is not None:
-                self._ckpt.added.append(request)
-        except BaseException:  # an interrupt (or a failing log subscriber): as if never added
-            self.requests.pop(rid, None)
-            if any(r is request for r in self.waiting):
-                self.waiting.remove_request(request)
-            request._owner = None
-            if self.events is not None:
-                self.events.truncate(log_len)
-            raise
+            )
 
     def check_request(self, request: Request) -> None:
         """Raise if ``add_request(request)`` would refuse it; changes nothing."""
@@ -357,23 +308,21 @@ class Scheduler:
     def get_num_unfinished_requests(self) -> int:
         return len(self.running) + len(self.waiting)
 
+    @scheduler_call(touches=lambda sched, request_ids, *a, **k: sched.check_finish_args(request_ids)[0])
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
         """Finish requests now (an abort, by default) and free their blocks. Ids that are not
         queued (unknown, or finished already) are ignored, as in vLLM. All or nothing."""
         ids, reason = self.check_finish_args(request_ids, status)
-        with self._atomic():
-            for rid in ids:
-                r = self.requests.get(rid)
-                if r is None:
-                    continue
-                if self._ckpt is not None:
-                    self._ckpt.save_request(r)
-                if r.status == RequestStatus.RUNNING:
-                    self.running.remove(r)
-                else:
-                    self.waiting.remove_request(r)
-                r.status = status
-                self._free_request(r, reason)
+        for rid in ids:
+            r = self.requests.get(rid)
+            if r is None:
+                continue
+            if r.status == RequestStatus.RUNNING:
+                self.running.remove(r)
+            else:
+                self.waiting.remove_request(r)
+            r.status = status
+            self._free_request(r, reason)
 
     def check_finish_args(self, request_ids: Any, status: Any = RequestStatus.FINISHED_ABORTED) -> tuple[list[str], str]:
         """The ids ``finish_requests`` would finish (deduplicated, in order) and the finish
@@ -393,6 +342,7 @@ class Scheduler:
         return list(dict.fromkeys(ids)), reason
 
     # -- one step -----------------------------------------------------------------------------
+    @scheduler_call()
     def schedule(self) -> SchedulerOutput:
         """Decide one step: which requests run, how many tokens each, and who is preempted.
 
@@ -405,9 +355,8 @@ class Scheduler:
         (head-of-line: the first waiting request that does not fit stops admission). The two
         halves are :meth:`_schedule_running` and :meth:`_schedule_waiting`, as in vLLM.
         """
-        with self._atomic():
-            out = self._schedule()
-            self._pending_output = out
+        out = self._schedule()
+        self._pending_output = out
         return out
 
     def _schedule(self) -> SchedulerOutput:
@@ -752,6 +701,7 @@ class Scheduler:
                 )
             )
 
+    @scheduler_call(touches=lambda sched, out, *a, **k: _scheduled_ids(out))
     def update_from_output(
         self,
         scheduler_output: SchedulerOutput,
@@ -776,10 +726,9 @@ class Scheduler:
         between ``schedule()`` and this call is skipped, its tokens dropped (as vLLM does).
         """
         sampled = self._check_output(scheduler_output, sampled_token_ids, iteration, kv_connector_output)
-        with self._atomic():
-            finished = self._update_from_output(scheduler_output, sampled, iteration, kv_connector_output)
-            self._pending_output = None
-            self._last_applied_step = scheduler_output.step
+        finished = self._update_from_output(scheduler_output, sampled, iteration, kv_connector_output)
+        self._pending_output = None
+        self._last_applied_step = scheduler_output.step
         return finished
 
     def _check_output(self, out: Any, sampled_token_ids: Any, iteration: Any, kv_connector_output: Any) -> dict[str, list[int]]:
@@ -919,12 +868,7 @@ class Scheduler:
             if kv_events:
                 ts = iteration.time if iteration is not None else time.time()
                 batch = KVEventBatch(ts=ts, events=kv_events)
-                if self._ckpt is not None:
-                    # Sent when the step is kept (release): a step that is undone must not
-                    # have told the routers about blocks it never cached.
-                    self._ckpt.publish.append(batch)
-                else:
-                    self.kv_event_publisher.publish(batch)
+                self.kv_event_publisher.publish(batch)
         return finished
 
     def shutdown(self) -> None:
@@ -1009,8 +953,6 @@ class Scheduler:
         return False
 
     def _free_request(self, r: Request, finish_reason: str) -> None:
-        if self._ckpt is not None:
-            self._ckpt.finished.append(r)  # before it leaves ``requests``: the undo puts it back
         r._owner = None
         if self.connector is not None:
             # Called once, before the blocks are freed: a producer saves or hands them off now.
@@ -1028,111 +970,6 @@ class Scheduler:
         r.finish_reason = finish_reason
         if self.events is not None:
             self.events.emit(RequestFinished(request_id=r.request_id, reason=finish_reason, num_output_tokens=r.num_output_tokens))
-
-    # -- all or nothing -----------------------------------------------------------------------
-    def checkpoint(self) -> SchedulerCheckpoint:
-        """Start recording how to undo every change to the scheduler, its requests, the
-        KV-cache manager, the pool and the event log (see :meth:`KVCacheManager.checkpoint`).
-
-        Cheap enough for every step: the queues and counters are copied (C-speed container
-        copies; every attribute, so what a later version adds is covered too), a request's
-        state is saved when a call first touches it, and the pool only journals. Follow
-        with :meth:`release` (keep the changes) or :meth:`restore` (undo them). The KV
-        connector and the executor are outside: they hear of an undone step through the
-        next step (the executor gets every running request in full again).
-        """
-        log = self.events
-        state = copy_attrs(self, skip=_NOT_COPIED)
-        for name in _STATS:
-            v = state.get(name)
-            if v is not None:
-                state[name] = v.copy()
-        cp = SchedulerCheckpoint(
-            manager=None,  # type: ignore[arg-type]
-            state=state,
-            waiting=copy_attrs(self.waiting),
-            encoder_cache=copy_attrs(self.encoder_cache_manager, skip=frozenset({"events"})),
-            finished=[],
-            log_len=None if log is None else len(log),
-            log_step=0 if log is None else log.step,
-            connector=None if self.connector is None else copy.deepcopy(vars(self.connector), self._shared_memo()),
-        )
-        cp.manager = self.kv_cache_manager.checkpoint()
-        self._ckpt = cp
-        return cp
-
-    def release(self, cp: SchedulerCheckpoint) -> None:
-        """Keep every change since ``cp`` (and publish the KV events it held back)."""
-        self._ckpt = None
-        self.kv_cache_manager.release(cp.manager)
-        batches, cp.publish = cp.publish, []
-        for batch in batches:
-            self.kv_event_publisher.publish(batch)  # type: ignore[union-attr]
-
-    def restore(self, cp: SchedulerCheckpoint, *, drop_reused: bool = False, resync_executor: bool = False) -> list:
-        """Undo every change since ``cp``: the event log is cut back to where it was, the
-        queues, counters, requests, block tables and pool are as they were. Safe to call
-        again if it was itself interrupted. ``resync_executor``: the executor may have seen
-        the undone step, so every running request is sent to it in full next time.
-        ``drop_reused``: see :meth:`BlockPool.restore` (for executors that write K/V).
-        Returns the blocks whose cache entries were dropped."""
-        if self.events is not None and cp.log_len is not None:
-            self.events.truncate(cp.log_len)
-            self.events.step = cp.log_step
-        put_attrs(self, cp.state)
-        for name in _STATS:
-            v = cp.state.get(name)
-            if v is not None:
-                setattr(self, name, v.copy())
-        put_attrs(self.waiting, cp.waiting)
-        put_attrs(self.encoder_cache_manager, cp.encoder_cache)
-        for r in reversed(cp.finished):
-            self.requests[r.request_id] = r
-        for r in cp.added:  # added by the undone calls: not queued any more (the queues are restored)
-            if self.requests.get(r.request_id) is r:
-                del self.requests[r.request_id]
-            r._owner = None
-        if resync_executor:
-            self._num_sent_blocks = {}
-        if cp.connector is not None and self.connector is not None:
-            restore_into(self.connector, cp.connector, self._shared_memo())
-        cp.publish = []
-        dropped = self.kv_cache_manager.restore(cp.manager, drop_reused=drop_reused)
-        self._ckpt = None
-        return dropped
-
-    def _shared_memo(self) -> dict[int, Any]:
-        """What a deep copy of the connector's books must share, not copy: the manager, its
-        pool and log, and the live requests (its per-request records point at them)."""
-        mgr = self.kv_cache_manager
-        shared = [mgr, mgr.block_pool, mgr.events, self.events, *self.requests.values()]
-        return {id(o): o for o in shared if o is not None}
-
-    class _Atomic:
-        """``with self._atomic():`` -- the body is all or nothing when no outer checkpoint
-        (an engine step's) covers it already."""
-
-        __slots__ = ("sched", "cp")
-
-        def __init__(self, sched: Scheduler) -> None:
-            self.sched = sched
-            self.cp: SchedulerCheckpoint | None = None
-
-        def __enter__(self) -> None:
-            if self.sched._ckpt is None:
-                self.cp = self.sched.checkpoint()
-
-        def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-            cp = self.cp
-            if cp is None:
-                return
-            if exc_type is None:
-                self.sched.release(cp)
-            else:
-                self.sched.restore(cp)
-
-    def _atomic(self) -> Scheduler._Atomic:
-        return Scheduler._Atomic(self)
 
     # -- metrics ------------------------------------------------------------------------------
     def make_stats(self) -> SchedulerStats:
@@ -1171,3 +1008,10 @@ class Scheduler:
             assert r.num_computed_tokens == 0 and not any(self.kv_cache_manager.get_block_ids(r.request_id)), (
                 f"waiting {r.request_id} holds KV"
             )
+
+
+def _scheduled_ids(out: Any) -> list[str]:
+    """The requests a ``SchedulerOutput`` names (for the transaction to save before
+    ``update_from_output`` changes them); nothing for what is not an output."""
+    n = getattr(out, "num_scheduled_tokens", None)
+    return list(n) if isinstance(n, dict) else []

@@ -212,7 +212,7 @@ class SlotWrites:
     """Which block each CPU slot was last handed out to be written with.
 
     The worker's copies into a slot cannot be taken back, so neither can this record: an
-    undone step restores the tier's books (``Scheduler.restore``) but not the slots' bytes,
+    undone step restores the tier's books (``kvlab.core.transaction.restore_scheduler``) but not the slots' bytes,
     and a restored entry whose slot the undone step gave to another block reads that
     block's KV -- a wrong answer, not a miss. This record is what stays true after the
     undo; a copy of the books shares it (``__deepcopy__``), so ``restore`` keeps it."""

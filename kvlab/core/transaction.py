@@ -1,0 +1,746 @@
+"""All or nothing: how kvlab undoes a call that an exception or Jupyter's interrupt stopped.
+
+vLLM has no such module: its engine core runs in its own process, and an exception there
+ends the process. A learner's notebook is different -- a cell is interrupted, a learner's
+``touch`` raises half way through a step, and the engine must be exactly as it was before
+the call. Everything that makes that true lives here, so that the classes the lessons
+teach (``FreeKVCacheBlockQueue``, ``BlockHashToBlockMap``, ``BlockPool``) read like vLLM's
+and hold no undo code (an import-linter contract keeps them from importing this module).
+
+How a call is undone, for the pool:
+
+* **The free queue and the prefix-cache map journal their changes.** While a checkpoint
+  is open, kvlab's own queue and map run as their journaled subclasses below (the object
+  stays the same; only its class changes, in O(1), and changes back on release). Each
+  operation first appends how to undo itself -- the links or the entry it is about to
+  change, as they are -- so the journal costs O(1) per operation and copies nothing.
+  Undoing the entries newest first puts everything back, even after an operation that
+  was itself stopped half way: each undo writes absolute values.
+* **Ref counts and hashes are derived, not journaled**: after the queue and the map are
+  back, each block's ``cache_key`` comes from the map and its ``ref_cnt`` from the block
+  tables as they were (the manager keeps those).
+* **A learner's queue or map is saved by value.** A queue of another class (the
+  free_queue exercise), a map of another class, or a pool whose eviction is a learner's
+  (the stale_hash exercise may write into the map any way it likes) cannot be trusted to
+  journal, so their order and entries are copied at the checkpoint: O(blocks), only then.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from kvlab.core.block_pool import BlockHashToBlockMap, BlockPool
+from kvlab.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock, get_block_hash, get_group_id
+from kvlab.metrics.stats import PrefixCacheStats
+from kvlab.request import Request
+from kvlab.timeline.events import BlockEvicted
+from kvlab.utils.state import copy_attrs, put_attrs, restore_into
+
+if TYPE_CHECKING:
+    from kvlab.core.kv_cache_manager import KVCacheManager
+    from kvlab.core.sched.scheduler import Scheduler
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+__all__ = [
+    "JournaledBlockHashToBlockMap",
+    "JournaledFreeKVCacheBlockQueue",
+    "ManagerCheckpoint",
+    "PoolCheckpoint",
+    "SchedulerCheckpoint",
+    "EngineCheckpoint",
+    "adds_request",
+    "engine_call",
+    "rollback_engine",
+    "checkpoint_scheduler",
+    "release_scheduler",
+    "restore_scheduler",
+    "scheduler_call",
+    "checkpoint_manager",
+    "checkpoint_pool",
+    "manager_call",
+    "manager_lookup",
+    "release_manager",
+    "release_pool",
+    "restore_manager",
+    "restore_pool",
+]
+
+
+# --- the free queue, journaled --------------------------------------------------------------
+class JournaledFreeKVCacheBlockQueue(FreeKVCacheBlockQueue):
+    """kvlab's free queue while a checkpoint is open: each operation that will change the
+    queue first appends ``(undo_fn, *args)`` to ``journal``, then runs the taught code."""
+
+    journal: list
+
+    def popleft(self) -> KVCacheBlock:
+        first = self.fake_free_list_head.next_free_block
+        if first is not None and first is not self.fake_free_list_tail:
+            self.journal.append((_undo_pop, self, (first,), first.next_free_block, self.num_free_blocks))
+        return super().popleft()
+
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        if type(n) is not int or not 0 < n <= self.num_free_blocks:
+            return super().popleft_n(n)  # refused, or nothing to pop: nothing changes
+        # One walk finds the blocks (the undo needs them all, and the one after them) and
+        # unlinks them: the taught method's algorithm, with the journal entry in between.
+        head = self.fake_free_list_head
+        out: list[KVCacheBlock] = []
+        cur = head.next_free_block
+        for _ in range(n):
+            out.append(cur)  # type: ignore[arg-type]
+            cur = cur.next_free_block  # type: ignore[union-attr]  # n <= num_free: never past the tail
+        self.journal.append((_undo_pop, self, tuple(out), cur, self.num_free_blocks))
+        for b in out:
+            b.prev_free_block = b.next_free_block = None
+        head.next_free_block = cur
+        cur.prev_free_block = head  # type: ignore[union-attr]
+        self.num_free_blocks -= n
+        return out
+
+    def remove(self, block: KVCacheBlock) -> None:
+        prev, nxt = block.prev_free_block, block.next_free_block
+        if prev is not None and nxt is not None:
+            self.journal.append((_undo_remove, self, block, prev, nxt, self.num_free_blocks))
+        super().remove(block)
+
+    def append_n(self, blocks: Sequence[KVCacheBlock]) -> None:
+        if blocks:
+            self.journal.append((_undo_append, self, tuple(blocks), self.fake_free_list_tail.prev_free_block, self.num_free_blocks))
+        super().append_n(blocks)
+
+    def prepend_n(self, blocks: Sequence[KVCacheBlock]) -> None:
+        if blocks:
+            self.journal.append((_undo_prepend, self, tuple(blocks), self.fake_free_list_head.next_free_block, self.num_free_blocks))
+        super().prepend_n(blocks)
+
+
+# How to undo each queue operation. Each writes every link its operation could have changed,
+# with the value it had before.
+def _undo_pop(q: FreeKVCacheBlockQueue, popped: tuple[KVCacheBlock, ...], after: KVCacheBlock, num_free: int) -> None:
+    head = q.fake_free_list_head
+    head.next_free_block = after  # the links as the pop left them, then the blocks back in front
+    after.prev_free_block = head
+    FreeKVCacheBlockQueue.prepend_n(q, popped)  # the taught method itself: it journals nothing
+    q.num_free_blocks = num_free
+
+
+def _undo_remove(q: FreeKVCacheBlockQueue, block: KVCacheBlock, prev: KVCacheBlock, nxt: KVCacheBlock, num_free: int) -> None:
+    prev.next_free_block = block
+    block.prev_free_block = prev
+    block.next_free_block = nxt
+    nxt.prev_free_block = block
+    q.num_free_blocks = num_free
+
+
+def _undo_append(q: FreeKVCacheBlockQueue, blocks: tuple[KVCacheBlock, ...], last: KVCacheBlock, num_free: int) -> None:
+    for b in blocks:
+        b.prev_free_block = b.next_free_block = None
+    last.next_free_block = q.fake_free_list_tail
+    q.fake_free_list_tail.prev_free_block = last
+    q.num_free_blocks = num_free
+
+
+def _undo_prepend(q: FreeKVCacheBlockQueue, blocks: tuple[KVCacheBlock, ...], first: KVCacheBlock, num_free: int) -> None:
+    for b in blocks:
+        b.prev_free_block = b.next_free_block = None
+    q.fake_free_list_head.next_free_block = first
+    first.prev_free_block = q.fake_free_list_head
+    q.num_free_blocks = num_free
+
+
+# --- the prefix-cache map, journaled --------------------------------------------------------
+class JournaledBlockHashToBlockMap(BlockHashToBlockMap):
+    """kvlab's map while a checkpoint is open: each change first journals the entry it
+    changes, as it is (a lone block, a ``{block_id: block}`` dict copied, or absent)."""
+
+    journal: list
+
+    def insert(self, key: bytes, block: KVCacheBlock) -> None:
+        v = self._cache.get(key, _MISSING)
+        self.journal.append((_undo_entry, self, key, dict(v) if type(v) is dict else v))
+        _map_insert(self, key, block)
+
+    def pop(self, key: bytes, block_id: int) -> KVCacheBlock | None:
+        v = self._cache.get(key, _MISSING)
+        if v is _MISSING:
+            return None  # nothing changes
+        self.journal.append((_undo_entry, self, key, dict(v) if type(v) is dict else v))
+        return _map_pop(self, key, block_id)
+
+
+_map_insert = BlockHashToBlockMap.insert  # the taught methods, called without super()'s lookup (hot path)
+_map_pop = BlockHashToBlockMap.pop
+_MISSING: Any = object()
+
+
+def _undo_entry(cache_map: BlockHashToBlockMap, key: bytes, old: Any) -> None:
+    if old is _MISSING:
+        cache_map._cache.pop(key, None)
+    else:
+        cache_map._cache[key] = dict(old) if type(old) is dict else old
+
+
+# --- the pool ---------------------------------------------------------------------------------
+@dataclass(slots=True)
+class PoolCheckpoint:
+    """What :func:`restore_pool` needs: the journal and the few things it does not hold."""
+
+    journal: list
+    queue: Any
+    free_order: list[KVCacheBlock] | None  # a queue of another class (a learner's): its order, by value
+    cache_map: BlockHashToBlockMap
+    map_entries: dict | None  # a map of another class, or changed by a learner's eviction: its entries, by value
+    num_evicted_blocks: int
+    kv_event_queue: list  # the KV-event queue object and its length: events only get appended
+    num_kv_events: int
+    collector: tuple | None  # the metrics collector's state (see _collector_state)
+
+
+def checkpoint_pool(pool: BlockPool) -> PoolCheckpoint:
+    """Start recording how to undo every change to ``pool``; follow with :func:`release_pool`
+    (keep the changes) or :func:`restore_pool` (undo them). O(1) with kvlab's own queue and
+    map; a learner's queue or map is copied (see the module docstring)."""
+    q = pool.free_block_queue
+    m = pool.cached_block_hash_to_block
+    own_queue = type(q) is FreeKVCacheBlockQueue
+    # Only kvlab's own map, changed only by kvlab's own eviction, journals every change.
+    own_map = type(m) is BlockHashToBlockMap and type(pool)._maybe_evict_cached_block is BlockPool._maybe_evict_cached_block
+    entries = getattr(m, "_cache", None)  # kvlab's storage, which a map of another class may not keep
+    cp = PoolCheckpoint(
+        journal=[],
+        queue=q,
+        free_order=None if own_queue else list(q.get_all_free_blocks()),
+        cache_map=m,
+        map_entries=_copy_entries(entries) if not own_map and type(entries) is dict else None,
+        num_evicted_blocks=pool.num_evicted_blocks,
+        kv_event_queue=pool.kv_event_queue,
+        num_kv_events=len(pool.kv_event_queue),
+        collector=None if pool.metrics_collector is None else _collector_state(pool.metrics_collector),
+    )
+    # Journaling starts last: an interrupt before these lines leaves nothing journaling.
+    if own_queue:
+        q.journal = cp.journal  # type: ignore[attr-defined]
+        q.__class__ = JournaledFreeKVCacheBlockQueue
+    if own_map:
+        m.journal = cp.journal  # type: ignore[attr-defined]
+        m.__class__ = JournaledBlockHashToBlockMap
+    return cp
+
+
+def release_pool(pool: BlockPool, cp: PoolCheckpoint) -> None:
+    """Keep every change since ``cp``: kvlab's queue and map stop journaling (the pool's
+    current ones and those it held at ``cp``: a ``reset_prefix_cache`` replaces the map)."""
+    for obj in (pool.free_block_queue, cp.queue):
+        if type(obj) is JournaledFreeKVCacheBlockQueue:
+            obj.__class__ = FreeKVCacheBlockQueue
+            del obj.journal
+    for obj in (pool.cached_block_hash_to_block, cp.cache_map):
+        if type(obj) is JournaledBlockHashToBlockMap:
+            obj.__class__ = BlockHashToBlockMap
+            del obj.journal
+
+
+def restore_pool(
+    pool: BlockPool, cp: PoolCheckpoint, tables: Iterable[Iterable[KVCacheBlock]], *, drop_reused: bool = False
+) -> list[KVCacheBlock]:
+    """Undo every change to ``pool`` since ``cp``; ``tables`` are the block tables as they
+    were then (the ref counts are recounted from them). Safe to call again after it was
+    itself interrupted: each undo writes absolute values, newest first. Journaling goes on
+    until :func:`release_pool`.
+
+    ``drop_reused``: blocks that sat cached on the free queue at ``cp`` and were handed out
+    since lose their hash now (returned, and logged as evictions): an executor may have
+    written new K/V into them, so their old cache entry would serve wrong values.
+    """
+    pool.free_block_queue = cp.queue
+    pool.cached_block_hash_to_block = cp.cache_map
+    journal = cp.journal
+    for i in range(len(journal) - 1, -1, -1):
+        fn, *args = journal[i]
+        fn(*args)
+    if cp.map_entries is not None:  # a map that did not journal: its entries as they were
+        cp.cache_map._cache = _copy_entries(cp.map_entries)
+    blocks = pool.blocks
+    if cp.free_order is not None:  # a foreign queue class: rebuilt from the listed order
+        for b in blocks:
+            b.prev_free_block = b.next_free_block = None
+        pool.free_block_queue = pool.free_queue_cls(list(cp.free_order))
+    for b in blocks:
+        b.cache_key = None
+        b.ref_cnt = 0
+    for key, blks in pool.cached_block_hash_to_block.items():
+        for b in blks:
+            b.cache_key = key
+    for table in tables:
+        for b in table:
+            if not b.is_null:
+                b.ref_cnt += 1
+    pool.num_evicted_blocks = cp.num_evicted_blocks
+    del cp.kv_event_queue[cp.num_kv_events :]  # take_events() may have swapped the queue: the old one comes back
+    pool.kv_event_queue = cp.kv_event_queue
+    if cp.collector is not None and pool.metrics_collector is not None:
+        _set_collector_state(pool.metrics_collector, cp.collector)
+    dropped: list[KVCacheBlock] = []
+    if drop_reused:
+        reused = {id(b): b for entry in journal if entry[0] is _undo_pop for b in entry[2]}
+        for b in reused.values():
+            key = b.cache_key
+            if key is not None and b.ref_cnt == 0 and not b.is_null:
+                pool.cached_block_hash_to_block.pop(key, b.block_id)
+                b.cache_key = None
+                pool.num_evicted_blocks += 1
+                dropped.append(b)
+                if pool.events is not None:
+                    pool.events.emit(BlockEvicted(block_id=b.block_id, block_hash=get_block_hash(key), group=get_group_id(key)))
+                if pool.enable_kv_cache_events:
+                    pool._queue_block_removed(key)
+    return dropped
+
+
+# --- the KV-cache manager ---------------------------------------------------------------------
+@dataclass(slots=True)
+class ManagerCheckpoint:
+    """What :func:`restore_manager` needs: every group manager's attributes (copied two
+    levels deep: the block tables are new lists of the same blocks), the manager's request
+    map and stats, the pool's checkpoint, and each request a call touched, saved before its
+    first change (shared with the scheduler's checkpoint)."""
+
+    managers: list[dict]
+    requests: dict[str, Request]
+    prefix_cache_stats: PrefixCacheStats | None
+    pool: PoolCheckpoint
+    saved_requests: dict[int, tuple[Request, tuple]] = field(default_factory=dict)  # id(request) -> (request, its state)
+
+    def save_request(self, request: Request) -> None:
+        """Keep ``request``'s state as it is now (the first save wins)."""
+        if id(request) not in self.saved_requests:
+            self.saved_requests[id(request)] = (request, request_state(request))
+
+
+def request_state(r: Request) -> tuple:
+    """Everything a call may change in a request, in O(1) for the token lists: every attribute
+    as it is (a copy of the instance's ``__dict__``, so a field added later -- or one a
+    connector sets, like ``kv_transfer_params`` -- cannot be forgotten), and the lists that
+    only ever grow (tokens, packed tokens, block hashes) by their lengths, to be cut back."""
+    return (r.__dict__.copy(), len(r._output_token_ids), len(r._all_token_ids), len(r.block_hashes))
+
+
+def set_request_state(r: Request, state: tuple) -> None:
+    attrs, num_out, num_tokens, num_hashes = state
+    r.__dict__.clear()
+    r.__dict__.update(attrs)
+    del r._output_token_ids[num_out:], r._all_token_ids[num_tokens:], r._token_bytes[4 * num_tokens :]
+    del r.block_hashes[num_hashes:]
+
+
+def checkpoint_manager(mgr: KVCacheManager, saved_requests: dict[int, tuple[Request, tuple]] | None = None) -> ManagerCheckpoint:
+    """Start recording how to undo every change to ``mgr`` and its pool. O(requests holding
+    blocks): the block tables are copied, the pool only journals, and a request's state is
+    saved when a call first touches it (:func:`manager_call`). Follow with
+    :func:`release_manager` (keep) or :func:`restore_manager` (undo)."""
+    cp = ManagerCheckpoint(
+        # Every attribute of every group's manager (a manager subclass with bookkeeping of
+        # its own is covered too); the coordinator holds no state of its own.
+        managers=[copy_attrs(m) for m in mgr.coordinator.single_type_managers],
+        requests=dict(mgr._requests),
+        prefix_cache_stats=None if mgr.prefix_cache_stats is None else mgr.prefix_cache_stats.copy(),
+        saved_requests={} if saved_requests is None else saved_requests,
+        pool=None,  # type: ignore[arg-type]  # set next: the pool's journal starts last
+    )
+    cp.pool = checkpoint_pool(mgr.block_pool)
+    mgr._txn = cp
+    return cp
+
+
+def release_manager(mgr: KVCacheManager, cp: ManagerCheckpoint) -> None:
+    """Keep every change since ``cp``."""
+    mgr._txn = None
+    release_pool(mgr.block_pool, cp.pool)
+
+
+def restore_manager(mgr: KVCacheManager, cp: ManagerCheckpoint, *, drop_reused: bool = False) -> list[KVCacheBlock]:
+    """Undo every change since ``cp`` (requests included) and stop recording. Returns the
+    blocks whose cache entry ``drop_reused`` dropped (see :func:`restore_pool`)."""
+    for m, saved in zip(mgr.coordinator.single_type_managers, cp.managers):
+        put_attrs(m, saved)
+    mgr._requests = dict(cp.requests)
+    mgr.prefix_cache_stats = None if cp.prefix_cache_stats is None else cp.prefix_cache_stats.copy()
+    for r, state in cp.saved_requests.values():
+        set_request_state(r, state)
+    tables = [t for m in mgr.coordinator.single_type_managers for t in m.req_to_blocks.values()]
+    dropped = restore_pool(mgr.block_pool, cp.pool, tables, drop_reused=drop_reused)
+    release_manager(mgr, cp)
+    return dropped
+
+
+def manager_call(fn: F) -> F:
+    """A manager entry point that changes state, all or nothing: inside a scheduler's or an
+    engine's transaction it only saves the request it is given (before the call's first
+    change to it); a manager used on its own opens a checkpoint for the call and undoes it
+    if anything raises -- a learner's swapped method, a bad argument, an interrupt."""
+
+    @functools.wraps(fn)
+    def call(self: KVCacheManager, request: Any, *args: Any, **kwargs: Any) -> Any:
+        cp = self._txn
+        if cp is not None:
+            if isinstance(request, Request) and id(request) not in cp.saved_requests:
+                cp.save_request(request)
+            return fn(self, request, *args, **kwargs)
+        cp = checkpoint_manager(self)
+        try:
+            if isinstance(request, Request):
+                cp.save_request(request)
+            out = fn(self, request, *args, **kwargs)
+        except BaseException:
+            restore_manager(self, cp)
+            raise
+        release_manager(self, cp)
+        return out
+
+    return call  # type: ignore[return-value]
+
+
+def manager_lookup(fn: F) -> F:
+    """A manager entry point that only reads the cache but may extend the request (its block
+    hashes): inside a transaction the request is saved first; on its own, nothing to undo."""
+
+    @functools.wraps(fn)
+    def call(self: KVCacheManager, request: Any, *args: Any, **kwargs: Any) -> Any:
+        cp = self._txn
+        if cp is not None and isinstance(request, Request) and id(request) not in cp.saved_requests:
+            cp.save_request(request)
+        return fn(self, request, *args, **kwargs)
+
+    return call  # type: ignore[return-value]
+
+
+# --- the scheduler ---------------------------------------------------------------------------
+@dataclass(slots=True)
+class SchedulerCheckpoint:
+    """What :func:`restore_scheduler` needs: the scheduler's own attributes, its request map,
+    waiting queue and encoder cache (containers copied), where the event log was, the KV
+    connector's books, and the manager's checkpoint (with it the pool's journal and the saved
+    requests)."""
+
+    manager: ManagerCheckpoint
+    state: dict[str, Any]
+    requests: dict[str, Request]
+    waiting: dict[str, Any]
+    encoder_cache: dict[str, Any]
+    log_len: int | None
+    log_step: int
+    connector: dict[str, Any] | None  # the KV connector's scheduler-side books (a deep copy)
+    publisher: Any  # the KV-event publisher the transaction holds batches back from (None: none)
+    publish: list = field(default_factory=list)  # KV-event batches to publish once the calls are kept
+
+    def save_request(self, request: Request) -> None:
+        self.manager.save_request(request)
+
+
+#: Scheduler attributes a checkpoint does not copy: objects with owners of their own (the
+#: manager, the log, the connector, the publisher) and the containers copied apart.
+_NOT_COPIED = frozenset(
+    {"kv_cache_manager", "events", "connector", "kv_event_publisher", "requests", "waiting", "encoder_cache_manager", "_txn"}
+)
+#: Stats records changed in place: copied with their own ``copy()``.
+_STATS = ("caching_metrics", "connector_prefix_cache_stats")
+
+
+class _HeldBackPublisher:
+    """Stands in for the KV-event publisher while a transaction is open: a step that is
+    undone must not have told the routers about blocks it never cached, so its batches go
+    out only when it is kept."""
+
+    __slots__ = ("held",)
+
+    def __init__(self, held: list) -> None:
+        self.held = held
+
+    def publish(self, batch: Any) -> None:
+        self.held.append(batch)
+
+
+def checkpoint_scheduler(sched: Scheduler) -> SchedulerCheckpoint:
+    """Start recording how to undo every change to the scheduler, its requests, the KV-cache
+    manager, the pool and the event log. Cheap enough for every step: the queues, counters
+    and request map are copied (C-speed container copies; every attribute, so what a later
+    version adds is covered too), a request's state is saved when a call first touches it,
+    and the pool only journals. Follow with :func:`release_scheduler` (keep the changes) or
+    :func:`restore_scheduler` (undo them). The KV connector's books are deep-copied; the
+    executor is outside: it hears of an undone step through the next one."""
+    log = sched.events
+    state = copy_attrs(sched, skip=_NOT_COPIED)
+    for name in _STATS:
+        v = state.get(name)
+        if v is not None:
+            state[name] = v.copy()
+    cp = SchedulerCheckpoint(
+        manager=None,  # type: ignore[arg-type]  # set below, last: it starts the pool's journal
+        state=state,
+        requests=dict(sched.requests),
+        waiting=copy_attrs(sched.waiting),
+        encoder_cache=copy_attrs(sched.encoder_cache_manager, skip=frozenset({"events"})),
+        log_len=None if log is None else len(log),
+        log_step=0 if log is None else log.step,
+        connector=None if sched.connector is None else copy.deepcopy(vars(sched.connector), _shared_memo(sched)),
+        publisher=sched.kv_event_publisher,
+    )
+    cp.manager = checkpoint_manager(sched.kv_cache_manager)
+    if cp.publisher is not None:
+        sched.kv_event_publisher = _HeldBackPublisher(cp.publish)
+    sched._txn = cp
+    return cp
+
+
+def release_scheduler(sched: Scheduler, cp: SchedulerCheckpoint) -> None:
+    """Keep every change since ``cp``, and publish the KV-event batches it held back."""
+    sched._txn = None
+    release_manager(sched.kv_cache_manager, cp.manager)
+    if cp.publisher is not None:
+        sched.kv_event_publisher = cp.publisher
+        batches, cp.publish[:] = list(cp.publish), []
+        for batch in batches:
+            cp.publisher.publish(batch)
+
+
+def restore_scheduler(sched: Scheduler, cp: SchedulerCheckpoint, *, drop_reused: bool = False, resync_executor: bool = False) -> list:
+    """Undo every change since ``cp``: the event log is cut back to where it was; the queues,
+    counters, requests, block tables and pool are as they were. Safe to call again if it was
+    itself interrupted. ``resync_executor``: the executor may have seen the undone step, so
+    every running request is sent to it in full next time. ``drop_reused``: see
+    :func:`restore_pool` (for executors that write K/V). Returns the blocks whose cache
+    entries were dropped."""
+    if sched.events is not None and cp.log_len is not None:
+        sched.events.truncate(cp.log_len)
+        sched.events.step = cp.log_step
+    put_attrs(sched, cp.state)
+    for name in _STATS:
+        v = cp.state.get(name)
+        if v is not None:
+            setattr(sched, name, v.copy())
+    put_attrs(sched.waiting, cp.waiting)
+    put_attrs(sched.encoder_cache_manager, cp.encoder_cache)
+    added = [r for r in sched.requests.values() if cp.requests.get(r.request_id) is not r]
+    sched.requests.clear()  # in place: whoever holds the map sees it restored
+    sched.requests.update(cp.requests)
+    if resync_executor:
+        sched._num_sent_blocks = {}
+    if cp.connector is not None and sched.connector is not None:
+        restore_into(sched.connector, cp.connector, _shared_memo(sched))
+    if cp.publisher is not None:
+        sched.kv_event_publisher = cp.publisher
+        cp.publish.clear()
+    dropped = restore_manager(sched.kv_cache_manager, cp.manager, drop_reused=drop_reused)
+    for r in added:  # added by the undone calls: free to be added again
+        r._owner = None
+    sched._txn = None
+    return dropped
+
+
+def _shared_memo(sched: Scheduler) -> dict[int, Any]:
+    """What a deep copy of the connector's books must share, not copy: the manager, its pool
+    and log, and the live requests (its per-request records point at them)."""
+    mgr = sched.kv_cache_manager
+    shared = [mgr, mgr.block_pool, mgr.events, sched.events, *sched.requests.values()]
+    return {id(o): o for o in shared if o is not None}
+
+
+def scheduler_call(touches: Callable[..., Iterable[str]] | None = None) -> Callable[[F], F]:
+    """A scheduler entry point, all or nothing: inside an engine's transaction it runs as it
+    is; called on its own it opens a checkpoint and undoes the call if anything raises.
+    ``touches(sched, *args)`` names the requests the call changes before any manager call
+    saves them: they are saved first."""
+
+    def wrap(fn: F) -> F:
+        @functools.wraps(fn)
+        def call(self: Scheduler, *args: Any, **kwargs: Any) -> Any:
+            cp = self._txn
+            own = cp is None
+            if own:
+                cp = checkpoint_scheduler(self)
+            try:
+                if touches is not None:
+                    for rid in touches(self, *args, **kwargs):
+                        r = self.requests.get(rid)
+                        if r is not None:
+                            cp.save_request(r)
+                out = fn(self, *args, **kwargs)
+            except BaseException:
+                if own:
+                    restore_scheduler(self, cp)
+                raise
+            if own:
+                release_scheduler(self, cp)
+            return out
+
+        return call  # type: ignore[return-value]
+
+    return wrap
+
+
+def adds_request(fn: F) -> F:
+    """``Scheduler.add_request``, all or nothing at O(1): a request the call could not add
+    completely (an interrupt, a failing event subscriber) leaves no trace. Inside a
+    transaction, the transaction's restore does this."""
+
+    @functools.wraps(fn)
+    def call(self: Scheduler, request: Any) -> None:
+        if self._txn is not None:
+            return fn(self, request)
+        log_len = len(self.events) if self.events is not None else 0
+        had = self.requests.get(getattr(request, "request_id", None))  # type: ignore[arg-type]
+        try:
+            return fn(self, request)
+        except BaseException:
+            if had is None and isinstance(request, Request) and self.requests.get(request.request_id) is request:
+                del self.requests[request.request_id]
+                if any(r is request for r in self.waiting):
+                    self.waiting.remove_request(request)
+                request._owner = None
+            if self.events is not None:
+                self.events.truncate(log_len)
+            raise
+
+    return call  # type: ignore[return-value]
+
+
+# --- the engine ------------------------------------------------------------------------------
+# The engine sits above the core; it is reached here through its attributes only (``clock``,
+# ``metrics``, ``finished``, ``scheduler``, ...), never imported.
+
+
+@dataclass(slots=True)
+class EngineCheckpoint:
+    """One engine call's way back: the scheduler's checkpoint plus the engine's own state --
+    the clock, and the per-request metrics and finished entries the call changes (each saved
+    before its first change, every field of it)."""
+
+    what: str
+    step: int
+    clock: float
+    ids: int
+    num_eviction_events: int
+    sched: SchedulerCheckpoint | None = None
+    metrics: dict[str, tuple[Any, dict[str, Any] | None]] = field(default_factory=dict)  # rid -> (object or _MISSING, its fields)
+    finished: dict[str, Any] = field(default_factory=dict)  # rid -> the finished entry, or _MISSING
+    executor_called: bool = False
+
+    def save_metrics(self, metrics: dict[str, Any], rid: str) -> None:
+        """Keep ``metrics[rid]`` as it is now (the first save wins)."""
+        if rid not in self.metrics:
+            m = metrics.get(rid, _MISSING)
+            self.metrics[rid] = (m, None if m is _MISSING else _fields(m))
+
+    def save_finished(self, finished: dict[str, Any], rid: str) -> None:
+        if rid not in self.finished:
+            self.finished[rid] = finished.get(rid, _MISSING)
+
+
+def _fields(obj: Any) -> dict[str, Any]:
+    """Every attribute of ``obj``, whether it keeps them in a ``__dict__`` or in slots."""
+    if hasattr(obj, "__dict__"):
+        return dict(vars(obj))
+    names = _SLOTS.get(type(obj))
+    if names is None:
+        names = _SLOTS[type(obj)] = tuple(dict.fromkeys(n for c in type(obj).__mro__ for n in getattr(c, "__slots__", ())))
+    return {n: getattr(obj, n, _UNSET) for n in names}
+
+
+_SLOTS: dict[type, tuple[str, ...]] = {}  # a slotted class -> its slot names, every base included
+_UNSET: Any = object()  # a slot never set (restored as unset)
+
+
+def begin_engine(engine: Any, what: str) -> EngineCheckpoint:
+    """Open the transaction of one engine call (``what``: "step", "generate", ...)."""
+    engine._check_usable()
+    cp = EngineCheckpoint(what, engine.scheduler.step_count, engine.clock, engine._ids, len(engine.kv_cache_eviction_events))
+    engine._pending = cp  # from here on, an interrupt leaves the engine marked
+    cp.sched = checkpoint_scheduler(engine.scheduler)
+    return cp
+
+
+def commit_engine(engine: Any, cp: EngineCheckpoint) -> None:
+    engine._pending = None
+    release_scheduler(engine.scheduler, cp.sched)  # type: ignore[arg-type]
+
+
+def rollback_engine(engine: Any, cp: EngineCheckpoint) -> None:
+    """Undo the engine call ``cp`` opened (safe to call again if it was itself interrupted)."""
+    if cp.sched is not None:
+        # An executor that writes K/V may have overwritten blocks that are cached again
+        # after the undo: their cache entries go (the blocks stay free).
+        writes_kv = bool(getattr(engine.executor, "writes_kv_cache", True))
+        restore_scheduler(engine.scheduler, cp.sched, drop_reused=cp.executor_called and writes_kv, resync_executor=cp.executor_called)
+    engine.clock, engine._ids = cp.clock, cp.ids
+    del engine.kv_cache_eviction_events[cp.num_eviction_events :]
+    for rid, (m, values) in cp.metrics.items():
+        if m is _MISSING:
+            engine.metrics.pop(rid, None)
+        else:
+            for k, v in values.items():  # type: ignore[union-attr]
+                if v is _UNSET:
+                    if hasattr(m, k):
+                        delattr(m, k)
+                else:
+                    setattr(m, k, v)
+            engine.metrics[rid] = m
+    for rid, r in cp.finished.items():
+        if r is _MISSING:
+            engine.finished.pop(rid, None)
+        else:
+            engine.finished[rid] = r
+
+
+@contextlib.contextmanager
+def engine_call(engine: Any, what: str) -> Iterator[EngineCheckpoint]:
+    """``with engine_call(engine, "step") as cp:`` -- the body is all or nothing. On an
+    exception the call is undone and the exception goes on with a note saying so; if an
+    interrupt stops the undo itself, the engine stays marked until ``engine.restore()``."""
+    cp = begin_engine(engine, what)
+    try:
+        yield cp
+    except BaseException as exc:
+        engine.fault = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        rollback_engine(engine, cp)
+        engine._pending = None
+        exc.add_note(
+            f"kvlab: {cp.what} did not finish, so the engine went back to the end of step {cp.step}: "
+            "no request and no block was lost. Fix the cause and call it again."
+        )
+        raise
+    commit_engine(engine, cp)
+
+
+def _copy_entries(entries: dict) -> dict:
+    """A copy of a map's storage (key -> a block, or {block_id: block}) that later changes to
+    the map cannot reach."""
+    return {k: dict(v) if type(v) is dict else v for k, v in entries.items()}
+
+
+def _collector_state(c: Any) -> tuple:
+    """A block-residency collector's state: its random generator, its sampled blocks with
+    their mutable fields, its pending evictions."""
+    return (
+        c._rng.getstate(),
+        {bid: (m, m.last_access_ns, tuple(m.access_history)) for bid, m in c.block_metrics.items()},
+        list(c._eviction_events),
+    )
+
+
+def _set_collector_state(c: Any, state: tuple) -> None:
+    rng, metrics, evictions = state
+    c._rng.setstate(rng)
+    c.block_metrics = {}
+    for bid, (m, last, history) in metrics.items():
+        m.last_access_ns = last
+        m.access_history.clear()
+        m.access_history.extend(history)
+        c.block_metrics[bid] = m
+    c._eviction_events = list(evictions)
