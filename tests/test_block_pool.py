@@ -8,6 +8,8 @@ from hypothesis import strategies as st
 
 from kvlab import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock, Request
 from kvlab.core.block_pool import BlockHashToBlockMap, group_suffix
+from kvlab.core.pool_observers import BlockPoolObserver
+from kvlab.timeline.events import EventLog
 from kvlab.core.transaction import checkpoint_pool, release_pool, restore_pool
 
 
@@ -407,3 +409,74 @@ def test_a_checkpoint_undoes_any_mix_of_pool_operations(ops: list[tuple[str, int
     assert type(pool.cached_block_hash_to_block) is BlockHashToBlockMap
     assert not hasattr(pool.free_block_queue, "journal") and not hasattr(pool.cached_block_hash_to_block, "journal")
     pool.check_invariants()
+
+
+class _EventReq(_CacheReq):
+    """A request with what the events read besides hashes and tokens (no adapter, image, salt)."""
+
+    mm_features: list = []
+    lora_name = lora_path = cache_salt = prompt_embeds = None
+
+
+class _Recorder(BlockPoolObserver):
+    """Writes down every report, in the pool's words."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def on_blocks_allocated(self, pool, blocks, dropped, request_id, group):
+        self.calls.append(("allocated", ids(blocks), [(b.block_id, key[:2]) for b, key in dropped], request_id))
+
+    def on_cache_entries_dropped(self, pool, dropped):
+        self.calls.append(("dropped", [(b.block_id, key[:2]) for b, key in dropped]))
+
+    def on_blocks_cached(self, pool, request, blocks, hashes, num_cached_blocks, num_full_blocks, block_size, group, block_mask):
+        self.calls.append(("cached", request.request_id, num_cached_blocks, num_full_blocks))
+
+    def on_blocks_touched(self, pool, blocks):
+        self.calls.append(("touched", ids(blocks)))
+
+    def on_blocks_freed(self, pool, blocks, to_head, to_tail, request_id, group, reason):
+        self.calls.append(("freed", ids(blocks), ids(to_head), ids(to_tail), reason))
+
+    def on_cache_reset(self, pool, success):
+        self.calls.append(("reset", success))
+
+
+def test_the_pool_reports_each_change_once_to_every_observer() -> None:
+    """One protocol: the event log, vLLM's KV events and the metrics collector are observers
+    of it, and so is any other -- each change reported once, after it is complete."""
+    log = EventLog()
+    pool = BlockPool(5, event_log=log, enable_kv_cache_events=True)
+    assert [type(o).__name__ for o in pool.observers] == ["EventLogObserver", "KVEventsObserver"]
+    rec = _Recorder()
+    pool.observers.append(rec)
+    a = pool.get_new_blocks(2, request_id="a")
+    pool.cache_full_blocks(_EventReq("a", [b"h0", b"h1"]), a, 0, 2, 4, 0)
+    pool.free_blocks(list(reversed(a)), request_id="a")
+    pool.touch([a[0]])
+    b = pool.get_new_blocks(3, request_id="b")  # blocks 3 and 4 (never cached), then block 2 (cached: evicted)
+    assert pool.reset_prefix_cache() is False
+    assert pool.evict_blocks([a[0].block_id, 4]) == [a[0].block_id]
+    assert rec.calls == [
+        ("allocated", [1, 2], [], "a"),
+        ("cached", "a", 0, 2),
+        ("freed", [2, 1], [], [2, 1], "request"),
+        ("touched", [1]),
+        ("allocated", [3, 4, 2], [(2, b"h1")], "b"),
+        ("reset", False),
+        ("dropped", [(1, b"h0")]),
+    ]
+    assert ids(b) == [3, 4, 2]
+    kinds = [type(e).__name__ for e in log.events]
+    assert kinds == [
+        "BlocksAllocated",
+        "BlockCached",
+        "BlockCached",
+        "BlocksFreed",
+        "BlockEvicted",
+        "BlocksAllocated",
+        "CacheReset",
+        "BlockEvicted",
+    ]
+    assert [type(e).__name__ for e in pool.take_events()] == ["BlockStored", "BlockRemoved", "BlockRemoved"]

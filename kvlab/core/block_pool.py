@@ -21,12 +21,13 @@ The rules this file enforces:
   already prepended the uncached blocks that left a sliding window or local-attention chunk, and
   those a sliding-window group freed). ``prepend_uncached_blocks=False``
   brings the old rule back; lesson 04 compares the two.
-* With ``enable_kv_cache_events`` the pool queues vLLM's KV cache events at the moments
-  vLLM's pool does: ``BlockStored`` when ``cache_full_blocks`` hashes a run of blocks,
-  ``BlockRemoved`` for each hash dropped when a cached block is reallocated, and
-  ``AllBlocksCleared`` on a successful ``reset_prefix_cache``. ``take_events()`` hands them
-  over (the manager adds each group's spec kind). A ``KVCacheMetricsCollector`` is told of
-  every allocation, prefix hit (touch) and eviction (lesson 08).
+* Every change is reported once, to the pool's observers (``kvlab.core.pool_observers``):
+  kvlab's event log (the pictures), vLLM's KV cache events -- with
+  ``enable_kv_cache_events``, queued at the moments vLLM's pool queues them (``BlockStored``
+  when ``cache_full_blocks`` hashes a run of blocks, ``BlockRemoved`` for each hash dropped
+  when a cached block is reallocated, ``AllBlocksCleared`` on a successful
+  ``reset_prefix_cache``) and handed over by ``take_events()`` -- and a
+  ``KVCacheMetricsCollector`` (every allocation, prefix hit and eviction, lesson 08).
 """
 
 from __future__ import annotations
@@ -38,22 +39,11 @@ from kvlab.core.kv_cache_utils import (
     BlockHashListWithBlockSize,
     FreeKVCacheBlockQueue,
     KVCacheBlock,
-    generate_block_hash_extra_keys,
-    get_block_hash,
-    get_group_id,
     make_block_hash_with_group_id,
-    maybe_convert_block_hash,
-    to_event_extra_keys,
 )
-from kvlab.distributed.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
-from kvlab.timeline.events import (
-    BlockCached,
-    BlockEvicted,
-    BlocksAllocated,
-    BlocksFreed,
-    CacheReset,
-    EventLog,
-)
+from kvlab.core.pool_observers import BlockPoolObserver, EventLogObserver, KVEventsObserver, MetricsCollectorObserver
+from kvlab.distributed.kv_events import MEDIUM_GPU, KVCacheEvent
+from kvlab.timeline.events import EventLog
 from kvlab.utils.checks import check_int
 from kvlab.utils.hashing import BlockHash
 
@@ -191,6 +181,14 @@ class BlockPool:
         self.kv_event_queue: list[KVCacheEvent] = []
         self.metrics_collector = metrics_collector
         self.prepend_uncached_blocks = prepend_uncached_blocks
+        # kvlab's addition: every change is reported once, to each observer (kvlab.core.pool_observers).
+        self.observers: list[BlockPoolObserver] = []
+        if event_log is not None:
+            self.observers.append(EventLogObserver(event_log))
+        if enable_kv_cache_events:
+            self.observers.append(KVEventsObserver())
+        if metrics_collector is not None:
+            self.observers.append(MetricsCollectorObserver(metrics_collector))
 
     # -- prefix cache -------------------------------------------------------------------------
     def resolve_block_hashes(self, block_hashes: Sequence[BlockHash], block_size: int) -> Sequence[BlockHash]:
@@ -239,7 +237,6 @@ class BlockPool:
             raise ValueError(f"cannot cache blocks [{num_cached_blocks}, {num_full_blocks}) of a table of {len(blocks)} blocks")
         suffix = group_suffix(kv_cache_group_id)
         insert = self.cached_block_hash_to_block.insert
-        events = self.events
         todo: Iterable[int] = range(num_cached_blocks, num_full_blocks)
         if block_mask is not None:  # a block that can never serve a hit is not cached
             if len(block_mask) != num_full_blocks - num_cached_blocks:
@@ -252,62 +249,10 @@ class BlockPool:
             blk = blocks[i]
             if blk.is_null:
                 continue  # left the window / a state that is never read
-            h = hashes[i]
-            blk.cache_key = key = h + suffix
+            blk.cache_key = key = hashes[i] + suffix
             insert(key, blk)  # a duplicate key keeps both blocks
-            if events is not None:
-                events.emit(
-                    BlockCached(
-                        request_id=request.request_id,
-                        group=kv_cache_group_id,
-                        block_id=blk.block_id,
-                        block_hash=h,
-                        parent_hash=hashes[i - 1] if i else None,
-                        token_ids=list(request.all_token_ids[i * block_size : (i + 1) * block_size]),
-                        extra_keys=generate_block_hash_extra_keys(request, i * block_size, (i + 1) * block_size),
-                    )
-                )
-        if self.enable_kv_cache_events:
-            self._queue_block_stored(request, blocks, hashes, num_cached_blocks, num_full_blocks, block_size, kv_cache_group_id, block_mask)
-
-    def _queue_block_stored(
-        self,
-        request: Any,
-        blocks: Sequence[KVCacheBlock],
-        hashes: Sequence[BlockHash],
-        num_cached_blocks: int,
-        num_full_blocks: int,
-        block_size: int,
-        kv_cache_group_id: int,
-        block_mask: Sequence[bool] | None = None,
-    ) -> None:
-        """One ``BlockStored`` for the whole run, as vLLM's ``cache_full_blocks`` sends it:
-        hashes and extra keys of the non-null blocks only (a sliding window's dropped
-        blocks are skipped -- if all were dropped the event still goes out, with no
-        hashes), but ``token_ids`` of the whole range ``[num_cached, num_full)``."""
-        use_int = self.kv_events_use_int_block_hashes
-        new_hashes = []
-        extra_keys = []
-        for i in range(num_cached_blocks, num_full_blocks):
-            if blocks[i].is_null or (block_mask is not None and not block_mask[i - num_cached_blocks]):
-                continue
-            new_hashes.append(maybe_convert_block_hash(hashes[i], use_int))
-            extra_keys.append(generate_block_hash_extra_keys(request, i * block_size, (i + 1) * block_size))
-        lora_name = getattr(request, "lora_name", None)
-        self.kv_event_queue.append(
-            BlockStored(
-                block_hashes=new_hashes,
-                parent_block_hash=maybe_convert_block_hash(hashes[num_cached_blocks - 1], use_int) if num_cached_blocks else None,
-                token_ids=list(request.all_token_ids[num_cached_blocks * block_size : num_full_blocks * block_size]),
-                block_size=block_size,
-                lora_id=getattr(request, "lora_id", None),  # kvlab requests name their adapter only
-                medium=self.medium,
-                lora_name=lora_name,
-                extra_keys=to_event_extra_keys(extra_keys),
-                group_idx=kv_cache_group_id,
-                session_id=getattr(request, "session_id", None),
-            )
-        )
+        for o in self.observers:
+            o.on_blocks_cached(self, request, blocks, hashes, num_cached_blocks, num_full_blocks, block_size, kv_cache_group_id, block_mask)
 
     # -- allocation ---------------------------------------------------------------------------
     def get_new_blocks(self, num_blocks: int, request_id: str | None = None, group: int = 0) -> list[KVCacheBlock]:
@@ -317,43 +262,21 @@ class BlockPool:
         if not 0 <= num_blocks <= self.free_block_queue.num_free_blocks:
             raise ValueError(f"cannot get num_blocks = {num_blocks} free blocks from the pool ({self.get_num_free_blocks()} free)")
         ret = self.free_block_queue.popleft_n(num_blocks)
-        collector = self.metrics_collector
+        dropped: list[tuple[KVCacheBlock, bytes]] = []
         if self.enable_caching:
             evict = self._maybe_evict_cached_block
-            events = self.events
             for b in ret:
-                # vLLM's order per block: a sampled residency ends, the old hash goes (and
-                # BlockRemoved is queued), then a new residency may start.
-                if collector is not None:
-                    collector.on_block_evicted(b)
                 key = b.cache_key
-                if key is not None and evict(b):
-                    self.num_evicted_blocks += 1
-                    if self.enable_kv_cache_events:
-                        self._queue_block_removed(key)
-                    if events is not None:
-                        events.emit(BlockEvicted(block_id=b.block_id, block_hash=get_block_hash(key), group=get_group_id(key)))
+                if key is not None and evict(b):  # lazy eviction: the old hash goes now
+                    dropped.append((b, key))
                 b.ref_cnt += 1
-                if collector is not None:
-                    collector.on_block_allocated(b)
+            self.num_evicted_blocks += len(dropped)
         else:
             for b in ret:
                 b.ref_cnt += 1
-                if collector is not None:
-                    collector.on_block_allocated(b)
-        if self.events is not None:
-            self.events.emit(BlocksAllocated(request_id=request_id, group=group, block_ids=[b.block_id for b in ret]))
+        for o in self.observers:
+            o.on_blocks_allocated(self, ret, dropped, request_id, group)
         return ret
-
-    def _queue_block_removed(self, key: bytes) -> None:
-        """vLLM sends one ``BlockRemoved`` per evicted hash (key = hash + 4-byte group id)."""
-        self.kv_event_queue.append(
-            BlockRemoved(
-                block_hashes=[maybe_convert_block_hash(get_block_hash(key), self.kv_events_use_int_block_hashes)],
-                medium=self.medium,
-                group_idx=get_group_id(key),
-            )
-        )
 
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
         """A cached block is being reallocated: drop exactly its own map entry (duplicates
@@ -375,17 +298,15 @@ class BlockPool:
         for bid in ids:
             if not isinstance(bid, int) or not 0 <= bid < n:
                 raise ValueError(f"evict_blocks: block id {bid!r} is not a block of this pool (0..{n - 1})")
-        dropped = []
+        dropped: list[tuple[KVCacheBlock, bytes]] = []
         for bid in ids:
             b = self.blocks[bid]
             key = b.cache_key
             if key is not None and self._maybe_evict_cached_block(b):
-                dropped.append(bid)
-                if self.enable_kv_cache_events:
-                    self._queue_block_removed(key)
-                if self.events is not None:
-                    self.events.emit(BlockEvicted(block_id=bid, block_hash=get_block_hash(key), group=get_group_id(key)))
-        return dropped
+                dropped.append((b, key))
+        for o in self.observers:
+            o.on_cache_entries_dropped(self, dropped)
+        return [b.block_id for b, _ in dropped]
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         """A prefix hit adopts ``blocks`` (one group's, vLLM's flat list): ref += 1, and a
@@ -394,15 +315,14 @@ class BlockPool:
         (The caller records the ``BlocksTouched`` event; the touch exercise swaps this.)"""
         self._check_blocks("blocks", blocks)
         remove = self.free_block_queue.remove
-        collector = self.metrics_collector
         for b in blocks:
             if b.is_null:
                 continue
             if b.ref_cnt == 0:
                 remove(b)
             b.ref_cnt += 1
-            if collector is not None:
-                collector.on_block_accessed(b)
+        for o in self.observers:
+            o.on_blocks_touched(self, blocks)
 
     def free_blocks(
         self, ordered_blocks: Iterable[KVCacheBlock], request_id: str | None = None, group: int = 0, reason: str = "request"
@@ -444,17 +364,8 @@ class BlockPool:
             raise
         self.free_block_queue.prepend_n(without_hash)
         self.free_block_queue.append_n(with_hash)
-        if self.events is not None:
-            self.events.emit(
-                BlocksFreed(
-                    request_id=request_id,
-                    group=group,
-                    block_ids=[b.block_id for b in ordered],  # type: ignore[union-attr]
-                    to_head=[b.block_id for b in without_hash],
-                    to_tail=[b.block_id for b in with_hash],
-                    reason=reason,
-                )
-            )
+        for o in self.observers:
+            o.on_blocks_freed(self, ordered, without_hash, with_hash, request_id, group, reason)
 
     def _check_blocks(self, name: str, blocks: Any) -> None:
         """Every item is a block of THIS pool (not a copy, not another pool's)."""
@@ -472,18 +383,14 @@ class BlockPool:
         """Forget every cached prefix -- allowed only when no request holds a block."""
         num_used = self.num_gpu_blocks - self.get_num_free_blocks()
         if num_used != 1:  # only the null block may be "in use"
-            if self.events is not None:
-                self.events.emit(CacheReset(success=False))
+            for o in self.observers:
+                o.on_cache_reset(self, False)
             return False
         self.cached_block_hash_to_block = BlockHashToBlockMap()
         for b in self.blocks:
             b.reset_hash()
-        if self.metrics_collector is not None:
-            self.metrics_collector.reset()
-        if self.enable_kv_cache_events:
-            self.kv_event_queue.append(AllBlocksCleared())
-        if self.events is not None:
-            self.events.emit(CacheReset(success=True))
+        for o in self.observers:
+            o.on_cache_reset(self, True)
         return True
 
     def take_events(self) -> list[KVCacheEvent]:

@@ -35,10 +35,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvlab.core.block_pool import BlockHashToBlockMap, BlockPool
-from kvlab.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock, get_block_hash, get_group_id
+from kvlab.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 from kvlab.metrics.stats import PrefixCacheStats
 from kvlab.request import Request
-from kvlab.timeline.events import BlockEvicted
 from kvlab.utils.state import copy_attrs, put_attrs, restore_into
 
 if TYPE_CHECKING:
@@ -287,7 +286,7 @@ def restore_pool(
     pool.kv_event_queue = cp.kv_event_queue
     if cp.collector is not None and pool.metrics_collector is not None:
         _set_collector_state(pool.metrics_collector, cp.collector)
-    dropped: list[KVCacheBlock] = []
+    dropped: list[tuple[KVCacheBlock, bytes]] = []
     if drop_reused:
         reused = {id(b): b for entry in journal if entry[0] is _undo_pop for b in entry[2]}
         for b in reused.values():
@@ -295,13 +294,11 @@ def restore_pool(
             if key is not None and b.ref_cnt == 0 and not b.is_null:
                 pool.cached_block_hash_to_block.pop(key, b.block_id)
                 b.cache_key = None
-                pool.num_evicted_blocks += 1
-                dropped.append(b)
-                if pool.events is not None:
-                    pool.events.emit(BlockEvicted(block_id=b.block_id, block_hash=get_block_hash(key), group=get_group_id(key)))
-                if pool.enable_kv_cache_events:
-                    pool._queue_block_removed(key)
-    return dropped
+                dropped.append((b, key))
+        pool.num_evicted_blocks += len(dropped)
+        for o in pool.observers:
+            o.on_cache_entries_dropped(pool, dropped)
+    return [b for b, _ in dropped]
 
 
 # --- the KV-cache manager ---------------------------------------------------------------------
