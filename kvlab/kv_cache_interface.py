@@ -171,7 +171,8 @@ class SlidingWindowSpec(AttentionSpec):
         """Most blocks one request can hold at once (vLLM's admission cap): the last
         ``W - 1`` tokens plus one step's tokens in flight, +1 because the window need not
         start at a block boundary."""
-        return -(-min(self.sliding_window - 1 + max_in_flight_tokens, max_model_len) // self.block_size) + 1  # type: ignore[operator]
+        # block_size is set by then: the manager gives a spec with None its own block size before the scheduler asks
+        return -(-min(self.sliding_window - 1 + max_in_flight_tokens, max_model_len) // self.block_size) + 1  # type: ignore[operator]  # block_size set, see above
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -195,7 +196,8 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
 
     def max_admission_blocks_per_request(self, max_in_flight_tokens: int, max_model_len: int) -> int:
         """One chunk plus one step's tokens in flight (vLLM's admission cap)."""
-        return -(-min(self.attention_chunk_size + max_in_flight_tokens, max_model_len) // self.block_size)  # type: ignore[operator]
+        # block_size is set by then: the manager gives a spec with None its own block size before the scheduler asks
+        return -(-min(self.attention_chunk_size + max_in_flight_tokens, max_model_len) // self.block_size)  # type: ignore[operator]  # block_size set, see above
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -290,7 +292,7 @@ def get_kv_cache_spec_sliding_window(kv_cache_spec: object) -> int | None:
     """``kv_cache_spec_sliding_window`` of a ``BlockStored`` event: the window of a
     sliding-window spec, else None."""
     if any(c.__name__ == "SlidingWindowSpec" for c in type(kv_cache_spec).__mro__):
-        return kv_cache_spec.sliding_window  # type: ignore[attr-defined]
+        return kv_cache_spec.sliding_window  # type: ignore[attr-defined]  # a SlidingWindowSpec, matched by class name
     return None
 
 

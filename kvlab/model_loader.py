@@ -45,7 +45,7 @@ class LoadedModel(Checkpoint):
         """One spec per kind of layer (full attention first, then the sliding window), with
         the model's KV heads, head size and dtype: what the block manager is built with."""
         cfg = self.config
-        geo = dict(num_kv_heads=cfg.num_kv_heads, head_size=cfg.head_dim, dtype=_DTYPE_NAMES[cfg.dtype])
+        geo: dict[str, Any] = dict(num_kv_heads=cfg.num_kv_heads, head_size=cfg.head_dim, dtype=_DTYPE_NAMES[cfg.dtype])
         return [FullAttentionSpec(**geo) if w is None else SlidingWindowSpec(sliding_window=w, **geo) for w in layer_windows(self.model)]
 
     @property

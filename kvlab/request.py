@@ -217,7 +217,7 @@ class Request:
         """Append sampled tokens; the hashes of blocks they complete are computed now."""
         if type(token_ids) is int or not isinstance(token_ids, Sequence) or isinstance(token_ids, (str, bytes)):
             token_ids = [token_ids]  # type: ignore[list-item]  # one token (an int, numpy's included)
-        ids = _check_token_ids("token_ids", token_ids)  # type: ignore[arg-type]
+        ids = _check_token_ids("token_ids", token_ids)
         if not ids:
             return
         self._output_token_ids.extend(ids)

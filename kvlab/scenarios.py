@@ -79,7 +79,7 @@ class Scenario:
         if isinstance(name_or_step, int) and not isinstance(name_or_step, bool):
             return name_or_step
         try:
-            return self.named_steps[name_or_step]  # type: ignore[index]
+            return self.named_steps[name_or_step]  # type: ignore[index]  # a bool lands here too: its KeyError is reported below
         except KeyError:
             raise KeyError(f"{self.name}: no step named {name_or_step!r}; named steps are {list(self.named_steps)}") from None
 

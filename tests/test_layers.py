@@ -172,3 +172,26 @@ def test_ruff_format_passes_on_the_tree_and_catches_an_unformatted_file(tmp_path
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
     out = subprocess.run([str(RUFF), "format", "--check", "--no-cache", "kvlab"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert out.returncode == 1 and "kvlab/planted.py" in out.stdout, out.stdout + out.stderr
+
+
+MYPY = pathlib.Path(sys.executable).with_name("mypy")
+
+
+@pytest.mark.slow  # a cold mypy run over the tree takes ~30 s (warm: a second)
+def test_mypy_passes_on_the_tree_and_catches_a_planted_type_error(tmp_path: pathlib.Path) -> None:
+    """`make test` runs `mypy` with pyproject.toml's settings (which name the files): the tree
+    type-checks, and a type error planted in a copy of a module fails the check and is named."""
+    out = subprocess.run([str(MYPY)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    for name in ("kvlab", "kernels"):
+        shutil.copytree(ROOT / name, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    if (ROOT / ".mypy_cache").is_dir():  # the run above left it: only the planted module is checked again
+        shutil.copytree(ROOT / ".mypy_cache", tmp_path / ".mypy_cache")
+    target = tmp_path / "kvlab" / "bench" / "memory.py"  # imported by nothing but the bench's entry point
+    original = target.read_text()
+    target.write_text(original + '\n\ndef _planted() -> int:\n    return "not an int"  # planted by tests/test_layers.py\n')
+    line = len(original.splitlines()) + 4
+    out = subprocess.run([str(MYPY)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert f"kvlab/bench/memory.py:{line}: error: Incompatible return value type" in out.stdout, out.stdout

@@ -1,4 +1,4 @@
-"""`python -m kvlab.bench {core,memory,kernel,engine,viz,events,routing,trace,offload,all}` — speed and paper figures.
+"""`python -m kvlab.bench {core,memory,kernel,engine,viz,events,routing,trace,offload,vs-vllm,all}` — speed and paper figures.
 
 Every benchmark prints ratios measured in one run (this machine's speed drifts), never
 absolute thresholds checked by tests.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-SUITES = ("core", "memory", "kernel", "engine", "viz", "events", "routing", "trace", "offload")
+SUITES = ("core", "memory", "kernel", "engine", "viz", "events", "routing", "trace", "offload", "vs-vllm")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,9 +23,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"unknown suite {name!r}; choose one of {', '.join(SUITES)} or 'all'", file=sys.stderr)
             return 2
         try:
-            mod = importlib.import_module(f"kvlab.bench.{name}")
+            mod = importlib.import_module(f"kvlab.bench.{name.replace('-', '_')}")
         except ModuleNotFoundError as e:
-            if e.name != f"kvlab.bench.{name}":
+            if e.name != f"kvlab.bench.{name.replace('-', '_')}":
                 raise
             print(f"[{name}] not available yet")
             continue

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -41,6 +42,7 @@ class _TimedExecutor:
     runner: ModelRunner
     prefill_s: list[float] = field(default_factory=list)
     decode_s: list[float] = field(default_factory=list)
+    writes_kv_cache: bool = True  # the runner writes K/V into the blocks
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> dict[str, list[int]]:
         t0 = time.perf_counter()
@@ -106,7 +108,7 @@ def checkpoint_overhead(num_requests: int = 300, rounds: int = 3) -> tuple[float
     clock = time.perf_counter
     for _ in range(rounds):
         a, b = _sim_engine(num_requests, True), _sim_engine(num_requests, False)
-        nocp = _NoCheckpoint()
+        nocp: Any = _NoCheckpoint()  # stands in for the engine's checkpoint
         k = 0
         while a.has_unfinished_requests():
             if k % 2:

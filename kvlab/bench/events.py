@@ -65,7 +65,7 @@ def _serve(prompts: list[list[int]], events: bool) -> tuple[KVCacheManager, list
     return mgr, batches
 
 
-def _best(fn: Callable[[], None], repeats: int) -> float:
+def _best(fn: Callable[[], object], repeats: int) -> float:
     best = float("inf")
     for _ in range(repeats):
         gc.collect()

@@ -166,7 +166,7 @@ def run(shape: Shape, dtype: torch.dtype, cuda: bool, warmup: int, reps: int, sw
     if cuda and sweep:
         print("  kv-split sweep (kernel only):")
         for splits in sweep:
-            t = _time(lambda s=splits: _launch(*args, num_splits=s), warmup, reps, cuda)
+            t = _time(functools.partial(_launch, *args, num_splits=splits), warmup, reps, cuda)
             mark = "  <- planner" if splits == plan.num_splits else ""
             row(f"    splits={splits}{mark}", t)
     del kv, k_dense, v_dense

@@ -20,12 +20,15 @@ import statistics
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from kvlab.config.kv_transfer import KVTransferConfig
 from kvlab.engine.llm_engine import LLMEngine, build_engine
 from kvlab.executor.scripted import ScriptedExecutor
 from kvlab.workloads.traces import Trace, multi_turn, percentile
+
+if TYPE_CHECKING:
+    from kvlab.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 
 
 @dataclass
@@ -68,13 +71,14 @@ def scripted(trace: Trace) -> ScriptedExecutor:
     """An executor that answers each turn with the trace's answer (the next turn's prompt holds it)."""
     ex = ScriptedExecutor()
     for r in trace:
+        assert r.output_token_ids is not None  # multi_turn traces carry every answer
         ex.add_script(r.request_id, r.prompt_len, r.output_token_ids)
     return ex
 
 
 def working_set_tokens(trace: Trace) -> int:
     """Tokens of every conversation's longest prompt: what a cache must hold to hit them all."""
-    longest: dict[str, int] = {}
+    longest: dict[str | None, int] = {}
     for r in trace:
         longest[r.group] = max(longest.get(r.group, 0), r.prompt_len)
     return sum(longest.values())
@@ -110,7 +114,8 @@ def run_trace(
         eng.run_trace(trace.to_requests())
     m = [eng.metrics[r.request_id] for r in trace]
     conn = eng.scheduler.connector
-    tiers = dict(conn.scheduler.num_hit_tokens) if conn is not None else {}
+    # a connector is there only when cfg (above) named the OffloadingConnector
+    tiers = dict(cast("OffloadingConnector", conn).scheduler.num_hit_tokens) if conn is not None else {}
     tier_total = sum(tiers.values())
     run = OffloadRun(
         name,

@@ -42,7 +42,7 @@ from kvlab.core.kv_cache_utils import (
     make_block_hash_with_group_id,
 )
 from kvlab.core.pool_observers import BlockPoolObserver, EventLogObserver, KVEventsObserver, MetricsCollectorObserver
-from kvlab.distributed.kv_events import MEDIUM_GPU, KVCacheEvent
+from kvlab.distributed.kv_events import MEDIUM_GPU, KVEvent
 from kvlab.timeline.events import EventLog
 from kvlab.utils.checks import check_int
 from kvlab.utils.hashing import BlockHash
@@ -67,8 +67,8 @@ class BlockHashToBlockMap:
     def get_one_block(self, key: bytes) -> KVCacheBlock | None:
         v = self._cache.get(key)
         if v is None or type(v) is KVCacheBlock:
-            return v  # type: ignore[return-value]
-        return next(iter(v.values()))  # type: ignore[union-attr]
+            return v
+        return next(iter(v.values()))  # type: ignore[union-attr]  # a dict here: `type(v) is` above rules the lone block out (mypy narrows isinstance only)
 
     def insert(self, key: bytes, block: KVCacheBlock) -> None:
         v = self._cache.setdefault(key, block)  # the common case, a new key: one dict operation
@@ -77,7 +77,7 @@ class BlockHashToBlockMap:
         if type(v) is KVCacheBlock:
             self._cache[key] = {v.block_id: v, block.block_id: block}
         else:
-            v[block.block_id] = block  # type: ignore[index]
+            v[block.block_id] = block  # type: ignore[index]  # a dict here, as above
 
     def pop(self, key: bytes, block_id: int) -> KVCacheBlock | None:
         """Remove block ``block_id``'s entry under ``key``; other blocks under it stay."""
@@ -90,15 +90,15 @@ class BlockHashToBlockMap:
                 return v
             cache[key] = v  # another block carries the key: put it back
             return None
-        blk = v.pop(block_id, None)  # type: ignore[union-attr]
-        cache[key] = next(iter(v.values())) if len(v) == 1 else v  # type: ignore[union-attr,arg-type]
+        blk = v.pop(block_id, None)  # type: ignore[union-attr]  # a dict here, as above
+        cache[key] = next(iter(v.values())) if len(v) == 1 else v  # type: ignore[union-attr,arg-type]  # a dict here, as above
         return blk
 
     def blocks_for(self, key: bytes) -> list[KVCacheBlock]:
         v = self._cache.get(key)
         if v is None:
             return []
-        return [v] if type(v) is KVCacheBlock else list(v.values())  # type: ignore[union-attr]
+        return [v] if type(v) is KVCacheBlock else list(v.values())  # type: ignore[union-attr]  # a dict when not a lone block, as above
 
     def items(self) -> Iterable[tuple[bytes, list[KVCacheBlock]]]:
         for k in self._cache:
@@ -178,7 +178,7 @@ class BlockPool:
         self.enable_kv_cache_events = enable_kv_cache_events
         self.kv_events_use_int_block_hashes = kv_events_use_int_block_hashes
         self.medium = MEDIUM_GPU
-        self.kv_event_queue: list[KVCacheEvent] = []
+        self.kv_event_queue: list[KVEvent] = []
         self.metrics_collector = metrics_collector
         self.prepend_uncached_blocks = prepend_uncached_blocks
         # kvlab's addition: every change is reported once, to each observer (kvlab.core.pool_observers).
@@ -316,9 +316,9 @@ class BlockPool:
         self._check_blocks("blocks", blocks)
         remove = self.free_block_queue.remove
         for b in blocks:
-            if b.is_null:
-                continue
             if b.ref_cnt == 0:
+                if b.is_null:  # its ref count is not kept (it stays 0)
+                    continue
                 remove(b)
             b.ref_cnt += 1
         for o in self.observers:
@@ -368,10 +368,18 @@ class BlockPool:
             o.on_blocks_freed(self, ordered, without_hash, with_hash, request_id, group, reason)
 
     def _check_blocks(self, name: str, blocks: Any) -> None:
-        """Every item is a block of THIS pool (not a copy, not another pool's)."""
+        """Every item is a block of THIS pool (not a copy, not another pool's). The common
+        case -- a list of this pool's blocks -- is one comprehension; anything else is walked
+        item by item, to name the first bad one."""
+        own = self.blocks
+        if type(blocks) is list:
+            try:
+                if not [b for b in blocks if own[b.block_id] is not b]:
+                    return
+            except (AttributeError, IndexError, TypeError):
+                pass  # not a block, or an id that is not one of ours: the walk below says which
         if isinstance(blocks, (str, bytes)) or not isinstance(blocks, Iterable):
             raise TypeError(f"{name} must be a list of KVCacheBlock, got {type(blocks).__name__}")
-        own = self.blocks
         for i, b in enumerate(blocks):
             if type(b) is not KVCacheBlock and not isinstance(b, KVCacheBlock):
                 raise TypeError(f"{name}[{i}] must be a KVCacheBlock, got {type(b).__name__} {b!r}")
@@ -393,7 +401,7 @@ class BlockPool:
             o.on_cache_reset(self, True)
         return True
 
-    def take_events(self) -> list[KVCacheEvent]:
+    def take_events(self) -> list[KVEvent]:
         """Every queued KV cache event, oldest first; the queue starts empty again."""
         if not self.enable_kv_cache_events:
             return []

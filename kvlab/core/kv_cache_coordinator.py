@@ -46,11 +46,11 @@ def resolve_kv_cache_block_sizes(specs: Sequence[KVCacheSpec], enable_caching: b
     in ``align`` mode: then hashing is at the scheduler block size."""
     sizes = [s.block_size for s in specs]
     if len(sizes) == 1:
-        return sizes[0], sizes[0]  # type: ignore[return-value]
-    scheduler_block_size = lcm(*sizes)  # type: ignore[arg-type]
+        return sizes[0], sizes[0]  # type: ignore[return-value]  # the manager fills in every spec's block size before it calls this
+    scheduler_block_size = lcm(*sizes)  # type: ignore[arg-type]  # as above
     if not enable_caching or any(isinstance(s, MambaSpec) and s.mamba_cache_mode != "align" for s in specs):
         return scheduler_block_size, scheduler_block_size
-    return scheduler_block_size, gcd(*sizes)  # type: ignore[arg-type]
+    return scheduler_block_size, gcd(*sizes)  # type: ignore[arg-type]  # as above
 
 
 class KVCacheCoordinator:
@@ -304,9 +304,9 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 continue
             keep = cdiv(hit_length, self.single_type_managers[g.group_ids[0]].block_size)
             for gid in g.group_ids:
-                lst = hit_blocks[gid]
-                if lst is not None:
-                    del lst[keep:]
+                found = hit_blocks[gid]
+                if found is not None:
+                    del found[keep:]
         return tuple(lst if lst is not None else [] for lst in hit_blocks), hit_length
 
 
@@ -331,7 +331,7 @@ def get_kv_cache_coordinator(
         manager_classes=manager_classes,
     )
     if not enable_caching:
-        return KVCacheCoordinatorNoPrefixCache(specs, block_pool, False, **kw)  # type: ignore[arg-type]
+        return KVCacheCoordinatorNoPrefixCache(specs, block_pool, False, **kw)  # type: ignore[arg-type]  # kw holds the keyword arguments every coordinator takes
     if len(specs) == 1:
-        return UnitaryKVCacheCoordinator(specs, block_pool, True, **kw)  # type: ignore[arg-type]
-    return HybridKVCacheCoordinator(specs, block_pool, True, **kw)  # type: ignore[arg-type]
+        return UnitaryKVCacheCoordinator(specs, block_pool, True, **kw)
+    return HybridKVCacheCoordinator(specs, block_pool, True, **kw)

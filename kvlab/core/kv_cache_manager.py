@@ -23,7 +23,7 @@ from kvlab.core.kv_cache_metrics import KVCacheMetricsCollector
 from kvlab.core.kv_cache_utils import KVCacheBlock, get_request_block_hasher
 from kvlab.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
 from kvlab.core.transaction import manager_call, manager_lookup
-from kvlab.distributed.kv_events import BlockStored, KVCacheEvent
+from kvlab.distributed.kv_events import BlockStored, KVEvent
 from kvlab.kv_cache_interface import (
     KV_CACHE_SPEC_TYPES,
     ChunkedLocalAttentionSpec,
@@ -152,7 +152,7 @@ class KVCacheManager:
         max_in_flight_tokens = check_optional_int("max_in_flight_tokens", max_in_flight_tokens, 1)
         scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(specs, enable_caching)
         for i, spec in enumerate(specs):
-            if isinstance(spec, ChunkedLocalAttentionSpec) and spec.attention_chunk_size % spec.block_size:  # type: ignore[operator]
+            if isinstance(spec, ChunkedLocalAttentionSpec) and spec.attention_chunk_size % spec.block_size:  # type: ignore[operator]  # every spec has its block size after the defaults above
                 raise ValueError(
                     f"kv_cache_groups[{i}]: attention_chunk_size {spec.attention_chunk_size} must be a multiple of block_size {spec.block_size}"
                 )
@@ -332,7 +332,7 @@ class KVCacheManager:
             raise ValueError(f"new_computed_blocks has {len(hits)} groups, the manager has {self.num_kv_cache_groups}")
         has_hits = any(hits)
         for spec, g in zip(self.kv_cache_groups, hits):
-            if has_hits and len(g) * spec.block_size != num_new_computed_tokens:  # type: ignore[operator]
+            if has_hits and len(g) * spec.block_size != num_new_computed_tokens:  # type: ignore[operator]  # as above
                 raise ValueError(
                     f"num_new_computed_tokens = {num_new_computed_tokens} does not match new_computed_blocks "
                     f"({len(g)} blocks of {spec.block_size} tokens in a group)"
@@ -393,13 +393,23 @@ class KVCacheManager:
         pool = self.block_pool
         blocks = pool.blocks
         for gid, (spec, group_hits) in enumerate(zip(self.kv_cache_groups, hits)):
-            hashes = pool.resolve_block_hashes(request.block_hashes, spec.block_size)  # type: ignore[arg-type]
+            hashes = pool.resolve_block_hashes(request.block_hashes, spec.block_size)  # type: ignore[arg-type]  # as above
             if len(group_hits) > len(hashes):
                 raise ValueError(
                     f"new_computed_blocks[{gid}] has {len(group_hits)} blocks, but request {request.request_id!r} "
                     f"has only {len(hashes)} full blocks of {spec.block_size} tokens"
                 )
             suffix = group_suffix(gid)
+            full = isinstance(spec, FullAttentionSpec)
+            try:  # the common case in one comprehension; the loop below names what is wrong
+                if type(group_hits) is list and not [
+                    b
+                    for b, h in zip(group_hits, hashes)
+                    if blocks[b.block_id] is not b or (b.cache_key != h + suffix and (full or not b.is_null))
+                ]:
+                    continue
+            except (AttributeError, IndexError, TypeError):
+                pass
             for i, b in enumerate(group_hits):
                 where = f"new_computed_blocks[{gid}][{i}]"
                 if not isinstance(b, KVCacheBlock):
@@ -466,7 +476,7 @@ class KVCacheManager:
             self.prefix_cache_stats.reset = True
         return ok
 
-    def take_events(self) -> list[KVCacheEvent]:
+    def take_events(self) -> list[KVEvent]:
         """The KV cache events queued since the last call, oldest first (empty unless
         ``enable_kv_cache_events``). As vLLM's manager does, each ``BlockStored`` gets its
         group's spec kind and sliding window here -- the pool does not know specs. Batch

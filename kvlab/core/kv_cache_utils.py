@@ -128,7 +128,7 @@ class FreeKVCacheBlockQueue:
             raise ValueError("no free blocks left in the queue")
         nxt = first.next_free_block
         self.fake_free_list_head.next_free_block = nxt
-        nxt.prev_free_block = self.fake_free_list_head  # type: ignore[union-attr]
+        nxt.prev_free_block = self.fake_free_list_head  # type: ignore[union-attr]  # a queued block's links are never None: the sentinels bound the list
         first.prev_free_block = first.next_free_block = None
         self.num_free_blocks -= 1
         return first
@@ -139,12 +139,12 @@ class FreeKVCacheBlockQueue:
         out: list[KVCacheBlock] = []
         cur = self.fake_free_list_head.next_free_block
         for _ in range(n):
-            out.append(cur)  # type: ignore[arg-type]
-            nxt = cur.next_free_block  # type: ignore[union-attr]
-            cur.prev_free_block = cur.next_free_block = None  # type: ignore[union-attr]
+            out.append(cur)  # type: ignore[arg-type]  # as above
+            nxt = cur.next_free_block  # type: ignore[union-attr]  # as above
+            cur.prev_free_block = cur.next_free_block = None  # type: ignore[union-attr]  # as above
             cur = nxt
         self.fake_free_list_head.next_free_block = cur
-        cur.prev_free_block = self.fake_free_list_head  # type: ignore[union-attr]
+        cur.prev_free_block = self.fake_free_list_head  # type: ignore[union-attr]  # as above
         self.num_free_blocks -= n
         return out
 
@@ -166,9 +166,9 @@ class FreeKVCacheBlockQueue:
         last = self.fake_free_list_tail.prev_free_block
         for b in blocks:
             b.prev_free_block = last
-            last.next_free_block = b  # type: ignore[union-attr]
+            last.next_free_block = b  # type: ignore[union-attr]  # as above
             last = b
-        last.next_free_block = self.fake_free_list_tail  # type: ignore[union-attr]
+        last.next_free_block = self.fake_free_list_tail  # type: ignore[union-attr]  # as above
         self.fake_free_list_tail.prev_free_block = last
         self.num_free_blocks += len(blocks)
 
@@ -183,7 +183,7 @@ class FreeKVCacheBlockQueue:
             prev.next_free_block = b
             prev = b
         prev.next_free_block = first
-        first.prev_free_block = prev  # type: ignore[union-attr]
+        first.prev_free_block = prev  # type: ignore[union-attr]  # as above
         self.num_free_blocks += len(blocks)
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
@@ -460,6 +460,7 @@ class RequestBlockHasher:
         salt = request.cache_salt
         extra_keys_fn, hash_fn = self.extra_keys_fn, self.hash_fn
         packed = request.token_bytes
+        all_ids = request.all_token_ids
         while start + bs <= num_tokens:
             if simple and after_header is not None and (start or salt is None) and len(parent) == 32 and num_tokens - start >= 2 * bs:
                 break  # several blocks, none with extra keys: the sha256 loop below does them all
@@ -475,7 +476,9 @@ class RequestBlockHasher:
                 h.update(parent + packed[4 * start : 4 * end])
                 parent = h.digest()
             else:
-                parent = hash_block_tokens(hash_fn, parent, request.all_token_ids[start:end], extra)
+                # hash_block_tokens without its checks: a request's token ids were checked
+                # (uint32) when they arrived, and the parent is a digest.
+                parent = hash_fn((parent, tuple(all_ids[start:end]), extra))
             new.append(parent)
             start = end
         else:
@@ -483,7 +486,7 @@ class RequestBlockHasher:
         # One copy of the tokens still to hash into immutable bytes: slicing bytes is the
         # cheapest way to hand SHA-256 a block (cheaper than bytearray or memoryview slices).
         packed = bytes(memoryview(packed)[4 * start : 4 * (num_tokens - num_tokens % bs)])
-        copy, append, nbytes = after_header.copy, new.append, 4 * bs  # type: ignore[union-attr]
+        copy, append, nbytes = after_header.copy, new.append, 4 * bs
         for a in range(0, len(packed), nbytes):
             h = copy()
             h.update(parent + packed[a : a + nbytes])
@@ -509,7 +512,7 @@ def get_request_block_hasher(
 
 
 # --- groups with different block sizes ------------------------------------------------------
-class BlockHashListWithBlockSize:
+class BlockHashListWithBlockSize(Sequence[BlockHash]):
     """A request's hashes seen at a larger block size (vLLM's class of the same name).
 
     Hashes are computed every ``hash_block_size`` tokens and each one is chained over the

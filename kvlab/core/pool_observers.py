@@ -24,7 +24,7 @@ call is undone.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from kvlab.core.kv_cache_utils import (
     KVCacheBlock,
@@ -36,6 +36,7 @@ from kvlab.core.kv_cache_utils import (
 )
 from kvlab.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvlab.timeline.events import BlockCached, BlockEvicted, BlocksAllocated, BlocksFreed, CacheReset, EventLog
+from kvlab.timeline.schema import HashKeys
 from kvlab.utils.hashing import BlockHash
 
 if TYPE_CHECKING:
@@ -147,7 +148,7 @@ class EventLogObserver(BlockPoolObserver):
                     block_hash=hashes[i],
                     parent_hash=hashes[i - 1] if i else None,
                     token_ids=list(tokens[i * block_size : (i + 1) * block_size]),
-                    extra_keys=generate_block_hash_extra_keys(request, i * block_size, (i + 1) * block_size),
+                    extra_keys=cast("HashKeys | None", generate_block_hash_extra_keys(request, i * block_size, (i + 1) * block_size)),
                 )
             )
 

@@ -93,21 +93,27 @@ class JournaledFreeKVCacheBlockQueue(FreeKVCacheBlockQueue):
         out: list[KVCacheBlock] = []
         cur = head.next_free_block
         for _ in range(n):
-            out.append(cur)  # type: ignore[arg-type]
+            out.append(cur)  # type: ignore[arg-type]  # n <= num_free: the walk never reaches the tail's None link
             cur = cur.next_free_block  # type: ignore[union-attr]  # n <= num_free: never past the tail
         self.journal.append((_undo_pop, self, tuple(out), cur, self.num_free_blocks))
         for b in out:
             b.prev_free_block = b.next_free_block = None
         head.next_free_block = cur
-        cur.prev_free_block = head  # type: ignore[union-attr]
+        cur.prev_free_block = head  # type: ignore[union-attr]  # as above
         self.num_free_blocks -= n
         return out
 
     def remove(self, block: KVCacheBlock) -> None:
         prev, nxt = block.prev_free_block, block.next_free_block
-        if prev is not None and nxt is not None:
-            self.journal.append((_undo_remove, self, block, prev, nxt, self.num_free_blocks))
-        super().remove(block)
+        if prev is None or nxt is None:
+            return super().remove(block)  # not queued: the taught method says so
+        # A prefix hit removes one block per hit from the middle of the queue: the taught
+        # unlinking, inline after the journal entry (one call per block instead of two).
+        self.journal.append((_undo_remove, self, block, prev, nxt, self.num_free_blocks))
+        prev.next_free_block = nxt
+        nxt.prev_free_block = prev
+        block.prev_free_block = block.next_free_block = None
+        self.num_free_blocks -= 1
 
     def append_n(self, blocks: Sequence[KVCacheBlock]) -> None:
         if blocks:
@@ -157,20 +163,43 @@ def _undo_prepend(q: FreeKVCacheBlockQueue, blocks: tuple[KVCacheBlock, ...], fi
 # --- the prefix-cache map, journaled --------------------------------------------------------
 class JournaledBlockHashToBlockMap(BlockHashToBlockMap):
     """kvlab's map while a checkpoint is open: each change first journals the entry it
-    changes, as it is (a lone block, a ``{block_id: block}`` dict copied, or absent)."""
+    changes, as it is (a lone block, or absent). A key that several blocks carry holds a
+    ``{block_id: block}`` dict whose order matters (a lookup returns the first): it is
+    copied whole, but once per transaction -- the oldest copy is the one an undo ends on, so
+    a hot duplicated key (the same prompt's last block, cached again and again) costs one
+    copy per step, not one per change."""
 
     journal: list
+    copied: set  # keys whose dict this transaction has already copied
 
     def insert(self, key: bytes, block: KVCacheBlock) -> None:
-        v = self._cache.get(key, _MISSING)
-        self.journal.append((_undo_entry, self, key, dict(v) if type(v) is dict else v))
+        cache = self._cache
+        v = cache.get(key, _MISSING)
+        if v is _MISSING:  # the common case, a new key: the taught insert's first branch, inline
+            self.journal.append((_undo_entry, self, key, v))
+            cache[key] = block
+            return
+        if type(v) is not dict:
+            self.journal.append((_undo_entry, self, key, v))
+        elif key not in self.copied:
+            self.copied.add(key)
+            self.journal.append((_undo_entry, self, key, dict(v)))
         _map_insert(self, key, block)
 
     def pop(self, key: bytes, block_id: int) -> KVCacheBlock | None:
-        v = self._cache.get(key, _MISSING)
+        cache = self._cache
+        v = cache.get(key, _MISSING)
         if v is _MISSING:
             return None  # nothing changes
-        self.journal.append((_undo_entry, self, key, dict(v) if type(v) is dict else v))
+        if type(v) is KVCacheBlock:
+            if v.block_id != block_id:
+                return None  # another block carries the key: nothing changes
+            self.journal.append((_undo_entry, self, key, v))  # the common case, a lone block: inline
+            del cache[key]
+            return v
+        if key not in self.copied:
+            self.copied.add(key)
+            self.journal.append((_undo_entry, self, key, dict(v)))
         return _map_pop(self, key, block_id)
 
 
@@ -225,25 +254,32 @@ def checkpoint_pool(pool: BlockPool) -> PoolCheckpoint:
     )
     # Journaling starts last: an interrupt before these lines leaves nothing journaling.
     if own_queue:
-        q.journal = cp.journal  # type: ignore[attr-defined]
-        q.__class__ = JournaledFreeKVCacheBlockQueue
+        q.journal = cp.journal  # type: ignore[attr-defined]  # the journaled subclass's attribute, set just before it runs
+        _retype(q, JournaledFreeKVCacheBlockQueue)
     if own_map:
-        m.journal = cp.journal  # type: ignore[attr-defined]
-        m.__class__ = JournaledBlockHashToBlockMap
+        m.journal = cp.journal  # type: ignore[attr-defined]  # as above
+        m.copied = set()  # type: ignore[attr-defined]  # as above
+        _retype(m, JournaledBlockHashToBlockMap)
     return cp
 
 
 def release_pool(pool: BlockPool, cp: PoolCheckpoint) -> None:
     """Keep every change since ``cp``: kvlab's queue and map stop journaling (the pool's
     current ones and those it held at ``cp``: a ``reset_prefix_cache`` replaces the map)."""
-    for obj in (pool.free_block_queue, cp.queue):
-        if type(obj) is JournaledFreeKVCacheBlockQueue:
-            obj.__class__ = FreeKVCacheBlockQueue
-            del obj.journal
-    for obj in (pool.cached_block_hash_to_block, cp.cache_map):
-        if type(obj) is JournaledBlockHashToBlockMap:
-            obj.__class__ = BlockHashToBlockMap
-            del obj.journal
+    for q in (pool.free_block_queue, cp.queue):
+        if type(q) is JournaledFreeKVCacheBlockQueue:
+            del q.journal
+            _retype(q, FreeKVCacheBlockQueue)
+    for m in (pool.cached_block_hash_to_block, cp.cache_map):
+        if type(m) is JournaledBlockHashToBlockMap:
+            del m.journal, m.copied
+            _retype(m, BlockHashToBlockMap)
+
+
+def _retype(obj: Any, cls: type) -> None:
+    """Run ``obj`` as ``cls`` from now on (a journaled subclass and its taught class share
+    one layout: only the methods change)."""
+    obj.__class__ = cls
 
 
 def restore_pool(
@@ -401,7 +437,7 @@ def manager_call(fn: F) -> F:
         release_manager(self, cp)
         return out
 
-    return call  # type: ignore[return-value]
+    return call  # type: ignore[return-value]  # the wrapper has fn's signature (functools.wraps)
 
 
 def manager_lookup(fn: F) -> F:
@@ -415,7 +451,7 @@ def manager_lookup(fn: F) -> F:
             cp.save_request(request)
         return fn(self, request, *args, **kwargs)
 
-    return call  # type: ignore[return-value]
+    return call  # type: ignore[return-value]  # as above
 
 
 # --- the scheduler ---------------------------------------------------------------------------
@@ -577,7 +613,7 @@ def scheduler_call(touches: Callable[..., Iterable[str]] | None = None) -> Calla
                 release_scheduler(self, cp)
             return out
 
-        return call  # type: ignore[return-value]
+        return call  # type: ignore[return-value]  # as above
 
     return wrap
 
@@ -592,7 +628,7 @@ def adds_request(fn: F) -> F:
         if self._txn is not None:
             return fn(self, request)
         log_len = len(self.events) if self.events is not None else 0
-        had = self.requests.get(getattr(request, "request_id", None))  # type: ignore[arg-type]
+        had = self.requests.get(getattr(request, "request_id", None))  # type: ignore[arg-type]  # a None id finds nothing, as intended for what is not a Request
         try:
             return fn(self, request)
         except BaseException:
@@ -605,7 +641,7 @@ def adds_request(fn: F) -> F:
                 self.events.truncate(log_len)
             raise
 
-    return call  # type: ignore[return-value]
+    return call  # type: ignore[return-value]  # the wrapper has fn's signature (functools.wraps)
 
 
 # --- the engine ------------------------------------------------------------------------------
@@ -665,7 +701,7 @@ def begin_engine(engine: Any, what: str) -> EngineCheckpoint:
 
 def commit_engine(engine: Any, cp: EngineCheckpoint) -> None:
     engine._pending = None
-    release_scheduler(engine.scheduler, cp.sched)  # type: ignore[arg-type]
+    release_scheduler(engine.scheduler, cp.sched)  # type: ignore[arg-type]  # begin_engine sets it before anything can commit
 
 
 def rollback_engine(engine: Any, cp: EngineCheckpoint) -> None:
@@ -681,7 +717,7 @@ def rollback_engine(engine: Any, cp: EngineCheckpoint) -> None:
         if m is _MISSING:
             engine.metrics.pop(rid, None)
         else:
-            for k, v in values.items():  # type: ignore[union-attr]
+            for k, v in values.items():  # type: ignore[union-attr]  # values is None only with m missing, handled above
                 if v is _UNSET:
                     if hasattr(m, k):
                         delattr(m, k)

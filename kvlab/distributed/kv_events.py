@@ -49,7 +49,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 
@@ -61,7 +61,7 @@ MEDIUM_CPU = "CPU"
 MEDIUM_STORAGE = "STORAGE"
 
 
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """``[ts, events, data_parallel_rank]``: one engine step's events."""
 
     ts: float
@@ -69,7 +69,7 @@ class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     data_parallel_rank: int | None = None
 
 
-class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):  # type: ignore[call-arg]
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
     """Base of the three event kinds; the msgpack tag (key ``"type"``) is the class name."""
 
 
@@ -118,16 +118,20 @@ class KVEventBatch(EventBatch):
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
 
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+"""One event of a :class:`KVEventBatch`: the three concrete kinds (the batch's field type)."""
+
+
 # --- vLLM <= 0.23: events as tagged positional arrays ------------------------------------------
 # The field set of vLLM 0.22/0.23; the fields added later (locality, ownership, session_id,
 # lookahead_token_ids) did not exist while events were arrays.
 
 
-class _ArrayEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):  # type: ignore[call-arg]
+class _ArrayEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
     pass
 
 
-class _ArrayBlockStored(_ArrayEvent, tag="BlockStored"):  # type: ignore[call-arg]
+class _ArrayBlockStored(_ArrayEvent, tag="BlockStored"):
     block_hashes: list[ExternalBlockHash]
     parent_block_hash: ExternalBlockHash | None
     token_ids: list[int]
@@ -141,13 +145,13 @@ class _ArrayBlockStored(_ArrayEvent, tag="BlockStored"):  # type: ignore[call-ar
     kv_cache_spec_sliding_window: int | None = None
 
 
-class _ArrayBlockRemoved(_ArrayEvent, tag="BlockRemoved"):  # type: ignore[call-arg]
+class _ArrayBlockRemoved(_ArrayEvent, tag="BlockRemoved"):
     block_hashes: list[ExternalBlockHash]
     medium: str | None
     group_idx: int | None = None
 
 
-class _ArrayAllBlocksCleared(_ArrayEvent, tag="AllBlocksCleared"):  # type: ignore[call-arg]
+class _ArrayAllBlocksCleared(_ArrayEvent, tag="AllBlocksCleared"):
     pass
 
 
@@ -155,8 +159,17 @@ class _ArrayKVEventBatch(EventBatch):
     events: list[_ArrayBlockStored | _ArrayBlockRemoved | _ArrayAllBlocksCleared]
 
 
-_ARRAY_OF = {BlockStored: _ArrayBlockStored, BlockRemoved: _ArrayBlockRemoved, AllBlocksCleared: _ArrayAllBlocksCleared}
-_CURRENT_OF = {v: k for k, v in _ARRAY_OF.items()}
+_ArrayKVEvent = _ArrayBlockStored | _ArrayBlockRemoved | _ArrayAllBlocksCleared
+_ARRAY_OF: dict[type, type[_ArrayKVEvent]] = {
+    BlockStored: _ArrayBlockStored,
+    BlockRemoved: _ArrayBlockRemoved,
+    AllBlocksCleared: _ArrayAllBlocksCleared,
+}
+_CURRENT_OF: dict[type, type[KVEvent]] = {
+    _ArrayBlockStored: BlockStored,
+    _ArrayBlockRemoved: BlockRemoved,
+    _ArrayAllBlocksCleared: AllBlocksCleared,
+}
 _LATER_FIELDS = ("locality", "ownership", "session_id", "lookahead_token_ids")
 
 _encoder = msgspec.msgpack.Encoder()
@@ -205,7 +218,7 @@ def _check_depth(events: list[Any]) -> None:
                 )
 
 
-def _to_array_event(ev: KVCacheEvent) -> _ArrayEvent:
+def _to_array_event(ev: KVCacheEvent) -> _ArrayKVEvent:
     cls = _ARRAY_OF.get(type(ev))
     if cls is None:
         raise TypeError(f"batch.events holds a {type(ev).__name__}; expected BlockStored, BlockRemoved or AllBlocksCleared")
@@ -346,11 +359,11 @@ class CacheIndex:
         elif isinstance(batch, EventBatch):
             validate_batch(batch)
         elif isinstance(batch, Iterable) and not isinstance(batch, (str, dict)):
-            events = list(batch)
-            for i, ev in enumerate(events):
+            given = list(batch)
+            for i, ev in enumerate(given):
                 if type(ev) not in _ARRAY_OF:
                     raise TypeError(f"events[{i}] is a {type(ev).__name__}; expected BlockStored, BlockRemoved or AllBlocksCleared")
-            batch = KVEventBatch(ts=0.0, events=events)
+            batch = KVEventBatch(ts=0.0, events=cast("list[KVEvent]", given))  # each one checked just above
             validate_batch(batch)
         else:
             raise TypeError(f"batch must be a KVEventBatch, its msgpack payload or a list of events, got {type(batch).__name__}")

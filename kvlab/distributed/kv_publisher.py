@@ -47,7 +47,7 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass
 from itertools import count
-from typing import Any
+from typing import Any, overload
 
 import msgspec
 import zmq
@@ -75,6 +75,12 @@ def _check_endpoint(name: str, endpoint: object, example: str, optional: bool = 
         raise ValueError(f"{what}, got {endpoint!r}")
 
 
+@overload
+def offset_endpoint_port(endpoint: str, data_parallel_rank: int) -> str: ...
+@overload
+def offset_endpoint_port(endpoint: None, data_parallel_rank: int) -> None: ...
+@overload
+def offset_endpoint_port(endpoint: str | None, data_parallel_rank: int) -> str | None: ...
 def offset_endpoint_port(endpoint: str | None, data_parallel_rank: int) -> str | None:
     """The endpoint of data-parallel rank ``r``: a tcp port + r, an inproc name + ``_dp{r}``
     (rank 0 and port 0 unchanged) -- vLLM gives each DP rank its own publisher."""
@@ -218,10 +224,10 @@ class ZmqEventPublisher(EventPublisher):
         self._event_queue: queue.Queue[bytes | None] = queue.Queue(maxsize=max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._buffer_lock = threading.Lock()
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._pub: zmq.Socket | None = None
         self._replay: zmq.Socket | None = None
-        self.endpoint: str = offset_endpoint_port(endpoint, data_parallel_rank)  # type: ignore[assignment]
+        self.endpoint: str = offset_endpoint_port(endpoint, data_parallel_rank)
         self.replay_endpoint: str | None = offset_endpoint_port(replay_endpoint, data_parallel_rank)
         self.buffer_steps = buffer_steps
         self.hwm = hwm

@@ -47,7 +47,7 @@ VERSION = 1
 _MAX_RECORD = 1 << 30  # a length beyond 1 GiB is a corrupt file, not a batch
 
 
-class RecordedBatch(msgspec.Struct, array_like=True, frozen=True):  # type: ignore[call-arg]
+class RecordedBatch(msgspec.Struct, array_like=True, frozen=True):
     """One batch as it arrived: ``seq``, ``topic`` (bytes), ``received_at`` (unix time) and
     the msgpack ``payload``; :meth:`batch` decodes it."""
 

@@ -127,7 +127,7 @@ class Subscriber:
         self._topic_bytes = topic.encode("utf-8")
         self.replay_endpoint = replay_endpoint
         self.catch_up = bool(catch_up)
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         sock = self._ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, hwm)
@@ -363,7 +363,8 @@ class Subscriber:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.RCVHWM, 0)
-            sock.connect(self.replay_endpoint)  # type: ignore[arg-type]
+            assert self.replay_endpoint is not None  # asked for only when there is one (_request_replay)
+            sock.connect(self.replay_endpoint)
             self._replay = sock
         return self._replay
 

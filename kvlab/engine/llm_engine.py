@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.sched.output import SchedulerOutput
@@ -239,15 +239,15 @@ class LLMEngine:
         finished = sched.update_from_output(out, sampled, iteration=IterationStats(self.clock, prefill, decode), kv_connector_output=kv_out)
         for rid, n0 in before.items():
             m = self.metrics.get(rid)
-            r = sched.requests.get(rid) or next((f for f in finished if f.request_id == rid), None)
-            if m is None or r is None:
+            req = sched.requests.get(rid) or next((f for f in finished if f.request_id == rid), None)
+            if m is None or req is None:
                 continue
-            if n0 == 0 and r.num_output_tokens > 0 and m.first_token_time is None:
+            if n0 == 0 and req.num_output_tokens > 0 and m.first_token_time is None:
                 m.first_token_time = self.clock
-            m.num_output_tokens = r.num_output_tokens
-            m.num_preemptions = r.num_preemptions
-            if r.num_cached_tokens >= 0:
-                m.num_cached_tokens = r.num_cached_tokens
+            m.num_output_tokens = req.num_output_tokens
+            m.num_preemptions = req.num_preemptions
+            if req.num_cached_tokens >= 0:
+                m.num_cached_tokens = req.num_cached_tokens
         for r in finished:
             cp.save_finished(self.finished, r.request_id)
             m = self.metrics.get(r.request_id)
@@ -336,19 +336,22 @@ class LLMEngine:
         next_id = self._ids
         reqs = []
         for i, p in enumerate(prompts):
+            ids: list[int]
             if isinstance(p, str):
                 if self.tokenizer is None:
                     raise TypeError(f"prompts[{i}] is a string; string prompts need an engine built with a tokenizer")
-                p = self.tokenizer.encode(p)  # type: ignore[attr-defined]
-            elif isinstance(p, bytes) or not isinstance(p, Sequence) and not hasattr(p, "tolist"):
+                ids = list(self.tokenizer.encode(p))  # type: ignore[attr-defined]  # checked in __init__: it has encode()
+            elif isinstance(p, Sequence) and not isinstance(p, bytes):
+                ids = list(cast("Sequence[int]", p))  # not a str: that went to the tokenizer above
+            elif hasattr(p, "tolist"):  # a numpy array or a tensor
+                ids = list(p.tolist())
+            else:
                 hint = " (one prompt of token ids is generate([[1, 2, 3]]))" if isinstance(p, int) or hasattr(p, "__index__") else ""
                 raise TypeError(f"prompts[{i}] must be a list of token ids or a str, got {type(p).__name__} {p!r}{hint}")
-            elif not isinstance(p, Sequence):
-                p = p.tolist()
             next_id += 1
             while f"gen-{next_id}" in taken:
                 next_id += 1
-            r = Request(f"gen-{next_id}", list(p), max_tokens=max_tokens, **request_kwargs)
+            r = Request(f"gen-{next_id}", ids, max_tokens=max_tokens, **request_kwargs)
             self.scheduler.check_request(r)
             reqs.append(r)
         with engine_call(self, "generate") as cp:

@@ -38,7 +38,7 @@ import time
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import zmq
@@ -147,7 +147,7 @@ class _Server:
         self.cfg = engine_cfg
         self.publisher = EventPublisherFactory.create(events_cfg)
         self.engine = _build(engine_cfg, self.publisher)
-        self.ctx = zmq.Context.instance()
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.ctl = self.ctx.socket(zmq.ROUTER)
         self.ctl.setsockopt(zmq.LINGER, 0)
         self.ctl.bind(control)
@@ -201,7 +201,8 @@ class _Server:
                     raise ValueError(f"request_id {req.request_id!r} was already added to {self.name}")
             for req, r in reqs:
                 if r.get("output_token_ids"):
-                    e.executor.add_script(req.request_id, req.num_prompt_tokens, r["output_token_ids"])  # type: ignore[attr-defined]
+                    # _build gives every server engine a ScriptedExecutor
+                    cast(ScriptedExecutor, e.executor).add_script(req.request_id, req.num_prompt_tokens, r["output_token_ids"])
                 e.add_request(req)
                 if r.get("arrival_time") is not None:
                     e.metrics[req.request_id].arrival_time = float(r["arrival_time"])
@@ -352,7 +353,7 @@ class KVServer:
         self.stop_s: float | None = None
         self._stderr_path = stderr_path
         self._ids = itertools.count(1)
-        self._sock = zmq.Context.instance().socket(zmq.DEALER)
+        self._sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(self.control)
         _LIVE.add(self)

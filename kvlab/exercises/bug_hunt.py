@@ -29,7 +29,7 @@ import html
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from kvlab.core.block_pool import BlockHashToBlockMap, BlockPool
 from kvlab.core.kv_cache_manager import KVCacheManager
@@ -119,7 +119,7 @@ class Incident:
 
     @property
     def log(self) -> EventLog:
-        return self.engine.events  # type: ignore[return-value]
+        return cast(EventLog, self.engine.events)  # an incident's engine always logs events
 
     def show(self, **kwargs: Any) -> Any:
         """The Player on this incident's run, opened at the step the report is about."""
@@ -143,6 +143,7 @@ class Incident:
 
 
 def _mark(eng: LLMEngine, marks: dict[str, int], name: str) -> None:
+    assert eng.events is not None  # an incident's engine always logs events
     marks[name] = eng.events.step + 1  # the step the next engine.step() records
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import tempfile
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from kvlab.exercises.answers import describe, is_int
 from kvlab.exercises.registry import call, register
@@ -358,7 +358,7 @@ def _pd_run(matched: Callable | None = None, slots: Callable | None = None) -> t
         P, D = engine("kv_producer"), engine("kv_consumer")
         D.add_request(Request("warm", list(range(50, 59)), max_tokens=1))  # the decode pool's blocks differ from the prefill's
         D.run()
-        before = D.executor.num_tokens_computed
+        before = cast(ModelRunner, D.executor).num_tokens_computed  # engine() gives each a ModelRunner
         outs = []
         for i, p in enumerate(prompts):
             P.add_request(Request(f"r{i}", p, max_tokens=1))
@@ -367,7 +367,7 @@ def _pd_run(matched: Callable | None = None, slots: Callable | None = None) -> t
             D.run()
             outs.append(D.finished[f"r{i}"].output_token_ids)
     want = [model.generate_dense(p, 4) for p in prompts]
-    computed = D.executor.num_tokens_computed - before
+    computed = cast(ModelRunner, D.executor).num_tokens_computed - before
     if outs != want:
         return False, f"   decode outputs {outs}\n   dense outputs  {want}"
     if computed != 2 * 4:

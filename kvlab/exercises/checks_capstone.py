@@ -147,7 +147,7 @@ class ManagerPool(BlockPool):
         if not 0 <= num_blocks <= self.free_block_queue.num_free_blocks:  # refused before asking the learner
             return super().get_new_blocks(num_blocks, request_id, group)
         want = [b.block_id for b in self.free_block_queue.get_all_free_blocks()[:num_blocks]]
-        old = {i: self.blocks[i].cache_key for i in want if self.blocks[i].cache_key is not None}
+        old = {i: ck for i in want if (ck := self.blocks[i].cache_key) is not None}
         op = f"allocate({num_blocks})" + (f" for {request_id}" if request_id else "")
         got = _ids(call(self.learner.allocate, num_blocks, where=op), op)
         if got != want:
@@ -318,7 +318,9 @@ def _duplicates_story(cls: Any) -> None:
     looked = [(r, *mgr.get_computed_blocks(r)) for r in (a, b)]
     got = []
     for r, h, n in looked:
-        got.append(mgr.allocate_slots(r, r.num_tokens - n, n, h).get_block_ids()[0])
+        new = mgr.allocate_slots(r, r.num_tokens - n, n, h)
+        assert new is not None  # 10 usable blocks hold both requests (3 blocks each): never refused
+        got.append(new.get_block_ids()[0])
         r.num_computed_tokens = r.num_tokens
     stage.text = "duplicate blocks · both requests finish"
     mgr.free(a)
@@ -354,7 +356,7 @@ def _lookahead_story(cls: Any) -> None:
     mgr.free(r)
 
 
-STORM = dict(num_blocks=32, block_size=4, max_num_batched_tokens=32, max_num_seqs=8)
+STORM: dict[str, Any] = dict(num_blocks=32, block_size=4, max_num_batched_tokens=32, max_num_seqs=8)
 
 
 def storm_requests() -> list[Request]:
@@ -393,6 +395,7 @@ def _storm(cls: Any) -> dict[str, int]:
     for r in storm_requests():
         eng.add_request(r)
     eng.run(max_steps=2000)
+    assert eng.events is not None  # build_engine logs events by default
     a, b = ref.events.to_json(), eng.events.to_json()
     if a != b:  # pragma: no cover - the call-by-call comparison fails first
         raise CheckFailed(

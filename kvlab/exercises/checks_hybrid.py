@@ -13,6 +13,7 @@ from kvlab.exercises.result import CheckResult, failed, passed
 from kvlab.kv_cache_interface import (
     DTYPE_SIZES,
     FullAttentionSpec,
+    KVCacheSpec,
     MambaSpec,
     MLAAttentionSpec,
     SlidingWindowSpec,
@@ -149,7 +150,7 @@ def _unify(
     shrink: bool = False,
     grow_mamba: bool = False,
     mamba_left_out: bool = False,
-) -> list[int]:
+) -> list[int | None]:
     pages = [
         s.page_size_bytes if isinstance(s, MambaSpec) else s.block_size * _bytes_per_token(s, mla_doubled=mla_doubled, no_heads=no_heads)
         for s in specs
@@ -157,7 +158,7 @@ def _unify(
     target = min(pages) if shrink else max(pages)
     if mamba_left_out:
         target = max(p for s, p in zip(specs, pages) if not isinstance(s, MambaSpec))
-    out = []
+    out: list[int | None] = []
     for s, p in zip(specs, pages):
         if isinstance(s, MambaSpec) and not grow_mamba:
             out.append(s.block_size)
@@ -168,7 +169,7 @@ def _unify(
     return out
 
 
-UNIFY_CASES = [
+UNIFY_CASES: list[tuple[str, list[KVCacheSpec]]] = [
     (
         "full attention (8 KV heads) + a window with 4",
         [

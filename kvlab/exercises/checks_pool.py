@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, cast
 
 from kvlab.core.block_pool import BlockPool
 from kvlab.core.kv_cache_manager import KVCacheManager
@@ -594,7 +594,8 @@ def check_stale_hash(fn: Any) -> CheckResult:
         mgr.allocate_slots(r, 5 - n, n, h)
     hx, hy = mgr.get_block_ids("x")[0][0], mgr.get_block_ids("y")[0][0]
     pool = mgr.block_pool
-    key = pool.blocks[hx].cache_key
+    # None only from a learner's pool that did not cache the block: then nothing is found, and the check below says so
+    key = cast(bytes, pool.blocks[hx].cache_key)
     mgr.free(x)
     mgr.free(y)
     while pool.free_block_queue.get_all_free_blocks()[0].block_id not in (hx, hy):

@@ -237,6 +237,14 @@ def check_index_copies(fn: Any) -> CheckResult:
             mgr.free(r)
         held.clear()
 
+    def free_all_then_run(*reqs: Request) -> None:
+        free_all()
+        run(*reqs)
+
+    def free_all_then_reset() -> None:
+        free_all()
+        mgr.reset_prefix_cache()
+
     # 7 usable blocks. Block hashes 'stored before you subscribed' are later evicted: their
     # removals are unknown to the consumer.
     script = [
@@ -247,14 +255,14 @@ def check_index_copies(fn: Any) -> CheckResult:
         (
             "everything is freed (no event: freed blocks stay cached), then a big request evicts "
             "blocks -- two of them stored before you subscribed",
-            lambda: (free_all(), run(Request("big", list(range(50, 66))))),
+            lambda: free_all_then_run(Request("big", list(range(50, 66)))),
         ),
         (
             "another request evicts one copy of the duplicated block, then the second copy",
             lambda: run(Request("more", list(range(80, 88)))),
         ),
         ("a request stores a new prefix", lambda: run(Request("late", list(range(300, 305))))),
-        ("every request finishes, then reset_prefix_cache(): AllBlocksCleared", lambda: (free_all(), mgr.reset_prefix_cache())),
+        ("every request finishes, then reset_prefix_cache(): AllBlocksCleared", free_all_then_reset),
         ("a request stores a prefix into the empty cache", lambda: run(Request("after", list(range(400, 409))))),
     ]
     run(Request("early", list(range(200, 208))))  # before the consumer subscribes
@@ -365,7 +373,7 @@ class _Lossy(ZmqEventPublisher):
 
 
 def _stream_gaps_live(fn: Any, eid: str) -> CheckResult:
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
     sub.setsockopt(zmq.SUBSCRIBE, b"kv")
@@ -374,6 +382,7 @@ def _stream_gaps_live(fn: Any, eid: str) -> CheckResult:
     pub = _Lossy(endpoint=endpoint, replay_endpoint="tcp://127.0.0.1:0", topic="kv")
     dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
+    assert pub.replay_endpoint is not None  # given just above
     dealer.connect(pub.replay_endpoint)
     delivered: list[int] = []
     try:

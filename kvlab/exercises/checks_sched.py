@@ -20,7 +20,7 @@ def preemption_run(policy: str, pick: Any | None) -> tuple[list[str], dict[str, 
     mgr = KVCacheManager(num_blocks=9, block_size=4, event_log=log)
 
     class S(Scheduler):
-        def select_victim(self) -> Request:  # type: ignore[override]
+        def select_victim(self) -> Request:
             if pick is None:
                 return super().select_victim()
             victim = returns(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.engine.llm_engine import LLMEngine, build_engine
@@ -64,6 +65,7 @@ def demo_two_tenants() -> str:
         eng.add_request(probe)
         eng.run()
         m = eng.metrics["attacker"]
+        assert m.ttft is not None  # the attacker's request ran to the end
         out.append(
             f"{'salted  ' if salted else 'unsalted'}: attacker's prefix hit = {m.num_cached_tokens} tokens, "
             f"simulated TTFT = {m.ttft * 1000:.1f} ms"
@@ -74,10 +76,10 @@ def demo_two_tenants() -> str:
     )
 
 
-def _preemption_run(num_blocks: int, **kwargs: object) -> LLMEngine:
+def _preemption_run(num_blocks: int, **kwargs: Any) -> LLMEngine:
     """Three equal requests, r0, r1, r2 (8 prompt tokens, 12 to generate), admitted in that
     order on a pool of 4-token blocks, run to the end."""
-    eng = build_engine(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=64, executor=SimulatedExecutor(vocab_size=500), **kwargs)  # type: ignore[arg-type]
+    eng = build_engine(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=64, executor=SimulatedExecutor(vocab_size=500), **kwargs)
     for i in range(3):
         eng.add_request(Request(f"r{i}", [100 * i + j for j in range(8)], max_tokens=12, arrival_time=float(i)))
     eng.run()
@@ -112,6 +114,7 @@ FCFS_CHOICES = (
 
 def demo_fcfs_victim() -> QuizRun:
     eng = _preemption_run(11)
+    assert eng.events is not None  # build_engine logs events by default
     log = list(eng.events)
     i, pre, freed = _first_preemption(log)
     big = _preemption_run(200)
@@ -142,6 +145,7 @@ def demo_fcfs_victim() -> QuizRun:
     ]
     for rid in ("r0", "r1", "r2"):
         m, m0 = eng.metrics[rid], big.metrics[rid]
+        assert m.e2e_latency is not None and m0.e2e_latency is not None  # both runs go to the end
         lines.append(
             f"  {rid}: latency {m.e2e_latency * 1000:.0f} ms (a big pool: {m0.e2e_latency * 1000:.0f} ms), "
             f"prefill tokens computed {m.prefill_tokens_computed} ({m0.prefill_tokens_computed})"
@@ -160,12 +164,14 @@ def demo_swap_to_cpu() -> QuizRun:
     from kvlab.config.kv_transfer import KVTransferConfig
 
     eng = _preemption_run(11)
+    assert eng.events is not None  # build_engine logs events by default
     log = list(eng.events)
     i, pre, freed = _first_preemption(log)
     reused = next(e for e in log[i:] if isinstance(e, BlocksAllocated) and set(e.block_ids) & set(freed.block_ids))
     back = next(e for e in log[i:] if isinstance(e, RequestScheduled) and e.request_id == pre.request_id and e.phase == "resumed")
     copies = sum(isinstance(e, KVTransfer) for e in log)
     tier = _preemption_run(11, kv_transfer_config=KVTransferConfig("OffloadingConnector", kv_connector_extra_config={"num_cpu_blocks": 16}))
+    assert tier.events is not None  # build_engine logs events by default
     back2 = next(e for e in tier.events if isinstance(e, RequestScheduled) and e.request_id == pre.request_id and e.phase == "resumed")
     verdict = {
         SWAP_CHOICES[0]: (

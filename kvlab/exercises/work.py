@@ -72,11 +72,11 @@ class CountedInt(int):
 
     def __eq__(self, other: object) -> bool:
         _note("comparisons")
-        return int.__eq__(self, other)  # type: ignore[return-value]  # NotImplemented passes through
+        return int.__eq__(self, other)  # NotImplemented passes through
 
     def __ne__(self, other: object) -> bool:
         _note("comparisons")
-        return int.__ne__(self, other)  # type: ignore[return-value]
+        return int.__ne__(self, other)
 
     def __lt__(self, other: int) -> bool:
         _note("comparisons")

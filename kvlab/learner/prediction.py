@@ -191,6 +191,7 @@ class Prediction:
                 raise ValueError("type a finite number")
             return x
         if self.answer_kind == "choice":
+            assert self.choices is not None  # kind "choice" always has them (checked in __init__)
             if value not in self.choices:
                 raise ValueError(f"choose one of {self.choices}")
             return value
@@ -288,8 +289,10 @@ class Prediction:
         r = self.result
         if r is None or self.answer_kind == "text":
             return
-        if self.answer_kind == "choice" and str(r) not in self.choices:
-            raise ValueError(f"result {r!r} is not one of the choices {self.choices} (question: {self.question!r})")
+        if self.answer_kind == "choice":
+            assert self.choices is not None  # kind "choice" always has them (checked in __init__)
+            if str(r) not in self.choices:
+                raise ValueError(f"result {r!r} is not one of the choices {self.choices} (question: {self.question!r})")
         if self.answer_kind == "number":
             try:
                 ok = math.isfinite(float(r)) and not isinstance(r, bool)
@@ -447,7 +450,8 @@ class _Reveal:
     def open(self) -> None:
         if self._box is None or not self.done:
             return  # plain mode, or the body has not finished: __exit__ opens it
-        colour = {True: "#1b5e20", False: "#b00020"}.get(self.p.matched(), "#333")
+        colours: dict[bool | None, str] = {True: "#1b5e20", False: "#b00020"}
+        colour = colours.get(self.p.matched(), "#333")
         text = html.escape(self.p.summary()) if self.p.locked else "no prediction locked in"
         self._header.value = f"<div style='border-left:4px solid {colour};padding:2px 8px;color:{colour}'>{text}</div>"
         self._box.children = (self._header, self._out)

@@ -4,12 +4,17 @@ stories and the plotting recipes, so the notebooks keep to one idea per cell."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from kvlab.config.kv_transfer import KVTransferConfig
 from kvlab.engine.llm_engine import LLMEngine, build_engine
 from kvlab.request import Request
 from kvlab.timeline.events import EventLog, KVLoadFailed, KVTransfer, OffloadEvicted
+
+if TYPE_CHECKING:
+    from kvlab.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+    from kvlab.executor.simulated import SimulatedExecutor
+    from kvlab.worker.model_runner import ModelRunner
 
 # The offload story of lesson 12 (and tests/test_kv_offload.py): three prompts push each other
 # out of a 5-block pool and a 4-block CPU tier; then three requests come back for them.
@@ -228,7 +233,7 @@ def tiers_holding(engine: LLMEngine, request_id: str) -> str:
     -- the answer for *all* its blocks, or 'split' when they differ."""
     from kvlab.kv_offload.base import make_offload_key
 
-    tiers = engine.scheduler.connector.manager
+    tiers = cast("OffloadingConnector", engine.scheduler.connector).manager  # lesson 12's engines offload
     places = set()
     for h in engine.finished[request_id].block_hashes:
         key = make_offload_key(h)
@@ -290,12 +295,14 @@ def pd_engine(model: Any, role: str, path: str, num_blocks: int = 16, block_size
 def kv_bytes_per_token(engine: LLMEngine) -> int:
     """KV bytes one token takes in a real engine's cache: K and V of every layer
     (caches ``[num_blocks, 2, block_size, kv_heads, head_dim]``)."""
-    return sum(kv[0, :, 0].numel() * kv.element_size() for kv in engine.executor.kv_caches)
+    runner = cast("ModelRunner", engine.executor)  # a real engine: its executor runs the model
+    return sum(kv[0, :, 0].numel() * kv.element_size() for kv in runner.kv_caches)
 
 
 def handoff_line(prefill: LLMEngine, decode: LLMEngine, request_id: str) -> str:
     """One request's hand-off: what the prefill engine saved, what the decode engine loaded
     (tokens and KV bytes), from which blocks into which, and both engines' first token."""
+    assert prefill.events is not None and decode.events is not None  # both engines log events (build_engine's default)
     saved = next(e for e in prefill.events if isinstance(e, KVTransfer) and e.request_id == request_id)
     loaded = next(e for e in decode.events if isinstance(e, KVTransfer) and e.request_id == request_id)
     n, per_token = prefill.finished[request_id].num_prompt_tokens, kv_bytes_per_token(decode)
@@ -395,7 +402,9 @@ def vqa(cache_images: int, image_tokens: int = 64) -> tuple[int, float]:
             Request(f"q{k}", prompt, max_tokens=16, arrival_time=0.05 * k, mm_features=[MM(f"img-{img}", offset=8, length=image_tokens)])
         )
     e.run_trace(reqs)
-    return e.executor.num_encoder_tokens_computed, sum(e.metrics[r.request_id].ttft for r in reqs) / len(reqs)
+    # build_engine's default executor is a SimulatedExecutor; every request finished, so each has a TTFT
+    executor = cast("SimulatedExecutor", e.executor)
+    return executor.num_encoder_tokens_computed, sum(cast(float, e.metrics[r.request_id].ttft) for r in reqs) / len(reqs)
 
 
 def encoder_runs_figure(results: dict[int, tuple[int, float]], image_tokens: int = 64) -> Any:

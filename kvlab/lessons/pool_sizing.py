@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Sequence, cast
 
 from kvlab.kv_cache_interface import AttentionSpec
 from kvlab.utils.checks import check_int
@@ -116,7 +116,8 @@ class KVCacheConfig:
         last axis; the resolved layout decides the order in memory)."""
         spec = self.kv_cache_groups[0].kv_cache_spec
         v = spec.head_size if spec.head_size_v is None else spec.head_size_v
-        return (self.num_blocks, spec.num_kv_heads, spec.block_size, spec.head_size + v)
+        block_size = cast(int, spec.block_size)  # set: get_kv_cache_config read the spec's page size
+        return (self.num_blocks, spec.num_kv_heads, block_size, spec.head_size + v)
 
 
 def get_kv_cache_config(layer_names: Sequence[str], spec: AttentionSpec, available_memory: int) -> KVCacheConfig:

@@ -201,7 +201,9 @@ def waste_figure(results: Sequence[Any], paper: dict[str, tuple[float | None, ..
     import plotly.graph_objects as go
 
     names = {"max": "Orca (Max)", "pow2": "Orca (Pow2)", "oracle": "Orca (Oracle)", "paged": "paged, block 16"}
-    groups, sources, values = [], [], {c: [] for c in CATEGORIES}
+    groups: list[str] = []
+    sources: list[str] = []
+    values: dict[str, list[float | None]] = {c: [] for c in CATEGORIES}
     for r in results:
         groups += [names[r.strategy]] * 2
         sources += ["kvlab", "paper"]

@@ -274,7 +274,7 @@ class Fleet:
                     if m["first_token_time"] is not None:
                         x.ttft = float(m["first_token_time"]) - float(m["arrival_time"])
         gaps = [g for sub in self.subscribers for g in sub.gaps]
-        trace_name = name or getattr(trace, "kind", "trace")
+        trace_name = name if name else getattr(trace, "kind", "trace")
         return RoutingResult(pol.name, trace_name, self.num_replicas, routed, list(self.names), time.perf_counter() - t0, gaps, streams)
 
     def _states_for_reset(self) -> list[ReplicaState]:

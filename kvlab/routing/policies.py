@@ -152,7 +152,7 @@ class KVAware:
         return min(range(len(replicas)), key=lambda i: (-scores[i], replicas[i].load, i))
 
 
-POLICIES = {"round_robin": RoundRobin, "least_loaded": LeastLoaded, "kv_aware": KVAware}
+POLICIES: dict[str, type[RoutingPolicy]] = {"round_robin": RoundRobin, "least_loaded": LeastLoaded, "kv_aware": KVAware}
 
 
 def make_policy(policy: str | RoutingPolicy) -> RoutingPolicy:

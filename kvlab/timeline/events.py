@@ -51,7 +51,7 @@ import dataclasses
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, overload
 
 from kvlab.timeline.schema import MAX_BLOCKS, HashKeys, check_num_blocks, check_record, check_version, parse_json
 
@@ -710,6 +710,9 @@ class EncoderCacheEvicted(Event):
         return f"encoder cache: evict {self.mm_hashes}"
 
 
+_E = TypeVar("_E", bound=Event)
+
+
 class EventLog:
     """An append-only list of events plus the current step number."""
 
@@ -772,7 +775,12 @@ class EventLog:
     def __getitem__(self, i: int) -> Event:
         return self.events[i]
 
-    def of_type(self, *classes: type[Event]) -> list[Event]:
+    @overload
+    def of_type(self, cls: type[_E], /) -> list[_E]: ...
+    @overload
+    def of_type(self, *classes: type[Event]) -> list[Event]: ...
+    def of_type(self, *classes: type[Event]) -> list[Any]:
+        """The events that are instances of ``classes``, in order (one class: typed as that class)."""
         return [e for e in self.events if isinstance(e, classes)]
 
     # -- JSON ---------------------------------------------------------------------------------

@@ -295,7 +295,7 @@ class KVStream:
             self._run_starts.append(k)
         _, _, cleared, unknown = _apply(self._head, seq, batch, collect=False)
         self.num_unknown_removals += unknown
-        self._batches.append(batch)  # type: ignore[arg-type]
+        self._batches.append(batch)
         self._payloads.append(payload)
         s = self.series
         s.missing.append((s.missing[-1] if s.missing else 0) + (seq - last - 1 if last is not None and not restart else 0))

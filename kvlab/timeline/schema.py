@@ -100,7 +100,7 @@ def _type_name(hint: Any) -> str:
         return 'bytes ({"hex": "..."})'
     if hint is HashKeys:
         return "a list (extra hash keys)"
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return f"a {hint.__name__} object"
     return getattr(hint, "__name__", str(hint))
 
@@ -206,7 +206,7 @@ def check_value(v: Any, hint: Any, where: str, name: str) -> Any:
             raise ValueError(f"{where} must be a list of {len(hint._fields)} values {list(hint._fields)}, got {v!r:.80}")
         hints = typing.get_type_hints(hint)
         return hint(*(check_value(x, hints[f], f"{where}.{f}", f) for f, x in zip(hint._fields, v)))
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return hint(**check_record(hint, v, where))
     raise TypeError(f"schema: no rule for {hint!r} at {where}")  # a kvlab bug, not the file's
 

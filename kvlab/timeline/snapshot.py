@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 from kvlab.timeline.schema import HashKeys, check_record, check_version, parse_json
 
@@ -229,10 +229,11 @@ class Snapshot:
             )
         if self.metrics:
             m = self.metrics
-            lines.append(
-                f"usage {m.get('kv_cache_usage', 0.0):.1%}  preemptions {int(m.get('num_preemptions', 0))}  "
-                f"prefix hits {int(m.get('prefix_cache_hits', 0))}/{int(m.get('prefix_cache_queries', 0))} tokens"
+            # The counters are never None (only the per-request times of a step may be).
+            preemptions, hits, queries = (
+                int(cast(float, m.get(k, 0))) for k in ("num_preemptions", "prefix_cache_hits", "prefix_cache_queries")
             )
+            lines.append(f"usage {m.get('kv_cache_usage', 0.0):.1%}  preemptions {preemptions}  prefix hits {hits}/{queries} tokens")
         return "\n".join(lines)
 
     # -- JSON --------------------------------------------------------------------------------
@@ -289,7 +290,7 @@ class Snapshot:
 def live_snapshot(kv_cache_manager: Any, scheduler: Any = None) -> dict[str, Any]:
     """The same key facts read from live objects (tests check replay against this)."""
     pool = kv_cache_manager.block_pool
-    out = {
+    out: dict[str, Any] = {
         "free_queue": [b.block_id for b in pool.free_block_queue.get_all_free_blocks()],
         "ref_cnt": [b.ref_cnt if not b.is_null else 0 for b in pool.blocks],
         "hashes": [b.block_hash.hex() if b.block_hash else None for b in pool.blocks],

@@ -168,7 +168,7 @@ class Timeline:
 
     def _reset(self) -> None:
         """Forget everything taken in (the live log was cut back: an undone step)."""
-        self.__init__(self.log, checkpoint_events=self._every, max_blocks=self._max_blocks)  # type: ignore[misc, arg-type]
+        self.__init__(self.log, checkpoint_events=self._every, max_blocks=self._max_blocks)  # type: ignore[misc]  # a fresh start on purpose: every field as __init__ sets it
 
     # -- taking in events ------------------------------------------------------------------------
     @property
@@ -230,11 +230,14 @@ class Timeline:
             return
         head = self._head
         self._held[step] = head.num_held
-        for store, value in ((self._records, head.step_finished), (self._batches, head.attention_batch)):
-            if value is not None:
-                store[step] = value  # type: ignore[index]
-            else:
-                store.pop(step, None)
+        if head.step_finished is not None:
+            self._records[step] = head.step_finished
+        else:
+            self._records.pop(step, None)
+        if head.attention_batch is not None:
+            self._batches[step] = head.attention_batch
+        else:
+            self._batches.pop(step, None)
 
     @property
     def num_events(self) -> int:

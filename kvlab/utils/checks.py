@@ -44,7 +44,7 @@ def check_int(name: str, value: object, lo: int | None = None, hi: int | None = 
         if isinstance(value, bool):  # numpy's bool has no __index__: operator.index refuses it
             raise TypeError(f"{name} must be {_int_range(lo, hi)}, got a bool ({value!r})")
         try:
-            v = operator.index(value)  # type: ignore[arg-type]
+            v = operator.index(value)  # type: ignore[arg-type]  # any object: one without __index__ raises the TypeError caught below
         except TypeError:
             raise TypeError(f"{name} must be {_int_range(lo, hi)}, got {type(value).__name__} {value!r}") from None
     if (lo is not None and v < lo) or (hi is not None and v > hi):

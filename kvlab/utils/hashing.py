@@ -41,6 +41,7 @@ class _BlockFormat(struct.Struct):
     """
 
     __slots__ = ("header",)
+    header: bytes  # the slot: set once, by _block_format
 
 
 _FORMATS: dict[tuple[int, int], _BlockFormat] = {}

@@ -33,7 +33,7 @@ def _go() -> Any:
     return go
 
 
-_FIGURE_WIDGET: type | None = None
+_FIGURE_WIDGET: type[Any] | None = None  # a subclass of go.FigureWidget (untyped: plotly has no stubs)
 _LOADER: list[Any] = []  # the kernel's one loader widget (see figure_widget_class)
 
 # Both modules below find the same slot in the page: a promise of plotly's widget module that
@@ -47,7 +47,7 @@ _SLOT_JS = (
 )
 
 
-def figure_widget_class() -> type:
+def figure_widget_class() -> type[Any]:
     """``go.FigureWidget`` whose ~5 MB of browser code reaches the page once per kernel.
 
     Why: plotly's ``FigureWidget`` is an anywidget whose JavaScript (plotly.js and the

@@ -158,10 +158,10 @@ def figure_data(
                 custom[y][xx] = hover
             for j, li in enumerate(shown[g]):
                 if li is None and len(table) > (shown[g][j - 1] or 0) + 1:
+                    before, after = shown[g][j - 1], shown[g][j + 1]
+                    assert before is not None and after is not None  # the one ellipsis sits between drawn columns
                     text[y][offsets[g] + j] = "…"
-                    custom[y][offsets[g] + j] = (
-                        f"<b>{rid}</b>: logical blocks {shown[g][j - 1] + 1}..{shown[g][j + 1] - 1} not drawn (hover the pool)"
-                    )
+                    custom[y][offsets[g] + j] = f"<b>{rid}</b>: logical blocks {before + 1}..{after - 1} not drawn (hover the pool)"
     row_labels = []
     for rid in order:
         r = snapshot.requests[rid]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import html
 import json
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,7 +40,7 @@ def _json_for_script(obj: Any) -> str:
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).replace("</", "<\\/")
 
 
-def frames(player: Player, steps: list[int]) -> dict[str, Any]:
+def frames(player: Player | _StreamFrames, steps: list[int]) -> dict[str, Any]:
     """Every view's figure at each of ``steps``, deduplicated: ``traces`` and ``layouts``
     hold each distinct JSON once, ``frames[i][v]`` = (layout index, [trace indices]) of view
     ``v`` at ``steps[i]``; plus the status and event-list HTML of each step."""
@@ -227,7 +228,7 @@ show(k);
 """
 
 
-def write_html(player: Player | StreamPlayer, path: str | Path, *, max_steps: int = MAX_STEPS) -> Path:
+def write_html(player: Player | StreamPlayer, path: str | os.PathLike[str], *, max_steps: int = MAX_STEPS) -> Path:
     """Write ``player``'s whole run (a Player's steps, a StreamPlayer's batches) as a
     self-contained HTML replay; returns the path."""
     from plotly.offline import get_plotlyjs
@@ -241,32 +242,31 @@ def write_html(player: Player | StreamPlayer, path: str | Path, *, max_steps: in
         raise ValueError(f"path must end in .html, got {str(path)!r}")
     if not path.parent.exists():
         raise FileNotFoundError(f"path: the folder {str(path.parent)!r} does not exist")
-    if isinstance(player, StreamPlayer):
-        player = _StreamFrames(player)  # type: ignore[assignment]
-    all_steps = list(range(player.first_step, player.last_step + 1))
+    src: Player | _StreamFrames = _StreamFrames(player) if isinstance(player, StreamPlayer) else player
+    all_steps = list(range(src.first_step, src.last_step + 1))
     every = max(1, -(-len(all_steps) // max_steps))
     steps = all_steps[::every]
     if steps[-1] != all_steps[-1]:
         steps.append(all_steps[-1])
-    for s in sorted(set(player.named_steps.values()) | {player.step}):  # named moments are never skipped
+    for s in sorted(set(src.named_steps.values()) | {src.step}):  # named moments are never skipped
         if s in all_steps and s not in steps:
             steps.append(s)
     steps.sort()
-    data = frames(player, steps)
+    data = frames(src, steps)
     data.update(
-        views=list(player.views),
+        views=list(src.views),
         config=dict(PLOTLY_CONFIG),
         interval=900,
-        unit=getattr(player, "unit", "step"),
-        start=steps.index(player.step) if player.step in steps else 0,
+        unit=getattr(src, "unit", "step"),
+        start=steps.index(src.step) if src.step in steps else 0,
     )
-    title = html.escape(player._name)
-    desc = f"<div class='kv-desc'>{html.escape(player.description)}</div>" if player.description else ""
+    title = html.escape(src._name)
+    desc = f"<div class='kv-desc'>{html.escape(src.description)}</div>" if src.description else ""
     jump = ""
-    if player.named_steps:
-        opts = "".join(f"<option value='{s}'>{html.escape(k)} (step {s})</option>" for k, s in player.named_steps.items())
+    if src.named_steps:
+        opts = "".join(f"<option value='{s}'>{html.escape(k)} (step {s})</option>" for k, s in src.named_steps.items())
         jump = f"<label>jump to <select id='kv-jump'><option value='-1'>—</option>{opts}</select></label>"
-    views = "".join(f"<div id='kv-view-{i}'></div>" for i in range(len(player.views)))
+    views = "".join(f"<div id='kv-view-{i}'></div>" for i in range(len(src.views)))
     doc = (
         "<!DOCTYPE html><html><head><meta charset='utf-8'>"
         f"<title>{title} · kvlab replay</title><style>{_STYLE}</style>"

@@ -190,7 +190,8 @@ def figure_data(
     hit_pos = [(float(depth[h]), row[h]) for h in hits if h in depth]
     if hit_pos or ghost is not None:
         first = hit_pos[0] if hit_pos else ghost
-        walk_x, walk_y = [first[0] - 0.45], [first[1]]  # type: ignore[index]
+        assert first is not None  # hits, or else a ghost (the condition above)
+        walk_x, walk_y = [first[0] - 0.45], [first[1]]
         for x, y in hit_pos:
             walk_x.append(x)
             walk_y.append(y)

@@ -159,7 +159,8 @@ def figure_data(
         null_loads = outside_loads = past_end_loads = 0
         group_rows: list[dict[str, Any]] = []
         for li, bid in enumerate(table):
-            cells, loaded = [], []
+            cells: list[tuple[int | None, int | None, str]] = []
+            loaded: list[bool | None] = []
             for off in range(bs):
                 pos = li * bs + off
                 slot = bid * bs + off if bid != 0 else None
@@ -172,8 +173,9 @@ def figure_data(
                 else:
                     state = "query" if pos >= q0 else "read"
                 if state in ("read", "query"):
-                    read_slots.append(slot)  # type: ignore[arg-type]
-                    expected.add(slot)  # type: ignore[arg-type]
+                    assert slot is not None  # read or query: a real block (bid != 0), so a real slot
+                    read_slots.append(slot)
+                    expected.add(slot)
                     if not read_blocks or read_blocks[-1] != bid:
                         read_blocks.append(bid)
                 if slot is not None:

@@ -55,9 +55,9 @@ def figure_data(snapshot: Snapshot, *, max_columns: int = MAX_COLUMNS) -> dict[s
             lines.append(f"store GPU {t.block_ids} → {where} ({t.request_id})")
         else:
             lines.append(f"cascade {len(t.media)} block(s) CPU → {where} (files)")
-    rows = []
+    rows: list[dict[str, Any]] = []
     for medium, tier in snapshot.tiers.items():
-        cells = []
+        cells: list[dict[str, Any]] = []
         for pos, (h, slot) in enumerate(tier.entries):
             status = "loaded" if (medium, h) in loaded else "stored" if (medium, h) in stored else "resident"
             cells.append(dict(hash=h, slot=slot, status=status, lru_position=pos, to=loaded.get((medium, h))))

@@ -196,7 +196,8 @@ class Player:
         self._step = self.first_step
         self._last_seen = self.last_step
         if follow:
-            self._follow(self.timeline.log)  # type: ignore[arg-type]
+            assert self.timeline.log is not None  # checked above: follow=True needs an EventLog
+            self._follow(self.timeline.log)
             self._step = self.last_step
         if start is not None:
             self._step = self._resolve(start)

@@ -111,9 +111,10 @@ def figure_data(
         for k in sorted(live, key=lambda k: -live[k].stored_seq):
             if len(chosen) >= max_nodes:
                 break
-            while k is not None and k in live and k not in chosen:
-                chosen[k] = live[k]
-                k = live[k].parent_key  # type: ignore[assignment]
+            node: NodeKey | None = k
+            while node is not None and node in live and node not in chosen:
+                chosen[node] = live[node]
+                node = live[node].parent_key
         hidden = len(live) - len(chosen)
         live = chosen
     ghosts = {n.key: n for n in snapshot.removed if keep(n.key) and n.key not in live}
@@ -286,7 +287,7 @@ class PrefixIndexView(View):
             margin=dict(l=16, r=16, t=80, b=36),
         )
 
-    def update(self, snapshot: StreamSnapshot, probe: Sequence[Any] | None = None) -> None:  # type: ignore[override]
+    def update(self, snapshot: StreamSnapshot, probe: Sequence[Any] | None = None) -> None:  # type: ignore[override]  # drawn from a KV-event stream, not an engine Snapshot
         d = figure_data(snapshot, probe=probe, group_idx=self.group_idx, medium=self.medium, decode=self.decode)
         self.last_data = d
         nodes = d["nodes"]

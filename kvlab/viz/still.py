@@ -81,7 +81,9 @@ def _legend_entries(fig: dict[str, Any]) -> list[tuple[str, str, str]]:
 
 def _legend_text(entries: list[tuple[str, str, str]], width_px: float) -> tuple[str, int]:
     """The entries as one annotation text, wrapped to ``width_px``; returns (text, lines)."""
-    lines, cur, used = [], [], 0.0
+    lines: list[str] = []
+    cur: list[str] = []
+    used = 0.0
     for glyph, color, name in entries:
         w = (len(name) + 4) * CHAR_PX * 0.9
         if cur and used + w > width_px:
@@ -177,22 +179,23 @@ def compose(figures: Sequence[dict[str, Any]], *, columns: int = 2, header: str 
         axes = {k: v for k, v in lay.items() if _AXIS_KEY.match(k)}
         for letter in ("x", "y"):  # traces without an axis name use x / y
             axes.setdefault(f"{letter}axis", {})
-        for key in sorted(axes, key=lambda k: (k[0], int(_AXIS_KEY.match(k).group(2) or 1))):  # type: ignore[union-attr]
-            letter, num = _AXIS_KEY.match(key).groups()  # type: ignore[union-attr]
+        # _AXIS_KEY.match(...) below is never None: every key of axes matches it (filtered, or xaxis/yaxis).
+        for key in sorted(axes, key=lambda k: (k[0], int(_AXIS_KEY.match(k).group(2) or 1))):  # type: ignore[union-attr]  # see above
+            letter, num = _AXIS_KEY.match(key).groups()  # type: ignore[union-attr]  # see above
             old = _axis_id(letter, int(num or 1))
             rename[old] = _axis_id(letter, next_axis[letter])
             next_axis[letter] += 1
         for key, ax in axes.items():
-            letter, num = _AXIS_KEY.match(key).groups()  # type: ignore[union-attr]
+            letter, num = _AXIS_KEY.match(key).groups()  # type: ignore[union-attr]  # a key of axes: it matches
             ax = dict(ax)
             d0, d1 = ax.get("domain", [0, 1])
             ax["domain"] = sorted([paper_x(d0), paper_x(d1)]) if letter == "x" else sorted([paper_y(d0), paper_y(d1)])
             # An axis is drawn along its anchor: x{n} sits on y{n} unless it says otherwise.
             other = "y" if letter == "x" else "x"
             ax.setdefault("anchor", _axis_id(other, int(num or 1)))
-            for ref in ("anchor", "matches", "overlaying", "scaleanchor"):
-                if ax.get(ref) in rename:
-                    ax[ref] = rename[ax[ref]]
+            for attr in ("anchor", "matches", "overlaying", "scaleanchor"):
+                if ax.get(attr) in rename:
+                    ax[attr] = rename[ax[attr]]
             new = rename[_axis_id(letter, int(num or 1))]
             layout[f"{letter}axis{'' if new in ('x', 'y') else new[1:]}"] = ax
         # The legend becomes an annotation wrapped to the view's width (a plotly legend

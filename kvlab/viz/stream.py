@@ -100,7 +100,7 @@ class StreamSeriesView(View):
             margin=dict(l=56, r=56, t=70, b=36),
         )
 
-    def update(self, stream: KVStream, cursor: int | None = None) -> None:  # type: ignore[override]
+    def update(self, stream: KVStream, cursor: int | None = None) -> None:  # type: ignore[override]  # drawn from a KV-event stream, not an engine Snapshot
         d = series_data(stream.series, cursor)
         self.last_data = d
         fig = self.figure

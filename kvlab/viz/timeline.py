@@ -291,8 +291,8 @@ class TimelineView(View):
                         )
                     )
             put("shapes", fig.layout, "shapes", shapes)
-            i = steps.index(d["cursor"]) if d["cursor"] in steps else None
-            usage = d["usage"][i] if i is not None else None
+            at = steps.index(d["cursor"]) if d["cursor"] in steps else None
+            usage = d["usage"][at] if at is not None else None
             peak = max((u for u in d["usage"] if u is not None), default=None)
             extra = f" · usage {usage:.0f}%" if usage is not None else ""
             if peak is not None and (usage is None or peak - usage >= 0.5):

@@ -127,7 +127,9 @@ class HFModelConfig(TinyLlamaConfig):
         archs = cfg.get("architectures") or []
         arch = archs[0] if archs else None
         if arch is None:  # some configs name only the model_type
-            arch = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}.get(cfg.get("model_type"), f"model_type={cfg.get('model_type')!r}")
+            arch = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}.get(
+                cfg.get("model_type", ""), f"model_type={cfg.get('model_type')!r}"
+            )
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"{where}: " + _unsupported(arch))
         family = SUPPORTED_ARCHITECTURES[arch]

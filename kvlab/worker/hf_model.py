@@ -63,6 +63,7 @@ class HFAttention(Attention):
         k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:  # Qwen3: normalise each head before rotating it
+            assert self.k_norm is not None  # q_norm and k_norm are made together (cfg.qk_norm)
             q = rms_norm(q, self.q_norm, self.eps)
             k = rms_norm(k, self.k_norm, self.eps)
         angles = positions.to(torch.float64)[:, None] * self.inv_freq.to(positions.device)[None, :]
@@ -95,6 +96,8 @@ class HFDecoderLayer(DecoderLayer):
 class HFCausalLM(TinyLlama):
     """A checkpoint's decoder. Build it with :func:`kvlab.worker.hf_checkpoint.load_checkpoint`
     (or ``kvlab.load_model``); constructed directly it has uninitialised (meta) weights."""
+
+    config: HFModelConfig
 
     def __init__(self, config: HFModelConfig) -> None:
         nn.Module.__init__(self)  # TinyLlama.__init__ would draw random weights

@@ -42,6 +42,8 @@ def default_backend(device: str | torch.device | None) -> str:
 class CheckpointModelRunner(ModelRunner):
     """A :class:`ModelRunner` for an :class:`HFCausalLM` (see the module docstring)."""
 
+    model: HFCausalLM  # __init__ refuses any other model
+
     def __init__(
         self,
         model: HFCausalLM,
@@ -60,7 +62,7 @@ class CheckpointModelRunner(ModelRunner):
         super().__init__(model, num_blocks, block_size, kv_cache_groups, device=device, backend=backend, **kwargs)
 
     def _resolve_groups(self, kv_cache_groups: Sequence[object] | None) -> tuple[int | None, ...]:
-        needed = layer_windows(self.model)  # type: ignore[arg-type]
+        needed = layer_windows(self.model)
         if kv_cache_groups is None:
             return needed
         groups = list(kv_cache_groups)

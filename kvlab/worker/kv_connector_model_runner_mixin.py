@@ -21,7 +21,7 @@ from kvlab.outputs import KVConnectorOutput
 def requests_with_invalid_blocks(rows: Iterable[tuple[str, list[int], int]], invalid: set[int], block_size: int) -> set[str]:
     """Ids of requests (``(req_id, block_table_row, num_computed_tokens_before_the_step)``)
     whose computed prefix holds an invalid block -- the same rule as the scheduler's."""
-    out = set()
+    out: set[str] = set()
     if not invalid:
         return out
     for rid, row, num_computed in rows:

@@ -21,9 +21,9 @@ greedy decoding gives a fixed token sequence to compare engines on.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -321,6 +321,8 @@ class DecoderLayer(nn.Module):
 class TinyLlama(nn.Module):
     """The toy decoder. ``TinyLlama(config, seed=0)`` always has the same weights."""
 
+    logit_bias: Tensor  # a buffer (register_buffer, below): nn.Module's attribute lookup types it Tensor | Module
+
     def __init__(self, config: TinyLlamaConfig | None = None, seed: int = 0) -> None:
         super().__init__()
         cfg = TinyLlamaConfig() if config is None else config
@@ -374,6 +376,10 @@ class TinyLlama(nn.Module):
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
 
+    def _decoder_layers(self) -> Iterable[DecoderLayer]:
+        """``self.layers``, typed: an nn.ModuleList yields plain Modules to a type checker."""
+        return cast("Iterable[DecoderLayer]", self.layers)
+
     # ----------------------------------------------------------------- dense (ground truth)
 
     @torch.no_grad()
@@ -390,7 +396,7 @@ class TinyLlama(nn.Module):
         self._check_token_ids(ids, "token_ids")
         positions = torch.arange(ids.numel(), device=self.device)
         h = self.embed_tokens(ids)
-        for layer in self.layers:
+        for layer in self._decoder_layers():
             attn = layer.self_attn.forward_dense(rms_norm(h, layer.input_norm, layer.eps), positions)
             h = layer._finish(h, attn)
         return self.compute_logits(h)
@@ -445,7 +451,7 @@ class TinyLlama(nn.Module):
             )
         self._check_token_ids(input_ids, "input_ids")
         h = self.embed_tokens(input_ids)
-        for i, (layer, kv, group) in enumerate(zip(self.layers, kv_caches, meta.layer_to_group)):
+        for i, (layer, kv, group) in enumerate(zip(self._decoder_layers(), kv_caches, meta.layer_to_group)):
             if layer_hooks is not None:
                 layer_hooks.before(i)
             attn = layer.self_attn.forward_paged(rms_norm(h, layer.input_norm, layer.eps), positions, kv, meta, group, kernels)

@@ -145,7 +145,9 @@ class ModelRunner(KVConnectorModelRunnerMixin):
         if device is None:
             device = "cpu"
             if self.kernels.name == "triton":
-                from kvlab.kernels import DEVICE as device
+                from kvlab.kernels import DEVICE
+
+                device = DEVICE
         self.device = torch.device(device)
         self.model = model
         self.num_blocks = num_blocks
@@ -386,8 +388,8 @@ class ModelRunner(KVConnectorModelRunnerMixin):
             order.append((state, n))
 
         if seen != set(so.num_scheduled_tokens):
-            extra = sorted(set(so.num_scheduled_tokens) - seen)
-            raise ValueError(f"num_scheduled_tokens names requests that are not scheduled: {extra!r}")
+            unknown = sorted(set(so.num_scheduled_tokens) - seen)
+            raise ValueError(f"num_scheduled_tokens names requests that are not scheduled: {unknown!r}")
         total = sum(n for _, n in order)
         if total != so.total_num_scheduled_tokens:
             raise ValueError(f"total_num_scheduled_tokens={so.total_num_scheduled_tokens} but the scheduled requests add up to {total}")

@@ -181,7 +181,7 @@ def reservation_size(strategy: str, total_len: int, max_model_len: int) -> int:
 def _check_strategy(strategy: object) -> str:
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r} is unknown; choose one of {', '.join(map(repr, STRATEGIES))}")
-    return strategy  # type: ignore[return-value]
+    return strategy
 
 
 def _check_block_size(block_size: object) -> int:

@@ -292,11 +292,11 @@ class Scheduler:
         total = 0
         for spec in self.kv_cache_manager.kv_cache_groups:
             bs = spec.block_size
-            n = cdiv(num_tokens, bs)  # type: ignore[arg-type]
+            n = cdiv(num_tokens, bs)  # type: ignore[arg-type]  # the manager filled in every spec's block size (a spec may be given without one)
             if isinstance(spec, SlidingWindowSpec):
-                n = min(n, cdiv(spec.sliding_window - 1, bs) + 2)  # type: ignore[arg-type]
+                n = min(n, cdiv(spec.sliding_window - 1, bs) + 2)  # type: ignore[arg-type]  # as above
             elif isinstance(spec, ChunkedLocalAttentionSpec):
-                n = min(n, cdiv(spec.attention_chunk_size, bs) + 1)  # type: ignore[arg-type]
+                n = min(n, cdiv(spec.attention_chunk_size, bs) + 1)  # type: ignore[arg-type]  # as above
             elif isinstance(spec, MambaSpec):
                 n = min(n, 2)  # the state it reads and the one it writes
             total += n
@@ -873,8 +873,9 @@ class Scheduler:
 
     def shutdown(self) -> None:
         """Stop the KV-event publisher (vLLM: ``Scheduler.shutdown``)."""
-        if self.kv_event_publisher is not None and callable(getattr(self.kv_event_publisher, "shutdown", None)):
-            self.kv_event_publisher.shutdown()
+        stop = getattr(self.kv_event_publisher, "shutdown", None)  # a publisher may have none
+        if callable(stop):
+            stop()
 
     def _handle_invalid_blocks(
         self, invalid_block_ids: set[int], scheduler_output: SchedulerOutput, finished: list[Request], errors: dict[str, str] | None = None
@@ -895,7 +896,7 @@ class Scheduler:
             if r is None or r.status != RequestStatus.RUNNING:
                 continue
             row = mgr.get_block_ids(rid)[0]
-            n_computed_blocks = cdiv(r.num_computed_tokens, bs)  # type: ignore[arg-type]
+            n_computed_blocks = cdiv(r.num_computed_tokens, bs)  # type: ignore[arg-type]  # as above
             for idx, bid in enumerate(row[:n_computed_blocks]):
                 if bid in invalid_block_ids:
                     affected.append((r, row[idx:]))
@@ -1000,7 +1001,7 @@ class Scheduler:
             ids = self.kv_cache_manager.get_block_ids(r.request_id)
             for spec, g in zip(self.kv_cache_manager.kv_cache_groups, ids):
                 bs = spec.block_size
-                assert len(g) * bs >= r.num_computed_tokens, f"{r.request_id}: {len(g)} blocks of {bs} for {r.num_computed_tokens} tokens"  # type: ignore[operator]
+                assert len(g) * bs >= r.num_computed_tokens, f"{r.request_id}: {len(g)} blocks of {bs} for {r.num_computed_tokens} tokens"  # type: ignore[operator]  # the manager filled in every spec's block size
                 if isinstance(spec, FullAttentionSpec):
                     assert 0 not in g, f"{r.request_id}: a null block in a full-attention table {g}"
         for r in waiting:

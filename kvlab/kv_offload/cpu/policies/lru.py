@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from kvlab.kv_offload.base import OffloadKey
 
@@ -56,7 +57,7 @@ class LRUCachePolicy:
     def evict(self, n: int, protected: set[OffloadKey]) -> list[tuple[OffloadKey, BlockStatus]] | None:
         """The ``n`` least recently used unpinned, unprotected blocks, removed -- or None
         (and nothing removed) if there are fewer."""
-        victims = []
+        victims: list[tuple[OffloadKey, BlockStatus]] = []
         if n <= 0:
             return victims
         for key, status in self.blocks.items():
@@ -76,7 +77,7 @@ class LRUCachePolicy:
     def clear(self) -> None:
         self.blocks.clear()
 
-    def __deepcopy__(self, memo: dict[int, object]) -> LRUCachePolicy:
+    def __deepcopy__(self, memo: dict[int, Any]) -> LRUCachePolicy:
         """The engine copies the connector's books before every step (an interrupted step is
         undone, lesson 00): keys are bytes and a status is two ints, so a copy is one pass --
         ~30x faster than the generic ``copy.deepcopy`` walk, which made a step with a
@@ -90,6 +91,6 @@ class LRUCachePolicy:
             copied = get(id(status))
             if copied is None:
                 copied = memo[id(status)] = BlockStatus(status.slot, status.ref_cnt)
-            blocks[key] = copied  # type: ignore[assignment]
+            blocks[key] = copied
         new.blocks = blocks
         return new

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from kvlab.core.sched.output import SchedulerOutput
     from kvlab.outputs import KVConnectorOutput
     from kvlab.request import Request
+    from kvlab.timeline.events import EventLog
 
 
 @dataclass(slots=True)
@@ -62,7 +63,7 @@ class OffloadingConnectorScheduler:
         self._num_builds = 0
         self._next_job_id = 0
         self._kv_events: list[KVCacheEvent] = []
-        self.events = None  # the engine's EventLog, once bound
+        self.events: EventLog | None = None  # the engine's EventLog, once bound
         self.use_int_hashes = True
         self.collect_kv_events = False  # set by bind(): the pool's enable_kv_cache_events
         # Per tier, tokens served by loads (a lesson's and the bench's hit counts).
@@ -232,10 +233,10 @@ class OffloadingConnectorScheduler:
                 continue  # the tiers hold them already, or no unpinned room: a future miss
             index = {k: first + i for i, k in enumerate(keys)}
             gpu_ids = [st.block_ids[index[k]] for k in plan.keys]
-            job = StoreJob(self._job_id(), rid, gpu_ids, plan)
-            self._jobs[job.job_id] = job
-            self._job_build[job.job_id] = self._num_builds
-            meta.stores.append(job)
+            store = StoreJob(self._job_id(), rid, gpu_ids, plan)
+            self._jobs[store.job_id] = store
+            self._job_build[store.job_id] = self._num_builds
+            meta.stores.append(store)
             self._emit_store(rid, gpu_ids, plan)
         return meta
 
