@@ -80,6 +80,75 @@ def _check_token_ids(name: str, token_ids: Sequence[int]) -> list[int]:
     return out
 
 
+def _check_request_args(
+    request_id: Any,
+    prompt_token_ids: Any,
+    max_tokens: Any,
+    eos_token_id: Any,
+    cache_salt: Any,
+    lora_name: Any,
+    lora_path: Any,
+    prompt_embeds: Any,
+    priority: Any,
+    arrival_time: Any,
+    mm_features: Any,
+) -> tuple[list[int], int, int | None, int, float | None, list[MultiModalFeature]]:
+    """``Request``'s arguments, checked (raising, named, before the object exists) and
+    normalised: the prompt as a list of ints, the counts as ints, the features by offset."""
+    if not isinstance(request_id, str) or not request_id:
+        raise TypeError(f"request_id must be a non-empty str, got {request_id!r}")
+    # An empty prompt is a valid Request (vLLM's KV-cache manager allocates for one, e.g.
+    # a draft's lookahead slots); the scheduler refuses it at add_request.
+    prompt = _check_token_ids("prompt_token_ids", prompt_token_ids)
+    max_tokens = check_int("max_tokens", max_tokens, 1)
+    eos_token_id = check_optional_int("eos_token_id", eos_token_id, 0, _MAX_TOKEN_ID)
+    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+        raise TypeError(f"cache_salt must be None or a non-empty str, got {cache_salt!r}")
+    if lora_name is not None and (not isinstance(lora_name, str) or not lora_name):
+        raise TypeError(f"lora_name must be None or a non-empty str, got {lora_name!r}")
+    if lora_path is not None and (not isinstance(lora_path, str) or lora_name is None):
+        raise TypeError(f"lora_path must be None or a str, and needs a lora_name; got lora_path={lora_path!r}, lora_name={lora_name!r}")
+    if prompt_embeds is not None:
+        try:
+            n_rows = len(prompt_embeds)
+            prompt_embeds[0:0]
+        except TypeError:
+            raise TypeError(
+                f"prompt_embeds must be a sliceable sequence of per-token rows (list, numpy array, tensor), "
+                f"got {type(prompt_embeds).__name__}"
+            ) from None
+        if n_rows != len(prompt):
+            raise ValueError(
+                f"prompt_embeds has {n_rows} rows but prompt_token_ids has {len(prompt)} tokens; give one row per "
+                "prompt position (vLLM uses placeholder ids, e.g. zeros, for embedding prompts)"
+            )
+    priority = check_int("priority", priority)  # lower runs first
+    if arrival_time is not None:
+        arrival_time = check_number("arrival_time", arrival_time)
+    if mm_features is not None and (isinstance(mm_features, (str, bytes)) or not isinstance(mm_features, Sequence)):
+        raise TypeError(
+            f"mm_features must be None or a list of MultiModalFeature, got {type(mm_features).__name__}"
+            + (" (wrap a single feature in a list: mm_features=[feature])" if isinstance(mm_features, MultiModalFeature) else "")
+        )
+    given = list(mm_features or ())
+    for i, f in enumerate(given):  # type-check before sorting reads .offset
+        if not isinstance(f, MultiModalFeature):
+            raise TypeError(f"mm_features[{i}] must be a MultiModalFeature, got {type(f).__name__}")
+    features = sorted(given, key=lambda f: f.offset)
+    for i, f in enumerate(features):
+        if f.offset + f.length > len(prompt):
+            raise ValueError(
+                f"mm_features: {f.identifier!r} covers tokens [{f.offset}, {f.offset + f.length}) "
+                f"but the prompt has only {len(prompt)} tokens"
+            )
+        if i and features[i - 1].offset + features[i - 1].length > f.offset:
+            raise ValueError(
+                f"mm_features: {features[i - 1].identifier!r} and {f.identifier!r} overlap; "
+                "each placeholder token belongs to at most one item"
+            )
+    return prompt, max_tokens, eos_token_id, priority, arrival_time, features
+
+
 class Request:
     """One generation request. Everything is validated before the object exists."""
 
@@ -99,57 +168,19 @@ class Request:
         lora_path: str | None = None,
         prompt_embeds: Any = None,
     ) -> None:
-        if not isinstance(request_id, str) or not request_id:
-            raise TypeError(f"request_id must be a non-empty str, got {request_id!r}")
-        # An empty prompt is a valid Request (vLLM's KV-cache manager allocates for one, e.g.
-        # a draft's lookahead slots); the scheduler refuses it at add_request.
-        prompt = _check_token_ids("prompt_token_ids", prompt_token_ids)
-        max_tokens = check_int("max_tokens", max_tokens, 1)
-        eos_token_id = check_optional_int("eos_token_id", eos_token_id, 0, _MAX_TOKEN_ID)
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise TypeError(f"cache_salt must be None or a non-empty str, got {cache_salt!r}")
-        if lora_name is not None and (not isinstance(lora_name, str) or not lora_name):
-            raise TypeError(f"lora_name must be None or a non-empty str, got {lora_name!r}")
-        if lora_path is not None and (not isinstance(lora_path, str) or lora_name is None):
-            raise TypeError(f"lora_path must be None or a str, and needs a lora_name; got lora_path={lora_path!r}, lora_name={lora_name!r}")
-        if prompt_embeds is not None:
-            try:
-                n_rows = len(prompt_embeds)
-                prompt_embeds[0:0]
-            except TypeError:
-                raise TypeError(
-                    f"prompt_embeds must be a sliceable sequence of per-token rows (list, numpy array, tensor), "
-                    f"got {type(prompt_embeds).__name__}"
-                ) from None
-            if n_rows != len(prompt):
-                raise ValueError(
-                    f"prompt_embeds has {n_rows} rows but prompt_token_ids has {len(prompt)} tokens; give one row per "
-                    "prompt position (vLLM uses placeholder ids, e.g. zeros, for embedding prompts)"
-                )
-        priority = check_int("priority", priority)  # lower runs first
-        if arrival_time is not None:
-            arrival_time = check_number("arrival_time", arrival_time)
-        if mm_features is not None and (isinstance(mm_features, (str, bytes)) or not isinstance(mm_features, Sequence)):
-            raise TypeError(
-                f"mm_features must be None or a list of MultiModalFeature, got {type(mm_features).__name__}"
-                + (" (wrap a single feature in a list: mm_features=[feature])" if isinstance(mm_features, MultiModalFeature) else "")
-            )
-        given = list(mm_features or ())
-        for i, f in enumerate(given):  # type-check before sorting reads .offset
-            if not isinstance(f, MultiModalFeature):
-                raise TypeError(f"mm_features[{i}] must be a MultiModalFeature, got {type(f).__name__}")
-        features = sorted(given, key=lambda f: f.offset)
-        for i, f in enumerate(features):
-            if f.offset + f.length > len(prompt):
-                raise ValueError(
-                    f"mm_features: {f.identifier!r} covers tokens [{f.offset}, {f.offset + f.length}) "
-                    f"but the prompt has only {len(prompt)} tokens"
-                )
-            if i and features[i - 1].offset + features[i - 1].length > f.offset:
-                raise ValueError(
-                    f"mm_features: {features[i - 1].identifier!r} and {f.identifier!r} overlap; "
-                    "each placeholder token belongs to at most one item"
-                )
+        prompt, max_tokens, eos_token_id, priority, arrival_time, features = _check_request_args(
+            request_id,
+            prompt_token_ids,
+            max_tokens,
+            eos_token_id,
+            cache_salt,
+            lora_name,
+            lora_path,
+            prompt_embeds,
+            priority,
+            arrival_time,
+            mm_features,
+        )
 
         self.request_id = request_id
         self.prompt_token_ids = prompt

@@ -61,6 +61,61 @@ class KVCacheBlocks:
         return any(self.blocks)
 
 
+def _check_manager_args(
+    block_size: Any,
+    kv_cache_groups: Any,
+    enable_caching: Any,
+    hash_algo: Any,
+    log_stats: Any,
+    max_model_len: Any,
+    event_log: Any,
+    use_eagle: Any,
+    max_in_flight_tokens: Any,
+    block_pool_cls: Any,
+    manager_classes: Any,
+    kv_events_use_int_block_hashes: Any,
+) -> tuple[int, list[KVCacheSpec], Any, int | None, int | None, bool]:
+    """``KVCacheManager``'s arguments, checked before anything is built (raising, named) and
+    normalised: the block size, the specs (each with its block size), the hash function, the
+    two limits, and the KV-event hash format (None reads vLLM's environment variable)."""
+    block_size = check_int("block_size", block_size, 1)
+    if kv_events_use_int_block_hashes is None:
+        env = os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1")
+        try:
+            kv_events_use_int_block_hashes = bool(int(env))
+        except ValueError:
+            raise ValueError(f"VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES must be an integer (0 or 1), got {env!r}") from None
+    for name, flag in (("enable_caching", enable_caching), ("log_stats", log_stats), ("use_eagle", use_eagle)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {flag!r}")
+    hash_fn = get_hash_fn_by_name(hash_algo)
+    if event_log is not None and not isinstance(event_log, EventLog):
+        raise TypeError(f"event_log must be None or an EventLog, got {type(event_log).__name__}")
+    if not (isinstance(block_pool_cls, type) and issubclass(block_pool_cls, BlockPool)):
+        raise TypeError(f"block_pool_cls must be BlockPool or a subclass of it, got {block_pool_cls!r}")
+    if manager_classes is not None and not isinstance(manager_classes, Mapping):
+        raise TypeError(f"manager_classes must be None or a dict {{spec type: manager class}}, got {type(manager_classes).__name__}")
+    if kv_cache_groups is not None and (isinstance(kv_cache_groups, (str, bytes)) or not isinstance(kv_cache_groups, Sequence)):
+        raise TypeError(f"kv_cache_groups must be None or a list of specs, got {type(kv_cache_groups).__name__}")
+    groups = list(kv_cache_groups) if kv_cache_groups is not None else [FullAttentionSpec()]
+    if not groups:
+        raise ValueError("kv_cache_groups must hold at least one spec")
+    specs: list[KVCacheSpec] = []
+    for i, g in enumerate(groups):
+        if type(g) not in KV_CACHE_SPEC_TYPES:
+            names = ", ".join(t.__name__ for t in KV_CACHE_SPEC_TYPES)
+            raise TypeError(f"kv_cache_groups[{i}] must be one of {names}; got {type(g).__name__}")
+        specs.append(g if g.block_size is not None else g.with_block_size(block_size))
+    max_model_len = check_optional_int("max_model_len", max_model_len, 1)
+    max_in_flight_tokens = check_optional_int("max_in_flight_tokens", max_in_flight_tokens, 1)
+    for i, spec in enumerate(specs):
+        if isinstance(spec, ChunkedLocalAttentionSpec) and spec.attention_chunk_size % spec.block_size:  # type: ignore[operator]  # every spec has its block size after the defaults above
+            raise ValueError(
+                f"kv_cache_groups[{i}]: attention_chunk_size {spec.attention_chunk_size} must be a multiple of block_size {spec.block_size}"
+            )
+    return block_size, specs, hash_fn, max_model_len, max_in_flight_tokens, kv_events_use_int_block_hashes
+
+
 class KVCacheManager:
     """The scheduler's only door to KV memory: it answers "what is cached?", "is there room?"
     and "give it back", and hides everything behind (vLLM: ``KVCacheManager``).
@@ -120,42 +175,21 @@ class KVCacheManager:
         (default "1"). ``metrics_collector``: a ``KVCacheMetricsCollector`` sampling block
         residency. ``prepend_uncached_blocks=False``: free with vLLM <= 0.22's rule (every
         freed block to the free-queue tail)."""
-        block_size = check_int("block_size", block_size, 1)
-        if kv_events_use_int_block_hashes is None:
-            env = os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1")
-            try:
-                kv_events_use_int_block_hashes = bool(int(env))
-            except ValueError:
-                raise ValueError(f"VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES must be an integer (0 or 1), got {env!r}") from None
-        for name, flag in (("enable_caching", enable_caching), ("log_stats", log_stats), ("use_eagle", use_eagle)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"{name} must be a bool, got {flag!r}")
-        hash_fn = get_hash_fn_by_name(hash_algo)
-        if event_log is not None and not isinstance(event_log, EventLog):
-            raise TypeError(f"event_log must be None or an EventLog, got {type(event_log).__name__}")
-        if not (isinstance(block_pool_cls, type) and issubclass(block_pool_cls, BlockPool)):
-            raise TypeError(f"block_pool_cls must be BlockPool or a subclass of it, got {block_pool_cls!r}")
-        if manager_classes is not None and not isinstance(manager_classes, Mapping):
-            raise TypeError(f"manager_classes must be None or a dict {{spec type: manager class}}, got {type(manager_classes).__name__}")
-        if kv_cache_groups is not None and (isinstance(kv_cache_groups, (str, bytes)) or not isinstance(kv_cache_groups, Sequence)):
-            raise TypeError(f"kv_cache_groups must be None or a list of specs, got {type(kv_cache_groups).__name__}")
-        groups = list(kv_cache_groups) if kv_cache_groups is not None else [FullAttentionSpec()]
-        if not groups:
-            raise ValueError("kv_cache_groups must hold at least one spec")
-        specs: list[KVCacheSpec] = []
-        for i, g in enumerate(groups):
-            if type(g) not in KV_CACHE_SPEC_TYPES:
-                names = ", ".join(t.__name__ for t in KV_CACHE_SPEC_TYPES)
-                raise TypeError(f"kv_cache_groups[{i}] must be one of {names}; got {type(g).__name__}")
-            specs.append(g if g.block_size is not None else g.with_block_size(block_size))
-        max_model_len = check_optional_int("max_model_len", max_model_len, 1)
-        max_in_flight_tokens = check_optional_int("max_in_flight_tokens", max_in_flight_tokens, 1)
+        block_size, specs, hash_fn, max_model_len, max_in_flight_tokens, kv_events_use_int_block_hashes = _check_manager_args(
+            block_size,
+            kv_cache_groups,
+            enable_caching,
+            hash_algo,
+            log_stats,
+            max_model_len,
+            event_log,
+            use_eagle,
+            max_in_flight_tokens,
+            block_pool_cls,
+            manager_classes,
+            kv_events_use_int_block_hashes,
+        )
         scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(specs, enable_caching)
-        for i, spec in enumerate(specs):
-            if isinstance(spec, ChunkedLocalAttentionSpec) and spec.attention_chunk_size % spec.block_size:  # type: ignore[operator]  # every spec has its block size after the defaults above
-                raise ValueError(
-                    f"kv_cache_groups[{i}]: attention_chunk_size {spec.attention_chunk_size} must be a multiple of block_size {spec.block_size}"
-                )
         # The pool checks num_blocks (its door), the coordinator the mix of groups; both are
         # built before the first event is emitted, so a refused configuration leaves no trace.
         block_pool = block_pool_cls(
@@ -309,47 +343,18 @@ class KVCacheManager:
           waiting requests (lesson 05).
         """
         self._bind(request)
-        num_new_tokens = check_int("num_new_tokens", num_new_tokens, 0)
-        num_new_computed_tokens = check_int("num_new_computed_tokens", num_new_computed_tokens, 0)
-        num_lookahead_tokens = check_int("num_lookahead_tokens", num_lookahead_tokens, 0)
-        num_external_computed_tokens = check_int("num_external_computed_tokens", num_external_computed_tokens, 0)
-        if num_new_tokens == 0 and num_external_computed_tokens == 0 and num_new_computed_tokens == 0:
-            raise ValueError("num_new_tokens must be >= 1 when there are no computed tokens to adopt")
-        for name, flag in (("delay_cache_blocks", delay_cache_blocks), ("full_sequence_must_fit", full_sequence_must_fit)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"{name} must be a bool, got {flag!r}")
+        num_new_tokens, num_new_computed_tokens, num_lookahead_tokens, num_external_computed_tokens, hits = self._check_allocate_args(
+            request,
+            num_new_tokens,
+            num_new_computed_tokens,
+            new_computed_blocks,
+            num_lookahead_tokens,
+            num_external_computed_tokens,
+            delay_cache_blocks,
+            full_sequence_must_fit,
+        )
         rid = request.request_id
-        known = self._requests.get(rid)
-        if known is not None and known is not request:
-            raise ValueError(f"request id {rid!r} is already held by another request in this manager; ids must be unique")
-        if new_computed_blocks is not None and not isinstance(new_computed_blocks, KVCacheBlocks):
-            raise TypeError(
-                f"new_computed_blocks must be None or the KVCacheBlocks that get_computed_blocks() returned, "
-                f"got {type(new_computed_blocks).__name__}"
-            )
-        hits = new_computed_blocks.blocks if new_computed_blocks is not None else self.empty_kv_cache_blocks.blocks
-        if len(hits) != self.num_kv_cache_groups:
-            raise ValueError(f"new_computed_blocks has {len(hits)} groups, the manager has {self.num_kv_cache_groups}")
         has_hits = any(hits)
-        for spec, g in zip(self.kv_cache_groups, hits):
-            if has_hits and len(g) * spec.block_size != num_new_computed_tokens:  # type: ignore[operator]  # as above
-                raise ValueError(
-                    f"num_new_computed_tokens = {num_new_computed_tokens} does not match new_computed_blocks "
-                    f"({len(g)} blocks of {spec.block_size} tokens in a group)"
-                )
-        if not has_hits and num_new_computed_tokens:
-            raise ValueError(f"num_new_computed_tokens = {num_new_computed_tokens} but new_computed_blocks is empty")
-        if (known is not None or request.num_computed_tokens) and (has_hits or num_external_computed_tokens):
-            raise ValueError(
-                f"request {rid!r} is already running (it has computed tokens); prefix hits and external tokens are only for new requests"
-            )
-        if request.num_computed_tokens + num_new_computed_tokens + num_external_computed_tokens > request.num_tokens:
-            raise ValueError(
-                f"request {rid!r}: {request.num_computed_tokens} computed + {num_new_computed_tokens} hit + "
-                f"{num_external_computed_tokens} external tokens exceed its {request.num_tokens} tokens"
-            )
-        if has_hits:
-            self._check_hits(request, hits)
 
         num_local_computed = request.num_computed_tokens + num_new_computed_tokens
         total_computed = num_local_computed + num_external_computed_tokens
@@ -384,6 +389,63 @@ class KVCacheManager:
             coord.cache_blocks(request, min(total_computed + num_new_tokens, request.num_tokens))
         return self.create_kv_cache_blocks(new_blocks)
 
+    # -- argument checks (kvlab's: a learner's bad call is refused before anything changes) ----
+    def _check_allocate_args(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int,
+        new_computed_blocks: KVCacheBlocks | None,
+        num_lookahead_tokens: int,
+        num_external_computed_tokens: int,
+        delay_cache_blocks: bool,
+        full_sequence_must_fit: bool,
+    ) -> tuple[int, int, int, int, tuple[list[KVCacheBlock], ...]]:
+        """``allocate_slots``' arguments, checked and normalised (token counts as ints, the
+        hits as one block list per group); raises naming the argument. Changes nothing."""
+        num_new_tokens = check_int("num_new_tokens", num_new_tokens, 0)
+        num_new_computed_tokens = check_int("num_new_computed_tokens", num_new_computed_tokens, 0)
+        num_lookahead_tokens = check_int("num_lookahead_tokens", num_lookahead_tokens, 0)
+        num_external_computed_tokens = check_int("num_external_computed_tokens", num_external_computed_tokens, 0)
+        if num_new_tokens == 0 and num_external_computed_tokens == 0 and num_new_computed_tokens == 0:
+            raise ValueError("num_new_tokens must be >= 1 when there are no computed tokens to adopt")
+        for name, flag in (("delay_cache_blocks", delay_cache_blocks), ("full_sequence_must_fit", full_sequence_must_fit)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {flag!r}")
+        rid = request.request_id
+        known = self._requests.get(rid)
+        if known is not None and known is not request:
+            raise ValueError(f"request id {rid!r} is already held by another request in this manager; ids must be unique")
+        if new_computed_blocks is not None and not isinstance(new_computed_blocks, KVCacheBlocks):
+            raise TypeError(
+                f"new_computed_blocks must be None or the KVCacheBlocks that get_computed_blocks() returned, "
+                f"got {type(new_computed_blocks).__name__}"
+            )
+        hits = new_computed_blocks.blocks if new_computed_blocks is not None else self.empty_kv_cache_blocks.blocks
+        if len(hits) != self.num_kv_cache_groups:
+            raise ValueError(f"new_computed_blocks has {len(hits)} groups, the manager has {self.num_kv_cache_groups}")
+        has_hits = any(hits)
+        for spec, g in zip(self.kv_cache_groups, hits):
+            if has_hits and len(g) * spec.block_size != num_new_computed_tokens:  # type: ignore[operator]  # every spec has its block size by now
+                raise ValueError(
+                    f"num_new_computed_tokens = {num_new_computed_tokens} does not match new_computed_blocks "
+                    f"({len(g)} blocks of {spec.block_size} tokens in a group)"
+                )
+        if not has_hits and num_new_computed_tokens:
+            raise ValueError(f"num_new_computed_tokens = {num_new_computed_tokens} but new_computed_blocks is empty")
+        if (known is not None or request.num_computed_tokens) and (has_hits or num_external_computed_tokens):
+            raise ValueError(
+                f"request {rid!r} is already running (it has computed tokens); prefix hits and external tokens are only for new requests"
+            )
+        if request.num_computed_tokens + num_new_computed_tokens + num_external_computed_tokens > request.num_tokens:
+            raise ValueError(
+                f"request {rid!r}: {request.num_computed_tokens} computed + {num_new_computed_tokens} hit + "
+                f"{num_external_computed_tokens} external tokens exceed its {request.num_tokens} tokens"
+            )
+        if has_hits:
+            self._check_hits(request, hits)
+        return num_new_tokens, num_new_computed_tokens, num_lookahead_tokens, num_external_computed_tokens, hits
+
     def _check_hits(self, request: Request, hits: tuple[list[KVCacheBlock], ...]) -> None:
         """Prefix hits are adopted only if each is a block of THIS pool that still carries
         the hash it was found under (lesson 04). Between ``get_computed_blocks`` and this
@@ -393,7 +455,7 @@ class KVCacheManager:
         pool = self.block_pool
         blocks = pool.blocks
         for gid, (spec, group_hits) in enumerate(zip(self.kv_cache_groups, hits)):
-            hashes = pool.resolve_block_hashes(request.block_hashes, spec.block_size)  # type: ignore[arg-type]  # as above
+            hashes = pool.resolve_block_hashes(request.block_hashes, spec.block_size)  # type: ignore[arg-type]  # every spec has its block size by now
             if len(group_hits) > len(hashes):
                 raise ValueError(
                     f"new_computed_blocks[{gid}] has {len(group_hits)} blocks, but request {request.request_id!r} "

@@ -14,7 +14,7 @@ working copy with cleared outputs would show the answer the moment "Run all" rea
 so the answer cell runs as usual but its output is captured in a hidden area that opens
 when the prediction is locked -- "Run all" first, predict later works too.
 
-Plain mode: where no one can type a prediction -- CI (nbval), ``python -m kvlab.nbtools``
+Plain mode: where no one can type a prediction -- CI (nbval), ``scripts/run_notebooks.py``
 executing the stored originals, a script -- ``predict`` prints the question as one line
 and ``reveal()`` lets the body print as if it were not there, so the cells marked
 ``# NBVAL_CHECK_OUTPUT`` still check the lesson's claims. :func:`interactive` decides:

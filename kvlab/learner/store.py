@@ -2,7 +2,7 @@
 
 Where: ``$KVLAB_HOME/progress.json`` if ``KVLAB_HOME`` is set, else ``~/.kvlab/progress.json``
 -- outside the repository, so ``git pull`` and ``make lab-reset`` never touch it and it is
-never committed. The tests and ``python -m kvlab.nbtools`` point ``KVLAB_HOME`` at a
+never committed. The tests and ``scripts/run_notebooks.py`` point ``KVLAB_HOME`` at a
 temporary folder, so running the course for CI records nothing in anyone's home.
 
 Why a file and not kernel memory: a learner works over days, restarts kernels and opens

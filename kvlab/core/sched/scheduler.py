@@ -90,6 +90,62 @@ class _StepPlan:
     encoder_inputs: dict[str, list[int]] = field(default_factory=dict)  # req id -> items encoded this step
 
 
+def _check_scheduler_args(
+    kv_cache_manager: Any,
+    max_num_batched_tokens: Any,
+    max_num_seqs: Any,
+    policy: Any,
+    enable_chunked_prefill: Any,
+    long_prefill_token_threshold: Any,
+    max_model_len: Any,
+    scheduler_reserve_full_isl: Any,
+    kv_event_publisher: Any,
+    connector: Any,
+    kv_load_failure_policy: Any,
+    max_num_encoder_input_tokens: Any,
+    encoder_cache_size: Any,
+) -> tuple[int, int, int, int | None, int | None, int | None]:
+    """``Scheduler``'s arguments, checked before anything is built (raising, named); the
+    numbers come back as ints."""
+    if not isinstance(kv_cache_manager, KVCacheManager):
+        raise TypeError(f"kv_cache_manager must be a KVCacheManager, got {type(kv_cache_manager).__name__}")
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    if not isinstance(enable_chunked_prefill, bool):
+        raise TypeError(
+            f"enable_chunked_prefill must be True or False, got {type(enable_chunked_prefill).__name__} {enable_chunked_prefill!r}"
+        )
+    max_num_batched_tokens = check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
+    max_num_seqs = check_int("max_num_seqs", max_num_seqs, 1)
+    long_prefill_token_threshold = check_int("long_prefill_token_threshold", long_prefill_token_threshold, 0, why=" (0 = off)")
+    max_model_len = check_optional_int("max_model_len", max_model_len, 2)
+    if not isinstance(scheduler_reserve_full_isl, bool):
+        raise TypeError(f"scheduler_reserve_full_isl must be a bool, got {scheduler_reserve_full_isl!r}")
+    if kv_event_publisher is not None and not callable(getattr(kv_event_publisher, "publish", None)):
+        raise TypeError(f"kv_event_publisher must have a publish(batch) method, got {type(kv_event_publisher).__name__}")
+    if kv_event_publisher is not None and not kv_cache_manager.enable_kv_cache_events:
+        raise ValueError("kv_event_publisher needs a manager that queues events: KVCacheManager(..., enable_kv_cache_events=True)")
+    if kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
+        raise ValueError(f"kv_load_failure_policy must be one of {KV_LOAD_FAILURE_POLICIES}, got {kv_load_failure_policy!r}")
+    max_num_encoder_input_tokens = check_optional_int("max_num_encoder_input_tokens", max_num_encoder_input_tokens, 1)
+    encoder_cache_size = check_optional_int("encoder_cache_size", encoder_cache_size, 1)
+    if connector is not None:
+        for hook in ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta", "request_finished"):
+            if not callable(getattr(connector, hook, None)):
+                raise TypeError(f"connector must be a KV connector's scheduler half (it has no {hook}()), got {type(connector).__name__}")
+        role = getattr(getattr(connector, "role", None), "name", None)
+        if role != "SCHEDULER":
+            raise ValueError(f"connector must be built with role=KVConnectorRole.SCHEDULER, got role {role}")
+    return (
+        max_num_batched_tokens,
+        max_num_seqs,
+        long_prefill_token_threshold,
+        max_model_len,
+        max_num_encoder_input_tokens,
+        encoder_cache_size,
+    )
+
+
 class Scheduler:
     """Who gets tokens each step, and who gives its blocks back when the pool runs dry
     (vLLM: ``vllm/v1/core/sched/scheduler.py``; lesson 05).
@@ -136,37 +192,28 @@ class Scheduler:
         max_num_encoder_input_tokens: int | None = None,
         encoder_cache_size: int | None = None,
     ) -> None:
-        if not isinstance(kv_cache_manager, KVCacheManager):
-            raise TypeError(f"kv_cache_manager must be a KVCacheManager, got {type(kv_cache_manager).__name__}")
-        if policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-        if not isinstance(enable_chunked_prefill, bool):
-            raise TypeError(
-                f"enable_chunked_prefill must be True or False, got {type(enable_chunked_prefill).__name__} {enable_chunked_prefill!r}"
-            )
-        max_num_batched_tokens = check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
-        max_num_seqs = check_int("max_num_seqs", max_num_seqs, 1)
-        long_prefill_token_threshold = check_int("long_prefill_token_threshold", long_prefill_token_threshold, 0, why=" (0 = off)")
-        max_model_len = check_optional_int("max_model_len", max_model_len, 2)
-        if not isinstance(scheduler_reserve_full_isl, bool):
-            raise TypeError(f"scheduler_reserve_full_isl must be a bool, got {scheduler_reserve_full_isl!r}")
-        if kv_event_publisher is not None and not callable(getattr(kv_event_publisher, "publish", None)):
-            raise TypeError(f"kv_event_publisher must have a publish(batch) method, got {type(kv_event_publisher).__name__}")
-        if kv_event_publisher is not None and not kv_cache_manager.enable_kv_cache_events:
-            raise ValueError("kv_event_publisher needs a manager that queues events: KVCacheManager(..., enable_kv_cache_events=True)")
-        if kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
-            raise ValueError(f"kv_load_failure_policy must be one of {KV_LOAD_FAILURE_POLICIES}, got {kv_load_failure_policy!r}")
-        max_num_encoder_input_tokens = check_optional_int("max_num_encoder_input_tokens", max_num_encoder_input_tokens, 1)
-        encoder_cache_size = check_optional_int("encoder_cache_size", encoder_cache_size, 1)
-        if connector is not None:
-            for hook in ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta", "request_finished"):
-                if not callable(getattr(connector, hook, None)):
-                    raise TypeError(
-                        f"connector must be a KV connector's scheduler half (it has no {hook}()), got {type(connector).__name__}"
-                    )
-            role = getattr(getattr(connector, "role", None), "name", None)
-            if role != "SCHEDULER":
-                raise ValueError(f"connector must be built with role=KVConnectorRole.SCHEDULER, got role {role}")
+        (
+            max_num_batched_tokens,
+            max_num_seqs,
+            long_prefill_token_threshold,
+            max_model_len,
+            max_num_encoder_input_tokens,
+            encoder_cache_size,
+        ) = _check_scheduler_args(
+            kv_cache_manager,
+            max_num_batched_tokens,
+            max_num_seqs,
+            policy,
+            enable_chunked_prefill,
+            long_prefill_token_threshold,
+            max_model_len,
+            scheduler_reserve_full_isl,
+            kv_event_publisher,
+            connector,
+            kv_load_failure_policy,
+            max_num_encoder_input_tokens,
+            encoder_cache_size,
+        )
         self.kv_cache_manager = kv_cache_manager
         # vLLM creates it from --kv-events-config; kvlab takes any object with publish(batch)
         # (kvlab.kv_events.ZmqEventPublisher, or a list-like recorder in a test).

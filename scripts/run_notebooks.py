@@ -1,6 +1,8 @@
+#!/usr/bin/env python3
 """Execute notebooks in place for committing: outputs kept, widget state dropped, timed.
 
-``python -m kvlab.nbtools notebooks/03_prefix_caching.ipynb …`` runs each notebook top to
+A maintainer's tool, not part of the package: ``.venv/bin/python scripts/run_notebooks.py
+notebooks/03_prefix_caching.ipynb …`` runs each notebook top to
 bottom in a fresh kernel (as nbval will in CI) and saves it with its outputs -- the cells
 marked ``# NBVAL_CHECK_OUTPUT`` are then the lesson's claims that CI compares -- but without
 the ipywidgets/plotly widget state, which would add megabytes of plotly.js per file.
@@ -53,7 +55,7 @@ def execute(path: Path, timeout: int = 300) -> float:
 def main(argv: list[str] | None = None) -> int:
     paths = [Path(p) for p in (sys.argv[1:] if argv is None else argv)]
     if not paths:
-        print("usage: python -m kvlab.nbtools NOTEBOOK.ipynb [...]", file=sys.stderr)
+        print("usage: python scripts/run_notebooks.py NOTEBOOK.ipynb [...]", file=sys.stderr)
         return 2
     rows = []
     for p in paths:
