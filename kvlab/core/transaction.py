@@ -181,9 +181,8 @@ class JournaledBlockHashToBlockMap(BlockHashToBlockMap):
             return
         if type(v) is not dict:
             self.journal.append((_undo_entry, self, key, v))
-        elif key not in self.copied:
-            self.copied.add(key)
-            self.journal.append((_undo_entry, self, key, dict(v)))
+        else:
+            self._save_duplicates(key, v)
         _map_insert(self, key, block)
 
     def pop(self, key: bytes, block_id: int) -> KVCacheBlock | None:
@@ -197,10 +196,14 @@ class JournaledBlockHashToBlockMap(BlockHashToBlockMap):
             self.journal.append((_undo_entry, self, key, v))  # the common case, a lone block: inline
             del cache[key]
             return v
+        self._save_duplicates(key, v)
+        return _map_pop(self, key, block_id)
+
+    def _save_duplicates(self, key: bytes, v: dict[int, KVCacheBlock]) -> None:
+        """Journal a key's ``{block_id: block}`` dict: a copy, the first time this transaction changes it."""
         if key not in self.copied:
             self.copied.add(key)
             self.journal.append((_undo_entry, self, key, dict(v)))
-        return _map_pop(self, key, block_id)
 
 
 _map_insert = BlockHashToBlockMap.insert  # the taught methods, called without super()'s lookup (hot path)

@@ -36,8 +36,7 @@ def _copy(v: Any) -> Any:
 
 def copy_attrs(obj: Any, skip: frozenset[str] = frozenset()) -> dict[str, Any]:
     """Every attribute of ``obj`` (its ``__dict__``) but ``skip``, containers copied two levels deep."""
-    flat = _FLAT
-    return {k: (_copy(v) if v.__class__ in flat else v) for k, v in vars(obj).items() if k not in skip}
+    return {k: _copy(v) for k, v in vars(obj).items() if k not in skip}
 
 
 def put_attrs(obj: Any, saved: dict[str, Any]) -> None:
