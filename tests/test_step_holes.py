@@ -118,3 +118,48 @@ def test_block_level_load_failures_with_two_groups_are_refused_as_in_vllm() -> N
     assert scheduler_fingerprint(sched) == before
     sched.update_from_output(out, {"r": [7]}, kv_connector_output=KVConnectorOutput())  # then the real output
     assert sched.requests["r"].output_token_ids == [7]
+
+
+def test_a_steps_checkpoint_keeps_full_attention_tables_by_length_and_undoes_growth_and_frees() -> None:
+    """A decode step must not cost more for a request holding 2,048 blocks than for one holding
+    16: the checkpoint keeps a full-attention table as (the list itself, its length), copies
+    none, and an undo cuts each table back and puts back the ones the step freed. A window's
+    table (changed in place: blocks become the null block) is copied."""
+    from kvlab.core.transaction import engine_call
+    from kvlab.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    eng = build_engine(num_blocks=40, block_size=4, max_num_seqs=4)
+    eng.add_request(Request("a", list(range(1, 30)), max_tokens=12))
+    eng.add_request(Request("b", list(range(40, 47)), max_tokens=6))
+    for _ in range(3):
+        eng.step()
+    group = eng.kv_cache_manager.coordinator.single_type_managers[0]
+    tables = dict(group.req_to_blocks)
+    lengths = {rid: len(t) for rid, t in tables.items()}
+    assert lengths == {"a": 8, "b": 3}
+    before = engine_fingerprint(eng)
+    with pytest.raises(RuntimeError, match="stop here"):
+        with engine_call(eng, "step") as cp:
+            saved = cp.sched.manager.managers[0].tables  # type: ignore[union-attr]
+            assert saved is not None and {rid: (t is tables[rid], n) for rid, (t, n) in saved.items()} == {"a": (True, 8), "b": (True, 3)}
+            for _ in range(4):  # "a" grows by a block, "b" finishes: its table is freed
+                eng._step(cp)
+            assert "b" not in group.req_to_blocks and len(group.req_to_blocks["a"]) == 9
+            raise RuntimeError("stop here")
+    assert group.req_to_blocks == tables and all(group.req_to_blocks[rid] is tables[rid] for rid in tables)
+    assert {rid: len(t) for rid, t in group.req_to_blocks.items()} == lengths
+    # The executor saw the undone steps, so the next one sends every request in full:
+    assert eng.scheduler._num_sent_blocks == {}
+    eng.scheduler._num_sent_blocks = {"a": [8], "b": [3]}  # as before, for the comparison of everything else
+    assert engine_fingerprint(eng) == before
+
+    hybrid = KVCacheManager(num_blocks=16, block_size=4, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(sliding_window=8)])
+    hybrid.allocate_slots(Request("h", list(range(1, 14))), 13)
+    from kvlab.core.transaction import checkpoint_manager, release_manager
+
+    cp = checkpoint_manager(hybrid)
+    full, window = cp.managers
+    assert full.tables is not None and full.tables["h"][1] == 4 and "req_to_blocks" not in full.attrs
+    assert window.tables is None and window.attrs["req_to_blocks"]["h"] == hybrid.coordinator.single_type_managers[1].req_to_blocks["h"]
+    assert window.attrs["req_to_blocks"]["h"] is not hybrid.coordinator.single_type_managers[1].req_to_blocks["h"]
+    release_manager(hybrid, cp)

@@ -32,10 +32,12 @@ import copy
 import functools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvlab.core.block_pool import BlockHashToBlockMap, BlockPool
 from kvlab.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
+from kvlab.core.single_type_kv_cache_manager import FullAttentionManager, SingleTypeKVCacheManager
 from kvlab.metrics.stats import PrefixCacheStats
 from kvlab.request import Request
 from kvlab.utils.state import copy_attrs, put_attrs, restore_into
@@ -341,14 +343,50 @@ def restore_pool(
 
 
 # --- the KV-cache manager ---------------------------------------------------------------------
+#: Group managers whose block tables, within a call, only grow at the end (``extend``) or
+#: leave whole (``pop``): never changed in place. A checkpoint keeps such a table as (the list,
+#: its length) -- O(requests), not O(blocks held) -- so a decode step costs the same at 16
+#: blocks held as at 2,048. Exact classes only: a subclass (a learner's) may change a table
+#: in place, and a window's table does (blocks it no longer reads become the null block), so
+#: theirs are copied.
+_GROWING_TABLES: frozenset[type] = frozenset({FullAttentionManager})
+
+
+@dataclass(slots=True)
+class _GroupSave:
+    """One group manager's attributes as they were: ``attrs`` copied two levels deep, or --
+    for a class in ``_GROWING_TABLES`` -- everything but ``req_to_blocks``, whose tables
+    are kept as (list, length) in ``tables``."""
+
+    attrs: dict[str, Any]
+    tables: dict[str, tuple[list[KVCacheBlock], int]] | None
+
+
+def _save_group(m: SingleTypeKVCacheManager) -> _GroupSave:
+    if type(m) in _GROWING_TABLES:
+        return _GroupSave(copy_attrs(m, skip=_TABLES), {rid: (t, len(t)) for rid, t in m.req_to_blocks.items()})
+    return _GroupSave(copy_attrs(m), None)
+
+
+def _restore_group(m: SingleTypeKVCacheManager, saved: _GroupSave) -> None:
+    put_attrs(m, saved.attrs)
+    if saved.tables is not None:
+        for table, n in saved.tables.values():
+            del table[n:]
+        m.req_to_blocks = {rid: table for rid, (table, _) in saved.tables.items()}
+
+
+_TABLES = frozenset({"req_to_blocks"})
+
+
 @dataclass(slots=True)
 class ManagerCheckpoint:
     """What :func:`restore_manager` needs: every group manager's attributes (copied two
-    levels deep: the block tables are new lists of the same blocks), the manager's request
+    levels deep, the block tables of full attention by their lengths), the manager's request
     map and stats, the pool's checkpoint, and each request a call touched, saved before its
     first change (shared with the scheduler's checkpoint)."""
 
-    managers: list[dict]
+    managers: list[_GroupSave]
     requests: dict[str, Request]
     prefix_cache_stats: PrefixCacheStats | None
     pool: PoolCheckpoint
@@ -378,13 +416,13 @@ def set_request_state(r: Request, state: tuple) -> None:
 
 def checkpoint_manager(mgr: KVCacheManager, saved_requests: dict[int, tuple[Request, tuple]] | None = None) -> ManagerCheckpoint:
     """Start recording how to undo every change to ``mgr`` and its pool. O(requests holding
-    blocks): the block tables are copied, the pool only journals, and a request's state is
+    blocks): a full-attention table is kept by its length (others are copied), the pool only journals, and a request's state is
     saved when a call first touches it (:func:`manager_call`). Follow with
     :func:`release_manager` (keep) or :func:`restore_manager` (undo)."""
     cp = ManagerCheckpoint(
         # Every attribute of every group's manager (a manager subclass with bookkeeping of
         # its own is covered too); the coordinator holds no state of its own.
-        managers=[copy_attrs(m) for m in mgr.coordinator.single_type_managers],
+        managers=[_save_group(m) for m in mgr.coordinator.single_type_managers],
         requests=dict(mgr._requests),
         prefix_cache_stats=None if mgr.prefix_cache_stats is None else mgr.prefix_cache_stats.copy(),
         saved_requests={} if saved_requests is None else saved_requests,
@@ -405,7 +443,7 @@ def restore_manager(mgr: KVCacheManager, cp: ManagerCheckpoint, *, drop_reused: 
     """Undo every change since ``cp`` (requests included) and stop recording. Returns the
     blocks whose cache entry ``drop_reused`` dropped (see :func:`restore_pool`)."""
     for m, saved in zip(mgr.coordinator.single_type_managers, cp.managers):
-        put_attrs(m, saved)
+        _restore_group(m, saved)
     mgr._requests = dict(cp.requests)
     mgr.prefix_cache_stats = None if cp.prefix_cache_stats is None else cp.prefix_cache_stats.copy()
     for r, state in cp.saved_requests.values():
@@ -680,16 +718,22 @@ class EngineCheckpoint:
 
 
 def _fields(obj: Any) -> dict[str, Any]:
-    """Every attribute of ``obj``, whether it keeps them in a ``__dict__`` or in slots."""
+    """Every attribute of ``obj``, whether it keeps them in a ``__dict__`` or in slots (read
+    by one ``attrgetter`` per class, in C: a step saves one such record per running request)."""
     if hasattr(obj, "__dict__"):
         return dict(vars(obj))
-    names = _SLOTS.get(type(obj))
-    if names is None:
-        names = _SLOTS[type(obj)] = tuple(dict.fromkeys(n for c in type(obj).__mro__ for n in getattr(c, "__slots__", ())))
-    return {n: getattr(obj, n, _UNSET) for n in names}
+    names_get = _SLOTS.get(type(obj))
+    if names_get is None:
+        names = tuple(dict.fromkeys(n for c in type(obj).__mro__ for n in getattr(c, "__slots__", ())))
+        names_get = _SLOTS[type(obj)] = (names, attrgetter(*names, "__class__"))  # a tuple even for one slot
+    names, get = names_get
+    try:
+        return dict(zip(names, get(obj)))
+    except AttributeError:  # a slot never set
+        return {n: getattr(obj, n, _UNSET) for n in names}
 
 
-_SLOTS: dict[type, tuple[str, ...]] = {}  # a slotted class -> its slot names, every base included
+_SLOTS: dict[type, tuple[tuple[str, ...], Callable[[Any], tuple]]] = {}  # a slotted class -> its slot names (every base's), their getter
 _UNSET: Any = object()  # a slot never set (restored as unset)
 
 
