@@ -26,16 +26,17 @@ $(STAMP): pyproject.toml scripts/install.sh
 # it, nbval runs the lessons in a plain kernel instead, so their claims are checked either way.
 LESSONS_BY_NBVAL := $(if $(wildcard /usr/bin/chromium),,notebooks)
 
-# The layer contracts (import-linter), the lint and the format (ruff), the types (mypy: the files it checks are
-# listed in its [tool.mypy]; all configured in pyproject.toml), then one pytest run of the
-# unit/property/kernel/browser tests and the lessons (above), on $(WORKERS) workers: a
-# notebook's cells stay together on one worker (the root conftest.py's scheduler), every other
-# test goes to whichever worker is free.
+# The layer contracts (import-linter), the lint and the format (ruff) -- a second each -- then
+# one pytest run of the unit/property/kernel/browser tests and the lessons (above), on
+# $(WORKERS) workers: a notebook's cells stay together on one worker (the root conftest.py's
+# scheduler), every other test goes to whichever worker is free. The types are checked inside
+# that run: tests/test_layers.py runs mypy over the files pyproject.toml's [tool.mypy] names
+# (~20 s of one core, beside the other tests instead of before them; `$(BIN)/mypy` alone
+# does the same check).
 test: install
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/ruff check kvlab kernels tests
 	$(BIN)/ruff format --check kvlab kernels tests
-	$(BIN)/mypy
 	$(BIN)/python -m pytest -n $(WORKERS) --nbval-lax -p no:cacheprovider tests $(LESSONS_BY_NBVAL)
 
 # The same, with the exhaustive interrupt sweeps: an interrupt at *every* event of each run
@@ -45,7 +46,6 @@ test-full: install
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/ruff check kvlab kernels tests
 	$(BIN)/ruff format --check kvlab kernels tests
-	$(BIN)/mypy
 	KVLAB_SWEEP=full $(BIN)/python -m pytest -n $(WORKERS) --nbval-lax -p no:cacheprovider tests $(LESSONS_BY_NBVAL)
 
 # The quick loop while coding: everything but the slow tests (soak, browser) and the

@@ -179,7 +179,7 @@ MYPY = pathlib.Path(sys.executable).with_name("mypy")
 
 @pytest.mark.slow  # a cold mypy run over the tree takes ~30 s (warm: a second)
 def test_mypy_passes_on_the_tree_and_catches_a_planted_type_error(tmp_path: pathlib.Path) -> None:
-    """`make test` runs `mypy` with pyproject.toml's settings (which name the files): the tree
+    """`make test` checks the types here: `mypy` with pyproject.toml's settings (which name the files): the tree
     type-checks, and a type error planted in a copy of a module fails the check and is named."""
     out = subprocess.run([str(MYPY)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr

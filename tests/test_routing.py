@@ -249,7 +249,8 @@ def test_fleet_reports_a_replica_that_died():
 def test_bench_routing_prints_the_table(capsys):
     from kvlab.bench import routing
 
-    routing.main(["--replicas", "2"])
+    routing.main(["--replicas", "2", "--requests", "30"])  # the whole table is lesson 11's (checked there)
     out = capsys.readouterr().out
+    assert "multi-tenant: multi_tenant (seed 0): 30 requests" in out and "multi-turn: multi_turn (seed 0): 30 requests" in out
     assert out.count("multi-tenant ") >= 4 and "kv_aware+load(2)" in out and "replica processes ready" in out
     assert "stopping 2 processes" in out

@@ -26,8 +26,18 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m kvlab.bench routing")
     ap.add_argument("--replicas", type=int, default=STANDARD_REPLICAS)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        help="only the first N requests of each trace (a smoke run; the table is then not lesson 11's)",
+    )
     args = ap.parse_args(argv)
+    if args.requests is not None and args.requests < 1:
+        ap.error(f"--requests must be at least 1, got {args.requests}")
     traces = standard_traces(args.seed)
+    if args.requests is not None:
+        traces = {name: tr[: args.requests] for name, tr in traces.items()}
     for name, tr in traces.items():
         print(f"[routing] {name}: {tr.summary().splitlines()[0]}")
     t0 = time.perf_counter()
