@@ -450,6 +450,8 @@ def test_player_renders_steps_and_has_no_stop_button(lab: Lab) -> None:
 
 
 LESSONS = sorted(p.name for p in (REPO / "notebooks").glob("[0-9][0-9]*_*.ipynb"))
+# The lesson whose run also checks predict-then-reveal closely (test_predict_browser.py).
+PREDICT_LESSON = "03_prefix_caching.ipynb"
 
 
 @pytest.mark.timeout(600)
@@ -463,6 +465,10 @@ def test_lesson_runs_clean(lab: Lab, lesson: str) -> None:
         t = time.monotonic()
         _run_all(page)
         _wait_until(page, ALL_CELLS_RAN, 480, "every cell of the lesson to run")
+        if lesson == PREDICT_LESSON:  # its first prediction, locked by hand and looked at
+            from test_predict_browser import check_first_prediction
+
+            check_first_prediction(page, lab)
         n = _lock_every_prediction(page)  # the answers (and most pictures) open only then
         _wait_until(page, DRAWN, 90, "every plotly figure to draw")
         _assert_no_errors(page)
@@ -494,11 +500,15 @@ STILL_LOCKED = "() => document.querySelector('.jp-Notebook').textContent.include
 
 def _lock_every_prediction(page) -> int:
     """Answer every "predict, then run" form as a learner would (a number, the first choice or
-    a sentence), press "Lock in", and wait until no answer is still behind its lock."""
+    a sentence), press "Lock in", and wait until no answer is still behind its lock. Returns
+    how many were locked here (a form locked before is passed over)."""
     forms = page.locator(".jp-OutputArea-output:has(.kvlab-live)", has_text="✎ Predict:")
-    n = forms.count()
-    for i in range(n):
+    n = 0
+    for i in range(forms.count()):
         form = forms.nth(i)
+        if "Locked in:" in form.inner_text():
+            continue
+        n += 1
         form.scroll_into_view_if_needed()
         if form.locator("input[type='radio']").count():
             form.locator("input[type='radio']").first.check()

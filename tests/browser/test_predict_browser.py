@@ -1,12 +1,13 @@
-"""Predict, then reveal, in a real JupyterLab: a learner's working copy of lesson 03 (outputs
-cleared, as ``make lab`` prepares it) run top to bottom; the answers stay hidden under a lock
-until a prediction is locked in; then prediction, result and ✔ appear above the answer. The
-explanation below it is folded in a <details>. The locked prediction lands in the learner's
-record ($KVLAB_HOME), not in the repository.
+"""Predict, then reveal, in a real JupyterLab. Lesson 03's first form is checked inside that
+lesson's one run (``test_browser.test_lesson_runs_clean`` calls :func:`check_first_prediction`
+on the learner's working copy, outputs cleared as ``make lab`` prepares it): the answer stays
+hidden under a lock until a prediction is locked in; then prediction, result and ✔ appear
+above the answer; the explanation below it is folded in a <details>; the locked prediction
+lands in the learner's record ($KVLAB_HOME), not in the repository.
 No KVLAB_PREDICT here: the mode must follow from the front end (JupyterLab sends
-allow_stdin=True). After a kernel restart and a second run (of a three-cell notebook), the
-locked prediction comes back locked from that record, its answer open. Screenshots:
-``test-artifacts/browser_predict_{before,after,restored}.png``.
+allow_stdin=True). Then, in a three-cell notebook: a Player inside an answer, and after a
+kernel restart and a second run the locked prediction comes back locked from the record, its
+answer open. Screenshots: ``test-artifacts/browser_predict_{before,after,restored}.png``.
 """
 
 from __future__ import annotations
@@ -16,9 +17,7 @@ import json
 import nbformat
 import pytest
 
-from test_browser import ALL_CELLS_RAN, ARTIFACTS, REPO, Lab, _assert_no_errors, _run_all, _wait_until
-
-from kvlab.workspace import cleared
+from test_browser import ALL_CELLS_RAN, ARTIFACTS, Lab, _assert_no_errors, _run_all, _wait_until
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -36,45 +35,46 @@ ANSWER_SHOWN = (
 )
 
 
-@pytest.mark.timeout(420)
-def test_answer_hidden_until_a_prediction_is_locked(lab: Lab) -> None:
-    copy = lab.root / "notebooks" / LESSON  # the learner's working copy: outputs cleared, as `make lab` prepares it
-    copy.write_text(json.dumps(cleared(json.loads((REPO / "notebooks" / LESSON).read_text()))))
-    with lab.notebook(f"notebooks/{LESSON}") as page:
-        _run_all(page)
-        _wait_until(page, ALL_CELLS_RAN, 300, "every cell of the lesson to run")
-        _assert_no_errors(page)
-        forms = page.locator(".jp-OutputArea-output:has(.kvlab-live)", has_text="✎ Predict:")
-        assert forms.count() == 7, forms.count()  # one form per prompt of lesson 03
-        first = forms.first
-        first.scroll_into_view_if_needed()
-        # the answer cell ran, but what it printed is not on the page yet
-        text = page.locator(".jp-Notebook").inner_text()
-        assert "same key False" not in text and "The answer is ready" in text
-        page.screenshot(path=str(ARTIFACTS / "browser_predict_before.png"), clip=_clip(page, first))
-        first.locator("input[type='text']").fill("0")
-        lock = first.locator("button", has_text="Lock in")
-        _wait_until(page, "() => true", 20, "Lock in to enable", also=lambda: lock.is_enabled())
-        lock.click()
-        _wait_until(
-            page, "() => true", 30, "the answer to open", also=lambda: "same key False" in page.locator(".jp-Notebook").inner_text()
-        )
-        answer = page.locator(".jp-OutputArea-output", has_text="your prediction: 0 · result: 0 · ✔ right")
-        assert answer.count() >= 1
-        assert "Locked in: 0" in first.inner_text()
-        assert sum("Lock in" in forms.nth(i).inner_text() for i in range(7)) == 6  # the six others still wait
-        # the explanation waits in a closed <details>
-        details = page.locator(".jp-MarkdownOutput details").first
-        assert details.count() == 1 and details.get_attribute("open") is None
-        page.screenshot(path=str(ARTIFACTS / "browser_predict_after.png"), clip=_clip(page, first, below=420))
-    rec = json.loads((lab.home / "progress.json").read_text())  # (emptied as the next notebook opens)
+def check_first_prediction(page, lab: Lab) -> None:
+    """Lesson 03's first "predict, then run" form, in the learner's working copy that
+    ``test_browser.test_lesson_runs_clean`` has just run (its only run in `make test`): the
+    answer is hidden until a prediction is locked; then prediction, result and ✔ appear above
+    it, the explanation waits folded, the six other forms still wait, and the prediction is
+    in the learner's record."""
+    _assert_no_errors(page)
+    forms = page.locator(".jp-OutputArea-output:has(.kvlab-live)", has_text="✎ Predict:")
+    assert forms.count() == 7, forms.count()  # one form per prompt of lesson 03
+    first = forms.first
+    first.scroll_into_view_if_needed()
+    # the answer cell ran, but what it printed is not on the page yet
+    text = page.locator(".jp-Notebook").inner_text()
+    assert "same key False" not in text and "The answer is ready" in text
+    page.screenshot(path=str(ARTIFACTS / "browser_predict_before.png"), clip=_clip(page, first))
+    first.locator("input[type='text']").fill("0")
+    lock = first.locator("button", has_text="Lock in")
+    _wait_until(page, "() => true", 20, "Lock in to enable", also=lambda: lock.is_enabled())
+    lock.click()
+    _wait_until(page, "() => true", 30, "the answer to open", also=lambda: "same key False" in page.locator(".jp-Notebook").inner_text())
+    answer = page.locator(".jp-OutputArea-output", has_text="your prediction: 0 · result: 0 · ✔ right")
+    assert answer.count() >= 1
+    assert "Locked in: 0" in first.inner_text()
+    assert sum("Lock in" in forms.nth(i).inner_text() for i in range(7)) == 6  # the six others still wait
+    # the explanation waits in a closed <details>
+    details = page.locator(".jp-MarkdownOutput details").first
+    assert details.count() == 1 and details.get_attribute("open") is None
+    page.screenshot(path=str(ARTIFACTS / "browser_predict_after.png"), clip=_clip(page, first, below=420))
+    rec = json.loads((lab.home / "progress.json").read_text())
     (pred,) = rec["predictions"]
     assert pred["prediction"] == 0 and pred["result"] == 0 and pred["matched"] is True
     assert pred["lesson"] == LESSON.removesuffix(".ipynb")
 
-    # A Player inside a prediction's answer: hidden until the lock, then shown with the rest of
-    # the answer (its still's style rule must not hide the answer area around it). Then a kernel
-    # restart and a second run: the prediction comes back locked from the learner's record.
+
+@pytest.mark.timeout(420)
+def test_a_locked_prediction_comes_back_from_the_record_after_a_restart(lab: Lab) -> None:
+    """A Player inside a prediction's answer: hidden until the lock, then shown with the rest
+    of the answer (its still's style rule must not hide the answer area around it). Then a
+    kernel restart and a second run: the prediction comes back locked from the learner's
+    record."""
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(src) for src in NESTED]
     nbformat.write(nb, lab.root / "nested_player.ipynb")
