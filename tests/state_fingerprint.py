@@ -79,12 +79,32 @@ def manager_fingerprint(mgr: KVCacheManager) -> tuple:
 LOG_EVENTS = True  # False: the log's length and step only (cheap, for long soaks)
 
 
+# id(log) -> (the log, [(event, repr of its to_dict())] for a prefix of it): the sweeps take a
+# fingerprint before every step, so each event is turned into its dict once, not once per step.
+_LOG_MEMO: dict[int, tuple[Any, list[tuple[Any, str]]]] = {}
+
+
 def log_fingerprint(log) -> tuple:
+    """The log's length, step and every event as its dict. An event keeps its memoised dict
+    while the same object stays at the same position (the log only appends and is cut back);
+    any other event is converted afresh."""
     if log is None:
         return (None,)
     if not LOG_EVENTS:
         return (len(log), log.step)
-    return (len(log), log.step, tuple(repr(e.to_dict()) for e in log.events))
+    entry = _LOG_MEMO.get(id(log))
+    if entry is None or entry[0] is not log:
+        if len(_LOG_MEMO) >= 64:
+            _LOG_MEMO.clear()
+        entry = _LOG_MEMO[id(log)] = (log, [])
+    memo = entry[1]
+    events = list(log.events)
+    k, n = 0, min(len(memo), len(events))
+    while k < n and memo[k][0] is events[k]:
+        k += 1
+    del memo[k:]
+    memo.extend((e, repr(e.to_dict())) for e in events[k:])
+    return (len(log), log.step, tuple(r for _, r in memo))
 
 
 def scheduler_fingerprint(sched: Scheduler, extra_requests=()) -> tuple:
