@@ -44,12 +44,17 @@ def request_fingerprint(r: Request) -> tuple:
     return tuple((name, _value(v)) for name, v in sorted(vars(r).items()))
 
 
+_PLAIN = frozenset({type(None), bool, int, float, str, bytes})
+
+
 def _value(v: Any) -> Any:
     if v is None or isinstance(v, (bool, int, float, str, bytes, Enum)):
         return v
     if isinstance(v, bytearray):
         return bytes(v)
     if isinstance(v, (list, tuple)):
+        if _PLAIN.issuperset(map(type, v)):  # a token list: its values as they are, checked in C
+            return tuple(v)
         return tuple(_value(x) for x in v)
     if isinstance(v, dict):
         return tuple(sorted((repr(k), _value(x)) for k, x in v.items()))
