@@ -174,10 +174,10 @@ def _wait_until(page, js: str, timeout_s: float, what: str, also=lambda: True, s
             dialog.first.click()
         if page.evaluate(js) and also():
             return
-        # Once a second: each look is a round trip through Playwright's driver into the page
-        # (and, for the kernel's state, the server); on two cores they compete with the work
-        # being waited for.
-        page.wait_for_timeout(1000)
+        # Twice a second: each look is a round trip through Playwright's driver into the page
+        # (and, for the kernel's state, the server) that competes with the work being waited
+        # for on two cores; a slower pace leaves each wait idle for longer after its state came.
+        page.wait_for_timeout(500)
     raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}" + (f"; the page shows {seen()}" if seen else ""))
 
 
