@@ -94,3 +94,74 @@ def test_a_hash_function_that_raises_once_leaves_the_request_whole(n):
             r.append_output_token_ids(tok)
         assert len(r.block_hashes) == r.num_tokens // 2
     assert fn.calls >= n
+
+
+def _storm(eng) -> None:
+    for i in range(6):
+        eng.add_request(Request(f"r{i}", [1, 2, 3, 4] * 2 + [10 + i] * (3 + i), max_tokens=4 + i, arrival_time=float(i)))
+
+
+def test_an_unguarded_run_takes_no_undo_point_and_gives_the_same_run():
+    """``unguarded(engine)``: a private engine's calls take no checkpoint (the cost of the
+    undo is gone) and the run is the same run -- outputs, block ids, the whole event log."""
+    from kvlab.core import transaction
+
+    guarded, free = build_engine(num_blocks=12, block_size=4), build_engine(num_blocks=12, block_size=4)
+    taken = []
+    real = transaction.checkpoint_scheduler
+
+    def counting(sched):
+        taken.append(sched)
+        return real(sched)
+
+    transaction.checkpoint_scheduler, saved = counting, real
+    try:
+        _storm(guarded)
+        guarded.run()
+        n_guarded = len(taken)
+        with transaction.unguarded(free) as nocp:
+            assert free.scheduler._txn is nocp and free.kv_cache_manager._txn is nocp
+            _storm(free)
+            free.run()
+        assert len(taken) == n_guarded > 0  # the unguarded run took none
+    finally:
+        transaction.checkpoint_scheduler = saved
+    assert free.scheduler._txn is None and free.kv_cache_manager._txn is None and free._unguarded is None
+    assert {k: r.output_token_ids for k, r in free.finished.items()} == {k: r.output_token_ids for k, r in guarded.finished.items()}
+    assert [e.to_dict() for e in free.events] == [e.to_dict() for e in guarded.events]
+    free.generate([[5, 6, 7]], max_tokens=2)  # guarded again after the block
+
+
+def test_a_failure_in_an_unguarded_run_leaves_the_engine_refused_not_half_undone():
+    from kvlab.core.transaction import unguarded
+    from kvlab.engine.llm_engine import EngineInterruptedError
+
+    eng = build_engine(num_blocks=12, block_size=4)
+    _storm(eng)
+
+    def boom(event) -> None:
+        if event.kind == "step_finished" and event.step == 3:
+            raise RuntimeError("a subscriber failed")
+
+    eng.events.subscribe(boom)
+    with pytest.raises(RuntimeError, match="a subscriber failed"):
+        with unguarded(eng):
+            eng.run()
+    with pytest.raises(EngineInterruptedError, match=r"without undo points .* RuntimeError: a subscriber failed .* build a new engine"):
+        eng.step()
+    with pytest.raises(RuntimeError, match="no state to go back to; build a new engine"):
+        eng.restore()
+    with pytest.raises(EngineInterruptedError):
+        eng.add_request(Request("late", [1, 2], max_tokens=1))
+
+
+def test_unguarded_refuses_an_engine_already_inside_a_block():
+    from kvlab.core.transaction import unguarded
+
+    eng = build_engine(num_blocks=8, block_size=4)
+    with unguarded(eng):
+        with pytest.raises(RuntimeError, match="inside a call or an unguarded block already"):
+            with unguarded(eng):
+                pass
+        assert eng._unguarded is not None  # the outer block goes on
+    assert eng._unguarded is None

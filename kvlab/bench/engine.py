@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -60,18 +59,15 @@ def make_prompts(num_prompts: int, prompt_len: int) -> list[list[int]]:
     return [ids[7 * i : 7 * i + prompt_len] for i in range(num_prompts)]
 
 
-def _sim_engine(num_requests: int, checkpoints: bool) -> LLMEngine:
+def _sim_engine(num_requests: int) -> LLMEngine:
     """The simulated executor's engine on a 2,000-block pool, ``num_requests`` requests of
-    20-200 prompt tokens, up to 32 running; ``checkpoints=False`` strips the per-step undo
-    (every call taken without an undo point), for the comparison."""
+    20-200 prompt tokens, up to 32 running."""
     import random
 
     from kvlab.engine.llm_engine import build_engine
     from kvlab.request import Request
 
     eng = build_engine(num_blocks=2000, block_size=16, event_log=None, max_num_batched_tokens=512, max_num_seqs=32)
-    if not checkpoints:  # as if a transaction were always open: no call opens one of its own
-        eng.scheduler._txn = eng.kv_cache_manager._txn = _NoCheckpoint()
     rng = random.Random(0)
     for i in range(num_requests):
         prompt = [rng.randrange(1000) for _ in range(rng.randrange(20, 200))]
@@ -79,56 +75,43 @@ def _sim_engine(num_requests: int, checkpoints: bool) -> LLMEngine:
     return eng
 
 
-class _NoCheckpoint:
-    """Stands in for the engine's, the scheduler's and the manager's checkpoints: saves nothing."""
-
-    executor_called = False
-    saved_requests: tuple = ()
-
-    def save_request(self, *args: object) -> None:
-        pass
-
-    def save_metrics(self, *args: object) -> None:
-        pass
-
-    def save_finished(self, *args: object) -> None:
-        pass
-
-
 def checkpoint_overhead(num_requests: int = 300, rounds: int = 3) -> tuple[float, float, float]:
     """What the per-step checkpoint costs (a step can be undone). Two identical
-    simulated-executor engines step in lock-step, one with and one without checkpoints, the
-    order swapped every step so both see the same machine; returns the medians of the
-    per-step times (us, without / with) and of the per-step ratios, over ``rounds`` runs."""
+    simulated-executor engines step in lock-step, one with checkpoints and one without
+    (``unguarded``: every call taken without an undo point), the order swapped every step so
+    both see the same machine; returns the medians of the per-step times (us, without /
+    with) and of the per-step ratios, over ``rounds`` runs."""
     import statistics
+
+    from kvlab.core.transaction import unguarded
 
     ratios: list[float] = []
     plain: list[float] = []
     guarded: list[float] = []
     clock = time.perf_counter
     for _ in range(rounds):
-        a, b = _sim_engine(num_requests, True), _sim_engine(num_requests, False)
-        nocp: Any = _NoCheckpoint()  # stands in for the engine's checkpoint
-        k = 0
-        while a.has_unfinished_requests():
-            if k % 2:
-                t0 = clock()
-                b._step(nocp)
-                t1 = clock()
-                a.step()
-                t2 = clock()  # noqa: E702
-                tb, ta = t1 - t0, t2 - t1
-            else:
-                t0 = clock()
-                a.step()
-                t1 = clock()
-                b._step(nocp)
-                t2 = clock()  # noqa: E702
-                ta, tb = t1 - t0, t2 - t1
-            ratios.append(ta / tb)
-            plain.append(tb)
-            guarded.append(ta)
-            k += 1
+        a, b = _sim_engine(num_requests), _sim_engine(num_requests)
+        with unguarded(b) as nocp:
+            k = 0
+            while a.has_unfinished_requests():
+                if k % 2:
+                    t0 = clock()
+                    b._step(nocp)
+                    t1 = clock()
+                    a.step()
+                    t2 = clock()  # noqa: E702
+                    tb, ta = t1 - t0, t2 - t1
+                else:
+                    t0 = clock()
+                    a.step()
+                    t1 = clock()
+                    b._step(nocp)
+                    t2 = clock()  # noqa: E702
+                    ta, tb = t1 - t0, t2 - t1
+                ratios.append(ta / tb)
+                plain.append(tb)
+                guarded.append(ta)
+                k += 1
     return 1e6 * statistics.median(plain), 1e6 * statistics.median(guarded), statistics.median(ratios)
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from kvlab.config.kv_transfer import KVTransferConfig
+from kvlab.core.transaction import unguarded
 from kvlab.engine.llm_engine import LLMEngine, build_engine
 from kvlab.executor.scripted import ScriptedExecutor
 from kvlab.workloads.traces import Trace, multi_turn, percentile
@@ -111,7 +112,8 @@ def run_trace(
             event_log=event_log,
             kv_transfer_config=cfg,
         )
-        eng.run_trace(trace.to_requests())
+        with unguarded(eng):  # a private engine until it is returned: if the run stops, it is dropped
+            eng.run_trace(trace.to_requests())
     m = [eng.metrics[r.request_id] for r in trace]
     conn = eng.scheduler.connector
     # a connector is there only when cfg (above) named the OffloadingConnector

@@ -55,8 +55,10 @@ __all__ = [
     "PoolCheckpoint",
     "SchedulerCheckpoint",
     "EngineCheckpoint",
+    "Unguarded",
     "adds_request",
     "engine_call",
+    "unguarded",
     "rollback_engine",
     "checkpoint_scheduler",
     "release_scheduler",
@@ -753,6 +755,11 @@ def commit_engine(engine: Any, cp: EngineCheckpoint) -> None:
 
 def rollback_engine(engine: Any, cp: EngineCheckpoint) -> None:
     """Undo the engine call ``cp`` opened (safe to call again if it was itself interrupted)."""
+    if isinstance(cp, Unguarded):
+        raise RuntimeError(
+            "the engine ran without undo points (kvlab.core.transaction.unguarded) and a call failed: "
+            "there is no state to go back to; build a new engine"
+        )
     if cp.sched is not None:
         # An executor that writes K/V may have overwritten blocks that are cached again
         # after the undo: their cache entries go (the blocks stay free).
@@ -783,6 +790,9 @@ def engine_call(engine: Any, what: str) -> Iterator[EngineCheckpoint]:
     """``with engine_call(engine, "step") as cp:`` -- the body is all or nothing. On an
     exception the call is undone and the exception goes on with a note saying so; if an
     interrupt stops the undo itself, the engine stays marked until ``engine.restore()``."""
+    if engine._unguarded is not None:  # inside `unguarded(engine)`: no undo point
+        yield engine._unguarded
+        return
     cp = begin_engine(engine, what)
     try:
         yield cp
@@ -796,6 +806,52 @@ def engine_call(engine: Any, what: str) -> Iterator[EngineCheckpoint]:
         )
         raise
     commit_engine(engine, cp)
+
+
+class Unguarded:
+    """Stands in for every checkpoint of an engine inside :func:`unguarded`: saves nothing."""
+
+    executor_called = False
+    saved_requests: tuple = ()
+
+    def __init__(self) -> None:
+        self.what, self.step = "an unguarded run", 0
+
+    def save_request(self, request: Any) -> None:
+        pass
+
+    def save_metrics(self, metrics: Any, rid: str) -> None:
+        pass
+
+    def save_finished(self, finished: Any, rid: str) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def unguarded(engine: Any) -> Iterator[Unguarded]:
+    """``with unguarded(engine): ...`` -- the engine's calls in the block take no undo point.
+
+    For an engine that nobody else holds until the block ends: one a helper builds, runs
+    and hands back (lesson 12's offload runs, a benchmark's). With nothing outside it to keep
+    consistent, the helper is all or nothing as a whole -- if it stops, its engine is thrown
+    away -- and each step costs what it would cost without kvlab's undo (as in vLLM). If the
+    block raises, the engine is marked unusable (its state is wherever the failed call
+    stopped, and there is nothing to go back to): build a new one."""
+    engine._check_usable()
+    sched, mgr = engine.scheduler, engine.kv_cache_manager
+    if engine._unguarded is not None or sched._txn is not None or mgr._txn is not None:
+        raise RuntimeError("unguarded(engine): the engine is inside a call or an unguarded block already")
+    nocp = Unguarded()
+    engine._unguarded = sched._txn = mgr._txn = nocp  # the scheduler's and the manager's calls open none either
+    try:
+        yield nocp
+    except BaseException as exc:
+        nocp.step = sched.step_count
+        engine.fault = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        engine._pending = nocp  # refused from now on (LLMEngine._check_usable)
+        raise
+    finally:
+        engine._unguarded = sched._txn = mgr._txn = None
 
 
 def _copy_entries(entries: dict) -> dict:

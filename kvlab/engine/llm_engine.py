@@ -16,7 +16,7 @@ from typing import Any, cast
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.sched.output import SchedulerOutput
 from kvlab.core.sched.scheduler import Scheduler
-from kvlab.core.transaction import EngineCheckpoint, engine_call, rollback_engine
+from kvlab.core.transaction import EngineCheckpoint, Unguarded, engine_call, rollback_engine
 from kvlab.engine.cost_model import CostModel
 from kvlab.executor.abstract import Executor
 from kvlab.executor.simulated import SimulatedExecutor
@@ -126,6 +126,7 @@ class LLMEngine:
         self.finished: dict[str, Request] = {}
         self._ids = 0
         self._pending: EngineCheckpoint | None = None  # a call in progress (or one left unfinished)
+        self._unguarded: Unguarded | None = None  # set inside kvlab.core.transaction.unguarded(self)
         self.fault: str | None = None  # what stopped the last call that failed
 
     @property
@@ -140,6 +141,12 @@ class LLMEngine:
 
     def _check_usable(self) -> None:
         cp = self._pending
+        if isinstance(cp, Unguarded):
+            raise EngineInterruptedError(
+                f"a call failed at step {cp.step + 1} while the engine ran without undo points "
+                f"(kvlab.core.transaction.unguarded) -- {self.fault or 'interrupted'} -- so its state is unfinished "
+                "and there is nothing to go back to: build a new engine"
+            )
         if cp is not None:
             raise EngineInterruptedError(
                 f"the engine stopped in the middle of {cp.what} (step {cp.step + 1}) -- {self.fault or 'interrupted'} -- "
@@ -200,7 +207,7 @@ class LLMEngine:
         with engine_call(self, "step") as cp:
             return self._step(cp)
 
-    def _step(self, cp: EngineCheckpoint) -> StepResult:
+    def _step(self, cp: EngineCheckpoint | Unguarded) -> StepResult:
         sched = self.scheduler
         out = sched.schedule()
         for rid in out.num_scheduled_tokens:

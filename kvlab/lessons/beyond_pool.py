@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 from kvlab.config.kv_transfer import KVTransferConfig
+from kvlab.core.transaction import unguarded
 from kvlab.engine.llm_engine import LLMEngine, build_engine
 from kvlab.request import Request
 from kvlab.timeline.events import EventLog, KVLoadFailed, KVTransfer, OffloadEvicted
@@ -401,7 +402,8 @@ def vqa(cache_images: int, image_tokens: int = 64) -> tuple[int, float]:
         reqs.append(
             Request(f"q{k}", prompt, max_tokens=16, arrival_time=0.05 * k, mm_features=[MM(f"img-{img}", offset=8, length=image_tokens)])
         )
-    e.run_trace(reqs)
+    with unguarded(e):  # a private engine: if the run stops, it is dropped
+        e.run_trace(reqs)
     # build_engine's default executor is a SimulatedExecutor; every request finished, so each has a TTFT
     executor = cast("SimulatedExecutor", e.executor)
     return executor.num_encoder_tokens_computed, sum(cast(float, e.metrics[r.request_id].ttft) for r in reqs) / len(reqs)
