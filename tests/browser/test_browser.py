@@ -305,7 +305,15 @@ class Lab:
             self._lesson_page = page
         page = self._lesson_page
         try:
-            page.evaluate(OPEN_NOTEBOOK, f"{WORKDIR}/notebooks/{lesson}")
+            path = f"{WORKDIR}/notebooks/{lesson}"
+            for attempt in (1, 2):  # a second try if the first open never settled
+                page.evaluate(OPEN_NOTEBOOK, path)
+                try:
+                    _wait_until(page, "() => true", 60, f"{lesson} to open", also=lambda: page.evaluate(NOTEBOOK_OPEN, path))
+                    break
+                except TimeoutError:
+                    if attempt == 2:
+                        raise
             page.wait_for_selector(".jp-NotebookPanel .jp-Cell", state="attached")
             self._wait_for_kernel(page, lesson)
             yield page
@@ -341,7 +349,10 @@ class Lab:
     def save_lesson(self, lesson: str) -> dict:
         """Save the open lesson (with its widgets' state) and read the file JupyterLab wrote."""
         page = self._lesson_page
-        page.evaluate("() => window.__kvlabNotebook.context.save()")
+        page.evaluate(
+            "() => { window.__kvlabSaved = false; window.__kvlabNotebook.context.save().then(() => { window.__kvlabSaved = true; }); }"
+        )
+        _wait_until(page, "() => window.__kvlabSaved === true", 60, f"{lesson} to be saved")  # as OPEN_NOTEBOOK: polled, not awaited
         return checked_outputs.load(self.root / WORKDIR / "notebooks" / lesson)
 
     def _drop_lesson_page(self) -> None:
@@ -352,11 +363,16 @@ class Lab:
 
 
 # Open a notebook in the lessons' page (its previous one is closed by then) and keep a handle.
-OPEN_NOTEBOOK = """async (path) => {
-    const w = await window.jupyterapp.commands.execute('docmanager:open', {path, factory: 'Notebook'});
-    await w.context.ready;
-    window.__kvlabNotebook = w;
+# Started in the page and waited for from here (NOTEBOOK_OPEN): a promise handed back through
+# page.evaluate can be dropped by the page before it settles -- Playwright then fails with
+# "Resulting promise was garbage collected" (seen once in some thirty runs) -- and a state
+# polled for can be waited for again.
+OPEN_NOTEBOOK = """(path) => {
+    window.__kvlabNotebook = null;
+    window.jupyterapp.commands.execute('docmanager:open', {path, factory: 'Notebook'})
+        .then(w => w.context.ready.then(() => { window.__kvlabNotebook = w; }));
 }"""
+NOTEBOOK_OPEN = "(path) => { const w = window.__kvlabNotebook; return !!w && w.context.path === path; }"
 WORKDIR = "my-kvlab"
 
 
