@@ -13,6 +13,11 @@ ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
 .PHONY: install test test-full test-fast lab lab-reset gpu-check bench exercises clean
 
+# Machines like ours set PYTHONDONTWRITEBYTECODE=1, so every Python process compiles kvlab's
+# modules from source again. A test run starts some hundred of them (notebook kernels, engine
+# replicas, workers): the tests write __pycache__ (git-ignored) and compile each module once.
+test test-full test-fast: export PYTHONDONTWRITEBYTECODE :=
+
 install: $(STAMP)
 
 $(STAMP): pyproject.toml scripts/install.sh
