@@ -352,6 +352,7 @@ def restore_pool(
 #: in place, and a window's table does (blocks it no longer reads become the null block), so
 #: theirs are copied.
 _GROWING_TABLES: frozenset[type] = frozenset({FullAttentionManager})
+_TABLES = frozenset({"req_to_blocks"})  # the attribute they keep by length
 
 
 @dataclass(slots=True)
@@ -376,9 +377,6 @@ def _restore_group(m: SingleTypeKVCacheManager, saved: _GroupSave) -> None:
         for table, n in saved.tables.values():
             del table[n:]
         m.req_to_blocks = {rid: table for rid, (table, _) in saved.tables.items()}
-
-
-_TABLES = frozenset({"req_to_blocks"})
 
 
 @dataclass(slots=True)
@@ -418,9 +416,10 @@ def set_request_state(r: Request, state: tuple) -> None:
 
 def checkpoint_manager(mgr: KVCacheManager, saved_requests: dict[int, tuple[Request, tuple]] | None = None) -> ManagerCheckpoint:
     """Start recording how to undo every change to ``mgr`` and its pool. O(requests holding
-    blocks): a full-attention table is kept by its length (others are copied), the pool only journals, and a request's state is
-    saved when a call first touches it (:func:`manager_call`). Follow with
-    :func:`release_manager` (keep) or :func:`restore_manager` (undo)."""
+    blocks): a full-attention table is kept by its length (others are copied), the pool only
+    journals, and a request's state is saved when a call first touches it
+    (:func:`manager_call`). Follow with :func:`release_manager` (keep) or
+    :func:`restore_manager` (undo)."""
     cp = ManagerCheckpoint(
         # Every attribute of every group's manager (a manager subclass with bookkeeping of
         # its own is covered too); the coordinator holds no state of its own.
@@ -785,6 +784,11 @@ def rollback_engine(engine: Any, cp: EngineCheckpoint) -> None:
             engine.finished[rid] = r
 
 
+def _fault_text(exc: BaseException) -> str:
+    """What stopped a call, for ``engine.fault`` and the messages that quote it."""
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
 @contextlib.contextmanager
 def engine_call(engine: Any, what: str) -> Iterator[EngineCheckpoint]:
     """``with engine_call(engine, "step") as cp:`` -- the body is all or nothing. On an
@@ -797,7 +801,7 @@ def engine_call(engine: Any, what: str) -> Iterator[EngineCheckpoint]:
     try:
         yield cp
     except BaseException as exc:
-        engine.fault = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        engine.fault = _fault_text(exc)
         rollback_engine(engine, cp)
         engine._pending = None
         exc.add_note(
@@ -847,7 +851,7 @@ def unguarded(engine: Any) -> Iterator[Unguarded]:
         yield nocp
     except BaseException as exc:
         nocp.step = sched.step_count
-        engine.fault = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        engine.fault = _fault_text(exc)
         engine._pending = nocp  # refused from now on (LLMEngine._check_usable)
         raise
     finally:
