@@ -47,9 +47,8 @@ disk). ``kvlab.kv_events`` re-exports all four modules (lesson 10).
 from __future__ import annotations
 
 import re
-from collections import Counter
-from collections.abc import Iterable
-from typing import Any, cast
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar, cast
 
 import msgspec
 
@@ -337,6 +336,80 @@ def _check_payload_depth(events: list[Any]) -> None:
         raise ValueError(f"payload is not a KV event batch: {str(e).replace('batch.', '', 1)}") from None
 
 
+NodeKey = tuple[str | None, int | None, ExternalBlockHash]
+"""``(medium, group_idx, block_hash)``: one cached block as a stream names it."""
+
+_V = TypeVar("_V")
+
+
+def fold_events(
+    table: dict[NodeKey, _V],
+    events: Iterable[KVCacheEvent],
+    new: Callable[[BlockStored, int], _V],
+    recount: Callable[[_V, int], _V | None],
+    collect: bool = False,
+) -> tuple[list[NodeKey], list[_V], bool, int]:
+    """Fold vLLM's KV events into ``table``, one entry per cached block; the one fold that
+    every consumer here uses (``CacheIndex``'s copy counts, ``KVStream``'s prefix nodes).
+
+    The rules a subscriber must follow: vLLM does not deduplicate blocks, so a hash stored
+    twice has two *copies* and stays cached until a ``BlockRemoved`` came for each; a
+    removal of a hash never seen stored is not an error (the subscriber joined late, or a
+    gap was lost) but counted; ``AllBlocksCleared`` empties the table. What an entry holds
+    is the caller's: ``new(event, i)`` makes the entry for the event's ``i``-th hash the
+    first time it is stored, ``recount(entry, +1 or -1)`` adds or drops a copy and returns
+    ``None`` when none is left (the entry is then deleted).
+
+    Returns ``(stored, removed, cleared, unknown)``: with ``collect``, the keys stored (or
+    given a copy) and the last entries of the blocks removed for good, both since the
+    batch's last ``AllBlocksCleared``; whether one came; removals of unknown hashes.
+    """
+    stored: list[NodeKey] = []
+    removed: list[_V] = []
+    cleared = False
+    unknown = 0
+    for ev in events:
+        if type(ev) is BlockStored:
+            medium, group = ev.medium, ev.group_idx
+            for i, h in enumerate(ev.block_hashes):
+                key = (medium, group, h)
+                old = table.get(key)
+                more = new(ev, i) if old is None else recount(old, 1)
+                assert more is not None, "recount(entry, +1) returned None"
+                table[key] = more
+                if collect:
+                    stored.append(key)
+        elif type(ev) is BlockRemoved:
+            medium, group = ev.medium, ev.group_idx
+            for h in ev.block_hashes:
+                key = (medium, group, h)
+                old = table.get(key)
+                if old is None:
+                    unknown += 1
+                    continue
+                left = recount(old, -1)
+                if left is None:
+                    del table[key]
+                    if collect:
+                        removed.append(old)
+                else:
+                    table[key] = left
+        else:  # AllBlocksCleared
+            table.clear()
+            cleared = True
+            stored.clear()
+            removed.clear()
+    return stored, removed, cleared, unknown
+
+
+def _one_copy(ev: BlockStored, i: int) -> int:  # noqa: ARG001 - fold_events' signature
+    return 1
+
+
+def _recount(copies: int, delta: int) -> int | None:
+    return copies + delta or None
+
+
 class CacheIndex:
     """A consumer's view of one engine's prefix cache, rebuilt from its event stream.
 
@@ -347,7 +420,7 @@ class CacheIndex:
     """
 
     def __init__(self) -> None:
-        self._copies: Counter[tuple[str | None, int | None, ExternalBlockHash]] = Counter()
+        self._copies: dict[NodeKey, int] = {}
         self.num_events = 0
         self.num_unknown_removals = 0  # removals of hashes never seen stored (joined late)
 
@@ -368,24 +441,8 @@ class CacheIndex:
         else:
             raise TypeError(f"batch must be a KVEventBatch, its msgpack payload or a list of events, got {type(batch).__name__}")
         events = batch.events
-        copies = self._copies
-        for ev in events:
-            self.num_events += 1
-            if type(ev) is BlockStored:
-                for h in ev.block_hashes:
-                    copies[(ev.medium, ev.group_idx, h)] += 1
-            elif type(ev) is BlockRemoved:
-                for h in ev.block_hashes:
-                    key = (ev.medium, ev.group_idx, h)
-                    n = copies.get(key, 0)
-                    if n <= 1:
-                        if n == 0:
-                            self.num_unknown_removals += 1
-                        copies.pop(key, None)
-                    else:
-                        copies[key] = n - 1
-            else:
-                copies.clear()
+        self.num_events += len(events)
+        self.num_unknown_removals += fold_events(self._copies, events, _one_copy, _recount)[3]
         return self
 
     @property
@@ -415,7 +472,9 @@ __all__ = [
     "KVCacheEvent",
     "KVEventBatch",
     "MAX_EXTRA_KEYS_DEPTH",
+    "NodeKey",
     "decode_batch",
     "encode_batch",
+    "fold_events",
     "validate_batch",
 ]

@@ -27,6 +27,7 @@ mark the batch, and ``runs`` lists where each run starts. Seqs increase within a
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 import os
 from collections.abc import Iterable, Iterator, Mapping
@@ -34,21 +35,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvlab.distributed.kv_events import (
-    AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     EventBatch,
     ExternalBlockHash,
     KVEventBatch,
+    NodeKey,
     decode_batch,
     encode_batch,
+    fold_events,
     validate_batch,
 )
 from kvlab.utils.checks import check_int
 from kvlab.distributed.kv_recording import Recorder, Recording, read_recording
-
-NodeKey = tuple[str | None, int | None, ExternalBlockHash]
-"""``(medium, group_idx, block_hash)``: one cached block as a stream names it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,92 +120,28 @@ class StreamSnapshot:
         return p is not None and p not in self.nodes
 
 
-def _split_tokens(ev: BlockStored) -> list[tuple[int, ...]]:
-    n, bs = len(ev.block_hashes), ev.block_size
-    toks = ev.token_ids
-    if bs > 0 and len(toks) == n * bs:
-        return [tuple(toks[i * bs : (i + 1) * bs]) for i in range(n)]
-    return [() for _ in range(n)]
+def _recount(node: PrefixNode, delta: int) -> PrefixNode | None:
+    copies = node.copies + delta
+    return dataclasses.replace(node, copies=copies) if copies else None
 
 
 def _apply(
     nodes: dict[NodeKey, PrefixNode], seq: int, batch: EventBatch, collect: bool
 ) -> tuple[list[NodeKey], list[PrefixNode], bool, int]:
-    """Fold one batch into ``nodes``; with ``collect`` also return what it stored/removed."""
-    stored: list[NodeKey] = []
-    removed: list[PrefixNode] = []
-    cleared = False
-    unknown = 0
-    for ev in batch.events:
-        t = type(ev)
-        if t is BlockStored:
-            parent = ev.parent_block_hash
-            extra = ev.extra_keys
-            for i, (h, toks) in enumerate(zip(ev.block_hashes, _split_tokens(ev))):
-                key = (ev.medium, ev.group_idx, h)
-                old = nodes.get(key)
-                if old is not None:
-                    nodes[key] = PrefixNode(
-                        old.block_hash,
-                        old.parent_hash,
-                        old.token_ids,
-                        old.block_size,
-                        old.medium,
-                        old.group_idx,
-                        old.copies + 1,
-                        old.stored_seq,
-                        old.stored_ts,
-                        old.lora_name,
-                        old.extra_keys,
-                    )
-                else:
-                    nodes[key] = PrefixNode(
-                        h,
-                        parent,
-                        toks,
-                        ev.block_size,
-                        ev.medium,
-                        ev.group_idx,
-                        1,
-                        seq,
-                        batch.ts,
-                        ev.lora_name,
-                        extra[i] if extra is not None and i < len(extra) else None,
-                    )
-                if collect:
-                    stored.append(key)
-                parent = h
-        elif t is BlockRemoved:
-            for h in ev.block_hashes:
-                key = (ev.medium, ev.group_idx, h)
-                old = nodes.get(key)
-                if old is None:
-                    unknown += 1
-                elif old.copies > 1:
-                    nodes[key] = PrefixNode(
-                        old.block_hash,
-                        old.parent_hash,
-                        old.token_ids,
-                        old.block_size,
-                        old.medium,
-                        old.group_idx,
-                        old.copies - 1,
-                        old.stored_seq,
-                        old.stored_ts,
-                        old.lora_name,
-                        old.extra_keys,
-                    )
-                else:
-                    del nodes[key]
-                    if collect:
-                        removed.append(old)
-        elif t is AllBlocksCleared:
-            nodes.clear()
-            cleared = True
-            if collect:
-                stored.clear()
-                removed.clear()
-    return stored, removed, cleared, unknown
+    """Fold one batch into ``nodes`` (``fold_events``' rules); with ``collect`` also return
+    what it stored/removed."""
+    ts = batch.ts
+
+    def new(ev: BlockStored, i: int) -> PrefixNode:
+        # A block's parent is the hash before it in the event, or the event's parent for the
+        # first; its tokens are its slice of the event's, when they split evenly per block.
+        hashes, bs, toks, extra = ev.block_hashes, ev.block_size, ev.token_ids, ev.extra_keys
+        parent = hashes[i - 1] if i else ev.parent_block_hash
+        mine = tuple(toks[i * bs : (i + 1) * bs]) if bs > 0 and len(toks) == len(hashes) * bs else ()
+        extra_i = extra[i] if extra is not None and i < len(extra) else None
+        return PrefixNode(hashes[i], parent, mine, bs, ev.medium, ev.group_idx, 1, seq, ts, ev.lora_name, extra_i)
+
+    return fold_events(nodes, batch.events, new, _recount, collect)
 
 
 @dataclass
