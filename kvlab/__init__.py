@@ -26,7 +26,7 @@ _EXPORTS: dict[str, str] = {
     "BlockPool": "kvlab.core.block_pool",
     "CachingMetrics": "kvlab.metrics.stats",
     "ChunkedLocalAttentionSpec": "kvlab.kv_cache_interface",
-    "EventLog": "kvlab.timeline.events",
+    "EventLog": "kvlab.eventlog.events",
     "FreeKVCacheBlockQueue": "kvlab.core.kv_cache_utils",
     "FullAttentionSpec": "kvlab.kv_cache_interface",
     "KVCacheBlock": "kvlab.core.kv_cache_utils",
@@ -83,7 +83,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs only
     from kvlab.model_loader import LoadedModel, load_model
     from kvlab.metrics.stats import CachingMetrics, PrefixCacheStats
     from kvlab.request import MultiModalFeature, Request, RequestStatus
-    from kvlab.timeline.events import EventLog
+    from kvlab.eventlog.events import EventLog
     from kvlab.timeline.kv_stream import KVStream
     from kvlab.timeline.snapshot import Snapshot
     from kvlab.timeline.timeline import StepSeries, Timeline, replay

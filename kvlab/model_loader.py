@@ -22,7 +22,7 @@ import torch
 
 from kvlab.engine.llm_engine import LLMEngine, build_engine
 from kvlab.kv_cache_interface import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
-from kvlab.timeline.events import EventLog
+from kvlab.eventlog.events import EventLog
 from kvlab.utils.checks import check_int
 from kvlab.worker.hf_checkpoint import Checkpoint, load_checkpoint
 from kvlab.worker.hf_runner import CheckpointModelRunner, layer_windows

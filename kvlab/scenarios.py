@@ -27,7 +27,7 @@ from kvlab.engine.llm_engine import LLMEngine, build_engine
 from kvlab.executor.simulated import SimulatedExecutor
 from kvlab.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 from kvlab.request import Request
-from kvlab.timeline.events import EventLog, RequestPreempted, RequestScheduled
+from kvlab.eventlog.events import EventLog, RequestPreempted, RequestScheduled
 from kvlab.timeline.snapshot import Snapshot
 from kvlab.timeline.timeline import Timeline
 from kvlab.worker.tokenizer import ByteTokenizer

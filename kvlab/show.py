@@ -42,7 +42,7 @@ from typing import Any
 from kvlab.distributed.kv_recording import is_recording
 from kvlab.engine.llm_engine import LLMEngine
 from kvlab.scenarios import Scenario
-from kvlab.timeline.events import EventLog, PoolCreated
+from kvlab.eventlog.events import EventLog, PoolCreated
 from kvlab.timeline.kv_stream import KVStream
 from kvlab.timeline.timeline import Timeline
 from kvlab.utils.checks import check_optional_int

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from kvlab import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock, Request
 from kvlab.core.block_pool import BlockHashToBlockMap, group_suffix
 from kvlab.core.pool_observers import BlockPoolObserver
-from kvlab.timeline.events import EventLog
+from kvlab.eventlog.events import EventLog
 from kvlab.core.transaction import checkpoint_pool, release_pool, restore_pool
 
 

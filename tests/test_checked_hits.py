@@ -15,7 +15,7 @@ from state_fingerprint import fingerprint
 from kvlab import FullAttentionSpec, KVCacheManager, Request, SlidingWindowSpec
 from kvlab.core.kv_cache_manager import KVCacheBlocks
 from kvlab.core.kv_cache_utils import KVCacheBlock
-from kvlab.timeline.events import EventLog
+from kvlab.eventlog.events import EventLog
 
 
 def cached_prefix(num_blocks: int = 6, **kw):

@@ -9,7 +9,7 @@ import pytest
 import kvlab.kernels  # noqa: F401, I001  (first: it picks the Triton mode)
 from kvlab import KVCacheManager, LLMEngine, Scheduler, Timeline
 from kvlab.lessons.write_safety import scan_writes
-from kvlab.timeline.events import EventLog
+from kvlab.eventlog.events import EventLog
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from kvlab import Request
 from kvlab.core.encoder_cache_manager import EncoderCacheManager, compute_encoder_budget
 from kvlab.engine.llm_engine import build_engine
 from kvlab.timeline import Timeline
-from kvlab.timeline.events import EncoderCacheEvicted, EncoderInputFreed, EncoderInputScheduled
+from kvlab.eventlog.events import EncoderCacheEvicted, EncoderInputFreed, EncoderInputScheduled
 
 
 def _story(**kw):

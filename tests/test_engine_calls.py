@@ -8,7 +8,7 @@ import pytest
 from kvlab import Request, RequestStatus
 from kvlab.core.kv_cache_utils import get_request_block_hasher
 from kvlab.engine.llm_engine import build_engine
-from kvlab.timeline.events import EventLog
+from kvlab.eventlog.events import EventLog
 from kvlab.utils import hashing
 
 

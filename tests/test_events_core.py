@@ -10,7 +10,7 @@ from kvlab import (
     Request,
     SlidingWindowSpec,
 )
-from kvlab.timeline.events import (
+from kvlab.eventlog.events import (
     BlockCached,
     BlockEvicted,
     BlocksFreed,

@@ -33,7 +33,7 @@ from kvlab.core.sched.scheduler import Scheduler
 from kvlab.engine.llm_engine import LLMEngine
 from kvlab.executor.simulated import SimulatedExecutor
 from kvlab.request import Request, RequestStatus
-from kvlab.timeline.events import EventLog
+from kvlab.eventlog.events import EventLog
 from kvlab.utils import hashing
 from kvlab.workloads.traces import sharegpt_like
 

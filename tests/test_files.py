@@ -13,7 +13,7 @@ import pytest
 from kvlab import Request
 from kvlab.engine.llm_engine import build_engine
 from kvlab.timeline import Snapshot, Timeline, replay
-from kvlab.timeline.events import (
+from kvlab.eventlog.events import (
     FORMAT_VERSION,
     BlocksAllocated,
     BlockCached,
@@ -22,7 +22,7 @@ from kvlab.timeline.events import (
     PoolCreated,
     RequestAdded,
 )
-from kvlab.timeline.schema import MAX_BLOCKS
+from kvlab.eventlog.schema import MAX_BLOCKS
 
 SALTS = ("tenant-a-SECRET-1", "tenant-b-SECRET-2")
 

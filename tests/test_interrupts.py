@@ -40,7 +40,7 @@ from kvlab.core.kv_cache_metrics import KVCacheMetricsCollector
 from kvlab.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
 from kvlab.request import Request
 from kvlab.timeline import Timeline, replay
-from kvlab.timeline.events import EventLog
+from kvlab.eventlog.events import EventLog
 from kvlab.utils import hashing
 
 CONFIGS = {

@@ -29,7 +29,7 @@ from kvlab.engine.llm_engine import LLMEngine, build_engine
 from kvlab.kv_offload.base import LookupResult, make_offload_key
 from kvlab.kv_offload.tiering.fs.io import TierFileError, read_block_file, write_block_file
 from kvlab.kv_offload.tiering.fs.manager import FileSystemTierManager
-from kvlab.timeline.events import OffloadEvicted
+from kvlab.eventlog.events import OffloadEvicted
 
 
 # --- 1. an undone step and the CPU tier's bytes -------------------------------------------------------

@@ -306,7 +306,7 @@ def test_a_recording_across_a_publisher_restart_loads_as_two_runs(tmp_path):
 def test_show_refuses_a_pool_too_large_to_draw(tmp_path):
     from kvlab import Request, build_engine
     from kvlab.show import MAX_SHOW_BLOCKS
-    from kvlab.timeline.events import EventLog
+    from kvlab.eventlog.events import EventLog
 
     e = build_engine(num_blocks=16, block_size=4)
     e.add_request(Request("a", list(range(10)), max_tokens=3))

@@ -181,7 +181,7 @@ def _real_engine(config=None, num_blocks: int = 11, block_size: int = 4, **runne
 def test_the_runner_records_every_steps_loads_and_the_view_draws_them() -> None:
     from kvlab import Request
     from kvlab.timeline import Timeline
-    from kvlab.timeline.events import AttentionBatch
+    from kvlab.eventlog.events import AttentionBatch
     from kvlab.viz import KernelView
 
     engine, log, tok = _real_engine()
@@ -214,7 +214,7 @@ def test_the_runner_records_every_steps_loads_and_the_view_draws_them() -> None:
 @needs_interpreter
 def test_traced_reads_per_group_on_a_hybrid_model() -> None:
     from kvlab import Request
-    from kvlab.timeline.events import AttentionBatch
+    from kvlab.eventlog.events import AttentionBatch
     from kvlab.worker.model import TinyLlamaConfig
 
     cfg = TinyLlamaConfig(num_layers=2, sliding_window=8, sliding_window_layers=(1,))

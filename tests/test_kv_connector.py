@@ -17,7 +17,7 @@ from kvlab.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V
 from kvlab.engine.llm_engine import LLMEngine, build_engine
 from kvlab.entrypoints.disagg_prefill import DisaggregatedPrefill, EngineProcessError
 from kvlab.timeline import Timeline
-from kvlab.timeline.events import EventLog, KVLoadFailed, KVTransfer
+from kvlab.eventlog.events import EventLog, KVLoadFailed, KVTransfer
 from kvlab.worker.model import TinyLlama
 from kvlab.worker.model_runner import ModelRunner
 from kvlab.worker.tokenizer import ByteTokenizer

@@ -28,7 +28,7 @@ from kvlab.kv_offload.tiering.fs.io import TierFileError, read_block_file, write
 from kvlab.kv_offload.tiering.fs.manager import FileSystemTierManager
 from kvlab.kv_offload.tiering.manager import TieringOffloadingManager
 from kvlab.timeline import Timeline
-from kvlab.timeline.events import KVLoadFailed, KVTransfer, OffloadEvicted
+from kvlab.eventlog.events import KVLoadFailed, KVTransfer, OffloadEvicted
 
 A = list(range(100, 109))
 B = list(range(200, 217))

@@ -23,7 +23,7 @@ from kvlab import Request
 from kvlab.config.kv_transfer import KVTransferConfig
 from kvlab.engine.llm_engine import build_engine
 from kvlab.timeline import Timeline
-from kvlab.timeline.events import KVLoadFailed
+from kvlab.eventlog.events import KVLoadFailed
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

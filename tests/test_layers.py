@@ -46,6 +46,10 @@ CONTRACTS = {
         "kvlab/kv_offload/tiering/manager.py",
         "import kvlab.kv_offload.cpu.gpu_worker",
     ),
+    "The event log (kvlab.eventlog) imports neither the core nor the data layer that replays it": (
+        "kvlab/eventlog/events.py",
+        "from kvlab.timeline.state import ReplayState",
+    ),
     "The taught free queue, hash map and block pool know nothing of kvlab.core.transaction": (
         "kvlab/core/block_pool.py",
         "from kvlab.core.transaction import checkpoint_pool",
@@ -129,7 +133,7 @@ def test_the_public_api_is_importable_from_the_top_level() -> None:
     assert callable(show) and show.show is kvlab.show.show
     assert {LLMEngine.__module__, EventLog.__module__, Snapshot.__module__, Timeline.__module__} == {
         "kvlab.engine.llm_engine",
-        "kvlab.timeline.events",
+        "kvlab.eventlog.events",
         "kvlab.timeline.snapshot",
         "kvlab.timeline.timeline",
     }

@@ -40,7 +40,7 @@ from kvlab.executor.simulated import SimulatedExecutor
 from kvlab.exercises import check
 from kvlab.metrics.stats import IterationStats
 from kvlab.timeline import Snapshot, Timeline, replay
-from kvlab.timeline.events import EventLog
+from kvlab.eventlog.events import EventLog
 
 MMF = MultiModalFeature
 

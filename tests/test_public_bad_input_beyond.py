@@ -64,7 +64,7 @@ from kvlab.learner import predict
 from kvlab.learner.store import Store, store
 from kvlab.routing.fleet import Fleet
 from kvlab.routing.policies import KVAware, LeastLoaded, ReplicaState, RoundRobin, make_policy, prompt_block_hashes
-from kvlab.timeline.events import EventLog
+from kvlab.eventlog.events import EventLog
 from kvlab.timeline.kv_stream import KVStream
 
 

@@ -19,7 +19,7 @@ from kvlab.scenarios import (
     shared_prefix,
     sliding_window,
 )
-from kvlab.timeline.events import (
+from kvlab.eventlog.events import (
     BlockEvicted,
     BlocksSkipped,
     EventLog,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from kvlab import KVCacheManager, Request, RequestStatus, Scheduler
 from kvlab.core.sched.output import SchedulerOutput
-from kvlab.timeline.events import EventLog
+from kvlab.eventlog.events import EventLog
 
 
 # --------------------------------------------------------------------------- helpers

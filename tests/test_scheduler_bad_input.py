@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvlab import KVCacheManager, Request, RequestStatus, Scheduler
-from kvlab.timeline.events import EventLog
+from kvlab.eventlog.events import EventLog
 
 
 def make(num_blocks: int = 5, block_size: int = 4, **kw) -> tuple[KVCacheManager, Scheduler, EventLog]:

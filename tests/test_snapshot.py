@@ -21,7 +21,7 @@ import pytest
 from kvlab import FullAttentionSpec, Request, SlidingWindowSpec
 from kvlab.engine.llm_engine import build_engine
 from kvlab.scenarios import SYSTEM_48, preemption, shared_prefix, sliding_window
-from kvlab.timeline.events import EventLog
+from kvlab.eventlog.events import EventLog
 from kvlab.timeline.snapshot import (
     CACHED,
     FREE,

@@ -11,7 +11,7 @@ from kvlab import KVCacheManager, Request, Scheduler
 from kvlab.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 from kvlab.engine.llm_engine import LLMEngine, build_engine
 from kvlab.executor.simulated import SimulatedExecutor
-from kvlab.timeline.events import EventLog
+from kvlab.eventlog.events import EventLog
 
 from state_fingerprint import comparable, engine_fingerprint, request_fingerprint
 

@@ -23,7 +23,7 @@ from kvlab import FullAttentionSpec, Request, SlidingWindowSpec
 from kvlab.engine.llm_engine import build_engine
 from kvlab.scenarios import preemption, shared_prefix
 from kvlab.timeline import Timeline, replay
-from kvlab.timeline.events import EVENT_CLASSES, Event, EventLog, StepFinished, event_from_dict
+from kvlab.eventlog.events import EVENT_CLASSES, Event, EventLog, StepFinished, event_from_dict
 from kvlab.timeline.snapshot import Holding
 
 KVLAB = pathlib.Path(__file__).resolve().parents[1] / "kvlab"
@@ -76,10 +76,10 @@ def test_json_carries_a_format_version_and_rejects_bad_events() -> None:
 
 
 def test_no_module_switches_on_event_kinds() -> None:
-    """Each kind is defined once, in kvlab/timeline/events.py: nothing else reads ``.kind``."""
+    """Each kind is defined once, in kvlab/eventlog/events.py: nothing else reads ``.kind``."""
     offenders = []
     for path in KVLAB.rglob("*.py"):
-        if path == KVLAB / "timeline" / "events.py":
+        if path == KVLAB / "eventlog" / "events.py":
             continue
         for i, line in enumerate(path.read_text().splitlines(), 1):
             if re.search(r"\.kind\b", line):

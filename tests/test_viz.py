@@ -19,7 +19,7 @@ from kvlab.engine.llm_engine import build_engine  # noqa: E402
 from kvlab.scenarios import eviction, preemption, shared_prefix, sliding_window  # noqa: E402
 from kvlab.show import show  # noqa: E402
 from kvlab.timeline import Timeline, replay  # noqa: E402
-from kvlab.timeline.events import AttentionBatch, EventLog  # noqa: E402
+from kvlab.eventlog.events import AttentionBatch, EventLog  # noqa: E402
 from kvlab.viz import (  # noqa: E402
     BlockTableView,
     FreeQueueView,

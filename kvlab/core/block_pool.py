@@ -43,7 +43,7 @@ from kvlab.core.kv_cache_utils import (
 )
 from kvlab.core.pool_observers import BlockPoolObserver, EventLogObserver, KVEventsObserver, MetricsCollectorObserver
 from kvlab.distributed.kv_events import MEDIUM_GPU, KVEvent
-from kvlab.timeline.events import EventLog
+from kvlab.eventlog.events import EventLog
 from kvlab.utils.checks import check_int
 from kvlab.utils.hashing import BlockHash
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from kvlab.request import Request
-from kvlab.timeline.events import EncoderCacheCreated, EncoderCacheEvicted, EncoderInputFreed, EncoderInputScheduled, EventLog
+from kvlab.eventlog.events import EncoderCacheCreated, EncoderCacheEvicted, EncoderInputFreed, EncoderInputScheduled, EventLog
 from kvlab.utils.checks import check_int, check_optional_int
 
 

@@ -34,7 +34,7 @@ from kvlab.kv_cache_interface import (
 )
 from kvlab.metrics.stats import PrefixCacheStats
 from kvlab.request import Request
-from kvlab.timeline.events import EventLog, PoolCreated, PrefixLookup
+from kvlab.eventlog.events import EventLog, PoolCreated, PrefixLookup
 from kvlab.utils.checks import check_int, check_optional_int
 from kvlab.utils.hashing import get_hash_fn_by_name
 

@@ -4,7 +4,7 @@ The pool reports each change once, to every observer it was built with, in the w
 the pool (blocks allocated, entries dropped, blocks cached, touched, freed, the cache
 reset). Each observer turns that into its own vocabulary:
 
-* :class:`EventLogObserver` -- kvlab's :class:`~kvlab.timeline.events.EventLog`, which the
+* :class:`EventLogObserver` -- kvlab's :class:`~kvlab.eventlog.events.EventLog`, which the
   pictures replay (``BlocksAllocated``, ``BlockEvicted``, ``BlockCached``, ``BlocksFreed``,
   ``CacheReset``);
 * :class:`KVEventsObserver` -- vLLM's KV cache events, queued on the pool for
@@ -35,8 +35,8 @@ from kvlab.core.kv_cache_utils import (
     to_event_extra_keys,
 )
 from kvlab.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from kvlab.timeline.events import BlockCached, BlockEvicted, BlocksAllocated, BlocksFreed, CacheReset, EventLog
-from kvlab.timeline.schema import HashKeys
+from kvlab.eventlog.events import BlockCached, BlockEvicted, BlocksAllocated, BlocksFreed, CacheReset, EventLog
+from kvlab.eventlog.schema import HashKeys
 from kvlab.utils.hashing import BlockHash
 
 if TYPE_CHECKING:

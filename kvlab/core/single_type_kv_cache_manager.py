@@ -37,7 +37,7 @@ from kvlab.kv_cache_interface import (
     MLAAttentionSpec,
     SlidingWindowSpec,
 )
-from kvlab.timeline.events import BlocksSkipped, BlocksTouched
+from kvlab.eventlog.events import BlocksSkipped, BlocksTouched
 from kvlab.utils.hashing import BlockHash
 
 

@@ -22,7 +22,7 @@ from kvlab.executor.abstract import Executor
 from kvlab.executor.simulated import SimulatedExecutor
 from kvlab.metrics.stats import IterationStats
 from kvlab.request import Request
-from kvlab.timeline.events import EventLog
+from kvlab.eventlog.events import EventLog
 from kvlab.utils.checks import check_optional_int
 
 

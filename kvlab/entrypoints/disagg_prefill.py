@@ -94,7 +94,7 @@ def serve(role: str, storage: str, log_path: str, num_blocks: int = 32, block_si
 
 def _last_table(eng: Any, rid: str) -> list[int]:
     """The blocks the request's prompt occupied (from the event log: it has finished)."""
-    from kvlab.timeline.events import BlocksAllocated
+    from kvlab.eventlog.events import BlocksAllocated
 
     return [b for e in eng.events.of_type(BlocksAllocated) if e.request_id == rid for b in e.block_ids]
 

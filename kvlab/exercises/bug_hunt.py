@@ -36,7 +36,7 @@ from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.kv_cache_utils import KVCacheBlock
 from kvlab.engine.llm_engine import LLMEngine, build_engine
 from kvlab.request import Request
-from kvlab.timeline.events import EventLog, PrefixLookup
+from kvlab.eventlog.events import EventLog, PrefixLookup
 
 SUSPECTS: dict[str, str] = {
     "stale_hash": "a block that is reallocated keeps its old hash and map entry (no eviction happens)",

@@ -118,7 +118,7 @@ def _tier_story(fn: Callable) -> tuple[bool, str]:
     from kvlab.executor.simulated import SimulatedExecutor
     from kvlab.kv_offload.base import LookupResult, make_offload_key
     from kvlab.lessons.beyond_pool import OFFLOAD_STORY, run_one_by_one, transfer_lines
-    from kvlab.timeline.events import EventLog
+    from kvlab.eventlog.events import EventLog
 
     class LearnerScheduler(OffloadingConnectorScheduler):
         def tier_hits(self, request, num_computed_tokens):  # noqa: ANN001, ANN201

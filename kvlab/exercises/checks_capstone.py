@@ -45,7 +45,7 @@ from kvlab.exercises.registry import call, register
 from kvlab.exercises.result import CheckFailed, CheckResult, failed, passed
 from kvlab.exercises.work import CountedInt, Work, counting
 from kvlab.request import Request
-from kvlab.timeline.events import EventLog
+from kvlab.eventlog.events import EventLog
 
 EID = "block_manager"
 

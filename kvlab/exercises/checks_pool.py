@@ -21,7 +21,7 @@ from kvlab.exercises.result import CheckFailed, CheckResult, failed, passed
 from kvlab.exercises.work import Work, counted_blocks, counting
 from kvlab.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 from kvlab.request import Request
-from kvlab.timeline.events import EventLog
+from kvlab.eventlog.events import EventLog
 
 COMMON = [i for i in range(3) for _ in range(16)]
 EXPECTED_FREE_ORDER = [5, 4, 6, 7, 8, 9, 10, 3, 2, 1]

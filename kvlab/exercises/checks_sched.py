@@ -11,7 +11,7 @@ from kvlab.executor.simulated import SimulatedExecutor
 from kvlab.exercises.registry import call, register, returns, same, wrong_kind
 from kvlab.exercises.result import CheckResult, WrongAnswerKind, failed, passed
 from kvlab.request import Request
-from kvlab.timeline.events import EventLog, RequestPreempted
+from kvlab.eventlog.events import EventLog, RequestPreempted
 
 
 def preemption_run(policy: str, pick: Any | None) -> tuple[list[str], dict[str, list[int]]]:

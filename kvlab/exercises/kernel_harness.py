@@ -19,7 +19,7 @@ from kvlab.exercises.registry import call, same, wrong_kind
 from kvlab.exercises.result import CheckResult, failed, passed
 from kvlab.kernels import INTERPRET, reshape_and_cache, unified_attention_ref
 from kvlab.kernels.trace import trace_loads
-from kvlab.timeline.events import (
+from kvlab.eventlog.events import (
     AttentionBatch,
     BlocksTouched,
     EventLog,

@@ -18,7 +18,7 @@ from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.engine.llm_engine import LLMEngine, build_engine
 from kvlab.executor.simulated import SimulatedExecutor
 from kvlab.request import Request
-from kvlab.timeline.events import BlocksAllocated, BlocksFreed, KVTransfer, RequestPreempted, RequestScheduled
+from kvlab.eventlog.events import BlocksAllocated, BlocksFreed, KVTransfer, RequestPreempted, RequestScheduled
 from kvlab.timeline.timeline import Timeline
 
 

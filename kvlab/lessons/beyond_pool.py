@@ -10,7 +10,7 @@ from kvlab.config.kv_transfer import KVTransferConfig
 from kvlab.core.transaction import unguarded
 from kvlab.engine.llm_engine import LLMEngine, build_engine
 from kvlab.request import Request
-from kvlab.timeline.events import EventLog, KVLoadFailed, KVTransfer, OffloadEvicted
+from kvlab.eventlog.events import EventLog, KVLoadFailed, KVTransfer, OffloadEvicted
 
 if TYPE_CHECKING:
     from kvlab.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector

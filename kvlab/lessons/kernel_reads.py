@@ -20,7 +20,7 @@ from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.sched.scheduler import Scheduler
 from kvlab.engine.llm_engine import LLMEngine
 from kvlab.request import Request
-from kvlab.timeline.events import EventLog
+from kvlab.eventlog.events import EventLog
 from kvlab.timeline.timeline import Timeline
 from kvlab.worker.model import TinyLlama
 from kvlab.worker.model_runner import ModelRunner

@@ -12,7 +12,7 @@ from typing import Any
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from kvlab.timeline.events import BlocksFreed, RequestPreempted, RequestScheduled
+from kvlab.eventlog.events import BlocksFreed, RequestPreempted, RequestScheduled
 from kvlab.timeline.timeline import Timeline
 
 __all__ = ["PreemptionWork", "budget_figure", "gantt_figure", "peak_blocks_swapped_out", "preemption_work"]

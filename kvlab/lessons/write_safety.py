@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvlab.timeline.events import BlocksTouched
+from kvlab.eventlog.events import BlocksTouched
 
 __all__ = ["WriteScan", "scan_writes"]
 

@@ -1,8 +1,6 @@
-"""kvlab's data layer: typed events, the replay state, snapshots and the Timeline.
+"""kvlab's data layer: the replay state, snapshots and the Timeline.
 
 ==============  ==========================================================================
-``events``      every event kind, each defined once (how it changes the state, how it
-                reads, how it serialises) and the ``EventLog``
 ``state``       ``ReplayState``: what the events act on; clones and snapshots of it
 ``snapshot``    ``Snapshot`` and its records (blocks, requests, hash nodes): plain data
 ``timeline``    ``Timeline`` (any step, fast; per-step series; block histories), ``replay``
@@ -10,11 +8,13 @@
                 engine's cached prefixes, any batch fast
 ==============  ==========================================================================
 
-The core writes events into this package; every picture reads it and nothing else. It
-imports no view and nothing of the engine (a contract checked by ``lint-imports``).
+The core writes typed events (``kvlab.eventlog``, below the core); this package replays
+them, and every picture reads it and nothing else. It imports no view and nothing of the
+engine (a contract checked by ``lint-imports``). ``Event`` and ``EventLog`` are re-exported
+here for the views.
 """
 
-from kvlab.timeline.events import Event, EventLog
+from kvlab.eventlog.events import Event, EventLog
 from kvlab.timeline.kv_stream import KVStream, StreamSnapshot
 from kvlab.timeline.snapshot import Snapshot
 from kvlab.timeline.timeline import StepSeries, Timeline, replay

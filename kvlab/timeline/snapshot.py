@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple, cast
 
-from kvlab.timeline.schema import HashKeys, check_record, check_version, parse_json
+from kvlab.eventlog.schema import HashKeys, check_record, check_version, parse_json
 
 SNAPSHOT_FORMAT_VERSION = 1
 """Version of ``Snapshot.to_json``'s format (written into every file)."""

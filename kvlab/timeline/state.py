@@ -1,6 +1,6 @@
 """The replay state: what the events act on, and what a :class:`Snapshot` is frozen from.
 
-Every event's ``apply(state)`` (in :mod:`kvlab.timeline.events`) is written with the small
+Every event's ``apply(state)`` (in :mod:`kvlab.eventlog.events`) is written with the small
 vocabulary below -- take a block off the free queue, hold it for a request, release it,
 cache or uncache a hash, admit, preempt, finish -- so this class holds *data structures*
 and the events hold the *story*.
@@ -25,7 +25,7 @@ from bisect import insort
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvlab.timeline.schema import MAX_BLOCKS, check_num_blocks
+from kvlab.eventlog.schema import MAX_BLOCKS, check_num_blocks
 from kvlab.timeline.snapshot import (
     CACHED,
     FREE,
@@ -45,7 +45,7 @@ from kvlab.timeline.snapshot import (
 )
 
 if TYPE_CHECKING:
-    from kvlab.timeline.events import AttentionBatch, Event, KVTransfer, PrefixLookup, StepFinished
+    from kvlab.eventlog.events import AttentionBatch, Event, KVTransfer, PrefixLookup, StepFinished
 
 _NONE: tuple[Holding, ...] = ()
 

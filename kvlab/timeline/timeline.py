@@ -26,8 +26,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from kvlab.timeline.events import AttentionBatch, Event, EventLog, StepFinished
-from kvlab.timeline.schema import MAX_BLOCKS
+from kvlab.eventlog.events import AttentionBatch, Event, EventLog, StepFinished
+from kvlab.eventlog.schema import MAX_BLOCKS
 from kvlab.timeline.snapshot import Holding, Snapshot
 from kvlab.timeline.state import ReplayState
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from kvlab.timeline.events import AttentionBatch
+from kvlab.eventlog.events import AttentionBatch
 from kvlab.timeline.snapshot import BLOCK_STATES, Snapshot
 from kvlab.timeline.timeline import Timeline
 from kvlab.viz.base import TOP_LEGEND, View, _go, legend_traces

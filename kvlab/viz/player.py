@@ -29,7 +29,7 @@ import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from kvlab.timeline.events import Event, EventLog
+from kvlab.eventlog.events import Event, EventLog
 from kvlab.timeline.snapshot import Snapshot
 from kvlab.timeline.timeline import Timeline
 from kvlab.viz.base import View
@@ -139,7 +139,7 @@ class Player:
         elif isinstance(source, Iterable) and not isinstance(source, (str, bytes, Mapping)):
             events = list(source)
             if not all(isinstance(e, Event) for e in events):
-                raise TypeError("source: an iterable source must contain kvlab.timeline.events.Event objects")
+                raise TypeError("source: an iterable source must contain kvlab.eventlog.events.Event objects")
             self.timeline = Timeline(events)
         else:
             raise TypeError(

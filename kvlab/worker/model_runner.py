@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from kvlab.core.sched.output import NewRequestData, SchedulerOutput
-from kvlab.timeline.events import AttentionBatch, EventLog
+from kvlab.eventlog.events import AttentionBatch, EventLog
 from kvlab.utils.checks import check_int, check_number
 from kvlab.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin, requests_with_invalid_blocks
 from kvlab.worker.model import (

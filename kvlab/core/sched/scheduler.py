@@ -44,7 +44,7 @@ from kvlab.distributed.kv_events import KVEventBatch
 from kvlab.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
 from kvlab.metrics.stats import CachingMetrics, IterationStats, PrefixCacheStats, SchedulerStats
 from kvlab.request import _MAX_TOKEN_ID, Request, RequestStatus
-from kvlab.timeline.events import (
+from kvlab.eventlog.events import (
     KVLoadFailed,
     RequestAdded,
     RequestFinished,

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from kvlab.core.sched.output import SchedulerOutput
     from kvlab.outputs import KVConnectorOutput
     from kvlab.request import Request
-    from kvlab.timeline.events import EventLog
+    from kvlab.eventlog.events import EventLog
 
 
 @dataclass(slots=True)

@@ -53,7 +53,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, overload
 
-from kvlab.timeline.schema import MAX_BLOCKS, HashKeys, check_num_blocks, check_record, check_version, parse_json
+from kvlab.eventlog.schema import MAX_BLOCKS, HashKeys, check_num_blocks, check_record, check_version, parse_json
 
 if TYPE_CHECKING:  # the state is only a parameter type here: no import cycle at run time
     from kvlab.timeline.state import ReplayState
@@ -116,7 +116,7 @@ def _register(cls: type[Event]) -> type[Event]:
 def event_from_dict(d: dict[str, Any], *, where: str = "event", max_blocks: int = MAX_BLOCKS) -> Event:
     """The inverse of ``Event.to_dict``: the one place where JSON becomes events.
 
-    Strict (see :mod:`kvlab.timeline.schema`): a known ``kind``, exactly the kind's fields,
+    Strict (see :mod:`kvlab.eventlog.schema`): a known ``kind``, exactly the kind's fields,
     each of its type and range, ``seq``/``step`` ints >= 0 when present; a ``ValueError``
     names the field (``where`` prefixes it, e.g. ``events[12]``)."""
     if not isinstance(d, dict):
