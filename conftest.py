@@ -6,12 +6,12 @@ cells marked ``# NBVAL_CHECK_OUTPUT`` check the lessons' claims. Kernels started
 nbclient inherit both variables. (Set here, at the root, because nbval collects notebooks/
 without reading tests/conftest.py.)
 """
+
 from __future__ import annotations
 
 import os
 import shutil
 import tempfile
-
 
 
 _HOME = tempfile.mkdtemp(prefix="kvlab-home-")
@@ -37,8 +37,11 @@ def pytest_xdist_make_scheduler(config, log):
 def pytest_collection_modifyitems(config, items):  # noqa: ARG001 - pytest's hook signature
     """The tests marked ``slow`` (browser, soak, fresh installs) go first, everything else keeps
     its order: on a few workers the run then ends with a tail of short tests that fills every
-    worker, not with one long test running alone while the others have nothing left to do."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    worker, not with one long test running alone while the others have nothing left to do.
+    Ahead of them all, the tests marked ``network``: a fresh install waits on PyPI for as long
+    as PyPI takes (40 s to 7 min, measured), mostly idle, so its wait overlaps the whole run
+    instead of adding to its end."""
+    items.sort(key=lambda item: (item.get_closest_marker("network") is None, item.get_closest_marker("slow") is None))
 
 
 def pytest_unconfigure(config):  # noqa: ARG001 - pytest's hook signature

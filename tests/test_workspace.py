@@ -151,6 +151,7 @@ def test_make_lab_allows_root_only_for_root(tmp_path: Path):
 
 
 @pytest.mark.slow
+@pytest.mark.network
 @pytest.mark.skipif(not Path("/opt/wheels").is_dir(), reason="the CPU torch wheel is not on this disk")
 def test_binder_install_steps_work_in_a_fresh_venv(tmp_path: Path):
     """binder/postBuild's steps (scripts/install.sh, then the workspace) in a brand-new venv.

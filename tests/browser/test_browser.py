@@ -30,6 +30,7 @@ it never downloads a browser. Screenshots go to ``test-artifacts/``.
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import re
@@ -70,15 +71,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _write_server_config(config_dir: Path) -> None:
+def _write_server_config(config_dir: Path, sockets: Path) -> None:
     """Server config for this run only (JUPYTER_CONFIG_DIR points here).
 
     Websocket keep-alive pings are off: on a busy two-core machine a ping can go
     unanswered for the default 90 s, and the server then drops the kernel connection in
     the middle of the test. The connection is local; nothing needs detecting.
+
+    Kernels talk to the server over Unix sockets under ``sockets`` (ZeroMQ's ipc transport)
+    instead of five TCP ports each: Jupyter picks a kernel's TCP ports by binding and
+    releasing them, and a test on another worker bound one of them before the kernel did
+    (seen once: the kernel died with "Address already in use" and the lesson never started).
     """
     config_dir.mkdir(parents=True, exist_ok=True)
-    (config_dir / "jupyter_server_config.json").write_text(json.dumps({"ServerApp": {"tornado_settings": {"ws_ping_interval": 0}}}))
+    sockets.mkdir(parents=True, exist_ok=True)
+    config = {
+        "ServerApp": {"tornado_settings": {"ws_ping_interval": 0}},
+        "KernelManager": {"transport": "ipc", "ip": str(sockets / "kernel")},
+    }
+    (config_dir / "jupyter_server_config.json").write_text(json.dumps(config))
 
 
 def _write_settings(settings_dir: Path) -> None:
@@ -99,15 +110,26 @@ def _write_settings(settings_dir: Path) -> None:
         path.write_text(json.dumps(content))
 
 
+class _PortTaken(Exception):
+    """Another process took the port between ``_free_port`` and the server's bind."""
+
+
 def _wait_for_server(url: str, proc: subprocess.Popen, log: Path, timeout: float = 90.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"jupyter lab exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+            text = log.read_text()
+            if "already in use" in text:
+                raise _PortTaken(text[-500:])
+            raise RuntimeError(f"jupyter lab exited with {proc.returncode}:\n{text[-3000:]}")
         try:
             with urllib.request.urlopen(url, timeout=2) as r:
                 if r.status == 200:
                     return
+        except http.client.HTTPException as e:
+            # Not an HTTP answer: some other program listens there (seen once: a ZeroMQ socket
+            # of a test on another worker bound the port first); the server cannot bind it.
+            raise _PortTaken(repr(e)) from e
         except OSError:
             pass
         time.sleep(0.5)
@@ -201,9 +223,9 @@ class Lab:
         workspace.prepare(REPO, self.root / WORKDIR)
         settings, workspaces, runtime = tmp / "settings", tmp / "workspaces", tmp / "runtime"
         _write_settings(settings)
-        _write_server_config(tmp / "config")
+        _write_server_config(tmp / "config", tmp / "sockets")
         workspaces.mkdir()
-        self.token, port = secrets.token_hex(16), _free_port()
+        self.token = secrets.token_hex(16)
         # The kernels' learner record (KVLAB_HOME): this server's own, emptied as each notebook
         # opens -- a lesson that an earlier test ran here would otherwise come back with its
         # predictions already locked (they are restored from the record).
@@ -226,7 +248,6 @@ class Lab:
             "--allow-root",
             "--no-browser",
             "--ip=127.0.0.1",
-            f"--port={port}",
             f"--ServerApp.token={self.token}",
             f"--ServerApp.root_dir={self.root}",
             "--ServerApp.port_retries=0",
@@ -238,13 +259,26 @@ class Lab:
         ]
         self.log = tmp / "jupyter.log"
         ARTIFACTS.mkdir(exist_ok=True)
-        with open(self.log, "w") as logf:
-            self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=self.root, start_new_session=True)
-        self.base = f"http://127.0.0.1:{port}"
         self._pages = 0
         self._lesson_page: Any = None
+        for attempt in range(3):
+            port = _free_port()  # free now; another process may still take it before the bind
+            with open(self.log, "w") as logf:
+                self.proc = subprocess.Popen(
+                    [*cmd, f"--port={port}"], stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=self.root, start_new_session=True
+                )
+            self.base = f"http://127.0.0.1:{port}"
+            try:
+                _wait_for_server(f"{self.base}/api/status?token={self.token}", self.proc, self.log)
+                break
+            except _PortTaken:
+                _stop(self.proc)
+                if attempt == 2:
+                    raise
+            except BaseException:
+                _stop(self.proc)
+                raise
         try:
-            _wait_for_server(f"{self.base}/api/status?token={self.token}", self.proc, self.log)
             self._pw = self.pw_mod.sync_playwright().start()
             self.browser = self._pw.chromium.launch(executable_path=str(CHROMIUM), args=BROWSER_ARGS)
         except BaseException:
