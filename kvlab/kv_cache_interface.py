@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 from math import prod
-from typing import Any
+from typing import Any, cast
 
 from kvlab.utils.checks import check_int, check_optional_int
 
@@ -296,8 +296,62 @@ def get_kv_cache_spec_sliding_window(kv_cache_spec: object) -> int | None:
     return None
 
 
+@dataclass(frozen=True)
+class KVCacheTensor:
+    """Where a set of layers lives in the one backing allocation of ``size`` bytes: layer
+    ``l``'s page of block ``b`` starts at ``offset + l * layer_stride + b * block_stride``
+    (vLLM 0.33: ``KVCacheTensor`` in ``vllm/v1/kv_cache_interface.py``)."""
+
+    size: int
+    layers: tuple[str, ...]
+    layer_stride: int
+    block_stride: int
+    offset: int = 0
+
+
+@dataclass(frozen=True)
+class KVCacheGroupSpec:
+    """Layers that share one block table, and the spec they share (``layer_names`` is empty
+    in the config a ``KVCacheManager`` reports: kvlab's manager is built from specs alone)."""
+
+    layer_names: tuple[str, ...]
+    kv_cache_spec: KVCacheSpec
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    """What the engine core hands every worker: how many blocks, where each layer's pages
+    lie, and which layers form a group (vLLM 0.33's field names). The worker allocates its
+    paged caches from it (``ModelRunner.initialize_kv_cache``), so the block count and the
+    block size are decided once, where the KV-cache manager is built."""
+
+    num_blocks: int
+    kv_cache_tensors: tuple[KVCacheTensor, ...]
+    kv_cache_groups: tuple[KVCacheGroupSpec, ...]
+
+    @property
+    def bytes_per_block(self) -> int:
+        """What one block id costs: its page in every layer."""
+        group = self.kv_cache_groups[0]
+        return group.kv_cache_spec.page_size_bytes * len(group.layer_names)
+
+    def layer_view_shape(self) -> tuple[int, int, int, int]:
+        """The shape each layer's cache is viewed with in vLLM 0.33:
+        ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` (K and V side by side in the
+        last axis; the resolved layout decides the order in memory)."""
+        spec = self.kv_cache_groups[0].kv_cache_spec
+        if not isinstance(spec, AttentionSpec):
+            raise TypeError(f"layer_view_shape: the first group is a {type(spec).__name__}, not an attention spec")
+        v = spec.head_size if spec.head_size_v is None else spec.head_size_v
+        block_size = cast(int, spec.block_size)  # set: get_kv_cache_config read the spec's page size
+        return (self.num_blocks, spec.num_kv_heads, block_size, spec.head_size + v)
+
+
 __all__ = [
     "DTYPE_SIZES",
+    "KVCacheConfig",
+    "KVCacheGroupSpec",
+    "KVCacheTensor",
     "KVCacheSpec",
     "AttentionSpec",
     "FullAttentionSpec",

@@ -89,9 +89,8 @@ class LoadedModel(Checkpoint):
         if not isinstance(enable_caching, bool):
             raise TypeError(f"enable_caching must be a bool, got {type(enable_caching).__name__}")
         groups = self.kv_cache_groups()
-        runner = CheckpointModelRunner(
-            self.model, num_blocks, block_size, kv_cache_groups=groups, backend=backend, event_log=log, **dict(runner_kwargs or {})
-        )
+        # Sized by build_engine from the manager (num_blocks, block_size, the groups): one plan.
+        runner = CheckpointModelRunner(self.model, backend=backend, event_log=log, **dict(runner_kwargs or {}))
         mkw = dict(manager_kwargs or {})
         mkw.setdefault("kv_cache_groups", groups)
         mkw.setdefault("enable_caching", enable_caching)

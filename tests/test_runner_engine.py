@@ -114,3 +114,47 @@ def test_engine_with_sliding_window_group(dense: list[list[int]]) -> None:
     # needs a block (padding zeros only ever trail a row, so a 0 before a real id is null).
     rows = [row for rec in runner.history for row in rec.block_tables[1]]
     assert any(0 in row[:i] for row in rows for i, b in enumerate(row) if b)
+
+
+# -- one plan: the engine sizes the runner from its manager ---------------------------------------
+def test_a_runner_built_without_a_size_takes_the_managers_plan(model: TinyLlama, dense: list[list[int]]) -> None:
+    cfg = TinyLlamaConfig(
+        hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, sliding_window=8, sliding_window_layers=(1,)
+    )
+    hybrid = TinyLlama(cfg, seed=0)
+    mgr = KVCacheManager(num_blocks=40, block_size=BS, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(sliding_window=8)])
+    plan = mgr.kv_cache_config
+    assert plan.num_blocks == 40 and [g.kv_cache_spec.block_size for g in plan.kv_cache_groups] == [BS, BS]
+    runner = ModelRunner(hybrid)
+    assert not runner.kv_cache_allocated and runner.kv_caches == []
+    with pytest.raises(RuntimeError, match="no KV cache yet"):
+        runner.execute_model(Scheduler(mgr).schedule())
+    engine = LLMEngine(mgr, Scheduler(mgr), runner)
+    assert runner.kv_cache_allocated and (runner.num_blocks, runner.block_size, runner.group_windows) == (40, BS, (None, 8))
+    assert [tuple(t.shape[:3]) for t in runner.kv_caches] == [(40, 2, BS)] * 2
+    prompts = PROMPTS[:2]
+    assert engine.generate(prompts, max_tokens=7) == [hybrid.generate_dense(p, 7) for p in prompts]
+    with pytest.raises(RuntimeError, match="already allocated"):
+        runner.initialize_kv_cache(plan)
+
+
+def test_a_runner_sized_by_hand_must_agree_with_the_manager(model: TinyLlama) -> None:
+    mgr = KVCacheManager(num_blocks=16, block_size=BS)
+    small = ModelRunner(model, num_blocks=8, block_size=BS)
+    with pytest.raises(ValueError, match=r"executor holds 8 blocks of 4 tokens, but the kv_cache_manager's pool has 16 blocks of 4"):
+        LLMEngine(mgr, Scheduler(mgr), small)
+    with pytest.raises(ValueError, match="num_blocks and block_size go together"):
+        ModelRunner(model, num_blocks=8)
+    with pytest.raises(ValueError, match="kv_cache_groups come with num_blocks and block_size"):
+        ModelRunner(model, kv_cache_groups=[FullAttentionSpec()])
+    runner = ModelRunner(model)
+    with pytest.raises(TypeError, match="kv_cache_config must be a KVCacheConfig"):
+        runner.initialize_kv_cache(mgr)  # type: ignore[arg-type]  # the classic slip: the manager, not its plan
+    hybrid_plan = KVCacheManager(
+        num_blocks=16, block_size=BS, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(sliding_window=8)]
+    ).kv_cache_config
+    with pytest.raises(ValueError, match="do not match the model"):
+        runner.initialize_kv_cache(hybrid_plan)  # this model has no sliding-window layers
+    assert not runner.kv_cache_allocated  # all or nothing: still no cache, and a good plan still works
+    runner.initialize_kv_cache(mgr.kv_cache_config)
+    assert (runner.num_blocks, runner.block_size) == (16, BS)

@@ -77,7 +77,7 @@ def engine_steps(reps: int) -> None:
     def run(trace: bool) -> float:
         log = EventLog()
         mgr = KVCacheManager(num_blocks=16, block_size=8, event_log=log)
-        runner = ModelRunner(model, num_blocks=16, block_size=8, event_log=log, trace_reads=trace)
+        runner = ModelRunner(model, event_log=log, trace_reads=trace)
         eng = LLMEngine(mgr, Scheduler(mgr), runner, tokenizer=tok)
         for i, p in enumerate(("The KV cache grows", "One token at a time, please")):
             eng.add_request(Request(f"g{i}", tok.encode(p), max_tokens=16))

@@ -28,6 +28,8 @@ from kvlab.kv_cache_interface import (
     KV_CACHE_SPEC_TYPES,
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
     KVCacheSpec,
     get_kv_cache_spec_kind,
     get_kv_cache_spec_sliding_window,
@@ -256,6 +258,16 @@ class KVCacheManager:
     def usage(self) -> float:
         """KV-cache usage in [0, 1] (blocks in use / blocks, null excluded)."""
         return self.block_pool.get_usage()
+
+    @property
+    def kv_cache_config(self) -> KVCacheConfig:
+        """The pool's geometry as vLLM's engine core hands it to every worker
+        (``initialize_from_config``): the block count and each group's spec, block size
+        included. ``LLMEngine`` gives it to a ``ModelRunner`` built without one, so the
+        lessons state ``num_blocks`` and ``block_size`` once, here. (kvlab's manager knows
+        no layer names and lays out no tensors: those fields are empty.)"""
+        groups = tuple(KVCacheGroupSpec(layer_names=(), kv_cache_spec=spec) for spec in self.kv_cache_groups)
+        return KVCacheConfig(num_blocks=self.block_pool.num_gpu_blocks, kv_cache_tensors=(), kv_cache_groups=groups)
 
     def _bind(self, request: Request) -> None:
         if not isinstance(request, Request):

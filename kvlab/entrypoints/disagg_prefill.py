@@ -47,7 +47,7 @@ def _build(role: str, storage: str, num_blocks: int, block_size: int, model_seed
 
     torch.set_num_threads(1)
     model = TinyLlama(seed=model_seed)
-    runner = ModelRunner(model, num_blocks=num_blocks, block_size=block_size)
+    runner = ModelRunner(model)  # build_engine sizes it from the manager
     cfg = KVTransferConfig("ExampleConnector", kv_role=ROLES[role], kv_connector_extra_config={"shared_storage_path": storage})
     return build_engine(num_blocks=num_blocks, block_size=block_size, executor=runner, kv_transfer_config=cfg)
 

@@ -350,9 +350,7 @@ def _pd_run(matched: Callable | None = None, slots: Callable | None = None) -> t
         def engine(role: str) -> LLMEngine:
             mgr = KVCacheManager(num_blocks=16, block_size=4)
             sched = Scheduler(mgr, connector=learner(KVConnectorRole.SCHEDULER, 4, extra, kv_role=role))
-            runner = ModelRunner(
-                model, num_blocks=16, block_size=4, device="cpu", kv_connector=learner(KVConnectorRole.WORKER, 4, extra, kv_role=role)
-            )
+            runner = ModelRunner(model, device="cpu", kv_connector=learner(KVConnectorRole.WORKER, 4, extra, kv_role=role))
             return LLMEngine(mgr, sched, runner)
 
         P, D = engine("kv_producer"), engine("kv_consumer")

@@ -289,7 +289,7 @@ def pd_engine(model: Any, role: str, path: str, num_blocks: int = 16, block_size
         num_blocks=num_blocks,
         block_size=block_size,
         kv_transfer_config=cfg,
-        executor=ModelRunner(model, num_blocks=num_blocks, block_size=block_size),
+        executor=ModelRunner(model),  # sized by the engine, from its manager
     )
 
 

@@ -28,10 +28,9 @@ size) are lesson 07's subject.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Sequence, cast
+from typing import Sequence
 
-from kvlab.kv_cache_interface import AttentionSpec
+from kvlab.kv_cache_interface import AttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 from kvlab.utils.checks import check_int
 
 __all__ = ["GiB", "KVCacheConfig", "KVCacheGroupSpec", "KVCacheTensor", "get_kv_cache_config", "kv_cache_budget", "requested_memory"]
@@ -72,52 +71,6 @@ def kv_cache_budget(
             f"gpu_memory_utilization or use a GPU with more memory"
         )
     return budget
-
-
-@dataclass(frozen=True)
-class KVCacheTensor:
-    """Where a set of layers lives in the one backing allocation of ``size`` bytes: layer
-    ``l``'s page of block ``b`` starts at ``offset + l * layer_stride + b * block_stride``
-    (vLLM 0.33: ``KVCacheTensor`` in ``vllm/v1/kv_cache_interface.py``)."""
-
-    size: int
-    layers: tuple[str, ...]
-    layer_stride: int
-    block_stride: int
-    offset: int = 0
-
-
-@dataclass(frozen=True)
-class KVCacheGroupSpec:
-    """Layers that share one block table, and the spec they share."""
-
-    layer_names: tuple[str, ...]
-    kv_cache_spec: AttentionSpec
-
-
-@dataclass(frozen=True)
-class KVCacheConfig:
-    """What the engine core hands every worker: how many blocks, where each layer's pages
-    lie, and which layers form a group (vLLM 0.33's field names)."""
-
-    num_blocks: int
-    kv_cache_tensors: tuple[KVCacheTensor, ...]
-    kv_cache_groups: tuple[KVCacheGroupSpec, ...]
-
-    @property
-    def bytes_per_block(self) -> int:
-        """What one block id costs: its page in every layer."""
-        spec = self.kv_cache_groups[0].kv_cache_spec
-        return spec.page_size_bytes * len(self.kv_cache_groups[0].layer_names)
-
-    def layer_view_shape(self) -> tuple[int, int, int, int]:
-        """The shape each layer's cache is viewed with in vLLM 0.33:
-        ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` (K and V side by side in the
-        last axis; the resolved layout decides the order in memory)."""
-        spec = self.kv_cache_groups[0].kv_cache_spec
-        v = spec.head_size if spec.head_size_v is None else spec.head_size_v
-        block_size = cast(int, spec.block_size)  # set: get_kv_cache_config read the spec's page size
-        return (self.num_blocks, spec.num_kv_heads, block_size, spec.head_size + v)
 
 
 def get_kv_cache_config(layer_names: Sequence[str], spec: AttentionSpec, available_memory: int) -> KVCacheConfig:

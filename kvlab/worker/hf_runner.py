@@ -47,8 +47,8 @@ class CheckpointModelRunner(ModelRunner):
     def __init__(
         self,
         model: HFCausalLM,
-        num_blocks: int,
-        block_size: int,
+        num_blocks: int | None = None,
+        block_size: int | None = None,
         kv_cache_groups: Sequence[object] | None = None,
         device: str | torch.device | None = None,
         backend: str | None = None,
@@ -61,7 +61,7 @@ class CheckpointModelRunner(ModelRunner):
         backend = default_backend(device) if backend is None else backend
         super().__init__(model, num_blocks, block_size, kv_cache_groups, device=device, backend=backend, **kwargs)
 
-    def _resolve_groups(self, kv_cache_groups: Sequence[object] | None) -> tuple[int | None, ...]:
+    def _resolve_groups(self, kv_cache_groups: Sequence[object] | None, block_size: int) -> tuple[int | None, ...]:
         needed = layer_windows(self.model)
         if kv_cache_groups is None:
             return needed
@@ -73,10 +73,9 @@ class CheckpointModelRunner(ModelRunner):
                     f"kv_cache_groups: the model runner runs full-attention and sliding-window groups only, got {type(g).__name__}"
                 )
             bs = getattr(g, "block_size", None)
-            if bs is not None and bs != self.block_size:
+            if bs is not None and bs != block_size:
                 raise ValueError(
-                    f"kv_cache_groups: a group has block_size={bs}, but the runner's block_size is "
-                    f"{self.block_size}; all groups must share it"
+                    f"kv_cache_groups: a group has block_size={bs}, but the runner's block_size is {block_size}; all groups must share it"
                 )
         windows = tuple(getattr(g, "sliding_window", None) for g in groups)
         if windows != needed:

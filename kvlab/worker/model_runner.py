@@ -29,6 +29,7 @@ from torch import Tensor
 
 from kvlab.core.sched.output import NewRequestData, SchedulerOutput
 from kvlab.eventlog.events import AttentionBatch, EventLog
+from kvlab.kv_cache_interface import KVCacheConfig
 from kvlab.utils.checks import check_int, check_number
 from kvlab.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin, requests_with_invalid_blocks
 from kvlab.worker.model import (
@@ -104,6 +105,11 @@ class ModelRunner(KVConnectorModelRunnerMixin):
     draw from ONE pool of ``num_blocks`` blocks, so block id b means physical block b in
     every layer's tensor; a layer reads it through its own group's table.
 
+    ``num_blocks`` and ``block_size`` are best left out (the lessons do): the ``LLMEngine``
+    built with the runner then hands it the KV-cache manager's ``kv_cache_config`` (block
+    count, groups, block size: :meth:`initialize_kv_cache`), as vLLM's engine core sizes its
+    workers, so the pool is sized in one place. Given by hand, they must match the manager's.
+
     ``device=None`` follows the kernels: ``kvlab.kernels.DEVICE`` ("cuda" when a GPU is
     present, else "cpu") for the Triton backend, "cpu" for the reference one.
 
@@ -122,8 +128,8 @@ class ModelRunner(KVConnectorModelRunnerMixin):
     def __init__(
         self,
         model: TinyLlama,
-        num_blocks: int,
-        block_size: int,
+        num_blocks: int | None = None,
+        block_size: int | None = None,
         kv_cache_groups: Sequence[object] | None = None,
         device: str | torch.device | None = None,
         temperature: float = 0.0,
@@ -136,11 +142,22 @@ class ModelRunner(KVConnectorModelRunnerMixin):
     ) -> None:
         if not isinstance(model, TinyLlama):
             raise TypeError(f"model must be a TinyLlama, got {type(model).__name__}")
-        num_blocks = check_int("num_blocks", num_blocks, 2, why=" (block 0 is the null block)")
-        block_size = check_int("block_size", block_size, 1)
+        if (num_blocks is None) != (block_size is None):
+            raise ValueError(
+                "num_blocks and block_size go together: give both, or neither -- then the LLMEngine "
+                "built with this runner sizes its cache from the KV-cache manager (initialize_kv_cache)"
+            )
+        if num_blocks is None and kv_cache_groups is not None:
+            raise ValueError(
+                "kv_cache_groups come with num_blocks and block_size; without them the engine's kv_cache_config brings the groups"
+            )
+        windows: tuple[int | None, ...] = ()
+        size = 0
+        if num_blocks is not None:
+            num_blocks = check_int("num_blocks", num_blocks, 2, why=" (block 0 is the null block)")
+            size = check_int("block_size", block_size, 1)
         temperature = check_number("temperature", temperature, 0, why=" (0 = greedy)")
         seed = check_int("seed", seed)
-        cfg = model.config
         self.kernels: PagedKernels = load_kernels(backend)
         if device is None:
             device = "cpu"
@@ -150,22 +167,17 @@ class ModelRunner(KVConnectorModelRunnerMixin):
                 device = DEVICE
         self.device = torch.device(device)
         self.model = model
-        self.num_blocks = num_blocks
-        self.block_size = block_size
+        if num_blocks is not None:
+            windows = self._resolve_groups(kv_cache_groups, size)
         self.temperature = float(temperature)
-        self.group_windows: tuple[int | None, ...] = self._resolve_groups(kv_cache_groups)
-        model.to(self.device)  # only after every check passed
-        self.layer_to_group: tuple[int, ...] = tuple(self.group_windows.index(cfg.layer_sliding_window(i)) for i in range(cfg.num_layers))
-        # One tensor per layer, [num_blocks, 2 (k|v), block_size, kv_heads, head_dim]: a block's
-        # keys and values sit next to each other, as in vLLM 0.33's FlashAttention layout (there
-        # one byte buffer serves every layer, each viewing it as [num_blocks, kv_heads,
-        # block_size, 2 * head_dim]; lesson 02); the kernels get the strided views kv[:, 0] and kv[:, 1].
-        self.kv_caches: list[Tensor] = [
-            torch.zeros(num_blocks, 2, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=cfg.dtype, device=self.device)
-            for _ in range(cfg.num_layers)
-        ]
-        # Memory of the cache, for the lessons' "how many tokens fit" arithmetic.
-        self.kv_cache_bytes = sum(t.numel() * t.element_size() for t in self.kv_caches)
+        # The paged caches: allocated by _allocate, now or when the engine calls initialize_kv_cache.
+        self.num_blocks = 0
+        self.block_size = 0
+        self.group_windows: tuple[int | None, ...] = ()
+        self.layer_to_group: tuple[int, ...] = ()
+        self.kv_caches: list[Tensor] = []
+        self.kv_cache_bytes = 0
+        self.read_layers: list[int] = []
         self.requests: dict[str, CachedRequestState] = {}
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.num_steps = 0
@@ -188,12 +200,65 @@ class ModelRunner(KVConnectorModelRunnerMixin):
                 "on a GPU, kvlab.kernels.trace.probe_reads_nan observes the reads instead"
             )
         self.trace_reads = trace_reads
-        # Per group, the first layer that uses it: the one whose loads are traced.
-        self.read_layers: list[int] = [self.layer_to_group.index(g) if g in self.layer_to_group else -1 for g in range(self.num_groups)]
+        model.to(self.device)  # only after every check passed
+        if num_blocks is not None:
+            self._allocate(num_blocks, size, windows)
         if kv_connector is not None:
             self.register_kv_connector(kv_connector, self.kv_caches)
 
-    def _resolve_groups(self, kv_cache_groups: Sequence[object] | None) -> tuple[int | None, ...]:
+    @property
+    def kv_cache_allocated(self) -> bool:
+        """Whether the paged caches exist (given ``num_blocks``/``block_size``, or after
+        :meth:`initialize_kv_cache`)."""
+        return bool(self.kv_caches)
+
+    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
+        """Allocate the paged caches from the engine's plan: its block count and its groups'
+        specs (vLLM 0.33: ``GPUModelRunner.initialize_kv_cache``, reached from the engine
+        core through ``initialize_from_config``). Why the runner waits for it: the pool's
+        size is decided once, where the KV-cache manager is built, and the worker follows --
+        a runner sized by hand could disagree with the manager's block ids. A KV connector
+        attached before gets the caches now (vLLM registers them here too). All or nothing:
+        a bad config raises and leaves the runner without a cache."""
+        if self.kv_cache_allocated:
+            raise RuntimeError(
+                f"this runner's KV cache is already allocated ({self.num_blocks} blocks of {self.block_size} tokens); "
+                "a runner serves one engine: build a new ModelRunner"
+            )
+        if not isinstance(kv_cache_config, KVCacheConfig):
+            raise TypeError(
+                f"kv_cache_config must be a KVCacheConfig (KVCacheManager.kv_cache_config), got {type(kv_cache_config).__name__}"
+            )
+        specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
+        if not specs:
+            raise ValueError("kv_cache_config.kv_cache_groups is empty: the runner needs at least the full-attention group")
+        num_blocks = check_int("kv_cache_config.num_blocks", kv_cache_config.num_blocks, 2, why=" (block 0 is the null block)")
+        block_size = check_int("kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size", specs[0].block_size, 1)
+        windows = self._resolve_groups(specs, block_size)
+        self._allocate(num_blocks, block_size, windows)
+        if self.kv_connector is not None:
+            self.kv_connector.register_kv_caches(self.kv_caches)
+
+    def _allocate(self, num_blocks: int, block_size: int, windows: tuple[int | None, ...]) -> None:
+        cfg = self.model.config
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.group_windows = windows
+        self.layer_to_group = tuple(windows.index(cfg.layer_sliding_window(i)) for i in range(cfg.num_layers))
+        # One tensor per layer, [num_blocks, 2 (k|v), block_size, kv_heads, head_dim]: a block's
+        # keys and values sit next to each other, as in vLLM 0.33's FlashAttention layout (there
+        # one byte buffer serves every layer, each viewing it as [num_blocks, kv_heads,
+        # block_size, 2 * head_dim]; lesson 02); the kernels get the strided views kv[:, 0] and kv[:, 1].
+        self.kv_caches = [
+            torch.zeros(num_blocks, 2, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=cfg.dtype, device=self.device)
+            for _ in range(cfg.num_layers)
+        ]
+        # Memory of the cache, for the lessons' "how many tokens fit" arithmetic.
+        self.kv_cache_bytes = sum(t.numel() * t.element_size() for t in self.kv_caches)
+        # Per group, the first layer that uses it: the one whose loads are traced.
+        self.read_layers = [self.layer_to_group.index(g) if g in self.layer_to_group else -1 for g in range(len(windows))]
+
+    def _resolve_groups(self, kv_cache_groups: Sequence[object] | None, block_size: int) -> tuple[int | None, ...]:
         cfg = self.model.config
         if kv_cache_groups is None:
             return (None,) if cfg.sliding_window is None else (None, cfg.sliding_window)
@@ -211,10 +276,9 @@ class ModelRunner(KVConnectorModelRunnerMixin):
         windows = tuple(_spec_window(g) for g in groups)
         for g in groups:
             bs = getattr(g, "block_size", None)
-            if bs is not None and bs != self.block_size:
+            if bs is not None and bs != block_size:
                 raise ValueError(
-                    f"kv_cache_groups: a group has block_size={bs}, but the runner's "
-                    f"block_size is {self.block_size}; all groups must share it"
+                    f"kv_cache_groups: a group has block_size={bs}, but the runner's block_size is {block_size}; all groups must share it"
                 )
         if not groups or windows[0] is not None:
             raise ValueError(f"kv_cache_groups must start with the full-attention group; got windows {windows!r}")
@@ -246,6 +310,11 @@ class ModelRunner(KVConnectorModelRunnerMixin):
         All inputs are validated before any state changes, so a bad SchedulerOutput raises
         a ``ValueError`` and leaves the runner as it was.
         """
+        if not self.kv_cache_allocated:
+            raise RuntimeError(
+                "this runner has no KV cache yet: build an LLMEngine with it (the engine gives it the "
+                "KV-cache manager's kv_cache_config), or call initialize_kv_cache(manager.kv_cache_config)"
+            )
         so = scheduler_output
         staged, order = self._stage(so)
         self.requests = staged
