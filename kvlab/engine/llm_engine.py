@@ -70,23 +70,20 @@ class StepResult:
 def initialize_kv_cache(executor: object, kv_cache_manager: KVCacheManager) -> None:
     """Give an executor that holds real paged caches, built without a size, the manager's
     ``kv_cache_config`` (vLLM 0.33: ``EngineCore._initialize_kv_caches`` hands the workers
-    the plan through ``initialize_from_config``). The simulated executor holds no cache."""
-    if getattr(executor, "kv_cache_allocated", None) is False:
+    the plan through ``initialize_from_config``). A runner sized by hand must hold the
+    manager's pool -- the same block ids, the same tokens per block -- else the manager's
+    block 15 is no block of the runner's. The simulated executor holds no cache."""
+    allocated = getattr(executor, "kv_cache_allocated", None)
+    if allocated is False:
         executor.initialize_kv_cache(kv_cache_manager.kv_cache_config)  # type: ignore[attr-defined]  # a runner: it has kv_cache_allocated
-
-
-def _check_kv_cache_agrees(executor: object, kv_cache_manager: KVCacheManager) -> None:
-    """A runner sized by hand must hold the manager's pool: the same block ids, the same
-    tokens per block -- else the manager's block 15 is no block of the runner's."""
-    if not getattr(executor, "kv_cache_allocated", False):
-        return
-    have = (getattr(executor, "num_blocks", None), getattr(executor, "block_size", None))
-    want = (kv_cache_manager.block_pool.num_gpu_blocks, kv_cache_manager.kv_cache_groups[0].block_size)
-    if have != want:
-        raise ValueError(
-            f"executor holds {have[0]} blocks of {have[1]} tokens, but the kv_cache_manager's pool has {want[0]} blocks "
-            f"of {want[1]}; build the runner without num_blocks and block_size: the engine sizes it from the manager"
-        )
+    elif allocated:
+        have = (getattr(executor, "num_blocks", None), getattr(executor, "block_size", None))
+        want = (kv_cache_manager.block_pool.num_gpu_blocks, kv_cache_manager.kv_cache_groups[0].block_size)
+        if have != want:
+            raise ValueError(
+                f"executor holds {have[0]} blocks of {have[1]} tokens, but the kv_cache_manager's pool has {want[0]} blocks "
+                f"of {want[1]}; build the runner without num_blocks and block_size: the engine sizes it from the manager"
+            )
 
 
 class LLMEngine:
@@ -133,7 +130,6 @@ class LLMEngine:
             raise TypeError(f"cost_model must be None or a CostModel, got {type(cost_model).__name__}")
         if tokenizer is not None and (isinstance(tokenizer, (str, bytes)) or not callable(getattr(tokenizer, "encode", None))):
             raise TypeError(f"tokenizer must be None or have an encode(text) method, got {type(tokenizer).__name__}")
-        _check_kv_cache_agrees(executor, kv_cache_manager)
         initialize_kv_cache(executor, kv_cache_manager)
         self.kv_cache_manager = kv_cache_manager
         self.scheduler = scheduler
@@ -471,7 +467,6 @@ def build_engine(
     sched = Scheduler(mgr, **scheduler_kwargs)
     if executor is None:
         executor = SimulatedExecutor()
-    _check_kv_cache_agrees(executor, mgr)
     initialize_kv_cache(executor, mgr)  # before a connector is shown the caches
     if worker_connector is not None:
         register = getattr(executor, "register_kv_connector", None)

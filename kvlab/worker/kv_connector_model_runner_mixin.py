@@ -36,11 +36,13 @@ class KVConnectorModelRunnerMixin:
     _kv_connector_output: KVConnectorOutput | None = None
 
     def register_kv_connector(self, connector: Any, kv_caches: Any = ()) -> None:
-        """Attach the worker half of a connector and show it the paged caches."""
+        """Attach the worker half of a connector and show it the paged caches (``None``: they
+        do not exist yet, and the executor shows them when it allocates them)."""
         role = getattr(getattr(connector, "role", None), "name", None)
         if role != "WORKER":
             raise ValueError(f"the executor needs the connector's worker half (role=KVConnectorRole.WORKER), got role {role}")
-        connector.register_kv_caches(kv_caches)
+        if kv_caches is not None:
+            connector.register_kv_caches(kv_caches)
         self.kv_connector = connector
 
     def _kv_connector_start(self, scheduler_output: Any) -> set[int]:

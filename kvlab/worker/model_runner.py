@@ -203,8 +203,8 @@ class ModelRunner(KVConnectorModelRunnerMixin):
         model.to(self.device)  # only after every check passed
         if num_blocks is not None:
             self._allocate(num_blocks, size, windows)
-        if kv_connector is not None:
-            self.register_kv_connector(kv_connector, self.kv_caches)
+        if kv_connector is not None:  # not allocated yet: initialize_kv_cache shows it the caches
+            self.register_kv_connector(kv_connector, self.kv_caches if self.kv_cache_allocated else None)
 
     @property
     def kv_cache_allocated(self) -> bool:
