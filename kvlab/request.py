@@ -152,6 +152,39 @@ def _check_request_args(
 class Request:
     """One generation request. Everything is validated before the object exists."""
 
+    # Declared fields (kvlab's addition; vLLM's Request keeps a plain ``__dict__``): a
+    # transaction saves a request's state every step, and reading an instance's
+    # ``__dict__`` would turn CPython's compact attribute storage into a real dict, making
+    # every later attribute read of that request slower. Other attributes (a learner's, a
+    # connector's) still go into ``__dict__``.
+    __slots__ = (
+        "request_id",
+        "prompt_token_ids",
+        "max_tokens",
+        "eos_token_id",
+        "cache_salt",
+        "lora_name",
+        "lora_path",
+        "prompt_embeds",
+        "_prompt_embeds_per_block_hashes",
+        "priority",
+        "arrival_time",
+        "mm_features",
+        "status",
+        "num_computed_tokens",
+        "num_preemptions",
+        "num_cached_tokens",
+        "finish_reason",
+        "kv_transfer_params",
+        "_all_token_ids",
+        "_token_bytes",
+        "_output_token_ids",
+        "block_hashes",
+        "_block_hasher",
+        "_owner",
+        "__dict__",
+    )
+
     def __init__(
         self,
         request_id: str,

@@ -41,7 +41,15 @@ def pool_fingerprint(pool) -> tuple:
 def request_fingerprint(r: Request) -> tuple:
     """Every attribute the request has (not a hand-kept list of them: a field added later, or
     one a connector sets, is in it too), containers by value, other objects by identity."""
-    return tuple((name, _value(v)) for name, v in sorted(vars(r).items()))
+    return tuple((name, _value(v)) for name, v in sorted(_attributes(r).items()))
+
+
+def _attributes(obj: Any) -> dict[str, Any]:
+    """Every attribute ``obj`` holds: its slots (each class's ``__slots__``) and its ``__dict__``."""
+    slots = {n for c in type(obj).__mro__ for n in vars(c).get("__slots__", ()) if n not in ("__dict__", "__weakref__")}
+    out = {n: getattr(obj, n) for n in slots if hasattr(obj, n)}
+    out.update(getattr(obj, "__dict__", {}))
+    return out
 
 
 _PLAIN = frozenset({type(None), bool, int, float, str, bytes})

@@ -140,8 +140,10 @@ def test_a_steps_checkpoint_keeps_full_attention_tables_by_length_and_undoes_gro
     before = engine_fingerprint(eng)
     with pytest.raises(RuntimeError, match="stop here"):
         with engine_call(eng, "step") as cp:
-            saved = cp.sched.manager.managers[0].tables  # type: ignore[union-attr]
-            assert saved is not None and {rid: (t is tables[rid], n) for rid, (t, n) in saved.items()} == {"a": (True, 8), "b": (True, 3)}
+            group_save = cp.sched.manager.managers[0]  # type: ignore[union-attr]
+            saved, saved_lengths = group_save.tables, group_save.lengths
+            assert saved is not None and saved_lengths is not None
+            assert {rid: (t is tables[rid], n) for (rid, t), n in zip(saved.items(), saved_lengths)} == {"a": (True, 8), "b": (True, 3)}
             for _ in range(4):  # "a" grows by a block, "b" finishes: its table is freed
                 eng._step(cp)
             assert "b" not in group.req_to_blocks and len(group.req_to_blocks["a"]) == 9
@@ -159,7 +161,40 @@ def test_a_steps_checkpoint_keeps_full_attention_tables_by_length_and_undoes_gro
 
     cp = checkpoint_manager(hybrid)
     full, window = cp.managers
-    assert full.tables is not None and full.tables["h"][1] == 4 and "req_to_blocks" not in full.attrs
+    assert full.tables is not None and full.lengths == [4] and "req_to_blocks" not in full.attrs
+    assert full.tables["h"] is hybrid.coordinator.single_type_managers[0].req_to_blocks["h"]
     assert window.tables is None and window.attrs["req_to_blocks"]["h"] == hybrid.coordinator.single_type_managers[1].req_to_blocks["h"]
     assert window.attrs["req_to_blocks"]["h"] is not hybrid.coordinator.single_type_managers[1].req_to_blocks["h"]
     release_manager(hybrid, cp)
+
+
+def test_a_requests_saved_state_is_every_field_it_holds_declared_or_not() -> None:
+    """A Request declares its fields (``__slots__``: saving them every step must not turn its
+    attribute storage into a dict); an attribute a learner or a connector adds lives in its
+    ``__dict__``. The saved state covers both, and a slot never set stays unset."""
+    from kvlab.core.transaction import request_state, set_request_state
+    from kvlab.utils.state import get_fields, set_fields
+
+    r = Request("x", [1, 2, 3, 4, 5], max_tokens=4)
+    r.note = "a learner's"  # type: ignore[attr-defined]  # an attribute the class does not declare
+    before = request_fingerprint(r)
+    names = {name for name, _ in before}
+    assert {"num_computed_tokens", "kv_transfer_params", "status", "_owner", "note"} <= names
+    assert len(names) == len(Request.__slots__)  # every declared field but __dict__, plus "note"
+    state = request_state(r)
+    r.num_computed_tokens, r.kv_transfer_params, r.note = 3, {"remote": 1}, "changed"  # type: ignore[attr-defined]
+    r.added_later = 5  # type: ignore[attr-defined]
+    r.append_output_token_ids([9, 10])
+    assert request_fingerprint(r) != before
+    set_request_state(r, state)
+    assert request_fingerprint(r) == before and not hasattr(r, "added_later")
+
+    class Slotted:
+        __slots__ = ("a", "b")
+
+    s = Slotted()
+    s.a = 1
+    saved = get_fields(s)
+    s.a, s.b = 2, 3
+    set_fields(s, saved)
+    assert s.a == 1 and not hasattr(s, "b")

@@ -32,7 +32,6 @@ import copy
 import functools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from operator import attrgetter
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvlab.core.block_pool import BlockHashToBlockMap, BlockPool
@@ -40,7 +39,7 @@ from kvlab.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 from kvlab.core.single_type_kv_cache_manager import FullAttentionManager, SingleTypeKVCacheManager
 from kvlab.metrics.stats import PrefixCacheStats
 from kvlab.request import Request
-from kvlab.utils.state import copy_attrs, put_attrs, restore_into
+from kvlab.utils.state import copy_attrs, get_fields, put_attrs, restore_into, set_fields
 
 if TYPE_CHECKING:
     from kvlab.core.kv_cache_manager import KVCacheManager
@@ -359,24 +358,26 @@ _TABLES = frozenset({"req_to_blocks"})  # the attribute they keep by length
 class _GroupSave:
     """One group manager's attributes as they were: ``attrs`` copied two levels deep, or --
     for a class in ``_GROWING_TABLES`` -- everything but ``req_to_blocks``, whose tables
-    are kept as (list, length) in ``tables``."""
+    are kept as the map (a shallow copy: the same lists) and their lengths."""
 
     attrs: dict[str, Any]
-    tables: dict[str, tuple[list[KVCacheBlock], int]] | None
+    tables: dict[str, list[KVCacheBlock]] | None
+    lengths: list[int] | None
 
 
 def _save_group(m: SingleTypeKVCacheManager) -> _GroupSave:
     if type(m) in _GROWING_TABLES:
-        return _GroupSave(copy_attrs(m, skip=_TABLES), {rid: (t, len(t)) for rid, t in m.req_to_blocks.items()})
-    return _GroupSave(copy_attrs(m), None)
+        tables = m.req_to_blocks
+        return _GroupSave(copy_attrs(m, skip=_TABLES), tables.copy(), list(map(len, tables.values())))
+    return _GroupSave(copy_attrs(m), None, None)
 
 
 def _restore_group(m: SingleTypeKVCacheManager, saved: _GroupSave) -> None:
     put_attrs(m, saved.attrs)
     if saved.tables is not None:
-        for table, n in saved.tables.values():
+        for table, n in zip(saved.tables.values(), saved.lengths):  # type: ignore[arg-type]  # set with tables
             del table[n:]
-        m.req_to_blocks = {rid: table for rid, (table, _) in saved.tables.items()}
+        m.req_to_blocks = saved.tables.copy()
 
 
 @dataclass(slots=True)
@@ -400,16 +401,15 @@ class ManagerCheckpoint:
 
 def request_state(r: Request) -> tuple:
     """Everything a call may change in a request, in O(1) for the token lists: every attribute
-    as it is (a copy of the instance's ``__dict__``, so a field added later -- or one a
-    connector sets, like ``kv_transfer_params`` -- cannot be forgotten), and the lists that
-    only ever grow (tokens, packed tokens, block hashes) by their lengths, to be cut back."""
-    return (r.__dict__.copy(), len(r._output_token_ids), len(r._all_token_ids), len(r.block_hashes))
+    as it is (read generically, so a field added later -- or one a connector sets, like
+    ``kv_transfer_params`` -- cannot be forgotten), and the lists that only ever grow
+    (tokens, packed tokens, block hashes) by their lengths, to be cut back."""
+    return (get_fields(r), len(r._output_token_ids), len(r._all_token_ids), len(r.block_hashes))
 
 
 def set_request_state(r: Request, state: tuple) -> None:
-    attrs, num_out, num_tokens, num_hashes = state
-    r.__dict__.clear()
-    r.__dict__.update(attrs)
+    fields, num_out, num_tokens, num_hashes = state
+    set_fields(r, fields)
     del r._output_token_ids[num_out:], r._all_token_ids[num_tokens:], r._token_bytes[4 * num_tokens :]
     del r.block_hashes[num_hashes:]
 
@@ -424,7 +424,7 @@ def checkpoint_manager(mgr: KVCacheManager, saved_requests: dict[int, tuple[Requ
         # Every attribute of every group's manager (a manager subclass with bookkeeping of
         # its own is covered too); the coordinator holds no state of its own.
         managers=[_save_group(m) for m in mgr.coordinator.single_type_managers],
-        requests=dict(mgr._requests),
+        requests=mgr._requests.copy(),
         prefix_cache_stats=None if mgr.prefix_cache_stats is None else mgr.prefix_cache_stats.copy(),
         saved_requests={} if saved_requests is None else saved_requests,
         pool=None,  # type: ignore[arg-type]  # set next: the pool's journal starts last
@@ -445,7 +445,7 @@ def restore_manager(mgr: KVCacheManager, cp: ManagerCheckpoint, *, drop_reused: 
     blocks whose cache entry ``drop_reused`` dropped (see :func:`restore_pool`)."""
     for m, saved in zip(mgr.coordinator.single_type_managers, cp.managers):
         _restore_group(m, saved)
-    mgr._requests = dict(cp.requests)
+    mgr._requests = cp.requests.copy()
     mgr.prefix_cache_stats = None if cp.prefix_cache_stats is None else cp.prefix_cache_stats.copy()
     for r, state in cp.saved_requests.values():
         set_request_state(r, state)
@@ -559,7 +559,7 @@ def checkpoint_scheduler(sched: Scheduler) -> SchedulerCheckpoint:
     cp = SchedulerCheckpoint(
         manager=None,  # type: ignore[arg-type]  # set below, last: it starts the pool's journal
         state=state,
-        requests=dict(sched.requests),
+        requests=sched.requests.copy(),
         waiting=copy_attrs(sched.waiting),
         encoder_cache=copy_attrs(sched.encoder_cache_manager, skip=frozenset({"events"})),
         log_len=None if log is None else len(log),
@@ -641,10 +641,11 @@ def scheduler_call(touches: Callable[..., Iterable[str]] | None = None) -> Calla
             if own:
                 cp = checkpoint_scheduler(self)
             try:
-                if touches is not None:
+                if touches is not None and type(cp) is SchedulerCheckpoint:
+                    saved, get = cp.manager.saved_requests, self.requests.get
                     for rid in touches(self, *args, **kwargs):
-                        r = self.requests.get(rid)
-                        if r is not None:
+                        r = get(rid)
+                        if r is not None and id(r) not in saved:
                             cp.save_request(r)
                 out = fn(self, *args, **kwargs)
             except BaseException:
@@ -703,7 +704,7 @@ class EngineCheckpoint:
     ids: int
     num_eviction_events: int
     sched: SchedulerCheckpoint | None = None
-    metrics: dict[str, tuple[Any, dict[str, Any] | None]] = field(default_factory=dict)  # rid -> (object or _MISSING, its fields)
+    metrics: dict[str, tuple[Any, Any]] = field(default_factory=dict)  # rid -> (object or _MISSING, its fields)
     finished: dict[str, Any] = field(default_factory=dict)  # rid -> the finished entry, or _MISSING
     executor_called: bool = False
 
@@ -711,31 +712,19 @@ class EngineCheckpoint:
         """Keep ``metrics[rid]`` as it is now (the first save wins)."""
         if rid not in self.metrics:
             m = metrics.get(rid, _MISSING)
-            self.metrics[rid] = (m, None if m is _MISSING else _fields(m))
+            self.metrics[rid] = (m, None if m is _MISSING else get_fields(m))
+
+    def save_metrics_of(self, metrics: dict[str, Any], rids: Iterable[str]) -> None:
+        """:meth:`save_metrics` for each of ``rids`` (a step's scheduled requests), in one call."""
+        saved = self.metrics
+        for rid in rids:
+            if rid not in saved:
+                m = metrics.get(rid, _MISSING)
+                saved[rid] = (m, None if m is _MISSING else get_fields(m))
 
     def save_finished(self, finished: dict[str, Any], rid: str) -> None:
         if rid not in self.finished:
             self.finished[rid] = finished.get(rid, _MISSING)
-
-
-def _fields(obj: Any) -> dict[str, Any]:
-    """Every attribute of ``obj``, whether it keeps them in a ``__dict__`` or in slots (read
-    by one ``attrgetter`` per class, in C: a step saves one such record per running request)."""
-    if hasattr(obj, "__dict__"):
-        return dict(vars(obj))
-    names_get = _SLOTS.get(type(obj))
-    if names_get is None:
-        names = tuple(dict.fromkeys(n for c in type(obj).__mro__ for n in getattr(c, "__slots__", ())))
-        names_get = _SLOTS[type(obj)] = (names, attrgetter(*names, "__class__"))  # a tuple even for one slot
-    names, get = names_get
-    try:
-        return dict(zip(names, get(obj)))
-    except AttributeError:  # a slot never set
-        return {n: getattr(obj, n, _UNSET) for n in names}
-
-
-_SLOTS: dict[type, tuple[tuple[str, ...], Callable[[Any], tuple]]] = {}  # a slotted class -> its slot names (every base's), their getter
-_UNSET: Any = object()  # a slot never set (restored as unset)
 
 
 def begin_engine(engine: Any, what: str) -> EngineCheckpoint:
@@ -766,16 +755,11 @@ def rollback_engine(engine: Any, cp: EngineCheckpoint) -> None:
         restore_scheduler(engine.scheduler, cp.sched, drop_reused=cp.executor_called and writes_kv, resync_executor=cp.executor_called)
     engine.clock, engine._ids = cp.clock, cp.ids
     del engine.kv_cache_eviction_events[cp.num_eviction_events :]
-    for rid, (m, values) in cp.metrics.items():
+    for rid, (m, fields) in cp.metrics.items():
         if m is _MISSING:
             engine.metrics.pop(rid, None)
         else:
-            for k, v in values.items():  # type: ignore[union-attr]  # values is None only with m missing, handled above
-                if v is _UNSET:
-                    if hasattr(m, k):
-                        delattr(m, k)
-                else:
-                    setattr(m, k, v)
+            set_fields(m, fields)
             engine.metrics[rid] = m
     for rid, r in cp.finished.items():
         if r is _MISSING:
@@ -825,6 +809,9 @@ class Unguarded:
         pass
 
     def save_metrics(self, metrics: Any, rid: str) -> None:
+        pass
+
+    def save_metrics_of(self, metrics: Any, rids: Any) -> None:
         pass
 
     def save_finished(self, finished: Any, rid: str) -> None:

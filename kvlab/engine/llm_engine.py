@@ -230,8 +230,7 @@ class LLMEngine:
     def _step(self, cp: EngineCheckpoint | Unguarded) -> StepResult:
         sched = self.scheduler
         out = sched.schedule()
-        for rid in out.num_scheduled_tokens:
-            cp.save_metrics(self.metrics, rid)
+        cp.save_metrics_of(self.metrics, out.num_scheduled_tokens)
         # Also a step that only preempted: the executor must drop the victims' state.
         busy = out.total_num_scheduled_tokens or out.finished_req_ids or out.preempted_req_ids
         sampled: Any = {}

@@ -11,9 +11,11 @@ by reference (blocks, specs, the pool: those have owners that checkpoint them).
 from __future__ import annotations
 
 from collections import OrderedDict, defaultdict, deque
+from collections.abc import Callable
+from operator import attrgetter
 from typing import Any
 
-__all__ = ["copy_attrs", "put_attrs"]
+__all__ = ["UNSET", "copy_attrs", "get_fields", "put_attrs", "set_fields"]
 
 _FLAT = frozenset((list, dict, set, deque, bytearray, OrderedDict, defaultdict))
 
@@ -21,8 +23,12 @@ _FLAT = frozenset((list, dict, set, deque, bytearray, OrderedDict, defaultdict))
 def _copy(v: Any) -> Any:
     t = type(v)
     if t is dict:
+        if _FLAT.isdisjoint(map(type, v.values())):  # no container inside (checked in C): one copy
+            return v.copy()
         return {k: (x.copy() if x.__class__ in _FLAT else x) for k, x in v.items()}
     if t is list:
+        if _FLAT.isdisjoint(map(type, v)):
+            return v.copy()
         return [x.copy() if type(x) in _FLAT else x for x in v]
     if t in _FLAT:
         c = v.copy()
@@ -81,3 +87,53 @@ def restore_into(obj: Any, saved: dict[str, Any], memo: dict[int, Any]) -> None:
 
 
 _NO = object()
+
+
+#: A slot that was never set (``get_fields`` records it, ``set_fields`` leaves it unset).
+UNSET: Any = object()
+#: A class -> its slot names (every base's, in MRO order), and the reader get_fields uses.
+_PLANS: dict[type, tuple[tuple[str, ...], Callable[[Any], tuple]]] = {}
+
+
+def _plan(cls: type) -> tuple[tuple[str, ...], Callable[[Any], tuple]]:
+    names = tuple(dict.fromkeys(n for c in cls.__mro__ for n in c.__dict__.get("__slots__", ()) if n not in ("__dict__", "__weakref__")))
+    has_dict = "__dict__" in dir(cls)
+    if not names:
+        return names, lambda obj: ((), obj.__dict__.copy())
+    get = attrgetter(*names, "__class__")  # one name would give the value itself: "__class__" keeps it a tuple
+
+    def read(obj: Any) -> tuple:
+        try:
+            values = get(obj)
+        except AttributeError:  # a slot never set
+            values = tuple(getattr(obj, n, UNSET) for n in names) + (type(obj),)
+        return values, obj.__dict__.copy() if has_dict else None
+
+    return names, read
+
+
+def get_fields(obj: Any) -> tuple[tuple, dict[str, Any] | None]:
+    """Every attribute of ``obj`` as it is now, for :func:`set_fields`: its slots (read at once,
+    in C) and a copy of its ``__dict__`` if it has one. Generic, so an attribute added later
+    cannot be forgotten; O(attributes). A slotted class is read without touching its
+    ``__dict__`` unless it declares one (reading it would turn CPython's compact attribute
+    storage into a dict, and every later attribute read of the object slower)."""
+    plan = _PLANS.get(type(obj))
+    if plan is None:
+        plan = _PLANS[type(obj)] = _plan(type(obj))
+    return plan[1](obj)
+
+
+def set_fields(obj: Any, saved: tuple[tuple, dict[str, Any] | None]) -> None:
+    """Put ``obj``'s attributes back as :func:`get_fields` read them (``saved`` stays reusable)."""
+    values, attrs = saved
+    for name, v in zip(_PLANS[type(obj)][0], values):
+        if v is UNSET:
+            if hasattr(obj, name):
+                delattr(obj, name)
+        else:
+            setattr(obj, name, v)
+    if attrs is not None:
+        d = obj.__dict__
+        d.clear()
+        d.update(attrs)
