@@ -71,9 +71,12 @@ def _next_arrival() -> float:
 
 
 def _check_token_ids(name: str, token_ids: Sequence[int]) -> list[int]:
-    if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
+    if type(token_ids) is list:  # the common case, without the abstract-class test
+        out = token_ids.copy()
+    elif isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
         raise TypeError(f"{name} must be a sequence of ints, got {type(token_ids).__name__}")
-    out = list(token_ids)
+    else:
+        out = list(token_ids)
     for i, t in enumerate(out):
         if type(t) is not int or not 0 <= t <= _MAX_TOKEN_ID:  # the common case costs two tests
             out[i] = check_int(f"{name}[{i}]", t, 0, _MAX_TOKEN_ID, why=" (token ids are uint32)")
@@ -279,7 +282,9 @@ class Request:
 
     def append_output_token_ids(self, token_ids: int | Sequence[int]) -> None:
         """Append sampled tokens; the hashes of blocks they complete are computed now."""
-        if type(token_ids) is int or not isinstance(token_ids, Sequence) or isinstance(token_ids, (str, bytes)):
+        if type(token_ids) is not list and (
+            type(token_ids) is int or not isinstance(token_ids, Sequence) or isinstance(token_ids, (str, bytes))
+        ):
             token_ids = [token_ids]  # type: ignore[list-item]  # one token (an int, numpy's included)
         ids = _check_token_ids("token_ids", token_ids)
         if not ids:

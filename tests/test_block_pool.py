@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvlab import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock, Request
@@ -327,7 +327,8 @@ class _LearnersEviction(BlockPool):
 
 
 def _entries(pool: BlockPool) -> dict[bytes, list[int]]:
-    return {k: sorted(b.block_id for b in blks) for k, blks in pool.cached_block_hash_to_block.items()}
+    """Each key's blocks in the map's order (it matters: a lookup returns the first)."""
+    return {k: [b.block_id for b in blks] for k, blks in pool.cached_block_hash_to_block.items()}
 
 
 @pytest.mark.parametrize(
@@ -409,6 +410,60 @@ def test_a_checkpoint_undoes_any_mix_of_pool_operations(ops: list[tuple[str, int
     assert type(pool.cached_block_hash_to_block) is BlockHashToBlockMap
     assert not hasattr(pool.free_block_queue, "journal") and not hasattr(pool.cached_block_hash_to_block, "journal")
     pool.check_invariants()
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.tuples(st.sampled_from(["insert", "pop", "pop"]), st.sampled_from([0, 0, 1, 2]), st.integers(1, 9)), max_size=24),
+    st.integers(1, 30),
+    st.booleans(),
+)
+@example([("pop", 0, 1), ("pop", 0, 3)], 30, False)  # two leave; the older sat before the newer's place
+def test_a_checkpoint_puts_duplicated_keys_back_in_order_even_when_its_restore_is_interrupted(
+    ops: list[tuple[str, int, int]], stop_at: int, after: bool
+) -> None:
+    """A key several blocks carry keeps them in a dict whose order decides which block a
+    lookup returns. Inside a checkpoint, blocks join and leave such keys (journaled as the
+    id that came, or the block that went and its place: no copy of the dict); a restore
+    gives back every key with its blocks in the same order -- also when an interrupt stops
+    the restore at its ``stop_at``-th undo step (before or ``after`` it is applied) and the
+    restore is called again (or, when it was not stopped, called a second time)."""
+    pool = BlockPool(12)
+    m = pool.cached_block_hash_to_block
+    keys = [bytes([k]) * 4 for k in range(3)]
+    for bid in (1, 2, 3, 4, 5, 6, 7):  # key 0 held by five blocks, key 1 by two
+        m.insert(keys[0] if bid <= 5 else keys[1], pool.blocks[bid])
+    before = {k: [b.block_id for b in m.blocks_for(k)] for k in keys}
+    cp = checkpoint_pool(pool)
+    for op, k, bid in ops:
+        if op == "insert":
+            if all(b.block_id != bid for key in keys for b in m.blocks_for(key)):
+                m.insert(keys[k], pool.blocks[bid])
+        else:
+            m.pop(keys[k], bid)
+    copies = [e[3] for e in cp.journal if type(e[3]) is dict]
+    assert all(len(c) <= 2 for c in copies), "a key of three or more blocks is journaled without a copy of its dict"
+    seen = {"n": 0}
+
+    def stoppable(fn):
+        def step(*args):
+            seen["n"] += 1
+            if seen["n"] == stop_at and not after:
+                raise KeyboardInterrupt
+            fn(*args)
+            if seen["n"] == stop_at and after:
+                raise KeyboardInterrupt
+
+        return step
+
+    cp.journal[:] = [(stoppable(e[0]), *e[1:]) for e in cp.journal]
+    try:
+        restore_pool(pool, cp, [])
+    except KeyboardInterrupt:
+        pass
+    restore_pool(pool, cp, [])
+    release_pool(pool, cp)
+    assert {k: [b.block_id for b in m.blocks_for(k)] for k in keys} == before
 
 
 class _EventReq(_CacheReq):

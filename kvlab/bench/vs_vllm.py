@@ -3,8 +3,14 @@
 Both run the same operations on the same inputs in one process, interleaved (the order
 swapped every round, so both see the same machine), timed in thread CPU time; each row
 prints the two medians and kvlab/vLLM (< 1: kvlab is faster). The targets kvlab holds
-itself to: every pool and manager path <= 0.8, block hashing (``sha256_cbor``, ``xxhash``)
-<= 1.0.
+itself to: every pool and manager path <= 0.8, the scheduler's step (with kvlab's
+transaction on) <= 0.8, block hashing (``sha256_cbor``, ``xxhash``) <= 1.0.
+
+The scheduler row builds vLLM's ``Scheduler`` as vLLM's own unit tests do, from a
+``VllmConfig`` whose model is a folder holding only an OPT-125m ``config.json`` (written to a
+temporary folder; no download, no tokenizer), so it also needs what ``vllm.config`` imports
+(``pip install --target`` as below: einops, opentelemetry-api, opentelemetry-sdk, xgrammar,
+llguidance, partial-json-parser, ...). Without those the other rows still run.
 
 vLLM is not a dependency of kvlab (its wheel is large and built for CUDA), but its KV-cache
 modules are plain Python and import on a CPU. If ``import vllm`` fails here, the benchmark
@@ -22,7 +28,9 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -33,7 +41,8 @@ from typing import Any
 from kvlab.core.block_pool import BlockPool
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.kv_cache_utils import get_request_block_hasher
-from kvlab.core.transaction import checkpoint_manager, release_manager
+from kvlab.core.sched.scheduler import Scheduler
+from kvlab.core.transaction import checkpoint_manager, checkpoint_scheduler, release_manager, release_scheduler
 from kvlab.request import Request
 from kvlab.utils.hashing import get_hash_fn_by_name
 
@@ -43,7 +52,7 @@ PROMPT = 256  # tokens per manager prompt
 
 #: Rows and the most kvlab/vLLM each may take. "manager" rows run as the scheduler drives the
 #: manager (inside a step's transaction); "alone" rows add a transaction per call.
-TARGETS = {"pool": 0.8, "manager": 0.8, "hash": 1.0, "alone": 1.0}
+TARGETS = {"pool": 0.8, "manager": 0.8, "scheduler": 0.8, "hash": 1.0, "alone": 1.0}
 
 
 def load_vllm() -> tuple[SimpleNamespace | None, str]:
@@ -52,6 +61,20 @@ def load_vllm() -> tuple[SimpleNamespace | None, str]:
     for p in reversed(extra):
         if p not in sys.path:
             sys.path.insert(0, p)
+    # Offline, no telemetry; vLLM inspects the model class in a subprocess, which must find
+    # the same folders.
+    for k, val in {
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "VLLM_TARGET_DEVICE": "cpu",
+    }.items():
+        os.environ.setdefault(k, val)
+    if extra:
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            extra + [q for q in os.environ.get("PYTHONPATH", "").split(os.pathsep) if q and q not in extra]
+        )
     try:
         import torch
         from vllm.sampling_params import SamplingParams
@@ -67,8 +90,28 @@ def load_vllm() -> tuple[SimpleNamespace | None, str]:
         from vllm import __version__ as version
     except Exception:  # noqa: BLE001
         version = "?"
+    sched: SimpleNamespace | None = None
+    try:  # the scheduler row only: vllm.config imports much more than the KV-cache modules
+        from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+        from vllm.v1.core.sched.scheduler import Scheduler as VScheduler
+        from vllm.v1.outputs import ModelRunnerOutput
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        sched = SimpleNamespace(
+            CacheConfig=CacheConfig,
+            ModelConfig=ModelConfig,
+            SchedulerConfig=SchedulerConfig,
+            VllmConfig=VllmConfig,
+            Scheduler=VScheduler,
+            ModelRunnerOutput=ModelRunnerOutput,
+            StructuredOutputManager=StructuredOutputManager,
+            why="",
+        )
+    except Exception as e:  # noqa: BLE001 - the other rows run without it
+        sched = SimpleNamespace(why=f"{type(e).__name__}: {e}")
     return (
         SimpleNamespace(
+            sched=sched,
             torch=torch,
             SamplingParams=SamplingParams,
             hashing=vhash,
@@ -224,6 +267,147 @@ def _hashing(side: _Side, rounds: int) -> Callable[[], int]:
     return one
 
 
+SCHED_REQUESTS = 200  # requests per scheduler run
+SCHED_BLOCKS = 300  # 4,800 token slots for up to 64 running requests of 64-256 prompt tokens: it preempts
+SCHED_MAX_TOKENS = 16
+SCHED_RUNS = 5  # interleaved whole runs (medians over them)
+#: OPT-125m's config.json: vLLM's ModelConfig reads a model's geometry from it (no weights,
+#: no tokenizer: ``skip_tokenizer_init``).
+_OPT_CONFIG = {
+    "architectures": ["OPTForCausalLM"],
+    "model_type": "opt",
+    "activation_function": "relu",
+    "bos_token_id": 2,
+    "eos_token_id": 2,
+    "pad_token_id": 1,
+    "do_layer_norm_before": True,
+    "enable_bias": True,
+    "ffn_dim": 3072,
+    "hidden_size": 768,
+    "max_position_embeddings": 2048,
+    "num_attention_heads": 12,
+    "num_hidden_layers": 12,
+    "torch_dtype": "float16",
+    "vocab_size": 50272,
+    "word_embed_proj_dim": 768,
+}
+
+
+def scheduler_prompts(n: int = SCHED_REQUESTS) -> list[list[int]]:
+    """``n`` prompts of 64-256 tokens; request i starts with shared prefix i % 8 (32-128
+    tokens, a system prompt), so later requests hit the cache."""
+    rng = random.Random(0)
+    prefixes = [[rng.randrange(3, 50_000) for _ in range(rng.randrange(32, 129))] for _ in range(8)]
+    out = []
+    for i in range(n):
+        p = prefixes[i % len(prefixes)]
+        total = rng.randrange(max(64, len(p) + 1), 257)
+        out.append(p + [rng.randrange(3, 50_000) for _ in range(total - len(p))])
+    return out
+
+
+def _vllm_scheduler(v: SimpleNamespace, num_blocks: int) -> Any:
+    """vLLM's Scheduler as its unit tests build it (``tests/v1/core/utils.py``), offline."""
+    import tempfile
+
+    s = v.sched
+    folder = os.path.join(tempfile.gettempdir(), "kvlab-vs-vllm-opt125m")
+    os.makedirs(folder, exist_ok=True)
+    cfg = os.path.join(folder, "config.json")
+    if not os.path.exists(cfg):
+        with open(cfg, "w") as f:
+            json.dump(_OPT_CONFIG, f)
+    model = s.ModelConfig(model=folder, tokenizer=folder, skip_tokenizer_init=True, dtype="float16", seed=42, max_model_len=2048)
+    sched_cfg = s.SchedulerConfig(
+        max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=2048, enable_chunked_prefill=True, is_encoder_decoder=False
+    )
+    cache = s.CacheConfig(block_size=BLOCK, gpu_memory_utilization=0.9, cache_dtype="auto", enable_prefix_caching=True)
+    vcfg = s.VllmConfig(scheduler_config=sched_cfg, model_config=model, cache_config=cache)
+    spec = v.FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=64, dtype=v.torch.float16)
+    kv = v.KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[v.KVCacheGroupSpec(["layer.0"], spec)])
+    cache.num_gpu_blocks = num_blocks
+    return s.Scheduler(
+        vllm_config=vcfg, kv_cache_config=kv, structured_output_manager=s.StructuredOutputManager(vcfg), block_size=BLOCK, log_stats=True
+    )
+
+
+def _token(step: int, j: int) -> int:
+    return 7 + (step * 31 + j) % 40_000
+
+
+def _scheduler(side: _Side, runs: int = SCHED_RUNS) -> Callable[[], int]:
+    """The scheduler's step as an engine drives it: ``schedule()`` then
+    ``update_from_output()`` with one sampled token per request whose prompt is done (what a
+    model runner returns; a request still in prefill gets none), until all 200 requests
+    have finished their 16 tokens. 64 running at most, 2,048 tokens a step, chunked prefill,
+    a pool that preempts. kvlab's step runs inside its transaction (checkpoint, release), as
+    in its engine. Returns the run's CPU time per step; building the scheduler and the
+    requests (their hashes included) is outside the timing."""
+    prompts = scheduler_prompts()
+    v = side.v
+
+    def build() -> Any:
+        if v is None:
+            mgr = KVCacheManager(SCHED_BLOCKS, BLOCK, max_model_len=2048)
+            sched = Scheduler(mgr, max_num_batched_tokens=2048, max_num_seqs=64, max_model_len=2048)
+            for i, p in enumerate(prompts):
+                sched.add_request(Request(f"req-{i}", p, max_tokens=SCHED_MAX_TOKENS, block_hasher=mgr.request_block_hasher))
+            return sched
+        sched = _vllm_scheduler(v, SCHED_BLOCKS)
+        params = v.SamplingParams(max_tokens=SCHED_MAX_TOKENS, ignore_eos=True)
+        for i, p in enumerate(prompts):
+            sched.add_request(v.Request(f"req-{i}", p, params, None, block_hasher=side.hasher))
+        return sched
+
+    def kvlab_step(sched: Scheduler, step: int) -> Any:
+        cp = checkpoint_scheduler(sched)
+        out = sched.schedule()
+        reqs = sched.requests
+        sampled = {}
+        for j, (rid, n) in enumerate(out.num_scheduled_tokens.items()):
+            r = reqs[rid]
+            if r.num_computed_tokens + n >= r.num_tokens:
+                sampled[rid] = [_token(step, j)]
+        sched.update_from_output(out, sampled)
+        release_scheduler(sched, cp)
+        return out
+
+    def vllm_step(sched: Any, step: int) -> Any:
+        assert v is not None  # only on vLLM's side
+        out = sched.schedule()
+        reqs = sched.requests
+        ids = list(out.num_scheduled_tokens)
+        tokens = [[_token(step, j)] if reqs[rid].num_computed_tokens >= reqs[rid].num_tokens else [] for j, rid in enumerate(ids)]
+        mro = v.sched.ModelRunnerOutput(
+            req_ids=ids,
+            req_id_to_index={rid: j for j, rid in enumerate(ids)},
+            sampled_token_ids=tokens,
+            logprobs=None,
+            prompt_logprobs_dict={},
+            pooler_output=[],
+        )
+        sched.update_from_output(out, mro)
+        return out
+
+    step_fn = kvlab_step if v is None else vllm_step
+
+    def one() -> int:
+        sched = build()
+        total = steps = preempted = 0
+        scheduled: list[int] = []
+        while sched.has_unfinished_requests():
+            t0 = _clock()
+            out = step_fn(sched, steps)
+            total += _clock() - t0
+            steps += 1
+            preempted += len(out.preempted_req_ids or ())
+            scheduled.append(out.total_num_scheduled_tokens)
+        one.target = SimpleNamespace(steps=steps, preempted=preempted, scheduled=scheduled, scheduler=sched)  # type: ignore[attr-defined]  # for the tests
+        return total // steps
+
+    return one
+
+
 ROWS: list[tuple[str, str, Callable[..., Callable[[], int]], dict[str, Any]]] = [
     ("pool", "alloc + cache + free of 64 blocks, all evicting", _cycle, {"rounds": True}),
     ("pool", "touch 64 free cached blocks", _touch, {"held": False}),
@@ -233,6 +417,7 @@ ROWS: list[tuple[str, str, Callable[..., Callable[[], int]], dict[str, Any]]] = 
     ("manager", "hit on blocks another request holds", _manager, {"kind": "hit held", "rounds": True, "in_step": True}),
     ("alone", "miss, each call its own transaction", _manager, {"kind": "miss", "rounds": True}),
     ("alone", "hit on free cached blocks, the same", _manager, {"kind": "hit", "rounds": True}),
+    ("scheduler", "step: schedule + update, 200 requests, preempting", _scheduler, {"runs": SCHED_RUNS}),
     ("hash", "sha256_cbor: 64 chained block hashes", _hashing, {"algo": "sha256_cbor", "rounds": True}),
     ("hash", "xxhash: 64 chained block hashes", _hashing, {"algo": "xxhash", "rounds": True}),
 ]
@@ -246,13 +431,17 @@ def run(v: SimpleNamespace, rounds: int = 200) -> list[tuple[str, str, float, fl
         algo = kw.pop("algo", "sha256")
         if kw.pop("rounds", False):
             kw["rounds"] = rounds
+        n = kw.get("runs", rounds)
+        if kind == "scheduler" and v.sched.why:
+            print(f"  (skipped {kind}: {label}: vLLM's scheduler does not import here: {v.sched.why})")
+            continue
         sides = [_Side("kvlab", None, algo), _Side("vllm", v, algo)]
         ops = [make(s, **kw) for s in sides]
         times: list[list[int]] = [[], []]
         gc.collect()
         gc.disable()
         try:
-            for r in range(rounds):
+            for r in range(n):
                 order = (0, 1) if r % 2 else (1, 0)
                 for i in order:
                     times[i].append(ops[i]())

@@ -54,6 +54,8 @@ class KVCacheBlocks:
         return tuple([b.block_id for b in blks] for blks in self.blocks)
 
     def new_empty(self) -> "KVCacheBlocks":
+        if len(self.blocks) == 1:
+            return KVCacheBlocks(([],))
         return KVCacheBlocks(tuple([] for _ in self.blocks))
 
     def __len__(self) -> int:
@@ -270,6 +272,8 @@ class KVCacheManager:
         return KVCacheConfig(num_blocks=self.block_pool.num_gpu_blocks, kv_cache_tensors=(), kv_cache_groups=groups)
 
     def _bind(self, request: Request) -> None:
+        if type(request) is Request and request._block_hasher is self.request_block_hasher:
+            return  # bound to this manager's hasher already (every call after the first)
         if not isinstance(request, Request):
             raise TypeError(f"request must be a kvlab.Request, got {type(request).__name__}")
         request.bind_block_hasher(self.request_block_hasher)
@@ -415,15 +419,21 @@ class KVCacheManager:
     ) -> tuple[int, int, int, int, tuple[list[KVCacheBlock], ...]]:
         """``allocate_slots``' arguments, checked and normalised (token counts as ints, the
         hits as one block list per group); raises naming the argument. Changes nothing."""
-        num_new_tokens = check_int("num_new_tokens", num_new_tokens, 0)
-        num_new_computed_tokens = check_int("num_new_computed_tokens", num_new_computed_tokens, 0)
-        num_lookahead_tokens = check_int("num_lookahead_tokens", num_lookahead_tokens, 0)
-        num_external_computed_tokens = check_int("num_external_computed_tokens", num_external_computed_tokens, 0)
+        # (Each `type(x) is not int or x < 0` only spares the common case a call.)
+        if type(num_new_tokens) is not int or num_new_tokens < 0:
+            num_new_tokens = check_int("num_new_tokens", num_new_tokens, 0)
+        if type(num_new_computed_tokens) is not int or num_new_computed_tokens < 0:
+            num_new_computed_tokens = check_int("num_new_computed_tokens", num_new_computed_tokens, 0)
+        if type(num_lookahead_tokens) is not int or num_lookahead_tokens < 0:
+            num_lookahead_tokens = check_int("num_lookahead_tokens", num_lookahead_tokens, 0)
+        if type(num_external_computed_tokens) is not int or num_external_computed_tokens < 0:
+            num_external_computed_tokens = check_int("num_external_computed_tokens", num_external_computed_tokens, 0)
         if num_new_tokens == 0 and num_external_computed_tokens == 0 and num_new_computed_tokens == 0:
             raise ValueError("num_new_tokens must be >= 1 when there are no computed tokens to adopt")
-        for name, flag in (("delay_cache_blocks", delay_cache_blocks), ("full_sequence_must_fit", full_sequence_must_fit)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"{name} must be a bool, got {flag!r}")
+        if type(delay_cache_blocks) is not bool:
+            raise TypeError(f"delay_cache_blocks must be a bool, got {delay_cache_blocks!r}")
+        if type(full_sequence_must_fit) is not bool:
+            raise TypeError(f"full_sequence_must_fit must be a bool, got {full_sequence_must_fit!r}")
         rid = request.request_id
         known = self._requests.get(rid)
         if known is not None and known is not request:
@@ -437,8 +447,8 @@ class KVCacheManager:
         if len(hits) != self.num_kv_cache_groups:
             raise ValueError(f"new_computed_blocks has {len(hits)} groups, the manager has {self.num_kv_cache_groups}")
         has_hits = any(hits)
-        for spec, g in zip(self.kv_cache_groups, hits):
-            if has_hits and len(g) * spec.block_size != num_new_computed_tokens:  # type: ignore[operator]  # every spec has its block size by now
+        for spec, g in zip(self.kv_cache_groups, hits) if has_hits else ():
+            if len(g) * spec.block_size != num_new_computed_tokens:  # type: ignore[operator]  # every spec has its block size by now
                 raise ValueError(
                     f"num_new_computed_tokens = {num_new_computed_tokens} does not match new_computed_blocks "
                     f"({len(g)} blocks of {spec.block_size} tokens in a group)"

@@ -39,7 +39,7 @@ from kvlab.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 from kvlab.core.single_type_kv_cache_manager import FullAttentionManager, SingleTypeKVCacheManager
 from kvlab.metrics.stats import PrefixCacheStats
 from kvlab.request import Request
-from kvlab.utils.state import copy_attrs, get_fields, put_attrs, restore_into, set_fields
+from kvlab.utils.state import copy_attrs, fields_reader, get_fields, put_attrs, restore_into, set_fields
 
 if TYPE_CHECKING:
     from kvlab.core.kv_cache_manager import KVCacheManager
@@ -167,13 +167,12 @@ def _undo_prepend(q: FreeKVCacheBlockQueue, blocks: tuple[KVCacheBlock, ...], fi
 class JournaledBlockHashToBlockMap(BlockHashToBlockMap):
     """kvlab's map while a checkpoint is open: each change first journals the entry it
     changes, as it is (a lone block, or absent). A key that several blocks carry holds a
-    ``{block_id: block}`` dict whose order matters (a lookup returns the first): it is
-    copied whole, but once per transaction -- the oldest copy is the one an undo ends on, so
-    a hot duplicated key (the same prompt's last block, cached again and again) costs one
-    copy per step, not one per change."""
+    ``{block_id: block}`` dict whose order matters (a lookup returns the first); a block
+    joining it journals its id, a block leaving it journals itself and its place -- O(1)
+    for the usual case, the oldest leaving first -- so a hot duplicated key (the same
+    prompt's last block, cached again and again) costs no copy of the dict."""
 
     journal: list
-    copied: set  # keys whose dict this transaction has already copied
 
     def insert(self, key: bytes, block: KVCacheBlock) -> None:
         cache = self._cache
@@ -182,10 +181,10 @@ class JournaledBlockHashToBlockMap(BlockHashToBlockMap):
             self.journal.append((_undo_entry, self, key, v))
             cache[key] = block
             return
-        if type(v) is not dict:
-            self.journal.append((_undo_entry, self, key, v))
-        else:
-            self._save_duplicates(key, v)
+        if type(v) is dict and block.block_id not in v:
+            self.journal.append((_undo_dup_insert, self, key, block.block_id))
+        else:  # a lone block (the key's second: it becomes a dict), or an id already there (a copy)
+            self.journal.append((_undo_entry, self, key, dict(v) if type(v) is dict else v))
         _map_insert(self, key, block)
 
     def pop(self, key: bytes, block_id: int) -> KVCacheBlock | None:
@@ -199,14 +198,14 @@ class JournaledBlockHashToBlockMap(BlockHashToBlockMap):
             self.journal.append((_undo_entry, self, key, v))  # the common case, a lone block: inline
             del cache[key]
             return v
-        self._save_duplicates(key, v)
+        blk = v.get(block_id)
+        if blk is not None:  # (an id the key does not hold changes no entry: nothing to undo)
+            if len(v) == 2:  # one block stays: the key holds it bare again
+                self.journal.append((_undo_entry, self, key, dict(v)))
+            else:
+                place = 0 if next(iter(v)) == block_id else list(v).index(block_id)
+                self.journal.append((_undo_dup_pop, self, key, block_id, blk, place))
         return _map_pop(self, key, block_id)
-
-    def _save_duplicates(self, key: bytes, v: dict[int, KVCacheBlock]) -> None:
-        """Journal a key's ``{block_id: block}`` dict: a copy, the first time this transaction changes it."""
-        if key not in self.copied:
-            self.copied.add(key)
-            self.journal.append((_undo_entry, self, key, dict(v)))
 
 
 _map_insert = BlockHashToBlockMap.insert  # the taught methods, called without super()'s lookup (hot path)
@@ -219,6 +218,22 @@ def _undo_entry(cache_map: BlockHashToBlockMap, key: bytes, old: Any) -> None:
         cache_map._cache.pop(key, None)
     else:
         cache_map._cache[key] = dict(old) if type(old) is dict else old
+
+
+def _undo_dup_insert(cache_map: BlockHashToBlockMap, key: bytes, block_id: int) -> None:
+    v = cache_map._cache.get(key)
+    if type(v) is dict:  # (the insert left three or more: two or more stay, still a dict)
+        v.pop(block_id, None)
+
+
+def _undo_dup_pop(cache_map: BlockHashToBlockMap, key: bytes, block_id: int, block: KVCacheBlock, place: int) -> None:
+    """Put ``block`` back at its ``place`` in the key's dict (rebuilt: O(blocks under the key),
+    only when a call is undone). Applied twice, the same result."""
+    v = cache_map._cache[key]
+    items = [(i, b) for i, b in v.items() if i != block_id]  # type: ignore[union-attr]  # a dict: the pop left two or more
+    items.insert(place, (block_id, block))
+    v.clear()  # type: ignore[union-attr]  # as above
+    v.update(items)  # type: ignore[union-attr]  # as above
 
 
 # --- the pool ---------------------------------------------------------------------------------
@@ -235,6 +250,7 @@ class PoolCheckpoint:
     kv_event_queue: list  # the KV-event queue object and its length: events only get appended
     num_kv_events: int
     collector: tuple | None  # the metrics collector's state (see _collector_state)
+    reused: list[KVCacheBlock] = field(default_factory=list)  # blocks the undone calls took from the queue (kept for a second restore)
 
 
 def checkpoint_pool(pool: BlockPool) -> PoolCheckpoint:
@@ -264,7 +280,6 @@ def checkpoint_pool(pool: BlockPool) -> PoolCheckpoint:
         _retype(q, JournaledFreeKVCacheBlockQueue)
     if own_map:
         m.journal = cp.journal  # type: ignore[attr-defined]  # as above
-        m.copied = set()  # type: ignore[attr-defined]  # as above
         _retype(m, JournaledBlockHashToBlockMap)
     return cp
 
@@ -278,7 +293,7 @@ def release_pool(pool: BlockPool, cp: PoolCheckpoint) -> None:
             _retype(q, FreeKVCacheBlockQueue)
     for m in (pool.cached_block_hash_to_block, cp.cache_map):
         if type(m) is JournaledBlockHashToBlockMap:
-            del m.journal, m.copied
+            del m.journal
             _retype(m, BlockHashToBlockMap)
 
 
@@ -303,9 +318,12 @@ def restore_pool(
     pool.free_block_queue = cp.queue
     pool.cached_block_hash_to_block = cp.cache_map
     journal = cp.journal
-    for i in range(len(journal) - 1, -1, -1):
-        fn, *args = journal[i]
+    # Read before the journal is used up (a second restore finds only what is left).
+    cp.reused.extend(b for entry in journal if entry[0] is _undo_pop for b in entry[2])
+    while journal:  # newest first; an entry leaves once applied, so a second restore goes on from there
+        fn, *args = journal[-1]
         fn(*args)
+        journal.pop()
     if cp.map_entries is not None:  # a map that did not journal: its entries as they were
         cp.cache_map._cache = _copy_entries(cp.map_entries)
     blocks = pool.blocks
@@ -330,13 +348,13 @@ def restore_pool(
         _set_collector_state(pool.metrics_collector, cp.collector)
     dropped: list[tuple[KVCacheBlock, bytes]] = []
     if drop_reused:
-        reused = {id(b): b for entry in journal if entry[0] is _undo_pop for b in entry[2]}
+        reused = {id(b): b for b in cp.reused}
         for b in reused.values():
-            key = b.cache_key
-            if key is not None and b.ref_cnt == 0 and not b.is_null:
-                pool.cached_block_hash_to_block.pop(key, b.block_id)
+            old_key = b.cache_key
+            if old_key is not None and b.ref_cnt == 0 and not b.is_null:
+                pool.cached_block_hash_to_block.pop(old_key, b.block_id)
                 b.cache_key = None
-                dropped.append((b, key))
+                dropped.append((b, old_key))
         pool.num_evicted_blocks += len(dropped)
         for o in pool.observers:
             o.on_cache_entries_dropped(pool, dropped)
@@ -404,7 +422,11 @@ def request_state(r: Request) -> tuple:
     as it is (read generically, so a field added later -- or one a connector sets, like
     ``kv_transfer_params`` -- cannot be forgotten), and the lists that only ever grow
     (tokens, packed tokens, block hashes) by their lengths, to be cut back."""
-    return (get_fields(r), len(r._output_token_ids), len(r._all_token_ids), len(r.block_hashes))
+    read = _READ_REQUEST if type(r) is Request else get_fields
+    return (read(r), len(r._output_token_ids), len(r._all_token_ids), len(r.block_hashes))
+
+
+_READ_REQUEST = fields_reader(Request)
 
 
 def set_request_state(r: Request, state: tuple) -> None:
@@ -465,8 +487,9 @@ def manager_call(fn: F) -> F:
     def call(self: KVCacheManager, request: Any, *args: Any, **kwargs: Any) -> Any:
         cp = self._txn
         if cp is not None:
-            if isinstance(request, Request) and id(request) not in cp.saved_requests:
-                cp.save_request(request)
+            saved = cp.saved_requests  # None inside `unguarded`
+            if saved is not None and id(request) not in saved and isinstance(request, Request):
+                saved[id(request)] = (request, request_state(request))  # cp.save_request, inline (hot path)
             return fn(self, request, *args, **kwargs)
         cp = checkpoint_manager(self)
         try:
@@ -489,8 +512,10 @@ def manager_lookup(fn: F) -> F:
     @functools.wraps(fn)
     def call(self: KVCacheManager, request: Any, *args: Any, **kwargs: Any) -> Any:
         cp = self._txn
-        if cp is not None and isinstance(request, Request) and id(request) not in cp.saved_requests:
-            cp.save_request(request)
+        if cp is not None:
+            saved = cp.saved_requests  # None inside `unguarded`
+            if saved is not None and id(request) not in saved and isinstance(request, Request):
+                saved[id(request)] = (request, request_state(request))
         return fn(self, request, *args, **kwargs)
 
     return call  # type: ignore[return-value]  # as above
@@ -800,7 +825,7 @@ class Unguarded:
     """Stands in for every checkpoint of an engine inside :func:`unguarded`: saves nothing."""
 
     executor_called = False
-    saved_requests: tuple = ()
+    saved_requests = None  # nothing is saved
 
     def __init__(self) -> None:
         self.what, self.step = "an unguarded run", 0

@@ -635,6 +635,9 @@ class Scheduler:
         step's new blocks too, ``CachedRequestData.new_block_ids``). ``get_blocks`` hands out
         the tables themselves; only their new tails become ids."""
         tables = self.kv_cache_manager.get_blocks(request_id).blocks
+        if len(tables) == 1:  # one group (most models): the same, without the per-group loops
+            t = tables[0]
+            return ([b.block_id for b in t[sent[0] :]],), [len(t)]
         return tuple([b.block_id for b in t[s:]] for t, s in zip(tables, sent)), [len(t) for t in tables]
 
     def _make_output(self, plan: _StepPlan) -> SchedulerOutput:
