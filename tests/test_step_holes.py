@@ -152,7 +152,7 @@ def test_a_steps_checkpoint_keeps_full_attention_tables_by_length_and_undoes_gro
     assert {rid: len(t) for rid, t in group.req_to_blocks.items()} == lengths
     # The executor saw the undone steps, so the next one sends every request in full:
     assert eng.scheduler._num_sent_blocks == {}
-    eng.scheduler._num_sent_blocks = {"a": [8], "b": [3]}  # as before, for the comparison of everything else
+    eng.scheduler._num_sent_blocks = {"a": (8,), "b": (3,)}  # as before, for the comparison of everything else
     assert engine_fingerprint(eng) == before
 
     hybrid = KVCacheManager(num_blocks=16, block_size=4, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(sliding_window=8)])

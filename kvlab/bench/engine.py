@@ -168,6 +168,24 @@ def main(argv: list[str] | None = None) -> int:
         f"[engine] per step: prefill {_ms(timed.prefill_s)}, decode {_ms(timed.decode_s)}; "
         f"{wall / TARGET_S:.2f}x of the {TARGET_S:.0f} s sizing target"
     )
+    if not args.no_checkpoint_cost:  # the same run without undo points: what the transaction costs a model step
+        from kvlab.core.transaction import unguarded
+        from kvlab.request import Request
+
+        plain_mgr = KVCacheManager(num_blocks=args.num_blocks, block_size=args.block_size)
+        bare = LLMEngine(plain_mgr, Scheduler(plain_mgr), ModelRunner(model, backend=args.backend))
+        for i, p in enumerate(prompts):
+            bare.add_request(Request(f"plain-{i}", p, max_tokens=args.max_tokens))
+        c1, steps = time.process_time(), 0
+        with unguarded(bare) as nocp:
+            while bare.has_unfinished_requests():
+                bare._step(nocp)
+                steps += 1
+        plain_cpu = time.process_time() - c1
+        print(
+            f"[engine] the same run without undo points: {plain_cpu:.2f} s CPU; the transaction's share of a "
+            f"model step: {(cpu - plain_cpu) / cpu * 100:+.1f}% ({steps} steps each)"
+        )
     if args.check:
         same = outputs == [model.generate_dense(p, args.max_tokens) for p in prompts]
         print(f"[engine] tokens identical to the dense forward: {same}")

@@ -257,7 +257,7 @@ class Scheduler:
         self.caching_metrics = CachingMetrics()
         # req_id -> the number of blocks per group already reported to the executor (no
         # entry: the executor does not know the request -- it gets sent in full)
-        self._num_sent_blocks: dict[str, list[int]] = {}
+        self._num_sent_blocks: dict[str, tuple[int, ...]] = {}  # per request, per group: blocks the executor has
         self._pending_output: SchedulerOutput | None = None  # scheduled, not applied yet
         self._last_applied_step = 0
         if self.events is not None:
@@ -628,7 +628,7 @@ class Scheduler:
             if f.offset + f.length <= request.num_computed_tokens:
                 ecm.free_encoder_input(request, i)
 
-    def _new_block_ids(self, request_id: str, sent: list[int]) -> tuple[tuple[list[int], ...], list[int]]:
+    def _new_block_ids(self, request_id: str, sent: tuple[int, ...]) -> tuple[tuple[list[int], ...], tuple[int, ...]]:
         """The ids of the blocks a running request got since ``sent`` (per group, how many the
         executor already has), and the new lengths -- in O(new blocks), not O(blocks held): a
         decode step must not cost more for a request with a long context (vLLM sends only the
@@ -637,8 +637,8 @@ class Scheduler:
         tables = self.kv_cache_manager.get_blocks(request_id).blocks
         if len(tables) == 1:  # one group (most models): the same, without the per-group loops
             t = tables[0]
-            return ([b.block_id for b in t[sent[0] :]],), [len(t)]
-        return tuple([b.block_id for b in t[s:]] for t, s in zip(tables, sent)), [len(t) for t in tables]
+            return ([b.block_id for b in t[sent[0] :]],), (len(t),)
+        return tuple([b.block_id for b in t[s:]] for t, s in zip(tables, sent)), tuple(len(t) for t in tables)
 
     def _make_output(self, plan: _StepPlan) -> SchedulerOutput:
         mgr = self.kv_cache_manager
@@ -650,7 +650,7 @@ class Scheduler:
         resend = [r for r in plan.running if r.request_id not in sent]
         for r in [r for r, _ in plan.admitted] + resend:
             ids = mgr.get_block_ids(r.request_id)
-            self._num_sent_blocks[r.request_id] = [len(g) for g in ids]
+            self._num_sent_blocks[r.request_id] = tuple(len(g) for g in ids)
             nc = r.num_computed_tokens
             new_data.append(
                 NewRequestData(
