@@ -282,13 +282,16 @@ class Request:
 
     def append_output_token_ids(self, token_ids: int | Sequence[int]) -> None:
         """Append sampled tokens; the hashes of blocks they complete are computed now."""
-        if type(token_ids) is not list and (
-            type(token_ids) is int or not isinstance(token_ids, Sequence) or isinstance(token_ids, (str, bytes))
-        ):
-            token_ids = [token_ids]  # type: ignore[list-item]  # one token (an int, numpy's included)
-        ids = _check_token_ids("token_ids", token_ids)
-        if not ids:
-            return
+        if type(token_ids) is int and 0 <= token_ids <= _MAX_TOKEN_ID:
+            ids = [token_ids]  # one valid token: how a scheduler appends them
+        else:
+            if type(token_ids) is not list and (
+                type(token_ids) is int or not isinstance(token_ids, Sequence) or isinstance(token_ids, (str, bytes))
+            ):
+                token_ids = [token_ids]  # type: ignore[list-item]  # one token (an int, numpy's included)
+            ids = _check_token_ids("token_ids", token_ids)
+            if not ids:
+                return
         self._output_token_ids.extend(ids)
         self._all_token_ids.extend(ids)
         self._token_bytes += _pack_tokens(ids)

@@ -198,3 +198,17 @@ def test_a_requests_saved_state_is_every_field_it_holds_declared_or_not() -> Non
     s.a, s.b = 2, 3
     set_fields(s, saved)
     assert s.a == 1 and not hasattr(s, "b")
+
+
+def test_the_full_attention_managers_attributes_are_each_named_state_or_fixed() -> None:
+    """The step's checkpoint saves kvlab's own full-attention manager by name (reading its
+    ``__dict__`` would slow every later read of it): every attribute a real manager has must
+    be either state the checkpoint saves or fixed at construction -- a new one fails here
+    until it is named."""
+    from kvlab.core.single_type_kv_cache_manager import FullAttentionManager
+    from kvlab.core.transaction import _FULL_ATTENTION_FIXED, _FULL_ATTENTION_STATE, _TABLES
+
+    for mgr in (KVCacheManager(num_blocks=16, block_size=4), KVCacheManager(num_blocks=16, block_size=4, enable_caching=False)):
+        m = mgr.coordinator.single_type_managers[0]
+        assert type(m) is FullAttentionManager
+        assert set(vars(m)) == set(_TABLES) | set(_FULL_ATTENTION_STATE) | _FULL_ATTENTION_FIXED

@@ -200,6 +200,42 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
         super().__init__(*args, **kwargs)
         self.single_type_managers[0].use_eagle = 0 in self.eagle_group_ids
 
+    # One group: each question goes straight to its manager (the base class's loops over
+    # groups, without the loop -- these run for every request in every step).
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[Sequence[KVCacheBlock]],
+        total_computed_tokens: int,
+        num_local_computed_tokens: int,
+        num_tokens_main_model: int,
+        apply_admission_cap: bool = False,
+    ) -> int:
+        return self.single_type_managers[0].get_num_blocks_to_allocate(
+            request_id,
+            num_tokens,
+            new_computed_blocks[0],
+            total_computed_tokens,
+            num_local_computed_tokens,
+            num_tokens_main_model,
+            apply_admission_cap,
+        )
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int) -> tuple[list[KVCacheBlock], ...]:
+        return (self.single_type_managers[0].allocate_new_blocks(request_id, num_tokens, num_tokens_main_model),)
+
+    def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
+        m = self.single_type_managers[0]
+        if m.enable_caching:
+            m.cache_blocks(request, num_computed_tokens)
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        self.single_type_managers[0].remove_skipped_blocks(request_id, num_computed_tokens)
+
+    def get_blocks(self, request_id: str) -> tuple[list[KVCacheBlock], ...]:
+        return (self.single_type_managers[0].req_to_blocks.get(request_id, []),)
+
 
 class SpecGroup(NamedTuple):
     """Groups that share one spec: cached and looked up together."""

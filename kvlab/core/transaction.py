@@ -39,7 +39,7 @@ from kvlab.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 from kvlab.core.single_type_kv_cache_manager import FullAttentionManager, SingleTypeKVCacheManager
 from kvlab.metrics.stats import PrefixCacheStats
 from kvlab.request import Request
-from kvlab.utils.state import copy_attrs, fields_reader, get_fields, put_attrs, restore_into, set_fields
+from kvlab.utils.state import copy_attrs, copy_named, fields_reader, get_fields, put_attrs, restore_into, set_fields
 
 if TYPE_CHECKING:
     from kvlab.core.kv_cache_manager import KVCacheManager
@@ -370,13 +370,35 @@ def restore_pool(
 #: theirs are copied.
 _GROWING_TABLES: frozenset[type] = frozenset({FullAttentionManager})
 _TABLES = frozenset({"req_to_blocks"})  # the attribute they keep by length
+#: kvlab's own full-attention manager in full: what a call may change besides its tables, and
+#: what is fixed once it is built. Its state is saved by these names, without reading the
+#: manager's ``__dict__``: in CPython 3.11 that turns an object's compact attribute storage
+#: into a dict, and every later attribute read of it gets ~2.5x slower -- this manager is
+#: read for every request in every step. A test compares the names with a real manager's
+#: attributes, so one added later cannot be missed. (Other classes, a learner's subclass
+#: among them, are saved generically.)
+_FULL_ATTENTION_STATE = ("num_cached_block",)
+_FULL_ATTENTION_FIXED = frozenset(
+    {
+        "kv_cache_spec",
+        "block_size",
+        "block_pool",
+        "kv_cache_group_id",
+        "enable_caching",
+        "scheduler_block_size",
+        "cache_hit_alignment_tokens",
+        "max_admission_blocks_per_request",
+        "use_eagle",
+        "_null_block",
+    }
+)
 
 
 @dataclass(slots=True)
 class _GroupSave:
     """One group manager's attributes as they were: ``attrs`` copied two levels deep, or --
-    for a class in ``_GROWING_TABLES`` -- everything but ``req_to_blocks``, whose tables
-    are kept as the map (a shallow copy: the same lists) and their lengths."""
+    for a class in ``_GROWING_TABLES`` -- its state but ``req_to_blocks``, whose tables are
+    kept as the map (a shallow copy: the same lists) and their lengths."""
 
     attrs: dict[str, Any]
     tables: dict[str, list[KVCacheBlock]] | None
@@ -386,7 +408,7 @@ class _GroupSave:
 def _save_group(m: SingleTypeKVCacheManager) -> _GroupSave:
     if type(m) in _GROWING_TABLES:
         tables = m.req_to_blocks
-        return _GroupSave(copy_attrs(m, skip=_TABLES), tables.copy(), list(map(len, tables.values())))
+        return _GroupSave(copy_named(m, _FULL_ATTENTION_STATE), tables.copy(), list(map(len, tables.values())))
     return _GroupSave(copy_attrs(m), None, None)
 
 

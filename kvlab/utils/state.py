@@ -11,11 +11,11 @@ by reference (blocks, specs, the pool: those have owners that checkpoint them).
 from __future__ import annotations
 
 from collections import OrderedDict, defaultdict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from operator import attrgetter
 from typing import Any
 
-__all__ = ["UNSET", "copy_attrs", "fields_reader", "get_fields", "put_attrs", "set_fields"]
+__all__ = ["UNSET", "copy_attrs", "copy_named", "fields_reader", "get_fields", "put_attrs", "set_fields"]
 
 _FLAT = frozenset((list, dict, set, deque, bytearray, OrderedDict, defaultdict))
 
@@ -43,6 +43,12 @@ def _copy(v: Any) -> Any:
 def copy_attrs(obj: Any, skip: frozenset[str] = frozenset()) -> dict[str, Any]:
     """Every attribute of ``obj`` (its ``__dict__``) but ``skip``, containers copied two levels deep."""
     return {k: _copy(v) for k, v in vars(obj).items() if k not in skip}
+
+
+def copy_named(obj: Any, names: Iterable[str]) -> dict[str, Any]:
+    """``copy_attrs`` for the attributes ``names`` only, read one by one (``obj.__dict__`` is
+    never touched: see ``get_fields``)."""
+    return {n: _copy(getattr(obj, n)) for n in names}
 
 
 def put_attrs(obj: Any, saved: dict[str, Any]) -> None:
