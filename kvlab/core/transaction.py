@@ -15,7 +15,9 @@ How a call is undone, for the pool:
   operation first appends how to undo itself -- the links or the entry it is about to
   change, as they are -- so the journal costs O(1) per operation and copies nothing.
   Undoing the entries newest first puts everything back, even after an operation that
-  was itself stopped half way: each undo writes absolute values.
+  was itself stopped half way: each undo writes absolute values (or, for a key several
+  blocks carry, puts one block back at its place), and an entry leaves the journal once
+  applied -- so a restore that an interrupt stopped goes on from there when called again.
 * **Ref counts and hashes are derived, not journaled**: after the queue and the map are
   back, each block's ``cache_key`` comes from the map and its ``ref_cnt`` from the block
   tables as they were (the manager keeps those).
@@ -308,8 +310,9 @@ def restore_pool(
 ) -> list[KVCacheBlock]:
     """Undo every change to ``pool`` since ``cp``; ``tables`` are the block tables as they
     were then (the ref counts are recounted from them). Safe to call again after it was
-    itself interrupted: each undo writes absolute values, newest first. Journaling goes on
-    until :func:`release_pool`.
+    itself interrupted: the journal is undone newest first, each entry leaving it once
+    applied (applying one twice gives the same result). Journaling goes on until
+    :func:`release_pool`.
 
     ``drop_reused``: blocks that sat cached on the free queue at ``cp`` and were handed out
     since lose their hash now (returned, and logged as evictions): an executor may have
