@@ -429,3 +429,28 @@ def test_preempt_and_resume_hits_own_blocks():
     assert hits.get_block_ids() == ([1, 2],) and n == 8  # block 3 was only 3/4 computed
     mgr.record_prefix_cache_stats(r, n)
     assert mgr.make_prefix_cache_stats().preempted_hits == 8
+
+
+def test_the_one_group_coordinators_direct_calls_equal_the_general_loops(monkeypatch) -> None:
+    """UnitaryKVCacheCoordinator answers each question straight from its one manager (a fast
+    path: the general class loops over groups). The same run through both -- prefix hits,
+    chunked prefill, preemption -- must log the very same events, block ids included."""
+    from kvlab.core.kv_cache_coordinator import KVCacheCoordinator, UnitaryKVCacheCoordinator
+    from kvlab.engine.llm_engine import build_engine
+
+    def run() -> list[dict]:
+        eng = build_engine(num_blocks=12, block_size=4, max_num_batched_tokens=24, max_num_seqs=4)
+        assert type(eng.kv_cache_manager.coordinator) is UnitaryKVCacheCoordinator
+        shared = list(range(100, 112))
+        eng.generate([shared + [i, i + 1, i + 2] for i in range(6)] + [list(range(40, 60))], max_tokens=12)
+        return [{k: v for k, v in e.to_dict().items() if k != "arrival_time"} for e in eng.events]  # (the wall clock's)
+
+    fast = run()
+    for name in ("get_num_blocks_to_allocate", "allocate_new_blocks", "cache_blocks", "remove_skipped_blocks", "get_blocks"):
+        assert name in vars(UnitaryKVCacheCoordinator)
+        monkeypatch.setattr(UnitaryKVCacheCoordinator, name, getattr(KVCacheCoordinator, name))
+    general = run()
+    kinds = {e["kind"] for e in fast}
+    assert {"prefix_lookup", "blocks_touched", "request_preempted", "block_evicted"} <= kinds, sorted(kinds)
+    assert sum(e["kind"] == "request_preempted" for e in fast) == 4
+    assert fast == general

@@ -228,7 +228,7 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
         m = self.single_type_managers[0]
         if m.enable_caching:
-            m.cache_blocks(request, num_computed_tokens)
+            m.cache_blocks(request, self.get_num_cacheable_tokens(num_computed_tokens, 0))
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         self.single_type_managers[0].remove_skipped_blocks(request_id, num_computed_tokens)
