@@ -172,11 +172,11 @@ def main(argv: list[str] | None = None) -> int:
         from kvlab.core.transaction import unguarded
         from kvlab.request import Request
 
-        plain_mgr = KVCacheManager(num_blocks=args.num_blocks, block_size=args.block_size)
-        bare = LLMEngine(plain_mgr, Scheduler(plain_mgr), ModelRunner(model, backend=args.backend))
+        bare_mgr = KVCacheManager(num_blocks=args.num_blocks, block_size=args.block_size)
+        bare = LLMEngine(bare_mgr, Scheduler(bare_mgr), ModelRunner(model, backend=args.backend))
+        c1, steps = time.process_time(), 0  # from the requests' adding on, as generate() above
         for i, p in enumerate(prompts):
             bare.add_request(Request(f"plain-{i}", p, max_tokens=args.max_tokens))
-        c1, steps = time.process_time(), 0
         with unguarded(bare) as nocp:
             while bare.has_unfinished_requests():
                 bare._step(nocp)

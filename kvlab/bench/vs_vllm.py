@@ -90,7 +90,6 @@ def load_vllm() -> tuple[SimpleNamespace | None, str]:
         from vllm import __version__ as version
     except Exception:  # noqa: BLE001
         version = "?"
-    sched: SimpleNamespace | None = None
     try:  # the scheduler row only: vllm.config imports much more than the KV-cache modules
         from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
         from vllm.v1.core.sched.scheduler import Scheduler as VScheduler
@@ -270,6 +269,9 @@ def _hashing(side: _Side, rounds: int) -> Callable[[], int]:
 SCHED_REQUESTS = 200  # requests per scheduler run
 SCHED_BLOCKS = 300  # 4,800 token slots for up to 64 running requests of 64-256 prompt tokens: it preempts
 SCHED_MAX_TOKENS = 16
+SCHED_MAX_SEQS = 64  # both schedulers: running requests at most,
+SCHED_BUDGET = 2048  # tokens a step,
+SCHED_MAX_MODEL_LEN = 2048  # and tokens a request
 SCHED_RUNS = 5  # interleaved whole runs (medians over them)
 #: OPT-125m's config.json: vLLM's ModelConfig reads a model's geometry from it (no weights,
 #: no tokenizer: ``skip_tokenizer_init``).
@@ -317,9 +319,15 @@ def _vllm_scheduler(v: SimpleNamespace, num_blocks: int) -> Any:
     if not os.path.exists(cfg):
         with open(cfg, "w") as f:
             json.dump(_OPT_CONFIG, f)
-    model = s.ModelConfig(model=folder, tokenizer=folder, skip_tokenizer_init=True, dtype="float16", seed=42, max_model_len=2048)
+    model = s.ModelConfig(
+        model=folder, tokenizer=folder, skip_tokenizer_init=True, dtype="float16", seed=42, max_model_len=SCHED_MAX_MODEL_LEN
+    )
     sched_cfg = s.SchedulerConfig(
-        max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=2048, enable_chunked_prefill=True, is_encoder_decoder=False
+        max_num_seqs=SCHED_MAX_SEQS,
+        max_num_batched_tokens=SCHED_BUDGET,
+        max_model_len=SCHED_MAX_MODEL_LEN,
+        enable_chunked_prefill=True,
+        is_encoder_decoder=False,
     )
     cache = s.CacheConfig(block_size=BLOCK, gpu_memory_utilization=0.9, cache_dtype="auto", enable_prefix_caching=True)
     vcfg = s.VllmConfig(scheduler_config=sched_cfg, model_config=model, cache_config=cache)
@@ -348,8 +356,8 @@ def _scheduler(side: _Side, runs: int = SCHED_RUNS) -> Callable[[], int]:
 
     def build() -> Any:
         if v is None:
-            mgr = KVCacheManager(SCHED_BLOCKS, BLOCK, max_model_len=2048)
-            sched = Scheduler(mgr, max_num_batched_tokens=2048, max_num_seqs=64, max_model_len=2048)
+            mgr = KVCacheManager(SCHED_BLOCKS, BLOCK, max_model_len=SCHED_MAX_MODEL_LEN)
+            sched = Scheduler(mgr, max_num_batched_tokens=SCHED_BUDGET, max_num_seqs=SCHED_MAX_SEQS, max_model_len=SCHED_MAX_MODEL_LEN)
             for i, p in enumerate(prompts):
                 sched.add_request(Request(f"req-{i}", p, max_tokens=SCHED_MAX_TOKENS, block_hasher=mgr.request_block_hasher))
             return sched

@@ -41,7 +41,7 @@ from kvlab.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 from kvlab.core.single_type_kv_cache_manager import FullAttentionManager, SingleTypeKVCacheManager
 from kvlab.metrics.stats import PrefixCacheStats
 from kvlab.request import Request
-from kvlab.utils.state import copy_attrs, copy_named, fields_reader, get_fields, put_attrs, restore_into, set_fields
+from kvlab.utils.state import copy_attrs, copy_named, get_fields, put_attrs, restore_into, set_fields
 
 if TYPE_CHECKING:
     from kvlab.core.kv_cache_manager import KVCacheManager
@@ -365,14 +365,7 @@ def restore_pool(
 
 
 # --- the KV-cache manager ---------------------------------------------------------------------
-#: Group managers whose block tables, within a call, only grow at the end (``extend``) or
-#: leave whole (``pop``): never changed in place. A checkpoint keeps such a table as (the list,
-#: its length) -- O(requests), not O(blocks held) -- so a decode step costs the same at 16
-#: blocks held as at 2,048. Exact classes only: a subclass (a learner's) may change a table
-#: in place, and a window's table does (blocks it no longer reads become the null block), so
-#: theirs are copied.
-_GROWING_TABLES: frozenset[type] = frozenset({FullAttentionManager})
-_TABLES = frozenset({"req_to_blocks"})  # the attribute they keep by length
+_TABLES = frozenset({"req_to_blocks"})  # the attribute a growing-table class keeps by length
 #: kvlab's own full-attention manager in full: what a call may change besides its tables, and
 #: what is fixed once it is built. Its state is saved by these names, without reading the
 #: manager's ``__dict__``: in CPython 3.11 that turns an object's compact attribute storage
@@ -395,6 +388,13 @@ _FULL_ATTENTION_FIXED = frozenset(
         "_null_block",
     }
 )
+#: Group managers whose block tables, within a call, only grow at the end (``extend``) or
+#: leave whole (``pop``): never changed in place. A checkpoint keeps such a table as (the list,
+#: its length) -- O(requests), not O(blocks held) -- so a decode step costs the same at 16
+#: blocks held as at 2,048. Exact classes only: a subclass (a learner's) may change a table
+#: in place, and a window's table does (blocks it no longer reads become the null block), so
+#: theirs are copied. Each class maps to the rest of its state, saved by name.
+_GROWING_TABLES: dict[type, tuple[str, ...]] = {FullAttentionManager: _FULL_ATTENTION_STATE}
 
 
 @dataclass(slots=True)
@@ -409,9 +409,10 @@ class _GroupSave:
 
 
 def _save_group(m: SingleTypeKVCacheManager) -> _GroupSave:
-    if type(m) in _GROWING_TABLES:
+    state = _GROWING_TABLES.get(type(m))
+    if state is not None:
         tables = m.req_to_blocks
-        return _GroupSave(copy_named(m, _FULL_ATTENTION_STATE), tables.copy(), list(map(len, tables.values())))
+        return _GroupSave(copy_named(m, state), tables.copy(), list(map(len, tables.values())))
     return _GroupSave(copy_attrs(m), None, None)
 
 
@@ -436,10 +437,13 @@ class ManagerCheckpoint:
     pool: PoolCheckpoint
     saved_requests: dict[int, tuple[Request, tuple]] = field(default_factory=dict)  # id(request) -> (request, its state)
 
-    def save_request(self, request: Request) -> None:
-        """Keep ``request``'s state as it is now (the first save wins)."""
-        if id(request) not in self.saved_requests:
-            self.saved_requests[id(request)] = (request, request_state(request))
+
+def save_first(saved: dict[int, tuple[Request, tuple]] | None, request: Any) -> None:
+    """Keep ``request``'s state as it is now in ``saved`` (a checkpoint's ``saved_requests``;
+    None inside :func:`unguarded`: nothing is kept). The first save wins; what is not a
+    Request (a learner's bad argument, refused by the call itself) is not saved."""
+    if saved is not None and id(request) not in saved and isinstance(request, Request):
+        saved[id(request)] = (request, request_state(request))
 
 
 def request_state(r: Request) -> tuple:
@@ -447,11 +451,7 @@ def request_state(r: Request) -> tuple:
     as it is (read generically, so a field added later -- or one a connector sets, like
     ``kv_transfer_params`` -- cannot be forgotten), and the lists that only ever grow
     (tokens, packed tokens, block hashes) by their lengths, to be cut back."""
-    read = _READ_REQUEST if type(r) is Request else get_fields
-    return (read(r), len(r._output_token_ids), len(r._all_token_ids), len(r.block_hashes))
-
-
-_READ_REQUEST = fields_reader(Request)
+    return (get_fields(r), len(r._output_token_ids), len(r._all_token_ids), len(r.block_hashes))
 
 
 def set_request_state(r: Request, state: tuple) -> None:
@@ -512,14 +512,11 @@ def manager_call(fn: F) -> F:
     def call(self: KVCacheManager, request: Any, *args: Any, **kwargs: Any) -> Any:
         cp = self._txn
         if cp is not None:
-            saved = cp.saved_requests  # None inside `unguarded`
-            if saved is not None and id(request) not in saved and isinstance(request, Request):
-                saved[id(request)] = (request, request_state(request))  # cp.save_request, inline (hot path)
+            save_first(cp.saved_requests, request)
             return fn(self, request, *args, **kwargs)
         cp = checkpoint_manager(self)
         try:
-            if isinstance(request, Request):
-                cp.save_request(request)
+            save_first(cp.saved_requests, request)
             out = fn(self, request, *args, **kwargs)
         except BaseException:
             restore_manager(self, cp)
@@ -538,9 +535,7 @@ def manager_lookup(fn: F) -> F:
     def call(self: KVCacheManager, request: Any, *args: Any, **kwargs: Any) -> Any:
         cp = self._txn
         if cp is not None:
-            saved = cp.saved_requests  # None inside `unguarded`
-            if saved is not None and id(request) not in saved and isinstance(request, Request):
-                saved[id(request)] = (request, request_state(request))
+            save_first(cp.saved_requests, request)
         return fn(self, request, *args, **kwargs)
 
     return call  # type: ignore[return-value]  # as above
@@ -565,8 +560,9 @@ class SchedulerCheckpoint:
     publisher: Any  # the KV-event publisher the transaction holds batches back from (None: none)
     publish: list = field(default_factory=list)  # KV-event batches to publish once the calls are kept
 
-    def save_request(self, request: Request) -> None:
-        self.manager.save_request(request)
+    @property
+    def saved_requests(self) -> dict[int, tuple[Request, tuple]]:
+        return self.manager.saved_requests
 
 
 #: Scheduler attributes a checkpoint does not copy: objects with owners of their own (the
@@ -691,12 +687,10 @@ def scheduler_call(touches: Callable[..., Iterable[str]] | None = None) -> Calla
             if own:
                 cp = checkpoint_scheduler(self)
             try:
-                if touches is not None and type(cp) is SchedulerCheckpoint:
-                    saved, get = cp.manager.saved_requests, self.requests.get
+                if touches is not None and cp.saved_requests is not None:
+                    saved, get = cp.saved_requests, self.requests.get
                     for rid in touches(self, *args, **kwargs):
-                        r = get(rid)
-                        if r is not None and id(r) not in saved:
-                            cp.save_request(r)
+                        save_first(saved, get(rid))
                 out = fn(self, *args, **kwargs)
             except BaseException:
                 if own:
@@ -760,9 +754,7 @@ class EngineCheckpoint:
 
     def save_metrics(self, metrics: dict[str, Any], rid: str) -> None:
         """Keep ``metrics[rid]`` as it is now (the first save wins)."""
-        if rid not in self.metrics:
-            m = metrics.get(rid, _MISSING)
-            self.metrics[rid] = (m, None if m is _MISSING else get_fields(m))
+        self.save_metrics_of(metrics, (rid,))
 
     def save_metrics_of(self, metrics: dict[str, Any], rids: Iterable[str]) -> None:
         """:meth:`save_metrics` for each of ``rids`` (a step's scheduled requests), in one call."""
@@ -854,9 +846,6 @@ class Unguarded:
 
     def __init__(self) -> None:
         self.what, self.step = "an unguarded run", 0
-
-    def save_request(self, request: Any) -> None:
-        pass
 
     def save_metrics(self, metrics: Any, rid: str) -> None:
         pass

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 from operator import attrgetter
 from typing import Any
 
-__all__ = ["UNSET", "copy_attrs", "copy_named", "fields_reader", "get_fields", "put_attrs", "set_fields"]
+__all__ = ["UNSET", "copy_attrs", "copy_named", "get_fields", "put_attrs", "set_fields"]
 
 _FLAT = frozenset((list, dict, set, deque, bytearray, OrderedDict, defaultdict))
 
@@ -116,14 +116,6 @@ def _plan(cls: type) -> tuple[tuple[str, ...], Callable[[Any], tuple]]:
         return values, obj.__dict__.copy() if has_dict else None
 
     return names, read
-
-
-def fields_reader(cls: type) -> Callable[[Any], tuple]:
-    """What :func:`get_fields` calls for an object of exactly ``cls`` (a hot caller keeps it)."""
-    plan = _PLANS.get(cls)
-    if plan is None:
-        plan = _PLANS[cls] = _plan(cls)
-    return plan[1]
 
 
 def get_fields(obj: Any) -> tuple[tuple, dict[str, Any] | None]:
