@@ -222,6 +222,21 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
             apply_admission_cap,
         )
 
+    def allocate_new_computed_blocks(
+        self,
+        request_id: str,
+        new_computed_blocks: Sequence[Sequence[KVCacheBlock]],
+        num_local_computed_tokens: int,
+        num_external_computed_tokens: int,
+    ) -> None:
+        m = self.single_type_managers[0]
+        if request_id in m.num_cached_block:
+            assert not any(new_computed_blocks), "a running request cannot receive prefix hits"
+            return
+        m.add_local_computed_blocks(request_id, new_computed_blocks[0], num_local_computed_tokens, num_external_computed_tokens)
+        if num_external_computed_tokens > 0:
+            m.allocate_external_computed_blocks(request_id, num_local_computed_tokens, num_external_computed_tokens)
+
     def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int) -> tuple[list[KVCacheBlock], ...]:
         return (self.single_type_managers[0].allocate_new_blocks(request_id, num_tokens, num_tokens_main_model),)
 

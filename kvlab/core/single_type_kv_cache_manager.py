@@ -80,7 +80,8 @@ class SingleTypeKVCacheManager:
     # -- how many blocks ------------------------------------------------------------------------
     @staticmethod
     def _get_num_evictable_blocks(blocks: Sequence[KVCacheBlock]) -> int:
-        return sum(1 for b in blocks if b.ref_cnt == 0 and not b.is_null)
+        """Hits that sit in the free queue: adopting one takes it out, as an allocation would."""
+        return len([b for b in blocks if b.ref_cnt == 0 and not b.is_null])
 
     def get_num_blocks_to_allocate(
         self,
@@ -111,7 +112,8 @@ class SingleTypeKVCacheManager:
         num_local_blocks = len(new_computed_blocks) + num_req_blocks
         num_new = max(num_required - max(num_skipped_blocks, num_local_blocks), 0)
         num_skipped_hits = max(0, num_skipped_blocks - num_req_blocks)
-        return num_new + self._get_num_evictable_blocks(new_computed_blocks[num_skipped_hits:])
+        hits = new_computed_blocks[num_skipped_hits:] if num_skipped_hits else new_computed_blocks
+        return num_new + self._get_num_evictable_blocks(hits)
 
     # -- adopting hits and allocating -----------------------------------------------------------
     def add_local_computed_blocks(
