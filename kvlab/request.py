@@ -83,6 +83,10 @@ def _check_token_ids(name: str, token_ids: Sequence[int]) -> list[int]:
     return out
 
 
+#: What a request's KV events report (vLLM 0.33's ``kv_cache_report_mode``).
+KV_CACHE_REPORT_MODES = ("incremental", "full")
+
+
 def _check_request_args(
     request_id: Any,
     prompt_token_ids: Any,
@@ -91,11 +95,13 @@ def _check_request_args(
     cache_salt: Any,
     lora_name: Any,
     lora_path: Any,
+    lora_int_id: Any,
+    kv_cache_report_mode: Any,
     prompt_embeds: Any,
     priority: Any,
     arrival_time: Any,
     mm_features: Any,
-) -> tuple[list[int], int, int | None, int, float | None, list[MultiModalFeature]]:
+) -> tuple[list[int], int, int | None, int | None, int, float | None, list[MultiModalFeature]]:
     """``Request``'s arguments, checked (raising, named, before the object exists) and
     normalised: the prompt as a list of ints, the counts as ints, the features by offset."""
     if not isinstance(request_id, str) or not request_id:
@@ -111,6 +117,12 @@ def _check_request_args(
         raise TypeError(f"lora_name must be None or a non-empty str, got {lora_name!r}")
     if lora_path is not None and (not isinstance(lora_path, str) or lora_name is None):
         raise TypeError(f"lora_path must be None or a str, and needs a lora_name; got lora_path={lora_path!r}, lora_name={lora_name!r}")
+    # vLLM's LoRARequest.lora_int_id: ids start at 1 (vLLM raises "id must be > 0").
+    lora_int_id = check_optional_int("lora_int_id", lora_int_id, 1)
+    if kv_cache_report_mode not in KV_CACHE_REPORT_MODES or type(kv_cache_report_mode) is not str:
+        raise ValueError(f"kv_cache_report_mode must be one of {KV_CACHE_REPORT_MODES}, got {kv_cache_report_mode!r}")
+    if lora_int_id is not None and lora_name is None:
+        raise ValueError(f"lora_int_id = {lora_int_id} needs a lora_name: the id numbers an adapter, and the name is what the hash uses")
     if prompt_embeds is not None:
         try:
             n_rows = len(prompt_embeds)
@@ -149,7 +161,7 @@ def _check_request_args(
                 f"mm_features: {features[i - 1].identifier!r} and {f.identifier!r} overlap; "
                 "each placeholder token belongs to at most one item"
             )
-    return prompt, max_tokens, eos_token_id, priority, arrival_time, features
+    return prompt, max_tokens, eos_token_id, lora_int_id, priority, arrival_time, features
 
 
 class Request:
@@ -168,6 +180,8 @@ class Request:
         "cache_salt",
         "lora_name",
         "lora_path",
+        "lora_int_id",
+        "kv_cache_report_mode",
         "prompt_embeds",
         "_prompt_embeds_per_block_hashes",
         "priority",
@@ -203,8 +217,10 @@ class Request:
         block_hasher: Callable[[Request], list[BlockHash]] | None = None,
         lora_path: str | None = None,
         prompt_embeds: Any = None,
+        lora_int_id: int | None = None,
+        kv_cache_report_mode: str = "incremental",
     ) -> None:
-        prompt, max_tokens, eos_token_id, priority, arrival_time, features = _check_request_args(
+        prompt, max_tokens, eos_token_id, lora_int_id, priority, arrival_time, features = _check_request_args(
             request_id,
             prompt_token_ids,
             max_tokens,
@@ -212,6 +228,8 @@ class Request:
             cache_salt,
             lora_name,
             lora_path,
+            lora_int_id,
+            kv_cache_report_mode,
             prompt_embeds,
             priority,
             arrival_time,
@@ -225,6 +243,13 @@ class Request:
         self.cache_salt = cache_salt
         self.lora_name = lora_name
         self.lora_path = lora_path
+        # The adapter's number (vLLM's ``LoRARequest.lora_int_id``, published as ``lora_id``
+        # in KV events). The name and path make the hash; the id only numbers the adapter.
+        # None until an engine gives it one (LLMEngine.add_request), unless given here.
+        self.lora_int_id = lora_int_id
+        # "full": each prefix hit this request gets is published as a BlockStored too (vLLM
+        # 0.33 reads it from SamplingParams.extra_args); "incremental": only new blocks are.
+        self.kv_cache_report_mode = kv_cache_report_mode
         self.prompt_embeds = prompt_embeds
         self._prompt_embeds_per_block_hashes: dict[tuple[int, int], bytes] = {}
         self.priority = priority

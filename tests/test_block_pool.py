@@ -62,9 +62,50 @@ def test_popleft_and_popleft_n():
     assert ids(q.popleft_n(2)) == [4, 5]
     assert check_links(q) == [] and q.fake_free_list_head.next_free_block is q.fake_free_list_tail
     assert q.fake_free_list_tail.prev_free_block is q.fake_free_list_head
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="^No free blocks available$"):
         q.popleft()
     assert q.num_free_blocks == 0
+
+
+# vLLM 0.33's error paths of the queue, its words and its exception types (each checked against
+# vLLM 0.33.0's FreeKVCacheBlockQueue); the queue is left as it was.
+def test_popleft_on_a_queue_whose_count_disagrees_with_its_links_is_an_assertion():
+    _, q = make_queue(2)
+    q.popleft_n(2)
+    q.num_free_blocks = 3  # corrupted by hand
+    with pytest.raises(AssertionError, match=r"^num_free_blocks \(3\) is out of sync with the free list\.$"):
+        q.popleft()
+    assert q.fake_free_list_head.next_free_block is q.fake_free_list_tail
+
+
+@pytest.mark.parametrize("journaled", [False, True])
+def test_popleft_of_a_block_linked_in_without_a_successor_is_a_runtime_error(journaled):
+    blocks, q = make_queue(3)
+    if journaled:  # inside a transaction the refused call journals nothing either
+        from kvlab.core.transaction import JournaledFreeKVCacheBlockQueue
+
+        q.__class__, q.journal = JournaledFreeKVCacheBlockQueue, []
+    stray = KVCacheBlock(9)
+    q.fake_free_list_head.next_free_block = stray  # a bug in the caller: a block with no next link
+    with pytest.raises(RuntimeError, match=r"^Invalid block found in popleft\(\) which doesn't have a valid next_free_block$"):
+        q.popleft()
+    assert q.fake_free_list_head.next_free_block is stray and q.num_free_blocks == 3
+    assert not journaled or q.journal == []
+
+
+@pytest.mark.parametrize("journaled", [False, True])
+def test_append_n_on_a_broken_tail_is_an_assertion_and_changes_nothing(journaled):
+    blocks, q = make_queue(3)
+    pool_free = q.popleft_n(1)
+    if journaled:  # inside a transaction the refused call journals nothing either
+        from kvlab.core.transaction import JournaledFreeKVCacheBlockQueue
+
+        q.__class__, q.journal = JournaledFreeKVCacheBlockQueue, []
+    q.fake_free_list_tail.prev_free_block = None  # broken by hand
+    with pytest.raises(AssertionError, match="^prev_free_block of fake_free_list_tail should always exist$"):
+        q.append_n(pool_free)
+    assert pool_free[0].prev_free_block is None and pool_free[0].next_free_block is None and q.num_free_blocks == 2
+    assert not journaled or q.journal == []
 
 
 def test_remove_from_the_middle_and_the_ends():

@@ -143,7 +143,7 @@ def test_extra_keys_lora_name_and_salt_appear_per_block_untagged():
     r = Request("r", list(range(9)), lora_name="sql", cache_salt="t1", mm_features=[img])
     run(mgr, r)
     (ev,) = mgr.take_events()
-    assert ev.lora_name == "sql" and ev.lora_id is None  # kvlab names adapters; it has no int id
+    assert ev.lora_name == "sql" and ev.lora_id is None  # no adapter id given, and no engine to give one
     assert ev.extra_keys == [("sql", ("img-a", 2), "t1"), ("sql", ("img-a", -2))]
 
 
@@ -319,3 +319,188 @@ def test_the_data_layer_replays_the_older_free_rule():
             assert replay(e.events).free_queue == live, (prepend, e.scheduler.step_count)
         final[prepend] = live
     assert final[True] != final[False]  # the two rules really differ on this run
+
+
+def test_lora_id_is_the_adapters_int_id_as_vllm_publishes_it():
+    # vLLM 0.33 publishes BlockStored.lora_id = request.lora_request.adapter_id (its
+    # lora_int_id); checked against vLLM 0.33.0 itself: LoRARequest("sql", 7, "/a/sql") on a
+    # 9-token prompt, blocks of 4, sha256_cbor, gives lora_id 7, lora_name "sql", extra keys
+    # [("sql",), ("sql",)] and the same two block hashes as this.
+    mgr = KVCacheManager(num_blocks=8, block_size=4, enable_kv_cache_events=True)
+    r = Request("r", list(range(9)), lora_name="sql", lora_path="/a/sql", lora_int_id=7)
+    run(mgr, r)
+    (ev,) = mgr.take_events()
+    assert (ev.lora_id, ev.lora_name, ev.extra_keys) == (7, "sql", [("sql",), ("sql",)])
+    # The id does not enter the hash (vLLM hashes the name and the path): same hashes as id 8.
+    other = Request("o", list(range(9)), lora_name="sql", lora_path="/a/sql", lora_int_id=8)
+    other.bind_block_hasher(mgr.request_block_hasher)
+    assert other.block_hashes == r.block_hashes
+
+
+def test_an_engine_numbers_adapters_from_1_in_order_of_first_use():
+    from kvlab.engine.llm_engine import build_engine
+
+    class Publisher:
+        def __init__(self) -> None:
+            self.batches: list = []
+
+        def publish(self, batch) -> None:
+            self.batches.append(batch)
+
+    pub = Publisher()
+    eng = build_engine(num_blocks=32, block_size=4, manager_kwargs=dict(enable_kv_cache_events=True), kv_event_publisher=pub)
+    reqs = [
+        Request("a", list(range(8)), max_tokens=1, lora_name="sql"),
+        Request("b", list(range(100, 108)), max_tokens=1, lora_name="chat"),
+        Request("c", list(range(200, 208)), max_tokens=1, lora_name="sql"),
+        Request("d", list(range(300, 308)), max_tokens=1),
+    ]
+    for r in reqs:
+        eng.add_request(r)
+    assert [r.lora_int_id for r in reqs] == [1, 2, 1, None]
+    assert eng.lora_ids == {"sql": 1, "chat": 2}
+    eng.run()
+    stored = [(e.lora_name, e.lora_id) for b in pub.batches for e in b.events if isinstance(e, BlockStored)]
+    assert stored == [("sql", 1), ("chat", 2), ("sql", 1), (None, None)]
+    # generate() numbers its adapter the same way; an id given is kept.
+    eng.generate([list(range(400, 408))], max_tokens=1, lora_name="code", lora_path="/p/code")
+    eng.add_request(Request("e", list(range(500, 508)), max_tokens=1, lora_name="math", lora_int_id=9))
+    assert eng.lora_ids == {"sql": 1, "chat": 2, "code": 3, "math": 9}
+    eng.add_request(Request("f", list(range(600, 608)), max_tokens=1, lora_name="law"))
+    assert eng.lora_ids["law"] == 10  # after the highest id in use
+
+
+def test_adapter_ids_are_refused_when_they_clash_and_a_failed_add_leaves_none_behind():
+    from kvlab.engine.llm_engine import build_engine
+
+    eng = build_engine(num_blocks=32, block_size=4)
+    eng.add_request(Request("a", list(range(8)), lora_name="sql"))
+    with pytest.raises(ValueError, match=r"lora_int_id = 5 for adapter 'sql', which this engine numbers 1"):
+        eng.add_request(Request("b", list(range(8)), lora_name="sql", lora_int_id=5))
+    with pytest.raises(ValueError, match=r"lora_int_id = 1 for adapter 'chat', but adapter 'sql' has that id"):
+        eng.add_request(Request("c", list(range(8)), lora_name="chat", lora_int_id=1))
+    with pytest.raises(ValueError, match="lora_int_id = 1 for adapter 'chat'"):
+        eng.generate([[1, 2, 3]], lora_name="chat", lora_int_id=1)
+    assert eng.lora_ids == {"sql": 1} and set(eng.scheduler.requests) == {"a"}
+
+    # An add that fails half way (an event subscriber raises) takes its new adapter id back.
+    def boom(event) -> None:
+        raise RuntimeError("subscriber down")
+
+    eng.events.subscribe(boom)
+    r = Request("d", list(range(8)), lora_name="chat")
+    with pytest.raises(RuntimeError, match="subscriber down"):
+        eng.add_request(r)
+    assert r.lora_int_id is None and eng.lora_ids == {"sql": 1}
+    with pytest.raises(RuntimeError, match="subscriber down"):
+        eng.generate([[1, 2, 3]], lora_name="code")
+    assert eng.lora_ids == {"sql": 1} and set(eng.scheduler.requests) == {"a"}
+    eng.events.unsubscribe(boom)
+    eng.add_request(r)
+    assert r.lora_int_id == 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "message"),
+    [
+        (dict(lora_name="sql", lora_int_id=0), ValueError, "lora_int_id=0 is out of range; lora_int_id must be None or an int >= 1"),
+        (dict(lora_name="sql", lora_int_id="7"), TypeError, "lora_int_id must be None or an int"),
+        (dict(lora_name="sql", lora_int_id=True), TypeError, "lora_int_id must be None or an int"),
+        (dict(lora_int_id=3), ValueError, "lora_int_id = 3 needs a lora_name"),
+    ],
+)
+def test_a_bad_lora_int_id_is_refused_by_name(kwargs, exc, message):
+    with pytest.raises(exc, match=message):
+        Request("r", [1, 2, 3], **kwargs)
+
+
+def test_an_event_naming_a_group_the_manager_does_not_have_is_passed_on_with_a_warning(caplog):
+    # vLLM 0.33's KVCacheManager.take_events logs "Group index `N` not in KV cache metadata"
+    # and leaves that event's spec fields unset; the other events are annotated as usual.
+    mgr = KVCacheManager(num_blocks=8, block_size=4, enable_kv_cache_events=True)
+    r = Request("r", list(range(9)))
+    r.bind_block_hasher(mgr.request_block_hasher)
+    pool = mgr.block_pool
+    blocks = pool.get_new_blocks(2)
+    pool.cache_full_blocks(r, blocks[:1], 0, 1, 4, 3)  # group 3: this manager has one group
+    run(mgr, Request("s", list(range(50, 58))))
+    with caplog.at_level("WARNING", logger="kvlab.core.kv_cache_manager"):
+        evs = mgr.take_events()
+    assert [(e.group_idx, e.kv_cache_spec_kind) for e in evs if isinstance(e, BlockStored)] == [(3, None), (0, "full_attention")]
+    assert [rec.getMessage() for rec in caplog.records] == ["Group index `3` not in KV cache metadata"]
+
+
+# --- kv_cache_report_mode="full": a prefix hit is published too (vLLM 0.33) ----------------------
+# Checked against vLLM 0.33.0's KVCacheManager: the same four requests (the second with a LoRA
+# adapter), on a full-attention manager and on full + sliding window, give the very same events.
+def test_a_full_report_request_publishes_its_prefix_hit_as_a_block_stored():
+    mgr = KVCacheManager(num_blocks=40, block_size=4, enable_kv_cache_events=True)
+    a = Request("a", list(range(18)))
+    run(mgr, a)
+    ha = [i64(x) for x in a.block_hashes]
+    assert mgr.take_events() == [stored(ha, None, list(range(16)))]
+    # An incremental request (the default) that hits publishes nothing for the hit.
+    run(mgr, Request("d", list(range(18))))
+    assert mgr.take_events() == []
+    # A full-report request: its 4-block hit is told first (no parent: a hit starts at block
+    # 0), then the block it caches, as usual.
+    b = Request("b", list(range(18)) + [99, 98, 97], kv_cache_report_mode="full")
+    run(mgr, b)
+    hb = [i64(x) for x in b.block_hashes]
+    assert hb[:4] == ha and mgr.take_events() == [stored(ha, None, list(range(16))), stored(hb[4:], hb[3], [16, 17, 99, 98])]
+    # Every lookup of a full-report request reports its hit, whether or not it is then allocated.
+    c = Request("c", list(range(13)), kv_cache_report_mode="full")
+    mgr.get_computed_blocks(c)
+    mgr.get_computed_blocks(c)
+    assert mgr.take_events() == [stored(ha[:3], None, list(range(12)))] * 2
+
+
+def test_a_full_report_on_a_sliding_window_group_hashes_every_position_of_the_hit():
+    groups = [FullAttentionSpec(block_size=4), SlidingWindowSpec(block_size=4, sliding_window=8)]
+    mgr = KVCacheManager(num_blocks=40, block_size=4, kv_cache_groups=groups, enable_kv_cache_events=True)
+    run(mgr, Request("a", list(range(18))))
+    mgr.take_events()
+    c = Request("c", list(range(13)), kv_cache_report_mode="full")
+    hits, n = mgr.get_computed_blocks(c)
+    assert n == 12 and [b.is_null for b in hits.blocks[1]] == [True, False, False]  # the window needs 2 blocks
+    hc = [i64(x) for x in c.block_hashes]
+    assert mgr.take_events() == [
+        stored(hc, None, list(range(12))),
+        stored(hc, None, list(range(12)), group=1, kind="sliding_window", window=8),  # the null position's hash too
+    ]
+
+
+def test_report_mode_is_checked_and_a_pool_reports_only_what_it_was_asked():
+    with pytest.raises(ValueError, match=r"kv_cache_report_mode must be one of \('incremental', 'full'\), got 'all'"):
+        Request("r", [1, 2, 3], kv_cache_report_mode="all")
+    mgr = KVCacheManager(num_blocks=8, block_size=4, enable_kv_cache_events=True)
+    r = Request("r", list(range(9)))
+    run(mgr, r)
+    mgr.take_events()
+    pool = mgr.block_pool
+    with pytest.raises(ValueError, match=r"num_cached_blocks = 3, but request 'r' has only 2 full blocks of 4 tokens"):
+        pool.emit_cached_block_events(r, 3, 4, 0)
+    with pytest.raises(ValueError, match="num_cached_blocks"):
+        pool.emit_cached_block_events(r, -1, 4, 0)
+    pool.emit_cached_block_events(r, 0, 4, 0)  # nothing to tell
+    assert mgr.take_events() == []
+    quiet = KVCacheManager(num_blocks=8, block_size=4)  # events off: nothing is queued
+    q = Request("q", list(range(9)), kv_cache_report_mode="full")
+    run(quiet, q)
+    quiet.get_computed_blocks(Request("q2", list(range(9)), kv_cache_report_mode="full"))
+    assert quiet.block_pool.kv_event_queue == []
+
+
+def test_a_copy_counting_index_over_counts_a_full_reports_hit_as_the_fold_says():
+    # The hit's BlockStored is not a new copy, and no BlockRemoved will match it.
+    mgr = KVCacheManager(num_blocks=6, block_size=4, enable_kv_cache_events=True)
+    a = Request("a", list(range(9)))
+    run(mgr, a)
+    mgr.free(a)
+    mgr.get_computed_blocks(Request("c", list(range(9)), kv_cache_report_mode="full"))
+    index = CacheIndex().apply(mgr.take_events())
+    h0 = i64(a.block_hashes[0])
+    assert index.num_copies(h0) == 2
+    run(mgr, Request("s", list(range(40, 60))))  # 5 blocks: both cached ones are evicted
+    index.apply(mgr.take_events())
+    assert index.num_copies(h0) == 1  # one too many, for good

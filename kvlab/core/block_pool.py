@@ -401,6 +401,28 @@ class BlockPool:
             o.on_cache_reset(self, True)
         return True
 
+    def emit_cached_block_events(self, request: Any, num_cached_blocks: int, block_size: int, kv_cache_group_id: int) -> None:
+        """Tell the KV-event stream about a prefix hit: one ``BlockStored`` for the request's
+        first ``num_cached_blocks`` blocks of ``block_size`` tokens in group
+        ``kv_cache_group_id``, as if they had just been cached. Changes no block (they are
+        cached already). vLLM 0.33 sends it for a request that asks for the full report
+        (``kv_cache_report_mode="full"``), so that a router that missed -- or dropped -- the
+        original ``BlockStored`` learns where that prefix lives."""
+        num_cached_blocks = check_int("num_cached_blocks", num_cached_blocks, 0)
+        block_size = check_int("block_size", block_size, 1)
+        kv_cache_group_id = check_int("kv_cache_group_id", kv_cache_group_id, 0)
+        if not self.enable_kv_cache_events or num_cached_blocks == 0:
+            return
+        hashes = self.resolve_block_hashes(request.block_hashes, block_size)
+        if num_cached_blocks > len(hashes):
+            raise ValueError(
+                f"num_cached_blocks = {num_cached_blocks}, but request {request.request_id!r} has only {len(hashes)} "
+                f"full blocks of {block_size} tokens"
+            )
+        hit = [hashes[i] for i in range(num_cached_blocks)]
+        for o in self.observers:
+            o.on_cached_blocks_reported(self, request, hit, block_size, kv_cache_group_id)
+
     def take_events(self) -> list[KVEvent]:
         """Every queued KV cache event, oldest first; the queue starts empty again."""
         if not self.enable_kv_cache_events:

@@ -157,6 +157,12 @@ class KVCacheCoordinator:
         for m in self.single_type_managers:
             m.free(request_id)
 
+    def emit_cached_block_events(self, request: Any, computed_blocks: Sequence[Sequence[KVCacheBlock]]) -> None:
+        """A prefix hit, told on the KV-event stream: one ``BlockStored`` per group that hit."""
+        for gid, (m, group_blocks) in enumerate(zip(self.single_type_managers, computed_blocks)):
+            if group_blocks:
+                m.block_pool.emit_cached_block_events(request, len(group_blocks), m.block_size, gid)
+
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         for m in self.single_type_managers:
             m.remove_skipped_blocks(request_id, num_computed_tokens)

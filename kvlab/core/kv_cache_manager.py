@@ -12,6 +12,7 @@ vLLM: ``vllm/v1/core/kv_cache_manager.py``. Three questions, three methods:
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -39,6 +40,8 @@ from kvlab.request import Request
 from kvlab.eventlog.events import EventLog, PoolCreated, PrefixLookup
 from kvlab.utils.checks import check_int, check_optional_int
 from kvlab.utils.hashing import get_hash_fn_by_name
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -302,6 +305,9 @@ class KVCacheManager:
             return self.empty_kv_cache_blocks.new_empty(), 0
         max_hit = max(0, request.num_tokens - 1)
         blocks, num_hit_tokens = self.coordinator.find_longest_cache_hit(request.block_hashes, max_hit)
+        if num_hit_tokens > 0 and self.enable_kv_cache_events and request.kv_cache_report_mode == "full":
+            # vLLM 0.33: a request may ask for its hit to be published too (every lookup's).
+            self.coordinator.emit_cached_block_events(request, blocks)
         preempted = request.num_preemptions > 0
         if self.events is not None:
             self.events.emit(
@@ -568,8 +574,14 @@ class KVCacheManager:
         events = self.block_pool.take_events()
         meta = self.kv_cache_event_metadata
         for ev in events:
-            if type(ev) is BlockStored and ev.group_idx is not None and 0 <= ev.group_idx < len(meta):
-                ev.kv_cache_spec_kind, ev.kv_cache_spec_sliding_window = meta[ev.group_idx]
+            if type(ev) is not BlockStored or ev.group_idx is None:
+                continue
+            if not 0 <= ev.group_idx < len(meta):
+                # A pool used on its own can cache under any group id; vLLM warns and leaves
+                # such an event without a spec.
+                logger.warning("Group index `%s` not in KV cache metadata", ev.group_idx)
+                continue
+            ev.kv_cache_spec_kind, ev.kv_cache_spec_sliding_window = meta[ev.group_idx]
         return events
 
     def make_prefix_cache_stats(self) -> PrefixCacheStats | None:

@@ -63,12 +63,18 @@ class BlockMetricsState:
         return [(h[i] - h[i - 1]) / 1e9 for i in range(1, len(h))]
 
 
+class SampleRateError(ValueError, AssertionError):
+    """A sample rate outside (0, 1]. vLLM's collector asserts the range, so its callers (and
+    its tests) expect an AssertionError; kvlab refuses a bad argument with a ValueError. This
+    is both, so either ``except`` catches it."""
+
+
 class KVCacheMetricsCollector:
     """Collects residency samples from a ``BlockPool`` (pass it as ``metrics_collector``)."""
 
     def __init__(self, sample_rate: float = 0.01, *, clock: Clock | None = None, seed: int | None = 0) -> None:
         if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, float)) or not 0 < sample_rate <= 1.0:
-            raise ValueError(f"sample_rate must be in (0, 1.0], got {sample_rate!r}")
+            raise SampleRateError(f"sample_rate must be in (0, 1.0], got {sample_rate!r}")
         if clock is not None and not callable(clock):
             raise TypeError(f"clock must be a callable returning seconds, got {type(clock).__name__}")
         self.sample_rate = float(sample_rate)

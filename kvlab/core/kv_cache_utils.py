@@ -125,10 +125,15 @@ class FreeKVCacheBlockQueue:
     def popleft(self) -> KVCacheBlock:
         first = self.fake_free_list_head.next_free_block
         if first is self.fake_free_list_tail or first is None:
-            raise ValueError("no free blocks left in the queue")
+            # vLLM's words and types: an empty queue is a ValueError, a count that disagrees
+            # with the links an AssertionError.
+            assert self.num_free_blocks == 0, f"num_free_blocks ({self.num_free_blocks}) is out of sync with the free list."
+            raise ValueError("No free blocks available")
         nxt = first.next_free_block
+        if nxt is None:  # a block outside the list was linked in: the caller's bug
+            raise RuntimeError("Invalid block found in popleft() which doesn't have a valid next_free_block")
         self.fake_free_list_head.next_free_block = nxt
-        nxt.prev_free_block = self.fake_free_list_head  # type: ignore[union-attr]  # a queued block's links are never None: the sentinels bound the list
+        nxt.prev_free_block = self.fake_free_list_head
         first.prev_free_block = first.next_free_block = None
         self.num_free_blocks -= 1
         return first
@@ -139,7 +144,7 @@ class FreeKVCacheBlockQueue:
         out: list[KVCacheBlock] = []
         cur = self.fake_free_list_head.next_free_block
         for _ in range(n):
-            out.append(cur)  # type: ignore[arg-type]  # as above
+            out.append(cur)  # type: ignore[arg-type]  # a queued block's links are never None: the sentinels bound the list
             nxt = cur.next_free_block  # type: ignore[union-attr]  # as above
             cur.prev_free_block = cur.next_free_block = None  # type: ignore[union-attr]  # as above
             cur = nxt
@@ -164,11 +169,12 @@ class FreeKVCacheBlockQueue:
         if not blocks:
             return
         last = self.fake_free_list_tail.prev_free_block
+        assert last is not None, "prev_free_block of fake_free_list_tail should always exist"
         for b in blocks:
             b.prev_free_block = last
-            last.next_free_block = b  # type: ignore[union-attr]  # as above
+            last.next_free_block = b
             last = b
-        last.next_free_block = self.fake_free_list_tail  # type: ignore[union-attr]  # as above
+        last.next_free_block = self.fake_free_list_tail
         self.fake_free_list_tail.prev_free_block = last
         self.num_free_blocks += len(blocks)
 

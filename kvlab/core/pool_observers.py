@@ -97,6 +97,11 @@ class BlockPoolObserver:
     def on_cache_reset(self, pool: BlockPool, success: bool) -> None:
         """``reset_prefix_cache`` ran (it succeeds only when no request holds a block)."""
 
+    def on_cached_blocks_reported(self, pool: BlockPool, request: Any, hashes: Sequence[BlockHash], block_size: int, group: int) -> None:
+        """Nothing changed: a request's prefix hit of ``len(hashes)`` blocks (its first ones,
+        ``hashes`` at ``block_size``) is told again, for a request that asked for the full
+        report (``kv_cache_report_mode="full"``)."""
+
 
 def cached_positions(blocks: Sequence[KVCacheBlock], num_cached: int, num_full: int, block_mask: Sequence[bool] | None) -> list[int]:
     """The table positions a ``cache_full_blocks`` call gave a hash: not null, not masked out."""
@@ -222,7 +227,7 @@ class KVEventsObserver(BlockPoolObserver):
                 parent_block_hash=maybe_convert_block_hash(hashes[num_cached_blocks - 1], use_int) if num_cached_blocks else None,
                 token_ids=list(request.all_token_ids[num_cached_blocks * block_size : num_full_blocks * block_size]),
                 block_size=block_size,
-                lora_id=getattr(request, "lora_id", None),  # kvlab requests name their adapter only
+                lora_id=getattr(request, "lora_int_id", None),  # vLLM: request.lora_request.adapter_id
                 medium=pool.medium,
                 lora_name=getattr(request, "lora_name", None),
                 extra_keys=to_event_extra_keys(
@@ -236,6 +241,29 @@ class KVEventsObserver(BlockPoolObserver):
     def on_cache_reset(self, pool: BlockPool, success: bool) -> None:
         if success:
             pool.kv_event_queue.append(AllBlocksCleared())
+
+    def on_cached_blocks_reported(self, pool: BlockPool, request: Any, hashes: Sequence[BlockHash], block_size: int, group: int) -> None:
+        """One ``BlockStored`` for the whole hit, shaped like a caching one (vLLM 0.33's
+        ``emit_cached_block_events``): every position's hash, null blocks' too, no parent (a
+        hit starts at block 0), the tokens of all its blocks."""
+        use_int = pool.kv_events_use_int_block_hashes
+        n = len(hashes)
+        pool.kv_event_queue.append(
+            BlockStored(
+                block_hashes=[maybe_convert_block_hash(h, use_int) for h in hashes],
+                parent_block_hash=None,
+                token_ids=list(request.all_token_ids[: n * block_size]),
+                block_size=block_size,
+                lora_id=getattr(request, "lora_int_id", None),
+                medium=pool.medium,
+                lora_name=getattr(request, "lora_name", None),
+                extra_keys=to_event_extra_keys(
+                    [generate_block_hash_extra_keys(request, i * block_size, (i + 1) * block_size) for i in range(n)]
+                ),
+                group_idx=group,
+                session_id=getattr(request, "session_id", None),
+            )
+        )
 
 
 class MetricsCollectorObserver(BlockPoolObserver):

@@ -85,9 +85,9 @@ class JournaledFreeKVCacheBlockQueue(FreeKVCacheBlockQueue):
 
     def popleft(self) -> KVCacheBlock:
         first = self.fake_free_list_head.next_free_block
-        if first is not None and first is not self.fake_free_list_tail:
+        if first is not None and first is not self.fake_free_list_tail and first.next_free_block is not None:
             self.journal.append((_undo_pop, self, (first,), first.next_free_block, self.num_free_blocks))
-        return super().popleft()
+        return super().popleft()  # (what it refuses, it leaves as it is: nothing to journal)
 
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
         if type(n) is not int or not 0 < n <= self.num_free_blocks:
@@ -121,8 +121,9 @@ class JournaledFreeKVCacheBlockQueue(FreeKVCacheBlockQueue):
         self.num_free_blocks -= 1
 
     def append_n(self, blocks: Sequence[KVCacheBlock]) -> None:
-        if blocks:
-            self.journal.append((_undo_append, self, tuple(blocks), self.fake_free_list_tail.prev_free_block, self.num_free_blocks))
+        last = self.fake_free_list_tail.prev_free_block
+        if blocks and last is not None:  # (a broken tail is refused before any change)
+            self.journal.append((_undo_append, self, tuple(blocks), last, self.num_free_blocks))
         super().append_n(blocks)
 
     def prepend_n(self, blocks: Sequence[KVCacheBlock]) -> None:
@@ -739,14 +740,15 @@ def adds_request(fn: F) -> F:
 @dataclass(slots=True)
 class EngineCheckpoint:
     """One engine call's way back: the scheduler's checkpoint plus the engine's own state --
-    the clock, and the per-request metrics and finished entries the call changes (each saved
-    before its first change, every field of it)."""
+    the clock, the adapter ids, and the per-request metrics and finished entries the call
+    changes (each saved before its first change, every field of it)."""
 
     what: str
     step: int
     clock: float
     ids: int
     num_eviction_events: int
+    num_lora_ids: int  # adapters are only ever added to engine.lora_ids, so its length says what to drop
     sched: SchedulerCheckpoint | None = None
     metrics: dict[str, tuple[Any, Any]] = field(default_factory=dict)  # rid -> (object or _MISSING, its fields)
     finished: dict[str, Any] = field(default_factory=dict)  # rid -> the finished entry, or _MISSING
@@ -772,7 +774,9 @@ class EngineCheckpoint:
 def begin_engine(engine: Any, what: str) -> EngineCheckpoint:
     """Open the transaction of one engine call (``what``: "step", "generate", ...)."""
     engine._check_usable()
-    cp = EngineCheckpoint(what, engine.scheduler.step_count, engine.clock, engine._ids, len(engine.kv_cache_eviction_events))
+    cp = EngineCheckpoint(
+        what, engine.scheduler.step_count, engine.clock, engine._ids, len(engine.kv_cache_eviction_events), len(engine.lora_ids)
+    )
     engine._pending = cp  # from here on, an interrupt leaves the engine marked
     cp.sched = checkpoint_scheduler(engine.scheduler)
     return cp
@@ -797,6 +801,8 @@ def rollback_engine(engine: Any, cp: EngineCheckpoint) -> None:
         restore_scheduler(engine.scheduler, cp.sched, drop_reused=cp.executor_called and writes_kv, resync_executor=cp.executor_called)
     engine.clock, engine._ids = cp.clock, cp.ids
     del engine.kv_cache_eviction_events[cp.num_eviction_events :]
+    for name in list(engine.lora_ids)[cp.num_lora_ids :]:
+        del engine.lora_ids[name]
     for rid, (m, fields) in cp.metrics.items():
         if m is _MISSING:
             engine.metrics.pop(rid, None)

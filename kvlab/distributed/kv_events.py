@@ -363,6 +363,11 @@ def fold_events(
     Returns ``(stored, removed, cleared, unknown)``: with ``collect``, the keys stored (or
     given a copy) and the last entries of the blocks removed for good, both since the
     batch's last ``AllBlocksCleared``; whether one came; removals of unknown hashes.
+
+    One case these rules count wrong, as any copy-counting subscriber of vLLM 0.33 would: a
+    request with ``kv_cache_report_mode="full"`` has its prefix hit sent as a ``BlockStored``
+    although no block was copied, and no ``BlockRemoved`` will ever match it -- so such a hash
+    keeps one copy too many.
     """
     stored: list[NodeKey] = []
     removed: list[_V] = []

@@ -145,6 +145,9 @@ class LLMEngine:
         self.metrics: dict[str, RequestMetrics] = {}
         self.finished: dict[str, Request] = {}
         self._ids = 0
+        # Adapter name -> the id this engine gave it, in order of first use from 1 (vLLM's
+        # OpenAI server numbers the adapters it loads that way; the KV events carry the id).
+        self.lora_ids: dict[str, int] = {}
         self._pending: EngineCheckpoint | None = None  # a call in progress (or one left unfinished)
         self._unguarded: Unguarded | None = None  # set inside kvlab.core.transaction.unguarded(self)
         self.fault: str | None = None  # what stopped the last call that failed
@@ -187,12 +190,18 @@ class LLMEngine:
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        """Queue ``request`` (all or nothing)."""
+        """Queue ``request`` (all or nothing). A LoRA request without an adapter id gets the
+        one this engine gave its adapter's name (see :meth:`lora_id_for`)."""
         self._check_usable()
         self.scheduler.check_request(request)
+        lora_int_id = self.lora_id_for(request.lora_name, request.lora_int_id)
+        known = request.lora_name in self.lora_ids
         rid = request.request_id
         old = self.metrics.get(rid)
         self.metrics[rid] = RequestMetrics(rid, self.clock, request.num_prompt_tokens)
+        given, request.lora_int_id = request.lora_int_id, lora_int_id
+        if request.lora_name is not None:
+            self.lora_ids[request.lora_name] = lora_int_id  # type: ignore[assignment]  # an adapter always gets an id
         try:
             self.scheduler.add_request(request)
         except BaseException:
@@ -200,7 +209,32 @@ class LLMEngine:
                 self.metrics.pop(rid, None)
             else:
                 self.metrics[rid] = old
+            request.lora_int_id = given
+            if not known:
+                self.lora_ids.pop(request.lora_name, None)  # type: ignore[arg-type]  # None is never a key
             raise
+
+    def lora_id_for(self, lora_name: str | None, lora_int_id: int | None = None) -> int | None:
+        """The adapter id a request naming ``lora_name`` runs with: ``lora_int_id`` if given,
+        else the id this engine already gave that name, else the next one (1, 2, ... in order
+        of first use -- how vLLM's OpenAI server numbers the adapters it loads). One adapter,
+        one id: an id that another name holds, or a second id for a known name, is refused.
+        Changes nothing."""
+        if lora_name is None:
+            return None
+        known = self.lora_ids.get(lora_name)
+        if lora_int_id is None:
+            return known if known is not None else max(self.lora_ids.values(), default=0) + 1
+        if known is not None and known != lora_int_id:
+            raise ValueError(
+                f"lora_int_id = {lora_int_id} for adapter {lora_name!r}, which this engine numbers {known}; one adapter, one id"
+            )
+        other = next((n for n, i in self.lora_ids.items() if i == lora_int_id and n != lora_name), None)
+        if other is not None:
+            raise ValueError(
+                f"lora_int_id = {lora_int_id} for adapter {lora_name!r}, but adapter {other!r} has that id; one id, one adapter"
+            )
+        return lora_int_id
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Abort requests (vLLM's name): they finish with reason "abort" and free their
@@ -380,8 +414,12 @@ class LLMEngine:
             r = Request(f"gen-{next_id}", ids, max_tokens=max_tokens, **request_kwargs)
             self.scheduler.check_request(r)
             reqs.append(r)
+        lora_int_id = self.lora_id_for(request_kwargs.get("lora_name"), request_kwargs.get("lora_int_id"))
         with engine_call(self, "generate") as cp:
+            if lora_int_id is not None:
+                self.lora_ids[request_kwargs["lora_name"]] = lora_int_id
             for r in reqs:
+                r.lora_int_id = lora_int_id
                 cp.save_metrics(self.metrics, r.request_id)
                 self.metrics[r.request_id] = RequestMetrics(r.request_id, self.clock, r.num_prompt_tokens)
                 self.scheduler.add_request(r)

@@ -15,7 +15,10 @@ arithmetic as vLLM 0.33, step by step, so a lesson can print every intermediate 
 3. :func:`get_kv_cache_config` -- the budget divided by the bytes one block costs in *every*
    layer gives ``num_blocks``, and the plan for one allocation holding all layers (vLLM:
    ``get_kv_cache_configs`` and ``get_kv_cache_config_from_groups`` in
-   ``vllm/v1/core/kv_cache_planning.py``).
+   ``vllm/v1/core/kv_cache_planning.py``);
+4. :func:`plan_pool` -- the three for one GPU of a whole server, from a model's shape
+   (:class:`ModelShape`), the KV cache's dtype and the tensor-parallel size: each rank holds
+   its slice of the weights and of the KV heads (vLLM's ``ModelConfig.get_num_kv_heads``).
 
 Why a separate little model of this instead of vLLM's classes: vLLM's version needs a
 ``VllmConfig``, a profiled GPU and the attention backends; here the inputs are plain numbers,
@@ -28,12 +31,26 @@ size) are lesson 07's subject.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Sequence
 
 from kvlab.kv_cache_interface import AttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 from kvlab.utils.checks import check_int
 
-__all__ = ["GiB", "KVCacheConfig", "KVCacheGroupSpec", "KVCacheTensor", "get_kv_cache_config", "kv_cache_budget", "requested_memory"]
+__all__ = [
+    "GiB",
+    "KVCacheConfig",
+    "KVCacheGroupSpec",
+    "KVCacheTensor",
+    "LLAMA_3_8B",
+    "ModelShape",
+    "PoolPlan",
+    "QWEN2_5_0_5B",
+    "get_kv_cache_config",
+    "kv_cache_budget",
+    "plan_pool",
+    "requested_memory",
+]
 
 GiB = 1 << 30
 
@@ -104,3 +121,120 @@ def get_kv_cache_config(layer_names: Sequence[str], spec: AttentionSpec, availab
     return KVCacheConfig(
         num_blocks=num_blocks, kv_cache_tensors=(tensor,), kv_cache_groups=(KVCacheGroupSpec(layer_names=layers, kv_cache_spec=spec),)
     )
+
+
+# --- the same arithmetic for a whole server: a model's shape, a GPU, a KV dtype, TP ranks ---------
+@dataclass(frozen=True)
+class ModelShape:
+    """What a dense decoder's weights and KV pages depend on (the fields of its ``config.json``)."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    tied_embeddings: bool = False  # one matrix for the input embedding and the LM head
+    qkv_bias: bool = False
+
+    @property
+    def num_replicated_params(self) -> int:
+        """The RMSNorm weights: two per layer and a final one. Every TP rank keeps a copy."""
+        return (2 * self.num_layers + 1) * self.hidden_size
+
+    @property
+    def num_params(self) -> int:
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        attention = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0)
+        mlp = 3 * h * self.intermediate_size  # gate, up, down
+        embeddings = self.vocab_size * h * (1 if self.tied_embeddings else 2)
+        return embeddings + self.num_layers * (attention + mlp) + self.num_replicated_params
+
+    def params_per_rank(self, tensor_parallel_size: int) -> int:
+        """The parameters one of ``tensor_parallel_size`` GPUs holds: vLLM splits the attention
+        and MLP matrices and the vocabulary across the ranks and copies the norms (the rare
+        copies of K/V heads when there are fewer heads than ranks are left out)."""
+        rep = self.num_replicated_params
+        return math.ceil((self.num_params - rep) / tensor_parallel_size) + rep
+
+    def kv_heads_per_rank(self, tensor_parallel_size: int) -> int:
+        """vLLM's ``ModelConfig.get_num_kv_heads``: the KV heads split across the ranks, at
+        least one each (a rank with more ranks than heads keeps a copy of one)."""
+        return max(1, self.num_kv_heads // tensor_parallel_size)
+
+
+#: Llama-3-8B and Qwen2.5-0.5B, from their ``config.json`` (8,030,261,248 and 494,032,768 parameters).
+LLAMA_3_8B = ModelShape("Llama-3-8B", 32, 4096, 32, 8, 128, 14_336, 128_256)
+QWEN2_5_0_5B = ModelShape("Qwen2.5-0.5B", 24, 896, 14, 2, 64, 4_864, 151_936, tied_embeddings=True, qkv_bias=True)
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    """One GPU's share of a server, as :func:`plan_pool` works it out. Every rank of a
+    tensor-parallel server gets the same plan, so ``num_blocks`` is the engine's pool."""
+
+    model: str
+    gpu_bytes: int
+    kv_dtype: str
+    tensor_parallel_size: int
+    weights: int  # bytes of weights on one GPU
+    share: int  # ceil(gpu_bytes x gpu_memory_utilization)
+    budget: int  # what is left for the KV cache (<= 0: the server does not start)
+    bytes_per_block: int  # one block in every layer, on one GPU
+    num_blocks: int  # 0 when it does not start
+    block_size: int
+
+    @property
+    def fits(self) -> bool:
+        return self.num_blocks > 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+def plan_pool(
+    model: ModelShape,
+    gpu_bytes: int,
+    *,
+    kv_dtype: str = "bfloat16",
+    tensor_parallel_size: int = 1,
+    weight_bytes: int = 2,
+    block_size: int = 16,
+    gpu_memory_utilization: float = 0.92,
+    peak_activations: int,
+    non_torch: int,
+    cuda_graphs: int = 0,
+) -> PoolPlan:
+    """How many blocks a server of ``model`` gets on GPUs of ``gpu_bytes`` each: the three
+    steps above on one tensor-parallel rank -- its share, minus its part of the weights
+    (``weight_bytes`` a parameter: 2 for bf16/fp16 checkpoints) and the profiled amounts,
+    divided by one block of its KV heads in ``kv_dtype`` (vLLM's ``--kv-cache-dtype``: "fp8"
+    halves a page) in every layer. A plan that leaves no budget has ``num_blocks == 0``: vLLM
+    refuses to start there."""
+    if not isinstance(model, ModelShape):
+        raise TypeError(f"model must be a ModelShape, got {type(model).__name__}")
+    tp = check_int("tensor_parallel_size", tensor_parallel_size, 1)
+    weight_bytes = check_int("weight_bytes", weight_bytes, 1)
+    spec = AttentionSpec(block_size=block_size, num_kv_heads=model.kv_heads_per_rank(tp), head_size=model.head_dim, dtype=kv_dtype)
+    weights = model.params_per_rank(tp) * weight_bytes
+    share = requested_memory(gpu_bytes, gpu_memory_utilization)
+    bytes_per_block = spec.page_size_bytes * model.num_layers
+    try:
+        budget = kv_cache_budget(
+            gpu_bytes,
+            gpu_memory_utilization,
+            weights=weights,
+            peak_activations=peak_activations,
+            non_torch=non_torch,
+            cuda_graphs=cuda_graphs,
+        )
+    except ValueError:  # no budget at all: the server does not start
+        budget = share - weights - peak_activations - non_torch - cuda_graphs
+    num_blocks = 0
+    if budget > 0:
+        layers = [f"model.layers.{i}.self_attn.attn" for i in range(model.num_layers)]
+        num_blocks = get_kv_cache_config(layers, spec, budget).num_blocks
+    return PoolPlan(model.name, gpu_bytes, kv_dtype, tp, weights, share, budget, bytes_per_block, num_blocks, block_size)
