@@ -97,11 +97,13 @@ def _check_request_args(
     lora_path: Any,
     lora_int_id: Any,
     kv_cache_report_mode: Any,
+    prompt_logprobs: Any,
+    skip_reading_prefix_cache: Any,
     prompt_embeds: Any,
     priority: Any,
     arrival_time: Any,
     mm_features: Any,
-) -> tuple[list[int], int, int | None, int | None, int, float | None, list[MultiModalFeature]]:
+) -> tuple[list[int], int, int | None, int | None, int | None, bool, int, float | None, list[MultiModalFeature]]:
     """``Request``'s arguments, checked (raising, named, before the object exists) and
     normalised: the prompt as a list of ints, the counts as ints, the features by offset."""
     if not isinstance(request_id, str) or not request_id:
@@ -121,6 +123,11 @@ def _check_request_args(
     lora_int_id = check_optional_int("lora_int_id", lora_int_id, 1)
     if kv_cache_report_mode not in KV_CACHE_REPORT_MODES or type(kv_cache_report_mode) is not str:
         raise ValueError(f"kv_cache_report_mode must be one of {KV_CACHE_REPORT_MODES}, got {kv_cache_report_mode!r}")
+    prompt_logprobs = check_optional_int("prompt_logprobs", prompt_logprobs, -1, why=" (-1: the whole vocabulary)")
+    if skip_reading_prefix_cache is None:  # vLLM 0.33's SamplingParams default
+        skip_reading_prefix_cache = prompt_logprobs is not None
+    elif type(skip_reading_prefix_cache) is not bool:
+        raise TypeError(f"skip_reading_prefix_cache must be None, True or False, got {skip_reading_prefix_cache!r}")
     if lora_int_id is not None and lora_name is None:
         raise ValueError(f"lora_int_id = {lora_int_id} needs a lora_name: the id numbers an adapter, and the name is what the hash uses")
     if prompt_embeds is not None:
@@ -161,7 +168,7 @@ def _check_request_args(
                 f"mm_features: {features[i - 1].identifier!r} and {f.identifier!r} overlap; "
                 "each placeholder token belongs to at most one item"
             )
-    return prompt, max_tokens, eos_token_id, lora_int_id, priority, arrival_time, features
+    return prompt, max_tokens, eos_token_id, lora_int_id, prompt_logprobs, skip_reading_prefix_cache, priority, arrival_time, features
 
 
 class Request:
@@ -182,6 +189,8 @@ class Request:
         "lora_path",
         "lora_int_id",
         "kv_cache_report_mode",
+        "prompt_logprobs",
+        "skip_reading_prefix_cache",
         "prompt_embeds",
         "_prompt_embeds_per_block_hashes",
         "priority",
@@ -219,8 +228,20 @@ class Request:
         prompt_embeds: Any = None,
         lora_int_id: int | None = None,
         kv_cache_report_mode: str = "incremental",
+        prompt_logprobs: int | None = None,
+        skip_reading_prefix_cache: bool | None = None,
     ) -> None:
-        prompt, max_tokens, eos_token_id, lora_int_id, priority, arrival_time, features = _check_request_args(
+        (
+            prompt,
+            max_tokens,
+            eos_token_id,
+            lora_int_id,
+            prompt_logprobs,
+            skip_reading_prefix_cache,
+            priority,
+            arrival_time,
+            features,
+        ) = _check_request_args(
             request_id,
             prompt_token_ids,
             max_tokens,
@@ -230,6 +251,8 @@ class Request:
             lora_path,
             lora_int_id,
             kv_cache_report_mode,
+            prompt_logprobs,
+            skip_reading_prefix_cache,
             prompt_embeds,
             priority,
             arrival_time,
@@ -250,6 +273,12 @@ class Request:
         # "full": each prefix hit this request gets is published as a BlockStored too (vLLM
         # 0.33 reads it from SamplingParams.extra_args); "incremental": only new blocks are.
         self.kv_cache_report_mode = kv_cache_report_mode
+        # A request that wants its prompt's logprobs must compute every prompt token, so it
+        # reads nothing from the prefix cache (its blocks are still cached for others) -- vLLM
+        # 0.33's default for skip_reading_prefix_cache. kvlab computes no logprobs: the
+        # field has only this effect.
+        self.prompt_logprobs = prompt_logprobs
+        self.skip_reading_prefix_cache = skip_reading_prefix_cache
         self.prompt_embeds = prompt_embeds
         self._prompt_embeds_per_block_hashes: dict[tuple[int, int], bytes] = {}
         self.priority = priority

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from nbclient import NotebookClient
 
 from kvlab.exercises import EXERCISES
 from kvlab.exercises.build import STUB, build, render, strip_source
+from notebook_run import execute
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))
@@ -77,7 +77,7 @@ def test_generated_exercise_contains_no_solution_code():
 
 def _run(path: Path) -> nbformat.NotebookNode:
     nb = nbformat.read(path, as_version=4)
-    NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}).execute()
+    execute(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}})
     return nb
 
 

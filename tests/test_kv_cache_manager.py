@@ -468,3 +468,29 @@ def test_the_one_group_coordinators_direct_calls_equal_the_general_loops(monkeyp
     assert {"prefix_lookup", "blocks_touched", "request_preempted", "block_evicted"} <= kinds, sorted(kinds)
     assert sum(e["kind"] == "request_preempted" for e in fast) == 4
     assert fast == general
+
+
+def test_a_request_that_wants_its_prompt_logprobs_reads_nothing_from_the_cache():
+    """vLLM 0.33: ``prompt_logprobs`` set makes ``skip_reading_prefix_cache`` default to True --
+    no hit, no counted query -- yet the request's blocks are cached for the others. Checked
+    against vLLM 0.33.0's KVCacheManager (blocks of 4, 13-token prompts): hits 0, 0, 12, 12;
+    3 counted requests; the same block ids and KV events."""
+    from kvlab.core.kv_cache_manager import KVCacheManager
+    from kvlab.request import Request
+
+    mgr = KVCacheManager(num_blocks=16, block_size=4, enable_kv_cache_events=True, log_stats=True)
+    hits = []
+    for rid, kw in (("a", {}), ("b", {"prompt_logprobs": 1}), ("c", {"prompt_logprobs": 0, "skip_reading_prefix_cache": False}), ("d", {})):
+        r = Request(rid, list(range(13)), **kw)
+        assert r.skip_reading_prefix_cache is (rid == "b") and mgr.prefix_cache_lookup_enabled(r) is (rid != "b")
+        blocks, n = mgr.get_computed_blocks(r)
+        mgr.record_prefix_cache_stats(r, n)
+        mgr.allocate_slots(r, 13 - n, n, blocks)
+        hits.append((n, mgr.get_block_ids(rid)[0]))
+    assert hits == [(0, [1, 2, 3, 4]), (0, [5, 6, 7, 8]), (12, [1, 2, 3, 9]), (12, [1, 2, 3, 10])]
+    stats = mgr.make_prefix_cache_stats()
+    assert (stats.requests, stats.queries, stats.hits) == (3, 39, 24)
+    with pytest.raises(TypeError, match="skip_reading_prefix_cache must be None, True or False, got 1"):
+        Request("x", [1, 2], skip_reading_prefix_cache=1)
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        Request("x", [1, 2], prompt_logprobs=-2)

@@ -131,6 +131,24 @@ def test_a_connector_that_cannot_tell_yet_holds_the_request_back() -> None:
         eng.step()
 
 
+def test_a_request_that_skips_reading_the_cache_gets_nothing_from_the_connector_either() -> None:
+    """vLLM 0.33's scheduler asks the connector, then takes 0 external tokens for a request
+    with ``skip_reading_prefix_cache`` (one that wants its prompt's logprobs)."""
+    Recorder.calls = []
+    conn = Recorder(KVConnectorRole.SCHEDULER)
+    mgr = KVCacheManager(num_blocks=8, block_size=16)
+    eng = LLMEngine(mgr, Scheduler(mgr, connector=conn), __import__("kvlab").SimulatedExecutor())
+    eng.add_request(Request("plain", list(range(40)), max_tokens=1))
+    eng.add_request(Request("logprobs", list(range(100, 140)), max_tokens=1, prompt_logprobs=2))
+    out = eng.step().scheduler_output
+    assert out.num_scheduled_tokens == {"plain": 24, "logprobs": 40}  # 16 of plain's came from "elsewhere"
+    assert [c for c in Recorder.calls if c.startswith("S.get_num")] == [
+        "S.get_num_new_matched_tokens(plain, 0)",
+        "S.get_num_new_matched_tokens(logprobs, 0)",
+    ]
+    assert "S.update_state_after_alloc(logprobs, [4, 5, 6], 0)" in Recorder.calls
+
+
 # -- the example connector, one process -----------------------------------------------------------------
 def test_prefill_engine_hands_the_prompt_to_the_decode_engine(model, tmp_path) -> None:
     P, D = _engine(model, "kv_producer", tmp_path), _engine(model, "kv_consumer", tmp_path)

@@ -127,6 +127,62 @@ def test_publisher_sends_three_frames_topic_seq_payload(tmp_path):
         assert all(decode_batch(f[2]).data_parallel_rank == 0 for f in got)  # the publisher fills its DP rank
 
 
+def test_get_publisher_config_reports_the_endpoints_as_bound(tmp_path):
+    """vLLM 0.33's ``get_publisher_config`` (and the scheduler's
+    ``get_kv_event_publisher_config``): compared with vLLM 0.33.0's ZmqEventPublisher for the
+    same arguments, field by field -- the DP rank shifts a tcp port and suffixes an inproc name."""
+    ep = f"ipc://{tmp_path}/cfg"
+    with ZmqEventPublisher(endpoint=ep, topic="kv", buffer_steps=5, hwm=7, max_queue_size=9) as pub:
+        assert pub.get_publisher_config() == KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq", endpoint=ep, buffer_steps=5, hwm=7, max_queue_size=9, topic="kv"
+        )
+    with ZmqEventPublisher(data_parallel_rank=3, endpoint="inproc://kv-cfg", replay_endpoint="tcp://127.0.0.1:0") as pub:
+        cfg = pub.get_publisher_config()
+        assert cfg.endpoint == "inproc://kv-cfg_dp3"
+        host, _, port = cfg.replay_endpoint.rpartition(":")
+        assert host == "tcp://127.0.0.1" and int(port) > 0  # the port it got (vLLM 0.33 says ":0" here)
+    assert kv_events.NullEventPublisher().get_publisher_config() is None
+
+    from kvlab.engine.llm_engine import build_engine
+
+    assert build_engine(num_blocks=8, block_size=4).scheduler.get_kv_event_publisher_config() is None
+    with ZmqEventPublisher(endpoint=f"ipc://{tmp_path}/eng") as pub:
+        eng = build_engine(num_blocks=8, block_size=4, manager_kwargs=dict(enable_kv_cache_events=True), kv_event_publisher=pub)
+        assert eng.scheduler.get_kv_event_publisher_config() == pub.get_publisher_config()
+
+
+class _Sample(msgspec.Struct, tag=True, array_like=True):
+    """An event of another kind, as vLLM's own publisher tests send."""
+
+    id: int
+    value: str
+
+
+class _SampleBatch(kv_events.EventBatch):
+    events: list[_Sample]
+
+
+def test_the_publisher_sends_batches_of_other_event_types_too(tmp_path):
+    """vLLM's publisher sends any ``EventBatch``; a subscriber of that type reads it back
+    (the KV-event checks apply to KV-event batches only)."""
+    ep = f"ipc://{tmp_path}/other"
+    with ZmqEventPublisher(endpoint=ep) as pub:
+        raw = CTX.socket(zmq.SUB)
+        raw.setsockopt(zmq.LINGER, 0)
+        raw.setsockopt(zmq.SUBSCRIBE, b"")
+        raw.connect(ep)
+        time.sleep(0.2)
+        sent = _SampleBatch(ts=1.5, events=[_Sample(i, f"test-{i}") for i in range(3)])
+        pub.publish(sent)
+        with pytest.raises(ValueError, match=r"batch \(_SampleBatch\) cannot be sent"):
+            pub.publish(_SampleBatch(ts=2.0, events=[_Sample("x", 1)]))  # type: ignore[arg-type]
+        assert pub.flush(5.0) and pub.num_published == 1
+        frames = raw.recv_multipart() if raw.poll(5000) else []
+        raw.close()
+    got = msgspec.msgpack.Decoder(_SampleBatch).decode(frames[2])
+    assert got == _SampleBatch(ts=1.5, events=[_Sample(i, f"test-{i}") for i in range(3)], data_parallel_rank=0)
+
+
 def test_replay_socket_answers_from_start_seq_then_end_marker():
     with ZmqEventPublisher(endpoint="tcp://127.0.0.1:1", replay_endpoint="tcp://127.0.0.1:0", topic="t", buffer_steps=4) as pub:
         assert not pub.binds  # a host address: the PUB socket connects (nobody listens: fine)

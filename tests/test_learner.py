@@ -9,10 +9,10 @@ import re
 
 import nbformat
 import pytest
-from nbclient import NotebookClient
 
 from kvlab.learner.prediction import Prediction, interactive, parse_number, predict
 from kvlab.learner.store import Store, home, store
+from notebook_run import execute
 
 
 @pytest.fixture
@@ -287,7 +287,7 @@ def test_a_kernel_driven_by_nbclient_prints_plain_text(tmp_path):
     os.environ.clear()
     os.environ.update(env)
     try:
-        NotebookClient(nb, timeout=60, kernel_name="python3").execute()
+        execute(nb, timeout=60, kernel_name="python3")
     finally:
         os.environ.clear()
         os.environ.update(old)

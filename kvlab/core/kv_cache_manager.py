@@ -301,7 +301,7 @@ class KVCacheManager:
         (outside a window, a finished chunk, an older Mamba state) are the null block.
         """
         self._bind(request)
-        if not self.enable_caching:
+        if not self.prefix_cache_lookup_enabled(request):
             return self.empty_kv_cache_blocks.new_empty(), 0
         max_hit = max(0, request.num_tokens - 1)
         blocks, num_hit_tokens = self.coordinator.find_longest_cache_hit(request.block_hashes, max_hit)
@@ -323,12 +323,17 @@ class KVCacheManager:
             )
         return self.create_kv_cache_blocks(blocks), num_hit_tokens
 
+    def prefix_cache_lookup_enabled(self, request: Request) -> bool:
+        """Whether the cache is read for ``request`` (vLLM's name): not when caching is off,
+        nor for a request that skips reading it (one that wants its prompt's logprobs)."""
+        return self.enable_caching and not request.skip_reading_prefix_cache
+
     def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
         """Count one lookup in the prefix-cache stats. The scheduler calls it when it ADMITS
         the request (vLLM >= 0.27: "record at admission so unscheduled lookups are not
         counted"): a request the admission gate turns away is looked up again at every step,
         and those retries are not queries. Lookups of preempted requests are kept apart."""
-        if self.prefix_cache_stats is not None and self.enable_caching:
+        if self.prefix_cache_stats is not None and self.prefix_cache_lookup_enabled(request):  # a skipped lookup is no query
             self.prefix_cache_stats.record(request.num_tokens, num_hits, request.num_preemptions > 0)
 
     @manager_call

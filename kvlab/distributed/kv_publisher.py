@@ -52,7 +52,7 @@ from typing import Any, overload
 import msgspec
 import zmq
 
-from kvlab.distributed.kv_events import EventBatch, validate_batch
+from kvlab.distributed.kv_events import EventBatch, KVEventBatch, validate_batch
 from kvlab.utils.checks import check_int, check_number
 
 logger = logging.getLogger("kvlab.kv_events")
@@ -114,6 +114,22 @@ def _bind(sock: zmq.Socket, endpoint: str) -> str:
     return endpoint
 
 
+_other_encoder = msgspec.msgpack.Encoder()
+
+
+def _validate_other_batch(batch: EventBatch) -> bytes:
+    """The payload of an ``EventBatch`` subclass that does not carry KV events (vLLM's
+    publisher sends any batch; its tests send batches of their own event type): encoded by
+    msgspec and decoded again as its own class, so what a subscriber of that type could not
+    read is refused here."""
+    try:
+        payload = _other_encoder.encode(batch)
+        msgspec.msgpack.Decoder(type(batch)).decode(payload)
+    except (TypeError, OverflowError, msgspec.ValidationError, msgspec.DecodeError) as e:
+        raise ValueError(f"batch ({type(batch).__name__}) cannot be sent: {e}") from None
+    return payload
+
+
 @dataclass
 class KVEventsConfig:
     """vLLM's ``--kv-events-config`` (``vllm/config/kv_events.py``), same fields and defaults."""
@@ -170,6 +186,10 @@ class EventPublisher:
 
     def shutdown(self) -> None:  # pragma: no cover - interface
         raise NotImplementedError
+
+    def get_publisher_config(self) -> KVEventsConfig | None:
+        """The configuration this publisher runs with, as resolved (None: it has none)."""
+        return None
 
 
 class NullEventPublisher(EventPublisher):
@@ -231,6 +251,7 @@ class ZmqEventPublisher(EventPublisher):
         self.replay_endpoint: str | None = offset_endpoint_port(replay_endpoint, data_parallel_rank)
         self.buffer_steps = buffer_steps
         self.hwm = hwm
+        self.max_queue_size = max_queue_size
         # ZeroMQ frees room in a pipe only every hwm/2 messages: twice the buffer lets a
         # whole replay plus its end marker always fit (vLLM 0.33's choice).
         self._replay_hwm = 2 * (buffer_steps + 1)
@@ -250,6 +271,23 @@ class ZmqEventPublisher(EventPublisher):
         self._thread.start()
 
     # -- the caller's side ----------------------------------------------------------------
+    def get_publisher_config(self) -> KVEventsConfig:
+        """vLLM 0.33's resolved ``--kv-events-config``: the endpoints as bound -- shifted by
+        the data-parallel rank, the OS's port in place of ``:0`` -- so that a router, or a
+        second server, can be told where this one publishes. (vLLM 0.33 puts the OS's port in
+        for ``tcp://*:0`` only and reports ``tcp://127.0.0.1:0`` as given; kvlab binds such
+        loopback addresses and reports the port it got.)"""
+        return KVEventsConfig(
+            enable_kv_cache_events=True,
+            publisher="zmq",
+            endpoint=self.endpoint,
+            replay_endpoint=self.replay_endpoint,
+            buffer_steps=self.buffer_steps,
+            hwm=self.hwm,
+            max_queue_size=self.max_queue_size,
+            topic=self.topic,
+        )
+
     def publish(self, events: EventBatch) -> None:
         """Queue one batch (blocks while ``max_queue_size`` batches wait, as vLLM's does)."""
         if not self._running:
@@ -261,7 +299,10 @@ class ZmqEventPublisher(EventPublisher):
         stamped = events
         if isinstance(events, EventBatch) and events.data_parallel_rank is None:
             stamped = msgspec.structs.replace(events, data_parallel_rank=self._data_parallel_rank)
-        payload = validate_batch(stamped, array_like=self._array_like)
+        if isinstance(stamped, EventBatch) and not isinstance(stamped, KVEventBatch):
+            payload = _validate_other_batch(stamped)  # another kind of events (vLLM's publisher sends any)
+        else:
+            payload = validate_batch(stamped, array_like=self._array_like)
         events.data_parallel_rank = stamped.data_parallel_rank
         self._event_queue.put(payload)
         self.num_published += 1

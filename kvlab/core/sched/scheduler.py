@@ -504,6 +504,8 @@ class Scheduler:
             num_external = 0
             if self.connector is not None and request.request_id not in self._no_external:
                 ext, load_async = self.connector.get_num_new_matched_tokens(request, num_hit_tokens)
+                if request.skip_reading_prefix_cache:  # asked, but nothing is read (vLLM 0.33)
+                    ext, load_async = 0, False
                 if ext is None:
                     break  # the connector cannot tell yet (vLLM skips the request this step)
                 if load_async:
@@ -1021,6 +1023,12 @@ class Scheduler:
         r.finish_reason = finish_reason
         if self.events is not None:
             self.events.emit(RequestFinished(request_id=r.request_id, reason=finish_reason, num_output_tokens=r.num_output_tokens))
+
+    def get_kv_event_publisher_config(self) -> Any:
+        """The KV-event publisher's resolved configuration (vLLM's name): None without a
+        publisher, or with one that does not say."""
+        get = getattr(self.kv_event_publisher, "get_publisher_config", None)
+        return None if get is None else get()
 
     # -- metrics ------------------------------------------------------------------------------
     def make_stats(self) -> SchedulerStats:
