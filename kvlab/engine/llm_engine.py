@@ -198,20 +198,21 @@ class LLMEngine:
         known = request.lora_name in self.lora_ids
         rid = request.request_id
         old = self.metrics.get(rid)
-        self.metrics[rid] = RequestMetrics(rid, self.clock, request.num_prompt_tokens)
-        given, request.lora_int_id = request.lora_int_id, lora_int_id
-        if request.lora_name is not None:
-            self.lora_ids[request.lora_name] = lora_int_id  # type: ignore[assignment]  # an adapter always gets an id
+        given = request.lora_int_id
         try:
+            self.metrics[rid] = RequestMetrics(rid, self.clock, request.num_prompt_tokens)
+            request.lora_int_id = lora_int_id
+            if request.lora_name is not None and lora_int_id is not None:
+                self.lora_ids[request.lora_name] = lora_int_id
             self.scheduler.add_request(request)
-        except BaseException:
+        except BaseException:  # (each undo below is right whether or not its change was made)
             if old is None:
                 self.metrics.pop(rid, None)
             else:
                 self.metrics[rid] = old
             request.lora_int_id = given
-            if not known:
-                self.lora_ids.pop(request.lora_name, None)  # type: ignore[arg-type]  # None is never a key
+            if not known and request.lora_name is not None:
+                self.lora_ids.pop(request.lora_name, None)
             raise
 
     def lora_id_for(self, lora_name: str | None, lora_int_id: int | None = None) -> int | None:
