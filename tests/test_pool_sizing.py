@@ -123,5 +123,8 @@ def test_plan_pool_refuses_bad_arguments_by_name():
         plan_pool(LLAMA_3_8B, 80 * GiB, kv_dtype="fp4", **ASSUMED)
     with pytest.raises(ValueError, match="gpu_memory_utilization must be in"):
         plan_pool(LLAMA_3_8B, 80 * GiB, gpu_memory_utilization=1.5, **ASSUMED)
+    # Refused even where it would have made the weights fit (it once did: 2,438 blocks on a T4).
+    with pytest.raises(ValueError, match="peak_activations"):
+        plan_pool(LLAMA_3_8B, 16 * GiB, peak_activations=-5 * GiB, non_torch=0)
     small = ModelShape("toy", 2, 64, 4, 4, 16, 128, 1000)
     assert small.num_params == 1000 * 64 * 2 + 2 * (4 * 64 * 64 + 3 * 64 * 128) + 5 * 64

@@ -77,10 +77,7 @@ def kv_cache_budget(
     0.33 subtracts it unless ``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0``). A budget of zero
     or less is refused, as vLLM refuses to start with "no available memory for the cache
     blocks"."""
-    parts = {"weights": weights, "peak_activations": peak_activations, "non_torch": non_torch, "cuda_graphs": cuda_graphs}
-    for name, value in parts.items():
-        check_int(name, value, 0)
-    budget = requested_memory(total_bytes, gpu_memory_utilization) - sum(parts.values())
+    budget, parts = _budget_left(total_bytes, gpu_memory_utilization, weights, peak_activations, non_torch, cuda_graphs)
     if budget <= 0:
         raise ValueError(
             f"no memory left for the KV cache: {gpu_memory_utilization} x {total_bytes:,} bytes "
@@ -88,6 +85,17 @@ def kv_cache_budget(
             f"gpu_memory_utilization or use a GPU with more memory"
         )
     return budget
+
+
+def _budget_left(
+    total_bytes: int, gpu_memory_utilization: float, weights: int, peak_activations: int, non_torch: int, cuda_graphs: int
+) -> tuple[int, dict[str, int]]:
+    """:func:`kv_cache_budget`'s arithmetic, every argument checked, without its refusal: the
+    budget (zero or less when nothing is left) and the parts subtracted."""
+    parts = {"weights": weights, "peak_activations": peak_activations, "non_torch": non_torch, "cuda_graphs": cuda_graphs}
+    for name, value in parts.items():
+        check_int(name, value, 0)
+    return requested_memory(total_bytes, gpu_memory_utilization) - sum(parts.values()), parts
 
 
 def get_kv_cache_config(layer_names: Sequence[str], spec: AttentionSpec, available_memory: int) -> KVCacheConfig:
@@ -222,19 +230,9 @@ def plan_pool(
     weights = model.params_per_rank(tp) * weight_bytes
     share = requested_memory(gpu_bytes, gpu_memory_utilization)
     bytes_per_block = spec.page_size_bytes * model.num_layers
-    try:
-        budget = kv_cache_budget(
-            gpu_bytes,
-            gpu_memory_utilization,
-            weights=weights,
-            peak_activations=peak_activations,
-            non_torch=non_torch,
-            cuda_graphs=cuda_graphs,
-        )
-    except ValueError:  # no budget at all: the server does not start
-        budget = share - weights - peak_activations - non_torch - cuda_graphs
+    budget = _budget_left(gpu_bytes, gpu_memory_utilization, weights, peak_activations, non_torch, cuda_graphs)[0]
     num_blocks = 0
-    if budget > 0:
+    if budget > 0:  # else the server does not start
         layers = [f"model.layers.{i}.self_attn.attn" for i in range(model.num_layers)]
         num_blocks = get_kv_cache_config(layers, spec, budget).num_blocks
     return PoolPlan(model.name, gpu_bytes, kv_dtype, tp, weights, share, budget, bytes_per_block, num_blocks, block_size)
