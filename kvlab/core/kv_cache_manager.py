@@ -301,7 +301,7 @@ class KVCacheManager:
         (outside a window, a finished chunk, an older Mamba state) are the null block.
         """
         self._bind(request)
-        if not self.enable_caching or request.skip_reading_prefix_cache:  # prefix_cache_lookup_enabled, inline
+        if not self.prefix_cache_lookup_enabled(request):
             return self.empty_kv_cache_blocks.new_empty(), 0
         max_hit = max(0, request.num_tokens - 1)
         blocks, num_hit_tokens = self.coordinator.find_longest_cache_hit(request.block_hashes, max_hit)

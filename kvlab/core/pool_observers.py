@@ -23,7 +23,7 @@ call is undone.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 from kvlab.core.kv_cache_utils import (
@@ -219,23 +219,10 @@ class KVEventsObserver(BlockPoolObserver):
         hashes and extra keys of the non-null blocks only (a sliding window's dropped blocks
         are skipped -- if all were dropped the event still goes out, with no hashes), but
         ``token_ids`` of the whole range ``[num_cached, num_full)``."""
-        use_int = pool.kv_events_use_int_block_hashes
         positions = cached_positions(blocks, num_cached_blocks, num_full_blocks, block_mask)
+        parent = hashes[num_cached_blocks - 1] if num_cached_blocks else None
         pool.kv_event_queue.append(
-            BlockStored(
-                block_hashes=[maybe_convert_block_hash(hashes[i], use_int) for i in positions],
-                parent_block_hash=maybe_convert_block_hash(hashes[num_cached_blocks - 1], use_int) if num_cached_blocks else None,
-                token_ids=list(request.all_token_ids[num_cached_blocks * block_size : num_full_blocks * block_size]),
-                block_size=block_size,
-                lora_id=getattr(request, "lora_int_id", None),  # vLLM: request.lora_request.adapter_id
-                medium=pool.medium,
-                lora_name=getattr(request, "lora_name", None),
-                extra_keys=to_event_extra_keys(
-                    [generate_block_hash_extra_keys(request, i * block_size, (i + 1) * block_size) for i in positions]
-                ),
-                group_idx=group,
-                session_id=getattr(request, "session_id", None),
-            )
+            _block_stored(pool, request, hashes, positions, parent, num_cached_blocks, num_full_blocks, block_size, group)
         )
 
     def on_cache_reset(self, pool: BlockPool, success: bool) -> None:
@@ -246,24 +233,39 @@ class KVEventsObserver(BlockPoolObserver):
         """One ``BlockStored`` for the whole hit, shaped like a caching one (vLLM 0.33's
         ``emit_cached_block_events``): every position's hash, null blocks' too, no parent (a
         hit starts at block 0), the tokens of all its blocks."""
-        use_int = pool.kv_events_use_int_block_hashes
         n = len(hashes)
-        pool.kv_event_queue.append(
-            BlockStored(
-                block_hashes=[maybe_convert_block_hash(h, use_int) for h in hashes],
-                parent_block_hash=None,
-                token_ids=list(request.all_token_ids[: n * block_size]),
-                block_size=block_size,
-                lora_id=getattr(request, "lora_int_id", None),
-                medium=pool.medium,
-                lora_name=getattr(request, "lora_name", None),
-                extra_keys=to_event_extra_keys(
-                    [generate_block_hash_extra_keys(request, i * block_size, (i + 1) * block_size) for i in range(n)]
-                ),
-                group_idx=group,
-                session_id=getattr(request, "session_id", None),
-            )
-        )
+        pool.kv_event_queue.append(_block_stored(pool, request, hashes, range(n), None, 0, n, block_size, group))
+
+
+def _block_stored(
+    pool: BlockPool,
+    request: Any,
+    hashes: Sequence[BlockHash],
+    positions: Iterable[int],
+    parent: BlockHash | None,
+    first_block: int,
+    end_block: int,
+    block_size: int,
+    group: int,
+) -> BlockStored:
+    """The one ``BlockStored`` shape (vLLM's ``_build_block_stored_event``, shared by newly
+    cached blocks and a reported hit): the hashes and extra keys of the blocks at
+    ``positions``, the tokens of blocks ``[first_block, end_block)``, the request's adapter
+    (vLLM: ``lora_request.adapter_id`` and its name)."""
+    use_int = pool.kv_events_use_int_block_hashes
+    positions = list(positions)
+    return BlockStored(
+        block_hashes=[maybe_convert_block_hash(hashes[i], use_int) for i in positions],
+        parent_block_hash=None if parent is None else maybe_convert_block_hash(parent, use_int),
+        token_ids=list(request.all_token_ids[first_block * block_size : end_block * block_size]),
+        block_size=block_size,
+        lora_id=getattr(request, "lora_int_id", None),
+        medium=pool.medium,
+        lora_name=getattr(request, "lora_name", None),
+        extra_keys=to_event_extra_keys([generate_block_hash_extra_keys(request, i * block_size, (i + 1) * block_size) for i in positions]),
+        group_idx=group,
+        session_id=getattr(request, "session_id", None),
+    )
 
 
 class MetricsCollectorObserver(BlockPoolObserver):
