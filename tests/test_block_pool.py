@@ -405,21 +405,27 @@ def _pool_state(pool: BlockPool) -> tuple:
         _entries(pool),
         [(b.ref_cnt, b.cache_key) for b in pool.blocks],
         pool.num_evicted_blocks,
+        {bid: list(keys) for bid, keys in pool.cached_block_hashes_by_block.items()},
+        dict(pool.partial_hash_num_tokens),
     )
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from("get touch free cache reset".split()), st.integers(0, 7)), max_size=25))
+@given(st.lists(st.tuples(st.sampled_from("get touch free cache partial reset".split()), st.integers(0, 7)), max_size=25))
 def test_a_checkpoint_undoes_any_mix_of_pool_operations(ops: list[tuple[str, int]]) -> None:
     """Whatever the pool did since a checkpoint (pops, touches of free cached blocks, frees to
-    either end, caching, evictions, a reset), restoring it gives back the very same queue
-    order, map, ref counts and hashes; and kvlab's taught classes run again afterwards (the
-    journaled subclasses exist only while the checkpoint is open)."""
-    pool = BlockPool(8)
+    either end, caching, partial entries and their replacement by a full key, evictions, a
+    reset), restoring it gives back the very same queue order, map, ref counts, hashes and
+    partial entries; and kvlab's taught classes run again afterwards (the journaled
+    subclasses exist only while the checkpoint is open)."""
+    pool = BlockPool(8, hash_block_size=4)
     warm = pool.get_new_blocks(4)
     pool.cache_full_blocks(_CacheReq("w", [b"w0", b"w1", b"w2"]), warm, 0, 3, 4, 0)
     pool.free_blocks(list(reversed(warm)))
     held = pool.get_new_blocks(1)
+    pool.cache_full_blocks(_CacheReq("h", [b"h0", b"h1"]), held, 0, 1, 8, 0)  # a key of its own, and one partial entry
+    pool.cache_partial_block(_CacheReq("h", [b"h0", b"h1"]), held[0], 4, 0, 8)
+    assert pool.cached_block_hashes_by_block == {held[0].block_id: [b"h0" + group_suffix(0)]}
     tables = [list(held)]
     before = _pool_state(pool)
     cp = checkpoint_pool(pool)
@@ -437,8 +443,10 @@ def test_a_checkpoint_undoes_any_mix_of_pool_operations(ops: list[tuple[str, int
             k = 1 + n % len(mine)
             pool.free_blocks(mine[-k:])
             del mine[-k:]
-        elif op == "cache" and mine and mine[-1].cache_key is None:
-            pool.cache_full_blocks(_CacheReq(f"c{n}", [bytes([n])]), mine[-1:], 0, 1, 4, 0)
+        elif op == "cache" and mine and pool.partial_hash_num_tokens.get(mine[-1].block_id, 8 * (mine[-1].cache_key is not None)) < 8:
+            pool.cache_full_blocks(_CacheReq(f"c{n}", [bytes([n]), bytes([n + 50])]), mine[-1:], 0, 1, 8, 0)
+        elif op == "partial" and mine:  # a boundary inside a block of 8: its own key, or one more
+            pool.cache_partial_block(_CacheReq(f"p{n}", [bytes([100 + n % 3]), bytes([110 + n % 3])]), mine[-1], 4 * (1 + n % 2), 0, 8)
         elif op == "reset" and not mine:
             pool.free_blocks(held)
             pool.reset_prefix_cache()

@@ -21,6 +21,11 @@ The rules this file enforces:
   already prepended the uncached blocks that left a sliding window or local-attention chunk, and
   those a sliding-window group freed). ``prepend_uncached_blocks=False``
   brings the old rule back; lesson 04 compares the two.
+* A key is normally the hash of a *full* block. vLLM 0.33 adds partial entries: where a
+  group's blocks are larger than the hash block, the prompt's last hash boundary inside a
+  block becomes one more key of it (``cache_partial_block``). A block without a key takes
+  it as its own -- it is then freed to the tail like any cached block; a fuller key
+  replaces it; eviction drops every key the block has, one ``BlockRemoved`` each.
 * Every change is reported once, to the pool's observers (``kvlab.core.pool_observers``):
   kvlab's event log (the pictures), vLLM's KV cache events -- with
   ``enable_kv_cache_events``, queued at the moments vLLM's pool queues them (``BlockStored``
@@ -170,6 +175,15 @@ class BlockPool:
         self.blocks: list[KVCacheBlock] = [KVCacheBlock(i) for i in range(num_gpu_blocks)]
         self.free_block_queue = self.free_queue_cls(self.blocks)
         self.cached_block_hash_to_block = BlockHashToBlockMap()
+        # A block's keys beyond its own ``cache_key`` (vLLM 0.33's name; a set there, a list
+        # here so that the order of its BlockRemoved events does not depend on the string
+        # hash seed). Only partial prefix entries add them (``cache_partial_block``).
+        self.cached_block_hashes_by_block: dict[int, list[bytes]] = {}
+        # block id -> prefix length its ``cache_key`` stands for, when that key is a partial
+        # entry (ends inside the block). vLLM keeps the length on every block
+        # (``block_hash_num_tokens``); a full block's key always covers the whole block, so
+        # only the partial ones are needed, to know when a fuller key replaces them.
+        self.partial_hash_num_tokens: dict[int, int] = {}
         # The null block leaves the queue for good. Its ref count is not maintained.
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
@@ -242,17 +256,99 @@ class BlockPool:
             if len(block_mask) != num_full_blocks - num_cached_blocks:
                 raise ValueError(f"block_mask has {len(block_mask)} entries for {num_full_blocks - num_cached_blocks} blocks")
             todo = [i for i, keep in zip(todo, block_mask) if keep]
+        partial = self.partial_hash_num_tokens
         for i in todo:  # all checked before the first change
-            if not blocks[i].is_null and blocks[i].cache_key is not None:
-                raise RuntimeError(f"block {blocks[i].block_id} is already cached")
+            blk = blocks[i]
+            if not blk.is_null and blk.cache_key is not None and partial.get(blk.block_id, (i + 1) * block_size) >= (i + 1) * block_size:
+                raise RuntimeError(f"block {blk.block_id} is already cached")
+        dropped: list[tuple[KVCacheBlock, bytes]] = []
         for i in todo:
             blk = blocks[i]
             if blk.is_null:
                 continue  # left the window / a state that is never read
+            if blk.cache_key is not None:  # it had a partial entry; the full block's key replaces it (vLLM 0.33)
+                dropped += [(blk, k) for k in self._remove_cached_block_hashes(blk)]
             blk.cache_key = key = hashes[i] + suffix
             insert(key, blk)  # a duplicate key keeps both blocks
         for o in self.observers:
+            if dropped:
+                o.on_cache_entries_dropped(self, dropped)
             o.on_blocks_cached(self, request, blocks, hashes, num_cached_blocks, num_full_blocks, block_size, kv_cache_group_id, block_mask)
+
+    def cache_partial_block(
+        self,
+        request: Any,
+        block: KVCacheBlock,
+        num_tokens: int,
+        kv_cache_group_id: int,
+        block_size: int,
+        replace_existing_hashes: bool = False,
+    ) -> bytes | None:
+        """Make ``block`` findable from a prefix boundary *inside* it (vLLM 0.33): the key is
+        the request's hash at ``num_tokens`` (a multiple of the hash block size) plus the
+        group id. Nothing is allocated or copied: the entry is one more name for a block the
+        request already holds.
+
+        Why: when a group's blocks are larger than the hash block (a hybrid model whose
+        groups have different block sizes), a prompt usually ends inside a block, and
+        without such an entry the tokens of that last, partly filled block could never be
+        found again. A block without a key takes this one as its own ``cache_key`` -- so
+        when it is freed it joins the free queue's *tail*, as cached blocks do; a block that
+        has one keeps it and lists this one in ``cached_block_hashes_by_block``. Evicting
+        the block drops every key it has (one ``BlockRemoved`` each); a fuller key (the
+        whole block, once it fills, or a later boundary) replaces a partial one.
+
+        ``replace_existing_hashes``: the block's contents were replaced, so its other keys
+        go first. Returns the key (hash + group id), or None for the null block. Sends one
+        ``BlockStored`` of one hash block (its tokens, its parent) unless the block already
+        had this key."""
+        if block.is_null:
+            return None
+        hash_block_size = self.hash_block_size or block_size
+        if type(block_size) is not int or block_size <= 0 or block_size % hash_block_size:
+            raise ValueError(f"block_size must be a positive multiple of the hash block size {hash_block_size}, got {block_size!r}")
+        n = len(request.block_hashes)
+        if type(num_tokens) is not int or num_tokens <= 0 or num_tokens % hash_block_size or num_tokens // hash_block_size > n:
+            raise ValueError(
+                f"num_tokens must be a positive multiple of the hash block size {hash_block_size}, at most the "
+                f"{n * hash_block_size} tokens request {request.request_id!r} has hashes for, got {num_tokens!r}"
+            )
+        kv_cache_group_id = check_int("kv_cache_group_id", kv_cache_group_id, 0)
+        self._check_blocks("block", [block])
+        num_hash_blocks = num_tokens // hash_block_size
+        key = request.block_hashes[num_hash_blocks - 1] + group_suffix(kv_cache_group_id)
+        bid = block.block_id
+        extra = self.cached_block_hashes_by_block
+        already_cached = block.cache_key == key or key in extra.get(bid, ())
+        dropped: list[tuple[KVCacheBlock, bytes]] = []
+        if replace_existing_hashes:
+            dropped = [(block, k) for k in self._remove_cached_block_hashes(block)]
+            already_cached = False
+        elif not already_cached and self.partial_hash_num_tokens.get(bid, num_tokens) < num_tokens:
+            dropped = [(block, k) for k in self._remove_cached_block_hashes(block)]
+        if not already_cached:
+            if block.cache_key is None:
+                block.cache_key = key
+                self.partial_hash_num_tokens[bid] = num_tokens
+            else:
+                extra.setdefault(bid, []).append(key)
+            self.cached_block_hash_to_block.insert(key, block)
+        for o in self.observers:
+            if dropped:
+                o.on_cache_entries_dropped(self, dropped)
+            if not already_cached:
+                o.on_partial_block_cached(self, request, block, num_hash_blocks, hash_block_size, kv_cache_group_id)
+        return key
+
+    def _remove_cached_block_hashes(self, block: KVCacheBlock) -> list[bytes]:
+        """Drop every key ``block`` carries (its own, then its partial entries) from the map
+        and the block; returns those the map held (vLLM's ``_remove_cached_block_hashes``)."""
+        keys = [] if block.cache_key is None else [block.cache_key]
+        keys += self.cached_block_hashes_by_block.pop(block.block_id, ())
+        self.partial_hash_num_tokens.pop(block.block_id, None)
+        block.cache_key = None
+        pop = self.cached_block_hash_to_block.pop
+        return [k for k in keys if pop(k, block.block_id) is not None]
 
     # -- allocation ---------------------------------------------------------------------------
     def get_new_blocks(self, num_blocks: int, request_id: str | None = None, group: int = 0) -> list[KVCacheBlock]:
@@ -265,12 +361,19 @@ class BlockPool:
         dropped: list[tuple[KVCacheBlock, bytes]] = []
         if self.enable_caching:
             evict = self._maybe_evict_cached_block
+            extra = self.cached_block_hashes_by_block
+            num_more = 0
             for b in ret:
                 key = b.cache_key
-                if key is not None and evict(b):  # lazy eviction: the old hash goes now
-                    dropped.append((b, key))
+                if key is not None:
+                    more = extra.get(b.block_id) if extra else None
+                    if evict(b):  # lazy eviction: the old hash goes now
+                        dropped.append((b, key))
+                        if more:  # and its partial entries (vLLM 0.33)
+                            dropped += [(b, k) for k in more]
+                            num_more += len(more)
                 b.ref_cnt += 1
-            self.num_evicted_blocks += len(dropped)
+            self.num_evicted_blocks += len(dropped) - num_more
         else:
             for b in ret:
                 b.ref_cnt += 1
@@ -285,6 +388,8 @@ class BlockPool:
         key = block.cache_key
         if key is None:
             return False
+        if self.partial_hash_num_tokens or self.cached_block_hashes_by_block:
+            return bool(self._remove_cached_block_hashes(block))  # it may have more than one key
         self.cached_block_hash_to_block.pop(key, block.block_id)
         block.cache_key = None  # block.reset_hash(), without the call (hot path)
         return True
@@ -299,14 +404,16 @@ class BlockPool:
             if not isinstance(bid, int) or not 0 <= bid < n:
                 raise ValueError(f"evict_blocks: block id {bid!r} is not a block of this pool (0..{n - 1})")
         dropped: list[tuple[KVCacheBlock, bytes]] = []
+        extra = self.cached_block_hashes_by_block
         for bid in ids:
             b = self.blocks[bid]
             key = b.cache_key
+            more = extra.get(bid, ())
             if key is not None and self._maybe_evict_cached_block(b):
-                dropped.append((b, key))
+                dropped += [(b, k) for k in (key, *more)]
         for o in self.observers:
             o.on_cache_entries_dropped(self, dropped)
-        return [b.block_id for b, _ in dropped]
+        return list(dict.fromkeys(b.block_id for b, _ in dropped))
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         """A prefix hit adopts ``blocks`` (one group's, vLLM's flat list): ref += 1, and a
@@ -395,6 +502,8 @@ class BlockPool:
                 o.on_cache_reset(self, False)
             return False
         self.cached_block_hash_to_block = BlockHashToBlockMap()
+        self.cached_block_hashes_by_block.clear()
+        self.partial_hash_num_tokens.clear()
         for b in self.blocks:
             b.reset_hash()
         for o in self.observers:
@@ -478,12 +587,20 @@ class BlockPool:
             if b.cache_key is not None:
                 assert self.enable_caching, f"block {b.block_id} is cached but caching is off"
                 assert b in self.cached_block_hash_to_block.blocks_for(b.cache_key), f"cached block {b.block_id} is missing from the map"
+            for k in self.cached_block_hashes_by_block.get(b.block_id, ()):
+                assert b.cache_key is not None, f"block {b.block_id} has partial entries but no key of its own"
+                assert b in self.cached_block_hash_to_block.blocks_for(k), f"partial entry of block {b.block_id} is missing from the map"
+        for bid in self.partial_hash_num_tokens:
+            assert self.blocks[bid].cache_key is not None, f"block {bid} has a partial length but no key"
         n_entries = 0
         for key, blks in self.cached_block_hash_to_block.items():
             assert blks, f"empty map entry for {key.hex()[:8]}"
             for blk in blks:
                 n_entries += 1
-                assert blk.cache_key == key, f"map entry {key.hex()[:8]} points to block {blk.block_id} with another hash"
-        assert n_entries == sum(b.cache_key is not None for b in self.blocks), "map and block hashes disagree"
+                assert blk.cache_key == key or key in self.cached_block_hashes_by_block.get(blk.block_id, ()), (
+                    f"map entry {key.hex()[:8]} points to block {blk.block_id} with another hash"
+                )
+        num_keys = sum(b.cache_key is not None for b in self.blocks) + sum(map(len, self.cached_block_hashes_by_block.values()))
+        assert n_entries == num_keys, "map and block hashes disagree"
         used = sum(1 for b in self.blocks if not b.is_null and b.block_id not in seen)
         assert used + q.num_free_blocks + 1 == self.num_gpu_blocks, "free + used + null != total"

@@ -78,6 +78,12 @@ class BlockPoolObserver:
         """Blocks ``[num_cached_blocks, num_full_blocks)`` of a request's table got their
         hashes (null blocks and those ``block_mask`` leaves out excepted)."""
 
+    def on_partial_block_cached(
+        self, pool: BlockPool, request: Any, block: KVCacheBlock, num_hash_blocks: int, hash_block_size: int, group: int
+    ) -> None:
+        """``block`` got a partial prefix entry: the request's hash after ``num_hash_blocks``
+        hash blocks, a boundary inside the block (``cache_partial_block``)."""
+
     def on_blocks_touched(self, pool: BlockPool, blocks: Sequence[KVCacheBlock]) -> None:
         """A prefix hit adopted ``blocks`` (null blocks included, as the table holds them)."""
 
@@ -157,6 +163,23 @@ class EventLogObserver(BlockPoolObserver):
                 )
             )
 
+    def on_partial_block_cached(
+        self, pool: BlockPool, request: Any, block: KVCacheBlock, num_hash_blocks: int, hash_block_size: int, group: int
+    ) -> None:
+        hashes = request.block_hashes
+        start, end = (num_hash_blocks - 1) * hash_block_size, num_hash_blocks * hash_block_size
+        self.log.emit(
+            BlockCached(
+                request_id=request.request_id,
+                group=group,
+                block_id=block.block_id,
+                block_hash=hashes[num_hash_blocks - 1],
+                parent_hash=hashes[num_hash_blocks - 2] if num_hash_blocks > 1 else None,
+                token_ids=list(request.all_token_ids[start:end]),
+                extra_keys=cast("HashKeys | None", generate_block_hash_extra_keys(request, start, end)),
+            )
+        )
+
     def on_blocks_freed(
         self,
         pool: BlockPool,
@@ -224,6 +247,17 @@ class KVEventsObserver(BlockPoolObserver):
         pool.kv_event_queue.append(
             _block_stored(pool, request, hashes, positions, parent, num_cached_blocks, num_full_blocks, block_size, group)
         )
+
+    def on_partial_block_cached(
+        self, pool: BlockPool, request: Any, block: KVCacheBlock, num_hash_blocks: int, hash_block_size: int, group: int
+    ) -> None:
+        """One ``BlockStored`` of one hash block, as vLLM 0.33's ``cache_partial_block`` sends
+        it: the hash at the boundary, its parent, the ``hash_block_size`` tokens before the
+        boundary (``block_size`` is that count, not the group's)."""
+        hashes = request.block_hashes
+        i = num_hash_blocks - 1
+        parent = hashes[i - 1] if i else None
+        pool.kv_event_queue.append(_block_stored(pool, request, hashes, (i,), parent, i, i + 1, hash_block_size, group))
 
     def on_cache_reset(self, pool: BlockPool, success: bool) -> None:
         if success:

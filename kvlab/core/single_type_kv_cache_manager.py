@@ -326,6 +326,32 @@ class FullAttentionManager(SingleTypeKVCacheManager):
             del lst[keep:]
         return computed, hit_length
 
+    def cache_blocks(self, request: Any, num_tokens: int) -> None:
+        """Cache the full blocks, then -- when this group's blocks are larger than the hash
+        block -- the prompt's tail as a partial entry (vLLM 0.33)."""
+        super().cache_blocks(request, num_tokens)
+        hash_block_size = self.block_pool.hash_block_size
+        if hash_block_size and self.block_size != hash_block_size:
+            self._cache_partial_tail_block(request, num_tokens)
+
+    def _cache_partial_tail_block(self, request: Any, num_tokens: int) -> None:
+        """Register the last hash boundary of the prompt, when it falls inside a block, as a
+        partial prefix entry of that block (``BlockPool.cache_partial_block``). Only that
+        one boundary: the others inside the same block are skipped. A request repeating the
+        prompt can match at most ``prompt - 1`` tokens (one is always computed), so the
+        boundary is taken below that; with EAGLE the lookup reads the whole prompt before it
+        drops a hash block, so the whole prompt counts."""
+        hash_block_size = self.block_pool.hash_block_size
+        limit = request.num_prompt_tokens if self.use_eagle else request.num_prompt_tokens - 1
+        boundary = min(limit // hash_block_size, len(request.block_hashes)) * hash_block_size
+        if boundary == 0 or boundary > num_tokens or boundary % self.block_size == 0:
+            return
+        blocks = self.req_to_blocks.get(request.request_id, ())
+        block_idx = boundary // self.block_size
+        if block_idx >= len(blocks):
+            return
+        self.block_pool.cache_partial_block(request, blocks[block_idx], boundary, self.kv_cache_group_id, self.block_size)
+
 
 class SlidingWindowManager(SingleTypeKVCacheManager):
     def __init__(self, kv_cache_spec: SlidingWindowSpec, block_pool: BlockPool, kv_cache_group_id: int, *args: Any, **kwargs: Any) -> None:

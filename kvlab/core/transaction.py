@@ -253,6 +253,10 @@ class PoolCheckpoint:
     kv_event_queue: list  # the KV-event queue object and its length: events only get appended
     num_kv_events: int
     collector: tuple | None  # the metrics collector's state (see _collector_state)
+    # Partial prefix entries (vLLM 0.33, only where a group's blocks are larger than the hash
+    # block): a block's extra keys and its partial key's length, by value -- O(blocks that
+    # have one), and two empty dicts otherwise.
+    partial_entries: tuple[dict[int, list[bytes]], dict[int, int]]
     reused: list[KVCacheBlock] = field(default_factory=list)  # blocks the undone calls took from the queue (kept for a second restore)
 
 
@@ -276,6 +280,7 @@ def checkpoint_pool(pool: BlockPool) -> PoolCheckpoint:
         kv_event_queue=pool.kv_event_queue,
         num_kv_events=len(pool.kv_event_queue),
         collector=None if pool.metrics_collector is None else _collector_state(pool.metrics_collector),
+        partial_entries=_partial_entries(pool),
     )
     # Journaling starts last: an interrupt before these lines leaves nothing journaling.
     if own_queue:
@@ -335,12 +340,16 @@ def restore_pool(
         for b in blocks:
             b.prev_free_block = b.next_free_block = None
         pool.free_block_queue = pool.free_queue_cls(list(cp.free_order))
+    extra, partial = cp.partial_entries
+    pool.cached_block_hashes_by_block = {bid: list(keys) for bid, keys in extra.items()}
+    pool.partial_hash_num_tokens = dict(partial)
     for b in blocks:
         b.cache_key = None
         b.ref_cnt = 0
     for key, blks in pool.cached_block_hash_to_block.items():
         for b in blks:
-            b.cache_key = key
+            if not extra or key not in extra.get(b.block_id, ()):  # a block's own key, not one of its partial entries
+                b.cache_key = key
     for table in tables:
         for b in table:
             if not b.is_null:
@@ -353,16 +362,20 @@ def restore_pool(
     dropped: list[tuple[KVCacheBlock, bytes]] = []
     if drop_reused:
         reused = {id(b): b for b in cp.reused}
+        num_blocks = 0
         for b in reused.values():
-            old_key = b.cache_key
-            if old_key is not None and b.ref_cnt == 0 and not b.is_null:
-                pool.cached_block_hash_to_block.pop(old_key, b.block_id)
-                b.cache_key = None
-                dropped.append((b, old_key))
-        pool.num_evicted_blocks += len(dropped)
+            if b.cache_key is not None and b.ref_cnt == 0 and not b.is_null:
+                dropped += [(b, k) for k in BlockPool._remove_cached_block_hashes(pool, b)]
+                num_blocks += 1
+        pool.num_evicted_blocks += num_blocks
         for o in pool.observers:
             o.on_cache_entries_dropped(pool, dropped)
-    return [b for b, _ in dropped]
+    return list({id(b): b for b, _ in dropped}.values())
+
+
+def _partial_entries(pool: BlockPool) -> tuple[dict[int, list[bytes]], dict[int, int]]:
+    extra = pool.cached_block_hashes_by_block
+    return ({bid: list(keys) for bid, keys in extra.items()} if extra else {}), dict(pool.partial_hash_num_tokens)
 
 
 # --- the KV-cache manager ---------------------------------------------------------------------

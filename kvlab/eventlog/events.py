@@ -277,7 +277,7 @@ class BlockEvicted(Event):
     group: int = 0
 
     def apply(self, state: ReplayState) -> None:
-        state.uncache(self.block_id)
+        state.uncache(self.block_id, self.block_hash.hex() if self.block_hash else None)
 
     def describe(self) -> str:
         return f"evict block {self.block_id} (hash {self.block_hash.hex()[:8]} dropped)"

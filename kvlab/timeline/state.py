@@ -319,17 +319,23 @@ class ReplayState:
         return node
 
     def cache(self, bid: int, h: str, parent: str | None, token_ids: list[int], extra_keys: Any, group: int) -> None:
-        self.hash[self._block(bid)] = h
-        self.tokens_of[bid] = list(token_ids)
-        self.group_of[bid] = group
+        if self.hash[self._block(bid)] is None:
+            self.hash[bid] = h
+            self.tokens_of[bid] = list(token_ids)
+            self.group_of[bid] = group
+        # else: a partial entry (vLLM 0.33) of a block that has a key: the node lists the
+        # block, which keeps its own key
         if h in self.nodes:
             self._node(h).block_ids.append(bid)  # a duplicate: one hash, several blocks
         else:
             self.nodes[h] = HashNode(h, parent, list(token_ids), extra_keys, [bid], group)
             self._own_nodes.add(h)
 
-    def uncache(self, bid: int) -> None:
-        h = self.hash[self._block(bid)]
+    def uncache(self, bid: int, h: str | None = None) -> None:
+        """Drop the block's key ``h`` (default: its own key). A block with partial entries
+        loses each in its own event; its own key goes first."""
+        own = self.hash[self._block(bid)]
+        h = own if h is None else h
         if h is None:
             return
         if h in self.nodes and bid in self.nodes[h].block_ids:
@@ -337,8 +343,9 @@ class ReplayState:
             node.block_ids.remove(bid)
             if not node.block_ids:
                 del self.nodes[h]
-        self.hash[bid] = None
-        self.tokens_of[bid] = None
+        if h == own:
+            self.hash[bid] = None
+            self.tokens_of[bid] = None
 
     def clear_cache(self) -> None:
         self.hash = [None] * self.num_blocks

@@ -118,9 +118,9 @@ class _BlockRecorder(ReplayState):
         super().cache(bid, h, parent, token_ids, extra_keys, group)
         self._note(bid, "cache", None, h)
 
-    def uncache(self, bid: int) -> None:
-        h = self.hash[bid]
-        super().uncache(bid)
+    def uncache(self, bid: int, h: str | None = None) -> None:
+        h = self.hash[bid] if h is None else h
+        super().uncache(bid, h)
         if h is not None:
             self._note(bid, "evict", None, h)
 
