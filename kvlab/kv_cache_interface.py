@@ -335,6 +335,24 @@ class KVCacheConfig:
         group = self.kv_cache_groups[0]
         return group.kv_cache_spec.page_size_bytes * len(group.layer_names)
 
+    @property
+    def has_mamba_layers(self) -> bool:
+        return any(isinstance(g.kv_cache_spec, MambaSpec) for g in self.kv_cache_groups)
+
+    @property
+    def has_mixed_precision_kv_cache(self) -> bool:
+        """Attention groups that store K/V in more than one dtype (say bf16 and fp8)."""
+        return len({g.kv_cache_spec.dtype for g in self.kv_cache_groups if isinstance(g.kv_cache_spec, AttentionSpec)}) > 1
+
+    @property
+    def needs_kv_cache_zeroing(self) -> bool:
+        """Whether attention blocks must be zeroed when they are handed out (vLLM 0.33). One
+        pool serves every group, so a reused block may hold bytes another group wrote: a
+        Mamba state, or K/V in another dtype. Attention masks unused slots, but stale bytes
+        can decode as NaN or Inf, and NaN times a zero weight is still NaN. A pool of one
+        kind and one dtype never needs it."""
+        return self.has_mamba_layers or self.has_mixed_precision_kv_cache
+
     def layer_view_shape(self) -> tuple[int, int, int, int]:
         """The shape each layer's cache is viewed with in vLLM 0.33:
         ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` (K and V side by side in the

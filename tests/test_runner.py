@@ -420,6 +420,28 @@ def test_bad_scheduler_outputs_raise_and_change_nothing(model: TinyLlama) -> Non
         runner.execute_model({"ok": 1})  # type: ignore[arg-type]
 
 
+def test_the_runner_zeroes_the_blocks_the_scheduler_names_before_the_step(model: TinyLlama) -> None:
+    """vLLM 0.33's ``new_block_ids_to_zero``: every layer's pages of those blocks become 0
+    before the forward pass; a bad id is refused before anything changes."""
+    runner = make_runner(model, num_blocks=16)
+    toks = list(b"abcdefghij")
+    runner.execute_model(_output([_new("a", toks, [3, 4, 5])], finished=set()))
+    assert all(bool(kv[[3, 4, 5]].abs().sum() > 0) for kv in runner.kv_caches)
+    before = [kv.clone() for kv in runner.kv_caches]
+    bad = _output([_new("b", toks[:3], [6])], finished={"a"})
+    bad.new_block_ids_to_zero = [4, 16]
+    with pytest.raises(ValueError, match=r"new_block_ids_to_zero: 16 is not a block id of this cache \(1..15\)"):
+        runner.execute_model(bad)
+    assert all(torch.equal(kv, b) for kv, b in zip(runner.kv_caches, before)) and set(runner.requests) == {"a"}
+    so = _output([_new("b", toks[:3], [6])], finished={"a"})
+    so.new_block_ids_to_zero = [4, 5]
+    runner.execute_model(so)
+    for kv, b in zip(runner.kv_caches, before):
+        assert not kv[[4, 5]].any()  # zeroed
+        assert torch.equal(kv[3], b[3])  # untouched
+        assert kv[6].abs().sum() > 0  # b's step wrote its block after the zeroing
+
+
 def test_empty_step_drops_finished(model: TinyLlama) -> None:
     runner = make_runner(model, num_blocks=8)
     runner.execute_model(_output([_new("a", [65, 66], [2])]))

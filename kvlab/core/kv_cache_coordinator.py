@@ -128,18 +128,22 @@ class KVCacheCoordinator:
         new_computed_blocks: Sequence[Sequence[KVCacheBlock]],
         num_local_computed_tokens: int,
         num_external_computed_tokens: int,
+        skip_zeroing_group_ids: tuple[int, ...] = (),
     ) -> None:
         """Adopt a new request's hits in every group FIRST, then allocate the blocks for its
         external tokens: an earlier group's allocation must not evict a later group's
-        not-yet-touched hit (vLLM issue #33775)."""
+        not-yet-touched hit (vLLM issue #33775). ``skip_zeroing_group_ids``: groups whose
+        external blocks an asynchronous load writes (not to be zeroed)."""
         if any(request_id in m.num_cached_block for m in self.single_type_managers):
             assert not any(new_computed_blocks), "a running request cannot receive prefix hits"
             return
         for i, m in enumerate(self.single_type_managers):
             m.add_local_computed_blocks(request_id, new_computed_blocks[i], num_local_computed_tokens, num_external_computed_tokens)
         if num_external_computed_tokens > 0:
-            for m in self.single_type_managers:
-                m.allocate_external_computed_blocks(request_id, num_local_computed_tokens, num_external_computed_tokens)
+            for i, m in enumerate(self.single_type_managers):
+                m.allocate_external_computed_blocks(
+                    request_id, num_local_computed_tokens, num_external_computed_tokens, i not in skip_zeroing_group_ids
+                )
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int) -> tuple[list[KVCacheBlock], ...]:
         """Group by group: group 0 takes its blocks from the queue head, then group 1, ..."""
@@ -234,6 +238,7 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
         new_computed_blocks: Sequence[Sequence[KVCacheBlock]],
         num_local_computed_tokens: int,
         num_external_computed_tokens: int,
+        skip_zeroing_group_ids: tuple[int, ...] = (),
     ) -> None:
         m = self.single_type_managers[0]
         if request_id in m.num_cached_block:
@@ -241,7 +246,9 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
             return
         m.add_local_computed_blocks(request_id, new_computed_blocks[0], num_local_computed_tokens, num_external_computed_tokens)
         if num_external_computed_tokens > 0:
-            m.allocate_external_computed_blocks(request_id, num_local_computed_tokens, num_external_computed_tokens)
+            m.allocate_external_computed_blocks(
+                request_id, num_local_computed_tokens, num_external_computed_tokens, 0 not in skip_zeroing_group_ids
+            )
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int) -> tuple[list[KVCacheBlock], ...]:
         return (self.single_type_managers[0].allocate_new_blocks(request_id, num_tokens, num_tokens_main_model),)

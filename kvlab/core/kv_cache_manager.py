@@ -27,6 +27,7 @@ from kvlab.core.transaction import manager_call, manager_lookup
 from kvlab.distributed.kv_events import BlockStored, KVEvent
 from kvlab.kv_cache_interface import (
     KV_CACHE_SPEC_TYPES,
+    AttentionSpec,
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
@@ -248,6 +249,11 @@ class KVCacheManager:
             )
         self.block_pool = block_pool
         self.coordinator = coordinator
+        # vLLM 0.33: with Mamba layers or attention groups of several dtypes, the runner zeroes
+        # the attention blocks handed out each step (KVCacheConfig.needs_kv_cache_zeroing).
+        self.needs_kv_cache_zeroing = self.kv_cache_config.needs_kv_cache_zeroing
+        for m in coordinator.single_type_managers:
+            m._record_new_block_ids = self.needs_kv_cache_zeroing and isinstance(m.kv_cache_spec, AttentionSpec)
         self.enable_kv_cache_events = enable_kv_cache_events
         self.metrics_collector = metrics_collector
         # (kind, sliding window) per group, filled into every BlockStored by take_events().
@@ -347,6 +353,7 @@ class KVCacheManager:
         num_external_computed_tokens: int = 0,
         delay_cache_blocks: bool = False,
         full_sequence_must_fit: bool = False,
+        skip_zeroing_group_ids: tuple[int, ...] = (),
     ) -> KVCacheBlocks | None:
         """Room for ``num_new_tokens`` more tokens. Returns the *newly allocated* blocks, an
         empty KVCacheBlocks when none are needed, or None when the pool cannot supply them --
@@ -367,8 +374,12 @@ class KVCacheManager:
           (``request.num_tokens``), after the hit and without what a window will drop, fits
           in the free blocks now, even if only the first chunk is scheduled. The scheduler
           passes its ``scheduler_reserve_full_isl`` (True by default, as in vLLM) for
-          waiting requests (lesson 05).
+          waiting requests (lesson 05);
+        * ``skip_zeroing_group_ids``: groups whose external blocks an asynchronous load
+          writes after this step, so they are not recorded for zeroing (vLLM 0.33).
         """
+        if skip_zeroing_group_ids:
+            self._check_group_ids("skip_zeroing_group_ids", skip_zeroing_group_ids)
         self._bind(request)
         num_new_tokens, num_new_computed_tokens, num_lookahead_tokens, num_external_computed_tokens, hits = self._check_allocate_args(
             request,
@@ -407,7 +418,7 @@ class KVCacheManager:
             return None
         if has_hits or num_external_computed_tokens > 0:
             # Hits are adopted before anything is allocated: an allocation must not evict them.
-            coord.allocate_new_computed_blocks(rid, hits, num_local_computed, num_external_computed_tokens)
+            coord.allocate_new_computed_blocks(rid, hits, num_local_computed, num_external_computed_tokens, skip_zeroing_group_ids)
         new_blocks = coord.allocate_new_blocks(rid, num_tokens_need_slot, num_tokens_main_model)
         self._requests[rid] = request
         if self.enable_caching and not delay_cache_blocks:
@@ -415,6 +426,38 @@ class KVCacheManager:
             # past the tokens the request actually has.
             coord.cache_blocks(request, min(total_computed + num_new_tokens, request.num_tokens))
         return self.create_kv_cache_blocks(new_blocks)
+
+    # -- block zeroing (vLLM 0.33) ----------------------------------------------------------
+    def take_new_block_ids(self) -> list[int]:
+        """The attention blocks handed out since the last call, for the runner to zero
+        (empty unless ``needs_kv_cache_zeroing``); the lists start empty again. The scheduler
+        drains them every step (``SchedulerOutput.new_block_ids_to_zero``)."""
+        ids: list[int] = []
+        for m in self.coordinator.single_type_managers:
+            ids += m.take_new_block_ids()
+        return ids
+
+    def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
+        """Record the request's blocks from ``start_token`` on for zeroing again: a failed
+        asynchronous KV load left them unwritten and their zeroing was skipped.
+        ``start_token`` must start a block in every recording group -- zeroing a block that
+        holds valid tokens would wipe them."""
+        recording = [m for m in self.coordinator.single_type_managers if m.records_new_block_ids]
+        start_token = check_int("start_token", start_token, 0)
+        for m in recording:
+            if start_token % m.block_size:
+                raise ValueError(
+                    f"start_token = {start_token} is not a multiple of group {m.kv_cache_group_id}'s block size {m.block_size}"
+                )
+        for m in recording:
+            m.new_block_ids += [b.block_id for b in m.req_to_blocks.get(request_id, ())[start_token // m.block_size :]]
+
+    def _check_group_ids(self, name: str, ids: Any) -> None:
+        if not isinstance(ids, tuple):
+            raise TypeError(f"{name} must be a tuple of group ids, got {type(ids).__name__}")
+        for g in ids:
+            if type(g) is not int or not 0 <= g < self.num_kv_cache_groups:
+                raise ValueError(f"{name}: {g!r} is not a group id (0..{self.num_kv_cache_groups - 1})")
 
     # -- argument checks (kvlab's: a learner's bad call is refused before anything changes) ----
     def _check_allocate_args(

@@ -76,6 +76,10 @@ class SingleTypeKVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # request id -> how many of its blocks are cached (have a hash in the map).
         self.num_cached_block: dict[str, int] = {}
+        # Block zeroing (vLLM 0.33; the manager sets it where KVCacheConfig.needs_kv_cache_zeroing):
+        # an attention group writes down the ids of the blocks it is handed, for the runner.
+        self._record_new_block_ids = False
+        self.new_block_ids: list[int] = []
 
     # -- how many blocks ------------------------------------------------------------------------
     @staticmethod
@@ -142,10 +146,14 @@ class SingleTypeKVCacheManager:
         req_blocks.extend(adopted)
         self.num_cached_block[request_id] = len(req_blocks)
 
-    def allocate_external_computed_blocks(self, request_id: str, num_local_computed_tokens: int, num_external_computed_tokens: int) -> None:
+    def allocate_external_computed_blocks(
+        self, request_id: str, num_local_computed_tokens: int, num_external_computed_tokens: int, record_for_zeroing: bool = True
+    ) -> None:
         """Blocks for tokens whose KV a connector supplies (``num_external_computed_tokens``):
         the request needs slots to receive them, except where they fall outside the window.
-        Runs only after every group's hits were touched (vLLM issue #33775)."""
+        Runs only after every group's hits were touched (vLLM issue #33775).
+        ``record_for_zeroing=False``: an asynchronous load writes these blocks after this
+        step, and zeroing them would race with it."""
         total = num_local_computed_tokens + num_external_computed_tokens
         skipped = self.get_num_skipped_tokens(total)
         if skipped > 0:
@@ -154,7 +162,10 @@ class SingleTypeKVCacheManager:
             return
         req_blocks = self.req_to_blocks.setdefault(request_id, [])
         num_new = max(0, cdiv(total, self.block_size) - len(req_blocks))
-        req_blocks.extend(self.block_pool.get_new_blocks(num_new, request_id=request_id, group=self.kv_cache_group_id))
+        new = self.block_pool.get_new_blocks(num_new, request_id=request_id, group=self.kv_cache_group_id)
+        req_blocks.extend(new)
+        if self._record_new_block_ids and record_for_zeroing:
+            self.new_block_ids += [b.block_id for b in new]
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int) -> list[KVCacheBlock]:
         blocks = self.req_to_blocks.setdefault(request_id, [])
@@ -163,7 +174,20 @@ class SingleTypeKVCacheManager:
             return []
         new = self.block_pool.get_new_blocks(num_new, request_id=request_id, group=self.kv_cache_group_id)
         blocks.extend(new)
+        if self._record_new_block_ids:
+            self.new_block_ids += [b.block_id for b in new]
         return new
+
+    @property
+    def records_new_block_ids(self) -> bool:
+        """Whether the runner zeroes this group's new blocks (vLLM 0.33)."""
+        return self._record_new_block_ids
+
+    def take_new_block_ids(self) -> list[int]:
+        """The ids of the blocks handed out since the last call, oldest first; the list
+        starts empty again."""
+        ids, self.new_block_ids = self.new_block_ids, []
+        return ids
 
     def _touch(self, request_id: str, blocks: list[KVCacheBlock]) -> None:
         """``BlockPool.touch`` (vLLM's) and the ``BlocksTouched`` event for the pictures: the

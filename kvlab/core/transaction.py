@@ -387,7 +387,7 @@ _TABLES = frozenset({"req_to_blocks"})  # the attribute a growing-table class ke
 #: read for every request in every step. A test compares the names with a real manager's
 #: attributes, so one added later cannot be missed. (Other classes, a learner's subclass
 #: among them, are saved generically.)
-_FULL_ATTENTION_STATE = ("num_cached_block",)
+_FULL_ATTENTION_STATE = ("num_cached_block", "new_block_ids")
 _FULL_ATTENTION_FIXED = frozenset(
     {
         "kv_cache_spec",
@@ -400,6 +400,7 @@ _FULL_ATTENTION_FIXED = frozenset(
         "max_admission_blocks_per_request",
         "use_eagle",
         "_null_block",
+        "_record_new_block_ids",
     }
 )
 #: Group managers whose block tables, within a call, only grow at the end (``extend``) or

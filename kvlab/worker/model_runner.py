@@ -303,6 +303,21 @@ class ModelRunner(KVConnectorModelRunnerMixin):
         return tuple(list(row) for row in self.requests[req_id].block_ids)
 
     @torch.no_grad()
+    def _check_block_ids_to_zero(self, ids: list[int] | None) -> list[int]:
+        if not ids:
+            return []
+        for b in ids:
+            if type(b) is not int or not 1 <= b < self.num_blocks:
+                raise ValueError(f"new_block_ids_to_zero: {b!r} is not a block id of this cache (1..{self.num_blocks - 1})")
+        return ids
+
+    def _zero_block_ids(self, ids: list[int]) -> None:
+        """vLLM 0.33's zeroing: every layer's pages of these blocks become 0 before this step
+        writes into them, so bytes another group left behind cannot decode as NaN or Inf."""
+        index = torch.tensor(ids, dtype=torch.long, device=self.device)
+        for kv in self.kv_caches:
+            kv.index_fill_(0, index, 0)
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> dict[str, list[int]]:
         """Run one step. Returns ``{req_id: [sampled token]}`` for every request whose known
         tokens are all computed after this step; partial prefill chunks get no entry.
@@ -317,8 +332,11 @@ class ModelRunner(KVConnectorModelRunnerMixin):
             )
         so = scheduler_output
         staged, order = self._stage(so)
+        zero = self._check_block_ids_to_zero(so.new_block_ids_to_zero)
         self.requests = staged
         self.num_steps += 1
+        if zero:
+            self._zero_block_ids(zero)
         # A KV connector loads external KV now; a request whose computed prefix holds a
         # block that failed to load sits this step out (the scheduler gives it back).
         invalid = self._kv_connector_start(so)

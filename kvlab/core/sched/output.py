@@ -66,3 +66,7 @@ class SchedulerOutput:
     free_encoder_mm_hashes: list[str] = field(default_factory=list)
     # What the scheduler-side KV connector tells its worker side this step (lessons 12-13).
     kv_connector_metadata: Any = None
+    # vLLM 0.33: attention blocks handed out since the last step, for the runner to zero
+    # before it writes them (None: none, or the pool needs no zeroing -- see
+    # KVCacheConfig.needs_kv_cache_zeroing).
+    new_block_ids_to_zero: list[int] | None = None

@@ -690,10 +690,17 @@ class Scheduler:
             finished_req_ids=finished,
             scheduled_encoder_inputs=plan.encoder_inputs,
             free_encoder_mm_hashes=self.encoder_cache_manager.get_freed_mm_hashes(),
+            new_block_ids_to_zero=self._get_new_block_ids_to_zero(),
         )
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
+
+    def _get_new_block_ids_to_zero(self) -> list[int] | None:
+        """Drained every step, so the managers' lists never grow; only zeroing reads them."""
+        mgr = self.kv_cache_manager
+        ids = mgr.take_new_block_ids()
+        return (ids or None) if mgr.needs_kv_cache_zeroing else None
 
     def _mamba_block_aligned_split(self, request: Request, num_new_tokens: int, num_computed_tokens: int) -> int:
         """Cut a prefill chunk so it ends where a Mamba state can be saved: on a block
