@@ -38,6 +38,7 @@ _EXPORTS: dict[str, str] = {
     "LoadedModel": "kvlab.model_loader",
     "MLAAttentionSpec": "kvlab.kv_cache_interface",
     "MambaSpec": "kvlab.kv_cache_interface",
+    "RSWASpec": "kvlab.kv_cache_interface",
     "MultiModalFeature": "kvlab.request",
     "PrefixCacheStats": "kvlab.metrics.stats",
     "Request": "kvlab.request",
@@ -77,6 +78,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs only
         FullAttentionSpec,
         MambaSpec,
         MLAAttentionSpec,
+        RSWASpec,
         SlidingWindowSpec,
     )
     from kvlab.learner.prediction import predict

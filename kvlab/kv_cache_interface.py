@@ -147,6 +147,25 @@ class MLAAttentionSpec(FullAttentionSpec):
 
 
 @dataclass(frozen=True, kw_only=True)
+class RSWASpec(FullAttentionSpec):
+    """Reference sliding window attention (vLLM 0.33's R-SWA): the prompt -- say an image and
+    its question -- stays visible to every later token, and of the generated tokens only the
+    last ``rswa_window``. So the blocks between the prompt's last block and the window (the
+    *gap*) are freed as decoding goes on, and a request holds its prompt plus a window, not
+    its whole length. Prefix hits are those of full attention: the prompt is all kept."""
+
+    rswa_window: int = 0
+
+    def __post_init__(self) -> None:
+        _check_int(self, "rswa_window", 1)
+        super().__post_init__()
+
+    @property
+    def type_name(self) -> str:
+        return "rswa"
+
+
+@dataclass(frozen=True, kw_only=True)
 class SlidingWindowSpec(AttentionSpec):
     """Layers that attend only to the last ``sliding_window`` tokens (the query included).
 
@@ -257,6 +276,7 @@ class MambaSpec(KVCacheSpec):
 KV_CACHE_SPEC_TYPES: tuple[type[KVCacheSpec], ...] = (
     FullAttentionSpec,
     MLAAttentionSpec,
+    RSWASpec,
     SlidingWindowSpec,
     ChunkedLocalAttentionSpec,
     MambaSpec,
@@ -374,6 +394,7 @@ __all__ = [
     "AttentionSpec",
     "FullAttentionSpec",
     "MLAAttentionSpec",
+    "RSWASpec",
     "SlidingWindowSpec",
     "ChunkedLocalAttentionSpec",
     "MambaSpec",

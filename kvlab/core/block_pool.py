@@ -184,6 +184,9 @@ class BlockPool:
         # (``block_hash_num_tokens``); a full block's key always covers the whole block, so
         # only the partial ones are needed, to know when a fuller key replaces them.
         self.partial_hash_num_tokens: dict[int, int] = {}
+        # Whether a partial entry was made since the last reset: until then, every block has
+        # at most one key, and the hot paths skip the look for more (kvlab's shortcut).
+        self.has_partial_entries = False
         # The null block leaves the queue for good. Its ref count is not maintained.
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
@@ -262,11 +265,12 @@ class BlockPool:
             if not blk.is_null and blk.cache_key is not None and partial.get(blk.block_id, (i + 1) * block_size) >= (i + 1) * block_size:
                 raise RuntimeError(f"block {blk.block_id} is already cached")
         dropped: list[tuple[KVCacheBlock, bytes]] = []
+        has_partial = self.has_partial_entries
         for i in todo:
             blk = blocks[i]
             if blk.is_null:
                 continue  # left the window / a state that is never read
-            if blk.cache_key is not None:  # it had a partial entry; the full block's key replaces it (vLLM 0.33)
+            if has_partial and blk.cache_key is not None:  # a partial entry; the full block's key replaces it (vLLM 0.33)
                 dropped += [(blk, k) for k in self._remove_cached_block_hashes(blk)]
             blk.cache_key = key = hashes[i] + suffix
             insert(key, blk)  # a duplicate key keeps both blocks
@@ -327,6 +331,7 @@ class BlockPool:
         elif not already_cached and self.partial_hash_num_tokens.get(bid, num_tokens) < num_tokens:
             dropped = [(block, k) for k in self._remove_cached_block_hashes(block)]
         if not already_cached:
+            self.has_partial_entries = True
             if block.cache_key is None:
                 block.cache_key = key
                 self.partial_hash_num_tokens[bid] = num_tokens
@@ -361,19 +366,23 @@ class BlockPool:
         dropped: list[tuple[KVCacheBlock, bytes]] = []
         if self.enable_caching:
             evict = self._maybe_evict_cached_block
-            extra = self.cached_block_hashes_by_block
-            num_more = 0
-            for b in ret:
-                key = b.cache_key
-                if key is not None:
-                    more = extra.get(b.block_id) if extra else None
-                    if evict(b):  # lazy eviction: the old hash goes now
+            if not self.has_partial_entries:  # one key per block at most
+                for b in ret:
+                    key = b.cache_key
+                    if key is not None and evict(b):  # lazy eviction: the old hash goes now
                         dropped.append((b, key))
-                        if more:  # and its partial entries (vLLM 0.33)
-                            dropped += [(b, k) for k in more]
-                            num_more += len(more)
-                b.ref_cnt += 1
-            self.num_evicted_blocks += len(dropped) - num_more
+                    b.ref_cnt += 1
+                self.num_evicted_blocks += len(dropped)
+            else:
+                extra = self.cached_block_hashes_by_block
+                for b in ret:
+                    key = b.cache_key
+                    if key is not None:
+                        more = extra.get(b.block_id, ())
+                        if evict(b):
+                            self.num_evicted_blocks += 1
+                            dropped += [(b, k) for k in (key, *more)]  # and its partial entries (vLLM 0.33)
+                    b.ref_cnt += 1
         else:
             for b in ret:
                 b.ref_cnt += 1
@@ -388,7 +397,7 @@ class BlockPool:
         key = block.cache_key
         if key is None:
             return False
-        if self.partial_hash_num_tokens or self.cached_block_hashes_by_block:
+        if self.has_partial_entries:
             return bool(self._remove_cached_block_hashes(block))  # it may have more than one key
         self.cached_block_hash_to_block.pop(key, block.block_id)
         block.cache_key = None  # block.reset_hash(), without the call (hot path)
@@ -504,6 +513,7 @@ class BlockPool:
         self.cached_block_hash_to_block = BlockHashToBlockMap()
         self.cached_block_hashes_by_block.clear()
         self.partial_hash_num_tokens.clear()
+        self.has_partial_entries = False
         for b in self.blocks:
             b.reset_hash()
         for o in self.observers:
@@ -590,6 +600,9 @@ class BlockPool:
             for k in self.cached_block_hashes_by_block.get(b.block_id, ()):
                 assert b.cache_key is not None, f"block {b.block_id} has partial entries but no key of its own"
                 assert b in self.cached_block_hash_to_block.blocks_for(k), f"partial entry of block {b.block_id} is missing from the map"
+        assert self.has_partial_entries or not (self.cached_block_hashes_by_block or self.partial_hash_num_tokens), (
+            "partial entries exist but has_partial_entries is False"
+        )
         for bid in self.partial_hash_num_tokens:
             assert self.blocks[bid].cache_key is not None, f"block {bid} has a partial length but no key"
         n_entries = 0

@@ -167,9 +167,9 @@ class KVCacheCoordinator:
             if group_blocks:
                 m.block_pool.emit_cached_block_events(request, len(group_blocks), m.block_size, gid)
 
-    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int, num_prompt_tokens: int | None = None) -> None:
         for m in self.single_type_managers:
-            m.remove_skipped_blocks(request_id, num_computed_tokens)
+            m.remove_skipped_blocks(request_id, num_computed_tokens, num_prompt_tokens)
 
     def get_blocks(self, request_id: str) -> tuple[list[KVCacheBlock], ...]:
         return tuple(m.req_to_blocks.get(request_id, []) for m in self.single_type_managers)
@@ -258,8 +258,8 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
         if m.enable_caching:
             m.cache_blocks(request, self.get_num_cacheable_tokens(num_computed_tokens, 0))
 
-    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
-        self.single_type_managers[0].remove_skipped_blocks(request_id, num_computed_tokens)
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int, num_prompt_tokens: int | None = None) -> None:
+        self.single_type_managers[0].remove_skipped_blocks(request_id, num_computed_tokens, num_prompt_tokens)
 
     def get_blocks(self, request_id: str) -> tuple[list[KVCacheBlock], ...]:
         return (self.single_type_managers[0].req_to_blocks.get(request_id, []),)

@@ -412,7 +412,7 @@ class KVCacheManager:
             num_tokens_need_slot = min(num_tokens_need_slot, self.max_model_len)
         # Blocks that left the window are freed even if this allocation fails: no future
         # query reads them, and freeing them first may make room.
-        coord.remove_skipped_blocks(rid, total_computed)
+        coord.remove_skipped_blocks(rid, total_computed, request.num_prompt_tokens)
         need = coord.get_num_blocks_to_allocate(rid, num_tokens_need_slot, hits, total_computed, num_local_computed, num_tokens_main_model)
         if need > self.block_pool.get_num_free_blocks():
             return None

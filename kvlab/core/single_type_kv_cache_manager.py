@@ -35,6 +35,7 @@ from kvlab.kv_cache_interface import (
     KVCacheSpec,
     MambaSpec,
     MLAAttentionSpec,
+    RSWASpec,
     SlidingWindowSpec,
 )
 from kvlab.eventlog.events import BlocksSkipped, BlocksTouched
@@ -245,8 +246,10 @@ class SingleTypeKVCacheManager:
         """Tokens no future query of this group reads, once ``num_computed_tokens`` are done."""
         return 0
 
-    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
-        """Replace blocks no future query can read with the null block, and free them."""
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int, num_prompt_tokens: int | None = None) -> None:
+        """Replace blocks no future query can read with the null block, and free them.
+        ``num_prompt_tokens``: the prompt's length, for a kind that frees a gap after it
+        (R-SWA); the others ignore it."""
         num_skipped_tokens = self.get_num_skipped_tokens(num_computed_tokens)
         if num_skipped_tokens <= 0:
             return
@@ -375,6 +378,26 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         if block_idx >= len(blocks):
             return
         self.block_pool.cache_partial_block(request, blocks[block_idx], boundary, self.kv_cache_group_id, self.block_size)
+
+
+class RSWAManager(FullAttentionManager):
+    """R-SWA (vLLM 0.33): full attention whose generated tokens older than the last
+    ``rswa_window`` are never read again. Given the prompt's length, each step frees the
+    *gap*: the whole blocks after the prompt's last block and before the window. They become
+    the null block in the table (the kernel masks those positions), so a request holds
+    O(prompt + window) blocks however long it decodes. The prompt's blocks, including a last
+    one that decode tokens share, are never freed."""
+
+    def __init__(self, kv_cache_spec: RSWASpec, block_pool: BlockPool, kv_cache_group_id: int, *args: Any, **kwargs: Any) -> None:
+        super().__init__(kv_cache_spec, block_pool, kv_cache_group_id, *args, **kwargs)
+        self.rswa_window = kv_cache_spec.rswa_window
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int, num_prompt_tokens: int | None = None) -> None:
+        if num_prompt_tokens is None:
+            return super().remove_skipped_blocks(request_id, num_computed_tokens, num_prompt_tokens)
+        first_gap_block = cdiv(num_prompt_tokens, self.block_size)  # the first block wholly after the prompt
+        window_start = max(num_prompt_tokens, num_computed_tokens - self.rswa_window)
+        self._remove_blocks_in_range(request_id, first_gap_block, window_start // self.block_size)
 
 
 class SlidingWindowManager(SingleTypeKVCacheManager):
@@ -622,8 +645,8 @@ class MambaManager(SingleTypeKVCacheManager):
         self._free_removed(request_id, positions, removed)
         self._num_retired_blocks[request_id] = last_block
 
-    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
-        super().remove_skipped_blocks(request_id, num_computed_tokens)
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int, num_prompt_tokens: int | None = None) -> None:
+        super().remove_skipped_blocks(request_id, num_computed_tokens, num_prompt_tokens)
         if self.mamba_cache_mode != "align":
             return
         idx = self.last_state_block_idx.get(request_id)
@@ -657,6 +680,7 @@ class MambaManager(SingleTypeKVCacheManager):
 MANAGER_FOR_SPEC: dict[type, type[SingleTypeKVCacheManager]] = {
     FullAttentionSpec: FullAttentionManager,
     MLAAttentionSpec: FullAttentionManager,
+    RSWASpec: RSWAManager,
     SlidingWindowSpec: SlidingWindowManager,
     ChunkedLocalAttentionSpec: ChunkedLocalAttentionManager,
     MambaSpec: MambaManager,

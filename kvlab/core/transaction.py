@@ -343,6 +343,7 @@ def restore_pool(
     extra, partial = cp.partial_entries
     pool.cached_block_hashes_by_block = {bid: list(keys) for bid, keys in extra.items()}
     pool.partial_hash_num_tokens = dict(partial)
+    pool.has_partial_entries = pool.has_partial_entries or bool(extra or partial)  # never False while any exists
     for b in blocks:
         b.cache_key = None
         b.ref_cnt = 0
