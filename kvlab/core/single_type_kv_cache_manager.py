@@ -49,6 +49,10 @@ def cdiv(a: int, b: int) -> int:
 class SingleTypeKVCacheManager:
     """The block tables of one KV-cache group."""
 
+    #: Whether the kind registers a prompt tail that ends inside a block as a partial prefix
+    #: entry when its blocks are larger than the hash block (vLLM 0.33: full attention).
+    supports_partial_tail = False
+
     def __init__(
         self,
         kv_cache_spec: KVCacheSpec,
@@ -81,6 +85,10 @@ class SingleTypeKVCacheManager:
         # an attention group writes down the ids of the blocks it is handed, for the runner.
         self._record_new_block_ids = False
         self.new_block_ids: list[int] = []
+        # vLLM 0.33's partial prompt-tail entries: full attention whose blocks are larger than
+        # the hash block (decided here once, so the common case pays one attribute read).
+        hash_block_size = block_pool.hash_block_size
+        self._caches_partial_tail = self.supports_partial_tail and bool(hash_block_size) and self.block_size != hash_block_size
 
     # -- how many blocks ------------------------------------------------------------------------
     @staticmethod
@@ -206,25 +214,31 @@ class SingleTypeKVCacheManager:
         return None
 
     def cache_blocks(self, request: Any, num_tokens: int) -> None:
-        """Cache the request's blocks that ``num_tokens`` computed tokens have filled."""
+        """Cache the request's blocks that ``num_tokens`` computed tokens have filled; then,
+        for full attention with blocks larger than the hash block, the prompt's tail as a
+        partial entry (vLLM 0.33: ``FullAttentionManager.cache_blocks``)."""
         if not self.kv_cache_spec.prefix_cacheable:
             return
         rid = request.request_id
         num_cached = self.num_cached_block.get(rid, 0)
         num_hashed_tokens = len(request.block_hashes) * (self.block_pool.hash_block_size or self.block_size)
         num_full = min(num_tokens, num_hashed_tokens) // self.block_size
-        if num_cached >= num_full:
-            return
-        self.block_pool.cache_full_blocks(
-            request,
-            self.req_to_blocks[rid],
-            num_cached,
-            num_full,
-            self.block_size,
-            self.kv_cache_group_id,
-            self.reachable_block_mask(num_cached, num_full),
-        )
-        self.num_cached_block[rid] = num_full
+        if num_cached < num_full:
+            self.block_pool.cache_full_blocks(
+                request,
+                self.req_to_blocks[rid],
+                num_cached,
+                num_full,
+                self.block_size,
+                self.kv_cache_group_id,
+                self.reachable_block_mask(num_cached, num_full),
+            )
+            self.num_cached_block[rid] = num_full
+        if self._caches_partial_tail:
+            self._cache_partial_tail_block(request, num_tokens)
+
+    def _cache_partial_tail_block(self, request: Any, num_tokens: int) -> None:
+        raise NotImplementedError  # only the kinds with supports_partial_tail have one
 
     # -- freeing --------------------------------------------------------------------------------
     def free(self, request_id: str) -> None:
@@ -317,6 +331,8 @@ def _lookup(block_pool: BlockPool, block_hash: BlockHash, group_ids: Sequence[in
 
 
 class FullAttentionManager(SingleTypeKVCacheManager):
+    supports_partial_tail = True
+
     @classmethod
     def find_longest_cache_hit(
         cls, block_hashes, max_length, kv_cache_group_ids, block_pool, kv_cache_spec, drop_eagle_block=False, alignment_tokens=None
@@ -352,14 +368,6 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         for lst in computed:
             del lst[keep:]
         return computed, hit_length
-
-    def cache_blocks(self, request: Any, num_tokens: int) -> None:
-        """Cache the full blocks, then -- when this group's blocks are larger than the hash
-        block -- the prompt's tail as a partial entry (vLLM 0.33)."""
-        super().cache_blocks(request, num_tokens)
-        hash_block_size = self.block_pool.hash_block_size
-        if hash_block_size and self.block_size != hash_block_size:
-            self._cache_partial_tail_block(request, num_tokens)
 
     def _cache_partial_tail_block(self, request: Any, num_tokens: int) -> None:
         """Register the last hash boundary of the prompt, when it falls inside a block, as a

@@ -374,9 +374,14 @@ def restore_pool(
     return list({id(b): b for b, _ in dropped}.values())
 
 
+_NO_PARTIAL_ENTRIES: tuple[dict[int, list[bytes]], dict[int, int]] = ({}, {})  # never changed: restore copies
+
+
 def _partial_entries(pool: BlockPool) -> tuple[dict[int, list[bytes]], dict[int, int]]:
+    if not pool.has_partial_entries:
+        return _NO_PARTIAL_ENTRIES
     extra = pool.cached_block_hashes_by_block
-    return ({bid: list(keys) for bid, keys in extra.items()} if extra else {}), dict(pool.partial_hash_num_tokens)
+    return {bid: list(keys) for bid, keys in extra.items()}, dict(pool.partial_hash_num_tokens)
 
 
 # --- the KV-cache manager ---------------------------------------------------------------------
@@ -402,6 +407,7 @@ _FULL_ATTENTION_FIXED = frozenset(
         "use_eagle",
         "_null_block",
         "_record_new_block_ids",
+        "_caches_partial_tail",
     }
 )
 #: Group managers whose block tables, within a call, only grow at the end (``extend``) or
