@@ -220,6 +220,19 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
 
 
 @dataclass(frozen=True, kw_only=True)
+class CrossAttentionSpec(AttentionSpec):
+    """Cross attention of an encoder-decoder model (Whisper, BART): the decoder's queries
+    read the *encoder's* keys and values, computed once from the request's input (audio, an
+    image). A request gets its blocks for the encoder's tokens in one allocation and keeps
+    them to the end; nothing is shared between requests -- every input differs -- so these
+    blocks are never prefix-cached (vLLM turns prefix caching off for such models)."""
+
+    @property
+    def type_name(self) -> str:
+        return "cross_attention"
+
+
+@dataclass(frozen=True, kw_only=True)
 class MambaSpec(KVCacheSpec):
     """A state-space (Mamba / linear-attention) layer: no per-token KV at all, one fixed-size
     recurrent state per request (``shapes`` x ``dtypes``: e.g. a conv state and an SSM
@@ -280,6 +293,7 @@ KV_CACHE_SPEC_TYPES: tuple[type[KVCacheSpec], ...] = (
     SlidingWindowSpec,
     ChunkedLocalAttentionSpec,
     MambaSpec,
+    CrossAttentionSpec,
 )
 
 # --- how KV cache events name a group's spec (vLLM's KVCacheSpecKind values) -----------------
@@ -398,6 +412,7 @@ __all__ = [
     "SlidingWindowSpec",
     "ChunkedLocalAttentionSpec",
     "MambaSpec",
+    "CrossAttentionSpec",
     "KV_CACHE_SPEC_TYPES",
     "get_kv_cache_spec_kind",
     "get_kv_cache_spec_sliding_window",

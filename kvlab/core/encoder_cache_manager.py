@@ -207,6 +207,75 @@ class EncoderCacheManager:
             assert (not refs) == (h in self.freeable), f"{h}: referenced by {refs} but freeable={h in self.freeable}"
 
 
+class EncoderDecoderCacheManager(EncoderCacheManager):
+    """The encoder cache of an encoder-decoder model (Whisper, BART; vLLM 0.33's names).
+
+    There the encoder's output becomes the cross-attention layers' keys and values, which
+    live in KV-cache blocks (``CrossAttentionSpec``), not here. So nothing is shared or
+    kept: every request runs its own encoder input (``check_and_update_cache`` is always
+    False), the slots only limit how many encoder embeddings are in flight, and each entry
+    is handed to the worker to drop one step after it was allocated -- after the step that
+    used it, as an ordinary entry would be."""
+
+    def __init__(self, cache_size: int) -> None:
+        super().__init__(cache_size)
+        self.allocated: list[str] = []
+        self.to_free: list[str] = []
+
+    def reset(self) -> None:
+        self.num_free_slots = self.cache_size
+        self.allocated.clear()
+        self.to_free.clear()
+
+    def check_and_update_cache(self, request: Request, input_id: int) -> bool:
+        _check_item(request, input_id)
+        return False
+
+    def can_allocate(self, request: Request, input_id: int, encoder_compute_budget: int, num_embeds_to_schedule: int) -> bool:
+        input_id = _check_item(request, input_id)
+        encoder_compute_budget = check_int("encoder_compute_budget", encoder_compute_budget, 0)
+        num_embeds_to_schedule = check_int("num_embeds_to_schedule", num_embeds_to_schedule, 0)
+        num_embeds = request.mm_features[input_id].length
+        if num_embeds > encoder_compute_budget:
+            return False
+        return num_embeds + num_embeds_to_schedule <= self.num_free_slots
+
+    def allocate(self, request: Request, input_id: int) -> None:
+        input_id = _check_item(request, input_id)
+        feature = request.mm_features[input_id]
+        if feature.length > self.num_free_slots:
+            raise ValueError(
+                f"allocate: item {input_id} of request {request.request_id!r} needs {feature.length} embeddings but only "
+                f"{self.num_free_slots} slots are free; ask can_allocate() first"
+            )
+        self.num_free_slots -= feature.length
+        self.allocated.append(feature.identifier)
+
+    def free(self, request: Request) -> None:
+        if not isinstance(request, Request):
+            raise TypeError(f"request must be a kvlab.Request, got {type(request).__name__} {request!r:.60}")
+        for input_id in range(len(request.mm_features or ())):
+            self.free_encoder_input(request, input_id)
+
+    def get_cached_input_ids(self, request: Request) -> set[int]:
+        if not isinstance(request, Request):
+            raise TypeError(f"request must be a kvlab.Request, got {type(request).__name__} {request!r:.60}")
+        return set(range(len(request.mm_features or ())))
+
+    def get_freed_mm_hashes(self) -> list[str]:
+        """The entries allocated in the step before the last call: the worker drops them
+        *before* it runs the next step, so each lives through the step that used it."""
+        to_free, self.to_free, self.allocated = self.to_free, self.allocated, []
+        return to_free
+
+    def free_encoder_input(self, request: Request, input_id: int) -> None:
+        input_id = _check_item(request, input_id)
+        self.num_free_slots += request.mm_features[input_id].length
+
+    def check_invariants(self) -> None:
+        assert self.num_free_slots <= self.cache_size, f"free slots {self.num_free_slots} > cache size {self.cache_size}"
+
+
 def compute_encoder_budget(
     max_num_batched_tokens: int, max_num_encoder_input_tokens: int | None, encoder_cache_size: int | None, max_tokens_per_item: int = 0
 ) -> tuple[int, int]:

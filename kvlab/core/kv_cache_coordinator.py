@@ -28,6 +28,7 @@ from kvlab.core.kv_cache_utils import KVCacheBlock
 from kvlab.core.single_type_kv_cache_manager import (
     MANAGER_FOR_SPEC,
     ChunkedLocalAttentionManager,
+    CrossAttentionManager,
     MambaManager,
     SingleTypeKVCacheManager,
     cdiv,
@@ -94,6 +95,11 @@ class KVCacheCoordinator:
             )
             for gid, spec in enumerate(self.specs)
         )
+        # Encoder-decoder models: the cross-attention groups get room for the encoder's
+        # tokens, not the decoder's (empty for every other model).
+        self.cross_attention_group_ids = frozenset(
+            gid for gid, m in enumerate(self.single_type_managers) if isinstance(m, CrossAttentionManager)
+        )
 
     @property
     def num_groups(self) -> int:
@@ -108,7 +114,9 @@ class KVCacheCoordinator:
         num_local_computed_tokens: int,
         num_tokens_main_model: int,
         apply_admission_cap: bool = False,
+        num_encoder_tokens: int = 0,
     ) -> int:
+        cross = self.cross_attention_group_ids
         return sum(
             m.get_num_blocks_to_allocate(
                 request_id,
@@ -119,6 +127,9 @@ class KVCacheCoordinator:
                 num_tokens_main_model,
                 apply_admission_cap,
             )
+            if i not in cross
+            # one static allocation for the encoder's tokens (vLLM 0.33)
+            else m.get_num_blocks_to_allocate(request_id, num_encoder_tokens, [], 0, 0, num_encoder_tokens, apply_admission_cap)
             for i, m in enumerate(self.single_type_managers)
         )
 
@@ -145,9 +156,16 @@ class KVCacheCoordinator:
                     request_id, num_local_computed_tokens, num_external_computed_tokens, i not in skip_zeroing_group_ids
                 )
 
-    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int) -> tuple[list[KVCacheBlock], ...]:
-        """Group by group: group 0 takes its blocks from the queue head, then group 1, ..."""
-        return tuple(m.allocate_new_blocks(request_id, num_tokens, num_tokens_main_model) for m in self.single_type_managers)
+    def allocate_new_blocks(
+        self, request_id: str, num_tokens: int, num_tokens_main_model: int, num_encoder_tokens: int = 0
+    ) -> tuple[list[KVCacheBlock], ...]:
+        """Group by group: group 0 takes its blocks from the queue head, then group 1, ...
+        (a cross-attention group: room for ``num_encoder_tokens``)."""
+        cross = self.cross_attention_group_ids
+        return tuple(
+            m.allocate_new_blocks(request_id, num_encoder_tokens if i in cross else num_tokens, num_tokens_main_model)
+            for i, m in enumerate(self.single_type_managers)
+        )
 
     def get_num_cacheable_tokens(self, num_computed_tokens: int, kv_cache_group_id: int) -> int:
         return num_computed_tokens
@@ -221,6 +239,7 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
         num_local_computed_tokens: int,
         num_tokens_main_model: int,
         apply_admission_cap: bool = False,
+        num_encoder_tokens: int = 0,
     ) -> int:
         return self.single_type_managers[0].get_num_blocks_to_allocate(
             request_id,
@@ -250,7 +269,9 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
                 request_id, num_local_computed_tokens, num_external_computed_tokens, 0 not in skip_zeroing_group_ids
             )
 
-    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int) -> tuple[list[KVCacheBlock], ...]:
+    def allocate_new_blocks(
+        self, request_id: str, num_tokens: int, num_tokens_main_model: int, num_encoder_tokens: int = 0
+    ) -> tuple[list[KVCacheBlock], ...]:
         return (self.single_type_managers[0].allocate_new_blocks(request_id, num_tokens, num_tokens_main_model),)
 
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:

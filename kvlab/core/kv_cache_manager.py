@@ -29,6 +29,7 @@ from kvlab.kv_cache_interface import (
     KV_CACHE_SPEC_TYPES,
     AttentionSpec,
     ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -117,6 +118,11 @@ def _check_manager_args(
     max_model_len = check_optional_int("max_model_len", max_model_len, 1)
     max_in_flight_tokens = check_optional_int("max_in_flight_tokens", max_in_flight_tokens, 1)
     for i, spec in enumerate(specs):
+        if isinstance(spec, CrossAttentionSpec) and enable_caching:
+            raise ValueError(
+                f"kv_cache_groups[{i}] is a CrossAttentionSpec: an encoder-decoder model runs with enable_caching=False "
+                "(vLLM turns prefix caching off for such models: every request's encoder input differs)"
+            )
         if isinstance(spec, ChunkedLocalAttentionSpec) and spec.attention_chunk_size % spec.block_size:  # type: ignore[operator]  # every spec has its block size after the defaults above
             raise ValueError(
                 f"kv_cache_groups[{i}]: attention_chunk_size {spec.attention_chunk_size} must be a multiple of block_size {spec.block_size}"
@@ -354,6 +360,7 @@ class KVCacheManager:
         delay_cache_blocks: bool = False,
         full_sequence_must_fit: bool = False,
         skip_zeroing_group_ids: tuple[int, ...] = (),
+        num_encoder_tokens: int = 0,
     ) -> KVCacheBlocks | None:
         """Room for ``num_new_tokens`` more tokens. Returns the *newly allocated* blocks, an
         empty KVCacheBlocks when none are needed, or None when the pool cannot supply them --
@@ -376,10 +383,16 @@ class KVCacheManager:
           passes its ``scheduler_reserve_full_isl`` (True by default, as in vLLM) for
           waiting requests (lesson 05);
         * ``skip_zeroing_group_ids``: groups whose external blocks an asynchronous load
-          writes after this step, so they are not recorded for zeroing (vLLM 0.33).
+          writes after this step, so they are not recorded for zeroing (vLLM 0.33);
+        * ``num_encoder_tokens``: an encoder-decoder model's encoder tokens; a
+          cross-attention group gets room for these, not for the decoder's tokens.
         """
         if skip_zeroing_group_ids:
             self._check_group_ids("skip_zeroing_group_ids", skip_zeroing_group_ids)
+        if num_encoder_tokens:
+            num_encoder_tokens = check_int("num_encoder_tokens", num_encoder_tokens, 0)
+            if not self.coordinator.cross_attention_group_ids:
+                raise ValueError(f"num_encoder_tokens = {num_encoder_tokens}, but this manager has no CrossAttentionSpec group")
         self._bind(request)
         num_new_tokens, num_new_computed_tokens, num_lookahead_tokens, num_external_computed_tokens, hits = self._check_allocate_args(
             request,
@@ -402,7 +415,9 @@ class KVCacheManager:
         if full_sequence_must_fit:
             # The admission gate: would the whole sequence fit now?
             full = request.num_tokens if self.max_model_len is None else min(request.num_tokens, self.max_model_len)
-            need = coord.get_num_blocks_to_allocate(rid, full, hits, total_computed, num_local_computed, full, apply_admission_cap=True)
+            need = coord.get_num_blocks_to_allocate(
+                rid, full, hits, total_computed, num_local_computed, full, apply_admission_cap=True, num_encoder_tokens=num_encoder_tokens
+            )
             if need > self.block_pool.get_num_free_blocks():
                 return None
 
@@ -413,13 +428,21 @@ class KVCacheManager:
         # Blocks that left the window are freed even if this allocation fails: no future
         # query reads them, and freeing them first may make room.
         coord.remove_skipped_blocks(rid, total_computed, request.num_prompt_tokens)
-        need = coord.get_num_blocks_to_allocate(rid, num_tokens_need_slot, hits, total_computed, num_local_computed, num_tokens_main_model)
+        need = coord.get_num_blocks_to_allocate(
+            rid,
+            num_tokens_need_slot,
+            hits,
+            total_computed,
+            num_local_computed,
+            num_tokens_main_model,
+            num_encoder_tokens=num_encoder_tokens,
+        )
         if need > self.block_pool.get_num_free_blocks():
             return None
         if has_hits or num_external_computed_tokens > 0:
             # Hits are adopted before anything is allocated: an allocation must not evict them.
             coord.allocate_new_computed_blocks(rid, hits, num_local_computed, num_external_computed_tokens, skip_zeroing_group_ids)
-        new_blocks = coord.allocate_new_blocks(rid, num_tokens_need_slot, num_tokens_main_model)
+        new_blocks = coord.allocate_new_blocks(rid, num_tokens_need_slot, num_tokens_main_model, num_encoder_tokens)
         self._requests[rid] = request
         if self.enable_caching and not delay_cache_blocks:
             # Cache only what will really be computed (never lookahead slots), and never

@@ -31,6 +31,7 @@ from kvlab.core.block_pool import BlockPool, group_suffix
 from kvlab.core.kv_cache_utils import KVCacheBlock, trim_null_head
 from kvlab.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
     FullAttentionSpec,
     KVCacheSpec,
     MambaSpec,
@@ -685,6 +686,37 @@ class MambaManager(SingleTypeKVCacheManager):
         self.cached_blocks_this_step.clear()
 
 
+class CrossAttentionManager(SingleTypeKVCacheManager):
+    """Cross attention (vLLM 0.33): the coordinator gives this group room for the encoder's
+    tokens -- once, when the request is first scheduled -- instead of the decoder's. Its
+    blocks are the request's own: never a prefix hit, never cached, never loaded by a
+    connector."""
+
+    def add_local_computed_blocks(
+        self,
+        request_id: str,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        num_local_computed_tokens: int,
+        num_external_computed_tokens: int,
+    ) -> None:
+        if new_computed_blocks:
+            raise ValueError("a cross-attention group never has prefix hits: its blocks are not shared between requests")
+
+    def allocate_external_computed_blocks(
+        self, request_id: str, num_local_computed_tokens: int, num_external_computed_tokens: int, record_for_zeroing: bool = True
+    ) -> None:
+        return  # no prefix caching, no external KV
+
+    def cache_blocks(self, request: Any, num_tokens: int) -> None:
+        raise ValueError("cross-attention blocks are never cached: an encoder-decoder model runs with prefix caching off")
+
+    @classmethod
+    def find_longest_cache_hit(
+        cls, block_hashes, max_length, kv_cache_group_ids, block_pool, kv_cache_spec, drop_eagle_block=False, alignment_tokens=None
+    ):
+        raise NotImplementedError("CrossAttentionManager does not support caching")
+
+
 MANAGER_FOR_SPEC: dict[type, type[SingleTypeKVCacheManager]] = {
     FullAttentionSpec: FullAttentionManager,
     MLAAttentionSpec: FullAttentionManager,
@@ -692,6 +724,7 @@ MANAGER_FOR_SPEC: dict[type, type[SingleTypeKVCacheManager]] = {
     SlidingWindowSpec: SlidingWindowManager,
     ChunkedLocalAttentionSpec: ChunkedLocalAttentionManager,
     MambaSpec: MambaManager,
+    CrossAttentionSpec: CrossAttentionManager,
 }
 spec_manager_map = MANAGER_FOR_SPEC  # vLLM's name
 
