@@ -38,6 +38,19 @@ def _check_item(request: object, input_id: object) -> int:
     return check_int("input_id", input_id, 0, n - 1, why=f" (request {request.request_id!r} has {n} items)")
 
 
+def _embeds_if_in_budget(request: object, input_id: object, encoder_compute_budget: object, num_embeds_to_schedule: object) -> int | None:
+    """``can_allocate``'s arguments checked; then the embeddings item ``input_id`` would
+    bring to this step's total (``num_embeds_to_schedule`` promised already), or None when
+    the item alone exceeds the compute budget."""
+    input_id = _check_item(request, input_id)
+    encoder_compute_budget = check_int("encoder_compute_budget", encoder_compute_budget, 0)
+    num_embeds_to_schedule = check_int("num_embeds_to_schedule", num_embeds_to_schedule, 0)
+    num_embeds = request.mm_features[input_id].length  # type: ignore[attr-defined]  # a Request: _check_item said so
+    if num_embeds > encoder_compute_budget:
+        return None
+    return num_embeds + num_embeds_to_schedule
+
+
 class EncoderCacheManager:
     """Space for encoder outputs, shared across requests by item hash (vLLM's names)."""
 
@@ -92,13 +105,9 @@ class EncoderCacheManager:
         """Is there compute budget and room for item ``input_id`` (beyond the
         ``num_embeds_to_schedule`` already promised this step)? Room may come from evicting
         unreferenced entries, oldest first -- that eviction happens here, as in vLLM."""
-        input_id = _check_item(request, input_id)
-        encoder_compute_budget = check_int("encoder_compute_budget", encoder_compute_budget, 0)
-        num_embeds_to_schedule = check_int("num_embeds_to_schedule", num_embeds_to_schedule, 0)
-        num_embeds = request.mm_features[input_id].length
-        if num_embeds > encoder_compute_budget:
+        num_embeds = _embeds_if_in_budget(request, input_id, encoder_compute_budget, num_embeds_to_schedule)
+        if num_embeds is None:
             return False
-        num_embeds += num_embeds_to_schedule
         if num_embeds <= self.num_free_slots:
             return True
         if num_embeds > self.num_freeable_slots:
@@ -232,13 +241,8 @@ class EncoderDecoderCacheManager(EncoderCacheManager):
         return False
 
     def can_allocate(self, request: Request, input_id: int, encoder_compute_budget: int, num_embeds_to_schedule: int) -> bool:
-        input_id = _check_item(request, input_id)
-        encoder_compute_budget = check_int("encoder_compute_budget", encoder_compute_budget, 0)
-        num_embeds_to_schedule = check_int("num_embeds_to_schedule", num_embeds_to_schedule, 0)
-        num_embeds = request.mm_features[input_id].length
-        if num_embeds > encoder_compute_budget:
-            return False
-        return num_embeds + num_embeds_to_schedule <= self.num_free_slots
+        num_embeds = _embeds_if_in_budget(request, input_id, encoder_compute_budget, num_embeds_to_schedule)
+        return num_embeds is not None and num_embeds <= self.num_free_slots
 
     def allocate(self, request: Request, input_id: int) -> None:
         input_id = _check_item(request, input_id)
