@@ -325,11 +325,10 @@ class BlockPool:
         extra = self.cached_block_hashes_by_block
         already_cached = block.cache_key == key or key in extra.get(bid, ())
         dropped: list[tuple[KVCacheBlock, bytes]] = []
-        if replace_existing_hashes:
+        # New contents, or a later boundary than the block's partial key: its keys go first.
+        if replace_existing_hashes or (not already_cached and self.partial_hash_num_tokens.get(bid, num_tokens) < num_tokens):
             dropped = [(block, k) for k in self._remove_cached_block_hashes(block)]
             already_cached = False
-        elif not already_cached and self.partial_hash_num_tokens.get(bid, num_tokens) < num_tokens:
-            dropped = [(block, k) for k in self._remove_cached_block_hashes(block)]
         if not already_cached:
             self.has_partial_entries = True
             if block.cache_key is None:
