@@ -39,6 +39,21 @@ LABEL_PX = 12  # a Gantt row label needs this many pixels, or only every k-th ro
 LEGEND_LABELS = ("KV usage %", "hit rate %", "# running", "# waiting", "preemption") + STATUS_ORDER
 
 
+GANTT_SHARE = 0.54  # the Gantt's share of the plot area (the two charts above take the rest)
+CHROME_PX = 110  # title, legend and margins: the part of the height no chart gets
+
+
+def gantt_height(num_requests: int) -> int:
+    """The view's height for a run of ``num_requests``: at least 400 px, and tall enough
+    that each of the first ``MAX_ROW_LABELS`` rows gets ``LABEL_PX`` and so its own name.
+
+    Why: plotly names only every k-th row when the rows are thinner than a label, and the
+    row left unnamed may be the one the lesson is about (the capstone's preempted request
+    was). Beyond ``MAX_ROW_LABELS`` rows every k-th row is named, and the selected one."""
+    rows = min(num_requests, MAX_ROW_LABELS)
+    return max(400, CHROME_PX + -(-rows * LABEL_PX * 100 // int(GANTT_SHARE * 100)))
+
+
 def run_data(timeline: Timeline | None) -> dict[str, Any]:
     """Per-step metrics and the per-request status grid, all from the Timeline.
 
@@ -116,9 +131,7 @@ class TimelineView(View):
         self, timeline: Timeline | None = None, *, decode: Callable[[int], str] | None = None, width: int = 482, height: int | None = None
     ) -> None:
         if height is None:
-            # Room for the Gantt: rows of a readable height for runs with many requests.
-            n = len(timeline.request_ids) if timeline is not None else 0
-            height = int(min(640, 400 + 10 * max(0, n - 8)))
+            height = gantt_height(len(timeline.request_ids) if timeline is not None else 0)
         super().__init__(timeline, decode=decode, width=width, height=height)
         go = _go()
         fig = self.figure
@@ -210,7 +223,7 @@ class TimelineView(View):
     def _make_figure(self) -> Any:
         from plotly.subplots import make_subplots
 
-        base = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.05, row_heights=[0.24, 0.22, 0.54])
+        base = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.05, row_heights=[0.24, 0.22, GANTT_SHARE])
         base.update_layout(self._base_layout())
         return base
 
@@ -249,7 +262,7 @@ class TimelineView(View):
             put("y2.dtick", fig.layout.yaxis2, "dtick", 1 if top <= 6 else None)
             put("y2.range", fig.layout.yaxis2, "range", [-0.3, top + 0.5])
             put("x3.range", fig.layout.xaxis3, "range", [steps[0] - 0.5, steps[-1] + 0.5])
-            gantt_px = 0.54 * (self.height - 110)
+            gantt_px = GANTT_SHARE * (self.height - CHROME_PX)
             every = max(1, -(-len(reqs) // MAX_ROW_LABELS), -(-len(reqs) * LABEL_PX // max(int(gantt_px), 1)))
             sel = d["selected_row"]
             # The selected row is always named; its neighbours give way so labels never overlap.
