@@ -232,3 +232,15 @@ def test_block_history() -> None:
     ]
     assert hist[1].block_hash is not None and [r.step for r in hist] == sorted(r.step for r in hist)
     assert all(e.events[r.seq].step == r.step for r in hist)
+
+
+def test_first_busy_step_is_where_a_replay_opens() -> None:
+    """The first step with a block allocated, touched or cached; an idle log's first step."""
+    e = build_engine(num_blocks=8, block_size=4)
+    assert Timeline(e.events).first_busy_step == 0  # nothing happened yet
+    e.step()  # no request: the step runs, moves no block
+    e.step()
+    e.add_request(Request("a", list(range(9)), max_tokens=1))
+    e.run()
+    tl = Timeline(e.events)
+    assert tl.steps == [0, 1, 2, 3] and tl.first_busy_step == 3  # steps 1-2 ran no request; 2 only added one

@@ -361,7 +361,8 @@ def test_player_steps_and_redraws_in_place(player) -> None:
     figs = {name: v.figure for name, v in p.views.items()}
     ntraces = {name: len(f.data) for name, f in figs.items()}
     assert list(p.views) == ["pool", "free", "table", "hash", "timeline", "kernel"]
-    assert p.step == 0 and p.first_step == 0 and p.last_step == 8
+    assert p.step == 1 and p.first_step == 0 and p.last_step == 8  # opens at the first step that holds a block
+    p.go_to(0)
     assert p.go_to(1) == 1
     assert "step 1" in p.views["pool"].figure.layout.title.text
     assert p.next() == 2 and p.step == 2
@@ -706,6 +707,24 @@ def test_timeline_title_gives_the_peak_and_gantt_labels_never_overlap() -> None:
     ticks = list(v.figure.layout.yaxis3.tickvals)
     gantt_px = 0.54 * (v.height - 110)
     assert 7 in ticks and all(b - a >= 23 * 12 / gantt_px - 1e-9 for a, b in zip(ticks, ticks[1:]))
+    # Up to MAX_ROW_LABELS rows the view grows until every row has its own name.
+    assert v.height == 622 and ticks == list(range(23))
+
+
+def test_gantt_names_every_row_up_to_the_label_limit_then_every_kth() -> None:
+    from kvlab.viz.timeline import gantt_height
+
+    assert [gantt_height(n) for n in (0, 12, 14, 21, 24, 40)] == [400, 400, 422, 577, 644, 644]
+    e = build_engine(num_blocks=64, block_size=16, max_num_batched_tokens=512)
+    for i in range(30):
+        e.add_request(Request(f"r{i}", list(range(1000 * i, 1000 * i + 20)), max_tokens=2, arrival_time=float(i)))
+    e.run()
+    tl = Timeline(e.events)
+    v = TimelineView(tl)
+    v.update(tl.at(3), "r9")
+    # 30 rows in 644 px: every 2nd row is named, and the selected row 9 (its neighbours give way).
+    assert list(v.figure.layout.yaxis3.tickvals) == [0, 2, 4, 6, 9, 12, 14, 16, 18, 20, 22, 24, 26, 28]
+    assert v.figure.layout.yaxis3.ticktext[4] == "<b>▶ r9</b>"
 
 
 def test_player_display_leaves_a_still_picture(story, monkeypatch) -> None:

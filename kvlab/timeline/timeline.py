@@ -26,13 +26,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from kvlab.eventlog.events import AttentionBatch, Event, EventLog, StepFinished
+from kvlab.eventlog.events import AttentionBatch, BlockCached, BlocksAllocated, BlocksTouched, Event, EventLog, StepFinished
 from kvlab.eventlog.schema import MAX_BLOCKS
 from kvlab.timeline.snapshot import Holding, Snapshot
 from kvlab.timeline.state import ReplayState
 
 CHECKPOINT_EVENTS = 256  # a state copy every this many events: a jump replays at most this many
 SNAPSHOT_CACHE = 64  # snapshots kept for steps visited recently
+_BUSY = (BlocksAllocated, BlocksTouched, BlockCached)  # events that a replay opens at (first_busy_step)
 
 
 @dataclass(slots=True)
@@ -367,6 +368,19 @@ class Timeline:
         if not k or self._steps[k - 1] != step:
             return []
         return self.events[self._ends[k - 2] if k > 1 else 0 : self._ends[k - 1]]
+
+    @property
+    def first_busy_step(self) -> int:
+        """The first step that puts a block in use or in the cache (``first_step`` if none does).
+
+        Why: a replay that opens where nothing has happened yet shows empty pictures -- a
+        pool of free blocks, no tables, no chains -- and a learner takes that for a broken
+        view. A replay without a ``start`` opens here instead."""
+        self._sync()
+        for step in self._steps:
+            if any(isinstance(e, _BUSY) for e in self.events_of(step)):
+                return step
+        return self.first_step
 
     @property
     def request_ids(self) -> list[str]:

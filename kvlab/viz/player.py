@@ -105,6 +105,10 @@ class Player:
         has something to draw for this run (:func:`default_views`).
     width:
         Total width in pixels; views are laid out two per row.
+    start:
+        The step to open at (a number, or a scenario's step name). None: the first step
+        that puts a block in use or in the cache, not an empty step 0
+        (:attr:`Timeline.first_busy_step`); a live player opens at the last step.
     named_steps, notes, description:
         A scenario's moments (name -> step), captions (name -> text) and summary.
     follow:
@@ -193,7 +197,7 @@ class Player:
             self.views[cls.name] = cls(self.timeline, decode=decode, width=view_w)
 
         self._build_widgets(title, interval_ms, width)
-        self._step = self.first_step
+        self._step = self.timeline.first_busy_step  # not an empty step 0 (see Timeline.first_busy_step)
         self._last_seen = self.last_step
         if follow:
             assert self.timeline.log is not None  # checked above: follow=True needs an EventLog
