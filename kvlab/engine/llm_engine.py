@@ -24,6 +24,7 @@ from kvlab.metrics.stats import IterationStats
 from kvlab.request import Request
 from kvlab.eventlog.events import EventLog
 from kvlab.utils.checks import check_optional_int
+from kvlab.utils.progress import progress_bar
 
 
 @dataclass(slots=True)
@@ -447,12 +448,8 @@ def _check_progress(res: StepResult) -> StepResult:
     return res
 
 
-def _progress(enabled: bool, total: int | None, desc: str):
-    if not enabled:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=desc)
+def _progress(enabled: bool, total: int | None, desc: str) -> Any:
+    return progress_bar(total, desc) if enabled else None
 
 
 def build_engine(
