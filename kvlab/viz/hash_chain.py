@@ -86,6 +86,21 @@ def _layout(snapshot: Snapshot) -> tuple[dict[str, int], dict[str, float], list[
     return depth, row, edges, orphans
 
 
+def _free_row(parent_row: float, k: int, depth: dict[str, int], row: dict[str, float]) -> float:
+    """The row for a cross at position ``k`` after a parent on ``parent_row``.
+
+    Inline (the chain simply continues) when nothing sits at that position near the row;
+    else the nearest half row at least half a row from every node there, so the cross never
+    lands on, or touches, a block of another chain (which would read as that block missing).
+    """
+    taken = [r for h, r in row.items() if depth[h] == k]
+    for j in range(2 * len(taken) + 3):
+        y = parent_row + (j + 1) // 2 * 0.5 * (1 if j % 2 else -1)
+        if y >= -0.5 and all(abs(y - r) >= (1.0 if j == 0 else 0.5) for r in taken):
+            return y
+    return max(taken, default=parent_row) + 1.0
+
+
 def figure_data(
     snapshot: Snapshot,
     selected_request: str | None = None,
@@ -130,12 +145,12 @@ def figure_data(
             miss = lk.block_hashes[k]
             if miss in row:
                 # The request computed the missing block after the lookup and cached it:
-                # the miss is now a node of the forest; mark it there.
+                # the position is filled now. ``ghost`` still says where, but no cross is
+                # drawn there (``filled``): a ✗ on a cached block would claim it missed.
                 ghost = (float(depth[miss]), row[miss])
             else:
                 ghost_parent = hits[-1] if hits and hits[-1] in row else None
-                gy = row[ghost_parent] + 0.45 if ghost_parent is not None else -1.0
-                ghost = (float(k), gy)
+                ghost = (float(k), _free_row(row[ghost_parent], k, depth, row) if ghost_parent is not None else -1.0)
     hit_set = set(hits)
     selected: set[str] = set()
     if selected_request in snapshot.requests:
@@ -184,20 +199,37 @@ def figure_data(
         if best is not None:
             at_node.setdefault(best, []).append(rid)
     tips = [(", ".join(rids), depth[h], row[h]) for h, rids in at_node.items()]
-    # The lookup walk: a stub before the first block, then through every hit, to the stop.
+    # A chain no live request holds is still somebody's prompt: the request that released
+    # its last block (``last_holder``), so that no row of the forest is anonymous.
+    parents = {n.parent_hash for n in snapshot.hash_nodes.values()}
+    freed_tips: list[tuple[str, int, float]] = []
+    for h, n in snapshot.hash_nodes.items():
+        holders = [snapshot.blocks[b].last_holder for b in n.block_ids]
+        last = next((x.request_id for x in holders if x is not None), None)
+        if h not in parents and h not in at_node and last is not None and len(tips) + len(freed_tips) < MAX_TIPS:
+            freed_tips.append((last, depth[h], row[h]))
+    # Where shared prompts part: a node with several children (depth, row, branches).
+    kids: dict[str, int] = {}
+    for p, _ in edges:
+        kids[p] = kids.get(p, 0) + 1
+    forks = [(depth[h], row[h], c) for h, c in kids.items() if c > 1]
+    filled = miss is not None and miss in row
+    # The lookup walk: a stub before the first block, then through every hit, to the stop
+    # (a drawn ✗ only where the missing hash is still missing).
     walk_x: list[float] = []
     walk_y: list[float] = []
     hit_pos = [(float(depth[h]), row[h]) for h in hits if h in depth]
-    if hit_pos or ghost is not None:
-        first = hit_pos[0] if hit_pos else ghost
-        assert first is not None  # hits, or else a ghost (the condition above)
+    cross = None if filled else ghost
+    if hit_pos or cross is not None:
+        first = hit_pos[0] if hit_pos else cross
+        assert first is not None  # hits, or else a cross (the condition above)
         walk_x, walk_y = [first[0] - 0.45], [first[1]]
         for x, y in hit_pos:
             walk_x.append(x)
             walk_y.append(y)
-        if ghost is not None:
-            walk_x.append(ghost[0])
-            walk_y.append(ghost[1])
+        if cross is not None:
+            walk_x.append(cross[0])
+            walk_y.append(cross[1])
     ex: list[float | None] = []
     ey: list[float | None] = []
     for p, c in edges:
@@ -208,7 +240,8 @@ def figure_data(
     else:
         k, rid, toks = lk.num_hit_blocks, lk.request_id, lk.num_hit_tokens
         summary = {
-            "miss": f"last lookup, {rid}: {k} hit ({toks} tokens), then the first miss ✗",
+            "miss": f"last lookup, {rid}: {k} hit ({toks} tokens), then the first miss "
+            + (f"(block {k}: {rid} computed and cached it since)" if filled else "✗"),
             "cap": f"last lookup, {rid}: {k} hit ({toks} tokens), then the cap: the last token is recomputed",
             "end": f"last lookup, {rid}: all {k} full blocks hit ({toks} tokens)",
         }[stop or "end"]
@@ -217,8 +250,12 @@ def figure_data(
         edges=edges,
         edge_x=ex,
         edge_y=ey,
-        lookup=dict(request_id=lk.request_id if lk else None, hits=hits, miss=miss, stop=stop, ghost=ghost, ghost_parent=ghost_parent),
+        lookup=dict(
+            request_id=lk.request_id if lk else None, hits=hits, miss=miss, stop=stop, ghost=ghost, ghost_parent=ghost_parent, filled=filled
+        ),
         tips=tips,
+        freed_tips=freed_tips,
+        forks=forks,
         walk_x=walk_x,
         walk_y=walk_y,
         max_depth=max(depth.values(), default=0),
@@ -360,43 +397,126 @@ class HashChainView(View):
         d = figure_data(snapshot, selected_request, decode=self.decode, plot_width=self.width - 40)
         self.last_data = d
         nodes = d["nodes"]
-        rows = d["num_rows"]
-        # Pixels between two rows of the forest: when they are too close, labels and request
-        # names would overlap, so only the lookup walk and the selection keep theirs.
-        row_px = (self.height - 130) / max(rows, 2)
-        level_px = (self.width - 60) / (d["max_depth"] + 1.5)
-        # Labels alternate above and below, so each may use two levels' width.
+        lk = d["lookup"]
+        cross = None if lk["ghost"] is None or lk["filled"] else lk["ghost"]
+        orph = [n for n in nodes if n["orphan"]]
+        dups = [n for n in nodes if n["duplicate"]]
+        labels = list(LEGEND_LABELS if orph else LEGEND_LABELS[1:])  # plotly hides the entry of an empty trace
+        if not dups:
+            labels.pop()
+        # Geometry in pixels, from the plot area the header really leaves (sized for the longer
+        # subtitle: the shorter one only frees room). A label line is kept free above the first
+        # row and below the last, so their labels neither leave the plot nor cover the axis.
+        top = self._header(d["title"], labels, subtitle=html_escape(d["summary"] + CROWDED_NOTE))
+        plot_w, plot_h = self.width - 32, self.height - top - 36
+        ys_all = [n["row"] for n in nodes] + ([cross[1]] if cross else []) + d["walk_y"]
+        lo, hi = min(ys_all, default=0.0), max(ys_all, default=0.0)
+        sy = max(plot_h - 2 * LABEL_PAD, 20) / max(hi - lo, 1.5)
+        y_top = lo - LABEL_PAD / sy
+        # Names after the chains' ends: levels are narrowed until the longest one fits.
+        tips = [("◀ " + _names(t[0]), t[1], t[2], t[0], k == "freed_tips") for k in ("tips", "freed_tips") for t in d[k]]
+        if cross is not None:  # a chain that ends in the cross is named after the cross
+            tips = [(t, cross[0] if y == cross[1] and cross[0] > x else x, y, full, f) for t, x, y, full, f in tips]
+        right = max(d["max_depth"], cross[0] if cross else 0) + 0.7
+        sx = plot_w / (right + 0.6)
+        for t, x, *_ in tips:
+            sx = min(sx, (plot_w + 4 - TIP_SHIFT - _text_px(t)) / (x + 0.6))
+        sx = max(sx, 4.0)
+        right = plot_w / sx - 0.6
         longest = max((len(n["label"]) for n in nodes), default=0)
-        crowded = row_px < MIN_LABEL_ROW_PX or 2 * level_px < 6.5 * longest + 12
+        crowded = sy < MIN_LABEL_ROW_PX or 2 * sx < 6.5 * longest + 12
         show_text = len(nodes) <= MAX_TEXT_NODES
-        xs = [n["depth"] for n in nodes]
-        ys = [n["row"] for n in nodes]
-        texts = [html_escape(n["label"]) if show_text and (not crowded or n["lookup"] or n["selected"]) else "" for n in nodes]
-        # Per-point enumerations cost plotly a regex per element: only when labels are drawn.
-        positions: list[str] | str = ["top center" if n["depth"] % 2 else "bottom center" for n in nodes] if show_text else "bottom center"
-        colors = [_RANK[n["state"]] for n in nodes]
-        size = 15 if row_px >= 20 and len(nodes) <= 120 else max(6, min(15, int(row_px * 0.7)))
+        # Squares never touch: at most 3 px less than a level's width.
+        size = min(15 if sy >= 20 and len(nodes) <= 120 else max(6, min(15, int(sy * 0.7))), max(6, int(sx - 3)))
+
+        def px(x: float, y: float) -> tuple[float, float]:
+            return (x + 0.6) * sx, (y - y_top) * sy
+
+        # Every square and mark is room taken; a label is drawn only where it covers none of
+        # them and no other label: names first, then the miss, the forks, the walk's tokens.
+        room = _Room(plot_w, plot_h)
+        for n in nodes:
+            half = (size + (9 if n["selected"] else 4 if n["duplicate"] else 0)) / 2 + (4 if n["orphan"] else 0)
+            room.box(*px(n["depth"], n["row"]), half, half)
+        if cross is not None:
+            room.box(*px(*cross), 8, 8)
+        keep = {selected_request, lk["request_id"]}
+        notes: list[dict[str, Any]] = []
+        for t, x, y, full, freed in sorted(tips, key=lambda t: not keep & set(t[3].split(", "))):
+            cx, cy = px(x, y)
+            if room.take(cx + TIP_SHIFT, cy - 7, cx + TIP_SHIFT + _text_px(t), cy + 7):
+                why = f"{html_escape(full)}: the prompt's chain " + ("(released; its blocks stay cached for a later hit)" if freed else "ends here")
+                color = "#777777" if freed else "#444444"
+                notes.append(
+                    dict(
+                        x=x,
+                        y=y,
+                        text=html_escape(t),
+                        xanchor="left",
+                        xshift=TIP_SHIFT,
+                        showarrow=False,
+                        hovertext=why,
+                        font=dict(size=10, color=color),
+                    )
+                )
+        gtext = []
+        if cross is not None:
+            cx, cy = px(*cross)
+            gtext = ["miss" if room.take(cx - 14, cy + 9, cx + 14, cy + 21) else ""]
+        # "fork" (about 24 px wide) ends before the next level's squares, which fan out there.
+        fshift = min(0.0, sx - size / 2 - 14)
+        for x, y, c in d["forks"]:
+            for sign in (-1, 1):
+                cx, cy = px(x, y)
+                cx, edge = cx + fshift, cy + sign * (size / 2 + 1)
+                if room.take(cx - 12, min(edge, edge + sign * 12), cx + 12, max(edge, edge + sign * 12)):
+                    why = f"{c} prompts share the chain up to here and differ in the next block"
+                    notes.append(
+                        dict(
+                            x=x,
+                            y=y,
+                            text="fork",
+                            xshift=fshift,
+                            yshift=-sign * (size / 2 + 7),
+                            showarrow=False,
+                            hovertext=why,
+                            font=dict(size=9, color="#444444"),
+                        )
+                    )
+                    break
+        texts = [""] * len(nodes)
+        positions = ["bottom center"] * len(nodes)
+        order = sorted(range(len(nodes)), key=lambda i: not (nodes[i]["lookup"] or nodes[i]["selected"]))
+        for i in order if show_text else ():
+            n = nodes[i]
+            if crowded and not (n["lookup"] or n["selected"]):
+                break  # the rest have no priority: hover them
+            w = _text_px(n["label"]) / 2
+            cx, cy = px(n["depth"], n["row"])
+            for sign in (1, -1) if n["depth"] % 2 == 0 else (-1, 1):
+                edge = cy + sign * (size / 2 + 1)
+                if room.take(cx - w, min(edge, edge + sign * 12), cx + w, max(edge, edge + sign * 12)):
+                    texts[i] = html_escape(n["label"])
+                    positions[i] = "bottom center" if sign > 0 else "top center"
+                    break
         hover = []
         for n in nodes:
             full = html_escape(render_tokens(n["tokens"], self.decode, 48))
             extra = "<br>(its parent was evicted: unreachable by a lookup)" if n["orphan"] else ""
             look = f"<br>latest lookup: <b>{n['lookup']}</b>" if n["lookup"] else ""
+            if n["lookup"] == "miss":
+                look += " then; the request computed this block since and cached it"
             dup = f"<br><b>one key, {len(n['block_ids'])} physical blocks</b> (duplicates: a lookup takes either)" if n["duplicate"] else ""
             hover.append(
                 f"<b>hash {short_hash(n['hash'])}</b> ← parent {short_hash(n['parent'])}<br>tokens {full}<br>"
                 f"blocks {n['block_ids']} · {STATE_HELP[n['state']]}<br>held by {', '.join(map(html_escape, n['owners'])) or '—'}{look}{dup}{extra}"
             )
-        lk = d["lookup"]
-        gx, gy, gh, gtext = [], [], [], []
-        if lk["ghost"] is not None:
-            gx, gy = [lk["ghost"][0]], [lk["ghost"][1]]
-            cached_now = lk["miss"] in {n["hash"] for n in nodes}
+        gx, gy, gh = [], [], []
+        if cross is not None:
+            gx, gy = [cross[0]], [cross[1]]
             gh = [
-                f"first miss of {html_escape(lk['request_id'])}'s lookup: hash {short_hash(lk['miss'])}<br>"
-                + ("the request computed this block afterwards and cached it" if cached_now else "not in the cache; the walk stops here")
+                f"first miss of {html_escape(lk['request_id'])}'s lookup: hash {short_hash(lk['miss'])}<br>not in the cache; the walk stops here"
             ]
-            gtext = ["" if cached_now else "miss"]
-        ymin = min([-0.6] + [y - 0.5 for y in gy] + [y - 0.5 for y in d["walk_y"]])
         fig = self.figure
         with fig.batch_update():
             put = self._put
@@ -404,58 +524,76 @@ class HashChainView(View):
             put("edges.y", fig.data[0], "y", d["edge_y"], "num")
             put("walk.x", fig.data[1], "x", d["walk_x"], "num")
             put("walk.y", fig.data[1], "y", d["walk_y"], "num")
-            dups = [n for n in nodes if n["duplicate"]]
             put("dup.x", fig.data[2], "x", [n["depth"] + 0.12 for n in dups], "num")
-            put("dup.y", fig.data[2], "y", [n["row"] - 0.12 * max(1.0, 20 / max(row_px, 1)) for n in dups], "num")
+            put("dup.y", fig.data[2], "y", [n["row"] - 0.12 * max(1.0, 20 / max(sy, 1)) for n in dups], "num")
             put("dup.size", fig.data[2].marker, "size", size)
             put("dup.color", fig.data[2].marker, "color", [_RANK[n["state"]] for n in dups], "num")
             tr = fig.data[3]
-            put("x", tr, "x", xs, "num")
-            put("y", tr, "y", ys, "num")
+            put("x", tr, "x", [n["depth"] for n in nodes], "num")
+            put("y", tr, "y", [n["row"] for n in nodes], "num")
             put("text", tr, "text", texts, "str")
             put("hover", tr, "hovertext", hover, "str")
-            put("pos", tr, "textposition", positions)
-            put("color", tr.marker, "color", colors, "num")
+            # Per-point enumerations cost plotly a regex per element: only when labels are drawn.
+            put("pos", tr, "textposition", positions if any(texts) else "bottom center")
+            put("color", tr.marker, "color", [_RANK[n["state"]] for n in nodes], "num")
             put("size", tr.marker, "size", size)
             g = fig.data[4]
             put("ghost.x", g, "x", gx, "num")
             put("ghost.y", g, "y", gy, "num")
             put("ghost.hover", g, "hovertext", gh, "str")
             put("ghost.text", g, "text", gtext, "str")
-            orph = [n for n in nodes if n["orphan"]]
             put("orph.x", fig.data[5], "x", [n["depth"] for n in orph], "num")
             put("orph.y", fig.data[5], "y", [n["row"] for n in orph], "num")
             sel = [n for n in nodes if n["selected"]]
             self._put_selection("sel", fig.data[6], fig.data[7], [n["depth"] for n in sel], [n["row"] for n in sel], size + 9)
-            # The request names at their chains' tips are left-anchored annotations, a fixed
-            # number of pixels right of the node (a text trace's "middle right" position is
-            # not kept by the widget's restyle path: the labels came out centred on the node).
-            right = max(d["max_depth"], (gx[0] if gx else 0)) + (1.4 if d["tips"] else 0.7)
-            tips = d["tips"]
-            if crowded:  # only the names that matter now: the selection and the lookup's request
-                keep = {selected_request, lk["request_id"]}
-                tips = [t for t in tips if keep & set(t[0].split(", "))]
-            notes = [
-                dict(
-                    x=x,
-                    y=y,
-                    text=f"◀ {html_escape(names)}",
-                    xanchor="left",
-                    xshift=12,
-                    showarrow=False,
-                    font=dict(size=10, color="#444444"),
-                )
-                for names, x, y in tips
-            ]
             if not nodes and not gx:
                 notes.append(dict(text="no cached hash yet", showarrow=False, xref="paper", yref="paper", x=0.5, y=0.5))
-            self._put("notes", fig.layout, "annotations", notes)
-            self._put("xr", fig.layout.xaxis, "range", [-0.6, right])
-            self._put("yr", fig.layout.yaxis, "range", [max(rows, 2) - 0.3, ymin])
-            self._put("xdt", fig.layout.xaxis, "dtick", 1 if d["max_depth"] <= 16 else 5)
-            self._put("dup.legend", fig.data[-1], "showlegend", bool(dups))
-            labels = list(LEGEND_LABELS if orph else LEGEND_LABELS[1:])  # plotly hides the entry of an empty trace
-            if not dups:
-                labels.pop()
-            summary = d["summary"] + (" · labels: walk and selection only (hover the rest)" if crowded and show_text else "")
-            self._header(d["title"], labels, subtitle=html_escape(summary))
+            put("notes", fig.layout, "annotations", notes)
+            put("xr", fig.layout.xaxis, "range", [-0.6, right])
+            put("yr", fig.layout.yaxis, "range", [y_top + plot_h / sy, y_top])
+            put("xdt", fig.layout.xaxis, "dtick", 1 if d["max_depth"] <= 16 else 5)
+            put("dup.legend", fig.data[-1], "showlegend", bool(dups))
+            self._header(d["title"], labels, subtitle=html_escape(d["summary"] + (CROWDED_NOTE if crowded and show_text else "")))
+
+
+TIP_SHIFT = 12  # pixels between a chain's last block and its owner's name
+LABEL_PAD = 22  # pixels kept above the first row and below the last, for their labels
+CROWDED_NOTE = " · labels: walk and selection only (hover the rest)"
+
+
+def _names(names: str) -> str:
+    """Owners as drawn after a chain: the first name and how many more, when several."""
+    first, *rest = names.split(", ")
+    return first + (f" +{len(rest)}" if rest else "") if len(names) > 16 else names
+
+
+def _text_px(text: str) -> float:
+    """Width of a 10 px label in pixels (a generous monospace estimate)."""
+    return 6.5 * len(text) + 4
+
+
+class _Room:
+    """Pixel boxes already covered (squares, marks, drawn labels), in 24 px columns.
+
+    Labels are placed greedily: one is drawn only if its box is inside the plot (give or
+    take a few pixels) and overlaps no box taken before it -- so no label covers a square
+    of a neighbouring chain or another label, whatever the forest's shape.
+    """
+
+    def __init__(self, width: float, height: float) -> None:
+        self.width, self.height = width, height
+        self.cols: dict[int, list[tuple[float, float, float, float]]] = {}
+
+    def box(self, x: float, y: float, half_w: float, half_h: float) -> None:
+        b = (x - half_w, y - half_h, x + half_w, y + half_h)
+        for c in range(int(b[0] // 24), int(b[2] // 24) + 1):
+            self.cols.setdefault(c, []).append(b)
+
+    def take(self, x0: float, y0: float, x1: float, y1: float) -> bool:
+        if x0 < -14 or x1 > self.width + 14 or y0 < -4 or y1 > self.height + 4:
+            return False
+        for c in range(int(x0 // 24), int(x1 // 24) + 1):
+            if any(x0 < o[2] and o[0] < x1 and y0 < o[3] and o[1] < y1 for o in self.cols.get(c, ())):
+                return False
+        self.box((x0 + x1) / 2, (y0 + y1) / 2, (x1 - x0) / 2, (y1 - y0) / 2)
+        return True
