@@ -29,7 +29,7 @@ from kvlab.viz.style import (
 )
 
 GROUP_GAP = 1  # empty columns between two groups' tables
-MIN_ROWS, MIN_COLUMNS = 6, 10  # small tables keep readable cells instead of stretching
+MIN_COLUMNS = 10  # narrow tables keep readable cells instead of stretching
 
 
 def group_name(group: dict[str, Any]) -> str:
@@ -196,7 +196,13 @@ def figure_data(
 
 
 ROW_PX = 22  # the smallest row that keeps a block id readable
+ROW_MAX_PX = 30  # the tallest row: room for a partial tail's two lines, no more
 COLUMN_PX = 22  # the narrowest cell for a two- or three-digit id
+BOTTOM_PX = 44  # under the rows: the legend and the "more" line
+AXIS_TITLE = "logical block index (cell: physical block id)"
+AXIS_NOTE = dict(
+    text=AXIS_TITLE, xref="paper", yref="paper", x=1, y=1, xanchor="right", yanchor="bottom", yshift=16, showarrow=False, font=dict(size=10)
+)
 
 
 class BlockTableView(View):
@@ -204,6 +210,11 @@ class BlockTableView(View):
 
     Rows and columns never shrink below a readable size: requests beyond what fits are
     named in a line under the tables, long tables show their first and last blocks.
+
+    ``height`` is a budget, not a size: the figure is as tall as the rows it draws (at
+    most ``ROW_MAX_PX`` each), so the legend sits right under the last row. A fixed
+    height with a minimum number of rows left a band of empty rows between a short
+    table and its legend.
     """
 
     name = "table"
@@ -252,10 +263,9 @@ class BlockTableView(View):
                 fixedrange=True,
                 tickfont=dict(size=9),
                 autorange=False,
-                title=dict(text="logical block index (cell: physical block id)", font=dict(size=10), standoff=2),
             ),
             yaxis=dict(autorange=False, range=[0.5, -0.5], showgrid=False, zeroline=False, fixedrange=True, automargin=True),
-            margin=dict(l=10, r=10, t=80, b=44),
+            margin=dict(l=10, r=10, t=80, b=BOTTOM_PX),
         )
 
     def update(self, snapshot: Snapshot, selected_request: str | None = None) -> None:
@@ -280,20 +290,29 @@ class BlockTableView(View):
             self._put("text", hm, "text", d["text"] if rows else [[""]], "str")
             self._put("hover", hm, "customdata", d["customdata"] if rows else [[""]], "str")
             self._put("y", hm, "y", list(range(len(d["rows"]))) if rows else [0], "num")
-            cell_px = max(6, min((self.height - 124) / max(n, MIN_ROWS), (self.width - 110) / max(MIN_COLUMNS, d["ncols"])) - 2)
+            names = " | ".join(f"g{g}: {nm}" for g, nm in enumerate(d["group_names"])) if len(d["group_names"]) > 1 else ""
+            # The legend sits under the tables; the top holds the title and the column axis.
+            top = self._header(d["title"], (), subtitle=f"groups side by side · {names}" if names else "", extra_top=36)
+            row_px = min(ROW_MAX_PX, (self.height - top - BOTTOM_PX) / n)
+            height = int(round(top + n * row_px + BOTTOM_PX))
+            self._put("height", fig.layout, "height", height)
+            self._put("title.y.fit", fig.layout.title, "y", 1 - 14 / height)  # _header placed it for self.height
+            cell_px = max(6, min(row_px, (self.width - 110) / max(MIN_COLUMNS, d["ncols"])) - 2)
             self._put_selection("hl", fig.data[1], fig.data[2], d["highlight_x"], d["highlight_y"], cell_px)
             self._put("pt.x", pt, "x", d["partial_x"], "num")
             self._put("pt.y", pt, "y", d["partial_y"], "num")
             self._put("ytv", fig.layout.yaxis, "tickvals", list(range(len(d["rows"]))))
             self._put("ytt", fig.layout.yaxis, "ticktext", d["row_labels"])
-            self._put("yr", fig.layout.yaxis, "range", [max(n, MIN_ROWS) - 0.5, -0.5])
-            self._put("xtv", fig.layout.xaxis, "tickvals", ticks_x)
-            self._put("xtt", fig.layout.xaxis, "ticktext", ticks_t)
+            self._put("yr", fig.layout.yaxis, "range", [n - 0.5, -0.5])
+            # No cell drawn (nobody holds a block): no column is numbered, or a lone "0" would
+            # label an empty column.
+            drawn = any(c["x"] is not None for c in d["cells"])
+            self._put("xtv", fig.layout.xaxis, "tickvals", ticks_x if drawn else [])
+            self._put("xtt", fig.layout.xaxis, "ticktext", ticks_t if drawn else [])
             self._put("xr", fig.layout.xaxis, "range", [-0.5, max(MIN_COLUMNS, d["ncols"]) - 0.5])
-            names = " | ".join(f"g{g}: {nm}" for g, nm in enumerate(d["group_names"])) if len(d["group_names"]) > 1 else ""
-            # The legend sits under the tables; the top holds the title and the column axis.
-            self._header(d["title"], (), subtitle=f"groups side by side · {names}" if names else "", extra_top=36)
-            notes = []
+            # The column axis's title, right-aligned over the tables: an axis title is centred on
+            # the plot area, which the row labels leave narrow, and overflowed into the neighbour.
+            notes: list[dict[str, Any]] = [] if not drawn else [AXIS_NOTE]
             if not d["rows"]:
                 notes.append(dict(text="no running or waiting request", showarrow=False, xref="paper", yref="paper", x=0.5, y=0.5))
             if d["more"]:

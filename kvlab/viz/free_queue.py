@@ -32,6 +32,8 @@ from kvlab.viz.style import (
 
 ONE_ROW_LIMIT = 32  # longer queues wrap, row by row, like text
 MIN_COLUMNS = 12  # a short queue keeps cells of a readable size instead of stretching
+BOTTOM_PX = 22  # under the rows: the two end labels
+LABELS_PX = 180  # "◀ evicted next" and "evicted last ▶" side by side, with a gap
 
 
 def figure_data(
@@ -117,6 +119,10 @@ class FreeQueueView(View):
         self.wrap = readable if n <= 129 and n - 1 > ONE_ROW_LIMIT // 2 else ONE_ROW_LIMIT if n <= 257 else 64
         self.max_rows = max(1, math.ceil((n - 1) / self.wrap))
         self.cell_px = min(40.0, (width - 20) / max(MIN_COLUMNS, min(self.wrap, n - 1)))
+        # Without a given height the figure is as tall as its rows plus its header, which
+        # ``update`` measures: a title too long for a narrow view wraps to a second line, and
+        # a height fixed for one line squashed the rows under it.
+        self.fit_height = height is None
         if height is None:
             height = int(min(640, self.max_rows * self.cell_px + 74))
         super().__init__(timeline, decode=decode, width=width, height=height)
@@ -147,7 +153,7 @@ class FreeQueueView(View):
             legend=TOP_LEGEND,
             xaxis=dict(visible=False, fixedrange=True, autorange=False),
             yaxis=dict(visible=False, fixedrange=True, autorange=False),
-            margin=dict(l=10, r=10, t=50, b=22),
+            margin=dict(l=10, r=10, t=50, b=BOTTOM_PX),
         )
 
     def update(self, snapshot: Snapshot, selected_request: str | None = None) -> None:
@@ -166,35 +172,25 @@ class FreeQueueView(View):
             self._put_selection("hl", fig.data[1], fig.data[2], d["highlight_x"], d["highlight_y"], cell_px - 5)
             self._put("xr", fig.layout.xaxis, "range", [-0.5, max(MIN_COLUMNS, d["columns"]) - 0.5])
             self._put("yr", fig.layout.yaxis, "range", [max(self.max_rows, rows) - 0.5, -0.5])
-            self._header(d["title"], [STATE_LABELS[FREE], STATE_LABELS[CACHED]])
+            top = self._header(d["title"], [STATE_LABELS[FREE], STATE_LABELS[CACHED]])
+            if self.fit_height:
+                height = int(min(640, top + max(self.max_rows, rows) * cell_px + BOTTOM_PX))
+                self._put("height", fig.layout, "height", height)
+                self._put("title.y.fit", fig.layout.title, "y", 1 - 14 / height)  # _header placed it for self.height
+            # The two ends are named right under the last row of blocks, in data coordinates:
+            # under the plot area (paper y=0) they hung below the rows the pool may fill one
+            # day, far from a short queue. "evicted last" ends under the last block, or
+            # further right when the last row is too short for both labels side by side.
+            col_px = (self.width - 20) / max(MIN_COLUMNS, d["columns"])
+            last_x = d["cells"][-1]["x"] if n else 0
+            right = min(max(last_x + 1, math.ceil(LABELS_PX / col_px)), max(MIN_COLUMNS, d["columns"])) - 0.5
+            under = dict(y=rows - 0.5, xref="x", yref="y", yanchor="top", yshift=-3, showarrow=False, font=dict(size=10))
             notes = [
-                dict(
-                    text="◀ evicted next",
-                    x=0,
-                    y=0,
-                    xref="paper",
-                    yref="paper",
-                    xanchor="left",
-                    yanchor="top",
-                    yshift=-4,
-                    showarrow=False,
-                    font=dict(size=10),
-                ),
-                dict(
-                    text="evicted last ▶",
-                    x=1,
-                    y=0,
-                    xref="paper",
-                    yref="paper",
-                    xanchor="right",
-                    yanchor="top",
-                    yshift=-4,
-                    showarrow=False,
-                    font=dict(size=10),
-                ),
+                dict(under, text="◀ evicted next", x=-0.5, xanchor="left"),
+                dict(under, text="evicted last ▶", x=right, xanchor="right"),
             ]
             if not n:
-                notes.append(
-                    dict(text="empty: every block is held by a request", x=0.5, y=0.7, xref="paper", yref="paper", showarrow=False)
-                )
+                notes = [
+                    dict(text="empty: every block is held by a request", x=(MIN_COLUMNS - 1) / 2, y=0, xref="x", yref="y", showarrow=False)
+                ]
             self._put("notes", fig.layout, "annotations", notes)
