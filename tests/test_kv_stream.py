@@ -273,9 +273,9 @@ def test_routing_figure_data_groups_by_trace_and_policy():
     ]
     d = routing.figure_data(rows)
     assert d["traces"] == ["t1", "t2"] and d["policies"] == ["round_robin", "kv_aware+load(2)"]
-    # Greys tell policies apart (colours keep their one meaning); KV-aware's own is the cache's sky blue.
-    assert d["colors"] == {"round_robin": "#c8c8c8", "kv_aware+load(2)": "#2b2b2b"}
-    assert routing.figure_data([dict(rows[0], policy="kv_aware")])["colors"] == {"kv_aware": "#9fd3f2"}
+    # Hatchings tell policies apart (every colour keeps its one meaning; sky blue is "cached").
+    assert d["patterns"] == {"round_robin": "/", "kv_aware+load(2)": "."}
+    assert routing.figure_data([dict(rows[0], policy="kv_aware")])["patterns"] == {"kv_aware": "x"}
     assert d["cells"][("t1", "round_robin")] == dict(
         hit_rate=50.0, ttft_mean_ms=200.0, ttft_p90_ms=500.0, prefill_share=[25.0, 75.0], imbalance=1.5
     )

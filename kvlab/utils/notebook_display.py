@@ -13,6 +13,11 @@ from __future__ import annotations
 
 from typing import Any
 
+# The widest a picture may be: JupyterLab's output area is 848 px wide in a 1280 px window
+# with the file browser open, and anything wider is cut off there. Every figure of the
+# course and the Player (its views two per row) fit in this.
+OUTPUT_WIDTH = 840
+
 # The still sits in the output right before the widget's. This rule hides the still once
 # the widget is drawn (it carries the LIVE class), and hides the widget's output while it is
 # loading or when it cannot be drawn (its model is gone), so a saved lesson shows the

@@ -4,11 +4,18 @@ One row per tier (CPU, then STORAGE = disk), each a strip of its blocks in LRU o
 evicted next on the left, like the free queue -- with empty room on the right. Every block a
 tier holds is part of the prefix cache, so it is sky blue, as a cached block in the pool (one
 colour, one meaning: ``kvlab/viz/style.py``); empty slots are light grey. What happened in
-this step is told by marks, not colours: ``+`` before the hash -- *stored* this step (copied
-out of the GPU pool); an ink frame -- *loaded* this step, i.e. this step's prefix hit was
-served from here (copied back to the GPU). The hover names the slot and, for a loaded block,
-the request and the GPU block it went to. Below the strips, the step's transfers in words
-("load 2 block(s) disk → GPU [4, 3] for A2"): which tier served each hit.
+this step is told by two marks, not colours, one per direction of a copy:
+
+* an ink frame -- *served from here*: this step's prefix hit was read from this tier into the
+  GPU. A hit is framed on one tier only: the tier that served it.
+* ``+`` before the hash -- *copied in* this step: stored (out of the GPU pool), cascaded (CPU
+  slot to file), or promoted: a disk hit is read into a CPU slot on its way to the GPU (the
+  CPU tier is the gateway), so the CPU tier gains a copy it did not serve. Framing that CPU
+  slot too (as this view once did) drew one hit as two.
+
+The hover names the slot and, for a hit, the request and the GPU block it went to. Below the
+strips, the step's transfers in words ("load 2 block(s) disk → GPU [4, 3] for A2"): which
+tier served each hit.
 """
 
 from __future__ import annotations
@@ -24,18 +31,28 @@ TIER_STATUS = ("free", "resident", "stored", "loaded")
 # A tier holds prefix-cache entries: every entry is "cached" (sky blue); the step's events are marks.
 TIER_COLORS = {"free": STATE_COLORS[FREE], "resident": STATE_COLORS[CACHED], "stored": STATE_COLORS[CACHED], "loaded": STATE_COLORS[CACHED]}
 TIER_LABELS = {"free": "empty slot", "resident": "cached in the tier", "stored": "+ stored this step", "loaded": "loaded this step (a hit)"}
+# The step's two marks (legend names): where a hit was read from; where a block was copied to.
+MARK_LABELS = {"served": "hit read from here", "copied_in": "+ copied in here"}
 TIER_NAMES = {"CPU": "CPU", "STORAGE": "disk"}
 MAX_COLUMNS = 32
 
 
 def figure_data(snapshot: Snapshot, *, max_columns: int = MAX_COLUMNS) -> dict[str, Any]:
     """The tiers as plain data: ``rows`` (one per tier: ``medium``, ``capacity``, ``cells``
-    = [{"hash", "slot", "status", "lru_position"}] in LRU order), the heatmap arrays, the
-    step's ``transfers`` in words and ``served`` = {medium: blocks loaded this step}."""
+    = [{"hash", "slot", "status", "lru_position", "to", "served", "copied_in"}] in LRU
+    order), the heatmap arrays, the step's ``transfers`` in words, ``served`` = {medium:
+    blocks loaded this step} and the frames' coordinates ``served_x`` / ``served_y``.
+
+    A cell's ``status`` is "loaded" wherever this step's hit passed through the tier (the
+    tier that served it, and the CPU slot a disk hit was promoted into); ``served`` is True
+    on the serving tier only, ``copied_in`` on every tier that received a copy (a store, the
+    cascade, a promotion) -- the two marks the picture draws."""
     if max_columns < 1:
         raise ValueError(f"max_columns must be >= 1, got {max_columns}")
     stored: set[tuple[str, str]] = set()
+    promoted: set[tuple[str, str]] = set()
     loaded: dict[tuple[str, str], tuple[str | None, int]] = {}
+    read_from: set[tuple[str, str]] = set()
     lines: list[str] = []
     served: dict[str, int] = {}
     for t in snapshot.transfers:
@@ -45,8 +62,10 @@ def figure_data(snapshot: Snapshot, *, max_columns: int = MAX_COLUMNS) -> dict[s
             else:
                 gpu = t.block_ids[i] if i < len(t.block_ids) else -1
                 loaded[(m, h)] = (t.request_id, gpu)
+                read_from.add((m, h))
                 if m != "CPU":
                     loaded[("CPU", h)] = (t.request_id, gpu)  # promoted through the CPU tier
+                    promoted.add(("CPU", h))
                 served[m] = served.get(m, 0) + 1
         where = "/".join(TIER_NAMES.get(m, m) for m in dict.fromkeys(t.media))
         if t.direction == "load":
@@ -59,8 +78,19 @@ def figure_data(snapshot: Snapshot, *, max_columns: int = MAX_COLUMNS) -> dict[s
     for medium, tier in snapshot.tiers.items():
         cells: list[dict[str, Any]] = []
         for pos, (h, slot) in enumerate(tier.entries):
-            status = "loaded" if (medium, h) in loaded else "stored" if (medium, h) in stored else "resident"
-            cells.append(dict(hash=h, slot=slot, status=status, lru_position=pos, to=loaded.get((medium, h))))
+            key = (medium, h)
+            status = "loaded" if key in loaded else "stored" if key in stored else "resident"
+            cells.append(
+                dict(
+                    hash=h,
+                    slot=slot,
+                    status=status,
+                    lru_position=pos,
+                    to=loaded.get(key),
+                    served=key in read_from,
+                    copied_in=key in stored or key in promoted,
+                )
+            )
         rows.append(dict(medium=medium, name=TIER_NAMES.get(medium, medium), capacity=tier.capacity, cells=cells))
     cols = min(max_columns, max((r["capacity"] for r in rows), default=1))
     z: list[list[float | None]] = []
@@ -73,18 +103,16 @@ def figure_data(snapshot: Snapshot, *, max_columns: int = MAX_COLUMNS) -> dict[s
         for c in r["cells"][:cols]:
             i = c["lru_position"]
             zr[i] = TIER_STATUS.index(c["status"])
-            tr[i] = ("+" if c["status"] == "stored" else "") + short_hash(c["hash"])[:4]
-            to = f"<br>loaded into GPU block {c['to'][1]} for {c['to'][0]}" if c["to"] else ""
+            tr[i] = ("+" if c["copied_in"] else "") + short_hash(c["hash"])[:4]
             hr[i] = (
                 f"<b>{r['name']}</b> LRU position {i} (0 = evicted next)<br>hash {short_hash(c['hash'])} · slot "
-                f"{c['slot']}<br>{TIER_LABELS[c['status']]}{to}"
+                f"{c['slot']}<br>{_what_happened(c)}"
             )
         z.append(zr)
         text.append(tr)
         hover.append(hr)
     used = ", ".join(f"{r['name']} {len(r['cells'])}/{r['capacity']}" for r in rows)
-    frame_x = [c["lru_position"] for r in rows for c in r["cells"][:cols] if c["status"] == "loaded"]
-    frame_y = [r["name"] for r in rows for c in r["cells"][:cols] if c["status"] == "loaded"]
+    framed = [(c["lru_position"], r["name"]) for r in rows for c in r["cells"][:cols] if c["served"]]
     return dict(
         rows=rows,
         z=z,
@@ -93,10 +121,20 @@ def figure_data(snapshot: Snapshot, *, max_columns: int = MAX_COLUMNS) -> dict[s
         columns=cols,
         transfers=lines,
         served=served,
-        loaded_x=frame_x,
-        loaded_y=frame_y,
+        served_x=[x for x, _ in framed],
+        served_y=[y for _, y in framed],
         title=f"Offload tiers · step {snapshot.step} · {used or 'none'}",
     )
+
+
+def _what_happened(cell: dict[str, Any]) -> str:
+    """The hover's last line: what this step did to the block in this tier."""
+    if cell["to"] is None:
+        return TIER_LABELS[cell["status"]] + (" (copied in)" if cell["copied_in"] else "")
+    rid, gpu = cell["to"]
+    if cell["served"]:
+        return f"served a hit: read from here into GPU block {gpu} for {rid}"
+    return f"+ copied in: promoted from disk on its way to GPU block {gpu} for {rid} (the disk served the hit)"
 
 
 class TiersView(View):
@@ -130,12 +168,14 @@ class TiersView(View):
                 x=[],
                 y=[],
                 mode="markers",
-                name=TIER_LABELS["loaded"],
+                name=MARK_LABELS["served"],
                 hoverinfo="skip",
                 marker=dict(symbol="square-open", size=22, color=INK, line=dict(width=3, color=INK)),
             )
         )
-        for tr in legend_traces(go, TIER_COLORS, TIER_LABELS, ("resident", "free")):
+        # The "+" is cell text; its legend entry shows the cell it is written on.
+        labels = dict(TIER_LABELS, stored=MARK_LABELS["copied_in"])
+        for tr in legend_traces(go, TIER_COLORS, labels, ("stored", "resident", "free")):
             fig.add_trace(tr)
         fig.update_layout(
             showlegend=True,
@@ -158,9 +198,9 @@ class TiersView(View):
             self._put("y", hm, "y", names, "str")
             cell = max(8, (self.width - 70) / max(1, d["columns"]) - 3)
             self._put("fsize", fig.data[1].marker, "size", cell)
-            self._put("fx", fig.data[1], "x", d["loaded_x"], "num")
-            self._put("fy", fig.data[1], "y", d["loaded_y"], "str")
-            self._header(d["title"] + "  (+ = stored this step)", [TIER_LABELS[s] for s in ("loaded", "resident", "free")])
+            self._put("fx", fig.data[1], "x", d["served_x"], "num")
+            self._put("fy", fig.data[1], "y", d["served_y"], "str")
+            self._header(d["title"], [*MARK_LABELS.values(), TIER_LABELS["resident"], TIER_LABELS["free"]])
             note = "<br>".join(d["transfers"][:4]) or "no transfers this step"
             self._put(
                 "notes",

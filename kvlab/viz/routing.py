@@ -12,28 +12,36 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kvlab.utils.notebook_display import OUTPUT_WIDTH
 from kvlab.viz.base import _go
-from kvlab.viz.style import FONT, SKY_BLUE
+from kvlab.viz.style import FONT, INK, WHITE
 
-# Policies are told apart by grey shades, not by colours that mean something else in kvlab's
-# pictures (blue is "running", orange "shared"); the KV-aware policy gets the prefix cache's
-# sky blue, because that is what it routes by.
-POLICY_COLORS = {"round_robin": "#c8c8c8", "least_loaded": "#6e6e6e", "kv_aware": SKY_BLUE}
-OTHER_POLICY_COLORS = ("#2b2b2b", "#9e9e9e", "#4d4d4d", "#e0e0e0")
+# Policies are told apart by a hatching in ink on white, not by a colour: every colour of
+# kvlab's pictures already means something -- sky blue is "cached" (a KV-aware bar in it read
+# as "the cache"), blue "running", orange "shared", the greys free / finished / null -- and the
+# third panel's greys are the replicas. A hatching means nothing anywhere else.
+POLICY_PATTERNS = {"round_robin": "/", "least_loaded": "-", "kv_aware": "x"}
+OTHER_POLICY_PATTERNS = (".", "|", "+", "\\")
 
 
-def policy_color(policy: str, others: list[str]) -> str:
-    """A policy's colour: fixed for the three standard ones, then from a short list."""
-    if policy in POLICY_COLORS:
-        return POLICY_COLORS[policy]
+def policy_pattern(policy: str, others: list[str]) -> str:
+    """A policy's hatching (plotly's ``marker.pattern.shape``): fixed for the three standard
+    ones, then from a short list in order of appearance."""
+    if policy in POLICY_PATTERNS:
+        return POLICY_PATTERNS[policy]
     if policy not in others:
         others.append(policy)
-    return OTHER_POLICY_COLORS[others.index(policy) % len(OTHER_POLICY_COLORS)]
+    return OTHER_POLICY_PATTERNS[others.index(policy) % len(OTHER_POLICY_PATTERNS)]
+
+
+def _hatched(shape: str) -> dict[str, Any]:
+    """A bar's marker: white, outlined and hatched in ink."""
+    return dict(color=WHITE, line=dict(width=1, color=INK), pattern=dict(shape=shape, fgcolor=INK, bgcolor=WHITE, solidity=0.3))
 
 
 def figure_data(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Group the rows by trace: ``traces`` (in order), ``policies`` (in order, with their
-    ``colors``), and per (trace, policy): ``hit_rate``, ``ttft_mean_ms``, ``ttft_p90_ms``,
+    ``patterns``), and per (trace, policy): ``hit_rate``, ``ttft_mean_ms``, ``ttft_p90_ms``,
     ``prefill_share`` (each replica's share of the trace's prefill work, in %) and
     ``imbalance`` (busiest / mean)."""
     traces: list[str] = []
@@ -55,13 +63,13 @@ def figure_data(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             imbalance=float(r["imbalance"]),
         )
     others: list[str] = []
-    colors = {p: policy_color(p, others) for p in policies}
-    return dict(traces=traces, policies=policies, colors=colors, cells=cells)
+    patterns = {p: policy_pattern(p, others) for p in policies}
+    return dict(traces=traces, policies=policies, patterns=patterns, cells=cells)
 
 
-def routing_figure(rows: Sequence[Mapping[str, Any]], *, width: int = 980, height: int = 330) -> Any:
-    """Three panels: hit rate, TTFT (bar = mean, diamond = p90, log scale), prefill work per
-    replica (one stacked bar per policy: equal slices = even load)."""
+def routing_figure(rows: Sequence[Mapping[str, Any]], *, width: int = OUTPUT_WIDTH, height: int = 330) -> Any:
+    """Three panels: hit rate, TTFT (bar = mean, ink diamond = p90 on its policy's bar, log
+    scale), prefill work per replica (one stacked bar per policy: equal slices = even load)."""
     from plotly.subplots import make_subplots
 
     go = _go()
@@ -70,14 +78,14 @@ def routing_figure(rows: Sequence[Mapping[str, Any]], *, width: int = 980, heigh
         rows=1,
         cols=3,
         horizontal_spacing=0.08,
-        subplot_titles=("prefix-cache hit rate (%)", "simulated TTFT (ms): mean, ◆ p90", "prefill work per replica (%)"),
+        subplot_titles=("prefix-cache hit rate (%)", "TTFT (ms, simulated):<br>bar mean, ◆ p90", "prefill work<br>per replica (%)"),
     )
     # Panels 1-2: numeric x, each policy at its own offset inside its trace's slot, so a p90
     # marker sits exactly on its mean bar.
     n_pol = max(1, len(d["policies"]))
     width_each = 0.8 / n_pol
     for j, p in enumerate(d["policies"]):
-        c = d["colors"][p]
+        marker = _hatched(d["patterns"][p])
         ts = [i for i, t in enumerate(d["traces"]) if (t, p) in d["cells"]]
         xs = [i - 0.4 + width_each * (j + 0.5) for i in ts]
         cell = [d["cells"][(d["traces"][i], p)] for i in ts]
@@ -87,7 +95,7 @@ def routing_figure(rows: Sequence[Mapping[str, Any]], *, width: int = 980, heigh
                 y=[v["hit_rate"] for v in cell],
                 width=width_each * 0.95,
                 name=p,
-                marker_color=c,
+                marker=marker,
                 legendgroup=p,
                 text=[f"{v['hit_rate']:.0f}" for v in cell],
                 textposition="outside",
@@ -102,7 +110,7 @@ def routing_figure(rows: Sequence[Mapping[str, Any]], *, width: int = 980, heigh
                 y=[v["ttft_mean_ms"] for v in cell],
                 width=width_each * 0.95,
                 name=p,
-                marker_color=c,
+                marker=marker,
                 legendgroup=p,
                 showlegend=False,
                 hovertemplate=f"{p}: mean %{{y:.0f}} ms<extra></extra>",
@@ -118,7 +126,7 @@ def routing_figure(rows: Sequence[Mapping[str, Any]], *, width: int = 980, heigh
                 name=f"{p} p90",
                 legendgroup=p,
                 showlegend=False,
-                marker=dict(symbol="diamond", size=9, color=c, line=dict(width=1, color="#333333")),
+                marker=dict(symbol="diamond", size=9, color=INK, line=dict(width=1, color=WHITE)),
                 hovertemplate=f"{p}: p90 %{{y:.0f}} ms<extra></extra>",
             ),
             row=1,
@@ -154,6 +162,7 @@ def routing_figure(rows: Sequence[Mapping[str, Any]], *, width: int = 980, heigh
             col=3,
         )
         base = [b + v for b, v in zip(base, y)]
+    fig.update_annotations(font_size=12)  # the three titles fit over their panels at OUTPUT_WIDTH
     fig.update_layout(
         width=width,
         height=height,
@@ -172,4 +181,4 @@ def routing_figure(rows: Sequence[Mapping[str, Any]], *, width: int = 980, heigh
     return fig
 
 
-__all__ = ["figure_data", "policy_color", "routing_figure"]
+__all__ = ["figure_data", "policy_pattern", "routing_figure"]

@@ -17,6 +17,7 @@ blue               a running request
 vermillion         a preempted request (and the preemption marks)
 mid grey           a finished request
 reddish purple     a slot the attention kernel reads
+dark purple        the query token's slot (read too: it attends to itself), marked "q"
 white              an empty slot / nothing
 black              ink: text, the step cursor, the lookup walk, the kernel's traced loads
 =================  =====================================================================
@@ -52,6 +53,10 @@ BLUE = "#0072b2"
 VERMILLION = "#d55e00"
 MID_GREY = "#999999"
 PURPLE = "#cc79a7"
+# The query token's slot: the read colour's hue, darkened -- it is read too -- yet ΔE >= 20 from
+# the read slots and >= 21 from the null block for every dichromat, 16 in lightness alone. No
+# palette colour was free: every other hue is a block or request state, ink the load marks.
+DARK_PURPLE = "#99407a"
 WHITE = "#ffffff"
 INK = "#000000"
 
@@ -99,7 +104,7 @@ STATUS_COLORS: dict[str, str] = {
 KERNEL_ORDER = ("read", "query", "outside_window", "null", "unwritten")
 KERNEL_COLORS: dict[str, str] = {
     "read": PURPLE,  # a key/value the query token attends to
-    "query": PURPLE,  # the query token itself: read too (it attends to itself), marked "q"
+    "query": DARK_PURPLE,  # the query token itself: read too (it attends to itself), marked "q"
     "outside_window": WHITE,  # in the table but outside the sliding window: not read (marked "×")
     "null": DARK_GREY,  # the null block: padding, never read
     "unwritten": WHITE,  # a slot of the tail block that holds no token yet
