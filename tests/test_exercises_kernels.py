@@ -253,7 +253,7 @@ def test_a_failing_kernel_check_draws_the_learners_loads():
     assert "result.show() draws them" in str(res)
     fig = res.show()
     titles = [a.text for a in fig.layout.annotations if a.text.startswith("Attention read")]
-    assert [t.split(" · ")[1] for t in titles] == ["seq0", "seq1", "seq2"]
+    assert [t.split(" · ")[1].split("<br>")[0] for t in titles] == ["seq0", "seq1", "seq2"]
     assert any(
         "✖ 0 (null)" in str(list(ax.ticktext or ()))
         for k, ax in fig.layout.to_plotly_json().items()

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvlab.exercises.sandbox import is_learner_file
+from kvlab.utils.notebook_display import OUTPUT_WIDTH
 
 
 @dataclass
@@ -62,7 +63,7 @@ class CheckResult:
         return f'<pre style="border-left:4px solid {colour};padding:6px 10px;white-space:pre-wrap">{html.escape(str(self))}</pre>'
 
 
-def _kernel_reads_figure(log: Any, case: str, width: int = 940) -> Any:
+def _kernel_reads_figure(log: Any, case: str, width: int = OUTPUT_WIDTH) -> Any:
     """A still figure: the kernel view of every sequence of the failing case."""
     import plotly.graph_objects as go
 

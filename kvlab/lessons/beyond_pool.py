@@ -11,6 +11,7 @@ from kvlab.core.transaction import unguarded
 from kvlab.engine.llm_engine import LLMEngine, build_engine
 from kvlab.request import Request
 from kvlab.eventlog.events import EventLog, KVLoadFailed, KVTransfer, OffloadEvicted
+from kvlab.utils.notebook_display import OUTPUT_WIDTH
 
 if TYPE_CHECKING:
     from kvlab.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
@@ -152,7 +153,7 @@ def offload_bench_figure(runs: Sequence[Any]) -> Any:
     )
     fig.update_layout(
         barmode="stack",
-        width=860,
+        width=OUTPUT_WIDTH,
         height=300,
         font=dict(family=FONT, size=11),
         margin=dict(l=10, r=10, t=40, b=30),

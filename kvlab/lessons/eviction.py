@@ -19,6 +19,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from kvlab.viz.style import discrete_colorscale
+from kvlab.utils.notebook_display import OUTPUT_WIDTH
 
 __all__ = ["erosion_figure", "hit_rate_figure", "pool_kinds_figure"]
 
@@ -72,7 +73,9 @@ def pool_kinds_figure(snapshots: Mapping[str, Any], document_keys: Collection[st
         fig.add_scatter(x=[None], y=[None], mode="markers", name=name, marker=dict(symbol="square", size=11, color=color))
     fig.update_xaxes(visible=False)
     fig.update_yaxes(visible=False, autorange="reversed")
-    fig.update_layout(width=860, height=330, margin=dict(t=60, b=10, l=10, r=10), plot_bgcolor="white", legend=dict(orientation="h", y=1.2))
+    fig.update_layout(
+        width=OUTPUT_WIDTH, height=330, margin=dict(t=60, b=10, l=10, r=10), plot_bgcolor="white", legend=dict(orientation="h", y=1.2)
+    )
     return fig
 
 

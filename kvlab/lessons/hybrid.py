@@ -19,6 +19,7 @@ import plotly.graph_objects as go
 
 from kvlab.timeline.snapshot import NULL
 from kvlab.viz.style import FONT, INK, STATE_COLORS
+from kvlab.utils.notebook_display import OUTPUT_WIDTH
 
 __all__ = ["block_layout_figure", "held_blocks_figure", "bytes_per_token_figure"]
 
@@ -42,7 +43,7 @@ def block_layout_figure(
     hash_block_size: int,
     hit_tokens: int | None = None,
     title: str = "",
-    width: int = 860,
+    width: int = OUTPUT_WIDTH,
 ) -> go.Figure:
     """``rows``: (label, block ids of one group's table, that group's block size)."""
     fig = go.Figure()

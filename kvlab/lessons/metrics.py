@@ -11,6 +11,7 @@ from typing import Any
 
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
+from kvlab.utils.notebook_display import OUTPUT_WIDTH
 
 __all__ = ["gains_figure", "gauges_figure", "hit_rate_windows_figure", "idle_histogram_figure", "occupancy_figure", "pool_sweep_figure"]
 
@@ -38,7 +39,7 @@ def gauges_figure(rows: Sequence[Mapping[str, Any]]) -> go.Figure:
     fig.add_scatter(x=steps, y=[r["num_preemptions"] for r in rows], line=dict(color=VERMILLION, shape="hv"), row=3, col=1)
     fig.update_yaxes(tickformat=".0%", range=[0, 1.05], row=1, col=1)
     fig.update_xaxes(title_text="step", row=3, col=1)
-    fig.update_layout(width=900, height=520, showlegend=False, margin=dict(l=50, r=20, t=40, b=40))
+    fig.update_layout(width=OUTPUT_WIDTH, height=520, showlegend=False, margin=dict(l=50, r=20, t=40, b=40))
     return fig
 
 

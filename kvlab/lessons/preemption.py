@@ -14,6 +14,7 @@ from plotly.subplots import make_subplots
 
 from kvlab.eventlog.events import BlocksFreed, RequestPreempted, RequestScheduled
 from kvlab.timeline.timeline import Timeline
+from kvlab.utils.notebook_display import OUTPUT_WIDTH
 
 __all__ = ["PreemptionWork", "budget_figure", "gantt_figure", "peak_blocks_swapped_out", "preemption_work"]
 
@@ -69,7 +70,12 @@ def budget_figure(runs: Mapping[str, Any], budget: int, colors: Mapping[str, str
         )
     fig.add_hline(y=budget, line_dash="dot", line_color="#d55e00", row=1, col=1, annotation_text=f"budget {budget}")
     fig.update_layout(
-        barmode="stack", width=900, height=430, margin=dict(l=50, r=20, t=40, b=40), legend=dict(orientation="h", y=-0.12), bargap=0.15
+        barmode="stack",
+        width=OUTPUT_WIDTH,
+        height=430,
+        margin=dict(l=50, r=20, t=40, b=40),
+        legend=dict(orientation="h", y=-0.12),
+        bargap=0.15,
     )
     fig.update_yaxes(title_text="tokens scheduled", row=1, col=1)
     fig.update_yaxes(title_text="ms", row=2, col=1)
@@ -139,7 +145,7 @@ def peak_blocks_swapped_out(work: Iterable[PreemptionWork]) -> int:
     return peak
 
 
-def gantt_figure(timeline: Timeline, title: str, width: int = 900, height: int = 330) -> go.Figure:
+def gantt_figure(timeline: Timeline, title: str, width: int = OUTPUT_WIDTH, height: int = 330) -> go.Figure:
     """Each request's state per step over a whole run (a still copy of kvlab's TimelineView)."""
     from kvlab.viz import TimelineView
 

@@ -10,13 +10,14 @@ from collections.abc import Mapping, Sequence
 
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
+from kvlab.utils.notebook_display import OUTPUT_WIDTH
 
 __all__ = ["ttft_figure"]
 
 OFF, ON = "#999999", "#0072b2"
 
 
-def ttft_figure(runs: Mapping[str, tuple[Sequence[str], Sequence[float], Sequence[float]]], width: int = 860) -> go.Figure:
+def ttft_figure(runs: Mapping[str, tuple[Sequence[str], Sequence[float], Sequence[float]]], width: int = OUTPUT_WIDTH) -> go.Figure:
     """``runs``: workload name -> (request ids in arrival order, TTFT in s with caching off, with caching on)."""
     fig = make_subplots(rows=1, cols=len(runs), subplot_titles=list(runs), horizontal_spacing=0.07)
     for col, (ids, off, on) in enumerate(runs.values(), start=1):

@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
+from kvlab.utils.notebook_display import OUTPUT_WIDTH
 
 __all__ = ["timing_attack_figure"]
 
@@ -24,7 +25,7 @@ _LINES = {
 def timing_attack_figure(
     probes: tuple[Sequence[bool], Sequence[float]],
     curves: Mapping[str, tuple[Sequence[float], Sequence[float], float]],
-    width: int = 860,
+    width: int = OUTPUT_WIDTH,
 ) -> go.Figure:
     """``probes``: (right guess?, TTFT in s) per probe without salts; ``curves``: setting ->
     (false-positive rates, true-positive rates, AUC). Settings drawn on top of each other

@@ -24,6 +24,7 @@ from typing import Any
 
 from kvlab.timeline.snapshot import Snapshot
 from kvlab.viz.style import FONT
+from kvlab.utils.notebook_display import OUTPUT_WIDTH
 
 __all__ = [
     "CATEGORIES",
@@ -122,7 +123,7 @@ def count(slots: Sequence[Slot]) -> dict[str, int]:
     return out
 
 
-def layout_figure(rows: Sequence[tuple[str, Sequence[Slot]]], block_size: int, *, width: int = 960) -> Any:
+def layout_figure(rows: Sequence[tuple[str, Sequence[Slot]]], block_size: int, *, width: int = OUTPUT_WIDTH) -> Any:
     """The rows of slots as one picture: a cell per slot, the owner's name on its token
     states, thin gaps between slots and a thicker line every ``block_size`` slots in rows
     whose title mentions "block"."""
@@ -189,7 +190,7 @@ def layout_figure(rows: Sequence[tuple[str, Sequence[Slot]]], block_size: int, *
     return fig
 
 
-def waste_figure(results: Sequence[Any], paper: dict[str, tuple[float | None, ...]], *, width: int = 960) -> Any:
+def waste_figure(results: Sequence[Any], paper: dict[str, tuple[float | None, ...]], *, width: int = OUTPUT_WIDTH) -> Any:
     """Stacked bars of the memory split, kvlab (simulated) beside the paper for each design,
     with the number of preemptions of each kvlab run above its bar (the shares do not count the
     recomputation they cause).
@@ -256,7 +257,7 @@ def waste_figure(results: Sequence[Any], paper: dict[str, tuple[float | None, ..
 
 
 def sweep_figure(
-    block_sizes: Sequence[int], internal: dict[str, Sequence[float]], table_entries: Sequence[float], *, width: int = 960
+    block_sizes: Sequence[int], internal: dict[str, Sequence[float]], table_entries: Sequence[float], *, width: int = OUTPUT_WIDTH
 ) -> Any:
     """Block-size sweep: internal fragmentation (% of KV memory, one line per trace) and
     the mean block-table length of a ShareGPT-like request (log scale), with the paper's

@@ -15,7 +15,7 @@ right options; this module imports neither the engine nor the scenarios.
 Selecting a request in the drop-down outlines its blocks in every view (the selection mark,
 a black frame with a white one inside, is used for nothing else).
 
-The Player fits a notebook's output area (940 px by default), and its controls mean what
+The Player fits a notebook's output area (832 px by default, see ``OUTPUT_WIDTH``), and its controls mean what
 they show: ▶ plays, ❚❚ pauses where it is (the Play widget's ■ "stop", which jumped back
 to the first step, is hidden), and "Run step" runs one engine step *and shows it*. Next
 to the widget it always leaves a still picture of the same step (:mod:`kvlab.viz.still`),
@@ -38,6 +38,7 @@ from kvlab.viz.free_queue import FreeQueueView
 from kvlab.viz.hash_chain import HashChainView
 from kvlab.viz.kernel import KernelView
 from kvlab.viz.pool import PoolView
+from kvlab.utils.notebook_display import OUTPUT_WIDTH
 from kvlab.viz.still import compose, display_with_still, player_header
 from kvlab.viz.style import FONT, TONE_STYLES, html_escape
 from kvlab.viz.timeline import TimelineView
@@ -53,7 +54,7 @@ VIEW_CLASSES: dict[str, type[View]] = {
     "kernel": KernelView,
 }
 DEFAULT_VIEWS: tuple[str, ...] = tuple(VIEW_CLASSES)
-DEFAULT_WIDTH = 940  # JupyterLab's output area is ~968 px wide at a common window size
+DEFAULT_WIDTH = OUTPUT_WIDTH - 8  # the widget adds 8 px of padding; see OUTPUT_WIDTH
 
 # The Player's own style: the Play widget's stop button (■ jumps to the first step, which
 # is not what a square means) is hidden; the ▶ / ❚❚ toggle remains (ipywidgets 8: play-pause, stop, repeat).

@@ -18,7 +18,7 @@ from typing import Any
 
 from kvlab.timeline.snapshot import BLOCK_STATES, NULL, Snapshot
 from kvlab.timeline.timeline import Timeline
-from kvlab.viz.base import TOP_LEGEND, View, _go, legend_traces, selection_traces
+from kvlab.viz.base import TOP_LEGEND, View, _go, legend_rows, legend_traces, selection_traces
 from kvlab.viz.style import (
     STATE_COLORS,
     STATE_HELP,
@@ -173,9 +173,11 @@ class PoolView(View):
         self.columns = grid_columns(n)
         self.rows = max(1, math.ceil(n / self.columns))
         self.cell_px = max(4.0, min(40.0, (width - 20) / self.columns))
-        # Square cells under the title, a subtitle line and the one-row legend (~75 px).
+        # Square cells under the title, a subtitle line and the legend, which wraps to a
+        # second row in a narrow view (the same estimate View._header makes the margin from).
         if height is None:
-            height = int(min(660, self.rows * self.cell_px + 75))
+            legend = legend_rows([STATE_LABELS[s] for s in BLOCK_STATES], width - 24, 10)
+            height = int(min(660, self.rows * self.cell_px + 6 + 20 + 15 + 19 * legend + 10 + 6))
         super().__init__(timeline, decode=decode, width=width, height=height)
         go = _go()
         fig = self.figure
@@ -192,6 +194,8 @@ class PoolView(View):
             margin=dict(l=10, r=10, t=50, b=6),
         )
         fig.data[0].showlegend = False
+        if self.cell_px < 27:  # two lines (id, ref count) of 11 px text need 27 px: smaller text below
+            fig.data[0].textfont.size = 9
 
     def update(self, snapshot: Snapshot, selected_request: str | None = None) -> None:
         d = figure_data(snapshot, selected_request, columns=self.columns, decode=self.decode)
