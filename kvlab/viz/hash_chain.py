@@ -445,7 +445,9 @@ class HashChainView(View):
         for t, x, y, full, freed in sorted(tips, key=lambda t: not keep & set(t[3].split(", "))):
             cx, cy = px(x, y)
             if room.take(cx + TIP_SHIFT, cy - 7, cx + TIP_SHIFT + _text_px(t), cy + 7):
-                why = f"{html_escape(full)}: the prompt's chain " + ("(released; its blocks stay cached for a later hit)" if freed else "ends here")
+                why = f"{html_escape(full)}: the prompt's chain " + (
+                    "(released; its blocks stay cached for a later hit)" if freed else "ends here"
+                )
                 color = "#777777" if freed else "#444444"
                 notes.append(
                     dict(
