@@ -36,6 +36,7 @@ def test_wheel_installs_kernels_as_kvlab_kernels(tmp_path):
         "kvlab/kernels/attention.py",
         "kvlab/kernels/cache_ops.py",
         "kvlab/viz/player.py",
+        "kvlab/viz/static/replay.js",  # package data: the Player's browser renderer
         "kvlab/exercises/checks_kernels.py",
         "kvlab/exercises/kernel_harness.py",
         "kvlab/core/block_pool.py",

@@ -612,13 +612,17 @@ def test_run_step_shows_the_step_it_ran_wherever_the_player_stood() -> None:
     assert "step 7" in p.views["pool"].figure.layout.title.text and p.views["table"].last_data["rows"] == ["b"]
 
 
-def test_player_fits_the_notebook_and_hides_the_stop_button(player) -> None:
-    from kvlab.viz.player import DEFAULT_WIDTH, PLAYER_STYLE
+def test_player_fits_the_notebook_and_is_one_widget(player) -> None:
+    from kvlab.viz.player import DEFAULT_WIDTH
+    from kvlab.viz.replay_widget import ReplayWidget
 
     assert DEFAULT_WIDTH <= 960 and player.widget.layout.width == f"{DEFAULT_WIDTH + 8}px"
     assert sum(v.width for v in list(player.views.values())[:2]) + 8 <= DEFAULT_WIDTH
-    assert PLAYER_STYLE in player._title.value and "nth-of-type(2){display:none}" in PLAYER_STYLE
-    assert all(v.widget._config.get("displayModeBar") is False for v in player.views.values())
+    # One widget model draws every view in the page; no view opened a FigureWidget of its own.
+    assert isinstance(player.widget, ReplayWidget) and all(v._widget is None for v in player.views.values())
+    h = player.widget.header
+    assert h["config"]["displayModeBar"] is False and h["views"] == list(player.views) and h["steps"] == list(range(9))
+    assert ["both freed", 4] in h["named"] and h["requests"] == ["req0", "req1", "req2", "long"] and h["can_run"] is False
 
 
 def test_a_manager_only_log_fills_every_panel_it_shows() -> None:

@@ -33,22 +33,30 @@ STILL_STYLE = (
     "<style>"
     f".jp-OutputArea-child:has({_OWN}) {{display:none}}"
     f".jp-OutputArea-child:has({_OWN}) + .jp-OutputArea-child:has(+ .jp-OutputArea-child .{LIVE}) {{display:none}}"
-    f".jp-OutputArea-child:has({_OWN}) + .jp-OutputArea-child + .jp-OutputArea-child:not(:has(.{LIVE})) {{display:none}}"
+    f".jp-OutputArea-child:has({_OWN}) + .jp-OutputArea-child + .jp-OutputArea-child:not(:has(.{LIVE})) "
+    "{height:0;overflow:hidden;visibility:hidden}"
     f"</style><div class='{STILL_MARK}'></div>"
 )
 
 
-def display_with_still(widget: Any, still: dict[str, Any]) -> Any:
+def display_with_still(widget: Any, still: dict[str, Any], *, mark_live: bool = True) -> Any:
     """Display ``widget`` as three outputs -- the style rule, ``still`` (a mime bundle that
     needs no kernel: plotly JSON, HTML, text) and the widget -- so that a lesson saved or
     never run shows the still where the widget would be. ``widget`` gets the LIVE class.
-    Returns the still's display handle (``handle.update(bundle, raw=True)`` redraws it)."""
+    Returns the still's display handle (``handle.update(bundle, raw=True)`` redraws it).
+
+    ``mark_live=False``: the widget's own page code adds the LIVE class when it has drawn
+    (the Player's renderer does, after its first picture), so the still stays until then.
+    The waiting widget is laid out but invisible (not ``display:none``), so it can draw."""
     from IPython.display import display
 
-    widget.add_class(LIVE)
+    if mark_live:
+        widget.add_class(LIVE)
     display({"text/html": STILL_STYLE, "text/plain": ""}, raw=True)
     handle = display(still, raw=True, display_id=True)
     bundle = widget._repr_mimebundle_()
+    if isinstance(bundle, tuple):  # anywidget: (data, metadata)
+        bundle = bundle[0]
     if isinstance(bundle, dict):
         bundle["text/plain"] = ""  # never the VBox(children=...) repr: the still stands in
     display(bundle, raw=True)

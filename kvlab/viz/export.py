@@ -26,7 +26,10 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvlab.viz.frames import FramePacker
 from kvlab.viz.style import FONT, PLOTLY_CONFIG
+
+STATIC = Path(__file__).with_name("static")
 
 if TYPE_CHECKING:
     from kvlab.viz.player import Player
@@ -41,65 +44,30 @@ def _json_for_script(obj: Any) -> str:
 
 
 def frames(player: Player | _StreamFrames, steps: list[int]) -> dict[str, Any]:
-    """Every view's figure at each of ``steps``, deduplicated: ``traces`` and ``layouts``
-    hold each distinct JSON once, ``frames[i][v]`` = (layout index, [trace indices]) of view
-    ``v`` at ``steps[i]``; plus the status and event-list HTML of each step."""
+    """Every view's figure at each of ``steps``, packed as the renderer reads them
+    (:class:`~kvlab.viz.frames.FramePacker`: ``traces``, ``layouts`` and ``strings`` hold each
+    distinct part once; ``frames[i][v]`` = (layout index, [trace indices]) of view ``v`` at
+    ``steps[i]``), plus the status and event-list HTML of each step. The player stays where
+    it is."""
+    if not isinstance(player, _StreamFrames):
+        try:
+            return FramePacker(player._figures_at).pack(steps)
+        finally:
+            player._figures_done()
     import plotly.io as pio
 
-    traces: list[Any] = []
-    layouts: list[Any] = []
-    t_index: dict[str, int] = {}
-    l_index: dict[str, int] = {}
-    strings: list[str] = []
-    s_index: dict[str, int] = {}
+    src = player
 
-    def pack(obj: Any) -> Any:
-        """Lists of strings (1-D or 2-D) become {"__s": indices into the string table}."""
-        if isinstance(obj, dict):
-            return {k: pack(v) for k, v in obj.items()}
-        if isinstance(obj, list) and obj:
-            flat = obj if not isinstance(obj[0], list) else [x for row in obj for x in row]
-            if flat and all(isinstance(x, str) for x in flat):
+    def render(step: int) -> tuple[list[dict[str, Any]], str, str]:
+        src.go_to(step)
+        figs = [json.loads(pio.to_json(v.still(), validate=False)) for v in src.views.values()]
+        return figs, src._status.value, src._events.value
 
-                def idx(x: str) -> int:
-                    i = s_index.get(x)
-                    if i is None:
-                        i = s_index[x] = len(strings)
-                        strings.append(x)
-                    return i
-
-                if isinstance(obj[0], list):
-                    return {"__s": [[idx(x) for x in row] for row in obj]}
-                return {"__s": [idx(x) for x in obj]}
-            return [pack(x) for x in obj]
-        return obj
-
-    def intern(obj: Any, table: list[Any], index: dict[str, int]) -> int:
-        key = json.dumps(obj, sort_keys=True, separators=(",", ":"))
-        i = index.get(key)
-        if i is None:
-            i = index[key] = len(table)
-            table.append(obj)
-        return i
-
-    out_frames: list[list[Any]] = []
-    status: list[str] = []
-    events: list[str] = []
-    at = player.step
+    at = src.step
     try:
-        for s in steps:
-            player.go_to(s)
-            per_view = []
-            for v in player.views.values():
-                fig = json.loads(pio.to_json(v.still(), validate=False))
-                li = intern(fig.get("layout", {}), layouts, l_index)
-                per_view.append([li, [intern(pack(tr), traces, t_index) for tr in fig.get("data", [])]])
-            out_frames.append(per_view)
-            status.append(player._status.value)
-            events.append(player._events.value)
+        return FramePacker(render).pack(steps)
     finally:
-        player.go_to(at)
-    return dict(steps=steps, traces=traces, layouts=layouts, frames=out_frames, status=status, events=events, strings=strings)
+        src.go_to(at)
 
 
 MAX_LISTED_EVENTS = 40  # a stream batch's event list is cut here (the count is shown)
@@ -170,61 +138,15 @@ def _describe(ev: Any) -> str:
     return f"{kind}: {len(hashes)} block{'s' if len(hashes) != 1 else ''} ({where})"
 
 
-_STYLE = f"""
-body {{ font-family: {FONT}; margin: 12px; color: #111; }}
-.kv-controls {{ display: flex; flex-wrap: wrap; gap: 6px; align-items: center; margin: 6px 0; }}
-.kv-controls button {{ font: inherit; padding: 3px 10px; border: 1px solid #999; background: #f4f4f4; border-radius: 3px; cursor: pointer; }}
-.kv-controls button:hover {{ background: #e8e8e8; }}
-.kv-controls input[type=range] {{ width: 360px; }}
-.kv-grid {{ display: grid; grid-template-columns: repeat(2, max-content); gap: 4px 8px; align-items: start; }}
-.kv-desc {{ font-size: 12px; color: #444; max-width: 930px; }}
-"""
+_STYLE = f"body {{ font-family: {FONT}; margin: 12px; color: #111; }}"  # the rest comes with replay.js
 
+# The page's own lines: mount the renderer (the same one the Player uses in JupyterLab) on
+# the data in the page, with ids a reader (or a test) can name, and show the starting step.
 _SCRIPT = """
 const D = JSON.parse(document.getElementById('kv-data').textContent);
-const views = D.views, n = D.frames.length;
-const unpacked = new Map();
-function unpack(o) {
-  if (Array.isArray(o)) return o.map(unpack);
-  if (o && typeof o === 'object') {
-    if (o.__s) return o.__s.map(x => Array.isArray(x) ? x.map(i => D.strings[i]) : D.strings[x]);
-    const r = {}; for (const k in o) r[k] = unpack(o[k]); return r;
-  }
-  return o;
-}
-function trace(t) { if (!unpacked.has(t)) unpacked.set(t, unpack(D.traces[t])); return unpacked.get(t); }
-const divs = views.map((_, v) => document.getElementById('kv-view-' + v));
-const slider = document.getElementById('kv-slider');
-const playBtn = document.getElementById('kv-play');
-let k = D.start, timer = null;
-function show(i) {
-  k = Math.max(0, Math.min(n - 1, i));
-  const f = D.frames[k];
-  views.forEach((_, v) => {
-    const [li, ts] = f[v];
-    Plotly.react(divs[v], ts.map(trace), D.layouts[li], D.config);
-  });
-  document.getElementById('kv-status').innerHTML = D.status[k];
-  document.getElementById('kv-events').innerHTML = D.events[k];
-  slider.value = k;
-  document.getElementById('kv-step').textContent = (D.unit || 'step') + ' ' + D.steps[k];
-  document.body.dataset.step = D.steps[k];
-}
-function pause() { if (timer) { clearInterval(timer); timer = null; } playBtn.textContent = '▶ Play'; }
-function play() {
-  if (timer) { pause(); return; }
-  if (k >= n - 1) show(0);
-  playBtn.textContent = '❚❚ Pause';
-  timer = setInterval(() => { if (k >= n - 1) { pause(); } else { show(k + 1); } }, D.interval);
-}
-document.getElementById('kv-back').onclick = () => { pause(); show(k - 1); };
-document.getElementById('kv-next').onclick = () => { pause(); show(k + 1); };
-playBtn.onclick = play;
-slider.max = n - 1;
-slider.oninput = () => { pause(); show(parseInt(slider.value, 10)); };
-const jump = document.getElementById('kv-jump');
-if (jump) jump.onchange = () => { const s = parseInt(jump.value, 10); if (s >= 0) { pause(); show(D.steps.indexOf(s)); } jump.value = '-1'; };
-show(k);
+const api = kvlabReplay.mount(document.getElementById('kv-root'), D, { ids: true });
+api.add(D);
+api.go(D.steps[D.start]);
 """
 
 
@@ -260,24 +182,21 @@ def write_html(player: Player | StreamPlayer, path: str | os.PathLike[str], *, m
         unit=getattr(src, "unit", "step"),
         start=steps.index(src.step) if src.step in steps else 0,
     )
+    data.update(
+        title=src._name,
+        description=src.description,
+        named=[[k, v] for k, v in src.named_steps.items()],
+        requests=None,  # the selection is exported as it stands (one set of figures)
+        can_run=False,
+        width=2 * max((v.width for v in src.views.values()), default=400) + 16,
+    )
     title = html.escape(src._name)
-    desc = f"<div class='kv-desc'>{html.escape(src.description)}</div>" if src.description else ""
-    jump = ""
-    if src.named_steps:
-        opts = "".join(f"<option value='{s}'>{html.escape(k)} (step {s})</option>" for k, s in src.named_steps.items())
-        jump = f"<label>jump to <select id='kv-jump'><option value='-1'>—</option>{opts}</select></label>"
-    views = "".join(f"<div id='kv-view-{i}'></div>" for i in range(len(src.views)))
     doc = (
         "<!DOCTYPE html><html><head><meta charset='utf-8'>"
         f"<title>{title} · kvlab replay</title><style>{_STYLE}</style>"
-        f"<script>{get_plotlyjs()}</script></head><body>"
-        f"<div><b style='font-size:14px'>{title}</b>{desc}</div>"
-        "<div class='kv-controls'>"
-        "<button id='kv-back'>◀ Back</button><button id='kv-play'>▶ Play</button><button id='kv-next'>Step ▶</button>"
-        f"<input id='kv-slider' type='range' min='0' value='0' step='1'><span id='kv-step'></span>{jump}"
-        "</div><div id='kv-status'></div>"
-        f"<div class='kv-grid'>{views}</div><div id='kv-events' style='max-width:930px'></div>"
+        f"<script>{get_plotlyjs()}</script></head><body><div id='kv-root'></div>"
         f"<script type='application/json' id='kv-data'>{_json_for_script(data)}</script>"
+        f"<script>{(STATIC / 'replay.js').read_text(encoding='utf-8')}</script>"
         f"<script>{_SCRIPT}</script>"
         "<p style='font-size:10px;color:#777'>kvlab replay: plotly.js and every step are in this file; it needs no network and no Python.</p>"
         "</body></html>"

@@ -298,6 +298,7 @@ class Player:
         self._selected = request_id
         self._sync_controls()
         self._render()
+        self.widget.new_version(selected=request_id)
 
     def select(self, request_id: str | None) -> None:
         """Outline ``request_id``'s blocks in every view (None clears the selection)."""
@@ -311,18 +312,9 @@ class Player:
         w = _widgets()
         lo, hi = self.first_step, self.last_step
         name = title or ("live engine" if self.live else "replay")
-        desc = self.description
         self._name = name
-        self._title = w.HTML(
-            PLAYER_STYLE
-            + f"<div style='font-family:{FONT}'><b style='font-size:14px'>{html_escape(name)}</b>"
-            + (
-                f"<div style='font-size:12px;color:#444;white-space:normal;max-width:{width - 10}px'>{html_escape(desc)}</div>"
-                if desc
-                else ""
-            )
-            + "</div>"
-        )
+        # The kernel-side handles: ``player.step_button.click()``, ``player.slider.value = 3``
+        # drive the player from code (and the tests). The page draws its own controls.
         bl = w.Layout(width="auto")
         self.back_button = w.Button(description="◀ Back", tooltip="previous step", layout=bl)
         self.step_button = w.Button(description="Step ▶", tooltip="next step", layout=bl)
@@ -339,42 +331,53 @@ class Player:
             layout=w.Layout(width="210px"),
             style={"description_width": "56px"},
         )
-        controls: list[Any] = [self.back_button, self.play, self.step_button, self.slider]
-        second: list[Any] = [self.request_dropdown]
         self.jump_dropdown = None
         if self.named_steps:
             opts = [("—", -1)] + [(f"{k} (step {v})", v) for k, v in self.named_steps.items()]
             self.jump_dropdown = w.Dropdown(
                 options=opts, value=-1, description="jump to", layout=w.Layout(width="300px"), style={"description_width": "56px"}
             )
-            second.append(self.jump_dropdown)
             self.jump_dropdown.observe(self._on_jump, names="value")
         self.run_button = None
         if self._run_step_fn is not None:
             self.run_button = w.Button(description="Run step", button_style="primary", tooltip="run one engine step", layout=bl)
             self.run_button.on_click(lambda _b: self.run_step())
-            second.append(self.run_button)
         self._status = w.HTML()
         self._events = w.HTML()
         self.back_button.on_click(lambda _b: self.back())
         self.step_button.on_click(lambda _b: self.next())
         self.slider.observe(self._on_slider, names="value")
         self.request_dropdown.observe(self._on_request, names="value")
-        figs = [v.widget for v in self.views.values()]
-        grid = w.GridBox(
-            figs,
-            layout=w.Layout(
-                grid_template_columns="repeat(2, max-content)" if len(figs) > 1 else "max-content",
-                grid_gap="4px 8px",
-                align_items="flex-start",
-            ),
-        )
-        row = w.Layout(flex_flow="row wrap", align_items="center")
-        self.widget = w.VBox(
-            [self._title, w.HBox(controls, layout=row), w.HBox(second, layout=row), self._status, grid, self._events],
-            layout=w.Layout(width=f"{width + 8}px"),
-        )
+        # What is displayed: one widget that draws every view in the browser (see
+        # kvlab.viz.replay_widget), with its own controls.
+        from kvlab.viz.replay_widget import ReplayWidget
+
+        self._interval_ms = interval_ms
+        self._width = width
+        self.widget = ReplayWidget(self, self._header(self.first_step))
+        self.widget.layout = w.Layout(width=f"{width + 8}px")
         self.widget.add_class("kvlab-player")
+
+    def _header(self, step: int) -> dict[str, Any]:
+        """What the page needs besides the figures: see ``static/replay.js``."""
+        from kvlab.viz.style import PLOTLY_CONFIG
+
+        return dict(
+            title=self._name,
+            description=self.description,
+            views=list(self.views),
+            steps=list(range(self.first_step, self.last_step + 1)),
+            named=[[k, v] for k, v in self.named_steps.items()],
+            unit="step",
+            interval=self._interval_ms,
+            config=dict(PLOTLY_CONFIG),
+            requests=self._request_ids(),
+            selected=self._selected,
+            can_run=self._run_step_fn is not None,
+            width=self._width,
+            step=step,
+            version=0,
+        )
 
     def _request_options(self) -> list[tuple[str, str]]:
         return [("— none —", "")] + [(r, r) for r in self._request_ids()]
@@ -403,6 +406,7 @@ class Player:
         if not self._rendering and new != self._selected:
             self._selected = new
             self._render()
+            self.widget.new_version(selected=new)
 
     def _on_jump(self, change: dict[str, Any]) -> None:
         if change["new"] is not None and change["new"] >= 0:
@@ -426,6 +430,8 @@ class Player:
             self._step = self.last_step
         self._sync_controls()
         self._render()
+        # The timeline spans the run: every step's figure changed, so the page starts over.
+        self.widget.new_version(steps=list(range(self.first_step, self.last_step + 1)), requests=ids)
 
     # -- drawing -----------------------------------------------------------------------------
     def _render(self) -> None:
@@ -434,17 +440,50 @@ class Player:
         for v in self.views.values():
             v.update(snap, self._selected)
         self._events.value = _event_html(self.timeline.events_of(self._step))
+        self._status.value = self._status_html(self._step)
+        if self.widget.step != self._step:
+            self.widget.step = self._step  # the page follows (it draws what it has, asks for the rest)
+        self.last_render_ms = (time.perf_counter() - t0) * 1000.0
+
+    def _status_html(self, step: int) -> str:
         note = ""
-        names = [k for k, s in self.named_steps.items() if s == self._step]
+        names = [k for k, s in self.named_steps.items() if s == step]
         if names:
             texts = [f"<b>{html_escape(k)}</b>" + (f": {html_escape(self.notes[k])}" if k in self.notes else "") for k in names]
             note = " · ".join(texts)
-        self._status.value = (
-            f"<div style='font-family:{FONT};font-size:12px;min-height:16px'>step {self._step} of {self.last_step}"
+        return (
+            f"<div style='font-family:{FONT};font-size:12px;min-height:16px'>step {step} of {self.last_step}"
             + (f" — {note}" if note else "")
             + "</div>"
         )
-        self.last_render_ms = (time.perf_counter() - t0) * 1000.0
+
+    # -- the page's side (kvlab.viz.replay_widget) ------------------------------------------------
+    def _figures_at(self, step: int) -> tuple[list[dict[str, Any]], str, str]:
+        """Every view's figure at ``step`` (plain JSON), its status line and its event list,
+        for the page; the views are put back by :meth:`_figures_done`."""
+        import json
+
+        import plotly.io as pio
+
+        snap = self.timeline.at(step)
+        figs = []
+        for v in self.views.values():
+            v.update(snap, self._selected)
+            figs.append(json.loads(pio.to_json(v.still(), validate=False)))
+        return figs, self._status_html(step), _event_html(self.timeline.events_of(step))
+
+    def _figures_done(self) -> None:
+        snap = self.timeline.at(self._step)
+        for v in self.views.values():
+            v.update(snap, self._selected)
+
+    def _step_from_browser(self, step: int) -> None:
+        """The learner stepped in the page: the kernel's player follows (its views too, so
+        ``player.snapshot`` and ``player.still()`` show what the page shows)."""
+        if step != self._step and self.first_step <= step <= self.last_step:
+            self._step = step
+            self._sync_controls()
+            self._render()
 
     # -- display -----------------------------------------------------------------------------
     def still(self) -> dict[str, Any]:
@@ -455,7 +494,9 @@ class Player:
         return compose([v.still() for v in self.views.values()], columns=2 if len(self.views) > 1 else 1, header=header, header_px=34)
 
     def _repr_mimebundle_(self, **kwargs: Any) -> Any:
-        bundle = self.widget._repr_mimebundle_(**kwargs)
+        bundle: Any = self.widget._repr_mimebundle_(**kwargs)
+        if isinstance(bundle, tuple):  # anywidget: (data, metadata)
+            bundle = bundle[0]
         if isinstance(bundle, dict):
             bundle["text/plain"] = ""  # never the VBox(children=...) repr: the still stands in
         return bundle
@@ -476,6 +517,7 @@ class Player:
                 "application/vnd.plotly.v1+json": {**fig, "config": {"displayModeBar": False}},
                 "text/plain": f"(a still picture of the player at step {self._step})",
             },
+            mark_live=False,  # the page marks it once its first picture is drawn: until then, the still
         )
 
     def __repr__(self) -> str:

@@ -1,0 +1,220 @@
+// kvlab's replay renderer: one Player (its controls, its views, its status line and event
+// list) drawn in the browser from plain per-step figure data. The same code draws the Player
+// in JupyterLab (kvlab/viz/replay_widget.py: one anywidget per Player) and the page that
+// kvlab.export_html writes (kvlab/viz/export.py). It needs a global Plotly.
+//
+// Data arrive in chunks (all at once for an exported page; a window around the shown step,
+// asked for as the learner moves, in JupyterLab). A chunk carries the figure parts it
+// introduces -- traces, layouts and strings, each stored once and numbered -- and, per step
+// index, one [layout index, [trace indices]] pair per view plus the step's status and event
+// list. Stepping, the slider, Play and "jump to" never wait for the kernel when the step is
+// already here; the status line and the pictures change together, in one call.
+(function () {
+  const CSS = `
+.kv-replay { font-family: ui-monospace, SFMono-Regular, Menlo, Consolas, monospace; color: #111; }
+.kv-replay .kv-controls { display: flex; flex-wrap: wrap; gap: 6px; align-items: center; margin: 4px 0; font-size: 12px; }
+.kv-replay .kv-controls button { font: inherit; padding: 2px 9px; border: 1px solid #999; background: #f4f4f4; border-radius: 3px; cursor: pointer; }
+.kv-replay .kv-controls button:hover { background: #e8e8e8; }
+.kv-replay .kv-controls button.kv-primary { background: #0072b2; color: #fff; border-color: #005a8c; }
+.kv-replay .kv-controls select { font: inherit; max-width: 260px; }
+.kv-replay .kv-controls input[type=range] { width: 300px; }
+.kv-replay .kv-grid { display: grid; gap: 4px 8px; align-items: start; }
+.kv-replay .kv-desc { font-size: 12px; color: #444; white-space: normal; }
+.kv-replay .kv-status { font-size: 12px; min-height: 16px; }
+.kv-replay .kv-wait { color: #777; }
+`;
+
+  function el(tag, attrs, text) {
+    const e = document.createElement(tag);
+    for (const k in attrs || {}) e.setAttribute(k, attrs[k]);
+    if (text !== undefined) e.textContent = text;
+    return e;
+  }
+
+  function mount(root, header, hooks) {
+    hooks = hooks || {};
+    if (!document.getElementById('kv-replay-css')) {
+      const style = el('style', { id: 'kv-replay-css' });
+      style.textContent = CSS;
+      document.head.appendChild(style);
+    }
+    let H = header;
+    let T = { traces: [], layouts: [], strings: [] };
+    let F = new Map(); // step index -> { views, status, events }
+    const unpacked = new Map();
+    let k = 0, timer = null, drawnOnce = false, wanted = null;
+    const inflight = new Set(); // step indices asked for and not here yet
+
+    const box = el('div', { class: 'kv-replay' });
+    box.style.width = H.width + 'px';
+    const head = el('div');
+    const title = el('b', { style: 'font-size:14px' }, H.title);
+    head.appendChild(title);
+    if (H.description) head.appendChild(el('div', { class: 'kv-desc' }, H.description));
+    const row1 = el('div', { class: 'kv-controls' });
+    const back = el('button', { title: 'previous step' }, '◀ Back');
+    const play = el('button', { title: 'play the run' }, '▶ Play');
+    const next = el('button', { title: 'next step' }, 'Step ▶');
+    const slider = el('input', { type: 'range', min: '0', step: '1', value: '0', 'aria-label': 'step' });
+    const label = el('span', { class: 'kv-step' });
+    row1.append(back, play, next, slider, label);
+    const row2 = el('div', { class: 'kv-controls' });
+    let jump = null, pick = null, run = null;
+    if (H.named && H.named.length) {
+      jump = el('select', { 'aria-label': 'jump to' });
+      jump.appendChild(el('option', { value: '-1' }, 'jump to …'));
+      for (const [name, s] of H.named) jump.appendChild(el('option', { value: String(s) }, `${name} (step ${s})`));
+      row2.appendChild(jump);
+    }
+    if (H.requests) {
+      pick = el('select', { 'aria-label': 'request' });
+      row2.appendChild(pick);
+    }
+    if (H.can_run) {
+      run = el('button', { class: 'kv-primary', title: 'run one engine step' }, 'Run step');
+      row2.appendChild(run);
+    }
+    const status = el('div', { class: 'kv-status' });
+    const grid = el('div', { class: 'kv-grid' });
+    const events = el('div', { class: 'kv-events' });
+    box.append(head, row1);
+    if (row2.childNodes.length) box.appendChild(row2);
+    box.append(status, grid, events);
+    root.appendChild(box);
+    let divs = [];
+    if (hooks.ids) { // a page with one replay (export_html): elements a test or a reader can name
+      const named = { 'kv-back': back, 'kv-play': play, 'kv-next': next, 'kv-slider': slider, 'kv-step': label, 'kv-status': status, 'kv-events': events };
+      for (const id in named) named[id].id = id;
+      if (jump) jump.id = 'kv-jump';
+      if (pick) pick.id = 'kv-request';
+    }
+
+    function layoutViews() {
+      grid.replaceChildren();
+      grid.style.gridTemplateColumns = H.views.length > 1 ? 'repeat(2, max-content)' : 'max-content';
+      divs = H.views.map((_, v) => { const d = el('div'); if (hooks.ids) d.id = 'kv-view-' + v; grid.appendChild(d); return d; });
+    }
+
+    function fillRequests() {
+      if (!pick) return;
+      pick.replaceChildren(el('option', { value: '' }, 'request: — none —'));
+      for (const r of H.requests) pick.appendChild(el('option', { value: r }, 'request: ' + r));
+      pick.value = H.selected || '';
+    }
+
+    function unpack(o) {
+      if (Array.isArray(o)) return o.map(unpack);
+      if (o && typeof o === 'object') {
+        if (o.__s) return o.__s.map(x => Array.isArray(x) ? x.map(i => T.strings[i]) : T.strings[x]);
+        const r = {};
+        for (const key in o) r[key] = unpack(o[key]);
+        return r;
+      }
+      return o;
+    }
+    function trace(t) {
+      if (!unpacked.has(t)) unpacked.set(t, unpack(T.traces[t]));
+      return unpacked.get(t);
+    }
+
+    function ask(i) {
+      // The step to show, then a window ahead of it (and a little behind), in one request.
+      if (!hooks.need) return;
+      const n = H.steps.length, out = [];
+      for (let j = i - 2; j <= i + 8; j++) if (j >= 0 && j < n && !F.has(j) && !inflight.has(j)) out.push(j);
+      out.sort((a, b) => Math.abs(a - i) - Math.abs(b - i) || b - a);
+      for (const j of out) inflight.add(j);
+      if (out.length) hooks.need(out.map(j => H.steps[j]));
+    }
+
+    function draw(i) {
+      const f = F.get(i);
+      const P = globalThis.__kvlabPlotlyLib || globalThis.Plotly;
+      f.views.forEach(([li, ts], v) => P.react(divs[v], ts.map(trace), T.layouts[li], H.config));
+      status.innerHTML = f.status;
+      events.innerHTML = f.events;
+      label.textContent = `${H.unit || 'step'} ${H.steps[i]} of ${H.steps[H.steps.length - 1]}`;
+      box.dataset.step = H.steps[i];
+      if (hooks.ids) document.body.dataset.step = H.steps[i];
+      if (!drawnOnce) { drawnOnce = true; if (hooks.drawn) hooks.drawn(); }
+    }
+
+    function show(i, fromUser) {
+      k = Math.max(0, Math.min(H.steps.length - 1, i));
+      slider.value = k;
+      if (F.has(k)) {
+        wanted = null;
+        draw(k);
+        ask(k);
+      } else {
+        wanted = k;
+        status.innerHTML = `<span class="kv-wait">step ${H.steps[k]}: drawing…</span>`;
+        ask(k);
+      }
+      if (fromUser && hooks.step) hooks.step(H.steps[k]);
+    }
+
+    function pause() { if (timer) { clearInterval(timer); timer = null; } play.textContent = '▶ Play'; }
+    function playOrPause() {
+      if (timer) { pause(); return; }
+      if (k >= H.steps.length - 1) show(0, true);
+      play.textContent = '❚❚ Pause';
+      timer = setInterval(() => {
+        if (k >= H.steps.length - 1) pause();
+        else if (F.has(k + 1)) show(k + 1, true);
+        else ask(k + 1); // wait for it: a tick is skipped, not a step
+      }, H.interval || 900);
+    }
+    back.onclick = () => { pause(); show(k - 1, true); };
+    next.onclick = () => { pause(); show(k + 1, true); };
+    play.onclick = playOrPause;
+    slider.oninput = () => { pause(); show(parseInt(slider.value, 10), true); };
+    if (jump) jump.onchange = () => {
+      const s = parseInt(jump.value, 10);
+      if (s >= 0) { pause(); show(H.steps.indexOf(s), true); }
+      jump.value = '-1';
+    };
+    if (pick) pick.onchange = () => { if (hooks.select) hooks.select(pick.value || null); };
+    if (run) run.onclick = () => { pause(); if (hooks.run) hooks.run(); };
+
+    function setHeader(h, step) {
+      // A new header is a new version: what was here is dropped and asked for again.
+      H = h;
+      T = { traces: [], layouts: [], strings: [] }; F = new Map(); unpacked.clear(); inflight.clear();
+      slider.max = H.steps.length - 1;
+      fillRequests();
+      if (divs.length !== H.views.length) layoutViews();
+      const at = H.steps.indexOf(step);
+      show(at >= 0 ? at : H.steps.length - 1, false);
+    }
+
+    function add(chunk) {
+      // Tables grow in order: a chunk's entries start where the last one's ended.
+      if (chunk.t0 !== T.traces.length || chunk.l0 !== T.layouts.length || chunk.s0 !== T.strings.length) return false;
+      T.traces.push(...chunk.traces);
+      T.layouts.push(...chunk.layouts);
+      T.strings.push(...chunk.strings);
+      chunk.steps.forEach((s, j) => {
+        const i = H.steps.indexOf(s);
+        if (i >= 0) { F.set(i, { views: chunk.frames[j], status: chunk.status[j], events: chunk.events[j] }); inflight.delete(i); }
+      });
+      if (wanted !== null && F.has(wanted)) { const w = wanted; wanted = null; draw(w); ask(w); }
+      return true;
+    }
+
+    layoutViews();
+    fillRequests();
+    slider.max = H.steps.length - 1;
+    return {
+      add,
+      setHeader,
+      showStep(s) { const i = H.steps.indexOf(s); if (i >= 0 && i !== k) { pause(); show(i, false); } },
+      go(s) { const i = H.steps.indexOf(s); show(i >= 0 ? i : 0, false); },
+      get index() { return k; },
+      pause,
+      root: box,
+    };
+  }
+
+  globalThis.kvlabReplay = { mount };
+})();
