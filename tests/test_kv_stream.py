@@ -295,3 +295,22 @@ def test_show_opens_streams_and_recordings_in_the_stream_player(tmp_path):
     q = show(tmp_path / "s.kvev")
     assert isinstance(q, stream_view.StreamPlayer) and len(q.stream) == 5
     assert q.prefixes.last_data["nodes"] == p.prefixes.last_data["nodes"]
+
+
+def test_the_stream_player_draws_in_the_page_batch_by_batch():
+    """A StreamPlayer is one page widget too: its batches are the steps, its views stack."""
+    p = stream_view.StreamPlayer(story(), follow=True)
+    sent = []
+    p.widget.send = lambda content, buffers=None: sent.append(content)
+    h = p.widget.header
+    assert (h["unit"], h["columns"], h["steps"], h["views"], h["requests"]) == ("batch", 1, [0, 1, 2, 3, 4], ["prefixes", "series"], None)
+    p.widget._on_msg(p.widget, {"type": "need", "view": "a", "steps": [2, 1], "version": h["version"]}, [])
+    first, rest = sent
+    assert first["steps"] == [2] and rest["steps"] == [1] and len(first["frames"][0]) == 2
+    assert first["status"][0].startswith("<b>batch 2</b> · seq 3") and "1 batch lost before it" in first["status"][0]
+    assert "BlockRemoved: 1 block (group 0, GPU)" in first["events"][0] and p.index == 4  # packing left it at the newest batch
+    p.widget.step = 1  # a step taken in the page
+    assert p.index == 1
+    p.stream.append(6, KVEventBatch(ts=3.5, events=[st_([11], None)]))
+    p.refresh()  # following: the page gets the new batch and goes there
+    assert p.widget.header["steps"] == [0, 1, 2, 3, 4, 5] and p.widget.header["version"] > h["version"] and p.widget.step == 5

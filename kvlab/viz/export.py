@@ -43,99 +43,16 @@ def _json_for_script(obj: Any) -> str:
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).replace("</", "<\\/")
 
 
-def frames(player: Player | _StreamFrames, steps: list[int]) -> dict[str, Any]:
+def frames(player: Player | StreamPlayer, steps: list[int]) -> dict[str, Any]:
     """Every view's figure at each of ``steps``, packed as the renderer reads them
     (:class:`~kvlab.viz.frames.FramePacker`: ``traces``, ``layouts`` and ``strings`` hold each
     distinct part once; ``frames[i][v]`` = (layout index, [trace indices]) of view ``v`` at
-    ``steps[i]``), plus the status and event-list HTML of each step. The player stays where
-    it is."""
-    if not isinstance(player, _StreamFrames):
-        try:
-            return FramePacker(player._figures_at).pack(steps)
-        finally:
-            player._figures_done()
-    import plotly.io as pio
-
-    src = player
-
-    def render(step: int) -> tuple[list[dict[str, Any]], str, str]:
-        src.go_to(step)
-        figs = [json.loads(pio.to_json(v.still(), validate=False)) for v in src.views.values()]
-        return figs, src._status.value, src._events.value
-
-    at = src.step
+    ``steps[i]``), plus the status and event-list HTML of each step (a stream's batch). The
+    player stays where it is."""
     try:
-        return FramePacker(render).pack(steps)
+        return FramePacker(player._figures_at).pack(steps)
     finally:
-        src.go_to(at)
-
-
-MAX_LISTED_EVENTS = 40  # a stream batch's event list is cut here (the count is shown)
-
-
-class _Text:
-    """What ``frames`` reads of the Player's status and event widgets: a ``value``."""
-
-    def __init__(self) -> None:
-        self.value = ""
-
-
-class _StreamFrames:
-    """A :class:`StreamPlayer` as :func:`write_html` reads a Player: batch ``i`` is step
-    ``i`` (-1 for a stream with no batch yet), and each batch gets a status line and its
-    event list, as a Player's step does."""
-
-    unit = "batch"
-
-    def __init__(self, sp: StreamPlayer) -> None:
-        self._sp = sp
-        n = len(sp.stream)
-        self.first_step = 0 if n else -1
-        self.last_step = n - 1
-        self.named_steps: dict[str, int] = {}
-        self.views = {"prefixes": sp.prefixes, "series": sp.series}
-        self._name = sp.title
-        self.description = ""
-        self._status = _Text()
-        self._events = _Text()
-        self._batches = sp.stream.batches  # one copy, not one per exported batch
-
-    @property
-    def step(self) -> int:
-        return self._sp.index
-
-    def go_to(self, index: int) -> None:
-        self._sp.go_to(index)
-        if index < 0:
-            self._status.value, self._events.value = "before the first batch", ""
-            return
-        snap, s = self._sp.stream.at(index), self._sp.stream.series
-        notes = []
-        lost = s.missing[index] - (s.missing[index - 1] if index else 0)
-        if lost:
-            notes.append(f"{lost} batch{'es' if lost != 1 else ''} lost before it")
-        if snap.restarted:
-            notes.append("the publisher restarted: a new run, from an empty cache")
-        if snap.cleared:
-            notes.append("AllBlocksCleared")
-        self._status.value = (
-            f"<b>batch {index}</b> · seq {snap.seq} · {snap.num_blocks} blocks cached · "
-            f"{s.stored_blocks[index]} stored · {s.removed_blocks[index]} removed" + "".join(f" · {html.escape(x)}" for x in notes)
-        )
-        events = self._batches[index].events
-        rows = [f"<li>{html.escape(_describe(e))}</li>" for e in events[:MAX_LISTED_EVENTS]]
-        if len(events) > MAX_LISTED_EVENTS:
-            rows.append(f"<li>… and {len(events) - MAX_LISTED_EVENTS} more events</li>")
-        self._events.value = f"<ul style='font-size:12px;margin:4px 0'>{''.join(rows)}</ul>" if rows else ""
-
-
-def _describe(ev: Any) -> str:
-    kind = type(ev).__name__
-    hashes = getattr(ev, "block_hashes", None)
-    if hashes is None:
-        return kind
-    where = f"group {ev.group_idx}, {ev.medium}" if ev.group_idx is not None else f"{ev.medium}"
-    return f"{kind}: {len(hashes)} block{'s' if len(hashes) != 1 else ''} ({where})"
+        player._figures_done()
 
 
 _STYLE = f"body {{ font-family: {FONT}; margin: 12px; color: #111; }}"  # the rest comes with replay.js
@@ -155,8 +72,6 @@ def write_html(player: Player | StreamPlayer, path: str | os.PathLike[str], *, m
     self-contained HTML replay; returns the path."""
     from plotly.offline import get_plotlyjs
 
-    from kvlab.viz.stream import StreamPlayer
-
     if not isinstance(max_steps, int) or max_steps < 2:
         raise ValueError(f"max_steps must be an int >= 2, got {max_steps!r}")
     path = Path(path)
@@ -164,7 +79,7 @@ def write_html(player: Player | StreamPlayer, path: str | os.PathLike[str], *, m
         raise ValueError(f"path must end in .html, got {str(path)!r}")
     if not path.parent.exists():
         raise FileNotFoundError(f"path: the folder {str(path.parent)!r} does not exist")
-    src: Player | _StreamFrames = _StreamFrames(player) if isinstance(player, StreamPlayer) else player
+    src = player
     all_steps = list(range(src.first_step, src.last_step + 1))
     every = max(1, -(-len(all_steps) // max_steps))
     steps = all_steps[::every]
@@ -175,11 +90,13 @@ def write_html(player: Player | StreamPlayer, path: str | os.PathLike[str], *, m
             steps.append(s)
     steps.sort()
     data = frames(src, steps)
+    cols = 2 if len(src.views) > 1 and getattr(src, "unit", "step") == "step" else 1  # a stream's views stack
     data.update(
         views=list(src.views),
         config=dict(PLOTLY_CONFIG),
         interval=900,
         unit=getattr(src, "unit", "step"),
+        columns=cols,
         start=steps.index(src.step) if src.step in steps else 0,
     )
     data.update(
@@ -188,7 +105,7 @@ def write_html(player: Player | StreamPlayer, path: str | os.PathLike[str], *, m
         named=[[k, v] for k, v in src.named_steps.items()],
         requests=None,  # the selection is exported as it stands (one set of figures)
         can_run=False,
-        width=2 * max((v.width for v in src.views.values()), default=400) + 16,
+        width=cols * max((v.width for v in src.views.values()), default=400) + 16,
     )
     title = html.escape(src._name)
     doc = (

@@ -366,6 +366,7 @@ class Player:
             title=self._name,
             description=self.description,
             views=list(self.views),
+            columns=2 if len(self.views) > 1 else 1,
             steps=list(range(self.first_step, self.last_step + 1)),
             named=[[k, v] for k, v in self.named_steps.items()],
             unit="step",

@@ -19,7 +19,7 @@ from typing import Any
 from kvlab.timeline.kv_stream import KVStream, StreamSeries
 from kvlab.viz.base import TOP_LEGEND, View, _go
 from kvlab.viz.prefix_index import PrefixIndexView
-from kvlab.viz.style import CURSOR, INK, MISS, STATE_COLORS
+from kvlab.viz.style import CURSOR, INK, MISS, STATE_COLORS, html_escape
 
 
 MAX_BARS = 240  # beyond this many batches the stored/removed bars are summed per bin
@@ -176,41 +176,135 @@ class StreamPlayer:
         self._still_handle: Any = None
         self.go_to(self.index)
 
+    # What write_html and the page read of a player: a batch is a step (-1: before the first).
+    unit = "batch"
+    named_steps: dict[str, int] = {}
+    description = ""
+
+    @property
+    def first_step(self) -> int:
+        return 0 if len(self.stream) else -1
+
+    @property
+    def last_step(self) -> int:
+        return len(self.stream) - 1
+
+    @property
+    def step(self) -> int:
+        return self.index
+
+    @property
+    def views(self) -> dict[str, View]:
+        return {"prefixes": self.prefixes, "series": self.series}
+
+    @property
+    def _name(self) -> str:
+        return self.title
+
     def go_to(self, index: int) -> None:
         """Show the cache after batch ``index`` (-1: before the first)."""
         self.index = index
         self.prefixes.update(self.stream.at(index), probe=self.probe)
         self.series.update(self.stream, index)
-        if self._ui is not None:
-            self._play.max = self._slider.max = max(0, len(self.stream) - 1)
-            self._slider.value = max(0, index)
+        if self._ui is not None and self._ui.step != index:
+            self._ui.step = index  # the page follows
 
     def set_probe(self, probe: Sequence[Any] | None) -> None:
         self.probe = list(probe) if probe is not None else None
         self.go_to(self.index)
+        if self._ui is not None:
+            self._ui.new_version()  # every batch's forest walks the new probe
 
     def refresh(self) -> None:
         """After the stream grew: jump to the newest batch when following, else redraw --
         and redraw the still a saved lesson will show (a live stream's first picture is empty)."""
+        if self._ui is not None:
+            self._ui.new_version(steps=self._steps())
         self.go_to(len(self.stream) - 1 if self.follow else self.index)
         if self._still_handle is not None:
             self._still_handle.update(self._still_bundle(), raw=True)
 
+    def _steps(self) -> list[int]:
+        return list(range(self.first_step, self.last_step + 1))
+
+    def _status_html(self, index: int) -> str:
+        if index < 0:
+            return "before the first batch"
+        snap, s = self.stream.at(index), self.stream.series
+        notes = []
+        lost = s.missing[index] - (s.missing[index - 1] if index else 0)
+        if lost:
+            notes.append(f"{lost} batch{'es' if lost != 1 else ''} lost before it")
+        if snap.restarted:
+            notes.append("the publisher restarted: a new run, from an empty cache")
+        if snap.cleared:
+            notes.append("AllBlocksCleared")
+        return (
+            f"<b>batch {index}</b> · seq {snap.seq} · {snap.num_blocks} blocks cached · "
+            f"{s.stored_blocks[index]} stored · {s.removed_blocks[index]} removed" + "".join(f" · {html_escape(x)}" for x in notes)
+        )
+
+    def _events_html(self, index: int) -> str:
+        if index < 0:
+            return ""
+        events = self.stream.batches[index].events
+        rows = [f"<li>{html_escape(_describe(e))}</li>" for e in events[:MAX_LISTED_EVENTS]]
+        if len(events) > MAX_LISTED_EVENTS:
+            rows.append(f"<li>… and {len(events) - MAX_LISTED_EVENTS} more events</li>")
+        return f"<ul style='font-size:12px;margin:4px 0'>{''.join(rows)}</ul>" if rows else ""
+
+    # -- the page's side (kvlab.viz.replay_widget), as a Player's --------------------------------
+    def _figures_at(self, index: int) -> tuple[list[dict[str, Any]], str, str]:
+        import json
+
+        import plotly.io as pio
+
+        self.prefixes.update(self.stream.at(index), probe=self.probe)
+        self.series.update(self.stream, index)
+        figs = [json.loads(pio.to_json(v.still(), validate=False)) for v in (self.prefixes, self.series)]
+        return figs, self._status_html(index), self._events_html(index)
+
+    def _figures_done(self) -> None:
+        self.prefixes.update(self.stream.at(self.index), probe=self.probe)
+        self.series.update(self.stream, self.index)
+
+    def _step_from_browser(self, index: int) -> None:
+        if index != self.index and self.first_step <= index <= self.last_step:
+            self.go_to(index)
+
+    def select(self, request_id: str | None) -> None:
+        """A stream has no requests to pick (the page shows no request menu)."""
+
+    def run_step(self) -> None:
+        raise RuntimeError("a KV-event stream cannot be stepped from here: it grows as its publisher sends batches")
+
     @property
     def widget(self) -> Any:
+        """One widget that draws both views in the browser (see :mod:`kvlab.viz.replay_widget`)."""
         if self._ui is None:
             w = _widgets()
-            n = max(0, len(self.stream) - 1)
-            self._slider = w.IntSlider(
-                value=max(0, self.index), min=0, max=n, description="batch", continuous_update=False, layout=w.Layout(width="60%")
-            )
-            self._play = w.Play(value=max(0, self.index), min=0, max=n, interval=self.interval_ms, description="play")
-            w.jslink((self._play, "value"), (self._slider, "value"))
-            self._slider.observe(lambda ch: self.go_to(ch["new"]) if ch["new"] != self.index else None, names="value")
-            from kvlab.viz.player import PLAYER_STYLE  # the ■ "stop" (back to the start) hidden, as in the Player
+            from kvlab.viz.replay_widget import ReplayWidget
+            from kvlab.viz.style import PLOTLY_CONFIG
 
-            head = w.HTML(PLAYER_STYLE + f"<b>{self.title}</b>")
-            self._ui = w.VBox([head, w.HBox([self._play, self._slider]), self.prefixes.widget, self.series.widget])
+            header = dict(
+                title=self.title,
+                description="",
+                views=list(self.views),
+                columns=1,
+                steps=self._steps(),
+                named=[],
+                unit="batch",
+                interval=self.interval_ms,
+                config=dict(PLOTLY_CONFIG),
+                requests=None,
+                selected=None,
+                can_run=False,
+                width=self.prefixes.width,
+                step=self.index,
+                version=0,
+            )
+            self._ui = ReplayWidget(self, header)
+            self._ui.layout = w.Layout(width=f"{self.prefixes.width + 8}px")
             self._ui.add_class("kvlab-player")
         return self._ui
 
@@ -219,7 +313,7 @@ class StreamPlayer:
         from kvlab.viz.still import compose
 
         header = (
-            f"<b>{self.title}</b> · after batch {self.index}<br><span style='font-size:10px;color:#555'>"
+            f"<b>{html_escape(self.title)}</b> · after batch {self.index}<br><span style='font-size:10px;color:#555'>"
             "a still picture of the player: run the cell to step through the stream</span>"
         )
         return compose([self.prefixes.still(), self.series.still()], columns=1, header=header, header_px=34)
@@ -240,7 +334,19 @@ class StreamPlayer:
         kernel (see :func:`kvlab.viz.still.display_with_still`); ``refresh`` keeps it current."""
         from kvlab.viz.still import display_with_still
 
-        self._still_handle = display_with_still(self.widget, self._still_bundle())
+        self._still_handle = display_with_still(self.widget, self._still_bundle(), mark_live=False)
+
+
+MAX_LISTED_EVENTS = 40  # a batch's event list is cut here (the count is shown)
+
+
+def _describe(ev: Any) -> str:
+    kind = type(ev).__name__
+    hashes = getattr(ev, "block_hashes", None)
+    if hashes is None:
+        return kind
+    where = f"group {ev.group_idx}, {ev.medium}" if ev.group_idx is not None else f"{ev.medium}"
+    return f"{kind}: {len(hashes)} block{'s' if len(hashes) != 1 else ''} ({where})"
 
 
 __all__ = ["StreamPlayer", "StreamSeriesView", "series_data"]

@@ -91,7 +91,8 @@
 
     function layoutViews() {
       grid.replaceChildren();
-      grid.style.gridTemplateColumns = H.views.length > 1 ? 'repeat(2, max-content)' : 'max-content';
+      const cols = H.columns || (H.views.length > 1 ? 2 : 1);
+      grid.style.gridTemplateColumns = cols > 1 ? `repeat(${cols}, max-content)` : 'max-content';
       divs = H.views.map((_, v) => { const d = el('div'); if (hooks.ids) d.id = 'kv-view-' + v; grid.appendChild(d); return d; });
     }
 
