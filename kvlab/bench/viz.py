@@ -9,6 +9,11 @@ Two measurements, each printed as ratios taken in one run (this machine's speed 
 * **Redraws** (Play / Step). 64 requests with shared system prompts on a 2,000-block pool;
   a ``Player`` with every view steps through the run; one redraw = every view's
   ``update`` on a cached snapshot, median over steps (target <= 200 ms on a laptop CPU).
+* **In the browser** (``--browser``, needs Debian's Chromium and playwright). The capstone's
+  run (lesson 09) in the Player's own renderer, in headless Chromium: click to redraw (Step,
+  the step already in the page: median and p90 over 40 clicks; target <= 50 ms) and first
+  display, as two parts: the kernel packing the first step for the page, and the page
+  loading plotly.js and drawing it (target <= 3 s together).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import statistics
 import time
 
 from kvlab.engine.llm_engine import LLMEngine, build_engine
+from kvlab.eventlog.events import RequestPreempted
 from kvlab.request import Request
 from kvlab.timeline.timeline import Timeline, replay
 
@@ -27,6 +33,9 @@ BUILD_PLUS_SLOWEST_MAX = 3.0  # x one full replay
 MEDIAN_JUMP_MAX = 0.25  # x one full replay
 MEDIAN_JUMP_AIM_MS = 50.0
 REDRAW_TARGET_MS = 200.0
+CLICK_TARGET_MS = 50.0
+FIRST_DISPLAY_TARGET_S = 3.0
+CHROMIUM = "/usr/bin/chromium"
 
 
 def build_run(num_blocks: int, num_requests: int, seed: int = 0):
@@ -158,6 +167,85 @@ def bench_redraw(num_blocks: int, num_requests: int, max_steps: int) -> dict[str
     return {"median_ms": med, **{f"{k}_ms": statistics.median(v) for k, v in per_view.items()}}
 
 
+def capstone_run() -> LLMEngine:
+    """Lesson 09's workload: chat, document QA and long requests through a 64-block pool."""
+    from kvlab.workloads.traces import document_qa, shared_system_prompt_chat, sharegpt_like
+
+    chat = shared_system_prompt_chat(10, seed=11, system_prompt_len=64, mean_user_len=24, mean_output=40, rate=3.0)
+    docs = document_qa(2, 4, seed=12, doc_len=160, mean_question_len=16, mean_output=24, rate=3.0)
+    longs = sharegpt_like(3, seed=13, rate=0.5, mean_input=360, input_sigma=0.15, mean_output=120, output_sigma=0.3, max_model_len=1024)
+    engine = build_engine(num_blocks=64, block_size=16, max_num_batched_tokens=256)
+    engine.run_trace(sorted((r.to_request() for t in (chat, docs, longs) for r in t), key=lambda r: r.arrival_time))
+    return engine
+
+
+# In the page: when the body first gets its data-step (the first picture is drawn), and a
+# Step click timed to the frame after its redraw (the click handler draws synchronously).
+_FIRST_DRAW = """new MutationObserver((_, obs) => { if (document.body && document.body.dataset.step !== undefined) {
+  window.__kvFirstDraw = performance.now(); obs.disconnect(); } }).observe(document, {subtree: true, attributes: true});"""
+_CLICKS = """async (n) => { const out = [], next = document.getElementById('kv-next');
+  for (let i = 0; i < n; i++) { const t0 = performance.now(); next.click();
+    await new Promise(r => requestAnimationFrame(() => setTimeout(r, 0))); out.push(performance.now() - t0); }
+  return out; }"""
+
+
+def bench_browser(clicks: int = 40) -> dict[str, float]:
+    import os
+    import tempfile
+
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError as e:  # pragma: no cover
+        raise SystemExit("--browser needs playwright (pip install 'kvlab[dev]')") from e
+    if not os.path.exists(CHROMIUM):
+        raise SystemExit(f"--browser needs Debian's Chromium at {CHROMIUM} (apt-get install chromium)")
+    from kvlab.show import export_html
+    from kvlab.viz import Player
+    from kvlab.viz.frames import FramePacker
+
+    engine = capstone_run()
+    assert engine.events is not None
+    start = next(e.step for e in engine.events.of_type(RequestPreempted))
+    player = Player(engine.events, start=start)
+    t0 = time.perf_counter()
+    FramePacker(player._figures_at).pack([start])
+    t_first = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    FramePacker(player._figures_at).pack(list(range(start - 2, start + 9)))
+    t_window = time.perf_counter() - t0
+    player._figures_done()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = export_html(player, os.path.join(tmp, "capstone.html"))
+        size_mb = path.stat().st_size / 1e6
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(
+                executable_path=CHROMIUM,
+                args=["--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking", "--disable-sync"],
+            )
+            try:
+                page = browser.new_page(viewport={"width": 1280, "height": 1000})
+                page.add_init_script(_FIRST_DRAW)
+                page.goto(path.as_uri())
+                page.wait_for_function("() => window.__kvFirstDraw !== undefined", timeout=120_000)
+                first_draw_ms = page.evaluate("() => window.__kvFirstDraw")
+                times = page.evaluate(_CLICKS, clicks)
+            finally:
+                browser.close()
+    med, p90 = statistics.median(times), sorted(times)[int(0.9 * (len(times) - 1))]
+    first_s = t_first + first_draw_ms / 1000
+    print(f"[viz] in the browser: the capstone run ({len(player.timeline.steps)} steps, 6 views), headless Chromium")
+    print(
+        f"[viz]   click to redraw (Step, {clicks} clicks from step {start}): median {med:.1f} ms, p90 {p90:.1f} ms "
+        f"(target <= {CLICK_TARGET_MS:g} ms) -> {'OK' if p90 <= CLICK_TARGET_MS else 'SLOW'}"
+    )
+    print(
+        f"[viz]   first display: kernel packs the first step {1000 * t_first:.0f} ms (a window of 11 steps {1000 * t_window:.0f} ms); "
+        f"page loads plotly.js and draws it {first_draw_ms:.0f} ms after navigation ({size_mb:.1f} MB page); "
+        f"together {first_s:.2f} s (target <= {FIRST_DISPLAY_TARGET_S:g} s) -> {'OK' if first_s <= FIRST_DISPLAY_TARGET_S else 'SLOW'}"
+    )
+    return {"click_median_ms": med, "click_p90_ms": p90, "first_step_pack_ms": 1000 * t_first, "first_draw_ms": first_draw_ms}
+
+
 def main(argv: list[str] | None = None) -> dict[str, float]:
     ap = argparse.ArgumentParser(prog="python -m kvlab.bench viz", description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=1000, help="requests of the jump benchmark's run (default 1000)")
@@ -165,9 +253,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ap.add_argument("--redraw-requests", type=int, default=64, help="requests of the redraw benchmark (default 64)")
     ap.add_argument("--max-steps", type=int, default=60, help="redraws to time (spread over the run)")
     ap.add_argument("--no-redraw", action="store_true", help="only the jump benchmark (no plotly needed)")
+    ap.add_argument("--browser", action="store_true", help="only the browser benchmark (Chromium: click to redraw, first display)")
     args = ap.parse_args(argv)
     if args.blocks < 2 or args.requests < 1 or args.redraw_requests < 1 or args.max_steps < 1:
         ap.error("--blocks must be >= 2; --requests, --redraw-requests and --max-steps >= 1")
+    if args.browser:
+        return bench_browser()
     out = bench_jumps(args.requests)
     if not args.no_redraw:
         out.update(bench_redraw(args.blocks, args.redraw_requests, args.max_steps))
