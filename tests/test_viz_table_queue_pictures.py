@@ -147,3 +147,19 @@ def test_the_still_keeps_the_free_queue_ends_on_its_blocks(story) -> None:
         assert a["xref"] != "x" and tuple(still["layout"][f"yaxis{a['yref'][1:]}"]["range"]) == free.yaxis.range
     table = p.views["table"].figure.layout
     assert table.height == 68 + 3 * 30 + 44  # the still's cell for the tables is just as tall
+
+
+def test_requests_not_drawn_are_named_under_the_title_not_over_the_legend() -> None:
+    e = build_engine(num_blocks=8, block_size=4, max_num_seqs=1)
+    for i in range(12):
+        e.add_request(Request(f"w<{i}>", list(range(100 * i, 100 * i + 6)), max_tokens=2))
+    e.step()
+    tl = Timeline(e.events)
+    v = BlockTableView(tl)
+    v.update(tl.at(tl.last_step))
+    d = v.last_data
+    hidden = len(tl.at(tl.last_step).requests) - len(d["rows"])
+    assert hidden > 0 and d["more"].startswith(f"+{hidden} more not drawn: ")
+    title = v.figure.layout.title.text
+    assert f"+{hidden} more not drawn: w&lt;" in title  # request ids are escaped, never markup
+    assert not [a for a in v.figure.layout.annotations if "more not drawn" in (a.text or "")]

@@ -198,7 +198,7 @@ def figure_data(
 ROW_PX = 22  # the smallest row that keeps a block id readable
 ROW_MAX_PX = 30  # the tallest row: room for a partial tail's two lines, no more
 COLUMN_PX = 22  # the narrowest cell for a two- or three-digit id
-BOTTOM_PX = 44  # under the rows: the legend and the "more" line
+BOTTOM_PX = 44  # under the rows: the legend
 AXIS_TITLE = "logical block index (cell: physical block id)"
 AXIS_NOTE = dict(
     text=AXIS_TITLE, xref="paper", yref="paper", x=1, y=1, xanchor="right", yanchor="bottom", yshift=16, showarrow=False, font=dict(size=10)
@@ -292,7 +292,10 @@ class BlockTableView(View):
             self._put("y", hm, "y", list(range(len(d["rows"]))) if rows else [0], "num")
             names = " | ".join(f"g{g}: {nm}" for g, nm in enumerate(d["group_names"])) if len(d["group_names"]) > 1 else ""
             # The legend sits under the tables; the top holds the title and the column axis.
-            top = self._header(d["title"], (), subtitle=f"groups side by side · {names}" if names else "", extra_top=36)
+            # Requests not drawn are named under the title: under the rows they collided with
+            # the legend, which wraps to a row per entry when the row labels are long.
+            sub = " · ".join(x for x in (f"groups side by side · {names}" if names else "", html_escape(d["more"])) if x)
+            top = self._header(d["title"], (), subtitle=sub, extra_top=36)
             row_px = min(ROW_MAX_PX, (self.height - top - BOTTOM_PX) / n)
             height = int(round(top + n * row_px + BOTTOM_PX))
             self._put("height", fig.layout, "height", height)
@@ -315,19 +318,4 @@ class BlockTableView(View):
             notes: list[dict[str, Any]] = [] if not drawn else [AXIS_NOTE]
             if not d["rows"]:
                 notes.append(dict(text="no running or waiting request", showarrow=False, xref="paper", yref="paper", x=0.5, y=0.5))
-            if d["more"]:
-                notes.append(
-                    dict(
-                        text=html_escape(d["more"]),
-                        showarrow=False,
-                        xref="paper",
-                        yref="paper",
-                        x=0,
-                        y=0,
-                        xanchor="left",
-                        yanchor="top",
-                        yshift=-22,
-                        font=dict(size=10, color="#444444"),
-                    )
-                )
             self._put("notes", fig.layout, "annotations", notes)
