@@ -31,6 +31,11 @@
     return e;
   }
 
+  // Layout keys a relayout redraws in a few milliseconds, without recomputing the traces;
+  // plotly redraws a whole figure for any other change, which costs tens of milliseconds.
+  const LIGHT = new Set(['title', 'shapes', 'annotations']);
+  function same(a, b) { return a.length === b.length && a.every((x, i) => x === b[i]); }
+
   function mount(root, header, hooks) {
     hooks = hooks || {};
     if (!document.getElementById('kv-replay-css')) {
@@ -81,19 +86,30 @@
     if (row2.childNodes.length) box.appendChild(row2);
     box.append(status, grid, events);
     root.appendChild(box);
-    let divs = [];
+    // Three drawing areas per view: the one on screen and two behind it, where the steps
+    // before and after are drawn while the learner looks at this one. Step ▶, ◀ Back and Play
+    // then only swap which one is shown.
+    const AREAS = 3;
+    let areas = [], front = [], holds = [], prep = null, shown = -1;
     if (hooks.ids) { // a page with one replay (export_html): elements a test or a reader can name
       const named = { 'kv-back': back, 'kv-play': play, 'kv-next': next, 'kv-slider': slider, 'kv-step': label, 'kv-status': status, 'kv-events': events };
       for (const id in named) named[id].id = id;
       if (jump) jump.id = 'kv-jump';
       if (pick) pick.id = 'kv-request';
     }
-
     function layoutViews() {
       grid.replaceChildren();
       const cols = H.columns || (H.views.length > 1 ? 2 : 1);
       grid.style.gridTemplateColumns = cols > 1 ? `repeat(${cols}, max-content)` : 'max-content';
-      divs = H.views.map((_, v) => { const d = el('div'); if (hooks.ids) d.id = 'kv-view-' + v; grid.appendChild(d); return d; });
+      areas = H.views.map(() => {
+        const cell = el('div', { class: 'kv-view' }), list = [];
+        for (let j = 0; j < AREAS; j++) { const d = el('div'); if (j) d.style.display = 'none'; cell.appendChild(d); list.push(d); }
+        grid.appendChild(cell);
+        return list;
+      });
+      front = H.views.map(() => 0);
+      holds = H.views.map(() => new Array(AREAS).fill(null));
+      areas.forEach((_, v) => name(v));
     }
 
     function fillRequests() {
@@ -128,10 +144,70 @@
       if (out.length) hooks.need(out.map(j => H.steps[j]));
     }
 
+    function name(v) { // the id a reader can name stays on the drawing area on screen
+      if (!hooks.ids) return;
+      areas[v].forEach((d, j) => { if (j === front[v]) d.id = 'kv-view-' + v; else d.removeAttribute('id'); });
+    }
+
+    function render(div, li, ts) {
+      const P = globalThis.__kvlabPlotlyLib || globalThis.Plotly, layout = T.layouts[li], was = div.__kv;
+      div.__kv = { T, li, ts, layout };
+      if (was && was.T === T && same(was.ts, ts)) {
+        if (was.li === li) return; // this view did not change at this step
+        const upd = {};
+        for (const key of new Set([...Object.keys(was.layout), ...Object.keys(layout)])) {
+          if (JSON.stringify(was.layout[key]) !== JSON.stringify(layout[key])) upd[key] = layout[key] === undefined ? null : layout[key];
+        }
+        if (Object.keys(upd).every(key => LIGHT.has(key))) { P.relayout(div, upd); return; }
+      }
+      P.react(div, ts.map(trace), { ...layout }, H.config);
+    }
+
+    function prepare(targets) {
+      // Draw the neighbouring steps behind the views on screen (laid out but invisible, then
+      // taken out of the layout); a swap shows one if the learner goes there next.
+      prep = null;
+      for (const i of targets) {
+        if (!F.has(i)) continue;
+        F.get(i).views.forEach(([li, ts], v) => {
+          if (holds[v].includes(i)) return;
+          const j = holds[v].findIndex((h, jj) => jj !== front[v] && !targets.includes(h));
+          if (j < 0) return;
+          const d = areas[v][j];
+          Object.assign(d.style, { display: '', visibility: 'hidden', position: 'absolute', left: '0', top: '0' });
+          render(d, li, ts);
+          Object.assign(d.style, { display: 'none', visibility: '', position: '', left: '', top: '' });
+          holds[v][j] = i;
+          d.dataset.holds = H.steps[i]; // which step this area holds (for a reader, or a test)
+        });
+      }
+    }
+
+    function schedulePrepare() {
+      // After the browser has painted this step: the step after it (Step ▶, Play), then the one before.
+      if (prep) clearTimeout(prep);
+      const targets = [shown + 1, shown - 1].filter(i => i >= 0 && i < H.steps.length && F.has(i));
+      if (!targets.length) return;
+      requestAnimationFrame(() => { if (prep) clearTimeout(prep); prep = setTimeout(() => prepare(targets), 0); });
+    }
+
     function draw(i) {
       const f = F.get(i);
-      const P = globalThis.__kvlabPlotlyLib || globalThis.Plotly;
-      f.views.forEach(([li, ts], v) => P.react(divs[v], ts.map(trace), T.layouts[li], H.config));
+      f.views.forEach(([li, ts], v) => {
+        const j = holds[v].findIndex((h, jj) => h === i && jj !== front[v]);
+        if (j >= 0) { // drawn already, behind: swap
+          areas[v][j].style.display = '';
+          areas[v][front[v]].style.display = 'none';
+          front[v] = j;
+          name(v);
+        } else {
+          render(areas[v][front[v]], li, ts);
+          holds[v][front[v]] = i;
+          areas[v][front[v]].dataset.holds = H.steps[i];
+        }
+      });
+      shown = i;
+      schedulePrepare();
       status.innerHTML = f.status;
       events.innerHTML = f.events;
       label.textContent = `${H.unit || 'step'} ${H.steps[i]} of ${H.steps[H.steps.length - 1]}`;
@@ -184,7 +260,8 @@
       T = { traces: [], layouts: [], strings: [] }; F = new Map(); unpacked.clear(); inflight.clear();
       slider.max = H.steps.length - 1;
       fillRequests();
-      if (divs.length !== H.views.length) layoutViews();
+      if (areas.length !== H.views.length) layoutViews();
+      holds = H.views.map(() => new Array(AREAS).fill(null));
       const at = H.steps.indexOf(step);
       show(at >= 0 ? at : H.steps.length - 1, false);
     }
@@ -200,6 +277,7 @@
         if (i >= 0) { F.set(i, { views: chunk.frames[j], status: chunk.status[j], events: chunk.events[j] }); inflight.delete(i); }
       });
       if (wanted !== null && F.has(wanted)) { const w = wanted; wanted = null; draw(w); ask(w); }
+      else if (drawnOnce) schedulePrepare();
       return true;
     }
 
