@@ -739,8 +739,12 @@ def test_exported_replay_works_offline(lab: Lab, tmp_path: Path) -> None:
         assert "req1 prefix hit" in page.inner_text("#kv-status") and "hit/touch" in page.inner_text("#kv-events")
         # The step before and the step after are drawn behind the one on screen, so ◀ Back
         # (and Step ▶) only swap which drawing area is shown: the one that held step 1 comes out.
-        page.wait_for_function("() => document.querySelector(\"#kv-view-0 ~ div[data-holds='1'], div[data-holds='1'] ~ #kv-view-0\") !== null")
-        behind = page.evaluate("() => [...document.getElementById('kv-view-0').parentElement.children].findIndex(d => d.dataset.holds === '1')")
+        page.wait_for_function(
+            "() => document.querySelector(\"#kv-view-0 ~ div[data-holds='1'], div[data-holds='1'] ~ #kv-view-0\") !== null"
+        )
+        behind = page.evaluate(
+            "() => [...document.getElementById('kv-view-0').parentElement.children].findIndex(d => d.dataset.holds === '1')"
+        )
         page.click("#kv-back")
         page.wait_for_function("() => document.body.dataset.step === '1'")
         shown = page.evaluate("() => [...document.getElementById('kv-view-0').parentElement.children].findIndex(d => d.id === 'kv-view-0')")
