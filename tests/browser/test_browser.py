@@ -548,6 +548,9 @@ def test_lesson_runs_clean(lab: Lab, lesson: str) -> None:
     on this run: checked_outputs.py) -- the one run of each lesson in `make test`."""
     with lab.working_copy(lesson) as page:
         t = time.monotonic()
+        console: list[str] = []
+        listen = lambda m: console.append(m.text)  # noqa: E731
+        page.on("console", listen)
         _run_all(page)
         _wait_until(page, ALL_CELLS_RAN, 480, "every cell of the lesson to run")
         if lesson == PREDICT_LESSON:  # its first prediction, locked by hand and looked at
@@ -557,6 +560,9 @@ def test_lesson_runs_clean(lab: Lab, lesson: str) -> None:
         n = _lock_every_prediction(page)  # the answers (and most pictures) open only then
         _wait_until(page, DRAWN, 90, "every plotly figure to draw")
         _assert_no_errors(page)
+        page.remove_listener("console", listen)
+        # A widget whose front end missed its start-up budget (anywidget logs this) stays blank.
+        assert not [m for m in console if "Failed to initialize" in m], [m for m in console if "Failed" in m]
         assert page.locator(".js-plotly-plot").count() >= 1, "a lesson without a single picture"
         page.screenshot(path=str(ARTIFACTS / f"browser_{Path(lesson).stem}.png"), full_page=True)
         if lesson == STILLS_LESSON:  # live: the stills hide behind their widgets
