@@ -2,8 +2,10 @@
 
 The player is the lessons' main instrument. It reads the data layer only: it keeps a
 :class:`~kvlab.timeline.timeline.Timeline` and, at each step, hands the snapshot of that
-step to every view, which redraws in place. Stepping backwards is therefore as cheap and
-as exact as stepping forwards, and a saved log replays the same.
+step to every view, which produces its figure as plain data. Stepping backwards is
+therefore as cheap and as exact as stepping forwards, and a saved log replays the same.
+The page draws those figures itself (:mod:`kvlab.viz.replay_widget`, one widget per
+Player): the kernel sends steps, not redraws.
 
 Sources: a ``Timeline``, an ``EventLog`` (e.g. ``EventLog.load(path)``) or a list of
 events. Options add what a scenario or a live engine brings -- ``named_steps`` and
@@ -15,9 +17,9 @@ right options; this module imports neither the engine nor the scenarios.
 Selecting a request in the drop-down outlines its blocks in every view (the selection mark,
 a black frame with a white one inside, is used for nothing else).
 
-The Player fits a notebook's output area (832 px by default, see ``OUTPUT_WIDTH``), and its controls mean what
-they show: ▶ plays, ❚❚ pauses where it is (the Play widget's ■ "stop", which jumped back
-to the first step, is hidden), and "Run step" runs one engine step *and shows it*. Next
+The Player fits a notebook's output area (832 px by default, see ``OUTPUT_WIDTH``), and
+its controls mean what they show: ▶ plays, ❚❚ pauses where it is (there is no "stop" that
+jumps back to the first step), and "Run step" runs one engine step *and shows it*. Next
 to the widget it always leaves a still picture of the same step (:mod:`kvlab.viz.still`),
 so a lesson saved or opened without a kernel shows the pictures, not an error.
 """
