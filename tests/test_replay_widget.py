@@ -55,15 +55,23 @@ def test_a_step_taken_in_the_page_moves_the_kernels_player(player) -> None:
     assert player.widget.step == 6
 
 
-def test_a_selection_starts_a_new_version(player) -> None:
+def test_a_selection_is_drawn_by_the_page_and_followed_by_the_kernel(player) -> None:
     v = player.widget.header["version"]
-    ask(player, {"type": "select", "request": "req1"})
-    h = player.widget.header
-    assert player.selected_request == "req1" and h["selected"] == "req1" and h["version"] == v + 1
-    ask(player, {"type": "need", "view": "a", "steps": [2], "version": v})  # asked before the change
-    assert player.sent == []
-    ask(player, {"type": "select", "request": None})
-    assert player.selected_request is None and player.widget.header["version"] == v + 2
+    ask(player, {"type": "need", "view": "a", "steps": [2], "version": v})
+    (chunk,) = player.sent
+    # Each view's frame names its selection map: per request, what selecting it changes.
+    pool_marks = chunk["marks"][chunk["frames"][0][0][2]]
+    assert sorted(pool_marks) == ["req0", "req1"]
+    assert pool_marks["req1"]["traces"]["1"]["customdata"] == [1, 2, 3, 5]  # req1's blocks at step 2
+    kernel_marks = chunk["marks"][chunk["frames"][0][5][2]]  # the kernel view draws req0; req1's reads are another figure
+    assert list(kernel_marks) == ["req1"] and list(kernel_marks["req1"]) == ["figure"]
+    player.widget.selected = "req1"  # what the page sets when the learner picks req1
+    assert player.selected_request == "req1" and player.request_dropdown.value == "req1"
+    assert player.widget.header["version"] == v and len(player.sent) == 1  # nothing travels again
+    player.select(None)  # and the other way: the kernel clears the page's selection
+    assert player.widget.selected == "" and player.widget.header["version"] == v
+    player.widget.selected = "nobody"  # not a request of this run: ignored
+    assert player.selected_request is None
 
 
 def test_plotly_travels_once_as_a_message(player) -> None:
@@ -90,6 +98,22 @@ def test_the_packer_stores_each_part_once() -> None:
     }
     pk = FramePacker(lambda s: (figs[s], f"status {s}", ""))
     a, b = pk.pack([0]), pk.pack([1])
-    assert a["traces"] == [{"x": [1], "text": {"__s": [0, 1]}}] and a["strings"] == ["a", "b"] and a["frames"] == [[[0, [0]]]]
+    assert a["traces"] == [{"x": [1], "text": {"__s": [0, 1]}}] and a["strings"] == ["a", "b"] and a["frames"] == [[[0, [0], -1]]]
     assert b["traces"] == [{"x": [2], "text": {"__s": [1, 2]}}] and b["strings"] == ["c"] and b["layouts"] == []
-    assert b["frames"] == [[[0, [0, 1]]]] and (b["t0"], b["l0"], b["s0"]) == (1, 1, 2) and b["status"] == ["status 1"]
+    assert b["frames"] == [[[0, [0, 1], -1]]] and (b["t0"], b["l0"], b["s0"]) == (1, 1, 2) and b["status"] == ["status 1"]
+
+
+def test_the_packer_stores_each_selection_map_once() -> None:
+    mark = {"r": {"traces": {"1": {"x": [0], "y": [0]}}, "layout": {"yaxis.ticktext": ["<b>r</b>"]}}}
+    other = {"layout": {"title": "other"}, "data": [{"x": [9]}]}
+    figs = {
+        0: [{"layout": {"title": "L"}, "data": [{"x": [1]}], "selection": mark}],
+        1: [{"layout": {"title": "L"}, "data": [{"x": [1]}], "selection": mark}],
+        2: [{"layout": {"title": "L"}, "data": [{"x": [1]}], "selection": {"r": {"figure": other}}}],
+    }
+    c = FramePacker(lambda s: (figs[s], "", "")).pack([0, 1, 2])
+    assert [f[0][2] for f in c["frames"]] == [0, 0, 1] and c["m0"] == 0 and len(c["marks"]) == 2
+    assert c["marks"][0]["r"]["layout"]["yaxis.ticktext"] == {"__s": [0]} and c["strings"] == ["<b>r</b>"]
+    # A whole other figure is stored as figures are: its layout and traces in their tables.
+    li, ts = c["marks"][1]["r"]["figure"]
+    assert c["layouts"][li] == {"title": "other"} and [c["traces"][t] for t in ts] == [{"x": [9]}]

@@ -406,16 +406,23 @@ def test_selecting_a_request_highlights_exactly_its_blocks(player) -> None:
     assert p.request_dropdown.value == "req1"
     assert list(p.views["pool"].figure.data[1].customdata) == [1, 2, 3, 5]
     tb = p.views["table"].last_data
-    cells = {(c["request_id"], c["group"], c["logical"]): c["block_id"] for c in tb["cells"]}
-    assert {cells[k] for k in tb["highlight"]} == {1, 2, 3, 5}
-    assert len(p.views["table"].figure.data[1].x) == len(tb["highlight"])
+    at = {(c["x"], c["y"]): c["block_id"] for c in tb["cells"]}
+    tfig = p.views["table"].figure
+    marked = [at[int(x), int(y)] for x, y in zip(tfig.data[1].x, tfig.data[1].y)]
+    assert set(marked) == {1, 2, 3, 5} and len(marked) == sum(1 for c in tb["cells"] if c["block_id"] in (1, 2, 3, 5))
+    assert "<b>▶ req1" in tfig.layout.yaxis.ticktext[tb["rows"].index("req1")]
     snap = p.snapshot
     req1_hashes = {snap.blocks[b].block_hash for b in (1, 2, 3)}
-    assert {n["hash"] for n in p.views["hash"].last_data["nodes"] if n["selected"]} == req1_hashes
-    assert p.views["timeline"].last_data["selected_row"] == 1
+    hv = p.views["hash"]
+    marked = set(zip(hv.figure.data[6].x, hv.figure.data[6].y))
+    assert marked == {(n["depth"], n["row"]) for n in hv.last_data["nodes"] if n["hash"] in req1_hashes} and len(marked) == 3
+    tv = p.views["timeline"]
+    assert list(tv.figure.data[tv._sel].y) == [0.5, 0.5, 1.5, 1.5, 0.5]  # a frame around row 1 (req1)
     assert p.views["kernel"].last_data["request_id"] == "req1"
     p.go_to("both freed")
-    assert p.views["free"].last_data["highlight"] == [5, 3, 2, 1]  # what req1 held last
+    fv = p.views["free"]
+    at = {(c["x"], c["y"]): c["block_id"] for c in fv.last_data["cells"]}
+    assert [at[int(x), int(y)] for x, y in zip(fv.figure.data[1].x, fv.figure.data[1].y)] == [5, 3, 2, 1]  # what req1 held last
     assert list(p.views["pool"].figure.data[1].customdata) == []  # it holds nothing now
     p.request_dropdown.value = ""  # "— none —"
     assert p.selected_request is None and p.views["free"].last_data["highlight"] == []
@@ -594,9 +601,10 @@ def test_the_selection_mark_is_a_black_and_white_frame_in_every_view(player) -> 
         assert outer.marker.line.color == "#000000" and inner.marker.line.color == "#ffffff", name
         assert inner.marker.size < outer.marker.size, name
     assert len(p.views["pool"].figure.data[1].x) == 4  # req1's blocks 1, 2, 3, 5
-    shapes = p.views["timeline"].figure.layout.shapes
-    assert [s.line.color for s in shapes if s.type == "rect"] == ["#000000", "#ffffff"]
-    assert shapes[0].line.dash == "dash"  # the step cursor: a dashed line, not a colour
+    tv = p.views["timeline"]
+    frame = tv.figure.data[tv._sel : tv._sel + 2]
+    assert [t.line.color for t in frame] == ["#000000", "#ffffff"] and [len(t.x) for t in frame] == [5, 5]
+    assert tv.figure.layout.shapes[0].line.dash == "dash"  # the step cursor: a dashed line, not a colour
     p.select(None)
 
 
@@ -616,7 +624,7 @@ def test_player_fits_the_notebook_and_is_one_widget(player) -> None:
     from kvlab.viz.player import DEFAULT_WIDTH
     from kvlab.viz.replay_widget import ReplayWidget
 
-    assert DEFAULT_WIDTH <= 960 and player.widget.layout.width == f"{DEFAULT_WIDTH + 8}px"
+    assert DEFAULT_WIDTH <= 960 and player.widget.layout.width == "100%" and player.widget.header["width"] == DEFAULT_WIDTH
     assert sum(v.width for v in list(player.views.values())[:2]) + 8 <= DEFAULT_WIDTH
     # One widget model draws every view in the page; no view opened a FigureWidget of its own.
     assert isinstance(player.widget, ReplayWidget) and all(v._widget is None for v in player.views.values())
@@ -650,7 +658,8 @@ def test_capstone_size_tables_aggregate_what_does_not_fit() -> None:
     e.step()
     snap = replay(e.events)
     d = block_table.figure_data(snap, "r11", max_requests=5, max_columns=9)
-    assert len(d["rows"]) == 5 and "r11" in d["rows"]  # the selection is always drawn
+    assert len(d["rows"]) == 5 and "r11" in d["hidden"]  # a selection never reorders the picture
+    assert "r11" not in d["more"] or d["more"].endswith("…")
     assert len(d["hidden"]) == len(snap.running + snap.waiting) - 5 and d["more"].startswith(f"+{len(d['hidden'])} more")
     (cols,) = d["group_columns"]
     assert None in cols and cols[0] == 0 and cols[-1] == d["group_widths"][0] - 1  # first blocks, …, last blocks

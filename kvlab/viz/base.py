@@ -12,7 +12,7 @@ the picture without a browser.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -284,11 +284,56 @@ class View:
         """The figure as it is now, as plotly JSON (a picture that needs no kernel)."""
         return self.figure.to_plotly_json()
 
-    def _put_selection(self, key: str, outer: Any, inner: Any, xs: list[Any], ys: list[Any], size: float) -> None:
-        """Place the selection mark (see :func:`selection_traces`) on cells ``xs, ys``."""
-        for k, tr in ((key + ".o", outer), (key + ".i", inner)):
-            self._put(k + ".x", tr, "x", xs, "num")
-            self._put(k + ".y", tr, "y", ys, "num")
+    # -- the selection ---------------------------------------------------------------------
+    # A selected request changes a few properties of a view's figure (where its selection
+    # mark sits, which row label is bold), never the rest. Each view says which, as a
+    # *patch*: {"traces": {index: {property: value}}, "layout": {"dotted.path": value}}.
+    # The kernel applies the patch here; the page's renderer (static/replay.js) receives the
+    # patch of every request with each step and applies it itself, so picking a request in
+    # the page needs no kernel, and the two draw the same picture (tests/test_viz_selection.py).
+
+    def selection_patch(self, snapshot: Snapshot, request_id: str | None) -> dict[str, Any] | None:
+        """What selecting ``request_id`` (None: nothing) sets in the figure that the last
+        ``update`` drew for ``snapshot``; every request's patch sets the same properties.
+        None: this view does not mark a selection."""
+        return None
+
+    def selectable(self, snapshot: Snapshot) -> Iterable[str]:
+        """The requests this view can mark at ``snapshot``."""
+        return snapshot.requests
+
+    def selection_patches(self, snapshot: Snapshot) -> dict[str, dict[str, Any]]:
+        """Every request's patch that differs from "nothing selected", for the page; call it
+        right after ``update(snapshot)`` with nothing selected."""
+        none = self.selection_patch(snapshot, None)
+        if none is None:
+            return {}
+        out = {}
+        for rid in self.selectable(snapshot):
+            p = self.selection_patch(snapshot, rid)
+            if p is not None and p != none:
+                out[rid] = p
+        return out
+
+    def _select(self, snapshot: Snapshot, request_id: str | None) -> None:
+        """Apply ``request_id``'s patch (see :meth:`selection_patch`) to the figure."""
+        patch = self.selection_patch(snapshot, request_id)
+        if patch is None:
+            return
+        fig = self.figure
+        for i, props in patch.get("traces", {}).items():
+            for prop, value in props.items():
+                self._put(f"sel.{i}.{prop}", fig.data[int(i)], prop, value, "num" if prop in ("x", "y", "customdata") else "raw")
+        for path, value in patch.get("layout", {}).items():
+            *parents, prop = path.split(".")
+            obj = fig.layout
+            for part in parents:
+                obj = obj[part]
+            self._put(f"sel.{path}", obj, prop, value)
+
+    def _selection_size(self, key: str, outer: Any, inner: Any, size: float) -> None:
+        """Size the selection mark (see :func:`selection_traces`) for cells of ``size`` px;
+        where it sits is the selection's patch (:func:`mark_patch`)."""
         small = size < 18  # on small cells thinner frames, so the cell's colour still shows
         self._put(key + ".os", outer.marker, "size", max(6.0, size))
         self._put(key + ".is", inner.marker, "size", max(3.0, size - (4 if small else 6)))
@@ -299,6 +344,12 @@ class View:
         from IPython.display import display
 
         display(self.widget)
+
+
+def mark_patch(outer: int, inner: int, xs: list[Any], ys: list[Any]) -> dict[str, Any]:
+    """A selection patch that puts the selection mark (traces ``outer`` and ``inner``, made
+    by :func:`selection_traces`) on the cells at ``xs, ys``."""
+    return {"traces": {str(outer): {"x": list(xs), "y": list(ys)}, str(inner): {"x": list(xs), "y": list(ys)}}}
 
 
 def selection_traces(go: Any, size: float, name: str = "selected request") -> list[Any]:

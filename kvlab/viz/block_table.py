@@ -17,7 +17,7 @@ from typing import Any
 
 from kvlab.timeline.snapshot import NULL, Snapshot
 from kvlab.timeline.timeline import Timeline
-from kvlab.viz.base import TOP_LEGEND, View, _go, legend_traces, selection_traces
+from kvlab.viz.base import TOP_LEGEND, View, _go, legend_traces, mark_patch, selection_traces
 from kvlab.viz.pool import blocks_of, state_heatmap
 from kvlab.viz.style import (
     STATE_COLORS,
@@ -62,8 +62,8 @@ def figure_data(
     to the selected request; ``z``/``text``/``customdata`` are the heatmap arrays.
 
     What does not fit is aggregated, never squeezed: at most ``max_requests`` rows
-    (running first, then waiting; the selected request is always drawn) -- ``hidden``
-    names the others -- and, with ``max_columns``, a long table shows its first and last
+    (running first, then waiting) -- ``hidden`` names the others (the selection too: a
+    selection marks a picture, it never reorders it) -- and, with ``max_columns``, a long table shows its first and last
     blocks around an ellipsis column (``ellipsis_x``).
     """
     bs = snapshot.block_size
@@ -71,8 +71,6 @@ def figure_data(
     everyone = [r for r in snapshot.running + snapshot.waiting if r in snapshot.requests]
     max_requests = max(1, max_requests)
     order = everyone[:max_requests]
-    if selected_request in everyone and selected_request not in order:
-        order[-1] = selected_request  # the selection is always on screen
     hidden = [r for r in everyone if r not in order]
     widths = [0] * len(groups)
     for rid in order:
@@ -162,11 +160,7 @@ def figure_data(
                     assert before is not None and after is not None  # the one ellipsis sits between drawn columns
                     text[y][offsets[g] + j] = "…"
                     custom[y][offsets[g] + j] = f"<b>{rid}</b>: logical blocks {before + 1}..{after - 1} not drawn (hover the pool)"
-    row_labels = []
-    for rid in order:
-        r = snapshot.requests[rid]
-        lab = f"{html_escape(rid)} · {r.status}" + ("" if any(r.block_table) else " (no blocks)")
-        row_labels.append(f"<b>▶ {lab}</b>" if rid == selected_request else lab)
+    row_labels = _row_labels(snapshot, order, selected_request)
     more = ""
     if hidden:
         names = ", ".join(hidden[:4]) + (", …" if len(hidden) > 4 else "")
@@ -193,6 +187,16 @@ def figure_data(
         more=more,
         title=f"Block tables · step {snapshot.step} · {len(snapshot.running)} running, {len(snapshot.waiting)} waiting",
     )
+
+
+def _row_labels(snapshot: Snapshot, order: list[str], selected_request: str | None) -> list[str]:
+    """Each drawn row's name and status; the selected row's in bold, after a ▶."""
+    out = []
+    for rid in order:
+        r = snapshot.requests[rid]
+        lab = f"{html_escape(rid)} · {r.status}" + ("" if any(r.block_table) else " (no blocks)")
+        out.append(f"<b>▶ {lab}</b>" if rid == selected_request else lab)
+    return out
 
 
 ROW_PX = 22  # the smallest row that keeps a block id readable
@@ -269,7 +273,7 @@ class BlockTableView(View):
         )
 
     def update(self, snapshot: Snapshot, selected_request: str | None = None) -> None:
-        d = figure_data(snapshot, selected_request, max_requests=self.max_requests, max_columns=self.max_columns)
+        d = figure_data(snapshot, None, max_requests=self.max_requests, max_columns=self.max_columns)
         self.last_data = d
         ticks_x, ticks_t = [], []
         for g, (off, cols) in enumerate(zip(d["group_offsets"], d["group_columns"])):
@@ -301,11 +305,10 @@ class BlockTableView(View):
             self._put("height", fig.layout, "height", height)
             self._put("title.y.fit", fig.layout.title, "y", 1 - 14 / height)  # _header placed it for self.height
             cell_px = max(6, min(row_px, (self.width - 110) / max(MIN_COLUMNS, d["ncols"])) - 2)
-            self._put_selection("hl", fig.data[1], fig.data[2], d["highlight_x"], d["highlight_y"], cell_px)
+            self._selection_size("hl", fig.data[1], fig.data[2], cell_px)
             self._put("pt.x", pt, "x", d["partial_x"], "num")
             self._put("pt.y", pt, "y", d["partial_y"], "num")
             self._put("ytv", fig.layout.yaxis, "tickvals", list(range(len(d["rows"]))))
-            self._put("ytt", fig.layout.yaxis, "ticktext", d["row_labels"])
             self._put("yr", fig.layout.yaxis, "range", [n - 0.5, -0.5])
             # No cell drawn (nobody holds a block): no column is numbered, or a lone "0" would
             # label an empty column.
@@ -319,3 +322,15 @@ class BlockTableView(View):
             if not d["rows"]:
                 notes.append(dict(text="no running or waiting request", showarrow=False, xref="paper", yref="paper", x=0.5, y=0.5))
             self._put("notes", fig.layout, "annotations", notes)
+        self._select(snapshot, selected_request)
+
+    def selection_patch(self, snapshot: Snapshot, request_id: str | None) -> dict[str, Any]:
+        """The selection mark on every drawn cell that holds one of the request's blocks (a
+        shared block is marked in each table that holds it), and its row's name in bold."""
+        d = self.last_data
+        assert d is not None
+        mine = set(blocks_of(snapshot, request_id))
+        cells = [c for c in d["cells"] if c["block_id"] in mine and c["x"] is not None]
+        patch = mark_patch(1, 2, [c["x"] for c in cells], [c["y"] for c in cells])
+        patch["layout"] = {"yaxis.ticktext": _row_labels(snapshot, d["rows"], request_id)}
+        return patch

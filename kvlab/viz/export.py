@@ -10,8 +10,10 @@ non-``file://`` request blocked).
 Size: the figures are stored once per distinct trace and layout (a trace that does not
 change between two steps -- the timeline's series, an untouched hash forest -- is stored
 once), and every string (cell labels, hover texts) once per file, in a table the traces
-point into; so a file is plotly.js (~4.7 MB) plus what actually changes. The selection (a
-request chosen in the Player) is exported as it is when the file is written.
+point into; so a file is plotly.js (~4.7 MB) plus what actually changes. The request menu
+works in the file as in the Lab: each figure comes with what selecting each request changes
+in it (the selection mark, a bold row name; for the kernel view, that request's reads), and
+the file opens with the Player's selection.
 
 A :class:`~kvlab.viz.stream.StreamPlayer` (a KV-event stream, live or recorded) exports the
 same way, its batches standing for steps: the prefix forest and the series at every batch,
@@ -72,6 +74,8 @@ def write_html(player: Player | StreamPlayer, path: str | os.PathLike[str], *, m
     self-contained HTML replay; returns the path."""
     from plotly.offline import get_plotlyjs
 
+    from kvlab.viz.player import Player
+
     if not isinstance(max_steps, int) or max_steps < 2:
         raise ValueError(f"max_steps must be an int >= 2, got {max_steps!r}")
     path = Path(path)
@@ -103,7 +107,10 @@ def write_html(player: Player | StreamPlayer, path: str | os.PathLike[str], *, m
         title=src._name,
         description=src.description,
         named=[[k, v] for k, v in src.named_steps.items()],
-        requests=None,  # the selection is exported as it stands (one set of figures)
+        # A Player's request menu works in the file too: every figure carries what selecting
+        # each request changes in it. A stream has no requests to pick.
+        requests=src._request_ids() if isinstance(src, Player) else None,
+        selected=getattr(src, "_selected", None),
         can_run=False,
         width=cols * max((v.width for v in src.views.values()), default=400) + 16,
     )

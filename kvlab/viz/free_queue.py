@@ -19,7 +19,7 @@ from typing import Any
 
 from kvlab.timeline.snapshot import BLOCK_STATES, CACHED, FREE, Snapshot
 from kvlab.timeline.timeline import Timeline
-from kvlab.viz.base import TOP_LEGEND, View, _go, legend_traces, selection_traces
+from kvlab.viz.base import TOP_LEGEND, View, _go, legend_traces, mark_patch, selection_traces
 from kvlab.viz.style import (
     STATE_COLORS,
     STATE_HELP,
@@ -159,7 +159,7 @@ class FreeQueueView(View):
     def update(self, snapshot: Snapshot, selected_request: str | None = None) -> None:
         n = len(snapshot.free_queue)
         cell_px = self.cell_px
-        d = figure_data(snapshot, selected_request, wrap=self.wrap, owner_labels=cell_px >= 36)
+        d = figure_data(snapshot, None, wrap=self.wrap, owner_labels=cell_px >= 36)
         self.last_data = d
         rows = d["rows"]
         fig = self.figure
@@ -169,7 +169,8 @@ class FreeQueueView(View):
             self._put("text", hm, "text", d["text"] if n else [[""]], "str")
             self._put("hover", hm, "customdata", d["customdata"] if n else [[""]], "str")
             self._put("font", hm.textfont, "size", 11 if cell_px >= 22 else 8)
-            self._put_selection("hl", fig.data[1], fig.data[2], d["highlight_x"], d["highlight_y"], cell_px - 5)
+            self._selection_size("hl", fig.data[1], fig.data[2], cell_px - 5)
+            self._select(snapshot, selected_request)
             self._put("xr", fig.layout.xaxis, "range", [-0.5, max(MIN_COLUMNS, d["columns"]) - 0.5])
             self._put("yr", fig.layout.yaxis, "range", [max(self.max_rows, rows) - 0.5, -0.5])
             top = self._header(d["title"], [STATE_LABELS[FREE], STATE_LABELS[CACHED]])
@@ -194,3 +195,9 @@ class FreeQueueView(View):
                     dict(text="empty: every block is held by a request", x=(MIN_COLUMNS - 1) / 2, y=0, xref="x", yref="y", showarrow=False)
                 ]
             self._put("notes", fig.layout, "annotations", notes)
+
+    def selection_patch(self, snapshot: Snapshot, request_id: str | None) -> dict[str, Any]:
+        """The selection mark on the blocks the request held last."""
+        assert self.last_data is not None
+        mine = [c for c in self.last_data["cells"] if c["last_owner"] is not None and c["last_owner"][0] == request_id]
+        return mark_patch(1, 2, [c["x"] for c in mine], [c["y"] for c in mine])

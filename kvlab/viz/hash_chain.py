@@ -21,7 +21,7 @@ from typing import Any
 
 from kvlab.timeline.snapshot import CACHED, IN_USE, SHARED, Snapshot
 from kvlab.timeline.timeline import Timeline
-from kvlab.viz.base import TOP_LEGEND, View, _go, legend_traces, selection_traces
+from kvlab.viz.base import TOP_LEGEND, View, _go, legend_traces, mark_patch, selection_traces
 from kvlab.viz.style import (
     MISS,
     STATE_COLORS,
@@ -152,13 +152,7 @@ def figure_data(
                 ghost_parent = hits[-1] if hits and hits[-1] in row else None
                 ghost = (float(k), _free_row(row[ghost_parent], k, depth, row) if ghost_parent is not None else -1.0)
     hit_set = set(hits)
-    selected: set[str] = set()
-    if selected_request in snapshot.requests:
-        for table in snapshot.requests[selected_request].block_table:
-            for bid in table:
-                h = snapshot.blocks[bid].block_hash if bid else None
-                if h is not None:
-                    selected.add(h)
+    selected = _hashes_of(snapshot, selected_request)
     for h, n in snapshot.hash_nodes.items():
         state = CACHED
         owners: list[str] = []
@@ -193,9 +187,9 @@ def figure_data(
     for rid in snapshot.running[:MAX_TIPS]:
         best = None
         for bid in snapshot.requests[rid].block_table[0] if snapshot.requests[rid].block_table else []:
-            h = snapshot.blocks[bid].block_hash if bid else None
-            if h in depth and (best is None or depth[h] >= depth[best]):
-                best = h
+            bh = snapshot.blocks[bid].block_hash if bid else None
+            if bh in depth and (best is None or depth[bh] >= depth[best]):
+                best = bh
         if best is not None:
             at_node.setdefault(best, []).append(rid)
     tips = [(", ".join(rids), depth[h], row[h]) for h, rids in at_node.items()]
@@ -394,7 +388,9 @@ class HashChainView(View):
         )
 
     def update(self, snapshot: Snapshot, selected_request: str | None = None) -> None:
-        d = figure_data(snapshot, selected_request, decode=self.decode, plot_width=self.width - 40)
+        # Drawn with nothing selected: a selection marks squares (its patch), it never moves
+        # a label -- so the page can mark any request without the kernel.
+        d = figure_data(snapshot, None, decode=self.decode, plot_width=self.width - 40)
         self.last_data = d
         nodes = d["nodes"]
         lk = d["lookup"]
@@ -440,7 +436,7 @@ class HashChainView(View):
             room.box(*px(n["depth"], n["row"]), half, half)
         if cross is not None:
             room.box(*px(*cross), 8, 8)
-        keep = {selected_request, lk["request_id"]}
+        keep = {lk["request_id"]}
         notes: list[dict[str, Any]] = []
         for t, x, y, full, freed in sorted(tips, key=lambda t: not keep & set(t[3].split(", "))):
             cx, cy = px(x, y)
@@ -546,8 +542,8 @@ class HashChainView(View):
             put("ghost.text", g, "text", gtext, "str")
             put("orph.x", fig.data[5], "x", [n["depth"] for n in orph], "num")
             put("orph.y", fig.data[5], "y", [n["row"] for n in orph], "num")
-            sel = [n for n in nodes if n["selected"]]
-            self._put_selection("sel", fig.data[6], fig.data[7], [n["depth"] for n in sel], [n["row"] for n in sel], size + 9)
+            self._selection_size("sel", fig.data[6], fig.data[7], size + 9)
+            self._select(snapshot, selected_request)
             if not nodes and not gx:
                 notes.append(dict(text="no cached hash yet", showarrow=False, xref="paper", yref="paper", x=0.5, y=0.5))
             put("notes", fig.layout, "annotations", notes)
@@ -556,6 +552,25 @@ class HashChainView(View):
             put("xdt", fig.layout.xaxis, "dtick", 1 if d["max_depth"] <= 16 else 5)
             put("dup.legend", fig.data[-1], "showlegend", bool(dups))
             self._header(d["title"], labels, subtitle=html_escape(d["summary"] + (CROWDED_NOTE if crowded and show_text else "")))
+
+    def selection_patch(self, snapshot: Snapshot, request_id: str | None) -> dict[str, Any]:
+        """The selection mark on the cached blocks of the request's block table."""
+        assert self.last_data is not None
+        mine = _hashes_of(snapshot, request_id)
+        sel = [n for n in self.last_data["nodes"] if n["hash"] in mine]
+        return mark_patch(6, 7, [n["depth"] for n in sel], [n["row"] for n in sel])
+
+
+def _hashes_of(snapshot: Snapshot, request_id: str | None) -> set[Any]:
+    """The block hashes in the request's block tables (its cached blocks)."""
+    out: set[Any] = set()
+    if request_id in snapshot.requests:
+        for table in snapshot.requests[request_id].block_table:
+            for bid in table:
+                h = snapshot.blocks[bid].block_hash if bid else None
+                if h is not None:
+                    out.add(h)
+    return out
 
 
 TIP_SHIFT = 12  # pixels between a chain's last block and its owner's name

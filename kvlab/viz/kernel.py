@@ -425,6 +425,21 @@ class KernelView(View):
             self._at_batch = (batch.seq, self.timeline.after_event(batch.seq))
         return self._at_batch[1]
 
+    def selection_patches(self, snapshot: Snapshot) -> dict[str, dict[str, Any]]:
+        """The view draws ONE request's reads: selecting another that the kernel read K/V
+        for replaces the whole figure, so its patch is that figure (``{"figure": ...}``).
+        Call right after ``update(snapshot)``; the view is left as that call drew it."""
+        batch = self.batch_for(snapshot)
+        shown = pick_request(snapshot, None, batch)
+        out = {}
+        others = [r for r in snapshot.requests if r != shown and pick_request(snapshot, r, batch) == r]
+        for rid in others:
+            self.update(snapshot, rid)
+            out[rid] = {"figure": self.still()}
+        if others:
+            self.update(snapshot, None)
+        return out
+
     def update(self, snapshot: Snapshot, selected_request: str | None = None) -> None:
         batch = self.batch_for(snapshot)
         max_rows = max(4, int((self.height - 130) // ROW_PX))

@@ -15,10 +15,13 @@ every step the engine takes, from any cell) and ``run_step`` (a "Run step" butto
 right options; this module imports neither the engine nor the scenarios.
 
 Selecting a request in the drop-down outlines its blocks in every view (the selection mark,
-a black frame with a white one inside, is used for nothing else).
+a black frame with a white one inside, is used for nothing else). The page draws it without
+the kernel: each view's figure travels with what selecting each request changes in it
+(``View.selection_patch``).
 
-The Player fits a notebook's output area (832 px by default, see ``OUTPUT_WIDTH``), and
-its controls mean what they show: ▶ plays, ❚❚ pauses where it is (there is no "stop" that
+The Player is designed for a notebook's output area at 1280 px (832 px, two views a row, see
+``OUTPUT_WIDTH``); the page measures the area and lays the views out in one, two or three
+columns, and zooms out only where one view is wider than the area. Its controls mean what they show: ▶ plays, ❚❚ pauses where it is (there is no "stop" that
 jumps back to the first step), and "Run step" runs one engine step *and shows it*. Next
 to the widget it always leaves a still picture of the same step (:mod:`kvlab.viz.still`),
 so a lesson saved or opened without a kernel shows the pictures, not an error.
@@ -300,11 +303,19 @@ class Player:
         self._selected = request_id
         self._sync_controls()
         self._render()
-        self.widget.new_version(selected=request_id)
+        self.widget.selected = request_id or ""  # the page draws it (no new figures travel)
 
     def select(self, request_id: str | None) -> None:
         """Outline ``request_id``'s blocks in every view (None clears the selection)."""
         self.selected_request = request_id
+
+    def _select_from_browser(self, request_id: str | None) -> None:
+        """The learner picked a request in the page, which has drawn it already: the kernel's
+        player follows (``player.selected_request``, ``player.still()``)."""
+        if request_id != self._selected and (request_id is None or request_id in self._request_ids()):
+            self._selected = request_id
+            self._sync_controls()
+            self._render()
 
     def _request_ids(self) -> list[str]:
         return self.timeline.request_ids
@@ -357,7 +368,9 @@ class Player:
         self._interval_ms = interval_ms
         self._width = width
         self.widget = ReplayWidget(self, self._header(self.first_step))
-        self.widget.layout = w.Layout(width=f"{width + 8}px")
+        # The whole output area: the page lays the views out in as many columns as it holds
+        # (static/replay.js, fit()).
+        self.widget.layout = w.Layout(width="100%")
         self.widget.add_class("kvlab-player")
 
     def _header(self, step: int) -> dict[str, Any]:
@@ -409,7 +422,7 @@ class Player:
         if not self._rendering and new != self._selected:
             self._selected = new
             self._render()
-            self.widget.new_version(selected=new)
+            self.widget.selected = new or ""
 
     def _on_jump(self, change: dict[str, Any]) -> None:
         if change["new"] is not None and change["new"] >= 0:
@@ -471,8 +484,14 @@ class Player:
         snap = self.timeline.at(step)
         figs = []
         for v in self.views.values():
-            v.update(snap, self._selected)
-            figs.append(json.loads(pio.to_json(v.still(), validate=False)))
+            # Drawn with nothing selected, plus what selecting each request changes (the page
+            # applies the selection itself: picking a request needs no kernel).
+            v.update(snap, None)
+            fig = json.loads(pio.to_json(v.still(), validate=False))
+            patches = v.selection_patches(snap)
+            if patches:
+                fig["selection"] = json.loads(pio.to_json(patches, validate=False))
+            figs.append(fig)
         return figs, self._status_html(step), _event_html(self.timeline.events_of(step))
 
     def _figures_done(self) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 
 from kvlab.timeline.snapshot import BLOCK_STATES, NULL, Snapshot
 from kvlab.timeline.timeline import Timeline
-from kvlab.viz.base import TOP_LEGEND, View, _go, legend_rows, legend_traces, selection_traces
+from kvlab.viz.base import TOP_LEGEND, View, _go, legend_rows, legend_traces, mark_patch, selection_traces
 from kvlab.viz.style import (
     STATE_COLORS,
     STATE_HELP,
@@ -108,9 +108,7 @@ def figure_data(
         labels.append(label)
         hovers.append(hover)
         counts[st] += 1
-    highlight = blocks_of(snapshot, selected_request)
-    hx = [bid % cols for bid in highlight]
-    hy = [bid // cols for bid in highlight]
+    highlight, hx, hy = _marked(snapshot, selected_request, cols)
     title = (
         f"Block pool · step {snapshot.step} · {counts['free']} free, {counts['cached']} cached, "
         f"{counts['in_use']} in use, {counts['shared']} shared"
@@ -152,6 +150,12 @@ def state_heatmap(go: Any, *, name: str, ygap: int, **kwargs: Any) -> Any:
         name=name,
         **kwargs,
     )
+
+
+def _marked(snapshot: Snapshot, request_id: str | None, cols: int) -> tuple[list[int], list[int], list[int]]:
+    """The request's blocks and their cells (column, row) in a pool drawn ``cols`` wide."""
+    ids = blocks_of(snapshot, request_id)
+    return ids, [b % cols for b in ids], [b // cols for b in ids]
 
 
 class PoolView(View):
@@ -198,7 +202,7 @@ class PoolView(View):
             fig.data[0].textfont.size = 9
 
     def update(self, snapshot: Snapshot, selected_request: str | None = None) -> None:
-        d = figure_data(snapshot, selected_request, columns=self.columns, decode=self.decode)
+        d = figure_data(snapshot, None, columns=self.columns, decode=self.decode)
         self.last_data = d
         fig = self.figure
         with fig.batch_update():
@@ -208,5 +212,13 @@ class PoolView(View):
             self._put("hover", hm, "customdata", d["customdata"], "str")
             top = self._header(d["title"], [STATE_LABELS[s] for s in BLOCK_STATES])
             cell_h = (self.height - top - 6) / self.rows  # cells may be wider than tall: the frame fits both
-            self._put_selection("hl", fig.data[1], fig.data[2], d["highlight_x"], d["highlight_y"], min(self.cell_px, cell_h) - 4)
-            self._put("hl.ids", fig.data[1], "customdata", d["highlight"], "num")
+            self._selection_size("hl", fig.data[1], fig.data[2], min(self.cell_px, cell_h) - 4)
+            self._select(snapshot, selected_request)
+
+    def selection_patch(self, snapshot: Snapshot, request_id: str | None) -> dict[str, Any]:
+        """The selection mark on the request's blocks (their ids in its hover data)."""
+        assert self.last_data is not None
+        ids, xs, ys = _marked(snapshot, request_id, self.last_data["columns"])
+        patch = mark_patch(1, 2, xs, ys)
+        patch["traces"]["1"]["customdata"] = ids
+        return patch

@@ -18,9 +18,10 @@ renderer as the page :func:`kvlab.export_html` writes (``static/replay.js``):
 
 The kernel side stays the Player: ``player.go_to(5)`` moves the browser, a step taken in
 the browser moves ``player.step``, a request picked in the browser is ``player.select``,
-and "Run step" is ``player.run_step``. A selection or a live run's new step changes every
-figure (the timeline spans the run), so it starts a new *version*: the browser drops what
-it had and asks again.
+and "Run step" is ``player.run_step``. The page draws a selection itself (each figure comes
+with what selecting each request changes in it), so ``selected`` is synced both ways like
+``step``. A live run's new step changes every figure (the timeline spans the run), so it
+starts a new *version*: the browser drops what it had and asks again.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ export default {
     const hooks = {
       need: (steps) => model.send({ type: 'need', view, steps, version: model.get('header').version }),
       step: (s) => { model.set('step', s); model.save_changes(); },
-      select: (r) => model.send({ type: 'select', request: r }),
+      select: (r) => { model.set('selected', r || ''); model.save_changes(); },
       run: () => model.send({ type: 'run' }),
       drawn: () => el.classList.add('kvlab-live'),
     };
@@ -80,17 +81,20 @@ export default {
     };
     const onHeader = () => { if (api) api.setHeader(model.get('header'), model.get('step')); };
     const onStep = () => { if (api) api.showStep(model.get('step')); };
+    const onSelected = () => { if (api) api.select(model.get('selected')); };
     model.on('msg:custom', onMsg);
     model.on('change:header', onHeader);
     model.on('change:step', onStep);
+    model.on('change:selected', onSelected);
     plotlyOnce(model).then(() => {
-      api = globalThis.kvlabReplay.mount(el, model.get('header'), hooks);
+      api = globalThis.kvlabReplay.mount(el, { ...model.get('header'), selected: model.get('selected') }, hooks);
       api.go(model.get('step'));
     }, (e) => { el.textContent = 'kvlab: the pictures could not load (' + e + '); run the cell again.'; el.classList.add('kvlab-live'); });
     return () => {
       model.off('msg:custom', onMsg);
       model.off('change:header', onHeader);
       model.off('change:step', onStep);
+      model.off('change:selected', onSelected);
       if (api) api.pause();
     };
   },
@@ -112,13 +116,14 @@ class ReplayWidget(anywidget.AnyWidget):
     _esm = traitlets.Unicode(_esm()).tag(sync=True)
     header = traitlets.Dict().tag(sync=True)
     step = traitlets.Int(0).tag(sync=True)
+    selected = traitlets.Unicode("").tag(sync=True)  # "" = nothing selected; drawn by the page
 
     def __init__(self, owner: Any, header: dict[str, Any]) -> None:
         self._owner = owner  # the Player: renders a step's figures, takes a step, a selection
         self._packers: dict[str, FramePacker] = {}
         self._versions = itertools.count(1)
         self._ready = False  # the initial values are not a step taken in the page
-        super().__init__(header=header, step=header["step"])
+        super().__init__(header=header, step=header["step"], selected=header.get("selected") or "")
         self._ready = True
         self.on_msg(self._on_msg)
 
@@ -150,9 +155,6 @@ class ReplayWidget(anywidget.AnyWidget):
         elif kind == "restart":
             self._packers.pop(str(content.get("view")), None)
             self.new_version()
-        elif kind == "select":
-            request = content.get("request")
-            self._owner.select(request if isinstance(request, str) and request else None)
         elif kind == "run":
             self._owner.run_step()
 
@@ -160,3 +162,8 @@ class ReplayWidget(anywidget.AnyWidget):
     def _on_step(self, change: dict[str, Any]) -> None:
         if self._ready:
             self._owner._step_from_browser(int(change["new"]))
+
+    @traitlets.observe("selected")
+    def _on_selected(self, change: dict[str, Any]) -> None:
+        if self._ready:
+            self._owner._select_from_browser(change["new"] or None)

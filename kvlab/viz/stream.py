@@ -304,7 +304,7 @@ class StreamPlayer:
                 version=0,
             )
             self._ui = ReplayWidget(self, header)
-            self._ui.layout = w.Layout(width=f"{self.prefixes.width + 8}px")
+            self._ui.layout = w.Layout(width="100%")
             self._ui.add_class("kvlab-player")
         return self._ui
 

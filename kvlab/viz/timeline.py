@@ -205,6 +205,16 @@ class TimelineView(View):
                 row=3,
                 col=1,
             )
+        # The selection mark around a request's row: a black frame with a white one inside.
+        self._sel = len(fig.data)
+        for color, line_px in ((SELECT_OUTER, 3.0), (SELECT_INNER, 1.5)):
+            fig.add_trace(
+                go.Scatter(
+                    x=[], y=[], mode="lines", line=dict(color=color, width=line_px), hoverinfo="skip", showlegend=False, name="selected"
+                ),
+                row=3,
+                col=1,
+            )
         fig.update_layout(
             showlegend=True,
             legend=dict(TOP_LEGEND, font=dict(size=9)),
@@ -236,7 +246,7 @@ class TimelineView(View):
         return self._run
 
     def update(self, snapshot: Snapshot, selected_request: str | None = None) -> None:
-        d = figure_data(snapshot, selected_request, run=self._run_of())
+        d = figure_data(snapshot, None, run=self._run_of())
         self.last_data = d
         fig = self.figure
         steps = d["steps"]
@@ -262,18 +272,6 @@ class TimelineView(View):
             put("y2.dtick", fig.layout.yaxis2, "dtick", 1 if top <= 6 else None)
             put("y2.range", fig.layout.yaxis2, "range", [-0.3, top + 0.5])
             put("x3.range", fig.layout.xaxis3, "range", [steps[0] - 0.5, steps[-1] + 0.5])
-            gantt_px = GANTT_SHARE * (self.height - CHROME_PX)
-            every = max(1, -(-len(reqs) // MAX_ROW_LABELS), -(-len(reqs) * LABEL_PX // max(int(gantt_px), 1)))
-            sel = d["selected_row"]
-            # The selected row is always named; its neighbours give way so labels never overlap.
-            ticks = [i for i in range(len(reqs)) if (i % every == 0 and (sel is None or abs(i - sel) >= every)) or i == sel]
-            put("y3.tickvals", fig.layout.yaxis3, "tickvals", ticks)
-            put(
-                "y3.ticktext",
-                fig.layout.yaxis3,
-                "ticktext",
-                [f"<b>▶ {names[i]}</b>" if i == d["selected_row"] else names[i] for i in ticks],
-            )
             put("y3.range", fig.layout.yaxis3, "range", [max(len(reqs), 1) - 0.5, -0.5])
             shapes = [
                 dict(
@@ -287,22 +285,6 @@ class TimelineView(View):
                     line=dict(color=CURSOR, width=1.5, dash="dash"),
                 )
             ]
-            if d["selected_row"] is not None:  # the selection mark: black frame, white frame inside
-                r = d["selected_row"]
-                for color, width, pad in ((SELECT_OUTER, 3, 0.5), (SELECT_INNER, 1.5, 0.36)):
-                    shapes.append(
-                        dict(
-                            type="rect",
-                            xref="x3",
-                            yref="y3",
-                            x0=steps[0] - 0.5,
-                            x1=steps[-1] + 0.5,
-                            y0=r - pad,
-                            y1=r + pad,
-                            line=dict(color=color, width=width),
-                            fillcolor="rgba(0,0,0,0)",
-                        )
-                    )
             put("shapes", fig.layout, "shapes", shapes)
             at = steps.index(d["cursor"]) if d["cursor"] in steps else None
             usage = d["usage"][at] if at is not None else None
@@ -311,3 +293,33 @@ class TimelineView(View):
             if peak is not None and (usage is None or peak - usage >= 0.5):
                 extra += f" (peak {peak:.0f}%)"
             self._header(f"Timeline · step {d['cursor']} of {steps[-1]}{extra}", LEGEND_LABELS, legend_font=9)
+            self._select(snapshot, selected_request)
+
+    def selectable(self, snapshot: Snapshot) -> list[str]:
+        """Every request of the run: the Gantt spans it."""
+        assert self.last_data is not None
+        return list(self.last_data["requests"])
+
+    def selection_patch(self, snapshot: Snapshot, request_id: str | None) -> dict[str, Any]:
+        """A frame around the request's Gantt row, and its name in bold among the row names.
+        Beyond ``MAX_ROW_LABELS`` rows every k-th row is named: the selected one always, and
+        its neighbours give way so that names never overlap."""
+        d = self.last_data
+        assert d is not None
+        reqs, steps = d["requests"], d["steps"]
+        names = [html_escape(r) for r in reqs]  # request ids are the user's text: never markup
+        gantt_px = GANTT_SHARE * (self.height - CHROME_PX)
+        every = max(1, -(-len(reqs) // MAX_ROW_LABELS), -(-len(reqs) * LABEL_PX // max(int(gantt_px), 1)))
+        sel = reqs.index(request_id) if request_id in reqs else None
+        ticks = [i for i in range(len(reqs)) if (i % every == 0 and (sel is None or abs(i - sel) >= every)) or i == sel]
+        frame: list[dict[str, list[float]]] = [{"x": [], "y": []}, {"x": [], "y": []}]
+        if sel is not None and steps:
+            x0, x1 = steps[0] - 0.5, steps[-1] + 0.5
+            frame = [{"x": [x0, x1, x1, x0, x0], "y": [sel - p, sel - p, sel + p, sel + p, sel - p]} for p in (0.5, 0.36)]
+        return {
+            "traces": {str(self._sel): frame[0], str(self._sel + 1): frame[1]},
+            "layout": {
+                "yaxis3.tickvals": ticks,
+                "yaxis3.ticktext": [f"<b>▶ {names[i]}</b>" if i == sel else names[i] for i in ticks],
+            },
+        }

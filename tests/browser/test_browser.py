@@ -485,16 +485,29 @@ def test_player_draws_in_the_page_and_steps_without_the_kernel(lab: Lab) -> None
             _wait_until(page, "() => true", 30, f"the figures to show step {step}", also=lambda s=step: _titles_ok(page, s))
         pool_title = _visible_plot_titles(page)[0]
         assert "3 shared" in pool_title, pool_title  # step 2: req1 shares blocks 1-3 with req0
-        # Picking a request outlines it: the kernel packs the figures again, for the selection.
+        # Picking a request outlines it: the page draws it from the patches it holds.
         marked = "() => [...document.querySelectorAll('.kvlab-player svg text')].some(t => t.textContent === '▶ req1')"
         assert not page.evaluate(marked)
         player.locator("select[aria-label='request']").select_option("req1")
         _wait_until(page, marked, 30, "the timeline to name the selected request's row ▶ req1")
+        pool_marks = "() => [...document.querySelectorAll('.kvlab-player .js-plotly-plot')].filter(p => p.offsetParent)[0].data[1].x"
+        assert list(page.evaluate(pool_marks)) == [1, 2, 3, 5]  # req1's blocks (one pool row)
         box = player.bounding_box()
         area = page.locator(".jp-OutputArea-output").first.bounding_box()
         assert box["width"] <= area["width"] + 1, (box, area)  # the player fits the output area
         page.wait_for_timeout(500)  # let plotly finish its transition before the picture
         player.screenshot(path=str(shot))
+        # The views take the room the output area has: at 1280 px with the file browser open,
+        # two columns that fit; at 1920 px, three.
+        grid_cols = "() => document.querySelector('.kvlab-player .kv-grid').style.gridTemplateColumns"
+        fits = """() => { const p = document.querySelector('.kvlab-player .kv-replay').getBoundingClientRect();
+            const a = document.querySelector('.kvlab-player').closest('.jp-OutputArea-output').getBoundingClientRect();
+            return p.width > 0 && p.right <= a.right + 1; }"""
+        page.evaluate("() => window.jupyterapp.commands.execute('filebrowser:activate')")
+        for width, cols in ((1280, "repeat(2, max-content)"), (1920, "repeat(3, max-content)")):
+            page.set_viewport_size({"width": width, "height": 1400})
+            _wait_until(page, f"() => ({grid_cols})() === '{cols}' && ({fits})()", 30, f"the Player to fit {width} px in {cols}")
+            player.screenshot(path=str(ARTIFACTS / f"browser_player_{width}.png"))
     assert shot.exists()
 
 
@@ -743,6 +756,12 @@ def test_exported_replay_works_offline(lab: Lab, tmp_path: Path) -> None:
         page.wait_for_function("() => document.body.dataset.step === '2'")
         assert "3 shared" in _export_title(page, 0) and _export_title(page, 4).startswith("Timeline · step 2")
         assert "req1 prefix hit" in page.inner_text("#kv-status") and "hit/touch" in page.inner_text("#kv-events")
+        # The request menu works without a kernel: each figure carries every request's patch.
+        page.select_option("#kv-request", "req1")
+        page.wait_for_function("() => document.getElementById('kv-view-0').data[1].x.length === 4")  # req1's blocks 1, 2, 3, 5
+        assert "req1" in _export_title(page, 5)  # the kernel view draws req1's reads
+        page.select_option("#kv-request", "")
+        page.wait_for_function("() => document.getElementById('kv-view-0').data[1].x.length === 0")
         # The step before and the step after are drawn behind the one on screen, so ◀ Back
         # (and Step ▶) only swap which drawing area is shown: the one that held step 1 comes out.
         page.wait_for_function(
@@ -771,6 +790,11 @@ def test_exported_replay_works_offline(lab: Lab, tmp_path: Path) -> None:
         page.wait_for_timeout(1500)
         assert page.evaluate("() => document.body.dataset.step") == here
         page.screenshot(path=str(ARTIFACTS / "export_offline.png"), full_page=True)
+        # A narrow window (a phone held upright): the views are drawn smaller, nothing is cut off.
+        page.set_viewport_size({"width": 480, "height": 900})
+        page.wait_for_function("() => document.documentElement.scrollWidth <= window.innerWidth")
+        assert page.evaluate("() => document.querySelector('.kv-grid').style.gridTemplateColumns") == "max-content"  # one column
+        page.screenshot(path=str(ARTIFACTS / "export_narrow.png"), full_page=True)
         assert not errors, errors
         assert blocked == [], blocked  # nothing asked for the network
         print(f"export: {path.stat().st_size / 1e6:.2f} MB written")

@@ -9,6 +9,11 @@
 // index, one [layout index, [trace indices]] pair per view plus the step's status and event
 // list. Stepping, the slider, Play and "jump to" never wait for the kernel when the step is
 // already here; the status line and the pictures change together, in one call.
+//
+// Selecting a request never waits either: with each view's figure (drawn with nothing
+// selected) comes, per request, what selecting it changes -- a patch of a few trace and
+// layout properties (where the selection mark sits, which row name is bold), or a whole other
+// figure (the kernel view draws one request's reads) -- and the renderer applies it.
 (function () {
   const CSS = `
 .kv-replay { font-family: ui-monospace, SFMono-Regular, Menlo, Consolas, monospace; color: #111; }
@@ -44,14 +49,18 @@
       document.head.appendChild(style);
     }
     let H = header;
-    let T = { traces: [], layouts: [], strings: [] };
+    let T = { traces: [], layouts: [], strings: [], marks: [] };
     let F = new Map(); // step index -> { views, status, events }
-    const unpacked = new Map();
+    const unpacked = new Map(), unpackedMarks = new Map();
+    let sel = H.selected || null; // the selected request (drawn by this page, see patchOf)
     let k = 0, timer = null, drawnOnce = false, wanted = null;
     const inflight = new Set(); // step indices asked for and not here yet
 
     const box = el('div', { class: 'kv-replay' });
     box.style.width = H.width + 'px';
+    // Fit (see fit()): as many columns of views as the output area holds, and, where even one
+    // view is wider than the area, everything shown smaller (CSS zoom), never cut off.
+    let scale = 1, cols = H.columns || (H.views.length > 1 ? 2 : 1);
     const head = el('div');
     const title = el('b', { style: 'font-size:14px' }, H.title);
     head.appendChild(title);
@@ -99,7 +108,6 @@
     }
     function layoutViews() {
       grid.replaceChildren();
-      const cols = H.columns || (H.views.length > 1 ? 2 : 1);
       grid.style.gridTemplateColumns = cols > 1 ? `repeat(${cols}, max-content)` : 'max-content';
       areas = H.views.map(() => {
         const cell = el('div', { class: 'kv-view' }), list = [];
@@ -116,7 +124,7 @@
       if (!pick) return;
       pick.replaceChildren(el('option', { value: '' }, 'request: — none —'));
       for (const r of H.requests) pick.appendChild(el('option', { value: r }, 'request: ' + r));
-      pick.value = H.selected || '';
+      pick.value = sel || '';
     }
 
     function unpack(o) {
@@ -132,6 +140,21 @@
     function trace(t) {
       if (!unpacked.has(t)) unpacked.set(t, unpack(T.traces[t]));
       return unpacked.get(t);
+    }
+    function patchOf(mi) { // what selecting `sel` changes in a view's figure (null: nothing)
+      if (mi === undefined || mi < 0 || !sel) return null;
+      if (!unpackedMarks.has(mi)) unpackedMarks.set(mi, unpack(T.marks[mi]));
+      return unpackedMarks.get(mi)[sel] || null;
+    }
+    function withPaths(layout, paths) { // layout with "a.b.c" properties set, copied on the way
+      const out = { ...layout };
+      for (const path in paths) {
+        const parts = path.split('.');
+        let o = out;
+        for (let j = 0; j < parts.length - 1; j++) { o[parts[j]] = { ...(o[parts[j]] || {}) }; o = o[parts[j]]; }
+        o[parts[parts.length - 1]] = paths[path];
+      }
+      return out;
     }
 
     function ask(i) {
@@ -149,10 +172,14 @@
       areas[v].forEach((d, j) => { if (j === front[v]) d.id = 'kv-view-' + v; else d.removeAttribute('id'); });
     }
 
-    function render(div, li, ts) {
-      const P = globalThis.__kvlabPlotlyLib || globalThis.Plotly, layout = T.layouts[li], was = div.__kv;
-      div.__kv = { T, li, ts, layout };
-      if (was && was.T === T && same(was.ts, ts)) {
+    function render(div, li, ts, mi) {
+      const P = globalThis.__kvlabPlotlyLib || globalThis.Plotly, was = div.__kv;
+      let p = patchOf(mi);
+      if (p && p.figure) { [li, ts] = p.figure; p = null; }
+      const pk = p ? `${mi}:${sel}` : '';
+      const layout = p && p.layout ? withPaths(T.layouts[li], p.layout) : T.layouts[li];
+      div.__kv = { T, li, ts, pk, layout };
+      if (was && was.T === T && same(was.ts, ts) && was.pk === pk) {
         if (was.li === li) return; // this view did not change at this step
         const upd = {};
         for (const key of new Set([...Object.keys(was.layout), ...Object.keys(layout)])) {
@@ -160,7 +187,12 @@
         }
         if (Object.keys(upd).every(key => LIGHT.has(key))) { P.relayout(div, upd); return; }
       }
-      P.react(div, ts.map(trace), { ...layout }, H.config);
+      let data = ts.map(trace);
+      if (p && p.traces) {
+        data = data.slice();
+        for (const i in p.traces) data[i] = { ...data[i], ...p.traces[i] };
+      }
+      P.react(div, data, { ...layout }, H.config);
     }
 
     function prepare(targets) {
@@ -169,13 +201,13 @@
       prep = null;
       for (const i of targets) {
         if (!F.has(i)) continue;
-        F.get(i).views.forEach(([li, ts], v) => {
+        F.get(i).views.forEach(([li, ts, mi], v) => {
           if (holds[v].includes(i)) return;
           const j = holds[v].findIndex((h, jj) => jj !== front[v] && !targets.includes(h));
           if (j < 0) return;
           const d = areas[v][j];
           Object.assign(d.style, { display: '', visibility: 'hidden', position: 'absolute', left: '0', top: '0' });
-          render(d, li, ts);
+          render(d, li, ts, mi);
           Object.assign(d.style, { display: 'none', visibility: '', position: '', left: '', top: '' });
           holds[v][j] = i;
           d.dataset.holds = H.steps[i]; // which step this area holds (for a reader, or a test)
@@ -193,7 +225,7 @@
 
     function draw(i) {
       const f = F.get(i);
-      f.views.forEach(([li, ts], v) => {
+      f.views.forEach(([li, ts, mi], v) => {
         const j = holds[v].findIndex((h, jj) => h === i && jj !== front[v]);
         if (j >= 0) { // drawn already, behind: swap
           areas[v][j].style.display = '';
@@ -201,7 +233,7 @@
           front[v] = j;
           name(v);
         } else {
-          render(areas[v][front[v]], li, ts);
+          render(areas[v][front[v]], li, ts, mi);
           holds[v][front[v]] = i;
           areas[v][front[v]].dataset.holds = H.steps[i];
         }
@@ -251,13 +283,43 @@
       if (s >= 0) { pause(); show(H.steps.indexOf(s), true); }
       jump.value = '-1';
     };
-    if (pick) pick.onchange = () => { if (hooks.select) hooks.select(pick.value || null); };
+    function fit() {
+      // The room is the container's width (a notebook's output area, a page's body). The views
+      // keep their designed size: the designed columns when they fit, a third column in a wide
+      // window, one column in a narrow one; only a view wider than the whole area is zoomed out.
+      const cs = getComputedStyle(root);
+      const avail = Math.floor(root.clientWidth - (parseFloat(cs.paddingLeft) || 0) - (parseFloat(cs.paddingRight) || 0));
+      const want = H.columns || (H.views.length > 1 ? 2 : 1), gap = 8;
+      const viewW = (H.width - gap * (want - 1)) / want;
+      if (!avail || !viewW) return;
+      let c = want;
+      while (c > 1 && c * viewW + gap * (c - 1) > avail) c--;
+      while (c < Math.min(3, H.views.length) && (c + 1) * viewW + gap * c <= avail) c++;
+      const s = Math.min(1, avail / (c * viewW + gap * (c - 1)));
+      if (c === cols && Math.abs(s - scale) < 0.005) return;
+      cols = c; scale = s;
+      grid.style.gridTemplateColumns = cols > 1 ? `repeat(${cols}, max-content)` : 'max-content';
+      grid.style.zoom = scale === 1 ? '' : String(scale);
+      box.style.width = Math.floor(Math.max(cols * viewW + gap * (cols - 1), Math.min(avail, H.width)) * scale) + 'px';
+    }
+    if (globalThis.ResizeObserver) new ResizeObserver(() => requestAnimationFrame(fit)).observe(root);
+
+    function select(r) {
+      // Draw the step on screen with the new selection; the neighbours drawn behind it are redrawn.
+      r = r || null;
+      if (pick) pick.value = r || '';
+      if (r === sel) return;
+      sel = r;
+      holds = H.views.map(() => new Array(AREAS).fill(null));
+      if (shown >= 0 && F.has(shown)) draw(shown);
+    }
+    if (pick) pick.onchange = () => { select(pick.value); if (hooks.select) hooks.select(sel); };
     if (run) run.onclick = () => { pause(); if (hooks.run) hooks.run(); };
 
     function setHeader(h, step) {
       // A new header is a new version: what was here is dropped and asked for again.
       H = h;
-      T = { traces: [], layouts: [], strings: [] }; F = new Map(); unpacked.clear(); inflight.clear();
+      T = { traces: [], layouts: [], strings: [], marks: [] }; F = new Map(); unpacked.clear(); unpackedMarks.clear(); inflight.clear();
       slider.max = H.steps.length - 1;
       fillRequests();
       if (areas.length !== H.views.length) layoutViews();
@@ -268,10 +330,11 @@
 
     function add(chunk) {
       // Tables grow in order: a chunk's entries start where the last one's ended.
-      if (chunk.t0 !== T.traces.length || chunk.l0 !== T.layouts.length || chunk.s0 !== T.strings.length) return false;
+      if (chunk.t0 !== T.traces.length || chunk.l0 !== T.layouts.length || chunk.s0 !== T.strings.length || chunk.m0 !== T.marks.length) return false;
       T.traces.push(...chunk.traces);
       T.layouts.push(...chunk.layouts);
       T.strings.push(...chunk.strings);
+      T.marks.push(...chunk.marks);
       chunk.steps.forEach((s, j) => {
         const i = H.steps.indexOf(s);
         if (i >= 0) { F.set(i, { views: chunk.frames[j], status: chunk.status[j], events: chunk.events[j] }); inflight.delete(i); }
@@ -284,11 +347,16 @@
     layoutViews();
     fillRequests();
     slider.max = H.steps.length - 1;
+    fit();
     return {
       add,
       setHeader,
       showStep(s) { const i = H.steps.indexOf(s); if (i >= 0 && i !== k) { pause(); show(i, false); } },
       go(s) { const i = H.steps.indexOf(s); show(i >= 0 ? i : 0, false); },
+      select,
+      get selected() { return sel; },
+      get scale() { return scale; },
+      get columns() { return cols; },
       get index() { return k; },
       pause,
       root: box,
