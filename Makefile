@@ -11,7 +11,7 @@ WORKDIR ?= my-kvlab
 # JupyterLab refuses to start as root without this (Docker, Codespaces, cloud notebooks).
 ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: install test test-full test-fast lab lab-reset gpu-check bench exercises clean
+.PHONY: install test test-full test-busy test-fast lab lab-reset gpu-check bench exercises clean
 
 # Machines like ours set PYTHONDONTWRITEBYTECODE=1, so every Python process compiles kvlab's
 # modules from source again. A test run starts some hundred of them (notebook kernels, engine
@@ -52,6 +52,12 @@ test-full: install
 	$(BIN)/ruff check kvlab kernels tests
 	$(BIN)/ruff format --check kvlab kernels tests
 	KVLAB_SWEEP=full $(BIN)/python -m pytest -n $(WORKERS) --nbval-lax -p no:cacheprovider tests $(LESSONS_BY_NBVAL)
+
+# Every lesson in JupyterLab as on a slow Binder pod: one lesson at a time, each run beside six
+# CPU-bound processes that the test starts and stops (tests/browser: every plot draws its
+# traces, no widget fails to start, the checked outputs reproduce). About 4x the quiet time.
+test-busy: install
+	KVLAB_BROWSER_BUSY=6 $(BIN)/python -m pytest -p no:cacheprovider -q -s tests/browser/test_browser.py -k "lesson_runs_clean or capstone_player"
 
 # The quick loop while coding: everything but the slow tests (soak, browser) and the
 # notebook executions; `make test` runs them all.

@@ -140,3 +140,31 @@ def test_tiers_view_draws_one_frame_per_hit_and_names_both_marks(tiers) -> None:
         ("empty slot", "square", "#e6e6e6"),
     ]
     assert "+ =" not in fig.layout.title.text  # the legend, not the title, explains the "+"
+
+
+def test_replica_greys_are_apart_from_every_grey_that_means_something() -> None:
+    from kvlab.viz import style
+
+    meaning = {style.DARK_GREY, style.MID_GREY, style.LIGHT_GREY, style.STATE_COLORS["free"], style.STATUS_COLORS["finished"]}
+    level = lambda c: int(c[1:3], 16)  # noqa: E731  (greys: one level)
+    assert len(set(style.REPLICA_GREYS)) == len(style.REPLICA_GREYS) >= 5
+    for g in style.REPLICA_GREYS:
+        assert g[1:3] == g[3:5] == g[5:7], g
+        assert min(abs(level(g) - level(m)) for m in meaning) >= 0x18, g
+
+
+def test_a_legend_entry_with_nothing_drawn_is_left_out_of_the_still_as_plotly_does() -> None:
+    import json
+
+    import plotly.io as pio
+
+    from kvlab import show
+    from kvlab.scenarios import shared_prefix
+    from kvlab.viz.still import _legend_entries
+
+    p = show(shared_prefix(), start=0)  # step 0: req0 waits, no block table holds a partial tail
+    table = json.loads(pio.to_json(p.views["table"].still(), validate=False))
+    assert "partial tail" not in [name for _g, _c, name in _legend_entries(table)]
+    p.go_to(2)  # both tails are partial
+    table = json.loads(pio.to_json(p.views["table"].still(), validate=False))
+    assert "partial tail" in [name for _g, _c, name in _legend_entries(table)]

@@ -163,3 +163,22 @@ def test_requests_not_drawn_are_named_under_the_title_not_over_the_legend() -> N
     title = v.figure.layout.title.text
     assert f"+{hidden} more not drawn: w&lt;" in title  # request ids are escaped, never markup
     assert not [a for a in v.figure.layout.annotations if "more not drawn" in (a.text or "")]
+
+
+def test_free_queue_ids_that_do_not_fit_their_cells_are_left_to_the_hover() -> None:
+    from kvlab.engine.llm_engine import build_engine
+    from kvlab.timeline.timeline import Timeline
+    from kvlab.viz.free_queue import FreeQueueView
+
+    small = build_engine(num_blocks=40, block_size=4)
+    big = build_engine(num_blocks=260, block_size=4)
+    for e in (small, big):
+        e.add_request(Request("a", list(range(9)), max_tokens=1))
+        e.step()
+    v_small, v_big = FreeQueueView(Timeline(small.events)), FreeQueueView(Timeline(big.events))
+    v_small.update(Timeline(small.events).at(Timeline(small.events).steps[-1]))
+    v_big.update(Timeline(big.events).at(Timeline(big.events).steps[-1]))
+    assert v_big.cell_px < 20 and all(t == "" for row in v_big.figure.data[0].text for t in row)
+    cells = v_big.last_data["cells"]
+    assert len(cells) > 200 and sum(1 for row in v_big.figure.data[0].customdata for h in row if h) == len(cells)  # each id in its hover
+    assert any("<b>" in t for row in v_small.figure.data[0].text for t in row)  # two digits fit

@@ -166,9 +166,13 @@ class FreeQueueView(View):
         with fig.batch_update():
             hm = fig.data[0]
             self._put("z", hm, "z", d["z"] if n else [[None]], "num")
-            self._put("text", hm, "text", d["text"] if n else [[""]], "str")
+            # Ids that do not fit their cell (three digits in a 200-block queue) are left to the
+            # hover: drawn, they ran into their neighbours.
+            font = 11 if cell_px >= 22 else 8
+            fits = len(str(max(snapshot.free_queue, default=0))) * 0.65 * font + 2 <= cell_px
+            self._put("text", hm, "text", d["text"] if n and fits else [[""] * len(r) for r in d["text"]] if n else [[""]], "str")
             self._put("hover", hm, "customdata", d["customdata"] if n else [[""]], "str")
-            self._put("font", hm.textfont, "size", 11 if cell_px >= 22 else 8)
+            self._put("font", hm.textfont, "size", font)
             self._selection_size("hl", fig.data[1], fig.data[2], cell_px - 5)
             self._select(snapshot, selected_request)
             self._put("xr", fig.layout.xaxis, "range", [-0.5, max(MIN_COLUMNS, d["columns"]) - 0.5])

@@ -14,7 +14,7 @@ from typing import Any
 
 from kvlab.utils.notebook_display import OUTPUT_WIDTH
 from kvlab.viz.base import _go
-from kvlab.viz.style import FONT, INK, WHITE
+from kvlab.viz.style import FONT, INK, REPLICA_GREYS, WHITE
 
 # Policies are told apart by a hatching in ink on white, not by a colour: every colour of
 # kvlab's pictures already means something -- sky blue is "cached" (a KV-aware bar in it read
@@ -142,7 +142,6 @@ def routing_figure(rows: Sequence[Mapping[str, Any]], *, width: int = OUTPUT_WID
                 cats.append([t, p])
                 shares.append(d["cells"][(t, p)]["prefill_share"])
     n_rep = max((len(s) for s in shares), default=0)
-    greys = ["#3b3b3b", "#6e6e6e", "#9e9e9e", "#cfcfcf", "#2b2b2b", "#5e5e5e", "#8e8e8e", "#bfbfbf"]
     base = [0.0] * len(shares)
     x = [[c[0] for c in cats], [c[1] for c in cats]]
     for k in range(n_rep):
@@ -153,7 +152,7 @@ def routing_figure(rows: Sequence[Mapping[str, Any]], *, width: int = OUTPUT_WID
                 x=x,
                 y=y,
                 base=list(base),
-                marker_color=greys[k % len(greys)],
+                marker=dict(color=REPLICA_GREYS[k % len(REPLICA_GREYS)], line=dict(color=WHITE, width=1)),
                 name=f"replica {k}",
                 showlegend=False,
                 hovertemplate=f"replica {k}: %{{y:.0f}} %<extra></extra>",

@@ -61,10 +61,13 @@ def _legend_entries(fig: dict[str, Any]) -> list[tuple[str, str, str]]:
         if show is False or not tr.get("name"):
             continue
         kind = tr.get("type", "scatter")
-        if show is None:  # plotly's default: shown for a scatter or a bar, unless it holds no point at all
-            xs = tr.get("x")
-            if kind not in ("scatter", "bar") or xs is None or len(xs) == 0:
-                continue
+        xs = tr.get("x")
+        # A typed array (plotly's JSON for numpy data) with no bytes holds no point either.
+        empty = xs is not None and (len(xs) == 0 if isinstance(xs, (list, tuple)) else isinstance(xs, dict) and not xs.get("bdata"))
+        if show is None and (kind not in ("scatter", "bar") or xs is None):  # plotly's default: a scatter's or a bar's
+            continue
+        if empty and kind in ("scatter", "bar"):  # plotly lists no trace that holds no point at all
+            continue
         marker, line = tr.get("marker") or {}, tr.get("line") or {}
         if kind == "bar":
             glyph, color = "■", marker.get("color") if isinstance(marker.get("color"), str) else "#666666"

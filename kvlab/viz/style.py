@@ -52,6 +52,9 @@ DARK_YELLOW = "#a89a00"  # the waiting colour, dark enough for a thin line on wh
 BLUE = "#0072b2"
 VERMILLION = "#d55e00"
 MID_GREY = "#999999"
+# The routing figure's replicas: greys apart from every grey that means something (the null
+# block's dark grey, "finished", "free"), so a replica never reads as one of those.
+REPLICA_GREYS = ("#1f1f1f", "#5a5a5a", "#7a7a7a", "#b8b8b8", "#cbcbcb")
 PURPLE = "#cc79a7"
 # The query token's slot: the read colour's hue, darkened -- it is read too -- yet ΔE >= 20 from
 # the read slots and >= 21 from the null block for every dichromat, 16 in lightness alone. No
