@@ -202,6 +202,27 @@ def _clicks(page: Any, selector: str, n: int, pause_ms: int) -> list[float]:
     return [float(x) for x in got] + [16.0] * (n - len(got))
 
 
+def _changes(page: Any, selector: str, values: list[str], pause_ms: int, event: str = "change") -> list[float]:
+    """Set ``selector``'s value to each of ``values`` in turn, as its menu or slider would, and
+    time each from the event to the frame after it (Event Timing sees only real input, and
+    a real menu pick cannot be scripted; this counts the renderer's work and the paint)."""
+    out = []
+    for v in values:
+        page.wait_for_timeout(pause_ms)
+        out.append(
+            float(
+                page.evaluate(
+                    """async ([sel, v, ev]) => { const e = document.querySelector(sel), t0 = performance.now();
+                    e.value = v; e.dispatchEvent(new Event(ev));
+                    await new Promise(r => requestAnimationFrame(() => setTimeout(r, 0)));
+                    return performance.now() - t0; }""",
+                    [selector, v, event],
+                )
+            )
+        )
+    return out
+
+
 def bench_browser(clicks: int = 20, pause_ms: int = 800) -> dict[str, float]:
     import os
     import tempfile
@@ -243,6 +264,10 @@ def bench_browser(clicks: int = 20, pause_ms: int = 800) -> dict[str, float]:
                 first_draw_ms = page.evaluate("() => window.__kvFirstDraw")
                 steps = _clicks(page, "#kv-next", clicks, pause_ms)
                 backs = _clicks(page, "#kv-back", clicks // 2, pause_ms)
+                picks = _changes(page, "#kv-request", (player.timeline.request_ids[:8] + [""]) * 2, pause_ms)
+                here = int(page.evaluate("() => document.getElementById('kv-slider').value"))
+                far = [str((here + 37 * (i + 1)) % len(player.timeline.steps)) for i in range(6)]
+                jumps = _changes(page, "#kv-slider", far, pause_ms, event="input")
             finally:
                 browser.close()
 
@@ -258,6 +283,13 @@ def bench_browser(clicks: int = 20, pause_ms: int = 800) -> dict[str, float]:
         f"Step {med:.0f} ms median, {p90:.0f} ms p90 ({clicks} clicks); Back {bmed:.0f} / {bp90:.0f} ms ({clicks // 2}) "
         f"(target <= {CLICK_TARGET_MS:g} ms) -> {'OK' if max(p90, bp90) <= CLICK_TARGET_MS else 'SLOW'}"
     )
+    pmed, pp90 = stats(picks)
+    jmed, jp90 = stats(jumps)
+    print(
+        f"[viz]   picking a request in the menu (no kernel: the page applies the request's patches): {pmed:.0f} ms median, "
+        f"{pp90:.0f} ms p90 ({len(picks)} picks); a slider jump to a step not drawn in advance: {jmed:.0f} / {jp90:.0f} ms "
+        f"({len(jumps)} jumps; from the event to the frame after it)"
+    )
     print(
         f"[viz]   first display: kernel packs the first step {1000 * t_first:.0f} ms (a window of 11 steps {1000 * t_window:.0f} ms); "
         f"page loads plotly.js and draws it {first_draw_ms:.0f} ms after navigation ({size_mb:.1f} MB page); "
@@ -267,6 +299,8 @@ def bench_browser(clicks: int = 20, pause_ms: int = 800) -> dict[str, float]:
         "step_median_ms": med,
         "step_p90_ms": p90,
         "back_median_ms": bmed,
+        "pick_median_ms": pmed,
+        "jump_median_ms": jmed,
         "first_step_pack_ms": 1000 * t_first,
         "first_draw_ms": first_draw_ms,
     }
