@@ -204,8 +204,10 @@ def _clicks(page: Any, selector: str, n: int, pause_ms: int) -> list[float]:
 
 def _changes(page: Any, selector: str, values: list[str], pause_ms: int, event: str = "change") -> list[float]:
     """Set ``selector``'s value to each of ``values`` in turn, as its menu or slider would, and
-    time each from the event to the frame after it (Event Timing sees only real input, and
-    a real menu pick cannot be scripted; this counts the renderer's work and the paint)."""
+    time each from the event to the next frame's start, when the browser paints what the
+    renderer drew (Event Timing sees only real input, and a real menu pick cannot be
+    scripted). The neighbouring steps drawn behind the view afterwards are not counted: they
+    run after that paint."""
     out = []
     for v in values:
         page.wait_for_timeout(pause_ms)
@@ -214,7 +216,7 @@ def _changes(page: Any, selector: str, values: list[str], pause_ms: int, event: 
                 page.evaluate(
                     """async ([sel, v, ev]) => { const e = document.querySelector(sel), t0 = performance.now();
                     e.value = v; e.dispatchEvent(new Event(ev));
-                    await new Promise(r => requestAnimationFrame(() => setTimeout(r, 0)));
+                    await new Promise(r => requestAnimationFrame(() => r()));
                     return performance.now() - t0; }""",
                     [selector, v, event],
                 )
@@ -288,7 +290,7 @@ def bench_browser(clicks: int = 20, pause_ms: int = 800) -> dict[str, float]:
     print(
         f"[viz]   picking a request in the menu (no kernel: the page applies the request's patches): {pmed:.0f} ms median, "
         f"{pp90:.0f} ms p90 ({len(picks)} picks); a slider jump to a step not drawn in advance: {jmed:.0f} / {jp90:.0f} ms "
-        f"({len(jumps)} jumps; from the event to the frame after it)"
+        f"({len(jumps)} jumps; from the event to the next frame)"
     )
     print(
         f"[viz]   first display: kernel packs the first step {1000 * t_first:.0f} ms (a window of 11 steps {1000 * t_window:.0f} ms); "
