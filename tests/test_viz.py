@@ -820,3 +820,13 @@ def test_batch_updates_send_no_placeholders_for_properties_a_trace_holds() -> No
     assert style["marker.size"][:2] == [11, 20]  # trace 0 keeps its size: sent as it is, not a placeholder
     assert style["showlegend"] == [False, True, None]  # the heatmap's: unset, and sent as unset
     assert style["marker.size"][2] is Undefined and style["z"][0] is Undefined  # properties a kind lacks
+
+
+def test_a_view_shown_on_its_own_is_its_figure_not_a_widget(story) -> None:
+    v = PoolView(Timeline(story.log))
+    v.update(Timeline(story.log).at(2))
+    bundle = v._repr_mimebundle_()
+    assert set(bundle) == {"application/vnd.plotly.v1+json", "text/plain"} and v._widget is None
+    fig = bundle["application/vnd.plotly.v1+json"]
+    assert fig["layout"]["title"]["text"].startswith("Block pool · step 2") and fig["config"]["displayModeBar"] is False
+    assert bundle["text/plain"].startswith("<PoolView: Block pool · step 2")

@@ -1,7 +1,7 @@
 """kvlab.viz: pictures of the KV cache, drawn from snapshots (never from live objects).
 
-Each view shows one idea and redraws in place (plotly ``FigureWidget``); each module has
-a pure ``figure_data(snapshot, ...)`` function returning what the view draws, so tests
+Each view shows one idea as a plotly figure that ``update(snapshot, selected_request)``
+redraws in place; each module has a pure ``figure_data(snapshot, ...)`` function returning what the view draws, so tests
 check the pictures as data. :class:`Player` composes the views with Play / Step / Back
 controls over a whole run; ``kvlab.show(engine_or_scenario_or_log)`` (in :mod:`kvlab.show`)
 is the one-line entry point.

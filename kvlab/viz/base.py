@@ -1,9 +1,12 @@
-"""What every view shares: a plotly ``FigureWidget`` that is mutated in place.
+"""What every view shares: a plotly figure that is mutated in place.
 
 A view is built once (its traces are created empty) and then only *updated*: each
 ``update(snapshot)`` assigns new arrays to the existing traces inside one
-``batch_update``, so the browser receives one small restyle message per step instead of a
-new widget. That is what keeps the player's Play button smooth on a 2,000-block pool.
+``batch_update``, skipping arrays that did not change. A Player hands each step's figure to
+the page as plain data (:mod:`kvlab.viz.replay_widget`); a view shown on its own is its
+figure as it is now; ``view.widget`` is a live ``FigureWidget`` for code that wants one.
+What selecting a request changes is a *patch* (:meth:`View.selection_patch`), so that the
+page can apply it without the kernel.
 
 Each view module also exposes a pure ``figure_data(snapshot, ...)`` function that returns
 plain Python data (ids, colours, labels). The view draws exactly that data, so tests check
@@ -340,10 +343,18 @@ class View:
         self._put(key + ".ow", outer.marker.line, "width", 2 if small else 2.5)
         self._put(key + ".iw", inner.marker.line, "width", 1 if small else 1.2)
 
-    def _ipython_display_(self) -> None:
-        from IPython.display import display
+    def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
+        """A view shown on its own (a cell's last expression) is its figure as it is now,
+        drawn by JupyterLab's plotly renderer: no widget model of its own, so nothing that can
+        miss its start-up on a busy machine and stay blank. ``view.widget`` is the live
+        figure that follows ``update``; a Player steps through a run."""
+        import json
 
-        display(self.widget)
+        import plotly.io as pio
+
+        fig = json.loads(pio.to_json(self.still(), validate=False))
+        title = str(((fig.get("layout") or {}).get("title") or {}).get("text") or type(self).__name__).split("<br>")[0]
+        return {"application/vnd.plotly.v1+json": {**fig, "config": dict(PLOTLY_CONFIG)}, "text/plain": f"<{type(self).__name__}: {title}>"}
 
 
 def mark_patch(outer: int, inner: int, xs: list[Any], ys: list[Any]) -> dict[str, Any]:
