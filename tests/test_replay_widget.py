@@ -89,6 +89,11 @@ def test_run_step_in_the_page_runs_the_engine_and_grows_the_steps() -> None:
     h = p.widget.header
     assert h["steps"] == steps + [steps[-1] + 1] and h["version"] > v and p.step == steps[-1] + 1 == p.widget.step
     assert h["can_run"] is True and h["requests"] == ["a"]
+    assert h["fill"] is False  # a live run's steps all change as it grows: fetched around the step shown only
+
+
+def test_a_recorded_run_lets_the_page_fetch_all_its_steps(player) -> None:
+    assert player.widget.header["fill"] is True
 
 
 def test_the_packer_stores_each_part_once() -> None:

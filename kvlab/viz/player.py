@@ -390,6 +390,7 @@ class Player:
             requests=self._request_ids(),
             selected=self._selected,
             can_run=self._run_step_fn is not None,
+            fill=not self.live,  # a recorded run: the page fetches every step once it is used
             width=self._width,
             step=step,
             version=0,

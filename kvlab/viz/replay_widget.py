@@ -12,7 +12,9 @@ renderer as the page :func:`kvlab.export_html` writes (``static/replay.js``):
 * **steps travel once**: the browser asks for the step it shows and a window around it;
   the kernel answers with each figure part (trace, layout, string) it has not sent that
   view before, so stepping, the slider, Play and "jump to" inside the window need no
-  kernel at all, and the status line and the pictures change together;
+  kernel at all, and the status line and the pictures change together. Once the learner
+  uses a recorded run's Player, the page fetches its other steps in the background, a few
+  at a time, so that every jump is local;
 * **never blank**: until its first picture is drawn, the widget keeps itself hidden and
   the still picture next to it (:mod:`kvlab.viz.still`) stays on screen.
 

@@ -485,6 +485,9 @@ def test_player_draws_in_the_page_and_steps_without_the_kernel(lab: Lab) -> None
             _wait_until(page, "() => true", 30, f"the figures to show step {step}", also=lambda s=step: _titles_ok(page, s))
         pool_title = _visible_plot_titles(page)[0]
         assert "3 shared" in pool_title, pool_title  # step 2: req1 shares blocks 1-3 with req0
+        # Once used, a recorded run's other steps come in the background: every jump is local.
+        have = "() => document.querySelector('.kvlab-player .kv-replay').dataset.have"
+        _wait_until(page, f"() => ({have})() === '9'", 60, "the page to hold all 9 steps", seen=lambda: page.evaluate(have))
         # Picking a request outlines it: the page draws it from the patches it holds.
         marked = "() => [...document.querySelectorAll('.kvlab-player svg text')].some(t => t.textContent === '▶ req1')"
         assert not page.evaluate(marked)

@@ -53,7 +53,7 @@
     let F = new Map(); // step index -> { views, status, events }
     const unpacked = new Map(), unpackedMarks = new Map();
     let sel = H.selected || null; // the selected request (drawn by this page, see patchOf)
-    let k = 0, timer = null, drawnOnce = false, wanted = null;
+    let k = 0, timer = null, drawnOnce = false, wanted = null, engaged = false, fillTimer = null;
     const inflight = new Set(); // step indices asked for and not here yet
 
     const box = el('div', { class: 'kv-replay' });
@@ -167,6 +167,29 @@
       if (out.length) hooks.need(out.map(j => H.steps[j]));
     }
 
+    const FILL = 8; // steps per background request
+    function fillLater() {
+      // A recorded run (H.fill) that the learner has started to use: the rest of its steps
+      // come in the background, a few at a time and nearest first, whenever nothing else is
+      // asked for -- after that, any jump is drawn without the kernel. A run that is never
+      // touched costs the kernel nothing more, and a live run (whose steps all change when it
+      // grows) is asked for around the step on screen only.
+      if (!H.fill || !engaged || !hooks.need || fillTimer || inflight.size) return;
+      fillTimer = setTimeout(() => {
+        fillTimer = null;
+        if (inflight.size) return;
+        const out = [];
+        for (let d = 0; out.length < FILL && d < H.steps.length; d++) {
+          for (const j of d ? [k + d, k - d] : [k]) {
+            if (j >= 0 && j < H.steps.length && !F.has(j) && out.length < FILL) out.push(j);
+          }
+        }
+        if (!out.length) return;
+        for (const j of out) inflight.add(j);
+        hooks.need(out.map(j => H.steps[j]));
+      }, 250);
+    }
+
     function name(v) { // the id a reader can name stays on the drawing area on screen
       if (!hooks.ids) return;
       areas[v].forEach((d, j) => { if (j === front[v]) d.id = 'kv-view-' + v; else d.removeAttribute('id'); });
@@ -261,6 +284,7 @@
         ask(k);
       }
       if (fromUser && hooks.step) hooks.step(H.steps[k]);
+      if (fromUser) { engaged = true; fillLater(); }
     }
 
     function pause() { if (timer) { clearInterval(timer); timer = null; } play.textContent = '▶ Play'; }
@@ -313,13 +337,14 @@
       holds = H.views.map(() => new Array(AREAS).fill(null));
       if (shown >= 0 && F.has(shown)) draw(shown);
     }
-    if (pick) pick.onchange = () => { select(pick.value); if (hooks.select) hooks.select(sel); };
+    if (pick) pick.onchange = () => { engaged = true; select(pick.value); if (hooks.select) hooks.select(sel); fillLater(); };
     if (run) run.onclick = () => { pause(); if (hooks.run) hooks.run(); };
 
     function setHeader(h, step) {
       // A new header is a new version: what was here is dropped and asked for again.
       H = h;
       T = { traces: [], layouts: [], strings: [], marks: [] }; F = new Map(); unpacked.clear(); unpackedMarks.clear(); inflight.clear();
+      if (fillTimer) { clearTimeout(fillTimer); fillTimer = null; }
       slider.max = H.steps.length - 1;
       fillRequests();
       if (areas.length !== H.views.length) layoutViews();
@@ -339,8 +364,10 @@
         const i = H.steps.indexOf(s);
         if (i >= 0) { F.set(i, { views: chunk.frames[j], status: chunk.status[j], events: chunk.events[j] }); inflight.delete(i); }
       });
+      box.dataset.have = F.size; // how many steps the page holds (for a reader, or a test)
       if (wanted !== null && F.has(wanted)) { const w = wanted; wanted = null; draw(w); ask(w); }
       else if (drawnOnce) schedulePrepare();
+      fillLater();
       return true;
     }
 
