@@ -182,3 +182,18 @@ def test_free_queue_ids_that_do_not_fit_their_cells_are_left_to_the_hover() -> N
     cells = v_big.last_data["cells"]
     assert len(cells) > 200 and sum(1 for row in v_big.figure.data[0].customdata for h in row if h) == len(cells)  # each id in its hover
     assert any("<b>" in t for row in v_small.figure.data[0].text for t in row)  # two digits fit
+
+
+def test_a_partial_tail_keeps_its_fill_line_only_where_two_lines_fit_the_row() -> None:
+    from kvlab.bench.viz import capstone_run
+    from kvlab.scenarios import shared_prefix
+
+    p = show(shared_prefix(), start=2)  # two rows with room: both tails show their fill
+    roomy = [t for row in p.views["table"].figure.data[0].text for t in row if "<br>" in t]
+    assert [t.split("<br>")[0] for t in roomy] == ["4", "5"] and "8/16" in roomy[0]
+    # The capstone's tables at step 15: five rows under long names, whose legend wraps under
+    # them and thins the rows -- "63 / 1/4" spilled out of its cell; the id stays, the ▶ and
+    # the hover tell the fill.
+    cap = Player(capstone_run().events, start=15)
+    labels = [t for row in cap.views["table"].figure.data[0].text for t in row if t]
+    assert "63" in labels and not any("<br>" in t for t in labels)

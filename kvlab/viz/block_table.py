@@ -12,12 +12,14 @@ groups the tables sit side by side, one column band per group.
 
 from __future__ import annotations
 
+import re
+
 from collections.abc import Callable
 from typing import Any
 
 from kvlab.timeline.snapshot import NULL, Snapshot
 from kvlab.timeline.timeline import Timeline
-from kvlab.viz.base import TOP_LEGEND, View, _go, legend_traces, mark_patch, selection_traces
+from kvlab.viz.base import TOP_LEGEND, View, _go, legend_rows, legend_traces, mark_patch, selection_traces
 from kvlab.viz.pool import blocks_of, state_heatmap
 from kvlab.viz.style import (
     STATE_COLORS,
@@ -201,6 +203,9 @@ def _row_labels(snapshot: Snapshot, order: list[str], selected_request: str | No
 
 ROW_PX = 22  # the smallest row that keeps a block id readable
 ROW_MAX_PX = 30  # the tallest row: room for a partial tail's two lines, no more
+TWO_LINE_PX = 26  # the thinnest row in which a partial tail's two lines fit
+LEGEND_LABELS = ["partial tail"] + [STATE_LABELS[s] for s in ("in_use", "shared", "null")]
+_PLAIN = re.compile(r"<[^>]+>")  # markup in a row name (the selection's bold) takes no room
 COLUMN_PX = 22  # the narrowest cell for a two- or three-digit id
 BOTTOM_PX = 44  # under the rows: the legend
 AXIS_TITLE = "logical block index (cell: physical block id)"
@@ -291,7 +296,6 @@ class BlockTableView(View):
             hm, pt = fig.data[0], fig.data[3]
             rows = bool(d["rows"])
             self._put("z", hm, "z", d["z"] if rows else [[None]], "num")
-            self._put("text", hm, "text", d["text"] if rows else [[""]], "str")
             self._put("hover", hm, "customdata", d["customdata"] if rows else [[""]], "str")
             self._put("y", hm, "y", list(range(len(d["rows"]))) if rows else [0], "num")
             names = " | ".join(f"g{g}: {nm}" for g, nm in enumerate(d["group_names"])) if len(d["group_names"]) > 1 else ""
@@ -301,6 +305,14 @@ class BlockTableView(View):
             sub = " · ".join(x for x in (f"groups side by side · {names}" if names else "", html_escape(d["more"])) if x)
             top = self._header(d["title"], (), subtitle=sub, extra_top=36)
             row_px = min(ROW_MAX_PX, (self.height - top - BOTTOM_PX) / n)
+            # A partial tail's second line (its fill, "5/16") needs a row of TWO_LINE_PX; in a
+            # thinner row it spilled out of the cell, so the cell keeps the id (the ▶ and the
+            # hover tell the fill). The legend under the rows wraps in the plot area, which long
+            # row names narrow, and plotly takes the extra legend rows from the rows' height.
+            names_px = 6.6 * max((len(_PLAIN.sub("", x)) for x in _row_labels(snapshot, d["rows"], None)), default=0) + 8
+            spill = max(0, legend_rows(LEGEND_LABELS, self.width - 20 - names_px, 10) - 2) * 19
+            text = d["text"] if row_px - spill / n >= TWO_LINE_PX else [[t.split("<br>")[0] for t in r] for r in d["text"]]
+            self._put("text", hm, "text", text if rows else [[""]], "str")
             height = int(round(top + n * row_px + BOTTOM_PX))
             self._put("height", fig.layout, "height", height)
             self._put("title.y.fit", fig.layout.title, "y", 1 - 14 / height)  # _header placed it for self.height
