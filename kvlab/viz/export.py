@@ -110,7 +110,7 @@ def write_html(player: Player | StreamPlayer, path: str | os.PathLike[str], *, m
         # A Player's request menu works in the file too: every figure carries what selecting
         # each request changes in it. A stream has no requests to pick.
         requests=src._request_ids() if isinstance(src, Player) else None,
-        selected=getattr(src, "_selected", None),
+        selected=src._selected if isinstance(src, Player) else None,
         can_run=False,
         width=cols * max((v.width for v in src.views.values()), default=400) + 16,
     )

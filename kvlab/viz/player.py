@@ -21,8 +21,9 @@ the kernel: each view's figure travels with what selecting each request changes 
 
 The Player is designed for a notebook's output area at 1280 px (832 px, two views a row, see
 ``OUTPUT_WIDTH``); the page measures the area and lays the views out in one, two or three
-columns, and zooms out only where one view is wider than the area. Its controls mean what they show: ▶ plays, ❚❚ pauses where it is (there is no "stop" that
-jumps back to the first step), and "Run step" runs one engine step *and shows it*. Next
+columns, and zooms out only where one view is wider than the area. Its controls mean what
+they show: ▶ plays, ❚❚ pauses where it is (there is no "stop" that jumps back to the first
+step), and "Run step" runs one engine step *and shows it*. Next
 to the widget it always leaves a still picture of the same step (:mod:`kvlab.viz.still`),
 so a lesson saved or opened without a kernel shows the pictures, not an error.
 """
@@ -300,10 +301,7 @@ class Player:
         known = self._request_ids()
         if request_id is not None and request_id not in known:
             raise ValueError(f"unknown request {request_id!r}; requests in this run: {known}")
-        self._selected = request_id
-        self._sync_controls()
-        self._render()
-        self.widget.selected = request_id or ""  # the page draws it (no new figures travel)
+        self._take_selection(request_id)
 
     def select(self, request_id: str | None) -> None:
         """Outline ``request_id``'s blocks in every view (None clears the selection)."""
@@ -313,9 +311,16 @@ class Player:
         """The learner picked a request in the page, which has drawn it already: the kernel's
         player follows (``player.selected_request``, ``player.still()``)."""
         if request_id != self._selected and (request_id is None or request_id in self._request_ids()):
-            self._selected = request_id
-            self._sync_controls()
-            self._render()
+            self._take_selection(request_id)
+
+    def _take_selection(self, request_id: str | None) -> None:
+        """The one place a selection lands, from code, the drop-down or the page: the kernel's
+        views and controls follow, and so does the page (which draws it: no figures travel;
+        setting the value it already has is no change)."""
+        self._selected = request_id
+        self._sync_controls()
+        self._render()
+        self.widget.selected = request_id or ""
 
     def _request_ids(self) -> list[str]:
         return self.timeline.request_ids
@@ -421,9 +426,7 @@ class Player:
     def _on_request(self, change: dict[str, Any]) -> None:
         new = change["new"] or None
         if not self._rendering and new != self._selected:
-            self._selected = new
-            self._render()
-            self.widget.selected = new or ""
+            self._take_selection(new)
 
     def _on_jump(self, change: dict[str, Any]) -> None:
         if change["new"] is not None and change["new"] >= 0:

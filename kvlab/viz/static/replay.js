@@ -60,7 +60,8 @@
     box.style.width = H.width + 'px';
     // Fit (see fit()): as many columns of views as the output area holds, and, where even one
     // view is wider than the area, everything shown smaller (CSS zoom), never cut off.
-    let scale = 1, cols = H.columns || (H.views.length > 1 ? 2 : 1);
+    const designed = () => H.columns || (H.views.length > 1 ? 2 : 1);
+    let scale = 1, cols = designed();
     const head = el('div');
     const title = el('b', { style: 'font-size:14px' }, H.title);
     head.appendChild(title);
@@ -313,7 +314,7 @@
       // window, one column in a narrow one; only a view wider than the whole area is zoomed out.
       const cs = getComputedStyle(root);
       const avail = Math.floor(root.clientWidth - (parseFloat(cs.paddingLeft) || 0) - (parseFloat(cs.paddingRight) || 0));
-      const want = H.columns || (H.views.length > 1 ? 2 : 1), gap = 8;
+      const want = designed(), gap = 8;
       const viewW = (H.width - gap * (want - 1)) / want;
       if (!avail || !viewW) return;
       let c = want;
