@@ -126,11 +126,20 @@ CASES = [
     ),
     ("mamba mode unknown", lambda w: MambaSpec(mamba_cache_mode="all"), ValueError, "mamba_cache_mode"),
     (
-        "mamba block > hash block",
-        lambda w: KVCacheManager(num_blocks=11, block_size=16, kv_cache_groups=[FullAttentionSpec(), MambaSpec(block_size=32)]),
+        "prefix_match_unit not dividing a block",
+        lambda w: KVCacheManager(
+            num_blocks=11, block_size=16, kv_cache_groups=[FullAttentionSpec(), MambaSpec(block_size=32)], prefix_match_unit=12
+        ),
         ValueError,
-        "fine-grained partial hits",
+        r"Invalid prefix_match_unit=12; prefix-cacheable KV cache group block sizes must be divisible by prefix_match_unit\. Got group block sizes=\[16, 32\]",
     ),
+    (
+        "prefix_match_unit with one group",
+        lambda w: KVCacheManager(num_blocks=11, block_size=16, prefix_match_unit=4),
+        ValueError,
+        r"with a single KV cache group, prefix-cache hits land on the block size \(16\)\. Unset it or set it to 16",
+    ),
+    ("prefix_match_unit not an int", lambda w: KVCacheManager(num_blocks=11, prefix_match_unit=0), ValueError, "prefix_match_unit"),
     ("mamba shapes/dtypes", lambda w: MambaSpec(shapes=((4, 4),), dtypes=("bfloat16", "float32")), ValueError, "shapes and dtypes"),
     ("spec dtype unknown", lambda w: FullAttentionSpec(dtype="float64"), ValueError, "dtype"),
     ("mla heads 0", lambda w: MLAAttentionSpec(num_kv_heads=0), ValueError, "num_kv_heads"),

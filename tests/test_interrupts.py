@@ -55,6 +55,17 @@ CONFIGS = {
         num_blocks=39,
         prefix=24,
     ),
+    # A Mamba hybrid whose blocks hold two hash blocks: prompts that share 13 tokens stop
+    # their prefill at token 12 (inside a block), so hits end there and their last blocks
+    # are copied (copy-on-write) -- and a producer's Mamba state moves to a copy.
+    "mamba-partial-hits+kv-events": dict(
+        groups=[FullAttentionSpec(block_size=8), MambaSpec(block_size=8)],
+        num_blocks=20,
+        prefix=13,
+        tail=(1, 4),
+        prefix_match_unit=4,
+        kv_events=True,
+    ),
     "block-sizes+kv-events": dict(
         groups=[FullAttentionSpec(), SlidingWindowSpec(sliding_window=20, block_size=12)], num_blocks=21, prefix=24, kv_events=True
     ),
@@ -92,6 +103,8 @@ def make_engine(
     hasher: Any = None,
     kv_events: bool = False,
     prefix: int = 8,
+    tail: tuple[int, int] = (3, 14),
+    prefix_match_unit: int | None = None,
 ) -> tuple[LLMEngine, list[Request]]:
     """A small pool that preempts, with prefix hits: 6 requests, three sharing a ``prefix``-token prefix."""
     log = EventLog()
@@ -105,6 +118,7 @@ def make_engine(
         manager_classes=manager_classes,
         enable_kv_cache_events=kv_events,
         metrics_collector=KVCacheMetricsCollector(sample_rate=0.5, seed=3) if kv_events else None,
+        prefix_match_unit=prefix_match_unit,
     )
     if hasher is not None:
         mgr.request_block_hasher = hasher
@@ -115,7 +129,7 @@ def make_engine(
     rng = random.Random(1)
     reqs = []
     for i in range(6):
-        prompt = ([7] * prefix if i % 2 else []) + [rng.randrange(50) for _ in range(rng.randrange(3, 14))]
+        prompt = ([7] * prefix if i % 2 else []) + [rng.randrange(50) for _ in range(rng.randrange(*tail))]
         reqs.append(Request(f"r{i}", prompt, max_tokens=rng.randrange(2, 9), priority=i % 3, arrival_time=float(i)))
     for r in reqs:
         eng.add_request(r)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from kvlab.core.kv_cache_utils import KVCacheBlockCopy
 from kvlab.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from kvlab.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 from kvlab.worker.model import TinyLlama, TinyLlamaConfig
@@ -440,6 +441,33 @@ def test_the_runner_zeroes_the_blocks_the_scheduler_names_before_the_step(model:
         assert not kv[[4, 5]].any()  # zeroed
         assert torch.equal(kv[3], b[3])  # untouched
         assert kv[6].abs().sum() > 0  # b's step wrote its block after the zeroing
+
+
+def test_the_runner_copies_the_pages_the_scheduler_names_after_zeroing(model: TinyLlama) -> None:
+    """vLLM 0.33's ``kv_cache_block_copies`` (copy-on-write): after zeroing, each destination
+    page becomes its source page in every layer, before the forward pass; a bad copy is
+    refused before anything changes."""
+    runner = make_runner(model, num_blocks=16)
+    toks = list(b"abcdefghij")
+    runner.execute_model(_output([_new("a", toks, [3, 4, 5])], finished=set()))
+    before = [kv.clone() for kv in runner.kv_caches]
+    for copies, match in (
+        ([KVCacheBlockCopy(4, 16)], r"dst_block_id 16 is not a block id of this cache \(1..15\)"),
+        ([KVCacheBlockCopy(0, 7)], r"src_block_id 0 is not a block id"),
+        ([KVCacheBlockCopy(4, 4)], "block 4 is copied onto itself"),
+    ):
+        bad = _output([_new("b", toks[:3], [6])], finished={"a"})
+        bad.kv_cache_block_copies = copies
+        with pytest.raises(ValueError, match=match):
+            runner.execute_model(bad)
+        assert all(torch.equal(kv, b) for kv, b in zip(runner.kv_caches, before)) and set(runner.requests) == {"a"}
+    so = _output([_new("b", toks[:3], [6])], finished={"a"})
+    so.new_block_ids_to_zero = [7, 8]
+    so.kv_cache_block_copies = [KVCacheBlockCopy(4, 7), KVCacheBlockCopy(3, 9)]
+    runner.execute_model(so)
+    for kv, b in zip(runner.kv_caches, before):
+        assert torch.equal(kv[7], b[4]) and torch.equal(kv[9], b[3])  # zeroed, then copied
+        assert not kv[8].any() and torch.equal(kv[4], b[4])
 
 
 def test_empty_step_drops_finished(model: TinyLlama) -> None:

@@ -18,7 +18,7 @@ import random
 
 import pytest
 
-from kvlab import FullAttentionSpec, Request, SlidingWindowSpec
+from kvlab import FullAttentionSpec, MambaSpec, Request, SlidingWindowSpec
 from kvlab.engine.llm_engine import build_engine
 from kvlab.scenarios import SYSTEM_48, preemption, shared_prefix, sliding_window
 from kvlab.eventlog.events import EventLog
@@ -216,11 +216,27 @@ def _compare(e, timeline: Timeline, where: str) -> None:
 
 @pytest.mark.parametrize(
     ("policy", "hybrid", "seed"),
-    [("fcfs", False, 0), ("fcfs", False, 1), ("priority", False, 2), ("priority", False, 3), ("fcfs", True, 4), ("priority", True, 5)],
+    [
+        ("fcfs", False, 0),
+        ("fcfs", False, 1),
+        ("priority", False, 2),
+        ("priority", False, 3),
+        ("fcfs", True, 4),
+        ("priority", True, 5),
+        ("fcfs", "mamba", 6),
+        ("priority", "mamba", 7),
+    ],
 )
-def test_replay_matches_live_engine_every_step(policy: str, hybrid: bool, seed: int) -> None:
+def test_replay_matches_live_engine_every_step(policy: str, hybrid: bool | str, seed: int) -> None:
+    """``hybrid="mamba"``: a Mamba hybrid with blocks of 8 hashed every 4 tokens, so hits end
+    inside blocks and their last block is copied (copy-on-write, both kinds)."""
     bs = 4
-    kwargs = dict(manager_kwargs=dict(kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(sliding_window=8)])) if hybrid else {}
+    kwargs: dict = {}
+    if hybrid == "mamba":
+        groups = [FullAttentionSpec(block_size=8), MambaSpec(block_size=8)]
+        kwargs = dict(manager_kwargs=dict(kv_cache_groups=groups, prefix_match_unit=4))
+    elif hybrid:
+        kwargs = dict(manager_kwargs=dict(kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(sliding_window=8)]))
     e = build_engine(num_blocks=24 if hybrid else 14, block_size=bs, max_num_batched_tokens=24, policy=policy, **kwargs)
     pending = _workload(seed, 10, bs, priorities=policy == "priority")
     timeline = Timeline(e.events)
@@ -237,7 +253,10 @@ def test_replay_matches_live_engine_every_step(policy: str, hybrid: bool, seed: 
     preemptions, hits = s.metrics["num_preemptions"], s.metrics["prefix_cache_hits"]
     assert preemptions > 0, "the workload should force preemptions"
     assert hits > 0, "the workload should produce prefix hits"
-    if hybrid:
+    if hybrid == "mamba":
+        copied = [ev for ev in e.events if ev.kind == "block_copied"]
+        assert {ev.moved_hashes for ev in copied} == {False, True}, "both kinds of copy should happen"
+    elif hybrid:
         assert any(e.kind == "blocks_skipped" for e in e.events), "blocks should leave the window"
 
 

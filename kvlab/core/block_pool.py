@@ -344,6 +344,24 @@ class BlockPool:
                 o.on_partial_block_cached(self, request, block, num_hash_blocks, hash_block_size, kv_cache_group_id)
         return key
 
+    def move_block_hashes(self, src_block: KVCacheBlock, dst_block: KVCacheBlock) -> None:
+        """Give every key of ``src_block`` to ``dst_block`` instead (vLLM 0.33). Used when the
+        request that saved a Mamba state inside ``src_block`` goes on writing into it: the
+        cache keeps the copy (``dst_block``, filled by this step's block copy) under the same
+        keys. The entries stay findable throughout, so no KV event is sent."""
+        if dst_block.cache_key is not None or dst_block.block_id in self.cached_block_hashes_by_block:
+            raise ValueError(f"move_block_hashes: block {dst_block.block_id} already has a cache key")
+        num_tokens = self.partial_hash_num_tokens.get(src_block.block_id)
+        extra = self.cached_block_hashes_by_block
+        for key in self._remove_cached_block_hashes(src_block):
+            if dst_block.cache_key is None:
+                dst_block.cache_key = key
+                if num_tokens is not None:  # the length applies to the block's own key only
+                    self.partial_hash_num_tokens[dst_block.block_id] = num_tokens
+            else:
+                extra.setdefault(dst_block.block_id, []).append(key)
+            self.cached_block_hash_to_block.insert(key, dst_block)
+
     def _remove_cached_block_hashes(self, block: KVCacheBlock) -> list[bytes]:
         """Drop every key ``block`` carries (its own, then its partial entries) from the map
         and the block; returns those the map held (vLLM's ``_remove_cached_block_hashes``)."""

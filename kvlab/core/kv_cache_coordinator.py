@@ -19,6 +19,7 @@ Three coordinators, as in vLLM:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from math import gcd, lcm
 from typing import Any, NamedTuple
@@ -37,21 +38,68 @@ from kvlab.core.single_type_kv_cache_manager import (
 from kvlab.kv_cache_interface import FullAttentionSpec, KVCacheSpec, MambaSpec
 from kvlab.utils.hashing import BlockHash
 
+logger = logging.getLogger("kvlab.kv_cache")
 
-def resolve_kv_cache_block_sizes(specs: Sequence[KVCacheSpec], enable_caching: bool) -> tuple[int, int]:
-    """(scheduler_block_size, hash_block_size), vLLM's rule.
 
-    The scheduler block size is the LCM of the groups' block sizes: every hit length is a
-    multiple of it. Hashes are computed every GCD of the block sizes tokens, so each
-    group's block ends on a hash boundary -- unless caching is off, or a Mamba group is not
-    in ``align`` mode: then hashing is at the scheduler block size."""
+def resolve_kv_cache_block_sizes(
+    specs: Sequence[KVCacheSpec], enable_caching: bool, prefix_match_unit: int | None = None
+) -> tuple[int, int]:
+    """(scheduler_block_size, hash_block_size), vLLM 0.33's rule.
+
+    The scheduler block size is the LCM of the groups' block sizes: every chunk of a Mamba
+    prefill and, unless partial hits are on, every hit length is a multiple of it. Hashes
+    are computed every ``prefix_match_unit`` tokens if given, else every GCD of the block
+    sizes, so each group's block ends on a hash boundary -- unless caching is off, or a
+    Mamba group is not in ``align`` mode: then hashing is at the scheduler block size.
+    With one group, hits land on its blocks: any other ``prefix_match_unit`` is refused."""
     sizes = [s.block_size for s in specs]
     if len(sizes) == 1:
-        return sizes[0], sizes[0]  # type: ignore[return-value]  # the manager fills in every spec's block size before it calls this
+        bs = sizes[0]
+        if prefix_match_unit not in (None, bs) and enable_caching:
+            raise ValueError(
+                f"Invalid prefix_match_unit={prefix_match_unit}; with a single KV cache group, prefix-cache hits land "
+                f"on the block size ({bs}). Unset it or set it to {bs}."
+            )
+        return bs, bs  # type: ignore[return-value]  # the manager fills in every spec's block size before it calls this
     scheduler_block_size = lcm(*sizes)  # type: ignore[arg-type]  # as above
     if not enable_caching or any(isinstance(s, MambaSpec) and s.mamba_cache_mode != "align" for s in specs):
         return scheduler_block_size, scheduler_block_size
-    return scheduler_block_size, gcd(*sizes)  # type: ignore[arg-type]  # as above
+    hashing = [s.block_size for s in specs if s.prefix_cacheable] or sizes
+    hash_block_size = prefix_match_unit if prefix_match_unit is not None else gcd(*hashing)  # type: ignore[arg-type]  # as above
+    if any(bs % hash_block_size for bs in hashing):  # type: ignore[operator]  # as above
+        raise ValueError(
+            f"Invalid prefix_match_unit={hash_block_size}; prefix-cacheable KV cache group block sizes must be divisible "
+            f"by prefix_match_unit. Got group block sizes={sizes}, prefix-cacheable={hashing}."
+        )
+    return scheduler_block_size, hash_block_size
+
+
+def partial_hash_hits_enabled(
+    specs: Sequence[KVCacheSpec], hash_block_size: int, manager_classes: Sequence[type[SingleTypeKVCacheManager]] | None = None
+) -> bool:
+    """Whether hits may end *inside* a block (vLLM 0.33's fine-grained partial hits): only
+    with a Mamba group in ``align`` mode whose blocks are larger than the hash block -- its
+    blocks hold hundreds of tokens on a real hybrid (lesson 07b), and without this a hit
+    would lose up to a whole block. Every other prefix-cacheable group must be able to end a
+    hit inside its blocks too (full attention, Mamba) or have blocks of the hash size."""
+    if not any(isinstance(s, MambaSpec) and s.mamba_cache_mode == "align" and s.block_size > hash_block_size for s in specs):  # type: ignore[operator]  # every spec has its block size
+        return False
+    if manager_classes is None:
+        return True
+    unsupported = sorted(
+        {
+            cls.__name__
+            for s, cls in zip(specs, manager_classes)
+            if s.prefix_cacheable and not cls.supports_fine_grained_hash_lookup and s.block_size != hash_block_size
+        }
+    )
+    if unsupported:
+        logger.warning(
+            "Disabling fine-grained prefix-cache hits because these KV cache managers require block-aligned lookups: %s.",
+            ", ".join(unsupported),
+        )
+        return False
+    return True
 
 
 class KVCacheCoordinator:
@@ -166,6 +214,10 @@ class KVCacheCoordinator:
             m.allocate_new_blocks(request_id, num_encoder_tokens if i in cross else num_tokens, num_tokens_main_model)
             for i, m in enumerate(self.single_type_managers)
         )
+
+    #: Whether hits may end inside a block (vLLM 0.33: a Mamba hybrid whose blocks are larger
+    #: than the hash block); only the hybrid coordinator turns it on.
+    enable_partial_hash_hits = False
 
     def get_num_cacheable_tokens(self, num_computed_tokens: int, kv_cache_group_id: int) -> int:
         return num_computed_tokens
@@ -305,7 +357,6 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 raise ValueError(
                     f"group {m.kv_cache_group_id}: block_size {m.block_size} is not a multiple of the hash block size {self.hash_block_size}"
                 )
-            m.cache_hit_alignment_tokens = self.scheduler_block_size
             if isinstance(m, ChunkedLocalAttentionManager) and m.block_size != self.scheduler_block_size:
                 raise ValueError(
                     "ChunkedLocalAttentionSpec needs every group to share its block size "
@@ -313,11 +364,15 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 )
             if isinstance(m, ChunkedLocalAttentionManager) and self.use_eagle:
                 raise ValueError("EAGLE with chunked local attention is not supported (as in vLLM)")
-            if isinstance(m, MambaManager) and self.enable_caching and m.block_size != self.hash_block_size:
-                raise ValueError(
-                    f"a Mamba group with block_size {m.block_size} > the hash block size {self.hash_block_size} makes vLLM use "
-                    "fine-grained partial hits, which kvlab does not model: give the Mamba group the smallest block size"
-                )
+            if isinstance(m, MambaManager) and self.use_eagle:
+                m.drop_eagle_checkpoint_block = True  # Mamba states follow EAGLE's replay boundary
+        # Fine-grained partial hits (vLLM 0.33): a hit may end on any hash boundary, inside a
+        # block; the request then writes into a private copy of that block (copy-on-write).
+        self.enable_partial_hash_hits = partial_hash_hits_enabled(
+            self.specs, self.hash_block_size, [type(m) for m in self.single_type_managers]
+        )
+        for m in self.single_type_managers:
+            m.cache_hit_alignment_tokens = self._cache_hit_alignment_tokens
         self.attention_groups: list[SpecGroup] = []
         for gid, (spec, m) in enumerate(zip(self.specs, self.single_type_managers)):
             use_eagle = gid in self.eagle_group_ids
@@ -334,10 +389,24 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             for gid in g.group_ids:
                 self.single_type_managers[gid].use_eagle = g.use_eagle
 
+    @property
+    def _cache_hit_alignment_tokens(self) -> int:
+        """Hits land on hash boundaries with partial hits, else on scheduler blocks."""
+        return self.hash_block_size if self.enable_partial_hash_hits else self.scheduler_block_size
+
+    def _align_cacheable(self, num_tokens: int) -> int:
+        """The longest prefix of ``num_tokens`` a future hit could match. With partial hits,
+        none is cut off: even rounding to the hash block would register a copied Mamba tail
+        again."""
+        if self.enable_partial_hash_hits:
+            return num_tokens
+        return num_tokens // self.scheduler_block_size * self.scheduler_block_size
+
     def get_num_cacheable_tokens(self, num_computed_tokens: int, kv_cache_group_id: int) -> int:
-        """Only what a future hit can reach: hits are multiples of the scheduler block size.
-        An EAGLE group also caches the block past the boundary (its hit drops it again)."""
-        aligned = num_computed_tokens // self.scheduler_block_size * self.scheduler_block_size
+        """Only what a future hit can reach: hits are multiples of the scheduler block size
+        (of the hash block, with partial hits). An EAGLE group also caches the block past
+        the boundary (its hit drops it again)."""
+        aligned = self._align_cacheable(num_computed_tokens)
         m = self.single_type_managers[kv_cache_group_id]
         if m.use_eagle and aligned > 0:
             return min(num_computed_tokens, aligned + m.block_size)
@@ -360,8 +429,10 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 drop = use_eagle and idx not in eagle_verified
                 max_length = curr
                 if drop and not isinstance(spec, MambaSpec):
-                    # match one block more, then drop it: back at the candidate length
-                    max_length = min(curr + bs, len(block_hashes) * self.hash_block_size)
+                    # match one unit more, then drop it: back at the candidate length (a hash
+                    # block with partial hits, else a block)
+                    fine = self.enable_partial_hash_hits and cls.supports_fine_grained_hash_lookup and bs > self.hash_block_size
+                    max_length = min(curr + (self.hash_block_size if fine else bs), len(block_hashes) * self.hash_block_size)
                 blocks, new_len = cls.find_longest_cache_hit(
                     block_hashes,
                     max_length,
@@ -369,7 +440,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                     self.block_pool,
                     spec,
                     drop_eagle_block=drop,
-                    alignment_tokens=self.scheduler_block_size,
+                    alignment_tokens=self._cache_hit_alignment_tokens,
                 )
                 if drop:
                     eagle_verified.add(idx)

@@ -21,7 +21,7 @@ from typing import Any
 from kvlab.core.block_pool import BlockPool, group_suffix
 from kvlab.core.kv_cache_coordinator import get_kv_cache_coordinator, resolve_kv_cache_block_sizes
 from kvlab.core.kv_cache_metrics import KVCacheMetricsCollector
-from kvlab.core.kv_cache_utils import KVCacheBlock, get_request_block_hasher
+from kvlab.core.kv_cache_utils import KVCacheBlock, KVCacheBlockCopy, get_request_block_hasher
 from kvlab.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
 from kvlab.core.transaction import manager_call, manager_lookup
 from kvlab.distributed.kv_events import BlockStored, KVEvent
@@ -182,13 +182,17 @@ class KVCacheManager:
         kv_events_use_int_block_hashes: bool | None = None,
         metrics_collector: KVCacheMetricsCollector | None = None,
         prepend_uncached_blocks: bool = True,
+        prefix_match_unit: int | None = None,
     ) -> None:
         """``enable_kv_cache_events``: queue vLLM's KV cache events (``take_events()``).
         ``kv_events_use_int_block_hashes``: publish hashes as 64-bit ints (vLLM's default) or
         as 32-byte digests; None reads ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` as vLLM does
         (default "1"). ``metrics_collector``: a ``KVCacheMetricsCollector`` sampling block
         residency. ``prepend_uncached_blocks=False``: free with vLLM <= 0.22's rule (every
-        freed block to the free-queue tail)."""
+        freed block to the free-queue tail). ``prefix_match_unit`` (vLLM 0.33's
+        ``--prefix-match-unit``): hash every this many tokens instead of every GCD of the
+        groups' block sizes; on a Mamba hybrid with larger blocks it lets hits end inside a
+        block (``coordinator.enable_partial_hash_hits``), the hit's last block then copied."""
         block_size, specs, hash_fn, max_model_len, max_in_flight_tokens, kv_events_use_int_block_hashes = _check_manager_args(
             block_size,
             kv_cache_groups,
@@ -203,7 +207,8 @@ class KVCacheManager:
             manager_classes,
             kv_events_use_int_block_hashes,
         )
-        scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(specs, enable_caching)
+        prefix_match_unit = check_optional_int("prefix_match_unit", prefix_match_unit, 1)
+        scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(specs, enable_caching, prefix_match_unit)
         # The pool checks num_blocks (its door), the coordinator the mix of groups; both are
         # built before the first event is emitted, so a refused configuration leaves no trace.
         block_pool = block_pool_cls(
@@ -460,6 +465,22 @@ class KVCacheManager:
             ids += m.take_new_block_ids()
         return ids
 
+    # -- copy-on-write (vLLM 0.33) ----------------------------------------------------------
+    def take_kv_cache_block_copies(self) -> tuple[list[KVCacheBlockCopy], list[KVCacheBlock]]:
+        """The pages to copy before the next forward pass, and the blocks they keep held.
+
+        A hit that ends inside a block (partial hits on a Mamba hybrid) shares that block's
+        first tokens but writes the rest into a private copy; a request that saved a Mamba
+        state inside a block hands that state to a copy and goes on writing. Each pair's
+        two blocks hold one extra reference each until the copy has run: the caller frees
+        the returned blocks once it has (the scheduler: right away, since the copies run
+        with the step it hands them to). The lists start empty again."""
+        pairs: list[tuple[KVCacheBlock, KVCacheBlock]] = []
+        for m in self.coordinator.single_type_managers:
+            pairs += m.take_pending_cow_copies()
+        copies = [KVCacheBlockCopy(src_block_id=src.block_id, dst_block_id=dst.block_id) for src, dst in pairs]
+        return copies, [b for pair in pairs for b in pair]
+
     def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
         """Record the request's blocks from ``start_token`` on for zeroing again: a failed
         asynchronous KV load left them unwritten and their zeroing was skipped.
@@ -524,8 +545,14 @@ class KVCacheManager:
         if len(hits) != self.num_kv_cache_groups:
             raise ValueError(f"new_computed_blocks has {len(hits)} groups, the manager has {self.num_kv_cache_groups}")
         has_hits = any(hits)
+        partial = self.coordinator.enable_partial_hash_hits  # a hit may end inside its last block
         for spec, g in zip(self.kv_cache_groups, hits) if has_hits else ():
-            if len(g) * spec.block_size != num_new_computed_tokens:  # type: ignore[operator]  # every spec has its block size by now
+            bs: int = spec.block_size  # type: ignore[assignment]  # every spec has its block size by now
+            if (
+                (len(g) != -(-num_new_computed_tokens // bs) or num_new_computed_tokens % self.hash_block_size)
+                if partial
+                else len(g) * bs != num_new_computed_tokens
+            ):
                 raise ValueError(
                     f"num_new_computed_tokens = {num_new_computed_tokens} does not match new_computed_blocks "
                     f"({len(g)} blocks of {spec.block_size} tokens in a group)"
@@ -542,19 +569,25 @@ class KVCacheManager:
                 f"{num_external_computed_tokens} external tokens exceed its {request.num_tokens} tokens"
             )
         if has_hits:
-            self._check_hits(request, hits)
+            self._check_hits(request, hits, num_new_computed_tokens)
         return num_new_tokens, num_new_computed_tokens, num_lookahead_tokens, num_external_computed_tokens, hits
 
-    def _check_hits(self, request: Request, hits: tuple[list[KVCacheBlock], ...]) -> None:
+    def _check_hits(self, request: Request, hits: tuple[list[KVCacheBlock], ...], num_hit_tokens: int) -> None:
         """Prefix hits are adopted only if each is a block of THIS pool that still carries
         the hash it was found under (lesson 04). Between ``get_computed_blocks`` and this
         call a hit can be evicted and reused for another prompt: adopting it would make the
         request read that prompt's K/V, silently. Checked before anything changes. (Only a
-        full-attention group's hits may not be padded with the null block.)"""
+        full-attention group's hits may not be padded with the null block. A hit that ends
+        inside its last block -- partial hits -- must find that block under the key of its
+        last hash boundary.)"""
         pool = self.block_pool
         blocks = pool.blocks
         for gid, (spec, group_hits) in enumerate(zip(self.kv_cache_groups, hits)):
             hashes = pool.resolve_block_hashes(request.block_hashes, spec.block_size)  # type: ignore[arg-type]  # every spec has its block size by now
+            if num_hit_tokens % spec.block_size and group_hits:  # type: ignore[operator]  # as above
+                # the last block is shared part-way: checked here, the rest below
+                self._check_partial_hit(request, gid, group_hits[-1], num_hit_tokens, isinstance(spec, FullAttentionSpec), spec.block_size)  # type: ignore[arg-type]  # as above
+                group_hits = group_hits[:-1]
             if len(group_hits) > len(hashes):
                 raise ValueError(
                     f"new_computed_blocks[{gid}] has {len(group_hits)} blocks, but request {request.request_id!r} "
@@ -592,6 +625,31 @@ class KVCacheManager:
                         "so it holds another prompt's K/V. Look the request up again (get_computed_blocks) and "
                         "allocate with the new hits"
                     )
+
+    def _check_partial_hit(self, request: Request, gid: int, b: Any, num_hit_tokens: int, append_only: bool, block_size: int) -> None:
+        """A hit's last block, shared part-way: findable under the key of the hit's last hash
+        boundary -- or, for full attention, whose K/V only grows, of a later boundary in the
+        same block (an EAGLE hit gives one hash block back)."""
+        where = f"new_computed_blocks[{gid}][-1]"
+        if not isinstance(b, KVCacheBlock):
+            raise TypeError(f"{where} must be a KVCacheBlock, got {type(b).__name__}")
+        blocks = self.block_pool.blocks
+        bid = b.block_id
+        if type(bid) is not int or not 0 <= bid < len(blocks) or blocks[bid] is not b or b.is_null:
+            raise ValueError(
+                f"{where} (block {bid!r}) is not a block of this manager's pool; pass the hits that get_computed_blocks() returned"
+            )
+        hb = self.hash_block_size
+        first = num_hit_tokens // hb
+        last = min(-(-num_hit_tokens // block_size) * block_size // hb, len(request.block_hashes)) if append_only else first
+        keys = {b.cache_key, *self.block_pool.cached_block_hashes_by_block.get(bid, ())}
+        suffix = group_suffix(gid)
+        if not any(request.block_hashes[k - 1] + suffix in keys for k in range(max(first, 1), last + 1) if k <= len(request.block_hashes)):
+            raise ValueError(
+                f"{where}: block {bid} is no longer findable under the hash of the request's first {num_hit_tokens} tokens -- "
+                "it was evicted and reused since get_computed_blocks() found it. Look the request up again and allocate "
+                "with the new hits"
+            )
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Cache the request's blocks up to ``num_computed_tokens`` (after a delayed
@@ -663,8 +721,9 @@ class KVCacheManager:
         return stats
 
     def check_invariants(self) -> None:
-        """Pool invariants + every ref count equals the number of tables holding the block,
-        and no table holds a block of another group's hash."""
+        """Pool invariants + every ref count equals the number of tables holding the block
+        (plus one for each copy waiting for the runner that names it), and no table holds a
+        block of another group's hash."""
         self.block_pool.check_invariants()
         counts: dict[int, int] = {}
         for gid, m in enumerate(self.coordinator.single_type_managers):
@@ -696,8 +755,11 @@ class KVCacheManager:
                         f"{'no hash' if b.cache_key is None else 'another prefix' + chr(39) + 's hash'}; "
                         "the request would read another prompt's K/V"
                     )
+            for pair in m._pending_cow_copies:  # a copy waiting for the runner holds both its blocks once more
+                for b in pair:
+                    counts[b.block_id] = counts.get(b.block_id, 0) + 1
         for b in self.block_pool.blocks:
             if not b.is_null:
                 assert b.ref_cnt == counts.get(b.block_id, 0), (
-                    f"block {b.block_id}: ref_cnt {b.ref_cnt} but held by {counts.get(b.block_id, 0)} tables"
+                    f"block {b.block_id}: ref_cnt {b.ref_cnt} but held by {counts.get(b.block_id, 0)} tables and waiting copies"
                 )

@@ -65,6 +65,15 @@ def get_group_id(key: BlockHashWithGroupId) -> int:
     return int.from_bytes(key[-_GROUP_ID_BYTES:], "big")
 
 
+@dataclass(frozen=True, slots=True)
+class KVCacheBlockCopy:
+    """One page the runner copies before a forward pass (vLLM 0.33): a hit that ended inside
+    block ``src_block_id`` continues in its private copy ``dst_block_id``."""
+
+    src_block_id: int
+    dst_block_id: int
+
+
 @dataclass(slots=True, eq=False)
 class KVCacheBlock:
     """One physical KV block: ``block_size`` token slots in every layer of its group."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from itertools import islice
-from typing import Any
+from typing import Any, ClassVar
 
 from kvlab.core.block_pool import BlockPool, group_suffix
 from kvlab.core.kv_cache_utils import KVCacheBlock, trim_null_head
@@ -39,7 +39,7 @@ from kvlab.kv_cache_interface import (
     RSWASpec,
     SlidingWindowSpec,
 )
-from kvlab.eventlog.events import BlocksSkipped, BlocksTouched
+from kvlab.eventlog.events import BlockCopied, BlocksSkipped, BlocksTouched
 from kvlab.utils.hashing import BlockHash
 
 
@@ -53,6 +53,10 @@ class SingleTypeKVCacheManager:
     #: Whether the kind registers a prompt tail that ends inside a block as a partial prefix
     #: entry when its blocks are larger than the hash block (vLLM 0.33: full attention).
     supports_partial_tail = False
+    #: Whether a hit of this kind may end inside one of its blocks, on a hash boundary (vLLM
+    #: 0.33's fine-grained lookup: full attention and Mamba). The coordinator turns it on
+    #: only for a Mamba hybrid whose blocks are larger than the hash block.
+    supports_fine_grained_hash_lookup: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -90,6 +94,12 @@ class SingleTypeKVCacheManager:
         # the hash block (decided here once, so the common case pays one attribute read).
         hash_block_size = block_pool.hash_block_size
         self._caches_partial_tail = self.supports_partial_tail and bool(hash_block_size) and self.block_size != hash_block_size
+        # Copy-on-write (vLLM 0.33): a hit that ends inside a block shares that block's first
+        # tokens, but the request must write the rest. request id -> (table position, the
+        # shared block), until allocate_new_blocks gives the request a private copy; and the
+        # (source, copy) pairs the runner must copy before the next forward pass.
+        self._partial_hit_reqs: dict[str, tuple[int, KVCacheBlock]] = {}
+        self._pending_cow_copies: list[tuple[KVCacheBlock, KVCacheBlock]] = []
 
     # -- how many blocks ------------------------------------------------------------------------
     @staticmethod
@@ -127,7 +137,13 @@ class SingleTypeKVCacheManager:
         num_new = max(num_required - max(num_skipped_blocks, num_local_blocks), 0)
         num_skipped_hits = max(0, num_skipped_blocks - num_req_blocks)
         hits = new_computed_blocks[num_skipped_hits:] if num_skipped_hits else new_computed_blocks
+        if self._has_partial_local_hit(new_computed_blocks, num_local_computed_tokens):
+            num_new += 1  # the private copy of the hit's last block
         return num_new + self._get_num_evictable_blocks(hits)
+
+    def _has_partial_local_hit(self, new_computed_blocks: Sequence[KVCacheBlock], num_local_computed_tokens: int) -> bool:
+        """The hit ends inside one of this group's blocks: its last block needs a copy."""
+        return len(new_computed_blocks) > 0 and num_local_computed_tokens % self.block_size != 0
 
     # -- adopting hits and allocating -----------------------------------------------------------
     def add_local_computed_blocks(
@@ -155,6 +171,12 @@ class SingleTypeKVCacheManager:
         self._touch(request_id, adopted)
         req_blocks.extend(adopted)
         self.num_cached_block[request_id] = len(req_blocks)
+        if self._has_partial_local_hit(hits, num_local_computed_tokens):
+            # The hit ends inside its last block: allocate_new_blocks swaps in a private copy,
+            # and that copy is cached again once full (so it is not counted as cached).
+            block_idx = num_local_computed_tokens // self.block_size
+            self._partial_hit_reqs[request_id] = (block_idx, hits[-1])
+            self.num_cached_block[request_id] = block_idx
 
     def allocate_external_computed_blocks(
         self, request_id: str, num_local_computed_tokens: int, num_external_computed_tokens: int, record_for_zeroing: bool = True
@@ -178,15 +200,52 @@ class SingleTypeKVCacheManager:
             self.new_block_ids += [b.block_id for b in new]
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int) -> list[KVCacheBlock]:
+        cow: list[KVCacheBlock] = []
+        if self._partial_hit_reqs and request_id in self._partial_hit_reqs:
+            # A hit that ends inside a block: the request writes into a private copy of it
+            # (the extra block was counted by get_num_blocks_to_allocate).
+            block_idx, source = self._partial_hit_reqs.pop(request_id)
+            cow = self.block_pool.get_new_blocks(1, group=self.kv_cache_group_id)
+            self._apply_cow(request_id, block_idx, source, cow[0])
+            self.new_block_ids.append(cow[0].block_id)
         blocks = self.req_to_blocks.setdefault(request_id, [])
         num_new = cdiv(num_tokens, self.block_size) - len(blocks)
         if num_new <= 0:
-            return []
+            return cow
         new = self.block_pool.get_new_blocks(num_new, request_id=request_id, group=self.kv_cache_group_id)
         blocks.extend(new)
         if self._record_new_block_ids:
             self.new_block_ids += [b.block_id for b in new]
-        return new
+        return cow + new if cow else new
+
+    def _apply_cow(self, request_id: str, block_idx: int, source: KVCacheBlock, cow_block: KVCacheBlock) -> None:
+        """Copy-on-write: the request's table takes ``cow_block`` instead of the shared
+        ``source`` at ``block_idx``, and the pair waits for the runner, which copies the
+        source's page into the copy before the forward pass writes the rest of it. Until
+        that copy has run, both stay held (``take_pending_cow_copies``): the source keeps
+        the reference the hit took, the copy gets one more than the request's."""
+        req_blocks = self.req_to_blocks[request_id]
+        assert block_idx < len(req_blocks) and req_blocks[block_idx] is source
+        assert not source.is_null and source.ref_cnt > 0
+        req_blocks[block_idx] = cow_block
+        self._pending_cow_copies.append((source, cow_block))
+        cow_block.ref_cnt += 1
+        events = self.block_pool.events
+        if events is not None:
+            events.emit(
+                BlockCopied(
+                    request_id=request_id,
+                    group=self.kv_cache_group_id,
+                    position=block_idx,
+                    src_block_id=source.block_id,
+                    dst_block_id=cow_block.block_id,
+                )
+            )
+
+    def take_pending_cow_copies(self) -> list[tuple[KVCacheBlock, KVCacheBlock]]:
+        """The (source, copy) pairs waiting for the runner; the list starts empty again."""
+        pending, self._pending_cow_copies = self._pending_cow_copies, []
+        return pending
 
     @property
     def records_new_block_ids(self) -> bool:
@@ -248,6 +307,8 @@ class SingleTypeKVCacheManager:
         skipped prefix) are not passed on."""
         blocks = trim_null_head(self.req_to_blocks.pop(request_id, []))
         self.num_cached_block.pop(request_id, None)
+        if self._partial_hit_reqs:
+            self._partial_hit_reqs.pop(request_id, None)
         self.block_pool.free_blocks(self.free_order(blocks), request_id=request_id, group=self.kv_cache_group_id)
 
     @staticmethod
@@ -324,6 +385,18 @@ class SingleTypeKVCacheManager:
         raise NotImplementedError
 
 
+def mamba_prefill_checkpoint_position(num_tokens: int, hash_block_size: int, drop_eagle_block: bool) -> int:
+    """Where a prefill of ``num_tokens`` tokens saves its reusable Mamba state (vLLM 0.33's
+    ``get_mamba_prefill_checkpoint_position``): the last hash boundary below the last token
+    (whose logits must be computed), or -- with EAGLE, which recomputes one hash block -- one
+    hash block below the last boundary within the prompt."""
+    limit = num_tokens if drop_eagle_block else num_tokens - 1
+    position = limit // hash_block_size * hash_block_size
+    if drop_eagle_block:
+        position -= hash_block_size
+    return max(position, 0)
+
+
 def _lookup(block_pool: BlockPool, block_hash: BlockHash, group_ids: Sequence[int]) -> list[KVCacheBlock] | None:
     if len(group_ids) == 1:
         blk = block_pool.cached_block_hash_to_block.get_one_block(block_hash + group_suffix(group_ids[0]))
@@ -333,6 +406,7 @@ def _lookup(block_pool: BlockPool, block_hash: BlockHash, group_ids: Sequence[in
 
 class FullAttentionManager(SingleTypeKVCacheManager):
     supports_partial_tail = True
+    supports_fine_grained_hash_lookup = True
 
     @classmethod
     def find_longest_cache_hit(
@@ -362,6 +436,21 @@ class FullAttentionManager(SingleTypeKVCacheManager):
                 for lst, blk in zip(computed, hit):
                     lst.append(blk)
         hit_length = len(computed[0]) * bs
+        if alignment < bs and bs % alignment == 0:
+            # Fine-grained (partial hits on): the hit may go on into the first block that is
+            # not cached whole, up to its last hash boundary that is a key -- the prompt tail
+            # another request registered there (cache_partial_block). Longest first.
+            scale = bs // alignment
+            first = len(computed[0]) * scale
+            last = min(first + scale - 1, max(0, max_length) // alignment, len(block_hashes))
+            for fine_idx in range(last - 1, first - 1, -1):
+                hit = _lookup(block_pool, block_hashes[fine_idx], kv_cache_group_ids)
+                if hit is None:
+                    continue
+                for lst, blk in zip(computed, hit):
+                    lst.append(blk)
+                hit_length = (fine_idx + 1) * alignment
+                break
         if drop_eagle_block and hit_length > 0:
             hit_length -= min(alignment, bs)
         hit_length -= hit_length % alignment
@@ -524,7 +613,15 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
 
 class MambaManager(SingleTypeKVCacheManager):
     """A state group: the "table" of a request holds state blocks, one per
-    ``block_size`` tokens in ``align`` mode, all but the last one or two of them null."""
+    ``block_size`` tokens in ``align`` mode, all but the last one or two of them null.
+
+    When its blocks are larger than the hash block (vLLM 0.33 raises a hybrid's block size
+    to hundreds of tokens, lesson 07b), a state can also be saved at the prompt's last hash
+    boundary inside a block: the block holding it gets that boundary as a partial key, and a
+    later request that hits it starts from a private copy (copy-on-write), since it will
+    overwrite the state with its own."""
+
+    supports_fine_grained_hash_lookup = True
 
     def __init__(self, kv_cache_spec: MambaSpec, block_pool: BlockPool, kv_cache_group_id: int, *args: Any, **kwargs: Any) -> None:
         super().__init__(kv_cache_spec, block_pool, kv_cache_group_id, *args, **kwargs)
@@ -537,6 +634,8 @@ class MambaManager(SingleTypeKVCacheManager):
         self.last_state_block_idx: dict[str, int] = {}
         self._num_retired_blocks: dict[str, int] = {}
         self._allocated_block_reqs: set[str] = set()
+        # With EAGLE a saved state sits one hash block earlier (the coordinator sets it).
+        self.drop_eagle_checkpoint_block = False
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         """Only the state after the last computed token is needed."""
@@ -550,8 +649,20 @@ class MambaManager(SingleTypeKVCacheManager):
         aligned length; the blocks before it are the null block."""
         bs = kv_cache_spec.block_size
         alignment = alignment_tokens or bs
-        hashes = block_pool.resolve_block_hashes(block_hashes, bs)
         computed: tuple[list[KVCacheBlock], ...] = tuple([] for _ in kv_cache_group_ids)
+        if alignment < bs and bs % alignment == 0:
+            # Fine-grained: a state saved at any hash boundary will do, inside a block too.
+            scale = bs // alignment
+            for fine_idx in range(min(max(0, max_length) // alignment, len(block_hashes)) - 1, -1, -1):
+                hit = _lookup(block_pool, block_hashes[fine_idx], kv_cache_group_ids)
+                if hit is None:
+                    continue
+                for lst, blk in zip(computed, hit):
+                    lst.extend([block_pool.null_block] * (fine_idx // scale))
+                    lst.append(blk)
+                return computed, (fine_idx + 1) * alignment
+            return computed, 0
+        hashes = block_pool.resolve_block_hashes(block_hashes, bs)
         for i in range(min(max(0, max_length) // bs, len(hashes)) - 1, -1, -1):
             hit = _lookup(block_pool, hashes[i], kv_cache_group_ids)
             if hit is None or (bs != alignment and (i + 1) * bs % alignment):
@@ -586,10 +697,16 @@ class MambaManager(SingleTypeKVCacheManager):
                 apply_admission_cap,
             )
         held = self.req_to_blocks.get(request_id, ())
-        # One new state block per step at most (lookahead slots are not states).
+        # One new state block per step at most (lookahead slots are not states), and one
+        # more for the copy of a state saved inside a block.
         num_new = cdiv(num_tokens_main_model, self.block_size) - len(new_computed_blocks) - len(held)
+        has_partial_hit = (
+            self._has_partial_local_hit(new_computed_blocks, num_local_computed_tokens) or request_id in self._partial_hit_reqs
+        )
+        if has_partial_hit:
+            num_new = max(num_new, 0) + 1
         if num_new > 0:
-            num_new = 1
+            num_new = min(num_new, 1 + int(has_partial_hit))
         count = num_new + self._get_num_evictable_blocks(new_computed_blocks)
         if (
             not apply_admission_cap
@@ -615,11 +732,13 @@ class MambaManager(SingleTypeKVCacheManager):
             return super().allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
         blocks = self.req_to_blocks.setdefault(request_id, [])
         num_required = cdiv(num_tokens_main_model, self.block_size)
-        if num_required <= len(blocks):
+        partial = self._partial_hit_reqs.get(request_id) if self._partial_hit_reqs else None
+        if num_required <= len(blocks) and partial is None:
             self._allocated_block_reqs.add(request_id)
             return []
         prev = len(blocks)
-        if request_id in self._allocated_block_reqs or prev > 0:
+        allocated = request_id in self._allocated_block_reqs
+        if allocated or prev > 0:
             # The state this step reads: the last block (a hit's saved state, or the
             # state the previous step wrote). It is freed once the new state exists.
             self.last_state_block_idx[request_id] = prev - 1
@@ -631,9 +750,41 @@ class MambaManager(SingleTypeKVCacheManager):
             blocks.extend(pad)
         num_new = max(num_required - len(blocks), 0)
         assert num_new <= 1, "a Mamba group allocates at most one state block per step"
-        blocks.extend(self.block_pool.get_new_blocks(num_new, request_id=request_id, group=self.kv_cache_group_id))
+        returned = blocks[prev:]
+        if partial is not None:
+            # A state saved inside a block: a copy of it is taken first (its block comes off
+            # the queue before the new state's, as in vLLM).
+            block_idx, source = partial
+            cow_block = self.block_pool.get_new_blocks(1, group=self.kv_cache_group_id)[0]
+            if allocated:
+                # The request saved that state itself and keeps writing into its block (the
+                # runner's table only grows): the cache entry moves to the copy instead.
+                assert blocks[block_idx] is source
+                self.block_pool.move_block_hashes(source, cow_block)
+                self._pending_cow_copies.append((source, cow_block))
+                source.ref_cnt += 1
+                if cow_block.cache_key is not None:
+                    self.cached_blocks_this_step.add(cow_block.cache_key)  # filled by this step's copy
+                events = self.block_pool.events
+                if events is not None:
+                    events.emit(
+                        BlockCopied(
+                            request_id=request_id,
+                            group=self.kv_cache_group_id,
+                            position=block_idx,
+                            src_block_id=source.block_id,
+                            dst_block_id=cow_block.block_id,
+                            moved_hashes=True,
+                        )
+                    )
+            else:
+                self._apply_cow(request_id, block_idx, source, cow_block)
+                returned = [cow_block] + returned
+            self._partial_hit_reqs.pop(request_id, None)
+        new = self.block_pool.get_new_blocks(num_new, request_id=request_id, group=self.kv_cache_group_id)
+        blocks.extend(new)
         self._allocated_block_reqs.add(request_id)
-        return blocks[prev:]
+        return returned + new
 
     def _remove_blocks_in_range(self, request_id: str, first_block: int, last_block: int) -> None:
         if self.mamba_cache_mode != "align":
@@ -671,10 +822,41 @@ class MambaManager(SingleTypeKVCacheManager):
         before = self.num_cached_block.get(rid, 0)
         super().cache_blocks(request, num_tokens)
         after = self.num_cached_block.get(rid, 0)
+        if self.mamba_cache_mode == "align":
+            key = self._cache_partial_tail_block(request, num_tokens)
+            if key is not None:
+                self.cached_blocks_this_step.add(key)
         blocks = self.req_to_blocks.get(rid, [])
         for b in blocks[before:after]:
             if not b.is_null and b.cache_key is not None:
                 self.cached_blocks_this_step.add(b.cache_key)
+
+    def _cache_partial_tail_block(self, request: Any, num_tokens: int) -> bytes | None:  # type: ignore[override]  # returns the key it made
+        """Save the state at the prompt's last hash boundary (below the last prompt token, one
+        hash block lower with EAGLE) as a partial key of the block that holds it, when the
+        computed tokens reach exactly that boundary -- the scheduler ends a chunk there
+        (``Scheduler._mamba_block_aligned_split``). Inside a block, the request keeps
+        writing its state into that block, so its next allocation moves the key to a copy."""
+        hash_block_size = self.block_pool.hash_block_size
+        if not hash_block_size or num_tokens <= 0 or num_tokens % hash_block_size:
+            return None
+        if num_tokens != mamba_prefill_checkpoint_position(request.num_prompt_tokens, hash_block_size, self.drop_eagle_checkpoint_block):
+            return None
+        block_idx = cdiv(num_tokens, self.block_size) - 1
+        blocks = self.req_to_blocks.get(request.request_id, ())
+        if block_idx >= len(blocks) or blocks[block_idx].is_null:
+            return None
+        source = blocks[block_idx]
+        if (
+            source.cache_key is not None
+            and self.block_pool.partial_hash_num_tokens.get(source.block_id, (block_idx + 1) * self.block_size) == num_tokens
+        ):
+            return None  # keyed there already (a hit, or an earlier step); a whole block's key covers all of it
+        key = self.block_pool.cache_partial_block(request, source, num_tokens, self.kv_cache_group_id, self.block_size)
+        if key is not None and num_tokens % self.block_size:
+            self._partial_hit_reqs[request.request_id] = (block_idx, source)
+            self.num_cached_block[request.request_id] = block_idx
+        return key
 
     def free(self, request_id: str) -> None:
         self._allocated_block_reqs.discard(request_id)

@@ -393,7 +393,7 @@ _TABLES = frozenset({"req_to_blocks"})  # the attribute a growing-table class ke
 #: read for every request in every step. A test compares the names with a real manager's
 #: attributes, so one added later cannot be missed. (Other classes, a learner's subclass
 #: among them, are saved generically.)
-_FULL_ATTENTION_STATE = ("num_cached_block", "new_block_ids")
+_FULL_ATTENTION_STATE = ("num_cached_block", "new_block_ids", "_partial_hit_reqs", "_pending_cow_copies")
 _FULL_ATTENTION_FIXED = frozenset(
     {
         "kv_cache_spec",
@@ -518,7 +518,9 @@ def restore_manager(mgr: KVCacheManager, cp: ManagerCheckpoint, *, drop_reused: 
     mgr.prefix_cache_stats = None if cp.prefix_cache_stats is None else cp.prefix_cache_stats.copy()
     for r, state in cp.saved_requests.values():
         set_request_state(r, state)
-    tables = [t for m in mgr.coordinator.single_type_managers for t in m.req_to_blocks.values()]
+    tables: list[Sequence[KVCacheBlock]] = [t for m in mgr.coordinator.single_type_managers for t in m.req_to_blocks.values()]
+    # A copy waiting for the runner holds both its blocks once more (take_kv_cache_block_copies).
+    tables += [pair for m in mgr.coordinator.single_type_managers for pair in m._pending_cow_copies]
     dropped = restore_pool(mgr.block_pool, cp.pool, tables, drop_reused=drop_reused)
     release_manager(mgr, cp)
     return dropped

@@ -247,7 +247,7 @@ class BlocksFreed(Event):
     block_ids: list[int] = field(default_factory=list)
     to_head: list[int] = field(default_factory=list)
     to_tail: list[int] = field(default_factory=list)
-    reason: str = "request"  # "request": the whole table goes; "window": blocks left the window
+    reason: str = "request"  # "request": the whole table goes; "window": blocks left the window; "copied": a copy-on-write ran
 
     def apply(self, state: ReplayState) -> None:
         for bid in self.block_ids:
@@ -281,6 +281,37 @@ class BlockEvicted(Event):
 
     def describe(self) -> str:
         return f"evict block {self.block_id} (hash {self.block_hash.hex()[:8]} dropped)"
+
+
+@_register
+@dataclass(slots=True)
+class BlockCopied(Event):
+    """Copy-on-write (vLLM 0.33): a hit that ended inside block ``src_block_id`` continues in
+    its private copy ``dst_block_id``, which takes position ``position`` of the request's
+    table; the runner copies the page before the forward pass. ``moved_hashes``: instead,
+    the request keeps writing into the source (a Mamba state it saved there), and the
+    cache's keys move to the copy. Until the copy has run, both blocks are held once more."""
+
+    kind: ClassVar[str] = "block_copied"
+    request_id: str | None = None
+    group: int = 0
+    position: int = 0
+    src_block_id: int = 0
+    dst_block_id: int = 0
+    moved_hashes: bool = False
+
+    def apply(self, state: ReplayState) -> None:
+        if self.moved_hashes:
+            state.move_hashes(self.src_block_id, self.dst_block_id)
+        else:
+            state.copy_on_write(self.request_id, self.group, self.position, self.src_block_id, self.dst_block_id)
+
+    def describe(self) -> str:
+        if self.moved_hashes:
+            return (
+                f"copy block {self.src_block_id} → {self.dst_block_id}: its cache keys move to the copy ({self.request_id} keeps writing)"
+            )
+        return f"copy block {self.src_block_id} → {self.dst_block_id} for {self.request_id} (position {self.position}, group {self.group})"
 
 
 @_register

@@ -309,6 +309,37 @@ class ReplayState:
                     raise ValueError(f"position {pos!r} is outside {rid!r}'s table of {len(table)} blocks")
                 table[pos] = 0
 
+    def copy_on_write(self, rid: str | None, group: int, pos: int, src: int, dst: int) -> None:
+        """The request's table takes ``dst`` (allocated just before, to no table) at ``pos``
+        instead of ``src``; ``src`` keeps its reference and ``dst`` gets one more, both
+        until the copy has run."""
+        table = self._table(rid, group)
+        if table is None or type(pos) is not int or not 0 <= pos < len(table) or table[pos] != src:
+            raise ValueError(f"block {src} is not at position {pos!r} of {rid!r}'s table (group {group})")
+        table[pos] = dst
+        holds = self.holds[self._block(src)]
+        for k, h in enumerate(holds):
+            if h.request_id == rid and h.group == group:
+                self.holds[src] = holds[:k] + holds[k + 1 :]
+                break
+        if self.ref[self._block(dst)] == 0:
+            self.num_held += 1
+        self.ref[dst] += 1
+        self.holds[dst] = self.holds[dst] + (Holding(rid, group, pos),)  # type: ignore[arg-type]  # a table exists, so rid is a request id
+
+    def move_hashes(self, src: int, dst: int) -> None:
+        """Every cache key of ``src`` now names ``dst``; ``src`` is held once more until the
+        copy has run."""
+        self.ref[self._block(src)] += 1
+        self._block(dst)
+        for h, node in list(self.nodes.items()):
+            if src in node.block_ids:
+                node = self._node(h)
+                node.block_ids[node.block_ids.index(src)] = dst
+        self.hash[dst], self.tokens_of[dst] = self.hash[src], self.tokens_of[src]
+        self.group_of[dst] = self.group_of[src]
+        self.hash[src] = self.tokens_of[src] = None
+
     # -- the prefix cache ----------------------------------------------------------------------
     def _node(self, h: str) -> HashNode:
         node = self.nodes[h]

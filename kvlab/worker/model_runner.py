@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor
 
+from kvlab.core.kv_cache_utils import KVCacheBlockCopy
 from kvlab.core.sched.output import NewRequestData, SchedulerOutput
 from kvlab.eventlog.events import AttentionBatch, EventLog
 from kvlab.kv_cache_interface import KVCacheConfig
@@ -311,6 +312,29 @@ class ModelRunner(KVConnectorModelRunnerMixin):
                 raise ValueError(f"new_block_ids_to_zero: {b!r} is not a block id of this cache (1..{self.num_blocks - 1})")
         return ids
 
+    def _check_block_copies(self, copies: list[KVCacheBlockCopy] | None) -> list[tuple[int, int]]:
+        if not copies:
+            return []
+        pairs: list[tuple[int, int]] = []
+        for c in copies:
+            src, dst = getattr(c, "src_block_id", None), getattr(c, "dst_block_id", None)
+            for name, b in (("src_block_id", src), ("dst_block_id", dst)):
+                if type(b) is not int or not 1 <= b < self.num_blocks:
+                    raise ValueError(f"kv_cache_block_copies: {name} {b!r} is not a block id of this cache (1..{self.num_blocks - 1})")
+            assert isinstance(src, int) and isinstance(dst, int)  # checked above
+            if src == dst:
+                raise ValueError(f"kv_cache_block_copies: block {src} is copied onto itself")
+            pairs.append((src, dst))
+        return pairs
+
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """vLLM 0.33's copy-on-write: each destination page becomes its source page, in every
+        layer, before the forward pass writes the rest of it."""
+        src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=self.device)
+        dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=self.device)
+        for kv in self.kv_caches:
+            kv[dst] = kv[src]
+
     def _zero_block_ids(self, ids: list[int]) -> None:
         """vLLM 0.33's zeroing: every layer's pages of these blocks become 0 before this step
         writes into them, so bytes another group left behind cannot decode as NaN or Inf."""
@@ -333,10 +357,13 @@ class ModelRunner(KVConnectorModelRunnerMixin):
         so = scheduler_output
         staged, order = self._stage(so)
         zero = self._check_block_ids_to_zero(so.new_block_ids_to_zero)
+        copies = self._check_block_copies(so.kv_cache_block_copies)
         self.requests = staged
         self.num_steps += 1
         if zero:
             self._zero_block_ids(zero)
+        if copies:
+            self._copy_blocks(copies)
         # A KV connector loads external KV now; a request whose computed prefix holds a
         # block that failed to load sits this step out (the scheduler gives it back).
         invalid = self._kv_connector_start(so)

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvlab.core.kv_cache_utils import KVCacheBlockCopy
+
 
 @dataclass(slots=True)
 class NewRequestData:
@@ -70,3 +72,6 @@ class SchedulerOutput:
     # before it writes them (None: none, or the pool needs no zeroing -- see
     # KVCacheConfig.needs_kv_cache_zeroing).
     new_block_ids_to_zero: list[int] | None = None
+    # vLLM 0.33: pages the runner copies before the forward pass, after zeroing (copy-on-write:
+    # a hit that ended inside a block continues in its private copy). None: no copy.
+    kv_cache_block_copies: list[KVCacheBlockCopy] | None = None

@@ -38,7 +38,8 @@ from kvlab.core.encoder_cache_manager import EncoderCacheManager, compute_encode
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from kvlab.core.sched.request_queue import POLICIES, FCFSRequestQueue, PriorityRequestQueue
-from kvlab.core.single_type_kv_cache_manager import cdiv
+from kvlab.core.kv_cache_utils import KVCacheBlockCopy
+from kvlab.core.single_type_kv_cache_manager import cdiv, mamba_prefill_checkpoint_position
 from kvlab.core.transaction import adds_request, scheduler_call
 from kvlab.distributed.kv_events import KVEventBatch
 from kvlab.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
@@ -230,6 +231,15 @@ class Scheduler:
         self.need_mamba_block_aligned_split = any(
             isinstance(g, MambaSpec) and g.mamba_cache_mode == "align" for g in kv_cache_manager.kv_cache_groups
         )
+        # Fine-grained partial hits (vLLM 0.33): a Mamba state is also saved at the prompt's
+        # last hash boundary, so a prefill chunk stops there too.
+        self.mamba_partial_cache_hit = self.need_mamba_block_aligned_split and kv_cache_manager.coordinator.enable_partial_hash_hits
+        if connector is not None and self.mamba_partial_cache_hit:
+            raise ValueError(
+                "a KV connector with partial prefix hits (a Mamba hybrid whose blocks are larger than the hash block) is not "
+                "modelled by kvlab: vLLM 0.33 hands such a connector the Mamba states saved inside blocks. Use "
+                "prefix_match_unit equal to the Mamba block size, or no connector"
+            )
         self.events = kv_cache_manager.events
         self.connector = connector
         if connector is not None:
@@ -691,10 +701,21 @@ class Scheduler:
             scheduled_encoder_inputs=plan.encoder_inputs,
             free_encoder_mm_hashes=self.encoder_cache_manager.get_freed_mm_hashes(),
             new_block_ids_to_zero=self._get_new_block_ids_to_zero(),
+            kv_cache_block_copies=self._take_kv_cache_block_copies(),
         )
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
+
+    def _take_kv_cache_block_copies(self) -> list[KVCacheBlockCopy] | None:
+        """Pages the runner copies this step (copy-on-write, vLLM 0.33). The copies run with
+        the step they are handed to, before anything reads or writes those blocks again,
+        so the blocks they kept held are let go now."""
+        mgr = self.kv_cache_manager
+        copies, retained = mgr.take_kv_cache_block_copies()
+        if copies:
+            mgr.block_pool.free_blocks(retained, reason="copied")
+        return copies or None
 
     def _get_new_block_ids_to_zero(self) -> list[int] | None:
         """Drained every step, so the managers' lists never grow; only zeroing reads them."""
@@ -705,15 +726,19 @@ class Scheduler:
     def _mamba_block_aligned_split(self, request: Request, num_new_tokens: int, num_computed_tokens: int) -> int:
         """Cut a prefill chunk so it ends where a Mamba state can be saved: on a block
         boundary, and never past the last boundary before the prompt's final token (the
-        state a later request with this prompt would start from). The prompt's last chunk
-        may end anywhere (vLLM's ``_mamba_block_aligned_split``, without EAGLE)."""
+        state a later request with this prompt would start from; one block lower with
+        EAGLE). With partial hits, also at the prompt's last hash boundary, where the state
+        saved inside a block lets a later request hit part-way into it. The prompt's last
+        chunk may end anywhere (vLLM's ``_mamba_block_aligned_split``)."""
         start = num_computed_tokens
         prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
         if start >= prefill_end:
             return num_new_tokens
-        bs = next(g.block_size for g in self.kv_cache_manager.kv_cache_groups if isinstance(g, MambaSpec))
+        mgr = self.kv_cache_manager
+        bs = next(g.block_size for g in mgr.kv_cache_groups if isinstance(g, MambaSpec))
         assert bs is not None
-        last_cache_position = (request.num_tokens - 1) // bs * bs
+        eagle = mgr.use_eagle
+        last_cache_position = mamba_prefill_checkpoint_position(request.num_tokens, bs, eagle)
         end = start + num_new_tokens
         if end < prefill_end:
             limit = self.max_num_scheduled_tokens
@@ -722,7 +747,14 @@ class Scheduler:
             aligned_end = end // bs * bs
             if aligned_end > start or bs <= limit:
                 end = aligned_end
-        stops = ((start // bs + 1) * bs if start % bs else 0, last_cache_position)
+        tail = (
+            mamba_prefill_checkpoint_position(request.num_prompt_tokens, mgr.hash_block_size, eagle) if self.mamba_partial_cache_hit else 0
+        )
+        stops = (
+            (start // bs + 1) * bs if start % bs else 0,
+            last_cache_position,
+            tail if last_cache_position < tail < request.num_prompt_tokens else 0,
+        )
         end = min((x for x in stops if start < x < end), default=end)
         return max(end - start, 0)
 

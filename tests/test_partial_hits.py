@@ -1,0 +1,207 @@
+"""Fine-grained partial hits and copy-on-write (vLLM 0.33).
+
+On a Mamba hybrid whose blocks are larger than the hash block (``prefix_match_unit``), a
+prefix hit may end *inside* a block: the prompt's last hash boundary is saved as a partial
+key of the block that holds it, in the full-attention group (its K/V) and in the Mamba
+group (the state after exactly that many tokens). A later request that hits there shares
+the block's first tokens but must write the rest, so it gets a private copy of that block
+(``_apply_cow``); a request that saved a Mamba state inside a block and goes on writing it
+hands the cache entry to a copy instead (``move_block_hashes``). The copies reach the
+runner as ``SchedulerOutput.kv_cache_block_copies``.
+
+Every expected value below was first produced by vLLM 0.33.0's own ``KVCacheManager`` with
+the same calls (the unpacked release wheel, sha256_cbor hashes), and kvlab's equals it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from kvlab import FullAttentionSpec, KVCacheManager, MambaSpec, Request, SlidingWindowSpec
+from kvlab.core.kv_cache_utils import KVCacheBlockCopy
+from kvlab.core.sched.scheduler import Scheduler
+from kvlab.core.transaction import checkpoint_manager, restore_manager
+from kvlab.eventlog.events import EventLog
+
+HYBRID = [FullAttentionSpec(block_size=8), MambaSpec(block_size=8)]
+
+
+def manager(**kw) -> KVCacheManager:
+    return KVCacheManager(
+        num_blocks=16,
+        kv_cache_groups=HYBRID,
+        enable_kv_cache_events=True,
+        hash_algo="sha256_cbor",
+        max_model_len=64,
+        prefix_match_unit=4,
+        **kw,
+    )
+
+
+def ids(blocks) -> list[list[int]]:
+    return [[b.block_id for b in g] for g in blocks.blocks]
+
+
+def free_queue(m: KVCacheManager) -> list[int]:
+    return [b.block_id for b in m.block_pool.free_block_queue.get_all_free_blocks()]
+
+
+def step(m: KVCacheManager, r: Request, n: int, first: bool = False) -> dict:
+    """One allocation as a scheduler step makes it: new step, (lookup,) allocate, hand the
+    copies to the runner and let their blocks go."""
+    m.new_step_starts()
+    hit = None
+    if first:
+        blocks, hit = m.get_computed_blocks(r)
+        got = m.allocate_slots(r, n, hit, blocks)
+        r.num_computed_tokens = hit + n
+    else:
+        got = m.allocate_slots(r, n)
+        r.num_computed_tokens += n
+    assert got is not None
+    copies, retained = m.take_kv_cache_block_copies()
+    refs = [b.ref_cnt for b in retained]
+    m.block_pool.free_blocks(retained)
+    events = [(type(e).__name__, e.block_size, e.group_idx) for e in m.take_events()]
+    return dict(
+        hit=hit,
+        new=ids(got),
+        table=ids(m.get_blocks(r.request_id)),
+        copies=[(c.src_block_id, c.dst_block_id) for c in copies],
+        retained_refs=refs,
+        events=events,
+        free=free_queue(m),
+    )
+
+
+def test_the_settings_that_turn_partial_hits_on_as_in_vllm() -> None:
+    on = manager()
+    assert on.coordinator.enable_partial_hash_hits and on.hash_block_size == 4
+    assert [x.cache_hit_alignment_tokens for x in on.coordinator.single_type_managers] == [4, 4]
+    # Hash blocks as large as the Mamba block: hits stay on block boundaries.
+    same = KVCacheManager(num_blocks=16, kv_cache_groups=HYBRID)
+    assert not same.coordinator.enable_partial_hash_hits and same.hash_block_size == 8
+    # A window group of the hash block size can end a hit anywhere too ...
+    swa4 = [FullAttentionSpec(block_size=8), SlidingWindowSpec(block_size=4, sliding_window=16), MambaSpec(block_size=8)]
+    assert KVCacheManager(num_blocks=16, kv_cache_groups=swa4, prefix_match_unit=4).coordinator.enable_partial_hash_hits
+
+
+def test_a_window_group_with_larger_blocks_turns_them_off_with_vllms_warning(caplog) -> None:
+    swa8 = [FullAttentionSpec(block_size=8), SlidingWindowSpec(block_size=8, sliding_window=16), MambaSpec(block_size=8)]
+    with caplog.at_level(logging.WARNING, logger="kvlab.kv_cache"):
+        m = KVCacheManager(num_blocks=16, kv_cache_groups=swa8, prefix_match_unit=4)
+    assert not m.coordinator.enable_partial_hash_hits
+    assert [x.cache_hit_alignment_tokens for x in m.coordinator.single_type_managers] == [8, 8, 8]
+    assert (
+        "Disabling fine-grained prefix-cache hits because these KV cache managers require block-aligned lookups: SlidingWindowManager."
+        in caplog.text
+    )
+
+
+def test_a_prompt_saved_inside_a_block_is_hit_there_and_copied() -> None:
+    """a (14 tokens) runs in the chunks vLLM's scheduler gives it: to the block boundary 8,
+    to its last hash boundary 12, then the rest. b shares a's first 12 tokens."""
+    m = manager()
+    a = Request("a", list(range(14)), max_tokens=4)
+    s1 = step(m, a, 8, first=True)
+    assert (s1["hit"], s1["table"], s1["events"]) == (0, [[1], [2]], [("BlockStored", 8, 0), ("BlockStored", 8, 1)])
+    s2 = step(m, a, 4)
+    # Token 12 is inside block 1: each group saves it as a partial key (one hash block).
+    assert (s2["table"], s2["copies"], s2["events"]) == ([[1, 3], [2, 4]], [], [("BlockStored", 4, 0), ("BlockStored", 4, 1)])
+    s3 = step(m, a, 2)
+    # a goes on writing its Mamba state into block 4: the key moves to a copy (5), no event.
+    assert (s3["new"], s3["table"], s3["copies"], s3["retained_refs"], s3["events"]) == ([[], []], [[1, 3], [0, 4]], [(4, 5)], [2, 1], [])
+    assert s3["free"] == [6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 2, 5]
+    b = Request("b", list(range(12)) + [99, 98, 97], max_tokens=4)
+    s4 = step(m, b, 3, first=True)
+    # A hit of 12 tokens: block 3 (a's, still writing) and the saved state 5 are shared part-way,
+    # so b gets private copies 6 and 7 in their places.
+    assert (s4["hit"], s4["new"], s4["table"]) == (12, [[6], [7]], [[1, 6], [0, 7]])
+    assert (s4["copies"], s4["retained_refs"]) == ([(3, 6), (5, 7)], [2, 2, 1, 2])
+    assert s4["events"] == [("BlockStored", 4, 0)]  # b's own tail (12 in its copy 6)
+    assert s4["free"] == [8, 9, 10, 11, 12, 13, 14, 15, 2, 5]
+    m.free(a)
+    m.free(b)
+    assert free_queue(m) == [7, 4, 8, 9, 10, 11, 12, 13, 14, 15, 2, 5, 3, 6, 1]
+    m.new_step_starts()
+    blocks, hit = m.get_computed_blocks(Request("c", list(range(12)) + [50], max_tokens=4))
+    assert (hit, ids(blocks)) == (12, [[1, 3], [0, 5]])
+    m.block_pool.check_invariants()
+
+
+def test_the_scheduler_stops_a_chunk_at_the_prompts_last_hash_boundary_and_hands_over_the_copies() -> None:
+    m = KVCacheManager(num_blocks=16, kv_cache_groups=HYBRID, max_model_len=64, prefix_match_unit=4)
+    sched = Scheduler(m, max_num_batched_tokens=64, max_num_seqs=4)
+    sched.add_request(Request("a", list(range(14)), max_tokens=2))
+    chunks, copies = [], []
+    for _ in range(3):
+        out = sched.schedule()
+        chunks.append(out.num_scheduled_tokens["a"])
+        copies.append(out.kv_cache_block_copies)
+        sched.update_from_output(out, {"a": [7]} if sum(chunks) >= 14 else {})
+    assert chunks == [8, 4, 2]
+    assert copies == [None, None, [KVCacheBlockCopy(src_block_id=4, dst_block_id=5)]]
+    # Both blocks of the copy were let go once it was handed over: 4 stays a's, 5 is cached.
+    assert (m.block_pool.blocks[4].ref_cnt, m.block_pool.blocks[5].ref_cnt) == (1, 0)
+    sched.check_invariants()
+
+
+def test_a_connector_with_partial_hits_is_refused(tmp_path) -> None:
+    from kvlab.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from kvlab.distributed.kv_transfer.kv_connector.v1.example_connector import ExampleConnector
+
+    m = KVCacheManager(num_blocks=16, kv_cache_groups=HYBRID, prefix_match_unit=4)
+    connector = ExampleConnector(KVConnectorRole.SCHEDULER, 8, {"shared_storage_path": str(tmp_path)})
+    with pytest.raises(ValueError, match="a KV connector with partial prefix hits"):
+        Scheduler(m, max_num_batched_tokens=64, connector=connector)
+
+
+def test_a_stale_partial_hit_is_refused_and_changes_nothing() -> None:
+    m = manager()
+    a = Request("a", list(range(14)), max_tokens=4)
+    step(m, a, 8, first=True)
+    step(m, a, 4)
+    step(m, a, 2)
+    b = Request("b", list(range(12)) + [99, 98, 97], max_tokens=4)
+    blocks, hit = m.get_computed_blocks(b)
+    assert hit == 12
+    m.block_pool.evict_blocks([3])  # the full-attention block b would share: no longer findable
+    m.take_events()
+    before = ([x.ref_cnt for x in m.block_pool.blocks], free_queue(m))
+    with pytest.raises(
+        ValueError, match=r"new_computed_blocks\[0\]\[-1\]: block 3 is no longer findable under the hash of the request's first 12 tokens"
+    ):
+        m.allocate_slots(b, 3, hit, blocks)
+    assert ([x.ref_cnt for x in m.block_pool.blocks], free_queue(m)) == before
+    with pytest.raises(ValueError, match="does not match new_computed_blocks"):
+        m.allocate_slots(b, 3, 10, blocks)  # not a hash boundary
+
+
+def test_an_undone_call_keeps_the_copies_waiting_for_the_runner() -> None:
+    """Copies not yet taken hold their blocks once more; undoing a later call must count
+    those holds again (the ref counts are rebuilt from the tables and the waiting copies)."""
+    m = manager(event_log=EventLog())
+    a = Request("a", list(range(14)), max_tokens=4)
+    for n, first in ((8, True), (4, False), (2, False)):
+        m.new_step_starts()
+        if first:
+            blocks, hit = m.get_computed_blocks(a)
+            m.allocate_slots(a, n, hit, blocks)
+        else:
+            m.allocate_slots(a, n)
+        a.num_computed_tokens += n
+    refs = [x.ref_cnt for x in m.block_pool.blocks]
+    assert (refs[4], refs[5]) == (2, 1)  # the copy 4 -> 5 waits: both held once more
+    m.check_invariants()
+    cp = checkpoint_manager(m)
+    b = Request("b", list(range(12)) + [99, 98, 97], max_tokens=4)
+    blocks, hit = m.get_computed_blocks(b)
+    m.allocate_slots(b, 3, hit, blocks)
+    restore_manager(m, cp)
+    assert [x.ref_cnt for x in m.block_pool.blocks] == refs
+    copies, retained = m.take_kv_cache_block_copies()
+    assert [(c.src_block_id, c.dst_block_id) for c in copies] == [(4, 5)]
+    m.block_pool.free_blocks(retained)
+    m.block_pool.check_invariants()
