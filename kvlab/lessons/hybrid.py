@@ -73,7 +73,7 @@ def block_layout_figure(
                 y=-0.72,
                 text=f"hit: {hit_tokens} tokens",
                 showarrow=False,
-                xanchor="left",
+                xanchor="right" if hit_tokens > 0.75 * num_tokens else "left",  # the label stays inside the plot
                 yanchor="bottom",
                 font=dict(family=FONT, size=12, color=INK),
             )

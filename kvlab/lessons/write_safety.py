@@ -15,7 +15,7 @@ sees exactly what is written; after that step the block never changes. A write i
 held, or one that already carried a hash (other requests could hit it), would change KV that
 someone else reads or that the cache key promises -- the scan counts those as violations.
 
-Why it holds in vLLM V1 without any copy: a prefix hit only ever adopts *full* blocks, whose
+Why it holds in vLLM V1 without any copy (a model of attention layers only): a prefix hit only ever adopts *full* blocks, whose
 positions lie before the request's ``num_computed_tokens``; new tokens are written at
 positions after it, which always fall in blocks the request allocated for itself. Even a
 request that resends a cached prompt recomputes its last block into a block of its own
