@@ -53,12 +53,38 @@ class MultiModalFeature:
     offset: int
     length: int
     modality: str = "image"
+    #: Which of the ``length`` placeholder positions receive an embedding (vLLM's
+    #: ``PlaceholderRange.is_embed``); None: all of them. Some processors put separator or
+    #: "image break" tokens inside an item's placeholder: the encoder makes no output for
+    #: them, so they take no encoder-cache room and no encoder budget.
+    is_embed: tuple[bool, ...] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.identifier, str) or not self.identifier:
             raise TypeError(f"MultiModalFeature.identifier must be a non-empty str, got {self.identifier!r}")
         object.__setattr__(self, "offset", check_int("MultiModalFeature.offset", self.offset, 0))
         object.__setattr__(self, "length", check_int("MultiModalFeature.length", self.length, 1))
+        if self.is_embed is not None:
+            mask = self.is_embed
+            if isinstance(mask, (str, bytes)) or not isinstance(mask, Sequence) or any(type(b) is not bool for b in mask):
+                raise TypeError(f"MultiModalFeature.is_embed must be None or a sequence of bools, got {mask!r:.80}")
+            if len(mask) != self.length:
+                raise ValueError(
+                    f"MultiModalFeature.is_embed has {len(mask)} entries; it needs one per placeholder position ({self.length})"
+                )
+            object.__setattr__(self, "is_embed", tuple(mask))
+
+    def get_num_embeds(self) -> int:
+        """The embeddings the encoder makes for this item: what it costs in the encoder cache
+        and in the step's encoder budget (vLLM: ``PlaceholderRange.get_num_embeds``)."""
+        return self.length if self.is_embed is None else sum(self.is_embed)
+
+    def get_embeds_indices_in_range(self, start_idx: int, end_idx: int) -> tuple[int, int]:
+        """Which of the item's embeddings fall on placeholder positions ``[start_idx, end_idx)``
+        (relative to ``offset``), as [first, last) indices into its encoder output."""
+        if self.is_embed is None:
+            return start_idx, end_idx
+        return sum(self.is_embed[:start_idx]), sum(self.is_embed[:end_idx])
 
 
 _last_arrival = 0.0
@@ -333,6 +359,10 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self._output_token_ids)
+
+    def get_num_encoder_embeds(self, input_id: int) -> int:
+        """The embeddings multimodal item ``input_id`` brings (vLLM's name)."""
+        return self.mm_features[input_id].get_num_embeds()
 
     def append_output_token_ids(self, token_ids: int | Sequence[int]) -> None:
         """Append sampled tokens; the hashes of blocks they complete are computed now."""

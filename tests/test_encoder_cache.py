@@ -159,3 +159,69 @@ def test_manager_unit_and_bad_input() -> None:
         eng.add_request(Request("x", list(range(30)), mm_features=[MM("big", offset=0, length=20)]))
     with pytest.raises(ValueError, match="max_num_encoder_input_tokens=0 is out of range"):
         build_engine(num_blocks=8, block_size=4, max_num_encoder_input_tokens=0)
+
+
+# -- is_embed: placeholder positions without an embedding (vLLM 0.33's PlaceholderRange.is_embed) ---
+MASK = [False, True, True, False, True, True]  # 6 placeholder positions, 4 embeddings
+
+
+def test_only_embedding_positions_take_cache_room_and_budget_as_in_vllm() -> None:
+    """The values vLLM 0.33.0's own EncoderCacheManager and PlaceholderRange give for the same calls."""
+    ecm = EncoderCacheManager(cache_size=10)
+    r = Request("a", list(range(12)), max_tokens=2, mm_features=[MM("img", offset=2, length=6, is_embed=MASK)])
+    assert r.get_num_encoder_embeds(0) == 4
+    assert [ecm.can_allocate(r, 0, 3, 0), ecm.can_allocate(r, 0, 4, 0), ecm.can_allocate(r, 0, 4, 7)] == [False, True, False]
+    ecm.allocate(r, 0)
+    assert ecm.num_free_slots == 6
+    r2 = Request("b", list(range(12)), max_tokens=2, mm_features=[MM("img", offset=2, length=6, is_embed=MASK)])
+    assert ecm.check_and_update_cache(r2, 0) and ecm.num_free_slots == 6
+    f = r.mm_features[0]
+    spans = [(0, 1), (0, 3), (1, 4), (3, 6), (0, 6)]
+    assert [f.get_embeds_indices_in_range(a, b) for a, b in spans] == [(0, 0), (0, 2), (0, 2), (2, 4), (0, 4)]
+    assert MM("img", offset=0, length=3).get_embeds_indices_in_range(1, 3) == (1, 3)  # no mask: every position
+
+
+def test_the_scheduler_counts_embeddings_not_placeholder_tokens() -> None:
+    eng = build_engine(num_blocks=32, block_size=4, max_num_batched_tokens=32, max_num_encoder_input_tokens=8, encoder_cache_size=32)
+    half = [False, True] * 4  # 8 positions, 4 embeddings
+    eng.add_request(Request("a", list(range(16)), max_tokens=1, mm_features=[MM("x", offset=0, length=8, is_embed=half)]))
+    eng.add_request(Request("b", list(range(100, 116)), max_tokens=1, mm_features=[MM("y", offset=6, length=8, is_embed=half)]))
+    so = eng.step().scheduler_output
+    # Both items fit the budget of 8 (4 embeddings each); without the masks b would wait (see above).
+    assert so.num_scheduled_tokens == {"a": 16, "b": 16} and so.scheduled_encoder_inputs == {"a": [0], "b": [0]}
+    assert eng.executor.num_encoder_tokens_computed == 8
+    # An item of 10 positions and 8 embeddings is within a budget of 8.
+    eng.add_request(
+        Request(
+            "c",
+            list(range(200, 216)),
+            max_tokens=1,
+            mm_features=[MM("z", offset=0, length=10, is_embed=[False, True] + [True] * 7 + [False])],
+        )
+    )
+    with pytest.raises(ValueError, match="item 'w' has 9 embeddings, more than the encoder budget"):
+        eng.add_request(
+            Request("d", list(range(300, 316)), max_tokens=1, mm_features=[MM("w", offset=0, length=10, is_embed=[True] * 9 + [False])])
+        )
+
+
+def test_a_chunk_without_an_embedding_of_the_item_encodes_nothing_yet() -> None:
+    eng = build_engine(num_blocks=32, block_size=4, max_num_batched_tokens=4, max_num_encoder_input_tokens=8, encoder_cache_size=32)
+    late = [False] * 4 + [True] * 4  # the item's embeddings sit on its last 4 positions
+    eng.add_request(Request("a", list(range(12)), max_tokens=1, mm_features=[MM("x", offset=0, length=8, is_embed=late)]))
+    first, second = (eng.step().scheduler_output for _ in range(2))
+    assert (first.num_scheduled_tokens, first.scheduled_encoder_inputs) == ({"a": 4}, {})
+    assert (second.num_scheduled_tokens, second.scheduled_encoder_inputs) == ({"a": 4}, {"a": [0]})
+
+
+@pytest.mark.parametrize(
+    "mask, exc, match",
+    [
+        ([True, False], ValueError, r"is_embed has 2 entries; it needs one per placeholder position \(3\)"),
+        ([1, 0, 1], TypeError, "is_embed must be None or a sequence of bools"),
+        ("yes", TypeError, "is_embed must be None or a sequence of bools"),
+    ],
+)
+def test_a_bad_is_embed_is_refused(mask, exc, match) -> None:
+    with pytest.raises(exc, match=match):
+        MM("img", offset=0, length=3, is_embed=mask)

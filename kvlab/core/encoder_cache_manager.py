@@ -45,7 +45,7 @@ def _embeds_if_in_budget(request: object, input_id: object, encoder_compute_budg
     input_id = _check_item(request, input_id)
     encoder_compute_budget = check_int("encoder_compute_budget", encoder_compute_budget, 0)
     num_embeds_to_schedule = check_int("num_embeds_to_schedule", num_embeds_to_schedule, 0)
-    num_embeds = request.mm_features[input_id].length  # type: ignore[attr-defined]  # a Request: _check_item said so
+    num_embeds = request.get_num_encoder_embeds(input_id)  # type: ignore[attr-defined]  # a Request: _check_item said so
     if num_embeds > encoder_compute_budget:
         return None
     return num_embeds + num_embeds_to_schedule
@@ -129,7 +129,7 @@ class EncoderCacheManager:
         worker computes them this step."""
         input_id = _check_item(request, input_id)
         feature = request.mm_features[input_id]
-        mm_hash, n = feature.identifier, feature.length
+        mm_hash, n = feature.identifier, feature.get_num_embeds()
         # Checked first, changed after: a refused allocate leaves the cache as it was.
         cached_n = self.num_embeds_by_hash.get(mm_hash, n)
         if cached_n != n:
@@ -247,12 +247,13 @@ class EncoderDecoderCacheManager(EncoderCacheManager):
     def allocate(self, request: Request, input_id: int) -> None:
         input_id = _check_item(request, input_id)
         feature = request.mm_features[input_id]
-        if feature.length > self.num_free_slots:
+        n = feature.get_num_embeds()
+        if n > self.num_free_slots:
             raise ValueError(
-                f"allocate: item {input_id} of request {request.request_id!r} needs {feature.length} embeddings but only "
+                f"allocate: item {input_id} of request {request.request_id!r} needs {n} embeddings but only "
                 f"{self.num_free_slots} slots are free; ask can_allocate() first"
             )
-        self.num_free_slots -= feature.length
+        self.num_free_slots -= n
         self.allocated.append(feature.identifier)
 
     def free(self, request: Request) -> None:
@@ -274,7 +275,7 @@ class EncoderDecoderCacheManager(EncoderCacheManager):
 
     def free_encoder_input(self, request: Request, input_id: int) -> None:
         input_id = _check_item(request, input_id)
-        self.num_free_slots += request.mm_features[input_id].length
+        self.num_free_slots += request.get_num_encoder_embeds(input_id)
 
     def check_invariants(self) -> None:
         assert self.num_free_slots <= self.cache_size, f"free slots {self.num_free_slots} > cache size {self.cache_size}"

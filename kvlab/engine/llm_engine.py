@@ -294,7 +294,7 @@ class LLMEngine:
                 if m is not None:
                     m.prefill_tokens_computed += n
             context += r.num_computed_tokens + n
-        encoder = sum(sched.requests[rid].mm_features[i].length for rid, ids in out.scheduled_encoder_inputs.items() for i in ids)
+        encoder = sum(sched.requests[rid].get_num_encoder_embeds(i) for rid, ids in out.scheduled_encoder_inputs.items() for i in ids)
         loaded = kv_out.num_loaded_tokens if kv_out is not None else None
         self.clock += self.cost_model.step_time(prefill, decode, context, loaded, encoder)
         before = {rid: sched.requests[rid].num_output_tokens for rid in out.num_scheduled_tokens}

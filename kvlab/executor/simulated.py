@@ -94,13 +94,16 @@ class SimulatedExecutor(KVConnectorModelRunnerMixin):
             items = self._mm.get(rid, [])
             for i in input_ids:
                 f = items[i]
-                self.encoder_cache[f.identifier] = f.length
-                self.num_encoder_tokens_computed += f.length
+                self.encoder_cache[f.identifier] = f.get_num_embeds()
+                self.num_encoder_tokens_computed += f.get_num_embeds()
 
     def _check_encoder_outputs(self, rid: str, num_computed: int, n: int) -> None:
         end = num_computed + n
         for f in self._mm.get(rid, ()):
-            if f.offset < end and f.offset + f.length > num_computed and f.identifier not in self.encoder_cache:
+            if f.offset >= end or f.offset + f.length <= num_computed or f.identifier in self.encoder_cache:
+                continue
+            first, last = f.get_embeds_indices_in_range(max(0, num_computed - f.offset), min(f.length, end - f.offset))
+            if last > first:  # positions without an embedding (is_embed) need none
                 raise RuntimeError(
                     f"request {rid!r}: tokens {num_computed}..{end - 1} need the embeddings of item "
                     f"{f.identifier!r}, which are not in the encoder cache (a scheduler bug)"

@@ -331,9 +331,9 @@ class Scheduler:
             raise ValueError(f"request {rid!r}: prompt of {request.num_prompt_tokens} tokens >= max_model_len {self.max_model_len}")
         limit = min(self.max_num_encoder_input_tokens, self.encoder_cache_manager.cache_size)
         for f in request.mm_features:
-            if f.length > limit:
+            if f.get_num_embeds() > limit:
                 raise ValueError(
-                    f"request {rid!r}: item {f.identifier!r} has {f.length} embeddings, more than the encoder budget "
+                    f"request {rid!r}: item {f.identifier!r} has {f.get_num_embeds()} embeddings, more than the encoder budget "
                     f"({self.max_num_encoder_input_tokens}) or the encoder cache ({self.encoder_cache_manager.cache_size}) "
                     "holds: it could never be encoded (raise max_num_encoder_input_tokens / encoder_cache_size)"
                 )
@@ -483,7 +483,7 @@ class Scheduler:
                     plan.running.remove(victim)
                     plan.token_budget += plan.num_scheduled.pop(victim.request_id)
                     for j in plan.encoder_inputs.pop(victim.request_id, ()):
-                        plan.encoder_budget += victim.mm_features[j].length
+                        plan.encoder_budget += victim.get_num_encoder_embeds(j)
                     i -= 1
                 self._preempt_request(victim, for_request=request)
                 plan.preempted.append(victim)
@@ -616,8 +616,12 @@ class Scheduler:
                 else:
                     num_new_tokens = 0
                 break
-            num_embeds_to_schedule += f.length
-            encoder_budget -= f.length
+            start, stop = f.get_embeds_indices_in_range(max(0, num_computed_tokens - f.offset), min(f.length, end - f.offset))
+            if stop == start:
+                continue  # no embedding falls in this step's tokens: nothing to encode yet
+            n = f.get_num_embeds()
+            num_embeds_to_schedule += n
+            encoder_budget -= n
             scheduled_hashes.add(f.identifier)
             to_schedule.append(i)
         return to_schedule, duplicates, num_new_tokens, encoder_budget
