@@ -350,6 +350,10 @@ class KVCacheGroupSpec:
 
     layer_names: tuple[str, ...]
     kv_cache_spec: KVCacheSpec
+    #: The group holds an EAGLE drafter's layers (vLLM 0.33): only such groups give back the
+    #: last block of a hit, which the drafter recomputes. When EAGLE is on and no group is
+    #: flagged, every group does (vLLM's fallback).
+    is_eagle_group: bool = False
 
 
 @dataclass(frozen=True)

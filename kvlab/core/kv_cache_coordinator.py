@@ -20,7 +20,7 @@ Three coordinators, as in vLLM:
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from math import gcd, lcm
 from typing import Any, NamedTuple
 
@@ -117,6 +117,7 @@ class KVCacheCoordinator:
         max_model_len: int | None = None,
         max_in_flight_tokens: int | None = None,
         manager_classes: Mapping[type, type[SingleTypeKVCacheManager]] | None = None,
+        eagle_group_ids: Collection[int] = (),
     ) -> None:
         self.block_pool = block_pool
         self.specs = list(specs)
@@ -124,9 +125,13 @@ class KVCacheCoordinator:
         self.scheduler_block_size = scheduler_block_size
         self.hash_block_size = hash_block_size
         self.use_eagle = use_eagle
-        # kvlab has no per-group EAGLE flag: with use_eagle every group drops (vLLM's
-        # fallback when no group is marked as the drafter's).
-        self.eagle_group_ids: set[int] = set(range(len(self.specs))) if use_eagle else set()
+        # The groups of an EAGLE drafter's layers (KVCacheGroupSpec.is_eagle_group): only they
+        # give back a hit's last block. None flagged and EAGLE on: every group (vLLM's fallback).
+        self.explicit_eagle_groups = bool(eagle_group_ids)
+        self.eagle_group_ids: set[int] = set(eagle_group_ids)
+        if use_eagle and not self.eagle_group_ids:
+            self.eagle_group_ids = set(range(len(self.specs)))
+        self.drop_eagle_group_ids: set[int] = self.eagle_group_ids if use_eagle else set()
         # spec type -> manager class; ``manager_classes`` overrides some (a seam: the
         # exercises run a learner's free order or block count in a manager subclass).
         self.manager_for_spec: dict[type, type[SingleTypeKVCacheManager]] = {**MANAGER_FOR_SPEC, **(manager_classes or {})}
@@ -272,13 +277,13 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
             [0],
             self.block_pool,
             m.kv_cache_spec,
-            drop_eagle_block=0 in self.eagle_group_ids,
+            drop_eagle_block=0 in self.drop_eagle_group_ids,
             alignment_tokens=m.block_size,
         )
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.single_type_managers[0].use_eagle = 0 in self.eagle_group_ids
+        self.single_type_managers[0].use_eagle = 0 in self.drop_eagle_group_ids
 
     # One group: each question goes straight to its manager (the base class's loops over
     # groups, without the loop -- these run for every request in every step).
@@ -375,7 +380,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             m.cache_hit_alignment_tokens = self._cache_hit_alignment_tokens
         self.attention_groups: list[SpecGroup] = []
         for gid, (spec, m) in enumerate(zip(self.specs, self.single_type_managers)):
-            use_eagle = gid in self.eagle_group_ids
+            use_eagle = gid in self.drop_eagle_group_ids
             for idx, g in enumerate(self.attention_groups):
                 if g.spec == spec:
                     g.group_ids.append(gid)
@@ -477,8 +482,10 @@ def get_kv_cache_coordinator(
     max_model_len: int | None = None,
     max_in_flight_tokens: int | None = None,
     manager_classes: Mapping[type, type[SingleTypeKVCacheManager]] | None = None,
+    eagle_group_ids: Collection[int] = (),
 ) -> KVCacheCoordinator:
     kw = dict(
+        eagle_group_ids=eagle_group_ids,
         scheduler_block_size=scheduler_block_size,
         hash_block_size=hash_block_size,
         use_eagle=use_eagle,

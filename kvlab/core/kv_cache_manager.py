@@ -83,10 +83,11 @@ def _check_manager_args(
     block_pool_cls: Any,
     manager_classes: Any,
     kv_events_use_int_block_hashes: Any,
-) -> tuple[int, list[KVCacheSpec], Any, int | None, int | None, bool]:
+) -> tuple[int, list[KVCacheSpec], Any, int | None, int | None, bool, frozenset[int]]:
     """``KVCacheManager``'s arguments, checked before anything is built (raising, named) and
     normalised: the block size, the specs (each with its block size), the hash function, the
-    two limits, and the KV-event hash format (None reads vLLM's environment variable)."""
+    two limits, the KV-event hash format (None reads vLLM's environment variable), and the
+    groups given as a ``KVCacheGroupSpec`` with ``is_eagle_group``."""
     block_size = check_int("block_size", block_size, 1)
     if kv_events_use_int_block_hashes is None:
         env = os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1")
@@ -109,11 +110,17 @@ def _check_manager_args(
     groups = list(kv_cache_groups) if kv_cache_groups is not None else [FullAttentionSpec()]
     if not groups:
         raise ValueError("kv_cache_groups must hold at least one spec")
+    eagle_groups = frozenset(i for i, g in enumerate(groups) if isinstance(g, KVCacheGroupSpec) and g.is_eagle_group)
+    for i, g in enumerate(groups):
+        if isinstance(g, KVCacheGroupSpec):  # vLLM's group: its spec, and whether a drafter's layers are in it
+            if not isinstance(g.is_eagle_group, bool):
+                raise TypeError(f"kv_cache_groups[{i}].is_eagle_group must be a bool, got {g.is_eagle_group!r}")
+            groups[i] = g.kv_cache_spec
     specs: list[KVCacheSpec] = []
     for i, g in enumerate(groups):
         if type(g) not in KV_CACHE_SPEC_TYPES:
             names = ", ".join(t.__name__ for t in KV_CACHE_SPEC_TYPES)
-            raise TypeError(f"kv_cache_groups[{i}] must be one of {names}; got {type(g).__name__}")
+            raise TypeError(f"kv_cache_groups[{i}] must be one of {names} (or a KVCacheGroupSpec holding one); got {type(g).__name__}")
         specs.append(g if g.block_size is not None else g.with_block_size(block_size))
     max_model_len = check_optional_int("max_model_len", max_model_len, 1)
     max_in_flight_tokens = check_optional_int("max_in_flight_tokens", max_in_flight_tokens, 1)
@@ -127,7 +134,7 @@ def _check_manager_args(
             raise ValueError(
                 f"kv_cache_groups[{i}]: attention_chunk_size {spec.attention_chunk_size} must be a multiple of block_size {spec.block_size}"
             )
-    return block_size, specs, hash_fn, max_model_len, max_in_flight_tokens, kv_events_use_int_block_hashes
+    return block_size, specs, hash_fn, max_model_len, max_in_flight_tokens, kv_events_use_int_block_hashes, eagle_groups
 
 
 class KVCacheManager:
@@ -193,7 +200,7 @@ class KVCacheManager:
         ``--prefix-match-unit``): hash every this many tokens instead of every GCD of the
         groups' block sizes; on a Mamba hybrid with larger blocks it lets hits end inside a
         block (``coordinator.enable_partial_hash_hits``), the hit's last block then copied."""
-        block_size, specs, hash_fn, max_model_len, max_in_flight_tokens, kv_events_use_int_block_hashes = _check_manager_args(
+        block_size, specs, hash_fn, max_model_len, max_in_flight_tokens, kv_events_use_int_block_hashes, eagle_groups = _check_manager_args(
             block_size,
             kv_cache_groups,
             enable_caching,
@@ -232,6 +239,7 @@ class KVCacheManager:
             max_model_len=max_model_len,
             max_in_flight_tokens=max_in_flight_tokens,
             manager_classes=manager_classes,
+            eagle_group_ids=eagle_groups,
         )
 
         self.block_size = block_size
@@ -288,7 +296,8 @@ class KVCacheManager:
         included. ``LLMEngine`` gives it to a ``ModelRunner`` built without one, so the
         lessons state ``num_blocks`` and ``block_size`` once, here. (kvlab's manager knows
         no layer names and lays out no tensors: those fields are empty.)"""
-        groups = tuple(KVCacheGroupSpec(layer_names=(), kv_cache_spec=spec) for spec in self.kv_cache_groups)
+        eagle = self.coordinator.eagle_group_ids if self.coordinator.explicit_eagle_groups else ()
+        groups = tuple(KVCacheGroupSpec(layer_names=(), kv_cache_spec=spec, is_eagle_group=i in eagle) for i, spec in enumerate(self.kv_cache_groups))
         return KVCacheConfig(num_blocks=self.block_pool.num_gpu_blocks, kv_cache_tensors=(), kv_cache_groups=groups)
 
     def _bind(self, request: Request) -> None:
