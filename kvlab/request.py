@@ -228,6 +228,7 @@ class Request:
         "num_cached_tokens",
         "finish_reason",
         "kv_transfer_params",
+        "shared_prefix_boundary",
         "_all_token_ids",
         "_token_bytes",
         "_output_token_ids",
@@ -323,6 +324,10 @@ class Request:
         # What a KV connector handed back when the request finished (vLLM's
         # ``kv_transfer_params``: e.g. where a prefill engine saved the prompt's KV).
         self.kv_transfer_params: dict[str, Any] | None = None
+        # Where the last prefix lookup found a longer shared prefix than the hit: one group had
+        # it cached, another not (sparse retention). Caching keeps what a hit there needs, so
+        # the next request with this prefix gets it (vLLM 0.33's Marconi-style junction; 0: none).
+        self.shared_prefix_boundary = 0
         self._all_token_ids: list[int] = list(prompt)
         self._token_bytes = bytearray(_pack_tokens(prompt))  # the same tokens, packed once
         self._output_token_ids: list[int] = []

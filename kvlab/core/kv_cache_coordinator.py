@@ -35,7 +35,7 @@ from kvlab.core.single_type_kv_cache_manager import (
     cdiv,
     get_manager_for_kv_cache_spec,
 )
-from kvlab.kv_cache_interface import FullAttentionSpec, KVCacheSpec, MambaSpec
+from kvlab.kv_cache_interface import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
 from kvlab.utils.hashing import BlockHash
 
 logger = logging.getLogger("kvlab.kv_cache")
@@ -102,6 +102,29 @@ def partial_hash_hits_enabled(
     return True
 
 
+def _check_retention_interval(retention_interval: int | None, scheduler_block_size: int, specs: Sequence[KVCacheSpec]) -> int | None:
+    """vLLM 0.33's ``_validate_prefix_cache_retention_interval``: only window and Mamba groups
+    act on it, so a model without them must leave it None or 0; else a multiple of the
+    scheduler block size (hits land there)."""
+    if retention_interval is None:
+        return None
+    if type(retention_interval) is not int:
+        raise TypeError(f"prefix_cache_retention_interval must be None or an int, got {retention_interval!r}")
+    if not any(isinstance(s, (SlidingWindowSpec, MambaSpec)) for s in specs):
+        if retention_interval == 0:
+            return 0
+        raise ValueError(
+            "prefix_cache_retention_interval is set but this model has no sliding-window or Mamba KV cache group, so "
+            "retention has no effect. Set it to 0 (it only applies to sliding-window and Mamba attention)."
+        )
+    if retention_interval < 0 or retention_interval % scheduler_block_size:
+        raise ValueError(
+            f"prefix_cache_retention_interval ({retention_interval}) must be non-negative and a multiple of "
+            f"scheduler_block_size ({scheduler_block_size})."
+        )
+    return retention_interval
+
+
 class KVCacheCoordinator:
     """What every coordinator does: ask each group's manager, in group order."""
 
@@ -118,6 +141,7 @@ class KVCacheCoordinator:
         max_in_flight_tokens: int | None = None,
         manager_classes: Mapping[type, type[SingleTypeKVCacheManager]] | None = None,
         eagle_group_ids: Collection[int] = (),
+        prefix_cache_retention_interval: int | None = None,
     ) -> None:
         self.block_pool = block_pool
         self.specs = list(specs)
@@ -148,6 +172,12 @@ class KVCacheCoordinator:
             )
             for gid, spec in enumerate(self.specs)
         )
+        # Sparse retention of window and Mamba states (vLLM 0.33); checked with vLLM's rules.
+        self.retention_interval = _check_retention_interval(prefix_cache_retention_interval, scheduler_block_size, self.specs)
+        replay_use_eagle = bool(self.drop_eagle_group_ids)
+        for m in self.single_type_managers:
+            m.retention_interval = self.retention_interval
+            m.replay_use_eagle = replay_use_eagle
         # Encoder-decoder models: the cross-attention groups get room for the encoder's
         # tokens, not the decoder's (empty for every other model).
         self.cross_attention_group_ids = frozenset(
@@ -223,6 +253,9 @@ class KVCacheCoordinator:
     #: Whether hits may end inside a block (vLLM 0.33: a Mamba hybrid whose blocks are larger
     #: than the hash block); only the hybrid coordinator turns it on.
     enable_partial_hash_hits = False
+    #: After a lookup: how far the longest hit one kind of group found alone went beyond the
+    #: hit all agree on (vLLM 0.33 returns it as a third value); 0 with one kind of group.
+    num_uncached_common_prefix_tokens = 0
 
     def get_num_cacheable_tokens(self, num_computed_tokens: int, kv_cache_group_id: int) -> int:
         return num_computed_tokens
@@ -424,6 +457,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         hit_len_by_group = [0] * n_groups
         simple = len(self.attention_groups) == 2 and isinstance(self.attention_groups[0].spec, FullAttentionSpec)
         eagle_verified: set[int] = set()  # kinds whose EAGLE drop holds at the current length
+        longest = 0  # the longest hit any kind alone found (a shared prefix others lack)
         while True:
             curr = hit_length
             for idx, (spec, gids, cls, use_eagle) in enumerate(self.attention_groups):
@@ -455,6 +489,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 for gid, lst in zip(gids, blocks):
                     hit_blocks[gid] = lst
                     hit_len_by_group[gid] = new_len
+                longest = max(longest, curr)
             if curr >= hit_length:
                 break
             hit_length = curr
@@ -468,6 +503,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 found = hit_blocks[gid]
                 if found is not None:
                     del found[keep:]
+        self.num_uncached_common_prefix_tokens = longest - hit_length
         return tuple(lst if lst is not None else [] for lst in hit_blocks), hit_length
 
 
@@ -483,9 +519,11 @@ def get_kv_cache_coordinator(
     max_in_flight_tokens: int | None = None,
     manager_classes: Mapping[type, type[SingleTypeKVCacheManager]] | None = None,
     eagle_group_ids: Collection[int] = (),
+    prefix_cache_retention_interval: int | None = None,
 ) -> KVCacheCoordinator:
     kw = dict(
         eagle_group_ids=eagle_group_ids,
+        prefix_cache_retention_interval=prefix_cache_retention_interval,
         scheduler_block_size=scheduler_block_size,
         hash_block_size=hash_block_size,
         use_eagle=use_eagle,

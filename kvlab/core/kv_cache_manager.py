@@ -190,6 +190,7 @@ class KVCacheManager:
         metrics_collector: KVCacheMetricsCollector | None = None,
         prepend_uncached_blocks: bool = True,
         prefix_match_unit: int | None = None,
+        prefix_cache_retention_interval: int | None = None,
     ) -> None:
         """``enable_kv_cache_events``: queue vLLM's KV cache events (``take_events()``).
         ``kv_events_use_int_block_hashes``: publish hashes as 64-bit ints (vLLM's default) or
@@ -199,7 +200,11 @@ class KVCacheManager:
         freed block to the free-queue tail). ``prefix_match_unit`` (vLLM 0.33's
         ``--prefix-match-unit``): hash every this many tokens instead of every GCD of the
         groups' block sizes; on a Mamba hybrid with larger blocks it lets hits end inside a
-        block (``coordinator.enable_partial_hash_hits``), the hit's last block then copied."""
+        block (``coordinator.enable_partial_hash_hits``), the hit's last block then copied.
+        ``prefix_cache_retention_interval`` (vLLM 0.33): how densely window and Mamba groups
+        keep cache entries -- None every reachable block (as vLLM's ``KVCacheConfig``
+        default), 0 only what a replay of a prompt or a shared-prefix junction can hit (vLLM's
+        server default, ``CacheConfig``), k > 0 also one segment every k tokens."""
         block_size, specs, hash_fn, max_model_len, max_in_flight_tokens, kv_events_use_int_block_hashes, eagle_groups = _check_manager_args(
             block_size,
             kv_cache_groups,
@@ -240,6 +245,7 @@ class KVCacheManager:
             max_in_flight_tokens=max_in_flight_tokens,
             manager_classes=manager_classes,
             eagle_group_ids=eagle_groups,
+            prefix_cache_retention_interval=prefix_cache_retention_interval,
         )
 
         self.block_size = block_size
@@ -297,7 +303,9 @@ class KVCacheManager:
         lessons state ``num_blocks`` and ``block_size`` once, here. (kvlab's manager knows
         no layer names and lays out no tensors: those fields are empty.)"""
         eagle = self.coordinator.eagle_group_ids if self.coordinator.explicit_eagle_groups else ()
-        groups = tuple(KVCacheGroupSpec(layer_names=(), kv_cache_spec=spec, is_eagle_group=i in eagle) for i, spec in enumerate(self.kv_cache_groups))
+        groups = tuple(
+            KVCacheGroupSpec(layer_names=(), kv_cache_spec=spec, is_eagle_group=i in eagle) for i, spec in enumerate(self.kv_cache_groups)
+        )
         return KVCacheConfig(num_blocks=self.block_pool.num_gpu_blocks, kv_cache_tensors=(), kv_cache_groups=groups)
 
     def _bind(self, request: Request) -> None:
@@ -328,9 +336,15 @@ class KVCacheManager:
         """
         self._bind(request)
         if not self.prefix_cache_lookup_enabled(request):
+            request.shared_prefix_boundary = 0
             return self.empty_kv_cache_blocks.new_empty(), 0
         max_hit = max(0, request.num_tokens - 1)
-        blocks, num_hit_tokens = self.coordinator.find_longest_cache_hit(request.block_hashes, max_hit)
+        coord = self.coordinator
+        blocks, num_hit_tokens = coord.find_longest_cache_hit(request.block_hashes, max_hit)
+        # The junction of a longer prefix one group had and another lacked (vLLM 0.33 returns it
+        # and the scheduler keeps it on the request): caching this request keeps its states.
+        uncached = coord.num_uncached_common_prefix_tokens
+        request.shared_prefix_boundary = num_hit_tokens + uncached if uncached else 0
         if num_hit_tokens > 0 and self.enable_kv_cache_events and request.kv_cache_report_mode == "full":
             # vLLM 0.33: a request may ask for its hit to be published too (every lookup's).
             self.coordinator.emit_cached_block_events(request, blocks)
@@ -755,7 +769,8 @@ class KVCacheManager:
                 # an uncached block; every other position below num_cached holds a block
                 # cached under THIS request's hash there -- else the request reads another
                 # prompt's K/V (an adopted stale hit).
-                mask = m.reachable_block_mask(0, num_cached) if m.kv_cache_spec.prefix_cacheable else [False] * num_cached
+                boundaries = m.reachable_boundaries(req) if m.retention_interval is not None else ()
+                mask = m.reachable_block_mask(0, num_cached, boundaries) if m.kv_cache_spec.prefix_cacheable else [False] * num_cached
                 for i, b in enumerate(blocks[:num_cached]):
                     if b.is_null or ((mask is not None and not mask[i]) and b.cache_key is None):
                         continue

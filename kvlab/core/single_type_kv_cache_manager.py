@@ -81,6 +81,13 @@ class SingleTypeKVCacheManager:
         # only): the admission gate counts no more than this for the whole prompt.
         self.max_admission_blocks_per_request = max_admission_blocks_per_request
         self.use_eagle = False  # set by the coordinator
+        # Sparse retention (vLLM 0.33's prefix_cache_retention_interval; the coordinator sets
+        # it): None caches every reachable block; 0 only what a replay of the prompt (or a
+        # shared-prefix junction) can hit; k > 0 also one segment tail every k tokens. Window
+        # and Mamba groups act on it; the others cache densely. ``replay_use_eagle``: whether
+        # any group drops for EAGLE (the replay boundaries then sit a block lower).
+        self.retention_interval: int | None = None
+        self.replay_use_eagle = False
         self._null_block = block_pool.null_block
         # request id -> its block table for this group (append-only, except null padding).
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
@@ -269,9 +276,23 @@ class SingleTypeKVCacheManager:
             pool.events.emit(BlocksTouched(request_id=request_id, group=self.kv_cache_group_id, block_ids=[b.block_id for b in blocks]))
 
     # -- caching --------------------------------------------------------------------------------
-    def reachable_block_mask(self, start_block: int, end_block: int) -> list[bool] | None:
-        """Which of blocks ``[start, end)`` could ever serve a hit (None: all of them)."""
+    def reachable_block_mask(self, start_block: int, end_block: int, reachable_boundaries: Sequence[int] = ()) -> list[bool] | None:
+        """Which of blocks ``[start, end)`` could ever serve a hit (None: all of them).
+        ``reachable_boundaries``: token positions a later request is known to resume at
+        (sparse retention keeps what a hit there needs)."""
         return None
+
+    def reachable_boundaries(self, request: Any) -> list[int]:
+        """Where a later request can resume this one's prompt (vLLM 0.33): the replay
+        boundaries, and a shared-prefix junction that a lookup found (a longer prefix that
+        one group had cached and another had not), one block lower too for EAGLE."""
+        boundaries = list(replay_boundaries(request.num_prompt_tokens, self.scheduler_block_size, self.replay_use_eagle))
+        junction = request.shared_prefix_boundary
+        if junction:
+            boundaries.append(junction)
+            if self.use_eagle:
+                boundaries.append(junction - self.block_size)
+        return boundaries
 
     def cache_blocks(self, request: Any, num_tokens: int) -> None:
         """Cache the request's blocks that ``num_tokens`` computed tokens have filled; then,
@@ -284,6 +305,7 @@ class SingleTypeKVCacheManager:
         num_hashed_tokens = len(request.block_hashes) * (self.block_pool.hash_block_size or self.block_size)
         num_full = min(num_tokens, num_hashed_tokens) // self.block_size
         if num_cached < num_full:
+            boundaries = self.reachable_boundaries(request) if self.retention_interval is not None else ()
             self.block_pool.cache_full_blocks(
                 request,
                 self.req_to_blocks[rid],
@@ -291,7 +313,7 @@ class SingleTypeKVCacheManager:
                 num_full,
                 self.block_size,
                 self.kv_cache_group_id,
-                self.reachable_block_mask(num_cached, num_full),
+                self.reachable_block_mask(num_cached, num_full, boundaries),
             )
             self.num_cached_block[rid] = num_full
         if self._caches_partial_tail:
@@ -383,6 +405,18 @@ class SingleTypeKVCacheManager:
         give back the last matched block (EAGLE recomputes it to get its hidden states);
         ``alignment_tokens``: the hit length must be a multiple of it."""
         raise NotImplementedError
+
+
+def replay_boundaries(num_prompt_tokens: int, scheduler_block_size: int, use_eagle: bool) -> tuple[int, ...]:
+    """Where a later request replaying a prompt can resume (vLLM 0.33): a resend of the same
+    prompt hits at most ``num_prompt_tokens - 1`` tokens; with EAGLE, one block below the
+    resend's and below a longer sibling's last aligned block (a hit drops that block)."""
+    if not use_eagle:
+        return (num_prompt_tokens - 1,)
+    block = scheduler_block_size
+    resend = (num_prompt_tokens - 1) // block * block
+    extension = num_prompt_tokens // block * block
+    return tuple(sorted({max(resend - block, 0), max(extension - block, 0)}))
 
 
 def mamba_prefill_checkpoint_position(num_tokens: int, hash_block_size: int, drop_eagle_block: bool) -> int:
@@ -512,7 +546,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         return max(0, num_computed_tokens - self.sliding_window + 1)
 
-    def reachable_block_mask(self, start_block: int, end_block: int) -> list[bool] | None:
+    def reachable_block_mask(self, start_block: int, end_block: int, reachable_boundaries: Sequence[int] = ()) -> list[bool] | None:
         """A window hit at an aligned length reads only the ``need`` blocks before it, so a
         block that is never among them is not worth a cache entry.
 
@@ -520,16 +554,31 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         have this block size: then every block may end a hit and all are cached). With a
         larger alignment only the last ``need`` blocks of each aligned segment are cached.
         ``W = 1`` needs no block at all, so -- as in vLLM 0.33 -- no block of such a group is
-        ever cached, and the group allows no hit."""
+        ever cached, and the group allows no hit.
+
+        Sparse retention (``retention_interval`` not None): segments are ``retention_interval``
+        tokens long instead (0: none at all), and the ``need`` blocks before each of
+        ``reachable_boundaries`` are kept too -- a replay of the prompt still hits."""
         alignment = self.cache_hit_alignment_tokens
-        if alignment % self.block_size:
+        bs = self.block_size
+        if alignment % bs:
             return None
-        need = self._contiguous_blocks_for_hit(self.sliding_window, self.block_size, self.use_eagle)
-        per_segment = alignment // self.block_size
-        if need >= per_segment:
-            return None
+        need = self._contiguous_blocks_for_hit(self.sliding_window, bs, self.use_eagle)
         shift = 1 if self.use_eagle else 0
-        return [i >= shift and (i - shift) % per_segment >= per_segment - need for i in range(start_block, end_block)]
+        retention = self.retention_interval
+        segment = alignment if retention is None else (retention or None)
+        mask = [False] * (end_block - start_block)
+        if segment is not None:
+            per_segment = segment // bs
+            if need >= per_segment:
+                return None
+            mask = [i >= shift and (i - shift) % per_segment >= per_segment - need for i in range(start_block, end_block)]
+        if retention is not None:
+            for boundary in reachable_boundaries:
+                end = boundary // alignment * alignment // bs + shift
+                for j in range(max(start_block, end - need), min(end_block, end)):
+                    mask[j - start_block] = True
+        return mask
 
     @classmethod
     def find_longest_cache_hit(
@@ -640,6 +689,29 @@ class MambaManager(SingleTypeKVCacheManager):
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         """Only the state after the last computed token is needed."""
         return num_computed_tokens - 1
+
+    def reachable_block_mask(self, start_block: int, end_block: int, reachable_boundaries: Sequence[int] = ()) -> list[bool] | None:
+        """Dense (every state cached) unless sparse retention is on: then one state per
+        ``retention_interval`` tokens (0: none), plus the state that ends on each of
+        ``reachable_boundaries`` -- a hit needs exactly that one block."""
+        retention = self.retention_interval
+        if retention is None:
+            return None
+        bs = self.block_size
+        mask = [False] * (end_block - start_block)
+        if retention:
+            per_segment = retention // bs
+            if per_segment <= 1:
+                return None
+            first = (start_block + per_segment) // per_segment * per_segment - 1
+            for i in range(first - start_block, len(mask), per_segment):
+                mask[i] = True
+        alignment = self.cache_hit_alignment_tokens
+        for boundary in reachable_boundaries:
+            block = boundary // alignment * alignment // bs - 1
+            if start_block <= block < end_block:
+                mask[block - start_block] = True
+        return mask
 
     @classmethod
     def find_longest_cache_hit(

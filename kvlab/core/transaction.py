@@ -408,6 +408,8 @@ _FULL_ATTENTION_FIXED = frozenset(
         "_null_block",
         "_record_new_block_ids",
         "_caches_partial_tail",
+        "retention_interval",
+        "replay_use_eagle",
     }
 )
 #: Group managers whose block tables, within a call, only grow at the end (``extend``) or

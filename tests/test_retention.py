@@ -1,0 +1,115 @@
+"""Sparse retention of window and Mamba states (vLLM 0.33's ``prefix_cache_retention_interval``).
+
+A sliding-window group only needs the last ``cdiv(W - 1, block_size)`` blocks before a hit's
+end, and a Mamba group one state. vLLM 0.33 keeps only some of them: None keeps every one that
+could end a hit (``KVCacheConfig``'s default, and kvlab's manager's); 0 keeps only what a
+replay of the prompt can hit, plus a *shared-prefix junction* a lookup found (a longer prefix
+full attention had and the window group lacked -- the next request with that prefix hits it);
+k > 0 also one segment tail every k tokens. vLLM's server default (``CacheConfig``) is 0.
+
+Every expected value below was first produced by vLLM 0.33.0's ``KVCacheManager`` with the
+same calls (the junction set on the request as its scheduler does); a differential run over
+five families with retention 0 and two intervals, EAGLE on and off, agrees throughout.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvlab import FullAttentionSpec, KVCacheManager, MambaSpec, Request, SlidingWindowSpec
+from kvlab.core.single_type_kv_cache_manager import replay_boundaries
+
+SPECS = [SlidingWindowSpec(block_size=4, sliding_window=8), FullAttentionSpec(block_size=4)]
+A = list(range(30))
+
+
+def story(retention: int | None) -> list[tuple]:
+    """A (30 tokens), then B = A + 1, C = A's first 20 + 2, D = A's first 20 + 3, one at a time."""
+    m = KVCacheManager(num_blocks=40, kv_cache_groups=SPECS, max_model_len=128, prefix_cache_retention_interval=retention)
+    out = []
+    for rid, prompt in (("a", A), ("b", A + [99]), ("c", A[:20] + [50, 51]), ("d", A[:20] + [60, 61, 62])):
+        r = Request(rid, prompt, max_tokens=2)
+        blocks, n = m.get_computed_blocks(r)
+        out.append((rid, n, r.shared_prefix_boundary, blocks.get_block_ids()))
+        m.allocate_slots(r, len(prompt) - n, n, blocks)
+        r.num_computed_tokens = len(prompt)
+        out.append((rid, [i for i, b in enumerate(m.get_blocks(rid).blocks[0]) if b.block_hash is not None]))
+        m.check_invariants()
+        m.free(r)
+    return out
+
+
+def test_dense_keeps_every_window_block_that_can_end_a_hit() -> None:
+    assert story(None) == [
+        ("a", 0, 0, ([], [])),
+        ("a", [0, 1, 2, 3, 4, 5, 6]),
+        ("b", 28, 0, ([0, 0, 0, 0, 0, 6, 7], [9, 10, 11, 12, 13, 14, 15])),
+        ("b", [5, 6]),
+        ("c", 20, 0, ([0, 0, 0, 4, 5], [9, 10, 11, 12, 13])),
+        ("c", [3, 4]),
+        ("d", 20, 0, ([0, 0, 0, 4, 5], [9, 10, 11, 12, 13])),
+        ("d", [3, 4]),
+    ]
+
+
+def test_retention_0_keeps_the_replay_tail_and_learns_a_junction() -> None:
+    assert story(0) == [
+        ("a", 0, 0, ([], [])),
+        ("a", [5, 6]),  # only the two blocks before token 28, where a replay of A hits
+        ("b", 28, 0, ([0, 0, 0, 0, 0, 6, 7], [9, 10, 11, 12, 13, 14, 15])),
+        ("b", [5, 6]),
+        # Full attention has A's first 20 tokens, the window group nothing there: no hit, but
+        # a junction at 20, so C keeps the window blocks a hit at 20 needs ...
+        ("c", 0, 20, ([], [])),
+        ("c", [3, 4]),
+        # ... and D, with the same 20 tokens, hits them.
+        ("d", 20, 0, ([0, 0, 0, 4, 3], [9, 10, 11, 12, 13])),
+        ("d", [3, 4]),
+    ]
+
+
+def test_a_positive_interval_keeps_one_tail_per_segment_too() -> None:
+    assert story(16) == [
+        ("a", 0, 0, ([], [])),
+        ("a", [2, 3, 5, 6]),  # the tail of the 16-token segment, and the replay tail
+        ("b", 28, 0, ([0, 0, 0, 0, 0, 6, 7], [9, 10, 11, 12, 13, 14, 15])),
+        ("b", [5, 6]),
+        ("c", 16, 20, ([0, 0, 3, 4], [9, 10, 11, 12])),
+        ("c", [2, 3, 4]),
+        ("d", 20, 0, ([0, 0, 0, 4, 8], [9, 10, 11, 12, 13])),
+        ("d", [3, 4]),
+    ]
+    # An interval of 8 is no sparser than the window needs (2 blocks per 2-block segment): dense.
+    assert story(8) == story(None)
+
+
+def test_a_mamba_group_keeps_one_state_per_segment_and_the_replay_state() -> None:
+    m = KVCacheManager(num_blocks=40, kv_cache_groups=[FullAttentionSpec(), MambaSpec()], block_size=4, prefix_cache_retention_interval=16)
+    mamba = m.coordinator.single_type_managers[1]
+    assert mamba.reachable_block_mask(0, 10, [29]) == [False, False, False, True, False, False, True, True, False, False]
+    assert mamba.reachable_block_mask(4, 10, [29]) == [False, False, True, True, False, False]
+    mamba.retention_interval = 0
+    assert mamba.reachable_block_mask(0, 10, [29]) == [False] * 6 + [True] + [False] * 3
+    mamba.retention_interval = None
+    assert mamba.reachable_block_mask(0, 10, [29]) is None
+
+
+def test_replay_boundaries() -> None:
+    assert replay_boundaries(30, 4, use_eagle=False) == (29,)
+    assert replay_boundaries(30, 4, use_eagle=True) == (24,)  # resend 28 and sibling 28, one block lower
+    assert replay_boundaries(32, 4, use_eagle=True) == (24, 28)  # a block-aligned prompt: the two differ
+
+
+@pytest.mark.parametrize(
+    "groups, retention, exc, match",
+    [
+        ([FullAttentionSpec()], 16, ValueError, "prefix_cache_retention_interval is set but this model has no sliding-window or Mamba"),
+        (SPECS, 6, ValueError, r"prefix_cache_retention_interval \(6\) must be non-negative and a multiple of scheduler_block_size \(4\)"),
+        (SPECS, -4, ValueError, r"must be non-negative"),
+        (SPECS, 4.0, TypeError, "prefix_cache_retention_interval must be None or an int"),
+    ],
+)
+def test_bad_intervals_are_refused_with_vllms_words(groups, retention, exc, match) -> None:
+    with pytest.raises(exc, match=match):
+        KVCacheManager(num_blocks=40, kv_cache_groups=groups, block_size=4, prefix_cache_retention_interval=retention)
+    assert KVCacheManager(num_blocks=40, block_size=4, prefix_cache_retention_interval=0).coordinator.retention_interval == 0
