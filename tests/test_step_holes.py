@@ -206,9 +206,9 @@ def test_the_full_attention_managers_attributes_are_each_named_state_or_fixed() 
     be either state the checkpoint saves or fixed at construction -- a new one fails here
     until it is named."""
     from kvlab.core.single_type_kv_cache_manager import FullAttentionManager
-    from kvlab.core.transaction import _FULL_ATTENTION_FIXED, _FULL_ATTENTION_STATE, _TABLES
+    from kvlab.core.transaction import _FULL_ATTENTION_FIXED, _FULL_ATTENTION_RARE, _FULL_ATTENTION_STATE, _TABLES
 
     for mgr in (KVCacheManager(num_blocks=16, block_size=4), KVCacheManager(num_blocks=16, block_size=4, enable_caching=False)):
         m = mgr.coordinator.single_type_managers[0]
         assert type(m) is FullAttentionManager
-        assert set(vars(m)) == set(_TABLES) | set(_FULL_ATTENTION_STATE) | _FULL_ATTENTION_FIXED
+        assert set(vars(m)) == set(_TABLES) | set(_FULL_ATTENTION_STATE) | set(_FULL_ATTENTION_RARE) | _FULL_ATTENTION_FIXED

@@ -393,7 +393,10 @@ _TABLES = frozenset({"req_to_blocks"})  # the attribute a growing-table class ke
 #: read for every request in every step. A test compares the names with a real manager's
 #: attributes, so one added later cannot be missed. (Other classes, a learner's subclass
 #: among them, are saved generically.)
-_FULL_ATTENTION_STATE = ("num_cached_block", "new_block_ids", "_partial_hit_reqs", "_pending_cow_copies")
+_FULL_ATTENTION_STATE = ("num_cached_block", "new_block_ids")
+#: Copy-on-write bookkeeping (vLLM 0.33): empty except inside the call that fills it and until
+#: the scheduler drains it, so a checkpoint copies it only when it is not empty.
+_FULL_ATTENTION_RARE = ("_partial_hit_reqs", "_pending_cow_copies")
 _FULL_ATTENTION_FIXED = frozenset(
     {
         "kv_cache_spec",
@@ -436,13 +439,18 @@ def _save_group(m: SingleTypeKVCacheManager) -> _GroupSave:
     state = _GROWING_TABLES.get(type(m))
     if state is not None:
         tables = m.req_to_blocks
-        return _GroupSave(copy_named(m, state), tables.copy(), list(map(len, tables.values())))
+        attrs = copy_named(m, state)
+        if m._partial_hit_reqs or m._pending_cow_copies:
+            attrs.update(copy_named(m, _FULL_ATTENTION_RARE))
+        return _GroupSave(attrs, tables.copy(), list(map(len, tables.values())))
     return _GroupSave(copy_attrs(m), None, None)
 
 
 def _restore_group(m: SingleTypeKVCacheManager, saved: _GroupSave) -> None:
     put_attrs(m, saved.attrs)
     if saved.tables is not None:
+        if "_partial_hit_reqs" not in saved.attrs:  # they were empty (see _save_group)
+            m._partial_hit_reqs, m._pending_cow_copies = {}, []
         for table, n in zip(saved.tables.values(), saved.lengths):  # type: ignore[arg-type]  # set with tables
             del table[n:]
         m.req_to_blocks = saved.tables.copy()
