@@ -237,6 +237,10 @@ class SingleTypeKVCacheManager:
         req_blocks[block_idx] = cow_block
         self._pending_cow_copies.append((source, cow_block))
         cow_block.ref_cnt += 1
+        self._copied(request_id, block_idx, source, cow_block, moved_hashes=False)
+
+    def _copied(self, request_id: str, block_idx: int, source: KVCacheBlock, cow_block: KVCacheBlock, moved_hashes: bool) -> None:
+        """The ``BlockCopied`` event for the pictures (vLLM sends no KV event for a copy)."""
         events = self.block_pool.events
         if events is not None:
             events.emit(
@@ -246,6 +250,7 @@ class SingleTypeKVCacheManager:
                     position=block_idx,
                     src_block_id=source.block_id,
                     dst_block_id=cow_block.block_id,
+                    moved_hashes=moved_hashes,
                 )
             )
 
@@ -837,18 +842,7 @@ class MambaManager(SingleTypeKVCacheManager):
                 source.ref_cnt += 1
                 if cow_block.cache_key is not None:
                     self.cached_blocks_this_step.add(cow_block.cache_key)  # filled by this step's copy
-                events = self.block_pool.events
-                if events is not None:
-                    events.emit(
-                        BlockCopied(
-                            request_id=request_id,
-                            group=self.kv_cache_group_id,
-                            position=block_idx,
-                            src_block_id=source.block_id,
-                            dst_block_id=cow_block.block_id,
-                            moved_hashes=True,
-                        )
-                    )
+                self._copied(request_id, block_idx, source, cow_block, moved_hashes=True)
             else:
                 self._apply_cow(request_id, block_idx, source, cow_block)
                 returned = [cow_block] + returned
