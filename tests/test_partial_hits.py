@@ -18,12 +18,17 @@ from __future__ import annotations
 import logging
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvlab import FullAttentionSpec, KVCacheManager, MambaSpec, Request, SlidingWindowSpec
 from kvlab.core.kv_cache_utils import KVCacheBlockCopy
 from kvlab.core.sched.scheduler import Scheduler
 from kvlab.core.transaction import checkpoint_manager, restore_manager
+from kvlab.engine.llm_engine import build_engine
 from kvlab.eventlog.events import EventLog
+from kvlab.timeline.snapshot import live_snapshot
+from kvlab.timeline.state import ReplayState
 
 HYBRID = [FullAttentionSpec(block_size=8), MambaSpec(block_size=8)]
 
@@ -205,3 +210,43 @@ def test_an_undone_call_keeps_the_copies_waiting_for_the_runner() -> None:
     assert [(c.src_block_id, c.dst_block_id) for c in copies] == [(4, 5)]
     m.block_pool.free_blocks(retained)
     m.block_pool.check_invariants()
+
+
+# -- a property: random workloads through the scheduler ------------------------------------------
+BASE = list(range(100, 160))
+
+
+@given(
+    prompts=st.lists(st.tuples(st.integers(5, 40), st.lists(st.integers(0, 3), max_size=3), st.integers(1, 6)), min_size=2, max_size=10),
+    num_blocks=st.integers(10, 30),
+    budget=st.sampled_from([8, 12, 32]),
+    eagle=st.booleans(),
+)
+def test_random_workloads_keep_every_invariant_and_replay_exactly(prompts, num_blocks, budget, eagle) -> None:
+    """Prompts cut from one long prefix (so hits end inside blocks), run by the scheduler on a
+    Mamba hybrid with blocks of 8 hashed every 4 tokens: after every step the ref counts equal
+    the tables plus the waiting copies, and the event log replays to the live pool."""
+    eng = build_engine(
+        num_blocks=num_blocks,
+        block_size=8,
+        max_num_batched_tokens=budget,
+        manager_kwargs=dict(kv_cache_groups=HYBRID, prefix_match_unit=4, use_eagle=eagle),
+    )
+    for i, (length, tail, max_tokens) in enumerate(prompts):
+        eng.add_request(Request(f"r{i}", BASE[:length] + tail, max_tokens=max_tokens))
+    replayed, done = ReplayState(), 0
+    for _ in range(400):
+        if not eng.has_unfinished_requests():
+            break
+        eng.step()
+        eng.scheduler.check_invariants()
+        events = eng.events.events
+        for e in events[done:]:
+            replayed.apply(e)
+        done = len(events)
+        snap, live = replayed.snapshot(), live_snapshot(eng.kv_cache_manager)
+        assert snap.free_queue == live["free_queue"]
+        assert [b.ref_cnt for b in snap.blocks] == live["ref_cnt"]
+        assert [b.block_hash for b in snap.blocks] == live["hashes"]
+    assert not eng.has_unfinished_requests(), "the run does not finish"
+    assert eng.kv_cache_manager.block_pool.get_num_free_blocks() == num_blocks - 1, "a block leaked"

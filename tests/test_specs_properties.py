@@ -41,7 +41,11 @@ LAYOUTS = {
         MambaSpec(),
     ],
     "windows only": [SlidingWindowSpec(sliding_window=6), SlidingWindowSpec(sliding_window=2)],
+    # Blocks of 8 hashed every 4 tokens (prefix_match_unit): hits may end inside a block, whose
+    # copy the request then writes (vLLM 0.33's copy-on-write).
+    "mamba, hits inside blocks": [FullAttentionSpec(block_size=8), MambaSpec(block_size=8)],
 }
+PREFIX_MATCH_UNIT = {"mamba, hits inside blocks": 4}
 BASES = [[(7 * i + k) % 50 for i in range(60)] for k in range(3)]
 
 
@@ -65,6 +69,7 @@ class MixedGroupsMachine(RuleBasedStateMachine):
             use_eagle=eagle,
             max_in_flight_tokens=in_flight,
             event_log=self.log,
+            prefix_match_unit=PREFIX_MATCH_UNIT.get(layout) if caching else None,
         )
         self.running: dict[str, Request] = {}
         self.n = 0
@@ -95,10 +100,11 @@ class MixedGroupsMachine(RuleBasedStateMachine):
         hits, n = self.mgr.get_computed_blocks(r)
         assert self.state() == before, "a lookup changes nothing"
         m = self.mgr
+        partial = m.coordinator.enable_partial_hash_hits
         if n:
-            assert n % m.scheduler_block_size == 0 and n <= r.num_tokens - 1
+            assert n % (m.hash_block_size if partial else m.scheduler_block_size) == 0 and n <= r.num_tokens - 1
         for spec, g in zip(m.kv_cache_groups, hits.blocks):
-            assert len(g) * spec.block_size == n or (not n and not g)
+            assert len(g) == -(-n // spec.block_size) if partial else len(g) * spec.block_size == n or (not n and not g)
         ext = min(ext, r.num_tokens - n - 1)
         chunk = min(chunk, r.num_tokens - n - ext)
         out = m.allocate_slots(
@@ -132,6 +138,10 @@ class MixedGroupsMachine(RuleBasedStateMachine):
 
     @rule()
     def new_step(self):
+        """What a scheduler does at a step: the copies go to the runner, their blocks are let go."""
+        copies, retained = self.mgr.take_kv_cache_block_copies()
+        assert len(retained) == 2 * len(copies)
+        self.mgr.block_pool.free_blocks(retained, reason="copied")
         self.mgr.new_step_starts()
 
     @invariant()
