@@ -629,14 +629,7 @@ class KVCacheManager:
                 pass
             for i, b in enumerate(group_hits):
                 where = f"new_computed_blocks[{gid}][{i}]"
-                if not isinstance(b, KVCacheBlock):
-                    raise TypeError(f"{where} must be a KVCacheBlock, got {type(b).__name__}")
-                bid = b.block_id
-                if type(bid) is not int or not 0 <= bid < len(blocks) or blocks[bid] is not b:
-                    raise ValueError(
-                        f"{where} (block {bid!r}) is not a block of this manager's pool; pass the hits that this "
-                        "manager's get_computed_blocks() returned"
-                    )
+                bid = self._check_pool_block(where, b)
                 if b.is_null:
                     if isinstance(spec, FullAttentionSpec):
                         raise ValueError(f"{where} is the null block; a full-attention group's hits are real blocks")
@@ -649,19 +642,27 @@ class KVCacheManager:
                         "allocate with the new hits"
                     )
 
+    def _check_pool_block(self, where: str, b: Any) -> int:
+        """``b`` is a block of this manager's pool (a hit); returns its id."""
+        if not isinstance(b, KVCacheBlock):
+            raise TypeError(f"{where} must be a KVCacheBlock, got {type(b).__name__}")
+        blocks = self.block_pool.blocks
+        bid = b.block_id
+        if type(bid) is not int or not 0 <= bid < len(blocks) or blocks[bid] is not b:
+            raise ValueError(
+                f"{where} (block {bid!r}) is not a block of this manager's pool; pass the hits that this "
+                "manager's get_computed_blocks() returned"
+            )
+        return bid
+
     def _check_partial_hit(self, request: Request, gid: int, b: Any, num_hit_tokens: int, append_only: bool, block_size: int) -> None:
         """A hit's last block, shared part-way: findable under the key of the hit's last hash
         boundary -- or, for full attention, whose K/V only grows, of a later boundary in the
         same block (an EAGLE hit gives one hash block back)."""
         where = f"new_computed_blocks[{gid}][-1]"
-        if not isinstance(b, KVCacheBlock):
-            raise TypeError(f"{where} must be a KVCacheBlock, got {type(b).__name__}")
-        blocks = self.block_pool.blocks
-        bid = b.block_id
-        if type(bid) is not int or not 0 <= bid < len(blocks) or blocks[bid] is not b or b.is_null:
-            raise ValueError(
-                f"{where} (block {bid!r}) is not a block of this manager's pool; pass the hits that get_computed_blocks() returned"
-            )
+        bid = self._check_pool_block(where, b)
+        if b.is_null:
+            raise ValueError(f"{where} is the null block; the block a hit ends inside is a real one")
         hb = self.hash_block_size
         first = num_hit_tokens // hb
         last = min(-(-num_hit_tokens // block_size) * block_size // hb, len(request.block_hashes)) if append_only else first

@@ -144,7 +144,7 @@ class SingleTypeKVCacheManager:
         num_new = max(num_required - max(num_skipped_blocks, num_local_blocks), 0)
         num_skipped_hits = max(0, num_skipped_blocks - num_req_blocks)
         hits = new_computed_blocks[num_skipped_hits:] if num_skipped_hits else new_computed_blocks
-        if new_computed_blocks and num_local_computed_tokens % self.block_size:  # _has_partial_local_hit, inline (hot path)
+        if self._has_partial_local_hit(new_computed_blocks, num_local_computed_tokens):
             num_new += 1  # the private copy of the hit's last block
         return num_new + self._get_num_evictable_blocks(hits)
 
@@ -178,7 +178,7 @@ class SingleTypeKVCacheManager:
         self._touch(request_id, adopted)
         req_blocks.extend(adopted)
         self.num_cached_block[request_id] = len(req_blocks)
-        if hits and num_local_computed_tokens % self.block_size:  # _has_partial_local_hit, inline
+        if self._has_partial_local_hit(hits, num_local_computed_tokens):
             # The hit ends inside its last block: allocate_new_blocks swaps in a private copy,
             # and that copy is cached again once full (so it is not counted as cached).
             block_idx = num_local_computed_tokens // self.block_size

@@ -269,15 +269,18 @@ class ReplayState:
         self.ref[bid] -= 1
         if self.ref[bid] == 0:
             self.num_held -= 1
-        mine = None
+        mine = self._drop_hold(bid, rid, group)
+        if self.ref[bid] == 0:
+            self.released_by[bid] = mine
+
+    def _drop_hold(self, bid: int, rid: str | None, group: int) -> Holding | None:
+        """Remove (and return) the hold of ``rid``'s table in ``group`` on the block."""
         holds = self.holds[bid]
         for k, h in enumerate(holds):
             if h.request_id == rid and h.group == group:
-                mine = h
                 self.holds[bid] = holds[:k] + holds[k + 1 :]
-                break
-        if self.ref[bid] == 0:
-            self.released_by[bid] = mine
+                return h
+        return None
 
     def clear_table(self, rid: str | None, group: int) -> None:
         if rid is None:
@@ -317,11 +320,7 @@ class ReplayState:
         if table is None or type(pos) is not int or not 0 <= pos < len(table) or table[pos] != src:
             raise ValueError(f"block {src} is not at position {pos!r} of {rid!r}'s table (group {group})")
         table[pos] = dst
-        holds = self.holds[self._block(src)]
-        for k, h in enumerate(holds):
-            if h.request_id == rid and h.group == group:
-                self.holds[src] = holds[:k] + holds[k + 1 :]
-                break
+        self._drop_hold(self._block(src), rid, group)
         if self.ref[self._block(dst)] == 0:
             self.num_held += 1
         self.ref[dst] += 1

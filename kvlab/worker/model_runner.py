@@ -308,20 +308,21 @@ class ModelRunner(KVConnectorModelRunnerMixin):
         if not ids:
             return []
         for b in ids:
-            if type(b) is not int or not 1 <= b < self.num_blocks:
-                raise ValueError(f"new_block_ids_to_zero: {b!r} is not a block id of this cache (1..{self.num_blocks - 1})")
+            self._check_block_id("new_block_ids_to_zero:", b)
         return ids
+
+    def _check_block_id(self, what: str, b: object) -> int:
+        if type(b) is not int or not 1 <= b < self.num_blocks:
+            raise ValueError(f"{what} {b!r} is not a block id of this cache (1..{self.num_blocks - 1})")
+        return b
 
     def _check_block_copies(self, copies: list[KVCacheBlockCopy] | None) -> list[tuple[int, int]]:
         if not copies:
             return []
         pairs: list[tuple[int, int]] = []
         for c in copies:
-            src, dst = getattr(c, "src_block_id", None), getattr(c, "dst_block_id", None)
-            for name, b in (("src_block_id", src), ("dst_block_id", dst)):
-                if type(b) is not int or not 1 <= b < self.num_blocks:
-                    raise ValueError(f"kv_cache_block_copies: {name} {b!r} is not a block id of this cache (1..{self.num_blocks - 1})")
-            assert isinstance(src, int) and isinstance(dst, int)  # checked above
+            src = self._check_block_id("kv_cache_block_copies: src_block_id", getattr(c, "src_block_id", None))
+            dst = self._check_block_id("kv_cache_block_copies: dst_block_id", getattr(c, "dst_block_id", None))
             if src == dst:
                 raise ValueError(f"kv_cache_block_copies: block {src} is copied onto itself")
             pairs.append((src, dst))
