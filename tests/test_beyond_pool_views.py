@@ -21,7 +21,7 @@ C = list(range(300, 313))
 
 def _offload_timeline(tmp_path) -> Timeline:
     cfg = KVTransferConfig(
-        "OffloadingConnector", kv_connector_extra_config=dict(num_cpu_blocks=4, storage_path=str(tmp_path), num_storage_blocks=12)
+        "OffloadingConnector", kv_connector_extra_config=dict(num_cpu_blocks=5, storage_path=str(tmp_path), num_storage_blocks=12)
     )
     eng = build_engine(num_blocks=6, block_size=4, max_num_batched_tokens=64, kv_transfer_config=cfg)
     for rid, p in [("A", A), ("B", B), ("C", C), ("A2", A + [109]), ("C2", C + [313, 314, 315])]:
@@ -37,10 +37,11 @@ def test_tiers_view_data_says_what_each_step_stored_and_which_tier_served(tmp_pa
     assert [[c["status"] for c in r["cells"]] for r in d1["rows"]] == [["stored"] * 2, ["stored"] * 2]
     assert d4["transfers"] == ["load 2 block(s) disk → GPU [4, 3] for A2"] and d4["served"] == {"STORAGE": 2}
     # A's blocks came from disk through the CPU tier: the newest two CPU entries, touched on disk
-    assert [c["status"] for c in d4["rows"][0]["cells"]] == ["resident", "resident", "loaded", "loaded"]
-    assert [c["to"] for c in d4["rows"][0]["cells"]][2:] == [("A2", 4), ("A2", 3)]
-    assert d5["served"] == {"CPU": 1} and d5["title"] == "Offload tiers · step 5 · CPU 4/4, disk 10/12"
-    assert d5["z"][0][4:] == [None] * 8 and d5["z"][1][10:] == [0, 0]  # CPU has 4 slots; disk 2 free of 12
+    # (A2 finished: its head is the newest, its tail next)
+    assert [c["status"] for c in d4["rows"][0]["cells"]] == ["resident"] * 3 + ["loaded"] * 2
+    assert [c["to"] for c in d4["rows"][0]["cells"]][3:] == [("A2", 3), ("A2", 4)]
+    assert d5["served"] == {"CPU": 1} and d5["title"] == "Offload tiers · step 5 · CPU 5/5, disk 10/12"
+    assert d5["z"][0][5:] == [None] * 7 and d5["z"][1][10:] == [0, 0]  # CPU has 5 slots; disk 2 free of 12
     p = Player(tl, views=("pool", TiersView), start=4)
     assert p.views["tiers"].last_data["served"] == {"STORAGE": 2}
 

@@ -133,7 +133,7 @@ def test_beyond_pool_helpers_of_lessons_12_to_14(tmp_path):
 
     eng = offload_engine(str(tmp_path / "story"))
     run_one_by_one(eng, OFFLOAD_STORY[:3])
-    assert tiers_holding(eng, "A") == "only on disk"  # B's and C's stores pushed A out of the 4-block CPU tier
+    assert tiers_holding(eng, "A") == "only on disk"  # B's and C's stores pushed A out of the 5-block CPU tier
     assert tiers_holding(eng, "C") == "in the CPU tier and on disk"
     run_one_by_one(eng, OFFLOAD_STORY[3:4])
     load = first_load(eng.events, "A2")

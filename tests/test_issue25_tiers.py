@@ -100,7 +100,7 @@ def test_an_undone_step_never_serves_the_cpu_slots_it_overwrote():
     cpu = eng.scheduler.connector.scheduler.manager.primary
     assert eng.generate([A], max_tokens=3) == [WANT_A]
     books = cpu.entries()
-    assert [slot for _, slot in books] == [0, 1]
+    assert [slot for _, slot in books] == [1, 0]  # A's two blocks, its tail first in line
     eng.add_request(Request("b", B, max_tokens=1))
 
     def boom(e: Any) -> None:

@@ -1,12 +1,12 @@
 """KV offload tiers (lesson 12): the tiers' books, the offloading connector in the engine,
 real tensor copies and real files, and what happens when a transfer fails.
 
-The engine scenarios use a 6-block pool (5 usable blocks of 4 tokens), a CPU tier of 4
+The engine scenarios use a 6-block pool (5 usable blocks of 4 tokens), a CPU tier of 5
 blocks and a storage tier of 12: A (9 tokens), B (17), C (13) push each other out of the
 GPU pool and the CPU tier; A2 = A + 1 token then finds A's prefix only on disk, C2 = C + 3
 tokens finds part of C in the GPU pool and the next block in the CPU tier, B2 = B's first
 13 tokens finds B on disk. Every block id, slot and tier below was checked by hand against
-the LRU rules (see the lesson).
+vLLM 0.33's LRU, which ranks blocks by request (see the lesson).
 """
 
 from __future__ import annotations
@@ -22,8 +22,11 @@ from kvlab.config.kv_transfer import KVTransferConfig
 from kvlab.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from kvlab.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 from kvlab.engine.llm_engine import build_engine
-from kvlab.kv_offload.base import LookupResult, make_offload_key
+from kvlab.kv_offload.base import Locality, LookupResult, Medium, ReqContext, TierFilter, TierMatcher, make_offload_key
 from kvlab.kv_offload.cpu.manager import CPUOffloadingManager
+from kvlab.kv_offload.cpu.policies.arc import ARCCachePolicy
+from kvlab.kv_offload.cpu.policies.factory import CachePolicyFactory
+from kvlab.kv_offload.cpu.policies.lru import LRUCachePolicy
 from kvlab.kv_offload.tiering.fs.io import TierFileError, read_block_file, write_block_file
 from kvlab.kv_offload.tiering.fs.manager import FileSystemTierManager
 from kvlab.kv_offload.tiering.manager import TieringOffloadingManager
@@ -41,7 +44,7 @@ def _k(name: str) -> bytes:
 
 
 def _config(tmp_path, **extra):
-    cfg = dict(num_cpu_blocks=4, storage_path=str(tmp_path / "kv"), num_storage_blocks=12)
+    cfg = dict(num_cpu_blocks=5, storage_path=str(tmp_path / "kv"), num_storage_blocks=12)
     cfg.update(extra)
     return KVTransferConfig("OffloadingConnector", kv_connector_extra_config=cfg)
 
@@ -68,26 +71,110 @@ def _transfers(eng):
 
 
 # -- the books ------------------------------------------------------------------------------------
-def test_cpu_tier_lru_slots_pins_and_failed_stores() -> None:
-    m = CPUOffloadingManager(3)
-    out = m.prepare_store([_k("a"), _k("b"), _k("c")])
-    assert out.slots == [0, 1, 2] and out.evicted_keys == []
-    assert m.lookup(_k("a")) is LookupResult.HIT_PENDING  # written, not readable yet
-    m.complete_store([_k("a"), _k("b"), _k("c")])
-    assert m.prepare_load([_k("a")]) == [0]  # pinned and touched: a is most recently used
-    out = m.prepare_store([_k("d")])
-    assert out.evicted_keys == [_k("b")] and out.slots == [1]  # b was the LRU head; its slot is reused
-    assert m.prepare_store([_k("e"), _k("f")]) is None  # a pinned, d pending: only c is evictable
-    assert [k for k, _ in m.entries()] == [_k("c"), _k("a"), _k("d")]  # nothing changed
-    m.complete_store([_k("d")], success=False)  # a failed store frees its slot
-    assert _k("d") not in m and m.prepare_store([_k("e")]).slots == [1]
-    m.complete_load([_k("a")])
-    assert m.pinned() == {_k("e"): -1}
+def _names(keys) -> str:
+    return "".join(k[:1].decode() for k in keys)
+
+
+def _req(rid: str, *names: str) -> ReqContext:
+    """A request whose scheduler recorded each key's end-token position (block size 4)."""
+    ctx = ReqContext(rid)
+    for i, c in enumerate(names):
+        ctx.set_offload_key_position(_k(c), 4 * (i + 1))
+    return ctx
+
+
+def test_cpu_tier_ranks_by_request_tail_first_pins_and_failed_stores() -> None:
+    # Each value below was first given by vLLM 0.33's CPUOffloadingManager on the same calls.
+    m = CPUOffloadingManager(3, enable_events=True)
+    r1 = _req("r1", "a", "b", "c")
+    m.on_new_request(r1)
+    out = m.prepare_store([_k("a"), _k("b"), _k("c")], r1)
+    assert out.slots == [0, 1, 2] and list(out.store_spec.block_ids) == [0, 1, 2] and out.evicted_keys == []
+    assert m.lookup(_k("a"), r1) is LookupResult.HIT_PENDING  # being written, not readable yet
+    m.complete_store([_k("a"), _k("b"), _k("c")], r1)
+    assert _names(k for k, _ in m.entries()) == "cba"  # one request: its tail goes first
+    m.on_request_finished(r1)
+    assert _names(k for k, _ in m.entries()) == "cba"  # re-ranked tail first: the head is the newest
+    r2 = _req("r2", "a", "d", "e")
+    m.on_new_request(r2)
+    assert list(m.prepare_load([_k("a")], r2).block_ids) == [0]  # pinned, and lifted to r2's rank
+    out = m.prepare_store([_k("a"), _k("d")], r2)
+    assert (_names(out.keys_to_store), out.slots, _names(out.evicted_keys)) == ("d", [2], "c")
+    assert m.prepare_store([_k("e"), _k("f")], r2) is None  # a pinned, d pending: only b is evictable
+    assert _names(k for k, _ in m.entries()) == "bda"  # nothing changed
+    m.complete_store([_k("d")], r2, success=False)  # a failed store frees its chunk
+    out = m.prepare_store([_k("e")], r2)
+    assert _k("d") not in m and out.slots == [2] and out.evicted_keys == []
+    m.complete_store([_k("e")], r2)
+    m.complete_load([_k("a")], r2)
+    assert m.pinned() == {} and _names(k for k, _ in m.entries()) == "bea"
+    events = [(_names(e.keys), e.removed, e.metadata_only) for e in m.take_events()]
+    assert events == [("abc", False, False), ("c", True, False), ("d", True, True), ("e", False, False)]
     m.check_invariants()
 
 
+def test_arc_moves_reused_chunks_to_t2_and_learns_from_its_ghosts() -> None:
+    # vLLM 0.33's ARCCachePolicy gave the same lists on the same calls.
+    m = CPUOffloadingManager(2, cache_policy="arc")
+
+    def arc() -> tuple:
+        p = m._policy
+        return _names(p.t1), _names(p.t2), _names(p.b1), _names(p.b2), p.target_t1_size
+
+    def run(rid: str, *names: str, load: bool = False) -> str:
+        ctx = _req(rid, *names)
+        m.on_new_request(ctx)
+        keys = [_k(c) for c in names]
+        evicted = ""
+        if load:
+            m.prepare_load(keys, ctx)
+            m.complete_load(keys, ctx)
+        else:
+            out = m.prepare_store(keys, ctx)
+            m.complete_store(out.keys_to_store, ctx)
+            evicted = _names(out.evicted_keys)
+        m.on_request_finished(ctx)
+        return evicted
+
+    run("r1", "a", "b")
+    assert arc() == ("ba", "", "", "", 0.0)  # stored once: T1, the head most recent
+    run("r2", "a", load=True)
+    assert arc() == ("b", "a", "", "", 0.0)  # reused by another request: T2
+    assert run("r3", "c") == "b" and arc() == ("c", "a", "b", "", 0.0)  # T1 gives way; b's ghost in B1
+    assert run("r4", "b") == "c" and arc() == ("b", "a", "c", "", 1.0)  # a B1 ghost wanted again: T1's target grows
+
+
+def test_cache_policies_by_name_and_bad_names() -> None:
+    assert CachePolicyFactory.get_cache_policy_cls("lru") is LRUCachePolicy
+    assert CachePolicyFactory.get_cache_policy_cls("arc") is ARCCachePolicy
+    assert CachePolicyFactory.get_cache_policy_cls("ARCCachePolicy", "kvlab.kv_offload.cpu.policies.arc") is ARCCachePolicy
+    with pytest.raises(ValueError, match=r"Unknown cache policy: 'fifo'. Supported: \['lru', 'arc'\]"):
+        CPUOffloadingManager(4, cache_policy="fifo")
+    with pytest.raises(ValueError, match="Cache policy 'lru' is already registered"):
+        CachePolicyFactory.register_cache_policy("lru", "x", "y")
+    with pytest.raises(TypeError, match="is not a CachePolicy subclass"):
+        CachePolicyFactory.get_cache_policy_cls("ChunkStatus", "kvlab.kv_offload.cpu.policies.base")
+
+
+def test_store_threshold_admits_a_block_on_its_second_offer() -> None:
+    m = CPUOffloadingManager(4, store_threshold=2, max_tracker_size=2)
+    ctx = ReqContext("r")
+    assert m.prepare_store([_k("a"), _k("b")], ctx).keys_to_store == []  # first offers: counted only
+    assert m.stores_skipped_in_current_batch == 2
+    assert _names(m.prepare_store([_k("a"), _k("c")], ctx).keys_to_store) == "a"  # a's second offer
+    assert list(m.counts.items()) == [(_k("a"), 2), (_k("c"), 1)]  # the tracker of 2 forgot b
+
+
+def test_tier_filters_match_medium_and_locality() -> None:
+    cpu_only = TierFilter((TierMatcher(Medium.CPU),))
+    assert cpu_only.allows(Medium.CPU, Locality.LOCAL) and not cpu_only.allows(Medium.STORAGE, None)
+    assert cpu_only.allows(None, None)  # an unknown medium is not excluded
+    assert TierFilter.ALL.allows(Medium.STORAGE, Locality.REMOTE) and not TierFilter().allows(Medium.CPU, None)
+    assert TierMatcher(locality=Locality.REMOTE).matches("CPU", Locality.REMOTE)
+
+
 def test_tiering_cascades_to_disk_and_promotes_through_the_cpu(tmp_path) -> None:
-    t = TieringOffloadingManager(CPUOffloadingManager(2), FileSystemTierManager(4, str(tmp_path)))
+    t = TieringOffloadingManager(CPUOffloadingManager(2, enable_events=True), FileSystemTierManager(4, str(tmp_path)))
     plan = t.prepare_store([_k("a"), _k("b")])
     assert plan.cpu_slots == [0, 1] and plan.cascade_slots == [0, 1]
     assert plan.cascade_paths[0] == os.path.join(str(tmp_path), _k("a")[:-4].hex()[:2], _k("a")[:-4].hex() + "_g0.bin")
@@ -107,7 +194,8 @@ def test_tiering_cascades_to_disk_and_promotes_through_the_cpu(tmp_path) -> None
     assert t.primary.pinned() == {_k("a"): -1, _k("b"): 1}
     t.complete_load(items)
     assert t.primary.pinned() == {} and t.secondary.pinned() == {}
-    assert [k for k, _ in t.primary.entries()] == [_k("a"), _k("b")]  # in key order: a inserted, then b touched
+    # a, promoted, was stored last; reading b changes no rank until its request finishes
+    assert [k for k, _ in t.primary.entries()] == [_k("b"), _k("a")]
     t.check_invariants()
 
 
@@ -157,23 +245,23 @@ def test_story_stores_loads_and_tiers_exactly(tmp_path) -> None:
     assert _transfers(eng) == [
         (1, "store", "A", ["CPU", "CPU"], [1, 2], [0, 1]),
         (1, "store", "A", ["STORAGE", "STORAGE"], [], [0, 1]),
-        (2, "store", "B", ["CPU"] * 4, [3, 4, 5, 2], [2, 3, 1, 0]),  # fresh slots first, then freed ones, last first
+        (2, "store", "B", ["CPU"] * 4, [3, 4, 5, 2], [2, 3, 4, 1]),  # fresh slots first, then A's tail's slot
         (2, "store", "B", ["STORAGE"] * 4, [], [2, 3, 4, 5]),
-        (3, "store", "C", ["CPU"] * 3, [1, 2, 5], [1, 3, 2]),
+        (3, "store", "C", ["CPU"] * 3, [1, 2, 5], [4, 1, 0]),  # freed slots, the last freed first
         (3, "store", "C", ["STORAGE"] * 3, [], [6, 7, 8]),
-        (4, "load", "A2", ["STORAGE", "STORAGE"], [4, 3], [0, 1]),  # A left the CPU tier in step 2: disk, via CPU slots
-        (5, "load", "C2", ["CPU"], [5], [2]),  # C's first 8 tokens still in the GPU pool, the third block in CPU
-        (5, "store", "C2", ["CPU"], [3], [3]),
+        (4, "load", "A2", ["STORAGE", "STORAGE"], [4, 3], [3, 2]),  # A left the CPU tier: disk, via CPU slots
+        (5, "load", "C2", ["CPU"], [5], [0]),  # C's first 8 tokens still in the GPU pool, the third block in CPU
+        (5, "store", "C2", ["CPU"], [3], [1]),
         (5, "store", "C2", ["STORAGE"], [], [9]),
-        (6, "load", "B2", ["STORAGE"] * 3, [4, 3, 5], [0, 1, 2]),
+        (6, "load", "B2", ["STORAGE"] * 3, [4, 3, 5], [4, 2, 3]),
     ]
     evicted = [(e.step, e.medium, e.chunk_ids, e.reason) for e in eng.events if isinstance(e, OffloadEvicted)]
     assert evicted == [
-        (2, "CPU", [0, 1], "lru"),
-        (3, "CPU", [2, 3, 1], "lru"),
-        (4, "CPU", [0, 1], "lru"),
-        (5, "CPU", [3], "lru"),
-        (6, "CPU", [0, 1, 2], "lru"),
+        (2, "CPU", [1], "lru"),  # A's tail, not its head (vLLM 0.33 ranks a request's blocks tail first)
+        (3, "CPU", [0, 1, 4], "lru"),  # A's head (the older request), then B's tail end
+        (4, "CPU", [3, 2], "lru"),  # B's two blocks left, for A2's promotions
+        (5, "CPU", [1], "lru"),
+        (6, "CPU", [4, 2, 3], "lru"),
     ]
     conn = eng.scheduler.connector
     assert conn.scheduler.num_hit_tokens == {"CPU": 4, "STORAGE": 20}
@@ -223,7 +311,7 @@ def test_offloading_kv_events_carry_the_medium(tmp_path) -> None:
     assert [(type(e).__name__, e.medium, len(e.block_hashes)) for e in evs] == [
         ("BlockStored", "CPU", 2),
         ("BlockStored", "STORAGE", 2),
-        ("BlockRemoved", "CPU", 2),
+        ("BlockRemoved", "CPU", 1),  # B needs one slot more than the 5-block tier has free
         ("BlockStored", "CPU", 4),
         ("BlockStored", "STORAGE", 4),
     ]
@@ -265,7 +353,8 @@ def test_real_copies_round_trip_exactly_through_cpu_and_disk(tmp_path) -> None:
         assert torch.equal(kv[[4, 3]], saved[layer]), f"layer {layer}: the loaded KV differs from the stored KV"
     buf = eng.executor.kv_connector.worker.buffer
     assert buf.block_nbytes == 2 * 2 * 4 * 2 * 16 * 4  # layers x (k, v) x block_size x kv heads x head_dim x fp32
-    assert torch.equal(buf.tensor[0], torch.stack([kv[4] for kv in runner.kv_caches]))
+    slot = loads[0].chunk_ids[0]  # A's first block passed through this CPU slot on its way to GPU block 4
+    assert torch.equal(buf.tensor[slot], torch.stack([kv[4] for kv in runner.kv_caches]))
 
 
 def test_greedy_outputs_identical_with_and_without_offload(tmp_path) -> None:

@@ -1,6 +1,7 @@
 """Properties of the offload tiers under random workloads and random faults (lesson 12).
 
-Whatever the workload, whichever copies fail and whichever files go bad between requests:
+Whatever the workload, the CPU tier's cache policy (LRU or ARC) and admission threshold,
+whichever copies fail and whichever files go bad between requests:
 
 * every request produces the tokens it produces without tiers (the simulated model's next
   token is a function of the context, so any wrong or missing KV shows up as a bug here
@@ -34,8 +35,10 @@ from kvlab.eventlog.events import KVLoadFailed
     p_fail=st.sampled_from([0.0, 0.05, 0.3]),
     prompt_only=st.booleans(),
     bs=st.sampled_from([2, 4]),
+    policy=st.sampled_from(["lru", "arc"]),
+    threshold=st.sampled_from([0, 2]),
 )
-def test_random_workloads_and_faults_keep_outputs_and_leak_nothing(seed, cpu, disk, p_fail, prompt_only, bs) -> None:
+def test_random_workloads_and_faults_keep_outputs_and_leak_nothing(seed, cpu, disk, p_fail, prompt_only, bs, policy, threshold) -> None:
     rng = random.Random(seed)
     prefixes = [[rng.randrange(1000) for _ in range(rng.randint(bs, 5 * bs))] for _ in range(6)]
     reqs = []
@@ -43,7 +46,7 @@ def test_random_workloads_and_faults_keep_outputs_and_leak_nothing(seed, cpu, di
         prompt = prefixes[rng.randrange(6)] + [rng.randrange(1000) for _ in range(rng.randint(0, 2 * bs))]
         reqs.append((f"r{i}", prompt, rng.randint(1, 4)))
     with tempfile.TemporaryDirectory() as d:
-        extra = dict(num_cpu_blocks=cpu, offload_prompt_only=prompt_only)
+        extra = dict(num_cpu_blocks=cpu, offload_prompt_only=prompt_only, eviction_policy=policy, store_threshold=threshold)
         if disk:
             extra.update(storage_path=d, num_storage_blocks=disk)
         eng = build_engine(

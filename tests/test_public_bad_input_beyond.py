@@ -161,10 +161,10 @@ def _files(root) -> tuple:
 
 def _lru(m) -> tuple:
     return (
-        tuple((k, s.slot, s.ref_cnt) for k, s in m._policy.blocks.items()),
-        tuple(m._free_slots),
-        m._num_allocated,
-        tuple((tuple(e.keys), e.medium, e.removed, tuple(e.slots), e.reason) for e in m.events),
+        tuple((k, c.chunk_id, c.ref_cnt) for k, c in m._policy.items()),
+        tuple(m._free_list),
+        m._num_allocated_chunks,
+        tuple((tuple(e.keys), e.medium, e.removed, tuple(e.slots), e.reason) for e in m.events or ()),
     )
 
 
@@ -782,8 +782,8 @@ CASES = [
         "config must be a KVTransferConfig, got dict",
     ),
     # --- beyond the pool: the offload tiers' books -------------------------------------------------
-    (E_BEYOND, "CPUOffloadingManager num_blocks 0", lambda w: CPUOffloadingManager(0), ValueError, "num_blocks=0 is out of range"),
-    (E_BEYOND, "CPUOffloadingManager num_blocks str", lambda w: CPUOffloadingManager("4"), TypeError, "num_blocks must be an int"),
+    (E_BEYOND, "CPUOffloadingManager num_chunks 0", lambda w: CPUOffloadingManager(0), ValueError, "num_chunks=0 is out of range"),
+    (E_BEYOND, "CPUOffloadingManager num_chunks str", lambda w: CPUOffloadingManager("4"), TypeError, "num_chunks must be an int"),
     (E_BEYOND, "FileSystemTierManager root_dir int", lambda w: FileSystemTierManager(4, 5), TypeError, "root_dir must be a directory path"),
     (E_BEYOND, "FileSystemTierManager num_blocks -1", lambda w: FileSystemTierManager(-1, str(w.fs_dir)), ValueError, "num_blocks=-1"),
     (

@@ -105,24 +105,24 @@ def _marks(d: dict) -> dict[str, tuple[list[int], list[int]]]:
 
 
 def test_a_disk_hit_is_framed_on_the_disk_and_marked_copied_in_on_the_cpu_tier(tiers) -> None:
-    d = ov.figure_data(tiers.at(4))  # A2's two blocks: read from disk, promoted through CPU slots 0 and 1
+    d = ov.figure_data(tiers.at(4))  # A2's two blocks: read from disk, promoted through CPU slots 3 and 2
     assert d["served"] == {"STORAGE": 2}
-    assert _marks(d) == {"CPU": ([], [2, 3]), "disk": ([7, 8], [])}
+    assert _marks(d) == {"CPU": ([], [3, 4]), "disk": ([7, 8], [])}
     assert (d["served_x"], d["served_y"]) == ([7, 8], ["disk", "disk"])  # one frame per block loaded
     cpu, disk = d["rows"]
-    for c in cpu["cells"][2:]:
+    for c in cpu["cells"][3:]:
         assert d["text"][0][c["lru_position"]] == "+" + short_hash(c["hash"])[:4]
-    assert [c["hash"] for c in cpu["cells"][2:]] == [c["hash"] for c in disk["cells"][7:]]  # the same blocks
-    assert d["hover"][0][2].endswith("promoted from disk on its way to GPU block 4 for A2 (the disk served the hit)")
-    assert d["hover"][1][7].endswith("served a hit: read from here into GPU block 4 for A2")
+    assert [c["hash"] for c in cpu["cells"][3:]] == [c["hash"] for c in disk["cells"][7:]]  # the same blocks
+    assert d["hover"][0][4].endswith("promoted from disk on its way to GPU block 4 for A2 (the disk served the hit)")
+    assert d["hover"][1][8].endswith("served a hit: read from here into GPU block 4 for A2")
     assert not d["text"][1][7].startswith("+")
 
 
 def test_a_cpu_hit_and_a_store_in_the_same_step(tiers) -> None:
     d = ov.figure_data(tiers.at(5))  # C2: one block read from the CPU tier, its new block stored and cascaded
     assert d["served"] == {"CPU": 1}
-    assert _marks(d) == {"CPU": ([2], [3]), "disk": ([], [9])}
-    assert (d["served_x"], d["served_y"]) == ([2], ["CPU"])
+    assert _marks(d) == {"CPU": ([4], [3]), "disk": ([], [9])}
+    assert (d["served_x"], d["served_y"]) == ([4], ["CPU"])
     assert d["hover"][0][3].endswith("+ stored this step (copied in)")
 
 

@@ -599,8 +599,7 @@ class KVTransfer(Event):
     ``chunk_ids[i]``, or a file in ``paths``); a "STORAGE" store copies a CPU slot to a file
     (the cascade). "load": back into GPU blocks ``block_ids`` from ``media[i]`` -- a
     "STORAGE" block goes through the CPU tier (it lands in CPU slot ``chunk_ids[i]`` first:
-    vLLM's staged promotion). A tier store puts the hashes at the LRU tail; a load touches
-    them.
+    vLLM's staged promotion). The tiers' order after it comes in ``OffloadTierOrder``.
     ``medium`` "FILE" is a connector's own files (disaggregated prefill)."""
 
     kind: ClassVar[str] = "kv_transfer"
@@ -643,6 +642,26 @@ class OffloadEvicted(Event):
 
     def describe(self) -> str:
         return f"{self.medium}: drop {len(self.block_hashes)} block(s) ({self.reason})"
+
+
+@_register
+@dataclass(slots=True)
+class OffloadTierOrder(Event):
+    """A tier's blocks in the order its cache policy would evict them, the next to go first,
+    each with its slot -- recorded whenever that order changed. vLLM 0.33's policies order by
+    request (a request's blocks are re-ranked when it finishes, its tail before its head),
+    which no single transfer says; this event does."""
+
+    kind: ClassVar[str] = "offload_tier_order"
+    medium: str = "CPU"
+    block_hashes: list[bytes] = field(default_factory=list)
+    chunk_ids: list[int] = field(default_factory=list)
+
+    def apply(self, state: ReplayState) -> None:
+        state.tier_order(self.medium, [h.hex() for h in self.block_hashes], list(self.chunk_ids))
+
+    def describe(self) -> str:
+        return f"{self.medium}: {len(self.block_hashes)} block(s), next to go first"
 
 
 @_register

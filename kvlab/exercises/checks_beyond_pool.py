@@ -148,7 +148,7 @@ def _tier_story(fn: Callable) -> tuple[bool, str]:
 
     def run(connector_cls: type) -> list[str]:
         with tempfile.TemporaryDirectory() as d:
-            extra = dict(num_cpu_blocks=4, storage_path=d, num_storage_blocks=12)
+            extra = dict(num_cpu_blocks=5, storage_path=d, num_storage_blocks=12)
             log = EventLog()
             mgr = KVCacheManager(num_blocks=6, block_size=4, event_log=log)
             sched = Scheduler(mgr, max_num_batched_tokens=64, connector=connector_cls(KVConnectorRole.SCHEDULER, 4, extra))

@@ -4,15 +4,19 @@ An *offloading manager* runs beside the scheduler and keeps the books of one sto
 blocks outside the GPU pool -- which block hashes it holds, in which slot, which of them are
 being read or written right now, which one goes first when room is needed. It never
 touches bytes: the worker copies them (``kvlab.kv_offload.cpu.gpu_worker``). Its verbs, as in
-vLLM:
+vLLM 0.33 -- each one takes the :class:`ReqContext` of the request it acts for:
 
-* ``lookup(key)`` -- is this block here and readable?
-* ``prepare_load(keys)`` -- pin these blocks (no eviction while they are read), return
-  where they are; ``complete_load(keys)`` unpins them;
-* ``prepare_store(keys)`` -- find room for these blocks (evicting the least recently used
-  unpinned ones), return their slots and what was evicted; ``complete_store(keys)`` makes
-  them readable (or, on failure, forgets them);
-* ``touch(keys)`` -- mark blocks recently used.
+* ``lookup(key, req_context)`` -- is this block here and readable?
+* ``prepare_load(keys, req_context)`` -- pin these blocks (no eviction while they are read),
+  return where they are; ``complete_load(keys, req_context)`` unpins them;
+* ``prepare_store(keys, req_context)`` -- find room for these blocks (evicting what the
+  cache policy picks), return their slots and what was evicted; ``complete_store(keys,
+  req_context, success)`` makes them readable (or, on failure, forgets them);
+* ``touch(keys, req_context)`` -- mark blocks recently used;
+* ``on_new_request`` / ``on_request_finished`` -- a request's first and last word. vLLM 0.33
+  ranks a tier's blocks per request: the recency of what a request read or wrote is
+  committed when it finishes, its blocks ordered head to tail by the token position the
+  scheduler records in the context (``set_offload_key_position``).
 
 A block is named by an *offload key*: its block hash followed by its KV-cache group as 4
 big-endian bytes -- byte for byte kvlab's ``KVCacheBlock.cache_key`` (vLLM's
@@ -23,10 +27,14 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
+from typing import Any, ClassVar, NamedTuple, TypeVar
+
+import numpy as np
 
 OffloadKey = bytes
+_T = TypeVar("_T")
 
 
 def make_offload_key(block_hash: bytes, group_idx: int = 0) -> OffloadKey:
@@ -43,66 +51,216 @@ def get_offload_group_idx(key: OffloadKey) -> int:
 
 
 class Medium(str, enum.Enum):
-    """Where a tier keeps its blocks (vLLM's ``Medium``; the value is what KV events carry)."""
+    """Where a tier keeps its blocks (vLLM's ``Medium``; the value is what KV events carry).
+    A ``str`` enum, so ``Medium.CPU == "CPU"``: kvlab's timeline records the plain value."""
 
     CPU = "CPU"
     STORAGE = "STORAGE"
+
+
+class Locality(enum.Enum):
+    """Where a tier's storage sits relative to the engine that publishes its events."""
+
+    LOCAL = "LOCAL"
+    REMOTE = "REMOTE"
+
+
+class TierMatcher(NamedTuple):
+    """One pattern over (medium, locality); None on either side matches anything."""
+
+    medium: Medium | None = None
+    locality: Locality | None = None
+
+    def matches(self, medium: Medium | str | None, locality: Locality | None) -> bool:
+        return (self.medium is None or medium is None or self.medium == medium) and (
+            self.locality is None or locality is None or self.locality == locality
+        )
+
+
+@dataclass(frozen=True)
+class TierFilter:
+    """Which tiers a request may load from: a tier passes if any matcher matches it.
+    ``TierFilter.ALL`` (one match-all matcher) lets every tier serve."""
+
+    matchers: tuple[TierMatcher, ...] = ()
+
+    ALL: ClassVar[TierFilter]
+
+    def allows(self, medium: Medium | str | None, locality: Locality | None) -> bool:
+        return self is TierFilter.ALL or any(m.matches(medium, locality) for m in self.matchers)
+
+
+TierFilter.ALL = TierFilter(matchers=(TierMatcher(),))
+
+
+@dataclass
+class ReqContext:
+    """What a tier knows of the request it is acting for.
+
+    Two scratch spaces: ``set_state``/``get_state`` keep one value per type (a cache policy
+    keeps the request's recency rank there, the manager the keys the request touched), and
+    ``set_offload_key_position``/``get_offload_key_position`` the end-token position of each
+    of the request's keys -- what lets a policy order a request's blocks head to tail even
+    when stores arrive out of order."""
+
+    req_id: str
+    kv_transfer_params: dict[str, Any] | None = None
+    kv_hints: Any = None
+    load_tier_filter: TierFilter = TierFilter.ALL
+    _state: dict[type, Any] = field(default_factory=dict, repr=False, init=False)
+    _offload_key_positions: dict[OffloadKey, int] = field(default_factory=dict, repr=False, init=False)
+
+    def set_state(self, val: Any) -> None:
+        self._state[type(val)] = val
+
+    def get_state(self, cls: type[_T]) -> _T | None:
+        return self._state.get(cls)
+
+    def set_offload_key_position(self, key: OffloadKey, end_token: int) -> None:
+        self._offload_key_positions[key] = end_token
+
+    def get_offload_key_position(self, key: OffloadKey) -> int | None:
+        return self._offload_key_positions.get(key)
+
+    def owned_state(self, owner: object, cls: type[_T]) -> _T | None:
+        """kvlab: ``get_state`` for one of several owners of the same state type -- kvlab's
+        storage tier runs the CPU tier's books (and policy) too, and both keep a record of the
+        request. vLLM has one such owner per request, and keys the state by type alone."""
+        return self._state.get(_Owned, {}).get((owner, cls))
+
+    def set_owned_state(self, owner: object, val: Any) -> None:
+        self._state.setdefault(_Owned, {})[(owner, type(val))] = val
+
+
+class _Owned:
+    """The key under which ``ReqContext`` keeps per-owner state (see ``owned_state``)."""
 
 
 class LookupResult(enum.Enum):
     MISS = enum.auto()
     HIT = enum.auto()
     HIT_PENDING = enum.auto()  # here, but still being written: not readable yet
+    RETRY = enum.auto()  # ask again later (vLLM: a tier still looking, asynchronously)
 
 
-@dataclass(slots=True)
+class OffloadPolicy(enum.Enum):
+    """Which of a request's blocks a tier wants: only the newly computed ones (the default),
+    or all of them, prefix hits included (a tier that needs a request's whole context)."""
+
+    CHUNK_LEVEL = "chunk_level"
+    REQUEST_LEVEL = "request_level"
+
+
+@dataclass
+class RequestOffloadingContext:
+    """A tier's answer to ``on_new_request``."""
+
+    policy: OffloadPolicy = OffloadPolicy.CHUNK_LEVEL
+
+
+class ScheduleEndContext(NamedTuple):
+    """What ``on_schedule_end`` is told about the step that ends."""
+
+    new_req_ids: Collection[str]
+    preempted_req_ids: Collection[str]
+
+
+class LoadStoreSpec:
+    """Where a worker finds (or puts) blocks of one medium -- opaque to the scheduler."""
+
+
+class BlockIDsLoadStoreSpec(LoadStoreSpec):
+    """Blocks named by index: GPU block ids, or a CPU tier's chunk (slot) ids. An int32
+    array, as vLLM hands it to the copy kernels."""
+
+    def __init__(self, block_ids: Iterable[int]) -> None:
+        self.block_ids = np.array(list(block_ids), dtype=np.int32)
+
+    def __repr__(self) -> str:
+        return repr(self.block_ids)
+
+
+@dataclass
 class PrepareStoreOutput:
-    """Which of the offered keys need storing (the others are here already), the slot
-    each one gets, and the keys evicted to make room (with the slots they freed)."""
+    """Which of the offered keys need storing (the others are here already), where they go
+    (``store_spec``; a CPU tier's chunk ids), and the keys evicted to make room."""
 
     keys_to_store: list[OffloadKey]
-    slots: list[int]
+    store_spec: LoadStoreSpec
     evicted_keys: list[OffloadKey]
-    evicted_slots: list[int] = field(default_factory=list)
+    evicted_slots: list[int] = field(default_factory=list)  # kvlab: the slots they freed
+
+    @property
+    def slots(self) -> list[int]:
+        """The slot each of ``keys_to_store`` gets (``store_spec.block_ids`` as ints)."""
+        ids = getattr(self.store_spec, "block_ids", ())
+        return [int(i) for i in ids]
 
 
-@dataclass(slots=True)
+@dataclass
 class OffloadingEvent:
-    """A change to a tier's contents: ``removed`` False = stored (readable now), True = gone
-    (``reason``: "lru", or why the entry was dropped)."""
+    """A change to a tier's contents: ``removed`` False = stored (readable now), True = gone.
+
+    vLLM's fields, then kvlab's two: ``slots`` (which slots the keys held) and ``reason``
+    ("lru": the cache policy evicted them; otherwise why the entry was dropped).
+    ``metadata_only``: a failed store released its reservation -- vLLM does not announce it
+    as an eviction (the block was never readable); kvlab's timeline still shows it."""
 
     keys: list[OffloadKey]
-    medium: str
+    medium: Medium | str
     removed: bool
+    locality: Locality | None = None
+    ownership: str | None = None
+    removal_expected: bool = False
+    metadata_only: bool = False
     slots: list[int] = field(default_factory=list)
     reason: str = "lru"
 
 
 class OffloadingManager(ABC):
-    """The scheduler-side books of one tier (see the module docstring)."""
+    """The scheduler-side books of one tier (see the module docstring). ``req_context`` may
+    be left out in kvlab (a call for no particular request); vLLM always passes it."""
 
-    medium: str = Medium.CPU.value
-
-    @abstractmethod
-    def lookup(self, key: OffloadKey) -> LookupResult: ...
+    medium: Medium | str = Medium.CPU
 
     @abstractmethod
-    def prepare_load(self, keys: Sequence[OffloadKey]) -> list[int]:
-        """Pin ``keys`` (all must be readable) and return their slots."""
+    def lookup(self, key: OffloadKey, req_context: ReqContext | None = None) -> LookupResult: ...
 
-    def touch(self, keys: Iterable[OffloadKey]) -> None:
+    @abstractmethod
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> LoadStoreSpec:
+        """Pin ``keys`` (all must be readable) and say where they are."""
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> None:
         return
 
-    def complete_load(self, keys: Iterable[OffloadKey]) -> None:
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> None:
         return
 
     @abstractmethod
-    def prepare_store(self, keys: Sequence[OffloadKey], protected: Iterable[OffloadKey] = ()) -> PrepareStoreOutput | None:
-        """Room for the keys not here yet (never evicting ``keys`` or ``protected``), or
-        None when there is not enough unpinned room -- then nothing changed."""
+    def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> PrepareStoreOutput | None:
+        """Room for the keys not here yet (never evicting one of ``keys``), or None when there
+        is not enough unpinned room -- then no block was evicted or allocated."""
 
-    def complete_store(self, keys: Iterable[OffloadKey], success: bool = True) -> None:
+    def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None, success: bool = True) -> None:
         return
 
-    def take_events(self) -> list[OffloadingEvent]:
-        return []
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        return
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        return
+
+    def has_pending_work(self) -> bool:
+        return False
+
+    def reset_cache(self) -> None:
+        return
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        return ()
+
+    def shutdown(self) -> None:
+        return

@@ -19,14 +19,14 @@ if TYPE_CHECKING:
     from kvlab.worker.model_runner import ModelRunner
 
 # The offload story of lesson 12 (and tests/test_kv_offload.py): three prompts push each other
-# out of a 5-block pool and a 4-block CPU tier; then three requests come back for them.
+# out of a 5-block pool and a 5-block CPU tier; then three requests come back for them.
 A = list(range(100, 109))
 B = list(range(200, 217))
 C = list(range(300, 313))
 OFFLOAD_STORY: list[tuple[str, list[int]]] = [("A", A), ("B", B), ("C", C), ("A2", A + [109]), ("C2", C + [313, 314, 315]), ("B2", B[:13])]
 
 
-def offload_config(storage_path: str, *, num_cpu_blocks: int = 4, num_storage_blocks: int = 12, **extra: Any) -> KVTransferConfig:
+def offload_config(storage_path: str, *, num_cpu_blocks: int = 5, num_storage_blocks: int = 12, **extra: Any) -> KVTransferConfig:
     """The story's tiers: a CPU tier of ``num_cpu_blocks`` and a disk tier of ``num_storage_blocks``
     under ``storage_path``, as kvlab's offloading connector reads them."""
     return KVTransferConfig(
@@ -43,7 +43,7 @@ def offload_engine(
     executor: Any = None,
     num_blocks: int = 6,
     block_size: int = 4,
-    num_cpu_blocks: int = 4,
+    num_cpu_blocks: int = 5,
     num_storage_blocks: int = 12,
     **extra: Any,
 ) -> LLMEngine:

@@ -517,9 +517,10 @@ class ReplayState:
         self.tiers = {t["medium"]: {} for t in tiers}
 
     def transfer(self, e: KVTransfer) -> None:
-        """Apply a KV transfer to the tiers' LRU orders: a store puts each hash at its tier's
-        tail; a load touches it (moves it to the tail), and a STORAGE block is promoted into
-        the CPU tier at the slot it was read into."""
+        """Apply a KV transfer to the tiers' contents: a store puts each hash at its tier's
+        tail, a STORAGE block loaded is promoted into the CPU tier at the slot it was read
+        into. Where each block stands in line is the policy's call: an ``OffloadTierOrder`` is
+        recorded after every hook that changed it."""
         tiers = self.tiers
         hexes = [h.hex() for h in e.block_hashes]
         for i, (h, medium) in enumerate(zip(hexes, e.media)):
@@ -529,22 +530,19 @@ class ReplayState:
                 if tier is not None:
                     tier.pop(h, None)
                     tier[h] = slot
-            else:
-                if medium != "CPU" and medium in tiers:  # a storage block is promoted through the CPU tier
-                    below = tiers[medium]
-                    if h in below:
-                        below[h] = below.pop(h)
-                    cpu = tiers.get("CPU")
-                    if cpu is not None:
-                        cpu.pop(h, None)
-                        cpu[h] = slot
-                else:
-                    tier = tiers.get(medium)
-                    if tier is not None and h in tier:
-                        tier[h] = tier.pop(h)
+            elif medium != "CPU" and "CPU" in tiers:  # a storage block is promoted through the CPU tier
+                cpu = tiers["CPU"]
+                cpu.pop(h, None)
+                cpu[h] = slot
+            # (a read moves nothing by itself: any change of order comes as OffloadTierOrder)
         self.transfers.append(
             TransferView(e.direction, e.request_id, list(e.media), list(e.block_ids), hexes, list(e.chunk_ids), list(e.paths), e.num_tokens)
         )
+
+    def tier_order(self, medium: str, hexes: Sequence[str], slots: Sequence[int]) -> None:
+        """The tier's whole contents, in eviction order (the policy's word, not a guess)."""
+        if medium in self.tiers:
+            self.tiers[medium] = dict(zip(hexes, slots))
 
     def tier_remove(self, medium: str, hexes: Sequence[str]) -> None:
         tier = self.tiers.get(medium)

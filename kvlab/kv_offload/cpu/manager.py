@@ -1,16 +1,31 @@
-"""The CPU tier's books (vLLM: ``CPUOffloadingManager`` in ``vllm/v1/kv_offload/cpu/manager.py``).
+"""The CPU tier's books (vLLM 0.33: ``CPUOffloadingManager`` in ``vllm/v1/kv_offload/cpu/manager.py``).
 
-``num_blocks`` slots of host memory, each holding one GPU block's KV for every layer.
-Slots are handed out fresh in order (0, 1, 2, ...) until the tier is full, then reused
-from the freed ones, last freed first -- vLLM's chunk pool. Which block leaves when room is
-needed is the LRU policy's call (``policies/lru.py``). The manager also queues
-:class:`OffloadingEvent` records (stored / removed) for the connector, which turns them
-into kvlab timeline events and vLLM KV events (medium "CPU").
+``num_chunks`` chunks of host memory, each holding one GPU block's KV for every layer.
+Chunks are handed out fresh in order (0, 1, 2, ...) until the tier is full, then reused
+from the freed ones, last freed first -- vLLM's chunk pool. The manager keeps the shared
+rules -- reference counts (a chunk being written is not readable, a chunk being read is
+pinned), the chunk pool, events, admission -- and leaves the rest to a **cache policy**
+picked by name (``cache_policy="lru"`` or ``"arc"``, :mod:`kvlab.kv_offload.cpu.policies`):
+how chunks are ordered and which leaves when room is needed.
+
+What a request did is gathered per request (in its :class:`ReqContext`) and handed to the
+policy once it finishes (``on_request_finished``): which keys it met, head to tail, which it
+only stored and which ready chunks it reused -- ARC's frequency counts reuse, not storage.
+
+``store_threshold`` >= 2 admits a block only once it was offered that many times (a
+bounded tracker of ``max_tracker_size`` keys counts the offers): one-off prompts then never
+displace the tier's reused blocks.
+
+kvlab adds what the lessons and the engine's undo need: ``remove`` (drop entries that went
+bad, with a reason), ``num_storable``, ``entries``/``pinned``/``check_invariants``, and
+:class:`SlotWrites` (below).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections import OrderedDict
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass, field, replace
 
 from kvlab.kv_offload.base import (
     LookupResult,
@@ -19,8 +34,13 @@ from kvlab.kv_offload.base import (
     OffloadingManager,
     OffloadKey,
     PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+    get_offload_group_idx,
 )
-from kvlab.kv_offload.cpu.policies.lru import BlockStatus, LRUCachePolicy
+from kvlab.kv_offload.cpu.common import CPULoadStoreSpec
+from kvlab.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus
+from kvlab.kv_offload.cpu.policies.factory import CachePolicyFactory
 from kvlab.utils.checks import check_int
 
 
@@ -45,167 +65,28 @@ def _check_keys(name: str, keys: object) -> list[OffloadKey]:
     return keys
 
 
-class LRUOffloadingManager(OffloadingManager):
-    """A tier of ``num_blocks`` slots with an LRU: the CPU tier, and (with files behind its
-    slots) the storage tier."""
+def _context(req_context: ReqContext | None) -> ReqContext:
+    """A call for no request (kvlab allows it) acts for an anonymous one."""
+    if req_context is None:
+        return ReqContext(req_id="")
+    if not isinstance(req_context, ReqContext):
+        raise TypeError(f"req_context must be a ReqContext or None, got {type(req_context).__name__}")
+    return req_context
 
-    medium = Medium.CPU.value
 
-    def __init__(self, num_blocks: int) -> None:
-        self.num_blocks = check_int("num_blocks", num_blocks, 1)
-        self._num_allocated = 0
-        self._free_slots: list[int] = []
-        self._policy = LRUCachePolicy(self.num_blocks)
-        self.events: list[OffloadingEvent] = []
+@dataclass(slots=True)
+class _RequestCacheAccess:
+    """The keys one request met in this tier, per group in the order met, and how: stored
+    by it, ready chunks it reused, offers the tier lacked. Kept in the request's context."""
 
-    # -- slots ------------------------------------------------------------------------------------
-    def _num_free_slots(self) -> int:
-        return len(self._free_slots) + self.num_blocks - self._num_allocated
-
-    def _allocate_slots(self, n: int) -> list[int]:
-        fresh = min(n, self.num_blocks - self._num_allocated)
-        slots = list(range(self._num_allocated, self._num_allocated + fresh))
-        self._num_allocated += fresh
-        slots += [self._free_slots.pop() for _ in range(n - fresh)]
-        return slots
-
-    # -- the OffloadingManager verbs --------------------------------------------------------------
-    def lookup(self, key: OffloadKey) -> LookupResult:
-        _check_key("key", key)
-        status = self._policy.get(key)
-        if status is None:
-            return LookupResult.MISS
-        return LookupResult.HIT if status.is_ready else LookupResult.HIT_PENDING
-
-    def slot_of(self, key: OffloadKey) -> int | None:
-        status = self._policy.get(key)
-        return None if status is None else status.slot
-
-    def prepare_load(self, keys: Sequence[OffloadKey]) -> list[int]:
-        """Pin each key (ref + 1) and move it to the LRU tail; return the slots."""
-        keys = _check_keys("keys", keys)
-        slots = []
-        for i, key in enumerate(keys):
-            status = self._policy.get(key)
-            if status is None or not status.is_ready:
-                raise ValueError(
-                    f"prepare_load: keys[{i}] (block {key.hex()[:16]}…) is not readable in the {self.medium} tier "
-                    f"({'still being written' if status is not None else 'not stored'}); lookup() says what is"
-                )
-        for key in keys:
-            status = self._policy.get(key)
-            assert status is not None
-            status.ref_cnt += 1
-            slots.append(status.slot)
-        self._policy.touch(keys)
-        return slots
-
-    def touch(self, keys: Iterable[OffloadKey]) -> None:
-        self._policy.touch(_check_keys("keys", keys))
-
-    def complete_load(self, keys: Iterable[OffloadKey]) -> None:
-        for key in _check_keys("keys", keys):
-            status = self._policy.get(key)
-            if status is not None and status.ref_cnt > 0:
-                status.ref_cnt -= 1
-
-    def num_storable(self, protected: Iterable[OffloadKey] = ()) -> int:
-        """How many new blocks could be stored now (free slots + evictable blocks)."""
-        return self._num_free_slots() + self._policy.num_evictable(set(_check_keys("protected", protected)))
-
-    def prepare_store(self, keys: Sequence[OffloadKey], protected: Iterable[OffloadKey] = ()) -> PrepareStoreOutput | None:
-        """Room for the keys not stored yet: free slots first, then the LRU's victims
-        (never one of ``keys`` or ``protected``). The new keys are inserted at the LRU
-        tail, not readable until ``complete_store``. None = not enough unpinned room, and
-        nothing changed."""
-        keys = _check_keys("keys", keys)
-        protected = _check_keys("protected", protected)
-        to_store = list(dict.fromkeys(k for k in keys if self._policy.get(k) is None))
-        if not to_store:
-            return PrepareStoreOutput([], [], [])
-        need = len(to_store) - self._num_free_slots()
-        evicted: list[tuple[OffloadKey, BlockStatus]] = []
-        if need > 0:
-            victims = self._policy.evict(need, set(keys) | set(protected))
-            if victims is None:
-                return None
-            evicted = victims
-            for _, status in victims:
-                self._free_slots.append(status.slot)
-            self.events.append(OffloadingEvent([k for k, _ in victims], self.medium, True, [s.slot for _, s in victims]))
-        slots = self._allocate_slots(len(to_store))
-        for key, slot in zip(to_store, slots):
-            self._policy.insert(key, BlockStatus(slot))
-        return PrepareStoreOutput(to_store, slots, [k for k, _ in evicted], [s.slot for _, s in evicted])
-
-    def complete_store(self, keys: Iterable[OffloadKey], success: bool = True, reason: str = "store failed") -> None:
-        """Stored keys become readable; a failed store forgets them (the slot is free again)."""
-        keys = _check_keys("keys", keys)
-        if not isinstance(success, bool):
-            raise TypeError(f"success must be True or False, got {success!r}")
-        done, dropped, dropped_slots = [], [], []
-        for key in keys:
-            status = self._policy.get(key)
-            if status is None or status.is_ready:
-                continue
-            if success:
-                status.ref_cnt = 0
-                done.append(key)
-            else:
-                self._policy.remove(key)
-                self._free_slots.append(status.slot)
-                dropped.append(key)
-                dropped_slots.append(status.slot)
-        if dropped:
-            self.events.append(OffloadingEvent(dropped, self.medium, True, dropped_slots, reason=reason))
-        if done:
-            self.events.append(OffloadingEvent(done, self.medium, False))
-
-    def remove(self, keys: Iterable[OffloadKey], reason: str) -> list[OffloadKey]:
-        """Forget blocks that went bad (their file is missing or corrupt, a copy failed);
-        a pinned block is unpinned first. Returns the keys that were here."""
-        keys = _check_keys("keys", keys)
-        if not isinstance(reason, str):
-            raise TypeError(f"reason must be a str, got {type(reason).__name__}")
-        gone, slots = [], []
-        for key in keys:
-            status = self._policy.get(key)
-            if status is None:
-                continue
-            self._policy.remove(key)
-            self._free_slots.append(status.slot)
-            gone.append(key)
-            slots.append(status.slot)
-        if gone:
-            self.events.append(OffloadingEvent(gone, self.medium, True, slots, reason=reason))
-        return gone
-
-    def take_events(self) -> list[OffloadingEvent]:
-        events, self.events = self.events, []
-        return events
-
-    # -- for views and tests ------------------------------------------------------------------------
-    def entries(self) -> list[tuple[OffloadKey, int]]:
-        """(key, slot) in LRU order, head (evicted next) first."""
-        return [(k, s.slot) for k, s in self._policy.blocks.items()]
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._policy.blocks
-
-    def __len__(self) -> int:
-        return len(self._policy.blocks)
-
-    def pinned(self) -> dict[OffloadKey, int]:
-        return {k: s.ref_cnt for k, s in self._policy.blocks.items() if s.ref_cnt != 0}
-
-    def check_invariants(self) -> None:
-        used = {s.slot for s in self._policy.blocks.values()}
-        assert len(used) == len(self._policy.blocks), f"{self.medium}: two blocks share a slot"
-        free = set(self._free_slots)
-        assert len(free) == len(self._free_slots), f"{self.medium}: a slot is free twice"
-        assert not used & free, f"{self.medium}: slots {sorted(used & free)} are both used and free"
-        assert used | free == set(range(self._num_allocated)), f"{self.medium}: slots leaked"
-        assert len(self._policy.blocks) <= self.num_blocks
+    owner: object
+    cache_generation: int
+    key_groups: dict[int, list[OffloadKey]] = field(default_factory=dict)
+    seen_keys: set[OffloadKey] = field(default_factory=set)
+    inserted_keys: set[OffloadKey] = field(default_factory=set)
+    reused_keys: set[OffloadKey] = field(default_factory=set)
+    store_miss_keys: set[OffloadKey] = field(default_factory=set)
+    finished: bool = False
 
 
 class SlotWrites:
@@ -226,45 +107,361 @@ class SlotWrites:
         return self
 
 
-class CPUOffloadingManager(LRUOffloadingManager):
-    """The CPU tier: host memory right behind the GPU pool (vLLM's primary tier).
+class CPUOffloadingManager(OffloadingManager):
+    """A tier of ``num_chunks`` chunks with a pluggable cache policy: the CPU tier, and (with
+    files behind its chunks) kvlab's storage tier.
 
-    Its slots are bytes the worker writes, so it also remembers which block each slot was
-    last given to (:class:`SlotWrites`): an entry whose slot was given to another block
+    Its chunks are bytes the worker writes, so it also remembers which block each chunk was
+    last given to (:class:`SlotWrites`): an entry whose chunk was given to another block
     since -- by a step that was then undone -- is dropped at lookup (a miss) or when the
     block is offered again (it is stored afresh)."""
 
-    medium = Medium.CPU.value
+    medium: Medium | str = Medium.CPU.value
+    _tracks_slot_writes = True
 
-    def __init__(self, num_blocks: int) -> None:
-        super().__init__(num_blocks)
+    def __init__(
+        self,
+        num_chunks: int,
+        cache_policy: str = "lru",
+        cache_policy_module_path: str | None = None,
+        enable_events: bool = False,
+        store_threshold: int = 1,
+        max_tracker_size: int = 64_000,
+    ) -> None:
+        self._num_chunks = check_int("num_chunks", num_chunks, 1)
+        if not isinstance(cache_policy, str):
+            raise TypeError(f"cache_policy must be a policy name (str), got {type(cache_policy).__name__}")
+        self.store_threshold = check_int("store_threshold", store_threshold, 0)
+        self.max_tracker_size = check_int("max_tracker_size", max_tracker_size, 1)
+        policy_cls = CachePolicyFactory.get_cache_policy_cls(cache_policy, cache_policy_module_path)
+        self._policy: CachePolicy = policy_cls(cache_capacity=self._num_chunks)
+        self.events: list[OffloadingEvent] | None = [] if enable_events else None
+        self._num_allocated_chunks = 0
+        self._free_list: list[int] = []
+        self._num_evictable_cache_chunks = 0  # ref_cnt == 0
+        self._num_write_pending_chunks = 0  # ref_cnt == -1
+        self._cache_generation = 0
+        self.stores_skipped_in_current_batch = 0
+        self.allocation_sizes_in_current_batch: list[int] = []
+        # Offers per key, least recently offered first (admission with store_threshold >= 2).
+        self.counts: OrderedDict[OffloadKey, int] | None = OrderedDict() if store_threshold >= 2 else None
         self.slot_writes = SlotWrites()
 
-    def overwritten(self, key: OffloadKey) -> bool:
-        """True when ``key``'s slot was handed to another block after ``key`` was stored."""
+    @property
+    def num_blocks(self) -> int:
+        """The tier's size in chunks (one GPU block each)."""
+        return self._num_chunks
+
+    # -- the chunk pool ---------------------------------------------------------------------------
+    def _get_num_free_chunks(self) -> int:
+        return len(self._free_list) + self._num_chunks - self._num_allocated_chunks
+
+    def _allocate_chunks(self, n: int) -> list[ChunkStatus]:
+        fresh = min(n, self._num_chunks - self._num_allocated_chunks)
+        chunks = [ChunkStatus(self._num_allocated_chunks + i) for i in range(fresh)]
+        self._num_allocated_chunks += fresh
+        chunks += [ChunkStatus(self._free_list.pop()) for _ in range(n - fresh)]
+        return chunks
+
+    def _emit(self, keys: list[OffloadKey], removed: bool, slots: list[int], **kw: object) -> None:
+        if self.events is not None and keys:
+            self.events.append(OffloadingEvent(keys=keys, medium=self.medium, removed=removed, slots=slots, **kw))  # type: ignore[arg-type]
+
+    # -- what a request did -----------------------------------------------------------------------
+    def _access(self, req_context: ReqContext) -> _RequestCacheAccess:
+        st = req_context.owned_state(self, _RequestCacheAccess)
+        if st is None or st.cache_generation != self._cache_generation:
+            st = _RequestCacheAccess(self, self._cache_generation)
+            req_context.set_owned_state(self, st)
+        return st
+
+    def _record_access(self, keys: Iterable[OffloadKey], req_context: ReqContext, reused_keys: Iterable[OffloadKey] = ()) -> None:
+        st = self._access(req_context)
+        new = []
+        for key in keys:
+            if key not in st.seen_keys:
+                if st.finished:
+                    raise RuntimeError(f"request {req_context.req_id!r} met a new key after it finished")
+                st.key_groups.setdefault(get_offload_group_idx(key), []).append(key)
+                st.seen_keys.add(key)
+                new.append(key)
+        if new:
+            self._policy.on_request_access(new, req_context)
+        # Reading back a chunk this request stored (a cascade) is not a second use.
+        st.reused_keys.update(k for k in reused_keys if k not in st.inserted_keys)
+
+    def _count_offers(self, keys: list[OffloadKey]) -> None:
+        """Count one offer of each key; a full tracker forgets its least recently offered key
+        -- never one offered in this same call."""
+        counts = self.counts
+        assert counts is not None
+        seen = set()
+        for key in keys:
+            if key in counts:
+                counts.move_to_end(key)
+                counts[key] += 1
+                seen.add(key)
+        forgettable = len(counts) - len(seen)
+        for key in keys:
+            if key in counts:
+                continue
+            if len(counts) >= self.max_tracker_size:
+                if forgettable == 0:
+                    continue
+                counts.popitem(last=False)
+                forgettable -= 1
+            counts[key] = 1
+
+    # -- the OffloadingManager verbs --------------------------------------------------------------
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        self._access(_context(req_context))
+        return RequestOffloadingContext()
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext | None = None) -> LookupResult:
         _check_key("key", key)
-        status = self._policy.get(key)
-        return status is not None and self.slot_writes.keys.get(status.slot) != key
-
-    def _drop_overwritten(self, keys: Iterable[OffloadKey]) -> None:
-        stale = [k for k in keys if self.overwritten(k)]
-        if stale:
-            self.remove(stale, reason=OVERWRITTEN)
-
-    def lookup(self, key: OffloadKey) -> LookupResult:
         self._drop_overwritten([key])
-        return super().lookup(key)
+        chunk = self._policy.get(key)
+        if chunk is None:
+            return LookupResult.MISS
+        return LookupResult.HIT if chunk.is_ready else LookupResult.HIT_PENDING
 
-    def prepare_store(self, keys: Sequence[OffloadKey], protected: Iterable[OffloadKey] = ()) -> PrepareStoreOutput | None:
-        """As the LRU tier's; an entry whose slot was overwritten is not "here already": it
-        is dropped and stored afresh."""
+    def slot_of(self, key: OffloadKey) -> int | None:
+        chunk = self._policy.get(key)
+        return None if chunk is None else chunk.chunk_id
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> CPULoadStoreSpec:
+        """Pin each key (ref_cnt + 1) and record the read for the request; the chunks."""
         keys = _check_keys("keys", keys)
+        ctx = _context(req_context)
+        chunks = []
+        for i, key in enumerate(keys):
+            chunk = self._policy.get(key)
+            if chunk is None or not chunk.is_ready:
+                raise ValueError(
+                    f"prepare_load: keys[{i}] (block {key.hex()[:16]}…) is not readable in the {self.medium} tier "
+                    f"({'still being written' if chunk is not None else 'not stored'}); lookup() says what is"
+                )
+            chunks.append(chunk)
+        for key, chunk in zip(keys, chunks):
+            if chunk.ref_cnt == 0:
+                self._policy.mark_non_evictable(key)
+                self._num_evictable_cache_chunks -= 1
+            chunk.ref_cnt += 1
+        self._record_access(keys, ctx, reused_keys=keys)
+        return CPULoadStoreSpec(c.chunk_id for c in chunks)
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> None:
+        self._policy.touch(_check_keys("keys", keys), _context(req_context))
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> None:
+        """Unpin (a key no longer here, or not pinned, is skipped: kvlab unpins the loads of
+        an undone step this way)."""
+        for key in _check_keys("keys", keys):
+            chunk = self._policy.get(key)
+            if chunk is not None and chunk.ref_cnt > 0:
+                chunk.ref_cnt -= 1
+                if chunk.ref_cnt == 0:
+                    self._num_evictable_cache_chunks += 1
+                    self._policy.mark_evictable(key)
+
+    def num_storable(self, protected: Iterable[OffloadKey] = ()) -> int:
+        """How many new blocks could be stored now (free chunks + unpinned, unprotected ones)."""
+        prot = set(_check_keys("protected", protected))
+        return self._get_num_free_chunks() + sum(1 for k, c in self._policy.items() if c.ref_cnt == 0 and k not in prot)
+
+    def prepare_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext | None = None, *, protected: Iterable[OffloadKey] = ()
+    ) -> PrepareStoreOutput | None:
+        """Room for the keys not stored yet: free chunks first, then the policy's victims
+        (never one of ``keys`` -- nor, in kvlab, of ``protected``). The new keys are given to
+        the policy, not readable until ``complete_store``. None = not enough unpinned room:
+        nothing was evicted or allocated."""
+        keys = list(dict.fromkeys(_check_keys("keys", keys)))
+        ctx = _context(req_context)
+        protected = _check_keys("protected", protected)
         self._drop_overwritten(keys)
-        out = super().prepare_store(keys, protected)
-        if out is not None:
-            self.slot_writes.keys.update(zip(out.slots, out.keys_to_store))
+        if self.counts is not None:
+            self._count_offers(keys)
+        to_store: list[OffloadKey] = []
+        ready: list[OffloadKey] = []
+        for key in keys:
+            chunk = self._policy.get(key)
+            if chunk is None:
+                to_store.append(key)
+            elif chunk.is_ready:
+                ready.append(key)
+        if self.counts is not None:
+            before = len(to_store)
+            to_store = [k for k in to_store if self.counts.get(k, 0) >= self.store_threshold]
+            self.stores_skipped_in_current_batch += before - len(to_store)
+        st = self._access(ctx)
+        misses = [k for k in to_store if k not in st.store_miss_keys]
+        if misses:  # before insert() forgets them from ARC's ghost lists
+            self._policy.on_store_miss(misses, ctx)
+            st.store_miss_keys.update(misses)
+        met = set(to_store) | set(ready)
+        self._record_access([k for k in keys if k in met], ctx, reused_keys=ready)
+        if not to_store:
+            return PrepareStoreOutput([], CPULoadStoreSpec([]), [])
+        self.allocation_sizes_in_current_batch.append(len(to_store))
+        need = len(to_store) - self._get_num_free_chunks()
+        evicted: list[tuple[OffloadKey, ChunkStatus]] = []
+        if need > 0:
+            if need > self._num_evictable_cache_chunks:
+                return None
+            victims = self._policy.evict(need, set(keys) | set(protected))
+            if victims is None:
+                return None
+            evicted = victims
+            self._num_evictable_cache_chunks -= len(victims)
+            self._free_list.extend(c.chunk_id for _, c in victims)
+            self._emit([k for k, _ in victims], True, [c.chunk_id for _, c in victims])
+        chunks = self._allocate_chunks(len(to_store))
+        for key, chunk in zip(to_store, chunks):
+            self._policy.insert(key, chunk, ctx)
+        self._num_write_pending_chunks += len(to_store)
+        st.inserted_keys.update(to_store)
+        if self._tracks_slot_writes:
+            self.slot_writes.keys.update((c.chunk_id, k) for k, c in zip(to_store, chunks))
+        return PrepareStoreOutput(
+            to_store, CPULoadStoreSpec(c.chunk_id for c in chunks), [k for k, _ in evicted], [c.chunk_id for _, c in evicted]
+        )
+
+    def complete_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext | None = None, success: bool = True, reason: str = "store failed"
+    ) -> None:
+        """Stored keys become readable; a failed store forgets them (the chunk is free again)."""
+        keys = _check_keys("keys", keys)
+        if not isinstance(success, bool):
+            raise TypeError(f"success must be True or False, got {success!r}")
+        done, dropped, dropped_slots = [], [], []
+        for key in keys:
+            chunk = self._policy.get(key)
+            if chunk is None or chunk.is_ready:
+                continue
+            self._num_write_pending_chunks -= 1
+            if success:
+                chunk.ref_cnt = 0
+                self._num_evictable_cache_chunks += 1
+                self._policy.mark_evictable(key)
+                done.append(key)
+            else:
+                self._policy.remove(key)
+                self._free_list.append(chunk.chunk_id)
+                dropped.append(key)
+                dropped_slots.append(chunk.chunk_id)
+        self._emit(dropped, True, dropped_slots, metadata_only=True, reason=reason)
+        self._emit(done, False, [])
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        """Hand the request's accesses to the policy, head to tail per group (once)."""
+        st = _context(req_context).owned_state(self, _RequestCacheAccess)
+        if st is None or st.cache_generation != self._cache_generation or st.finished:
+            return
+        st.finished = True
+        groups = []
+        for g in sorted(st.key_groups):
+            keys = st.key_groups[g]
+            pos = {k: p for k in keys if (p := req_context.get_offload_key_position(k)) is not None}
+            groups.append(tuple(sorted(keys, key=pos.__getitem__) if len(pos) == len(keys) else keys))
+        self._policy.on_request_finished(tuple(groups), st.inserted_keys - st.reused_keys, st.reused_keys, req_context)
+
+    def reset_cache(self) -> None:
+        """Forget every chunk (no events: the tier starts empty)."""
+        self._policy.clear()
+        self._cache_generation += 1
+        self._num_evictable_cache_chunks = self._num_write_pending_chunks = 0
+        self._free_list.clear()
+        self._num_allocated_chunks = 0
+
+    def remove(self, keys: Iterable[OffloadKey], reason: str) -> list[OffloadKey]:
+        """kvlab: forget blocks that went bad (their file is missing or corrupt, a copy
+        failed, an undone step overwrote their chunk); a pinned block is unpinned first.
+        Returns the keys that were here."""
+        keys = _check_keys("keys", keys)
+        if not isinstance(reason, str):
+            raise TypeError(f"reason must be a str, got {type(reason).__name__}")
+        gone, slots = [], []
+        for key in keys:
+            chunk = self._policy.get(key)
+            if chunk is None:
+                continue
+            if chunk.ref_cnt == 0:
+                self._num_evictable_cache_chunks -= 1
+            elif chunk.ref_cnt < 0:
+                self._num_write_pending_chunks -= 1
+            self._policy.remove(key)
+            self._free_list.append(chunk.chunk_id)
+            gone.append(key)
+            slots.append(chunk.chunk_id)
+        self._emit(gone, True, slots, reason=reason)
+        return gone
+
+    def take_events(self) -> list[OffloadingEvent]:
+        """The events since the last call (a list: vLLM yields them, and a drain left half
+        read would lose the rest). A failed store's release is left out for the keys a later
+        store already took again."""
+        if self.events is None:
+            return []
+        events, self.events = self.events, []
+        out = []
+        for ev in events:
+            if ev.metadata_only:
+                keep = [i for i, k in enumerate(ev.keys) if self._policy.get(k) is None]
+                if not keep:
+                    continue
+                if len(keep) < len(ev.keys):
+                    ev = replace(ev, keys=[ev.keys[i] for i in keep], slots=[ev.slots[i] for i in keep] if ev.slots else [])
+            out.append(ev)
         return out
 
+    # -- undone steps (kvlab) -----------------------------------------------------------------------
+    def overwritten(self, key: OffloadKey) -> bool:
+        """True when ``key``'s chunk was handed to another block after ``key`` was stored."""
+        _check_key("key", key)
+        if not self._tracks_slot_writes:
+            return False
+        chunk = self._policy.get(key)
+        return chunk is not None and self.slot_writes.keys.get(chunk.chunk_id) != key
 
-#: Why a CPU entry left: its slot holds another block (see :class:`SlotWrites`).
+    def _drop_overwritten(self, keys: Iterable[OffloadKey]) -> None:
+        if self._tracks_slot_writes:
+            stale = [k for k in keys if self.overwritten(k)]
+            if stale:
+                self.remove(stale, reason=OVERWRITTEN)
+
+    # -- for views and tests ------------------------------------------------------------------------
+    def entries(self) -> list[tuple[OffloadKey, int]]:
+        """(key, chunk) in the policy's eviction order, the next to go first."""
+        return [(k, c.chunk_id) for k, c in self._policy.items()]
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, bytes) and self._policy.get(key) is not None
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self._policy.items())
+
+    def pinned(self) -> dict[OffloadKey, int]:
+        return {k: c.ref_cnt for k, c in self._policy.items() if c.ref_cnt != 0}
+
+    def check_invariants(self) -> None:
+        chunks = list(self._policy.items())
+        used = {c.chunk_id for _, c in chunks}
+        assert len(used) == len(chunks), f"{self.medium}: two blocks share a chunk"
+        free = set(self._free_list)
+        assert len(free) == len(self._free_list), f"{self.medium}: a chunk is free twice"
+        assert not used & free, f"{self.medium}: chunks {sorted(used & free)} are both used and free"
+        assert used | free == set(range(self._num_allocated_chunks)), f"{self.medium}: chunks leaked"
+        assert len(chunks) <= self._num_chunks
+        n_idle = sum(1 for _, c in chunks if c.ref_cnt == 0)
+        n_writing = sum(1 for _, c in chunks if c.ref_cnt < 0)
+        assert self._num_evictable_cache_chunks == n_idle, (
+            f"{self.medium}: {self._num_evictable_cache_chunks} counted evictable, {n_idle} are"
+        )
+        assert self._num_write_pending_chunks == n_writing, (
+            f"{self.medium}: {self._num_write_pending_chunks} counted pending, {n_writing} are"
+        )
+
+
+#: Why a CPU entry left: its chunk holds another block (see :class:`SlotWrites`).
 OVERWRITTEN = "slot overwritten by a step that was undone"

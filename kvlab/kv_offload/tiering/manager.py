@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from kvlab.kv_offload.base import LookupResult, Medium, OffloadingEvent, OffloadKey
+from kvlab.kv_offload.base import LookupResult, Medium, OffloadingEvent, OffloadKey, ReqContext
 from kvlab.kv_offload.cpu.manager import CPUOffloadingManager, _check_keys
 from kvlab.kv_offload.tiering.fs.manager import FileSystemTierManager
 
@@ -67,21 +67,21 @@ class TieringOffloadingManager:
         return [self.primary] + ([self.secondary] if self.secondary is not None else [])
 
     # -- lookups ----------------------------------------------------------------------------------
-    def where(self, key: OffloadKey) -> str | None:
+    def where(self, key: OffloadKey, req_context: ReqContext | None = None) -> str | None:
         """The tier a load of ``key`` would be served from now (CPU first), or None."""
-        if self.primary.lookup(key) is LookupResult.HIT:
+        if self.primary.lookup(key, req_context) is LookupResult.HIT:
             return CPU
-        if self.secondary is not None and self.secondary.lookup(key) is LookupResult.HIT:
+        if self.secondary is not None and self.secondary.lookup(key, req_context) is LookupResult.HIT:
             return STORAGE
         return None
 
-    def lookup_chain(self, keys: Sequence[OffloadKey]) -> list[str]:
+    def lookup_chain(self, keys: Sequence[OffloadKey], req_context: ReqContext | None = None) -> list[str]:
         """The tiers that can serve the longest run of ``keys`` from the first one on: one
         medium per block, stopping at the first miss -- and at the first storage block that
         could not get a CPU slot to be promoted through."""
         media: list[str] = []
         for key in keys:
-            m = self.where(key)
+            m = self.where(key, req_context)
             if m is None:
                 break
             media.append(m)
@@ -102,7 +102,7 @@ class TieringOffloadingManager:
         return media
 
     # -- loads ------------------------------------------------------------------------------------
-    def prepare_load(self, keys: Sequence[OffloadKey], media: Sequence[str]) -> list[LoadItem]:
+    def prepare_load(self, keys: Sequence[OffloadKey], media: Sequence[str], req_context: ReqContext | None = None) -> list[LoadItem]:
         """Pin every block where it is (touching it in its LRU); a storage block also gets
         a CPU slot to be read into (it becomes a pending CPU entry). In key order."""
         keys = _check_keys("keys", keys)
@@ -134,11 +134,11 @@ class TieringOffloadingManager:
         protected = set(keys)
         for key, m in zip(keys, media):
             if m == CPU:
-                (slot,) = self.primary.prepare_load([key])
+                (slot,) = self.primary.prepare_load([key], req_context).block_ids.tolist()
                 items.append(LoadItem(key, CPU, slot))
             elif m == STORAGE and self.secondary is not None:
-                self.secondary.prepare_load([key])
-                out = self.primary.prepare_store([key], protected=protected)
+                self.secondary.prepare_load([key], req_context)
+                out = self.primary.prepare_store([key], req_context, protected=protected)
                 if out is None or not out.slots:
                     raise RuntimeError("prepare_load: no CPU slot to promote a storage block through (lookup_chain caps this)")
                 items.append(LoadItem(key, STORAGE, out.slots[0], self.secondary.path_of(key)))
@@ -146,35 +146,41 @@ class TieringOffloadingManager:
                 raise ValueError(f"prepare_load: medium {m!r} is not one of this manager's tiers")
         return items
 
-    def complete_load(self, items: Iterable[LoadItem], failed: Iterable[OffloadKey] = (), reason: str = "load failed") -> None:
+    def complete_load(
+        self,
+        items: Iterable[LoadItem],
+        failed: Iterable[OffloadKey] = (),
+        reason: str = "load failed",
+        req_context: ReqContext | None = None,
+    ) -> None:
         """Unpin; a promoted block becomes a readable CPU entry. ``failed`` blocks did not
         load: they leave the tier that served them (and the CPU slot reserved for them)."""
         bad = set(failed)
         for it in items:
             if it.medium == CPU:
-                self.primary.complete_load([it.key])
+                self.primary.complete_load([it.key], req_context)
                 if it.key in bad:
                     self.primary.remove([it.key], reason)
             else:
                 assert self.secondary is not None
-                self.secondary.complete_load([it.key])
-                self.primary.complete_store([it.key], success=it.key not in bad, reason=reason)
+                self.secondary.complete_load([it.key], req_context)
+                self.primary.complete_store([it.key], req_context, success=it.key not in bad, reason=reason)
                 if it.key in bad:
                     self.secondary.remove([it.key], reason)
 
     # -- stores -----------------------------------------------------------------------------------
-    def prepare_store(self, keys: Sequence[OffloadKey]) -> StorePlan | None:
+    def prepare_store(self, keys: Sequence[OffloadKey], req_context: ReqContext | None = None) -> StorePlan | None:
         """Room in the CPU tier for the keys it lacks, and on disk for those of them the
         storage tier lacks (cascade). None when the CPU tier has no unpinned room."""
         keys = _check_keys("keys", keys)
-        out = self.primary.prepare_store(keys)
+        out = self.primary.prepare_store(keys, req_context)
         if out is None:
             return None
         plan = StorePlan(out.keys_to_store, out.slots)
         sec = self.secondary
         if sec is not None and out.keys_to_store:
             new = [k for k in out.keys_to_store if k not in sec]
-            cascade = sec.prepare_store(new) if new else None
+            cascade = sec.prepare_store(new, req_context) if new else None
             if cascade is not None:
                 plan.cascade_keys = cascade.keys_to_store
                 plan.cascade_slots = cascade.slots
@@ -182,10 +188,22 @@ class TieringOffloadingManager:
                 plan.delete_paths = [sec.path_of(k) for k in cascade.evicted_keys]
         return plan
 
-    def complete_store(self, plan: StorePlan, success: bool = True, cascade_success: bool = True) -> None:
-        self.primary.complete_store(plan.keys, success)
+    def complete_store(
+        self, plan: StorePlan, success: bool = True, cascade_success: bool = True, req_context: ReqContext | None = None
+    ) -> None:
+        self.primary.complete_store(plan.keys, req_context, success)
         if self.secondary is not None and plan.cascade_keys:
-            self.secondary.complete_store(plan.cascade_keys, success and cascade_success)
+            self.secondary.complete_store(plan.cascade_keys, req_context, success and cascade_success)
+
+    # -- a request's first and last word ------------------------------------------------------------
+    def on_new_request(self, req_context: ReqContext) -> None:
+        for t in self.tiers:
+            t.on_new_request(req_context)
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        """Every tier commits what the request read and stored (its recency, vLLM 0.33)."""
+        for t in self.tiers:
+            t.on_request_finished(req_context)
 
     def take_events(self) -> list[OffloadingEvent]:
         return [e for t in self.tiers for e in t.take_events()]

@@ -5,32 +5,36 @@ One file per block under ``root_dir`` (:class:`~kvlab.kv_offload.file_mapper.Fil
 A lookup trusts the index only if the file is still there (vLLM's tier checks the file
 system too): a file deleted behind the tier's back -- or replaced by a link, a FIFO or a
 device -- is a miss, and its entry is dropped with a reason naming the file. vLLM's file
-tier grows until the disk is full; kvlab gives it a capacity and its own LRU, like the CPU
-tier, so the lessons can watch it evict (the evicted files are deleted by the worker).
+tier grows until the disk is full; kvlab gives it a capacity and the CPU tier's books (LRU), so the lessons can watch it evict (the evicted files are deleted by the worker).
 """
 
 from __future__ import annotations
 
 import os
 
-from kvlab.kv_offload.base import LookupResult, Medium, OffloadKey
-from kvlab.kv_offload.cpu.manager import LRUOffloadingManager
+from kvlab.kv_offload.base import LookupResult, Medium, OffloadKey, ReqContext
+from kvlab.kv_offload.cpu.manager import CPUOffloadingManager
 from kvlab.kv_offload.file_mapper import FileMapper
 from kvlab.kv_offload.tiering.fs.io import is_regular_file
+from kvlab.utils.checks import check_int
 
 
-class FileSystemTierManager(LRUOffloadingManager):
+class FileSystemTierManager(CPUOffloadingManager):
+    """The CPU tier's books (LRU policy, events on) over files instead of host memory: a
+    file is named by its block, so no chunk can hold a stale block (no slot tracking)."""
+
     medium = Medium.STORAGE.value
+    _tracks_slot_writes = False
 
     def __init__(self, num_blocks: int, root_dir: str) -> None:
-        super().__init__(num_blocks)
+        super().__init__(check_int("num_blocks", num_blocks, 1), enable_events=True)
         self.file_mapper = FileMapper(root_dir)
 
     def path_of(self, key: OffloadKey) -> str:
         return self.file_mapper.get_file_name(key)
 
-    def lookup(self, key: OffloadKey) -> LookupResult:
-        result = super().lookup(key)
+    def lookup(self, key: OffloadKey, req_context: ReqContext | None = None) -> LookupResult:
+        result = super().lookup(key, req_context)
         if result is LookupResult.HIT and not is_regular_file(path := self.path_of(key)):
             # Gone, or something that is not a file the tier wrote (a link, a FIFO, a device).
             why = "file missing" if not os.path.lexists(path) else "not a regular file"

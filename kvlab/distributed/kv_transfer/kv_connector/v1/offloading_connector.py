@@ -35,7 +35,15 @@ if TYPE_CHECKING:
     from kvlab.outputs import KVConnectorOutput
     from kvlab.request import Request
 
-_KNOWN = {"num_cpu_blocks", "storage_path", "num_storage_blocks", "offload_prompt_only"}
+_KNOWN = {
+    "num_cpu_blocks",
+    "storage_path",
+    "num_storage_blocks",
+    "offload_prompt_only",
+    "eviction_policy",
+    "cache_policy_module_path",
+    "store_threshold",
+}
 
 
 class OffloadingConnector(KVConnectorBase_V1):
@@ -58,11 +66,22 @@ class OffloadingConnector(KVConnectorBase_V1):
         offload_prompt_only = cfg.get("offload_prompt_only", True)
         if not isinstance(offload_prompt_only, bool):
             raise TypeError(f"offload_prompt_only must be a bool, got {offload_prompt_only!r}")
+        # The CPU tier's cache policy and admission (vLLM's CPU spec reads the same keys).
+        self.eviction_policy = cfg.get("eviction_policy", "lru")
+        self.cache_policy_module_path = cfg.get("cache_policy_module_path")
+        self.store_threshold = check_int("store_threshold", cfg.get("store_threshold", 0), 0)
         self.connector_scheduler: OffloadingConnectorScheduler | None = None
         self.connector_worker: OffloadingConnectorWorker | None = None
         if role is KVConnectorRole.SCHEDULER:
             storage = FileSystemTierManager(self.num_storage_blocks, path) if path is not None else None
-            manager = TieringOffloadingManager(CPUOffloadingManager(self.num_cpu_blocks), storage)
+            cpu = CPUOffloadingManager(
+                self.num_cpu_blocks,
+                cache_policy=self.eviction_policy,
+                cache_policy_module_path=self.cache_policy_module_path,
+                enable_events=True,
+                store_threshold=self.store_threshold,
+            )
+            manager = TieringOffloadingManager(cpu, storage)
             self.connector_scheduler = self.scheduler_cls(manager, self.block_size, offload_prompt_only)
         else:
             self.connector_worker = OffloadingConnectorWorker(self.num_cpu_blocks, self.block_size)

@@ -31,7 +31,7 @@ from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingWorkerMetadata,
     StoreJob,
 )
-from kvlab.kv_offload.base import get_offload_block_hash, make_offload_key
+from kvlab.kv_offload.base import OffloadKey, ReqContext, get_offload_block_hash, make_offload_key
 from kvlab.kv_offload.tiering.manager import StorePlan, TieringOffloadingManager
 
 if TYPE_CHECKING:
@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 @dataclass(slots=True)
 class RequestOffloadState:
     req: Request
+    req_context: ReqContext  # what the tiers keep about the request (its keys' positions, its rank)
     block_ids: list[int] = field(default_factory=list)  # the table as the worker knows it (group 0)
     next_stored_block_idx: int = 0  # blocks before it were stored, or came from a cache
     num_locally_computed_tokens: int = 0
@@ -63,6 +64,7 @@ class OffloadingConnectorScheduler:
         self._num_builds = 0
         self._next_job_id = 0
         self._kv_events: list[KVCacheEvent] = []
+        self._orders: dict[str, list[tuple[OffloadKey, int]]] = {}  # per tier: the order last recorded
         self.events: EventLog | None = None  # the engine's EventLog, once bound
         self.use_int_hashes = True
         self.collect_kv_events = False  # set by bind(): the pool's enable_kv_cache_events
@@ -92,10 +94,24 @@ class OffloadingConnectorScheduler:
 
     # -- helpers ---------------------------------------------------------------------------------
     def _state(self, request: Request) -> RequestOffloadState:
+        """The request's record; the first call is the tiers' ``on_new_request``."""
         st = self._reqs.get(request.request_id)
         if st is None or st.req is not request:
-            st = self._reqs[request.request_id] = RequestOffloadState(request)
+            ctx = ReqContext(request.request_id, kv_transfer_params=getattr(request, "kv_transfer_params", None))
+            st = self._reqs[request.request_id] = RequestOffloadState(request, ctx)
+            self.manager.on_new_request(ctx)
         return st
+
+    def _keys(self, st: RequestOffloadState, start: int, end: int) -> list[OffloadKey]:
+        """The offload keys of the request's blocks ``start:end``, each recorded with its
+        end-token position (vLLM 0.33's policies order a request's blocks by it)."""
+        bs, ctx = self.block_size, st.req_context
+        keys = []
+        for i, h in enumerate(st.req.block_hashes[start:end], start):
+            key = make_offload_key(h)
+            ctx.set_offload_key_position(key, (i + 1) * bs)
+            keys.append(key)
+        return keys
 
     def _job_id(self) -> int:
         self._next_job_id += 1
@@ -131,6 +147,22 @@ class OffloadingConnectorScheduler:
                     )
                 )
 
+    def _record_orders(self) -> None:
+        """Record each tier's eviction order where it changed since last recorded (after the
+        transfers and evictions of a hook, so a replay ends on the tiers' true order)."""
+        if self.events is None:
+            return
+        for t in self.manager.tiers:
+            order = t.entries()
+            if order != self._orders.get(t.medium):
+                self._orders[t.medium] = order
+                self.events.record(
+                    "offload_tier_order",
+                    medium=t.medium,
+                    block_hashes=[get_offload_block_hash(k) for k, _ in order],
+                    chunk_ids=[c for _, c in order],
+                )
+
     def _ext(self, h: bytes) -> bytes | int:
         return int.from_bytes(h, "big") & 0xFFFF_FFFF_FFFF_FFFF if self.use_int_hashes else h
 
@@ -142,13 +174,15 @@ class OffloadingConnectorScheduler:
         bs = self.block_size
         start = num_computed_tokens // bs
         end = (request.num_tokens - 1) // bs  # whole blocks, never the last token
-        keys = [make_offload_key(h) for h in request.block_hashes[start:end]]
-        return self.manager.lookup_chain(keys) if keys else []
+        st = self._state(request)
+        keys = self._keys(st, start, end)
+        return self.manager.lookup_chain(keys, st.req_context) if keys else []
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         st = self._state(request)
         media = self.tier_hits(request, num_computed_tokens)
         self._drain()  # a lookup may find a file gone and drop its entry
+        self._record_orders()
         st.num_locally_computed_tokens = num_computed_tokens
         st.lookup_media = media
         return len(media) * self.block_size, False
@@ -161,9 +195,9 @@ class OffloadingConnectorScheduler:
         st.next_stored_block_idx = max(st.next_stored_block_idx, start + n)
         if n == 0:
             return
-        keys = [make_offload_key(h) for h in request.block_hashes[start : start + n]]
+        keys = self._keys(st, start, start + n)
         media = st.lookup_media[:n]
-        items = self.manager.prepare_load(keys, media)
+        items = self.manager.prepare_load(keys, media, st.req_context)
         self._drain()
         gpu_ids = [b.block_id for b in blocks.blocks[0][start : start + n]]
         job = LoadJob(self._job_id(), request.request_id, gpu_ids, items)
@@ -183,6 +217,7 @@ class OffloadingConnectorScheduler:
                 paths=[it.path or "" for it in items],
                 num_tokens=n * bs,
             )
+        self._record_orders()
 
     def _expire_stale_jobs(self) -> None:
         """Jobs of an earlier step that were never reported: that step never finished (an
@@ -225,9 +260,9 @@ class OffloadingConnectorScheduler:
             if full <= st.next_stored_block_idx:
                 continue
             first = st.next_stored_block_idx
-            keys = [make_offload_key(h) for h in req.block_hashes[first:full]]
+            keys = self._keys(st, first, full)
             st.next_stored_block_idx = full
-            plan = self.manager.prepare_store(keys)
+            plan = self.manager.prepare_store(keys, st.req_context)
             self._drain()
             if plan is None or not plan.keys:
                 continue  # the tiers hold them already, or no unpinned room: a future miss
@@ -238,6 +273,7 @@ class OffloadingConnectorScheduler:
             self._job_build[store.job_id] = self._num_builds
             meta.stores.append(store)
             self._emit_store(rid, gpu_ids, plan)
+        self._record_orders()
         return meta
 
     def _emit_store(self, rid: str, gpu_ids: list[int], plan: StorePlan) -> None:
@@ -281,9 +317,15 @@ class OffloadingConnectorScheduler:
             if isinstance(job, StoreJob):
                 self.manager.complete_store(job.plan, stored, cascaded)
         self._drain()
+        self._record_orders()
 
     def request_finished(self, request: Request) -> None:
-        self._reqs.pop(request.request_id, None)
+        """The tiers commit what the request read and stored (vLLM 0.33: its blocks' recency)."""
+        st = self._reqs.pop(request.request_id, None)
+        if st is not None:
+            self.manager.on_request_finished(st.req_context)
+            self._drain()
+            self._record_orders()
 
     def request_requeued(self, request: Request) -> None:
         st = self._reqs.get(request.request_id)
