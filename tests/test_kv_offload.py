@@ -24,6 +24,7 @@ from kvlab.distributed.kv_transfer.kv_connector.v1.offloading_connector import O
 from kvlab.engine.llm_engine import build_engine
 from kvlab.kv_offload.base import Locality, LookupResult, Medium, ReqContext, TierFilter, TierMatcher, make_offload_key
 from kvlab.kv_offload.cpu.manager import CPUOffloadingManager
+from kvlab.kv_offload.file_mapper import FileMapper
 from kvlab.kv_offload.cpu.policies.arc import ARCCachePolicy
 from kvlab.kv_offload.cpu.policies.factory import CachePolicyFactory
 from kvlab.kv_offload.cpu.policies.lru import LRUCachePolicy
@@ -177,7 +178,8 @@ def test_tiering_cascades_to_disk_and_promotes_through_the_cpu(tmp_path) -> None
     t = TieringOffloadingManager(CPUOffloadingManager(2, enable_events=True), FileSystemTierManager(4, str(tmp_path)))
     plan = t.prepare_store([_k("a"), _k("b")])
     assert plan.cpu_slots == [0, 1] and plan.cascade_slots == [0, 1]
-    assert plan.cascade_paths[0] == os.path.join(str(tmp_path), _k("a")[:-4].hex()[:2], _k("a")[:-4].hex() + "_g0.bin")
+    h = _k("a")[:-4].hex()  # the folder digest: vLLM 0.33's FileMapper for the same fields
+    assert plan.cascade_paths[0] == f"{tmp_path}/kvlab_6cf1c7c311c9_r0/{h[:3]}/{h[3:5]}_g0/{h}.bin"
     for p in plan.cascade_paths:
         write_block_file(p, b"", b"")
     t.complete_store(plan)
@@ -269,7 +271,8 @@ def test_story_stores_loads_and_tiers_exactly(tmp_path) -> None:
     assert (stats.queries, stats.hits) == (9 + 17 + 13 + 10 + 8 + 13, 8 + 4 + 12)
     # every stored block is a real file, named by its hash
     files = sorted(f for _, _, fs in os.walk(tmp_path / "kv") for f in fs)
-    assert len(files) == 10 and all(f.endswith("_g0.bin") for f in files)
+    assert len(files) == 11 and files.count("config.json") == 1  # 10 blocks and what the folder holds
+    assert all(f.endswith(".bin") and len(f) == 64 + 4 for f in files if f != "config.json")
 
 
 def test_replayed_tiers_equal_the_live_ones_at_every_step(tmp_path) -> None:
@@ -556,3 +559,48 @@ def test_the_scheduler_publishes_tier_events_beside_the_pools(tmp_path) -> None:
         ("BlockStored", "CPU"),
         ("BlockStored", "STORAGE"),
     ]
+
+
+def test_file_mapper_names_files_as_vllm_does(tmp_path) -> None:
+    # vLLM 0.33's FileMapper gave these names and digests for the same fields.
+    key = make_offload_key(bytes(range(32)), 2)
+    m = FileMapper("/kv", model_name="Qwen/Qwen3-8B", tokens_per_hash=16, tp_size=2, rank=1, dtype="bfloat16")
+    h = bytes(range(32)).hex()
+    assert m.get_file_name(key) == f"{m.base_path}_r1/{h[:3]}/{h[3:5]}_g2/{h}.bin"
+    assert m.base_path == "/kv/Qwen_Qwen3-8B_" + "5da0b865f5f1"
+    assert m.get_config_file_path() == m.base_path + "/config.json"
+    agnostic = FileMapper(
+        "/kv", model_name="Qwen/Qwen3-8B", tokens_per_hash=16, tp_size=2, rank=1, dtype="bfloat16", parallel_agnostic=True
+    )
+    assert (agnostic.rank, agnostic.get_run_config()["tp_size"]) == (0, 1) and "parallel_agnostic" not in agnostic.get_run_config()
+    assert agnostic.base_path == "/kv/Qwen_Qwen3-8B_19b32ee2e618"  # another digest: no rank, no split
+
+
+def test_file_mapper_from_an_offloading_config() -> None:
+    # vLLM 0.33's FileMapper.from_offloading_spec gave these folders for the same config.
+    from types import SimpleNamespace
+
+    from kvlab.kv_offload import config as oc
+
+    def spec(agnostic: bool) -> SimpleNamespace:
+        par = oc.OffloadingParallelConfig(1, 2, 2, 1, 1, 1, 0, 1, None, agnostic)
+        return SimpleNamespace(
+            config=oc.OffloadingConfig(
+                groups=(oc.OffloadingGroupConfig(16, ("l0", "l1"), 0),),
+                worker_kv_bytes_per_block=1024,
+                enable_kv_cache_events=False,
+                extra_config={},
+                engine_id="e",
+                model=oc.OffloadingModelConfig("Qwen/Qwen3-0.6B", "bfloat16"),
+                cache=oc.OffloadingCacheConfig(16, 1),
+                parallel=par,
+            )
+        )
+
+    shared = FileMapper.from_offloading_spec("/kv", spec(True), parallel_agnostic=True)
+    assert (shared.base_path, shared.rank) == ("/kv/Qwen_Qwen3-0.6B_3bc1766e1054", 0)  # bytes independent of the split
+    own = FileMapper.from_offloading_spec("/kv", spec(False), parallel_agnostic=True)
+    assert (own.base_path, own.rank) == ("/kv/Qwen_Qwen3-0.6B_c80f1b35e183", 1)  # asked, but the layout does not allow it
+    assert shared.get_run_config()["kv_cache_groups"] == [{"tokens_per_block": 16, "layer_names": ["l0", "l1"]}]
+    with pytest.raises(TypeError, match="offloading_spec.config must be an OffloadingConfig"):
+        FileMapper.from_offloading_spec("/kv", SimpleNamespace(config={}))

@@ -4,6 +4,6 @@
 manager's verbs); ``cpu/`` -- the CPU tier: its books (``manager.py``; cache policies by name
 in ``policies/``: LRU ranked by request, ARC) and its bytes and copies (``gpu_worker.py``); ``tiering/`` -- a CPU tier with a disk tier behind it
 (``manager.py``; the file tier in ``fs/``: books and file format); ``file_mapper.py`` --
-which file holds which block. The connector that plugs them into the engine is
+which file holds which block; ``config.py`` -- what a backend is told about the engine. The connector that plugs them into the engine is
 ``kvlab.distributed.kv_transfer.kv_connector.v1.offloading_connector``.
 """

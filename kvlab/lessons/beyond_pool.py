@@ -262,7 +262,7 @@ def tier_files(root: str) -> list[str]:
     """Every block file the disk tier wrote under ``root``, sorted."""
     import os
 
-    return sorted(os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs)
+    return sorted(os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f.endswith(".bin"))
 
 
 def flip_last_byte(path: str) -> None:

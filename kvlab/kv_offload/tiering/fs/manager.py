@@ -1,7 +1,8 @@
 """The storage tier's books (vLLM: ``FileSystemTierManager`` in
 ``vllm/v1/kv_offload/tiering/fs/manager.py``; lesson 12).
 
-One file per block under ``root_dir`` (:class:`~kvlab.kv_offload.file_mapper.FileMapper`).
+One file per block under ``root_dir`` (:class:`~kvlab.kv_offload.file_mapper.FileMapper`:
+vLLM 0.33's names), and the run's ``config.json`` beside them.
 A lookup trusts the index only if the file is still there (vLLM's tier checks the file
 system too): a file deleted behind the tier's back -- or replaced by a link, a FIFO or a
 device -- is a miss, and its entry is dropped with a reason naming the file. vLLM's file
@@ -10,6 +11,7 @@ tier grows until the disk is full; kvlab gives it a capacity and the CPU tier's 
 
 from __future__ import annotations
 
+import json
 import os
 
 from kvlab.kv_offload.base import LookupResult, Medium, OffloadKey, ReqContext
@@ -26,9 +28,17 @@ class FileSystemTierManager(CPUOffloadingManager):
     medium = Medium.STORAGE.value
     _tracks_slot_writes = False
 
-    def __init__(self, num_blocks: int, root_dir: str) -> None:
+    def __init__(self, num_blocks: int, root_dir: str, *, block_size: int = 16) -> None:
         super().__init__(check_int("num_blocks", num_blocks, 1), enable_events=True)
-        self.file_mapper = FileMapper(root_dir)
+        # One worker, so its bytes do not depend on a parallel split: vLLM's tier opts in to
+        # the parallel-agnostic folder the same way.
+        self.file_mapper = FileMapper(root_dir, tokens_per_hash=check_int("block_size", block_size, 1), parallel_agnostic=True)
+        # What the folder holds, for whoever reads it later (vLLM writes it once, as here).
+        config_path = self.file_mapper.get_config_file_path()
+        os.makedirs(os.path.dirname(config_path), exist_ok=True)
+        if not os.path.exists(config_path):
+            with open(config_path, "w") as f:
+                json.dump(self.file_mapper.get_run_config(), f, indent=2, sort_keys=True)
 
     def path_of(self, key: OffloadKey) -> str:
         return self.file_mapper.get_file_name(key)

@@ -73,7 +73,7 @@ class OffloadingConnector(KVConnectorBase_V1):
         self.connector_scheduler: OffloadingConnectorScheduler | None = None
         self.connector_worker: OffloadingConnectorWorker | None = None
         if role is KVConnectorRole.SCHEDULER:
-            storage = FileSystemTierManager(self.num_storage_blocks, path) if path is not None else None
+            storage = FileSystemTierManager(self.num_storage_blocks, path, block_size=self.block_size) if path is not None else None
             cpu = CPUOffloadingManager(
                 self.num_cpu_blocks,
                 cache_policy=self.eviction_policy,
