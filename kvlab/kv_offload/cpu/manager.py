@@ -39,7 +39,7 @@ from kvlab.kv_offload.base import (
     get_offload_group_idx,
 )
 from kvlab.kv_offload.cpu.common import CPULoadStoreSpec
-from kvlab.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus
+from kvlab.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus, order_request_keys
 from kvlab.kv_offload.cpu.policies.factory import CachePolicyFactory
 from kvlab.utils.checks import check_int
 
@@ -79,7 +79,6 @@ class _RequestCacheAccess:
     """The keys one request met in this tier, per group in the order met, and how: stored
     by it, ready chunks it reused, offers the tier lacked. Kept in the request's context."""
 
-    owner: object
     cache_generation: int
     key_groups: dict[int, list[OffloadKey]] = field(default_factory=dict)
     seen_keys: set[OffloadKey] = field(default_factory=set)
@@ -171,7 +170,7 @@ class CPUOffloadingManager(OffloadingManager):
     def _access(self, req_context: ReqContext) -> _RequestCacheAccess:
         st = req_context.owned_state(self, _RequestCacheAccess)
         if st is None or st.cache_generation != self._cache_generation:
-            st = _RequestCacheAccess(self, self._cache_generation)
+            st = _RequestCacheAccess(self._cache_generation)
             req_context.set_owned_state(self, st)
         return st
 
@@ -359,11 +358,7 @@ class CPUOffloadingManager(OffloadingManager):
         if st is None or st.cache_generation != self._cache_generation or st.finished:
             return
         st.finished = True
-        groups = []
-        for g in sorted(st.key_groups):
-            keys = st.key_groups[g]
-            pos = {k: p for k in keys if (p := req_context.get_offload_key_position(k)) is not None}
-            groups.append(tuple(sorted(keys, key=pos.__getitem__) if len(pos) == len(keys) else keys))
+        groups = [tuple(order_request_keys([st.key_groups[g]], req_context)) for g in sorted(st.key_groups)]
         self._policy.on_request_finished(tuple(groups), st.inserted_keys - st.reused_keys, st.reused_keys, req_context)
 
     def reset_cache(self) -> None:

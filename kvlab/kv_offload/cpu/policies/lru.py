@@ -38,7 +38,6 @@ class _RequestRank:
     """The rank a request's chunks share, kept in its ReqContext (one per policy -- kvlab's
     two tiers each have one -- and cache generation: a cleared cache hands out ranks afresh)."""
 
-    owner: object
     cache_generation: int
     rank: int
 
@@ -59,7 +58,7 @@ class LRUCachePolicy(CachePolicy):
     def _request_rank(self, req_context: ReqContext) -> int:
         st = req_context.owned_state(self, _RequestRank)
         if st is None or st.cache_generation != self._cache_generation:
-            st = _RequestRank(self, self._cache_generation, self._fresh_rank())
+            st = _RequestRank(self._cache_generation, self._fresh_rank())
             req_context.set_owned_state(self, st)
         return st.rank
 
