@@ -49,6 +49,10 @@ class StorePlan:
     cascade_slots: list[int] = field(default_factory=list)
     cascade_paths: list[str] = field(default_factory=list)
     delete_paths: list[str] = field(default_factory=list)
+    #: When the cascade was handed out, on the storage tier's back-pressure clock.
+    cascade_submit_time: float | None = None
+    #: Blocks the storage tier's back-pressure kept off disk (they stay in the CPU tier).
+    cascade_dropped: int = 0
 
 
 class TieringOffloadingManager:
@@ -179,6 +183,12 @@ class TieringOffloadingManager:
         plan = StorePlan(out.keys_to_store, out.slots)
         sec = self.secondary
         if sec is not None and out.keys_to_store:
+            detector = sec.bp_detector
+            # vLLM 0.33 asks the tier's detector once per store, for all its blocks (the
+            # tier itself then skips the ones it has); a refusal drops the whole cascade.
+            if detector is not None and not detector.should_store(len(out.keys_to_store)):
+                plan.cascade_dropped = len(out.keys_to_store)
+                return plan
             new = [k for k in out.keys_to_store if k not in sec]
             cascade = sec.prepare_store(new, req_context) if new else None
             if cascade is not None:
@@ -186,14 +196,38 @@ class TieringOffloadingManager:
                 plan.cascade_slots = cascade.slots
                 plan.cascade_paths = [sec.path_of(k) for k in cascade.keys_to_store]
                 plan.delete_paths = [sec.path_of(k) for k in cascade.evicted_keys]
+                if detector is not None:
+                    plan.cascade_submit_time = detector.now()
         return plan
 
     def complete_store(
-        self, plan: StorePlan, success: bool = True, cascade_success: bool = True, req_context: ReqContext | None = None
+        self,
+        plan: StorePlan,
+        success: bool = True,
+        cascade_success: bool = True,
+        req_context: ReqContext | None = None,
+        cascade_bytes: int | None = None,
     ) -> None:
+        """The worker ran ``plan``: ``success`` for the GPU -> CPU copy, ``cascade_success``
+        for the files, which held ``cascade_bytes`` bytes. A cascade that ran feeds the
+        storage tier's back-pressure detector (its time since submission, or a failure); one
+        that never ran (the copy before it failed, or its step was undone) tells it nothing."""
         self.primary.complete_store(plan.keys, req_context, success)
         if self.secondary is not None and plan.cascade_keys:
             self.secondary.complete_store(plan.cascade_keys, req_context, success and cascade_success)
+            detector = self.secondary.bp_detector
+            if detector is not None and success and plan.cascade_submit_time is not None:
+                if cascade_success:
+                    detector.update(plan.cascade_submit_time, cascade_bytes or 0)
+                else:
+                    detector.on_store_failed()
+
+    def reset_cache(self) -> None:
+        """Empty the CPU tier; the storage tier keeps its files (they outlive a reset in
+        vLLM too) but its back-pressure detector starts over."""
+        self.primary.reset_cache()
+        if self.secondary is not None and self.secondary.bp_detector is not None:
+            self.secondary.bp_detector.reset()
 
     # -- a request's first and last word ------------------------------------------------------------
     def on_new_request(self, req_context: ReqContext) -> None:

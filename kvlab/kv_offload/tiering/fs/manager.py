@@ -17,6 +17,7 @@ import os
 from kvlab.kv_offload.base import LookupResult, Medium, OffloadKey, ReqContext
 from kvlab.kv_offload.cpu.manager import CPUOffloadingManager
 from kvlab.kv_offload.file_mapper import FileMapper
+from kvlab.kv_offload.tiering.backpressure import BackpressureDetector
 from kvlab.kv_offload.tiering.fs.io import is_regular_file
 from kvlab.utils.checks import check_int
 
@@ -28,8 +29,15 @@ class FileSystemTierManager(CPUOffloadingManager):
     medium = Medium.STORAGE.value
     _tracks_slot_writes = False
 
-    def __init__(self, num_blocks: int, root_dir: str, *, block_size: int = 16) -> None:
+    tier_type = "fs"
+
+    def __init__(
+        self, num_blocks: int, root_dir: str, *, block_size: int = 16, backpressure_detector: BackpressureDetector | None = None
+    ) -> None:
+        if backpressure_detector is not None and not isinstance(backpressure_detector, BackpressureDetector):
+            raise TypeError(f"backpressure_detector must be None or a BackpressureDetector, got {type(backpressure_detector).__name__}")
         super().__init__(check_int("num_blocks", num_blocks, 1), enable_events=True)
+        self._bp_detector = backpressure_detector
         # One worker, so its bytes do not depend on a parallel split: vLLM's tier opts in to
         # the parallel-agnostic folder the same way.
         self.file_mapper = FileMapper(root_dir, tokens_per_hash=check_int("block_size", block_size, 1), parallel_agnostic=True)
@@ -39,6 +47,12 @@ class FileSystemTierManager(CPUOffloadingManager):
         if not os.path.exists(config_path):
             with open(config_path, "w") as f:
                 json.dump(self.file_mapper.get_run_config(), f, indent=2, sort_keys=True)
+
+    @property
+    def bp_detector(self) -> BackpressureDetector | None:
+        """Decides whether a cascade to this tier is sent (None: always); see
+        :mod:`kvlab.kv_offload.tiering.backpressure`."""
+        return self._bp_detector
 
     def path_of(self, key: OffloadKey) -> str:
         return self.file_mapper.get_file_name(key)

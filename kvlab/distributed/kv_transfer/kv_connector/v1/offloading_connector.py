@@ -12,7 +12,9 @@ One class, two roles, as in vLLM: built with ``KVConnectorRole.SCHEDULER`` it ke
 tiers' books (:mod:`...offloading.scheduler`), with ``KVConnectorRole.WORKER`` it moves the
 bytes (:mod:`...offloading.worker`). Both are built from the same ``KVTransferConfig``
 (``kv_connector="OffloadingConnector"``; extra config ``num_cpu_blocks``,
-``storage_path`` and ``num_storage_blocks`` for a disk tier, ``offload_prompt_only``).
+``storage_path`` and ``num_storage_blocks`` for a disk tier, ``offload_prompt_only``; the CPU
+tier's ``eviction_policy``, ``cache_policy_module_path``, ``store_threshold``; the disk tier's
+``backpressure``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.common import Offl
 from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import OffloadingConnectorScheduler
 from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.worker import OffloadingConnectorWorker
 from kvlab.kv_offload.cpu.manager import CPUOffloadingManager
+from kvlab.kv_offload.tiering.factory import create_backpressure_detector
 from kvlab.kv_offload.tiering.fs.manager import FileSystemTierManager
 from kvlab.kv_offload.tiering.manager import TieringOffloadingManager
 from kvlab.utils.checks import check_int
@@ -43,6 +46,7 @@ _KNOWN = {
     "eviction_policy",
     "cache_policy_module_path",
     "store_threshold",
+    "backpressure",
 }
 
 
@@ -70,10 +74,19 @@ class OffloadingConnector(KVConnectorBase_V1):
         self.eviction_policy = cfg.get("eviction_policy", "lru")
         self.cache_policy_module_path = cfg.get("cache_policy_module_path")
         self.store_threshold = check_int("store_threshold", cfg.get("store_threshold", 0), 0)
+        # The disk tier's back-pressure (vLLM 0.33's "backpressure" dict); built here, before
+        # any tier, so a bad config leaves nothing half made.
+        detector = create_backpressure_detector(cfg.get("backpressure"), FileSystemTierManager.tier_type)
+        if detector is not None and path is None:
+            raise ValueError("backpressure applies to the disk tier: set storage_path too")
         self.connector_scheduler: OffloadingConnectorScheduler | None = None
         self.connector_worker: OffloadingConnectorWorker | None = None
         if role is KVConnectorRole.SCHEDULER:
-            storage = FileSystemTierManager(self.num_storage_blocks, path, block_size=self.block_size) if path is not None else None
+            storage = (
+                FileSystemTierManager(self.num_storage_blocks, path, block_size=self.block_size, backpressure_detector=detector)
+                if path is not None
+                else None
+            )
             cpu = CPUOffloadingManager(
                 self.num_cpu_blocks,
                 cache_policy=self.eviction_policy,

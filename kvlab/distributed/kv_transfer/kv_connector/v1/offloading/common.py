@@ -54,6 +54,7 @@ class OffloadingWorkerMetadata:
 
     loads: dict[int, LoadResult] = field(default_factory=dict)
     stores: dict[int, tuple[bool, bool, str]] = field(default_factory=dict)  # job id -> (stored, cascaded, error)
+    cascade_bytes: dict[int, int] = field(default_factory=dict)  # job id -> bytes its cascade wrote to files
     num_loaded_tokens: dict[str, int] = field(default_factory=dict)
     num_stored_tokens: dict[str, int] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)  # req id -> why its load failed

@@ -315,7 +315,7 @@ class OffloadingConnectorScheduler:
             self._job_build.pop(job_id, None)
             job = self._jobs.pop(job_id, None)
             if isinstance(job, StoreJob):
-                self.manager.complete_store(job.plan, stored, cascaded)
+                self.manager.complete_store(job.plan, stored, cascaded, cascade_bytes=wm.cascade_bytes.get(job_id))
         self._drain()
         self._record_orders()
 

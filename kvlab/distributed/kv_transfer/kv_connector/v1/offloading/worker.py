@@ -98,12 +98,15 @@ class OffloadingConnectorWorker:
             slot_of = dict(zip(plan.keys, plan.cpu_slots))
             cascaded, err = True, ""
             written: list[str] = []
+            num_bytes = 0
             try:
                 for key, path in zip(plan.cascade_keys, plan.cascade_paths):
                     if self.before_block_copy is not None:
                         self.before_block_copy("cascade", key, -1)
-                    write_block_file(path, key, buf.slot_bytes(slot_of[key]))
+                    payload = buf.slot_bytes(slot_of[key])
+                    write_block_file(path, key, payload)
                     written.append(path)
+                    num_bytes += len(payload)
                 for path in plan.delete_paths:
                     delete_block_file(path)
             except Exception as e:  # noqa: BLE001
@@ -112,6 +115,7 @@ class OffloadingConnectorWorker:
                     delete_block_file(path)
             if cascaded and plan.cascade_keys:
                 stored["STORAGE"] = stored.get("STORAGE", 0) + len(plan.cascade_keys) * meta.block_size
+                self._report.cascade_bytes[job.job_id] = num_bytes
             self._report.stores[job.job_id] = (True, cascaded, err)
 
     def build_connector_worker_meta(self) -> OffloadingWorkerMetadata:
