@@ -247,12 +247,21 @@ class MambaSpec(KVCacheSpec):
       so that a later request with the same prefix can start from a saved state. Chunks of a
       prefill end on block boundaries; the request holds at most two state blocks (the one
       being read and the one being written) and frees the older ones.
+
+    ``num_speculative_blocks`` (vLLM sets it from ``num_speculative_tokens`` for MTP/EAGLE on
+    a hybrid): a recurrent state cannot be rolled back, so each draft token the verifier may
+    reject needs a state block of its own after the running one -- the runner keeps the
+    state after every draft position and continues from the last accepted one. In
+    ``align`` mode these scratch blocks ride at the end of the table: when the request
+    crosses a block boundary they move to the new end
+    (:class:`~kvlab.eventlog.events.BlockRelocated`) instead of being freed and taken again.
     """
 
     shapes: tuple[tuple[int, ...], ...] = ((4, 256), (8, 64, 16))
     dtypes: tuple[str, ...] = ("bfloat16", "float32")
     mamba_cache_mode: str = "align"
     page_size_padded: int | None = None
+    num_speculative_blocks: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -269,6 +278,7 @@ class MambaSpec(KVCacheSpec):
         object.__setattr__(self, "shapes", shapes)
         object.__setattr__(self, "dtypes", dtypes)
         _check_int(self, "page_size_padded", 1, allow_none=True)
+        _check_int(self, "num_speculative_blocks", 0)
         if self.page_size_padded is not None and self.page_size_padded < self.state_size_bytes:
             raise ValueError(f"{name}.page_size_padded = {self.page_size_padded} is smaller than the state ({self.state_size_bytes} bytes)")
 

@@ -39,7 +39,7 @@ from kvlab.kv_cache_interface import (
     RSWASpec,
     SlidingWindowSpec,
 )
-from kvlab.eventlog.events import BlockCopied, BlocksSkipped, BlocksTouched
+from kvlab.eventlog.events import BlockCopied, BlockRelocated, BlocksSkipped, BlocksTouched
 from kvlab.utils.hashing import BlockHash
 
 
@@ -682,6 +682,8 @@ class MambaManager(SingleTypeKVCacheManager):
         self.mamba_cache_mode = kv_cache_spec.mamba_cache_mode
         if self.enable_caching and self.mamba_cache_mode != "align":
             raise ValueError("a MambaSpec group with prefix caching needs mamba_cache_mode='align' (as in vLLM)")
+        # Scratch states for draft tokens (MTP/EAGLE): one block per draft, after the running state.
+        self.num_speculative_blocks: int = kv_cache_spec.num_speculative_blocks
         # Saved states cached during this step: another request may not start from them
         # before the step that writes them has run (vLLM defers it to the next step).
         self.cached_blocks_this_step: set[bytes] = set()
@@ -763,10 +765,11 @@ class MambaManager(SingleTypeKVCacheManager):
         if new_computed_blocks and new_computed_blocks[-1].cache_key in self.cached_blocks_this_step:
             # The state was saved by a request of this very step: usable only from the next.
             return self.block_pool.num_gpu_blocks + 1
+        nspec = self.num_speculative_blocks
         if self.mamba_cache_mode != "align":
             return super().get_num_blocks_to_allocate(
                 request_id,
-                num_tokens,
+                num_tokens + self.block_size * nspec,  # room for the draft tokens' scratch states
                 new_computed_blocks,
                 total_computed_tokens,
                 num_local_computed_tokens,
@@ -774,16 +777,17 @@ class MambaManager(SingleTypeKVCacheManager):
                 apply_admission_cap,
             )
         held = self.req_to_blocks.get(request_id, ())
-        # One new state block per step at most (lookahead slots are not states), and one
-        # more for the copy of a state saved inside a block.
-        num_new = cdiv(num_tokens_main_model, self.block_size) - len(new_computed_blocks) - len(held)
+        # One new state block per step at most (lookahead slots are not states; vLLM counts
+        # the main model's tokens only), one more for the copy of a state saved inside a
+        # block, and on the first allocation the draft tokens' scratch blocks.
+        num_new = cdiv(num_tokens_main_model, self.block_size) + nspec - len(new_computed_blocks) - len(held)
         has_partial_hit = (
             self._has_partial_local_hit(new_computed_blocks, num_local_computed_tokens) or request_id in self._partial_hit_reqs
         )
         if has_partial_hit:
             num_new = max(num_new, 0) + 1
         if num_new > 0:
-            num_new = min(num_new, 1 + int(has_partial_hit))
+            num_new = min(num_new, 1 + int(has_partial_hit) + (0 if request_id in self._allocated_block_reqs else nspec))
         count = num_new + self._get_num_evictable_blocks(new_computed_blocks)
         if (
             not apply_admission_cap
@@ -800,33 +804,44 @@ class MambaManager(SingleTypeKVCacheManager):
             length = max(skipped, len(new_computed_blocks))
             ext_new = max(0, cdiv(total_computed_tokens, self.block_size) - length)
             exact = self._get_num_evictable_blocks(new_computed_blocks[skipped:]) + ext_new
-            exact += int(cdiv(num_tokens_main_model, self.block_size) > length + ext_new)
+            exact += min(max(0, cdiv(num_tokens_main_model, self.block_size) + nspec - length - ext_new), 1 + nspec)
             count = max(count, exact)
         return count
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int) -> list[KVCacheBlock]:
+        nspec = self.num_speculative_blocks
         if self.mamba_cache_mode != "align":
-            return super().allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
+            return super().allocate_new_blocks(request_id, num_tokens + self.block_size * nspec, num_tokens_main_model)
         blocks = self.req_to_blocks.setdefault(request_id, [])
-        num_required = cdiv(num_tokens_main_model, self.block_size)
+        num_required = cdiv(num_tokens_main_model, self.block_size) + nspec
         partial = self._partial_hit_reqs.get(request_id) if self._partial_hit_reqs else None
         if num_required <= len(blocks) and partial is None:
             self._allocated_block_reqs.add(request_id)
             return []
         prev = len(blocks)
         allocated = request_id in self._allocated_block_reqs
-        if allocated or prev > 0:
-            # The state this step reads: the last block (a hit's saved state, or the
-            # state the previous step wrote). It is freed once the new state exists.
-            self.last_state_block_idx[request_id] = prev - 1
-        # The new state goes at position num_required - 1; positions in between will
-        # never hold a state this request reads: null.
-        pad = [self._null_block] * max(0, num_required - 1 - prev)
+        if allocated:
+            # The state this step reads: the running state, just before the scratch blocks.
+            # It is freed once the new state exists.
+            self.last_state_block_idx[request_id] = prev - 1 - nspec
+        elif prev > 0:
+            self.last_state_block_idx[request_id] = prev - 1  # a hit's saved state
+        # The new state goes at position num_required - 1 - nspec; positions in between
+        # will never hold a state this request reads: null.
+        num_skipped = num_required - nspec - 1
+        pad = [self._null_block] * max(0, num_skipped - prev)
         if pad:
             self._touch(request_id, pad)  # null padding: no ref count moves; the event records the positions
             blocks.extend(pad)
+        if allocated:
+            # Scratch blocks the new running state leaves behind follow it to the end of
+            # the table (the runner's table only grows): moved, not freed and taken again.
+            for idx in range(prev - nspec, prev):
+                if idx >= num_skipped:
+                    break
+                self._relocate_speculative_block(request_id, blocks, idx)
         num_new = max(num_required - len(blocks), 0)
-        assert num_new <= 1, "a Mamba group allocates at most one state block per step"
+        assert num_new <= 1 + (0 if allocated else nspec), "a Mamba group allocates at most one state block per step"
         returned = blocks[prev:]
         if partial is not None:
             # A state saved inside a block: a copy of it is taken first (its block comes off
@@ -851,6 +866,17 @@ class MambaManager(SingleTypeKVCacheManager):
         blocks.extend(new)
         self._allocated_block_reqs.add(request_id)
         return returned + new
+
+    def _relocate_speculative_block(self, request_id: str, blocks: list[KVCacheBlock], idx: int) -> None:
+        block = blocks[idx]
+        assert not block.is_null and block.ref_cnt == 1 and block.cache_key is None, (
+            "a speculative Mamba block must be the request's own and unhashed to move"
+        )
+        blocks.append(block)
+        blocks[idx] = self._null_block
+        events = self.block_pool.events
+        if events is not None:
+            events.emit(BlockRelocated(request_id=request_id, group=self.kv_cache_group_id, position=idx, block_id=block.block_id))
 
     def _remove_blocks_in_range(self, request_id: str, first_block: int, last_block: int) -> None:
         if self.mamba_cache_mode != "align":

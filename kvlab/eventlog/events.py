@@ -316,6 +316,28 @@ class BlockCopied(Event):
 
 @_register
 @dataclass(slots=True)
+class BlockRelocated(Event):
+    """A Mamba group's speculative scratch block (``MambaSpec.num_speculative_blocks``)
+    moves from ``position`` of the request's table to its end: the request crossed a block
+    boundary, and the scratch blocks always follow the running state (vLLM 0.33:
+    ``MambaManager._relocate_speculative_block``). The old position becomes null; the block
+    keeps its one reference -- no free, no allocation."""
+
+    kind: ClassVar[str] = "block_relocated"
+    request_id: str | None = None
+    group: int = 0
+    position: int = 0
+    block_id: int = 0
+
+    def apply(self, state: ReplayState) -> None:
+        state.relocate(self.request_id, self.group, self.position, self.block_id)
+
+    def describe(self) -> str:
+        return f"move scratch block {self.block_id} of {self.request_id} from position {self.position} to the end (group {self.group})"
+
+
+@_register
+@dataclass(slots=True)
 class BlocksSkipped(Event):
     """Sliding window: blocks that left the window are replaced by the null block in a table."""
 

@@ -312,6 +312,19 @@ class ReplayState:
                     raise ValueError(f"position {pos!r} is outside {rid!r}'s table of {len(table)} blocks")
                 table[pos] = 0
 
+    def relocate(self, rid: str | None, group: int, pos: int, bid: int) -> None:
+        """Block ``bid`` moves from ``pos`` of the request's table to its end; ``pos`` turns
+        null. Its reference (and who holds it) stays; only the position changes."""
+        table = self._table(rid, group)
+        if table is None or type(pos) is not int or not 0 <= pos < len(table) or table[pos] != bid:
+            raise ValueError(f"block {bid} is not at position {pos!r} of {rid!r}'s table (group {group})")
+        table[pos] = 0
+        i = self._append(rid, group, bid)
+        self.holds[bid] = tuple(
+            Holding(h.request_id, h.group, i) if (h.request_id, h.group, h.logical_index) == (rid, group, pos) else h
+            for h in self.holds[bid]
+        )
+
     def copy_on_write(self, rid: str | None, group: int, pos: int, src: int, dst: int) -> None:
         """The request's table takes ``dst`` (allocated just before, to no table) at ``pos``
         instead of ``src``; ``src`` keeps its reference and ``dst`` gets one more, both
