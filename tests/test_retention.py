@@ -113,3 +113,75 @@ def test_bad_intervals_are_refused_with_vllms_words(groups, retention, exc, matc
     with pytest.raises(exc, match=match):
         KVCacheManager(num_blocks=40, kv_cache_groups=groups, block_size=4, prefix_cache_retention_interval=retention)
     assert KVCacheManager(num_blocks=40, block_size=4, prefix_cache_retention_interval=0).coordinator.retention_interval == 0
+
+
+def test_the_scheduler_stops_a_mamba_chunk_at_a_shared_prefix_junction() -> None:
+    """A's 30 tokens run in one chunk, so its Mamba state is saved only at 28. B shares A's
+    first 20: full attention has them, Mamba nothing -- no hit, a junction at 20. vLLM 0.33's
+    scheduler stops B's first chunk there (the block boundary at or before the junction), so
+    B's state after 20 tokens is saved and C, with the same 20 tokens, hits them."""
+    from kvlab.engine.llm_engine import build_engine
+
+    eng = build_engine(
+        num_blocks=40,
+        block_size=4,
+        max_num_batched_tokens=64,
+        manager_kwargs=dict(kv_cache_groups=[FullAttentionSpec(block_size=4), MambaSpec(block_size=4)]),
+    )
+    for rid, prompt in (("A", A), ("B", A[:20] + [1, 2, 3, 4, 5]), ("C", A[:20] + [9, 9, 9])):
+        eng.add_request(Request(rid, prompt, max_tokens=1))
+        eng.run()
+    lookups = [(e.request_id, e.num_hit_tokens) for e in eng.events.events if e.kind == "prefix_lookup"]
+    chunks = [(e.request_id, e.num_tokens) for e in eng.events.events if e.kind == "request_scheduled"]
+    assert lookups == [("A", 0), ("B", 0), ("C", 20)]
+    assert chunks == [("A", 28), ("A", 2), ("B", 20), ("B", 4), ("B", 1), ("C", 3)]
+    assert eng.finished["B"].shared_prefix_boundary == 20
+
+
+@pytest.mark.parametrize(
+    ("opt_in", "b_chunks", "c_lookup", "c_chunks"),
+    [
+        (False, [8, 8, 8, 4], ("C", 8, 12), [8, 4, 4, 3]),  # B's chunk stops at 8, the block boundary before 12
+        (True, [12, 4, 8, 4], ("C", 12, 0), [4, 4, 4, 3]),  # B stops at the junction itself; C hits it
+    ],
+)
+def test_opting_in_saves_the_mamba_state_at_the_junction_inside_a_block(opt_in, b_chunks, c_lookup, c_chunks) -> None:
+    """Blocks of 8 hashed every 4, EAGLE: B shares A's first 22 tokens, full attention has
+    them (12 after EAGLE's drop), Mamba has no state there -- a junction at 12, inside B's
+    second block. ``enable_mamba_shared_prefix_checkpoint`` saves B's state exactly there."""
+    from kvlab.engine.llm_engine import build_engine
+
+    eng = build_engine(
+        num_blocks=40,
+        block_size=8,
+        max_num_batched_tokens=64,
+        manager_kwargs=dict(
+            kv_cache_groups=[FullAttentionSpec(block_size=8), MambaSpec(block_size=8)],
+            prefix_match_unit=4,
+            use_eagle=True,
+            enable_mamba_shared_prefix_checkpoint=opt_in,
+        ),
+    )
+    assert eng.kv_cache_manager.mamba_shared_prefix_checkpoint is opt_in
+    a = list(range(100, 140))
+    for rid, prompt in (("A", a), ("B", a[:22] + [1, 2, 3, 4, 5, 6]), ("C", a[:22] + [9, 9, 9, 9, 9])):
+        eng.add_request(Request(rid, prompt, max_tokens=1))
+        eng.run()
+    ev = eng.events.events
+    lookups = [(e.request_id, e.num_hit_tokens) for e in ev if e.kind == "prefix_lookup"]
+    chunks = {rid: [e.num_tokens for e in ev if e.kind == "request_scheduled" and e.request_id == rid] for rid in "ABC"}
+    assert lookups == [("A", 0), ("B", 0), c_lookup[:2]]
+    assert (eng.finished["B"].shared_prefix_boundary, eng.finished["C"].shared_prefix_boundary) == (12, c_lookup[2])
+    assert chunks == {"A": [32, 4, 4], "B": b_chunks, "C": c_chunks}
+
+
+def test_the_opt_in_needs_eagle_and_partial_hits_and_a_bool() -> None:
+    groups = [FullAttentionSpec(block_size=8), MambaSpec(block_size=8)]
+    assert not KVCacheManager(
+        num_blocks=8, kv_cache_groups=groups, prefix_match_unit=4, enable_mamba_shared_prefix_checkpoint=True
+    ).mamba_shared_prefix_checkpoint
+    assert not KVCacheManager(
+        num_blocks=8, kv_cache_groups=groups, use_eagle=True, enable_mamba_shared_prefix_checkpoint=True
+    ).mamba_shared_prefix_checkpoint
+    with pytest.raises(TypeError, match="enable_mamba_shared_prefix_checkpoint must be a bool, got 'yes'"):
+        KVCacheManager(num_blocks=8, kv_cache_groups=groups, enable_mamba_shared_prefix_checkpoint="yes")

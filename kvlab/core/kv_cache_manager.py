@@ -22,7 +22,7 @@ from kvlab.core.block_pool import BlockPool, group_suffix
 from kvlab.core.kv_cache_coordinator import get_kv_cache_coordinator, resolve_kv_cache_block_sizes
 from kvlab.core.kv_cache_metrics import KVCacheMetricsCollector
 from kvlab.core.kv_cache_utils import KVCacheBlock, KVCacheBlockCopy, get_request_block_hasher
-from kvlab.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
+from kvlab.core.single_type_kv_cache_manager import MambaManager, SingleTypeKVCacheManager
 from kvlab.core.transaction import manager_call, manager_lookup
 from kvlab.distributed.kv_events import BlockStored, KVEvent
 from kvlab.kv_cache_interface import (
@@ -191,6 +191,7 @@ class KVCacheManager:
         prepend_uncached_blocks: bool = True,
         prefix_match_unit: int | None = None,
         prefix_cache_retention_interval: int | None = None,
+        enable_mamba_shared_prefix_checkpoint: bool = False,
     ) -> None:
         """``enable_kv_cache_events``: queue vLLM's KV cache events (``take_events()``).
         ``kv_events_use_int_block_hashes``: publish hashes as 64-bit ints (vLLM's default) or
@@ -204,7 +205,12 @@ class KVCacheManager:
         ``prefix_cache_retention_interval`` (vLLM 0.33): how densely window and Mamba groups
         keep cache entries -- None every reachable block (as vLLM's ``KVCacheConfig``
         default), 0 only what a replay of a prompt or a shared-prefix junction can hit (vLLM's
-        server default, ``CacheConfig``), k > 0 also one segment every k tokens."""
+        server default, ``CacheConfig``), k > 0 also one segment every k tokens.
+        ``enable_mamba_shared_prefix_checkpoint`` (vLLM 0.33, opt-in): with EAGLE and partial
+        hits, a Mamba state is also saved exactly at a shared-prefix junction, inside a block
+        (the scheduler ends a chunk there), not only at the block boundary before it."""
+        if not isinstance(enable_mamba_shared_prefix_checkpoint, bool):
+            raise TypeError(f"enable_mamba_shared_prefix_checkpoint must be a bool, got {enable_mamba_shared_prefix_checkpoint!r}")
         block_size, specs, hash_fn, max_model_len, max_in_flight_tokens, kv_events_use_int_block_hashes, eagle_groups = _check_manager_args(
             block_size,
             kv_cache_groups,
@@ -274,6 +280,14 @@ class KVCacheManager:
             )
         self.block_pool = block_pool
         self.coordinator = coordinator
+        # One predicate read by the scheduler (where a chunk ends) and the Mamba groups (what
+        # they save), so a chunk never stops at a junction whose state would not be kept.
+        self.mamba_shared_prefix_checkpoint = (
+            enable_mamba_shared_prefix_checkpoint and bool(coordinator.eagle_group_ids) and coordinator.enable_partial_hash_hits
+        )
+        for m in coordinator.single_type_managers:
+            if isinstance(m, MambaManager):
+                m.shared_prefix_checkpoint = self.mamba_shared_prefix_checkpoint
         # vLLM 0.33: with Mamba layers or attention groups of several dtypes, the runner zeroes
         # the attention blocks handed out each step (KVCacheConfig.needs_kv_cache_zeroing).
         self.needs_kv_cache_zeroing = self.kv_cache_config.needs_kv_cache_zeroing

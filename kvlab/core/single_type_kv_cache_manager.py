@@ -692,6 +692,9 @@ class MambaManager(SingleTypeKVCacheManager):
         self._allocated_block_reqs: set[str] = set()
         # With EAGLE a saved state sits one hash block earlier (the coordinator sets it).
         self.drop_eagle_checkpoint_block = False
+        # Also save the state at a shared-prefix junction inside a block (opt-in; the
+        # KVCacheManager decides, as the scheduler reads the same flag).
+        self.shared_prefix_checkpoint = False
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         """Only the state after the last computed token is needed."""
@@ -925,14 +928,23 @@ class MambaManager(SingleTypeKVCacheManager):
 
     def _cache_partial_tail_block(self, request: Any, num_tokens: int) -> bytes | None:  # type: ignore[override]  # returns the key it made
         """Save the state at the prompt's last hash boundary (below the last prompt token, one
-        hash block lower with EAGLE) as a partial key of the block that holds it, when the
-        computed tokens reach exactly that boundary -- the scheduler ends a chunk there
+        hash block lower with EAGLE) -- or, opted in, at a shared-prefix junction within the
+        prompt -- as a partial key of the block that holds it, when the computed tokens reach
+        exactly that boundary: the scheduler ends a chunk there
         (``Scheduler._mamba_block_aligned_split``). Inside a block, the request keeps
         writing its state into that block, so its next allocation moves the key to a copy."""
         hash_block_size = self.block_pool.hash_block_size
         if not hash_block_size or num_tokens <= 0 or num_tokens % hash_block_size:
             return None
-        if num_tokens != mamba_prefill_checkpoint_position(request.num_prompt_tokens, hash_block_size, self.drop_eagle_checkpoint_block):
+        at_junction = (
+            self.shared_prefix_checkpoint
+            and num_tokens == request.shared_prefix_boundary
+            and request.num_computed_tokens < num_tokens <= request.num_prompt_tokens
+        )
+        if (
+            num_tokens != mamba_prefill_checkpoint_position(request.num_prompt_tokens, hash_block_size, self.drop_eagle_checkpoint_block)
+            and not at_junction
+        ):
             return None
         block_idx = cdiv(num_tokens, self.block_size) - 1
         blocks = self.req_to_blocks.get(request.request_id, ())

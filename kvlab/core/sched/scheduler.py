@@ -234,6 +234,9 @@ class Scheduler:
         # Fine-grained partial hits (vLLM 0.33): a Mamba state is also saved at the prompt's
         # last hash boundary, so a prefill chunk stops there too.
         self.mamba_partial_cache_hit = self.need_mamba_block_aligned_split and kv_cache_manager.coordinator.enable_partial_hash_hits
+        # Opt-in (vLLM 0.33): a chunk also stops exactly at a shared-prefix junction, whose
+        # state the manager then saves inside its block.
+        self.mamba_shared_prefix_checkpoint = self.mamba_partial_cache_hit and kv_cache_manager.mamba_shared_prefix_checkpoint
         if connector is not None and self.mamba_partial_cache_hit:
             raise ValueError(
                 "a KV connector with partial prefix hits (a Mamba hybrid whose blocks are larger than the hash block) is not "
@@ -732,8 +735,9 @@ class Scheduler:
         boundary, and never past the last boundary before the prompt's final token (the
         state a later request with this prompt would start from; one block lower with
         EAGLE). With partial hits, also at the prompt's last hash boundary, where the state
-        saved inside a block lets a later request hit part-way into it. The prompt's last
-        chunk may end anywhere (vLLM's ``_mamba_block_aligned_split``)."""
+        saved inside a block lets a later request hit part-way into it; and at the block
+        boundary before a shared-prefix junction. The prompt's last chunk may end anywhere
+        (vLLM's ``_mamba_block_aligned_split``)."""
         start = num_computed_tokens
         prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
         if start >= prefill_end:
@@ -754,10 +758,20 @@ class Scheduler:
         tail = (
             mamba_prefill_checkpoint_position(request.num_prompt_tokens, mgr.hash_block_size, eagle) if self.mamba_partial_cache_hit else 0
         )
+        # A shared-prefix junction the lookup found (a longer prefix one group had cached
+        # and the Mamba group had not): the chunk stops at the last block boundary before
+        # it, so the state there is saved and a sibling request with that prefix can start
+        # from it (vLLM 0.33). Opted in, it stops at the junction itself, inside a block.
+        junction = request.shared_prefix_boundary
+        if self.mamba_shared_prefix_checkpoint and junction <= request.num_prompt_tokens:
+            junction_stop = junction
+        else:
+            junction_stop = start + (junction - start) // bs * bs
         stops = (
             (start // bs + 1) * bs if start % bs else 0,
             last_cache_position,
             tail if last_cache_position < tail < request.num_prompt_tokens else 0,
+            junction_stop if start < junction < end else 0,
         )
         end = min((x for x in stops if start < x < end), default=end)
         return max(end - start, 0)
