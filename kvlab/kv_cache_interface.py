@@ -255,6 +255,12 @@ class MambaSpec(KVCacheSpec):
     ``align`` mode these scratch blocks ride at the end of the table: when the request
     crosses a block boundary they move to the new end
     (:class:`~kvlab.eventlog.events.BlockRelocated`) instead of being freed and taken again.
+
+    ``num_prefill_checkpoint_blocks`` and ``prefill_checkpoint_alignment`` (vLLM 0.33, set by
+    a linear-attention backend whose kernel can write the state at a position *inside* a
+    chunk, a multiple of ``prefill_checkpoint_alignment`` tokens from the chunk's start): the
+    prompt's reusable state is then exported from the last chunk into one extra block, so
+    the scheduler need not end a chunk at that boundary -- one forward pass fewer.
     """
 
     shapes: tuple[tuple[int, ...], ...] = ((4, 256), (8, 64, 16))
@@ -262,6 +268,8 @@ class MambaSpec(KVCacheSpec):
     mamba_cache_mode: str = "align"
     page_size_padded: int | None = None
     num_speculative_blocks: int = 0
+    num_prefill_checkpoint_blocks: int = 0
+    prefill_checkpoint_alignment: int | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -279,6 +287,8 @@ class MambaSpec(KVCacheSpec):
         object.__setattr__(self, "dtypes", dtypes)
         _check_int(self, "page_size_padded", 1, allow_none=True)
         _check_int(self, "num_speculative_blocks", 0)
+        _check_int(self, "num_prefill_checkpoint_blocks", 0)
+        _check_int(self, "prefill_checkpoint_alignment", 1, allow_none=True)
         if self.page_size_padded is not None and self.page_size_padded < self.state_size_bytes:
             raise ValueError(f"{name}.page_size_padded = {self.page_size_padded} is smaller than the state ({self.state_size_bytes} bytes)")
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlab import FullAttentionSpec, KVCacheManager, MambaSpec, Request, SlidingWindowSpec
@@ -244,6 +244,100 @@ def test_random_workloads_keep_every_invariant_and_replay_exactly(prompts, num_b
         for e in events[done:]:
             replayed.apply(e)
         done = len(events)
+        snap, live = replayed.snapshot(), live_snapshot(eng.kv_cache_manager)
+        assert snap.free_queue == live["free_queue"]
+        assert [b.ref_cnt for b in snap.blocks] == live["ref_cnt"]
+        assert [b.block_hash for b in snap.blocks] == live["hashes"]
+    assert not eng.has_unfinished_requests(), "the run does not finish"
+    assert eng.kv_cache_manager.block_pool.get_num_free_blocks() == num_blocks - 1, "a block leaked"
+
+
+# -- a prompt's checkpoint exported from inside a chunk (vLLM 0.33) -------------------------------
+@pytest.mark.parametrize(
+    ("checkpoint_blocks", "a_chunks", "copies"),
+    [
+        (0, [24, 4, 2], [(5, 6), (7, 8)]),  # A stops at 24 (a block) and at 28 (the prompt's hash boundary)
+        (1, [30], [(4, 6), (5, 7)]),  # one chunk: the state at 28 is exported into a block of its own
+    ],
+)
+def test_a_backend_that_exports_the_prompts_state_saves_a_forward_pass(checkpoint_blocks, a_chunks, copies) -> None:
+    """Blocks of 8 hashed every 4. A (30 tokens) must leave its state after 28 tokens for a
+    later hit. Without a checkpoint block the scheduler ends chunks at 24 and 28; a backend
+    that writes the state from inside a chunk (alignment 4) gets one block reserved for it,
+    and A runs in one chunk. Either way B hits 28 and gets copies of both blocks it shares."""
+    mamba = MambaSpec(
+        block_size=8, num_prefill_checkpoint_blocks=checkpoint_blocks, prefill_checkpoint_alignment=4 if checkpoint_blocks else None
+    )
+    eng = build_engine(
+        num_blocks=40,
+        block_size=8,
+        max_num_batched_tokens=64,
+        manager_kwargs=dict(kv_cache_groups=[FullAttentionSpec(block_size=8), mamba], prefix_match_unit=4),
+    )
+    a = list(range(100, 130))
+    for rid, prompt in (("A", a), ("B", a[:28] + [1, 2, 3, 4, 5, 6])):
+        eng.add_request(Request(rid, prompt, max_tokens=1))
+        eng.run()
+    ev = eng.events.events
+    assert [e.num_tokens for e in ev if e.kind == "request_scheduled" and e.request_id == "A"] == a_chunks
+    assert [(e.request_id, e.num_hit_tokens) for e in ev if e.kind == "prefix_lookup"] == [("A", 0), ("B", 28)]
+    assert [(e.src_block_id, e.dst_block_id) for e in ev if e.kind == "block_copied" and e.request_id == "B"] == copies
+    assert eng.kv_cache_manager.block_pool.get_num_free_blocks() == 39
+
+
+def test_checkpoint_fields_are_checked_by_name() -> None:
+    with pytest.raises(ValueError, match="MambaSpec.prefill_checkpoint_alignment"):
+        MambaSpec(block_size=8, num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=0)
+    with pytest.raises(ValueError, match="MambaSpec.num_prefill_checkpoint_blocks"):
+        MambaSpec(block_size=8, num_prefill_checkpoint_blocks=-1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    prompts=st.lists(st.tuples(st.integers(5, 40), st.lists(st.integers(0, 3), max_size=3), st.integers(1, 6)), min_size=2, max_size=8),
+    num_blocks=st.integers(14, 40),
+    budget=st.sampled_from([8, 16, 64]),
+    eagle=st.booleans(),
+    nspec=st.integers(0, 2),
+    alignment=st.sampled_from([None, 1, 4]),
+    retention=st.sampled_from([None, 0]),
+    junction_opt_in=st.booleans(),
+)
+def test_checkpoints_scratch_blocks_and_junctions_keep_every_invariant_and_replay(
+    prompts, num_blocks, budget, eagle, nspec, alignment, retention, junction_opt_in
+) -> None:
+    """Everything vLLM 0.33 adds to a Mamba group at once -- speculative scratch blocks,
+    prefill checkpoint blocks, sparse retention, the opt-in junction checkpoint -- through the
+    scheduler: invariants after every step, and the event log replays to the live pool."""
+    mamba = MambaSpec(
+        block_size=8,
+        num_speculative_blocks=nspec,
+        num_prefill_checkpoint_blocks=int(alignment is not None),
+        prefill_checkpoint_alignment=alignment,
+    )
+    eng = build_engine(
+        num_blocks=num_blocks,
+        block_size=8,
+        max_num_batched_tokens=budget,
+        manager_kwargs=dict(
+            kv_cache_groups=[FullAttentionSpec(block_size=8), mamba],
+            prefix_match_unit=4,
+            use_eagle=eagle,
+            prefix_cache_retention_interval=retention,
+            enable_mamba_shared_prefix_checkpoint=junction_opt_in,
+        ),
+    )
+    for i, (length, tail, max_tokens) in enumerate(prompts):
+        eng.add_request(Request(f"r{i}", BASE[:length] + tail, max_tokens=max_tokens))
+    replayed, done = ReplayState(), 0
+    for _ in range(400):
+        if not eng.has_unfinished_requests():
+            break
+        eng.step()
+        eng.scheduler.check_invariants()
+        for e in eng.events.events[done:]:
+            replayed.apply(e)
+        done = len(eng.events.events)
         snap, live = replayed.snapshot(), live_snapshot(eng.kv_cache_manager)
         assert snap.free_queue == live["free_queue"]
         assert [b.ref_cnt for b in snap.blocks] == live["ref_cnt"]

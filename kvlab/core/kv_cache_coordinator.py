@@ -198,23 +198,40 @@ class KVCacheCoordinator:
         num_tokens_main_model: int,
         apply_admission_cap: bool = False,
         num_encoder_tokens: int = 0,
+        prefill_end: int = 0,
     ) -> int:
+        """``prefill_end``: where the request's prefill ends. Under retention 0 a Mamba group
+        reserves a prefill checkpoint only for the chunk that reaches it; otherwise every
+        chunk's checkpoint is kept, and it is ignored."""
         cross = self.cross_attention_group_ids
-        return sum(
-            m.get_num_blocks_to_allocate(
-                request_id,
-                num_tokens,
-                new_computed_blocks[i],
-                total_computed_tokens,
-                num_local_computed_tokens,
-                num_tokens_main_model,
-                apply_admission_cap,
-            )
-            if i not in cross
-            # one static allocation for the encoder's tokens (vLLM 0.33)
-            else m.get_num_blocks_to_allocate(request_id, num_encoder_tokens, [], 0, 0, num_encoder_tokens, apply_admission_cap)
-            for i, m in enumerate(self.single_type_managers)
-        )
+        if self.retention_interval != 0:
+            prefill_end = 0
+        total = 0
+        for i, m in enumerate(self.single_type_managers):
+            if i in cross:  # one static allocation for the encoder's tokens (vLLM 0.33)
+                total += m.get_num_blocks_to_allocate(request_id, num_encoder_tokens, [], 0, 0, num_encoder_tokens, apply_admission_cap)
+            elif isinstance(m, MambaManager):
+                total += m.get_num_blocks_to_allocate(
+                    request_id,
+                    num_tokens,
+                    new_computed_blocks[i],
+                    total_computed_tokens,
+                    num_local_computed_tokens,
+                    num_tokens_main_model,
+                    apply_admission_cap,
+                    prefill_end=prefill_end,
+                )
+            else:
+                total += m.get_num_blocks_to_allocate(
+                    request_id,
+                    num_tokens,
+                    new_computed_blocks[i],
+                    total_computed_tokens,
+                    num_local_computed_tokens,
+                    num_tokens_main_model,
+                    apply_admission_cap,
+                )
+        return total
 
     def allocate_new_computed_blocks(
         self,
@@ -330,8 +347,22 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
         num_tokens_main_model: int,
         apply_admission_cap: bool = False,
         num_encoder_tokens: int = 0,
+        prefill_end: int = 0,
     ) -> int:
-        return self.single_type_managers[0].get_num_blocks_to_allocate(
+        m = self.single_type_managers[0]
+        if isinstance(m, MambaManager):  # a model of Mamba layers only: the general path
+            return super().get_num_blocks_to_allocate(
+                request_id,
+                num_tokens,
+                new_computed_blocks,
+                total_computed_tokens,
+                num_local_computed_tokens,
+                num_tokens_main_model,
+                apply_admission_cap,
+                num_encoder_tokens,
+                prefill_end,
+            )
+        return m.get_num_blocks_to_allocate(
             request_id,
             num_tokens,
             new_computed_blocks[0],

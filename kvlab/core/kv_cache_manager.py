@@ -454,11 +454,22 @@ class KVCacheManager:
         if self.max_model_len is not None:
             total_computed = min(total_computed, self.max_model_len)
         coord = self.coordinator
+        # Where the prefill ends, as the scheduler splits chunks against it (a resumed request
+        # replays its output tokens too).
+        prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
         if full_sequence_must_fit:
             # The admission gate: would the whole sequence fit now?
             full = request.num_tokens if self.max_model_len is None else min(request.num_tokens, self.max_model_len)
             need = coord.get_num_blocks_to_allocate(
-                rid, full, hits, total_computed, num_local_computed, full, apply_admission_cap=True, num_encoder_tokens=num_encoder_tokens
+                rid,
+                full,
+                hits,
+                total_computed,
+                num_local_computed,
+                full,
+                apply_admission_cap=True,
+                num_encoder_tokens=num_encoder_tokens,
+                prefill_end=prefill_end,
             )
             if need > self.block_pool.get_num_free_blocks():
                 return None
@@ -478,6 +489,7 @@ class KVCacheManager:
             num_local_computed,
             num_tokens_main_model,
             num_encoder_tokens=num_encoder_tokens,
+            prefill_end=prefill_end,
         )
         if need > self.block_pool.get_num_free_blocks():
             return None
@@ -786,8 +798,20 @@ class KVCacheManager:
                 # prompt's K/V (an adopted stale hit).
                 boundaries = m.reachable_boundaries(req) if m.retention_interval is not None else ()
                 mask = m.reachable_block_mask(0, num_cached, boundaries) if m.kv_cache_spec.prefix_cacheable else [False] * num_cached
+                partial = self.block_pool.partial_hash_num_tokens
                 for i, b in enumerate(blocks[:num_cached]):
                     if b.is_null or ((mask is not None and not mask[i]) and b.cache_key is None):
+                        continue
+                    if b.cache_key is None and isinstance(m, MambaManager) and m.has_prefill_checkpoint_blocks:
+                        continue  # a checkpoint block that held a passing state: its keys were dropped (vLLM 0.33)
+                    if b.block_id in partial:
+                        # Keyed inside a block: a Mamba prefill checkpoint sits one column
+                        # before the block its tokens end in (vLLM 0.33), so check the key
+                        # against the request's own hash at that boundary instead.
+                        n = partial[b.block_id] // (self.block_pool.hash_block_size or m.block_size)
+                        assert b.cache_key == req.block_hashes[n - 1] + suffix, (
+                            f"{rid!r}: block {b.block_id} at position {i} of group {gid} carries another prefix's partial key"
+                        )
                         continue
                     assert b.cache_key == hashes[i] + suffix, (
                         f"{rid!r}: block {b.block_id} at position {i} of group {gid} carries "

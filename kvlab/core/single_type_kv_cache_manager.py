@@ -436,6 +436,31 @@ def mamba_prefill_checkpoint_position(num_tokens: int, hash_block_size: int, dro
     return max(position, 0)
 
 
+def is_mamba_prefill_checkpoint_valid(
+    query_start: int,
+    query_end: int,
+    checkpoint_position: int,
+    hash_block_size: int,
+    mamba_block_size: int,
+    checkpoint_alignment: int | None,
+) -> bool:
+    """Whether a backend can export the state at ``checkpoint_position`` from inside the
+    chunk ``[query_start, query_end)`` (vLLM 0.33): the chunk starts on a hash boundary, the
+    position lies at least one hash block into it, a multiple of ``checkpoint_alignment``
+    from its start, and in a block column of its own, left of the chunk's last one."""
+    if checkpoint_alignment is None:
+        return False
+    initial_state_col = (query_start - 1) // mamba_block_size
+    checkpoint_col = cdiv(query_end, mamba_block_size) - 2
+    return (
+        query_start % hash_block_size == 0
+        and checkpoint_col > initial_state_col
+        and query_start + hash_block_size <= checkpoint_position
+        and query_start < checkpoint_position < query_end
+        and (checkpoint_position - query_start) % checkpoint_alignment == 0
+    )
+
+
 def _lookup(block_pool: BlockPool, block_hash: BlockHash, group_ids: Sequence[int]) -> list[KVCacheBlock] | None:
     if len(group_ids) == 1:
         blk = block_pool.cached_block_hash_to_block.get_one_block(block_hash + group_suffix(group_ids[0]))
@@ -684,6 +709,10 @@ class MambaManager(SingleTypeKVCacheManager):
             raise ValueError("a MambaSpec group with prefix caching needs mamba_cache_mode='align' (as in vLLM)")
         # Scratch states for draft tokens (MTP/EAGLE): one block per draft, after the running state.
         self.num_speculative_blocks: int = kv_cache_spec.num_speculative_blocks
+        # A backend that writes the prompt's reusable state from inside the last chunk gets
+        # one block reserved for it: request id -> (its token position, its table index).
+        self.has_prefill_checkpoint_blocks = self.mamba_cache_mode == "align" and kv_cache_spec.num_prefill_checkpoint_blocks > 0
+        self._checkpoints: dict[str, tuple[int, int]] = {}
         # Saved states cached during this step: another request may not start from them
         # before the step that writes them has run (vLLM defers it to the next step).
         self.cached_blocks_this_step: set[bytes] = set()
@@ -755,6 +784,36 @@ class MambaManager(SingleTypeKVCacheManager):
             return computed, (i + 1) * bs
         return computed, 0
 
+    def _needs_internal_checkpoint(
+        self, request_id: str, query_start: int, query_end: int, checkpoint_position: int, prefill_end: int
+    ) -> bool:
+        """Whether this chunk exports the prompt's state into a block of its own: the backend
+        can (``is_mamba_prefill_checkpoint_valid``), the chunk reaches the prefill's end (under
+        sparse retention; 0 otherwise), and the target column holds nothing -- no block yet,
+        a null, or one of the request's own scratch blocks."""
+        spec = self.kv_cache_spec
+        assert isinstance(spec, MambaSpec)
+        idx = cdiv(query_end, self.block_size) - 2
+        blocks = self.req_to_blocks.get(request_id, ())
+        return (
+            self.has_prefill_checkpoint_blocks
+            and query_end >= prefill_end
+            and is_mamba_prefill_checkpoint_valid(
+                query_start,
+                query_end,
+                checkpoint_position,
+                self.block_pool.hash_block_size or self.block_size,
+                self.block_size,
+                spec.prefill_checkpoint_alignment,
+            )
+            and idx >= 0
+            and (
+                idx >= len(blocks)
+                or blocks[idx].is_null
+                or (request_id in self._allocated_block_reqs and idx >= len(blocks) - self.num_speculative_blocks)
+            )
+        )
+
     def get_num_blocks_to_allocate(
         self,
         request_id,
@@ -764,6 +823,7 @@ class MambaManager(SingleTypeKVCacheManager):
         num_local_computed_tokens,
         num_tokens_main_model,
         apply_admission_cap=False,
+        prefill_end: int = 0,
     ):
         if new_computed_blocks and new_computed_blocks[-1].cache_key in self.cached_blocks_this_step:
             # The state was saved by a request of this very step: usable only from the next.
@@ -789,8 +849,22 @@ class MambaManager(SingleTypeKVCacheManager):
         )
         if has_partial_hit:
             num_new = max(num_new, 0) + 1
+        # The state this chunk may export from inside (keyed on the chunk's end, as the
+        # runner computes it); only the admission gate's what-if leaves the record alone.
+        checkpoint_position = mamba_prefill_checkpoint_position(
+            num_tokens_main_model, self.cache_hit_alignment_tokens, self.drop_eagle_checkpoint_block
+        )
+        if not self._needs_internal_checkpoint(request_id, total_computed_tokens, num_tokens_main_model, checkpoint_position, prefill_end):
+            checkpoint_position = 0
+        checkpoint_block = int(checkpoint_position > 0)
+        if not apply_admission_cap:
+            if checkpoint_position > 0:
+                self._checkpoints[request_id] = (checkpoint_position, cdiv(num_tokens_main_model, self.block_size) - 2)
+            else:
+                self._checkpoints.pop(request_id, None)
         if num_new > 0:
-            num_new = min(num_new, 1 + int(has_partial_hit) + (0 if request_id in self._allocated_block_reqs else nspec))
+            cap = 1 + int(has_partial_hit) + checkpoint_block + (0 if request_id in self._allocated_block_reqs else nspec)
+            num_new = min(num_new, cap)
         count = num_new + self._get_num_evictable_blocks(new_computed_blocks)
         if (
             not apply_admission_cap
@@ -818,7 +892,8 @@ class MambaManager(SingleTypeKVCacheManager):
         blocks = self.req_to_blocks.setdefault(request_id, [])
         num_required = cdiv(num_tokens_main_model, self.block_size) + nspec
         partial = self._partial_hit_reqs.get(request_id) if self._partial_hit_reqs else None
-        if num_required <= len(blocks) and partial is None:
+        checkpoint_block = int(request_id in self._checkpoints)
+        if num_required <= len(blocks) and partial is None and not checkpoint_block:
             self._allocated_block_reqs.add(request_id)
             return []
         prev = len(blocks)
@@ -830,21 +905,23 @@ class MambaManager(SingleTypeKVCacheManager):
         elif prev > 0:
             self.last_state_block_idx[request_id] = prev - 1  # a hit's saved state
         # The new state goes at position num_required - 1 - nspec; positions in between
-        # will never hold a state this request reads: null.
+        # will never hold a state this request reads: null -- except the one just before it,
+        # when this chunk exports the prompt's state there.
         num_skipped = num_required - nspec - 1
-        pad = [self._null_block] * max(0, num_skipped - prev)
+        pad = [self._null_block] * max(0, num_skipped - checkpoint_block - prev)
         if pad:
             self._touch(request_id, pad)  # null padding: no ref count moves; the event records the positions
             blocks.extend(pad)
         if allocated:
             # Scratch blocks the new running state leaves behind follow it to the end of
             # the table (the runner's table only grows): moved, not freed and taken again.
+            # (One at the checkpoint's column stays: the runner exports the state into it.)
             for idx in range(prev - nspec, prev):
-                if idx >= num_skipped:
+                if idx >= num_skipped - checkpoint_block:
                     break
                 self._relocate_speculative_block(request_id, blocks, idx)
         num_new = max(num_required - len(blocks), 0)
-        assert num_new <= 1 + (0 if allocated else nspec), "a Mamba group allocates at most one state block per step"
+        assert num_new <= 1 + checkpoint_block + (0 if allocated else nspec), "a Mamba group allocates at most one state block per step"
         returned = blocks[prev:]
         if partial is not None:
             # A state saved inside a block: a copy of it is taken first (its block comes off
@@ -933,6 +1010,9 @@ class MambaManager(SingleTypeKVCacheManager):
         exactly that boundary: the scheduler ends a chunk there
         (``Scheduler._mamba_block_aligned_split``). Inside a block, the request keeps
         writing its state into that block, so its next allocation moves the key to a copy."""
+        checkpoint = self._checkpoints.get(request.request_id)
+        if checkpoint is not None:
+            return self._cache_prefill_checkpoint(request, *checkpoint)
         hash_block_size = self.block_pool.hash_block_size
         if not hash_block_size or num_tokens <= 0 or num_tokens % hash_block_size:
             return None
@@ -962,7 +1042,32 @@ class MambaManager(SingleTypeKVCacheManager):
             self.num_cached_block[request.request_id] = block_idx
         return key
 
+    def _cache_prefill_checkpoint(self, request: Any, position: int, idx: int) -> bytes | None:
+        """Key the block the runner exports this chunk's checkpoint into, at the checkpoint's
+        position -- if a later request can use it: the prompt's reusable boundary, a state
+        sparse retention keeps, or a shared-prefix junction. Otherwise the block only holds
+        a passing state, and any key it had from earlier this step is dropped."""
+        blocks = self.req_to_blocks[request.request_id]
+        assert 0 <= idx < len(blocks)
+        block = blocks[idx]
+        is_prompt_checkpoint = position == mamba_prefill_checkpoint_position(
+            request.num_prompt_tokens, self.cache_hit_alignment_tokens, self.drop_eagle_checkpoint_block
+        )
+        is_retained = False
+        if position % self.block_size == 0:
+            b = position // self.block_size - 1
+            mask = self.reachable_block_mask(b, b + 1)  # the retention segments only: the prompt and junction are checked here
+            is_retained = mask is None or mask[0]
+        pool = self.block_pool
+        if not is_prompt_checkpoint and not is_retained and position != request.shared_prefix_boundary:
+            pool.evict_blocks([block.block_id])  # its keys go, with their BlockRemoved events
+            return None
+        if block.cache_key is not None and pool.partial_hash_num_tokens.get(block.block_id, (idx + 1) * self.block_size) == position:
+            return None  # keyed there already
+        return pool.cache_partial_block(request, block, position, self.kv_cache_group_id, self.block_size, replace_existing_hashes=True)
+
     def free(self, request_id: str) -> None:
+        self._checkpoints.pop(request_id, None)
         self._allocated_block_reqs.discard(request_id)
         self.last_state_block_idx.pop(request_id, None)
         self._num_retired_blocks.pop(request_id, None)

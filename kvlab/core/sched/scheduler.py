@@ -39,7 +39,7 @@ from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from kvlab.core.sched.request_queue import POLICIES, FCFSRequestQueue, PriorityRequestQueue
 from kvlab.core.kv_cache_utils import KVCacheBlockCopy
-from kvlab.core.single_type_kv_cache_manager import cdiv, mamba_prefill_checkpoint_position
+from kvlab.core.single_type_kv_cache_manager import cdiv, is_mamba_prefill_checkpoint_valid, mamba_prefill_checkpoint_position
 from kvlab.core.transaction import adds_request, scheduler_call
 from kvlab.distributed.kv_events import KVEventBatch
 from kvlab.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
@@ -237,6 +237,11 @@ class Scheduler:
         # Opt-in (vLLM 0.33): a chunk also stops exactly at a shared-prefix junction, whose
         # state the manager then saves inside its block.
         self.mamba_shared_prefix_checkpoint = self.mamba_partial_cache_hit and kv_cache_manager.mamba_shared_prefix_checkpoint
+        # A backend that exports the prompt's state from inside a chunk (vLLM 0.33: every
+        # Mamba group reserves a checkpoint block; the first one's alignment is used).
+        mamba_specs = [g for g in kv_cache_manager.kv_cache_groups if isinstance(g, MambaSpec)]
+        self.mamba_prefill_checkpoint_alignment = mamba_specs[0].prefill_checkpoint_alignment if mamba_specs else None
+        self.mamba_has_prefill_checkpoint_blocks = bool(mamba_specs) and all(g.num_prefill_checkpoint_blocks > 0 for g in mamba_specs)
         if connector is not None and self.mamba_partial_cache_hit:
             raise ValueError(
                 "a KV connector with partial prefix hits (a Mamba hybrid whose blocks are larger than the hash block) is not "
@@ -748,6 +753,20 @@ class Scheduler:
         eagle = mgr.use_eagle
         last_cache_position = mamba_prefill_checkpoint_position(request.num_tokens, bs, eagle)
         end = start + num_new_tokens
+        # A chunk that reaches the prefill's end and can export the prompt's state from
+        # inside needs no stop for it (one forward pass fewer).
+        checkpoint_position = mamba_prefill_checkpoint_position(
+            prefill_end, mgr.hash_block_size if self.mamba_partial_cache_hit else bs, eagle
+        )
+        internal = (
+            self.mamba_has_prefill_checkpoint_blocks
+            and end >= prefill_end
+            and is_mamba_prefill_checkpoint_valid(
+                start, end, checkpoint_position, mgr.hash_block_size, bs, self.mamba_prefill_checkpoint_alignment
+            )
+        )
+        if internal:
+            last_cache_position = 0
         if end < prefill_end:
             limit = self.max_num_scheduled_tokens
             if self.long_prefill_token_threshold > 0:
@@ -756,7 +775,9 @@ class Scheduler:
             if aligned_end > start or bs <= limit:
                 end = aligned_end
         tail = (
-            mamba_prefill_checkpoint_position(request.num_prompt_tokens, mgr.hash_block_size, eagle) if self.mamba_partial_cache_hit else 0
+            mamba_prefill_checkpoint_position(request.num_prompt_tokens, mgr.hash_block_size, eagle)
+            if self.mamba_partial_cache_hit and not internal
+            else 0
         )
         # A shared-prefix junction the lookup found (a longer prefix one group had cached
         # and the Mamba group had not): the chunk stops at the last block boundary before
@@ -768,7 +789,7 @@ class Scheduler:
         else:
             junction_stop = start + (junction - start) // bs * bs
         stops = (
-            (start // bs + 1) * bs if start % bs else 0,
+            (start // bs + 1) * bs if start % bs and not internal else 0,
             last_cache_position,
             tail if last_cache_position < tail < request.num_prompt_tokens else 0,
             junction_stop if start < junction < end else 0,
