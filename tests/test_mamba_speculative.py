@@ -22,8 +22,7 @@ from hypothesis import strategies as st
 from kvlab import FullAttentionSpec, KVCacheManager, MambaSpec, Request
 from kvlab.engine.llm_engine import build_engine
 from kvlab.eventlog.events import BlockRelocated, EventLog
-from kvlab.timeline.snapshot import live_snapshot
-from kvlab.timeline.state import ReplayState
+from replay_check import run_replaying
 
 
 def ids(blocks) -> list[list[int]]:
@@ -118,18 +117,4 @@ def test_random_runs_keep_every_invariant_and_replay_exactly(prompts, nspec, num
     base = list(range(100, 140))
     for i, (length, max_tokens) in enumerate(prompts):
         eng.add_request(Request(f"r{i}", base[:length] + [i], max_tokens=max_tokens))
-    replayed, done = ReplayState(), 0
-    for _ in range(300):
-        if not eng.has_unfinished_requests():
-            break
-        eng.step()
-        eng.scheduler.check_invariants()
-        for e in eng.events.events[done:]:
-            replayed.apply(e)
-        done = len(eng.events.events)
-        snap, live = replayed.snapshot(), live_snapshot(eng.kv_cache_manager, eng.scheduler)
-        assert snap.free_queue == live["free_queue"]
-        assert [b.ref_cnt for b in snap.blocks] == live["ref_cnt"]
-        assert {rid: snap.requests[rid].block_table for rid in live["tables"]} == live["tables"]
-    assert not eng.has_unfinished_requests(), "the run does not finish"
-    assert eng.kv_cache_manager.block_pool.get_num_free_blocks() == num_blocks - 1, "a block leaked"
+    run_replaying(eng, max_steps=300, tables=True)

@@ -27,8 +27,7 @@ from kvlab.core.sched.scheduler import Scheduler
 from kvlab.core.transaction import checkpoint_manager, restore_manager
 from kvlab.engine.llm_engine import build_engine
 from kvlab.eventlog.events import EventLog
-from kvlab.timeline.snapshot import live_snapshot
-from kvlab.timeline.state import ReplayState
+from replay_check import run_replaying
 
 HYBRID = [FullAttentionSpec(block_size=8), MambaSpec(block_size=8)]
 
@@ -234,22 +233,7 @@ def test_random_workloads_keep_every_invariant_and_replay_exactly(prompts, num_b
     )
     for i, (length, tail, max_tokens) in enumerate(prompts):
         eng.add_request(Request(f"r{i}", BASE[:length] + tail, max_tokens=max_tokens))
-    replayed, done = ReplayState(), 0
-    for _ in range(400):
-        if not eng.has_unfinished_requests():
-            break
-        eng.step()
-        eng.scheduler.check_invariants()
-        events = eng.events.events
-        for e in events[done:]:
-            replayed.apply(e)
-        done = len(events)
-        snap, live = replayed.snapshot(), live_snapshot(eng.kv_cache_manager)
-        assert snap.free_queue == live["free_queue"]
-        assert [b.ref_cnt for b in snap.blocks] == live["ref_cnt"]
-        assert [b.block_hash for b in snap.blocks] == live["hashes"]
-    assert not eng.has_unfinished_requests(), "the run does not finish"
-    assert eng.kv_cache_manager.block_pool.get_num_free_blocks() == num_blocks - 1, "a block leaked"
+    run_replaying(eng)
 
 
 # -- a prompt's checkpoint exported from inside a chunk (vLLM 0.33) -------------------------------
@@ -329,18 +313,4 @@ def test_checkpoints_scratch_blocks_and_junctions_keep_every_invariant_and_repla
     )
     for i, (length, tail, max_tokens) in enumerate(prompts):
         eng.add_request(Request(f"r{i}", BASE[:length] + tail, max_tokens=max_tokens))
-    replayed, done = ReplayState(), 0
-    for _ in range(400):
-        if not eng.has_unfinished_requests():
-            break
-        eng.step()
-        eng.scheduler.check_invariants()
-        for e in eng.events.events[done:]:
-            replayed.apply(e)
-        done = len(eng.events.events)
-        snap, live = replayed.snapshot(), live_snapshot(eng.kv_cache_manager)
-        assert snap.free_queue == live["free_queue"]
-        assert [b.ref_cnt for b in snap.blocks] == live["ref_cnt"]
-        assert [b.block_hash for b in snap.blocks] == live["hashes"]
-    assert not eng.has_unfinished_requests(), "the run does not finish"
-    assert eng.kv_cache_manager.block_pool.get_num_free_blocks() == num_blocks - 1, "a block leaked"
+    run_replaying(eng)

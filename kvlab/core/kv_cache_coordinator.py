@@ -210,27 +210,12 @@ class KVCacheCoordinator:
         for i, m in enumerate(self.single_type_managers):
             if i in cross:  # one static allocation for the encoder's tokens (vLLM 0.33)
                 total += m.get_num_blocks_to_allocate(request_id, num_encoder_tokens, [], 0, 0, num_encoder_tokens, apply_admission_cap)
-            elif isinstance(m, MambaManager):
-                total += m.get_num_blocks_to_allocate(
-                    request_id,
-                    num_tokens,
-                    new_computed_blocks[i],
-                    total_computed_tokens,
-                    num_local_computed_tokens,
-                    num_tokens_main_model,
-                    apply_admission_cap,
-                    prefill_end=prefill_end,
-                )
+                continue
+            args = (request_id, num_tokens, new_computed_blocks[i], total_computed_tokens, num_local_computed_tokens, num_tokens_main_model)
+            if isinstance(m, MambaManager):
+                total += m.get_num_blocks_to_allocate(*args, apply_admission_cap, prefill_end=prefill_end)
             else:
-                total += m.get_num_blocks_to_allocate(
-                    request_id,
-                    num_tokens,
-                    new_computed_blocks[i],
-                    total_computed_tokens,
-                    num_local_computed_tokens,
-                    num_tokens_main_model,
-                    apply_admission_cap,
-                )
+                total += m.get_num_blocks_to_allocate(*args, apply_admission_cap)
         return total
 
     def allocate_new_computed_blocks(
