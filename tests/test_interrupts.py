@@ -66,6 +66,20 @@ CONFIGS = {
         prefix_match_unit=4,
         kv_events=True,
     ),
+    # The same hybrid with vLLM 0.33's other Mamba books: a scratch state block for a draft
+    # token (it moves as the running state advances) and a prompt checkpoint written from
+    # inside a chunk into a reserved block.
+    "mamba-scratch+checkpoints": dict(
+        groups=[
+            FullAttentionSpec(block_size=8),
+            MambaSpec(block_size=8, num_speculative_blocks=1, num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=4),
+        ],
+        num_blocks=30,
+        prefix=13,
+        tail=(8, 30),
+        prefix_match_unit=4,
+        kv_events=True,
+    ),
     "block-sizes+kv-events": dict(
         groups=[FullAttentionSpec(), SlidingWindowSpec(sliding_window=20, block_size=12)], num_blocks=21, prefix=24, kv_events=True
     ),
