@@ -604,3 +604,18 @@ def test_file_mapper_from_an_offloading_config() -> None:
     assert shared.get_run_config()["kv_cache_groups"] == [{"tokens_per_block": 16, "layer_names": ["l0", "l1"]}]
     with pytest.raises(TypeError, match="offloading_spec.config must be an OffloadingConfig"):
         FileMapper.from_offloading_spec("/kv", SimpleNamespace(config={}))
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_num_storable_counts_free_and_unpinned_chunks_less_the_protected_ones(policy) -> None:
+    m = CPUOffloadingManager(4, cache_policy=policy)
+    a, b, c, unknown = (make_offload_key(bytes([i]) * 32, 0) for i in range(4))
+    m.complete_store(m.prepare_store([a, b, c]).keys_to_store)
+    m.prepare_load([a])  # a is pinned while it loads
+    assert (len(m), m.num_storable()) == (3, 3)  # one free chunk + b and c
+    assert m.num_storable(protected=[b]) == 2
+    assert m.num_storable(protected=[a, unknown, b, b]) == 2  # a pinned anyway, unknown not held
+    m.complete_load([a])
+    assert m.num_storable(protected=[c]) == 3
+    with pytest.raises(TypeError, match="protected"):
+        m.num_storable(protected=[1])

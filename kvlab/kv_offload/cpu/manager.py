@@ -265,8 +265,13 @@ class CPUOffloadingManager(OffloadingManager):
 
     def num_storable(self, protected: Iterable[OffloadKey] = ()) -> int:
         """How many new blocks could be stored now (free chunks + unpinned, unprotected ones)."""
-        prot = set(_check_keys("protected", protected))
-        return self._get_num_free_chunks() + sum(1 for k, c in self._policy.items() if c.ref_cnt == 0 and k not in prot)
+        policy = self._policy
+        # Every unpinned chunk counts (a kept tally), less the protected ones among them.
+        held_back = 0
+        for k in set(_check_keys("protected", protected)):
+            chunk = policy.get(k)
+            held_back += chunk is not None and chunk.ref_cnt == 0
+        return self._get_num_free_chunks() + self._num_evictable_cache_chunks - held_back
 
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext | None = None, *, protected: Iterable[OffloadKey] = ()
@@ -434,7 +439,7 @@ class CPUOffloadingManager(OffloadingManager):
         return isinstance(key, bytes) and self._policy.get(key) is not None
 
     def __len__(self) -> int:
-        return sum(1 for _ in self._policy.items())
+        return len(self._policy)
 
     def pinned(self) -> dict[OffloadKey, int]:
         return {k: c.ref_cnt for k, c in self._policy.items() if c.ref_cnt != 0}
@@ -453,6 +458,7 @@ class CPUOffloadingManager(OffloadingManager):
         assert self._num_evictable_cache_chunks == n_idle, (
             f"{self.medium}: {self._num_evictable_cache_chunks} counted evictable, {n_idle} are"
         )
+        assert len(self._policy) == len(chunks), f"{self.medium}: the policy counts {len(self._policy)} chunks, lists {len(chunks)}"
         assert self._num_write_pending_chunks == n_writing, (
             f"{self.medium}: {self._num_write_pending_chunks} counted pending, {n_writing} are"
         )

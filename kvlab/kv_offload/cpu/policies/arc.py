@@ -134,6 +134,9 @@ class ARCCachePolicy(CachePolicy):
         yield from self.t1.items()
         yield from self.t2.items()
 
+    def __len__(self) -> int:
+        return len(self.t1) + len(self.t2)
+
     def __deepcopy__(self, memo: dict[int, Any]) -> ARCCachePolicy:
         new = object.__new__(type(self))
         memo[id(self)] = new

@@ -127,3 +127,8 @@ class CachePolicy(ABC):
     def items(self) -> Iterator[tuple[OffloadKey, ChunkStatus]]:
         """Every chunk, in the order the policy would evict them if all were unpinned."""
         raise NotImplementedError(f"{type(self).__name__} does not list its chunks")
+
+    def __len__(self) -> int:
+        """How many chunks the policy holds (pinned or not). Built-in policies count without
+        ordering them; a policy of your own is counted through :meth:`items`."""
+        return sum(1 for _ in self.items())

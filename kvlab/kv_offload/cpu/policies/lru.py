@@ -134,6 +134,9 @@ class LRUCachePolicy(CachePolicy):
         for key in sorted(self.chunks, key=lambda k: (ranks[k], k)):
             yield key, self.chunks[key]
 
+    def __len__(self) -> int:
+        return len(self.chunks)
+
     def __deepcopy__(self, memo: dict[int, Any]) -> LRUCachePolicy:
         """The engine copies the connector's books before every step (an undone step is put
         back, lesson 00): one pass over plain data instead of the generic walk."""
