@@ -849,19 +849,23 @@ class MambaManager(SingleTypeKVCacheManager):
         )
         if has_partial_hit:
             num_new = max(num_new, 0) + 1
-        # The state this chunk may export from inside (keyed on the chunk's end, as the
-        # runner computes it); only the admission gate's what-if leaves the record alone.
-        checkpoint_position = mamba_prefill_checkpoint_position(
-            num_tokens_main_model, self.cache_hit_alignment_tokens, self.drop_eagle_checkpoint_block
-        )
-        if not self._needs_internal_checkpoint(request_id, total_computed_tokens, num_tokens_main_model, checkpoint_position, prefill_end):
-            checkpoint_position = 0
-        checkpoint_block = int(checkpoint_position > 0)
-        if not apply_admission_cap:
-            if checkpoint_position > 0:
-                self._checkpoints[request_id] = (checkpoint_position, cdiv(num_tokens_main_model, self.block_size) - 2)
-            else:
-                self._checkpoints.pop(request_id, None)
+        checkpoint_block = 0
+        if self.has_prefill_checkpoint_blocks:  # off by default: no work on the common path
+            # The state this chunk may export from inside (keyed on the chunk's end, as the
+            # runner computes it); only the admission gate's what-if leaves the record alone.
+            checkpoint_position = mamba_prefill_checkpoint_position(
+                num_tokens_main_model, self.cache_hit_alignment_tokens, self.drop_eagle_checkpoint_block
+            )
+            if not self._needs_internal_checkpoint(
+                request_id, total_computed_tokens, num_tokens_main_model, checkpoint_position, prefill_end
+            ):
+                checkpoint_position = 0
+            checkpoint_block = int(checkpoint_position > 0)
+            if not apply_admission_cap:
+                if checkpoint_position > 0:
+                    self._checkpoints[request_id] = (checkpoint_position, cdiv(num_tokens_main_model, self.block_size) - 2)
+                else:
+                    self._checkpoints.pop(request_id, None)
         if num_new > 0:
             cap = 1 + int(has_partial_hit) + checkpoint_block + (0 if request_id in self._allocated_block_reqs else nspec)
             num_new = min(num_new, cap)
@@ -1031,16 +1035,19 @@ class MambaManager(SingleTypeKVCacheManager):
         if block_idx >= len(blocks) or blocks[block_idx].is_null:
             return None
         source = blocks[block_idx]
-        if (
-            source.cache_key is not None
-            and self.block_pool.partial_hash_num_tokens.get(source.block_id, (block_idx + 1) * self.block_size) == num_tokens
-        ):
+        if self._keyed_at(source, block_idx, num_tokens):
             return None  # keyed there already (a hit, or an earlier step); a whole block's key covers all of it
         key = self.block_pool.cache_partial_block(request, source, num_tokens, self.kv_cache_group_id, self.block_size)
         if key is not None and num_tokens % self.block_size:
             self._partial_hit_reqs[request.request_id] = (block_idx, source)
             self.num_cached_block[request.request_id] = block_idx
         return key
+
+    def _keyed_at(self, block: KVCacheBlock, idx: int, num_tokens: int) -> bool:
+        """Whether ``block`` (at table index ``idx``) already has a key for exactly ``num_tokens``
+        tokens: a partial key there, or the whole block's key when that ends there."""
+        default = (idx + 1) * self.block_size
+        return block.cache_key is not None and self.block_pool.partial_hash_num_tokens.get(block.block_id, default) == num_tokens
 
     def _cache_prefill_checkpoint(self, request: Any, position: int, idx: int) -> bytes | None:
         """Key the block the runner exports this chunk's checkpoint into, at the checkpoint's
@@ -1062,7 +1069,7 @@ class MambaManager(SingleTypeKVCacheManager):
         if not is_prompt_checkpoint and not is_retained and position != request.shared_prefix_boundary:
             pool.evict_blocks([block.block_id])  # its keys go, with their BlockRemoved events
             return None
-        if block.cache_key is not None and pool.partial_hash_num_tokens.get(block.block_id, (idx + 1) * self.block_size) == position:
+        if self._keyed_at(block, idx, position):
             return None  # keyed there already
         return pool.cache_partial_block(request, block, position, self.kv_cache_group_id, self.block_size, replace_existing_hashes=True)
 
