@@ -155,6 +155,7 @@ class BlockPool:
         metrics_collector: KVCacheMetricsCollector | None = None,
         prepend_uncached_blocks: bool = True,
         hash_block_size: int | None = None,
+        num_hash_lookahead_tokens: int = 0,
     ) -> None:
         # The pool is the door for the block count (KVCacheManager's num_blocks lands here).
         num_gpu_blocks = check_int("num_blocks", num_gpu_blocks, 2, why=" (block 0 is the null block)")
@@ -171,6 +172,9 @@ class BlockPool:
         # groups' block sizes); a group with larger blocks reads the hash at each block end.
         # None (a bare pool): hashes are per block, whatever the block size.
         self.hash_block_size = hash_block_size
+        # Tokens after each block that its hash covers (vLLM 0.33, multi-module MTP): the
+        # pool only needs it to describe them in each BlockStored (``lookahead_token_ids``).
+        self.num_hash_lookahead_tokens = check_int("num_hash_lookahead_tokens", num_hash_lookahead_tokens, 0)
         self.events = event_log
         self.blocks: list[KVCacheBlock] = [KVCacheBlock(i) for i in range(num_gpu_blocks)]
         self.free_block_queue = self.free_queue_cls(self.blocks)

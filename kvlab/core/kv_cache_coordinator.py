@@ -142,6 +142,7 @@ class KVCacheCoordinator:
         manager_classes: Mapping[type, type[SingleTypeKVCacheManager]] | None = None,
         eagle_group_ids: Collection[int] = (),
         prefix_cache_retention_interval: int | None = None,
+        num_prefill_lookahead: int = 0,
     ) -> None:
         self.block_pool = block_pool
         self.specs = list(specs)
@@ -156,6 +157,16 @@ class KVCacheCoordinator:
         if use_eagle and not self.eagle_group_ids:
             self.eagle_group_ids = set(range(len(self.specs)))
         self.drop_eagle_group_ids: set[int] = self.eagle_group_ids if use_eagle else set()
+        # Multi-module MTP (vLLM 0.33): at a chunk boundary the drafter reads the next
+        # ``num_prefill_lookahead`` prompt tokens, and the chunk's last ``that - 1`` tokens
+        # may be computed again, so their KV is not final and is not cached yet.
+        self.num_reprefillable_tokens = max(0, num_prefill_lookahead - 1)
+        # A hit's dropped tail is one scheduler block, so it must hold the drafter's lookahead.
+        if enable_caching and self.eagle_group_ids and scheduler_block_size < num_prefill_lookahead:
+            raise ValueError(
+                f"Multi-module MTP with prefix caching requires scheduler_block_size (={scheduler_block_size}) >= "
+                f"num_speculative_tokens (={num_prefill_lookahead})."
+            )
         # spec type -> manager class; ``manager_classes`` overrides some (a seam: the
         # exercises run a learner's free order or block count in a manager subclass).
         self.manager_for_spec: dict[type, type[SingleTypeKVCacheManager]] = {**MANAGER_FOR_SPEC, **(manager_classes or {})}
@@ -260,7 +271,9 @@ class KVCacheCoordinator:
     num_uncached_common_prefix_tokens = 0
 
     def get_num_cacheable_tokens(self, num_computed_tokens: int, kv_cache_group_id: int) -> int:
-        return num_computed_tokens
+        """The prefix whose KV is final: all of it, less the tokens a multi-module MTP
+        drafter may have the target recompute."""
+        return max(0, num_computed_tokens - self.num_reprefillable_tokens)
 
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
         for gid, m in enumerate(self.single_type_managers):
@@ -463,7 +476,10 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         aligned = self._align_cacheable(num_computed_tokens)
         m = self.single_type_managers[kv_cache_group_id]
         if m.use_eagle and aligned > 0:
-            return min(num_computed_tokens, aligned + m.block_size)
+            # vLLM 0.33 holds back the reprefillable tokens here only (a group without the
+            # EAGLE drop caches the aligned prefix as it is).
+            final = max(0, num_computed_tokens - self.num_reprefillable_tokens)
+            return min(final, self._align_cacheable(final) + m.block_size)
         return aligned
 
     def find_longest_cache_hit(self, block_hashes, max_cache_hit_length):
@@ -536,9 +552,11 @@ def get_kv_cache_coordinator(
     manager_classes: Mapping[type, type[SingleTypeKVCacheManager]] | None = None,
     eagle_group_ids: Collection[int] = (),
     prefix_cache_retention_interval: int | None = None,
+    num_prefill_lookahead: int = 0,
 ) -> KVCacheCoordinator:
     kw = dict(
         eagle_group_ids=eagle_group_ids,
+        num_prefill_lookahead=num_prefill_lookahead,
         prefix_cache_retention_interval=prefix_cache_retention_interval,
         scheduler_block_size=scheduler_block_size,
         hash_block_size=hash_block_size,

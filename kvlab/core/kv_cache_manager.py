@@ -192,6 +192,8 @@ class KVCacheManager:
         prefix_match_unit: int | None = None,
         prefix_cache_retention_interval: int | None = None,
         enable_mamba_shared_prefix_checkpoint: bool = False,
+        num_hash_lookahead_tokens: int = 0,
+        num_prefill_lookahead: int | None = None,
     ) -> None:
         """``enable_kv_cache_events``: queue vLLM's KV cache events (``take_events()``).
         ``kv_events_use_int_block_hashes``: publish hashes as 64-bit ints (vLLM's default) or
@@ -208,7 +210,16 @@ class KVCacheManager:
         server default, ``CacheConfig``), k > 0 also one segment every k tokens.
         ``enable_mamba_shared_prefix_checkpoint`` (vLLM 0.33, opt-in): with EAGLE and partial
         hits, a Mamba state is also saved exactly at a shared-prefix junction, inside a block
-        (the scheduler ends a chunk there), not only at the block boundary before it."""
+        (the scheduler ends a chunk there), not only at the block boundary before it.
+        ``num_prefill_lookahead`` and ``num_hash_lookahead_tokens`` (vLLM 0.33, a multi-module
+        MTP drafter that reads k prompt tokens past a chunk's end): the last k - 1 computed
+        tokens are not cached yet (the target may compute them again), a chunk never ends
+        within k of the prefill's end (the scheduler), and -- with lookahead hashes, which
+        vLLM turns on for such a drafter with prefix caching and no KV connector, passing
+        ``use_eagle=False`` -- each block's hash also covers the k tokens after it, so a hit
+        needs no EAGLE drop (vLLM's ``VllmConfig.num_prefill_lookahead_tokens`` and
+        ``num_hash_lookahead_tokens``). ``num_prefill_lookahead=None``: 1 with ``use_eagle``
+        (an EAGLE-family drafter reads the next token), else 0, as vLLM derives it."""
         if not isinstance(enable_mamba_shared_prefix_checkpoint, bool):
             raise TypeError(f"enable_mamba_shared_prefix_checkpoint must be a bool, got {enable_mamba_shared_prefix_checkpoint!r}")
         block_size, specs, hash_fn, max_model_len, max_in_flight_tokens, kv_events_use_int_block_hashes, eagle_groups = _check_manager_args(
@@ -226,6 +237,12 @@ class KVCacheManager:
             kv_events_use_int_block_hashes,
         )
         prefix_match_unit = check_optional_int("prefix_match_unit", prefix_match_unit, 1)
+        num_hash_lookahead_tokens = check_int("num_hash_lookahead_tokens", num_hash_lookahead_tokens, 0)
+        # None: what vLLM derives for the drafter use_eagle stands for (an EAGLE-family
+        # drafter reads the one next token; no drafter, none).
+        num_prefill_lookahead = (
+            int(use_eagle) if num_prefill_lookahead is None else check_int("num_prefill_lookahead", num_prefill_lookahead, 0)
+        )
         scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(specs, enable_caching, prefix_match_unit)
         # The pool checks num_blocks (its door), the coordinator the mix of groups; both are
         # built before the first event is emitted, so a refused configuration leaves no trace.
@@ -238,6 +255,7 @@ class KVCacheManager:
             metrics_collector=metrics_collector,
             prepend_uncached_blocks=prepend_uncached_blocks,
             hash_block_size=hash_block_size,
+            num_hash_lookahead_tokens=num_hash_lookahead_tokens,
         )
         num_blocks = block_pool.num_gpu_blocks
         coordinator = get_kv_cache_coordinator(
@@ -252,6 +270,7 @@ class KVCacheManager:
             manager_classes=manager_classes,
             eagle_group_ids=eagle_groups,
             prefix_cache_retention_interval=prefix_cache_retention_interval,
+            num_prefill_lookahead=num_prefill_lookahead,
         )
 
         self.block_size = block_size
@@ -266,6 +285,8 @@ class KVCacheManager:
         self.max_model_len = max_model_len
         self.max_in_flight_tokens = max_in_flight_tokens
         self.use_eagle = use_eagle
+        self.num_hash_lookahead_tokens = num_hash_lookahead_tokens
+        self.num_prefill_lookahead = num_prefill_lookahead
         self.log_stats = log_stats
         self.events = event_log
         if event_log is not None:
@@ -283,7 +304,11 @@ class KVCacheManager:
         # One predicate read by the scheduler (where a chunk ends) and the Mamba groups (what
         # they save), so a chunk never stops at a junction whose state would not be kept.
         self.mamba_shared_prefix_checkpoint = (
-            enable_mamba_shared_prefix_checkpoint and bool(coordinator.eagle_group_ids) and coordinator.enable_partial_hash_hits
+            enable_mamba_shared_prefix_checkpoint
+            and bool(coordinator.eagle_group_ids)
+            and coordinator.enable_partial_hash_hits
+            # multi-module MTP hands the groups less than the chunk's end to cache
+            and coordinator.num_reprefillable_tokens == 0
         )
         for m in coordinator.single_type_managers:
             if isinstance(m, MambaManager):
@@ -298,7 +323,7 @@ class KVCacheManager:
         # (kind, sliding window) per group, filled into every BlockStored by take_events().
         self.kv_cache_event_metadata = tuple((get_kv_cache_spec_kind(s), get_kv_cache_spec_sliding_window(s)) for s in specs)
         self.num_kv_cache_groups = len(specs)
-        self.request_block_hasher = get_request_block_hasher(hash_block_size, hash_fn)
+        self.request_block_hasher = get_request_block_hasher(hash_block_size, hash_fn, num_hash_lookahead_tokens=num_hash_lookahead_tokens)
         self.prefix_cache_stats: PrefixCacheStats | None = PrefixCacheStats() if log_stats else None
         self._requests: dict[str, Request] = {}
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple([] for _ in specs))

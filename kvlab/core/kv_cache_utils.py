@@ -435,6 +435,12 @@ class RequestBlockHasher:
     engine. Two hashers agree on every hash when ``block_size`` and ``hash_fn`` agree and
     the extra keys follow vLLM's rule.
 
+    ``num_hash_lookahead_tokens`` (L, vLLM 0.33, multi-module MTP drafters): each hash also
+    covers the L tokens after its block, because the drafter's KV at the block's last
+    position was computed from them; a block's hash therefore appears only once those L
+    tokens exist. The hashed tokens stay the block's; the extra keys become ``(E, *the L
+    tokens)`` with ``E`` the extra keys of the block and its lookahead together.
+
     Why it is fast: with kvlab's ``sha256`` the bytes of a block are header + parent + the
     tokens as uint32. The header (tag, parent length, token count) is the same for every
     block with a 32-byte parent, so its SHA-256 state is computed once and copied per
@@ -443,11 +449,27 @@ class RequestBlockHasher:
     digest -- the very bytes ``hash_block_tokens`` would hash, so the hashes are identical.
     """
 
-    __slots__ = ("block_size", "hash_fn", "extra_keys_fn", "mm_resume", "_default_extra_keys", "_sha256_after_header")
+    __slots__ = (
+        "block_size",
+        "hash_fn",
+        "extra_keys_fn",
+        "mm_resume",
+        "num_hash_lookahead_tokens",
+        "_default_extra_keys",
+        "_sha256_after_header",
+    )
 
-    def __init__(self, block_size: int, hash_fn: HashFn, extra_keys_fn: ExtraKeysFn | None = None, mm_resume: str = "window") -> None:
+    def __init__(
+        self,
+        block_size: int,
+        hash_fn: HashFn,
+        extra_keys_fn: ExtraKeysFn | None = None,
+        mm_resume: str = "window",
+        num_hash_lookahead_tokens: int = 0,
+    ) -> None:
         if mm_resume not in ("window", "last"):
             raise ValueError(f"mm_resume must be 'window' or 'last', got {mm_resume!r}")
+        self.num_hash_lookahead_tokens = check_int("num_hash_lookahead_tokens", num_hash_lookahead_tokens, 0)
         self.block_size = block_size
         self.mm_resume = mm_resume
         self.hash_fn = hash_fn
@@ -456,6 +478,8 @@ class RequestBlockHasher:
         self._sha256_after_header = _sha256(_block_format(32, block_size).header) if hash_fn is sha256 else None
 
     def __call__(self, request: Any) -> list[BlockHash]:
+        if self.num_hash_lookahead_tokens:
+            return self._lookahead_hashes(request)
         bs = self.block_size
         hashes = request.block_hashes
         start = len(hashes) * bs
@@ -509,21 +533,51 @@ class RequestBlockHasher:
             append(parent)
         return new
 
+    def _lookahead_hashes(self, request: Any) -> list[BlockHash]:
+        """The hashes with lookahead: block ``[start, end)`` is hashed once token
+        ``end + L - 1`` exists, with extra keys ``(E, *tokens[end:end + L])`` where ``E`` are
+        the extra keys of ``[start, end + L)`` (vLLM 0.33's
+        ``generate_lookahead_block_hash_extra_keys``: an image that only reaches into the
+        lookahead counts too). One path for every request: the drafters that need it are
+        rare, and each hash already costs a tuple of tokens."""
+        bs, la = self.block_size, self.num_hash_lookahead_tokens
+        hashes = request.block_hashes
+        start = len(hashes) * bs
+        num_tokens = request.num_tokens - la
+        new: list[BlockHash] = []
+        if start + bs > num_tokens:
+            return new
+        parent = hashes[-1] if hashes else (NONE_HASH if self.hash_fn is _none_hash_fn else none_hash_for(self.hash_fn))
+        all_ids, extra_keys_fn, hash_fn = request.all_token_ids, self.extra_keys_fn, self.hash_fn
+        while start + bs <= num_tokens:
+            end = start + bs
+            extra = (extra_keys_fn(request, start, end + la), *all_ids[end : end + la])
+            parent = hash_fn((parent, tuple(all_ids[start:end]), extra))
+            new.append(parent)
+            start = end
+        return new
+
     def __repr__(self) -> str:
         extra = "" if self._default_extra_keys else f", extra_keys_fn={getattr(self.extra_keys_fn, '__name__', self.extra_keys_fn)!s}"
         extra += "" if self.mm_resume == "window" else f", mm_resume={self.mm_resume!r}"
+        extra += f", num_hash_lookahead_tokens={self.num_hash_lookahead_tokens}" if self.num_hash_lookahead_tokens else ""
         return f"RequestBlockHasher(block_size={self.block_size}, hash_fn={getattr(self.hash_fn, '__name__', self.hash_fn)!s}{extra})"
 
 
 def get_request_block_hasher(
-    block_size: int, hash_fn: HashFn, extra_keys_fn: ExtraKeysFn | None = None, mm_resume: str = "window"
+    block_size: int,
+    hash_fn: HashFn,
+    extra_keys_fn: ExtraKeysFn | None = None,
+    mm_resume: str = "window",
+    num_hash_lookahead_tokens: int = 0,
 ) -> RequestBlockHasher:
     """The hasher of a request's new full blocks (vLLM's name); see :class:`RequestBlockHasher`.
 
     ``block_size`` is the HASH block size: with groups of several block sizes, the GCD of
     them; a group with larger blocks reads the hash at the end of each of its blocks.
-    ``mm_resume``: ``"window"`` (vLLM >= 0.31) or ``"last"`` (vLLM <= 0.30), lesson 06."""
-    return RequestBlockHasher(block_size, hash_fn, extra_keys_fn, mm_resume)
+    ``mm_resume``: ``"window"`` (vLLM >= 0.31) or ``"last"`` (vLLM <= 0.30), lesson 06.
+    ``num_hash_lookahead_tokens``: tokens after each block its hash also covers (vLLM 0.33)."""
+    return RequestBlockHasher(block_size, hash_fn, extra_keys_fn, mm_resume, num_hash_lookahead_tokens)
 
 
 # --- groups with different block sizes ------------------------------------------------------

@@ -288,17 +288,24 @@ def _block_stored(
     (vLLM: ``lora_request.adapter_id`` and its name)."""
     use_int = pool.kv_events_use_int_block_hashes
     positions = list(positions)
+    # With lookahead hashes (vLLM 0.33) each block's extra keys cover its lookahead tokens
+    # too, and the event lists those tokens, so a consumer can recompute every hash.
+    la = pool.num_hash_lookahead_tokens
+    ids = request.all_token_ids
     return BlockStored(
         block_hashes=[maybe_convert_block_hash(hashes[i], use_int) for i in positions],
         parent_block_hash=None if parent is None else maybe_convert_block_hash(parent, use_int),
-        token_ids=list(request.all_token_ids[first_block * block_size : end_block * block_size]),
+        token_ids=list(ids[first_block * block_size : end_block * block_size]),
         block_size=block_size,
         lora_id=getattr(request, "lora_int_id", None),
         medium=pool.medium,
         lora_name=getattr(request, "lora_name", None),
-        extra_keys=to_event_extra_keys([generate_block_hash_extra_keys(request, i * block_size, (i + 1) * block_size) for i in positions]),
+        extra_keys=to_event_extra_keys(
+            [generate_block_hash_extra_keys(request, i * block_size, (i + 1) * block_size + la) for i in positions]
+        ),
         group_idx=group,
         session_id=getattr(request, "session_id", None),
+        lookahead_token_ids=[list(ids[(i + 1) * block_size : (i + 1) * block_size + la]) for i in positions] if la else None,
     )
 
 

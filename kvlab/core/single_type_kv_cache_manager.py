@@ -424,12 +424,15 @@ def replay_boundaries(num_prompt_tokens: int, scheduler_block_size: int, use_eag
     return tuple(sorted({max(resend - block, 0), max(extension - block, 0)}))
 
 
-def mamba_prefill_checkpoint_position(num_tokens: int, hash_block_size: int, drop_eagle_block: bool) -> int:
+def mamba_prefill_checkpoint_position(
+    num_tokens: int, hash_block_size: int, drop_eagle_block: bool, num_hash_lookahead_tokens: int = 0
+) -> int:
     """Where a prefill of ``num_tokens`` tokens saves its reusable Mamba state (vLLM 0.33's
     ``get_mamba_prefill_checkpoint_position``): the last hash boundary below the last token
-    (whose logits must be computed), or -- with EAGLE, which recomputes one hash block -- one
-    hash block below the last boundary within the prompt."""
-    limit = num_tokens if drop_eagle_block else num_tokens - 1
+    (whose logits must be computed) -- below the last L tokens with lookahead hashes, since
+    a hash there needs the L tokens after it -- or, with EAGLE, which recomputes one hash
+    block, one hash block below the last boundary within the prompt."""
+    limit = num_tokens if drop_eagle_block else num_tokens - max(1, num_hash_lookahead_tokens)
     position = limit // hash_block_size * hash_block_size
     if drop_eagle_block:
         position -= hash_block_size
@@ -854,7 +857,10 @@ class MambaManager(SingleTypeKVCacheManager):
             # The state this chunk may export from inside (keyed on the chunk's end, as the
             # runner computes it); only the admission gate's what-if leaves the record alone.
             checkpoint_position = mamba_prefill_checkpoint_position(
-                num_tokens_main_model, self.cache_hit_alignment_tokens, self.drop_eagle_checkpoint_block
+                num_tokens_main_model,
+                self.cache_hit_alignment_tokens,
+                self.drop_eagle_checkpoint_block,
+                self.block_pool.num_hash_lookahead_tokens,
             )
             if not self._needs_internal_checkpoint(
                 request_id, total_computed_tokens, num_tokens_main_model, checkpoint_position, prefill_end
@@ -1026,7 +1032,10 @@ class MambaManager(SingleTypeKVCacheManager):
             and request.num_computed_tokens < num_tokens <= request.num_prompt_tokens
         )
         if (
-            num_tokens != mamba_prefill_checkpoint_position(request.num_prompt_tokens, hash_block_size, self.drop_eagle_checkpoint_block)
+            num_tokens
+            != mamba_prefill_checkpoint_position(
+                request.num_prompt_tokens, hash_block_size, self.drop_eagle_checkpoint_block, self.block_pool.num_hash_lookahead_tokens
+            )
             and not at_junction
         ):
             return None
@@ -1058,7 +1067,10 @@ class MambaManager(SingleTypeKVCacheManager):
         assert 0 <= idx < len(blocks)
         block = blocks[idx]
         is_prompt_checkpoint = position == mamba_prefill_checkpoint_position(
-            request.num_prompt_tokens, self.cache_hit_alignment_tokens, self.drop_eagle_checkpoint_block
+            request.num_prompt_tokens,
+            self.cache_hit_alignment_tokens,
+            self.drop_eagle_checkpoint_block,
+            self.block_pool.num_hash_lookahead_tokens,
         )
         is_retained = False
         if position % self.block_size == 0:

@@ -572,7 +572,7 @@ def _enc_story(fn: Callable) -> tuple[bool, str]:
     from kvlab.lessons.beyond_pool import encoder_story
 
     class LearnerScheduler(Scheduler):
-        def _try_schedule_encoder_inputs(self, request, num_computed_tokens, num_new_tokens, encoder_budget):  # noqa: ANN001, ANN201
+        def _try_schedule_encoder_inputs(self, request, num_computed_tokens, num_new_tokens, encoder_budget, shift_computed_tokens=0):  # noqa: ANN001, ANN201  # no drafter here: no shift
             ecm = self.encoder_cache_manager
             items = [(f.identifier, f.offset, f.length) for f in request.mm_features]
             state = {"budget": encoder_budget, "scheduled": 0}

@@ -464,7 +464,7 @@ def ec_consumer_engine(remote: Sequence[str], num_blocks: int = 32, block_size: 
     store = set(remote)
 
     class ECConsumerScheduler(Scheduler):
-        def _try_schedule_encoder_inputs(self, request, num_computed_tokens, num_new_tokens, encoder_budget):  # noqa: ANN001, ANN202
+        def _try_schedule_encoder_inputs(self, request, num_computed_tokens, num_new_tokens, encoder_budget, shift_computed_tokens=0):  # noqa: ANN001, ANN202  # no drafter here: no shift
             ecm = self.encoder_cache_manager
             to_schedule: list[int] = []
             duplicates: list[int] = []

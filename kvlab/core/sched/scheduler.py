@@ -130,6 +130,7 @@ def _check_scheduler_args(
         raise ValueError(f"kv_load_failure_policy must be one of {KV_LOAD_FAILURE_POLICIES}, got {kv_load_failure_policy!r}")
     max_num_encoder_input_tokens = check_optional_int("max_num_encoder_input_tokens", max_num_encoder_input_tokens, 1)
     encoder_cache_size = check_optional_int("encoder_cache_size", encoder_cache_size, 1)
+    _check_prefill_lookahead(kv_cache_manager, max_num_batched_tokens, long_prefill_token_threshold)
     if connector is not None:
         for hook in ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta", "request_finished"):
             if not callable(getattr(connector, hook, None)):
@@ -145,6 +146,34 @@ def _check_scheduler_args(
         max_num_encoder_input_tokens,
         encoder_cache_size,
     )
+
+
+def _check_prefill_lookahead(kv_cache_manager: KVCacheManager, max_num_batched_tokens: int, long_prefill_token_threshold: int) -> None:
+    """Refuse the settings under which vLLM 0.33's rule "never end a prefill chunk within k
+    tokens of its end" (``_reserve_prefill_lookahead``, k = ``num_prefill_lookahead``) stops
+    a request for good. The rule leaves exactly k tokens for the last chunk, so (1) a step
+    that can never schedule k tokens would cut that chunk to nothing every step; (2) a Mamba
+    "align" group cuts a chunk at a block boundary first and the rule then pulls its end
+    back off the boundary, so the next chunk stops at that boundary, inside the last k
+    tokens, and is cut to nothing -- every step (vLLM 0.33 applies both in this order and
+    stalls such a request; kvlab refuses the combination rather than hang a notebook)."""
+    k = kv_cache_manager.num_prefill_lookahead
+    if k <= 1:
+        return  # an EAGLE-family drafter (k = 1): the rule never cuts
+    for name, limit in (("max_num_batched_tokens", max_num_batched_tokens), ("long_prefill_token_threshold", long_prefill_token_threshold)):
+        if 0 < limit < k:
+            raise ValueError(
+                f"{name} = {limit} is smaller than the manager's num_prefill_lookahead = {k}: a prompt's last chunk must "
+                f"hold all {k} tokens the drafter reads ahead, so a request would never finish its prefill"
+            )
+    if any(isinstance(g, MambaSpec) and g.mamba_cache_mode == "align" for g in kv_cache_manager.kv_cache_groups):
+        raise ValueError(
+            f"num_prefill_lookahead = {k} (a multi-module MTP drafter) with a Mamba group in 'align' mode is not scheduled by "
+            "kvlab: vLLM 0.33 first cuts a prefill chunk at a Mamba block boundary, then moves its end back by up to "
+            f"{k - 1} tokens so the drafter's lookahead stays in the prompt; the next chunk then stops at that boundary, "
+            "inside the last tokens, and is cut to nothing every step -- the request never finishes. Use "
+            "num_prefill_lookahead <= 1 (EAGLE) or mamba_cache_mode='none'"
+        )
 
 
 class Scheduler:
@@ -263,6 +292,10 @@ class Scheduler:
             max_num_batched_tokens, max_num_encoder_input_tokens, encoder_cache_size
         )
         self.encoder_cache_manager = EncoderCacheManager(encoder_cache_size, self.events)
+        # A drafter reads prompt tokens past a chunk (vLLM 0.33's shift_computed_tokens); passed
+        # only when there is one, so a subclass with the older four-argument override still runs.
+        k = kv_cache_manager.num_prefill_lookahead
+        self._encoder_shift: dict[str, int] = {"shift_computed_tokens": k} if k else {}
 
         self.requests: dict[str, Request] = {}
         self.waiting: FCFSRequestQueue | PriorityRequestQueue = PriorityRequestQueue() if policy == "priority" else FCFSRequestQueue()
@@ -457,6 +490,19 @@ class Scheduler:
         threshold = self.long_prefill_token_threshold
         return threshold if 0 < threshold < n else n
 
+    def _reserve_prefill_lookahead(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> int:
+        """Never end a prefill chunk within ``num_prefill_lookahead`` tokens of the prefill's
+        end (vLLM 0.33's ``_reserve_prefill_lookahead``): at a chunk boundary a multi-module
+        MTP drafter reads the next k prompt tokens, and a boundary closer to the end than k
+        would leave it drafting from guesses, whose KV its later modules would keep. So the
+        chunk either finishes the prefill or leaves at least k tokens for the next one. A
+        no-op for EAGLE (k = 1)."""
+        k = self.kv_cache_manager.num_prefill_lookahead
+        remaining = request.num_tokens - num_computed_tokens - num_new_tokens
+        if 0 < remaining < k:
+            num_new_tokens -= k - remaining
+        return max(num_new_tokens, 0)
+
     def _schedule_running(self, plan: _StepPlan) -> None:
         """Running requests, in admission order: room for their next tokens, preempting the
         :meth:`select_victim` choice while the pool has no block for them."""
@@ -474,8 +520,9 @@ class Scheduler:
             new_encoder_budget = plan.encoder_budget
             if n > 0 and request.mm_features:
                 encoder_inputs, duplicates, n, new_encoder_budget = self._try_schedule_encoder_inputs(
-                    request, request.num_computed_tokens, n, plan.encoder_budget
+                    request, request.num_computed_tokens, n, plan.encoder_budget, **self._encoder_shift
                 )
+            n = self._reserve_prefill_lookahead(request, request.num_computed_tokens, n)
             if n <= 0:
                 i += 1
                 continue
@@ -543,11 +590,15 @@ class Scheduler:
             new_encoder_budget = plan.encoder_budget
             if request.mm_features:
                 encoder_inputs, duplicates, n, new_encoder_budget = self._try_schedule_encoder_inputs(
-                    request, num_computed, n, plan.encoder_budget
+                    request, num_computed, n, plan.encoder_budget, **self._encoder_shift
                 )
-                if n <= 0:
+            n = self._reserve_prefill_lookahead(request, num_computed, n)
+            if n <= 0:
+                if request.mm_features:
                     self.encoder_cache_manager.free(request)
-                    break  # an item it needs cannot be encoded this step (vLLM skips it)
+                # an item it needs cannot be encoded this step, or the chunk would end in the
+                # drafter's lookahead (vLLM skips it; kvlab's waiting queue is head-of-line)
+                break
             # vLLM's admission gate: the whole prompt (after the hit) must fit now, not just
             # this chunk (scheduler_reserve_full_isl; lesson 05b section 4).
             new_blocks = mgr.allocate_slots(
@@ -588,7 +639,7 @@ class Scheduler:
 
     # -- the encoder (lesson 14) ------------------------------------------------------------------
     def _try_schedule_encoder_inputs(
-        self, request: Request, num_computed_tokens: int, num_new_tokens: int, encoder_budget: int
+        self, request: Request, num_computed_tokens: int, num_new_tokens: int, encoder_budget: int, shift_computed_tokens: int = 0
     ) -> tuple[list[int], list[int], int, int]:
         """Which of ``request``'s items must be encoded for tokens ``[num_computed_tokens,
         + num_new_tokens)``, and how many of those tokens can be scheduled (vLLM's
@@ -599,6 +650,8 @@ class Scheduler:
         the whole image -- if the compute budget and the cache have room. When they do not,
         the chunk stops right before the item; a request whose computed tokens already
         reach into such an item (a prefix hit that ends inside it) gets nothing this step.
+        ``shift_computed_tokens``: a drafter reads this many prompt tokens past the chunk (its
+        ``num_prefill_lookahead``), so an item they fall in is encoded with this chunk.
         Returns (items to encode, repeats of an item encoded this step, tokens to schedule,
         encoder budget left).
         """
@@ -607,7 +660,7 @@ class Scheduler:
         duplicates: list[int] = []
         scheduled_hashes: set[str] = set()
         num_embeds_to_schedule = 0
-        end = num_computed_tokens + num_new_tokens
+        end = num_computed_tokens + num_new_tokens + shift_computed_tokens
         for i, f in enumerate(request.mm_features):
             if f.offset >= end:
                 break  # items are sorted by offset
@@ -620,6 +673,8 @@ class Scheduler:
                 continue  # cached already: reuse it
             if not ecm.can_allocate(request, i, encoder_budget, num_embeds_to_schedule):
                 if num_computed_tokens < f.offset:
+                    # no shift here: the drafter's read-ahead into an item not encoded yet
+                    # falls back to token embeddings (vLLM)
                     num_new_tokens = min(num_new_tokens, f.offset - num_computed_tokens)
                 else:
                     num_new_tokens = 0
@@ -750,13 +805,13 @@ class Scheduler:
         mgr = self.kv_cache_manager
         bs = next(g.block_size for g in mgr.kv_cache_groups if isinstance(g, MambaSpec))
         assert bs is not None
-        eagle = mgr.use_eagle
-        last_cache_position = mamba_prefill_checkpoint_position(request.num_tokens, bs, eagle)
+        eagle, la = mgr.use_eagle, mgr.num_hash_lookahead_tokens
+        last_cache_position = mamba_prefill_checkpoint_position(request.num_tokens, bs, eagle, la)
         end = start + num_new_tokens
         # A chunk that reaches the prefill's end and can export the prompt's state from
         # inside needs no stop for it (one forward pass fewer).
         checkpoint_position = mamba_prefill_checkpoint_position(
-            prefill_end, mgr.hash_block_size if self.mamba_partial_cache_hit else bs, eagle
+            prefill_end, mgr.hash_block_size if self.mamba_partial_cache_hit else bs, eagle, la
         )
         internal = (
             self.mamba_has_prefill_checkpoint_blocks
@@ -775,7 +830,7 @@ class Scheduler:
             if aligned_end > start or bs <= limit:
                 end = aligned_end
         tail = (
-            mamba_prefill_checkpoint_position(request.num_prompt_tokens, mgr.hash_block_size, eagle)
+            mamba_prefill_checkpoint_position(request.num_prompt_tokens, mgr.hash_block_size, eagle, la)
             if self.mamba_partial_cache_hit and not internal
             else 0
         )
