@@ -269,6 +269,26 @@ def test_a_backend_that_exports_the_prompts_state_saves_a_forward_pass(checkpoin
     assert eng.kv_cache_manager.block_pool.get_num_free_blocks() == 39
 
 
+@pytest.mark.parametrize(("num_blocks", "tables"), [(6, None), (7, [[1, 3, 4], [2, 5, 6]])])
+def test_a_connectors_tokens_and_a_checkpoint_block_are_counted_before_anything_is_taken(num_blocks, tables) -> None:
+    """4 of A's 10 tokens come from a KV connector, 5 are computed now, and the chunk exports
+    the state at 8 from inside: the Mamba group takes a block for the connector's state, the
+    checkpoint block and the new state. kvlab counts what the allocation really takes (6
+    blocks), so with 5 free it refuses and changes nothing -- it used to count 5 and fail
+    half-way."""
+    m = KVCacheManager(
+        num_blocks=num_blocks,
+        kv_cache_groups=[
+            FullAttentionSpec(block_size=4),
+            MambaSpec(block_size=4, num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=1),
+        ],
+    )
+    a = Request("A", list(range(10)), max_tokens=4)
+    hits, _ = m.get_computed_blocks(a)
+    got = m.allocate_slots(a, 5, 0, hits, num_external_computed_tokens=4)
+    assert (None if got is None else ids(m.get_blocks("A")), m.block_pool.get_num_free_blocks()) == (tables, 0 if tables else 5)
+
+
 def test_checkpoint_fields_are_checked_by_name() -> None:
     with pytest.raises(ValueError, match="MambaSpec.prefill_checkpoint_alignment"):
         MambaSpec(block_size=8, num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=0)

@@ -891,7 +891,8 @@ class MambaManager(SingleTypeKVCacheManager):
             length = max(skipped, len(new_computed_blocks))
             ext_new = max(0, cdiv(total_computed_tokens, self.block_size) - length)
             exact = self._get_num_evictable_blocks(new_computed_blocks[skipped:]) + ext_new
-            exact += min(max(0, cdiv(num_tokens_main_model, self.block_size) + nspec - length - ext_new), 1 + nspec)
+            # (a checkpoint block shortens the null padding by one: one more new block)
+            exact += min(max(0, cdiv(num_tokens_main_model, self.block_size) + nspec - length - ext_new), 1 + nspec + checkpoint_block)
             count = max(count, exact)
         return count
 
