@@ -184,10 +184,13 @@ def _check_request_args(
             raise TypeError(f"mm_features[{i}] must be a MultiModalFeature, got {type(f).__name__}")
     features = sorted(given, key=lambda f: f.offset)
     for i, f in enumerate(features):
-        if f.offset + f.length > len(prompt):
+        # An encoder-decoder model's encoder input (Whisper's audio) sits at 0 and can be
+        # longer than the decoder's prompt; the scheduler checks which kind its model is.
+        if f.offset + f.length > len(prompt) and f.offset:
             raise ValueError(
                 f"mm_features: {f.identifier!r} covers tokens [{f.offset}, {f.offset + f.length}) "
-                f"but the prompt has only {len(prompt)} tokens"
+                f"but the prompt has only {len(prompt)} tokens (only an encoder-decoder model's encoder input, at "
+                "offset 0, may be longer than the prompt)"
             )
         if i and features[i - 1].offset + features[i - 1].length > f.offset:
             raise ValueError(

@@ -224,17 +224,25 @@ class EncoderDecoderCacheManager(EncoderCacheManager):
     kept: every request runs its own encoder input (``check_and_update_cache`` is always
     False), the slots only limit how many encoder embeddings are in flight, and each entry
     is handed to the worker to drop one step after it was allocated -- after the step that
-    used it, as an ordinary entry would be."""
+    used it, as an ordinary entry would be.
+
+    One difference from vLLM 0.33, kept on purpose: vLLM's ``free_encoder_input`` gives an
+    input's slots back whether or not they were taken, and its scheduler frees every input of
+    an encoder-decoder request after each of its steps -- so there the free-slot count climbs
+    past ``cache_size`` with every decode step and the limit stops limiting. kvlab gives
+    back only the slots a request holds (``held``), so the count stays within the cache."""
 
     def __init__(self, cache_size: int) -> None:
         super().__init__(cache_size)
         self.allocated: list[str] = []
         self.to_free: list[str] = []
+        self.held: dict[str, dict[int, int]] = {}  # request id -> {input: slots it holds}
 
     def reset(self) -> None:
         self.num_free_slots = self.cache_size
         self.allocated.clear()
         self.to_free.clear()
+        self.held.clear()
 
     def check_and_update_cache(self, request: Request, input_id: int) -> bool:
         _check_item(request, input_id)
@@ -255,6 +263,7 @@ class EncoderDecoderCacheManager(EncoderCacheManager):
             )
         self.num_free_slots -= n
         self.allocated.append(feature.identifier)
+        self.held.setdefault(request.request_id, {})[input_id] = n
 
     def free(self, request: Request) -> None:
         if not isinstance(request, Request):
@@ -275,10 +284,17 @@ class EncoderDecoderCacheManager(EncoderCacheManager):
 
     def free_encoder_input(self, request: Request, input_id: int) -> None:
         input_id = _check_item(request, input_id)
-        self.num_free_slots += request.get_num_encoder_embeds(input_id)
+        held = self.held.get(request.request_id)
+        if held is None or input_id not in held:
+            return  # never taken, or given back already
+        self.num_free_slots += held.pop(input_id)
+        if not held:
+            del self.held[request.request_id]
 
     def check_invariants(self) -> None:
-        assert self.num_free_slots <= self.cache_size, f"free slots {self.num_free_slots} > cache size {self.cache_size}"
+        used = sum(n for inputs in self.held.values() for n in inputs.values())
+        assert self.num_free_slots == self.cache_size - used, f"free slots {self.num_free_slots} != {self.cache_size} - {used}"
+        assert all(self.held.values()), "a request holding nothing is kept"
 
 
 def compute_encoder_budget(

@@ -73,7 +73,11 @@ def initialize_kv_cache(executor: object, kv_cache_manager: KVCacheManager) -> N
     ``kv_cache_config`` (vLLM 0.33: ``EngineCore._initialize_kv_caches`` hands the workers
     the plan through ``initialize_from_config``). A runner sized by hand must hold the
     manager's pool -- the same block ids, the same tokens per block -- else the manager's
-    block 15 is no block of the runner's. The simulated executor holds no cache."""
+    block 15 is no block of the runner's. The simulated executor holds no cache; it is told
+    whether the model is an encoder-decoder one (a cross-attention group), as vLLM's runner
+    knows from the model config: there the encoder's output is read on the first step only."""
+    if isinstance(executor, SimulatedExecutor):
+        executor.is_encoder_decoder = bool(kv_cache_manager.coordinator.cross_attention_group_ids)
     allocated = getattr(executor, "kv_cache_allocated", None)
     if allocated is False:
         executor.initialize_kv_cache(kv_cache_manager.kv_cache_config)  # type: ignore[attr-defined]  # a runner: it has kv_cache_allocated

@@ -27,6 +27,9 @@ class SimulatedExecutor(KVConnectorModelRunnerMixin):
     #: It writes no K/V: an undone step leaves no stale values in cached blocks (see
     #: ``kvlab.core.transaction.restore_pool``'s ``drop_reused``).
     writes_kv_cache = False
+    #: An encoder-decoder model (set by the engine from the manager's groups): the encoder's
+    #: output feeds the cross-attention KV on a request's first step and is not read again.
+    is_encoder_decoder = False
 
     def __init__(self, vocab_size: int = 32000, eos_token_id: int | None = None, eos_every: int = 0, *, kv_connector: Any = None) -> None:
         self.vocab_size = check_int("vocab_size", vocab_size, 2)
@@ -98,6 +101,8 @@ class SimulatedExecutor(KVConnectorModelRunnerMixin):
                 self.num_encoder_tokens_computed += f.get_num_embeds()
 
     def _check_encoder_outputs(self, rid: str, num_computed: int, n: int) -> None:
+        if self.is_encoder_decoder and num_computed > 0:
+            return  # the cross-attention KV holds the encoder's output by now
         end = num_computed + n
         for f in self._mm.get(rid, ()):
             if f.offset >= end or f.offset + f.length <= num_computed or f.identifier in self.encoder_cache:

@@ -511,3 +511,37 @@ def ec_consumer_engine(remote: Sequence[str], num_blocks: int = 32, block_size: 
         num_blocks=num_blocks, block_size=block_size, event_log=EventLog(), max_in_flight_tokens=scheduler_kwargs["max_num_batched_tokens"]
     )
     return LLMEngine(mgr, ECConsumerScheduler(mgr, **scheduler_kwargs), ECConsumerExecutor())
+
+
+def whisper_steps(num_blocks: int = 40, audio_tokens: int = 20, encoder_budget: int = 24) -> list[str]:
+    """Lesson 14, section 4: two requests of a Whisper-like encoder-decoder model (full
+    attention for the decoder, cross-attention for the encoder's output; blocks of 4 tokens,
+    no prefix caching, as vLLM runs such models), each a 3-token decoder prompt with
+    ``audio_tokens`` audio embeddings at offset 0, and an encoder budget of ``encoder_budget``
+    embeddings per step. One line per engine step: the tokens each request computes, the
+    audio the encoder runs, the encoder outputs the worker drops before it runs the step, and
+    the blocks a request gets when it is admitted, per group."""
+    from kvlab.kv_cache_interface import CrossAttentionSpec, FullAttentionSpec
+    from kvlab.request import MultiModalFeature
+
+    eng = build_engine(
+        num_blocks=num_blocks,
+        block_size=4,
+        max_num_batched_tokens=16,
+        max_num_encoder_input_tokens=encoder_budget,
+        encoder_cache_size=encoder_budget,
+        manager_kwargs=dict(kv_cache_groups=[FullAttentionSpec(block_size=4), CrossAttentionSpec(block_size=4)], enable_caching=False),
+    )
+    for rid in "AB":
+        eng.add_request(
+            Request(rid, [7, 8, 9], max_tokens=3, mm_features=[MultiModalFeature(f"audio-{rid}", 0, audio_tokens, modality="audio")])
+        )
+    lines = []
+    while eng.has_unfinished_requests():
+        out = eng.step().scheduler_output
+        tokens = ", ".join(f"{rid} {n}" for rid, n in out.num_scheduled_tokens.items())
+        encoded = ", ".join(f"{rid}'s audio" for rid in out.scheduled_encoder_inputs) or "-"
+        dropped = ", ".join(out.free_encoder_mm_hashes) or "-"
+        new = "  ".join(f"{nr.req_id} gets decoder {nr.block_ids[0]} cross {nr.block_ids[1]}" for nr in out.scheduled_new_reqs)
+        lines.append(f"step {out.step}: tokens {tokens:9} encoder runs {encoded:11} worker drops {dropped:9} {new}".rstrip())
+    return lines

@@ -34,7 +34,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvlab.core.encoder_cache_manager import EncoderCacheManager, compute_encoder_budget
+from kvlab.core.encoder_cache_manager import EncoderCacheManager, EncoderDecoderCacheManager, compute_encoder_budget
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from kvlab.core.sched.request_queue import POLICIES, FCFSRequestQueue, PriorityRequestQueue
@@ -42,7 +42,7 @@ from kvlab.core.kv_cache_utils import KVCacheBlockCopy
 from kvlab.core.single_type_kv_cache_manager import cdiv, is_mamba_prefill_checkpoint_valid, mamba_prefill_checkpoint_position
 from kvlab.core.transaction import adds_request, scheduler_call
 from kvlab.distributed.kv_events import KVEventBatch
-from kvlab.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
+from kvlab.kv_cache_interface import ChunkedLocalAttentionSpec, CrossAttentionSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
 from kvlab.metrics.stats import CachingMetrics, IterationStats, PrefixCacheStats, SchedulerStats
 from kvlab.request import _MAX_TOKEN_ID, Request, RequestStatus
 from kvlab.eventlog.events import (
@@ -291,7 +291,14 @@ class Scheduler:
         self.max_num_encoder_input_tokens, encoder_cache_size = compute_encoder_budget(
             max_num_batched_tokens, max_num_encoder_input_tokens, encoder_cache_size
         )
-        self.encoder_cache_manager = EncoderCacheManager(encoder_cache_size, self.events)
+        # An encoder-decoder model (Whisper, BART: a CrossAttentionSpec group): the encoder's
+        # output becomes cross-attention KV in blocks, so its cache keeps nothing (vLLM 0.33).
+        self.is_encoder_decoder = bool(kv_cache_manager.coordinator.cross_attention_group_ids)
+        self.encoder_cache_manager: EncoderCacheManager = (
+            EncoderDecoderCacheManager(encoder_cache_size)
+            if self.is_encoder_decoder
+            else EncoderCacheManager(encoder_cache_size, self.events)
+        )
         # A drafter reads prompt tokens past a chunk (vLLM 0.33's shift_computed_tokens); passed
         # only when there is one, so a subclass with the older four-argument override still runs.
         k = kv_cache_manager.num_prefill_lookahead
@@ -357,10 +364,12 @@ class Scheduler:
         if not request.num_prompt_tokens:
             raise ValueError(f"request {rid!r}: prompt_token_ids must not be empty (vLLM refuses an empty prompt)")
         need = self.max_kv_tokens_needed(request)
-        if self._blocks_needed(need) > self.kv_cache_manager.num_blocks - 1:
+        encoder = sum(f.get_num_embeds() for f in request.mm_features) if self.is_encoder_decoder else 0
+        if self._blocks_needed(need, encoder) > self.kv_cache_manager.num_blocks - 1:
             raise ValueError(
                 f"request {rid!r} can never fit: {request.num_prompt_tokens} prompt + {request.max_tokens} max "
-                f"tokens need {self._blocks_needed(need)} blocks, the pool has {self.kv_cache_manager.num_blocks - 1} "
+                f"tokens{f' + {encoder} encoder tokens' if encoder else ''} need {self._blocks_needed(need, encoder)} blocks, "
+                f"the pool has {self.kv_cache_manager.num_blocks - 1} "
                 "usable blocks (raise num_blocks or lower max_tokens)"
             )
         if not self.enable_chunked_prefill and request.num_prompt_tokens > self.max_num_scheduled_tokens:
@@ -370,6 +379,18 @@ class Scheduler:
             )
         if self.max_model_len is not None and request.num_prompt_tokens >= self.max_model_len:
             raise ValueError(f"request {rid!r}: prompt of {request.num_prompt_tokens} tokens >= max_model_len {self.max_model_len}")
+        for f in request.mm_features:
+            if self.is_encoder_decoder and f.offset:
+                raise ValueError(
+                    f"request {rid!r}: item {f.identifier!r} starts at token {f.offset}; an encoder-decoder model's encoder "
+                    "input starts at 0 (the decoder reads it through cross-attention, not at a position of its prompt)"
+                )
+            if not self.is_encoder_decoder and f.offset + f.length > request.num_prompt_tokens:
+                raise ValueError(
+                    f"request {rid!r}: item {f.identifier!r} covers tokens [{f.offset}, {f.offset + f.length}) but the prompt "
+                    f"has {request.num_prompt_tokens}; an encoder input longer than the prompt needs an encoder-decoder model "
+                    "(a CrossAttentionSpec group in the manager)"
+                )
         limit = min(self.max_num_encoder_input_tokens, self.encoder_cache_manager.cache_size)
         for f in request.mm_features:
             if f.get_num_embeds() > limit:
@@ -385,12 +406,13 @@ class Scheduler:
         n = request.num_prompt_tokens + request.max_tokens - 1
         return min(n, self.max_model_len) if self.max_model_len else n
 
-    def _blocks_needed(self, num_tokens: int) -> int:
-        """Most blocks a request of ``num_tokens`` tokens can hold at once, over all groups."""
+    def _blocks_needed(self, num_tokens: int, num_encoder_tokens: int = 0) -> int:
+        """Most blocks a request of ``num_tokens`` tokens can hold at once, over all groups (a
+        cross-attention group holds the encoder's ``num_encoder_tokens``)."""
         total = 0
         for spec in self.kv_cache_manager.kv_cache_groups:
             bs = spec.block_size
-            n = cdiv(num_tokens, bs)  # type: ignore[arg-type]  # the manager filled in every spec's block size (a spec may be given without one)
+            n = cdiv(num_encoder_tokens if isinstance(spec, CrossAttentionSpec) else num_tokens, bs)  # type: ignore[arg-type]  # the manager filled in every spec's block size (a spec may be given without one)
             if isinstance(spec, SlidingWindowSpec):
                 n = min(n, cdiv(spec.sliding_window - 1, bs) + 2)  # type: ignore[arg-type]  # as above
             elif isinstance(spec, ChunkedLocalAttentionSpec):
@@ -608,6 +630,8 @@ class Scheduler:
                 hits,
                 num_external_computed_tokens=num_external,
                 full_sequence_must_fit=self.scheduler_reserve_full_isl,
+                # an encoder-decoder model: cross-attention blocks for the encoder's output
+                num_encoder_tokens=sum(request.get_num_encoder_embeds(i) for i in encoder_inputs) if self.is_encoder_decoder else 0,
             )
             if new_blocks is None:
                 if request.mm_features:
@@ -661,15 +685,22 @@ class Scheduler:
         scheduled_hashes: set[str] = set()
         num_embeds_to_schedule = 0
         end = num_computed_tokens + num_new_tokens + shift_computed_tokens
+        enc_dec = self.is_encoder_decoder
         for i, f in enumerate(request.mm_features):
-            if f.offset >= end:
+            if enc_dec:
+                # the encoder input sits before the decoder's first token: encoded with the
+                # first chunk, never again (its output is cross-attention KV by then); not
+                # shared, so no cache check (vLLM 0.33)
+                if num_computed_tokens > 0:
+                    continue
+            elif f.offset >= end:
                 break  # items are sorted by offset
-            if f.offset + f.length <= num_computed_tokens:
+            elif f.offset + f.length <= num_computed_tokens:
                 continue  # already behind the computed tokens
-            if f.identifier in scheduled_hashes:
+            elif f.identifier in scheduled_hashes:
                 duplicates.append(i)  # the same image again: encoded once
                 continue
-            if ecm.check_and_update_cache(request, i):
+            elif ecm.check_and_update_cache(request, i):
                 continue  # cached already: reuse it
             if not ecm.can_allocate(request, i, encoder_budget, num_embeds_to_schedule):
                 if num_computed_tokens < f.offset:
@@ -704,7 +735,8 @@ class Scheduler:
         ecm = self.encoder_cache_manager
         for i in sorted(ecm.get_cached_input_ids(request)):
             f = request.mm_features[i]
-            if f.offset + f.length <= request.num_computed_tokens:
+            # encoder-decoder: once one token is computed, the cross-attention KV holds it all
+            if f.offset + f.length <= request.num_computed_tokens or (self.is_encoder_decoder and request.num_computed_tokens > 0):
                 ecm.free_encoder_input(request, i)
 
     def _new_block_ids(self, request_id: str, sent: tuple[int, ...]) -> tuple[tuple[list[int], ...], tuple[int, ...]]:
@@ -1179,6 +1211,7 @@ class Scheduler:
     def check_invariants(self) -> None:
         """Manager invariants + every running request holds blocks for its computed tokens."""
         self.kv_cache_manager.check_invariants()
+        self.encoder_cache_manager.check_invariants()
         waiting = list(self.waiting)
         queued = {r.request_id for r in self.running} | {r.request_id for r in waiting}
         assert len(queued) == len(self.running) + len(waiting), "a request is queued twice"
@@ -1191,6 +1224,8 @@ class Scheduler:
             assert r.status == RequestStatus.RUNNING, f"{r.request_id} in running with status {r.status.name}"
             ids = self.kv_cache_manager.get_block_ids(r.request_id)
             for spec, g in zip(self.kv_cache_manager.kv_cache_groups, ids):
+                if isinstance(spec, CrossAttentionSpec):
+                    continue  # it holds the encoder's tokens, not the decoder's
                 bs = spec.block_size
                 assert len(g) * bs >= r.num_computed_tokens, f"{r.request_id}: {len(g)} blocks of {bs} for {r.num_computed_tokens} tokens"  # type: ignore[operator]  # the manager filled in every spec's block size
                 if isinstance(spec, FullAttentionSpec):
