@@ -195,3 +195,15 @@ def test_random_encoder_decoder_runs_keep_every_invariant_and_replay_exactly(req
         eng.add_request(r)
     run_replaying(eng, max_steps=400, tables=True)
     assert eng.scheduler.encoder_cache_manager.num_free_slots == encoder_budget
+
+
+def test_a_kv_connector_is_refused_for_an_encoder_decoder_model_as_vllm_does() -> None:
+    from kvlab.core.sched.scheduler import Scheduler
+    from kvlab.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from kvlab.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+
+    with pytest.raises(ValueError, match="Encoder-decoder models are not currently supported with KV connectors"):
+        Scheduler(
+            KVCacheManager(num_blocks=20, kv_cache_groups=GROUPS, enable_caching=False),
+            connector=OffloadingConnector(KVConnectorRole.SCHEDULER, 4),
+        )

@@ -255,6 +255,9 @@ class Scheduler:
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.max_model_len = max_model_len
         self.scheduler_reserve_full_isl = scheduler_reserve_full_isl
+        # An encoder-decoder model (Whisper, BART: a CrossAttentionSpec group): the encoder's
+        # output becomes cross-attention KV in blocks, so its cache keeps nothing (vLLM 0.33).
+        self.is_encoder_decoder = bool(kv_cache_manager.coordinator.cross_attention_group_ids)
         # A Mamba group in "align" mode saves its state only at block boundaries, so prefill
         # chunks must end on them (vLLM's _mamba_block_aligned_split).
         self.need_mamba_block_aligned_split = any(
@@ -271,6 +274,8 @@ class Scheduler:
         mamba_specs = [g for g in kv_cache_manager.kv_cache_groups if isinstance(g, MambaSpec)]
         self.mamba_prefill_checkpoint_alignment = mamba_specs[0].prefill_checkpoint_alignment if mamba_specs else None
         self.mamba_has_prefill_checkpoint_blocks = bool(mamba_specs) and all(g.num_prefill_checkpoint_blocks > 0 for g in mamba_specs)
+        if connector is not None and self.is_encoder_decoder:
+            raise ValueError("Encoder-decoder models are not currently supported with KV connectors (vLLM 0.33 asserts the same)")
         if connector is not None and self.mamba_partial_cache_hit:
             raise ValueError(
                 "a KV connector with partial prefix hits (a Mamba hybrid whose blocks are larger than the hash block) is not "
@@ -291,9 +296,7 @@ class Scheduler:
         self.max_num_encoder_input_tokens, encoder_cache_size = compute_encoder_budget(
             max_num_batched_tokens, max_num_encoder_input_tokens, encoder_cache_size
         )
-        # An encoder-decoder model (Whisper, BART: a CrossAttentionSpec group): the encoder's
-        # output becomes cross-attention KV in blocks, so its cache keeps nothing (vLLM 0.33).
-        self.is_encoder_decoder = bool(kv_cache_manager.coordinator.cross_attention_group_ids)
+        # (an encoder-decoder model: see is_encoder_decoder above)
         self.encoder_cache_manager: EncoderCacheManager = (
             EncoderDecoderCacheManager(encoder_cache_size)
             if self.is_encoder_decoder
