@@ -619,3 +619,32 @@ def test_num_storable_counts_free_and_unpinned_chunks_less_the_protected_ones(po
     assert m.num_storable(protected=[c]) == 3
     with pytest.raises(TypeError, match="protected"):
         m.num_storable(protected=[1])
+
+
+def test_the_connector_reports_its_transfers_and_the_tiers_facts(tmp_path) -> None:
+    """Bytes and sizes of the worker's transfers reach the scheduler half's payload; the
+    tiers' facts ride on the first payload only (vLLM 0.33). Blocks hold 2,048 bytes here."""
+    torch.set_num_threads(1)
+    _, runner = _tiny_runner(6)
+    eng = _engine(tmp_path, executor=runner)
+    conn = eng.scheduler.connector
+    story = [(r, [t % 90 + 32 for t in p]) for r, p in STORY]
+    payloads = []
+    for rid, p in story[:4]:  # A stores 2 blocks, B 4, C 3; A2 loads A's 2 back from disk
+        eng.add_request(Request(rid, p, max_tokens=1))
+        eng.run()
+        payloads.append(conn.get_kv_connector_stats())
+    first = payloads[0].data
+    assert first["info"] == [{"tier": "0:primary"}, {"tier": "1:fs"}]
+    assert (first["data"]["vllm:kv_offload_store_bytes"], first["data"]["vllm:kv_offload_store_size"]) == ({(): 4096}, {(): [4096]})
+    total = payloads[1]
+    for p in payloads[2:]:
+        total.aggregate(p)
+    d = total.data["data"]
+    assert total.data["info"] is None  # sent once
+    assert (d["vllm:kv_offload_store_bytes"], d["vllm:kv_offload_store_size"]) == ({(): 14336}, {(): [8192, 6144]})
+    assert (d["vllm:kv_offload_load_bytes"], d["vllm:kv_offload_load_size"]) == ({(): 4096}, {(): [4096]})
+    # the CPU tier's allocations: B's 4 and C's 3 chunks, then one each for A2's two promoted blocks
+    assert d["vllm:kv_offload_cpu_allocation_size"] == {(): [4, 3, 1, 1]}
+    rebuilt = type(conn).build_kv_connector_stats(total.to_dict())
+    assert rebuilt.reduce() == total.reduce()

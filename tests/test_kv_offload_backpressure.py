@@ -221,6 +221,21 @@ def test_a_pressured_disk_tier_gets_no_cascade_and_the_blocks_stay_in_the_cpu_ti
     assert d.policy.pop_stores_dropped() == (1, 3)
 
 
+def test_the_tiering_metrics_report_the_disk_tiers_pressure_and_drops(tmp_path):
+    """vLLM 0.33's tiering metrics, labelled by tier: the detector's average seconds per MiB,
+    and the stores and blocks its policy dropped since the last call."""
+    d, _ = ema(warmup_completions=0, policy=bp.DropStorePolicy())
+    d.on_store_completed(0.1, MIB)  # under pressure
+    mgr = _tiers(tmp_path, d)
+    mgr.complete_store(mgr.prepare_store(_keys(3)))
+    data = mgr.get_stats().data["data"]
+    assert data["vllm:kv_offload_tiering_backpressure_store_latency_ema"] == {("1:fs",): d.store_latency_ema}
+    assert data["vllm:kv_offload_tiering_backpressure_stores_dropped"] == {("1:fs",): 1}
+    assert data["vllm:kv_offload_tiering_backpressure_blocks_dropped"] == {("1:fs",): 3}
+    assert "vllm:kv_offload_tiering_backpressure_stores_dropped" not in mgr.get_stats().data["data"]  # popped
+    assert mgr.config_info() == [{"tier": "0:primary"}, {"tier": "1:fs"}]
+
+
 def test_a_cascade_feeds_its_time_since_submission_to_the_detector(tmp_path):
     d, clock = ema(warmup_completions=0, alpha=1.0)
     mgr = _tiers(tmp_path, d)

@@ -27,14 +27,36 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Iterable
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, NamedTuple, TypeVar
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, TypeVar
 
 import numpy as np
 
+if TYPE_CHECKING:
+    from kvlab.kv_offload.stats import OffloadingConnectorStats
+
 OffloadKey = bytes
 _T = TypeVar("_T")
+
+#: The labels of one series of ``vllm:kv_offload_config_info``: label name -> value.
+ConfigInfoMapping = Mapping[str, str | int | float | bool]
+
+
+@dataclass(frozen=True)
+class ConfigInfo:
+    """Static facts one offload component publishes as ``vllm:kv_offload_config_info`` (vLLM
+    0.33): each field is one label, fixed for the process's lifetime, so a dashboard can
+    show how big a tier is next to how full it is. See ``CPUOffloadingInfo``."""
+
+    @classmethod
+    def config_info_keys(cls) -> tuple[str, ...]:
+        """One label name per field, in field order."""
+        return tuple(f.name for f in fields(cls))
+
+    def as_config_info(self) -> ConfigInfoMapping:
+        """The label values (a None value reads "None", not empty)."""
+        return {f.name: "None" if getattr(self, f.name) is None else getattr(self, f.name) for f in fields(self)}
 
 
 def make_offload_key(block_hash: bytes, group_idx: int = 0) -> OffloadKey:
@@ -264,3 +286,12 @@ class OffloadingManager(ABC):
 
     def shutdown(self) -> None:
         return
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        """The metrics collected since the last call (and reset), or None when it keeps none."""
+        return None
+
+    def config_info(self) -> Sequence[ConfigInfoMapping]:
+        """The labels of ``vllm:kv_offload_config_info``, one mapping per series; one empty
+        series by default, so the metric exists whenever offloading runs."""
+        return [{}]

@@ -24,10 +24,12 @@ bad, with a reason), ``num_storable``, ``entries``/``pinned``/``check_invariants
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from kvlab.kv_offload.base import (
+    ConfigInfoMapping,
     LookupResult,
     Medium,
     OffloadingEvent,
@@ -38,10 +40,13 @@ from kvlab.kv_offload.base import (
     RequestOffloadingContext,
     get_offload_group_idx,
 )
-from kvlab.kv_offload.cpu.common import CPULoadStoreSpec
+from kvlab.kv_offload.cpu.common import CPULoadStoreSpec, CPUOffloadingInfo, CPUOffloadingMetrics
 from kvlab.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus, order_request_keys
 from kvlab.kv_offload.cpu.policies.factory import CachePolicyFactory
 from kvlab.utils.checks import check_int
+
+if TYPE_CHECKING:
+    from kvlab.kv_offload.stats import OffloadingConnectorStats
 
 
 def _check_key(name: str, key: object) -> None:
@@ -126,8 +131,12 @@ class CPUOffloadingManager(OffloadingManager):
         enable_events: bool = False,
         store_threshold: int = 1,
         max_tracker_size: int = 64_000,
+        info: CPUOffloadingInfo | None = None,
     ) -> None:
         self._num_chunks = check_int("num_chunks", num_chunks, 1)
+        if info is not None and not isinstance(info, CPUOffloadingInfo):
+            raise TypeError(f"info must be None or a CPUOffloadingInfo, got {type(info).__name__}")
+        self._config_info: ConfigInfoMapping = info.as_config_info() if info is not None else {}
         if not isinstance(cache_policy, str):
             raise TypeError(f"cache_policy must be a policy name (str), got {type(cache_policy).__name__}")
         self.store_threshold = check_int("store_threshold", store_threshold, 0)
@@ -145,6 +154,34 @@ class CPUOffloadingManager(OffloadingManager):
         # Offers per key, least recently offered first (admission with store_threshold >= 2).
         self.counts: OrderedDict[OffloadKey, int] | None = OrderedDict() if store_threshold >= 2 else None
         self.slot_writes = SlotWrites()
+
+    def config_info(self) -> Sequence[ConfigInfoMapping]:
+        """The facts of the one cache this manager holds (empty when built without ``info``)."""
+        return [self._config_info]
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        """This tier's metrics since the last call (vLLM 0.33's names): how full it is (chunks
+        in use, not evictable, over all chunks), the part of that being written and the part
+        readable, the size of each store's allocation, and -- with ``store_threshold`` >= 2 --
+        the stores turned away for lack of offers. Gauges are snapshots; the allocation sizes
+        and the skipped count start again from zero."""
+        from kvlab.kv_offload.stats import OffloadingConnectorStats
+
+        stats = OffloadingConnectorStats()
+        n = self._num_chunks
+        used = self._num_allocated_chunks - len(self._free_list) - self._num_evictable_cache_chunks
+        usage = used / n if n > 0 else 0.0
+        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC, usage)
+        for size in self.allocation_sizes_in_current_batch:
+            stats.observe_histogram(CPUOffloadingMetrics.CPU_ALLOCATION_SIZE, size)
+        self.allocation_sizes_in_current_batch.clear()
+        write_usage = self._num_write_pending_chunks / n if n > 0 else 0.0
+        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_WRITE_USAGE_PERC, write_usage)
+        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_READ_USAGE_PERC, max(usage - write_usage, 0.0))
+        if self.store_threshold >= 2:
+            stats.increase_counter(CPUOffloadingMetrics.STORES_SKIPPED, self.stores_skipped_in_current_batch)
+            self.stores_skipped_in_current_batch = 0
+        return stats
 
     @property
     def num_blocks(self) -> int:

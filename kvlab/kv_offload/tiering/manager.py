@@ -20,11 +20,23 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from kvlab.kv_offload.base import LookupResult, Medium, OffloadingEvent, OffloadKey, ReqContext
+from kvlab.kv_offload.base import ConfigInfoMapping, LookupResult, Medium, OffloadingEvent, OffloadKey, ReqContext
 from kvlab.kv_offload.cpu.manager import CPUOffloadingManager, _check_keys
+from kvlab.kv_offload.stats import OffloadingConnectorStats
 from kvlab.kv_offload.tiering.fs.manager import FileSystemTierManager
 
 CPU, STORAGE = Medium.CPU.value, Medium.STORAGE.value
+TIER_LABEL = "tier"
+PRIMARY_TIER_LABEL = ("0:primary",)
+
+
+class TieringOffloadingMetrics:
+    """The tiering manager's metric names that kvlab reports (vLLM 0.33 has more: per-tier
+    read and write bytes, promotion and cascade jobs, which its asynchronous tiers record)."""
+
+    BACKPRESSURE_STORE_LATENCY_EMA = "vllm:kv_offload_tiering_backpressure_store_latency_ema"
+    BACKPRESSURE_STORES_DROPPED = "vllm:kv_offload_tiering_backpressure_stores_dropped"
+    BACKPRESSURE_BLOCKS_DROPPED = "vllm:kv_offload_tiering_backpressure_blocks_dropped"
 
 
 @dataclass(slots=True)
@@ -241,6 +253,44 @@ class TieringOffloadingManager:
 
     def take_events(self) -> list[OffloadingEvent]:
         return [e for t in self.tiers for e in t.take_events()]
+
+    def tier_label(self, tier_idx: int) -> tuple[str]:
+        """A secondary tier's label value: its position after the primary and its type."""
+        return (f"{tier_idx + 1}:{FileSystemTierManager.tier_type}",)
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        """The CPU tier's metrics, then each disk tier's back-pressure (labelled by tier): the
+        detector's average seconds per MiB, and the stores and blocks its policy dropped since
+        the last call (vLLM 0.33's ``get_stats``; None when there is nothing to say)."""
+        stats = self.primary.get_stats()
+        if stats is not None and stats.is_empty():
+            stats = None
+        bp = OffloadingConnectorStats()
+        for i, tier in enumerate([self.secondary] if self.secondary is not None else []):
+            detector = tier.bp_detector
+            if detector is None:
+                continue
+            label = self.tier_label(i)
+            ema = detector.stats.get("store_latency_ema")
+            if ema is not None:
+                bp.set_gauge(TieringOffloadingMetrics.BACKPRESSURE_STORE_LATENCY_EMA, ema, labelvalues=label)
+            stores_dropped, blocks_dropped = detector.policy.pop_stores_dropped()
+            if stores_dropped > 0:
+                bp.increase_counter(TieringOffloadingMetrics.BACKPRESSURE_STORES_DROPPED, stores_dropped, labelvalues=label)
+            if blocks_dropped > 0:
+                bp.increase_counter(TieringOffloadingMetrics.BACKPRESSURE_BLOCKS_DROPPED, blocks_dropped, labelvalues=label)
+        if not bp.is_empty():
+            stats = bp if stats is None else stats.aggregate(bp)
+        return stats
+
+    def config_info(self) -> list[ConfigInfoMapping]:
+        """One series per tier, the CPU tier first, each with its tier label."""
+        (primary,) = self.primary.config_info()
+        infos: list[ConfigInfoMapping] = [{**primary, TIER_LABEL: PRIMARY_TIER_LABEL[0]}]
+        if self.secondary is not None:
+            (info,) = self.secondary.config_info()
+            infos.append({**info, TIER_LABEL: self.tier_label(0)[0]})
+        return infos
 
     def check_invariants(self) -> None:
         for t in self.tiers:

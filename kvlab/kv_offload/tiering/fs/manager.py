@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 
-from kvlab.kv_offload.base import LookupResult, Medium, OffloadKey, ReqContext
+from kvlab.kv_offload.base import ConfigInfoMapping, LookupResult, Medium, OffloadKey, ReqContext
 from kvlab.kv_offload.cpu.manager import CPUOffloadingManager
 from kvlab.kv_offload.file_mapper import FileMapper
+from kvlab.kv_offload.stats import OffloadingConnectorStats
 from kvlab.kv_offload.tiering.backpressure import BackpressureDetector
 from kvlab.kv_offload.tiering.fs.io import is_regular_file
 from kvlab.utils.checks import check_int
@@ -53,6 +55,15 @@ class FileSystemTierManager(CPUOffloadingManager):
         """Decides whether a cascade to this tier is sent (None: always); see
         :mod:`kvlab.kv_offload.tiering.backpressure`."""
         return self._bp_detector
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        """The disk tier keeps no metrics of its own (vLLM 0.33's file-system tier neither);
+        its back-pressure is reported by the tiering manager."""
+        return None
+
+    def config_info(self) -> Sequence[ConfigInfoMapping]:
+        """No facts of its own: one empty series (the tiering manager adds its tier label)."""
+        return [{}]
 
     def path_of(self, key: OffloadKey) -> str:
         return self.file_mapper.get_file_name(key)

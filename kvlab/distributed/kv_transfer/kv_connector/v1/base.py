@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvlab.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from kvlab.metrics.kv_connector_stats import KVConnectorStats
     from kvlab.core.sched.output import SchedulerOutput
     from kvlab.outputs import KVConnectorOutput
     from kvlab.request import Request
@@ -172,6 +173,18 @@ class KVConnectorBase_V1(ABC):  # noqa: N801 - vLLM's name
     def request_requeued(self, request: Request) -> None:
         """kvlab: the scheduler gave the request back (a load failed): forget its plan."""
         return
+
+    # -- metrics (vLLM 0.33) ---------------------------------------------------------------
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """This connector's metrics since the last call (reset), or None: the scheduler puts
+        them in its step's stats (``kv_connector_stats``)."""
+        return None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        """The payload object this connector's stats ``data`` stands for (a payload crosses
+        processes as plain data), or None for a connector that keeps no metrics."""
+        return None
 
     def take_events(self) -> Iterable[Any]:
         """vLLM KV-cache events of the tiers this connector owns (``BlockStored`` /

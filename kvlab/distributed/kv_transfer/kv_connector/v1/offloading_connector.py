@@ -30,6 +30,7 @@ from kvlab.kv_offload.cpu.manager import CPUOffloadingManager
 from kvlab.kv_offload.tiering.factory import create_backpressure_detector
 from kvlab.kv_offload.tiering.fs.manager import FileSystemTierManager
 from kvlab.kv_offload.tiering.manager import TieringOffloadingManager
+from kvlab.kv_offload.stats import OffloadingConnectorStats
 from kvlab.utils.checks import check_int
 
 if TYPE_CHECKING:
@@ -165,6 +166,15 @@ class OffloadingConnector(KVConnectorBase_V1):
 
     def request_requeued(self, request: Request) -> None:
         self.scheduler.request_requeued(request)
+
+    def get_kv_connector_stats(self) -> OffloadingConnectorStats | None:
+        """The scheduler half's metrics payload (the worker half reports through its
+        metadata, so it has none of its own)."""
+        return self.connector_scheduler.get_stats() if self.connector_scheduler is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> OffloadingConnectorStats:
+        return OffloadingConnectorStats(data=data) if data is not None else OffloadingConnectorStats()
 
     def take_events(self) -> list[Any]:
         return self.scheduler.take_events()

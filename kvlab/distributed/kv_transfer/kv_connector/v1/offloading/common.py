@@ -49,6 +49,41 @@ class LoadResult:
 
 
 @dataclass(slots=True)
+class DirectionalTransferStats:
+    """Transfers in one direction, as the worker finished them: total bytes and seconds, and
+    each transfer's size (the histogram's samples)."""
+
+    bytes: int = 0
+    time: float = 0.0
+    sizes: list[int | float] = field(default_factory=list)
+
+    def aggregate(self, other: DirectionalTransferStats) -> DirectionalTransferStats:
+        return DirectionalTransferStats(self.bytes + other.bytes, self.time + other.time, [*self.sizes, *other.sizes])
+
+    def record(self, num_bytes: int, time: float) -> None:
+        self.bytes += num_bytes
+        self.time += time
+        self.sizes.append(num_bytes)
+
+    def is_empty(self) -> bool:
+        return self.bytes == 0 and self.time == 0.0 and not self.sizes
+
+
+@dataclass(slots=True)
+class TransferStats:
+    """A step's finished loads (storage -> GPU) and stores (GPU -> CPU) (vLLM 0.33)."""
+
+    load: DirectionalTransferStats = field(default_factory=DirectionalTransferStats)
+    store: DirectionalTransferStats = field(default_factory=DirectionalTransferStats)
+
+    def aggregate(self, other: TransferStats) -> TransferStats:
+        return TransferStats(self.load.aggregate(other.load), self.store.aggregate(other.store))
+
+    def is_empty(self) -> bool:
+        return self.load.is_empty() and self.store.is_empty()
+
+
+@dataclass(slots=True)
 class OffloadingWorkerMetadata:
     """The worker's report for one step (vLLM: ``OffloadingWorkerMetadata``)."""
 
@@ -58,3 +93,4 @@ class OffloadingWorkerMetadata:
     num_loaded_tokens: dict[str, int] = field(default_factory=dict)
     num_stored_tokens: dict[str, int] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)  # req id -> why its load failed
+    transfer_stats: TransferStats = field(default_factory=TransferStats)

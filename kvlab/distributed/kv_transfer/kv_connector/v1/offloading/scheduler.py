@@ -21,6 +21,7 @@ lesson's pictures show stores, loads and which tier served each hit, step by ste
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -32,6 +33,7 @@ from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     StoreJob,
 )
 from kvlab.kv_offload.base import OffloadKey, ReqContext, get_offload_block_hash, make_offload_key
+from kvlab.kv_offload.stats import OffloadingConnectorStats, _ConnectorMetricName, _TransferMetricName
 from kvlab.kv_offload.tiering.manager import StorePlan, TieringOffloadingManager
 
 if TYPE_CHECKING:
@@ -70,6 +72,10 @@ class OffloadingConnectorScheduler:
         self.collect_kv_events = False  # set by bind(): the pool's enable_kv_cache_events
         # Per tier, tokens served by loads (a lesson's and the bench's hit counts).
         self.num_hit_tokens: dict[str, int] = {t.medium: 0 for t in manager.tiers}
+        # vLLM 0.33's metrics payload: the worker's transfers, this half's lookups and failed
+        # allocations, the manager's gauges; the static facts go out with the first one.
+        self._connector_stats = OffloadingConnectorStats()
+        self._info_sent = False
 
     def bind(self, kv_cache_manager: KVCacheManager) -> None:
         groups = kv_cache_manager.kv_cache_groups
@@ -180,7 +186,9 @@ class OffloadingConnectorScheduler:
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         st = self._state(request)
+        lookup_start = time.monotonic()  # observed for the metrics only; nothing decides on it
         media = self.tier_hits(request, num_computed_tokens)
+        self._connector_stats.observe_histogram(_ConnectorMetricName.LOOKUP_SYNC_DELAY, time.monotonic() - lookup_start)
         self._drain()  # a lookup may find a file gone and drop its entry
         self._record_orders()
         st.num_locally_computed_tokens = num_computed_tokens
@@ -264,8 +272,11 @@ class OffloadingConnectorScheduler:
             st.next_stored_block_idx = full
             plan = self.manager.prepare_store(keys, st.req_context)
             self._drain()
-            if plan is None or not plan.keys:
-                continue  # the tiers hold them already, or no unpinned room: a future miss
+            if plan is None:  # no unpinned room: a future miss
+                self._connector_stats.increase_counter(_ConnectorMetricName.ALLOCATION_FAILURE)
+                continue
+            if not plan.keys:
+                continue  # the tiers hold them already
             index = {k: first + i for i, k in enumerate(keys)}
             gpu_ids = [st.block_ids[index[k]] for k in plan.keys]
             store = StoreJob(self._job_id(), rid, gpu_ids, plan)
@@ -305,6 +316,20 @@ class OffloadingConnectorScheduler:
         wm = connector_output.worker_meta
         if not isinstance(wm, OffloadingWorkerMetadata):
             return
+        ts = wm.transfer_stats
+        if not ts.is_empty():
+            transfer = OffloadingConnectorStats()
+            for d, (nbytes, secs, size) in (
+                (ts.load, (_TransferMetricName.LOAD_BYTES, _TransferMetricName.LOAD_TIME, _TransferMetricName.LOAD_SIZE)),
+                (ts.store, (_TransferMetricName.STORE_BYTES, _TransferMetricName.STORE_TIME, _TransferMetricName.STORE_SIZE)),
+            ):
+                if d.is_empty():
+                    continue
+                transfer.increase_counter(nbytes, d.bytes)
+                transfer.increase_counter(secs, d.time)
+                for n in d.sizes:
+                    transfer.observe_histogram(size, n)
+            self._connector_stats.aggregate(transfer)
         for job_id, res in wm.loads.items():
             self._job_build.pop(job_id, None)
             job = self._jobs.pop(job_id, None)
@@ -318,6 +343,22 @@ class OffloadingConnectorScheduler:
                 self.manager.complete_store(job.plan, stored, cascaded, cascade_bytes=wm.cascade_bytes.get(job_id))
         self._drain()
         self._record_orders()
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        """The metrics since the last call (vLLM 0.33): this half's own, then the offload
+        manager's; the manager's static facts (``config_info``) ride on the first payload."""
+        stats: OffloadingConnectorStats | None = None
+        if not self._connector_stats.is_empty():
+            stats, self._connector_stats = self._connector_stats, OffloadingConnectorStats()
+        manager_stats = self.manager.get_stats()
+        if manager_stats is not None:
+            stats = manager_stats if stats is None else stats.aggregate(manager_stats)
+        if not self._info_sent:
+            if stats is None:
+                stats = OffloadingConnectorStats()
+            stats.set_info(self.manager.config_info())
+            self._info_sent = True
+        return stats
 
     def request_finished(self, request: Request) -> None:
         """The tiers commit what the request read and stored (vLLM 0.33: its blocks' recency)."""

@@ -17,6 +17,7 @@ gpu_block)`` before each block moves; whatever it raises is a transfer failure.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Any
@@ -55,6 +56,7 @@ class OffloadingConnectorWorker:
         self._report = OffloadingWorkerMetadata()
         loaded = self._report.num_loaded_tokens
         for job in meta.loads:
+            start = time.perf_counter()  # observed for the metrics only; nothing decides on it
             res = LoadResult(0)
             for gpu_block, item in zip(job.gpu_block_ids, job.items):
                 try:
@@ -74,6 +76,8 @@ class OffloadingConnectorWorker:
                 self._failed_reqs.add(job.req_id)
                 self._report.errors[job.req_id] = res.reason
             self._report.loads[job.job_id] = res
+            if res.num_loaded:
+                self._report.transfer_stats.load.record(res.num_loaded * buf.block_nbytes, time.perf_counter() - start)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set(self._invalid)
@@ -86,6 +90,7 @@ class OffloadingConnectorWorker:
                 self._report.stores[job.job_id] = (False, False, "its request did not compute this step")
                 continue
             plan = job.plan
+            start = time.perf_counter()
             try:
                 for gpu_block, slot, key in zip(job.gpu_block_ids, plan.cpu_slots, plan.keys):
                     if self.before_block_copy is not None:
@@ -95,6 +100,7 @@ class OffloadingConnectorWorker:
                 self._report.stores[job.job_id] = (False, False, f"{type(e).__name__}: {e}")
                 continue
             stored["CPU"] = stored.get("CPU", 0) + len(plan.keys) * meta.block_size
+            self._report.transfer_stats.store.record(len(plan.keys) * buf.block_nbytes, time.perf_counter() - start)
             slot_of = dict(zip(plan.keys, plan.cpu_slots))
             cascaded, err = True, ""
             written: list[str] = []

@@ -1,0 +1,115 @@
+"""The offload metrics (vLLM 0.33): the self-describing ``OffloadingConnectorStats`` payload,
+the CPU tier's ``get_stats`` and ``config_info``, and the connector's
+``get_kv_connector_stats``.
+
+Checked against vLLM 0.33.0's own classes (the unpacked wheel): 300 random sequences of
+counter, gauge, histogram, info, aggregate, reduce and reset calls on both payload classes,
+and 300 random store workloads on both ``CPUOffloadingManager``s with ``get_stats`` compared
+along the way, gave equal payloads throughout. Durations (transfer and lookup seconds) are
+recorded but no test reads them: they depend on the machine.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+from kvlab.kv_offload.base import ReqContext, make_offload_key
+from kvlab.kv_offload.config import OffloadingCacheConfig, OffloadingConfig, OffloadingGroupConfig, OffloadingModelConfig
+from kvlab.kv_offload.cpu.common import CPUOffloadingInfo, CPUOffloadingMetrics
+from kvlab.kv_offload.cpu.manager import CPUOffloadingManager
+from kvlab.metrics.kv_connector_stats import KVConnectorStats
+
+
+def _k(i: int) -> bytes:
+    return make_offload_key(bytes([i]) * 32)
+
+
+def test_counters_add_gauges_keep_the_latest_and_histograms_keep_every_sample() -> None:
+    a, b = OffloadingConnectorStats(), OffloadingConnectorStats()
+    a.increase_counter("c", 2)
+    a.set_gauge("g", 0.5)
+    a.observe_histogram("h", 10, ("1:fs",))
+    b.increase_counter("c", 3)
+    b.set_gauge("g", 0.25)
+    b.observe_histogram("h", 20, ("1:fs",))
+    b.set_info([{"tier": "0:primary"}])
+    assert a.aggregate(b) is a
+    assert a.data == {
+        "types": {"c": "counter", "g": "gauge", "h": "histogram"},
+        "data": {"c": {(): 5}, "g": {(): 0.25}, "h": {("1:fs",): [10, 20]}},
+        "info": [{"tier": "0:primary"}],
+    }
+    assert a.reduce() == {"c": 5, "g": 0.25, "h:('1:fs',)_count": 2, "h:('1:fs',)_sum": 30}
+    a.aggregate(OffloadingConnectorStats(data={"types": {"c": "counter"}, "data": {"c": {(): 1}}, "info": None}))
+    assert (a.data["data"]["c"], a.data["info"]) == ({(): 6}, [{"tier": "0:primary"}])  # a payload without info keeps it
+    info_only = OffloadingConnectorStats()
+    info_only.set_info([{}])
+    assert (OffloadingConnectorStats().is_empty(), info_only.is_empty()) == (True, False)
+
+
+def test_only_offloading_payloads_merge() -> None:
+    with pytest.raises(TypeError, match="can only aggregate an OffloadingConnectorStats, got Other"):
+
+        class Other(KVConnectorStats):
+            def is_empty(self) -> bool:
+                return False
+
+        OffloadingConnectorStats().aggregate(Other())
+
+
+def test_the_cpu_tier_reports_how_full_it_is_and_each_allocation() -> None:
+    m = CPUOffloadingManager(4)
+    ctx = ReqContext("r")
+    m.on_new_request(ctx)
+    out = m.prepare_store([_k(1), _k(2), _k(3)], ctx)
+    assert out is not None
+    s = m.get_stats().data["data"]  # three of four chunks being written
+    assert (s[CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC], s[CPUOffloadingMetrics.CPU_CACHE_WRITE_USAGE_PERC]) == ({(): 0.75}, {(): 0.75})
+    assert (s[CPUOffloadingMetrics.CPU_CACHE_READ_USAGE_PERC], s[CPUOffloadingMetrics.CPU_ALLOCATION_SIZE]) == ({(): 0.0}, {(): [3]})
+    m.complete_store([_k(1), _k(2), _k(3)], ctx)
+    m.prepare_load([_k(1)], ctx)  # one readable chunk pinned; the other two are evictable: not in use
+    s = m.get_stats().data["data"]
+    assert (s[CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC], s[CPUOffloadingMetrics.CPU_CACHE_READ_USAGE_PERC]) == ({(): 0.25}, {(): 0.25})
+    assert CPUOffloadingMetrics.CPU_ALLOCATION_SIZE not in s and CPUOffloadingMetrics.STORES_SKIPPED not in s
+
+
+def test_a_store_threshold_counts_the_stores_it_turned_away() -> None:
+    m = CPUOffloadingManager(4, store_threshold=2)
+    ctx = ReqContext("r")
+    m.on_new_request(ctx)
+    m.prepare_store([_k(1), _k(2)], ctx)  # each offered once: neither admitted yet
+
+    def skipped() -> int:
+        return m.get_stats().data["data"][CPUOffloadingMetrics.STORES_SKIPPED][()]
+
+    assert (skipped(), skipped()) == (2, 0)  # the counter restarts at every call
+    m.prepare_store([_k(3)], ctx)
+    assert skipped() == 1
+
+
+def test_the_cpu_tier_publishes_its_size() -> None:
+    cfg = OffloadingConfig(
+        groups=(OffloadingGroupConfig(16, ("l0",), 0), OffloadingGroupConfig(16, ("l1",), 1, sliding_window_size_in_chunks=2)),
+        worker_kv_bytes_per_block=4096,
+        enable_kv_cache_events=False,
+        extra_config={},
+        engine_id="e",
+        model=OffloadingModelConfig("m", "float16", max_model_len=1024),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=4),
+        parallel=None,  # type: ignore[arg-type]  # not read here
+    )
+    info = CPUOffloadingInfo.from_config(cfg, num_chunks=100, kv_bytes_per_chunk=16384)
+    # a 1,024-token request takes 16 chunks of the full group and 2 of the window group
+    assert CPUOffloadingManager(100, info=info).config_info() == [
+        {"cpu_num_chunks": 100, "cpu_blocks_per_chunk": 4, "cpu_kv_cache_size_bytes": 1638400, "cpu_kv_cache_size_tokens": 5688}
+    ]
+    assert CPUOffloadingInfo(1, 1, 1, None).as_config_info()["cpu_kv_cache_size_tokens"] == "None"
+    assert CPUOffloadingInfo.config_info_keys() == (
+        "cpu_num_chunks",
+        "cpu_blocks_per_chunk",
+        "cpu_kv_cache_size_bytes",
+        "cpu_kv_cache_size_tokens",
+    )
+    with pytest.raises(TypeError, match="info must be None or a CPUOffloadingInfo"):
+        CPUOffloadingManager(4, info={"cpu_num_chunks": 4})  # type: ignore[arg-type]
