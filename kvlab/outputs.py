@@ -28,6 +28,8 @@ class KVConnectorOutput:
 
     finished_sending: set[str] = field(default_factory=set)
     finished_recving: set[str] = field(default_factory=set)
+    # vLLM 0.33: the worker-side connector's metrics payload (a KVConnectorStats), if any.
+    kv_connector_stats: Any = None
     invalid_block_ids: set[int] = field(default_factory=set)
     num_loaded_tokens: dict[str, int] = field(default_factory=dict)
     num_stored_tokens: dict[str, int] = field(default_factory=dict)

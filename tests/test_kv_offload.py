@@ -629,11 +629,14 @@ def test_the_connector_reports_its_transfers_and_the_tiers_facts(tmp_path) -> No
     eng = _engine(tmp_path, executor=runner)
     conn = eng.scheduler.connector
     story = [(r, [t % 90 + 32 for t in p]) for r, p in STORY]
-    payloads = []
+    payloads = []  # per request, its steps' payloads merged (the scheduler takes one each step)
     for rid, p in story[:4]:  # A stores 2 blocks, B 4, C 3; A2 loads A's 2 back from disk
         eng.add_request(Request(rid, p, max_tokens=1))
-        eng.run()
-        payloads.append(conn.get_kv_connector_stats())
+        merged = type(conn).build_kv_connector_stats()
+        while eng.has_unfinished_requests():
+            eng.step()
+            merged.aggregate(eng.scheduler.kv_connector_stats)
+        payloads.append(merged)
     first = payloads[0].data
     assert first["info"] == [{"tier": "0:primary"}, {"tier": "1:fs"}]
     assert (first["data"]["vllm:kv_offload_store_bytes"], first["data"]["vllm:kv_offload_store_size"]) == ({(): 4096}, {(): [4096]})
@@ -648,3 +651,18 @@ def test_the_connector_reports_its_transfers_and_the_tiers_facts(tmp_path) -> No
     assert d["vllm:kv_offload_cpu_allocation_size"] == {(): [4, 3, 1, 1]}
     rebuilt = type(conn).build_kv_connector_stats(total.to_dict())
     assert rebuilt.reduce() == total.reduce()
+
+
+def test_the_schedulers_stats_carry_the_steps_connector_metrics(tmp_path) -> None:
+    """vLLM 0.33's ``SchedulerStats.kv_connector_stats``: the step's payload as plain data --
+    here the first step's, with the tiers' facts and A's two stored blocks."""
+    torch.set_num_threads(1)
+    _, runner = _tiny_runner(6)
+    eng = _engine(tmp_path, executor=runner)
+    assert eng.scheduler.make_stats().kv_connector_stats is None  # no step yet
+    eng.add_request(Request("A", [t % 90 + 32 for t in STORY[0][1]], max_tokens=1))
+    eng.step()
+    data = eng.scheduler.make_stats().kv_connector_stats
+    assert data["info"] == [{"tier": "0:primary"}, {"tier": "1:fs"}]
+    assert data["data"]["vllm:kv_offload_store_bytes"] == {(): 4096}
+    assert build_engine(num_blocks=6, block_size=4).scheduler.make_stats().kv_connector_stats is None  # no connector

@@ -288,9 +288,21 @@ def test_the_connector_builds_the_disk_tiers_detector_and_a_pressured_disk_misse
     assert len(tiers.secondary) == 2  # A's two full blocks reached the disk
     d.on_store_failed()  # one failure is this tier's threshold: pressure
     eng.add_request(Request("B", list(range(200, 217)), max_tokens=1))
-    eng.run()
+    merged = type(eng.scheduler.connector).build_kv_connector_stats()
+    while eng.has_unfinished_requests():
+        eng.step()
+        merged.aggregate(eng.scheduler.kv_connector_stats)
     assert (len(tiers.primary), len(tiers.secondary)) == (6, 2)  # B's 4 blocks: CPU only
-    assert d.policy.pop_stores_dropped() == (1, 4)
+    # the drops reach the step's metrics (which take them from the policy's counters)
+    dropped = merged.data["data"]
+    assert (
+        dropped["vllm:kv_offload_tiering_backpressure_stores_dropped"],
+        dropped["vllm:kv_offload_tiering_backpressure_blocks_dropped"],
+    ) == (
+        {("1:fs",): 1},
+        {("1:fs",): 4},
+    )
+    assert d.policy.pop_stores_dropped() == (0, 0)
 
 
 @pytest.mark.parametrize(

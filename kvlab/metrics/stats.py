@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -121,6 +122,9 @@ class SchedulerStats:
     prefix_cache_hits: int  # cumulative, tokens
     prefix_cache_hit_rate_window: float  # over the last ~1,000 requests
     step: int
+    # vLLM 0.33: the KV connector's metrics of the step, as its payload's plain data (for the
+    # offloading connector: OffloadingConnectorStats.data); None without a connector.
+    kv_connector_stats: dict[str, Any] | None = None
 
     def to_prometheus(self, model_name: str = "kvlab-tiny") -> str:
         """Prometheus text exposition with vLLM's metric names."""

@@ -289,6 +289,8 @@ class Scheduler:
         self.kv_load_failure_policy = kv_load_failure_policy
         # vLLM keeps the connector's hits apart: vllm:external_prefix_cache_queries / _hits.
         self.connector_prefix_cache_stats: PrefixCacheStats | None = PrefixCacheStats() if connector is not None else None
+        # The last step's connector metrics payload (a KVConnectorStats; see _update_from_output).
+        self.kv_connector_stats: Any = None
         self.num_kv_load_failures = 0
         # Requests given back after a failed load compute their prompt: the connector is not
         # asked again (one more failure of the same source would loop forever).
@@ -1029,6 +1031,14 @@ class Scheduler:
                 failed = self._handle_invalid_blocks(
                     kv_connector_output.invalid_block_ids, scheduler_output, finished, kv_connector_output.errors
                 )
+        if self.connector is not None:
+            # The step's connector metrics: the worker's payload, then the scheduler half's
+            # (vLLM 0.33 hands them to make_stats; kvlab keeps the last step's for it).
+            payload = kv_connector_output.kv_connector_stats if kv_connector_output is not None else None
+            mine = self.connector.get_kv_connector_stats()
+            if mine is not None and not mine.is_empty():
+                payload = mine if payload is None else payload.aggregate(mine)
+            self.kv_connector_stats = payload
         for rid, n in scheduler_output.num_scheduled_tokens.items():
             r = self.requests.get(rid)
             if r is None or r.status != RequestStatus.RUNNING or rid in failed:
@@ -1209,6 +1219,7 @@ class Scheduler:
             prefix_cache_hits=self.prefix_cache_hits,
             prefix_cache_hit_rate_window=self.caching_metrics.hit_rate,
             step=self.step_count,
+            kv_connector_stats=None if self.kv_connector_stats is None else self.kv_connector_stats.to_dict(),
         )
 
     def check_invariants(self) -> None:
