@@ -37,8 +37,8 @@ from kvlab.executor.simulated import SimulatedExecutor
 from kvlab.exercises.checks_pool import queue_class_for
 from kvlab import kv_events
 from kvlab.core.kv_cache_metrics import KVCacheMetricsCollector
-from kvlab.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
-from kvlab.request import Request
+from kvlab.kv_cache_interface import ChunkedLocalAttentionSpec, CrossAttentionSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
+from kvlab.request import MultiModalFeature, Request
 from kvlab.timeline import Timeline, replay
 from kvlab.eventlog.events import EventLog
 from kvlab.utils import hashing
@@ -80,6 +80,12 @@ CONFIGS = {
         prefix_match_unit=4,
         kv_events=True,
     ),
+    # Multi-module MTP with lookahead hashes: hashes that lag the tokens, chunks kept out of
+    # the drafter's lookahead, the last tokens not cached yet.
+    "mtp-lookahead": dict(manager_kwargs=dict(num_hash_lookahead_tokens=2, num_prefill_lookahead=2), kv_events=True),
+    # An encoder-decoder model: each request's 10 audio embeddings are encoded with its first
+    # chunk, its cross-attention blocks taken at admission, the encoder slots given back.
+    "encoder-decoder": dict(groups=[FullAttentionSpec(), CrossAttentionSpec()], caching=False, num_blocks=24, audio=10),
     "block-sizes+kv-events": dict(
         groups=[FullAttentionSpec(), SlidingWindowSpec(sliding_window=20, block_size=12)], num_blocks=21, prefix=24, kv_events=True
     ),
@@ -119,6 +125,8 @@ def make_engine(
     prefix: int = 8,
     tail: tuple[int, int] = (3, 14),
     prefix_match_unit: int | None = None,
+    manager_kwargs: dict | None = None,
+    audio: int = 0,
 ) -> tuple[LLMEngine, list[Request]]:
     """A small pool that preempts, with prefix hits: 6 requests, three sharing a ``prefix``-token prefix."""
     log = EventLog()
@@ -133,6 +141,7 @@ def make_engine(
         enable_kv_cache_events=kv_events,
         metrics_collector=KVCacheMetricsCollector(sample_rate=0.5, seed=3) if kv_events else None,
         prefix_match_unit=prefix_match_unit,
+        **(manager_kwargs or {}),
     )
     if hasher is not None:
         mgr.request_block_hasher = hasher
@@ -144,7 +153,8 @@ def make_engine(
     reqs = []
     for i in range(6):
         prompt = ([7] * prefix if i % 2 else []) + [rng.randrange(50) for _ in range(rng.randrange(*tail))]
-        reqs.append(Request(f"r{i}", prompt, max_tokens=rng.randrange(2, 9), priority=i % 3, arrival_time=float(i)))
+        mm = [MultiModalFeature(f"audio-{i}", 0, audio, modality="audio")] if audio else None
+        reqs.append(Request(f"r{i}", prompt, max_tokens=rng.randrange(2, 9), priority=i % 3, arrival_time=float(i), mm_features=mm))
     for r in reqs:
         eng.add_request(r)
     return eng, reqs
