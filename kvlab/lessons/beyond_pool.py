@@ -92,9 +92,32 @@ def vllm_offload_configs(cfg: KVTransferConfig, block_bytes: int, page_bytes: in
 
 def run_one_by_one(engine: LLMEngine, story: Sequence[tuple[str, list[int]]], max_tokens: int = 1) -> None:
     """Each request alone, to the end: the order of the story is the order of events."""
+    run_with_metrics(engine, story, max_tokens)
+
+
+def run_with_metrics(engine: LLMEngine, story: Sequence[tuple[str, list[int]]], max_tokens: int = 1) -> Any:
+    """:func:`run_one_by_one`, returning the KV connector's metrics over the whole story: the
+    payload the scheduler takes each step (``scheduler.kv_connector_stats``), merged as vLLM's
+    metrics logger merges them over an interval -- or None without a connector."""
+    total = None
     for rid, prompt in story:
         engine.add_request(Request(rid, list(prompt), max_tokens=max_tokens))
-        engine.run()
+        while engine.has_unfinished_requests():
+            engine.run(max_steps=1)  # one step, with run()'s check that it made progress
+            step = engine.scheduler.kv_connector_stats
+            if step is not None:
+                total = step if total is None else total.aggregate(step)
+    return total
+
+
+def offload_metric_lines(stats: Any) -> list[str]:
+    """The byte and size metrics of an offloading connector's payload, one line each (vLLM
+    0.33's names; the durations and lookup delays are left out: they depend on the machine)."""
+    lines = []
+    for name, value in sorted(stats.reduce().items()):
+        if name.startswith("vllm:kv_offload_") and not any(w in name for w in ("time", "delay", "perc")):
+            lines.append(f"{name:44} {value:>7,}")
+    return lines
 
 
 def transfer_lines(log: EventLog, request_ids: Sequence[str] | None = None, from_step: int = 0) -> list[str]:
