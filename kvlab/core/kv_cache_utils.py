@@ -487,7 +487,7 @@ class RequestBlockHasher:
         new: list[BlockHash] = []
         if start + bs > num_tokens:
             return new  # most decode steps: no block filled
-        parent = hashes[-1] if hashes else (NONE_HASH if self.hash_fn is _none_hash_fn else none_hash_for(self.hash_fn))
+        parent = self._parent(hashes)
         # Without LoRA or images, only a salted first block has extra keys (vLLM's rule):
         # skip the call for every other block -- unless a custom extra_keys_fn must see all.
         simple = self._default_extra_keys and request.lora_name is None and not request.mm_features and request.prompt_embeds is None
@@ -533,6 +533,10 @@ class RequestBlockHasher:
             append(parent)
         return new
 
+    def _parent(self, hashes: Sequence[BlockHash]) -> BlockHash:
+        """The hash the next block chains to: the last one, or the hash function's NONE_HASH."""
+        return hashes[-1] if hashes else (NONE_HASH if self.hash_fn is _none_hash_fn else none_hash_for(self.hash_fn))
+
     def _lookahead_hashes(self, request: Any) -> list[BlockHash]:
         """The hashes with lookahead: block ``[start, end)`` is hashed once token
         ``end + L - 1`` exists, with extra keys ``(E, *tokens[end:end + L])`` where ``E`` are
@@ -547,7 +551,7 @@ class RequestBlockHasher:
         new: list[BlockHash] = []
         if start + bs > num_tokens:
             return new
-        parent = hashes[-1] if hashes else (NONE_HASH if self.hash_fn is _none_hash_fn else none_hash_for(self.hash_fn))
+        parent = self._parent(hashes)
         all_ids, extra_keys_fn, hash_fn = request.all_token_ids, self.extra_keys_fn, self.hash_fn
         while start + bs <= num_tokens:
             end = start + bs

@@ -856,12 +856,7 @@ class MambaManager(SingleTypeKVCacheManager):
         if self.has_prefill_checkpoint_blocks:  # off by default: no work on the common path
             # The state this chunk may export from inside (keyed on the chunk's end, as the
             # runner computes it); only the admission gate's what-if leaves the record alone.
-            checkpoint_position = mamba_prefill_checkpoint_position(
-                num_tokens_main_model,
-                self.cache_hit_alignment_tokens,
-                self.drop_eagle_checkpoint_block,
-                self.block_pool.num_hash_lookahead_tokens,
-            )
+            checkpoint_position = self._checkpoint_position(num_tokens_main_model, self.cache_hit_alignment_tokens)
             if not self._needs_internal_checkpoint(
                 request_id, total_computed_tokens, num_tokens_main_model, checkpoint_position, prefill_end
             ):
@@ -1032,13 +1027,7 @@ class MambaManager(SingleTypeKVCacheManager):
             and num_tokens == request.shared_prefix_boundary
             and request.num_computed_tokens < num_tokens <= request.num_prompt_tokens
         )
-        if (
-            num_tokens
-            != mamba_prefill_checkpoint_position(
-                request.num_prompt_tokens, hash_block_size, self.drop_eagle_checkpoint_block, self.block_pool.num_hash_lookahead_tokens
-            )
-            and not at_junction
-        ):
+        if num_tokens != self._checkpoint_position(request.num_prompt_tokens, hash_block_size) and not at_junction:
             return None
         block_idx = cdiv(num_tokens, self.block_size) - 1
         blocks = self.req_to_blocks.get(request.request_id, ())
@@ -1052,6 +1041,14 @@ class MambaManager(SingleTypeKVCacheManager):
             self._partial_hit_reqs[request.request_id] = (block_idx, source)
             self.num_cached_block[request.request_id] = block_idx
         return key
+
+    def _checkpoint_position(self, num_tokens: int, alignment: int) -> int:
+        """``mamba_prefill_checkpoint_position`` with this group's EAGLE drop and the pool's
+        lookahead: where a prefill of ``num_tokens`` saves its reusable state, on multiples of
+        ``alignment``."""
+        return mamba_prefill_checkpoint_position(
+            num_tokens, alignment, self.drop_eagle_checkpoint_block, self.block_pool.num_hash_lookahead_tokens
+        )
 
     def _keyed_at(self, block: KVCacheBlock, idx: int, num_tokens: int) -> bool:
         """Whether ``block`` (at table index ``idx``) already has a key for exactly ``num_tokens``
@@ -1067,12 +1064,7 @@ class MambaManager(SingleTypeKVCacheManager):
         blocks = self.req_to_blocks[request.request_id]
         assert 0 <= idx < len(blocks)
         block = blocks[idx]
-        is_prompt_checkpoint = position == mamba_prefill_checkpoint_position(
-            request.num_prompt_tokens,
-            self.cache_hit_alignment_tokens,
-            self.drop_eagle_checkpoint_block,
-            self.block_pool.num_hash_lookahead_tokens,
-        )
+        is_prompt_checkpoint = position == self._checkpoint_position(request.num_prompt_tokens, self.cache_hit_alignment_tokens)
         is_retained = False
         if position % self.block_size == 0:
             b = position // self.block_size - 1

@@ -26,8 +26,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
-
 from kvlab.kv_offload.base import (
     ConfigInfoMapping,
     LookupResult,
@@ -43,10 +41,8 @@ from kvlab.kv_offload.base import (
 from kvlab.kv_offload.cpu.common import CPULoadStoreSpec, CPUOffloadingInfo, CPUOffloadingMetrics
 from kvlab.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus, order_request_keys
 from kvlab.kv_offload.cpu.policies.factory import CachePolicyFactory
+from kvlab.kv_offload.stats import OffloadingConnectorStats
 from kvlab.utils.checks import check_int
-
-if TYPE_CHECKING:
-    from kvlab.kv_offload.stats import OffloadingConnectorStats
 
 
 def _check_key(name: str, key: object) -> None:
@@ -165,8 +161,6 @@ class CPUOffloadingManager(OffloadingManager):
         readable, the size of each store's allocation, and -- with ``store_threshold`` >= 2 --
         the stores turned away for lack of offers. Gauges are snapshots; the allocation sizes
         and the skipped count start again from zero."""
-        from kvlab.kv_offload.stats import OffloadingConnectorStats
-
         stats = OffloadingConnectorStats()
         n = self._num_chunks
         used = self._num_allocated_chunks - len(self._free_list) - self._num_evictable_cache_chunks
