@@ -202,7 +202,8 @@ def test_tiering_cascades_to_disk_and_promotes_through_the_cpu(tmp_path) -> None
 
 
 def test_a_promotion_needs_a_cpu_slot(tmp_path) -> None:
-    t = TieringOffloadingManager(CPUOffloadingManager(1), FileSystemTierManager(4, str(tmp_path)))
+    """... and the tiering metrics count the one that found none (vLLM 0.33's counter)."""
+    t = TieringOffloadingManager(CPUOffloadingManager(1), FileSystemTierManager(4, str(tmp_path)), chunk_size_bytes=64)
     for name in ("a", "b"):
         plan = t.prepare_store([_k(name)])
         for p in plan.cascade_paths:
@@ -210,6 +211,12 @@ def test_a_promotion_needs_a_cpu_slot(tmp_path) -> None:
         t.complete_store(plan)
     t.primary.prepare_load([_k("b")])  # b pinned in the only CPU slot
     assert t.lookup_chain([_k("a")]) == []  # a is on disk, but cannot pass through the CPU
+    d = t.get_stats().data["data"]
+    assert d["vllm:kv_offload_tiering_promotion_allocation_failures"] == {(): 1}
+    assert d["vllm:kv_offload_tiering_write_bytes"] == {("1:fs",): 128}  # two cascades of one 64-byte chunk
+    assert d["vllm:kv_offload_tiering_chunk_queries"] == {("0:primary",): 1, ("1:fs",): 1}
+    with pytest.raises(ValueError, match="chunk_size_bytes must be"):
+        t.chunk_size_bytes = -1
 
 
 def test_tier_files_are_checked_and_name_the_file(tmp_path) -> None:
@@ -469,6 +476,54 @@ def test_a_transfer_that_fails_mid_way_falls_back_and_leaks_nothing(tmp_path, po
     assert eng.metrics["A2"].num_cached_tokens == 4  # the first block loaded fine and stayed cached
 
 
+def test_a_load_that_fails_early_leaves_the_blocks_after_it_unread(tmp_path) -> None:
+    """A2's two blocks come from disk through CPU slots 3 and 2. The first read fails, so
+    the job stops and the second file is never read: its CPU slot must go back unwritten.
+    Were it marked readable, a later load from the CPU tier would copy in the bytes the
+    slot held before -- here, A3 would sample other tokens than without offloading."""
+    torch.set_num_threads(1)
+    _, runner = _tiny_runner(6)
+    eng = _engine(tmp_path, executor=runner)
+    story = [(r, [t % 90 + 32 for t in p]) for r, p in STORY]
+    _run_story(eng, story[:3])
+    worker = eng.executor.kv_connector.worker
+
+    def fail_first(direction, key, gpu_block):
+        if direction == "load":
+            raise OSError("link down")
+
+    worker.before_block_copy = fail_first
+    eng.add_request(Request("A2", story[3][1], max_tokens=3))
+    eng.step()
+    worker.before_block_copy = None
+    load = [e for e in eng.events if isinstance(e, KVTransfer) and e.direction == "load"][-1]
+    assert (load.media, load.chunk_ids) == (["STORAGE", "STORAGE"], [3, 2])
+    cpu, disk = eng.scheduler.connector.manager.primary, eng.scheduler.connector.manager.secondary
+    first, second = (make_offload_key(h) for h in load.block_hashes)
+    assert first not in cpu and second not in cpu  # neither slot holds its block
+    assert first not in disk and second in disk  # the failed file goes, the untried one stays
+    dropped = [(e.medium, e.chunk_ids, e.reason) for e in eng.events if isinstance(e, OffloadEvicted) and e.reason != "lru"]
+    assert dropped == [
+        ("CPU", [3], "OSError: link down"),
+        ("CPU", [2], "promotion not run: its load job stopped before this block"),
+        ("STORAGE", dropped[2][1], "OSError: link down"),
+    ]
+    eng.run()
+    later = [("X", list(range(70, 83))), ("A3", story[0][1] + [60, 61, 62, 63])]
+    for rid, p in later:
+        eng.add_request(Request(rid, p, max_tokens=3))
+        eng.run()
+    a3 = [(e.media, e.block_ids) for e in eng.events if isinstance(e, KVTransfer) and e.request_id == "A3" and e.direction == "load"]
+    assert a3 == [(["CPU"], [3])]  # A3's second block is read back from the CPU tier
+    _, plain_runner = _tiny_runner(6)
+    plain = build_engine(num_blocks=6, block_size=4, max_num_batched_tokens=64, executor=plain_runner)
+    for rid, p in story[:3] + [("A2", story[3][1])] + later:
+        plain.add_request(Request(rid, p, max_tokens=1 if rid in "ABC" else 3))
+        plain.run()
+    assert eng.finished["A3"].output_token_ids == plain.finished["A3"].output_token_ids == [120, 46, 85]
+    eng.scheduler.connector.scheduler.check_invariants()
+
+
 def test_a_failed_store_only_costs_a_future_miss(tmp_path) -> None:
     eng = _engine(tmp_path)
     worker = eng.executor.kv_connector.worker
@@ -523,8 +578,13 @@ def test_a_step_that_never_reports_leaves_no_pin_behind(tmp_path) -> None:
     eng.add_request(Request("A2", A + [109], max_tokens=1))
     out = eng.scheduler.schedule()  # plans A2's load from disk ... and the executor never runs
     assert conn.manager.secondary.pinned() and out.kv_connector_metadata.loads
+    cpu_keys = {k for k, _ in conn.manager.primary.entries()}
     conn.build_connector_meta(out)  # the next step's build: the unreported load is expired
     assert not any(t.pinned() for t in conn.manager.tiers)
+    # ... and the CPU slots A2's blocks were to be read into go back unwritten
+    assert {k for k, _ in conn.manager.primary.entries()} == cpu_keys - {
+        it.key for job in out.kv_connector_metadata.loads for it in job.items
+    }
     conn.check_invariants()
 
 
@@ -651,6 +711,73 @@ def test_the_connector_reports_its_transfers_and_the_tiers_facts(tmp_path) -> No
     assert d["vllm:kv_offload_cpu_allocation_size"] == {(): [4, 3, 1, 1]}
     rebuilt = type(conn).build_kv_connector_stats(total.to_dict())
     assert rebuilt.reduce() == total.reduce()
+
+
+def test_the_tiering_metrics_follow_the_story(tmp_path) -> None:
+    """Per request of the story, the tiering manager's counts (vLLM 0.33's names): A, B and
+    C miss in both tiers at their first block and cascade 2, 4 and 3 blocks of 2,048 bytes
+    to disk; A2 finds both its blocks only on disk (two chunk queries and hits there) and
+    promotes them in one job; C2's next block is in the CPU tier; B2 promotes three."""
+    torch.set_num_threads(1)
+    _, runner = _tiny_runner(6)
+    eng = _engine(tmp_path, executor=runner)
+    conn = eng.scheduler.connector
+    story = [(r, [t % 90 + 32 for t in p]) for r, p in STORY]
+    P, F = ("0:primary",), ("1:fs",)
+    views = {}
+    for rid, p in story:
+        eng.add_request(Request(rid, p, max_tokens=1))
+        merged = type(conn).build_kv_connector_stats()
+        while eng.has_unfinished_requests():
+            eng.step()
+            merged.aggregate(eng.scheduler.kv_connector_stats)
+        d = merged.data["data"]
+        views[rid] = {
+            n.removeprefix("vllm:kv_offload_tiering_"): {lab: (len(v) if isinstance(v, list) else v) for lab, v in s.items()}
+            for n, s in d.items()
+            if n.startswith("vllm:kv_offload_tiering_") and not n.endswith(("_time", "_seconds"))
+        }
+    idle = {
+        "primary_write_usage_perc": {F: 0.0},
+        "primary_read_usage_perc": {F: 0.0},
+        "active_promotion_jobs": {F: 0},
+        "active_cascade_jobs": {F: 0},
+    }
+    assert views == {
+        "A": {**idle, "chunk_queries": {P: 1, F: 1}, "write_bytes": {F: 4096}},
+        "B": {**idle, "chunk_queries": {P: 1, F: 1}, "write_bytes": {F: 8192}},
+        "C": {**idle, "chunk_queries": {P: 1, F: 1}, "write_bytes": {F: 6144}},
+        "A2": {**idle, "chunk_queries": {P: 2, F: 2}, "chunk_hits": {F: 2}, "read_bytes": {F: 4096}},
+        "C2": {**idle, "chunk_queries": {P: 1}, "chunk_hits": {P: 1}, "write_bytes": {F: 2048}},
+        "B2": {**idle, "chunk_queries": {P: 3, F: 3}, "chunk_hits": {F: 3}, "read_bytes": {F: 6144}},
+    }
+
+
+def test_a_promotion_that_fails_part_way_counts_the_blocks_that_made_it(tmp_path) -> None:
+    """A2's promotion of two disk blocks: the second file's read fails, so the job fails
+    with one block read (2,048 bytes counted, one failure). Failing the first read instead
+    leaves nothing read: a failure and no bytes."""
+    torch.set_num_threads(1)
+    story = [(r, [t % 90 + 32 for t in p]) for r, p in STORY]
+    for fail_at, expected in [(2, {"promotion_job_failures": 1, "read_bytes": 2048}), (1, {"promotion_job_failures": 1})]:
+        _, runner = _tiny_runner(6)
+        eng = _engine(tmp_path / str(fail_at), executor=runner)
+        _run_story(eng, story[:3])
+        seen = []
+
+        def fail(direction, key, gpu_block, fail_at=fail_at):
+            if direction == "load":
+                seen.append(key)
+                if len(seen) == fail_at:
+                    raise OSError("link down")
+
+        eng.executor.kv_connector.worker.before_block_copy = fail
+        eng.add_request(Request("A2", story[3][1], max_tokens=1))
+        eng.step()
+        d = eng.scheduler.kv_connector_stats.data["data"]
+        got = {n.removeprefix("vllm:kv_offload_tiering_"): s[("1:fs",)] for n, s in d.items() if n.endswith(("job_failures", "read_bytes"))}
+        assert got == expected
+        assert len(d["vllm:kv_offload_tiering_promotion_latency_seconds"][("1:fs", "failure")]) == 1
 
 
 def test_the_schedulers_stats_carry_the_steps_connector_metrics(tmp_path) -> None:

@@ -113,3 +113,72 @@ def test_the_cpu_tier_publishes_its_size() -> None:
     )
     with pytest.raises(TypeError, match="info must be None or a CPUOffloadingInfo"):
         CPUOffloadingManager(4, info={"cpu_num_chunks": 4})  # type: ignore[arg-type]
+
+
+# -- the tiering manager's metrics ------------------------------------------------------------------
+def _tiering_view(stats) -> dict:
+    """Tiering metrics by short name; a histogram (a duration) by its sample count only."""
+    d = stats.data["data"]
+    return {
+        n.removeprefix("vllm:kv_offload_tiering_"): {lab: (len(v) if isinstance(v, list) else v) for lab, v in series.items()}
+        for n, series in d.items()
+        if n.startswith("vllm:kv_offload_tiering_")
+    }
+
+
+def test_the_tiering_tracker_counts_lookups_once_and_jobs_by_their_keys() -> None:
+    """One request's lookups and two jobs, with the values vLLM 0.33's tracker gave for the
+    same calls: a key counts once per tier until the request is allocated (RETRYs count
+    nothing but start the wait the async delay records); a promotion that failed part-way
+    counts a failure and the bytes of the key that made it; a cascade counts every key."""
+    import numpy as np
+
+    from kvlab.kv_offload.base import LookupResult
+    from kvlab.kv_offload.tiering.base import JobResult, TransferJob
+    from kvlab.kv_offload.tiering.manager import JobMetadata
+    from kvlab.kv_offload.tiering.metrics import TieringMetricsTracker
+
+    a, b, c = b"a" * 8, b"b" * 8, b"c" * 8
+    P, F = ("0:primary",), ("1:fs",)
+    t = TieringMetricsTracker(["fs"], 8, 2048)
+    r = ReqContext("r1")
+    t.on_new_request(r)
+    for key, lab, res in [(a, P, "MISS"), (a, F, "RETRY"), (a, F, "RETRY"), (a, F, "HIT"), (a, P, "MISS"), (b, P, "HIT")]:
+        t.on_lookup(r, key, lab, LookupResult[res], 0.001)
+    t.on_request_allocated(r)
+    t.on_lookup(r, c, P, LookupResult.MISS, 0.001)  # allocated: not counted
+    promotion = JobMetadata(TransferJob(1, [a, b], np.array([2, 5]), True, r), 0)
+    t.on_job_registered(promotion)
+    assert _tiering_view(t.take_stats()) == {
+        "primary_write_usage_perc": {F: 0.25},
+        "primary_read_usage_perc": {F: 0.0},
+        "active_promotion_jobs": {F: 1},
+        "active_cascade_jobs": {F: 0},
+        "chunk_queries": {P: 2, F: 1},
+        "lookup_sync_delay_seconds": {P: 2, F: 1},
+        "chunk_hits": {F: 1, P: 1},
+        "lookup_async_delay_seconds": {F: 1},
+    }
+    t.on_job_finished(promotion, JobResult(1, False, [a]))
+    cascade = JobMetadata(TransferJob(2, [a, b, c], np.array([2, 5, 6]), False, r), 0)
+    t.on_job_registered(cascade)
+    t.on_job_finished(cascade, JobResult(2, True, None, 0.5, 999))
+    t.on_promotion_allocation_failure()
+    idle = {
+        "primary_write_usage_perc": {F: 0.0},
+        "primary_read_usage_perc": {F: 0.0},
+        "active_promotion_jobs": {F: 0},
+        "active_cascade_jobs": {F: 0},
+    }
+    assert _tiering_view(t.take_stats()) == {
+        **idle,
+        "promotion_job_failures": {F: 1},
+        "read_bytes": {F: 2048},
+        "promotion_latency_seconds": {(*F, "failure"): 1},
+        "write_bytes": {F: 6144},
+        "write_time": {F: 0.5},
+        "promotion_allocation_failures": {(): 1},
+    }
+    assert _tiering_view(t.take_stats()) == idle  # the gauges stay; the counts were taken
+    with pytest.raises(AssertionError, match="never registered"):
+        t.on_job_finished(cascade, JobResult(2, True))

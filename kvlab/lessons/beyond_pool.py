@@ -111,12 +111,18 @@ def run_with_metrics(engine: LLMEngine, story: Sequence[tuple[str, list[int]]], 
 
 
 def offload_metric_lines(stats: Any) -> list[str]:
-    """The byte and size metrics of an offloading connector's payload, one line each (vLLM
-    0.33's names; the durations and lookup delays are left out: they depend on the machine)."""
+    """The byte, size and count metrics of an offloading connector's payload, one line each
+    (vLLM 0.33's names). Left out: durations, lookup delays and latencies (they depend on the
+    machine), usage shares, and the tiering manager's in-flight job gauges (kvlab's jobs finish
+    within their step, so those read 0 at every report)."""
     lines = []
     for name, value in sorted(stats.reduce().items()):
-        if name.startswith("vllm:kv_offload_") and not any(w in name for w in ("time", "delay", "perc")):
-            lines.append(f"{name:44} {value:>7,}")
+        if name.startswith("vllm:kv_offload_") and not any(w in name for w in ("time", "delay", "perc", "latency", "_active_")):
+            # a tier-labelled series reduces to "name:('1:fs',)"; print it as Prometheus does
+            metric, _, label = name.partition(":('")
+            tier = label.removesuffix("',)")
+            shown = f'{metric}{{tier="{tier}"}}' if label else name
+            lines.append(f"{shown:62} {value:>7,}")
     return lines
 
 

@@ -12,31 +12,45 @@ vLLM's rules, which kvlab follows:
    load completes; a block being written is not readable until the store completes.
 
 vLLM promotes asynchronously (a lookup answers "retry later" while the file is read);
-kvlab's worker reads the file in the same step, before the GPU copy.
+kvlab's worker reads the file in the same step, before the GPU copy. Either way each
+promotion and each cascade is a job (:class:`~kvlab.kv_offload.tiering.base.TransferJob`),
+and the manager counts lookups and jobs under vLLM 0.33's metric names
+(:mod:`kvlab.kv_offload.tiering.metrics`).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
-from kvlab.kv_offload.base import ConfigInfoMapping, LookupResult, Medium, OffloadingEvent, OffloadKey, ReqContext
-from kvlab.kv_offload.cpu.manager import CPUOffloadingManager, _check_keys
+import numpy as np
+
+from kvlab.kv_offload.base import (
+    ConfigInfoMapping,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadKey,
+    ReqContext,
+    ScheduleEndContext,
+)
+from kvlab.kv_offload.cpu.manager import CPUOffloadingManager, _check_keys, _context
 from kvlab.kv_offload.stats import OffloadingConnectorStats
+from kvlab.kv_offload.tiering.base import TIER_LABEL, JobId, JobResult, TieringOffloadingMetrics, TransferJob
 from kvlab.kv_offload.tiering.fs.manager import FileSystemTierManager
+from kvlab.kv_offload.tiering.metrics import PRIMARY_TIER_LABEL, TieringMetricsTracker
+from kvlab.utils.checks import check_int
 
 CPU, STORAGE = Medium.CPU.value, Medium.STORAGE.value
-TIER_LABEL = "tier"
-PRIMARY_TIER_LABEL = ("0:primary",)
+
+__all__ = ["TIER_LABEL", "PRIMARY_TIER_LABEL", "LoadItem", "StorePlan", "TieringOffloadingManager", "TieringOffloadingMetrics"]
 
 
-class TieringOffloadingMetrics:
-    """The tiering manager's metric names that kvlab reports (vLLM 0.33 has more: per-tier
-    read and write bytes, promotion and cascade jobs, which its asynchronous tiers record)."""
-
-    BACKPRESSURE_STORE_LATENCY_EMA = "vllm:kv_offload_tiering_backpressure_store_latency_ema"
-    BACKPRESSURE_STORES_DROPPED = "vllm:kv_offload_tiering_backpressure_stores_dropped"
-    BACKPRESSURE_BLOCKS_DROPPED = "vllm:kv_offload_tiering_backpressure_blocks_dropped"
+class JobMetadata(NamedTuple):
+    transfer_job: TransferJob
+    tier_idx: int
 
 
 @dataclass(slots=True)
@@ -48,6 +62,8 @@ class LoadItem:
     medium: str
     cpu_slot: int
     path: str | None = None
+    #: The promotion job a STORAGE block belongs to (one per ``prepare_load`` call).
+    job_id: JobId | None = None
 
 
 @dataclass(slots=True)
@@ -70,13 +86,38 @@ class StorePlan:
 class TieringOffloadingManager:
     """The books of all tiers together, as the offloading connector sees them."""
 
-    def __init__(self, primary: CPUOffloadingManager, secondary: FileSystemTierManager | None = None) -> None:
+    def __init__(self, primary: CPUOffloadingManager, secondary: FileSystemTierManager | None = None, *, chunk_size_bytes: int = 0) -> None:
         if not isinstance(primary, CPUOffloadingManager):
             raise TypeError(f"primary must be a CPUOffloadingManager, got {type(primary).__name__}")
         if secondary is not None and not isinstance(secondary, FileSystemTierManager):
             raise TypeError(f"secondary must be None or a FileSystemTierManager, got {type(secondary).__name__}")
         self.primary = primary
         self.secondary = secondary
+        self._metrics = TieringMetricsTracker(
+            [secondary.tier_type] if secondary is not None else [], primary.num_blocks, check_int("chunk_size_bytes", chunk_size_bytes, 0)
+        )
+        self._next_job_id: JobId = 0
+        self._promotions: dict[JobId, JobMetadata] = {}  # registered, not finished
+        self._req_contexts: dict[str, ReqContext] = {}
+
+    @property
+    def chunk_size_bytes(self) -> int:
+        """Bytes of one CPU chunk, which the read and write byte counts are made of (0 until
+        known: kvlab's connector sets it from the worker's first report)."""
+        return self._metrics.primary_chunk_size
+
+    @chunk_size_bytes.setter
+    def chunk_size_bytes(self, value: int) -> None:
+        self._metrics.primary_chunk_size = check_int("chunk_size_bytes", value, 0)
+
+    def _new_job(
+        self, keys: Sequence[OffloadKey], chunk_ids: Sequence[int], is_promotion: bool, req_context: ReqContext | None
+    ) -> JobMetadata:
+        self._next_job_id += 1
+        job = TransferJob(self._next_job_id, list(keys), np.array(chunk_ids, dtype=np.int64), is_promotion, _context(req_context))
+        meta = JobMetadata(job, 0)
+        self._metrics.on_job_registered(meta)
+        return meta
 
     @property
     def tiers(self) -> list[CPUOffloadingManager | FileSystemTierManager]:
@@ -84,11 +125,17 @@ class TieringOffloadingManager:
 
     # -- lookups ----------------------------------------------------------------------------------
     def where(self, key: OffloadKey, req_context: ReqContext | None = None) -> str | None:
-        """The tier a load of ``key`` would be served from now (CPU first), or None."""
-        if self.primary.lookup(key, req_context) is LookupResult.HIT:
-            return CPU
-        if self.secondary is not None and self.secondary.lookup(key, req_context) is LookupResult.HIT:
-            return STORAGE
+        """The tier a load of ``key`` would be served from now (CPU first), or None. Each
+        tier asked counts a chunk query in the metrics (once per request and key)."""
+        ctx = _context(req_context)
+        for i, (tier, label) in enumerate(((self.primary, PRIMARY_TIER_LABEL), (self.secondary, None))):
+            if tier is None:
+                break
+            start = time.monotonic()  # observed for the metrics only; nothing decides on it
+            result = tier.lookup(key, req_context)
+            self._metrics.on_lookup(ctx, key, label or self._metrics.tier_label(i - 1), result, time.monotonic() - start)
+            if result is LookupResult.HIT:
+                return CPU if i == 0 else STORAGE
         return None
 
     def lookup_chain(self, keys: Sequence[OffloadKey], req_context: ReqContext | None = None) -> list[str]:
@@ -114,6 +161,7 @@ class TieringOffloadingManager:
                 if m == STORAGE:
                     seen += 1
                     if seen > room:
+                        self._metrics.on_promotion_allocation_failure()
                         return media[:i]
         return media
 
@@ -148,6 +196,7 @@ class TieringOffloadingManager:
             )
         items = []
         protected = set(keys)
+        promotion: list[LoadItem] = []
         for key, m in zip(keys, media):
             if m == CPU:
                 (slot,) = self.primary.prepare_load([key], req_context).block_ids.tolist()
@@ -158,8 +207,14 @@ class TieringOffloadingManager:
                 if out is None or not out.slots:
                     raise RuntimeError("prepare_load: no CPU slot to promote a storage block through (lookup_chain caps this)")
                 items.append(LoadItem(key, STORAGE, out.slots[0], self.secondary.path_of(key)))
+                promotion.append(items[-1])
             else:
                 raise ValueError(f"prepare_load: medium {m!r} is not one of this manager's tiers")
+        if promotion:  # one promotion job for the call's storage blocks (vLLM: one per request and step)
+            meta = self._new_job([it.key for it in promotion], [it.cpu_slot for it in promotion], True, req_context)
+            self._promotions[meta.transfer_job.job_id] = meta
+            for it in promotion:
+                it.job_id = meta.transfer_job.job_id
         return items
 
     def complete_load(
@@ -168,10 +223,28 @@ class TieringOffloadingManager:
         failed: Iterable[OffloadKey] = (),
         reason: str = "load failed",
         req_context: ReqContext | None = None,
+        loaded: Iterable[OffloadKey] | None = None,
+        transfer_time: float | None = None,
     ) -> None:
         """Unpin; a promoted block becomes a readable CPU entry. ``failed`` blocks did not
-        load: they leave the tier that served them (and the CPU slot reserved for them)."""
+        load: they leave the tier that served them (and the CPU slot reserved for them).
+
+        ``loaded``: the blocks whose transfer finished (None: every block not in
+        ``failed``). A block in neither was never tried -- the job stopped at an earlier
+        failure, or its step never ran: it stays where it was, and a storage block's CPU
+        slot is given back unwritten. (Marking that slot readable would serve whatever
+        bytes it held before to the next load from the CPU tier.) ``transfer_time``: the
+        seconds the promotion's file reads took (metrics only)."""
+        items = list(items)
         bad = set(failed)
+        done = {it.key for it in items} - bad if loaded is None else set(loaded) - bad
+        for job_id in dict.fromkeys(it.job_id for it in items if it.medium == STORAGE and it.job_id is not None):
+            meta = self._promotions.pop(job_id, None)
+            if meta is None:
+                continue
+            ok = [k for k in meta.transfer_job.keys if k in done]
+            success = len(ok) == len(meta.transfer_job.keys)
+            self._metrics.on_job_finished(meta, JobResult(job_id, success, None if success else ok, transfer_time))
         for it in items:
             if it.medium == CPU:
                 self.primary.complete_load([it.key], req_context)
@@ -180,7 +253,8 @@ class TieringOffloadingManager:
             else:
                 assert self.secondary is not None
                 self.secondary.complete_load([it.key], req_context)
-                self.primary.complete_store([it.key], req_context, success=it.key not in bad, reason=reason)
+                why = reason if it.key in bad else "promotion not run: its load job stopped before this block"
+                self.primary.complete_store([it.key], req_context, success=it.key in done, reason=why)
                 if it.key in bad:
                     self.secondary.remove([it.key], reason)
 
@@ -219,12 +293,19 @@ class TieringOffloadingManager:
         cascade_success: bool = True,
         req_context: ReqContext | None = None,
         cascade_bytes: int | None = None,
+        cascade_time: float | None = None,
     ) -> None:
         """The worker ran ``plan``: ``success`` for the GPU -> CPU copy, ``cascade_success``
         for the files, which held ``cascade_bytes`` bytes. A cascade that ran feeds the
         storage tier's back-pressure detector (its time since submission, or a failure); one
         that never ran (the copy before it failed, or its step was undone) tells it nothing."""
         self.primary.complete_store(plan.keys, req_context, success)
+        if self.secondary is not None and success and plan.keys and not plan.cascade_dropped:
+            # vLLM's cascade job covers every key the CPU tier just stored (the tier skips
+            # those it has), and it exists only once the GPU -> CPU copy landed.
+            meta = self._new_job(plan.keys, plan.cpu_slots, False, req_context)
+            result = JobResult(meta.transfer_job.job_id, cascade_success, transfer_time=cascade_time, transfer_bytes=cascade_bytes)
+            self._metrics.on_job_finished(meta, result)
         if self.secondary is not None and plan.cascade_keys:
             self.secondary.complete_store(plan.cascade_keys, req_context, success and cascade_success)
             detector = self.secondary.bp_detector
@@ -245,42 +326,43 @@ class TieringOffloadingManager:
     def on_new_request(self, req_context: ReqContext) -> None:
         for t in self.tiers:
             t.on_new_request(req_context)
+        self._req_contexts[req_context.req_id] = req_context
+        self._metrics.on_new_request(req_context)
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         """Every tier commits what the request read and stored (its recency, vLLM 0.33)."""
         for t in self.tiers:
             t.on_request_finished(req_context)
+        self._req_contexts.pop(req_context.req_id, None)
+        self._metrics.on_request_finished(req_context)
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        """The step's last word: requests allocated in it stop counting lookups (a request
+        looked up again while it waits counts each block once, vLLM 0.33)."""
+        for req_id in context.new_req_ids:
+            ctx = self._req_contexts.get(req_id)
+            if ctx is not None:
+                self._metrics.on_request_allocated(ctx)
 
     def take_events(self) -> list[OffloadingEvent]:
         return [e for t in self.tiers for e in t.take_events()]
 
     def tier_label(self, tier_idx: int) -> tuple[str]:
         """A secondary tier's label value: its position after the primary and its type."""
-        return (f"{tier_idx + 1}:{FileSystemTierManager.tier_type}",)
+        return self._metrics.tier_label(tier_idx)
 
     def get_stats(self) -> OffloadingConnectorStats | None:
-        """The CPU tier's metrics, then each disk tier's back-pressure (labelled by tier): the
-        detector's average seconds per MiB, and the stores and blocks its policy dropped since
-        the last call (vLLM 0.33's ``get_stats``; None when there is nothing to say)."""
+        """The metrics since the last call (vLLM 0.33's ``get_stats``; None when there is
+        nothing to say): the CPU tier's own, then the tiering metrics -- each secondary
+        tier's job gauges, back-pressure, lookups and finished jobs, labelled by tier."""
         stats = self.primary.get_stats()
         if stats is not None and stats.is_empty():
             stats = None
-        bp = OffloadingConnectorStats()
-        for i, tier in enumerate([self.secondary] if self.secondary is not None else []):
-            detector = tier.bp_detector
-            if detector is None:
-                continue
-            label = self.tier_label(i)
-            ema = detector.stats.get("store_latency_ema")
-            if ema is not None:
-                bp.set_gauge(TieringOffloadingMetrics.BACKPRESSURE_STORE_LATENCY_EMA, ema, labelvalues=label)
-            stores_dropped, blocks_dropped = detector.policy.pop_stores_dropped()
-            if stores_dropped > 0:
-                bp.increase_counter(TieringOffloadingMetrics.BACKPRESSURE_STORES_DROPPED, stores_dropped, labelvalues=label)
-            if blocks_dropped > 0:
-                bp.increase_counter(TieringOffloadingMetrics.BACKPRESSURE_BLOCKS_DROPPED, blocks_dropped, labelvalues=label)
-        if not bp.is_empty():
-            stats = bp if stats is None else stats.aggregate(bp)
+        tiers = [self.secondary] if self.secondary is not None else []
+        self._metrics.record_backpressure(tiers)
+        tiering = self._metrics.take_stats()
+        if tiering is not None:
+            stats = tiering if stats is None else stats.aggregate(tiering)
         return stats
 
     def config_info(self) -> list[ConfigInfoMapping]:

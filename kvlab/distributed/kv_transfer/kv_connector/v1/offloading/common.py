@@ -46,6 +46,7 @@ class LoadResult:
     num_loaded: int
     failed_key: OffloadKey | None = None
     reason: str = ""
+    read_time: float | None = None  # seconds its storage blocks' file reads took (None: it read none)
 
 
 @dataclass(slots=True)
@@ -90,6 +91,8 @@ class OffloadingWorkerMetadata:
     loads: dict[int, LoadResult] = field(default_factory=dict)
     stores: dict[int, tuple[bool, bool, str]] = field(default_factory=dict)  # job id -> (stored, cascaded, error)
     cascade_bytes: dict[int, int] = field(default_factory=dict)  # job id -> bytes its cascade wrote to files
+    cascade_time: dict[int, float] = field(default_factory=dict)  # job id -> seconds its cascade took
+    block_nbytes: int = 0  # bytes of one block in host memory (the scheduler half has no tensors)
     num_loaded_tokens: dict[str, int] = field(default_factory=dict)
     num_stored_tokens: dict[str, int] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)  # req id -> why its load failed

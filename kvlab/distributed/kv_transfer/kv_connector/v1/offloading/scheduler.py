@@ -32,7 +32,7 @@ from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingWorkerMetadata,
     StoreJob,
 )
-from kvlab.kv_offload.base import OffloadKey, ReqContext, get_offload_block_hash, make_offload_key
+from kvlab.kv_offload.base import OffloadKey, ReqContext, ScheduleEndContext, get_offload_block_hash, make_offload_key
 from kvlab.kv_offload.stats import OffloadingConnectorStats, _ConnectorMetricName, _TransferMetricName
 from kvlab.kv_offload.tiering.manager import StorePlan, TieringOffloadingManager
 
@@ -235,7 +235,7 @@ class OffloadingConnectorScheduler:
             job = self._jobs.pop(job_id, None)
             del self._job_build[job_id]
             if isinstance(job, LoadJob):
-                self.manager.complete_load(job.items)
+                self.manager.complete_load(job.items, loaded=())  # none ran: no promoted slot holds its block
             elif isinstance(job, StoreJob):
                 self.manager.complete_store(job.plan, success=False)
         self._drain()
@@ -285,6 +285,8 @@ class OffloadingConnectorScheduler:
             meta.stores.append(store)
             self._emit_store(rid, gpu_ids, plan)
         self._record_orders()
+        new_req_ids = [nr.req_id for nr in scheduler_output.scheduled_new_reqs]
+        self.manager.on_schedule_end(ScheduleEndContext(new_req_ids, sorted(scheduler_output.preempted_req_ids)))
         return meta
 
     def _emit_store(self, rid: str, gpu_ids: list[int], plan: StorePlan) -> None:
@@ -316,6 +318,8 @@ class OffloadingConnectorScheduler:
         wm = connector_output.worker_meta
         if not isinstance(wm, OffloadingWorkerMetadata):
             return
+        if wm.block_nbytes and not self.manager.chunk_size_bytes:
+            self.manager.chunk_size_bytes = wm.block_nbytes  # one chunk is one block here
         ts = wm.transfer_stats
         if not ts.is_empty():
             transfer = OffloadingConnectorStats()
@@ -335,12 +339,17 @@ class OffloadingConnectorScheduler:
             job = self._jobs.pop(job_id, None)
             if isinstance(job, LoadJob):
                 failed = [res.failed_key] if res.failed_key is not None else []
-                self.manager.complete_load(job.items, failed, reason=res.reason or "load failed")
+                loaded = [it.key for it in job.items[: res.num_loaded]]
+                self.manager.complete_load(
+                    job.items, failed, reason=res.reason or "load failed", loaded=loaded, transfer_time=res.read_time
+                )
         for job_id, (stored, cascaded, _err) in wm.stores.items():
             self._job_build.pop(job_id, None)
             job = self._jobs.pop(job_id, None)
             if isinstance(job, StoreJob):
-                self.manager.complete_store(job.plan, stored, cascaded, cascade_bytes=wm.cascade_bytes.get(job_id))
+                self.manager.complete_store(
+                    job.plan, stored, cascaded, cascade_bytes=wm.cascade_bytes.get(job_id), cascade_time=wm.cascade_time.get(job_id)
+                )
         self._drain()
         self._record_orders()
 

@@ -53,7 +53,7 @@ class OffloadingConnectorWorker:
     def start_load_kv(self, meta: OffloadingConnectorMetadata) -> None:
         buf = self._buf()
         self._invalid, self._failed_reqs = set(), set()
-        self._report = OffloadingWorkerMetadata()
+        self._report = OffloadingWorkerMetadata(block_nbytes=buf.block_nbytes)
         loaded = self._report.num_loaded_tokens
         for job in meta.loads:
             start = time.perf_counter()  # observed for the metrics only; nothing decides on it
@@ -63,7 +63,11 @@ class OffloadingConnectorWorker:
                     if self.before_block_copy is not None:
                         self.before_block_copy("load", item.key, gpu_block)
                     if item.path:  # a storage block: file -> its CPU slot first (checked)
-                        buf.put_slot_bytes(item.cpu_slot, read_block_file(item.path, item.key, buf.block_nbytes))
+                        t0 = time.perf_counter()
+                        try:
+                            buf.put_slot_bytes(item.cpu_slot, read_block_file(item.path, item.key, buf.block_nbytes))
+                        finally:
+                            res.read_time = (res.read_time or 0.0) + time.perf_counter() - t0
                     buf.load(item.cpu_slot, gpu_block)
                 except Exception as e:  # noqa: BLE001 - any failure of a transfer is reported, not raised
                     res.failed_key = item.key
@@ -105,6 +109,7 @@ class OffloadingConnectorWorker:
             cascaded, err = True, ""
             written: list[str] = []
             num_bytes = 0
+            t0 = time.perf_counter()
             try:
                 for key, path in zip(plan.cascade_keys, plan.cascade_paths):
                     if self.before_block_copy is not None:
@@ -122,6 +127,7 @@ class OffloadingConnectorWorker:
             if cascaded and plan.cascade_keys:
                 stored["STORAGE"] = stored.get("STORAGE", 0) + len(plan.cascade_keys) * meta.block_size
                 self._report.cascade_bytes[job.job_id] = num_bytes
+                self._report.cascade_time[job.job_id] = time.perf_counter() - t0
             self._report.stores[job.job_id] = (True, cascaded, err)
 
     def build_connector_worker_meta(self) -> OffloadingWorkerMetadata:
