@@ -698,7 +698,9 @@ def test_the_connector_reports_its_transfers_and_the_tiers_facts(tmp_path) -> No
             merged.aggregate(eng.scheduler.kv_connector_stats)
         payloads.append(merged)
     first = payloads[0].data
-    assert first["info"] == [{"tier": "0:primary"}, {"tier": "1:fs"}]
+    # the CPU tier's facts, once the worker's first report gave a block's bytes: 5 x 2,048
+    cpu_info = {"cpu_num_chunks": 5, "cpu_blocks_per_chunk": 1, "cpu_kv_cache_size_bytes": 10240, "cpu_kv_cache_size_tokens": "None"}
+    assert first["info"] == [{**cpu_info, "tier": "0:primary"}, {"tier": "1:fs"}]
     assert (first["data"]["vllm:kv_offload_store_bytes"], first["data"]["vllm:kv_offload_store_size"]) == ({(): 4096}, {(): [4096]})
     total = payloads[1]
     for p in payloads[2:]:
@@ -790,6 +792,7 @@ def test_the_schedulers_stats_carry_the_steps_connector_metrics(tmp_path) -> Non
     eng.add_request(Request("A", [t % 90 + 32 for t in STORY[0][1]], max_tokens=1))
     eng.step()
     data = eng.scheduler.make_stats().kv_connector_stats
-    assert data["info"] == [{"tier": "0:primary"}, {"tier": "1:fs"}]
+    assert [i["tier"] for i in data["info"]] == ["0:primary", "1:fs"]
+    assert data["info"][0]["cpu_kv_cache_size_bytes"] == 10240
     assert data["data"]["vllm:kv_offload_store_bytes"] == {(): 4096}
     assert build_engine(num_blocks=6, block_size=4).scheduler.make_stats().kv_connector_stats is None  # no connector

@@ -130,9 +130,8 @@ class CPUOffloadingManager(OffloadingManager):
         info: CPUOffloadingInfo | None = None,
     ) -> None:
         self._num_chunks = check_int("num_chunks", num_chunks, 1)
-        if info is not None and not isinstance(info, CPUOffloadingInfo):
-            raise TypeError(f"info must be None or a CPUOffloadingInfo, got {type(info).__name__}")
-        self._config_info: ConfigInfoMapping = info.as_config_info() if info is not None else {}
+        self._config_info: ConfigInfoMapping = {}
+        self.set_info(info)
         if not isinstance(cache_policy, str):
             raise TypeError(f"cache_policy must be a policy name (str), got {type(cache_policy).__name__}")
         self.store_threshold = check_int("store_threshold", store_threshold, 0)
@@ -154,6 +153,14 @@ class CPUOffloadingManager(OffloadingManager):
     def config_info(self) -> Sequence[ConfigInfoMapping]:
         """The facts of the one cache this manager holds (empty when built without ``info``)."""
         return [self._config_info]
+
+    def set_info(self, info: CPUOffloadingInfo | None) -> None:
+        """The facts ``config_info`` publishes. vLLM passes them at construction, from the
+        offloading spec; kvlab's connector builds this tier before any tensor exists and
+        sets them once the worker's first report says how many bytes a block takes."""
+        if info is not None and not isinstance(info, CPUOffloadingInfo):
+            raise TypeError(f"info must be None or a CPUOffloadingInfo, got {type(info).__name__}")
+        self._config_info = info.as_config_info() if info is not None else {}
 
     def get_stats(self) -> OffloadingConnectorStats | None:
         """This tier's metrics since the last call (vLLM 0.33's names): how full it is (chunks

@@ -32,6 +32,7 @@ from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingWorkerMetadata,
     StoreJob,
 )
+from kvlab.kv_offload.cpu.common import CPUOffloadingInfo
 from kvlab.kv_offload.base import OffloadKey, ReqContext, ScheduleEndContext, get_offload_block_hash, make_offload_key
 from kvlab.kv_offload.stats import OffloadingConnectorStats, _ConnectorMetricName, _TransferMetricName
 from kvlab.kv_offload.tiering.manager import StorePlan, TieringOffloadingManager
@@ -320,6 +321,10 @@ class OffloadingConnectorScheduler:
             return
         if wm.block_nbytes and not self.manager.chunk_size_bytes:
             self.manager.chunk_size_bytes = wm.block_nbytes  # one chunk is one block here
+            cpu = self.manager.primary
+            # The CPU tier's facts, for the first metrics payload: its size in bytes. (The
+            # tokens it holds at max_model_len stay unknown: the connector is not told it.)
+            cpu.set_info(CPUOffloadingInfo(cpu.num_blocks, 1, cpu.num_blocks * wm.block_nbytes, None))
         ts = wm.transfer_stats
         if not ts.is_empty():
             transfer = OffloadingConnectorStats()
