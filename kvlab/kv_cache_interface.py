@@ -147,6 +147,42 @@ class MLAAttentionSpec(FullAttentionSpec):
 
 
 @dataclass(frozen=True, kw_only=True)
+class SinkFullAttentionSpec(FullAttentionSpec):
+    """Full attention with static attention sinks (vLLM 0.33; openPangu's layers): every
+    query also attends to ``sink_len`` learned keys and values that belong to no token. The
+    model writes them once into blocks of their own, so ``sink_len`` must fill whole blocks
+    (vLLM's manager checks it). To the block manager the group is full attention: the same
+    blocks, hits and frees."""
+
+    sink_len: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_int(self, "sink_len", 1, allow_none=True)
+        super().__post_init__()
+
+    @property
+    def type_name(self) -> str:
+        return "sink_full"
+
+
+@dataclass(frozen=True, kw_only=True)
+class CircularBufferSpec(AttentionSpec):
+    """A per-request ring of ``block_size`` rows (vLLM 0.33; DeepSeek's KV compressor, GLM's
+    indexer tail): the raw keys of the token group still being compressed. It occupies one
+    block per request for the request's whole life, whatever its length, and is scratch --
+    never shared, never a prefix hit, so its block size need not divide the hash block size
+    (it still enters the scheduler block size, the LCM of every group's)."""
+
+    @property
+    def type_name(self) -> str:
+        return "circular_buffer"
+
+    @property
+    def prefix_cacheable(self) -> bool:
+        return False
+
+
+@dataclass(frozen=True, kw_only=True)
 class RSWASpec(FullAttentionSpec):
     """Reference sliding window attention (vLLM 0.33's R-SWA): the prompt -- say an image and
     its question -- stays visible to every later token, and of the generated tokens only the
@@ -309,6 +345,8 @@ class MambaSpec(KVCacheSpec):
 KV_CACHE_SPEC_TYPES: tuple[type[KVCacheSpec], ...] = (
     FullAttentionSpec,
     MLAAttentionSpec,
+    SinkFullAttentionSpec,
+    CircularBufferSpec,
     RSWASpec,
     SlidingWindowSpec,
     ChunkedLocalAttentionSpec,
@@ -433,6 +471,8 @@ __all__ = [
     "FullAttentionSpec",
     "MLAAttentionSpec",
     "RSWASpec",
+    "SinkFullAttentionSpec",
+    "CircularBufferSpec",
     "SlidingWindowSpec",
     "ChunkedLocalAttentionSpec",
     "MambaSpec",

@@ -420,7 +420,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         for m in self.single_type_managers:
-            if m.block_size % self.hash_block_size:
+            if m.kv_cache_spec.prefix_cacheable and m.block_size % self.hash_block_size:
                 raise ValueError(
                     f"group {m.kv_cache_group_id}: block_size {m.block_size} is not a multiple of the hash block size {self.hash_block_size}"
                 )
@@ -442,6 +442,8 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             m.cache_hit_alignment_tokens = self._cache_hit_alignment_tokens
         self.attention_groups: list[SpecGroup] = []
         for gid, (spec, m) in enumerate(zip(self.specs, self.single_type_managers)):
+            if not spec.prefix_cacheable:
+                continue  # scratch (a ring): never in a hit; its slot in the answer stays empty
             use_eagle = gid in self.drop_eagle_group_ids
             for idx, g in enumerate(self.attention_groups):
                 if g.spec == spec:

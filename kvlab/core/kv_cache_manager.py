@@ -621,6 +621,10 @@ class KVCacheManager:
         has_hits = any(hits)
         partial = self.coordinator.enable_partial_hash_hits  # a hit may end inside its last block
         for spec, g in zip(self.kv_cache_groups, hits) if has_hits else ():
+            if not spec.prefix_cacheable:  # scratch (a ring): a hit never carries blocks for it
+                if g:
+                    raise ValueError(f"new_computed_blocks has {len(g)} blocks for a {type(spec).__name__} group, which is never a hit")
+                continue
             bs: int = spec.block_size  # type: ignore[assignment]  # every spec has its block size by now
             if (
                 (len(g) != -(-num_new_computed_tokens // bs) or num_new_computed_tokens % self.hash_block_size)
@@ -657,6 +661,8 @@ class KVCacheManager:
         pool = self.block_pool
         blocks = pool.blocks
         for gid, (spec, group_hits) in enumerate(zip(self.kv_cache_groups, hits)):
+            if not spec.prefix_cacheable:
+                continue  # never a hit (checked empty before)
             hashes = pool.resolve_block_hashes(request.block_hashes, spec.block_size)  # type: ignore[arg-type]  # every spec has its block size by now
             if num_hit_tokens % spec.block_size and group_hits:  # type: ignore[operator]  # as above
                 # the last block is shared part-way: checked here, the rest below

@@ -31,12 +31,14 @@ from kvlab.core.block_pool import BlockPool, group_suffix
 from kvlab.core.kv_cache_utils import KVCacheBlock, trim_null_head
 from kvlab.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
+    CircularBufferSpec,
     CrossAttentionSpec,
     FullAttentionSpec,
     KVCacheSpec,
     MambaSpec,
     MLAAttentionSpec,
     RSWASpec,
+    SinkFullAttentionSpec,
     SlidingWindowSpec,
 )
 from kvlab.eventlog.events import BlockCopied, BlockRelocated, BlocksSkipped, BlocksTouched
@@ -543,6 +545,72 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         if block_idx >= len(blocks):
             return
         self.block_pool.cache_partial_block(request, blocks[block_idx], boundary, self.kv_cache_group_id, self.block_size)
+
+
+class SinkFullAttentionManager(FullAttentionManager):
+    """Full attention with static sinks (vLLM 0.33): the sink keys and values fill blocks of
+    their own, so ``sink_len`` must be a multiple of the block size; otherwise full
+    attention in every respect."""
+
+    def __init__(
+        self, kv_cache_spec: SinkFullAttentionSpec, block_pool: BlockPool, kv_cache_group_id: int, *args: Any, **kwargs: Any
+    ) -> None:
+        super().__init__(kv_cache_spec, block_pool, kv_cache_group_id, *args, **kwargs)
+        sink_len = kv_cache_spec.sink_len
+        if sink_len is None or sink_len % self.block_size:
+            raise ValueError(
+                f"SinkFullAttentionSpec.sink_len must be a positive multiple of the block size {self.block_size} "
+                f"(the sinks fill whole blocks), got {sink_len}"
+            )
+
+
+class CircularBufferManager(FullAttentionManager):
+    """A ring (vLLM 0.33): each request takes one block the first time it is allocated for
+    and keeps it until it is freed -- however many tokens it computes, whatever a connector
+    supplies. No hashes, no hits, nothing cached, nothing skipped: the block holds scratch
+    rows that are overwritten as the request goes. The coordinator leaves the group out of
+    the prefix-hit search, so its slot in a hit is always empty."""
+
+    supports_fine_grained_hash_lookup: ClassVar[bool] = False
+
+    def _claim_ring_block(self, request_id: str, record_for_zeroing: bool = True) -> list[KVCacheBlock]:
+        blocks = self.req_to_blocks.setdefault(request_id, [])
+        if blocks:
+            return []
+        new = self.block_pool.get_new_blocks(1, request_id=request_id, group=self.kv_cache_group_id)
+        blocks.extend(new)
+        if self._record_new_block_ids and record_for_zeroing:
+            self.new_block_ids += [b.block_id for b in new]
+        return new
+
+    def get_num_blocks_to_allocate(self, request_id: str, *args: Any, **kwargs: Any) -> int:
+        return 0 if self.req_to_blocks.get(request_id) else 1
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int) -> list[KVCacheBlock]:
+        return self._claim_ring_block(request_id)
+
+    def allocate_external_computed_blocks(
+        self, request_id: str, num_local_computed_tokens: int, num_external_computed_tokens: int, record_for_zeroing: bool = True
+    ) -> None:
+        self._claim_ring_block(request_id, record_for_zeroing)
+
+    def add_local_computed_blocks(self, request_id: str, *args: Any, **kwargs: Any) -> None:
+        return  # never a hit
+
+    def cache_blocks(self, request: Any, num_tokens: int) -> None:
+        return
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int, num_prompt_tokens: int | None = None) -> None:
+        return
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        return 0
+
+    @classmethod
+    def find_longest_cache_hit(
+        cls, block_hashes, max_length, kv_cache_group_ids, block_pool, kv_cache_spec, drop_eagle_block=False, alignment_tokens=None
+    ):
+        return tuple([] for _ in kv_cache_group_ids), 0
 
 
 class RSWAManager(FullAttentionManager):
@@ -1123,6 +1191,8 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
 MANAGER_FOR_SPEC: dict[type, type[SingleTypeKVCacheManager]] = {
     FullAttentionSpec: FullAttentionManager,
     MLAAttentionSpec: FullAttentionManager,
+    SinkFullAttentionSpec: SinkFullAttentionManager,
+    CircularBufferSpec: CircularBufferManager,
     RSWASpec: RSWAManager,
     SlidingWindowSpec: SlidingWindowManager,
     ChunkedLocalAttentionSpec: ChunkedLocalAttentionManager,

@@ -42,7 +42,14 @@ from kvlab.core.kv_cache_utils import KVCacheBlockCopy
 from kvlab.core.single_type_kv_cache_manager import cdiv, is_mamba_prefill_checkpoint_valid, mamba_prefill_checkpoint_position
 from kvlab.core.transaction import adds_request, scheduler_call
 from kvlab.distributed.kv_events import KVEventBatch
-from kvlab.kv_cache_interface import ChunkedLocalAttentionSpec, CrossAttentionSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
+from kvlab.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    CircularBufferSpec,
+    CrossAttentionSpec,
+    FullAttentionSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
 from kvlab.metrics.stats import CachingMetrics, IterationStats, PrefixCacheStats, SchedulerStats
 from kvlab.request import _MAX_TOKEN_ID, Request, RequestStatus
 from kvlab.eventlog.events import (
@@ -1240,6 +1247,9 @@ class Scheduler:
             for spec, g in zip(self.kv_cache_manager.kv_cache_groups, ids):
                 if isinstance(spec, CrossAttentionSpec):
                     continue  # it holds the encoder's tokens, not the decoder's
+                if isinstance(spec, CircularBufferSpec):
+                    assert len(g) == 1, f"{r.request_id}: {len(g)} ring blocks (a running request holds exactly one)"
+                    continue
                 bs = spec.block_size
                 assert len(g) * bs >= r.num_computed_tokens, f"{r.request_id}: {len(g)} blocks of {bs} for {r.num_computed_tokens} tokens"  # type: ignore[operator]  # the manager filled in every spec's block size
                 if isinstance(spec, FullAttentionSpec):
