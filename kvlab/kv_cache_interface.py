@@ -207,27 +207,40 @@ class SlidingWindowSpec(AttentionSpec):
 
     The query at position p reads keys p - W + 1 ... p, so once ``n`` tokens are computed
     the first ``max(0, n - W + 1)`` are never read again and whole blocks of them can go.
+
+    ``extra_retained_tokens`` (vLLM 0.33) keeps that many more tokens below the window: read
+    by no query, but a multi-module MTP drafter may make the target compute the last
+    ``k - 1`` tokens again, and that recompute reads the window as it was. The KV-cache
+    manager sets it to ``num_prefill_lookahead - 1`` on every window group, as vLLM's
+    planner does; a value given here is replaced.
     """
 
     sliding_window: int = 0
+    extra_retained_tokens: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sliding_window", check_int("sliding_window", self.sliding_window, 1))
+        _check_int(self, "extra_retained_tokens", 0)
         super().__post_init__()
 
     @property
     def type_name(self) -> str:
         return "sliding_window"
 
+    @property
+    def num_retained_tokens(self) -> int:
+        """Tokens below a request's next position that stay in its table."""
+        return self.sliding_window - 1 + self.extra_retained_tokens
+
     def num_skipped_tokens(self, num_computed_tokens: int) -> int:
-        return max(0, num_computed_tokens - self.sliding_window + 1)
+        return max(0, num_computed_tokens - self.num_retained_tokens)
 
     def max_admission_blocks_per_request(self, max_in_flight_tokens: int, max_model_len: int) -> int:
-        """Most blocks one request can hold at once (vLLM's admission cap): the last
-        ``W - 1`` tokens plus one step's tokens in flight, +1 because the window need not
-        start at a block boundary."""
+        """Most blocks one request can hold at once (vLLM's admission cap): the retained
+        tokens (``W - 1`` and the extra ones) plus one step's tokens in flight, +1 because
+        the window need not start at a block boundary."""
         # block_size is set by then: the manager gives a spec with None its own block size before the scheduler asks
-        return -(-min(self.sliding_window - 1 + max_in_flight_tokens, max_model_len) // self.block_size) + 1  # type: ignore[operator]  # block_size set, see above
+        return -(-min(self.num_retained_tokens + max_in_flight_tokens, max_model_len) // self.block_size) + 1  # type: ignore[operator]  # block_size set, see above
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -211,3 +211,37 @@ def test_random_runs_keep_every_invariant_and_replay_exactly(prompts, k, hashes,
     for i, (length, max_tokens) in enumerate(prompts):
         eng.add_request(Request(f"r{i}", base[:length] + [i], max_tokens=max_tokens))
     run_replaying(eng, max_steps=300, tables=True)
+
+
+def test_a_window_group_keeps_the_tokens_a_drafter_may_have_recomputed() -> None:
+    """With k = 3 modules the last 2 computed tokens may be computed again, reading the window
+    as it was: every window group keeps 2 more tokens below its window
+    (``extra_retained_tokens``, set by the manager as vLLM 0.33's planner sets it). A 10-token
+    prompt in chunks of 6 and 4, then 10 decode steps, window 8 in blocks of 4: at 20 computed
+    tokens a plain window has dropped 3 blocks, the k = 3 window only 2 (vLLM gave the same
+    tables)."""
+    from kvlab import SlidingWindowSpec
+
+    tables = {}
+    for k in (0, 3):
+        m = KVCacheManager(
+            num_blocks=32,
+            kv_cache_groups=[FullAttentionSpec(block_size=4), SlidingWindowSpec(block_size=4, sliding_window=8, extra_retained_tokens=5)],
+            num_prefill_lookahead=k,
+        )
+        assert m.kv_cache_groups[1].extra_retained_tokens == max(0, k - 1)  # the manager's value replaces the given one
+        r = Request("A", list(range(10)), max_tokens=64)
+        m.allocate_slots(r, 6)
+        r.num_computed_tokens = 6
+        m.allocate_slots(r, 4)
+        r.num_computed_tokens = 10
+        for t in range(10):
+            r.append_output_token_ids(50 + t)
+            m.allocate_slots(r, 1)
+            r.num_computed_tokens += 1
+        tables[k] = (m.get_block_ids("A"), m.block_pool.get_num_free_blocks())
+    assert tables == {0: (([1, 2, 5, 7, 9], [0, 0, 0, 8, 10]), 24), 3: (([1, 2, 5, 7, 9], [0, 0, 6, 8, 10]), 23)}
+    spec = SlidingWindowSpec(block_size=4, sliding_window=8, extra_retained_tokens=2)
+    assert (spec.num_retained_tokens, spec.num_skipped_tokens(20), spec.max_admission_blocks_per_request(16, 512)) == (9, 11, 8)
+    with pytest.raises(ValueError, match="extra_retained_tokens"):
+        SlidingWindowSpec(sliding_window=8, extra_retained_tokens=-1)

@@ -128,3 +128,15 @@ def test_an_engine_with_a_ring_holds_exactly_one_ring_block_per_running_request(
     assert {r: eng.metrics[r].num_cached_tokens for r in eng.finished} == {"r0": 0, "r1": 24, "r2": 0}
     snap, live = replay(eng.events), live_snapshot(eng.kv_cache_manager)
     assert snap.free_queue == live["free_queue"]
+
+
+def test_a_ring_counts_one_block_when_the_scheduler_asks_if_a_request_can_ever_fit():
+    """8 blocks (7 usable), blocks of 4 and an 8-row ring: a 24-token prompt needs 6 blocks
+    of full attention and 1 ring block, so it fits -- counting the ring per token (3 more
+    blocks) would refuse it."""
+    groups = [FullAttentionSpec(block_size=4), CircularBufferSpec(block_size=8)]
+    eng = build_engine(num_blocks=8, block_size=4, max_num_batched_tokens=32, manager_kwargs=dict(kv_cache_groups=groups))
+    eng.add_request(Request("A", list(range(24)), max_tokens=1))
+    eng.run()
+    assert eng.finished["A"].finish_reason == "length"
+    assert eng.kv_cache_manager.block_pool.get_num_free_blocks() == 7

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvlab.core.block_pool import BlockPool, group_suffix
@@ -34,6 +34,7 @@ from kvlab.kv_cache_interface import (
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheSpec,
+    SlidingWindowSpec,
     get_kv_cache_spec_kind,
     get_kv_cache_spec_sliding_window,
 )
@@ -243,6 +244,11 @@ class KVCacheManager:
         num_prefill_lookahead = (
             int(use_eagle) if num_prefill_lookahead is None else check_int("num_prefill_lookahead", num_prefill_lookahead, 0)
         )
+        # A k-module drafter may have the last k - 1 tokens recomputed: every window group
+        # keeps them below its window (vLLM 0.33's planner tags each window spec the same way).
+        specs = [
+            replace(s, extra_retained_tokens=max(0, num_prefill_lookahead - 1)) if isinstance(s, SlidingWindowSpec) else s for s in specs
+        ]
         scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(specs, enable_caching, prefix_match_unit)
         # The pool checks num_blocks (its door), the coordinator the mix of groups; both are
         # built before the first event is emitted, so a refused configuration leaves no trace.

@@ -426,7 +426,9 @@ class Scheduler:
             bs = spec.block_size
             n = cdiv(num_encoder_tokens if isinstance(spec, CrossAttentionSpec) else num_tokens, bs)  # type: ignore[arg-type]  # the manager filled in every spec's block size (a spec may be given without one)
             if isinstance(spec, SlidingWindowSpec):
-                n = min(n, cdiv(spec.sliding_window - 1, bs) + 2)  # type: ignore[arg-type]  # as above
+                n = min(n, cdiv(spec.num_retained_tokens, bs) + 2)  # type: ignore[arg-type]  # as above
+            elif isinstance(spec, CircularBufferSpec):
+                n = 1  # one ring block for the request's whole life
             elif isinstance(spec, ChunkedLocalAttentionSpec):
                 n = min(n, cdiv(spec.attention_chunk_size, bs) + 1)  # type: ignore[arg-type]  # as above
             elif isinstance(spec, MambaSpec):
