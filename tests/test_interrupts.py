@@ -37,7 +37,15 @@ from kvlab.executor.simulated import SimulatedExecutor
 from kvlab.exercises.checks_pool import queue_class_for
 from kvlab import kv_events
 from kvlab.core.kv_cache_metrics import KVCacheMetricsCollector
-from kvlab.kv_cache_interface import ChunkedLocalAttentionSpec, CrossAttentionSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
+from kvlab.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    CircularBufferSpec,
+    CrossAttentionSpec,
+    FullAttentionSpec,
+    MambaSpec,
+    SinkFullAttentionSpec,
+    SlidingWindowSpec,
+)
 from kvlab.request import MultiModalFeature, Request
 from kvlab.timeline import Timeline, replay
 from kvlab.eventlog.events import EventLog
@@ -86,6 +94,16 @@ CONFIGS = {
     # An encoder-decoder model: each request's 10 audio embeddings are encoded with its first
     # chunk, its cross-attention blocks taken at admission, the encoder slots given back.
     "encoder-decoder": dict(groups=[FullAttentionSpec(), CrossAttentionSpec()], caching=False, num_blocks=24, audio=10),
+    # Static sinks, a window that keeps one more token for a 2-module drafter, and a 6-row
+    # ring (scheduler blocks of 12): the ring's one block per request is taken and freed
+    # with its step.
+    "sink+window+ring": dict(
+        groups=[SinkFullAttentionSpec(sink_len=4), SlidingWindowSpec(sliding_window=6), CircularBufferSpec(block_size=6)],
+        num_blocks=30,
+        prefix=13,
+        manager_kwargs=dict(num_prefill_lookahead=2),
+        kv_events=True,
+    ),
     "block-sizes+kv-events": dict(
         groups=[FullAttentionSpec(), SlidingWindowSpec(sliding_window=20, block_size=12)], num_blocks=21, prefix=24, kv_events=True
     ),
