@@ -147,6 +147,13 @@ class MLAAttentionSpec(FullAttentionSpec):
 
 
 @dataclass(frozen=True, kw_only=True)
+class HiddenStateCacheSpec(MLAAttentionSpec):
+    """Layers that cache a hidden state per token instead of keys and values (vLLM 0.33's
+    ``extract_hidden_states``, which hands a drafter the target's hidden states). Laid out
+    like MLA -- one vector per token -- and managed as full attention."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class SinkFullAttentionSpec(FullAttentionSpec):
     """Full attention with static attention sinks (vLLM 0.33; openPangu's layers): every
     query also attends to ``sink_len`` learned keys and values that belong to no token. The
@@ -241,6 +248,22 @@ class SlidingWindowSpec(AttentionSpec):
         the window need not start at a block boundary."""
         # block_size is set by then: the manager gives a spec with None its own block size before the scheduler asks
         return -(-min(self.num_retained_tokens + max_in_flight_tokens, max_model_len) // self.block_size) + 1  # type: ignore[operator]  # block_size set, see above
+
+
+@dataclass(frozen=True, kw_only=True)
+class SlidingWindowMLASpec(SlidingWindowSpec):
+    """A sliding window over MLA's one latent vector per token (vLLM 0.33; DeepSeek-V4's
+    window layers): the bytes of MLA, the blocks, hits and frees of a window. (vLLM's
+    DeepSeek-V4 options -- compressed states, a window replayed instead of cached -- are not
+    built.)"""
+
+    num_kv_heads: int = 1
+    head_size: int = 576
+    head_size_v: int | None = 0
+
+    @property
+    def type_name(self) -> str:
+        return "sliding_window_mla"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -360,8 +383,10 @@ KV_CACHE_SPEC_TYPES: tuple[type[KVCacheSpec], ...] = (
     MLAAttentionSpec,
     SinkFullAttentionSpec,
     CircularBufferSpec,
+    HiddenStateCacheSpec,
     RSWASpec,
     SlidingWindowSpec,
+    SlidingWindowMLASpec,
     ChunkedLocalAttentionSpec,
     MambaSpec,
     CrossAttentionSpec,
@@ -486,7 +511,9 @@ __all__ = [
     "RSWASpec",
     "SinkFullAttentionSpec",
     "CircularBufferSpec",
+    "HiddenStateCacheSpec",
     "SlidingWindowSpec",
+    "SlidingWindowMLASpec",
     "ChunkedLocalAttentionSpec",
     "MambaSpec",
     "CrossAttentionSpec",

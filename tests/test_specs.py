@@ -429,3 +429,39 @@ def test_sliding_window_manager_constructor_keeps_its_positional_form():
     spec = SlidingWindowSpec(sliding_window=32, block_size=16)
     m = SlidingWindowManager(spec, KVCacheManager(num_blocks=3).block_pool, 0)
     assert m.get_num_skipped_tokens(50) == 19
+
+
+# --- an MLA window and hidden states (vLLM 0.33) ---------------------------------------------------
+def test_an_mla_window_is_a_window_with_mla_bytes_and_hidden_states_are_full_attention():
+    """``SlidingWindowMLASpec`` keeps MLA's one latent per token (576 x 2 bytes in bf16) and
+    frees like a window; ``HiddenStateCacheSpec`` is laid out like MLA and managed as full
+    attention. Their KV events name them as vLLM 0.33 does (a differential with vLLM's
+    manager over both, with rings beside them, found no difference in any event field)."""
+    from kvlab.kv_cache_interface import (
+        HiddenStateCacheSpec,
+        SlidingWindowMLASpec,
+        get_kv_cache_spec_kind,
+        get_kv_cache_spec_sliding_window,
+    )
+
+    mla_window = SlidingWindowMLASpec(sliding_window=8)
+    assert (mla_window.bytes_per_token, get_kv_cache_spec_kind(mla_window), get_kv_cache_spec_sliding_window(mla_window)) == (
+        1152,
+        "sliding_window_mla",
+        8,
+    )
+    assert get_kv_cache_spec_kind(HiddenStateCacheSpec()) == "mla_attention"
+    tables = []
+    for window, full in (
+        (SlidingWindowMLASpec(sliding_window=8), HiddenStateCacheSpec()),
+        (SlidingWindowSpec(sliding_window=8), FullAttentionSpec()),
+    ):
+        m, _ = mgr([full, window], 30)
+        r, n, _, _ = admit(m, "A", P[:18])
+        r.num_computed_tokens = 18
+        for t in range(6):
+            r.append_output_token_ids(t)
+            m.allocate_slots(r, 1)
+            r.num_computed_tokens += 1
+        tables.append(m.get_block_ids("A"))
+    assert tables[0] == tables[1] == ([1, 2, 3, 4, 5, 11], [0, 0, 0, 0, 10, 12])  # as vLLM 0.33 gave

@@ -34,11 +34,13 @@ from kvlab.kv_cache_interface import (
     CircularBufferSpec,
     CrossAttentionSpec,
     FullAttentionSpec,
+    HiddenStateCacheSpec,
     KVCacheSpec,
     MambaSpec,
     MLAAttentionSpec,
     RSWASpec,
     SinkFullAttentionSpec,
+    SlidingWindowMLASpec,
     SlidingWindowSpec,
 )
 from kvlab.eventlog.events import BlockCopied, BlockRelocated, BlocksSkipped, BlocksTouched
@@ -1193,10 +1195,12 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
 MANAGER_FOR_SPEC: dict[type, type[SingleTypeKVCacheManager]] = {
     FullAttentionSpec: FullAttentionManager,
     MLAAttentionSpec: FullAttentionManager,
+    HiddenStateCacheSpec: FullAttentionManager,
     SinkFullAttentionSpec: SinkFullAttentionManager,
     CircularBufferSpec: CircularBufferManager,
     RSWASpec: RSWAManager,
     SlidingWindowSpec: SlidingWindowManager,
+    SlidingWindowMLASpec: SlidingWindowManager,
     ChunkedLocalAttentionSpec: ChunkedLocalAttentionManager,
     MambaSpec: MambaManager,
     CrossAttentionSpec: CrossAttentionManager,
