@@ -639,8 +639,9 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
     def __init__(self, kv_cache_spec: SlidingWindowSpec, block_pool: BlockPool, kv_cache_group_id: int, *args: Any, **kwargs: Any) -> None:
         super().__init__(kv_cache_spec, block_pool, kv_cache_group_id, *args, **kwargs)
         self.sliding_window = kv_cache_spec.sliding_window
-        # Kept below the window, never read: the tokens an MTP drafter's recompute needs.
-        self.extra_retained_tokens = kv_cache_spec.extra_retained_tokens
+        # The window's W - 1 tokens and those kept below it for an MTP drafter's recompute
+        # (the spec's one definition, read once: this count is asked at every allocation).
+        self.num_retained_tokens = kv_cache_spec.num_retained_tokens
 
     @staticmethod
     def _contiguous_blocks_for_hit(window: int, block_size: int, use_eagle: bool) -> int:
@@ -649,7 +650,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         return cdiv(window - 1, block_size) + (1 if use_eagle else 0)
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
-        return max(0, num_computed_tokens - self.sliding_window + 1 - self.extra_retained_tokens)
+        return max(0, num_computed_tokens - self.num_retained_tokens)
 
     def reachable_block_mask(self, start_block: int, end_block: int, reachable_boundaries: Sequence[int] = ()) -> list[bool] | None:
         """A window hit at an aligned length reads only the ``need`` blocks before it, so a

@@ -98,7 +98,6 @@ class TieringOffloadingManager:
         )
         self._next_job_id: JobId = 0
         self._promotions: dict[JobId, JobMetadata] = {}  # registered, not finished
-        self._req_contexts: dict[str, ReqContext] = {}
 
     @property
     def chunk_size_bytes(self) -> int:
@@ -326,23 +325,19 @@ class TieringOffloadingManager:
     def on_new_request(self, req_context: ReqContext) -> None:
         for t in self.tiers:
             t.on_new_request(req_context)
-        self._req_contexts[req_context.req_id] = req_context
         self._metrics.on_new_request(req_context)
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         """Every tier commits what the request read and stored (its recency, vLLM 0.33)."""
         for t in self.tiers:
             t.on_request_finished(req_context)
-        self._req_contexts.pop(req_context.req_id, None)
         self._metrics.on_request_finished(req_context)
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         """The step's last word: requests allocated in it stop counting lookups (a request
         looked up again while it waits counts each block once, vLLM 0.33)."""
         for req_id in context.new_req_ids:
-            ctx = self._req_contexts.get(req_id)
-            if ctx is not None:
-                self._metrics.on_request_allocated(ctx)
+            self._metrics.on_request_allocated(ReqContext(req_id))  # keyed by id; an unknown one is ignored
 
     def take_events(self) -> list[OffloadingEvent]:
         return [e for t in self.tiers for e in t.take_events()]

@@ -287,7 +287,7 @@ class OffloadingConnectorScheduler:
             self._emit_store(rid, gpu_ids, plan)
         self._record_orders()
         new_req_ids = [nr.req_id for nr in scheduler_output.scheduled_new_reqs]
-        self.manager.on_schedule_end(ScheduleEndContext(new_req_ids, sorted(scheduler_output.preempted_req_ids)))
+        self.manager.on_schedule_end(ScheduleEndContext(new_req_ids, scheduler_output.preempted_req_ids))
         return meta
 
     def _emit_store(self, rid: str, gpu_ids: list[int], plan: StorePlan) -> None:
