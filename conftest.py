@@ -5,6 +5,10 @@ locked prediction is written there, never to ``~/.kvlab`` or the repository), an
 cells marked ``# NBVAL_CHECK_OUTPUT`` check the lessons' claims. Kernels started by nbval or
 nbclient inherit both variables. (Set here, at the root, because nbval collects notebooks/
 without reading tests/conftest.py.)
+
+The processes the run starts (notebook kernels, servers, xdist workers) also get a scratch
+``TMPDIR`` that is removed at the end: nbval stops a kernel without letting it exit
+normally, so a lesson's ``TemporaryDirectory`` would otherwise outlive the run in /tmp.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import tempfile
 _HOME = tempfile.mkdtemp(prefix="kvlab-home-")
 os.environ["KVLAB_HOME"] = _HOME
 os.environ["KVLAB_PREDICT"] = "plain"
+_SCRATCH = tempfile.mkdtemp(prefix="kvlab-scratch-")  # this process keeps its own temp dir, already chosen
+os.environ["TMPDIR"] = _SCRATCH
 
 
 def pytest_xdist_make_scheduler(config, log):
@@ -46,3 +52,4 @@ def pytest_collection_modifyitems(config, items):  # noqa: ARG001 - pytest's hoo
 
 def pytest_unconfigure(config):  # noqa: ARG001 - pytest's hook signature
     shutil.rmtree(_HOME, ignore_errors=True)
+    shutil.rmtree(_SCRATCH, ignore_errors=True)

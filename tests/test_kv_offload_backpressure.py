@@ -17,7 +17,7 @@ from kvlab.kv_offload.cpu.manager import CPUOffloadingManager
 from kvlab.kv_offload.tiering import backpressure as bp
 from kvlab.kv_offload.tiering.factory import create_backpressure_detector
 from kvlab.kv_offload.tiering.fs.manager import FileSystemTierManager
-from kvlab.kv_offload.tiering.manager import TieringOffloadingManager
+from kvlab.kv_offload.tiering.staged import StagedTieringManager
 
 MIB = 1 << 20
 
@@ -206,7 +206,7 @@ def _keys(n: int, start: int = 0) -> list[bytes]:
 
 def _tiers(tmp_path, detector):
     fs = FileSystemTierManager(8, str(tmp_path), block_size=4, backpressure_detector=detector)
-    return TieringOffloadingManager(CPUOffloadingManager(8, enable_events=True), fs)
+    return StagedTieringManager(CPUOffloadingManager(8, enable_events=True), fs)
 
 
 def test_a_pressured_disk_tier_gets_no_cascade_and_the_blocks_stay_in_the_cpu_tier(tmp_path):

@@ -135,7 +135,7 @@ def test_the_tiering_tracker_counts_lookups_once_and_jobs_by_their_keys() -> Non
 
     from kvlab.kv_offload.base import LookupResult
     from kvlab.kv_offload.tiering.base import JobResult, TransferJob
-    from kvlab.kv_offload.tiering.manager import JobMetadata
+    from kvlab.kv_offload.tiering.staged import JobMetadata
     from kvlab.kv_offload.tiering.metrics import TieringMetricsTracker
 
     a, b, c = b"a" * 8, b"b" * 8, b"c" * 8

@@ -58,7 +58,7 @@ from kvlab.kv_events import (
 from kvlab.kv_offload.base import make_offload_key
 from kvlab.kv_offload.cpu.manager import CPUOffloadingManager
 from kvlab.kv_offload.tiering.fs.manager import FileSystemTierManager
-from kvlab.kv_offload.tiering.manager import TieringOffloadingManager
+from kvlab.kv_offload.tiering.staged import StagedTieringManager
 from kvlab.learner import prediction as prediction_mod
 from kvlab.learner import predict
 from kvlab.learner.store import Store, store
@@ -117,7 +117,7 @@ def world(tmp) -> SimpleNamespace:
     w.cpu.prepare_store([key(3)])
     w.cpu.prepare_load([key(1)])
     w.fs_dir = tmp / "tier"
-    w.tier = TieringOffloadingManager(CPUOffloadingManager(2), FileSystemTierManager(4, str(w.fs_dir)))
+    w.tier = StagedTieringManager(CPUOffloadingManager(2), FileSystemTierManager(4, str(w.fs_dir)))
     plan = w.tier.prepare_store([key(4), key(5)])
     w.tier.complete_store(plan)
     for p in plan.cascade_paths:  # the worker would have written them
@@ -788,15 +788,15 @@ CASES = [
     (E_BEYOND, "FileSystemTierManager num_blocks -1", lambda w: FileSystemTierManager(-1, str(w.fs_dir)), ValueError, "num_blocks=-1"),
     (
         E_BEYOND,
-        "TieringOffloadingManager primary int",
-        lambda w: TieringOffloadingManager(5),
+        "StagedTieringManager primary int",
+        lambda w: StagedTieringManager(5),
         TypeError,
         "primary must be a CPUOffloadingManager",
     ),
     (
         E_BEYOND,
-        "TieringOffloadingManager secondary CPU tier",
-        lambda w: TieringOffloadingManager(w.cpu, CPUOffloadingManager(2)),
+        "StagedTieringManager secondary CPU tier",
+        lambda w: StagedTieringManager(w.cpu, CPUOffloadingManager(2)),
         TypeError,
         "secondary must be None or a FileSystemTierManager",
     ),

@@ -4,6 +4,10 @@ client, the router's hashing, the policies, and the lock-step fleet."""
 
 from __future__ import annotations
 
+import glob
+import os
+import tempfile
+
 import pytest
 
 from kvlab.core import kv_cache_utils
@@ -206,8 +210,13 @@ def test_a_dead_server_is_reported_not_waited_for():
         KVServer.start(
             name="bad", engine=dict(num_blocks=0), kv_events_config=dict(enable_kv_cache_events=True, endpoint="tcp://127.0.0.1:1")
         )
+    leftovers = lambda: set(glob.glob(os.path.join(tempfile.gettempdir(), "kvlab-unbindable-*.stderr")))  # noqa: E731
+    before = leftovers()
     with pytest.raises(ServerDied, match="before it was ready"):  # the process itself cannot bind its socket
-        KVServer.start(name="bad", kv_events_config=dict(enable_kv_cache_events=True, endpoint="ipc:///nonexistent-kvlab-dir/kv.sock"))
+        KVServer.start(
+            name="unbindable", kv_events_config=dict(enable_kv_cache_events=True, endpoint="ipc:///nonexistent-kvlab-dir/kv.sock")
+        )
+    assert leftovers() == before  # the dead server's stderr file is removed once its tail is in the error
 
 
 # --- the fleet -----------------------------------------------------------------------------------------

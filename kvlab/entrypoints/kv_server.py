@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import itertools
 import json
 import os
@@ -452,10 +453,14 @@ class KVServer:
         except BaseException:
             for s in servers:
                 s.stop(timeout_s=1.0)
-            for proc, _, _ in spawned:
+            served = {s._stderr_path for s in servers}
+            for proc, err, _ in spawned:
                 if proc.poll() is None:
                     proc.kill()
                     proc.wait(timeout=5)
+                if err not in served:  # its tail is in the error already; leave no file behind
+                    with contextlib.suppress(OSError):
+                        os.unlink(err)
             raise
         return servers
 

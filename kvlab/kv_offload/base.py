@@ -25,13 +25,17 @@ big-endian bytes -- byte for byte kvlab's ``KVCacheBlock.cache_key`` (vLLM's
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, TypeVar
 
 import numpy as np
+
+from kvlab.metrics.cache_hit_source import CacheHitSource
 
 if TYPE_CHECKING:
     from kvlab.kv_offload.stats import OffloadingConnectorStats
@@ -245,6 +249,21 @@ class OffloadingManager(ABC):
 
     medium: Medium | str = Medium.CPU
 
+    @property
+    def lock(self) -> AbstractContextManager[Any]:
+        """What a caller holds around every call but ``shutdown`` (vLLM 0.33): a manager
+        entered from one thread only needs none (this default does nothing); one with a
+        thread of its own (the tiering manager's tier-poll thread) returns a real, non
+        reentrant lock. A caller holds it across a lookup HIT and the load that pins it, so
+        no other thread can evict the block in between."""
+        return contextlib.nullcontext()
+
+    def get_load_source(self, key: OffloadKey, req_context: ReqContext | None = None) -> CacheHitSource:
+        """The tier that supplied ``key``'s last HIT (asked only after a HIT). Unknown by
+        default; the CPU tier says HOST, the tiering manager remembers a promoted block's
+        origin (a disk hit is reported as a disk hit though it is read from host memory)."""
+        return CacheHitSource.EXTERNAL_UNSPECIFIED
+
     @abstractmethod
     def lookup(self, key: OffloadKey, req_context: ReqContext | None = None) -> LookupResult: ...
 
@@ -279,6 +298,11 @@ class OffloadingManager(ABC):
         return False
 
     def reset_cache(self) -> None:
+        return
+
+    def on_reset_flushed(self) -> None:
+        """The workers reported every job in flight at the last ``reset_cache``: the chunks
+        it freed are no longer being written."""
         return
 
     def take_events(self) -> Iterable[OffloadingEvent]:

@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field, replace
+
 from kvlab.kv_offload.base import (
     ConfigInfoMapping,
     LookupResult,
@@ -43,6 +44,7 @@ from kvlab.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus, order_r
 from kvlab.kv_offload.cpu.policies.factory import CachePolicyFactory
 from kvlab.kv_offload.stats import OffloadingConnectorStats
 from kvlab.utils.checks import check_int
+from kvlab.metrics.cache_hit_source import CacheHitSource
 
 
 def _check_key(name: str, key: object) -> None:
@@ -266,8 +268,14 @@ class CPUOffloadingManager(OffloadingManager):
         chunk = self._policy.get(key)
         return None if chunk is None else chunk.chunk_id
 
+    def get_load_source(self, key: OffloadKey, req_context: ReqContext | None = None) -> CacheHitSource:
+        return CacheHitSource.HOST
+
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> CPULoadStoreSpec:
         """Pin each key (ref_cnt + 1) and record the read for the request; the chunks."""
+        return self._prepare_load(keys, req_context, record_access=True)
+
+    def _prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext | None, *, record_access: bool) -> CPULoadStoreSpec:
         keys = _check_keys("keys", keys)
         ctx = _context(req_context)
         chunks = []
@@ -284,7 +292,8 @@ class CPUOffloadingManager(OffloadingManager):
                 self._policy.mark_non_evictable(key)
                 self._num_evictable_cache_chunks -= 1
             chunk.ref_cnt += 1
-        self._record_access(keys, ctx, reused_keys=keys)
+        if record_access:
+            self._record_access(keys, ctx, reused_keys=keys)
         return CPULoadStoreSpec(c.chunk_id for c in chunks)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> None:

@@ -1,27 +1,45 @@
-"""A CPU tier with a storage tier behind it (vLLM: ``TieringOffloadingManager`` in
-``vllm/v1/kv_offload/tiering/manager.py``; lesson 12).
+"""The CPU tier and the tiers behind it, driven asynchronously (vLLM 0.33:
+``TieringOffloadingManager`` in ``vllm/v1/kv_offload/tiering/manager.py``).
 
-vLLM's rules, which kvlab follows:
+The rules (the same as kvlab's in-step variant, :mod:`kvlab.kv_offload.tiering.staged`):
 
-1. **Store to every tier.** A block offloaded from the GPU goes to the CPU tier and is
-   *cascaded* to the storage tier (a file), so it survives its eviction from host memory.
-2. **The CPU tier is the gateway.** Storage cannot reach GPU memory: a block found only on
-   disk is first read into a CPU slot (*staged promotion*, it becomes a CPU entry again),
-   then copied to the GPU.
-3. **Pins protect blocks in flight.** A block being read is pinned in its tier until the
-   load completes; a block being written is not readable until the store completes.
+1. **Store to every tier.** A block that lands in the CPU tier is *cascaded* to every
+   secondary tier (one store job per tier, unless its back-pressure detector says no).
+2. **The CPU tier is the gateway.** A secondary tier cannot reach the GPU. A block found
+   only in a secondary tier gets a CPU chunk reserved at once (``lookup`` answers
+   HIT_PENDING: the scheduler asks again later), and the step's promotions are submitted
+   together at ``on_schedule_end``, one job per tier and request.
+3. **Pins protect blocks in flight.** A cascade pins the CPU chunks it reads until its job
+   reports; a promoted chunk is not readable until its job reports.
 
-vLLM promotes asynchronously (a lookup answers "retry later" while the file is read);
-kvlab's worker reads the file in the same step, before the GPU copy. Either way each
-promotion and each cascade is a job (:class:`~kvlab.kv_offload.tiering.base.TransferJob`),
-and the manager counts lookups and jobs under vLLM 0.33's metric names
-(:mod:`kvlab.kv_offload.tiering.metrics`).
+What the asynchrony adds, and why each piece exists:
+
+* Jobs end whenever the tier says so (``get_finished_jobs``). The manager polls at most once
+  per step from ``lookup`` (so a finished promotion reads as HIT at once), always before a
+  store's eviction choice (``prepare_store``: a finished cascade unpins chunks that may then
+  be evicted), and at ``on_schedule_end``.
+* A tier that answers a peer (``tolerates_off_thread_polling``) is also served by a
+  *tier-poll thread* between steps, so a peer is not kept waiting a whole step. The
+  manager's :attr:`lock` is then a real lock; every caller holds it.
+* After ``reset_cache`` a worker may still write a freed chunk for a job in flight; until
+  ``on_reset_flushed`` no promotion may fill one, so a block missing from the CPU tier is a
+  MISS (recompute), not a RETRY (wait).
+* A tier that wants a request's whole context (REQUEST_LEVEL) also gets the blocks the CPU
+  tier already had; one still being written there is parked and offered again at the end of
+  each step until it is readable or gone. A request's tiers are told it finished only once
+  no more cascade can be submitted for it.
+
+kvlab's connector and worker do not use this class (they run the in-step variant); it is
+driven by tests and by a tier written against vLLM's interface
+(:class:`~kvlab.kv_offload.tiering.example.manager.ExampleSecondaryTierManager`).
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -29,23 +47,51 @@ import numpy as np
 
 from kvlab.kv_offload.base import (
     ConfigInfoMapping,
+    LoadStoreSpec,
     LookupResult,
-    Medium,
     OffloadingEvent,
+    OffloadingManager,
     OffloadKey,
+    OffloadPolicy,
+    PrepareStoreOutput,
     ReqContext,
+    RequestOffloadingContext,
     ScheduleEndContext,
 )
-from kvlab.kv_offload.cpu.manager import CPUOffloadingManager, _check_keys, _context
+from kvlab.kv_offload.cpu.common import CPULoadStoreSpec, CPUOffloadingInfo
+from kvlab.kv_offload.cpu.manager import CPUOffloadingManager
+from kvlab.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from kvlab.kv_offload.stats import OffloadingConnectorStats
-from kvlab.kv_offload.tiering.base import TIER_LABEL, JobId, JobResult, TieringOffloadingMetrics, TransferJob
-from kvlab.kv_offload.tiering.fs.manager import FileSystemTierManager
-from kvlab.kv_offload.tiering.metrics import PRIMARY_TIER_LABEL, TieringMetricsTracker
-from kvlab.utils.checks import check_int
+from kvlab.kv_offload.tiering.base import TIER_LABEL, JobId, JobResult, ParentManager, SecondaryTierManager, TransferJob
+from kvlab.kv_offload.tiering.metrics import TieringMetricsTracker
+from kvlab.metrics.cache_hit_source import CacheHitSource
+from kvlab.utils.checks import check_number
 
-CPU, STORAGE = Medium.CPU.value, Medium.STORAGE.value
+logger = logging.getLogger(__name__)
 
-__all__ = ["TIER_LABEL", "PRIMARY_TIER_LABEL", "LoadItem", "StorePlan", "TieringOffloadingManager", "TieringOffloadingMetrics"]
+#: Pause between two rounds of the tier-poll thread (vLLM's default; 0 or less: no thread).
+DEFAULT_TIER_POLL_INTERVAL_S = 0.001
+_POLL_LOCK_TIMEOUT_S = 1.0  # a round waits this long for the lock, then tries again
+_POLL_GIVE_UP_AFTER_S = 30.0  # rounds failing this long: stop the thread, serve per step
+_POLL_JOIN_TIMEOUT_S = 5.0
+
+
+@dataclass
+class PendingPromotion:
+    """The chunks one request waits to have promoted from one tier, this step."""
+
+    req_context: ReqContext
+    keys: list[OffloadKey] = field(default_factory=list)
+    chunk_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class RequestState:
+    req_context: ReqContext
+    pending_primary_stores: int = 0  # GPU -> CPU stores prepared, not completed
+    is_finished: bool = False
+    request_level_tiers: set[int] | None = None
+    pending_cascade_keys: list[OffloadKey] = field(default_factory=list)
 
 
 class JobMetadata(NamedTuple):
@@ -53,322 +99,508 @@ class JobMetadata(NamedTuple):
     tier_idx: int
 
 
-@dataclass(slots=True)
-class LoadItem:
-    """One block to load: from ``medium``, through CPU slot ``cpu_slot`` (a STORAGE block is
-    read from ``path`` into that slot first)."""
+class CPUPrimaryTierOffloadingManager(CPUOffloadingManager):
+    """The CPU tier as the gateway: its chunks are rows of a shared memory region the
+    secondary tiers read and write. ``prepare_read``/``complete_read`` pin chunks for a
+    cascade, ``prepare_write``/``complete_write`` reserve and fill chunks for a promotion --
+    the GPU-facing load/store under the names that fit the secondary tier's side."""
 
-    key: OffloadKey
-    medium: str
-    cpu_slot: int
-    path: str | None = None
-    #: The promotion job a STORAGE block belongs to (one per ``prepare_load`` call).
-    job_id: JobId | None = None
+    _tracks_slot_writes = False  # vLLM's books: the bytes are the tiers' business
 
-
-@dataclass(slots=True)
-class StorePlan:
-    """GPU -> CPU for ``keys`` (slots ``cpu_slots``), then CPU -> file for ``cascade_keys``;
-    ``delete_paths``: files of blocks the storage tier evicted."""
-
-    keys: list[OffloadKey]
-    cpu_slots: list[int]
-    cascade_keys: list[OffloadKey] = field(default_factory=list)
-    cascade_slots: list[int] = field(default_factory=list)
-    cascade_paths: list[str] = field(default_factory=list)
-    delete_paths: list[str] = field(default_factory=list)
-    #: When the cascade was handed out, on the storage tier's back-pressure clock.
-    cascade_submit_time: float | None = None
-    #: Blocks the storage tier's back-pressure kept off disk (they stay in the CPU tier).
-    cascade_dropped: int = 0
-
-
-class TieringOffloadingManager:
-    """The books of all tiers together, as the offloading connector sees them."""
-
-    def __init__(self, primary: CPUOffloadingManager, secondary: FileSystemTierManager | None = None, *, chunk_size_bytes: int = 0) -> None:
-        if not isinstance(primary, CPUOffloadingManager):
-            raise TypeError(f"primary must be a CPUOffloadingManager, got {type(primary).__name__}")
-        if secondary is not None and not isinstance(secondary, FileSystemTierManager):
-            raise TypeError(f"secondary must be None or a FileSystemTierManager, got {type(secondary).__name__}")
-        self.primary = primary
-        self.secondary = secondary
-        self._metrics = TieringMetricsTracker(
-            [secondary.tier_type] if secondary is not None else [], primary.num_blocks, check_int("chunk_size_bytes", chunk_size_bytes, 0)
+    def __init__(
+        self,
+        num_chunks: int,
+        mmap_region: SharedOffloadRegion,
+        cache_policy: str = "lru",
+        cache_policy_module_path: str | None = None,
+        enable_events: bool = False,
+        info: CPUOffloadingInfo | None = None,
+    ) -> None:
+        if not isinstance(mmap_region, SharedOffloadRegion):
+            raise TypeError(f"mmap_region must be a SharedOffloadRegion, got {type(mmap_region).__name__}")
+        if mmap_region.num_chunks != num_chunks:
+            raise ValueError(f"num_chunks={num_chunks} but the region has {mmap_region.num_chunks} rows")
+        super().__init__(
+            num_chunks=num_chunks,
+            cache_policy=cache_policy,
+            cache_policy_module_path=cache_policy_module_path,
+            enable_events=enable_events,
+            info=info,
         )
-        self._next_job_id: JobId = 0
-        self._promotions: dict[JobId, JobMetadata] = {}  # registered, not finished
+        self._mmap_region = mmap_region
+        self._kv_memoryview = mmap_region.create_kv_memoryview()
+        self.complete_read = self.complete_load
+        self.prepare_write = self.prepare_store
+        self.complete_write = self.complete_store
 
-    @property
-    def chunk_size_bytes(self) -> int:
-        """Bytes of one CPU chunk, which the read and write byte counts are made of (0 until
-        known: kvlab's connector sets it from the worker's first report)."""
-        return self._metrics.primary_chunk_size
+    def prepare_read(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
+        """Pin chunks for a cascade. Not a read by the request: its recency is not touched."""
+        return self._prepare_load(keys, req_context, record_access=False)
 
-    @chunk_size_bytes.setter
-    def chunk_size_bytes(self, value: int) -> None:
-        self._metrics.primary_chunk_size = check_int("chunk_size_bytes", value, 0)
+    def get_kv_memoryview(self) -> memoryview:
+        """(num_chunks, bytes per chunk): a secondary tier reads chunk ``c`` as ``view[c]``."""
+        return self._kv_memoryview
 
-    def _new_job(
-        self, keys: Sequence[OffloadKey], chunk_ids: Sequence[int], is_promotion: bool, req_context: ReqContext | None
-    ) -> JobMetadata:
-        self._next_job_id += 1
-        job = TransferJob(self._next_job_id, list(keys), np.array(chunk_ids, dtype=np.int64), is_promotion, _context(req_context))
-        meta = JobMetadata(job, 0)
-        self._metrics.on_job_registered(meta)
-        return meta
+    def shutdown(self) -> None:
+        super().shutdown()
+        self._kv_memoryview.release()
+        self._mmap_region.cleanup()
 
-    @property
-    def tiers(self) -> list[CPUOffloadingManager | FileSystemTierManager]:
-        return [self.primary] + ([self.secondary] if self.secondary is not None else [])
 
-    # -- lookups ----------------------------------------------------------------------------------
-    def where(self, key: OffloadKey, req_context: ReqContext | None = None) -> str | None:
-        """The tier a load of ``key`` would be served from now (CPU first), or None. Each
-        tier asked counts a chunk query in the metrics (once per request and key)."""
-        ctx = _context(req_context)
-        for i, (tier, label) in enumerate(((self.primary, PRIMARY_TIER_LABEL), (self.secondary, None))):
-            if tier is None:
-                break
-            start = time.monotonic()  # observed for the metrics only; nothing decides on it
-            result = tier.lookup(key, req_context)
-            self._metrics.on_lookup(ctx, key, label or self._metrics.tier_label(i - 1), result, time.monotonic() - start)
-            if result is LookupResult.HIT:
-                return CPU if i == 0 else STORAGE
-        return None
+class _SecondaryTierFacingParent(ParentManager):
+    """The manager as one tier sees it: every fan-out skips that tier."""
 
-    def lookup_chain(self, keys: Sequence[OffloadKey], req_context: ReqContext | None = None) -> list[str]:
-        """The tiers that can serve the longest run of ``keys`` from the first one on: one
-        medium per block, stopping at the first miss -- and at the first storage block that
-        could not get a CPU slot to be promoted through."""
-        media: list[str] = []
-        for key in keys:
-            m = self.where(key, req_context)
-            if m is None:
-                break
-            media.append(m)
-        return self.cap_promotions(keys, media)
+    __slots__ = ("_m", "_origin_idx")
 
-    def cap_promotions(self, keys: Sequence[OffloadKey], media: Sequence[str]) -> list[str]:
-        """Cut ``media`` before the first storage block that could not get a CPU slot to
-        pass through (every block of the run is protected from that eviction)."""
-        media = list(media)
-        if STORAGE in media:
-            room = self.primary.num_storable(protected=keys[: len(media)])
-            seen = 0
-            for i, m in enumerate(media):
-                if m == STORAGE:
-                    seen += 1
-                    if seen > room:
-                        self._metrics.on_promotion_allocation_failure()
-                        return media[:i]
-        return media
+    def __init__(self, manager: TieringOffloadingManager, tier_idx: int) -> None:
+        self._m = manager
+        self._origin_idx = tier_idx
 
-    # -- loads ------------------------------------------------------------------------------------
-    def prepare_load(self, keys: Sequence[OffloadKey], media: Sequence[str], req_context: ReqContext | None = None) -> list[LoadItem]:
-        """Pin every block where it is (touching it in its LRU); a storage block also gets
-        a CPU slot to be read into (it becomes a pending CPU entry). In key order."""
-        keys = _check_keys("keys", keys)
-        if isinstance(media, str) or not isinstance(media, Sequence):
-            raise TypeError(f"media must be a list of 'CPU'/'STORAGE' (lookup_chain's answer), got {type(media).__name__}")
-        if len(keys) != len(media):
-            raise ValueError(f"prepare_load: {len(keys)} keys but {len(media)} media")
-        # All or nothing: every block is checked before the first one is pinned.
-        tiers = [CPU] + ([STORAGE] if self.secondary is not None else [])
-        promote = 0
-        for i, (key, m) in enumerate(zip(keys, media)):
-            if m not in tiers:
-                raise ValueError(f"prepare_load: media[{i}] = {m!r} is not one of this manager's tiers {tiers}")
-            tier = self.primary if m == CPU else self.secondary
-            assert tier is not None
-            status = tier._policy.get(key)  # not lookup(): checking must not drop entries
-            if status is None or not status.is_ready or (m == CPU and self.primary.overwritten(key)):
-                raise ValueError(f"prepare_load: keys[{i}] (block {key.hex()[:16]}…) is not readable in the {m} tier")
-            if m == STORAGE:
-                if key in self.primary:
-                    raise ValueError(f"prepare_load: keys[{i}] is in the CPU tier too; load it from 'CPU'")
-                promote += 1
-        if promote > self.primary.num_storable(protected=keys):
-            raise ValueError(
-                f"prepare_load: {promote} storage blocks need a CPU slot to pass through, but only "
-                f"{self.primary.num_storable(protected=keys)} can be found (lookup_chain caps this)"
-            )
-        items = []
-        protected = set(keys)
-        promotion: list[LoadItem] = []
-        for key, m in zip(keys, media):
-            if m == CPU:
-                (slot,) = self.primary.prepare_load([key], req_context).block_ids.tolist()
-                items.append(LoadItem(key, CPU, slot))
-            elif m == STORAGE and self.secondary is not None:
-                self.secondary.prepare_load([key], req_context)
-                out = self.primary.prepare_store([key], req_context, protected=protected)
-                if out is None or not out.slots:
-                    raise RuntimeError("prepare_load: no CPU slot to promote a storage block through (lookup_chain caps this)")
-                items.append(LoadItem(key, STORAGE, out.slots[0], self.secondary.path_of(key)))
-                promotion.append(items[-1])
-            else:
-                raise ValueError(f"prepare_load: medium {m!r} is not one of this manager's tiers")
-        if promotion:  # one promotion job for the call's storage blocks (vLLM: one per request and step)
-            meta = self._new_job([it.key for it in promotion], [it.cpu_slot for it in promotion], True, req_context)
-            self._promotions[meta.transfer_job.job_id] = meta
-            for it in promotion:
-                it.job_id = meta.transfer_job.job_id
-        return items
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return self._m.on_new_request(req_context, exclude_tier_idx=self._origin_idx)
 
-    def complete_load(
-        self,
-        items: Iterable[LoadItem],
-        failed: Iterable[OffloadKey] = (),
-        reason: str = "load failed",
-        req_context: ReqContext | None = None,
-        loaded: Iterable[OffloadKey] | None = None,
-        transfer_time: float | None = None,
-    ) -> None:
-        """Unpin; a promoted block becomes a readable CPU entry. ``failed`` blocks did not
-        load: they leave the tier that served them (and the CPU slot reserved for them).
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        return self._m.lookup(key, req_context, exclude_tier_idx=self._origin_idx)
 
-        ``loaded``: the blocks whose transfer finished (None: every block not in
-        ``failed``). A block in neither was never tried -- the job stopped at an earlier
-        failure, or its step never ran: it stays where it was, and a storage block's CPU
-        slot is given back unwritten. (Marking that slot readable would serve whatever
-        bytes it held before to the next load from the CPU tier.) ``transfer_time``: the
-        seconds the promotion's file reads took (metrics only)."""
-        items = list(items)
-        bad = set(failed)
-        done = {it.key for it in items} - bad if loaded is None else set(loaded) - bad
-        for job_id in dict.fromkeys(it.job_id for it in items if it.medium == STORAGE and it.job_id is not None):
-            meta = self._promotions.pop(job_id, None)
-            if meta is None:
-                continue
-            ok = [k for k in meta.transfer_job.keys if k in done]
-            success = len(ok) == len(meta.transfer_job.keys)
-            self._metrics.on_job_finished(meta, JobResult(job_id, success, None if success else ok, transfer_time))
-        for it in items:
-            if it.medium == CPU:
-                self.primary.complete_load([it.key], req_context)
-                if it.key in bad:
-                    self.primary.remove([it.key], reason)
-            else:
-                assert self.secondary is not None
-                self.secondary.complete_load([it.key], req_context)
-                why = reason if it.key in bad else "promotion not run: its load job stopped before this block"
-                self.primary.complete_store([it.key], req_context, success=it.key in done, reason=why)
-                if it.key in bad:
-                    self.secondary.remove([it.key], reason)
-
-    # -- stores -----------------------------------------------------------------------------------
-    def prepare_store(self, keys: Sequence[OffloadKey], req_context: ReqContext | None = None) -> StorePlan | None:
-        """Room in the CPU tier for the keys it lacks, and on disk for those of them the
-        storage tier lacks (cascade). None when the CPU tier has no unpinned room."""
-        keys = _check_keys("keys", keys)
-        out = self.primary.prepare_store(keys, req_context)
-        if out is None:
-            return None
-        plan = StorePlan(out.keys_to_store, out.slots)
-        sec = self.secondary
-        if sec is not None and out.keys_to_store:
-            detector = sec.bp_detector
-            # vLLM 0.33 asks the tier's detector once per store, for all its blocks (the
-            # tier itself then skips the ones it has); a refusal drops the whole cascade.
-            if detector is not None and not detector.should_store(len(out.keys_to_store)):
-                plan.cascade_dropped = len(out.keys_to_store)
-                return plan
-            new = [k for k in out.keys_to_store if k not in sec]
-            cascade = sec.prepare_store(new, req_context) if new else None
-            if cascade is not None:
-                plan.cascade_keys = cascade.keys_to_store
-                plan.cascade_slots = cascade.slots
-                plan.cascade_paths = [sec.path_of(k) for k in cascade.keys_to_store]
-                plan.delete_paths = [sec.path_of(k) for k in cascade.evicted_keys]
-                if detector is not None:
-                    plan.cascade_submit_time = detector.now()
-        return plan
-
-    def complete_store(
-        self,
-        plan: StorePlan,
-        success: bool = True,
-        cascade_success: bool = True,
-        req_context: ReqContext | None = None,
-        cascade_bytes: int | None = None,
-        cascade_time: float | None = None,
-    ) -> None:
-        """The worker ran ``plan``: ``success`` for the GPU -> CPU copy, ``cascade_success``
-        for the files, which held ``cascade_bytes`` bytes. A cascade that ran feeds the
-        storage tier's back-pressure detector (its time since submission, or a failure); one
-        that never ran (the copy before it failed, or its step was undone) tells it nothing."""
-        self.primary.complete_store(plan.keys, req_context, success)
-        if self.secondary is not None and success and plan.keys and not plan.cascade_dropped:
-            # vLLM's cascade job covers every key the CPU tier just stored (the tier skips
-            # those it has), and it exists only once the GPU -> CPU copy landed.
-            meta = self._new_job(plan.keys, plan.cpu_slots, False, req_context)
-            result = JobResult(meta.transfer_job.job_id, cascade_success, transfer_time=cascade_time, transfer_bytes=cascade_bytes)
-            self._metrics.on_job_finished(meta, result)
-        if self.secondary is not None and plan.cascade_keys:
-            self.secondary.complete_store(plan.cascade_keys, req_context, success and cascade_success)
-            detector = self.secondary.bp_detector
-            if detector is not None and success and plan.cascade_submit_time is not None:
-                if cascade_success:
-                    detector.update(plan.cascade_submit_time, cascade_bytes or 0)
-                else:
-                    detector.on_store_failed()
-
-    def reset_cache(self) -> None:
-        """Empty the CPU tier; the storage tier keeps its files (they outlive a reset in
-        vLLM too) but its back-pressure detector starts over."""
-        self.primary.reset_cache()
-        if self.secondary is not None and self.secondary.bp_detector is not None:
-            self.secondary.bp_detector.reset()
-
-    # -- a request's first and last word ------------------------------------------------------------
-    def on_new_request(self, req_context: ReqContext) -> None:
-        for t in self.tiers:
-            t.on_new_request(req_context)
-        self._metrics.on_new_request(req_context)
+    def create_store_job(self, keys: Collection[OffloadKey], req_context: ReqContext) -> TransferJob:
+        return self._m.create_store_job(keys, req_context, self._origin_idx)
 
     def on_request_finished(self, req_context: ReqContext) -> None:
-        """Every tier commits what the request read and stored (its recency, vLLM 0.33)."""
-        for t in self.tiers:
-            t.on_request_finished(req_context)
-        self._metrics.on_request_finished(req_context)
+        self._m.on_request_finished(req_context, exclude_tier_idx=self._origin_idx)
+
+
+class TieringOffloadingManager(OffloadingManager):
+    """A CPU primary tier and any number of secondary tiers (see the module docstring)."""
+
+    def __init__(
+        self,
+        primary_tier: CPUPrimaryTierOffloadingManager,
+        secondary_tiers: list[SecondaryTierManager] | None = None,
+        tier_poll_interval_s: float = DEFAULT_TIER_POLL_INTERVAL_S,
+    ) -> None:
+        if not isinstance(primary_tier, CPUPrimaryTierOffloadingManager):
+            raise TypeError(f"primary_tier must be a CPUPrimaryTierOffloadingManager, got {type(primary_tier).__name__}")
+        tiers = list(secondary_tiers or [])
+        for i, tier in enumerate(tiers):
+            if not isinstance(tier, SecondaryTierManager):
+                raise TypeError(f"secondary_tiers[{i}] must be a SecondaryTierManager, got {type(tier).__name__}")
+        if len(set(map(id, tiers))) != len(tiers):
+            raise ValueError("secondary_tiers lists one tier twice")
+        check_number("tier_poll_interval_s", tier_poll_interval_s)
+        self._lock = threading.Lock()
+        self.primary_tier = primary_tier
+        self.secondary_tiers = tiers
+        self._job_id_counter: JobId = 0
+        self._jobs: dict[JobId, JobMetadata] = {}  # submitted, not reported
+        self._promotions_held = False  # reset_cache() .. on_reset_flushed()
+        strides = primary_tier.get_kv_memoryview().strides
+        assert strides is not None  # a 2-D view of the region
+        self._metrics = TieringMetricsTracker([t.tier_type for t in tiers], primary_tier.num_blocks, strides[0])
+        self._pending_load_submissions: dict[int, dict[str, PendingPromotion]] = {}  # tier -> req id -> chunks
+        self._processed_jobs_this_step = False
+        self._req_state: dict[str, RequestState] = {}
+        # A promoted block is read from host memory, but it is reported as the tier it came from.
+        self._request_load_sources: dict[str, dict[OffloadKey, CacheHitSource]] = {}
+        self._tier_index = {id(t): i for i, t in enumerate(tiers)}
+        self._tier_parents = [_SecondaryTierFacingParent(self, i) for i in range(len(tiers))]
+        self._polled_tiers = [t for t in tiers if t.tolerates_off_thread_polling]
+        self._tier_poll_interval_s = float(tier_poll_interval_s)
+        self._tier_poll_stop = threading.Event()
+        self._tier_poll_thread: threading.Thread | None = None
+        if self._polled_tiers and self._tier_poll_interval_s > 0:
+            self._tier_poll_thread = threading.Thread(target=self._tier_poll_loop, name="kvlab_offload_tier_poll", daemon=True)
+            self._tier_poll_thread.start()
+
+    @property
+    def lock(self) -> threading.Lock:
+        return self._lock
+
+    # -- the tier-poll thread -----------------------------------------------------------------------
+    def _tier_poll_loop(self) -> None:
+        failing_since: float | None = None
+        while not self._tier_poll_stop.is_set():
+            if not self._lock.acquire(timeout=_POLL_LOCK_TIMEOUT_S):
+                continue
+            try:
+                self.poll_tiers()
+                failing_since = None
+            except Exception:
+                failing_since = failing_since or time.monotonic()
+                logger.exception("KV offload tier-poll round failed")
+            finally:
+                self._lock.release()
+            if failing_since is not None and time.monotonic() - failing_since >= _POLL_GIVE_UP_AFTER_S:
+                logger.error("KV offload tier-poll thread stops after %.0f s of failures; tiers are served per step", _POLL_GIVE_UP_AFTER_S)
+                return
+            # After the release: a lock is not fair, and this pause is the scheduler's turn.
+            self._tier_poll_stop.wait(self._tier_poll_interval_s)
+
+    def poll_tiers(self) -> None:
+        """One round for the tiers that opted in (caller holds :attr:`lock`): collect their
+        finished jobs, let them serve their peers. The step's batched promotions and parked
+        cascades wait for ``on_schedule_end``; the per-step poll gate is left as it was."""
+        gate = self._processed_jobs_this_step
+        self._processed_jobs_this_step = True
+        try:
+            self._process_finished_jobs(self._polled_tiers)
+            for tier in self._polled_tiers:
+                tier.serve_external_requests(self._tier_parents[self._tier_index[id(tier)]])
+        finally:
+            self._processed_jobs_this_step = gate
+
+    # -- jobs ---------------------------------------------------------------------------------------
+    def _next_job_id(self) -> JobId:
+        job_id = self._job_id_counter
+        self._job_id_counter += 1
+        return job_id
+
+    def _register_job(self, job: TransferJob, tier_idx: int) -> None:
+        meta = JobMetadata(job, tier_idx)
+        self._jobs[job.job_id] = meta
+        self._metrics.on_job_registered(meta)
+
+    def _maybe_process_finished_jobs(self) -> None:
+        if not self._processed_jobs_this_step:
+            self._processed_jobs_this_step = True
+            self._process_finished_jobs()
+
+    def _process_finished_jobs(self, tiers: Sequence[SecondaryTierManager] | None = None) -> None:
+        for tier in self.secondary_tiers if tiers is None else tiers:
+            i = self._tier_index[id(tier)]
+            for result in tier.get_finished_jobs():
+                meta = self._jobs.pop(result.job_id, None)
+                if meta is None:
+                    raise RuntimeError(f"tier #{i} ({tier.tier_type}) reported job {result.job_id}, which is not in flight")
+                if meta.tier_idx != i:
+                    raise RuntimeError(f"tier #{i} ({tier.tier_type}) reported job {result.job_id} of tier #{meta.tier_idx}")
+                self._metrics.on_job_finished(meta, result)
+                job = meta.transfer_job
+                if job.is_promotion:
+                    self._complete_promotion(meta, result)
+                else:
+                    self.primary_tier.complete_read(job.keys, job.req_context)
+                    self._update_backpressure(tier, meta, result)
+
+    def _complete_promotion(self, meta: JobMetadata, result: JobResult) -> None:
+        job = meta.transfer_job
+        ok: Collection[OffloadKey]
+        bad: Collection[OffloadKey]
+        if result.success:
+            ok, bad = job.keys, ()
+        elif result.successful_keys:
+            # A set, as vLLM 0.33 builds it: the failed chunks go back to the free list in
+            # the set's order, which depends on the process's hash seed (so does vLLM's).
+            bad = set(job.keys)
+            if not bad.issuperset(result.successful_keys):
+                raise RuntimeError(f"promotion job {result.job_id} reported keys it was not given")
+            bad.difference_update(result.successful_keys)
+            ok = result.successful_keys
+        else:
+            ok, bad = (), job.keys
+        sources = self._request_load_sources.get(job.req_context.req_id)
+        if sources is not None:
+            origin = self.secondary_tiers[meta.tier_idx].cache_hit_source
+            for key in bad:
+                if sources.get(key) == origin:
+                    del sources[key]
+        if ok:
+            self.primary_tier.complete_write(ok, job.req_context, True)
+        if bad:
+            self.primary_tier.complete_write(bad, job.req_context, False)
+
+    def _update_backpressure(self, tier: SecondaryTierManager, meta: JobMetadata, result: JobResult) -> None:
+        detector = tier.bp_detector
+        if detector is None:
+            return
+        if result.success:
+            job = meta.transfer_job
+            nbytes = result.transfer_bytes if result.transfer_bytes is not None else len(job.keys) * tier.block_size_bytes
+            detector.update(job.submit_time, nbytes)
+        else:
+            detector.on_store_failed()
+
+    # -- lookups and loads --------------------------------------------------------------------------
+    def lookup(self, key: OffloadKey, req_context: ReqContext | None = None, *, exclude_tier_idx: int | None = None) -> LookupResult:
+        """HIT: readable in the CPU tier. HIT_PENDING: being written there (a promotion this
+        call may have just started). RETRY: a secondary tier is still finding out. MISS:
+        nowhere, no CPU chunk to promote into, or promotions held after a reset."""
+        ctx = req_context if req_context is not None else ReqContext("")
+        self._maybe_process_finished_jobs()  # a promotion that ended reads as HIT now
+        start = time.monotonic()  # the durations feed histograms only; nothing decides on them
+        primary = self.primary_tier.lookup(key, ctx)
+        self._metrics.on_lookup(ctx, key, self._metrics.primary_tier_label, primary, time.monotonic() - start)
+        if primary is not LookupResult.MISS:
+            return primary
+        if self._promotions_held:
+            return LookupResult.MISS
+        any_retry = False
+        for i, tier in enumerate(self.secondary_tiers):
+            if i == exclude_tier_idx or not ctx.load_tier_filter.allows(tier.medium, tier.locality):
+                continue
+            label = self._metrics.tier_label(i)
+            start = time.monotonic()
+            result = tier.lookup(key, ctx)
+            self._metrics.on_lookup(ctx, key, label, result, time.monotonic() - start)
+            if result is LookupResult.HIT:
+                return LookupResult.HIT_PENDING if self._initiate_promotion(i, key, ctx) else LookupResult.MISS
+            any_retry |= result is LookupResult.RETRY
+        return LookupResult.RETRY if any_retry else LookupResult.MISS
+
+    def get_load_source(self, key: OffloadKey, req_context: ReqContext | None = None) -> CacheHitSource:
+        sources = self._request_load_sources.get(req_context.req_id) if req_context is not None else None
+        if sources is not None and key in sources:
+            return sources[key]
+        return self.primary_tier.get_load_source(key, req_context)
+
+    def _initiate_promotion(self, tier_idx: int, key: OffloadKey, ctx: ReqContext) -> bool:
+        # The chunk is reserved now, so a second lookup this step sees HIT_PENDING and does
+        # not promote twice; the job itself is submitted with the step's others.
+        out = self.primary_tier.prepare_write([key], ctx)
+        if out is None:
+            self._metrics.on_promotion_allocation_failure()
+            return False
+        assert isinstance(out.store_spec, CPULoadStoreSpec)
+        sources = self._request_load_sources.setdefault(ctx.req_id, {})
+        for k in out.keys_to_store:
+            sources[k] = self.secondary_tiers[tier_idx].cache_hit_source
+        entry = self._pending_load_submissions.setdefault(tier_idx, {}).setdefault(ctx.req_id, PendingPromotion(ctx))
+        entry.keys.extend(out.keys_to_store)
+        entry.chunk_ids.extend(int(c) for c in out.store_spec.chunk_ids)
+        return True
+
+    def _flush_pending_promotions(self) -> None:
+        for tier_idx, by_req in self._pending_load_submissions.items():
+            tier = self.secondary_tiers[tier_idx]
+            for entry in by_req.values():
+                job = TransferJob(self._next_job_id(), entry.keys, np.array(entry.chunk_ids, dtype=np.int32), True, entry.req_context)
+                self._register_job(job, tier_idx)
+                tier.submit_load(job)
+        self._pending_load_submissions.clear()
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> LoadStoreSpec:
+        """Pin CPU chunks for a GPU load (the keys were HIT this step)."""
+        return self.primary_tier.prepare_load(keys, req_context)
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> None:
+        self.primary_tier.touch(keys, req_context)
+        ctx = req_context if req_context is not None else ReqContext("")
+        for tier in self.secondary_tiers:
+            tier.touch(keys, ctx)
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> None:
+        self.primary_tier.complete_load(keys, req_context)
+
+    # -- stores -------------------------------------------------------------------------------------
+    def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> PrepareStoreOutput | None:
+        """CPU chunks for the keys the CPU tier lacks (cascades follow in ``complete_store``).
+        Polls first, always: a cascade that ended unpins chunks this eviction may take."""
+        ctx = self._known(req_context, "prepare_store")
+        self._processed_jobs_this_step = True
+        self._process_finished_jobs()
+        out = self.primary_tier.prepare_store(keys, ctx)
+        if out is None:
+            return None
+        state = self._req_state[ctx.req_id]
+        if out.keys_to_store:
+            state.pending_primary_stores += 1
+        if state.request_level_tiers:
+            new = set(out.keys_to_store)
+            present = [k for k in keys if k not in new]
+            if present:
+                self._cascade_present_keys(present, ctx, state.request_level_tiers)
+        return out
+
+    def _known(self, req_context: ReqContext | None, call: str) -> ReqContext:
+        if req_context is None or req_context.req_id not in self._req_state:
+            rid = None if req_context is None else req_context.req_id
+            raise KeyError(f"{call}: request {rid!r} is not known; call on_new_request first")
+        return req_context
+
+    def _cascade_present_keys(self, keys: Sequence[OffloadKey], ctx: ReqContext, tier_idxs: set[int]) -> None:
+        """Cascade, to the REQUEST_LEVEL tiers, blocks the CPU tier already holds. One still
+        being written is parked for the end of the step; a missing one has nothing to send."""
+        state = self._req_state[ctx.req_id]
+        ready = []
+        for key in keys:
+            result = self.primary_tier.lookup(key, ctx)
+            if result is LookupResult.HIT:
+                ready.append(key)
+            elif result is LookupResult.HIT_PENDING:
+                state.pending_cascade_keys.append(key)
+        if not ready:
+            return
+        for tier_idx in tier_idxs:
+            tier = self.secondary_tiers[tier_idx]
+            if tier.bp_detector is None or tier.bp_detector.should_store(len(ready)):
+                tier.submit_store(self.create_store_job(ready, ctx, tier_idx))
+
+    def _flush_pending_cascades(self) -> None:
+        for req_id, state in list(self._req_state.items()):
+            if state.pending_cascade_keys:
+                assert state.request_level_tiers
+                keys, state.pending_cascade_keys = state.pending_cascade_keys, []
+                self._cascade_present_keys(keys, state.req_context, state.request_level_tiers)
+                self._maybe_finalize_request(req_id)
+
+    def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None, success: bool = True) -> None:
+        """The GPU -> CPU copy ended; on success, one cascade job per secondary tier."""
+        ctx = self._known(req_context, "complete_store")
+        state = self._req_state[ctx.req_id]
+        if state.pending_primary_stores <= 0:
+            raise RuntimeError(f"complete_store: request {ctx.req_id!r} has no store in flight")
+        self.primary_tier.complete_store(keys, ctx, success)
+        if success:
+            for tier_idx, tier in enumerate(self.secondary_tiers):
+                if tier.bp_detector is None or tier.bp_detector.should_store(len(keys)):
+                    tier.submit_store(self.create_store_job(keys, ctx, tier_idx))
+        state.pending_primary_stores -= 1
+        self._maybe_finalize_request(ctx.req_id)
+
+    def create_store_job(self, keys: Collection[OffloadKey], req_context: ReqContext, tier_idx: int = 0) -> TransferJob:
+        """Pin ``keys``' CPU chunks and register a cascade job to tier ``tier_idx``; the caller
+        submits it (or, for a peer, moves the bytes itself)."""
+        spec = self.primary_tier.prepare_read(keys, req_context)
+        assert isinstance(spec, CPULoadStoreSpec)
+        job = TransferJob(self._next_job_id(), keys, spec.chunk_ids, False, req_context)
+        self._register_job(job, tier_idx)
+        return job
+
+    # -- a request's first and last word ------------------------------------------------------------
+    def on_new_request(self, req_context: ReqContext, *, exclude_tier_idx: int | None = None) -> RequestOffloadingContext:
+        """REQUEST_LEVEL if any secondary tier wants the request's every block."""
+        state = RequestState(req_context)
+        self._metrics.on_new_request(req_context)
+        for i, tier in enumerate(self.secondary_tiers):
+            if i != exclude_tier_idx and tier.on_new_request(req_context).policy is OffloadPolicy.REQUEST_LEVEL:
+                state.request_level_tiers = (state.request_level_tiers or set()) | {i}
+        self._req_state[req_context.req_id] = state
+        return RequestOffloadingContext(OffloadPolicy.REQUEST_LEVEL if state.request_level_tiers else OffloadPolicy.CHUNK_LEVEL)
+
+    def on_request_finished(self, req_context: ReqContext, *, exclude_tier_idx: int | None = None) -> None:
+        ctx = self._known(req_context, "on_request_finished")
+        self.primary_tier.on_request_finished(ctx)
+        self._req_state[ctx.req_id].is_finished = True
+        self._maybe_finalize_request(ctx.req_id, exclude_tier_idx)
+
+    def _maybe_finalize_request(self, req_id: str, exclude_tier_idx: int | None = None) -> None:
+        """Tell the tiers a request finished once no cascade can still be submitted for it."""
+        state = self._req_state[req_id]
+        if not state.is_finished or state.pending_primary_stores or state.pending_cascade_keys:
+            return
+        for i, tier in enumerate(self.secondary_tiers):
+            if i != exclude_tier_idx:
+                tier.on_request_finished(state.req_context)
+        self._metrics.on_request_finished(state.req_context)
+        self._request_load_sources.pop(req_id, None)
+        del self._req_state[req_id]
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
-        """The step's last word: requests allocated in it stop counting lookups (a request
-        looked up again while it waits counts each block once, vLLM 0.33)."""
+        """The step's last call: collect finished jobs, serve peers, submit the step's
+        promotions and parked cascades, and reopen the once-per-step poll."""
+        self._maybe_process_finished_jobs()
+        for i, tier in enumerate(self.secondary_tiers):
+            tier.serve_external_requests(self._tier_parents[i])
+        self._processed_jobs_this_step = False  # after serving: its lookups need no extra poll
+        self._flush_pending_promotions()
+        self._flush_pending_cascades()
+        for tier in self.secondary_tiers:
+            tier.on_schedule_end(context)
         for req_id in context.new_req_ids:
-            self._metrics.on_request_allocated(ReqContext(req_id))  # keyed by id; an unknown one is ignored
+            state = self._req_state.get(req_id)
+            if state is not None:
+                self._metrics.on_request_allocated(state.req_context)
 
-    def take_events(self) -> list[OffloadingEvent]:
-        return [e for t in self.tiers for e in t.take_events()]
+    def has_pending_work(self) -> bool:
+        return (
+            bool(self._jobs)
+            or any(s.pending_cascade_keys for s in self._req_state.values())
+            or any(t.has_pending_work() for t in self.secondary_tiers)
+        )
 
-    def tier_label(self, tier_idx: int) -> tuple[str]:
-        """A secondary tier's label value: its position after the primary and its type."""
-        return self._metrics.tier_label(tier_idx)
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        yield from self.primary_tier.take_events()
+        for tier in self.secondary_tiers:
+            yield from tier.take_events()
+
+    # -- resets, metrics, shutdown ------------------------------------------------------------------
+    def reset_cache(self) -> None:
+        """Empty the CPU tier once every tier drained its jobs (secondary tiers keep their
+        data). Running requests keep their state; finished ones are finalized. Promotions
+        are held until ``on_reset_flushed``."""
+        for tier in self.secondary_tiers:
+            tier.drain_jobs()
+        self._process_finished_jobs()
+        if self._jobs:
+            raise RuntimeError(f"reset_cache: jobs {sorted(self._jobs)} did not report after their tiers drained")
+        self._pending_load_submissions.clear()
+        self._request_load_sources.clear()
+        self._metrics.assert_idle()
+        finished = []
+        for req_id, state in self._req_state.items():
+            state.pending_primary_stores = 0
+            state.pending_cascade_keys.clear()
+            if state.is_finished:
+                for tier in self.secondary_tiers:
+                    tier.on_request_finished(state.req_context)
+                self._metrics.on_request_finished(state.req_context)
+                finished.append(req_id)
+        self.primary_tier.reset_cache()
+        for req_id in finished:
+            del self._req_state[req_id]
+        self._processed_jobs_this_step = False
+        for tier in self.secondary_tiers:
+            if tier.bp_detector is not None:
+                tier.bp_detector.reset()
+        self._promotions_held = bool(self.secondary_tiers)
+
+    def on_reset_flushed(self) -> None:
+        self._promotions_held = False
 
     def get_stats(self) -> OffloadingConnectorStats | None:
-        """The metrics since the last call (vLLM 0.33's ``get_stats``; None when there is
-        nothing to say): the CPU tier's own, then the tiering metrics -- each secondary
-        tier's job gauges, back-pressure, lookups and finished jobs, labelled by tier."""
-        stats = self.primary.get_stats()
+        stats = self.primary_tier.get_stats()
         if stats is not None and stats.is_empty():
             stats = None
-        tiers = [self.secondary] if self.secondary is not None else []
-        self._metrics.record_backpressure(tiers)
-        tiering = self._metrics.take_stats()
-        if tiering is not None:
-            stats = tiering if stats is None else stats.aggregate(tiering)
+        self._metrics.record_backpressure(self.secondary_tiers)
+        for part in (self._metrics.take_stats(), *(t.get_stats() for t in self.secondary_tiers)):
+            if part is not None and not part.is_empty():
+                stats = part if stats is None else stats.aggregate(part)
         return stats
 
     def config_info(self) -> list[ConfigInfoMapping]:
         """One series per tier, the CPU tier first, each with its tier label."""
-        (primary,) = self.primary.config_info()
-        infos: list[ConfigInfoMapping] = [{**primary, TIER_LABEL: PRIMARY_TIER_LABEL[0]}]
-        if self.secondary is not None:
-            (info,) = self.secondary.config_info()
-            infos.append({**info, TIER_LABEL: self.tier_label(0)[0]})
+        (primary,) = self.primary_tier.config_info()
+        infos: list[ConfigInfoMapping] = [{**primary, TIER_LABEL: self._metrics.primary_tier_label[0]}]
+        for i, tier in enumerate(self.secondary_tiers):
+            infos.append({**tier.config_info(), TIER_LABEL: self._metrics.tier_label(i)[0]})
         return infos
 
-    def check_invariants(self) -> None:
-        for t in self.tiers:
-            t.check_invariants()
+    def shutdown(self) -> None:
+        """Stop the tier-poll thread, then each tier, then the CPU tier (call it without
+        holding :attr:`lock`). If a tier fails to shut down, the shared region is kept: the
+        tier may still use it."""
+        self._tier_poll_stop.set()
+        thread = self._tier_poll_thread
+        if thread is not None:
+            thread.join(timeout=_POLL_JOIN_TIMEOUT_S)
+            if thread.is_alive():
+                if not self._lock.acquire(timeout=_POLL_JOIN_TIMEOUT_S):
+                    raise RuntimeError("the tier-poll thread is still running and the manager lock is held; call shutdown() without it")
+                try:
+                    self._shutdown_tiers()
+                finally:
+                    self._lock.release()
+                return
+            self._tier_poll_thread = None
+        self._shutdown_tiers()
+
+    def _shutdown_tiers(self) -> None:
+        error: Exception | None = None
+        for i, tier in enumerate(self.secondary_tiers):
+            try:
+                tier.shutdown()
+            except Exception as exc:
+                error = exc
+                logger.exception("secondary tier #%d (%s) failed to shut down", i, tier.tier_type)
+        if error is not None:
+            raise error
+        self.primary_tier.shutdown()

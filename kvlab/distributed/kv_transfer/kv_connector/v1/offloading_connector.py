@@ -29,7 +29,7 @@ from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.worker import Offl
 from kvlab.kv_offload.cpu.manager import CPUOffloadingManager
 from kvlab.kv_offload.tiering.factory import create_backpressure_detector
 from kvlab.kv_offload.tiering.fs.manager import FileSystemTierManager
-from kvlab.kv_offload.tiering.manager import TieringOffloadingManager
+from kvlab.kv_offload.tiering.staged import StagedTieringManager
 from kvlab.kv_offload.stats import OffloadingConnectorStats
 from kvlab.utils.checks import check_int
 
@@ -95,7 +95,7 @@ class OffloadingConnector(KVConnectorBase_V1):
                 enable_events=True,
                 store_threshold=self.store_threshold,
             )
-            manager = TieringOffloadingManager(cpu, storage)
+            manager = StagedTieringManager(cpu, storage)
             self.connector_scheduler = self.scheduler_cls(manager, self.block_size, offload_prompt_only)
         else:
             self.connector_worker = OffloadingConnectorWorker(self.num_cpu_blocks, self.block_size)
@@ -113,7 +113,7 @@ class OffloadingConnector(KVConnectorBase_V1):
         return self.connector_worker
 
     @property
-    def manager(self) -> TieringOffloadingManager:
+    def manager(self) -> StagedTieringManager:
         """The tiers' books (scheduler side): ``manager.primary`` is the CPU tier."""
         return self.scheduler.manager
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from kvlab.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 from kvlab.kv_offload.base import OffloadKey
-from kvlab.kv_offload.tiering.manager import LoadItem, StorePlan
+from kvlab.kv_offload.tiering.staged import LoadItem, StorePlan
 
 
 @dataclass(slots=True)

@@ -35,7 +35,7 @@ from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.common import (
 from kvlab.kv_offload.cpu.common import CPUOffloadingInfo
 from kvlab.kv_offload.base import OffloadKey, ReqContext, ScheduleEndContext, get_offload_block_hash, make_offload_key
 from kvlab.kv_offload.stats import OffloadingConnectorStats, _ConnectorMetricName, _TransferMetricName
-from kvlab.kv_offload.tiering.manager import StorePlan, TieringOffloadingManager
+from kvlab.kv_offload.tiering.staged import StorePlan, StagedTieringManager
 
 if TYPE_CHECKING:
     from kvlab.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -56,7 +56,7 @@ class RequestOffloadState:
 
 
 class OffloadingConnectorScheduler:
-    def __init__(self, manager: TieringOffloadingManager, block_size: int, offload_prompt_only: bool = True) -> None:
+    def __init__(self, manager: StagedTieringManager, block_size: int, offload_prompt_only: bool = True) -> None:
         self.manager = manager
         self.block_size = block_size
         self.offload_prompt_only = offload_prompt_only
