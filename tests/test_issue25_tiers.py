@@ -28,7 +28,7 @@ from kvlab.config.kv_transfer import KVTransferConfig
 from kvlab.engine.llm_engine import LLMEngine, build_engine
 from kvlab.kv_offload.base import LookupResult, make_offload_key
 from kvlab.kv_offload.tiering.fs.io import TierFileError, read_block_file, write_block_file
-from kvlab.kv_offload.tiering.fs.manager import FileSystemTierManager
+from kvlab.kv_offload.tiering.fs.staged import StagedFileSystemTier
 from kvlab.eventlog.events import OffloadEvicted
 
 
@@ -300,7 +300,7 @@ def test_an_oversized_tier_file_is_refused_without_reading_it(tmp_path):
 
 @pytest.mark.parametrize("kind", ["symlink to /dev/zero", "fifo", "directory"])
 def test_a_tier_file_that_is_not_a_regular_file_is_a_miss_at_lookup(tmp_path, kind):
-    tier = FileSystemTierManager(4, str(tmp_path / "tier"))
+    tier = StagedFileSystemTier(4, str(tmp_path / "tier"))
     out = tier.prepare_store([KEY])
     tier.complete_store(out.keys_to_store)
     path = tier.path_of(KEY)

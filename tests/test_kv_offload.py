@@ -29,7 +29,7 @@ from kvlab.kv_offload.cpu.policies.arc import ARCCachePolicy
 from kvlab.kv_offload.cpu.policies.factory import CachePolicyFactory
 from kvlab.kv_offload.cpu.policies.lru import LRUCachePolicy
 from kvlab.kv_offload.tiering.fs.io import TierFileError, read_block_file, write_block_file
-from kvlab.kv_offload.tiering.fs.manager import FileSystemTierManager
+from kvlab.kv_offload.tiering.fs.staged import StagedFileSystemTier
 from kvlab.kv_offload.tiering.staged import StagedTieringManager
 from kvlab.timeline import Timeline
 from kvlab.eventlog.events import KVLoadFailed, KVTransfer, OffloadEvicted
@@ -175,7 +175,7 @@ def test_tier_filters_match_medium_and_locality() -> None:
 
 
 def test_tiering_cascades_to_disk_and_promotes_through_the_cpu(tmp_path) -> None:
-    t = StagedTieringManager(CPUOffloadingManager(2, enable_events=True), FileSystemTierManager(4, str(tmp_path)))
+    t = StagedTieringManager(CPUOffloadingManager(2, enable_events=True), StagedFileSystemTier(4, str(tmp_path)))
     plan = t.prepare_store([_k("a"), _k("b")])
     assert plan.cpu_slots == [0, 1] and plan.cascade_slots == [0, 1]
     h = _k("a")[:-4].hex()  # the folder digest: vLLM 0.33's FileMapper for the same fields
@@ -203,7 +203,7 @@ def test_tiering_cascades_to_disk_and_promotes_through_the_cpu(tmp_path) -> None
 
 def test_a_promotion_needs_a_cpu_slot(tmp_path) -> None:
     """... and the tiering metrics count the one that found none (vLLM 0.33's counter)."""
-    t = StagedTieringManager(CPUOffloadingManager(1), FileSystemTierManager(4, str(tmp_path)), chunk_size_bytes=64)
+    t = StagedTieringManager(CPUOffloadingManager(1), StagedFileSystemTier(4, str(tmp_path)), chunk_size_bytes=64)
     for name in ("a", "b"):
         plan = t.prepare_store([_k(name)])
         for p in plan.cascade_paths:

@@ -307,7 +307,7 @@ def test_the_tier_factory_builds_a_registered_or_an_out_of_tree_tier_with_its_de
     assert config["type"] == "example" and "backpressure" in config  # the caller's dict is not consumed
     out_of_tree = {"type": "ExampleSecondaryTierManager", "module_path": "kvlab.kv_offload.tiering.example.manager"}
     assert SecondaryTierFactory.get_tier_class(out_of_tree) is ExampleSecondaryTierManager
-    with pytest.raises(ValueError, match=r"Unknown secondary tier type: 'nope'. Supported types: \['example'\]"):
+    with pytest.raises(ValueError, match=r"Unknown secondary tier type: 'nope'. Supported types: \['example', 'fs'\]"):
         SecondaryTierFactory.get_tier_class({"type": "nope"})
     with pytest.raises(ValueError, match="must include 'type'"):
         SecondaryTierFactory.get_tier_class({})
@@ -315,4 +315,123 @@ def test_the_tier_factory_builds_a_registered_or_an_out_of_tree_tier_with_its_de
         SecondaryTierFactory.get_tier_class({"type": "CPUOffloadingManager", "module_path": "kvlab.kv_offload.cpu.manager"})
     with pytest.raises(ValueError, match="'example' is already registered"):
         SecondaryTierFactory.register_tier("example", "x", "Y")
+    view.release()
+
+
+# -- the asynchronous file tier: real files, real threads ----------------------------------------
+def _fs_spec():
+    from types import SimpleNamespace
+
+    from kvlab.kv_offload import config as oc
+
+    conf = oc.OffloadingConfig(
+        groups=(oc.OffloadingGroupConfig(16, ("l0",), 0),),
+        worker_kv_bytes_per_block=4096,
+        enable_kv_cache_events=True,
+        extra_config={},
+        engine_id="e",
+        model=oc.OffloadingModelConfig("m", "float16"),
+        cache=oc.OffloadingCacheConfig(16, 1),
+        parallel=oc.OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, True),
+    )
+    return SimpleNamespace(config=conf, blocks_per_chunk=1, kv_events_config=SimpleNamespace(enable_kv_cache_events=True))
+
+
+def _answered(tier, deadline_s=60.0):
+    """Wait (bounded) until the tier's lookup thread answered every key sent to it."""
+    import time
+
+    lm = tier._lookup_manager
+    end = time.monotonic() + deadline_s
+    while not lm._lookup_queue.empty() or any(s.phase.name == "IN_FLIGHT" for s in lm._lookup_state.values()):
+        lm.drain_results()
+        assert time.monotonic() < end, "the lookup thread did not answer"
+        time.sleep(0.005)
+
+
+def test_the_file_tier_writes_raw_chunks_and_promotes_them_back_in_later_steps(region, tmp_path):
+    import numpy as np
+
+    from kvlab.kv_offload.tiering.fs.manager import FileSystemTierManager
+
+    primary = CPUPrimaryTierOffloadingManager(2, region, enable_events=True)
+    view = primary.get_kv_memoryview()
+    rows = np.asarray(view)
+    fs = FileSystemTierManager(_fs_spec(), view, "fs", root_dir=str(tmp_path), n_read_threads=1, n_write_threads=1, enable_kv_events=True)
+    m = TieringOffloadingManager(primary, [fs], tier_poll_interval_s=0)
+    w, r = ReqContext("writer"), ReqContext("reader")
+    m.on_new_request(w)
+    for name in "ABC":  # C evicts A from the 2-chunk CPU tier once A's cascade reported
+        out = m.prepare_store([K[name]], w)
+        rows[out.store_spec.chunk_ids[0]] = ord(name)  # what the worker's GPU -> CPU copy would leave
+        m.complete_store([K[name]], w, True)
+        fs.drain_jobs()
+        m.on_schedule_end(ScheduleEndContext([], []))
+    path = fs.file_mapper.get_file_name(K["A"])
+    assert open(path, "rb").read() == bytes([ord("A")]) * 4096  # the chunk's bytes, nothing else: vLLM's format
+    # A store's event comes when the manager collects the finished job: C's at the next poll.
+    assert [(Medium(e.medium).value, [NAME[k] for k in e.keys]) for e in fs.take_events()] == [("STORAGE", ["A"]), ("STORAGE", ["B"])]
+    m.on_request_finished(w)
+
+    m.on_new_request(r)
+    assert m.lookup(K["A"], r) is LookupResult.RETRY  # the file check runs on the lookup thread
+    m.on_schedule_end(ScheduleEndContext(["reader"], []))
+    _answered(fs)
+    assert m.lookup(K["A"], r) is LookupResult.HIT_PENDING  # found on disk: a CPU chunk is reserved
+    m.on_schedule_end(ScheduleEndContext([], []))  # the promotion job is submitted
+    fs.drain_jobs()
+    assert m.lookup(K["A"], r) is LookupResult.HIT
+    (chunk,) = m.prepare_load([K["A"]], r).chunk_ids.tolist()
+    assert rows[chunk].tobytes() == bytes([ord("A")]) * 4096 and m.get_load_source(K["A"], r) is CacheHitSource.DISK
+    m.complete_load([K["A"]], r)
+    m.shutdown()
+
+
+def test_a_damaged_file_fails_its_promotion_is_removed_and_then_reads_as_a_miss(region, tmp_path):
+    import numpy as np
+
+    from kvlab.kv_offload.tiering.fs.manager import FileSystemTierManager
+
+    primary = CPUPrimaryTierOffloadingManager(2, region)
+    view = primary.get_kv_memoryview()
+    fs = FileSystemTierManager(_fs_spec(), view, "fs", root_dir=str(tmp_path), n_read_threads=1, n_write_threads=1)
+    m = TieringOffloadingManager(primary, [fs], tier_poll_interval_s=0)
+    w, r = ReqContext("writer"), ReqContext("reader")
+    m.on_new_request(w)
+    for name in "ABC":
+        out = m.prepare_store([K[name]], w)
+        np.asarray(view)[out.store_spec.chunk_ids[0]] = ord(name)
+        m.complete_store([K[name]], w, True)
+        fs.drain_jobs()
+        m.on_schedule_end(ScheduleEndContext([], []))
+    path = fs.file_mapper.get_file_name(K["A"])
+    with open(path, "r+b") as f:
+        f.truncate(100)  # a short file: the only damage a raw block file can show
+    m.on_new_request(r)
+    m.lookup(K["A"], r)
+    m.on_schedule_end(ScheduleEndContext(["reader"], []))
+    _answered(fs)
+    assert m.lookup(K["A"], r) is LookupResult.HIT_PENDING
+    m.on_schedule_end(ScheduleEndContext([], []))
+    fs.drain_jobs()
+    assert m.lookup(K["A"], r) is LookupResult.MISS  # marked a miss: no second promotion of a bad file
+    assert not os.path.exists(path)
+    assert m.get_stats().data["data"]["vllm:kv_offload_tiering_promotion_job_failures"] == {("1:fs",): 1}
+    m.shutdown()
+
+
+def test_the_file_tier_refuses_a_spec_without_its_config_before_it_starts_a_thread(region, tmp_path):
+    from kvlab.kv_offload.tiering.fs.manager import FileSystemTierManager
+
+    view = region.create_kv_memoryview()
+
+    def tier_threads():
+        return {t.name for t in threading.enumerate() if t.name.startswith(("kvlab_kv_py_fs", "kvlab_offloading_lookup"))}
+
+    before = tier_threads()
+    with pytest.raises(TypeError, match=r"offloading_spec must have config \(an OffloadingConfig\)"):
+        FileSystemTierManager(None, view, "fs", root_dir=str(tmp_path))
+    with pytest.raises(TypeError, match="root_dir must be a directory path, got int"):
+        FileSystemTierManager(_fs_spec(), view, "fs", root_dir=5)  # type: ignore[arg-type]
+    assert tier_threads() == before and list(tmp_path.iterdir()) == []
     view.release()

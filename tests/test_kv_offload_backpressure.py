@@ -16,7 +16,7 @@ from kvlab.kv_offload.base import make_offload_key
 from kvlab.kv_offload.cpu.manager import CPUOffloadingManager
 from kvlab.kv_offload.tiering import backpressure as bp
 from kvlab.kv_offload.tiering.factory import create_backpressure_detector
-from kvlab.kv_offload.tiering.fs.manager import FileSystemTierManager
+from kvlab.kv_offload.tiering.fs.staged import StagedFileSystemTier
 from kvlab.kv_offload.tiering.staged import StagedTieringManager
 
 MIB = 1 << 20
@@ -205,7 +205,7 @@ def _keys(n: int, start: int = 0) -> list[bytes]:
 
 
 def _tiers(tmp_path, detector):
-    fs = FileSystemTierManager(8, str(tmp_path), block_size=4, backpressure_detector=detector)
+    fs = StagedFileSystemTier(8, str(tmp_path), block_size=4, backpressure_detector=detector)
     return StagedTieringManager(CPUOffloadingManager(8, enable_events=True), fs)
 
 
@@ -259,7 +259,7 @@ def test_a_cascade_feeds_its_time_since_submission_to_the_detector(tmp_path):
 
 def test_the_fs_tier_refuses_a_detector_of_the_wrong_type(tmp_path):
     with pytest.raises(TypeError, match="backpressure_detector must be None or a BackpressureDetector, got dict"):
-        FileSystemTierManager(4, str(tmp_path), backpressure_detector={"backpressure_cls": "EMABackpressureDetector"})  # type: ignore[arg-type]
+        StagedFileSystemTier(4, str(tmp_path), backpressure_detector={"backpressure_cls": "EMABackpressureDetector"})  # type: ignore[arg-type]
 
 
 # -- the offloading connector ------------------------------------------------------------------

@@ -57,7 +57,7 @@ from kvlab.kv_events import (
 )
 from kvlab.kv_offload.base import make_offload_key
 from kvlab.kv_offload.cpu.manager import CPUOffloadingManager
-from kvlab.kv_offload.tiering.fs.manager import FileSystemTierManager
+from kvlab.kv_offload.tiering.fs.staged import StagedFileSystemTier
 from kvlab.kv_offload.tiering.staged import StagedTieringManager
 from kvlab.learner import prediction as prediction_mod
 from kvlab.learner import predict
@@ -117,7 +117,7 @@ def world(tmp) -> SimpleNamespace:
     w.cpu.prepare_store([key(3)])
     w.cpu.prepare_load([key(1)])
     w.fs_dir = tmp / "tier"
-    w.tier = StagedTieringManager(CPUOffloadingManager(2), FileSystemTierManager(4, str(w.fs_dir)))
+    w.tier = StagedTieringManager(CPUOffloadingManager(2), StagedFileSystemTier(4, str(w.fs_dir)))
     plan = w.tier.prepare_store([key(4), key(5)])
     w.tier.complete_store(plan)
     for p in plan.cascade_paths:  # the worker would have written them
@@ -784,8 +784,8 @@ CASES = [
     # --- beyond the pool: the offload tiers' books -------------------------------------------------
     (E_BEYOND, "CPUOffloadingManager num_chunks 0", lambda w: CPUOffloadingManager(0), ValueError, "num_chunks=0 is out of range"),
     (E_BEYOND, "CPUOffloadingManager num_chunks str", lambda w: CPUOffloadingManager("4"), TypeError, "num_chunks must be an int"),
-    (E_BEYOND, "FileSystemTierManager root_dir int", lambda w: FileSystemTierManager(4, 5), TypeError, "root_dir must be a directory path"),
-    (E_BEYOND, "FileSystemTierManager num_blocks -1", lambda w: FileSystemTierManager(-1, str(w.fs_dir)), ValueError, "num_blocks=-1"),
+    (E_BEYOND, "StagedFileSystemTier root_dir int", lambda w: StagedFileSystemTier(4, 5), TypeError, "root_dir must be a directory path"),
+    (E_BEYOND, "StagedFileSystemTier num_blocks -1", lambda w: StagedFileSystemTier(-1, str(w.fs_dir)), ValueError, "num_blocks=-1"),
     (
         E_BEYOND,
         "StagedTieringManager primary int",
@@ -798,7 +798,7 @@ CASES = [
         "StagedTieringManager secondary CPU tier",
         lambda w: StagedTieringManager(w.cpu, CPUOffloadingManager(2)),
         TypeError,
-        "secondary must be None or a FileSystemTierManager",
+        "secondary must be None or a StagedFileSystemTier",
     ),
     (E_BEYOND, "cpu lookup(str)", lambda w: w.cpu.lookup("k1"), TypeError, "key must be an offload key"),
     (E_BEYOND, "cpu prepare_store(one key, not a list)", lambda w: w.cpu.prepare_store(key(7)), TypeError, "wrap a single key in a list"),

@@ -41,7 +41,7 @@ from kvlab.kv_offload.base import (
 from kvlab.kv_offload.cpu.manager import CPUOffloadingManager, _check_keys, _context
 from kvlab.kv_offload.stats import OffloadingConnectorStats
 from kvlab.kv_offload.tiering.base import TIER_LABEL, JobId, JobResult, TieringOffloadingMetrics, TransferJob
-from kvlab.kv_offload.tiering.fs.manager import FileSystemTierManager
+from kvlab.kv_offload.tiering.fs.staged import StagedFileSystemTier
 from kvlab.kv_offload.tiering.metrics import PRIMARY_TIER_LABEL, TieringMetricsTracker
 from kvlab.utils.checks import check_int
 
@@ -88,11 +88,11 @@ class StorePlan:
 class StagedTieringManager:
     """The books of all tiers together, as kvlab's offloading connector sees them."""
 
-    def __init__(self, primary: CPUOffloadingManager, secondary: FileSystemTierManager | None = None, *, chunk_size_bytes: int = 0) -> None:
+    def __init__(self, primary: CPUOffloadingManager, secondary: StagedFileSystemTier | None = None, *, chunk_size_bytes: int = 0) -> None:
         if not isinstance(primary, CPUOffloadingManager):
             raise TypeError(f"primary must be a CPUOffloadingManager, got {type(primary).__name__}")
-        if secondary is not None and not isinstance(secondary, FileSystemTierManager):
-            raise TypeError(f"secondary must be None or a FileSystemTierManager, got {type(secondary).__name__}")
+        if secondary is not None and not isinstance(secondary, StagedFileSystemTier):
+            raise TypeError(f"secondary must be None or a StagedFileSystemTier, got {type(secondary).__name__}")
         self.primary = primary
         self.secondary = secondary
         self._metrics = TieringMetricsTracker(
@@ -121,7 +121,7 @@ class StagedTieringManager:
         return meta
 
     @property
-    def tiers(self) -> list[CPUOffloadingManager | FileSystemTierManager]:
+    def tiers(self) -> list[CPUOffloadingManager | StagedFileSystemTier]:
         return [self.primary] + ([self.secondary] if self.secondary is not None else [])
 
     # -- lookups ----------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ import hashlib
 import os
 import stat
 import struct
+import threading
 
 MAGIC = b"KVLABKV1"
 _HEAD = struct.Struct("<8sH")  # magic, key length
@@ -143,3 +144,102 @@ def delete_block_file(path: str) -> None:
         os.remove(path)
     except FileNotFoundError:
         pass
+
+
+# -- vLLM 0.33's raw block files (the asynchronous tier, ``fs/manager.py``) --------------------------
+# A file is exactly one chunk's bytes, as vLLM's file-system tier writes it, so a folder written by
+# one can be read by the other. There is no header to check: the file's name is the block's hash,
+# and a file of the wrong size is the only damage a read can see (it is removed, vLLM's rule).
+
+O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+def probe_o_direct(directory: str) -> bool:
+    """Whether ``O_DIRECT`` (no page cache) works in ``directory``: one aligned page is written
+    and removed. Some file systems refuse it (overlayfs under a container's /tmp, tmpfs, some
+    NFS mounts); the tier then uses buffered I/O rather than failing every block."""
+    if not O_DIRECT:
+        return False
+    import mmap
+
+    path = os.path.join(directory, f".o_direct_probe_{os.getpid()}_{threading.get_ident()}")
+    page = mmap.mmap(-1, mmap.PAGESIZE)
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC | O_DIRECT | _O_NOFOLLOW, 0o644)
+        try:
+            os.write(fd, page)
+        finally:
+            os.close(fd)
+        return True
+    except OSError:
+        return False
+    finally:
+        page.close()
+        with contextlib.suppress(OSError):
+            os.remove(path)
+
+
+def _byte_slices(view: memoryview, offsets: list[int], block_size: int) -> list[memoryview]:
+    flat = view.cast("B")
+    for offset in offsets:
+        if offset < 0 or offset + block_size > len(flat):
+            raise ValueError(f"block offset {offset} (block_size {block_size}) is out of bounds for a buffer of {len(flat)} bytes")
+    return [flat[o : o + block_size] for o in offsets]
+
+
+def batch_store_block(paths: list[str], view: memoryview, offsets: list[int], block_size: int, use_o_direct: bool = True) -> None:
+    """Write ``view``'s bytes ``[offset, offset + block_size)`` to each path (skipping a path
+    that exists: same name, same block): a temporary file renamed into place, so no reader
+    sees half a block. Stops at the first error."""
+    if len(paths) != len(offsets):
+        raise ValueError(f"{len(paths)} paths but {len(offsets)} offsets")
+    direct = O_DIRECT if use_o_direct else 0
+    for path, data in zip(paths, _byte_slices(view, offsets, block_size)):
+        if os.path.lexists(path):
+            continue
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}_{threading.get_ident()}.tmp"
+        try:
+            fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | direct | _O_NOFOLLOW, 0o644)
+            try:
+                if os.write(fd, data) != block_size:
+                    raise OSError(f"short write to {tmp}")
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            raise
+
+
+class BatchLoadError(OSError):
+    """A batched read stopped at a block; ``num_succeeded`` blocks before it arrived."""
+
+    def __init__(self, message: str, num_succeeded: int) -> None:
+        super().__init__(message)
+        self.num_succeeded = num_succeeded
+
+
+def batch_load_block(paths: list[str], view: memoryview, offsets: list[int], block_size: int, use_o_direct: bool = True) -> None:
+    """Read each path into ``view`` at its offset, in order. A file shorter than a block is
+    damaged and removed; any failure raises :class:`BatchLoadError` with the number of
+    blocks read before it (those stay usable)."""
+    if len(paths) != len(offsets):
+        raise ValueError(f"{len(paths)} paths but {len(offsets)} offsets")
+    direct = O_DIRECT if use_o_direct else 0
+    for i, (path, dest) in enumerate(zip(paths, _byte_slices(view, offsets, block_size))):
+        try:
+            fd = os.open(path, os.O_RDONLY | direct | _O_NOFOLLOW | _O_NONBLOCK)
+            try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise OSError(f"{path} is not a regular file")
+                got = os.readv(fd, [dest])
+            finally:
+                os.close(fd)
+            if got < block_size:
+                with contextlib.suppress(OSError):
+                    os.remove(path)
+                raise OSError(f"short read from {path}: {got} of {block_size} bytes")
+        except OSError as exc:
+            raise BatchLoadError(f"block {i} of {len(paths)}: {exc}", i) from exc

@@ -1,78 +1,198 @@
-"""The storage tier's books (vLLM: ``FileSystemTierManager`` in
-``vllm/v1/kv_offload/tiering/fs/manager.py``; lesson 12).
+"""A disk tier behind the CPU tier, asynchronous (vLLM 0.33: ``FileSystemTierManager`` in
+``vllm/v1/kv_offload/tiering/fs/manager.py``).
 
-One file per block under ``root_dir`` (:class:`~kvlab.kv_offload.file_mapper.FileMapper`:
-vLLM 0.33's names), and the run's ``config.json`` beside them.
-A lookup trusts the index only if the file is still there (vLLM's tier checks the file
-system too): a file deleted behind the tier's back -- or replaced by a link, a FIFO or a
-device -- is a miss, and its entry is dropped with a reason naming the file. vLLM's file
-tier grows until the disk is full; kvlab gives it a capacity and the CPU tier's books (LRU), so the lessons can watch it evict (the evicted files are deleted by the worker).
+One file per block, named by its hash (:class:`~kvlab.kv_offload.file_mapper.FileMapper`,
+``<root>/<model>_<config hash>_r<rank>/<hhh>/<hh>_g<group>/<hash>.bin``), holding exactly the
+chunk's bytes -- the same folder vLLM's tier writes and reads, so either can serve the other.
+
+* **Lookups** do not touch the disk on the scheduler's thread: a key's first lookup answers
+  RETRY, and the step's keys are checked together by a worker thread
+  (:class:`~kvlab.kv_offload.tiering.async_lookup.AsyncLookupManager`) while the model runs.
+* **Stores and loads** are jobs for a pool of I/O threads (read-priority threads serve
+  promotions first, :mod:`~kvlab.kv_offload.tiering.fs.thread_pool`): a store writes the CPU
+  chunks ``chunk_ids`` to files (a temporary file renamed into place), a load reads files
+  into CPU chunks. ``get_finished_jobs`` reports them. A load that stops at a bad block keeps
+  the blocks before it (``successful_keys``) and marks the rest a miss, so the scheduler
+  does not promote the same bad file again and again.
+* The tier never evicts: files stay until someone removes them (vLLM's tier grows until the
+  disk is full). kvlab's engine uses an in-step disk tier with a capacity instead
+  (:mod:`kvlab.kv_offload.tiering.fs.staged`), so its lessons can watch a disk evict.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable
+from typing import Any, ClassVar
 
-from kvlab.kv_offload.base import ConfigInfoMapping, LookupResult, Medium, OffloadKey, ReqContext
-from kvlab.kv_offload.cpu.manager import CPUOffloadingManager
+from kvlab.kv_offload.base import (
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+)
+from kvlab.kv_offload.config import OffloadingConfig
 from kvlab.kv_offload.file_mapper import FileMapper
-from kvlab.kv_offload.stats import OffloadingConnectorStats
+from kvlab.kv_offload.tiering.async_lookup import AsyncLookupManager
 from kvlab.kv_offload.tiering.backpressure import BackpressureDetector
-from kvlab.kv_offload.tiering.fs.io import is_regular_file
-from kvlab.utils.checks import check_int
+from kvlab.kv_offload.tiering.base import JobId, JobResult, SecondaryTierManager, TransferJob
+from kvlab.kv_offload.tiering.fs.io import BatchLoadError, batch_load_block, batch_store_block, probe_o_direct
+from kvlab.kv_offload.tiering.fs.thread_pool import DualQueueThreadPool
+
+logger = logging.getLogger(__name__)
 
 
-class FileSystemTierManager(CPUOffloadingManager):
-    """The CPU tier's books (LRU policy, events on) over files instead of host memory: a
-    file is named by its block, so no chunk can hold a stale block (no slot tracking)."""
+class FsAsyncLookupManager(AsyncLookupManager):
+    """Existence checks for the file tier: does the block's file exist?"""
 
-    medium = Medium.STORAGE.value
-    _tracks_slot_writes = False
+    def __init__(self, tier: FileSystemTierManager, tier_type: str) -> None:
+        self._tier = tier
+        super().__init__(tier_type=tier_type)
 
-    tier_type = "fs"
+    def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
+        return [os.path.exists(self._tier.file_mapper.get_file_name(k)) for k in keys]
+
+
+class FileSystemTierManager(SecondaryTierManager):
+    """Files under ``root_dir``, moved by ``n_read_threads`` + ``n_write_threads`` threads.
+
+    ``offloading_spec``: what the folder is named after -- any object with ``config`` (an
+    :class:`~kvlab.kv_offload.config.OffloadingConfig`), ``blocks_per_chunk`` and
+    ``kv_events_config.enable_kv_cache_events`` (vLLM's ``OffloadingSpec`` has all three).
+    ``enable_kv_events``: publish a BlockStored-like event per landed store (only if events
+    are on for the engine)."""
+
+    medium: ClassVar[Medium] = Medium.STORAGE
 
     def __init__(
-        self, num_blocks: int, root_dir: str, *, block_size: int = 16, backpressure_detector: BackpressureDetector | None = None
+        self,
+        offloading_spec: Any,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        root_dir: str,
+        n_read_threads: int = 16,
+        n_write_threads: int = 16,
+        enable_kv_events: bool = False,
+        locality: str | None = None,
+        backpressure_detector: BackpressureDetector | None = None,
     ) -> None:
-        if backpressure_detector is not None and not isinstance(backpressure_detector, BackpressureDetector):
-            raise TypeError(f"backpressure_detector must be None or a BackpressureDetector, got {type(backpressure_detector).__name__}")
-        super().__init__(check_int("num_blocks", num_blocks, 1), enable_events=True)
-        self._bp_detector = backpressure_detector
-        # One worker, so its bytes do not depend on a parallel split: vLLM's tier opts in to
-        # the parallel-agnostic folder the same way.
-        self.file_mapper = FileMapper(root_dir, tokens_per_hash=check_int("block_size", block_size, 1), parallel_agnostic=True)
-        # What the folder holds, for whoever reads it later (vLLM writes it once, as here).
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        if not isinstance(getattr(offloading_spec, "config", None), OffloadingConfig) or not hasattr(offloading_spec, "kv_events_config"):
+            raise TypeError(
+                "offloading_spec must have config (an OffloadingConfig), blocks_per_chunk and kv_events_config, "
+                f"got {type(offloading_spec).__name__}"
+            )
+        if not isinstance(root_dir, (str, os.PathLike)):
+            raise TypeError(f"root_dir must be a directory path, got {type(root_dir).__name__}")
+        self.locality = Locality(locality) if locality is not None else None
+        self.events: list[OffloadingEvent] | None = None
+        if enable_kv_events:
+            if offloading_spec.kv_events_config.enable_kv_cache_events:
+                self.events = []
+            else:
+                logger.warning("enable_kv_events is set on tier %r but KV cache events are off for the engine; it emits none", tier_type)
+        self._store_job_keys: dict[JobId, list[OffloadKey]] = {}  # only with events on
+        self._load_job_keys: dict[JobId, list[OffloadKey]] = {}
+        self._job_block_counts: dict[JobId, int] = {}
+        # Written by an I/O thread before its job is reported finished, read after: safe.
+        self._load_progress: dict[JobId, int] = {}
+        self._block_size = self.block_size_bytes
+        self.file_mapper = FileMapper.from_offloading_spec(
+            root_dir=os.fspath(root_dir),
+            offloading_spec=offloading_spec,
+            blocks_per_file=offloading_spec.blocks_per_chunk,
+            parallel_agnostic=True,
+        )
         config_path = self.file_mapper.get_config_file_path()
         os.makedirs(os.path.dirname(config_path), exist_ok=True)
         if not os.path.exists(config_path):
             with open(config_path, "w") as f:
                 json.dump(self.file_mapper.get_run_config(), f, indent=2, sort_keys=True)
+        self._use_o_direct = probe_o_direct(os.path.dirname(config_path))
+        self._pool = DualQueueThreadPool(n_read_threads, n_write_threads, thread_name_prefix="kvlab_kv_py_fs")
+        self._lookup_manager = FsAsyncLookupManager(self, tier_type)
 
-    @property
-    def bp_detector(self) -> BackpressureDetector | None:
-        """Decides whether a cascade to this tier is sent (None: always); see
-        :mod:`kvlab.kv_offload.tiering.backpressure`."""
-        return self._bp_detector
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
 
-    def get_stats(self) -> OffloadingConnectorStats | None:
-        """The disk tier keeps no metrics of its own (vLLM 0.33's file-system tier neither);
-        its back-pressure is reported by the tiering manager."""
-        return None
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        found = self._lookup_manager.lookup(key, req_context)
+        return LookupResult.RETRY if found is None else LookupResult.HIT if found else LookupResult.MISS
 
-    def config_info(self) -> Sequence[ConfigInfoMapping]:
-        """No facts of its own: one empty series (the tiering manager adds its tier label)."""
-        return [{}]
+    def _offsets(self, job: TransferJob) -> list[int]:
+        return [int(c) * self._block_size for c in job.chunk_ids]
 
-    def path_of(self, key: OffloadKey) -> str:
-        return self.file_mapper.get_file_name(key)
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        keys = list(job_metadata.keys)
+        if self.events is not None:
+            self._store_job_keys[job_metadata.job_id] = keys
+        paths = [self.file_mapper.get_file_name(k) for k in keys]
+        task = functools.partial(
+            batch_store_block, paths, self._primary_kv_view, self._offsets(job_metadata), self._block_size, self._use_o_direct
+        )
+        self._job_block_counts[job_metadata.job_id] = len(keys)
+        self._pool.enqueue_store(job_metadata.job_id, 1, [task])
 
-    def lookup(self, key: OffloadKey, req_context: ReqContext | None = None) -> LookupResult:
-        result = super().lookup(key, req_context)
-        if result is LookupResult.HIT and not is_regular_file(path := self.path_of(key)):
-            # Gone, or something that is not a file the tier wrote (a link, a FIFO, a device).
-            why = "file missing" if not os.path.lexists(path) else "not a regular file"
-            self.remove([key], reason=f"{why}: {path}")
-            return LookupResult.MISS
-        return result
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        job_id = job_metadata.job_id
+        keys = list(job_metadata.keys)
+        self._load_job_keys[job_id] = keys
+        self._job_block_counts[job_id] = len(keys)
+        paths = [self.file_mapper.get_file_name(k) for k in keys]
+        offsets = self._offsets(job_metadata)
+
+        def load() -> None:
+            try:
+                batch_load_block(paths, self._primary_kv_view, offsets, self._block_size, self._use_o_direct)
+            except OSError as exc:
+                self._load_progress[job_id] = exc.num_succeeded if isinstance(exc, BatchLoadError) else 0
+                raise
+
+        self._pool.enqueue_load(job_id, 1, [load])
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        results = []
+        for job_id, success, seconds in self._pool.get_finished():
+            count = self._job_block_counts.pop(job_id, 0)
+            nbytes = count * self._block_size if count else None
+            stored = self._store_job_keys.pop(job_id, None)
+            if self.events is not None and success and stored:
+                self.events.append(OffloadingEvent(keys=stored, medium=self.medium, removed=False, locality=self.locality))
+            loaded = self._load_job_keys.pop(job_id, None)
+            arrived = self._load_progress.pop(job_id, 0)
+            if loaded is not None and not success:
+                # The blocks read before the bad one stay; it and those after it are a miss.
+                self._lookup_manager.mark_miss(loaded[arrived:])
+                ok = tuple(loaded[:arrived]) or None
+                results.append(JobResult(job_id, False, successful_keys=ok, transfer_time=seconds, transfer_bytes=nbytes))
+                continue
+            results.append(JobResult(job_id, success, transfer_time=seconds, transfer_bytes=nbytes))
+        return results
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        if self.events:
+            out, self.events = self.events, []
+            yield from out
+
+    def drain_jobs(self) -> None:
+        self._pool.wait_idle()
+
+    def has_pending_work(self) -> bool:
+        return False  # as vLLM's: the manager's job table keeps the engine stepping
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self._lookup_manager.cleanup(req_context.req_id)
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        self._lookup_manager.flush()
+
+    def shutdown(self) -> None:
+        self._lookup_manager.shutdown()
+        self._pool.shutdown(wait=True)

@@ -28,7 +28,7 @@ from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import O
 from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.worker import OffloadingConnectorWorker
 from kvlab.kv_offload.cpu.manager import CPUOffloadingManager
 from kvlab.kv_offload.tiering.factory import create_backpressure_detector
-from kvlab.kv_offload.tiering.fs.manager import FileSystemTierManager
+from kvlab.kv_offload.tiering.fs.staged import StagedFileSystemTier
 from kvlab.kv_offload.tiering.staged import StagedTieringManager
 from kvlab.kv_offload.stats import OffloadingConnectorStats
 from kvlab.utils.checks import check_int
@@ -77,14 +77,14 @@ class OffloadingConnector(KVConnectorBase_V1):
         self.store_threshold = check_int("store_threshold", cfg.get("store_threshold", 0), 0)
         # The disk tier's back-pressure (vLLM 0.33's "backpressure" dict); built here, before
         # any tier, so a bad config leaves nothing half made.
-        detector = create_backpressure_detector(cfg.get("backpressure"), FileSystemTierManager.tier_type)
+        detector = create_backpressure_detector(cfg.get("backpressure"), StagedFileSystemTier.tier_type)
         if detector is not None and path is None:
             raise ValueError("backpressure applies to the disk tier: set storage_path too")
         self.connector_scheduler: OffloadingConnectorScheduler | None = None
         self.connector_worker: OffloadingConnectorWorker | None = None
         if role is KVConnectorRole.SCHEDULER:
             storage = (
-                FileSystemTierManager(self.num_storage_blocks, path, block_size=self.block_size, backpressure_detector=detector)
+                StagedFileSystemTier(self.num_storage_blocks, path, block_size=self.block_size, backpressure_detector=detector)
                 if path is not None
                 else None
             )
