@@ -435,3 +435,124 @@ def test_the_file_tier_refuses_a_spec_without_its_config_before_it_starts_a_thre
         FileSystemTierManager(_fs_spec(), view, "fs", root_dir=5)  # type: ignore[arg-type]
     assert tier_threads() == before and list(tmp_path.iterdir()) == []
     view.release()
+
+
+# -- invariants under random use ------------------------------------------------------------------
+from hypothesis import example, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_OPS = st.lists(
+    st.tuples(st.sampled_from(["new", "lookup", "store", "complete", "unload", "finish", "end", "reset"]), st.integers(0, 2**16)),
+    min_size=1,
+    max_size=60,
+)
+
+
+class _HalfWhole(ExampleSecondaryTierManager):
+    """Wants every block (prefix hits too) of the odd-numbered requests."""
+
+    def on_new_request(self, req_context):
+        whole = int(req_context.req_id[1:]) % 2 == 1
+        return RequestOffloadingContext(OffloadPolicy.REQUEST_LEVEL if whole else OffloadPolicy.CHUNK_LEVEL)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=_OPS)
+@example(ops=[("new", 0), ("new", 0), ("store", 0), ("store", 1)])  # r1 wants K0, which r0 is still writing
+def test_pins_and_pending_chunks_always_match_the_work_in_flight_and_nothing_leaks(ops):
+    region = SharedOffloadRegion(f"kvlab_prop_{os.getpid()}_{threading.get_ident()}", 3, None, 4096, 4096)
+    primary = CPUPrimaryTierOffloadingManager(3, region)
+    view = primary.get_kv_memoryview()
+    disk = SlowDisk(view)
+    example = _HalfWhole(None, view, "example")
+    m = TieringOffloadingManager(primary, [disk, example], tier_poll_interval_s=0)
+    keys = [make_offload_key(bytes([i]) * 32, 0) for i in range(6)]
+    ctxs: dict[str, ReqContext] = {}
+    loads: list[tuple[str, list[bytes]]] = []
+    stores: list[tuple[str, list[bytes]]] = []
+    held = False
+
+    def check():
+        primary.check_invariants()
+        pins: dict[bytes, int] = {}
+        for _, ks in loads:
+            for k in ks:
+                pins[k] = pins.get(k, 0) + 1
+        for meta in m._jobs.values():
+            if not meta.transfer_job.is_promotion:
+                for k in meta.transfer_job.keys:
+                    pins[k] = pins.get(k, 0) + 1
+        writing = {k for _, ks in stores for k in ks}
+        writing |= {k for by_req in m._pending_load_submissions.values() for e in by_req.values() for k in e.keys}
+        writing |= {k for meta in m._jobs.values() if meta.transfer_job.is_promotion for k in meta.transfer_job.keys}
+        for k, chunk in primary._policy.items():
+            if chunk.ref_cnt < 0:
+                assert k in writing, "a chunk is being written that no store or promotion covers"
+            else:
+                assert chunk.ref_cnt == pins.get(k, 0), f"ref_cnt {chunk.ref_cnt}, pins {pins.get(k, 0)}"
+
+    for op, n in ops:
+        live = [r for r in ctxs if r in m._req_state and not m._req_state[r].is_finished]
+        if op == "new" or not live:
+            rid = f"r{len(ctxs)}"
+            ctxs[rid] = ReqContext(rid)
+            m.on_new_request(ctxs[rid])
+        elif op == "lookup":
+            rid = live[n % len(live)]
+            chain = [keys[(n >> 3) % 6], keys[(n >> 6) % 6], keys[(n >> 9) % 6]]
+            hits, deferred = [], False
+            for k in dict.fromkeys(chain):
+                res = m.lookup(k, ctxs[rid])
+                if res is LookupResult.MISS:
+                    break
+                deferred |= res is not LookupResult.HIT
+                hits.append(k)
+            if hits and not deferred:
+                m.prepare_load(hits, ctxs[rid])
+                loads.append((rid, hits))
+        elif op == "store":
+            rid = live[n % len(live)]
+            out = m.prepare_store(list(dict.fromkeys([keys[n % 6], keys[(n >> 4) % 6]])), ctxs[rid])
+            if out is not None and out.keys_to_store:
+                stores.append((rid, list(out.keys_to_store)))
+        elif op == "complete" and stores:
+            rid, ks = stores.pop(n % len(stores))
+            m.complete_store(ks, ctxs[rid], n % 5 != 0)
+        elif op == "unload" and loads:
+            rid, ks = loads.pop(n % len(loads))
+            m.complete_load(ks, ctxs[rid])
+        elif op == "finish":
+            rid = live[n % len(live)]
+            for r, ks in [x for x in loads if x[0] == rid]:
+                m.complete_load(ks, ctxs[r])
+            loads = [x for x in loads if x[0] != rid]
+            m.on_request_finished(ctxs[rid])
+        elif op == "end":
+            m.on_schedule_end(ScheduleEndContext([], []))
+            if held:
+                m.on_reset_flushed()
+                held = False
+        elif op == "reset" and not loads:
+            for r, ks in stores:
+                m.complete_store(ks, ctxs[r], False)
+            stores = []
+            m.reset_cache()
+            held = True
+        check()
+
+    for r, ks in loads:
+        m.complete_load(ks, ctxs[r])
+    for r, ks in stores:
+        m.complete_store(ks, ctxs[r], True)
+    loads, stores = [], []
+    for r in list(m._req_state):
+        if not m._req_state[r].is_finished:
+            m.on_request_finished(ctxs[r])
+    for _ in range(3):  # collect every job: the disk reports at the next poll
+        m.on_schedule_end(ScheduleEndContext([], []))
+    check()
+    assert m._jobs == {} and m._req_state == {} and not m.has_pending_work()
+    assert all(chunk.ref_cnt == 0 for _, chunk in primary._policy.items())
+    m._metrics.assert_idle()
+    view.release()
+    m.shutdown()

@@ -59,7 +59,7 @@ from kvlab.kv_offload.base import (
     ScheduleEndContext,
 )
 from kvlab.kv_offload.cpu.common import CPULoadStoreSpec, CPUOffloadingInfo
-from kvlab.kv_offload.cpu.manager import CPUOffloadingManager
+from kvlab.kv_offload.cpu.manager import CPUOffloadingManager, _check_key, _check_keys
 from kvlab.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from kvlab.kv_offload.stats import OffloadingConnectorStats
 from kvlab.kv_offload.tiering.base import TIER_LABEL, JobId, JobResult, ParentManager, SecondaryTierManager, TransferJob
@@ -324,6 +324,7 @@ class TieringOffloadingManager(OffloadingManager):
         """HIT: readable in the CPU tier. HIT_PENDING: being written there (a promotion this
         call may have just started). RETRY: a secondary tier is still finding out. MISS:
         nowhere, no CPU chunk to promote into, or promotions held after a reset."""
+        _check_key("key", key)
         ctx = req_context if req_context is not None else ReqContext("")
         self._maybe_process_finished_jobs()  # a promotion that ended reads as HIT now
         start = time.monotonic()  # the durations feed histograms only; nothing decides on them
@@ -394,6 +395,7 @@ class TieringOffloadingManager(OffloadingManager):
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> PrepareStoreOutput | None:
         """CPU chunks for the keys the CPU tier lacks (cascades follow in ``complete_store``).
         Polls first, always: a cascade that ended unpins chunks this eviction may take."""
+        keys = _check_keys("keys", keys)  # before the poll: a refused call changes nothing
         ctx = self._known(req_context, "prepare_store")
         self._processed_jobs_this_step = True
         self._process_finished_jobs()
@@ -444,6 +446,9 @@ class TieringOffloadingManager(OffloadingManager):
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None, success: bool = True) -> None:
         """The GPU -> CPU copy ended; on success, one cascade job per secondary tier."""
+        keys = _check_keys("keys", keys)
+        if not isinstance(success, bool):
+            raise TypeError(f"success must be True or False, got {success!r}")
         ctx = self._known(req_context, "complete_store")
         state = self._req_state[ctx.req_id]
         if state.pending_primary_stores <= 0:
