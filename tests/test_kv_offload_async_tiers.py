@@ -461,6 +461,13 @@ class _HalfWhole(ExampleSecondaryTierManager):
 @example(ops=[("new", 0), ("new", 0), ("store", 0), ("store", 1)])  # r1 wants K0, which r0 is still writing
 def test_pins_and_pending_chunks_always_match_the_work_in_flight_and_nothing_leaks(ops):
     region = SharedOffloadRegion(f"kvlab_prop_{os.getpid()}_{threading.get_ident()}", 3, None, 4096, 4096)
+    try:
+        _drive_randomly(region, ops)
+    finally:  # a failing example (hypothesis tries many) must not leave its file in /dev/shm
+        region.cleanup()
+
+
+def _drive_randomly(region, ops):
     primary = CPUPrimaryTierOffloadingManager(3, region)
     view = primary.get_kv_memoryview()
     disk = SlowDisk(view)
