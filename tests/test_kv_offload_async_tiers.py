@@ -563,3 +563,84 @@ def _drive_randomly(region, ops):
     m._metrics.assert_idle()
     view.release()
     m.shutdown()
+
+
+class _Flaky(ExampleSecondaryTierManager):
+    """A tier as a learner might write it: submit_* raise while ``broken`` is set."""
+
+    broken = True
+    whole = False
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.ends = 0
+
+    def submit_store(self, job_metadata):
+        if self.broken:
+            raise RuntimeError("disk on fire")
+        super().submit_store(job_metadata)
+
+    def submit_load(self, job_metadata):
+        if self.broken:
+            raise RuntimeError("disk on fire")
+        super().submit_load(job_metadata)
+
+    def on_new_request(self, req_context):
+        return RequestOffloadingContext(OffloadPolicy.REQUEST_LEVEL if self.whole else OffloadPolicy.CHUNK_LEVEL)
+
+    def on_schedule_end(self, context):
+        self.ends += 1
+
+
+def test_a_tier_that_raises_leaves_no_chunk_pinned_or_reserved_and_the_error_surfaces(region):
+    primary = CPUPrimaryTierOffloadingManager(2, region)
+    view = primary.get_kv_memoryview()
+    flaky, example = _Flaky(None, view, "flaky"), ExampleSecondaryTierManager(None, view, "example")
+    m = TieringOffloadingManager(primary, [flaky, example], tier_poll_interval_s=0)
+    ctx = ReqContext("r")
+    m.on_new_request(ctx)
+    m.prepare_store([K["A"]], ctx)
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        m.complete_store([K["A"]], ctx, True)
+    # The raising tier's cascade ended as a failed job; the example tier still got its copy.
+    assert primary._policy.get(K["A"]).ref_cnt == 1 and list(m._jobs) == [1] and K["A"] in example.chunks
+    m.on_schedule_end(ScheduleEndContext(["r"], []))
+    m.on_schedule_end(ScheduleEndContext([], []))
+    assert primary._policy.get(K["A"]).ref_cnt == 0 and m._jobs == {}
+    primary.check_invariants()
+
+    # A promotion the tier refuses: its reserved chunk is freed, the rest of the step's end still runs.
+    flaky.chunks[K["B"]] = True
+    assert m.lookup(K["B"], ctx) is LookupResult.HIT_PENDING
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        m.on_schedule_end(ScheduleEndContext([], []))
+    assert flaky.ends == 3 and m._jobs == {} and primary._policy.get(K["B"]) is None
+    data = m.get_stats().data["data"]
+    assert data["vllm:kv_offload_tiering_promotion_job_failures"] == {("1:flaky",): 1}
+    assert data["vllm:kv_offload_tiering_cascade_job_failures"] == {("1:flaky",): 1}
+    flaky.broken = False
+    assert m.lookup(K["B"], ctx) is LookupResult.HIT_PENDING  # promoted again, now it works
+    m.on_schedule_end(ScheduleEndContext([], []))
+    assert m.lookup(K["B"], ctx) is LookupResult.HIT
+    primary.check_invariants()
+
+
+def test_a_request_level_cascade_that_raises_hands_back_the_stores_chunks(region):
+    primary = CPUPrimaryTierOffloadingManager(2, region)
+    flaky = _Flaky(None, primary.get_kv_memoryview(), "flaky")
+    flaky.whole = True
+    m = TieringOffloadingManager(primary, [flaky], tier_poll_interval_s=0)
+    a, b = ReqContext("a"), ReqContext("b")
+    m.on_new_request(a)
+    flaky.broken = False
+    m.prepare_store([K["A"]], a)
+    m.complete_store([K["A"]], a, True)
+    flaky.broken = True
+    m.on_new_request(b)
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        m.prepare_store([K["A"], K["B"]], b)  # A is present: cascaded for b at once, and the tier raises
+    assert primary._policy.get(K["B"]) is None and m._req_state["b"].pending_primary_stores == 0
+    assert m._req_state["b"].pending_cascade_keys == [] and [k for k, _ in primary._policy.items()] == [K["A"]]
+    m.on_request_finished(b)
+    assert "b" not in m._req_state  # nothing owed: it finalizes at once
+    primary.check_invariants()

@@ -259,6 +259,29 @@ class TieringOffloadingManager(OffloadingManager):
         self._jobs[job.job_id] = meta
         self._metrics.on_job_registered(meta)
 
+    def _submit(self, job: TransferJob, tier_idx: int, errors: list[Exception]) -> None:
+        """Hand ``job`` to its tier. A tier that raises did not start it: the job ends as a
+        failure at once (its pins or reserved chunks are given back), and the error is kept
+        in ``errors`` for the caller to raise once its own bookkeeping is done -- so a tier
+        written in a notebook that raises leaves no chunk pinned or half-written."""
+        tier = self.secondary_tiers[tier_idx]
+        try:
+            (tier.submit_load if job.is_promotion else tier.submit_store)(job)
+        except Exception as exc:
+            meta = self._jobs.pop(job.job_id)
+            failed = JobResult(job.job_id, False)
+            self._metrics.on_job_finished(meta, failed)
+            if job.is_promotion:
+                self._complete_promotion(meta, failed)
+            else:
+                self.primary_tier.complete_read(job.keys, job.req_context)
+            errors.append(exc)
+
+    @staticmethod
+    def _raise_first(errors: list[Exception]) -> None:
+        if errors:
+            raise errors[0]
+
     def _maybe_process_finished_jobs(self) -> None:
         if not self._processed_jobs_this_step:
             self._processed_jobs_this_step = True
@@ -369,14 +392,13 @@ class TieringOffloadingManager(OffloadingManager):
         entry.chunk_ids.extend(int(c) for c in out.store_spec.chunk_ids)
         return True
 
-    def _flush_pending_promotions(self) -> None:
-        for tier_idx, by_req in self._pending_load_submissions.items():
-            tier = self.secondary_tiers[tier_idx]
+    def _flush_pending_promotions(self, errors: list[Exception]) -> None:
+        pending, self._pending_load_submissions = self._pending_load_submissions, {}
+        for tier_idx, by_req in pending.items():
             for entry in by_req.values():
                 job = TransferJob(self._next_job_id(), entry.keys, np.array(entry.chunk_ids, dtype=np.int32), True, entry.req_context)
                 self._register_job(job, tier_idx)
-                tier.submit_load(job)
-        self._pending_load_submissions.clear()
+                self._submit(job, tier_idx, errors)
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> LoadStoreSpec:
         """Pin CPU chunks for a GPU load (the keys were HIT this step)."""
@@ -409,7 +431,15 @@ class TieringOffloadingManager(OffloadingManager):
             new = set(out.keys_to_store)
             present = [k for k in keys if k not in new]
             if present:
-                self._cascade_present_keys(present, ctx, state.request_level_tiers)
+                errors: list[Exception] = []
+                parked = len(state.pending_cascade_keys)
+                self._cascade_present_keys(present, ctx, state.request_level_tiers, errors)
+                if errors:  # a tier raised: hand back this call's chunks, so the caller owes no complete_store
+                    del state.pending_cascade_keys[parked:]
+                    if out.keys_to_store:
+                        self.primary_tier.complete_store(out.keys_to_store, ctx, False)
+                        state.pending_primary_stores -= 1
+                    self._raise_first(errors)
         return out
 
     def _known(self, req_context: ReqContext | None, call: str) -> ReqContext:
@@ -418,7 +448,7 @@ class TieringOffloadingManager(OffloadingManager):
             raise KeyError(f"{call}: request {rid!r} is not known; call on_new_request first")
         return req_context
 
-    def _cascade_present_keys(self, keys: Sequence[OffloadKey], ctx: ReqContext, tier_idxs: set[int]) -> None:
+    def _cascade_present_keys(self, keys: Sequence[OffloadKey], ctx: ReqContext, tier_idxs: set[int], errors: list[Exception]) -> None:
         """Cascade, to the REQUEST_LEVEL tiers, blocks the CPU tier already holds. One still
         being written is parked for the end of the step; a missing one has nothing to send."""
         state = self._req_state[ctx.req_id]
@@ -434,14 +464,14 @@ class TieringOffloadingManager(OffloadingManager):
         for tier_idx in tier_idxs:
             tier = self.secondary_tiers[tier_idx]
             if tier.bp_detector is None or tier.bp_detector.should_store(len(ready)):
-                tier.submit_store(self.create_store_job(ready, ctx, tier_idx))
+                self._submit(self.create_store_job(ready, ctx, tier_idx), tier_idx, errors)
 
-    def _flush_pending_cascades(self) -> None:
+    def _flush_pending_cascades(self, errors: list[Exception]) -> None:
         for req_id, state in list(self._req_state.items()):
             if state.pending_cascade_keys:
                 assert state.request_level_tiers
                 keys, state.pending_cascade_keys = state.pending_cascade_keys, []
-                self._cascade_present_keys(keys, state.req_context, state.request_level_tiers)
+                self._cascade_present_keys(keys, state.req_context, state.request_level_tiers, errors)
                 self._maybe_finalize_request(req_id)
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None, success: bool = True) -> None:
@@ -454,12 +484,14 @@ class TieringOffloadingManager(OffloadingManager):
         if state.pending_primary_stores <= 0:
             raise RuntimeError(f"complete_store: request {ctx.req_id!r} has no store in flight")
         self.primary_tier.complete_store(keys, ctx, success)
+        errors: list[Exception] = []
         if success:
             for tier_idx, tier in enumerate(self.secondary_tiers):
                 if tier.bp_detector is None or tier.bp_detector.should_store(len(keys)):
-                    tier.submit_store(self.create_store_job(keys, ctx, tier_idx))
+                    self._submit(self.create_store_job(keys, ctx, tier_idx), tier_idx, errors)
         state.pending_primary_stores -= 1
         self._maybe_finalize_request(ctx.req_id)
+        self._raise_first(errors)
 
     def create_store_job(self, keys: Collection[OffloadKey], req_context: ReqContext, tier_idx: int = 0) -> TransferJob:
         """Pin ``keys``' CPU chunks and register a cascade job to tier ``tier_idx``; the caller
@@ -506,14 +538,16 @@ class TieringOffloadingManager(OffloadingManager):
         for i, tier in enumerate(self.secondary_tiers):
             tier.serve_external_requests(self._tier_parents[i])
         self._processed_jobs_this_step = False  # after serving: its lookups need no extra poll
-        self._flush_pending_promotions()
-        self._flush_pending_cascades()
+        errors: list[Exception] = []  # a tier that raises does not cut the step's end short
+        self._flush_pending_promotions(errors)
+        self._flush_pending_cascades(errors)
         for tier in self.secondary_tiers:
             tier.on_schedule_end(context)
         for req_id in context.new_req_ids:
             state = self._req_state.get(req_id)
             if state is not None:
                 self._metrics.on_request_allocated(state.req_context)
+        self._raise_first(errors)
 
     def has_pending_work(self) -> bool:
         return (
