@@ -644,3 +644,35 @@ def test_a_request_level_cascade_that_raises_hands_back_the_stores_chunks(region
     m.on_request_finished(b)
     assert "b" not in m._req_state  # nothing owed: it finalizes at once
     primary.check_invariants()
+
+
+def test_a_peer_tier_that_keeps_failing_does_not_stop_the_engine_or_flood_the_log(region, caplog, monkeypatch):
+    import types
+
+    import kvlab.kv_offload.tiering.manager as manager_module
+
+    # The thread's clock stands still: the log gate (one traceback a second) is then exact,
+    # whatever the machine's speed.
+    monkeypatch.setattr(manager_module, "time", types.SimpleNamespace(monotonic=lambda: 1000.0))
+    rounds = threading.Event()
+
+    class Broken(ExampleSecondaryTierManager):
+        tolerates_off_thread_polling = True
+        calls = 0
+
+        def serve_external_requests(self, parent):
+            Broken.calls += 1
+            if Broken.calls >= 50:
+                rounds.set()
+            raise RuntimeError("peer socket closed")
+
+    primary = CPUPrimaryTierOffloadingManager(2, region)
+    m = TieringOffloadingManager(primary, [Broken(None, primary.get_kv_memoryview(), "p2p")], tier_poll_interval_s=0.0001)
+    with caplog.at_level("ERROR", logger="kvlab.kv_offload.tiering.manager"):
+        assert rounds.wait(timeout=60), "the tier-poll thread stopped polling"
+        m.shutdown()
+    failures = [r for r in caplog.records if "tier-poll round failed" in r.getMessage()]
+    assert len(failures) == 1 and Broken.calls >= 50  # 50 failed rounds within one second of the clock: one traceback
+    ctx = ReqContext("r")  # the scheduler's calls never saw the peer's trouble
+    m.on_new_request(ctx)
+    assert m.lookup(K["A"], ctx) is LookupResult.MISS

@@ -74,6 +74,7 @@ DEFAULT_TIER_POLL_INTERVAL_S = 0.001
 _POLL_LOCK_TIMEOUT_S = 1.0  # a round waits this long for the lock, then tries again
 _POLL_GIVE_UP_AFTER_S = 30.0  # rounds failing this long: stop the thread, serve per step
 _POLL_JOIN_TIMEOUT_S = 5.0
+_POLL_ERROR_LOG_INTERVAL_S = 1.0
 
 
 @dataclass
@@ -218,6 +219,7 @@ class TieringOffloadingManager(OffloadingManager):
     # -- the tier-poll thread -----------------------------------------------------------------------
     def _tier_poll_loop(self) -> None:
         failing_since: float | None = None
+        last_log = 0.0
         while not self._tier_poll_stop.is_set():
             if not self._lock.acquire(timeout=_POLL_LOCK_TIMEOUT_S):
                 continue
@@ -225,8 +227,11 @@ class TieringOffloadingManager(OffloadingManager):
                 self.poll_tiers()
                 failing_since = None
             except Exception:
-                failing_since = failing_since or time.monotonic()
-                logger.exception("KV offload tier-poll round failed")
+                now = time.monotonic()
+                failing_since = failing_since or now
+                if now - last_log >= _POLL_ERROR_LOG_INTERVAL_S:  # one traceback a second, not one a round
+                    last_log = now
+                    logger.exception("KV offload tier-poll round failed")
             finally:
                 self._lock.release()
             if failing_since is not None and time.monotonic() - failing_since >= _POLL_GIVE_UP_AFTER_S:
