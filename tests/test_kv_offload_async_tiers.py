@@ -676,3 +676,33 @@ def test_a_peer_tier_that_keeps_failing_does_not_stop_the_engine_or_flood_the_lo
     ctx = ReqContext("r")  # the scheduler's calls never saw the peer's trouble
     m.on_new_request(ctx)
     assert m.lookup(K["A"], ctx) is LookupResult.MISS
+
+
+def test_the_primary_tier_takes_any_region_that_hands_out_its_rows_as_vllms_tests_do():
+    import numpy as np
+
+    class Rows:  # what vLLM's own tiering tests pass: an object with create_kv_memoryview()
+        def __init__(self, view):
+            self.view = view
+            self.cleaned = False
+
+        def create_kv_memoryview(self):
+            return self.view
+
+        def cleanup(self):
+            self.cleaned = True
+
+    region = Rows(memoryview(np.zeros((5, 16), dtype=np.int8)))
+    primary = CPUPrimaryTierOffloadingManager(num_chunks=5, mmap_region=region)
+    m = TieringOffloadingManager(primary_tier=primary, secondary_tiers=[ExampleSecondaryTierManager(None, region.view, "example")])
+    ctx = ReqContext("test")
+    m.on_new_request(ctx)
+    m.prepare_store([K["A"]], ctx)
+    m.complete_store([K["A"]], ctx, success=True)
+    assert primary._policy.get(K["A"]).ref_cnt == 1  # pinned by its cascade
+    m.shutdown()
+    assert region.cleaned
+    with pytest.raises(TypeError, match="must return a 2-D memoryview"):
+        CPUPrimaryTierOffloadingManager(5, Rows(memoryview(bytearray(80))))
+    with pytest.raises(TypeError, match="or have create_kv_memoryview"):
+        CPUPrimaryTierOffloadingManager(5, object())  # type: ignore[arg-type]
