@@ -59,7 +59,7 @@ from kvlab.kv_offload.base import (
     ScheduleEndContext,
 )
 from kvlab.kv_offload.cpu.common import CPULoadStoreSpec, CPUOffloadingInfo
-from kvlab.kv_offload.cpu.manager import CPUOffloadingManager, _check_key, _check_keys
+from kvlab.kv_offload.cpu.manager import CPUOffloadingManager, _check_key, _check_keys, _context
 from kvlab.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from kvlab.kv_offload.stats import OffloadingConnectorStats
 from kvlab.kv_offload.tiering.base import TIER_LABEL, JobId, JobResult, ParentManager, SecondaryTierManager, TransferJob
@@ -358,7 +358,7 @@ class TieringOffloadingManager(OffloadingManager):
         call may have just started). RETRY: a secondary tier is still finding out. MISS:
         nowhere, no CPU chunk to promote into, or promotions held after a reset."""
         _check_key("key", key)
-        ctx = req_context if req_context is not None else ReqContext("")
+        ctx = _context(req_context)
         self._maybe_process_finished_jobs()  # a promotion that ended reads as HIT now
         start = time.monotonic()  # the durations feed histograms only; nothing decides on them
         primary = self.primary_tier.lookup(key, ctx)
@@ -416,7 +416,7 @@ class TieringOffloadingManager(OffloadingManager):
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> None:
         self.primary_tier.touch(keys, req_context)
-        ctx = req_context if req_context is not None else ReqContext("")
+        ctx = _context(req_context)
         for tier in self.secondary_tiers:
             tier.touch(keys, ctx)
 
