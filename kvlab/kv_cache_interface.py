@@ -19,6 +19,7 @@ the block manager never reads them. ``block_size=None`` means "the manager's blo
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
+from fractions import Fraction
 from math import prod
 from typing import Any, cast
 
@@ -47,6 +48,20 @@ def _check_int(spec: Any, name: str, minimum: int, allow_none: bool = False) -> 
     object.__setattr__(spec, name, v)
 
 
+def _check_tokens_per_state(spec: Any) -> None:
+    """``tokens_per_state``: an int >= 1 (tokens compressed into one state), or a Fraction
+    in (0, 1) (several states per token)."""
+    value = spec.tokens_per_state
+    label = f"{type(spec).__name__}.tokens_per_state"
+    if isinstance(value, Fraction):
+        if value.denominator == 1:
+            object.__setattr__(spec, "tokens_per_state", int(value))
+        elif not 0 < value < 1:
+            raise ValueError(f"{label} must be an int >= 1 or a Fraction between 0 and 1, got {value}")
+        return
+    _check_int(spec, "tokens_per_state", 1)
+
+
 def _check_dtype(owner: str, name: str, dtype: Any) -> None:
     if dtype not in DTYPE_SIZES:
         raise ValueError(f"{owner}.{name} must be one of {sorted(DTYPE_SIZES)}, got {dtype!r}")
@@ -68,6 +83,12 @@ class KVCacheSpec:
     @property
     def prefix_cacheable(self) -> bool:
         return True
+
+    @property
+    def prefix_replay_tokens(self) -> int:
+        """Tokens of a prefix hit this group recomputes instead of reading (vLLM 0.33; only
+        DeepSeek-V4.1's bounded-replay windows are not 0)."""
+        return 0
 
     @property
     def page_size_bytes(self) -> int:
@@ -98,6 +119,7 @@ class AttentionSpec(KVCacheSpec):
     head_size: int = 64
     head_size_v: int | None = None
     dtype: str = "bfloat16"
+    tokens_per_state: int | Fraction = 1
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -105,18 +127,34 @@ class AttentionSpec(KVCacheSpec):
         _check_int(self, "head_size", 1)
         _check_int(self, "head_size_v", 0, allow_none=True)
         _check_dtype(type(self).__name__, "dtype", self.dtype)
+        _check_tokens_per_state(self)
 
     @property
     def bytes_per_token(self) -> int:
-        """K and V of one token in one layer (MLA: one latent vector, no V)."""
+        """K and V of one stored state in one layer (MLA: one latent vector, no V). A state
+        is one token unless ``tokens_per_state`` says otherwise."""
         v = self.head_size if self.head_size_v is None else self.head_size_v
         return self.num_kv_heads * (self.head_size + v) * DTYPE_SIZES[self.dtype]
 
     @property
-    def page_size_bytes(self) -> int:
+    def num_states(self) -> int:
+        """States one block stores (vLLM 0.33): ``block_size // tokens_per_state`` --
+        DeepSeek-V4 compresses every ``tokens_per_state`` tokens into one state, so a block
+        of 128 tokens at 4 tokens per state holds 32; Whisper's block pooling (a Fraction
+        ``1/k``) stores ``k`` states per token."""
         if self.block_size is None:
             raise ValueError(f"{type(self).__name__}.block_size is None: page size unknown until the manager sets it")
-        return self.block_size * self.bytes_per_token
+        return int(self.block_size // self.tokens_per_state)
+
+    @property
+    def page_size_bytes(self) -> int:
+        return self.num_states * self.bytes_per_token
+
+    def to_dict(self) -> dict[str, Any]:
+        d = super().to_dict()
+        if isinstance(d.get("tokens_per_state"), Fraction):
+            d["tokens_per_state"] = str(d["tokens_per_state"])  # JSON has no fractions: "1/2"
+        return d
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -253,17 +291,35 @@ class SlidingWindowSpec(AttentionSpec):
 @dataclass(frozen=True, kw_only=True)
 class SlidingWindowMLASpec(SlidingWindowSpec):
     """A sliding window over MLA's one latent vector per token (vLLM 0.33; DeepSeek-V4's
-    window layers): the bytes of MLA, the blocks, hits and frees of a window. (vLLM's
-    DeepSeek-V4 options -- compressed states, a window replayed instead of cached -- are not
-    built.)"""
+    window layers): the bytes of MLA, the blocks, hits and frees of a window.
+
+    ``bounded_replay`` (DeepSeek-V4.1): the window's KV is never prefix-cached. A request
+    that hits the cache recomputes the hit's last ``sliding_window`` tokens instead -- the
+    other groups read those tokens' cached KV, this group rebuilds its window from them --
+    so the group costs no cached blocks, and a hit no longer than the window saves nothing
+    (the scheduler drops it; ``Request.replay_start``)."""
 
     num_kv_heads: int = 1
     head_size: int = 576
     head_size_v: int | None = 0
+    bounded_replay: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.bounded_replay, bool):
+            raise TypeError(f"SlidingWindowMLASpec.bounded_replay must be True or False, got {self.bounded_replay!r}")
+        super().__post_init__()
 
     @property
     def type_name(self) -> str:
         return "sliding_window_mla"
+
+    @property
+    def prefix_cacheable(self) -> bool:
+        return not self.bounded_replay
+
+    @property
+    def prefix_replay_tokens(self) -> int:
+        return self.sliding_window if self.bounded_replay else 0
 
 
 @dataclass(frozen=True, kw_only=True)

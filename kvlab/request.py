@@ -232,6 +232,7 @@ class Request:
         "finish_reason",
         "kv_transfer_params",
         "shared_prefix_boundary",
+        "replay_start",
         "_all_token_ids",
         "_token_bytes",
         "_output_token_ids",
@@ -331,6 +332,11 @@ class Request:
         # it cached, another not (sparse retention). Caching keeps what a hit there needs, so
         # the next request with this prefix gets it (vLLM 0.33's Marconi-style junction; 0: none).
         self.shared_prefix_boundary = 0
+        # DeepSeek-V4.1's bounded replay (vLLM 0.33): the first position the scheduler made
+        # this request recompute at admission although its KV was a prefix hit -- the hit's
+        # last window, whose sliding-window KV is not cached. The worker rebuilds only that
+        # window from these tokens; below it, the window layers see nothing. 0: no replay.
+        self.replay_start = 0
         self._all_token_ids: list[int] = list(prompt)
         self._token_bytes = bytearray(_pack_tokens(prompt))  # the same tokens, packed once
         self._output_token_ids: list[int] = []

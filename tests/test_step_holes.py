@@ -8,11 +8,12 @@ from __future__ import annotations
 import pytest
 
 from kvlab import KVCacheManager, Request, Scheduler
-from kvlab.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
+from kvlab.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorRole
 from kvlab.engine.llm_engine import LLMEngine, build_engine
 from kvlab.executor.simulated import SimulatedExecutor
 from kvlab.eventlog.events import EventLog
 
+from scheduler_side_connector import SchedulerSideConnector
 from state_fingerprint import comparable, engine_fingerprint, request_fingerprint
 
 
@@ -52,7 +53,7 @@ def test_the_invariant_names_a_request_that_is_in_no_queue() -> None:
         eng.scheduler.check_invariants()
 
 
-class HandsOff(KVConnectorBase_V1):
+class HandsOff(SchedulerSideConnector):
     """A producer: every finished request gets transfer parameters (where its KV went)."""
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
@@ -66,19 +67,6 @@ class HandsOff(KVConnectorBase_V1):
 
     def request_finished(self, request, block_ids):
         return False, {"saved_to": f"/kv/{request.request_id}", "blocks": list(block_ids)}
-
-    # the worker side is not used here (a model-free executor)
-    def start_load_kv(self, **kwargs):
-        pass
-
-    def wait_for_layer_load(self, layer_name):
-        pass
-
-    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
-        pass
-
-    def wait_for_save(self, skip_req_ids=frozenset()):
-        pass
 
 
 def test_an_undone_step_takes_back_the_kv_transfer_params_it_set() -> None:

@@ -71,6 +71,16 @@ def resolve_kv_cache_block_sizes(
             f"Invalid prefix_match_unit={hash_block_size}; prefix-cacheable KV cache group block sizes must be divisible "
             f"by prefix_match_unit. Got group block sizes={sizes}, prefix-cacheable={hashing}."
         )
+    # A group that compresses k tokens into one state (DeepSeek-V4) can only resume at a
+    # multiple of k: every hit length must be one.
+    per_state = [getattr(s, "tokens_per_state", 1) for s in specs if s.prefix_cacheable]  # Mamba has none
+    alignments = sorted({k for k in per_state if isinstance(k, int) and k > 1})
+    hit_alignment = hash_block_size if partial_hash_hits_enabled(specs, hash_block_size) else scheduler_block_size
+    if any(hit_alignment % a for a in alignments):
+        raise ValueError(
+            f"Invalid prefix_match_unit={hash_block_size}; prefix-cache boundaries must align with each spec's "
+            f"per-state compression. Got alignments={alignments}."
+        )
     return scheduler_block_size, hash_block_size
 
 

@@ -30,6 +30,10 @@ class NewRequestData:
     # The request's multimodal items (identifier, offset, length): the worker needs them to
     # find each scheduled encoder input's placeholder positions (lesson 14).
     mm_features: list = field(default_factory=list)
+    # DeepSeek-V4.1's bounded replay (vLLM 0.33): the tokens from here to
+    # ``num_computed_tokens`` are a prefix hit scheduled again, so that the window layers
+    # rebuild their KV; the other layers' cached KV for them is kept (see Request.replay_start).
+    replay_start: int = 0
 
 
 @dataclass(slots=True)

@@ -278,6 +278,14 @@ class Scheduler:
         self.mamba_shared_prefix_checkpoint = self.mamba_partial_cache_hit and kv_cache_manager.mamba_shared_prefix_checkpoint
         # A backend that exports the prompt's state from inside a chunk (vLLM 0.33: every
         # Mamba group reserves a checkpoint block; the first one's alignment is used).
+        # DeepSeek-V4.1's bounded replay (vLLM 0.33): window groups whose KV is not cached,
+        # so a prefix hit is rewound by their window and those tokens recomputed. One window
+        # for all of them, so that the rewind fits every group's allocation.
+        self.prefix_replay_group_ids = tuple(i for i, g in enumerate(kv_cache_manager.kv_cache_groups) if g.prefix_replay_tokens > 0)
+        replay_windows = sorted({kv_cache_manager.kv_cache_groups[i].prefix_replay_tokens for i in self.prefix_replay_group_ids})
+        if len(replay_windows) > 1:
+            raise ValueError(f"the bounded-replay window groups must share one sliding_window, got {replay_windows}")
+        self.prefix_replay_tokens = replay_windows[0] if replay_windows else 0
         mamba_specs = [g for g in kv_cache_manager.kv_cache_groups if isinstance(g, MambaSpec)]
         self.mamba_prefill_checkpoint_alignment = mamba_specs[0].prefill_checkpoint_alignment if mamba_specs else None
         self.mamba_has_prefill_checkpoint_blocks = bool(mamba_specs) and all(g.num_prefill_checkpoint_blocks > 0 for g in mamba_specs)
@@ -612,13 +620,26 @@ class Scheduler:
                 if load_async:
                     raise NotImplementedError("kvlab's scheduler runs synchronous KV loads only (load_kv_async=False)")
                 num_external = check_int("connector.get_num_new_matched_tokens()[0]", ext, 0, request.num_tokens - 1 - num_hit_tokens)
+                if num_external and self.prefix_replay_tokens and not self._load_restores_replay_window(request):
+                    # a replay starts in the block holding its first token, and the window
+                    # groups free whole blocks below the window: a loaded hit must end on
+                    # a block boundary
+                    num_external -= num_external % self.kv_cache_manager.coordinator.scheduler_block_size
             num_computed = num_hit_tokens + num_external
+            connector_queries = request.num_tokens - num_hit_tokens
+            window_loaded = bool(num_external) and self._load_restores_replay_window(request)
+            if not window_loaded and 0 < num_computed <= self.prefix_replay_tokens:
+                # a hit no longer than the replayed window would all be recomputed: drop it
+                hits, num_hit_tokens, num_external, num_computed = mgr.empty_kv_cache_blocks.new_empty(), 0, 0, 0
+            num_hit = num_computed  # what the cache supplied, before the replay rewinds it
+            num_replay = self._mark_prefix_replay(request, num_computed, window_loaded)
+            num_computed -= num_replay
             n = self._num_new_tokens(request, num_computed)
             if not self.enable_chunked_prefill and n > plan.token_budget:
                 break  # the whole prompt must fit; no skipping ahead
             n = min(n, plan.token_budget)
             if self.need_mamba_block_aligned_split:
-                n = self._mamba_block_aligned_split(request, n, num_computed)
+                n = self._mamba_block_aligned_split(request, n, num_hit)  # vLLM splits from the hit, not the replay
                 if n <= 0:
                     break
             encoder_inputs: list[int] = []
@@ -639,7 +660,7 @@ class Scheduler:
             # this chunk (scheduler_reserve_full_isl; lesson 05b section 4).
             new_blocks = mgr.allocate_slots(
                 request,
-                n,
+                max(n - num_replay, 0),  # the replayed tokens are in the hit already
                 num_hit_tokens,
                 hits,
                 num_external_computed_tokens=num_external,
@@ -654,8 +675,8 @@ class Scheduler:
             if self.connector is not None:
                 self.connector.update_state_after_alloc(request, mgr.get_blocks(request.request_id), num_external)
                 stats = self.connector_prefix_cache_stats
-                if stats is not None and request.num_tokens > num_hit_tokens:
-                    stats.record(request.num_tokens - num_hit_tokens, num_external, request.num_preemptions > 0)
+                if stats is not None and connector_queries:
+                    stats.record(connector_queries, num_external, request.num_preemptions > 0)
             if encoder_inputs or duplicates:
                 self._allocate_encoder_inputs(request, encoder_inputs, duplicates, plan)
             plan.encoder_budget = new_encoder_budget
@@ -668,12 +689,35 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_computed
             if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_computed
+                request.num_cached_tokens = num_hit
             plan.num_scheduled[request.request_id] = n
             plan.computed_before[request.request_id] = num_computed
             if num_external:
                 plan.external[request.request_id] = num_external
             plan.token_budget -= n
+
+    def _load_restores_replay_window(self, request: Request) -> bool:
+        """Whether the connector's load restores every bounded-replay window group (a
+        transfer of the request's own blocks does; a store addressed by block hashes holds
+        no window)."""
+        assert self.connector is not None
+        return bool(self.prefix_replay_group_ids) and set(self.prefix_replay_group_ids) <= set(
+            self.connector.get_loaded_kv_cache_group_ids(request)
+        )
+
+    def _mark_prefix_replay(self, request: Request, num_hit_tokens: int, window_loaded: bool) -> int:
+        """How many of a hit's tokens to recompute, and where that replay starts
+        (``request.replay_start``): the hit's last window, whose window KV no cache holds.
+        The worker rebuilds the window from them and keeps their other KV. A load that
+        brought the window replays nothing."""
+        if not self.prefix_replay_tokens:
+            return 0
+        if window_loaded:
+            request.replay_start = 0
+            return 0
+        num_replay = min(self.prefix_replay_tokens, num_hit_tokens)
+        request.replay_start = num_hit_tokens - num_replay
+        return num_replay
 
     # -- the encoder (lesson 14) ------------------------------------------------------------------
     def _try_schedule_encoder_inputs(
@@ -786,6 +830,7 @@ class Scheduler:
                     num_computed_tokens=nc,
                     new_token_ids=r.all_token_ids[nc : nc + num_scheduled[r.request_id]],
                     mm_features=list(r.mm_features),
+                    replay_start=r.replay_start,
                 )
             )
         cached = CachedRequestData()

@@ -143,6 +143,17 @@ class KVConnectorBase_V1(ABC):  # noqa: N801 - vLLM's name
         block tables and emits events into the manager's event log through it."""
         self._kv_cache_manager = kv_cache_manager
 
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        """The KV-cache groups this connector's load restores for ``request`` (asked once it
+        has matched tokens). By default the prefix-cacheable groups, which is all a store
+        addressed by block hashes holds; a connector that moves the request's own blocks
+        (prefill to decode) restores every group. A DeepSeek-V4.1 window group is restored
+        only by the latter, and then its window need not be replayed (vLLM 0.33)."""
+        mgr = self._kv_cache_manager
+        if mgr is None:
+            raise RuntimeError("no KV cache manager is bound: the scheduler binds it before it asks")
+        return tuple(i for i, spec in enumerate(mgr.kv_cache_groups) if spec.prefix_cacheable)
+
     @abstractmethod
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """How many tokens beyond the local hit (``num_computed_tokens``) the connector can
