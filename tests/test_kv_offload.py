@@ -641,19 +641,15 @@ def test_file_mapper_from_an_offloading_config() -> None:
     from types import SimpleNamespace
 
     from kvlab.kv_offload import config as oc
+    from offloading_config import offloading_config
 
     def spec(agnostic: bool) -> SimpleNamespace:
-        par = oc.OffloadingParallelConfig(1, 2, 2, 1, 1, 1, 0, 1, None, agnostic)
         return SimpleNamespace(
-            config=oc.OffloadingConfig(
+            config=offloading_config(
                 groups=(oc.OffloadingGroupConfig(16, ("l0", "l1"), 0),),
                 worker_kv_bytes_per_block=1024,
-                enable_kv_cache_events=False,
-                extra_config={},
-                engine_id="e",
                 model=oc.OffloadingModelConfig("Qwen/Qwen3-0.6B", "bfloat16"),
-                cache=oc.OffloadingCacheConfig(16, 1),
-                parallel=par,
+                parallel=oc.OffloadingParallelConfig(1, 2, 2, 1, 1, 1, 0, 1, None, agnostic),
             )
         )
 

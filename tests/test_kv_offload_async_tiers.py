@@ -323,17 +323,9 @@ def _fs_spec():
     from types import SimpleNamespace
 
     from kvlab.kv_offload import config as oc
+    from offloading_config import offloading_config
 
-    conf = oc.OffloadingConfig(
-        groups=(oc.OffloadingGroupConfig(16, ("l0",), 0),),
-        worker_kv_bytes_per_block=4096,
-        enable_kv_cache_events=True,
-        extra_config={},
-        engine_id="e",
-        model=oc.OffloadingModelConfig("m", "float16"),
-        cache=oc.OffloadingCacheConfig(16, 1),
-        parallel=oc.OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, True),
-    )
+    conf = offloading_config(enable_kv_cache_events=True, parallel=oc.OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, True))
     return SimpleNamespace(config=conf, blocks_per_chunk=1, kv_events_config=SimpleNamespace(enable_kv_cache_events=True))
 
 

@@ -15,10 +15,11 @@ import pytest
 
 from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from kvlab.kv_offload.base import ReqContext, make_offload_key
-from kvlab.kv_offload.config import OffloadingCacheConfig, OffloadingConfig, OffloadingGroupConfig, OffloadingModelConfig
+from kvlab.kv_offload.config import OffloadingCacheConfig, OffloadingGroupConfig, OffloadingModelConfig
 from kvlab.kv_offload.cpu.common import CPUOffloadingInfo, CPUOffloadingMetrics
 from kvlab.kv_offload.cpu.manager import CPUOffloadingManager
 from kvlab.metrics.kv_connector_stats import KVConnectorStats
+from offloading_config import offloading_config
 
 
 def _k(i: int) -> bytes:
@@ -89,15 +90,10 @@ def test_a_store_threshold_counts_the_stores_it_turned_away() -> None:
 
 
 def test_the_cpu_tier_publishes_its_size() -> None:
-    cfg = OffloadingConfig(
+    cfg = offloading_config(
         groups=(OffloadingGroupConfig(16, ("l0",), 0), OffloadingGroupConfig(16, ("l1",), 1, sliding_window_size_in_chunks=2)),
-        worker_kv_bytes_per_block=4096,
-        enable_kv_cache_events=False,
-        extra_config={},
-        engine_id="e",
         model=OffloadingModelConfig("m", "float16", max_model_len=1024),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=4),
-        parallel=None,  # type: ignore[arg-type]  # not read here
     )
     info = CPUOffloadingInfo.from_config(cfg, num_chunks=100, kv_bytes_per_chunk=16384)
     # a 1,024-token request takes 16 chunks of the full group and 2 of the window group

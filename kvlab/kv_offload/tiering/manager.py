@@ -341,6 +341,12 @@ class TieringOffloadingManager(OffloadingManager):
         if bad:
             self.primary_tier.complete_write(bad, job.req_context, False)
 
+    @staticmethod
+    def _should_store_to_tier(tier: SecondaryTierManager, num_blocks: int) -> bool:
+        """A cascade of ``num_blocks`` goes to ``tier`` unless its back-pressure detector
+        refuses it (a tier without one takes everything)."""
+        return tier.bp_detector is None or tier.bp_detector.should_store(num_blocks)
+
     def _update_backpressure(self, tier: SecondaryTierManager, meta: JobMetadata, result: JobResult) -> None:
         detector = tier.bp_detector
         if detector is None:
@@ -473,7 +479,7 @@ class TieringOffloadingManager(OffloadingManager):
             return
         for tier_idx in tier_idxs:
             tier = self.secondary_tiers[tier_idx]
-            if tier.bp_detector is None or tier.bp_detector.should_store(len(ready)):
+            if self._should_store_to_tier(tier, len(ready)):
                 self._submit(self.create_store_job(ready, ctx, tier_idx), tier_idx, errors)
 
     def _flush_pending_cascades(self, errors: list[Exception]) -> None:
@@ -497,7 +503,7 @@ class TieringOffloadingManager(OffloadingManager):
         errors: list[Exception] = []
         if success:
             for tier_idx, tier in enumerate(self.secondary_tiers):
-                if tier.bp_detector is None or tier.bp_detector.should_store(len(keys)):
+                if self._should_store_to_tier(tier, len(keys)):
                     self._submit(self.create_store_job(keys, ctx, tier_idx), tier_idx, errors)
         state.pending_primary_stores -= 1
         self._maybe_finalize_request(ctx.req_id)

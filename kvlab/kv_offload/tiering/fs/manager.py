@@ -184,9 +184,6 @@ class FileSystemTierManager(SecondaryTierManager):
     def drain_jobs(self) -> None:
         self._pool.wait_idle()
 
-    def has_pending_work(self) -> bool:
-        return False  # as vLLM's: the manager's job table keeps the engine stepping
-
     def on_request_finished(self, req_context: ReqContext) -> None:
         self._lookup_manager.cleanup(req_context.req_id)
 
