@@ -178,3 +178,24 @@ def test_a_connector_hit_is_replayed_unless_its_load_restores_the_window(offer, 
     got = (nr.num_computed_tokens, nr.replay_start, res.scheduler_output.num_scheduled_tokens["x"], nr.block_ids)
     assert got + (connector.allocated[0][1], stats.hits) == expected
     assert (stats.queries, connector.allocated[0][0]) == (21, nr.block_ids)
+
+
+def test_replay_only_chunks_make_progress():
+    # vLLM's own case: chunks capped at one block, smaller than the 32-token window. The
+    # first two chunks only replay (they allocate nothing: the hit's 6 blocks are adopted),
+    # the third computes the 4 new tokens
+    groups = [FullAttentionSpec(block_size=16), SlidingWindowMLASpec(block_size=16, sliding_window=32, bounded_replay=True)]
+    eng = build_engine(num_blocks=64, block_size=16, long_prefill_token_threshold=16, manager_kwargs=dict(kv_cache_groups=groups))
+    sched, mgr = eng.scheduler, eng.scheduler.kv_cache_manager
+    eng.add_request(Request("first", [0] * 100, max_tokens=50))
+    while sched.requests["first"].num_computed_tokens < 100:
+        eng.step()
+    eng.add_request(Request("second", [0] * 100, max_tokens=50))
+    chunks, tables = [], []
+    while sched.requests["second"].num_computed_tokens < 100:
+        out = eng.step().scheduler_output
+        for nr in out.scheduled_new_reqs:
+            assert (nr.num_computed_tokens, nr.replay_start) == (64, 64)
+        chunks.append(out.num_scheduled_tokens["second"])
+        tables.append(len(mgr.get_blocks("second").blocks[0]))
+    assert (chunks, tables) == ([16, 16, 4], [6, 6, 7])
