@@ -53,9 +53,11 @@ def scheduler_decisions(trace, capacity_tokens: int, block_size: int) -> list[tu
             i += 1
         if sched.has_unfinished_requests():
             sched.victims.clear()
+            queue = [r.request_id for r in sched.waiting]  # FCFS: admitted in queue order
             out = sched.schedule()
+            admitted = {nr.req_id for nr in out.scheduled_new_reqs}  # new and resumed
             decisions += [(t, "preempt", rid) for rid in sched.victims]
-            decisions += [(t, "admit", nr.req_id) for nr in out.scheduled_new_reqs]  # new and resumed, in order
+            decisions += [(t, "admit", rid) for rid in queue if rid in admitted]
             sched.update_from_output(out, {rid: [1] for rid in out.num_scheduled_tokens})
             sched.check_invariants()
         t += 1

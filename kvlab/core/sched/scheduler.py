@@ -96,6 +96,7 @@ class _StepPlan:
     external: dict[str, int] = field(default_factory=dict)  # req id -> tokens a connector supplies
     encoder_budget: int = 0
     encoder_inputs: dict[str, list[int]] = field(default_factory=dict)  # req id -> items encoded this step
+    long_prefill_threshold: int = 0  # this step's cap on one prompt's chunk (0: none)
 
 
 def _check_scheduler_args(
@@ -508,7 +509,13 @@ class Scheduler:
         if events is not None:
             events.step = self.step_count
             events.emit(StepStarted(token_budget=self.max_num_scheduled_tokens))
-        plan = _StepPlan(token_budget=self.max_num_scheduled_tokens, encoder_budget=self.max_num_encoder_input_tokens)
+        # The long-prefill cap keeps one long prompt from starving the others of the budget;
+        # alone, a request has nobody to starve, so it may use the whole budget (vLLM 0.33;
+        # earlier releases capped it even then).
+        threshold = self.long_prefill_token_threshold if len(self.running) + len(self.waiting) > 1 else 0
+        plan = _StepPlan(
+            token_budget=self.max_num_scheduled_tokens, encoder_budget=self.max_num_encoder_input_tokens, long_prefill_threshold=threshold
+        )
         self._schedule_running(plan)
         if not plan.preempted:
             self._schedule_waiting(plan)
@@ -527,11 +534,12 @@ class Scheduler:
                 )
         return out
 
-    def _num_new_tokens(self, request: Request, num_computed_tokens: int) -> int:
-        """The tokens ``request`` lacks, capped by the long-prefill threshold (a long prompt
-        is computed in chunks so it cannot hog whole steps; lesson 05)."""
+    @staticmethod
+    def _num_new_tokens(request: Request, num_computed_tokens: int, plan: _StepPlan) -> int:
+        """The tokens ``request`` lacks, capped by the step's long-prefill threshold (a long
+        prompt is computed in chunks so it cannot hog whole steps; lesson 05)."""
         n = request.num_tokens - num_computed_tokens
-        threshold = self.long_prefill_token_threshold
+        threshold = plan.long_prefill_threshold
         return threshold if 0 < threshold < n else n
 
     def _reserve_prefill_lookahead(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> int:
@@ -554,7 +562,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and plan.token_budget > 0:
             request = self.running[i]
-            n = min(self._num_new_tokens(request, request.num_computed_tokens), plan.token_budget)
+            n = min(self._num_new_tokens(request, request.num_computed_tokens, plan), plan.token_budget)
             if self.max_model_len is not None:
                 n = min(n, self.max_model_len - 1 - request.num_computed_tokens)
             if self.need_mamba_block_aligned_split:
@@ -634,7 +642,7 @@ class Scheduler:
             num_hit = num_computed  # what the cache supplied, before the replay rewinds it
             num_replay = self._mark_prefix_replay(request, num_computed, window_loaded)
             num_computed -= num_replay
-            n = self._num_new_tokens(request, num_computed)
+            n = self._num_new_tokens(request, num_computed, plan)
             if not self.enable_chunked_prefill and n > plan.token_budget:
                 break  # the whole prompt must fit; no skipping ahead
             n = min(n, plan.token_budget)
@@ -814,10 +822,12 @@ class Scheduler:
         num_scheduled = plan.num_scheduled
         new_data = []
         # The executor gets a request in full when it is new or resumed -- or when it may
-        # not know it as it is (after a restore: no blocks sent yet), in admission order.
+        # not know it as it is (after a restore: no blocks sent yet): the new ones first,
+        # then the resumed ones, each in admission order (vLLM 0.33 with its V2 model
+        # runner, which also takes a resumed request whole).
         sent = self._num_sent_blocks
         resend = [r for r in plan.running if r.request_id not in sent]
-        for r in [r for r, _ in plan.admitted] + resend:
+        for r in plan.new + plan.resumed + resend:
             ids = mgr.get_block_ids(r.request_id)
             self._num_sent_blocks[r.request_id] = tuple(len(g) for g in ids)
             nc = r.num_computed_tokens
