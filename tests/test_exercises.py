@@ -250,8 +250,39 @@ def _enc_wrong(**kw):
     return fn
 
 
+def scan_ok(keys, lookup):
+    answers = []
+    for key in keys:  # another shape: collect the answers up to the first miss, then decide
+        answers.append(lookup(key))
+        if answers[-1] == "MISS":
+            answers.pop()
+            break
+    return None if {"HIT_PENDING", "RETRY"} & set(answers) else len(answers)
+
+
+def _scan_wrong(stop_at_wait=False, load_pending=False, retry_is_miss=False, past_miss=False, zero=False):
+    def fn(keys, lookup):
+        hits, wait = 0, False
+        for key in keys:
+            a = lookup(key)
+            if a == "MISS" or (retry_is_miss and a == "RETRY"):
+                if past_miss:
+                    continue
+                break
+            if a == "HIT" or (load_pending and a == "HIT_PENDING"):
+                hits += 1
+                continue
+            wait = True
+            if stop_at_wait:
+                break
+        return (0 if zero else None) if wait else hits
+
+    return fn
+
+
 CORRECT = {
     "tier_hits": tiers_ok,
+    "promotion_scan": scan_ok,
     "num_matched_tokens": matched_ok,
     "token_slots": slots_ok,
     "encoder_inputs": enc_ok,
@@ -521,6 +552,13 @@ WRONG = {
         "asks the disk first": _tiers_wrong(disk_first=True),
         "never asks the disk": tiers_cpu_only,
     },
+    "promotion_scan": {
+        "stops at the first pending block": _scan_wrong(stop_at_wait=True),
+        "loads a pending block": _scan_wrong(load_pending=True),
+        "takes RETRY for a miss": _scan_wrong(retry_is_miss=True),
+        "asks past a miss": _scan_wrong(past_miss=True),
+        "0 instead of None": _scan_wrong(zero=True),
+    },
     "num_matched_tokens": {
         "ignores the local hit": lambda saved, prompt, hit: min(saved, prompt - 1),
         "takes the last token too": lambda saved, prompt, hit: max(0, min(saved, prompt) - hit),
@@ -625,6 +663,12 @@ def test_specific_teaching_messages():
 
 
 def test_beyond_pool_teaching_messages():
+    w = WRONG["promotion_scan"]
+    assert "start the promotions" in check("promotion_scan", w["stops at the first pending block"]).idea
+    assert "nobody has written" in check("promotion_scan", w["loads a pending block"]).idea
+    assert "not answered yet" in check("promotion_scan", w["takes RETRY for a miss"]).idea
+    assert "ends the chain" in check("promotion_scan", w["asks past a miss"]).idea
+    assert "ask me again" in check("promotion_scan", w["0 instead of None"]).idea
     w = WRONG["tier_hits"]
     assert "last token" in check("tier_hits", w["includes the last token's block"]).idea
     assert "after the local hit" in check("tier_hits", w["starts at block 0 (ignores the local hit)"]).idea

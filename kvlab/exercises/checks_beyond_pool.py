@@ -1,4 +1,4 @@
-"""Checkers for lessons 12-14: ``tier_hits`` (offload tiers), ``num_matched_tokens`` and
+"""Checkers for lessons 12-14: ``tier_hits`` and ``promotion_scan`` (offload tiers), ``num_matched_tokens`` and
 ``token_slots`` (a consumer connector), ``encoder_inputs`` (the encoder budget).
 
 Each one runs the learner's function on cases built to tell the classic wrong answers
@@ -8,6 +8,8 @@ class, a connector method, a scheduler subclass) and replays the lesson's story.
 
 from __future__ import annotations
 
+import itertools
+import os
 import tempfile
 from collections.abc import Callable
 from typing import Any, cast
@@ -36,7 +38,7 @@ def _tier_cases() -> list[tuple[str, list[bytes], int, int, int, set[bytes], set
     "tier_hits",
     "Which tier serves each block",
     "tier_hits(block_hashes, num_computed_tokens, num_tokens, block_size, in_cpu, in_storage) -> list[str]",
-    "12_kv_offload_tiers",
+    "12a_kv_offload_tiers",
     [
         "The GPU pool already served num_computed_tokens (whole blocks): start at block num_computed_tokens // block_size.",
         "A hit never covers the prompt's last token -- the model computes it to sample the next one: stop before block (num_tokens - 1) // block_size.",
@@ -163,6 +165,158 @@ def _tier_story(fn: Callable) -> tuple[bool, str]:
     return (
         False,
         f"   first difference: expected {want[diff] if diff < len(want) else '(nothing)'!r}, got {got[diff] if diff < len(got) else '(nothing)'!r}",
+    )
+
+
+# --- promotion_scan (lesson 12b, section 3) -----------------------------------------------------------
+
+_ANSWERS = ("HIT", "HIT_PENDING", "RETRY", "MISS")
+
+
+def _scan_cases() -> list[tuple[str, list[str], int | None, int]]:
+    # name, what lookup answers for each block in order, expected return, blocks asked about
+    return [
+        ("every block in the CPU tier", ["HIT", "HIT", "HIT"], 3, 3),
+        ("a miss ends the run", ["HIT", "MISS", "HIT"], 1, 2),
+        ("nothing cached", ["MISS", "HIT"], 0, 1),
+        ("a block on its way into the CPU tier", ["HIT", "HIT_PENDING", "HIT"], None, 3),
+        ("on its way, then a miss", ["HIT_PENDING", "HIT", "MISS", "HIT"], None, 3),
+        ("a tier still looking", ["HIT", "RETRY", "HIT", "MISS"], None, 4),
+        ("no blocks at all", [], 0, 0),
+    ]
+
+
+def _scan_reference(answers: list[str], *, stop_at_wait=False, load_pending=False, retry_is_miss=False, past_miss=False, zero=False):
+    hits, wait, asked = 0, False, 0
+    for a in answers:
+        asked += 1
+        if a == "MISS" or (retry_is_miss and a == "RETRY"):
+            if not past_miss:
+                break
+            continue
+        if a == "HIT" or (load_pending and a == "HIT_PENDING"):
+            hits += 1
+            continue
+        wait = True
+        if stop_at_wait:
+            break
+    return (0 if zero else None) if wait else hits, asked
+
+
+def _scan_idea(got, asked, answers) -> str:
+    variants = [
+        (
+            {"stop_at_wait": True},
+            "keep asking after a block that is on its way (or still being looked for): your lookups "
+            "are what start the promotions of the blocks after it, all in this step -- stop only at a MISS",
+        ),
+        (
+            {"load_pending": True},
+            "a HIT_PENDING block is not in the CPU tier yet: loading it would copy a chunk nobody "
+            "has written -- the request must wait (return None) and ask again next step",
+        ),
+        (
+            {"retry_is_miss": True},
+            "RETRY means a tier has not answered yet, not that the block is missing: the request waits (None) instead of giving up on it",
+        ),
+        ({"past_miss": True}, "a MISS ends the chain: asking about the blocks after it would start promotions the request can never use"),
+        (
+            {"zero": True},
+            "0 means 'nothing to load, compute it all': the request would recompute blocks that are on "
+            "their way -- None says 'ask me again next step'",
+        ),
+    ]
+    for kw, idea in variants:
+        if (got, asked) == _scan_reference(answers, **kw):
+            return idea
+    return "ask in order up to the first MISS; HIT counts a block; HIT_PENDING or RETRY means return None (wait)"
+
+
+def _scan_story(fn: Any) -> tuple[int | None, list]:
+    """vLLM's tiers for real: a CPU tier of 4 chunks, a request's 3 blocks only in the tier
+    behind it. Steps until the scan says 3 blocks can be loaded (None: not within 6)."""
+    from kvlab.kv_offload.base import ReqContext, ScheduleEndContext, make_offload_key
+    from kvlab.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+    from kvlab.kv_offload.tiering.example.manager import ExampleSecondaryTierManager
+    from kvlab.kv_offload.tiering.manager import CPUPrimaryTierOffloadingManager, TieringOffloadingManager
+
+    region = SharedOffloadRegion(f"kvlab_exercise_{os.getpid()}_{next(_SCAN_RUNS)}", 4, None, 4096, 4096)
+    try:
+        primary = CPUPrimaryTierOffloadingManager(4, region)
+        behind = ExampleSecondaryTierManager(None, primary.get_kv_memoryview(), "example")
+        tiers = TieringOffloadingManager(primary, [behind], tier_poll_interval_s=0)
+        keys = [make_offload_key(bytes([i + 1]) * 32, 0) for i in range(3)]
+        behind.chunks.update(dict.fromkeys(keys, True))
+        ctx = ReqContext("learner")
+        tiers.on_new_request(ctx)
+        seen = []
+        for step in range(1, 7):
+            got = call(fn, list(keys), lambda k: tiers.lookup(k, ctx).name, where=f"step {step} of the engine run")
+            seen.append(got)
+            tiers.on_schedule_end(ScheduleEndContext(["learner"] if step == 1 else [], []))
+            if got == 3:
+                tiers.shutdown()
+                return step, seen
+        tiers.shutdown()
+        return None, seen
+    finally:
+        region.cleanup()
+
+
+_SCAN_RUNS = itertools.count()
+
+
+@register(
+    "promotion_scan",
+    "The connector's scan over asynchronous tiers",
+    "promotion_scan(keys, lookup) -> int | None",
+    "12b_offload_in_vllm",
+    [
+        "Ask lookup(key) for each key in order; a 'MISS' ends the scan -- do not ask about the keys after it.",
+        "'HIT' is one block the request can load now: count it.",
+        "'HIT_PENDING' (on its way into the CPU tier) and 'RETRY' (a tier still looking) mean the request must wait: "
+        "remember that, but keep asking -- your lookups are what start the later blocks' promotions.",
+        "Return None when the request must wait, else the number of HITs.",
+    ],
+    notebook="ex_offload",
+)
+def check_promotion_scan(fn: Any) -> CheckResult:
+    eid = "promotion_scan"
+    for name, answers, want, want_asked in _scan_cases():
+        asked: list[int] = []
+
+        def lookup(key: Any, answers: list[str] = answers, asked: list[int] = asked) -> str:
+            if not isinstance(key, int) or not 0 <= key < len(answers):
+                raise ValueError(f"lookup was asked about {key!r}; ask about the keys you were given, in order")
+            asked.append(key)
+            return answers[key]
+
+        got = call(fn, list(range(len(answers))), lookup, where=f"the case '{name}'")
+        if got is not None and not is_int(got):
+            return failed(eid, f"return an int or None, got {describe(got)}", case=name, expected=repr(want), got=repr(got))
+        if (got, len(asked)) == (want, want_asked) and asked == list(range(want_asked)):
+            continue
+        return failed(
+            eid,
+            f"wrong scan: {name}",
+            case=name,
+            inputs=f"lookup answers {answers} for the blocks in order",
+            expected=f"return {want!r}, after asking about {want_asked} block(s)",
+            got=f"return {got!r}, after asking about {len(asked)} block(s)" + ("" if asked == sorted(asked) else f" in the order {asked}"),
+            idea=_scan_idea(got, len(asked), answers),
+        )
+    steps, seen = _scan_story(fn)
+    if steps != 2:
+        return failed(
+            eid,
+            "in vLLM's tiers: the three blocks took " + (f"{steps} steps" if steps else "more than 6 steps") + " to load, not 2",
+            details=f"your scan answered {seen}, one answer per step",
+            idea="with every promotion started in step 1, all three blocks are in the CPU tier at step 2",
+        )
+    return passed(
+        eid,
+        "every case matches; on vLLM's asynchronous tiers your scan started all three promotions in step 1 "
+        "(it answered None) and loaded the three blocks in step 2.",
     )
 
 

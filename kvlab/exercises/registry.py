@@ -71,6 +71,7 @@ LEVELS: dict[str, tuple[int, int]] = {
     "index_copies": (2, 15),
     "router_block_keys": (2, 20),
     "tier_hits": (2, 20),
+    "promotion_scan": (2, 15),
     "num_matched_tokens": (1, 10),
     "token_slots": (1, 10),
     "encoder_inputs": (2, 25),

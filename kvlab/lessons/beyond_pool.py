@@ -54,7 +54,7 @@ def offload_engine(
 
 def vllm_offload_configs(cfg: KVTransferConfig, block_bytes: int, page_bytes: int | None = None) -> dict[str, dict[str, Any]]:
     """kvlab's tier config beside the two vLLM 0.33 ``--kv-transfer-config`` records that set up
-    the same CPU tier (lesson 12, section 6). vLLM sizes a CPU tier in bytes, not blocks:
+    the same CPU tier (lesson 12b, section 1). vLLM sizes a CPU tier in bytes, not blocks:
 
     * ``OffloadingConnector`` (``vllm/v1/kv_offload/cpu/spec.py``, ``CPUOffloadingSpec``) rounds
       every offloaded block up to a memory page (``mmap.PAGESIZE``) and keeps
@@ -76,7 +76,7 @@ def vllm_offload_configs(cfg: KVTransferConfig, block_bytes: int, page_bytes: in
     if path is not None:
         tiering["secondary_tiers"] = [{"type": "fs", "root_dir": path}]
     return {
-        "kvlab (this lesson)": {"kv_connector": cfg.kv_connector, "kv_role": cfg.kv_role, "kv_connector_extra_config": dict(extra)},
+        "kvlab (lesson 12a's tiers)": {"kv_connector": cfg.kv_connector, "kv_role": cfg.kv_role, "kv_connector_extra_config": dict(extra)},
         "vLLM 0.33, offloading connector": {
             "kv_connector": "OffloadingConnector",
             "kv_role": "kv_both",
