@@ -367,14 +367,15 @@ def _self_preemption_setup(policy: str):
     return mgr, sched, log, v, a
 
 
-def test_priority_self_preemption_ends_the_running_loop():
+def test_priority_self_preemption_goes_on_with_the_next_request():
     mgr, sched, log, v, a = _self_preemption_setup("priority")
     # Step 7: V (9 tokens) needs a 3rd block. The victim is the largest (priority, arrival):
-    # V itself. It preempts itself and the running loop ends: A, which needed nothing, is
-    # not scheduled in this step at all.
+    # V itself. It preempts itself, and the requests after it rank higher and may fit, so
+    # the running loop goes on: A, which needed nothing, is scheduled (vLLM 0.33; its
+    # scheduler gave the same steps, tables and free queue).
     out = step(sched)
     assert out.preempted_req_ids == {"V"}
-    assert out.num_scheduled_tokens == {} and out.total_num_scheduled_tokens == 0
+    assert out.num_scheduled_tokens == {"A": 1} and out.total_num_scheduled_tokens == 1
     assert ids(sched.running) == ["A"] and ids(sched.waiting) == ["V"]
     assert (v.status, v.num_computed_tokens, v.num_preemptions) == (RequestStatus.PREEMPTED, 0, 1)
     assert mgr.get_block_ids("V") == ([],) and free_ids(mgr) == [3, 1]

@@ -444,8 +444,8 @@ class LLMEngine:
 
 def _check_progress(res: StepResult) -> StepResult:
     """A step may schedule nothing and still progress (under "priority" a request can be its
-    own victim, which ends the running loop and admits no one); a step that does nothing at
-    all would repeat forever."""
+    own victim, and a step that preempts admits no one; if no running request after it fits
+    either, nothing is scheduled); a step that does nothing at all would repeat forever."""
     so = res.scheduler_output
     if so.total_num_scheduled_tokens == 0 and not res.finished and not so.preempted_req_ids:
         raise RuntimeError("the engine made no progress in a step (nothing could be scheduled)")

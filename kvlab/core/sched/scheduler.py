@@ -597,6 +597,11 @@ class Scheduler:
                 if victim is request:
                     break  # it preempted itself: nothing left to free for it
             if new_blocks is None:
+                if self.policy == "priority" and request.status == RequestStatus.PREEMPTED:
+                    # It was the lowest-priority running request and preempted itself: the
+                    # requests after it rank higher and may fit in what it just freed. It left
+                    # self.running, so index i is already the next one (vLLM 0.33).
+                    continue
                 break
             if encoder_inputs or duplicates:
                 self._allocate_encoder_inputs(request, encoder_inputs, duplicates, plan)
