@@ -610,3 +610,34 @@ def test_stats_and_prometheus_text():
         "vllm:prefix_cache_hits",
     ]
     assert 'model_name="m"' in s.to_prometheus(model_name="m")
+
+
+# --------------------------------------------------------------------------- long prefills
+def test_the_long_prefill_cap_spares_a_request_alone():
+    # vLLM 0.33 (its scheduler gave the same steps): the cap keeps one long prompt from
+    # starving the others of the budget, so a request alone takes its whole prompt at once;
+    # two prompts waiting together are cut to 8 tokens a step each
+    mgr, sched, _ = make(40, max_num_batched_tokens=64, long_prefill_token_threshold=8)
+    sched.add_request(Request("solo", toks(100, 20), max_tokens=2))
+    steps = [step(sched).num_scheduled_tokens for _ in range(2)]
+    sched.add_request(Request("x", toks(200, 20), max_tokens=2))
+    sched.add_request(Request("y", toks(300, 20), max_tokens=2))
+    steps += [step(sched).num_scheduled_tokens for _ in range(4)]
+    assert steps == [{"solo": 20}, {"solo": 1}, {"x": 8, "y": 8}, {"x": 8, "y": 8}, {"x": 4, "y": 4}, {"x": 1, "y": 1}]
+
+
+def test_new_requests_come_before_resumed_ones_in_the_step_output():
+    # vLLM 0.33 with its V2 model runner (its scheduler gave the same steps): the new
+    # requests' data first, then the resumed ones', each in admission order -- though the
+    # resumed B heads the waiting queue and is admitted before the new C
+    mgr, sched, _ = make(6, max_num_batched_tokens=64)
+    sched.add_request(Request("A", toks(100, 8), max_tokens=6))
+    sched.add_request(Request("B", toks(200, 8), max_tokens=6))
+    assert step(sched).num_scheduled_tokens == {"A": 8, "B": 8}
+    assert step(sched).preempted_req_ids == {"B"}
+    sched.add_request(Request("C", toks(300, 2), max_tokens=1))
+    assert [step(sched).num_scheduled_tokens for _ in range(4)] == [{"A": 1}] * 4  # B heads the queue and does not fit
+    out = step(sched)
+    assert out.num_scheduled_tokens == {"B": 5, "C": 2}
+    assert (out.scheduled_new_req_ids, out.scheduled_resumed_req_ids) == (["C"], ["B"])
+    assert [nr.req_id for nr in out.scheduled_new_reqs] == ["C", "B"]
