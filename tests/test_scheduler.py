@@ -641,3 +641,40 @@ def test_new_requests_come_before_resumed_ones_in_the_step_output():
     assert out.num_scheduled_tokens == {"B": 5, "C": 2}
     assert (out.scheduled_new_req_ids, out.scheduled_resumed_req_ids) == (["C"], ["B"])
     assert [nr.req_id for nr in out.scheduled_new_reqs] == ["C", "B"]
+
+
+def test_a_request_the_connector_cannot_answer_yet_is_passed_over():
+    # vLLM 0.33 (its scheduler, with the same scripted connector, gave the same steps): a
+    # connector that cannot tell yet (None) does not stall the queue -- A is passed over, B
+    # behind it is admitted with 5 tokens from the connector, and A is asked again next step
+    from kvlab.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorRole
+    from scheduler_side_connector import SchedulerSideConnector
+
+    class Scripted(SchedulerSideConnector):
+        asked: list[str] = []
+
+        def get_num_new_matched_tokens(self, request, num_computed_tokens):
+            self.asked.append(request.request_id)
+            if request.request_id == "A":
+                return (None, False) if self.asked.count("A") == 1 else (0, False)
+            return 5, False
+
+        def update_state_after_alloc(self, request, blocks, num_external_tokens):
+            pass
+
+        def build_connector_meta(self, scheduler_output):
+            return KVConnectorMetadata()
+
+        def request_finished(self, request, block_ids):
+            return False, None
+
+    mgr, sched, _ = make(40, max_num_batched_tokens=64, connector=Scripted(KVConnectorRole.SCHEDULER))
+    sched.add_request(Request("A", toks(100, 8), max_tokens=3))
+    sched.add_request(Request("B", toks(200, 8), max_tokens=3))
+    out = step(sched)
+    assert out.num_scheduled_tokens == {"B": 3} and ids(sched.waiting) == ["A"]
+    assert [(nr.req_id, nr.num_computed_tokens, nr.block_ids) for nr in out.scheduled_new_reqs] == [("B", 5, ([1, 2],))]
+    out = step(sched)
+    assert out.num_scheduled_tokens == {"B": 1, "A": 8}
+    assert [(nr.req_id, nr.num_computed_tokens, nr.block_ids) for nr in out.scheduled_new_reqs] == [("A", 0, ([4, 5],))]
+    assert Scripted.asked == ["A", "B", "A"]

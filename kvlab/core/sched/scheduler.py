@@ -615,6 +615,23 @@ class Scheduler:
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         """Waiting requests, in queue order, while the budget, ``max_num_seqs`` and the pool
         allow; a prefix-cache hit is adopted at admission."""
+        skipped: list[Request] = []
+        try:
+            self._admit_waiting(plan, skipped)
+        finally:
+            self._requeue_skipped(skipped)
+
+    def _requeue_skipped(self, skipped: list[Request]) -> None:
+        """Put the requests this step passed over back at the head of the waiting queue, in
+        their order (vLLM's ``prepend_requests``; a priority queue just takes them back)."""
+        if isinstance(self.waiting, FCFSRequestQueue):
+            for r in reversed(skipped):
+                self.waiting.prepend_request(r)
+        else:
+            for r in skipped:
+                self.waiting.add_request(r)
+
+    def _admit_waiting(self, plan: _StepPlan, skipped: list[Request]) -> None:
         mgr = self.kv_cache_manager
         while self.waiting and plan.token_budget > 0:
             if len(self.running) >= self.max_num_running_reqs:
@@ -629,7 +646,9 @@ class Scheduler:
                 if request.skip_reading_prefix_cache:  # asked, but nothing is read (vLLM 0.33)
                     ext, load_async = 0, False
                 if ext is None:
-                    break  # the connector cannot tell yet (vLLM skips the request this step)
+                    # the connector cannot tell yet: pass it over this step, try the next one
+                    skipped.append(self.waiting.pop_request())
+                    continue
                 if load_async:
                     raise NotImplementedError("kvlab's scheduler runs synchronous KV loads only (load_kv_async=False)")
                 num_external = check_int("connector.get_num_new_matched_tokens()[0]", ext, 0, request.num_tokens - 1 - num_hit_tokens)
@@ -664,11 +683,11 @@ class Scheduler:
                 )
             n = self._reserve_prefill_lookahead(request, num_computed, n)
             if n <= 0:
-                if request.mm_features:
-                    self.encoder_cache_manager.free(request)
                 # an item it needs cannot be encoded this step, or the chunk would end in the
-                # drafter's lookahead (vLLM skips it; kvlab's waiting queue is head-of-line)
-                break
+                # drafter's lookahead: pass it over so it does not stall the requests behind it
+                # (vLLM 0.33; the cached items it references stay referenced, as in vLLM)
+                skipped.append(self.waiting.pop_request())
+                continue
             # vLLM's admission gate: the whole prompt (after the hit) must fit now, not just
             # this chunk (scheduler_reserve_full_isl; lesson 05b section 4).
             new_blocks = mgr.allocate_slots(
