@@ -678,3 +678,41 @@ def test_a_request_the_connector_cannot_answer_yet_is_passed_over():
     assert out.num_scheduled_tokens == {"B": 1, "A": 8}
     assert [(nr.req_id, nr.num_computed_tokens, nr.block_ids) for nr in out.scheduled_new_reqs] == [("A", 0, ([4, 5],))]
     assert Scripted.asked == ["A", "B", "A"]
+
+
+def test_a_finished_request_hands_a_hybrid_connector_only_what_still_matters():
+    # vLLM 0.33 (its scheduler gave the same table and free queue): before the connector
+    # hears that A finished, the window group's blocks that left the window are freed, and
+    # every group's table is cut to the computed tokens; a connector for hybrid models
+    # (request_finished_all_groups, vLLM's SupportsHMA) gets every group
+    from kvlab import FullAttentionSpec, SlidingWindowSpec
+    from kvlab.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorRole
+    from scheduler_side_connector import SchedulerSideConnector
+
+    class Hybrid(SchedulerSideConnector):
+        tables: list = []
+
+        def get_num_new_matched_tokens(self, request, num_computed_tokens):
+            return 0, False
+
+        def update_state_after_alloc(self, request, blocks, num_external_tokens):
+            pass
+
+        def build_connector_meta(self, scheduler_output):
+            return KVConnectorMetadata()
+
+        def request_finished(self, request, block_ids):
+            raise AssertionError("a hybrid connector is asked with every group")
+
+        def request_finished_all_groups(self, request, block_ids):
+            self.tables.append((request.request_id, request.num_computed_tokens, block_ids))
+            return False, None
+
+    groups = [FullAttentionSpec(block_size=4), SlidingWindowSpec(block_size=4, sliding_window=4)]
+    mgr = KVCacheManager(num_blocks=40, kv_cache_groups=groups)
+    sched = Scheduler(mgr, max_num_batched_tokens=64, connector=Hybrid(KVConnectorRole.SCHEDULER))
+    sched.add_request(Request("A", toks(100, 14), max_tokens=3))
+    for _ in range(3):
+        step(sched)
+    assert Hybrid.tables == [("A", 16, ([1, 2, 3, 4], [0, 0, 0, 8]))]
+    assert free_ids(mgr) == list(range(9, 40)) + [6, 5, 7, 4, 3, 2, 1, 8]

@@ -756,7 +756,31 @@ class KVCacheManager:
         self.coordinator.free(request.request_id)
         self._requests.pop(request.request_id, None)
 
+    @manager_call
+    def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int, num_prompt_tokens: int | None = None) -> None:
+        """Free the blocks no query will read again once ``processed_computed_tokens`` are
+        computed -- those that left a window or a local chunk (replaced by the null block).
+        The scheduler calls it when a request finishes, before it hands the block table to a
+        KV connector (vLLM 0.33), so the connector is given only blocks that still matter."""
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str, got {type(request_id).__name__} {request_id!r}")
+        n = check_int("processed_computed_tokens", processed_computed_tokens, 0)
+        p = check_optional_int("num_prompt_tokens", num_prompt_tokens, 0)
+        self.coordinator.remove_skipped_blocks(request_id, n, p)
+
     # -- queries ----------------------------------------------------------------------------
+    def get_block_ids_for_computed_tokens(self, request_id: str, num_computed_tokens: int) -> tuple[list[int], ...]:
+        """The request's block table cut to the blocks that hold its first
+        ``num_computed_tokens`` tokens, group by group (vLLM 0.33's name; what a connector
+        is handed when the request finishes). Mamba groups are not cut."""
+        n = check_int("num_computed_tokens", num_computed_tokens, 0)
+        out = []
+        for spec, ids in zip(self.kv_cache_groups, self.get_block_ids(request_id)):
+            if isinstance(spec, AttentionSpec) and not isinstance(spec, CrossAttentionSpec):
+                ids = ids[: -(-n // spec.block_size)]  # type: ignore[operator]  # every group has its block size
+            out.append(ids)
+        return tuple(out)
+
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
         return KVCacheBlocks(self.coordinator.get_blocks(request_id))
 

@@ -1275,7 +1275,17 @@ class Scheduler:
         r._owner = None
         if self.connector is not None:
             # Called once, before the blocks are freed: a producer saves or hands them off now.
-            delay, params = self.connector.request_finished(r, self.kv_cache_manager.get_block_ids(r.request_id)[0])
+            # First the blocks that left a window are freed, and the table is cut to the
+            # computed tokens, so the connector gets only what still matters (vLLM 0.33). A
+            # connector for hybrid models (vLLM's SupportsHMA) gets every group's table.
+            mgr = self.kv_cache_manager
+            mgr.remove_skipped_blocks(r.request_id, r.num_computed_tokens, r.num_prompt_tokens)
+            block_ids = mgr.get_block_ids_for_computed_tokens(r.request_id, r.num_computed_tokens)
+            all_groups = getattr(self.connector, "request_finished_all_groups", None)
+            if callable(all_groups):
+                delay, params = all_groups(r, block_ids)
+            else:
+                delay, params = self.connector.request_finished(r, block_ids[0])
             if delay:
                 raise NotImplementedError("kvlab's connectors finish synchronously (request_finished must return False)")
             r.kv_transfer_params = params
