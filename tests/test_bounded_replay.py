@@ -15,7 +15,7 @@ from fractions import Fraction
 import pytest
 
 from kvlab import FullAttentionSpec, KVCacheManager, Request
-from kvlab.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorRole
+from kvlab.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from kvlab.engine.llm_engine import build_engine
 from kvlab.kv_cache_interface import MLAAttentionSpec, SlidingWindowMLASpec
 from scheduler_side_connector import SchedulerSideConnector
@@ -146,12 +146,6 @@ class _Remote(SchedulerSideConnector):
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
         self.allocated.append((blocks.get_block_ids(), num_external_tokens))
-
-    def build_connector_meta(self, scheduler_output):
-        return KVConnectorMetadata()
-
-    def request_finished(self, request, block_ids):
-        return False, None
 
 
 @pytest.mark.parametrize(

@@ -647,7 +647,7 @@ def test_a_request_the_connector_cannot_answer_yet_is_passed_over():
     # vLLM 0.33 (its scheduler, with the same scripted connector, gave the same steps): a
     # connector that cannot tell yet (None) does not stall the queue -- A is passed over, B
     # behind it is admitted with 5 tokens from the connector, and A is asked again next step
-    from kvlab.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorRole
+    from kvlab.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from scheduler_side_connector import SchedulerSideConnector
 
     class Scripted(SchedulerSideConnector):
@@ -658,15 +658,6 @@ def test_a_request_the_connector_cannot_answer_yet_is_passed_over():
             if request.request_id == "A":
                 return (None, False) if self.asked.count("A") == 1 else (0, False)
             return 5, False
-
-        def update_state_after_alloc(self, request, blocks, num_external_tokens):
-            pass
-
-        def build_connector_meta(self, scheduler_output):
-            return KVConnectorMetadata()
-
-        def request_finished(self, request, block_ids):
-            return False, None
 
     mgr, sched, _ = make(40, max_num_batched_tokens=64, connector=Scripted(KVConnectorRole.SCHEDULER))
     sched.add_request(Request("A", toks(100, 8), max_tokens=3))
@@ -686,20 +677,11 @@ def test_a_finished_request_hands_a_hybrid_connector_only_what_still_matters():
     # every group's table is cut to the computed tokens; a connector for hybrid models
     # (request_finished_all_groups, vLLM's SupportsHMA) gets every group
     from kvlab import FullAttentionSpec, SlidingWindowSpec
-    from kvlab.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorRole
+    from kvlab.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from scheduler_side_connector import SchedulerSideConnector
 
     class Hybrid(SchedulerSideConnector):
         tables: list = []
-
-        def get_num_new_matched_tokens(self, request, num_computed_tokens):
-            return 0, False
-
-        def update_state_after_alloc(self, request, blocks, num_external_tokens):
-            pass
-
-        def build_connector_meta(self, scheduler_output):
-            return KVConnectorMetadata()
 
         def request_finished(self, request, block_ids):
             raise AssertionError("a hybrid connector is asked with every group")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from kvlab import KVCacheManager, Request, Scheduler
-from kvlab.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorRole
+from kvlab.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from kvlab.engine.llm_engine import LLMEngine, build_engine
 from kvlab.executor.simulated import SimulatedExecutor
 from kvlab.eventlog.events import EventLog
@@ -55,15 +55,6 @@ def test_the_invariant_names_a_request_that_is_in_no_queue() -> None:
 
 class HandsOff(SchedulerSideConnector):
     """A producer: every finished request gets transfer parameters (where its KV went)."""
-
-    def get_num_new_matched_tokens(self, request, num_computed_tokens):
-        return 0, False
-
-    def update_state_after_alloc(self, request, blocks, num_external_tokens):
-        pass
-
-    def build_connector_meta(self, scheduler_output):
-        return KVConnectorMetadata()
 
     def request_finished(self, request, block_ids):
         return False, {"saved_to": f"/kv/{request.request_id}", "blocks": list(block_ids)}
