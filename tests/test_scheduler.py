@@ -15,6 +15,8 @@ Conventions used in the hand derivations below:
 
 from __future__ import annotations
 
+import pytest
+
 from kvlab import KVCacheManager, Request, RequestStatus, Scheduler
 from kvlab.core.sched.output import SchedulerOutput
 from kvlab.eventlog.events import EventLog
@@ -698,3 +700,24 @@ def test_a_finished_request_hands_a_hybrid_connector_only_what_still_matters():
         step(sched)
     assert Hybrid.tables == [("A", 16, ([1, 2, 3, 4], [0, 0, 0, 8]))]
     assert free_ids(mgr) == list(range(9, 40)) + [6, 5, 7, 4, 3, 2, 1, 8]
+
+
+def test_max_loras_passes_over_a_request_with_one_adapter_too_many():
+    # vLLM 0.33 (LoRAConfig.max_loras = 1; its scheduler gave the same steps): B's adapter
+    # would be a second one in the batch, so B is passed over while A and C (adapter 1) and
+    # D (no adapter) run; B runs once they are done
+    mgr, sched, _ = make(40, max_num_batched_tokens=64, max_loras=1)
+    for rid, adapter, start in [("A", 1, 100), ("B", 2, 200), ("C", 1, 300), ("D", 0, 400)]:
+        lora = dict(lora_name=f"L{adapter}", lora_int_id=adapter, lora_path="/p") if adapter else {}
+        sched.add_request(Request(rid, toks(start, 6), max_tokens=2, **lora))
+    steps = []
+    for _ in range(4):
+        steps.append((step(sched).num_scheduled_tokens, ids(sched.waiting)))
+    assert steps == [
+        ({"A": 6, "C": 6, "D": 6}, ["B"]),
+        ({"A": 1, "C": 1, "D": 1}, ["B"]),
+        ({"B": 6}, []),
+        ({"B": 1}, []),
+    ]
+    with pytest.raises(ValueError, match="max_loras"):
+        make(4, max_loras=0)

@@ -81,6 +81,14 @@ class KVEventPublisherLike(Protocol):
     def publish(self, events: KVEventBatch) -> None: ...
 
 
+def _adapter(request: Request) -> int | str | None:
+    """The LoRA adapter a request runs with (vLLM's ``lora_int_id``; kvlab also takes a name
+    alone), or None."""
+    if request.lora_name is None:
+        return None
+    return request.lora_int_id if request.lora_int_id is not None else request.lora_name
+
+
 @dataclass(slots=True)
 class _StepPlan:
     """What one ``schedule()`` call has decided so far (shared by its two halves)."""
@@ -229,7 +237,9 @@ class Scheduler:
         kv_load_failure_policy: str = "recompute",
         max_num_encoder_input_tokens: int | None = None,
         encoder_cache_size: int | None = None,
+        max_loras: int | None = None,
     ) -> None:
+        max_loras = check_optional_int("max_loras", max_loras, 1, why=" (None: no LoRA limit)")
         (
             max_num_batched_tokens,
             max_num_seqs,
@@ -258,6 +268,8 @@ class Scheduler:
         self.kv_event_publisher = kv_event_publisher
         self.max_num_scheduled_tokens = max_num_batched_tokens
         self.max_num_running_reqs = max_num_seqs
+        # vLLM's LoRAConfig.max_loras: adapters one batch may use at once (None: no limit)
+        self.max_loras = max_loras
         self.policy = policy
         self.enable_chunked_prefill = enable_chunked_prefill
         self.long_prefill_token_threshold = long_prefill_token_threshold
@@ -633,10 +645,18 @@ class Scheduler:
 
     def _admit_waiting(self, plan: _StepPlan, skipped: list[Request]) -> None:
         mgr = self.kv_cache_manager
+        # The adapters of every running request, scheduled this step or not: they can join a
+        # later batch (vLLM 0.33)
+        loras = {a for r in self.running if (a := _adapter(r)) is not None} if self.max_loras is not None else set()
         while self.waiting and plan.token_budget > 0:
             if len(self.running) >= self.max_num_running_reqs:
                 break
             request = self.waiting.peek_request()
+            adapter = _adapter(request) if self.max_loras is not None else None
+            if adapter is not None and len(loras) == self.max_loras and adapter not in loras:
+                # a new adapter would exceed max_loras: pass it over, try the next request
+                skipped.append(self.waiting.pop_request())
+                continue
             hits, num_hit_tokens = mgr.get_computed_blocks(request)
             # A KV connector may supply more of the prompt beyond the local hit: external
             # computed tokens (lessons 12-13). kvlab's connectors load synchronously.
@@ -715,6 +735,8 @@ class Scheduler:
             mgr.record_prefix_cache_stats(request, num_hit_tokens)  # at admission, as vLLM
             self.waiting.pop_request()
             self.running.append(request)
+            if adapter is not None:
+                loras.add(adapter)
             phase = "resumed" if request.status == RequestStatus.PREEMPTED else "new"
             (plan.resumed if phase == "resumed" else plan.new).append(request)
             plan.admitted.append((request, phase))
