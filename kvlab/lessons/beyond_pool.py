@@ -195,6 +195,68 @@ def offload_bench_figure(runs: Sequence[Any]) -> Any:
     return fig
 
 
+def backpressure_figure(samples: Sequence[tuple[str, float, bool | None]], high_water_s: float, low_water_s: float) -> Any:
+    """Lesson 12b's back-pressure run as a picture: the detector's average write time per MiB
+    after each store (filled: the block was written to disk; hollow: the write was dropped,
+    the block stayed in the CPU tier only; a grey diamond: a quiet spell with no store),
+    against the two marks, on a log scale. ``samples``: (label, average s/MiB, written or
+    None); an average of 0 (no write finished yet) has no place on a log scale and is left out."""
+    import math
+
+    import plotly.graph_objects as go
+
+    from kvlab.viz.style import FONT, INK, MID_GREY
+
+    shown = [(label, avg, written) for label, avg, written in samples if avg > 0]
+    labels = [label for label, _, _ in shown]
+    fig = go.Figure()
+    for y, name, dash in (
+        (high_water_s, "high mark: pressure on above it", "dash"),
+        (low_water_s, "low mark: pressure off below it", "dot"),
+    ):
+        fig.add_trace(
+            go.Scatter(x=labels, y=[y] * len(labels), mode="lines", name=name, line=dict(color=INK, width=1, dash=dash), hoverinfo="skip")
+        )
+    fig.add_trace(
+        go.Scatter(
+            x=labels, y=[avg for _, avg, _ in shown], mode="lines", line=dict(color=MID_GREY, width=1), showlegend=False, hoverinfo="skip"
+        )
+    )
+    for name, keep, symbol, fill in (
+        ("written to disk", True, "circle", INK),
+        ("write dropped (CPU tier only)", False, "circle-open", INK),
+        ("no store (time passes)", None, "diamond", MID_GREY),
+    ):
+        points = [(label, avg) for label, avg, written in shown if written is keep]
+        if points:
+            fig.add_trace(
+                go.Scatter(
+                    x=[x for x, _ in points],
+                    y=[y for _, y in points],
+                    mode="markers",
+                    name=name,
+                    marker=dict(symbol=symbol, size=10, color=fill, line=dict(color=INK, width=1.5)),
+                    hovertemplate="%{x}: %{y:.4f} s/MiB<extra>" + name + "</extra>",
+                )
+            )
+    lows = [avg for _, avg, _ in shown] + [low_water_s]
+    highs = [avg for _, avg, _ in shown] + [high_water_s]
+    fig.update_layout(
+        width=OUTPUT_WIDTH,
+        height=340,
+        font=dict(family=FONT, size=11),
+        margin=dict(l=10, r=10, t=40, b=30),
+        title=dict(text="the disk's average write time per MiB, after each store", x=0.01, font=dict(size=12)),
+        legend=dict(orientation="h", y=-0.25),
+        plot_bgcolor="white",
+    )
+    fig.update_xaxes(title_text="block stored", type="category", showgrid=False)
+    fig.update_yaxes(
+        title_text="s per MiB", type="log", gridcolor="#eeeeee", range=[math.log10(min(lows)) - 0.2, math.log10(max(highs)) + 0.2]
+    )
+    return fig
+
+
 def encoder_story(scheduler_cls: type | None = None, *, executor: Any = None, **scheduler_kwargs: Any) -> LLMEngine:
     """Lesson 14's four requests with images (12 tokens per step, an encoder budget of 8
     embeddings, an encoder cache of 16); not yet run. ``scheduler_cls``: a Scheduler

@@ -289,8 +289,6 @@ class Scheduler:
         # Opt-in (vLLM 0.33): a chunk also stops exactly at a shared-prefix junction, whose
         # state the manager then saves inside its block.
         self.mamba_shared_prefix_checkpoint = self.mamba_partial_cache_hit and kv_cache_manager.mamba_shared_prefix_checkpoint
-        # A backend that exports the prompt's state from inside a chunk (vLLM 0.33: every
-        # Mamba group reserves a checkpoint block; the first one's alignment is used).
         # DeepSeek-V4.1's bounded replay (vLLM 0.33): window groups whose KV is not cached,
         # so a prefix hit is rewound by their window and those tokens recomputed. One window
         # for all of them, so that the rewind fits every group's allocation.
@@ -299,6 +297,8 @@ class Scheduler:
         if len(replay_windows) > 1:
             raise ValueError(f"the bounded-replay window groups must share one sliding_window, got {replay_windows}")
         self.prefix_replay_tokens = replay_windows[0] if replay_windows else 0
+        # A backend that exports the prompt's state from inside a chunk (vLLM 0.33: every
+        # Mamba group reserves a checkpoint block; the first one's alignment is used).
         mamba_specs = [g for g in kv_cache_manager.kv_cache_groups if isinstance(g, MambaSpec)]
         self.mamba_prefill_checkpoint_alignment = mamba_specs[0].prefill_checkpoint_alignment if mamba_specs else None
         self.mamba_has_prefill_checkpoint_blocks = bool(mamba_specs) and all(g.num_prefill_checkpoint_blocks > 0 for g in mamba_specs)
