@@ -661,6 +661,7 @@ class Scheduler:
             # A KV connector may supply more of the prompt beyond the local hit: external
             # computed tokens (lessons 12-13). kvlab's connectors load synchronously.
             num_external = 0
+            window_loaded = False  # the connector's load restores the bounded-replay windows
             if self.connector is not None and request.request_id not in self._no_external:
                 ext, load_async = self.connector.get_num_new_matched_tokens(request, num_hit_tokens)
                 if request.skip_reading_prefix_cache:  # asked, but nothing is read (vLLM 0.33)
@@ -672,14 +673,14 @@ class Scheduler:
                 if load_async:
                     raise NotImplementedError("kvlab's scheduler runs synchronous KV loads only (load_kv_async=False)")
                 num_external = check_int("connector.get_num_new_matched_tokens()[0]", ext, 0, request.num_tokens - 1 - num_hit_tokens)
-                if num_external and self.prefix_replay_tokens and not self._load_restores_replay_window(request):
+                window_loaded = bool(num_external) and self._load_restores_replay_window(request)
+                if num_external and self.prefix_replay_tokens and not window_loaded:
                     # a replay starts in the block holding its first token, and the window
                     # groups free whole blocks below the window: a loaded hit must end on
                     # a block boundary
                     num_external -= num_external % self.kv_cache_manager.coordinator.scheduler_block_size
             num_computed = num_hit_tokens + num_external
             connector_queries = request.num_tokens - num_hit_tokens
-            window_loaded = bool(num_external) and self._load_restores_replay_window(request)
             if not window_loaded and 0 < num_computed <= self.prefix_replay_tokens:
                 # a hit no longer than the replayed window would all be recomputed: drop it
                 hits, num_hit_tokens, num_external, num_computed = mgr.empty_kv_cache_blocks.new_empty(), 0, 0, 0
