@@ -28,6 +28,9 @@ class KVConnectorOutput:
 
     finished_sending: set[str] = field(default_factory=set)
     finished_recving: set[str] = field(default_factory=set)
+    # vLLM 0.33: requests whose asynchronous load failed as a whole (a connector that cannot
+    # say which blocks); the scheduler recomputes them (or fails them, policy "fail").
+    failed_recving: set[str] = field(default_factory=set)
     # vLLM 0.33: the worker-side connector's metrics payload (a KVConnectorStats), if any.
     kv_connector_stats: Any = None
     invalid_block_ids: set[int] = field(default_factory=set)
@@ -40,6 +43,7 @@ class KVConnectorOutput:
         return not (
             self.finished_sending
             or self.finished_recving
+            or self.failed_recving
             or self.invalid_block_ids
             or self.num_loaded_tokens
             or self.num_stored_tokens

@@ -28,6 +28,9 @@ def _pack_tokens(token_ids: list[int]) -> bytes:
 
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
+    # Blocks allocated, KV arriving from a connector's asynchronous load (vLLM 0.33: a P/D
+    # decode instance receiving a prefill); scheduled once the worker reports it received.
+    WAITING_FOR_REMOTE_KVS = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     # Everything after PREEMPTED is a finished state.

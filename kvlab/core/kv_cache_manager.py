@@ -434,6 +434,7 @@ class KVCacheManager:
         full_sequence_must_fit: bool = False,
         skip_zeroing_group_ids: tuple[int, ...] = (),
         num_encoder_tokens: int = 0,
+        reserved_blocks: int = 0,
     ) -> KVCacheBlocks | None:
         """Room for ``num_new_tokens`` more tokens. Returns the *newly allocated* blocks, an
         empty KVCacheBlocks when none are needed, or None when the pool cannot supply them --
@@ -458,8 +459,13 @@ class KVCacheManager:
         * ``skip_zeroing_group_ids``: groups whose external blocks an asynchronous load
           writes after this step, so they are not recorded for zeroing (vLLM 0.33);
         * ``num_encoder_tokens``: an encoder-decoder model's encoder tokens; a
-          cross-attention group gets room for these, not for the decoder's tokens.
+          cross-attention group gets room for these, not for the decoder's tokens;
+        * ``reserved_blocks``: free blocks this allocation must leave alone. The scheduler
+          passes what the requests still prefilling need to finish when it admits an
+          asynchronous load, whose blocks stay held, with nothing computed, until the KV
+          arrives: it must not take the blocks an admitted prefill is counting on (vLLM 0.33).
         """
+        reserved_blocks = check_int("reserved_blocks", reserved_blocks, 0)
         if skip_zeroing_group_ids:
             self._check_group_ids("skip_zeroing_group_ids", skip_zeroing_group_ids)
         if num_encoder_tokens:
@@ -522,7 +528,7 @@ class KVCacheManager:
             num_encoder_tokens=num_encoder_tokens,
             prefill_end=prefill_end,
         )
-        if need > self.block_pool.get_num_free_blocks():
+        if need > self.block_pool.get_num_free_blocks() - reserved_blocks:
             return None
         if has_hits or num_external_computed_tokens > 0:
             # Hits are adopted before anything is allocated: an allocation must not evict them.

@@ -587,6 +587,7 @@ class SchedulerCheckpoint:
     state: dict[str, Any]
     requests: dict[str, Request]
     waiting: dict[str, Any]
+    kv_holding_waiting: dict[str, Any]
     encoder_cache: dict[str, Any]
     log_len: int | None
     log_step: int
@@ -602,7 +603,17 @@ class SchedulerCheckpoint:
 #: Scheduler attributes a checkpoint does not copy: objects with owners of their own (the
 #: manager, the log, the connector, the publisher) and the containers copied apart.
 _NOT_COPIED = frozenset(
-    {"kv_cache_manager", "events", "connector", "kv_event_publisher", "requests", "waiting", "encoder_cache_manager", "_txn"}
+    {
+        "kv_cache_manager",
+        "events",
+        "connector",
+        "kv_event_publisher",
+        "requests",
+        "waiting",
+        "kv_holding_waiting",
+        "encoder_cache_manager",
+        "_txn",
+    }
 )
 #: Stats records changed in place: copied with their own ``copy()``.
 _STATS = ("caching_metrics", "connector_prefix_cache_stats")
@@ -641,6 +652,7 @@ def checkpoint_scheduler(sched: Scheduler) -> SchedulerCheckpoint:
         state=state,
         requests=sched.requests.copy(),
         waiting=copy_attrs(sched.waiting),
+        kv_holding_waiting=copy_attrs(sched.kv_holding_waiting),
         encoder_cache=copy_attrs(sched.encoder_cache_manager, skip=frozenset({"events"})),
         log_len=None if log is None else len(log),
         log_step=0 if log is None else log.step,
@@ -681,6 +693,7 @@ def restore_scheduler(sched: Scheduler, cp: SchedulerCheckpoint, *, drop_reused:
         if v is not None:
             setattr(sched, name, v.copy())
     put_attrs(sched.waiting, cp.waiting)
+    put_attrs(sched.kv_holding_waiting, cp.kv_holding_waiting)
     put_attrs(sched.encoder_cache_manager, cp.encoder_cache)
     added = [r for r in sched.requests.values() if cp.requests.get(r.request_id) is not r]
     sched.requests.clear()  # in place: whoever holds the map sees it restored

@@ -22,7 +22,10 @@ vLLM: ``vllm/v1/core/sched/scheduler.py``. One step:
 Beyond the pool (lessons 12-14): a KV connector (``connector=``, its scheduler half) may
 supply a waiting request's KV beyond the local prefix hit -- *external computed tokens*
 from a CPU/disk tier or another engine; a load that fails gives the request back to
-recompute. Multimodal requests need their items encoded first: a per-step encoder budget
+recompute. A connector's load may also be asynchronous (vLLM's P/D path): the request gets
+its blocks, waits holding them (``WAITING_FOR_REMOTE_KVS``, in ``kv_holding_waiting``, tried
+before ``waiting`` every step) until the worker reports the KV received, and is admitted only
+if the requests still prefilling keep the blocks they need to finish. Multimodal requests need their items encoded first: a per-step encoder budget
 and the :class:`EncoderCacheManager` decide which encoder inputs run, and cut a prefill
 chunk before an item that cannot.
 """
@@ -339,6 +342,18 @@ class Scheduler:
 
         self.requests: dict[str, Request] = {}
         self.waiting: FCFSRequestQueue | PriorityRequestQueue = PriorityRequestQueue() if policy == "priority" else FCFSRequestQueue()
+        # Waiting requests that hold blocks: an asynchronous KV load in flight (or landed), so
+        # they are tried before ``waiting`` every step (vLLM 0.33's ``kv_holding_waiting``).
+        self.kv_holding_waiting: FCFSRequestQueue | PriorityRequestQueue = (
+            PriorityRequestQueue() if policy == "priority" else FCFSRequestQueue()
+        )
+        # Asynchronous loads the worker reported received / failed (vLLM's names).
+        self.finished_recving_kv_req_ids: set[str] = set()
+        self.failed_recving_kv_req_ids: set[str] = set()
+        # Requests still prefilling (an admitted chunk short of the prompt's end, or a load in
+        # flight): an asynchronous load is admitted only with the blocks they still need left
+        # free. Keyed by id, in admission order (vLLM keeps a set of requests).
+        self._inflight_prefills: dict[str, Request] = {}
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()  # since the last schedule(), for the executor
         self.step_count = 0
@@ -458,10 +473,22 @@ class Scheduler:
         return total
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running) or bool(self.waiting)
+        return bool(self.running) or bool(self.waiting) or bool(self.kv_holding_waiting)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.running) + len(self.waiting)
+        return len(self.running) + len(self.waiting) + len(self.kv_holding_waiting)
+
+    def get_request_counts(self) -> tuple[int, int]:
+        """(running, waiting) requests, the waiting ones holding blocks included (vLLM's)."""
+        return len(self.running), len(self.waiting) + len(self.kv_holding_waiting)
+
+    def has_pending_kv_transfers(self) -> bool:
+        """Whether a connector's asynchronous transfer still has to report: a load in flight
+        (``WAITING_FOR_REMOTE_KVS``), or a finished request whose blocks wait for a send.
+        The engine keeps stepping while one does, even when nothing can be scheduled."""
+        return len(self.requests) > len(self.running) + len(self.waiting) + len(self.kv_holding_waiting) or any(
+            r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in self.kv_holding_waiting
+        )
 
     @scheduler_call(touches=lambda sched, request_ids, *a, **k: sched.check_finish_args(request_ids)[0])
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
@@ -470,14 +497,28 @@ class Scheduler:
         ids, reason = self.check_finish_args(request_ids, status)
         for rid in ids:
             r = self.requests.get(rid)
-            if r is None:
+            if r is None or r.is_finished():  # a finished one whose blocks wait for a send
                 continue
-            if r.status == RequestStatus.RUNNING:
-                self.running.remove(r)
-            else:
-                self.waiting.remove_request(r)
-            r.status = status
-            self._free_request(r, reason)
+            self._finish_request(r, status, reason)
+
+    def _finish_request(self, r: Request, status: RequestStatus, reason: str) -> None:
+        """Take an unfinished request out of its queue and finish it."""
+        rid = r.request_id
+        delay_free_blocks = False
+        if r.status == RequestStatus.RUNNING:
+            self.running.remove(r)
+        elif any(q is r for q in self.kv_holding_waiting):
+            self.kv_holding_waiting.remove_request(r)
+            if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                # The load may still be writing into its blocks: they are freed when the
+                # worker reports it received, unless it already has (vLLM 0.33).
+                delay_free_blocks = rid not in self.finished_recving_kv_req_ids
+                self.finished_recving_kv_req_ids.discard(rid)
+                self.failed_recving_kv_req_ids.discard(rid)
+        else:
+            self.waiting.remove_request(r)
+        r.status = status
+        self._free_request(r, reason, delay_free_blocks=delay_free_blocks)
 
     def check_finish_args(self, request_ids: Any, status: Any = RequestStatus.FINISHED_ABORTED) -> tuple[list[str], str]:
         """The ids ``finish_requests`` would finish (deduplicated, in order) and the finish
@@ -497,7 +538,7 @@ class Scheduler:
         return list(dict.fromkeys(ids)), reason
 
     # -- one step -----------------------------------------------------------------------------
-    @scheduler_call()
+    @scheduler_call(touches=lambda sched: [r.request_id for r in sched.kv_holding_waiting])
     def schedule(self) -> SchedulerOutput:
         """Decide one step: which requests run, how many tokens each, and who is preempted.
 
@@ -524,13 +565,16 @@ class Scheduler:
         # The long-prefill cap keeps one long prompt from starving the others of the budget;
         # alone, a request has nobody to starve, so it may use the whole budget (vLLM 0.33;
         # earlier releases capped it even then).
-        threshold = self.long_prefill_token_threshold if len(self.running) + len(self.waiting) > 1 else 0
+        threshold = self.long_prefill_token_threshold if sum(self.get_request_counts()) > 1 else 0
         plan = _StepPlan(
             token_budget=self.max_num_scheduled_tokens, encoder_budget=self.max_num_encoder_input_tokens, long_prefill_threshold=threshold
         )
         self._schedule_running(plan)
         if not plan.preempted:
             self._schedule_waiting(plan)
+        for rid, n in plan.num_scheduled.items():
+            if rid in self._inflight_prefills and plan.computed_before[rid] + n >= self.requests[rid].num_tokens:
+                del self._inflight_prefills[rid]  # this chunk ends its prefill
         out = self._make_output(plan)
         if events is not None:
             for r, phase in [(r, "running") for r in plan.running] + plan.admitted:
@@ -626,100 +670,151 @@ class Scheduler:
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         """Waiting requests, in queue order, while the budget, ``max_num_seqs`` and the pool
-        allow; a prefix-cache hit is adopted at admission."""
+        allow; a prefix-cache hit is adopted at admission. The requests holding blocks (an
+        asynchronous load) are tried first."""
         skipped: list[Request] = []
+        skipped_holding: list[Request] = []
         try:
-            self._admit_waiting(plan, skipped)
+            self._admit_waiting(plan, skipped, skipped_holding)
         finally:
-            self._requeue_skipped(skipped)
+            self._requeue_skipped(self.kv_holding_waiting, skipped_holding)
+            self._requeue_skipped(self.waiting, skipped)
 
-    def _requeue_skipped(self, skipped: list[Request]) -> None:
-        """Put the requests this step passed over back at the head of the waiting queue, in
-        their order (vLLM's ``prepend_requests``; a priority queue just takes them back)."""
-        if isinstance(self.waiting, FCFSRequestQueue):
+    @staticmethod
+    def _requeue_skipped(queue: FCFSRequestQueue | PriorityRequestQueue, skipped: list[Request]) -> None:
+        """Put the requests this step passed over back at the head of their queue, in their
+        order (vLLM's ``prepend_requests``; a priority queue just takes them back)."""
+        if isinstance(queue, FCFSRequestQueue):
             for r in reversed(skipped):
-                self.waiting.prepend_request(r)
+                queue.prepend_request(r)
         else:
             for r in skipped:
-                self.waiting.add_request(r)
+                queue.add_request(r)
 
-    def _admit_waiting(self, plan: _StepPlan, skipped: list[Request]) -> None:
+    @staticmethod
+    def _holds_kv_blocks(request: Request) -> bool:
+        """Whether a waiting request holds blocks: a load in flight, or one that landed
+        (vLLM's ``_holds_kv_blocks``)."""
+        return request.num_computed_tokens > 0 or request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+
+    def _admit_waiting(self, plan: _StepPlan, skipped: list[Request], skipped_holding: list[Request]) -> None:
         mgr = self.kv_cache_manager
         # The adapters of every running request, scheduled this step or not: they can join a
         # later batch (vLLM 0.33)
         loras = {a for r in self.running if (a := _adapter(r)) is not None} if self.max_loras is not None else set()
-        while self.waiting and plan.token_budget > 0:
-            if len(self.running) >= self.max_num_running_reqs:
+
+        def skip(queue: FCFSRequestQueue | PriorityRequestQueue) -> None:
+            # pass it over this step; it goes back to the head of the queue its blocks say
+            r = queue.pop_request()
+            (skipped_holding if self._holds_kv_blocks(r) else skipped).append(r)
+
+        while plan.token_budget > 0:
+            queue = self.kv_holding_waiting if self.kv_holding_waiting else self.waiting
+            if not queue or len(self.running) >= self.max_num_running_reqs:
                 break
-            request = self.waiting.peek_request()
+            request = queue.peek_request()
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                if request.request_id not in self.finished_recving_kv_req_ids:
+                    skip(queue)  # its KV has not arrived yet
+                    continue
+                self._update_waiting_for_remote_kv(request)
+                request.status = RequestStatus.PREEMPTED if request.num_preemptions else RequestStatus.WAITING
             adapter = _adapter(request) if self.max_loras is not None else None
             if adapter is not None and len(loras) == self.max_loras and adapter not in loras:
-                # a new adapter would exceed max_loras: pass it over, try the next request
-                skipped.append(self.waiting.pop_request())
+                skip(queue)  # a new adapter would exceed max_loras: try the next request
                 continue
-            hits, num_hit_tokens = mgr.get_computed_blocks(request)
-            # A KV connector may supply more of the prompt beyond the local hit: external
-            # computed tokens (lessons 12-13). kvlab's connectors load synchronously.
             num_external = 0
+            load_async = False
             window_loaded = False  # the connector's load restores the bounded-replay windows
-            if self.connector is not None and request.request_id not in self._no_external:
-                ext, load_async = self.connector.get_num_new_matched_tokens(request, num_hit_tokens)
-                if request.skip_reading_prefix_cache:  # asked, but nothing is read (vLLM 0.33)
-                    ext, load_async = 0, False
-                if ext is None:
-                    # the connector cannot tell yet: pass it over this step, try the next one
-                    skipped.append(self.waiting.pop_request())
-                    continue
-                if load_async:
-                    raise NotImplementedError("kvlab's scheduler runs synchronous KV loads only (load_kv_async=False)")
-                num_external = check_int("connector.get_num_new_matched_tokens()[0]", ext, 0, request.num_tokens - 1 - num_hit_tokens)
-                window_loaded = bool(num_external) and self._load_restores_replay_window(request)
-                if num_external and self.prefix_replay_tokens and not window_loaded:
-                    # a replay starts in the block holding its first token, and the window
-                    # groups free whole blocks below the window: a loaded hit must end on
-                    # a block boundary
-                    num_external -= num_external % self.kv_cache_manager.coordinator.scheduler_block_size
-            num_computed = num_hit_tokens + num_external
-            connector_queries = request.num_tokens - num_hit_tokens
-            if not window_loaded and 0 < num_computed <= self.prefix_replay_tokens:
-                # a hit no longer than the replayed window would all be recomputed: drop it
-                hits, num_hit_tokens, num_external, num_computed = mgr.empty_kv_cache_blocks.new_empty(), 0, 0, 0
+            connector_queries = 0
+            looked_up = request.num_computed_tokens == 0
+            if looked_up:
+                hits, num_hit_tokens = mgr.get_computed_blocks(request)
+                # A KV connector may supply more of the prompt beyond the local hit: external
+                # computed tokens (lessons 12-13), loaded within the step or asynchronously.
+                if self.connector is not None and request.request_id not in self._no_external:
+                    ext, load_async = self.connector.get_num_new_matched_tokens(request, num_hit_tokens)
+                    if request.skip_reading_prefix_cache:  # asked, but nothing is read (vLLM 0.33)
+                        ext, load_async = 0, False
+                    if ext is None:
+                        skip(queue)  # the connector cannot tell yet: try the next request
+                        continue
+                    if not isinstance(load_async, bool):
+                        raise TypeError(
+                            f"connector.get_num_new_matched_tokens()[1] (load_kv_async) must be True or False, got {load_async!r}"
+                        )
+                    # A load within the step must leave a token to compute (the next one is
+                    # sampled from it); an asynchronous one may bring the whole prompt, whose
+                    # last token is then recomputed when it lands (vLLM 0.33).
+                    num_external = check_int(
+                        "connector.get_num_new_matched_tokens()[0]", ext, 0, request.num_tokens - num_hit_tokens - (not load_async)
+                    )
+                    window_loaded = bool(num_external) and self._load_restores_replay_window(request)
+                    if num_external and self.prefix_replay_tokens and not window_loaded:
+                        # a replay starts in the block holding its first token, and the window
+                        # groups free whole blocks below the window: a loaded hit must end on
+                        # a block boundary
+                        num_external -= num_external % self.kv_cache_manager.coordinator.scheduler_block_size
+                    load_async = load_async and num_external > 0
+                    connector_queries = request.num_tokens - num_hit_tokens
+                num_computed = num_hit_tokens + num_external
+                if not window_loaded and 0 < num_computed <= self.prefix_replay_tokens:
+                    # a hit no longer than the replayed window would all be recomputed: drop it
+                    hits, num_hit_tokens, num_external, num_computed = mgr.empty_kv_cache_blocks.new_empty(), 0, 0, 0
+                    load_async = False
+            else:
+                # Its asynchronous load has landed: the blocks are its own already, and the
+                # replay was marked when it landed (vLLM 0.33).
+                hits, num_hit_tokens = mgr.empty_kv_cache_blocks.new_empty(), 0
+                num_computed = request.num_computed_tokens
             num_hit = num_computed  # what the cache supplied, before the replay rewinds it
-            num_replay = self._mark_prefix_replay(request, num_computed, window_loaded)
-            num_computed -= num_replay
-            n = self._num_new_tokens(request, num_computed, plan)
-            if not self.enable_chunked_prefill and n > plan.token_budget:
-                break  # the whole prompt must fit; no skipping ahead
-            n = min(n, plan.token_budget)
-            if self.need_mamba_block_aligned_split:
-                n = self._mamba_block_aligned_split(request, n, num_hit)  # vLLM splits from the hit, not the replay
-                if n <= 0:
-                    break
+            num_replay = 0
             encoder_inputs: list[int] = []
             duplicates: list[int] = []
             new_encoder_budget = plan.encoder_budget
-            if request.mm_features:
-                encoder_inputs, duplicates, n, new_encoder_budget = self._try_schedule_encoder_inputs(
-                    request, num_computed, n, plan.encoder_budget, **self._encoder_shift
-                )
-            n = self._reserve_prefill_lookahead(request, num_computed, n)
-            if n <= 0:
-                # an item it needs cannot be encoded this step, or the chunk would end in the
-                # drafter's lookahead: pass it over so it does not stall the requests behind it
-                # (vLLM 0.33; the cached items it references stay referenced, as in vLLM)
-                skipped.append(self.waiting.pop_request())
-                continue
+            if load_async:
+                n = 0  # nothing is computed until the KV has arrived
+            else:
+                if looked_up:
+                    num_replay = self._mark_prefix_replay(request, num_computed, window_loaded)
+                    num_computed -= num_replay
+                n = self._num_new_tokens(request, num_computed, plan)
+                if not self.enable_chunked_prefill and n > plan.token_budget:
+                    break  # the whole prompt must fit; no skipping ahead
+                n = min(n, plan.token_budget)
+                if self.need_mamba_block_aligned_split:
+                    n = self._mamba_block_aligned_split(request, n, num_hit)  # vLLM splits from the hit, not the replay
+                    if n <= 0:
+                        break
+                if request.mm_features:
+                    encoder_inputs, duplicates, n, new_encoder_budget = self._try_schedule_encoder_inputs(
+                        request, num_computed, n, plan.encoder_budget, **self._encoder_shift
+                    )
+                n = self._reserve_prefill_lookahead(request, num_computed, n)
+                if n <= 0:
+                    # an item it needs cannot be encoded this step, or the chunk would end in the
+                    # drafter's lookahead: pass it over so it does not stall the requests behind it
+                    # (vLLM 0.33; the cached items it references stay referenced, as in vLLM)
+                    skip(queue)
+                    continue
             # vLLM's admission gate: the whole prompt (after the hit) must fit now, not just
-            # this chunk (scheduler_reserve_full_isl; lesson 05b section 4).
+            # this chunk (scheduler_reserve_full_isl; lesson 05b section 4). An asynchronous
+            # load holds its blocks with nothing computed until the KV arrives, so it must also
+            # leave the requests still prefilling the blocks they need to finish.
             new_blocks = mgr.allocate_slots(
                 request,
                 max(n - num_replay, 0),  # the replayed tokens are in the hit already
                 num_hit_tokens,
                 hits,
                 num_external_computed_tokens=num_external,
+                delay_cache_blocks=load_async,  # cached once the KV has arrived
                 full_sequence_must_fit=self.scheduler_reserve_full_isl,
+                skip_zeroing_group_ids=tuple(self.connector.get_loaded_kv_cache_group_ids(request))
+                if load_async and self.connector is not None
+                else (),
                 # an encoder-decoder model: cross-attention blocks for the encoder's output
                 num_encoder_tokens=sum(request.get_num_encoder_embeds(i) for i in encoder_inputs) if self.is_encoder_decoder else 0,
+                reserved_blocks=self._inflight_prefill_reserved_blocks() if load_async else 0,
             )
             if new_blocks is None:
                 if request.mm_features:
@@ -730,11 +825,22 @@ class Scheduler:
                 stats = self.connector_prefix_cache_stats
                 if stats is not None and connector_queries:
                     stats.record(connector_queries, num_external, request.num_preemptions > 0)
+            if looked_up:
+                mgr.record_prefix_cache_stats(request, num_hit_tokens)  # at admission, as vLLM
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            if load_async:
+                # Blocks held, KV on its way: it waits (holding them) until the worker reports
+                # the load received, then computes the rest (vLLM's WAITING_FOR_REMOTE_KVS).
+                request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                request.num_computed_tokens = num_computed
+                self._inflight_prefills[request.request_id] = request
+                skip(queue)
+                continue
             if encoder_inputs or duplicates:
                 self._allocate_encoder_inputs(request, encoder_inputs, duplicates, plan)
             plan.encoder_budget = new_encoder_budget
-            mgr.record_prefix_cache_stats(request, num_hit_tokens)  # at admission, as vLLM
-            self.waiting.pop_request()
+            queue.pop_request()
             self.running.append(request)
             if adapter is not None:
                 loras.add(adapter)
@@ -743,13 +849,59 @@ class Scheduler:
             plan.admitted.append((request, phase))
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_computed
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit
+            if num_computed + n < request.num_tokens:
+                self._inflight_prefills[request.request_id] = request  # still prefilling after this chunk
             plan.num_scheduled[request.request_id] = n
             plan.computed_before[request.request_id] = num_computed
             if num_external:
                 plan.external[request.request_id] = num_external
             plan.token_budget -= n
+
+    def _request_remaining_blocks(self, request: Request) -> int:
+        """Blocks ``request`` still needs to hold its whole sequence (vLLM's
+        ``_request_remaining_blocks``)."""
+        mgr = self.kv_cache_manager
+        full = request.num_tokens if mgr.max_model_len is None else min(request.num_tokens, mgr.max_model_len)
+        return mgr.coordinator.get_num_blocks_to_allocate(
+            request.request_id,
+            full,
+            mgr.empty_kv_cache_blocks.blocks,
+            request.num_computed_tokens,
+            request.num_computed_tokens,
+            full,
+            apply_admission_cap=True,
+            prefill_end=max(request.num_prompt_tokens, request.num_tokens - 1),
+        )
+
+    def _inflight_prefill_reserved_blocks(self) -> int:
+        """The blocks the requests still prefilling need to finish (their reservation)."""
+        return sum(self._request_remaining_blocks(r) for r in self._inflight_prefills.values())
+
+    def _update_waiting_for_remote_kv(self, request: Request) -> None:
+        """Its asynchronous load has landed: cache the blocks that arrived, and set where
+        computing resumes (vLLM's ``_update_waiting_for_remote_kv``). After a failed load
+        only the valid prefix is cached (none: its blocks are freed, and a local hit may
+        serve it on the next try); a full-prompt hit recomputes the last token, so the next
+        one can be sampled."""
+        rid = request.request_id
+        mgr = self.kv_cache_manager
+        load_failed = rid in self.failed_recving_kv_req_ids
+        if load_failed:
+            if request.num_computed_tokens:
+                mgr.cache_blocks(request, request.num_computed_tokens)
+            else:
+                mgr.free(request)
+            self.failed_recving_kv_req_ids.discard(rid)
+        else:
+            mgr.cache_blocks(request, request.num_computed_tokens)
+        num_replay = self._mark_prefix_replay(
+            request, request.num_computed_tokens, window_loaded=not load_failed and self._load_restores_replay_window(request)
+        )
+        if num_replay > 0:
+            request.num_computed_tokens -= num_replay
+        elif request.num_computed_tokens == request.num_tokens:
+            request.num_computed_tokens = request.num_tokens - 1
+        self.finished_recving_kv_req_ids.discard(rid)
 
     def _load_restores_replay_window(self, request: Request) -> bool:
         """Whether the connector's load restores every bounded-replay window group (a
@@ -1011,6 +1163,7 @@ class Scheduler:
     def _preempt_request(self, request: Request, for_request: Request) -> None:
         lost = request.num_computed_tokens
         self.kv_cache_manager.free(request)
+        self._inflight_prefills.pop(request.request_id, None)
         if request.mm_features:
             self.encoder_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
@@ -1034,7 +1187,7 @@ class Scheduler:
                 )
             )
 
-    @scheduler_call(touches=lambda sched, out, *a, **k: _scheduled_ids(out))
+    @scheduler_call(touches=lambda sched, out, *a, **k: _touched_by_output(sched, out, k.get("kv_connector_output")))
     def update_from_output(
         self,
         scheduler_output: SchedulerOutput,
@@ -1089,6 +1242,8 @@ class Scheduler:
                 f"failures are not supported with {len(self.kv_cache_manager.kv_cache_groups)} KV-cache groups (as in vLLM "
                 "0.33); a connector for a hybrid model must report the failed requests instead"
             )
+        if kv_connector_output is not None:
+            self._check_transfer_ids(kv_connector_output)
         if not isinstance(sampled_token_ids, Mapping):
             raise TypeError(f"sampled_token_ids must be a dict {{request_id: [token ids]}}, got {type(sampled_token_ids).__name__}")
         scheduled = out.num_scheduled_tokens
@@ -1126,6 +1281,29 @@ class Scheduler:
                 )
         return clean
 
+    def _check_transfer_ids(self, kv_out: Any) -> None:
+        """The worker's transfer report names requests this scheduler can act on: a load
+        received or failed for a request waiting for it (or finished meanwhile, holding its
+        blocks), a send done for a finished request that kept its blocks."""
+        for name in ("finished_recving", "failed_recving", "finished_sending"):
+            ids = getattr(kv_out, name, None) or set()
+            if isinstance(ids, (str, bytes)) or not isinstance(ids, (set, frozenset, list, tuple)):
+                raise TypeError(f"kv_connector_output.{name} must be a set of request ids, got {type(ids).__name__} {ids!r}")
+            for rid in ids:
+                r = self.requests.get(rid) if isinstance(rid, str) else None
+                if name == "finished_sending":
+                    ok = r is not None and r.is_finished()
+                    want = "a finished request whose blocks wait for the send (request_finished returned True)"
+                elif name == "finished_recving":
+                    ok = r is not None and (r.status == RequestStatus.WAITING_FOR_REMOTE_KVS or r.is_finished())
+                    want = "a request waiting for its asynchronous load (WAITING_FOR_REMOTE_KVS)"
+                else:
+                    ok = r is not None
+                    want = "a known request"
+                if not ok:
+                    state = "unknown" if r is None else f"status {r.status.name}"
+                    raise ValueError(f"kv_connector_output.{name} names {rid!r} ({state}); it must name {want}")
+
     def _update_from_output(
         self,
         scheduler_output: SchedulerOutput,
@@ -1136,20 +1314,15 @@ class Scheduler:
         finished: list[Request] = []
         events = self.events
         failed: set[str] = set()
+        failed_async: set[str] = set()  # asynchronous loads that failed, under policy "fail"
         if self.connector is not None and kv_connector_output is not None:
-            self.connector.update_connector_output(kv_connector_output)
+            if kv_connector_output.failed_recving:
+                failed_async |= self._handle_failed_recving(kv_connector_output.failed_recving)
             if kv_connector_output.invalid_block_ids:
+                failed_async |= self._handle_invalid_async_loads(kv_connector_output.invalid_block_ids)
                 failed = self._handle_invalid_blocks(
                     kv_connector_output.invalid_block_ids, scheduler_output, finished, kv_connector_output.errors
                 )
-        if self.connector is not None:
-            # The step's connector metrics: the worker's payload, then the scheduler half's
-            # (vLLM 0.33 hands them to make_stats; kvlab keeps the last step's for it).
-            payload = kv_connector_output.kv_connector_stats if kv_connector_output is not None else None
-            mine = self.connector.get_kv_connector_stats()
-            if mine is not None and not mine.is_empty():
-                payload = mine if payload is None else payload.aggregate(mine)
-            self.kv_connector_stats = payload
         for rid, n in scheduler_output.num_scheduled_tokens.items():
             r = self.requests.get(rid)
             if r is None or r.status != RequestStatus.RUNNING or rid in failed:
@@ -1176,6 +1349,22 @@ class Scheduler:
             for r in finished:
                 reason = "error" if r.request_id in failed else "stop" if r.status == RequestStatus.FINISHED_STOPPED else "length"
                 self._free_request(r, reason)
+        for rid in failed_async:  # in the set's order, as vLLM's finish_requests takes it
+            r = self.requests[rid]
+            self._finish_request(r, RequestStatus.FINISHED_ABORTED, "error")
+            finished.append(r)
+        if self.connector is not None and kv_connector_output is not None:
+            # after the step's finished requests were handed over, as vLLM 0.33 does
+            self._update_from_kv_xfer_finished(kv_connector_output)
+        if self.connector is not None:
+            # The step's connector metrics: the worker's payload, then the scheduler half's
+            # (after the transfers' report, as vLLM 0.33 collects them; kvlab keeps the last
+            # step's for make_stats).
+            payload = kv_connector_output.kv_connector_stats if kv_connector_output is not None else None
+            mine = self.connector.get_kv_connector_stats()
+            if mine is not None and not mine.is_empty():
+                payload = mine if payload is None else payload.aggregate(mine)
+            self.kv_connector_stats = payload
         stats = self.kv_cache_manager.make_prefix_cache_stats()
         if stats is not None:
             # vLLM's counters take only lookups of never-preempted requests: a victim
@@ -1217,6 +1406,71 @@ class Scheduler:
         stop = getattr(self.kv_event_publisher, "shutdown", None)  # a publisher may have none
         if callable(stop):
             stop()
+
+    def _handle_failed_recving(self, failed_req_ids: set[str]) -> set[str]:
+        """Asynchronous loads the worker reports failed as a whole: under policy "recompute"
+        the request keeps its blocks but none of its tokens count as computed, and it
+        recomputes once the load has landed; under "fail" the ids are returned, to finish
+        (vLLM's ``_handle_failed_recving``)."""
+        affected: set[str] = set()
+        for rid in failed_req_ids:  # as given (vLLM iterates the set)
+            r = self.requests.get(rid)
+            if r is not None and r.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                affected.add(rid)
+                self.num_kv_load_failures += 1
+                if self.kv_load_failure_policy == "recompute":
+                    r.num_computed_tokens = 0
+                    self.failed_recving_kv_req_ids.add(rid)
+        return set() if self.kv_load_failure_policy == "recompute" else affected
+
+    def _handle_invalid_async_loads(self, invalid_block_ids: set[int]) -> set[str]:
+        """Asynchronous loads with a block that failed: the computed tokens are cut at the
+        first failed block (a block another load already lost counts for that one only), and
+        the request recomputes from there once its load has landed -- or, policy "fail", the
+        ids are returned to finish. Nothing was cached yet, so nothing is evicted (vLLM 0.33's
+        ``_update_requests_with_invalid_blocks`` for ``WAITING_FOR_REMOTE_KVS``)."""
+        bs = self.kv_cache_manager.kv_cache_groups[0].block_size
+        affected: set[str] = set()
+        marked: set[int] = set()
+        for r in list(self.kv_holding_waiting):
+            if r.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+                continue
+            row = self.kv_cache_manager.get_block_ids(r.request_id)[0]
+            is_affected = truncated = False
+            for idx, bid in enumerate(row[: cdiv(r.num_computed_tokens, bs)]):  # type: ignore[arg-type]  # the manager filled in every block size
+                if bid not in invalid_block_ids:
+                    continue
+                is_affected = True
+                if bid in marked:
+                    continue  # lost by an earlier load: that one recomputes it
+                marked.add(bid)
+                if not truncated:
+                    truncated = True
+                    r.num_computed_tokens = idx * bs  # type: ignore[operator]  # as above
+            if is_affected:
+                affected.add(r.request_id)
+                self.num_kv_load_failures += 1
+        if self.kv_load_failure_policy == "recompute":
+            self.failed_recving_kv_req_ids |= affected
+            return set()
+        return affected
+
+    def _update_from_kv_xfer_finished(self, kv_connector_output: KVConnectorOutput) -> None:
+        """The worker's transfers that ended: a load received makes its request schedulable
+        next step (or frees the blocks of one finished meanwhile); a send done frees the
+        blocks its finished request kept (vLLM's ``_update_from_kv_xfer_finished``)."""
+        assert self.connector is not None
+        self.connector.update_connector_output(kv_connector_output)
+        # In the report's own order: blocks freed here go to the free queue in it (vLLM
+        # iterates its sets the same way).
+        for rid in kv_connector_output.finished_recving:
+            r = self.requests[rid]
+            if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                self.finished_recving_kv_req_ids.add(rid)
+            else:
+                self._free_blocks(r)
+        for rid in kv_connector_output.finished_sending:
+            self._free_blocks(self.requests[rid])
 
     def _handle_invalid_blocks(
         self, invalid_block_ids: set[int], scheduler_output: SchedulerOutput, finished: list[Request], errors: dict[str, str] | None = None
@@ -1294,8 +1548,13 @@ class Scheduler:
             return True
         return False
 
-    def _free_request(self, r: Request, finish_reason: str) -> None:
+    def _free_request(self, r: Request, finish_reason: str, delay_free_blocks: bool = False) -> None:
+        """Finish ``r``: the connector hears of it first, then its blocks are freed -- unless
+        a transfer still uses them (the connector sends them on, or a load is still writing
+        into them): then the request stays known, holding them, until the worker reports the
+        transfer done (``finished_sending`` / ``finished_recving``; vLLM 0.33)."""
         r._owner = None
+        self._inflight_prefills.pop(r.request_id, None)
         if self.connector is not None:
             # Called once, before the blocks are freed: a producer saves or hands them off now.
             # First the blocks that left a window are freed, and the table is cut to the
@@ -1309,19 +1568,26 @@ class Scheduler:
                 delay, params = all_groups(r, block_ids)
             else:
                 delay, params = self.connector.request_finished(r, block_ids[0])
-            if delay:
-                raise NotImplementedError("kvlab's connectors finish synchronously (request_finished must return False)")
+            if not isinstance(delay, bool):
+                raise TypeError(f"{type(self.connector).__name__}.request_finished must return (bool, params), got delay {delay!r}")
+            delay_free_blocks |= delay
             r.kv_transfer_params = params
         if r.mm_features:
             self.encoder_cache_manager.free(r)
-        self.kv_cache_manager.free(r)
         self._no_external.discard(r.request_id)
-        self.requests.pop(r.request_id, None)
         self._num_sent_blocks.pop(r.request_id, None)
         self.finished_req_ids.add(r.request_id)
         r.finish_reason = finish_reason
+        if not delay_free_blocks:
+            self._free_blocks(r)
         if self.events is not None:
             self.events.emit(RequestFinished(request_id=r.request_id, reason=finish_reason, num_output_tokens=r.num_output_tokens))
+
+    def _free_blocks(self, r: Request) -> None:
+        """Free a finished request's blocks, and forget it."""
+        assert r.is_finished()
+        self.kv_cache_manager.free(r)
+        self.requests.pop(r.request_id, None)
 
     def get_kv_event_publisher_config(self) -> Any:
         """The KV-event publisher's resolved configuration (vLLM's name): None without a
@@ -1333,7 +1599,7 @@ class Scheduler:
     def make_stats(self) -> SchedulerStats:
         return SchedulerStats(
             num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
+            num_waiting_reqs=len(self.waiting) + len(self.kv_holding_waiting),
             kv_cache_usage=self.kv_cache_manager.usage,
             num_preemptions=self.num_preemptions,
             prefix_cache_queries=self.prefix_cache_queries,
@@ -1348,13 +1614,22 @@ class Scheduler:
         self.kv_cache_manager.check_invariants()
         self.encoder_cache_manager.check_invariants()
         waiting = list(self.waiting)
-        queued = {r.request_id for r in self.running} | {r.request_id for r in waiting}
-        assert len(queued) == len(self.running) + len(waiting), "a request is queued twice"
+        holding = list(self.kv_holding_waiting)
+        queued = {r.request_id for r in self.running} | {r.request_id for r in waiting} | {r.request_id for r in holding}
+        assert len(queued) == len(self.running) + len(waiting) + len(holding), "a request is queued twice"
         # every known unfinished request is in exactly one queue (a request in ``requests`` but
-        # in no queue would never run, and its id would be refused forever)
-        assert set(self.requests) == queued, (
-            f"requests in no queue: {sorted(set(self.requests) - queued)}; queued but unknown: {sorted(queued - set(self.requests))}"
+        # in no queue would never run, and its id would be refused forever); a finished one
+        # is known only while a transfer still holds its blocks
+        held = {rid for rid, r in self.requests.items() if r.is_finished()}
+        assert set(self.requests) - held == queued, (
+            f"requests in no queue: {sorted(set(self.requests) - held - queued)}; queued but unknown: {sorted(queued - set(self.requests))}"
         )
+        for r in holding:
+            assert r.status in (RequestStatus.WAITING_FOR_REMOTE_KVS, RequestStatus.WAITING, RequestStatus.PREEMPTED), (
+                f"{r.request_id} holding blocks while waiting with status {r.status.name}"
+            )
+            # (a load that failed whole leaves it there without blocks until it is tried again)
+        assert set(self._inflight_prefills) <= queued, "a request still prefilling is in no queue"
         for r in self.running:
             assert r.status == RequestStatus.RUNNING, f"{r.request_id} in running with status {r.status.name}"
             ids = self.kv_cache_manager.get_block_ids(r.request_id)
@@ -1373,6 +1648,16 @@ class Scheduler:
             assert r.num_computed_tokens == 0 and not any(self.kv_cache_manager.get_block_ids(r.request_id)), (
                 f"waiting {r.request_id} holds KV"
             )
+
+
+def _touched_by_output(sched: Scheduler, out: Any, kv_out: Any) -> list[str]:
+    """The requests ``update_from_output`` may change: those scheduled, and with a transfer
+    report those holding blocks while they wait or after they finished."""
+    ids = _scheduled_ids(out)
+    if kv_out is not None:
+        ids += [r.request_id for r in sched.kv_holding_waiting]
+        ids += [rid for rid, r in sched.requests.items() if r.is_finished()]
+    return ids
 
 
 def _scheduled_ids(out: Any) -> list[str]:

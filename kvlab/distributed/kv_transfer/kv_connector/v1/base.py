@@ -21,9 +21,13 @@ there. vLLM splits every connector in two halves with the same class and a *role
   end of the step. Blocks that failed to load are reported by
   ``get_block_ids_with_load_errors()``; the scheduler recomputes them.
 
-kvlab's connectors move their bytes synchronously inside the step (vLLM's "sync load"
-path); the asynchronous path (``WAITING_FOR_REMOTE_KVS``, ``get_finished``) keeps its hooks
-here but no kvlab connector uses it. Layers are named ``"layers.{i}"``.
+kvlab's own connectors move their bytes inside the step (vLLM's "sync load" path). The
+scheduler also runs vLLM's asynchronous path, for a connector that answers
+``load_kv_async=True``: the request holds its blocks in ``WAITING_FOR_REMOTE_KVS`` until the
+worker reports the load in ``KVConnectorOutput.finished_recving`` (or failed:
+``failed_recving``, ``invalid_block_ids``); and a ``request_finished`` that returns True
+keeps a finished request's blocks until ``finished_sending`` names it. Layers are named
+``"layers.{i}"``.
 """
 
 from __future__ import annotations
