@@ -689,24 +689,26 @@ class OffloadTierOrder(Event):
 @_register
 @dataclass(slots=True)
 class KVLoadFailed(Event):
-    """Loading a request's external KV failed at ``block_ids``: their cache entries are
-    dropped and the request goes back to the head of the waiting queue to compute what the
-    load should have supplied (``requeued``; vLLM's ``kv_load_failure_policy="recompute"``),
-    or it finishes with an error (policy "fail")."""
+    """Loading a running request's external KV failed at ``block_ids``. Policy "recompute"
+    (``recompute``; vLLM's ``kv_load_failure_policy="recompute"``): the request stays
+    running with its computed tokens cut back to ``num_computed_tokens`` (its first failed
+    block), and computes the rest into the same blocks. Policy "fail": those blocks leave
+    the prefix cache and the request finishes with an error."""
 
     kind: ClassVar[str] = "kv_load_failed"
     tone: ClassVar[str] = "alert"
     request_id: str = ""
     block_ids: list[int] = field(default_factory=list)
     reason: str = ""
-    requeued: bool = True
+    recompute: bool = True
+    num_computed_tokens: int = 0
 
     def apply(self, state: ReplayState) -> None:
-        if self.requeued:  # (policy "fail": the RequestFinished that follows finishes it)
-            state.requeue(self.request_id)
+        if self.recompute:  # (policy "fail": the RequestFinished that follows finishes it)
+            state.cut_computed(self.request_id, self.num_computed_tokens)
 
     def describe(self) -> str:
-        then = "recompute" if self.requeued else "fail the request"
+        then = f"recompute from token {self.num_computed_tokens}" if self.recompute else "fail the request"
         return f"LOAD FAILED {self.request_id} at blocks {_ids(self.block_ids)} ({self.reason}) → {then}"
 
 

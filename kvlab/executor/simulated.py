@@ -76,12 +76,10 @@ class SimulatedExecutor(KVConnectorModelRunnerMixin):
         skipped: set[str] = set()
         if invalid:
             bs = self.kv_connector.block_size
+            # its KV is not there: it sits this step out (the scheduler cuts its computed
+            # tokens back and it recomputes them next step, in the same blocks)
             skipped = requests_with_invalid_blocks(((rid, self._tables.get(rid, []), nc) for rid, nc, _ in work), invalid, bs)
-            for rid in skipped:  # its KV is not there: drop it, the scheduler gives it back
-                self._tokens.pop(rid, None)
-                self._tables.pop(rid, None)
-                self._mm.pop(rid, None)
-        self._run_encoder(so, skipped)
+        self._run_encoder(so)  # a request sitting out still gets its items encoded (they are cached for it)
         out: dict[str, list[int]] = {}
         for rid, nc, n in work:
             if rid not in skipped:
@@ -90,10 +88,8 @@ class SimulatedExecutor(KVConnectorModelRunnerMixin):
         self._kv_connector_finish(so, invalid, skipped)
         return out
 
-    def _run_encoder(self, so: SchedulerOutput, skipped: set[str]) -> None:
+    def _run_encoder(self, so: SchedulerOutput) -> None:
         for rid, input_ids in so.scheduled_encoder_inputs.items():
-            if rid in skipped:
-                continue
             items = self._mm.get(rid, [])
             for i in input_ids:
                 f = items[i]

@@ -585,10 +585,8 @@ def ec_consumer_engine(remote: Sequence[str], num_blocks: int = 32, block_size: 
     class ECConsumerExecutor(SimulatedExecutor):
         num_encoder_tokens_loaded = 0
 
-        def _run_encoder(self, so, skipped):  # noqa: ANN001, ANN202
+        def _run_encoder(self, so):  # noqa: ANN001, ANN202
             for rid, input_ids in so.scheduled_encoder_inputs.items():
-                if rid in skipped:
-                    continue
                 for i in input_ids:
                     f = self._mm[rid][i]
                     self.encoder_cache[f.identifier] = f.length

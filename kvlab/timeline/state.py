@@ -513,16 +513,10 @@ class ReplayState:
         v.finish_reason = reason
         self.finished.append(rid)
 
-    def requeue(self, rid: str) -> None:
-        """A request whose external KV failed to load goes back to the head of the waiting
-        queue with nothing computed (its blocks were freed by their own events); unlike a
-        preemption it is not counted as one."""
-        if rid in self.running:
-            self.running.remove(rid)
-        v = self.request(rid)
-        self._queue_waiting(rid, front=True)
-        self._status(v, "waiting")
-        v.num_computed_tokens = 0
+    def cut_computed(self, rid: str, num_computed_tokens: int) -> None:
+        """A running request whose external KV failed to load keeps running, its computed
+        tokens cut back to its first failed block (it recomputes the rest in place)."""
+        self.request(rid).num_computed_tokens = num_computed_tokens
 
     # -- offload tiers (lesson 12) -----------------------------------------------------------------
     def init_tiers(self, tiers: list[dict[str, Any]]) -> None:

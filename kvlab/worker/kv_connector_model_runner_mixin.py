@@ -4,9 +4,9 @@
 Around every step: bind the scheduler's metadata, ``start_load_kv()`` (kvlab's loads finish
 there), run the forward pass -- ``wait_for_layer_load`` / ``save_kv_layer`` around each
 layer -- then ``wait_for_save()``, collect the report into a :class:`KVConnectorOutput` and
-unbind. A request whose computed prefix holds a block that failed to load is left out of
-the forward pass (its KV is not there) and dropped from the executor's state; the
-scheduler gives it back to be recomputed. Torch-free: the simulated executor uses it too.
+unbind. A request whose computed prefix holds a block that failed to load sits the forward
+pass out (its KV is not there); the scheduler cuts its computed tokens back to that block,
+and it recomputes from there the next step. Torch-free: the simulated executor uses it too.
 """
 
 from __future__ import annotations

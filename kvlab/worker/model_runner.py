@@ -366,7 +366,8 @@ class ModelRunner(KVConnectorModelRunnerMixin):
         if copies:
             self._copy_blocks(copies)
         # A KV connector loads external KV now; a request whose computed prefix holds a
-        # block that failed to load sits this step out (the scheduler gives it back).
+        # block that failed to load sits this step out (the scheduler cuts its computed
+        # tokens back to the failed block, and it recomputes from there next step).
         invalid = self._kv_connector_start(so)
         skipped: set[str] = set()
         if invalid:
@@ -374,8 +375,6 @@ class ModelRunner(KVConnectorModelRunnerMixin):
                 ((st.req_id, st.block_ids[0], st.num_computed_tokens) for st, _ in order), invalid, self.block_size
             )
             order = [(st, n) for st, n in order if st.req_id not in skipped]
-            for rid in skipped:
-                self.requests.pop(rid, None)
         if not order:
             self.last_batch = None
             self._kv_connector_finish(so, invalid, skipped)

@@ -214,8 +214,8 @@ class Scheduler:
 
     ``connector``: the scheduler half of a KV connector (lessons 12-13); the scheduler calls
     its hooks at vLLM's places. ``kv_load_failure_policy``: what happens to a request whose
-    external KV failed to load -- "recompute" (kvlab's default: its blocks past the failure
-    are dropped from the prefix cache and it goes back to the head of the waiting queue) or
+    external KV failed to load -- "recompute" (kvlab's default: its computed tokens are cut
+    back to the first failed block and it computes the rest in place, as vLLM 0.33 does) or
     "fail" (it finishes with reason "error"; vLLM 0.33's default). The encoder limits
     (lesson 14) default to ``max_num_batched_tokens``, as in vLLM.
     """
@@ -323,9 +323,6 @@ class Scheduler:
         # The last step's connector metrics payload (a KVConnectorStats; see _update_from_output).
         self.kv_connector_stats: Any = None
         self.num_kv_load_failures = 0
-        # Requests given back after a failed load compute their prompt: the connector is not
-        # asked again (one more failure of the same source would loop forever).
-        self._no_external: set[str] = set()
         self.max_num_encoder_input_tokens, encoder_cache_size = compute_encoder_budget(
             max_num_batched_tokens, max_num_encoder_input_tokens, encoder_cache_size
         )
@@ -732,7 +729,7 @@ class Scheduler:
                 hits, num_hit_tokens = mgr.get_computed_blocks(request)
                 # A KV connector may supply more of the prompt beyond the local hit: external
                 # computed tokens (lessons 12-13), loaded within the step or asynchronously.
-                if self.connector is not None and request.request_id not in self._no_external:
+                if self.connector is not None:
                     ext, load_async = self.connector.get_num_new_matched_tokens(request, num_hit_tokens)
                     if request.skip_reading_prefix_cache:  # asked, but nothing is read (vLLM 0.33)
                         ext, load_async = 0, False
@@ -1202,8 +1199,9 @@ class Scheduler:
         ``iteration``: the engine's facts about the step (clock, prefill/decode tokens),
         written into the step's ``StepFinished`` event beside the scheduler's own stats.
         ``kv_connector_output``: the worker-side connector's report; requests whose external
-        KV failed to load are given back (see ``kv_load_failure_policy``) and their output
-        of this step is dropped.
+        KV failed to load recompute from the failed block (see ``kv_load_failure_policy``)
+        and their output of this step is dropped; asynchronous transfers that ended are
+        taken in (``finished_recving``, ``finished_sending``, ``failed_recving``).
 
         All or nothing: the whole output is checked first -- it must be this scheduler's
         latest ``schedule()`` output, applied once; ``sampled_token_ids`` maps scheduled
@@ -1313,16 +1311,16 @@ class Scheduler:
     ) -> list[Request]:
         finished: list[Request] = []
         events = self.events
-        failed: set[str] = set()
-        failed_async: set[str] = set()  # asynchronous loads that failed, under policy "fail"
+        failed: set[str] = set()  # requests whose output of this step is dropped
+        failed_async: set[str] = set()  # loads that failed, under policy "fail": finished below
         if self.connector is not None and kv_connector_output is not None:
             if kv_connector_output.failed_recving:
                 failed_async |= self._handle_failed_recving(kv_connector_output.failed_recving)
             if kv_connector_output.invalid_block_ids:
                 failed_async |= self._handle_invalid_async_loads(kv_connector_output.invalid_block_ids)
-                failed = self._handle_invalid_blocks(
-                    kv_connector_output.invalid_block_ids, scheduler_output, finished, kv_connector_output.errors
-                )
+                failed = self._handle_invalid_blocks(kv_connector_output.invalid_block_ids, kv_connector_output.errors)
+                if self.kv_load_failure_policy == "fail":
+                    failed_async |= failed
         for rid, n in scheduler_output.num_scheduled_tokens.items():
             r = self.requests.get(rid)
             if r is None or r.status != RequestStatus.RUNNING or rid in failed:
@@ -1347,8 +1345,7 @@ class Scheduler:
             done = set(map(id, finished))
             self.running = [r for r in self.running if id(r) not in done]
             for r in finished:
-                reason = "error" if r.request_id in failed else "stop" if r.status == RequestStatus.FINISHED_STOPPED else "length"
-                self._free_request(r, reason)
+                self._free_request(r, "stop" if r.status == RequestStatus.FINISHED_STOPPED else "length")
         for rid in failed_async:  # in the set's order, as vLLM's finish_requests takes it
             r = self.requests[rid]
             self._finish_request(r, RequestStatus.FINISHED_ABORTED, "error")
@@ -1472,72 +1469,56 @@ class Scheduler:
         for rid in kv_connector_output.finished_sending:
             self._free_blocks(self.requests[rid])
 
-    def _handle_invalid_blocks(
-        self, invalid_block_ids: set[int], scheduler_output: SchedulerOutput, finished: list[Request], errors: dict[str, str] | None = None
-    ) -> set[str]:
-        """Requests of this step whose computed prefix holds a block that failed to load
-        (vLLM's ``_handle_invalid_blocks``). For each: the failed block and every later block
-        of its table leave the prefix cache (nobody may hit KV that never arrived), then --
-        policy "recompute" -- its blocks are freed and it goes back to the head of the
-        waiting queue: at re-admission the blocks that did load are an ordinary prefix hit
-        and it computes the rest (without asking the connector again). Policy "fail"
-        finishes it with reason "error". Returns
-        the ids given back, whose output of this step is dropped."""
+    def _handle_invalid_blocks(self, invalid_block_ids: set[int], errors: dict[str, str] | None = None) -> set[str]:
+        """Running requests whose computed prefix holds a block that failed to load (vLLM
+        0.33's ``_handle_invalid_blocks``). Each one's computed tokens are cut back to its
+        first failed block -- unless another request of the batch lost that block first and
+        recomputes it: then this one only loses this step's tokens. Policy "recompute": it
+        stays running and computes the rest next step, into the same blocks, which stay in
+        the prefix cache to be rewritten (a request that hits one meanwhile reads what that
+        step writes). Policy "fail": the failed blocks and every later block of its table
+        leave the prefix cache, and it is finished with an error (by the caller). Returns the
+        ids whose output of this step is dropped."""
         mgr = self.kv_cache_manager
         bs = mgr.kv_cache_groups[0].block_size
-        affected: list[tuple[Request, list[int]]] = []
-        for rid in scheduler_output.num_scheduled_tokens:
-            r = self.requests.get(rid)
-            if r is None or r.status != RequestStatus.RUNNING:
-                continue
-            row = mgr.get_block_ids(rid)[0]
-            n_computed_blocks = cdiv(r.num_computed_tokens, bs)  # type: ignore[arg-type]  # as above
-            for idx, bid in enumerate(row[:n_computed_blocks]):
-                if bid in invalid_block_ids:
-                    affected.append((r, row[idx:]))
-                    break
-        for r, bad in affected:
-            mgr.evict_blocks(bad)
-        out: set[str] = set()
-        for r, bad in affected:
-            rid = r.request_id
-            self.running.remove(r)
-            self.num_kv_load_failures += 1
-            out.add(rid)
-            if self.kv_load_failure_policy == "recompute":
-                mgr.free(r)
-                if r.mm_features:
-                    self.encoder_cache_manager.free(r)
-                r.status = RequestStatus.PREEMPTED if r.num_preemptions else RequestStatus.WAITING
-                r.num_computed_tokens = 0
-                r.num_cached_tokens = -1
-                self._num_sent_blocks.pop(rid, None)
-                self._no_external.add(rid)
-                self.waiting.prepend_request(r)
-                if self.connector is not None:
-                    self.connector.request_requeued(r)
-                if self.events is not None:
-                    self.events.emit(
-                        KVLoadFailed(
-                            request_id=rid,
-                            block_ids=[b for b in bad if b in invalid_block_ids],
-                            reason=(errors or {}).get(rid, "its KV came from a failed load"),
-                            requeued=True,
-                        )
+        affected: dict[str, list[int]] = {}
+        marked: set[int] = set()  # blocks a request of the batch already recomputes
+        to_evict: set[int] = set()
+        for r in self.running:
+            row = mgr.get_block_ids(r.request_id)[0]
+            bad: list[int] = []
+            truncated = False
+            for idx, bid in enumerate(row[: cdiv(r.num_computed_tokens, bs)]):  # type: ignore[arg-type]  # the manager filled in every block size
+                if bid not in invalid_block_ids:
+                    continue
+                bad.append(bid)
+                if bid in marked:
+                    continue
+                marked.add(bid)
+                if not truncated:
+                    truncated = True
+                    r.num_computed_tokens = idx * bs  # type: ignore[operator]  # as above
+                    to_evict.update(row[idx:])
+            if bad:
+                affected[r.request_id] = bad
+        if not affected:
+            return set()
+        self.num_kv_load_failures += len(affected)
+        recompute = self.kv_load_failure_policy == "recompute"
+        if not recompute:
+            mgr.evict_blocks(to_evict)
+        if self.events is not None:
+            for rid, bad in affected.items():
+                self.events.emit(
+                    KVLoadFailed(
+                        request_id=rid,
+                        block_ids=bad,
+                        reason=(errors or {}).get(rid, "its KV came from a failed load"),
+                        recompute=recompute,
+                        num_computed_tokens=self.requests[rid].num_computed_tokens,
                     )
-            else:
-                if self.events is not None:
-                    self.events.emit(
-                        KVLoadFailed(
-                            request_id=rid,
-                            block_ids=[b for b in bad if b in invalid_block_ids],
-                            reason=(errors or {}).get(rid, "its KV came from a failed load"),
-                            requeued=False,
-                        )
-                    )
-                r.status = RequestStatus.FINISHED_ABORTED
-                finished.append(r)  # freed with reason "error" by update_from_output
-        return out
+                )
+        return set(affected)
 
     def _check_stop(self, r: Request) -> bool:
         if r.num_output_tokens >= r.max_tokens or (self.max_model_len is not None and r.num_tokens >= self.max_model_len):
@@ -1574,7 +1555,6 @@ class Scheduler:
             r.kv_transfer_params = params
         if r.mm_features:
             self.encoder_cache_manager.free(r)
-        self._no_external.discard(r.request_id)
         self._num_sent_blocks.pop(r.request_id, None)
         self.finished_req_ids.add(r.request_id)
         r.finish_reason = finish_reason

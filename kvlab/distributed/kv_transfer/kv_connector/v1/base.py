@@ -185,10 +185,6 @@ class KVConnectorBase_V1(ABC):  # noqa: N801 - vLLM's name
         ``kv_transfer_params``)."""
         return False, None
 
-    def request_requeued(self, request: Request) -> None:
-        """kvlab: the scheduler gave the request back (a load failed): forget its plan."""
-        return
-
     # -- metrics (vLLM 0.33) ---------------------------------------------------------------
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """This connector's metrics since the last call (reset), or None: the scheduler puts

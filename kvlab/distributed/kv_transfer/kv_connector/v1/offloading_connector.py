@@ -164,9 +164,6 @@ class OffloadingConnector(KVConnectorBase_V1):
         self.scheduler.request_finished(request)
         return False, None
 
-    def request_requeued(self, request: Request) -> None:
-        self.scheduler.request_requeued(request)
-
     def get_kv_connector_stats(self) -> OffloadingConnectorStats | None:
         """The scheduler half's metrics payload (the worker half reports through its
         metadata, so it has none of its own)."""

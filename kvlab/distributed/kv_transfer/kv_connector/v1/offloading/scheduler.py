@@ -382,11 +382,6 @@ class OffloadingConnectorScheduler:
             self._drain()
             self._record_orders()
 
-    def request_requeued(self, request: Request) -> None:
-        st = self._reqs.get(request.request_id)
-        if st is not None:
-            st.block_ids, st.next_stored_block_idx, st.lookup_media = [], 0, []
-
     def take_events(self) -> list[KVCacheEvent]:
         events, self._kv_events = self._kv_events, []
         return events
