@@ -161,3 +161,104 @@ def test_a_load_is_admitted_only_with_the_blocks_a_running_prefill_still_needs_l
         seen.append((sched.requests["A"].num_computed_tokens if "A" in sched.requests else None, mgr.block_pool.get_num_free_blocks()))
     assert seen == [(8, 10), (16, 8), (24, 6), (32, 4), (40, 2), (41, 1), (None, 12), (None, 9)]
     assert sched.requests["B"].status == RequestStatus.WAITING_FOR_REMOTE_KVS and mgr.get_block_ids("B") == ([11, 12, 10],)
+
+
+# -- in the engine ------------------------------------------------------------------------------
+class Handoff(SchedulerSideConnector):
+    """Both halves of a P/D-style connector over a simulated executor: the scheduler half
+    offers the whole prompt of the requests in ``remote`` asynchronously; the worker half
+    reports each load ``delay`` steps after it started, and each send one step after its
+    request finished (for the requests in ``send``)."""
+
+    def __init__(self, role, remote=frozenset(), send=frozenset(), delay=2, silent=False) -> None:
+        super().__init__(role)
+        self.remote, self.send, self.delay, self.silent = remote, send, delay, silent
+        self.loads: list[str] = []
+        self.clock = 0
+        self.due: dict[str, int] = {}
+        self.sending: dict[str, int] = {}
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        if request.request_id in self.remote and num_computed_tokens == 0:
+            return request.num_tokens, True
+        return 0, False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        if num_external_tokens:
+            self.loads.append(request.request_id)
+
+    def build_connector_meta(self, scheduler_output):
+        from kvlab.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+        meta = KVConnectorMetadata()
+        meta.loads, self.loads = self.loads, []  # type: ignore[attr-defined]
+        return meta
+
+    def request_finished(self, request, block_ids):
+        return request.request_id in self.send, None
+
+    def start_load_kv(self, **kwargs):
+        self.clock += 1
+        for rid in self._get_connector_metadata().loads:
+            self.due[rid] = self.clock + self.delay
+
+    def get_finished(self, finished_req_ids):
+        for rid in finished_req_ids & self.send:
+            self.sending[rid] = self.clock + 1
+        if self.silent:
+            return None, None
+        recving = {r for r, t in self.due.items() if t <= self.clock}
+        sending = {r for r, t in self.sending.items() if t <= self.clock}
+        for r in recving:
+            del self.due[r]
+        for r in sending:
+            del self.sending[r]
+        return sending, recving
+
+
+def _engine(**conn):
+    from kvlab import SimulatedExecutor
+    from kvlab.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from kvlab.engine.llm_engine import LLMEngine
+
+    mgr = KVCacheManager(12, BS)
+    worker = Handoff(KVConnectorRole.WORKER, **conn)
+    sched = Scheduler(mgr, connector=Handoff(KVConnectorRole.SCHEDULER, **conn))
+    return LLMEngine(mgr, sched, SimulatedExecutor(kv_connector=worker)), worker
+
+
+def test_the_engine_steps_while_a_load_is_on_its_way_and_the_prompt_is_not_computed_again():
+    eng, _ = _engine(remote=frozenset({"d"}), send=frozenset({"p"}))
+    plain, _ = _engine()
+    for e in (eng, plain):
+        e.add_request(Request("d", list(range(100, 114)), max_tokens=3))
+        e.add_request(Request("p", list(range(300, 309)), max_tokens=2))
+    statuses = []
+    while eng.has_unfinished_requests() or eng.scheduler.has_pending_kv_transfers():
+        res = eng.step()
+        statuses.append((eng.scheduler.requests["d"].status.name if "d" in eng.scheduler.requests else None, "p" in eng.scheduler.requests))
+    plain.run()
+    assert statuses == [
+        ("WAITING_FOR_REMOTE_KVS", True),  # p prefills; d's load starts
+        ("WAITING_FOR_REMOTE_KVS", True),  # p finishes, keeping its blocks for the send
+        ("WAITING_FOR_REMOTE_KVS", True),  # nothing to compute: the executor reports d's load
+        ("RUNNING", False),  # d recomputes its last prompt token; p's send is reported
+        ("RUNNING", False),
+        (None, False),
+    ]
+    assert res.pending_kv_transfers is False
+    assert {r: eng.finished[r].output_token_ids for r in "dp"} == {r: plain.finished[r].output_token_ids for r in "dp"}
+    # d's 14 prompt tokens came from elsewhere: the executor computed its last one and 2 decodes
+    assert eng.executor.num_tokens_computed == 9 + 1 + 1 + 2
+    assert eng.kv_cache_manager.block_pool.get_num_free_blocks() == 11
+
+
+def test_a_transfer_that_never_reports_stops_the_run_with_a_clear_error(monkeypatch):
+    import kvlab.engine.llm_engine as le
+
+    monkeypatch.setattr(le, "MAX_STEPS_WAITING_ON_TRANSFERS", 5)
+    eng, _ = _engine(remote=frozenset({"d"}), silent=True)
+    eng.add_request(Request("d", list(range(100, 114)), max_tokens=3))
+    with pytest.raises(RuntimeError, match=r"waited 5 steps in a row on a KV connector's asynchronous transfers"):
+        eng.run()
+    assert eng.scheduler.requests["d"].status == RequestStatus.WAITING_FOR_REMOTE_KVS

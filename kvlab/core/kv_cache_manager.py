@@ -854,7 +854,9 @@ class KVCacheManager:
                         )
                 num_cached = m.num_cached_block.get(rid, 0)
                 req = self._requests.get(rid)
-                if req is None or not num_cached or not self.enable_caching:
+                if req is None or not num_cached or not self.enable_caching or req.is_finished():
+                    # (a finished request holding its blocks for a transfer reads nothing
+                    # more; a failed load under policy "fail" may have evicted some of them)
                     continue
                 hashes = self.block_pool.resolve_block_hashes(req.block_hashes, m.block_size)
                 assert num_cached <= len(hashes), f"{rid!r}: {num_cached} cached blocks but {len(hashes)} block hashes"

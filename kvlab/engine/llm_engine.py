@@ -66,6 +66,8 @@ class StepResult:
     time: float
     scheduler_output: SchedulerOutput
     finished: list[Request] = field(default_factory=list)
+    #: a KV connector's asynchronous transfer had not reported yet when the step ended
+    pending_kv_transfers: bool = False
 
 
 def initialize_kv_cache(executor: object, kv_cache_manager: KVCacheManager) -> None:
@@ -261,6 +263,11 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def _has_work(self) -> bool:
+        """Unfinished requests, or a connector's transfer still holding blocks: ``run()``
+        steps on until the sends of finished requests are done too."""
+        return self.scheduler.has_unfinished_requests() or self.scheduler.has_pending_kv_transfers()
+
     # -- steps ---------------------------------------------------------------------------------
     def step(self) -> StepResult:
         """Schedule, execute, update: one engine step, all or nothing (see the class doc)."""
@@ -271,8 +278,10 @@ class LLMEngine:
         sched = self.scheduler
         out = sched.schedule()
         cp.save_metrics_of(self.metrics, out.num_scheduled_tokens)
-        # Also a step that only preempted: the executor must drop the victims' state.
-        busy = out.total_num_scheduled_tokens or out.finished_req_ids or out.preempted_req_ids
+        # Also a step that only preempted: the executor must drop the victims' state; and
+        # while a connector's asynchronous transfer runs, every step: its worker half reports
+        # what finished (vLLM: kv_connector_no_forward).
+        busy = out.total_num_scheduled_tokens or out.finished_req_ids or out.preempted_req_ids or sched.has_pending_kv_transfers()
         sampled: Any = {}
         if busy:
             cp.executor_called = True
@@ -323,7 +332,7 @@ class LLMEngine:
         collector = self.kv_cache_manager.metrics_collector
         if collector is not None:  # vLLM drains it into SchedulerStats.kv_cache_eviction_events
             self.kv_cache_eviction_events += collector.drain_events()
-        return StepResult(out.step, self.clock, out, finished)
+        return StepResult(out.step, self.clock, out, finished, sched.has_pending_kv_transfers())
 
     def run(self, max_steps: int | None = None, progress: bool = False) -> None:
         """Step until every request has finished (or ``max_steps`` steps have run)."""
@@ -332,10 +341,11 @@ class LLMEngine:
         bar = _progress(progress, total=None, desc="steps")
         steps = 0
         try:
-            while self.has_unfinished_requests():
+            idle = 0
+            while self._has_work():
                 if max_steps is not None and steps >= max_steps:
                     break
-                _check_progress(self.step())
+                idle = _check_progress(self.step(), idle)
                 steps += 1
                 if bar is not None:
                     bar.update(1)
@@ -365,14 +375,16 @@ class LLMEngine:
         bar = _progress(progress, total=len(pending), desc="requests")
         i = 0
         try:
-            while i < len(pending) or self.has_unfinished_requests():
-                if not self.has_unfinished_requests() and i < len(pending):
+            idle = 0
+            while i < len(pending) or self._has_work():
+                if not self._has_work() and i < len(pending):
                     self.clock = max(self.clock, pending[i].arrival_time)
                 while i < len(pending) and pending[i].arrival_time <= self.clock:
                     self.add_request(pending[i])
                     self.metrics[pending[i].request_id].arrival_time = pending[i].arrival_time
                     i += 1
-                res = _check_progress(self.step())
+                res = self.step()
+                idle = _check_progress(res, idle)
                 if bar is not None and res.finished:
                     bar.update(len(res.finished))
         finally:
@@ -432,8 +444,10 @@ class LLMEngine:
             self._ids = next_id
         bar = _progress(progress, total=len(reqs), desc="generate")
         try:
-            while self.has_unfinished_requests():
-                res = _check_progress(self.step())
+            idle = 0
+            while self._has_work():
+                res = self.step()
+                idle = _check_progress(res, idle)
                 if bar is not None and res.finished:
                     bar.update(len(res.finished))
         finally:
@@ -442,14 +456,29 @@ class LLMEngine:
         return [list(r.output_token_ids) for r in reqs]
 
 
-def _check_progress(res: StepResult) -> StepResult:
+#: Steps in a row a run waits on a connector's asynchronous transfers with nothing else to do
+#: before it gives up: a worker half that never reports a transfer done would loop forever.
+MAX_STEPS_WAITING_ON_TRANSFERS = 10_000
+
+
+def _check_progress(res: StepResult, idle: int) -> int:
     """A step may schedule nothing and still progress (under "priority" a request can be its
     own victim, and a step that preempts admits no one; if no running request after it fits
-    either, nothing is scheduled); a step that does nothing at all would repeat forever."""
+    either, nothing is scheduled; a connector's asynchronous load may still be on its way);
+    a step that does nothing at all would repeat forever. Returns the steps in a row that
+    only waited on transfers."""
     so = res.scheduler_output
-    if so.total_num_scheduled_tokens == 0 and not res.finished and not so.preempted_req_ids:
+    if so.total_num_scheduled_tokens or res.finished or so.preempted_req_ids:
+        return 0
+    if not res.pending_kv_transfers:
         raise RuntimeError("the engine made no progress in a step (nothing could be scheduled)")
-    return res
+    if idle + 1 >= MAX_STEPS_WAITING_ON_TRANSFERS:
+        raise RuntimeError(
+            f"the engine waited {idle + 1} steps in a row on a KV connector's asynchronous transfers with nothing else to "
+            "do: its worker half must report each load in get_finished() / get_transfer_results() (finished_recving) "
+            "and each send of a finished request whose request_finished returned True (finished_sending)"
+        )
+    return idle + 1
 
 
 def _progress(enabled: bool, total: int | None, desc: str) -> Any:

@@ -60,7 +60,11 @@ class KVConnectorModelRunnerMixin:
             return
         conn.wait_for_save(skip_req_ids=frozenset(skipped))
         meta = conn.build_connector_worker_meta()
+        done = conn.get_transfer_results(set(scheduler_output.finished_req_ids))
         self._kv_connector_output = KVConnectorOutput(
+            finished_sending=set(done.finished_sending),
+            finished_recving=set(done.finished_recving),
+            failed_recving=set(done.failed_recving),
             invalid_block_ids=set(invalid),
             worker_meta=meta,
             num_loaded_tokens=dict(getattr(meta, "num_loaded_tokens", {}) or {}),

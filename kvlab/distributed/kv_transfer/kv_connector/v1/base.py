@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
 from collections.abc import Iterable, Sequence
 from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING, Any
@@ -56,6 +57,17 @@ class KVConnectorRole(enum.Enum):
 
     SCHEDULER = 0
     WORKER = 1
+
+
+@dataclass(slots=True)
+class KVConnectorTransferResults:
+    """The worker's asynchronous transfers that ended since the last report (vLLM 0.33's
+    name). A failed receive is also in ``finished_recving``: the request leaves its wait
+    either way, and the scheduler recomputes what did not arrive."""
+
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    failed_recving: set[str] = field(default_factory=set)
 
 
 class KVConnectorMetadata:  # noqa: B903 - a base class the connectors extend
@@ -127,8 +139,18 @@ class KVConnectorBase_V1(ABC):  # noqa: N801 - vLLM's name
         because their KV failed to load -- their blocks hold nothing worth saving."""
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Requests whose asynchronous send / receive finished (none: kvlab is synchronous)."""
+        """Requests whose asynchronous send / receive finished since the last call: (sends of
+        finished requests whose ``request_finished`` returned True, loads of requests the
+        scheduler holds in ``WAITING_FOR_REMOTE_KVS``). ``finished_req_ids``: the requests
+        that finished this step. kvlab's own connectors move their bytes within the step:
+        nothing."""
         return None, None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """``get_finished`` together with the receives that failed (vLLM 0.33; the executor
+        calls this one)."""
+        sending, recving = self.get_finished(finished_req_ids)
+        return KVConnectorTransferResults(finished_sending=set(sending or ()), finished_recving=set(recving or ()))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks of this step whose load failed: the scheduler recomputes them."""
