@@ -34,9 +34,9 @@ def model() -> TinyLlama:
     return TinyLlama(seed=0)
 
 
-def _engine(model, role, path, num_blocks=32):
+def _engine(model, role, path, num_blocks=32, **extra):
     runner = ModelRunner(model, num_blocks=num_blocks, block_size=16, device="cpu")
-    cfg = KVTransferConfig("ExampleConnector", kv_role=role, kv_connector_extra_config={"shared_storage_path": str(path)})
+    cfg = KVTransferConfig("ExampleConnector", kv_role=role, kv_connector_extra_config={"shared_storage_path": str(path), **extra})
     return build_engine(num_blocks=num_blocks, block_size=16, executor=runner, kv_transfer_config=cfg)
 
 
@@ -190,6 +190,43 @@ def test_a_missing_layer_file_falls_back_to_computing_the_prompt(model, tmp_path
     assert D.executor.num_tokens_computed == 41 + 7
     D.scheduler.check_invariants()
     assert D.kv_cache_manager.block_pool.get_num_free_blocks() == 31
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_the_decode_engine_takes_the_kv_asynchronously_while_others_run(model, tmp_path, broken) -> None:
+    """``load_async_steps``: r waits in WAITING_FOR_REMOTE_KVS holding its blocks while x
+    decodes, and runs when the worker reports the load; a load that failed is reported too,
+    and r computes its prompt after all."""
+    P = _engine(model, "kv_producer", tmp_path)
+    P.add_request(Request("r", PROMPTS[0], max_tokens=1))
+    P.run()
+    if broken:
+        os.remove(os.path.join(str(tmp_path), P.finished["r"].kv_transfer_params["folder"], "layers.1.kv"))
+    D = _engine(model, "kv_consumer", tmp_path, load_async_steps=2)
+    D.add_request(Request("x", PROMPTS[2], max_tokens=6))
+    D.step()
+    D.add_request(Request("r", PROMPTS[0], max_tokens=8))
+    seen = []
+    while D.has_unfinished_requests():
+        res = D.step()
+        r = D.scheduler.requests.get("r")
+        seen.append(
+            (res.scheduler_output.num_scheduled_tokens.get("r", 0), r.status.name if r else None, r.num_computed_tokens if r else None)
+        )
+    assert seen[:4] == [
+        (0, "WAITING_FOR_REMOTE_KVS", 0 if broken else 40),  # the files are read (a failure cuts it to 0)
+        (0, "WAITING_FOR_REMOTE_KVS", 0 if broken else 40),  # the load is reported at the end of this step
+        (41 if broken else 1, "RUNNING", 41),
+        (1, "RUNNING", 42),
+    ]
+    assert D.finished["r"].output_token_ids == model.generate_dense(PROMPTS[0], 8)
+    assert D.finished["x"].output_token_ids == model.generate_dense(PROMPTS[2], 6)
+    failed = [(e.request_id, e.block_ids, e.num_computed_tokens) for e in D.events if isinstance(e, KVLoadFailed)]
+    assert failed == ([("r", [3, 4, 5], 0)] if broken else [])
+    D.scheduler.check_invariants()
+    assert D.kv_cache_manager.block_pool.get_num_free_blocks() == 31
+    with pytest.raises(ValueError, match=r"load_async_steps.*>= 0"):
+        _engine(model, "kv_consumer", tmp_path, load_async_steps=-1)
 
 
 def test_connector_bad_input(tmp_path) -> None:

@@ -689,11 +689,13 @@ class OffloadTierOrder(Event):
 @_register
 @dataclass(slots=True)
 class KVLoadFailed(Event):
-    """Loading a running request's external KV failed at ``block_ids``. Policy "recompute"
-    (``recompute``; vLLM's ``kv_load_failure_policy="recompute"``): the request stays
-    running with its computed tokens cut back to ``num_computed_tokens`` (its first failed
-    block), and computes the rest into the same blocks. Policy "fail": those blocks leave
-    the prefix cache and the request finishes with an error."""
+    """Loading a request's external KV failed at ``block_ids`` (none listed: the worker
+    reported the whole load failed). Policy "recompute" (``recompute``; vLLM's
+    ``kv_load_failure_policy="recompute"``): the request's computed tokens are cut back to
+    ``num_computed_tokens`` (its first failed block); a running one computes the rest into
+    the same blocks, one waiting for an asynchronous load does once the load is reported.
+    Policy "fail": a running request's failed blocks leave the prefix cache, and the request
+    finishes with an error."""
 
     kind: ClassVar[str] = "kv_load_failed"
     tone: ClassVar[str] = "alert"

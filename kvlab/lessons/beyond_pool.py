@@ -371,12 +371,16 @@ def printable(story: Sequence[tuple[str, list[int]]]) -> list[tuple[str, list[in
 
 
 # --- lesson 13 -------------------------------------------------------------------------------------
-def pd_engine(model: Any, role: str, path: str, num_blocks: int = 16, block_size: int = 16) -> LLMEngine:
+def pd_engine(model: Any, role: str, path: str, num_blocks: int = 16, block_size: int = 16, load_async_steps: int = 0) -> LLMEngine:
     """A prefill (``kv_producer``) or decode (``kv_consumer``) engine on the real tiny model,
-    handing KV over through files under ``path`` (vLLM's ExampleConnector)."""
+    handing KV over through files under ``path`` (vLLM's ExampleConnector); with
+    ``load_async_steps`` the decode engine's loads take that many steps, asynchronously."""
     from kvlab.worker.model_runner import ModelRunner
 
-    cfg = KVTransferConfig("ExampleConnector", kv_role=role, kv_connector_extra_config={"shared_storage_path": path})
+    extra: dict[str, Any] = {"shared_storage_path": path}
+    if load_async_steps:
+        extra["load_async_steps"] = load_async_steps
+    cfg = KVTransferConfig("ExampleConnector", kv_role=role, kv_connector_extra_config=extra)
     return build_engine(
         num_blocks=num_blocks,
         block_size=block_size,
@@ -408,7 +412,7 @@ def handoff_line(prefill: LLMEngine, decode: LLMEngine, request_id: str) -> str:
 
 
 # vLLM 0.33's connector registry: the register_connector(name, module, class) calls at the bottom of
-# vllm/distributed/kv_transfer/kv_connector/factory.py (lesson 13, section 5).
+# vllm/distributed/kv_transfer/kv_connector/factory.py (lesson 13, section 6).
 _V1 = "vllm.distributed.kv_transfer.kv_connector.v1."
 VLLM_KV_CONNECTORS: dict[str, tuple[str, str]] = {
     "ExampleConnector": (_V1 + "example_connector", "ExampleConnector"),

@@ -1315,9 +1315,9 @@ class Scheduler:
         failed_async: set[str] = set()  # loads that failed, under policy "fail": finished below
         if self.connector is not None and kv_connector_output is not None:
             if kv_connector_output.failed_recving:
-                failed_async |= self._handle_failed_recving(kv_connector_output.failed_recving)
+                failed_async |= self._handle_failed_recving(kv_connector_output.failed_recving, kv_connector_output.errors)
             if kv_connector_output.invalid_block_ids:
-                failed_async |= self._handle_invalid_async_loads(kv_connector_output.invalid_block_ids)
+                failed_async |= self._handle_invalid_async_loads(kv_connector_output.invalid_block_ids, kv_connector_output.errors)
                 failed = self._handle_invalid_blocks(kv_connector_output.invalid_block_ids, kv_connector_output.errors)
                 if self.kv_load_failure_policy == "fail":
                     failed_async |= failed
@@ -1404,7 +1404,20 @@ class Scheduler:
         if callable(stop):
             stop()
 
-    def _handle_failed_recving(self, failed_req_ids: set[str]) -> set[str]:
+    def _load_failed(self, r: Request, block_ids: list[int], errors: dict[str, str] | None) -> None:
+        """Say so in the event log: where ``r`` will compute from (or that it fails)."""
+        if self.events is not None:
+            self.events.emit(
+                KVLoadFailed(
+                    request_id=r.request_id,
+                    block_ids=block_ids,
+                    reason=(errors or {}).get(r.request_id, "its KV came from a failed load"),
+                    recompute=self.kv_load_failure_policy == "recompute",
+                    num_computed_tokens=r.num_computed_tokens,
+                )
+            )
+
+    def _handle_failed_recving(self, failed_req_ids: set[str], errors: dict[str, str] | None = None) -> set[str]:
         """Asynchronous loads the worker reports failed as a whole: under policy "recompute"
         the request keeps its blocks but none of its tokens count as computed, and it
         recomputes once the load has landed; under "fail" the ids are returned, to finish
@@ -1418,9 +1431,10 @@ class Scheduler:
                 if self.kv_load_failure_policy == "recompute":
                     r.num_computed_tokens = 0
                     self.failed_recving_kv_req_ids.add(rid)
+                self._load_failed(r, [], errors)
         return set() if self.kv_load_failure_policy == "recompute" else affected
 
-    def _handle_invalid_async_loads(self, invalid_block_ids: set[int]) -> set[str]:
+    def _handle_invalid_async_loads(self, invalid_block_ids: set[int], errors: dict[str, str] | None = None) -> set[str]:
         """Asynchronous loads with a block that failed: the computed tokens are cut at the
         first failed block (a block another load already lost counts for that one only), and
         the request recomputes from there once its load has landed -- or, policy "fail", the
@@ -1434,10 +1448,12 @@ class Scheduler:
                 continue
             row = self.kv_cache_manager.get_block_ids(r.request_id)[0]
             is_affected = truncated = False
+            bad: list[int] = []
             for idx, bid in enumerate(row[: cdiv(r.num_computed_tokens, bs)]):  # type: ignore[arg-type]  # the manager filled in every block size
                 if bid not in invalid_block_ids:
                     continue
                 is_affected = True
+                bad.append(bid)
                 if bid in marked:
                     continue  # lost by an earlier load: that one recomputes it
                 marked.add(bid)
@@ -1447,6 +1463,7 @@ class Scheduler:
             if is_affected:
                 affected.add(r.request_id)
                 self.num_kv_load_failures += 1
+                self._load_failed(r, bad, errors)
         if self.kv_load_failure_policy == "recompute":
             self.failed_recving_kv_req_ids |= affected
             return set()
@@ -1507,17 +1524,8 @@ class Scheduler:
         recompute = self.kv_load_failure_policy == "recompute"
         if not recompute:
             mgr.evict_blocks(to_evict)
-        if self.events is not None:
-            for rid, bad in affected.items():
-                self.events.emit(
-                    KVLoadFailed(
-                        request_id=rid,
-                        block_ids=bad,
-                        reason=(errors or {}).get(rid, "its KV came from a failed load"),
-                        recompute=recompute,
-                        num_computed_tokens=self.requests[rid].num_computed_tokens,
-                    )
-                )
+        for rid, bad in affected.items():
+            self._load_failed(self.requests[rid], bad, errors)
         return set(affected)
 
     def _check_stop(self, r: Request) -> bool:

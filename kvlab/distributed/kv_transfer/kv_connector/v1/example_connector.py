@@ -22,6 +22,12 @@ vLLM's example names a folder by the prompt tokens only and loads whole blocks u
 last token; kvlab also loads the partial last block (like the P/D connectors), so the two
 engines' outputs can be compared token for token. Files carry kvlab's checked format: a
 missing or corrupt layer file is a load failure, recomputed by the decode engine.
+
+``kv_connector_extra_config={"load_async_steps": k}`` (kvlab's, k >= 1) makes the consumer's
+loads asynchronous, as a P/D connector's transfers are: the request gets its blocks and waits
+(``WAITING_FOR_REMOTE_KVS``) while the other requests run; the worker reads the files when
+the step starts and reports the load received at the end of the ``k``-th step, counting
+that one (``get_finished``), standing in for a transfer that takes that long.
 """
 
 from __future__ import annotations
@@ -88,9 +94,14 @@ class ExampleConnector(KVConnectorBase_V1):
     ) -> None:
         super().__init__(role)
         cfg = dict(extra_config or {})
-        unknown = set(cfg) - {"shared_storage_path"}
+        unknown = set(cfg) - {"shared_storage_path", "load_async_steps"}
         if unknown:
-            raise ValueError(f"ExampleConnector: unknown extra config {sorted(unknown)}; known: ['shared_storage_path']")
+            raise ValueError(
+                f"ExampleConnector: unknown extra config {sorted(unknown)}; known: ['load_async_steps', 'shared_storage_path']"
+            )
+        self.load_async_steps = check_int(
+            "kv_connector_extra_config['load_async_steps']", cfg.get("load_async_steps", 0), 0, why=" (0: load within the step)"
+        )
         path = cfg.get("shared_storage_path")
         if not isinstance(path, str) or not path:
             raise TypeError(f"ExampleConnector needs kv_connector_extra_config={{'shared_storage_path': <dir>}}, got {path!r}")
@@ -105,11 +116,13 @@ class ExampleConnector(KVConnectorBase_V1):
         self._saved: set[str] = set()  # folders this engine planned to write
         self._local: dict[str, int] = {}
         self._prompts: dict[str, tuple[list[int], list[str]]] = {}  # req id -> (prompt, item hashes)
+        self._failed: set[str] = set()  # requests whose load failed: not offered the folder again
         self.events: Any = None
         # worker side
         self.kv_caches: list[Any] = []
         self._report = ExampleWorkerReport()
         self._invalid: set[int] = set()
+        self._recving: dict[str, int] = {}  # asynchronous loads read: request id -> steps until reported
         self.before_layer_io: Any = None  # (direction, layer, path) -> None; raise to fail a transfer
 
     def folder_of(self, request: Request) -> str:
@@ -141,11 +154,16 @@ class ExampleConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         self._check_role(KVConnectorRole.SCHEDULER, "get_num_new_matched_tokens")
-        if self.kv_role == "kv_producer" or request.num_preemptions or request.num_tokens != request.num_prompt_tokens:
+        if (
+            self.kv_role == "kv_producer"
+            or request.num_preemptions
+            or request.num_tokens != request.num_prompt_tokens
+            or request.request_id in self._failed
+        ):
             return 0, False
         n = self.external_tokens(self._saved_tokens(request), request.num_prompt_tokens, num_computed_tokens)
         self._local[request.request_id] = num_computed_tokens
-        return n, False
+        return n, n > 0 and self.load_async_steps > 0
 
     def external_tokens(self, saved_tokens: int, num_prompt_tokens: int, num_computed_tokens: int) -> int:
         """Tokens to take from a folder holding ``saved_tokens``, after a local hit of
@@ -209,7 +227,14 @@ class ExampleConnector(KVConnectorBase_V1):
                 )
         return meta
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        """The worker's report: a request whose load failed is not offered its folder again
+        (an asynchronous load that failed sends it back to the prefix lookup, which would ask
+        again, and the same broken folder would fail forever)."""
+        self._failed.update(getattr(connector_output, "errors", None) or {})
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._failed.discard(request.request_id)
         self._local.pop(request.request_id, None)
         self._prompts.pop(request.request_id, None)
         if self.kv_role == "kv_consumer":
@@ -254,8 +279,10 @@ class ExampleConnector(KVConnectorBase_V1):
             except Exception as e:  # noqa: BLE001 - a failed load is reported, the blocks recomputed
                 self._report.errors[rm.req_id] = f"{type(e).__name__}: {e}"
                 self._invalid.update(rm.block_ids[rm.start // bs : -(-rm.end // bs)])
-                continue
-            self._report.num_loaded_tokens["FILE"] = self._report.num_loaded_tokens.get("FILE", 0) + rm.end - rm.start
+            else:
+                self._report.num_loaded_tokens["FILE"] = self._report.num_loaded_tokens.get("FILE", 0) + rm.end - rm.start
+            if self.load_async_steps:
+                self._recving[rm.req_id] = self.load_async_steps  # reported then, failed or not
 
     def _read_layer(self, path: str, rm: ReqMeta, layer: int, kv: Any) -> Any:
         import torch
@@ -308,6 +335,17 @@ class ExampleConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set(self._invalid)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """The asynchronous loads whose time has come (one step less for each call, once a
+        step). A failed one is reported too: its blocks were named invalid when it ran."""
+        done = set()
+        for rid in list(self._recving):
+            self._recving[rid] -= 1
+            if self._recving[rid] <= 0:
+                del self._recving[rid]
+                done.add(rid)
+        return None, done
 
     def build_connector_worker_meta(self) -> ExampleWorkerReport:
         report, self._report = self._report, ExampleWorkerReport()
