@@ -262,3 +262,37 @@ def test_a_transfer_that_never_reports_stops_the_run_with_a_clear_error(monkeypa
     with pytest.raises(RuntimeError, match=r"waited 5 steps in a row on a KV connector's asynchronous transfers"):
         eng.run()
     assert eng.scheduler.requests["d"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+
+
+def test_a_connector_that_raises_leaves_the_scheduler_as_it_was():
+    """All or nothing: a hook raising half way through an asynchronous admission, or while
+    the transfers' report is taken in, undoes the whole call."""
+    mgr, sched, conn = make(10, {"A": [(12, True)]})
+    sched.add_request(req("A", 14, mgr))
+    calls = []
+
+    def boom(*args):
+        calls.append(args)
+        raise RuntimeError("a learner's bug")
+
+    conn.update_state_after_alloc = boom
+    with pytest.raises(RuntimeError, match="a learner's bug"):
+        sched.schedule()
+    a = sched.requests["A"]
+    assert (a.status, a.num_computed_tokens, [r.request_id for r in sched.waiting], list(sched.kv_holding_waiting)) == (
+        RequestStatus.WAITING,
+        0,
+        ["A"],
+        [],
+    )
+    assert mgr.block_pool.get_num_free_blocks() == 9 and mgr.get_block_ids("A") == ([],)
+    del conn.update_state_after_alloc
+    out = sched.schedule()
+    conn.update_connector_output = boom
+    with pytest.raises(RuntimeError, match="a learner's bug"):
+        sched.update_from_output(out, {}, kv_connector_output=KVConnectorOutput(finished_recving={"A"}))
+    assert sched.finished_recving_kv_req_ids == set() and a.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    del conn.update_connector_output
+    sched.update_from_output(out, {}, kv_connector_output=KVConnectorOutput(finished_recving={"A"}))
+    assert sched.finished_recving_kv_req_ids == {"A"}
+    sched.check_invariants()
