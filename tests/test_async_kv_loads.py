@@ -296,3 +296,29 @@ def test_a_connector_that_raises_leaves_the_scheduler_as_it_was():
     sched.update_from_output(out, {}, kv_connector_output=KVConnectorOutput(finished_recving={"A"}))
     assert sched.finished_recving_kv_req_ids == {"A"}
     sched.check_invariants()
+
+
+def test_undoing_a_report_restores_a_running_request_that_was_not_scheduled():
+    """A failed block may sit in a running request this step did not schedule (vLLM 0.33
+    scans every running request); an exception later in the same call must give it its
+    computed tokens back."""
+    mgr, sched, conn = make(10, {"B": [(8, False)]})
+    sched.add_request(req("X", 4, mgr, base=700))
+    sched.add_request(req("B", 12, mgr))
+    step(sched)
+    b = sched.requests["B"]
+    assert b.num_computed_tokens == 12 and mgr.get_block_ids("B") == ([2, 3, 4],)
+    sched.max_num_scheduled_tokens = 1  # room for X's decode only
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"X": 1}
+
+    def boom(*args):
+        raise RuntimeError("a learner's bug")
+
+    conn.update_connector_output = boom
+    with pytest.raises(RuntimeError, match="a learner's bug"):
+        sched.update_from_output(out, {"X": [7]}, kv_connector_output=KVConnectorOutput(invalid_block_ids={3}))
+    assert b.num_computed_tokens == 12 and sched.num_kv_load_failures == 0
+    del conn.update_connector_output
+    sched.update_from_output(out, {"X": [7]}, kv_connector_output=KVConnectorOutput(invalid_block_ids={3}))
+    assert b.num_computed_tokens == 4 and sched.num_kv_load_failures == 1  # cut at its second block

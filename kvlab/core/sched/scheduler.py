@@ -1436,38 +1436,48 @@ class Scheduler:
 
     def _handle_invalid_async_loads(self, invalid_block_ids: set[int], errors: dict[str, str] | None = None) -> set[str]:
         """Asynchronous loads with a block that failed: the computed tokens are cut at the
-        first failed block (a block another load already lost counts for that one only), and
-        the request recomputes from there once its load has landed -- or, policy "fail", the
-        ids are returned to finish. Nothing was cached yet, so nothing is evicted (vLLM 0.33's
-        ``_update_requests_with_invalid_blocks`` for ``WAITING_FOR_REMOTE_KVS``)."""
-        bs = self.kv_cache_manager.kv_cache_groups[0].block_size
-        affected: set[str] = set()
-        marked: set[int] = set()
-        for r in list(self.kv_holding_waiting):
-            if r.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
-                continue
-            row = self.kv_cache_manager.get_block_ids(r.request_id)[0]
-            is_affected = truncated = False
-            bad: list[int] = []
-            for idx, bid in enumerate(row[: cdiv(r.num_computed_tokens, bs)]):  # type: ignore[arg-type]  # the manager filled in every block size
-                if bid not in invalid_block_ids:
-                    continue
-                is_affected = True
-                bad.append(bid)
-                if bid in marked:
-                    continue  # lost by an earlier load: that one recomputes it
-                marked.add(bid)
-                if not truncated:
-                    truncated = True
-                    r.num_computed_tokens = idx * bs  # type: ignore[operator]  # as above
-            if is_affected:
-                affected.add(r.request_id)
-                self.num_kv_load_failures += 1
-                self._load_failed(r, bad, errors)
+        first failed block, and the request recomputes from there once its load has landed
+        -- or, policy "fail", the ids are returned to finish. Nothing was cached yet, so
+        nothing is evicted (vLLM 0.33, for ``WAITING_FOR_REMOTE_KVS``)."""
+        waiting = [r for r in self.kv_holding_waiting if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS]
+        affected, _ = self._update_requests_with_invalid_blocks(waiting, invalid_block_ids, errors)
         if self.kv_load_failure_policy == "recompute":
             self.failed_recving_kv_req_ids |= affected
             return set()
         return affected
+
+    def _update_requests_with_invalid_blocks(
+        self, requests: Iterable[Request], invalid_block_ids: set[int], errors: dict[str, str] | None
+    ) -> tuple[set[str], set[int]]:
+        """Cut each request's computed tokens back to its first block that failed to load --
+        unless another of these requests lost that block first and recomputes it: then this
+        one keeps its computed tokens (a running one loses only this step's). Counts and logs
+        each affected request. Returns their ids and every block from each cut on (vLLM
+        0.33's ``_update_requests_with_invalid_blocks``)."""
+        bs = self.kv_cache_manager.kv_cache_groups[0].block_size
+        affected: set[str] = set()
+        marked: set[int] = set()  # blocks one of these requests already recomputes
+        from_cut: set[int] = set()
+        for r in requests:
+            row = self.kv_cache_manager.get_block_ids(r.request_id)[0]
+            bad: list[int] = []
+            truncated = False
+            for idx, bid in enumerate(row[: cdiv(r.num_computed_tokens, bs)]):  # type: ignore[arg-type]  # the manager filled in every block size
+                if bid not in invalid_block_ids:
+                    continue
+                bad.append(bid)
+                if bid in marked:
+                    continue  # lost by an earlier request: that one recomputes it
+                marked.add(bid)
+                if not truncated:
+                    truncated = True
+                    r.num_computed_tokens = idx * bs  # type: ignore[operator]  # as above
+                    from_cut.update(row[idx:])
+            if bad:
+                affected.add(r.request_id)
+                self.num_kv_load_failures += 1
+                self._load_failed(r, bad, errors)
+        return affected, from_cut
 
     def _update_from_kv_xfer_finished(self, kv_connector_output: KVConnectorOutput) -> None:
         """The worker's transfers that ended: a load received makes its request schedulable
@@ -1488,45 +1498,17 @@ class Scheduler:
 
     def _handle_invalid_blocks(self, invalid_block_ids: set[int], errors: dict[str, str] | None = None) -> set[str]:
         """Running requests whose computed prefix holds a block that failed to load (vLLM
-        0.33's ``_handle_invalid_blocks``). Each one's computed tokens are cut back to its
-        first failed block -- unless another request of the batch lost that block first and
-        recomputes it: then this one only loses this step's tokens. Policy "recompute": it
-        stays running and computes the rest next step, into the same blocks, which stay in
-        the prefix cache to be rewritten (a request that hits one meanwhile reads what that
-        step writes). Policy "fail": the failed blocks and every later block of its table
-        leave the prefix cache, and it is finished with an error (by the caller). Returns the
-        ids whose output of this step is dropped."""
-        mgr = self.kv_cache_manager
-        bs = mgr.kv_cache_groups[0].block_size
-        affected: dict[str, list[int]] = {}
-        marked: set[int] = set()  # blocks a request of the batch already recomputes
-        to_evict: set[int] = set()
-        for r in self.running:
-            row = mgr.get_block_ids(r.request_id)[0]
-            bad: list[int] = []
-            truncated = False
-            for idx, bid in enumerate(row[: cdiv(r.num_computed_tokens, bs)]):  # type: ignore[arg-type]  # the manager filled in every block size
-                if bid not in invalid_block_ids:
-                    continue
-                bad.append(bid)
-                if bid in marked:
-                    continue
-                marked.add(bid)
-                if not truncated:
-                    truncated = True
-                    r.num_computed_tokens = idx * bs  # type: ignore[operator]  # as above
-                    to_evict.update(row[idx:])
-            if bad:
-                affected[r.request_id] = bad
-        if not affected:
-            return set()
-        self.num_kv_load_failures += len(affected)
-        recompute = self.kv_load_failure_policy == "recompute"
-        if not recompute:
-            mgr.evict_blocks(to_evict)
-        for rid, bad in affected.items():
-            self._load_failed(self.requests[rid], bad, errors)
-        return set(affected)
+        0.33's ``_handle_invalid_blocks``): their computed tokens are cut back (see
+        :meth:`_update_requests_with_invalid_blocks`). Policy "recompute": each stays running
+        and computes the rest next step, into the same blocks, which stay in the prefix
+        cache to be rewritten (a request that hits one meanwhile reads what that step
+        writes). Policy "fail": the failed blocks and every later block of their tables leave
+        the prefix cache, and the requests are finished with an error (by the caller).
+        Returns the ids whose output of this step is dropped."""
+        affected, from_cut = self._update_requests_with_invalid_blocks(self.running, invalid_block_ids, errors)
+        if affected and self.kv_load_failure_policy == "fail":
+            self.kv_cache_manager.evict_blocks(from_cut)
+        return affected
 
     def _check_stop(self, r: Request) -> bool:
         if r.num_output_tokens >= r.max_tokens or (self.max_model_len is not None and r.num_tokens >= self.max_model_len):
@@ -1640,9 +1622,11 @@ class Scheduler:
 
 def _touched_by_output(sched: Scheduler, out: Any, kv_out: Any) -> list[str]:
     """The requests ``update_from_output`` may change: those scheduled, and with a transfer
-    report those holding blocks while they wait or after they finished."""
+    report every running one (a failed block may sit in one not scheduled this step) and
+    those holding blocks while they wait or after they finished."""
     ids = _scheduled_ids(out)
     if kv_out is not None:
+        ids += [r.request_id for r in sched.running]
         ids += [r.request_id for r in sched.kv_holding_waiting]
         ids += [rid for rid, r in sched.requests.items() if r.is_finished()]
     return ids
