@@ -193,3 +193,44 @@ def test_replay_only_chunks_make_progress():
         chunks.append(out.num_scheduled_tokens["second"])
         tables.append(len(mgr.get_blocks("second").blocks[0]))
     assert (chunks, tables) == ([16, 16, 4], [6, 6, 7])
+
+
+@pytest.mark.parametrize(
+    ("offer", "expected"),
+    [
+        # vLLM's own cases, with the load asynchronous: 64 tokens arrive; the replay is set
+        # when the load is reported (32 computed, replayed from 32, 68 scheduled)
+        (64, (True, 32, 32, 68)),
+        # 63 tokens are cut to whole blocks (48) before the load starts
+        (63, (True, 16, 16, 84)),
+        # a hit no longer than the window is not loaded at all: computed from 0 at once
+        (32, (False, 0, 0, 100)),
+    ],
+)
+def test_an_asynchronous_hit_is_replayed_when_its_load_is_reported(offer, expected):
+    from kvlab import Scheduler
+    from kvlab.outputs import KVConnectorOutput
+    from kvlab.request import RequestStatus
+
+    class Later(_Remote):
+        def get_num_new_matched_tokens(self, request, num_computed_tokens):
+            return self.offer, True
+
+    groups = [FullAttentionSpec(block_size=16), SlidingWindowMLASpec(block_size=16, sliding_window=32, bounded_replay=True)]
+    mgr = KVCacheManager(64, 16, kv_cache_groups=groups)
+    connector = Later(offer)
+    sched = Scheduler(mgr, connector=connector)
+    sched.add_request(Request("x", list(range(1000, 1100)), max_tokens=1))
+    out = sched.schedule()
+    waited = sched.requests["x"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    if waited:
+        assert out.num_scheduled_tokens == {}
+        sched.update_from_output(out, {}, kv_connector_output=KVConnectorOutput(finished_recving={"x"}))
+        out = sched.schedule()
+    (nr,) = out.scheduled_new_reqs
+    assert (waited, nr.num_computed_tokens, nr.replay_start, out.num_scheduled_tokens["x"]) == expected
+    # the replay starts in a window block of its own, not in one the window group retired
+    assert nr.block_ids[1][nr.replay_start // 16] != 0
+    # what the connector was told to load at each admission: whole blocks, then nothing
+    # more when the request is admitted again after the load; or nothing at all
+    assert [n for _, n in connector.allocated] == {64: [64, 0], 63: [48, 0], 32: [0]}[offer]
