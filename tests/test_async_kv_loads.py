@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvlab import KVCacheManager, Request, Scheduler
+from kvlab import KVCacheManager, Request, Scheduler, SimulatedExecutor
+from kvlab.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorRole
+from kvlab.engine.llm_engine import LLMEngine
 from kvlab.outputs import KVConnectorOutput
 from kvlab.request import RequestStatus
 
@@ -26,8 +28,6 @@ class Scripted(SchedulerSideConnector):
     none: nothing to offer); keeps the blocks of the finished requests in ``delay``."""
 
     def __init__(self, offers: dict[str, list[tuple[int, bool]]], delay: frozenset[str] = frozenset()) -> None:
-        from kvlab.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-
         super().__init__(KVConnectorRole.SCHEDULER)
         self.offers, self.delay = dict(offers), delay
         self.finished: list[tuple[str, list[int]]] = []
@@ -188,8 +188,6 @@ class Handoff(SchedulerSideConnector):
             self.loads.append(request.request_id)
 
     def build_connector_meta(self, scheduler_output):
-        from kvlab.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
-
         meta = KVConnectorMetadata()
         meta.loads, self.loads = self.loads, []  # type: ignore[attr-defined]
         return meta
@@ -217,10 +215,6 @@ class Handoff(SchedulerSideConnector):
 
 
 def _engine(**conn):
-    from kvlab import SimulatedExecutor
-    from kvlab.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from kvlab.engine.llm_engine import LLMEngine
-
     mgr = KVCacheManager(12, BS)
     worker = Handoff(KVConnectorRole.WORKER, **conn)
     sched = Scheduler(mgr, connector=Handoff(KVConnectorRole.SCHEDULER, **conn))

@@ -14,10 +14,12 @@ from fractions import Fraction
 
 import pytest
 
-from kvlab import FullAttentionSpec, KVCacheManager, Request
+from kvlab import FullAttentionSpec, KVCacheManager, Request, Scheduler
 from kvlab.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from kvlab.engine.llm_engine import build_engine
 from kvlab.kv_cache_interface import MLAAttentionSpec, SlidingWindowMLASpec
+from kvlab.outputs import KVConnectorOutput
+from kvlab.request import RequestStatus
 from scheduler_side_connector import SchedulerSideConnector
 
 BASE = list(range(100, 140))
@@ -208,10 +210,6 @@ def test_replay_only_chunks_make_progress():
     ],
 )
 def test_an_asynchronous_hit_is_replayed_when_its_load_is_reported(offer, expected):
-    from kvlab import Scheduler
-    from kvlab.outputs import KVConnectorOutput
-    from kvlab.request import RequestStatus
-
     class Later(_Remote):
         def get_num_new_matched_tokens(self, request, num_computed_tokens):
             return self.offer, True
