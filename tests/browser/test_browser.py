@@ -204,6 +204,15 @@ def _wait_until(page, js: str, timeout_s: float, what: str, also=lambda: True, s
     raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}" + (f"; the page shows {seen()}" if seen else ""))
 
 
+def _settle(page, promise_js: str, timeout_s: float, what: str) -> None:
+    """Start ``promise_js`` (an expression giving a promise) in the page and wait until it
+    has settled, by polling a flag it sets: a promise handed back through page.evaluate can be
+    dropped by the page before it settles, and Playwright then fails with "Resulting promise
+    was garbage collected" (seen at JupyterLab's ``restored`` in a quiet CI run)."""
+    page.evaluate(f"() => {{ window.__kvlabSettled = false; ({promise_js}).then(() => {{ window.__kvlabSettled = true; }}); }}")
+    _wait_until(page, "() => window.__kvlabSettled === true", timeout_s, what)
+
+
 def _run_all(page) -> None:
     page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
     page.locator("li[data-command='runmenu:run-all']").click()
@@ -337,7 +346,7 @@ class Lab:
             page = self._new_page()
             page.goto(self._fresh_workspace(""))
             _wait_until(page, "() => !!(window.jupyterapp && window.jupyterapp.shell)", 60, "JupyterLab to load")
-            page.evaluate("() => window.jupyterapp.restored")
+            _settle(page, "window.jupyterapp.restored", 60, "JupyterLab to restore its layout")
             self._lesson_page = page
         page = self._lesson_page
         try:
@@ -385,10 +394,7 @@ class Lab:
     def save_lesson(self, lesson: str) -> dict:
         """Save the open lesson (with its widgets' state) and read the file JupyterLab wrote."""
         page = self._lesson_page
-        page.evaluate(
-            "() => { window.__kvlabSaved = false; window.__kvlabNotebook.context.save().then(() => { window.__kvlabSaved = true; }); }"
-        )
-        _wait_until(page, "() => window.__kvlabSaved === true", 60, f"{lesson} to be saved")  # as OPEN_NOTEBOOK: polled, not awaited
+        _settle(page, "window.__kvlabNotebook.context.save()", 60, f"{lesson} to be saved")
         return checked_outputs.load(self.root / WORKDIR / "notebooks" / lesson)
 
     def _drop_lesson_page(self) -> None:
@@ -506,7 +512,7 @@ def test_player_draws_in_the_page_and_steps_without_the_kernel(lab: Lab) -> None
         fits = """() => { const p = document.querySelector('.kvlab-player .kv-replay').getBoundingClientRect();
             const a = document.querySelector('.kvlab-player').closest('.jp-OutputArea-output').getBoundingClientRect();
             return p.width > 0 && p.right <= a.right + 1; }"""
-        page.evaluate("() => window.jupyterapp.commands.execute('filebrowser:activate')")
+        _settle(page, "window.jupyterapp.commands.execute('filebrowser:activate')", 30, "the file browser to open")
         for width, cols in ((1280, "repeat(2, max-content)"), (1920, "repeat(3, max-content)")):
             page.set_viewport_size({"width": width, "height": 1400})
             _wait_until(page, f"() => ({grid_cols})() === '{cols}' && ({fits})()", 30, f"the Player to fit {width} px in {cols}")
