@@ -19,6 +19,7 @@ the block manager never reads them. ``block_size=None`` means "the manager's blo
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
+from enum import Enum, IntEnum
 from fractions import Fraction
 from math import prod
 from typing import Any, cast
@@ -38,6 +39,29 @@ DTYPE_SIZES: dict[str, int] = {
 }
 
 MAMBA_CACHE_MODES = ("none", "align")
+
+
+class KVQuantMode(IntEnum):
+    """How an attention group's K/V are quantised (vLLM 0.33's ``KVQuantMode``, same names
+    and numbers). Here it only says whether two groups store K/V the same way: groups of one
+    dtype but different modes are mixed precision, so the runner zeroes new blocks
+    (``KVCacheConfig.needs_kv_cache_zeroing``). Bytes per token come from ``dtype``."""
+
+    NONE = 0
+    FP8_PER_TENSOR = 1
+    INT8_PER_TOKEN_HEAD = 2
+    FP8_PER_TOKEN_HEAD = 3
+    INT4_PER_TOKEN_HEAD = 4
+    NVFP4 = 5
+    TURBOQUANT_K8V4 = 6
+    TURBOQUANT_4BIT_NC = 7
+    TURBOQUANT_K3V4_NC = 8
+    TURBOQUANT_3BIT_NC = 9
+    NVFP4_DS_MLA = 10
+    ULTRAQUANT_4BIT = 11
+    OCTAVE_K3V4 = 12
+    OCTAVE_K3V3 = 13
+    OCTAVE_K3V3_COMPACT = 14
 
 
 def _check_int(spec: Any, name: str, minimum: int, allow_none: bool = False) -> None:
@@ -62,9 +86,28 @@ def _check_tokens_per_state(spec: Any) -> None:
     _check_int(spec, "tokens_per_state", 1)
 
 
-def _check_dtype(owner: str, name: str, dtype: Any) -> None:
-    if dtype not in DTYPE_SIZES:
-        raise ValueError(f"{owner}.{name} must be one of {sorted(DTYPE_SIZES)}, got {dtype!r}")
+# torch's names for the same dtypes: vLLM builds its specs with ``torch.float32`` and the
+# like, so a spec accepts those too and keeps the plain name (the core imports no torch).
+_TORCH_DTYPE_NAMES = {
+    "torch.float32": "float32",
+    "torch.float16": "float16",
+    "torch.bfloat16": "bfloat16",
+    "torch.float8_e4m3fn": "fp8_e4m3",
+    "torch.float8_e5m2": "fp8_e5m2",
+    "torch.int8": "int8",
+}
+
+
+def _dtype_name(owner: str, name: str, dtype: Any) -> str:
+    """The plain name of ``dtype``: one of DTYPE_SIZES' keys, or the torch dtype of the
+    same name (recognised by its type, so torch is never imported here)."""
+    if type(dtype).__module__ == "torch" and type(dtype).__name__ == "dtype":
+        plain = _TORCH_DTYPE_NAMES.get(str(dtype))
+        if plain is not None:
+            return plain
+    elif isinstance(dtype, str) and dtype in DTYPE_SIZES:
+        return dtype
+    raise ValueError(f"{owner}.{name} must be one of {sorted(DTYPE_SIZES)} (or the torch dtype of that name), got {dtype!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,14 +163,29 @@ class AttentionSpec(KVCacheSpec):
     head_size_v: int | None = None
     dtype: str = "bfloat16"
     tokens_per_state: int | Fraction = 1
+    kv_quant_mode: KVQuantMode = KVQuantMode.NONE
+    #: A backend may lay a block out larger than its K/V need (vLLM 0.33's
+    #: ``page_size_padded``); the pool then hands out pages of this many bytes.
+    page_size_padded: int | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        mode = self.kv_quant_mode
+        if type(mode) is not KVQuantMode:
+            if type(mode) is not int or mode not in KVQuantMode._value2member_map_:
+                raise ValueError(f"{type(self).__name__}.kv_quant_mode must be a KVQuantMode, got {mode!r}")
+            object.__setattr__(self, "kv_quant_mode", KVQuantMode(mode))
         _check_int(self, "num_kv_heads", 1)
         _check_int(self, "head_size", 1)
         _check_int(self, "head_size_v", 0, allow_none=True)
-        _check_dtype(type(self).__name__, "dtype", self.dtype)
+        object.__setattr__(self, "dtype", _dtype_name(type(self).__name__, "dtype", self.dtype))
         _check_tokens_per_state(self)
+        _check_int(self, "page_size_padded", 1, allow_none=True)
+        if self.page_size_padded is not None and self.page_size_padded < self.real_page_size_bytes:
+            raise ValueError(
+                f"{type(self).__name__}.page_size_padded = {self.page_size_padded} is smaller than the page's "
+                f"K/V ({self.real_page_size_bytes} bytes)"
+            )
 
     @property
     def bytes_per_token(self) -> int:
@@ -147,8 +205,13 @@ class AttentionSpec(KVCacheSpec):
         return int(self.block_size // self.tokens_per_state)
 
     @property
-    def page_size_bytes(self) -> int:
+    def real_page_size_bytes(self) -> int:
+        """The K/V one block holds in one layer, without padding."""
         return self.num_states * self.bytes_per_token
+
+    @property
+    def page_size_bytes(self) -> int:
+        return self.real_page_size_bytes if self.page_size_padded is None else self.page_size_padded
 
     def to_dict(self) -> dict[str, Any]:
         d = super().to_dict()
@@ -404,13 +467,14 @@ class MambaSpec(KVCacheSpec):
         name = type(self).__name__
         if self.mamba_cache_mode not in MAMBA_CACHE_MODES:
             raise ValueError(f"{name}.mamba_cache_mode must be one of {MAMBA_CACHE_MODES}, got {self.mamba_cache_mode!r}")
-        shapes = tuple(tuple(s) for s in self.shapes)
-        dtypes = tuple(self.dtypes)
+        shapes_given: tuple[Any, ...] = tuple(self.shapes)
+        if shapes_given and all(isinstance(d, int) for d in shapes_given):
+            shapes_given = (shapes_given,)  # one state tensor's shape given bare, as vLLM's tests write it
+        shapes = tuple(tuple(s) for s in shapes_given)
+        dtypes = tuple(_dtype_name(name, "dtypes[...]", d) for d in self.dtypes)
         if not shapes or len(shapes) != len(dtypes):
             raise ValueError(f"{name}: shapes and dtypes must be non-empty and of equal length, got {self.shapes!r}, {self.dtypes!r}")
         shapes = tuple(tuple(check_int(f"{name}.shapes[{i}][{j}]", d, 1) for j, d in enumerate(sh)) for i, sh in enumerate(shapes))
-        for d in dtypes:
-            _check_dtype(name, "dtypes[...]", d)
         object.__setattr__(self, "shapes", shapes)
         object.__setattr__(self, "dtypes", dtypes)
         _check_int(self, "page_size_padded", 1, allow_none=True)
@@ -434,6 +498,45 @@ class MambaSpec(KVCacheSpec):
         return self.page_size_padded if self.page_size_padded is not None else self.state_size_bytes
 
 
+def get_mamba_prefill_checkpoint_position(
+    num_tokens: int, hash_block_size: int, drop_eagle_block: bool, num_hash_lookahead_tokens: int = 0
+) -> int:
+    """Where a prefill of ``num_tokens`` tokens saves its reusable Mamba state (vLLM 0.33): the last hash boundary below the last token
+    (whose logits must be computed) -- below the last L tokens with lookahead hashes, since
+    a hash there needs the L tokens after it -- or, with EAGLE, which recomputes one hash
+    block, one hash block below the last boundary within the prompt."""
+    limit = num_tokens if drop_eagle_block else num_tokens - max(1, num_hash_lookahead_tokens)
+    position = limit // hash_block_size * hash_block_size
+    if drop_eagle_block:
+        position -= hash_block_size
+    return max(position, 0)
+
+
+def is_mamba_prefill_checkpoint_valid(
+    query_start: int,
+    query_end: int,
+    checkpoint_position: int,
+    hash_block_size: int,
+    mamba_block_size: int,
+    checkpoint_alignment: int | None,
+) -> bool:
+    """Whether a backend can export the state at ``checkpoint_position`` from inside the
+    chunk ``[query_start, query_end)`` (vLLM 0.33): the chunk starts on a hash boundary, the
+    position lies at least one hash block into it, a multiple of ``checkpoint_alignment``
+    from its start, and in a block column of its own, left of the chunk's last one."""
+    if checkpoint_alignment is None:
+        return False
+    initial_state_col = (query_start - 1) // mamba_block_size
+    checkpoint_col = -(-query_end // mamba_block_size) - 2
+    return (
+        query_start % hash_block_size == 0
+        and checkpoint_col > initial_state_col
+        and query_start + hash_block_size <= checkpoint_position
+        and query_start < checkpoint_position < query_end
+        and (checkpoint_position - query_start) % checkpoint_alignment == 0
+    )
+
+
 KV_CACHE_SPEC_TYPES: tuple[type[KVCacheSpec], ...] = (
     FullAttentionSpec,
     MLAAttentionSpec,
@@ -448,9 +551,26 @@ KV_CACHE_SPEC_TYPES: tuple[type[KVCacheSpec], ...] = (
     CrossAttentionSpec,
 )
 
+
 # --- how KV cache events name a group's spec (vLLM's KVCacheSpecKind values) -----------------
 # By class name, most specific first along the MRO, so a spec class added later with vLLM's
 # name (MLAAttentionSpec, MambaSpec, ...) is named correctly without touching this table.
+class KVCacheSpecKind(str, Enum):
+    """The kinds a ``BlockStored`` event names (vLLM 0.33's ``KVCacheSpecKind``). The
+    events carry the plain strings; a member equals its string."""
+
+    FULL_ATTENTION = "full_attention"
+    MLA_ATTENTION = "mla_attention"
+    SLIDING_WINDOW = "sliding_window"
+    SLIDING_WINDOW_MLA = "sliding_window_mla"
+    MAMBA = "mamba"
+    CHUNKED_LOCAL_ATTENTION = "chunked_local_attention"
+    SINK_FULL_ATTENTION = "sink_full_attention"
+    ENCODER_ONLY_ATTENTION = "encoder_only_attention"
+    CROSS_ATTENTION = "cross_attention"
+    UNKNOWN = "unknown"
+
+
 _SPEC_KIND_BY_CLASS_NAME = {
     "SlidingWindowMLASpec": "sliding_window_mla",
     "MLAAttentionSpec": "mla_attention",
@@ -495,10 +615,11 @@ class KVCacheTensor:
     offset: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass
 class KVCacheGroupSpec:
     """Layers that share one block table, and the spec they share (``layer_names`` is empty
-    in the config a ``KVCacheManager`` reports: kvlab's manager is built from specs alone)."""
+    in the config a ``KVCacheManager`` reports: kvlab's manager is built from specs alone).
+    Mutable, as vLLM's is: a manager reads it once, when it is built."""
 
     layer_names: tuple[str, ...]
     kv_cache_spec: KVCacheSpec
@@ -508,7 +629,7 @@ class KVCacheGroupSpec:
     is_eagle_group: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass
 class KVCacheConfig:
     """What the engine core hands every worker: how many blocks, where each layer's pages
     lie, and which layers form a group (vLLM 0.33's field names). The worker allocates its
@@ -518,6 +639,15 @@ class KVCacheConfig:
     num_blocks: int
     kv_cache_tensors: tuple[KVCacheTensor, ...]
     kv_cache_groups: tuple[KVCacheGroupSpec, ...]
+    # vLLM 0.33's other fields, read by ``KVCacheManager(kv_cache_config, ...)``: how densely
+    # window and Mamba groups keep cache entries (see KVCacheManager), the layout the worker
+    # resolved, the hash block size and hit alignment the engine core chose (None: derived
+    # from the groups), and HiSparse's host pool (not modelled: must stay None).
+    prefix_cache_retention_interval: int | None = None
+    kv_cache_layout: str | None = None
+    hash_block_size: int | None = None
+    cache_hit_alignment_tokens: int | None = None
+    hisparse_host_num_blocks: int | None = None
 
     @property
     def bytes_per_block(self) -> int:
@@ -531,8 +661,10 @@ class KVCacheConfig:
 
     @property
     def has_mixed_precision_kv_cache(self) -> bool:
-        """Attention groups that store K/V in more than one dtype (say bf16 and fp8)."""
-        return len({g.kv_cache_spec.dtype for g in self.kv_cache_groups if isinstance(g.kv_cache_spec, AttentionSpec)}) > 1
+        """Attention groups that store K/V in more than one way: another dtype (say bf16 and
+        fp8), or the same dtype quantised another way (``kv_quant_mode``)."""
+        kinds = {(s.dtype, s.kv_quant_mode) for g in self.kv_cache_groups if isinstance(s := g.kv_cache_spec, AttentionSpec)}
+        return len(kinds) > 1
 
     @property
     def needs_kv_cache_zeroing(self) -> bool:
@@ -556,6 +688,8 @@ class KVCacheConfig:
 
 
 __all__ = [
+    "KVCacheSpecKind",
+    "KVQuantMode",
     "DTYPE_SIZES",
     "KVCacheConfig",
     "KVCacheGroupSpec",

@@ -203,8 +203,71 @@ def _check_request_args(
     return prompt, max_tokens, eos_token_id, lora_int_id, prompt_logprobs, skip_reading_prefix_cache, priority, arrival_time, features
 
 
+def _vllm_feature(i: int, f: Any) -> Any:
+    """vLLM's ``MultiModalFeatureSpec`` (identifier, modality, ``mm_position``: a
+    ``PlaceholderRange`` with offset, length and an optional ``is_embed`` mask) as kvlab's
+    ``MultiModalFeature``; anything else is passed on for the usual check."""
+    pos = getattr(f, "mm_position", None)
+    if isinstance(f, MultiModalFeature) or pos is None:
+        return f
+    mask = getattr(pos, "is_embed", None)
+    try:
+        return MultiModalFeature(
+            identifier=f.identifier,
+            offset=pos.offset,
+            length=pos.length,
+            modality=getattr(f, "modality", "image"),
+            is_embed=None if mask is None else tuple(bool(b) for b in mask),
+        )
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"mm_features[{i}]: {e}") from None
+
+
+def _from_vllm_params(sampling_params: Any, pooling_params: Any, lora_request: Any, given: dict[str, Any]) -> dict[str, Any]:
+    """The kvlab arguments that vLLM's own ``Request(..., sampling_params=...,
+    pooling_params=..., lora_request=...)`` call shape stands for (vLLM 0.33's rules):
+
+    - ``SamplingParams``: ``max_tokens``, ``prompt_logprobs``, ``skip_reading_prefix_cache``,
+      the eos id set by ``update_from_generation_config`` (unless ``ignore_eos``), and
+      ``extra_args["kv_cache_report_mode"]``;
+    - ``PoolingParams``: one output token, nothing else generated;
+    - ``LoRARequest``: ``lora_name``, ``lora_int_id`` (its ``adapter_id``), ``lora_path``.
+
+    ``given``: the kvlab arguments the call also set away from their defaults; each one
+    that a vLLM object also sets is refused, so no value is silently dropped."""
+    out: dict[str, Any] = {}
+    if sampling_params is not None and pooling_params is not None:
+        raise ValueError("give sampling_params or pooling_params, not both")
+    if sampling_params is not None:
+        if not hasattr(sampling_params, "max_tokens"):
+            raise TypeError(f"sampling_params must be a vLLM SamplingParams, got {type(sampling_params).__name__}")
+        out["max_tokens"] = sampling_params.max_tokens
+        out["prompt_logprobs"] = getattr(sampling_params, "prompt_logprobs", None)
+        out["skip_reading_prefix_cache"] = getattr(sampling_params, "skip_reading_prefix_cache", None)
+        if not getattr(sampling_params, "ignore_eos", False):
+            out["eos_token_id"] = getattr(sampling_params, "eos_token_id", None)
+        extra = getattr(sampling_params, "extra_args", None) or {}
+        out["kv_cache_report_mode"] = extra.get("kv_cache_report_mode", "incremental")
+    elif pooling_params is not None:
+        out["max_tokens"] = 1
+        out["skip_reading_prefix_cache"] = getattr(pooling_params, "skip_reading_prefix_cache", None)
+    if lora_request is not None:
+        if not hasattr(lora_request, "lora_name"):
+            raise TypeError(f"lora_request must be a vLLM LoRARequest, got {type(lora_request).__name__}")
+        out["lora_name"] = lora_request.lora_name
+        out["lora_int_id"] = getattr(lora_request, "lora_int_id", None)
+        out["lora_path"] = getattr(lora_request, "lora_path", None) or None
+    clash = sorted(k for k in out if k in given)
+    if clash:
+        raise ValueError(f"{', '.join(clash)}: given both directly and through vLLM's params objects; give each once")
+    return out
+
+
 class Request:
-    """One generation request. Everything is validated before the object exists."""
+    """One generation request. Everything is validated before the object exists.
+
+    It also takes vLLM 0.33's call shape: ``sampling_params`` / ``pooling_params`` /
+    ``lora_request`` objects, vLLM's ``MultiModalFeatureSpec`` items and ``session_id``."""
 
     # Declared fields (kvlab's addition; vLLM's Request keeps a plain ``__dict__``): a
     # transaction saves a request's state every step, and reading an instance's
@@ -264,7 +327,49 @@ class Request:
         kv_cache_report_mode: str = "incremental",
         prompt_logprobs: int | None = None,
         skip_reading_prefix_cache: bool | None = None,
+        sampling_params: Any = None,
+        pooling_params: Any = None,
+        lora_request: Any = None,
+        session_id: str | None = None,
     ) -> None:
+        if sampling_params is not None or pooling_params is not None or lora_request is not None:
+            defaults = (16, None, None, None, None, None, "incremental", None, None)
+            named = (
+                "max_tokens",
+                "eos_token_id",
+                "lora_name",
+                "lora_int_id",
+                "lora_path",
+                "prompt_logprobs",
+                "kv_cache_report_mode",
+                "skip_reading_prefix_cache",
+                "_",
+            )
+            values = (
+                max_tokens,
+                eos_token_id,
+                lora_name,
+                lora_int_id,
+                lora_path,
+                prompt_logprobs,
+                kv_cache_report_mode,
+                skip_reading_prefix_cache,
+                None,
+            )
+            given = {k: v for k, v, d in zip(named, values, defaults) if v != d}
+            vllm_args = _from_vllm_params(sampling_params, pooling_params, lora_request, given)
+            max_tokens = vllm_args.get("max_tokens", max_tokens)
+            eos_token_id = vllm_args.get("eos_token_id", eos_token_id)
+            lora_name = vllm_args.get("lora_name", lora_name)
+            lora_int_id = vllm_args.get("lora_int_id", lora_int_id)
+            lora_path = vllm_args.get("lora_path", lora_path)
+            prompt_logprobs = vllm_args.get("prompt_logprobs", prompt_logprobs)
+            kv_cache_report_mode = vllm_args.get("kv_cache_report_mode", kv_cache_report_mode)
+            skip_reading_prefix_cache = vllm_args.get("skip_reading_prefix_cache", skip_reading_prefix_cache)
+        if mm_features is not None and not isinstance(mm_features, (str, bytes)) and isinstance(mm_features, Sequence):
+            mm_features = [_vllm_feature(i, f) for i, f in enumerate(mm_features)]
+        if session_id is not None and (not isinstance(session_id, str) or not session_id):
+            raise TypeError(f"session_id must be None or a non-empty str, got {session_id!r}")
         (
             prompt,
             max_tokens,
@@ -294,6 +399,9 @@ class Request:
         )
 
         self.request_id = request_id
+        if session_id is not None:
+            # vLLM 0.33 publishes it in each BlockStored (its resumable sessions are not modelled)
+            self.session_id = session_id
         self.prompt_token_ids = prompt
         self.max_tokens = max_tokens
         self.eos_token_id = eos_token_id

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from kvlab import FullAttentionSpec, KVCacheManager, MambaSpec, Request
 from kvlab.core.sched.scheduler import Scheduler
-from kvlab.core.single_type_kv_cache_manager import mamba_prefill_checkpoint_position
+from kvlab.kv_cache_interface import get_mamba_prefill_checkpoint_position
 from kvlab.engine.llm_engine import build_engine
 from kvlab.kv_cache_interface import KVCacheGroupSpec
 from kvlab.request import MultiModalFeature
@@ -108,8 +108,8 @@ def test_a_bad_lookahead_is_refused_by_name(name, bad) -> None:
 
 def test_the_mamba_checkpoint_leaves_room_for_the_lookahead() -> None:
     # the last hash boundary with L tokens after it: (10 - 3) // 4 * 4 = 4 (8 without lookahead)
-    assert [mamba_prefill_checkpoint_position(10, 4, False, la) for la in (0, 1, 3)] == [8, 8, 4]
-    assert mamba_prefill_checkpoint_position(10, 4, True, 3) == 4  # EAGLE's drop rules instead
+    assert [get_mamba_prefill_checkpoint_position(10, 4, False, la) for la in (0, 1, 3)] == [8, 8, 4]
+    assert get_mamba_prefill_checkpoint_position(10, 4, True, 3) == 4  # EAGLE's drop rules instead
 
 
 def run_first_steps(m: KVCacheManager, request: Request, budget: int, steps: int = 2) -> list[tuple[int, list[int]]]:

@@ -22,7 +22,7 @@ from kvlab.core.block_pool import BlockPool, group_suffix
 from kvlab.core.kv_cache_coordinator import get_kv_cache_coordinator, resolve_kv_cache_block_sizes
 from kvlab.core.kv_cache_metrics import KVCacheMetricsCollector
 from kvlab.core.kv_cache_utils import KVCacheBlock, KVCacheBlockCopy, get_request_block_hasher
-from kvlab.core.single_type_kv_cache_manager import MambaManager, SingleTypeKVCacheManager
+from kvlab.core.single_type_kv_cache_manager import MambaManager, SingleTypeKVCacheManager, records_new_block_ids
 from kvlab.core.transaction import manager_call, manager_lookup
 from kvlab.distributed.kv_events import BlockStored, KVEvent
 from kvlab.kv_cache_interface import (
@@ -69,6 +69,30 @@ class KVCacheBlocks:
 
     def __bool__(self) -> bool:
         return any(self.blocks)
+
+
+def _from_kv_cache_config(
+    config: Any, block_size: Any, kv_cache_groups: Any, retention_interval: int | None, hash_block_size: int | None
+) -> tuple[Any, list[Any], int | None, int | None]:
+    """The block count, groups, retention interval and hash block size that vLLM's
+    ``KVCacheManager(kv_cache_config, ...)`` reads from its config."""
+    if kv_cache_groups is not None or block_size != 16:
+        raise TypeError(
+            "with a KVCacheConfig as the first argument, give max_model_len and the rest by keyword "
+            "(the config holds the groups and their block sizes)"
+        )
+    if getattr(config, "hisparse_host_num_blocks", None) is not None:
+        raise ValueError("KVCacheConfig.hisparse_host_num_blocks must be None: kvlab models no HiSparse host pool")
+    cfg_interval = getattr(config, "prefix_cache_retention_interval", None)
+    if cfg_interval is not None:
+        if retention_interval is not None and retention_interval != cfg_interval:
+            raise ValueError(
+                f"prefix_cache_retention_interval = {retention_interval} disagrees with the config's {cfg_interval}; give it once"
+            )
+        retention_interval = cfg_interval
+    if hash_block_size is None:
+        hash_block_size = getattr(config, "hash_block_size", None)
+    return config.num_blocks, list(config.kv_cache_groups), retention_interval, hash_block_size
 
 
 def _check_manager_args(
@@ -195,8 +219,21 @@ class KVCacheManager:
         enable_mamba_shared_prefix_checkpoint: bool = False,
         num_hash_lookahead_tokens: int = 0,
         num_prefill_lookahead: int | None = None,
+        scheduler_block_size: int | None = None,
+        hash_block_size: int | None = None,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
+        watermark: float = 0.0,
     ) -> None:
-        """``enable_kv_cache_events``: queue vLLM's KV cache events (``take_events()``).
+        """vLLM 0.33's call shape is taken too: ``KVCacheManager(kv_cache_config,
+        max_model_len=..., scheduler_block_size=..., hash_block_size=..., ...)``, the config
+        (a ``KVCacheConfig``) giving the block count, the groups with their block sizes and
+        ``prefix_cache_retention_interval``. ``hash_block_size`` then plays the part of
+        ``prefix_match_unit``; ``scheduler_block_size`` must be the one kvlab derives (the
+        LCM of the groups' block sizes). Context parallelism and the admission watermark are
+        not modelled: ``dcp_world_size``/``pcp_world_size`` must be 1, ``watermark`` 0.
+
+        ``enable_kv_cache_events``: queue vLLM's KV cache events (``take_events()``).
         ``kv_events_use_int_block_hashes``: publish hashes as 64-bit ints (vLLM's default) or
         as 32-byte digests; None reads ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` as vLLM does
         (default "1"). ``metrics_collector``: a ``KVCacheMetricsCollector`` sampling block
@@ -223,6 +260,16 @@ class KVCacheManager:
         (an EAGLE-family drafter reads the next token), else 0, as vLLM derives it."""
         if not isinstance(enable_mamba_shared_prefix_checkpoint, bool):
             raise TypeError(f"enable_mamba_shared_prefix_checkpoint must be a bool, got {enable_mamba_shared_prefix_checkpoint!r}")
+        if not isinstance(num_blocks, int) and hasattr(num_blocks, "kv_cache_groups"):
+            num_blocks, kv_cache_groups, prefix_cache_retention_interval, hash_block_size = _from_kv_cache_config(
+                num_blocks, block_size, kv_cache_groups, prefix_cache_retention_interval, hash_block_size
+            )
+        if dcp_world_size != 1 or pcp_world_size != 1:
+            raise ValueError(
+                f"dcp_world_size and pcp_world_size must be 1 (kvlab models no context parallelism), got {dcp_world_size} and {pcp_world_size}"
+            )
+        if watermark != 0.0:
+            raise ValueError(f"watermark must be 0.0 (kvlab models no admission watermark), got {watermark!r}")
         block_size, specs, hash_fn, max_model_len, max_in_flight_tokens, kv_events_use_int_block_hashes, eagle_groups = _check_manager_args(
             block_size,
             kv_cache_groups,
@@ -249,7 +296,16 @@ class KVCacheManager:
         specs = [
             replace(s, extra_retained_tokens=max(0, num_prefill_lookahead - 1)) if isinstance(s, SlidingWindowSpec) else s for s in specs
         ]
-        scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(specs, enable_caching, prefix_match_unit)
+        if hash_block_size is not None and prefix_match_unit is None:
+            hash_block_size = check_int("hash_block_size", hash_block_size, 1)
+            if hash_block_size != resolve_kv_cache_block_sizes(specs, enable_caching)[1]:
+                prefix_match_unit = hash_block_size
+        derived_scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(specs, enable_caching, prefix_match_unit)
+        if scheduler_block_size is not None and scheduler_block_size != derived_scheduler_block_size:
+            raise ValueError(
+                f"scheduler_block_size must be {derived_scheduler_block_size} (the LCM of the groups' block sizes), got {scheduler_block_size!r}"
+            )
+        scheduler_block_size = derived_scheduler_block_size
         # The pool checks num_blocks (its door), the coordinator the mix of groups; both are
         # built before the first event is emitted, so a refused configuration leaves no trace.
         block_pool = block_pool_cls(
@@ -323,7 +379,7 @@ class KVCacheManager:
         # the attention blocks handed out each step (KVCacheConfig.needs_kv_cache_zeroing).
         self.needs_kv_cache_zeroing = self.kv_cache_config.needs_kv_cache_zeroing
         for m in coordinator.single_type_managers:
-            m._record_new_block_ids = self.needs_kv_cache_zeroing and isinstance(m.kv_cache_spec, AttentionSpec)
+            m._record_new_block_ids = records_new_block_ids(m.kv_cache_spec, self.needs_kv_cache_zeroing)
         self.enable_kv_cache_events = enable_kv_cache_events
         self.metrics_collector = metrics_collector
         # (kind, sliding window) per group, filled into every BlockStored by take_events().

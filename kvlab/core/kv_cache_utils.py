@@ -571,16 +571,18 @@ class RequestBlockHasher:
 def get_request_block_hasher(
     block_size: int,
     hash_fn: HashFn,
+    num_hash_lookahead_tokens: int = 0,
+    *,
     extra_keys_fn: ExtraKeysFn | None = None,
     mm_resume: str = "window",
-    num_hash_lookahead_tokens: int = 0,
 ) -> RequestBlockHasher:
     """The hasher of a request's new full blocks (vLLM's name); see :class:`RequestBlockHasher`.
 
     ``block_size`` is the HASH block size: with groups of several block sizes, the GCD of
     them; a group with larger blocks reads the hash at the end of each of its blocks.
     ``mm_resume``: ``"window"`` (vLLM >= 0.31) or ``"last"`` (vLLM <= 0.30), lesson 06.
-    ``num_hash_lookahead_tokens``: tokens after each block its hash also covers (vLLM 0.33)."""
+    ``num_hash_lookahead_tokens``: tokens after each block its hash also covers (vLLM 0.33,
+    whose third argument it is; kvlab's ``extra_keys_fn`` and ``mm_resume`` go by keyword)."""
     return RequestBlockHasher(block_size, hash_fn, extra_keys_fn, mm_resume, num_hash_lookahead_tokens)
 
 

@@ -27,9 +27,12 @@ from collections.abc import Iterable, Sequence
 from itertools import islice
 from typing import Any, ClassVar
 
+from kvlab.utils.checks import check_optional_int
+
 from kvlab.core.block_pool import BlockPool, group_suffix
 from kvlab.core.kv_cache_utils import KVCacheBlock, trim_null_head
 from kvlab.kv_cache_interface import (
+    AttentionSpec,
     ChunkedLocalAttentionSpec,
     CircularBufferSpec,
     CrossAttentionSpec,
@@ -42,9 +45,14 @@ from kvlab.kv_cache_interface import (
     SinkFullAttentionSpec,
     SlidingWindowMLASpec,
     SlidingWindowSpec,
+    get_mamba_prefill_checkpoint_position,
+    is_mamba_prefill_checkpoint_valid,
 )
 from kvlab.eventlog.events import BlockCopied, BlockRelocated, BlocksSkipped, BlocksTouched
 from kvlab.utils.hashing import BlockHash
+
+
+_AS_SET = object()  # cache_blocks: "the retention interval the manager was set up with"
 
 
 def cdiv(a: int, b: int) -> int:
@@ -70,8 +78,17 @@ class SingleTypeKVCacheManager:
         enable_caching: bool = True,
         scheduler_block_size: int | None = None,
         max_admission_blocks_per_request: int | None = None,
+        *,
+        needs_kv_cache_zeroing: bool = False,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
     ) -> None:
         assert kv_cache_spec.block_size is not None
+        if dcp_world_size != 1 or pcp_world_size != 1:
+            raise ValueError(
+                f"dcp_world_size and pcp_world_size must be 1 (kvlab models no context parallelism), "
+                f"got {dcp_world_size} and {pcp_world_size}"
+            )
         self.kv_cache_spec = kv_cache_spec
         self.block_size: int = kv_cache_spec.block_size
         self.block_pool = block_pool
@@ -91,6 +108,7 @@ class SingleTypeKVCacheManager:
         # and Mamba groups act on it; the others cache densely. ``replay_use_eagle``: whether
         # any group drops for EAGLE (the replay boundaries then sit a block lower).
         self.retention_interval: int | None = None
+        self._replay_boundaries: tuple[int, ...] | None = None  # given to one cache_blocks call (vLLM's shape)
         self.replay_use_eagle = False
         self._null_block = block_pool.null_block
         # request id -> its block table for this group (append-only, except null padding).
@@ -99,7 +117,7 @@ class SingleTypeKVCacheManager:
         self.num_cached_block: dict[str, int] = {}
         # Block zeroing (vLLM 0.33; the manager sets it where KVCacheConfig.needs_kv_cache_zeroing):
         # an attention group writes down the ids of the blocks it is handed, for the runner.
-        self._record_new_block_ids = False
+        self._record_new_block_ids = records_new_block_ids(kv_cache_spec, needs_kv_cache_zeroing)
         self.new_block_ids: list[int] = []
         # vLLM 0.33's partial prompt-tail entries: full attention whose blocks are larger than
         # the hash block (decided here once, so the common case pays one attribute read).
@@ -295,7 +313,12 @@ class SingleTypeKVCacheManager:
         """Where a later request can resume this one's prompt (vLLM 0.33): the replay
         boundaries, and a shared-prefix junction that a lookup found (a longer prefix that
         one group had cached and another had not), one block lower too for EAGLE."""
-        boundaries = list(replay_boundaries(request.num_prompt_tokens, self.scheduler_block_size, self.replay_use_eagle))
+        given = self._replay_boundaries
+        boundaries = (
+            list(replay_boundaries(request.num_prompt_tokens, self.scheduler_block_size, self.replay_use_eagle))
+            if given is None
+            else list(given)
+        )
         junction = request.shared_prefix_boundary
         if junction:
             boundaries.append(junction)
@@ -303,10 +326,28 @@ class SingleTypeKVCacheManager:
                 boundaries.append(junction - self.block_size)
         return boundaries
 
-    def cache_blocks(self, request: Any, num_tokens: int) -> None:
+    def cache_blocks(
+        self, request: Any, num_tokens: int, retention_interval: Any = _AS_SET, *, replay_boundaries: Sequence[int] | None = None
+    ) -> None:
         """Cache the request's blocks that ``num_tokens`` computed tokens have filled; then,
         for full attention with blocks larger than the hash block, the prompt's tail as a
-        partial entry (vLLM 0.33: ``FullAttentionManager.cache_blocks``)."""
+        partial entry (vLLM 0.33: ``FullAttentionManager.cache_blocks``).
+
+        vLLM's coordinator passes ``retention_interval`` and ``replay_boundaries`` on every
+        call; kvlab's sets them on the manager once (``self.retention_interval``) and
+        derives the boundaries from the request. Given here, they hold for this call."""
+        if retention_interval is _AS_SET and replay_boundaries is None:
+            return self._cache_blocks(request, num_tokens)
+        saved = self.retention_interval, self._replay_boundaries
+        if retention_interval is not _AS_SET:
+            self.retention_interval = check_optional_int("retention_interval", retention_interval, 0)
+        self._replay_boundaries = None if replay_boundaries is None else tuple(replay_boundaries)
+        try:
+            return self._cache_blocks(request, num_tokens)
+        finally:
+            self.retention_interval, self._replay_boundaries = saved
+
+    def _cache_blocks(self, request: Any, num_tokens: int) -> None:
         if not self.kv_cache_spec.prefix_cacheable:
             return
         rid = request.request_id
@@ -336,11 +377,18 @@ class SingleTypeKVCacheManager:
         """Release the table *tail first*: the tail is the least reusable part of a prefix,
         so it should be the first to be evicted (lesson 04). Leading null blocks (a window's
         skipped prefix) are not passed on."""
+        blocks = self.pop_blocks_for_free(request_id)
+        self.block_pool.free_blocks(self.free_order(blocks), request_id=request_id, group=self.kv_cache_group_id)
+
+    def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
+        """Forget the request and hand back its blocks, in table order without the leading
+        null blocks, *without* returning them to the pool (vLLM 0.33): the caller frees them,
+        tail first."""
         blocks = trim_null_head(self.req_to_blocks.pop(request_id, []))
         self.num_cached_block.pop(request_id, None)
         if self._partial_hit_reqs:
             self._partial_hit_reqs.pop(request_id, None)
-        self.block_pool.free_blocks(self.free_order(blocks), request_id=request_id, group=self.kv_cache_group_id)
+        return blocks
 
     @staticmethod
     def free_order(blocks: list[KVCacheBlock]) -> Iterable[KVCacheBlock]:
@@ -353,11 +401,11 @@ class SingleTypeKVCacheManager:
         """Tokens no future query of this group reads, once ``num_computed_tokens`` are done."""
         return 0
 
-    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int, num_prompt_tokens: int | None = None) -> None:
+    def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int, num_prompt_tokens: int | None = None) -> None:
         """Replace blocks no future query can read with the null block, and free them.
         ``num_prompt_tokens``: the prompt's length, for a kind that frees a gap after it
         (R-SWA); the others ignore it."""
-        num_skipped_tokens = self.get_num_skipped_tokens(num_computed_tokens)
+        num_skipped_tokens = self.get_num_skipped_tokens(processed_computed_tokens)
         if num_skipped_tokens <= 0:
             return
         blocks = self.req_to_blocks.get(request_id)
@@ -426,46 +474,6 @@ def replay_boundaries(num_prompt_tokens: int, scheduler_block_size: int, use_eag
     resend = (num_prompt_tokens - 1) // block * block
     extension = num_prompt_tokens // block * block
     return tuple(sorted({max(resend - block, 0), max(extension - block, 0)}))
-
-
-def mamba_prefill_checkpoint_position(
-    num_tokens: int, hash_block_size: int, drop_eagle_block: bool, num_hash_lookahead_tokens: int = 0
-) -> int:
-    """Where a prefill of ``num_tokens`` tokens saves its reusable Mamba state (vLLM 0.33's
-    ``get_mamba_prefill_checkpoint_position``): the last hash boundary below the last token
-    (whose logits must be computed) -- below the last L tokens with lookahead hashes, since
-    a hash there needs the L tokens after it -- or, with EAGLE, which recomputes one hash
-    block, one hash block below the last boundary within the prompt."""
-    limit = num_tokens if drop_eagle_block else num_tokens - max(1, num_hash_lookahead_tokens)
-    position = limit // hash_block_size * hash_block_size
-    if drop_eagle_block:
-        position -= hash_block_size
-    return max(position, 0)
-
-
-def is_mamba_prefill_checkpoint_valid(
-    query_start: int,
-    query_end: int,
-    checkpoint_position: int,
-    hash_block_size: int,
-    mamba_block_size: int,
-    checkpoint_alignment: int | None,
-) -> bool:
-    """Whether a backend can export the state at ``checkpoint_position`` from inside the
-    chunk ``[query_start, query_end)`` (vLLM 0.33): the chunk starts on a hash boundary, the
-    position lies at least one hash block into it, a multiple of ``checkpoint_alignment``
-    from its start, and in a block column of its own, left of the chunk's last one."""
-    if checkpoint_alignment is None:
-        return False
-    initial_state_col = (query_start - 1) // mamba_block_size
-    checkpoint_col = cdiv(query_end, mamba_block_size) - 2
-    return (
-        query_start % hash_block_size == 0
-        and checkpoint_col > initial_state_col
-        and query_start + hash_block_size <= checkpoint_position
-        and query_start < checkpoint_position < query_end
-        and (checkpoint_position - query_start) % checkpoint_alignment == 0
-    )
 
 
 def _lookup(block_pool: BlockPool, block_hash: BlockHash, group_ids: Sequence[int]) -> list[KVCacheBlock] | None:
@@ -599,10 +607,10 @@ class CircularBufferManager(FullAttentionManager):
     def add_local_computed_blocks(self, request_id: str, *args: Any, **kwargs: Any) -> None:
         return  # never a hit
 
-    def cache_blocks(self, request: Any, num_tokens: int) -> None:
+    def _cache_blocks(self, request: Any, num_tokens: int) -> None:
         return
 
-    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int, num_prompt_tokens: int | None = None) -> None:
+    def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int, num_prompt_tokens: int | None = None) -> None:
         return
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
@@ -627,11 +635,11 @@ class RSWAManager(FullAttentionManager):
         super().__init__(kv_cache_spec, block_pool, kv_cache_group_id, *args, **kwargs)
         self.rswa_window = kv_cache_spec.rswa_window
 
-    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int, num_prompt_tokens: int | None = None) -> None:
+    def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int, num_prompt_tokens: int | None = None) -> None:
         if num_prompt_tokens is None:
-            return super().remove_skipped_blocks(request_id, num_computed_tokens, num_prompt_tokens)
+            return super().remove_skipped_blocks(request_id, processed_computed_tokens, num_prompt_tokens)
         first_gap_block = cdiv(num_prompt_tokens, self.block_size)  # the first block wholly after the prompt
-        window_start = max(num_prompt_tokens, num_computed_tokens - self.rswa_window)
+        window_start = max(num_prompt_tokens, processed_computed_tokens - self.rswa_window)
         self._remove_blocks_in_range(request_id, first_gap_block, window_start // self.block_size)
 
 
@@ -998,7 +1006,7 @@ class MambaManager(SingleTypeKVCacheManager):
             for idx in range(prev - nspec, prev):
                 if idx >= num_skipped - checkpoint_block:
                     break
-                self._relocate_speculative_block(request_id, blocks, idx)
+                self._relocate_speculative_block(blocks, idx, request_id)
         num_new = max(num_required - len(blocks), 0)
         assert num_new <= 1 + checkpoint_block + (0 if allocated else nspec), "a Mamba group allocates at most one state block per step"
         returned = blocks[prev:]
@@ -1026,10 +1034,12 @@ class MambaManager(SingleTypeKVCacheManager):
         self._allocated_block_reqs.add(request_id)
         return returned + new
 
-    def _relocate_speculative_block(self, request_id: str, blocks: list[KVCacheBlock], idx: int) -> None:
+    def _relocate_speculative_block(self, blocks: list[KVCacheBlock], idx: int, request_id: str | None = None) -> None:
+        """Move the block at ``idx`` to the table's end, a null block in its place (vLLM
+        0.33's call shape; ``request_id`` names the request in the event log)."""
         block = blocks[idx]
         assert not block.is_null and block.ref_cnt == 1 and block.cache_key is None, (
-            "a speculative Mamba block must be the request's own and unhashed to move"
+            "a speculative Mamba block must be exclusively owned and unhashed to move"
         )
         blocks.append(block)
         blocks[idx] = self._null_block
@@ -1056,22 +1066,22 @@ class MambaManager(SingleTypeKVCacheManager):
         self._free_removed(request_id, positions, removed)
         self._num_retired_blocks[request_id] = last_block
 
-    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int, num_prompt_tokens: int | None = None) -> None:
-        super().remove_skipped_blocks(request_id, num_computed_tokens, num_prompt_tokens)
+    def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int, num_prompt_tokens: int | None = None) -> None:
+        super().remove_skipped_blocks(request_id, processed_computed_tokens, num_prompt_tokens)
         if self.mamba_cache_mode != "align":
             return
         idx = self.last_state_block_idx.get(request_id)
         blocks = self.req_to_blocks.get(request_id)
-        if idx is not None and blocks and idx < cdiv(num_computed_tokens, self.block_size) - 1 and not blocks[idx].is_null:
+        if idx is not None and blocks and idx < cdiv(processed_computed_tokens, self.block_size) - 1 and not blocks[idx].is_null:
             # The state the previous step read has been copied forward: free it.
             removed = [blocks[idx]]
             blocks[idx] = self._null_block
             self._free_removed(request_id, [idx], removed)
 
-    def cache_blocks(self, request: Any, num_tokens: int) -> None:
+    def _cache_blocks(self, request: Any, num_tokens: int) -> None:
         rid = request.request_id
         before = self.num_cached_block.get(rid, 0)
-        super().cache_blocks(request, num_tokens)
+        super()._cache_blocks(request, num_tokens)
         after = self.num_cached_block.get(rid, 0)
         if self.mamba_cache_mode == "align":
             key = self._cache_partial_tail_block(request, num_tokens)
@@ -1116,10 +1126,10 @@ class MambaManager(SingleTypeKVCacheManager):
         return key
 
     def _checkpoint_position(self, num_tokens: int, alignment: int) -> int:
-        """``mamba_prefill_checkpoint_position`` with this group's EAGLE drop and the pool's
+        """``get_mamba_prefill_checkpoint_position`` with this group's EAGLE drop and the pool's
         lookahead: where a prefill of ``num_tokens`` saves its reusable state, on multiples of
         ``alignment``."""
-        return mamba_prefill_checkpoint_position(
+        return get_mamba_prefill_checkpoint_position(
             num_tokens, alignment, self.drop_eagle_checkpoint_block, self.block_pool.num_hash_lookahead_tokens
         )
 
@@ -1183,7 +1193,7 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
     ) -> None:
         return  # no prefix caching, no external KV
 
-    def cache_blocks(self, request: Any, num_tokens: int) -> None:
+    def _cache_blocks(self, request: Any, num_tokens: int) -> None:
         raise ValueError("cross-attention blocks are never cached: an encoder-decoder model runs with prefix caching off")
 
     @classmethod
@@ -1207,6 +1217,13 @@ MANAGER_FOR_SPEC: dict[type, type[SingleTypeKVCacheManager]] = {
     CrossAttentionSpec: CrossAttentionManager,
 }
 spec_manager_map = MANAGER_FOR_SPEC  # vLLM's name
+
+
+def records_new_block_ids(kv_cache_spec: KVCacheSpec, needs_kv_cache_zeroing: bool) -> bool:
+    """Whether a group writes down the blocks it hands out, for the runner to zero (vLLM
+    0.33): only when the pool needs zeroing, and only attention groups -- a Mamba state is
+    overwritten whole, and a ring (CircularBufferSpec) overwrites its one block as it goes."""
+    return needs_kv_cache_zeroing and isinstance(kv_cache_spec, AttentionSpec) and not isinstance(kv_cache_spec, CircularBufferSpec)
 
 
 def get_manager_for_kv_cache_spec(

@@ -413,6 +413,7 @@ _FULL_ATTENTION_FIXED = frozenset(
         "_caches_partial_tail",
         "retention_interval",
         "replay_use_eagle",
+        "_replay_boundaries",  # set for one cache_blocks call only, restored by it even when interrupted
     }
 )
 #: Group managers whose block tables, within a call, only grow at the end (``extend``) or

@@ -42,7 +42,8 @@ from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from kvlab.core.sched.request_queue import POLICIES, FCFSRequestQueue, PriorityRequestQueue
 from kvlab.core.kv_cache_utils import KVCacheBlockCopy
-from kvlab.core.single_type_kv_cache_manager import cdiv, is_mamba_prefill_checkpoint_valid, mamba_prefill_checkpoint_position
+from kvlab.core.single_type_kv_cache_manager import cdiv
+from kvlab.kv_cache_interface import get_mamba_prefill_checkpoint_position, is_mamba_prefill_checkpoint_valid
 from kvlab.core.transaction import adds_request, scheduler_call
 from kvlab.distributed.kv_events import KVEventBatch
 from kvlab.kv_cache_interface import (
@@ -1103,11 +1104,11 @@ class Scheduler:
         bs = next(g.block_size for g in mgr.kv_cache_groups if isinstance(g, MambaSpec))
         assert bs is not None
         eagle, la = mgr.use_eagle, mgr.num_hash_lookahead_tokens
-        last_cache_position = mamba_prefill_checkpoint_position(request.num_tokens, bs, eagle, la)
+        last_cache_position = get_mamba_prefill_checkpoint_position(request.num_tokens, bs, eagle, la)
         end = start + num_new_tokens
         # A chunk that reaches the prefill's end and can export the prompt's state from
         # inside needs no stop for it (one forward pass fewer).
-        checkpoint_position = mamba_prefill_checkpoint_position(
+        checkpoint_position = get_mamba_prefill_checkpoint_position(
             prefill_end, mgr.hash_block_size if self.mamba_partial_cache_hit else bs, eagle, la
         )
         internal = (
@@ -1127,7 +1128,7 @@ class Scheduler:
             if aligned_end > start or bs <= limit:
                 end = aligned_end
         tail = (
-            mamba_prefill_checkpoint_position(request.num_prompt_tokens, mgr.hash_block_size, eagle, la)
+            get_mamba_prefill_checkpoint_position(request.num_prompt_tokens, mgr.hash_block_size, eagle, la)
             if self.mamba_partial_cache_hit and not internal
             else 0
         )

@@ -17,6 +17,18 @@ _REGISTRY: dict[str, tuple[str, str]] = {
 
 
 class KVConnectorFactory:
+    @classmethod
+    def register_connector(cls, name: str, module_path: str, class_name: str) -> None:
+        """Make ``KVTransferConfig(kv_connector=name)`` build ``module_path.class_name``
+        (vLLM 0.33's call; the module is imported on first use, so a connector that needs
+        a package this machine lacks costs nothing until it is asked for)."""
+        for arg, value in (("name", name), ("module_path", module_path), ("class_name", class_name)):
+            if not isinstance(value, str) or not value:
+                raise TypeError(f"{arg} must be a non-empty str, got {value!r}")
+        if name in _REGISTRY:
+            raise ValueError(f"Connector '{name}' is already registered.")
+        _REGISTRY[name] = (module_path, class_name)
+
     @staticmethod
     def create_connector(config: KVTransferConfig, role: KVConnectorRole, block_size: int) -> KVConnectorBase_V1:
         if not isinstance(config, KVTransferConfig):

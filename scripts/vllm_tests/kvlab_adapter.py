@@ -1,0 +1,211 @@
+"""A pytest plugin that runs vLLM 0.33's own tests on kvlab (``scripts/vllm_tests/run.sh``).
+
+How: every ``vllm.*`` module that kvlab has at the matching path (``vllm.v1.core.block_pool``
+-> ``kvlab.core.block_pool``, see RULES) is imported from kvlab and registered under vLLM's
+name. Every other module stays vLLM's own: configs, sampling params, platforms. vLLM's own
+infrastructure is imported first, so it keeps vLLM's modules; the tests then get kvlab's.
+
+Three more pieces keep a missing part from hiding what does work:
+
+* A name a test imports from a mapped module that kvlab lacks becomes a placeholder class:
+  importing it works, using it raises ``NotImplementedError("kvlab lacks ...")``. Only the
+  tests that use it fail.
+* A module vLLM has under a mapped package and kvlab lacks (the p2p tier, say) is loaded
+  from vLLM. Its tests run vLLM's code, not kvlab's, so ``run.sh`` leaves those files out
+  and the report (``KVLAB_ADAPTER_REPORT``) lists every such module.
+* kvlab keeps four call shapes of its own on purpose; the adapter translates them (the
+  ``TRANSLATIONS`` section at the end). Nothing else is changed.
+"""
+
+from __future__ import annotations
+
+import abc
+import atexit
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import sys
+from typing import Any
+
+RULES = [
+    ("vllm.v1.core", "kvlab.core"),
+    ("vllm.v1.kv_cache_interface", "kvlab.kv_cache_interface"),
+    ("vllm.v1.request", "kvlab.request"),
+    ("vllm.v1.kv_offload", "kvlab.kv_offload"),
+    ("vllm.v1.metrics", "kvlab.metrics"),
+    ("vllm.utils.hashing", "kvlab.utils.hashing"),
+    ("vllm.distributed.kv_events", "kvlab.distributed.kv_events"),
+    ("vllm.distributed.kv_transfer", "kvlab.distributed.kv_transfer"),
+]
+# vLLM's infrastructure, imported before the mapping starts (it keeps vLLM's modules).
+PRELOAD = (
+    "vllm.config",
+    "vllm.sampling_params",
+    "vllm.platforms",
+    "vllm.multimodal.inputs",
+    "vllm.lora.request",
+    "vllm.entrypoints.llm",
+    "vllm.outputs",
+    "tests.conftest",
+)
+MAPPED: dict[str, str] = {}
+VLLM_FALLBACKS: set[str] = set()
+MISSING: set[str] = set()
+
+
+def kvlab_name(name: str) -> str | None:
+    """The kvlab module that stands for vLLM's module ``name``, if kvlab has it."""
+    for src, dst in RULES:
+        if name == src or name.startswith(src + "."):
+            candidate = dst + name[len(src) :]
+            try:
+                return candidate if importlib.util.find_spec(candidate) is not None else None
+            except (ImportError, ValueError):
+                return None
+    return None
+
+
+class _MissingMeta(abc.ABCMeta):
+    def __getattr__(cls, attr: str) -> Any:
+        raise AttributeError(f"kvlab lacks {cls._kvlab_missing}.{attr}")
+
+
+def _missing(full_name: str) -> type:
+    MISSING.add(full_name)
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError(f"kvlab lacks {full_name}")
+
+    return _MissingMeta(full_name.rsplit(".", 1)[1], (), {"_kvlab_missing": full_name, "__init__": init})
+
+
+def _add_placeholders(module: Any, vllm_name: str) -> None:
+    if getattr(module, "_kvlab_adapter_placeholders", False):
+        return
+    own = module.__dict__.get("__getattr__")
+
+    def __getattr__(attr: str) -> Any:
+        if own is not None:
+            try:
+                return own(attr)
+            except AttributeError:
+                pass
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return _missing(f"{vllm_name}.{attr}")
+
+    module.__getattr__ = __getattr__
+    module._kvlab_adapter_placeholders = True
+
+
+class _AliasLoader(importlib.abc.Loader):
+    def __init__(self, kvlab_module: str) -> None:
+        self.kvlab_module = kvlab_module
+
+    def create_module(self, spec: Any) -> Any:
+        module = importlib.import_module(self.kvlab_module)
+        _add_placeholders(module, spec.name)
+        return module
+
+    def exec_module(self, module: Any) -> None:
+        pass
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if not name.startswith("vllm."):
+            return None
+        real = kvlab_name(name)
+        if real is None:
+            parent = name.rsplit(".", 1)[0]
+            if path is not None and parent in MAPPED:  # kvlab's package, vLLM's module
+                VLLM_FALLBACKS.add(name)
+                return importlib.machinery.PathFinder.find_spec(name, [os.path.join(VLLM_ROOT, *parent.split("."))])
+            return None
+        MAPPED[name] = real
+        kspec = importlib.util.find_spec(real)
+        is_package = kspec.submodule_search_locations is not None
+        spec = importlib.util.spec_from_loader(name, _AliasLoader(real), is_package=is_package)
+        if is_package:
+            spec.submodule_search_locations = list(kspec.submodule_search_locations)
+        return spec
+
+
+def _report() -> None:
+    path = os.environ.get("KVLAB_ADAPTER_REPORT")
+    if path:
+        with open(f"{path}.{os.getpid()}", "w") as f:
+            for kind, names in (("vllm-module", VLLM_FALLBACKS), ("missing-name", MISSING)):
+                f.writelines(f"{kind} {n}\n" for n in sorted(names))
+
+
+import vllm  # noqa: E402
+
+VLLM_ROOT = os.path.dirname(os.path.dirname(vllm.__file__))
+for _name in PRELOAD:
+    importlib.import_module(_name)
+_swapped = [n for n in sorted(sys.modules) if n.startswith("vllm.") and kvlab_name(n) is not None]
+for _name in _swapped:
+    del sys.modules[_name]
+sys.meta_path.insert(0, _Finder())
+for _name in _swapped:
+    importlib.import_module(_name)
+atexit.register(_report)
+
+# --- TRANSLATIONS: call shapes kvlab keeps on purpose -----------------------------------------
+import kvlab.core.kv_cache_manager as _manager  # noqa: E402
+import kvlab.core.kv_cache_utils as _utils  # noqa: E402
+import kvlab.core.sched.scheduler  # noqa: E402,F401  (kvlab's scheduler keeps kvlab's own manager class)
+import kvlab.distributed.kv_events as _events  # noqa: E402
+import kvlab.distributed.kv_publisher as _publisher  # noqa: E402
+import kvlab.engine.llm_engine  # noqa: E402,F401
+
+
+class KVCacheManager(_manager.KVCacheManager):
+    """1. ``get_computed_blocks``: vLLM returns (blocks, tokens, shared_prefix_boundary);
+    kvlab's public API returns the pair and leaves the boundary on the request."""
+
+    def get_computed_blocks(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+        blocks, num_tokens = super().get_computed_blocks(request, *args, **kwargs)
+        return blocks, num_tokens, request.shared_prefix_boundary
+
+
+_manager.KVCacheManager = KVCacheManager  # type: ignore[misc]
+
+# 2. ``block.block_hash``: vLLM's is the cache key (hash + group id), which kvlab calls
+#    ``cache_key``; kvlab's ``block_hash`` is the plain hash (the value in request.block_hashes).
+_utils.KVCacheBlock.block_hash = property(lambda self: self.cache_key)  # type: ignore[assignment,method-assign]
+
+# 3. The publishers: vLLM keeps them in kv_events; kvlab in kv_publisher (kv_events is part
+#    of the core, which imports no ZeroMQ).
+for _name in ("EventPublisher", "EventPublisherFactory", "NullEventPublisher", "ZmqEventPublisher"):
+    setattr(_events, _name, getattr(_publisher, _name))
+
+# 4. ``block.block_hash_num_tokens``: vLLM keeps on each block the prefix length its key
+#    stands for; kvlab keeps it in the pool, and only for partial keys (a full key's length
+#    follows from its place in a table). So a partial key reads the pool's record; a full
+#    key reads None, where vLLM would give (position + 1) * block_size.
+import weakref  # noqa: E402
+
+import kvlab.core.block_pool as _block_pool  # noqa: E402
+
+_POOLS: weakref.WeakSet[Any] = weakref.WeakSet()
+_pool_init = _block_pool.BlockPool.__init__
+
+
+def _registering_init(self: Any, *args: Any, **kwargs: Any) -> None:
+    _pool_init(self, *args, **kwargs)
+    _POOLS.add(self)
+
+
+def _block_hash_num_tokens(block: Any) -> int | None:
+    for pool in list(_POOLS):
+        if block.block_id < len(pool.blocks) and pool.blocks[block.block_id] is block:
+            return pool.partial_hash_num_tokens.get(block.block_id)
+    return None
+
+
+_block_pool.BlockPool.__init__ = _registering_init  # type: ignore[method-assign]
+_utils.KVCacheBlock.block_hash_num_tokens = property(_block_hash_num_tokens)  # type: ignore[attr-defined]
