@@ -222,7 +222,24 @@ class AttentionSpec(KVCacheSpec):
 
 @dataclass(frozen=True, kw_only=True)
 class FullAttentionSpec(AttentionSpec):
-    """Every layer in the group attends to every earlier token: all blocks are kept."""
+    """Every layer in the group attends to every earlier token: all blocks are kept.
+
+    ``sliding_window`` / ``attention_chunk_size`` (vLLM 0.33): with the hybrid allocator
+    off, vLLM puts window or chunked-local layers in a full-attention group; the manager
+    keeps all their blocks, and the runner still computes each layer with its window."""
+
+    sliding_window: int | None = None
+    attention_chunk_size: int | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_int(self, "sliding_window", 1, allow_none=True)
+        _check_int(self, "attention_chunk_size", 1, allow_none=True)
+        if self.sliding_window is not None and self.attention_chunk_size is not None:
+            raise ValueError(
+                f"{type(self).__name__}: give sliding_window or attention_chunk_size, not both "
+                f"(got {self.sliding_window} and {self.attention_chunk_size})"
+            )
 
     @property
     def type_name(self) -> str:

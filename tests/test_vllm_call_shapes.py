@@ -277,3 +277,13 @@ def test_spec_kinds_equal_their_event_strings():
     assert get_kv_cache_spec_kind(SlidingWindowSpec(block_size=4, sliding_window=4)) == KVCacheSpecKind.SLIDING_WINDOW
     assert type(get_kv_cache_spec_kind(FullAttentionSpec(block_size=4))) is str  # the events carry plain strings
     assert [k.value for k in KVCacheSpecKind][:3] == ["full_attention", "mla_attention", "sliding_window"]
+
+
+def test_a_full_attention_group_may_carry_a_window_as_vllms_does():
+    spec = FullAttentionSpec(block_size=4, sliding_window=8)
+    assert (spec.sliding_window, spec.attention_chunk_size, spec.type_name) == (8, None, "full")
+    assert spec.to_dict() == {"type": "full", "block_size": 4, "sliding_window": 8}
+    with pytest.raises(ValueError, match="give sliding_window or attention_chunk_size, not both"):
+        FullAttentionSpec(block_size=4, sliding_window=8, attention_chunk_size=16)
+    with pytest.raises(ValueError, match="sliding_window"):
+        FullAttentionSpec(block_size=4, sliding_window=0)

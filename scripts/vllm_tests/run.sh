@@ -43,7 +43,7 @@ IGNORE=(--ignore=tests/v1/core/prefix_cache/test_hybrid_prefix_cache_hit_rate.py
 # vLLM's imports that kvlab's environment lacks, installed beside it (never into .venv).
 "$PY" -m pip install -q --target "$WORK/deps" --no-deps tblib regex pydantic pydantic-core annotated-types \
   typing-inspection transformers einops opentelemetry-api opentelemetry-sdk opentelemetry-semantic-conventions \
-  partial-json-parser cachetools cbor2 blake3 > /dev/null
+  partial-json-parser cachetools cbor2 blake3 > /dev/null 2>&1
 for _ in $(seq 1 40); do
   missing=$("$PY" -m pytest -q -p no:cacheprovider --collect-only "${TESTS[@]}" "${IGNORE[@]}" 2>&1 \
             | sed -n "s/.*No module named '\([^'.]*\).*/\1/p" | head -1)
@@ -51,7 +51,7 @@ for _ in $(seq 1 40); do
   case $missing in yaml) missing=pyyaml;; zmq) missing=pyzmq;; PIL) missing=pillow;; cpuinfo) missing=py-cpuinfo;;
                    tvm_ffi) missing=apache-tvm-ffi;; google) missing=protobuf;; cv2) missing=opencv-python-headless;; esac
   echo "installing $missing (for vLLM)"
-  "$PY" -m pip install -q --target "$WORK/deps" --no-deps "$missing" > /dev/null
+  "$PY" -m pip install -q --target "$WORK/deps" --no-deps "$missing" > /dev/null 2>&1
 done
 
 run() {  # $1: name, then pytest arguments
