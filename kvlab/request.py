@@ -223,7 +223,20 @@ def _vllm_feature(i: int, f: Any) -> Any:
         raise type(e)(f"mm_features[{i}]: {e}") from None
 
 
-def _from_vllm_params(sampling_params: Any, pooling_params: Any, lora_request: Any, given: dict[str, Any]) -> dict[str, Any]:
+# kvlab's arguments that vLLM's params objects also set, with their defaults.
+_VLLM_PARAMS_DEFAULTS: dict[str, Any] = {
+    "max_tokens": 16,
+    "eos_token_id": None,
+    "lora_name": None,
+    "lora_int_id": None,
+    "lora_path": None,
+    "prompt_logprobs": None,
+    "kv_cache_report_mode": "incremental",
+    "skip_reading_prefix_cache": None,
+}
+
+
+def _from_vllm_params(sampling_params: Any, pooling_params: Any, lora_request: Any, **kvlab_args: Any) -> tuple[Any, ...]:
     """The kvlab arguments that vLLM's own ``Request(..., sampling_params=...,
     pooling_params=..., lora_request=...)`` call shape stands for (vLLM 0.33's rules):
 
@@ -233,8 +246,9 @@ def _from_vllm_params(sampling_params: Any, pooling_params: Any, lora_request: A
     - ``PoolingParams``: one output token, nothing else generated;
     - ``LoRARequest``: ``lora_name``, ``lora_int_id`` (its ``adapter_id``), ``lora_path``.
 
-    ``given``: the kvlab arguments the call also set away from their defaults; each one
-    that a vLLM object also sets is refused, so no value is silently dropped."""
+    ``kvlab_args``: the same arguments as the call gave them (the keys of
+    _VLLM_PARAMS_DEFAULTS); one set away from its default that a vLLM object also sets is
+    refused, so no value is silently dropped. Returns them in that order, updated."""
     out: dict[str, Any] = {}
     if sampling_params is not None and pooling_params is not None:
         raise ValueError("give sampling_params or pooling_params, not both")
@@ -257,10 +271,10 @@ def _from_vllm_params(sampling_params: Any, pooling_params: Any, lora_request: A
         out["lora_name"] = lora_request.lora_name
         out["lora_int_id"] = getattr(lora_request, "lora_int_id", None)
         out["lora_path"] = getattr(lora_request, "lora_path", None) or None
-    clash = sorted(k for k in out if k in given)
+    clash = sorted(k for k in out if kvlab_args[k] != _VLLM_PARAMS_DEFAULTS[k])
     if clash:
         raise ValueError(f"{', '.join(clash)}: given both directly and through vLLM's params objects; give each once")
-    return out
+    return tuple(out.get(k, kvlab_args[k]) for k in _VLLM_PARAMS_DEFAULTS)
 
 
 class Request:
@@ -333,19 +347,7 @@ class Request:
         session_id: str | None = None,
     ) -> None:
         if sampling_params is not None or pooling_params is not None or lora_request is not None:
-            defaults = (16, None, None, None, None, None, "incremental", None, None)
-            named = (
-                "max_tokens",
-                "eos_token_id",
-                "lora_name",
-                "lora_int_id",
-                "lora_path",
-                "prompt_logprobs",
-                "kv_cache_report_mode",
-                "skip_reading_prefix_cache",
-                "_",
-            )
-            values = (
+            (
                 max_tokens,
                 eos_token_id,
                 lora_name,
@@ -354,18 +356,19 @@ class Request:
                 prompt_logprobs,
                 kv_cache_report_mode,
                 skip_reading_prefix_cache,
-                None,
+            ) = _from_vllm_params(
+                sampling_params,
+                pooling_params,
+                lora_request,
+                max_tokens=max_tokens,
+                eos_token_id=eos_token_id,
+                lora_name=lora_name,
+                lora_int_id=lora_int_id,
+                lora_path=lora_path,
+                prompt_logprobs=prompt_logprobs,
+                kv_cache_report_mode=kv_cache_report_mode,
+                skip_reading_prefix_cache=skip_reading_prefix_cache,
             )
-            given = {k: v for k, v, d in zip(named, values, defaults) if v != d}
-            vllm_args = _from_vllm_params(sampling_params, pooling_params, lora_request, given)
-            max_tokens = vllm_args.get("max_tokens", max_tokens)
-            eos_token_id = vllm_args.get("eos_token_id", eos_token_id)
-            lora_name = vllm_args.get("lora_name", lora_name)
-            lora_int_id = vllm_args.get("lora_int_id", lora_int_id)
-            lora_path = vllm_args.get("lora_path", lora_path)
-            prompt_logprobs = vllm_args.get("prompt_logprobs", prompt_logprobs)
-            kv_cache_report_mode = vllm_args.get("kv_cache_report_mode", kv_cache_report_mode)
-            skip_reading_prefix_cache = vllm_args.get("skip_reading_prefix_cache", skip_reading_prefix_cache)
         if mm_features is not None and not isinstance(mm_features, (str, bytes)) and isinstance(mm_features, Sequence):
             mm_features = [_vllm_feature(i, f) for i, f in enumerate(mm_features)]
         if session_id is not None and (not isinstance(session_id, str) or not session_id):
