@@ -164,6 +164,11 @@ class AttentionSpec(KVCacheSpec):
     dtype: str = "bfloat16"
     tokens_per_state: int | Fraction = 1
     kv_quant_mode: KVQuantMode = KVQuantMode.NONE
+    #: vLLM 0.33's tensor-/context-parallel metadata: how many distinct shards the cache
+    #: splits into across TP ranks, and whether decode context parallelism splits it.
+    #: kvlab runs one rank, so neither changes a block; they are kept for vLLM's call shape.
+    max_tp_shards: int | None = None
+    dcp_sharded: bool = True
     #: A backend may lay a block out larger than its K/V need (vLLM 0.33's
     #: ``page_size_padded``); the pool then hands out pages of this many bytes.
     page_size_padded: int | None = None
@@ -176,6 +181,9 @@ class AttentionSpec(KVCacheSpec):
                 raise ValueError(f"{type(self).__name__}.kv_quant_mode must be a KVQuantMode, got {mode!r}")
             object.__setattr__(self, "kv_quant_mode", KVQuantMode(mode))
         _check_int(self, "num_kv_heads", 1)
+        _check_int(self, "max_tp_shards", 1, allow_none=True)
+        if type(self.dcp_sharded) is not bool:
+            raise TypeError(f"{type(self).__name__}.dcp_sharded must be a bool, got {self.dcp_sharded!r}")
         _check_int(self, "head_size", 1)
         _check_int(self, "head_size_v", 0, allow_none=True)
         object.__setattr__(self, "dtype", _dtype_name(type(self).__name__, "dtype", self.dtype))
@@ -258,6 +266,17 @@ class MLAAttentionSpec(FullAttentionSpec):
     num_kv_heads: int = 1
     head_size: int = 576
     head_size_v: int | None = 0
+    #: vLLM 0.33's KV-cache dtype name for the group; "fp8_ds_mla" (DeepSeek's packed fp8
+    #: layout, 656 bytes a token) is not modelled: None or "auto" only.
+    cache_dtype_str: str | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.cache_dtype_str not in (None, "auto"):
+            raise ValueError(
+                f"{type(self).__name__}.cache_dtype_str must be None or 'auto' (kvlab models no packed MLA layout), "
+                f"got {self.cache_dtype_str!r}"
+            )
 
     @property
     def type_name(self) -> str:

@@ -30,6 +30,7 @@ from kvlab.kv_cache_interface import (
     KVCacheGroupSpec,
     KVQuantMode,
     MambaSpec,
+    MLAAttentionSpec,
     SlidingWindowSpec,
 )
 from kvlab.utils import hashing
@@ -287,3 +288,14 @@ def test_a_full_attention_group_may_carry_a_window_as_vllms_does():
         FullAttentionSpec(block_size=4, sliding_window=8, attention_chunk_size=16)
     with pytest.raises(ValueError, match="sliding_window"):
         FullAttentionSpec(block_size=4, sliding_window=0)
+
+
+def test_parallel_metadata_and_mla_cache_dtype_are_taken_and_checked():
+    spec = MLAAttentionSpec(block_size=16, max_tp_shards=1, dcp_sharded=False, cache_dtype_str="auto")
+    assert (spec.max_tp_shards, spec.dcp_sharded, spec.page_size_bytes) == (1, False, 16 * 576 * 2)
+    with pytest.raises(ValueError, match=r"cache_dtype_str must be None or 'auto' \(kvlab models no packed MLA layout\), got 'fp8_ds_mla'"):
+        MLAAttentionSpec(block_size=16, cache_dtype_str="fp8_ds_mla")
+    with pytest.raises(TypeError, match="dcp_sharded must be a bool, got 1"):
+        FullAttentionSpec(block_size=16, dcp_sharded=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_tp_shards"):
+        FullAttentionSpec(block_size=16, max_tp_shards=0)
