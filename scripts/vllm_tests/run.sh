@@ -46,7 +46,7 @@ IGNORE=(--ignore=tests/v1/core/prefix_cache/test_hybrid_prefix_cache_hit_rate.py
   partial-json-parser cachetools cbor2 blake3 > /dev/null 2>&1
 for _ in $(seq 1 40); do
   missing=$("$PY" -m pytest -q -p no:cacheprovider --collect-only "${TESTS[@]}" "${IGNORE[@]}" 2>&1 \
-            | sed -n "s/.*No module named '\([^'.]*\).*/\1/p" | head -1)
+            | sed -n "s/.*No module named '\([^'.]*\).*/\1/p" | head -1 || true)
   [ -z "$missing" ] && break
   case $missing in yaml) missing=pyyaml;; zmq) missing=pyzmq;; PIL) missing=pillow;; cpuinfo) missing=py-cpuinfo;;
                    tvm_ffi) missing=apache-tvm-ffi;; google) missing=protobuf;; cv2) missing=opencv-python-headless;; esac
