@@ -22,7 +22,12 @@ from kvlab.core.block_pool import BlockPool, group_suffix
 from kvlab.core.kv_cache_coordinator import get_kv_cache_coordinator, resolve_kv_cache_block_sizes
 from kvlab.core.kv_cache_metrics import KVCacheMetricsCollector
 from kvlab.core.kv_cache_utils import KVCacheBlock, KVCacheBlockCopy, get_request_block_hasher
-from kvlab.core.single_type_kv_cache_manager import MambaManager, SingleTypeKVCacheManager, records_new_block_ids
+from kvlab.core.single_type_kv_cache_manager import (
+    MambaManager,
+    SingleTypeKVCacheManager,
+    check_no_context_parallelism,
+    records_new_block_ids,
+)
 from kvlab.core.transaction import manager_call, manager_lookup
 from kvlab.distributed.kv_events import BlockStored, KVEvent
 from kvlab.kv_cache_interface import (
@@ -264,10 +269,7 @@ class KVCacheManager:
             num_blocks, kv_cache_groups, prefix_cache_retention_interval, hash_block_size = _from_kv_cache_config(
                 num_blocks, block_size, kv_cache_groups, prefix_cache_retention_interval, hash_block_size
             )
-        if dcp_world_size != 1 or pcp_world_size != 1:
-            raise ValueError(
-                f"dcp_world_size and pcp_world_size must be 1 (kvlab models no context parallelism), got {dcp_world_size} and {pcp_world_size}"
-            )
+        check_no_context_parallelism(dcp_world_size, pcp_world_size)
         if watermark != 0.0:
             raise ValueError(f"watermark must be 0.0 (kvlab models no admission watermark), got {watermark!r}")
         block_size, specs, hash_fn, max_model_len, max_in_flight_tokens, kv_events_use_int_block_hashes, eagle_groups = _check_manager_args(

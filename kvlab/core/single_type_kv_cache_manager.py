@@ -27,8 +27,6 @@ from collections.abc import Iterable, Sequence
 from itertools import islice
 from typing import Any, ClassVar
 
-from kvlab.utils.checks import check_optional_int
-
 from kvlab.core.block_pool import BlockPool, group_suffix
 from kvlab.core.kv_cache_utils import KVCacheBlock, trim_null_head
 from kvlab.kv_cache_interface import (
@@ -49,7 +47,16 @@ from kvlab.kv_cache_interface import (
     is_mamba_prefill_checkpoint_valid,
 )
 from kvlab.eventlog.events import BlockCopied, BlockRelocated, BlocksSkipped, BlocksTouched
+from kvlab.utils.checks import check_optional_int
 from kvlab.utils.hashing import BlockHash
+
+
+def check_no_context_parallelism(dcp_world_size: int, pcp_world_size: int) -> None:
+    """vLLM 0.33's ``dcp_world_size`` / ``pcp_world_size`` arguments: kvlab runs one rank."""
+    if dcp_world_size != 1 or pcp_world_size != 1:
+        raise ValueError(
+            f"dcp_world_size and pcp_world_size must be 1 (kvlab models no context parallelism), got {dcp_world_size} and {pcp_world_size}"
+        )
 
 
 _AS_SET = object()  # cache_blocks: "the retention interval the manager was set up with"
@@ -84,11 +91,7 @@ class SingleTypeKVCacheManager:
         pcp_world_size: int = 1,
     ) -> None:
         assert kv_cache_spec.block_size is not None
-        if dcp_world_size != 1 or pcp_world_size != 1:
-            raise ValueError(
-                f"dcp_world_size and pcp_world_size must be 1 (kvlab models no context parallelism), "
-                f"got {dcp_world_size} and {pcp_world_size}"
-            )
+        check_no_context_parallelism(dcp_world_size, pcp_world_size)
         self.kv_cache_spec = kv_cache_spec
         self.block_size: int = kv_cache_spec.block_size
         self.block_pool = block_pool
