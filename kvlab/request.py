@@ -307,6 +307,7 @@ class Request:
         "mm_features",
         "status",
         "num_computed_tokens",
+        "num_in_flight_tokens",
         "num_preemptions",
         "num_cached_tokens",
         "finish_reason",
@@ -433,6 +434,11 @@ class Request:
 
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
+        # Tokens scheduled whose step has not come back yet (vLLM's asynchronous scheduling
+        # counts them in num_computed_tokens ahead of time). kvlab's steps run one after the
+        # other, so it stays 0; vLLM 0.33's managers read it (a Mamba state is handed to a
+        # connector only when nothing past it is in flight).
+        self.num_in_flight_tokens = 0
         self.num_preemptions = 0
         self.num_cached_tokens = -1  # prefix-cache hit on first scheduling (vLLM's field)
         # Why it finished, in vLLM's words: "stop" (eos), "length" (max_tokens or

@@ -19,6 +19,7 @@ queue, ref counts or KV events, field by field.
 from __future__ import annotations
 
 import pytest
+from types import SimpleNamespace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -169,18 +170,26 @@ def test_what_vllm_does_with_a_mamba_group_and_a_longer_lookahead() -> None:
     5-token prompt, blocks of 4, k = 2, 4 tokens of budget (the same numbers came out of
     vLLM's own methods)."""
     r = Request("A", [100, 101, 102, 103, 1], max_tokens=1)
-    stand_in = Scheduler.__new__(Scheduler)
-    stand_in.kv_cache_manager = KVCacheManager(
-        num_blocks=30, kv_cache_groups=[FullAttentionSpec(block_size=4), MambaSpec(block_size=4)], num_prefill_lookahead=2
+    # a stand-in ``self`` holding the settings the two methods read, as vLLM's own tests do
+    stand_in = SimpleNamespace(
+        kv_cache_manager=KVCacheManager(
+            num_blocks=30, kv_cache_groups=[FullAttentionSpec(block_size=4), MambaSpec(block_size=4)], num_prefill_lookahead=2
+        ),
+        cache_config=SimpleNamespace(block_size=4),
+        scheduler_config=SimpleNamespace(long_prefill_token_threshold=0),
+        max_num_scheduled_tokens=4,
+        hash_block_size=4,
+        use_eagle_block_drop=False,
+        num_hash_lookahead_tokens=0,
+        mamba_partial_cache_hit=False,
+        mamba_shared_prefix_checkpoint=False,
+        mamba_has_prefill_checkpoint_blocks=False,
     )
-    stand_in.max_num_scheduled_tokens, stand_in.long_prefill_token_threshold = 4, 0
-    stand_in.mamba_partial_cache_hit = stand_in.mamba_shared_prefix_checkpoint = stand_in.mamba_has_prefill_checkpoint_blocks = False
-    stand_in.mamba_prefill_checkpoint_alignment = None
-    first = stand_in._mamba_block_aligned_split(r, 4, 0)
-    assert (first, stand_in._reserve_prefill_lookahead(r, 0, first)) == (4, 3)  # the block boundary, then one token back
+    first = Scheduler._mamba_block_aligned_split(stand_in, r, 4)  # type: ignore[arg-type]  # a stand-in self
+    assert (first, Scheduler._reserve_prefill_lookahead(stand_in, r, 0, first)) == (4, 3)  # type: ignore[arg-type]  # the block boundary, then one token back
     r.num_computed_tokens = 3
-    second = stand_in._mamba_block_aligned_split(r, 2, 3)
-    assert (second, stand_in._reserve_prefill_lookahead(r, 3, second)) == (1, 0)  # and from 3: nothing, every step
+    second = Scheduler._mamba_block_aligned_split(stand_in, r, 2)  # type: ignore[arg-type]
+    assert (second, Scheduler._reserve_prefill_lookahead(stand_in, r, 3, second)) == (1, 0)  # type: ignore[arg-type]  # and from 3: nothing, every step
 
 
 @settings(max_examples=40, deadline=None)

@@ -86,12 +86,12 @@ def test_a_positive_interval_keeps_one_tail_per_segment_too() -> None:
 def test_a_mamba_group_keeps_one_state_per_segment_and_the_replay_state() -> None:
     m = KVCacheManager(num_blocks=40, kv_cache_groups=[FullAttentionSpec(), MambaSpec()], block_size=4, prefix_cache_retention_interval=16)
     mamba = m.coordinator.single_type_managers[1]
-    assert mamba.reachable_block_mask(0, 10, [29]) == [False, False, False, True, False, False, True, True, False, False]
-    assert mamba.reachable_block_mask(4, 10, [29]) == [False, False, True, True, False, False]
+    assert mamba.block_mask(0, 10, [29]) == [False, False, False, True, False, False, True, True, False, False]
+    assert mamba.block_mask(4, 10, [29]) == [False, False, True, True, False, False]
     mamba.retention_interval = 0
-    assert mamba.reachable_block_mask(0, 10, [29]) == [False] * 6 + [True] + [False] * 3
+    assert mamba.block_mask(0, 10, [29]) == [False] * 6 + [True] + [False] * 3
     mamba.retention_interval = None
-    assert mamba.reachable_block_mask(0, 10, [29]) is None
+    assert mamba.block_mask(0, 10, [29]) is None
 
 
 def test_replay_boundaries() -> None:

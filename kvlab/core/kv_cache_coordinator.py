@@ -194,16 +194,31 @@ class KVCacheCoordinator:
             for gid, spec in enumerate(self.specs)
         )
         # Sparse retention of window and Mamba states (vLLM 0.33); checked with vLLM's rules.
-        self.retention_interval = _check_retention_interval(prefix_cache_retention_interval, scheduler_block_size, self.specs)
+        self.retention_interval = prefix_cache_retention_interval
         replay_use_eagle = bool(self.drop_eagle_group_ids)
         for m in self.single_type_managers:
-            m.retention_interval = self.retention_interval
             m.replay_use_eagle = replay_use_eagle
         # Encoder-decoder models: the cross-attention groups get room for the encoder's
         # tokens, not the decoder's (empty for every other model).
         self.cross_attention_group_ids = frozenset(
             gid for gid, m in enumerate(self.single_type_managers) if isinstance(m, CrossAttentionManager)
         )
+
+    @property
+    def retention_interval(self) -> int | None:
+        """Sparse retention of window and Mamba states (vLLM 0.33's
+        ``prefix_cache_retention_interval``). vLLM's coordinator hands it to every
+        ``cache_blocks`` call, so its tests set it on the coordinator after construction;
+        here setting it checks it (vLLM's rules; nothing changes on a refusal) and gives it
+        to each group manager."""
+        return self._retention_interval
+
+    @retention_interval.setter
+    def retention_interval(self, value: int | None) -> None:
+        value = _check_retention_interval(value, self.scheduler_block_size, self.specs)
+        self._retention_interval = value
+        for m in self.single_type_managers:
+            m.retention_interval = value
 
     @property
     def num_groups(self) -> int:
@@ -293,6 +308,14 @@ class KVCacheCoordinator:
     def free(self, request_id: str) -> None:
         for m in self.single_type_managers:
             m.free(request_id)
+
+    def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
+        """Every group's blocks of the request, group after group, its bookkeeping dropped
+        and the blocks not yet freed (vLLM 0.33; the caller frees them, tail first)."""
+        blocks: list[KVCacheBlock] = []
+        for m in self.single_type_managers:
+            blocks.extend(m.pop_blocks_for_free(request_id))
+        return blocks
 
     def emit_cached_block_events(self, request: Any, computed_blocks: Sequence[Sequence[KVCacheBlock]]) -> None:
         """A prefix hit, told on the KV-event stream: one ``BlockStored`` per group that hit."""

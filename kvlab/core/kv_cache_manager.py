@@ -39,6 +39,7 @@ from kvlab.kv_cache_interface import (
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheSpec,
+    MambaSpec,
     SlidingWindowSpec,
     get_kv_cache_spec_kind,
     get_kv_cache_spec_sliding_window,
@@ -489,10 +490,11 @@ class KVCacheManager:
         num_lookahead_tokens: int = 0,
         num_external_computed_tokens: int = 0,
         delay_cache_blocks: bool = False,
-        full_sequence_must_fit: bool = False,
-        skip_zeroing_group_ids: tuple[int, ...] = (),
         num_encoder_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
         reserved_blocks: int = 0,
+        has_scheduled_reqs: bool = True,
+        skip_zeroing_group_ids: tuple[int, ...] = (),
     ) -> KVCacheBlocks | None:
         """Room for ``num_new_tokens`` more tokens. Returns the *newly allocated* blocks, an
         empty KVCacheBlocks when none are needed, or None when the pool cannot supply them --
@@ -521,8 +523,15 @@ class KVCacheManager:
         * ``reserved_blocks``: free blocks this allocation must leave alone. The scheduler
           passes what the requests still prefilling need to finish when it admits an
           asynchronous load, whose blocks stay held, with nothing computed, until the KV
-          arrives: it must not take the blocks an admitted prefill is counting on (vLLM 0.33).
+          arrives: it must not take the blocks an admitted prefill is counting on (vLLM 0.33);
+        * ``has_scheduled_reqs``: whether a request is already scheduled this step. vLLM
+          applies its free-block watermark to a waiting request only then; kvlab's watermark
+          is 0, so it changes nothing here (taken for vLLM 0.33's call shape).
+
+        The arguments are in vLLM 0.33's order.
         """
+        if not isinstance(has_scheduled_reqs, bool):
+            raise TypeError(f"has_scheduled_reqs must be True or False, got {has_scheduled_reqs!r}")
         reserved_blocks = check_int("reserved_blocks", reserved_blocks, 0)
         if skip_zeroing_group_ids:
             self._check_group_ids("skip_zeroing_group_ids", skip_zeroing_group_ids)
@@ -610,6 +619,30 @@ class KVCacheManager:
         return ids
 
     # -- copy-on-write (vLLM 0.33) ----------------------------------------------------------
+    def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
+        """This step's Mamba states for a KV connector to offload (vLLM 0.33): request id ->
+        [(group id, block id, tokens the state covers), ...] -- each state a request saved for
+        reuse, and the copy that keeps a state saved inside a block. Drained: a second call
+        returns {}. Empty without a Mamba group in "align" mode."""
+        offloads: dict[str, list[tuple[int, int, int]]] = {}
+        for m in self.coordinator.single_type_managers:
+            for request_id, group_id, block, num_tokens in m.take_pending_boundary_state_offloads():
+                offloads.setdefault(request_id, []).append((group_id, block.block_id, num_tokens))
+        return offloads
+
+    def finalize_partial_tail_offloads(self, request: Request) -> list[tuple[int, int, int]]:
+        """When ``request`` finishes, before its blocks are freed: a state it saved inside a
+        block that no copy preserved, as [(group id, block id, boundary)] -- only where its
+        block still holds that state (nothing computed past it). A connector offloads it, so a
+        later request can still hit there. Once per request (vLLM 0.33)."""
+        out: list[tuple[int, int, int]] = []
+        for m in self.coordinator.single_type_managers:
+            got = m.finalize_partial_tail_offload(request.request_id, request.num_computed_tokens, request.num_in_flight_tokens)
+            if got is not None:
+                group_id, block, boundary = got
+                out.append((group_id, block.block_id, boundary))
+        return out
+
     def take_kv_cache_block_copies(self) -> tuple[list[KVCacheBlockCopy], list[KVCacheBlock]]:
         """The pages to copy before the next forward pass, and the blocks they keep held.
 
@@ -821,6 +854,43 @@ class KVCacheManager:
         self._requests.pop(request.request_id, None)
 
     @manager_call
+    def pop_blocks_for_free(self, request: Request) -> list[KVCacheBlock]:
+        """Forget the request and hand back its blocks, group after group in table order,
+        *without* returning them to the pool (vLLM 0.33): the caller frees them later, tail
+        first (``block_pool.free_blocks(reversed(blocks))``) -- e.g. once a copy that still
+        reads them has run. :meth:`free` does both at once."""
+        if not isinstance(request, Request):
+            raise TypeError(f"request must be a kvlab.Request, got {type(request).__name__} {request!r}")
+        blocks = self.coordinator.pop_blocks_for_free(request.request_id)
+        self._requests.pop(request.request_id, None)
+        return blocks
+
+    def truncate_computed_blocks(self, blocks: KVCacheBlocks, num_computed_tokens: int) -> KVCacheBlocks:
+        """A lookup result cut to its first ``num_computed_tokens`` tokens, group by group
+        (vLLM 0.33): a copy -- ``blocks`` and every ref count are left as they are. The length
+        must end on every group's block; a Mamba group may hold fewer (its state can come
+        from a connector's load instead)."""
+        n = check_int("num_computed_tokens", num_computed_tokens, 0)
+        if not isinstance(blocks, KVCacheBlocks) or len(blocks.blocks) != len(self.kv_cache_groups):
+            raise TypeError(f"blocks must be a KVCacheBlocks with one list per group ({len(self.kv_cache_groups)}), got {blocks!r}")
+        out: list[list[KVCacheBlock]] = []
+        for gid, (group_blocks, spec, m) in enumerate(zip(blocks.blocks, self.kv_cache_groups, self.coordinator.single_type_managers)):
+            if not spec.prefix_cacheable:
+                if group_blocks:
+                    raise ValueError(f"group {gid} is never a prefix hit, but blocks.blocks[{gid}] holds {len(group_blocks)} blocks")
+                out.append([])
+                continue
+            if n % m.block_size:
+                raise ValueError(f"num_computed_tokens must be a multiple of group {gid}'s block size {m.block_size}, got {n}")
+            count = n // m.block_size
+            if isinstance(spec, MambaSpec):
+                count = min(count, len(group_blocks))
+            elif count > len(group_blocks):
+                raise ValueError(f"num_computed_tokens = {n} needs {count} blocks of group {gid}, the lookup found {len(group_blocks)}")
+            out.append(list(group_blocks[:count]))
+        return self.create_kv_cache_blocks(tuple(out))
+
+    @manager_call
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int, num_prompt_tokens: int | None = None) -> None:
         """Free the blocks no query will read again once ``processed_computed_tokens`` are
         computed -- those that left a window or a local chunk (replaced by the null block).
@@ -924,7 +994,7 @@ class KVCacheManager:
                 # cached under THIS request's hash there -- else the request reads another
                 # prompt's K/V (an adopted stale hit).
                 boundaries = m.reachable_boundaries(req) if m.retention_interval is not None else ()
-                mask = m.reachable_block_mask(0, num_cached, boundaries) if m.kv_cache_spec.prefix_cacheable else [False] * num_cached
+                mask = m.block_mask(0, num_cached, boundaries) if m.kv_cache_spec.prefix_cacheable else [False] * num_cached
                 partial = self.block_pool.partial_hash_num_tokens
                 for i, b in enumerate(blocks[:num_cached]):
                     if b.is_null or ((mask is not None and not mask[i]) and b.cache_key is None):

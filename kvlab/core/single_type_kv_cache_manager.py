@@ -306,11 +306,39 @@ class SingleTypeKVCacheManager:
             pool.events.emit(BlocksTouched(request_id=request_id, group=self.kv_cache_group_id, block_ids=[b.block_id for b in blocks]))
 
     # -- caching --------------------------------------------------------------------------------
-    def reachable_block_mask(self, start_block: int, end_block: int, reachable_boundaries: Sequence[int] = ()) -> list[bool] | None:
-        """Which of blocks ``[start, end)`` could ever serve a hit (None: all of them).
-        ``reachable_boundaries``: token positions a later request is known to resume at
-        (sparse retention keeps what a hit there needs)."""
+    @classmethod
+    def reachable_block_mask(
+        cls,
+        start_block: int,
+        end_block: int,
+        alignment_tokens: int | None,
+        kv_cache_spec: Any,
+        use_eagle: bool,
+        retention_interval: int | None = None,
+        reachable_boundaries: Sequence[int] = (),
+        dcp_world_size: int = 1,
+        final_segment_end_block: int | None = None,
+    ) -> list[bool] | None:
+        """Which of blocks ``[start, end)`` could ever serve a hit (None: all of them), for
+        hits landing on multiples of ``alignment_tokens``. ``reachable_boundaries``: token
+        positions a later request is known to resume at (sparse retention keeps what a hit
+        there needs). A function of its arguments only -- vLLM 0.33's classmethod shape,
+        which its tests call on the class; :meth:`block_mask` asks it with this manager's
+        settings."""
         return None
+
+    def block_mask(self, start_block: int, end_block: int, reachable_boundaries: Sequence[int] = ()) -> list[bool] | None:
+        """:meth:`reachable_block_mask` with this group's alignment, spec, EAGLE setting and
+        retention interval."""
+        return self.reachable_block_mask(
+            start_block,
+            end_block,
+            self.cache_hit_alignment_tokens,
+            self.kv_cache_spec,
+            self.use_eagle,
+            self.retention_interval,
+            reachable_boundaries,
+        )
 
     def reachable_boundaries(self, request: Any) -> list[int]:
         """Where a later request can resume this one's prompt (vLLM 0.33): the replay
@@ -366,7 +394,7 @@ class SingleTypeKVCacheManager:
                 num_full,
                 self.block_size,
                 self.kv_cache_group_id,
-                self.reachable_block_mask(num_cached, num_full, boundaries),
+                self.block_mask(num_cached, num_full, boundaries),
             )
             self.num_cached_block[rid] = num_full
         if self._caches_partial_tail:
@@ -392,6 +420,20 @@ class SingleTypeKVCacheManager:
         if self._partial_hit_reqs:
             self._partial_hit_reqs.pop(request_id, None)
         return blocks
+
+    def take_pending_boundary_state_offloads(self) -> list[tuple[str, int, KVCacheBlock, int]]:
+        """Drain the saved states this group offers a KV connector: (request id, group id,
+        block, tokens the state covers). Only a Mamba "align" group has any (vLLM 0.33): its
+        table is not append-only, so a connector is told which block holds which state."""
+        return []
+
+    def finalize_partial_tail_offload(
+        self, request_id: str, num_computed_tokens: int, num_in_flight_tokens: int
+    ) -> tuple[int, KVCacheBlock, int] | None:
+        """When a request finishes: the state it saved inside a block and never copied, as
+        (group id, block, boundary) -- only if nothing past the boundary was computed, so the
+        block still holds it. Once per request; only a Mamba "align" group has one."""
+        return None
 
     @staticmethod
     def free_order(blocks: list[KVCacheBlock]) -> Iterable[KVCacheBlock]:
@@ -663,7 +705,19 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         return max(0, num_computed_tokens - self.num_retained_tokens)
 
-    def reachable_block_mask(self, start_block: int, end_block: int, reachable_boundaries: Sequence[int] = ()) -> list[bool] | None:
+    @classmethod
+    def reachable_block_mask(
+        cls,
+        start_block: int,
+        end_block: int,
+        alignment_tokens: int | None,
+        kv_cache_spec: Any,
+        use_eagle: bool,
+        retention_interval: int | None = None,
+        reachable_boundaries: Sequence[int] = (),
+        dcp_world_size: int = 1,
+        final_segment_end_block: int | None = None,
+    ) -> list[bool] | None:
         """A window hit at an aligned length reads only the ``need`` blocks before it, so a
         block that is never among them is not worth a cache entry.
 
@@ -675,14 +729,19 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
 
         Sparse retention (``retention_interval`` not None): segments are ``retention_interval``
         tokens long instead (0: none at all), and the ``need`` blocks before each of
-        ``reachable_boundaries`` are kept too -- a replay of the prompt still hits."""
-        alignment = self.cache_hit_alignment_tokens
-        bs = self.block_size
+        ``reachable_boundaries`` are kept too -- a replay of the prompt still hits.
+        ``final_segment_end_block`` (vLLM 0.33; kvlab's own caching does not pass it): the end
+        of the request's last, shorter segment, whose ``need`` blocks are kept too without
+        EAGLE."""
+        alignment = alignment_tokens
+        if alignment is None:
+            return None
+        bs = kv_cache_spec.block_size * dcp_world_size
         if alignment % bs:
             return None
-        need = self._contiguous_blocks_for_hit(self.sliding_window, bs, self.use_eagle)
-        shift = 1 if self.use_eagle else 0
-        retention = self.retention_interval
+        need = cls._contiguous_blocks_for_hit(kv_cache_spec.sliding_window, bs, use_eagle)
+        shift = 1 if use_eagle else 0
+        retention = retention_interval
         segment = alignment if retention is None else (retention or None)
         mask = [False] * (end_block - start_block)
         if segment is not None:
@@ -690,6 +749,11 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             if need >= per_segment:
                 return None
             mask = [i >= shift and (i - shift) % per_segment >= per_segment - need for i in range(start_block, end_block)]
+            last = final_segment_end_block
+            tail = 0 if last is None or use_eagle else last % per_segment
+            if last is not None and tail:
+                for i in range(max(start_block, last - tail, last - need), min(end_block, last)):
+                    mask[i - start_block] = True
         if retention is not None:
             for boundary in reachable_boundaries:
                 end = boundary // alignment * alignment // bs + shift
@@ -811,19 +875,40 @@ class MambaManager(SingleTypeKVCacheManager):
         # Also save the state at a shared-prefix junction inside a block (opt-in; the
         # KVCacheManager decides, as the scheduler reads the same flag).
         self.shared_prefix_checkpoint = False
+        # Hand-offs to a KV connector (vLLM 0.33). A state table is not append-only (old
+        # states become null, scratch blocks move), so a connector cannot find a saved state
+        # by its position: each one is offered as (request, group, block, tokens it covers),
+        # drained by KVCacheManager.take_boundary_state_offloads. A state this request saved
+        # inside a block, where it keeps writing: (that block, its boundary), until the copy
+        # that preserves it is made -- or the request finishes first.
+        self._pending_boundary_state_offloads: list[tuple[str, int, KVCacheBlock, int]] = []
+        self._producer_partial_tail_reqs: dict[str, tuple[KVCacheBlock, int]] = {}
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         """Only the state after the last computed token is needed."""
         return num_computed_tokens - 1
 
-    def reachable_block_mask(self, start_block: int, end_block: int, reachable_boundaries: Sequence[int] = ()) -> list[bool] | None:
+    @classmethod
+    def reachable_block_mask(
+        cls,
+        start_block: int,
+        end_block: int,
+        alignment_tokens: int | None,
+        kv_cache_spec: Any,
+        use_eagle: bool,
+        retention_interval: int | None = None,
+        reachable_boundaries: Sequence[int] = (),
+        dcp_world_size: int = 1,
+        final_segment_end_block: int | None = None,
+    ) -> list[bool] | None:
         """Dense (every state cached) unless sparse retention is on: then one state per
         ``retention_interval`` tokens (0: none), plus the state that ends on each of
-        ``reachable_boundaries`` -- a hit needs exactly that one block."""
-        retention = self.retention_interval
-        if retention is None:
+        ``reachable_boundaries`` -- a hit needs exactly that one block (no window, no EAGLE
+        shift: ``use_eagle`` is not read)."""
+        retention = retention_interval
+        if retention is None or alignment_tokens is None:
             return None
-        bs = self.block_size
+        bs = kv_cache_spec.block_size
         mask = [False] * (end_block - start_block)
         if retention:
             per_segment = retention // bs
@@ -832,7 +917,7 @@ class MambaManager(SingleTypeKVCacheManager):
             first = (start_block + per_segment) // per_segment * per_segment - 1
             for i in range(first - start_block, len(mask), per_segment):
                 mask[i] = True
-        alignment = self.cache_hit_alignment_tokens
+        alignment = alignment_tokens
         for boundary in reachable_boundaries:
             block = boundary // alignment * alignment // bs - 1
             if start_block <= block < end_block:
@@ -1025,6 +1110,11 @@ class MambaManager(SingleTypeKVCacheManager):
                 self.block_pool.move_block_hashes(source, cow_block)
                 self._pending_cow_copies.append((source, cow_block))
                 source.ref_cnt += 1
+                producer = self._producer_partial_tail_reqs.pop(request_id, None)
+                if producer is not None:
+                    # the state it saved survives in the copy, once the copy has run: offer that
+                    assert producer[0] is source
+                    self._pending_boundary_state_offloads.append((request_id, self.kv_cache_group_id, cow_block, producer[1]))
                 if cow_block.cache_key is not None:
                     self.cached_blocks_this_step.add(cow_block.cache_key)  # filled by this step's copy
                 self._copied(request_id, block_idx, source, cow_block, moved_hashes=True)
@@ -1091,17 +1181,34 @@ class MambaManager(SingleTypeKVCacheManager):
             if key is not None:
                 self.cached_blocks_this_step.add(key)
         blocks = self.req_to_blocks.get(rid, [])
-        for b in blocks[before:after]:
+        align = self.mamba_cache_mode == "align"
+        for idx in range(before, min(after, len(blocks))):
+            b = blocks[idx]
             if not b.is_null and b.cache_key is not None:
                 self.cached_blocks_this_step.add(b.cache_key)
+                if align:
+                    # every state kept for reuse is offered with its block and exact length (the
+                    # connector decides which it stores)
+                    n = self.block_pool.partial_hash_num_tokens.get(b.block_id, (idx + 1) * self.block_size)
+                    self._pending_boundary_state_offloads.append((rid, self.kv_cache_group_id, b, n))
 
-    def _cache_partial_tail_block(self, request: Any, num_tokens: int) -> bytes | None:  # type: ignore[override]  # returns the key it made
+    def _cache_partial_tail_block(  # type: ignore[override]  # returns the key it made
+        self, request: Any, num_tokens: int, retention_interval: Any = _AS_SET
+    ) -> bytes | None:
         """Save the state at the prompt's last hash boundary (below the last prompt token, one
         hash block lower with EAGLE) -- or, opted in, at a shared-prefix junction within the
         prompt -- as a partial key of the block that holds it, when the computed tokens reach
         exactly that boundary: the scheduler ends a chunk there
         (``Scheduler._mamba_block_aligned_split``). Inside a block, the request keeps
-        writing its state into that block, so its next allocation moves the key to a copy."""
+        writing its state into that block, so its next allocation moves the key to a copy.
+        ``retention_interval``: vLLM 0.33's third argument; given, it holds for this call only."""
+        if retention_interval is not _AS_SET and retention_interval != self.retention_interval:
+            saved = self.retention_interval
+            self.retention_interval = check_optional_int("retention_interval", retention_interval, 0)
+            try:
+                return self._cache_partial_tail_block(request, num_tokens)
+            finally:
+                self.retention_interval = saved
         checkpoint = self._checkpoints.get(request.request_id)
         if checkpoint is not None:
             return self._cache_prefill_checkpoint(request, *checkpoint)
@@ -1126,6 +1233,8 @@ class MambaManager(SingleTypeKVCacheManager):
         if key is not None and num_tokens % self.block_size:
             self._partial_hit_reqs[request.request_id] = (block_idx, source)
             self.num_cached_block[request.request_id] = block_idx
+            # this request saved the state; its next step overwrites it in place (see __init__)
+            self._producer_partial_tail_reqs[request.request_id] = (source, num_tokens)
         return key
 
     def _checkpoint_position(self, num_tokens: int, alignment: int) -> int:
@@ -1154,7 +1263,7 @@ class MambaManager(SingleTypeKVCacheManager):
         is_retained = False
         if position % self.block_size == 0:
             b = position // self.block_size - 1
-            mask = self.reachable_block_mask(b, b + 1)  # the retention segments only: the prompt and junction are checked here
+            mask = self.block_mask(b, b + 1)  # the retention segments only: the prompt and junction are checked here
             is_retained = mask is None or mask[0]
         pool = self.block_pool
         if not is_prompt_checkpoint and not is_retained and position != request.shared_prefix_boundary:
@@ -1164,12 +1273,34 @@ class MambaManager(SingleTypeKVCacheManager):
             return None  # keyed there already
         return pool.cache_partial_block(request, block, position, self.kv_cache_group_id, self.block_size, replace_existing_hashes=True)
 
-    def free(self, request_id: str) -> None:
+    def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
         self._checkpoints.pop(request_id, None)
         self._allocated_block_reqs.discard(request_id)
         self.last_state_block_idx.pop(request_id, None)
         self._num_retired_blocks.pop(request_id, None)
-        super().free(request_id)
+        self._producer_partial_tail_reqs.pop(request_id, None)
+        if self._pending_boundary_state_offloads:
+            # Its blocks go back to the pool now, and another request may get them: a hand-off
+            # not yet drained would point a connector at someone else's state. Dropped.
+            self._pending_boundary_state_offloads = [e for e in self._pending_boundary_state_offloads if e[0] != request_id]
+        return super().pop_blocks_for_free(request_id)
+
+    def take_pending_boundary_state_offloads(self) -> list[tuple[str, int, KVCacheBlock, int]]:
+        pending, self._pending_boundary_state_offloads = self._pending_boundary_state_offloads, []
+        return pending
+
+    def finalize_partial_tail_offload(
+        self, request_id: str, num_computed_tokens: int, num_in_flight_tokens: int
+    ) -> tuple[int, KVCacheBlock, int] | None:
+        if self.mamba_cache_mode != "align":
+            return None
+        producer = self._producer_partial_tail_reqs.pop(request_id, None)
+        if producer is None:
+            return None
+        block, boundary = producer
+        if num_in_flight_tokens or num_computed_tokens != boundary:
+            return None  # a later token was computed (or is being): the block no longer holds that state
+        return self.kv_cache_group_id, block, boundary
 
     def new_step_starts(self) -> None:
         self.cached_blocks_this_step.clear()

@@ -35,6 +35,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvlab.core.encoder_cache_manager import EncoderCacheManager, EncoderDecoderCacheManager, compute_encoder_budget
@@ -306,6 +307,14 @@ class Scheduler:
         mamba_specs = [g for g in kv_cache_manager.kv_cache_groups if isinstance(g, MambaSpec)]
         self.mamba_prefill_checkpoint_alignment = mamba_specs[0].prefill_checkpoint_alignment if mamba_specs else None
         self.mamba_has_prefill_checkpoint_blocks = bool(mamba_specs) and all(g.num_prefill_checkpoint_blocks > 0 for g in mamba_specs)
+        # vLLM's scheduler keeps these beside the manager's (its Mamba splitter reads them):
+        # the block a Mamba "align" state sits on, the hash block, EAGLE's trailing-block drop
+        # (the manager's use_eagle; off with lookahead hashes) and the lookahead.
+        aligned = [g.block_size for g in mamba_specs if g.mamba_cache_mode == "align"]
+        self._cache_block_size = aligned[0] if aligned else kv_cache_manager.coordinator.scheduler_block_size
+        self.hash_block_size = kv_cache_manager.hash_block_size
+        self.use_eagle_block_drop = kv_cache_manager.use_eagle
+        self.num_hash_lookahead_tokens = kv_cache_manager.num_hash_lookahead_tokens
         if connector is not None and self.is_encoder_decoder:
             raise ValueError("Encoder-decoder models are not currently supported with KV connectors (vLLM 0.33 asserts the same)")
         if connector is not None and self.mamba_partial_cache_hit:
@@ -620,7 +629,7 @@ class Scheduler:
             if self.max_model_len is not None:
                 n = min(n, self.max_model_len - 1 - request.num_computed_tokens)
             if self.need_mamba_block_aligned_split:
-                n = self._mamba_block_aligned_split(request, n, request.num_computed_tokens)
+                n = self._mamba_block_aligned_split(request, n)
             encoder_inputs: list[int] = []
             duplicates: list[int] = []
             new_encoder_budget = plan.encoder_budget
@@ -781,7 +790,9 @@ class Scheduler:
                     break  # the whole prompt must fit; no skipping ahead
                 n = min(n, plan.token_budget)
                 if self.need_mamba_block_aligned_split:
-                    n = self._mamba_block_aligned_split(request, n, num_hit)  # vLLM splits from the hit, not the replay
+                    # vLLM splits from the hit, not the replay: the request's own computed tokens (an
+                    # asynchronous load that landed) and what this lookup found
+                    n = self._mamba_block_aligned_split(request, n, num_hit - request.num_computed_tokens)
                     if n <= 0:
                         break
                 if request.mm_features:
@@ -1088,47 +1099,49 @@ class Scheduler:
         ids = mgr.take_new_block_ids()
         return (ids or None) if mgr.needs_kv_cache_zeroing else None
 
-    def _mamba_block_aligned_split(self, request: Request, num_new_tokens: int, num_computed_tokens: int) -> int:
+    def _mamba_block_aligned_split(
+        self, request: Request, num_new_tokens: int, num_new_local_computed_tokens: int = 0, num_external_computed_tokens: int = 0
+    ) -> int:
         """Cut a prefill chunk so it ends where a Mamba state can be saved: on a block
         boundary, and never past the last boundary before the prompt's final token (the
         state a later request with this prompt would start from; one block lower with
         EAGLE). With partial hits, also at the prompt's last hash boundary, where the state
         saved inside a block lets a later request hit part-way into it; and at the block
-        boundary before a shared-prefix junction. The prompt's last chunk may end anywhere
-        (vLLM's ``_mamba_block_aligned_split``)."""
-        start = num_computed_tokens
+        boundary before a shared-prefix junction. The prompt's last chunk may end anywhere.
+
+        vLLM 0.33's call shape and inputs: the chunk starts after the request's computed
+        tokens plus this step's new local and external hits, and the method reads only the
+        scheduler's settings (``cache_config.block_size``, ``hash_block_size``,
+        ``use_eagle_block_drop``, ...), never the manager -- vLLM's own tests call it with a
+        stand-in ``self`` that carries just those."""
+        start = request.num_computed_tokens + num_new_local_computed_tokens + num_external_computed_tokens
         prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
         if start >= prefill_end:
             return num_new_tokens
-        mgr = self.kv_cache_manager
-        bs = next(g.block_size for g in mgr.kv_cache_groups if isinstance(g, MambaSpec))
-        assert bs is not None
-        eagle, la = mgr.use_eagle, mgr.num_hash_lookahead_tokens
+        bs = self.cache_config.block_size
+        eagle, la, hash_bs = self.use_eagle_block_drop, self.num_hash_lookahead_tokens, self.hash_block_size
         last_cache_position = get_mamba_prefill_checkpoint_position(request.num_tokens, bs, eagle, la)
         end = start + num_new_tokens
         # A chunk that reaches the prefill's end and can export the prompt's state from
         # inside needs no stop for it (one forward pass fewer).
-        checkpoint_position = get_mamba_prefill_checkpoint_position(
-            prefill_end, mgr.hash_block_size if self.mamba_partial_cache_hit else bs, eagle, la
-        )
+        checkpoint_position = get_mamba_prefill_checkpoint_position(prefill_end, hash_bs if self.mamba_partial_cache_hit else bs, eagle, la)
         internal = (
             self.mamba_has_prefill_checkpoint_blocks
             and end >= prefill_end
-            and is_mamba_prefill_checkpoint_valid(
-                start, end, checkpoint_position, mgr.hash_block_size, bs, self.mamba_prefill_checkpoint_alignment
-            )
+            and is_mamba_prefill_checkpoint_valid(start, end, checkpoint_position, hash_bs, bs, self.mamba_prefill_checkpoint_alignment)
         )
         if internal:
             last_cache_position = 0
         if end < prefill_end:
             limit = self.max_num_scheduled_tokens
-            if self.long_prefill_token_threshold > 0:
-                limit = min(limit, self.long_prefill_token_threshold)
+            threshold = self.scheduler_config.long_prefill_token_threshold
+            if threshold > 0:
+                limit = min(limit, threshold)
             aligned_end = end // bs * bs
             if aligned_end > start or bs <= limit:
                 end = aligned_end
         tail = (
-            get_mamba_prefill_checkpoint_position(request.num_prompt_tokens, mgr.hash_block_size, eagle, la)
+            get_mamba_prefill_checkpoint_position(request.num_prompt_tokens, hash_bs, eagle, la)
             if self.mamba_partial_cache_hit and not internal
             else 0
         )
@@ -1149,6 +1162,26 @@ class Scheduler:
         )
         end = min((x for x in stops if start < x < end), default=end)
         return max(end - start, 0)
+
+    @property
+    def cache_config(self) -> SimpleNamespace:
+        """The ``CacheConfig`` fields vLLM's scheduler reads, as a read-only view:
+        ``block_size`` (the Mamba group's when there is one in "align" mode: the block its
+        states are saved on; otherwise the scheduler's block) and ``enable_prefix_caching``."""
+        return SimpleNamespace(block_size=self._cache_block_size, enable_prefix_caching=self.kv_cache_manager.enable_caching)
+
+    @property
+    def scheduler_config(self) -> SimpleNamespace:
+        """The ``SchedulerConfig`` fields vLLM's scheduler reads, as a read-only view of this
+        scheduler's own settings (set them on the scheduler, not here)."""
+        return SimpleNamespace(
+            max_num_batched_tokens=self.max_num_scheduled_tokens,
+            max_num_seqs=self.max_num_running_reqs,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            max_model_len=self.max_model_len,
+            policy=self.policy,
+        )
 
     def select_victim(self) -> Request:
         """Which running request loses its blocks. FCFS: the most recently admitted (the

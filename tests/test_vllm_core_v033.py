@@ -1,0 +1,222 @@
+"""vLLM 0.33's core pieces for KV connectors and its classmethod shapes, with the values vLLM
+0.33.0 itself gives (each scenario below was run on vLLM's own ``KVCacheManager`` and on
+kvlab's, and printed the same block ids):
+
+* Mamba "align" boundary states handed to a connector (``take_boundary_state_offloads``,
+  ``finalize_partial_tail_offloads``): a state table is not append-only, so the manager says
+  which block holds which state;
+* ``pop_blocks_for_free`` and ``truncate_computed_blocks`` on the manager;
+* ``reachable_block_mask`` as a classmethod of its arguments only;
+* ``Scheduler._mamba_block_aligned_split`` reading only the scheduler's own settings;
+* ``coordinator.retention_interval`` set after construction.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from kvlab import KVCacheManager, Request
+from kvlab.core.sched.scheduler import Scheduler
+from kvlab.core.single_type_kv_cache_manager import MambaManager, SlidingWindowManager
+from kvlab.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec, SlidingWindowSpec
+
+
+def _manager(num_blocks: int = 24, full_bs: int = 2, mamba_bs: int = 4, hash_bs: int = 2) -> KVCacheManager:
+    config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(["full"], FullAttentionSpec(block_size=full_bs)),
+            KVCacheGroupSpec(["mamba"], MambaSpec(block_size=mamba_bs, shapes=(1, 1), dtypes=("float32",), mamba_cache_mode="align")),
+        ],
+    )
+    return KVCacheManager(config, max_model_len=8192, enable_caching=True, hash_block_size=hash_bs)
+
+
+def _start(m: KVCacheManager, rid: str, tokens: list[int], n: int) -> Request:
+    r = Request(rid, tokens, max_tokens=8)
+    hits, num_hit = m.get_computed_blocks(r)
+    assert m.allocate_slots(r, n, num_hit, hits) is not None
+    return r
+
+
+# -- boundary states for a connector -----------------------------------------------------------
+def test_a_state_saved_inside_a_block_is_offered_as_its_copy():
+    """Hash blocks of 2, Mamba blocks of 4, prompt of 7: the state after token 6 is saved inside
+    the request's second state block (id 4). The next step keeps writing into block 4, so the
+    cache entry moves to a copy (block 6) -- and that copy is what the connector is offered."""
+    m = _manager()
+    r = _start(m, "0", [0, 0, 1, 1, 2, 2, 3], 6)
+    assert m.take_boundary_state_offloads() == {}  # nothing saved on a state block's end yet
+    assert m.get_block_ids("0") == ([1, 2, 3], [0, 4])
+    r.num_computed_tokens = 6
+    r.append_output_token_ids([3])
+    assert m.allocate_slots(r, 1) is not None
+    assert m.take_boundary_state_offloads() == {"0": [(1, 6, 6)]}  # (group, the copy, 6 tokens)
+    assert m.take_boundary_state_offloads() == {}  # drained
+    copies, retained = m.take_kv_cache_block_copies()
+    assert [(c.src_block_id, c.dst_block_id) for c in copies] == [(4, 6)]
+    assert [b.block_id for b in retained] == [4, 6]
+    assert m.finalize_partial_tail_offloads(r) == []  # the copy already handed it over
+    m.block_pool.free_blocks(retained)
+
+
+def test_a_request_that_finishes_first_hands_over_its_own_block_once():
+    m = _manager()
+    r = _start(m, "0", [0, 0, 1, 1, 2, 2, 3], 6)
+    r.num_computed_tokens = 6
+    assert m.finalize_partial_tail_offloads(r) == [(1, 4, 6)]
+    assert m.finalize_partial_tail_offloads(r) == []
+    assert m.take_boundary_state_offloads() == {}
+
+
+def test_a_block_computed_past_its_state_is_not_handed_over():
+    m = _manager()
+    r = _start(m, "0", [0, 0, 1, 1, 2, 2, 3], 6)
+    r.num_computed_tokens = 7  # the block now holds the state after token 7, not 6
+    assert m.finalize_partial_tail_offloads(r) == []
+    m2 = _manager()
+    r2 = _start(m2, "1", [0, 0, 1, 1, 2, 2, 3], 6)
+    assert r2.num_in_flight_tokens == 0  # kvlab's steps run one after the other
+    r2.num_computed_tokens, r2.num_in_flight_tokens = 6, 1  # vLLM's asynchronous scheduling: a step in flight
+    assert m2.finalize_partial_tail_offloads(r2) == []
+    assert m2.finalize_partial_tail_offloads(r2) == []  # consumed all the same
+
+
+def test_every_state_kept_for_reuse_is_offered_with_its_block():
+    """Blocks of 4 (hash and Mamba), a 13-token prompt in chunks of 4: each chunk's state."""
+    m = _manager(num_blocks=40, full_bs=4, mamba_bs=4, hash_bs=4)
+    r = Request("c", list(range(13)), max_tokens=8)
+    hits, num_hit = m.get_computed_blocks(r)
+    offers = []
+    for step in range(3):
+        m.new_step_starts()
+        first = step == 0
+        assert m.allocate_slots(r, 4, num_hit if first else 0, hits if first else None) is not None
+        r.num_computed_tokens += 4
+        offers.append(m.take_boundary_state_offloads())
+    assert offers == [{"c": [(1, 2, 4)]}, {"c": [(1, 4, 8)]}, {"c": [(1, 6, 12)]}]
+    assert m.get_block_ids("c") == ([1, 3, 5], [0, 4, 6])
+
+
+def test_offers_of_a_freed_request_are_dropped():
+    """Its blocks go back to the pool: an offer drained later would name another's state."""
+    tokens = [0, 0, 1, 1, 2, 2, 3, 3, 4]
+    kept = _manager()
+    _start(kept, "0", tokens, 8)
+    assert kept.take_boundary_state_offloads() == {"0": [(1, 5, 8)]}  # the chunk's state, on its block's end
+    m = _manager()
+    m.free(_start(m, "0", tokens, 8))
+    assert m.take_boundary_state_offloads() == {}
+
+
+def test_pure_attention_offers_nothing():
+    m = KVCacheManager(num_blocks=10, kv_cache_groups=[FullAttentionSpec(block_size=4)])
+    r = Request("a", list(range(9)), max_tokens=4)
+    hits, n = m.get_computed_blocks(r)
+    m.allocate_slots(r, 9, n, hits)
+    r.num_computed_tokens = 9
+    assert m.take_boundary_state_offloads() == {} and m.finalize_partial_tail_offloads(r) == []
+
+
+# -- pop_blocks_for_free, truncate_computed_blocks ----------------------------------------------
+def test_pop_blocks_for_free_leaves_the_freeing_to_the_caller():
+    m = KVCacheManager(num_blocks=10, kv_cache_groups=[FullAttentionSpec(block_size=4)])
+    r = Request("a", list(range(9)), max_tokens=4)
+    hits, n = m.get_computed_blocks(r)
+    m.allocate_slots(r, 9, n, hits)
+    free_before = m.block_pool.get_num_free_blocks()
+    blocks = m.pop_blocks_for_free(r)
+    assert [b.block_id for b in blocks] == [1, 2, 3]
+    assert m.get_block_ids("a") == ([],) and m.block_pool.get_num_free_blocks() == free_before
+    m.block_pool.free_blocks(reversed(blocks))
+    assert m.block_pool.get_num_free_blocks() == free_before + 3
+    with pytest.raises(TypeError, match="request must be a kvlab.Request, got str 'a'"):
+        m.pop_blocks_for_free("a")  # type: ignore[arg-type]
+
+
+def test_truncate_computed_blocks_cuts_every_group_and_leaves_a_short_mamba_group():
+    m = _manager(num_blocks=40, full_bs=4, mamba_bs=4, hash_bs=4)
+    r = _start(m, "p", list(range(13)), 12)
+    r.num_computed_tokens = 12
+    m.free(r)
+    hits, n = m.get_computed_blocks(Request("q", list(range(13)), max_tokens=4))
+    assert n == 12 and hits.get_block_ids() == ([1, 2, 3], [0, 0, 4])
+    refs = [b.ref_cnt for b in hits.blocks[0]]
+    cut = m.truncate_computed_blocks(hits, 8)
+    assert cut.get_block_ids() == ([1, 2], [0, 0])
+    assert hits.get_block_ids() == ([1, 2, 3], [0, 0, 4]) and [b.ref_cnt for b in hits.blocks[0]] == refs  # untouched
+    short = type(hits)(([*hits.blocks[0]], hits.blocks[1][:1]))
+    assert m.truncate_computed_blocks(short, 12).get_block_ids() == ([1, 2, 3], [0])  # a Mamba group may be shorter
+    with pytest.raises(ValueError, match="num_computed_tokens must be a multiple of group 0's block size 4, got 6"):
+        m.truncate_computed_blocks(hits, 6)
+    with pytest.raises(ValueError, match="num_computed_tokens = 16 needs 4 blocks of group 0, the lookup found 3"):
+        m.truncate_computed_blocks(hits, 16)
+
+
+# -- reachable_block_mask as vLLM's classmethod --------------------------------------------------
+def test_reachable_block_mask_is_a_function_of_its_arguments():
+    sw = SlidingWindowSpec(block_size=4, sliding_window=8)
+    T, F = True, False
+    assert SlidingWindowManager.reachable_block_mask(0, 12, 16, sw, False) == [F, F, T, T] * 3
+    # retention 32: one tail per 8 blocks, plus the tail before a replay boundary at 40
+    assert SlidingWindowManager.reachable_block_mask(0, 12, 16, sw, False, 32, (40,)) == [F] * 6 + [T, T] + [F] * 4
+    # the last, shorter segment (ending at block 11) keeps its tail too -- not with EAGLE
+    assert SlidingWindowManager.reachable_block_mask(0, 12, 16, sw, False, 32, (), 1, 11) == [F] * 6 + [T, T, F, T, T, F]
+    assert SlidingWindowManager.reachable_block_mask(0, 12, 16, sw, True, 32, (), 1, 11) == [F] * 6 + [T, T, T, F, F, F]
+    assert SlidingWindowManager.reachable_block_mask(0, 12, 6, sw, False) is None  # alignment not a block multiple
+    assert SlidingWindowManager.reachable_block_mask(0, 12, None, sw, False) is None
+    ms = MambaSpec(block_size=4, shapes=(1, 1), dtypes=("float32",))
+    assert MambaManager.reachable_block_mask(0, 10, 4, ms, False, 16, (29,)) == [F, F, F, T, F, F, T, T, F, F]
+    assert MambaManager.reachable_block_mask(0, 10, 4, ms, False, 0, (29,)) == [F] * 6 + [T] + [F] * 3
+    assert MambaManager.reachable_block_mask(0, 10, 4, ms, False, None, (29,)) is None
+
+
+def test_retention_set_on_the_coordinator_reaches_every_group():
+    m = _manager(num_blocks=40, full_bs=4, mamba_bs=4, hash_bs=4)
+    m.coordinator.retention_interval = 0
+    assert [g.retention_interval for g in m.coordinator.single_type_managers] == [0, 0]
+    with pytest.raises(ValueError, match=r"prefix_cache_retention_interval \(6\) must be non-negative and a multiple of"):
+        m.coordinator.retention_interval = 6
+    assert m.coordinator.retention_interval == 0  # unchanged by the refusal
+
+
+# -- the Mamba chunk split, vLLM's shape ----------------------------------------------------------
+def _split_self(**over):
+    base = dict(
+        cache_config=SimpleNamespace(block_size=512),
+        scheduler_config=SimpleNamespace(long_prefill_token_threshold=0),
+        max_num_scheduled_tokens=8192,
+        hash_block_size=32,
+        use_eagle_block_drop=False,
+        num_hash_lookahead_tokens=0,
+        mamba_partial_cache_hit=True,
+        mamba_shared_prefix_checkpoint=False,
+        mamba_has_prefill_checkpoint_blocks=False,
+    )
+    base.update(over)
+    return SimpleNamespace(**base)
+
+
+def test_the_split_starts_after_the_new_local_and_external_hits():
+    r = Request("s", list(range(1, 2001)), max_tokens=4)
+    split = Scheduler._mamba_block_aligned_split
+    # from 0: the last block boundary before the prompt's end (1536), then the hash-aligned tail
+    assert split(_split_self(), r, 8192) == 1536  # type: ignore[arg-type]
+    assert split(_split_self(), r, 8192, 1536) == 1984 - 1536  # type: ignore[arg-type]
+    assert split(_split_self(), r, 8192, 1024, 512) == 1984 - 1536  # type: ignore[arg-type]  # local + external
+    r.num_computed_tokens = 1984
+    assert split(_split_self(), r, 16) == 16  # type: ignore[arg-type]  # the prompt's last chunk ends anywhere
+    # a block wider than the chunk limit: the chunk runs sub-block instead of stopping at 0
+    r.num_computed_tokens = 0
+    assert split(_split_self(max_num_scheduled_tokens=256), r, 256) == 256  # type: ignore[arg-type]
+
+
+def test_a_scheduler_carries_the_settings_the_split_reads():
+    m = _manager(num_blocks=40, full_bs=4, mamba_bs=8, hash_bs=4)
+    s = Scheduler(m, max_num_batched_tokens=64, long_prefill_token_threshold=16)
+    assert (s.cache_config.block_size, s.hash_block_size, s.use_eagle_block_drop, s.num_hash_lookahead_tokens) == (8, 4, False, 0)
+    assert (s.scheduler_config.long_prefill_token_threshold, s.scheduler_config.max_num_batched_tokens) == (16, 64)
+    assert s.mamba_partial_cache_hit is True
