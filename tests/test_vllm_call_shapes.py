@@ -118,7 +118,17 @@ def test_manager_reads_the_configs_retention_interval_and_hash_block_size():
     [
         (lambda: KVCacheManager(_config(), 8192), TypeError, "give max_model_len and the rest by keyword"),
         (lambda: KVCacheManager(_config(), scheduler_block_size=4), ValueError, r"scheduler_block_size must be 8 \(the LCM"),
-        (lambda: KVCacheManager(_config(), dcp_world_size=2), ValueError, "dcp_world_size and pcp_world_size must be 1"),
+        (
+            lambda: KVCacheManager(_config(), dcp_world_size=2),
+            ValueError,
+            r"dcp_world_size = 2: decode context parallelism supports full-attention, Mamba and replicated \(dcp_sharded=False\) "
+            r"groups only \(vLLM 0.33\), got group 1: SlidingWindowSpec",
+        ),
+        (
+            lambda: KVCacheManager(_config(), pcp_world_size=0),
+            ValueError,
+            "pcp_world_size=0 is out of range; pcp_world_size must be an int >= 1",
+        ),
         (lambda: KVCacheManager(_config(), watermark=0.01), ValueError, r"watermark must be 0.0 \(kvlab models no admission watermark\)"),
         (lambda: KVCacheManager(_config(hisparse_host_num_blocks=8)), ValueError, "hisparse_host_num_blocks must be None"),
         (
@@ -209,8 +219,10 @@ def test_single_type_manager_takes_needs_kv_cache_zeroing():
         SlidingWindowSpec(block_size=4, sliding_window=4), block_pool=pool, kv_cache_group_id=2, enable_caching=False
     )
     assert not window.records_new_block_ids
-    with pytest.raises(ValueError, match=r"dcp_world_size and pcp_world_size must be 1 .* got 2 and 1"):
-        FullAttentionManager(FullAttentionSpec(block_size=4), block_pool=pool, kv_cache_group_id=0, dcp_world_size=2)
+    with pytest.raises(ValueError, match=r"dcp_world_size = 2: decode context parallelism .* got group 0: SlidingWindowSpec"):
+        SlidingWindowManager(SlidingWindowSpec(block_size=4, sliding_window=4), block_pool=pool, kv_cache_group_id=3, dcp_world_size=2)
+    sharded = FullAttentionManager(FullAttentionSpec(block_size=4), block_pool=pool, kv_cache_group_id=0, dcp_world_size=2)
+    assert (sharded.block_size, sharded.dcp_world_size, sharded.kv_cache_spec.block_size) == (8, 2, 8)
 
 
 def test_a_connector_registered_by_module_path(tmp_path, monkeypatch):

@@ -8,7 +8,9 @@ kvlab's, and printed the same block ids):
 * ``pop_blocks_for_free`` and ``truncate_computed_blocks`` on the manager;
 * ``reachable_block_mask`` as a classmethod of its arguments only;
 * ``Scheduler._mamba_block_aligned_split`` reading only the scheduler's own settings;
-* ``coordinator.retention_interval`` set after construction.
+* ``coordinator.retention_interval`` set after construction;
+* decode context parallelism (``dcp_world_size``): a sharded group's block covers
+  ``block_size x dcp`` tokens.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import pytest
 from kvlab import KVCacheManager, Request
 from kvlab.core.sched.scheduler import Scheduler
 from kvlab.core.single_type_kv_cache_manager import MambaManager, SlidingWindowManager
-from kvlab.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec, SlidingWindowSpec
+from kvlab.distributed.kv_events import BlockStored
+from kvlab.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec, MLAAttentionSpec, SlidingWindowSpec
 
 
 def _manager(num_blocks: int = 24, full_bs: int = 2, mamba_bs: int = 4, hash_bs: int = 2) -> KVCacheManager:
@@ -220,3 +223,52 @@ def test_a_scheduler_carries_the_settings_the_split_reads():
     assert (s.cache_config.block_size, s.hash_block_size, s.use_eagle_block_drop, s.num_hash_lookahead_tokens) == (8, 4, False, 0)
     assert (s.scheduler_config.long_prefill_token_threshold, s.scheduler_config.max_num_batched_tokens) == (16, 64)
     assert s.mamba_partial_cache_hit is True
+
+
+# -- decode context parallelism ----------------------------------------------------------------
+def test_a_sharded_group_counts_in_blocks_of_block_size_times_dcp():
+    """Blocks of 4 tokens on each of 2 ranks: the manager's block holds 8, and so do its
+    hashes, hits and events (vLLM 0.33 gives the same ids and event)."""
+    config = KVCacheConfig(
+        num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["full"], FullAttentionSpec(block_size=4))]
+    )
+    m = KVCacheManager(config, max_model_len=8192, hash_block_size=8, scheduler_block_size=8, dcp_world_size=2, enable_kv_cache_events=True)
+    group = m.coordinator.single_type_managers[0]
+    assert (group.block_size, group.dcp_world_size) == (8, 2)
+    r = _start(m, "a", list(range(20)), 20)
+    r.num_computed_tokens = 20
+    assert m.get_block_ids("a") == ([1, 2, 3],)
+    stored = [e for e in m.take_events() if isinstance(e, BlockStored)]
+    assert [(e.block_size, len(e.token_ids)) for e in stored] == [(8, 16)]
+    m.free(r)
+    hits, n = m.get_computed_blocks(Request("b", list(range(20)) + [7, 7, 7], max_tokens=4))
+    assert (n, hits.get_block_ids()) == (16, ([1, 2],))
+
+
+def test_dcp_geometry_is_per_group():
+    """A sharded target, a replicated MLA draft and a (always replicated) Mamba group."""
+    config = KVCacheConfig(
+        num_blocks=40,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(["full"], FullAttentionSpec(block_size=4)),
+            KVCacheGroupSpec(["draft"], MLAAttentionSpec(block_size=4, dcp_sharded=False)),
+            KVCacheGroupSpec(["mamba"], MambaSpec(block_size=8, shapes=(1, 1), dtypes=("float32",), mamba_cache_mode="align")),
+        ],
+    )
+    m = KVCacheManager(config, max_model_len=8192, hash_block_size=4, scheduler_block_size=8, dcp_world_size=2)
+    assert [(g.block_size, g.dcp_world_size) for g in m.coordinator.single_type_managers] == [(8, 2), (4, 1), (8, 1)]
+    # the Mamba block equals the hash block, but under DCP that still allows partial hits
+    assert m.coordinator.enable_partial_hash_hits
+    r = Request("a", list(range(26)), max_tokens=4)
+    hits, n = m.get_computed_blocks(r)
+    for step in range(4):
+        m.new_step_starts()
+        k = min(8, 26 - r.num_computed_tokens)
+        assert m.allocate_slots(r, k, n if step == 0 else 0, hits if step == 0 else None) is not None
+        r.num_computed_tokens += k
+    assert m.get_block_ids("a") == ([1, 5, 9, 13], [2, 3, 6, 7, 10, 11, 14], [0, 0, 12, 15])
+    m.free(r)
+    m.new_step_starts()
+    hits, n = m.get_computed_blocks(Request("b", list(range(26)) + [9, 9, 9], max_tokens=4))
+    assert (n, hits.get_block_ids()) == (24, ([1, 5, 9], [2, 3, 6, 7, 10, 11], [0, 0, 12]))

@@ -42,7 +42,7 @@ logger = logging.getLogger("kvlab.kv_cache")
 
 
 def resolve_kv_cache_block_sizes(
-    specs: Sequence[KVCacheSpec], enable_caching: bool, prefix_match_unit: int | None = None
+    specs: Sequence[KVCacheSpec], enable_caching: bool, prefix_match_unit: int | None = None, dcp_world_size: int = 1
 ) -> tuple[int, int]:
     """(scheduler_block_size, hash_block_size), vLLM 0.33's rule.
 
@@ -51,7 +51,8 @@ def resolve_kv_cache_block_sizes(
     are computed every ``prefix_match_unit`` tokens if given, else every GCD of the block
     sizes, so each group's block ends on a hash boundary -- unless caching is off, or a
     Mamba group is not in ``align`` mode: then hashing is at the scheduler block size.
-    With one group, hits land on its blocks: any other ``prefix_match_unit`` is refused."""
+    With one group, hits land on its blocks: any other ``prefix_match_unit`` is refused.
+    ``specs``: with their block sizes as the manager sees them under ``dcp_world_size``."""
     sizes = [s.block_size for s in specs]
     if len(sizes) == 1:
         bs = sizes[0]
@@ -75,7 +76,7 @@ def resolve_kv_cache_block_sizes(
     # multiple of k: every hit length must be one.
     per_state = [getattr(s, "tokens_per_state", 1) for s in specs if s.prefix_cacheable]  # Mamba has none
     alignments = sorted({k for k in per_state if isinstance(k, int) and k > 1})
-    hit_alignment = hash_block_size if partial_hash_hits_enabled(specs, hash_block_size) else scheduler_block_size
+    hit_alignment = hash_block_size if partial_hash_hits_enabled(specs, hash_block_size, dcp_world_size) else scheduler_block_size
     if any(hit_alignment % a for a in alignments):
         raise ValueError(
             f"Invalid prefix_match_unit={hash_block_size}; prefix-cache boundaries must align with each spec's "
@@ -85,14 +86,24 @@ def resolve_kv_cache_block_sizes(
 
 
 def partial_hash_hits_enabled(
-    specs: Sequence[KVCacheSpec], hash_block_size: int, manager_classes: Sequence[type[SingleTypeKVCacheManager]] | None = None
+    specs: Sequence[KVCacheSpec],
+    hash_block_size: int,
+    dcp_world_size: int = 1,
+    manager_classes: Sequence[type[SingleTypeKVCacheManager]] | None = None,
 ) -> bool:
     """Whether hits may end *inside* a block (vLLM 0.33's fine-grained partial hits): only
     with a Mamba group in ``align`` mode whose blocks are larger than the hash block -- its
     blocks hold hundreds of tokens on a real hybrid (lesson 07b), and without this a hit
     would lose up to a whole block. Every other prefix-cacheable group must be able to end a
-    hit inside its blocks too (full attention, Mamba) or have blocks of the hash size."""
-    if not any(isinstance(s, MambaSpec) and s.mamba_cache_mode == "align" and s.block_size > hash_block_size for s in specs):  # type: ignore[operator]  # every spec has its block size
+    hit inside its blocks too (full attention, Mamba) or have blocks of the hash size.
+    Under decode context parallelism a Mamba block equal to the hash block will do: the
+    full-attention block is the one that grew (``dcp_world_size`` times), vLLM 0.33."""
+    if not any(
+        isinstance(s, MambaSpec)
+        and s.mamba_cache_mode == "align"
+        and (s.block_size > hash_block_size or (dcp_world_size > 1 and s.block_size == hash_block_size))  # type: ignore[operator]  # every spec has its block size
+        for s in specs
+    ):
         return False
     if manager_classes is None:
         return True
@@ -153,8 +164,15 @@ class KVCacheCoordinator:
         eagle_group_ids: Collection[int] = (),
         prefix_cache_retention_interval: int | None = None,
         num_prefill_lookahead: int = 0,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
     ) -> None:
+        """``specs``: as the manager sees them -- under decode context parallelism a sharded
+        group's block size is already ``dcp_world_size`` times its spec's (see
+        ``KVCacheManager``); the sizes are recorded on each group's manager, as in vLLM."""
         self.block_pool = block_pool
+        self.dcp_world_size = dcp_world_size
+        self.pcp_world_size = pcp_world_size
         self.specs = list(specs)
         self.enable_caching = enable_caching
         self.scheduler_block_size = scheduler_block_size
@@ -193,6 +211,9 @@ class KVCacheCoordinator:
             )
             for gid, spec in enumerate(self.specs)
         )
+        for m in self.single_type_managers:
+            if getattr(m.kv_cache_spec, "dcp_sharded", False):  # a replicated group keeps 1 and 1
+                m.dcp_world_size, m.pcp_world_size = dcp_world_size, pcp_world_size
         # Sparse retention of window and Mamba states (vLLM 0.33); checked with vLLM's rules.
         self.retention_interval = prefix_cache_retention_interval
         replay_use_eagle = bool(self.drop_eagle_group_ids)
@@ -469,7 +490,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         # Fine-grained partial hits (vLLM 0.33): a hit may end on any hash boundary, inside a
         # block; the request then writes into a private copy of that block (copy-on-write).
         self.enable_partial_hash_hits = partial_hash_hits_enabled(
-            self.specs, self.hash_block_size, [type(m) for m in self.single_type_managers]
+            self.specs, self.hash_block_size, self.dcp_world_size, [type(m) for m in self.single_type_managers]
         )
         for m in self.single_type_managers:
             m.cache_hit_alignment_tokens = self._cache_hit_alignment_tokens
@@ -588,8 +609,12 @@ def get_kv_cache_coordinator(
     eagle_group_ids: Collection[int] = (),
     prefix_cache_retention_interval: int | None = None,
     num_prefill_lookahead: int = 0,
+    dcp_world_size: int = 1,
+    pcp_world_size: int = 1,
 ) -> KVCacheCoordinator:
     kw = dict(
+        dcp_world_size=dcp_world_size,
+        pcp_world_size=pcp_world_size,
         eagle_group_ids=eagle_group_ids,
         num_prefill_lookahead=num_prefill_lookahead,
         prefix_cache_retention_interval=prefix_cache_retention_interval,

@@ -21,11 +21,11 @@ from typing import Any
 from kvlab.core.block_pool import BlockPool, group_suffix
 from kvlab.core.kv_cache_coordinator import get_kv_cache_coordinator, resolve_kv_cache_block_sizes
 from kvlab.core.kv_cache_metrics import KVCacheMetricsCollector
-from kvlab.core.kv_cache_utils import KVCacheBlock, KVCacheBlockCopy, get_request_block_hasher
+from kvlab.core.kv_cache_utils import KVCacheBlock, KVCacheBlockCopy, get_request_block_hasher, resolve_dcp_kv_cache_spec
 from kvlab.core.single_type_kv_cache_manager import (
     MambaManager,
     SingleTypeKVCacheManager,
-    check_no_context_parallelism,
+    check_context_parallelism,
     records_new_block_ids,
 )
 from kvlab.core.transaction import manager_call, manager_lookup
@@ -270,7 +270,6 @@ class KVCacheManager:
             num_blocks, kv_cache_groups, prefix_cache_retention_interval, hash_block_size = _from_kv_cache_config(
                 num_blocks, block_size, kv_cache_groups, prefix_cache_retention_interval, hash_block_size
             )
-        check_no_context_parallelism(dcp_world_size, pcp_world_size)
         if watermark != 0.0:
             raise ValueError(f"watermark must be 0.0 (kvlab models no admission watermark), got {watermark!r}")
         block_size, specs, hash_fn, max_model_len, max_in_flight_tokens, kv_events_use_int_block_hashes, eagle_groups = _check_manager_args(
@@ -287,6 +286,10 @@ class KVCacheManager:
             manager_classes,
             kv_events_use_int_block_hashes,
         )
+        # Decode context parallelism (vLLM 0.33): a sharded group's block covers block_size x
+        # dcp tokens, and the manager counts in those blocks throughout (events included).
+        dcp_world_size, pcp_world_size = check_context_parallelism(specs, dcp_world_size, pcp_world_size)
+        specs = [resolve_dcp_kv_cache_spec(s, dcp_world_size) for s in specs]
         prefix_match_unit = check_optional_int("prefix_match_unit", prefix_match_unit, 1)
         num_hash_lookahead_tokens = check_int("num_hash_lookahead_tokens", num_hash_lookahead_tokens, 0)
         # None: what vLLM derives for the drafter use_eagle stands for (an EAGLE-family
@@ -303,7 +306,9 @@ class KVCacheManager:
             hash_block_size = check_int("hash_block_size", hash_block_size, 1)
             if hash_block_size != resolve_kv_cache_block_sizes(specs, enable_caching)[1]:
                 prefix_match_unit = hash_block_size
-        derived_scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(specs, enable_caching, prefix_match_unit)
+        derived_scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(
+            specs, enable_caching, prefix_match_unit, dcp_world_size
+        )
         if scheduler_block_size is not None and scheduler_block_size != derived_scheduler_block_size:
             raise ValueError(
                 f"scheduler_block_size must be {derived_scheduler_block_size} (the LCM of the groups' block sizes), got {scheduler_block_size!r}"
@@ -336,6 +341,8 @@ class KVCacheManager:
             eagle_group_ids=eagle_groups,
             prefix_cache_retention_interval=prefix_cache_retention_interval,
             num_prefill_lookahead=num_prefill_lookahead,
+            dcp_world_size=dcp_world_size,
+            pcp_world_size=pcp_world_size,
         )
 
         self.block_size = block_size

@@ -630,6 +630,20 @@ def resolve_block_hashes(block_hashes: Sequence[BlockHash], hash_block_size: int
     return BlockHashListWithBlockSize(block_hashes, hash_block_size, block_size)
 
 
+def resolve_dcp_kv_block_size(spec: Any, dcp_world_size: int) -> int:
+    """Tokens one block of ``spec`` covers under decode context parallelism (vLLM 0.33): a
+    sharded group's block holds ``block_size`` tokens on each of the ``dcp_world_size``
+    ranks, so ``block_size * dcp_world_size`` in all; a replicated one, ``block_size``."""
+    return spec.block_size * (dcp_world_size if getattr(spec, "dcp_sharded", False) else 1)
+
+
+def resolve_dcp_kv_cache_spec(spec: Any, dcp_world_size: int) -> Any:
+    """``spec`` with the block size the cache manager sees under DCP (the same spec when that
+    does not change it): tables, hashes and hits are counted in these logical blocks."""
+    block_size = resolve_dcp_kv_block_size(spec, dcp_world_size)
+    return spec if block_size == spec.block_size else replace(spec, block_size=block_size)
+
+
 def trim_null_head(blocks: list[KVCacheBlock]) -> list[KVCacheBlock]:
     """The table without its leading null blocks (a window's skipped prefix)."""
     i = 0

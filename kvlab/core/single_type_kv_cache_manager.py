@@ -28,7 +28,7 @@ from itertools import islice
 from typing import Any, ClassVar
 
 from kvlab.core.block_pool import BlockPool, group_suffix
-from kvlab.core.kv_cache_utils import KVCacheBlock, trim_null_head
+from kvlab.core.kv_cache_utils import KVCacheBlock, resolve_dcp_kv_cache_spec, trim_null_head
 from kvlab.kv_cache_interface import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
@@ -47,16 +47,32 @@ from kvlab.kv_cache_interface import (
     is_mamba_prefill_checkpoint_valid,
 )
 from kvlab.eventlog.events import BlockCopied, BlockRelocated, BlocksSkipped, BlocksTouched
-from kvlab.utils.checks import check_optional_int
+from kvlab.utils.checks import check_int, check_optional_int
 from kvlab.utils.hashing import BlockHash
 
 
-def check_no_context_parallelism(dcp_world_size: int, pcp_world_size: int) -> None:
-    """vLLM 0.33's ``dcp_world_size`` / ``pcp_world_size`` arguments: kvlab runs one rank."""
-    if dcp_world_size != 1 or pcp_world_size != 1:
-        raise ValueError(
-            f"dcp_world_size and pcp_world_size must be 1 (kvlab models no context parallelism), got {dcp_world_size} and {pcp_world_size}"
-        )
+def check_context_parallelism(specs: Sequence[KVCacheSpec], dcp_world_size: Any, pcp_world_size: Any) -> tuple[int, int]:
+    """vLLM 0.33's ``dcp_world_size`` / ``pcp_world_size``, checked with its rules: decode
+    context parallelism (DCP) spreads each block's tokens over the ranks, so only full
+    attention (MLA included) can be sharded -- a window or chunk would be cut across ranks --
+    and every other group must be replicated (``dcp_sharded=False``; Mamba states always
+    are). Prefill context parallelism (PCP) leaves the cache manager as it is; vLLM allows
+    it with full attention and replicated attention groups only. Returns the two sizes."""
+    dcp = check_int("dcp_world_size", dcp_world_size, 1)
+    pcp = check_int("pcp_world_size", pcp_world_size, 1)
+    for gid, spec in enumerate(specs):
+        replicated = not getattr(spec, "dcp_sharded", False)
+        if pcp > 1 and not (isinstance(spec, FullAttentionSpec) or (isinstance(spec, AttentionSpec) and replicated)):
+            raise ValueError(
+                f"pcp_world_size = {pcp}: prefill context parallelism supports full attention and replicated attention "
+                f"groups only (vLLM 0.33), got group {gid}: {type(spec).__name__}"
+            )
+        if dcp > 1 and not (isinstance(spec, FullAttentionSpec) or replicated):
+            raise ValueError(
+                f"dcp_world_size = {dcp}: decode context parallelism supports full-attention, Mamba and replicated "
+                f"(dcp_sharded=False) groups only (vLLM 0.33), got group {gid}: {type(spec).__name__}"
+            )
+    return dcp, pcp
 
 
 _AS_SET = object()  # cache_blocks: "the retention interval the manager was set up with"
@@ -91,7 +107,15 @@ class SingleTypeKVCacheManager:
         pcp_world_size: int = 1,
     ) -> None:
         assert kv_cache_spec.block_size is not None
-        check_no_context_parallelism(dcp_world_size, pcp_world_size)
+        dcp, pcp = check_context_parallelism([kv_cache_spec], dcp_world_size, pcp_world_size)
+        # This group's share of context parallelism (vLLM 0.33): a replicated group has none.
+        # Under DCP a block's tokens are spread over the ranks, so the manager's block -- the
+        # unit of its tables, hashes and hits -- holds block_size x dcp tokens.
+        sharded = bool(getattr(kv_cache_spec, "dcp_sharded", False))
+        self.dcp_world_size = dcp if sharded else 1
+        self.pcp_world_size = pcp if sharded else 1
+        kv_cache_spec = resolve_dcp_kv_cache_spec(kv_cache_spec, self.dcp_world_size)
+        assert kv_cache_spec.block_size is not None
         self.kv_cache_spec = kv_cache_spec
         self.block_size: int = kv_cache_spec.block_size
         self.block_pool = block_pool

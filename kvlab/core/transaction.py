@@ -414,6 +414,8 @@ _FULL_ATTENTION_FIXED = frozenset(
         "retention_interval",
         "replay_use_eagle",
         "_replay_boundaries",  # set for one cache_blocks call only, restored by it even when interrupted
+        "dcp_world_size",
+        "pcp_world_size",
     }
 )
 #: Group managers whose block tables, within a call, only grow at the end (``extend``) or
