@@ -319,3 +319,150 @@ class OffloadingManager(ABC):
         """The labels of ``vllm:kv_offload_config_info``, one mapping per series; one empty
         series by default, so the metric exists whenever offloading runs."""
         return [{}]
+
+
+@dataclass(frozen=True)
+class OffloadingKVEventsConfig:
+    """Which KV events an offloading backend publishes (vLLM 0.33's ``OffloadingSpec.kv_events_config``).
+
+    ``enable_kv_cache_events``: the engine's own switch (``--kv-events-config``). When it is
+    off nobody drains ``take_events``, so a tier that buffered events anyway would only grow
+    its buffer: a tier's own opt-in (the fs tier's ``enable_kv_events``) counts only with it on.
+    ``self_describing_kv_events``: the connector's opt-in (``kv_connector_extra_config``) to
+    stored events that carry what a reader needs to use the block without asking the engine;
+    it means nothing while ``enable_kv_cache_events`` is off."""
+
+    enable_kv_cache_events: bool
+    self_describing_kv_events: bool
+
+
+# --- What the worker is handed (vLLM 0.33): GPU block specs, the canonical KV tensors, and
+# how one worker's page maps into a parallelism-free ("canonical") page. The worker's copies
+# live in kvlab.kv_offload.cpu.gpu_worker; these are plain records, so this module stays free
+# of torch (a tensor field is typed Any).
+
+
+class GPULoadStoreSpec(BlockIDsLoadStoreSpec):
+    """GPU blocks of one transfer, ordered by KV-cache group.
+
+    ``group_sizes[g]``: how many of ``block_ids`` belong to group ``g`` (they add up to
+    ``len(block_ids)``). ``block_indices[g]``: the position in the request of group ``g``'s
+    first block -- needed when an offloaded chunk spans several GPU blocks, because a
+    group's first GPU block may then sit in the middle of its first chunk."""
+
+    def __init__(self, block_ids: Iterable[int], group_sizes: Sequence[int], block_indices: Sequence[int]) -> None:
+        ids = np.array(list(block_ids), dtype=np.int32)
+        if sum(group_sizes) != len(ids):
+            raise ValueError(f"group_sizes {tuple(group_sizes)} add up to {sum(group_sizes)}, but there are {len(ids)} block_ids")
+        if len(block_indices) != len(group_sizes):
+            raise ValueError(f"block_indices has {len(block_indices)} entries; it needs one per group ({len(group_sizes)})")
+        self.block_ids = ids
+        self.group_sizes: Sequence[int] = group_sizes
+        self.block_indices: Sequence[int] = block_indices
+
+
+@dataclass
+class CanonicalKVCacheTensor:
+    """One KV cache tensor whose first dimension is the block (``(num_blocks, ...)``), and
+    its page size per block in bytes, padding included."""
+
+    tensor: Any  # torch.Tensor
+    page_size_bytes: int
+
+
+@dataclass(frozen=True)
+class CopyRun:
+    """A strided correspondence of bytes between this worker's page and the canonical page:
+    fragment ``i`` (of ``num_fragments``, ``fragment_size`` bytes each) sits at
+    ``local_offset + i * local_stride`` in the worker's page and at ``canonical_offset + i *
+    canonical_stride`` in the canonical one -- e.g. one head shard of every token."""
+
+    local_offset: int
+    canonical_offset: int
+    fragment_size: int
+    num_fragments: int
+    local_stride: int
+    canonical_stride: int
+
+
+@dataclass(frozen=True)
+class CanonicalPageMapping:
+    """How this worker's page lands in the canonical page (never serialized). ``runs``
+    cover the whole local page. Workers that hold the very same bytes (``num_writers`` of
+    them, this one ``writer_index``) take turns storing them, one block each, so each page
+    is written once and the writes spread over the workers."""
+
+    canonical_page_size_bytes: int
+    local_page_size_bytes: int  # this worker's page, without padding
+    runs: tuple[CopyRun, ...]
+    num_writers: int
+    writer_index: int
+    parallelism_agnostic: bool  # the canonical bytes are the same under any parallel config
+
+    def is_writer(self, block_id: int) -> bool:
+        """Whether this worker stores the canonical page of ``block_id``."""
+        return block_id % self.num_writers == self.writer_index
+
+
+@dataclass
+class CanonicalKVCacheRef:
+    """A layer's (or a group of layers') reference to one of the canonical tensors, with the
+    layer's page size without padding; ``mapping`` None: no canonical mapping is certified."""
+
+    tensor_idx: int
+    page_size_bytes: int
+    mapping: CanonicalPageMapping | None = None
+
+
+@dataclass
+class CanonicalKVCaches:
+    """The KV caches as the worker sees them: the distinct tensors, and per KV-cache group
+    the references that say which tensor each layer uses."""
+
+    tensors: list[CanonicalKVCacheTensor]
+    group_data_refs: list[list[CanonicalKVCacheRef]]
+
+
+@dataclass
+class TransferResult:
+    """A finished transfer job: whether it worked, its bytes and seconds (None: unknown)."""
+
+    job_id: int
+    success: bool
+    transfer_size: int | None = None
+    transfer_time: float | None = None
+
+
+# -- metric definitions (vLLM 0.33): what a spec declares, so the frontend can create the metrics --
+# A backend's ``build_metric_definitions`` maps each metric name to one of these; the kind is the
+# class. kvlab's own tiers report values (``get_stats``) and declare none themselves.
+
+
+@dataclass(frozen=True)
+class OffloadingMetricMetadata:
+    """One metric's help text and label names (fixed for the process)."""
+
+    documentation: str
+    labelnames: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class OffloadingCounterMetadata(OffloadingMetricMetadata):
+    """A count that only grows (bytes moved, jobs failed)."""
+
+
+@dataclass(frozen=True)
+class OffloadingGaugeMetadata(OffloadingMetricMetadata):
+    """A value that goes up and down (chunks pinned, jobs in flight). ``multiprocess_mode``:
+    how Prometheus merges the samples of several API-server processes; every frontend gets
+    the engine's whole snapshot each step, so the newest sample is the value ("mostrecent")
+    -- a sum would count it once per frontend."""
+
+    multiprocess_mode: str = "mostrecent"
+
+
+@dataclass(frozen=True)
+class OffloadingHistogramMetadata(OffloadingMetricMetadata):
+    """A distribution (lookup delays); ``buckets`` None: the client library's default ones."""
+
+    buckets: tuple[float, ...] | None = None

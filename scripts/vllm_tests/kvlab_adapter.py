@@ -94,6 +94,12 @@ def _add_placeholders(module: Any, vllm_name: str) -> None:
                 pass
         if attr.startswith("__"):
             raise AttributeError(attr)
+        if hasattr(module, "__path__"):  # a package: ``from pkg import sub`` asks here before importing sub
+            try:
+                return importlib.import_module(f"{vllm_name}.{attr}")
+            except ModuleNotFoundError as e:
+                if e.name not in (f"{vllm_name}.{attr}", f"{module.__name__}.{attr}"):
+                    raise  # sub exists but imports something missing: say so
         return _missing(f"{vllm_name}.{attr}")
 
     module.__getattr__ = __getattr__

@@ -71,10 +71,10 @@ logger = logging.getLogger(__name__)
 
 #: Pause between two rounds of the tier-poll thread (vLLM's default; 0 or less: no thread).
 DEFAULT_TIER_POLL_INTERVAL_S = 0.001
-_POLL_LOCK_TIMEOUT_S = 1.0  # a round waits this long for the lock, then tries again
-_POLL_GIVE_UP_AFTER_S = 30.0  # rounds failing this long: stop the thread, serve per step
-_POLL_JOIN_TIMEOUT_S = 5.0
-_POLL_ERROR_LOG_INTERVAL_S = 1.0
+_TIER_POLL_LOCK_TIMEOUT_S = 1.0  # a round waits this long for the lock, then tries again
+_TIER_POLL_GIVE_UP_AFTER_S = 30.0  # rounds failing this long (time, not a count): stop the thread, serve per step
+_TIER_POLL_JOIN_TIMEOUT_S = 5.0  # how long shutdown waits for a round to end
+_TIER_POLL_ERROR_LOG_INTERVAL_S = 1.0
 
 
 @dataclass
@@ -213,20 +213,41 @@ class TieringOffloadingManager(OffloadingManager):
         self._tier_poll_interval_s = float(tier_poll_interval_s)
         self._tier_poll_stop = threading.Event()
         self._tier_poll_thread: threading.Thread | None = None
-        if self._polled_tiers and self._tier_poll_interval_s > 0:
-            self._tier_poll_thread = threading.Thread(target=self._tier_poll_loop, name="kvlab_offload_tier_poll", daemon=True)
-            self._tier_poll_thread.start()
+        self._start_tier_poll_thread()
 
     @property
     def lock(self) -> threading.Lock:
         return self._lock
 
     # -- the tier-poll thread -----------------------------------------------------------------------
+    def _start_tier_poll_thread(self) -> None:
+        """Start the thread (named ``vllm_offload_tier_poll``, as in vLLM) when a tier opted in
+        and the interval is positive; otherwise the tiers are served once per step only."""
+        if not self._polled_tiers or self._tier_poll_interval_s <= 0:
+            return
+        self._tier_poll_thread = threading.Thread(target=self._tier_poll_loop, name="vllm_offload_tier_poll", daemon=True)
+        self._tier_poll_thread.start()
+
+    def _stop_tier_poll_thread(self) -> None:
+        """Ask the thread to stop and wait for it (at most ``_TIER_POLL_JOIN_TIMEOUT_S``). It
+        runs the tiers' transports, so it must be gone before any tier is shut down. A thread
+        that did not end is kept in ``_tier_poll_thread``: ``shutdown`` then tears the tiers
+        down under the lock, so it at least cannot start another round meanwhile."""
+        self._tier_poll_stop.set()
+        thread = self._tier_poll_thread
+        if thread is None:
+            return
+        thread.join(timeout=_TIER_POLL_JOIN_TIMEOUT_S)
+        if thread.is_alive():
+            logger.error("KV offload tier-poll thread did not end within %.1f s", _TIER_POLL_JOIN_TIMEOUT_S)
+        else:
+            self._tier_poll_thread = None
+
     def _tier_poll_loop(self) -> None:
         failing_since: float | None = None
         last_log = 0.0
         while not self._tier_poll_stop.is_set():
-            if not self._lock.acquire(timeout=_POLL_LOCK_TIMEOUT_S):
+            if not self._lock.acquire(timeout=_TIER_POLL_LOCK_TIMEOUT_S):
                 continue
             try:
                 self.poll_tiers()
@@ -234,13 +255,15 @@ class TieringOffloadingManager(OffloadingManager):
             except Exception:
                 now = time.monotonic()
                 failing_since = failing_since or now
-                if now - last_log >= _POLL_ERROR_LOG_INTERVAL_S:  # one traceback a second, not one a round
+                if now - last_log >= _TIER_POLL_ERROR_LOG_INTERVAL_S:  # one traceback a second, not one a round
                     last_log = now
                     logger.exception("KV offload tier-poll round failed")
             finally:
                 self._lock.release()
-            if failing_since is not None and time.monotonic() - failing_since >= _POLL_GIVE_UP_AFTER_S:
-                logger.error("KV offload tier-poll thread stops after %.0f s of failures; tiers are served per step", _POLL_GIVE_UP_AFTER_S)
+            if failing_since is not None and time.monotonic() - failing_since >= _TIER_POLL_GIVE_UP_AFTER_S:
+                logger.error(
+                    "KV offload tier-poll thread stops after %.0f s of failures; tiers are served per step", _TIER_POLL_GIVE_UP_AFTER_S
+                )
                 return
             # After the release: a lock is not fair, and this pause is the scheduler's turn.
             self._tier_poll_stop.wait(self._tier_poll_interval_s)
@@ -449,7 +472,7 @@ class TieringOffloadingManager(OffloadingManager):
             if present:
                 errors: list[Exception] = []
                 parked = len(state.pending_cascade_keys)
-                self._cascade_present_keys(present, ctx, state.request_level_tiers, errors)
+                self._cascade_existing_chunks_to_request_level_tiers(present, ctx, state.request_level_tiers, errors)
                 if errors:  # a tier raised: hand back this call's chunks, so the caller owes no complete_store
                     del state.pending_cascade_keys[parked:]
                     if out.keys_to_store:
@@ -464,30 +487,44 @@ class TieringOffloadingManager(OffloadingManager):
             raise KeyError(f"{call}: request {rid!r} is not known; call on_new_request first")
         return req_context
 
-    def _cascade_present_keys(self, keys: Sequence[OffloadKey], ctx: ReqContext, tier_idxs: set[int], errors: list[Exception]) -> None:
+    def _cascade_existing_chunks_to_request_level_tiers(
+        self,
+        keys: Sequence[OffloadKey],
+        req_context: ReqContext,
+        request_level_tiers: set[int],
+        errors: list[Exception] | None = None,
+    ) -> None:
         """Cascade, to the REQUEST_LEVEL tiers, blocks the CPU tier already holds. One still
-        being written is parked for the end of the step; a missing one has nothing to send."""
-        state = self._req_state[ctx.req_id]
+        being written is parked for the end of the step (nothing else would offer it again);
+        a missing one has nothing to send. The CPU tier knows every key it holds, so RETRY
+        from it is a broken invariant -- parking on it might never drain -- and raises
+        AssertionError. A tier's refusal goes to ``errors``; without a list it is raised here."""
+        state = self._req_state[req_context.req_id]
         ready = []
         for key in keys:
-            result = self.primary_tier.lookup(key, ctx)
+            result = self.primary_tier.lookup(key, req_context)
             if result is LookupResult.HIT:
                 ready.append(key)
             elif result is LookupResult.HIT_PENDING:
                 state.pending_cascade_keys.append(key)
+            elif result is not LookupResult.MISS:
+                raise AssertionError(f"the primary tier answered {result.name} for cascade key {key.hex()} (HIT, HIT_PENDING or MISS)")
         if not ready:
             return
-        for tier_idx in tier_idxs:
+        own = [] if errors is None else errors
+        for tier_idx in request_level_tiers:
             tier = self.secondary_tiers[tier_idx]
             if self._should_store_to_tier(tier, len(ready)):
-                self._submit(self.create_store_job(ready, ctx, tier_idx), tier_idx, errors)
+                self._submit(self.create_store_job(ready, req_context, tier_idx), tier_idx, own)
+        if errors is None:
+            self._raise_first(own)
 
     def _flush_pending_cascades(self, errors: list[Exception]) -> None:
         for req_id, state in list(self._req_state.items()):
             if state.pending_cascade_keys:
                 assert state.request_level_tiers
                 keys, state.pending_cascade_keys = state.pending_cascade_keys, []
-                self._cascade_present_keys(keys, state.req_context, state.request_level_tiers, errors)
+                self._cascade_existing_chunks_to_request_level_tiers(keys, state.req_context, state.request_level_tiers, errors)
                 self._maybe_finalize_request(req_id)
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None, success: bool = True) -> None:
@@ -633,19 +670,18 @@ class TieringOffloadingManager(OffloadingManager):
         """Stop the tier-poll thread, then each tier, then the CPU tier (call it without
         holding :attr:`lock`). If a tier fails to shut down, the shared region is kept: the
         tier may still use it."""
-        self._tier_poll_stop.set()
-        thread = self._tier_poll_thread
-        if thread is not None:
-            thread.join(timeout=_POLL_JOIN_TIMEOUT_S)
-            if thread.is_alive():
-                if not self._lock.acquire(timeout=_POLL_JOIN_TIMEOUT_S):
-                    raise RuntimeError("the tier-poll thread is still running and the manager lock is held; call shutdown() without it")
-                try:
-                    self._shutdown_tiers()
-                finally:
-                    self._lock.release()
-                return
-            self._tier_poll_thread = None
+        self._stop_tier_poll_thread()
+        if self._tier_poll_thread is not None:  # still running: tear down under the lock
+            if not self._lock.acquire(timeout=_TIER_POLL_JOIN_TIMEOUT_S):
+                raise RuntimeError(
+                    "the tier-poll thread is still running and the manager lock is held, so the secondary tiers were not shut "
+                    "down; call shutdown() without holding manager.lock"
+                )
+            try:
+                self._shutdown_tiers()
+            finally:
+                self._lock.release()
+            return
         self._shutdown_tiers()
 
     def _shutdown_tiers(self) -> None:

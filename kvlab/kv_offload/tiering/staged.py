@@ -127,11 +127,15 @@ class StagedTieringManager:
     # -- lookups ----------------------------------------------------------------------------------
     def where(self, key: OffloadKey, req_context: ReqContext | None = None) -> str | None:
         """The tier a load of ``key`` would be served from now (CPU first), or None. Each
-        tier asked counts a chunk query in the metrics (once per request and key)."""
+        tier asked counts a chunk query in the metrics (once per request and key). The
+        storage tier is asked only if the request's ``load_tier_filter`` lets it serve
+        (vLLM 0.33: the filter gates the secondary tiers; the CPU tier always answers)."""
         ctx = _context(req_context)
         for i, (tier, label) in enumerate(((self.primary, PRIMARY_TIER_LABEL), (self.secondary, None))):
             if tier is None:
                 break
+            if i > 0 and not ctx.load_tier_filter.allows(tier.medium, getattr(tier, "locality", None)):
+                continue
             start = time.monotonic()  # observed for the metrics only; nothing decides on it
             result = tier.lookup(key, req_context)
             self._metrics.on_lookup(ctx, key, label or self._metrics.tier_label(i - 1), result, time.monotonic() - start)

@@ -152,6 +152,10 @@ def delete_block_file(path: str) -> None:
 # and a file of the wrong size is the only damage a read can see (it is removed, vLLM's rule).
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
+# vLLM moves batches through a C extension (``vllm.fs_io_C``) when it is built, and falls back to
+# Python. kvlab has only the Python path; the flag is here, False, so code and tests that ask which
+# path runs get the true answer.
+_HAS_FSIO_C = False
 
 
 def probe_o_direct(directory: str) -> bool:
@@ -190,12 +194,17 @@ def _byte_slices(view: memoryview, offsets: list[int], block_size: int) -> list[
 def batch_store_block(paths: list[str], view: memoryview, offsets: list[int], block_size: int, use_o_direct: bool = True) -> None:
     """Write ``view``'s bytes ``[offset, offset + block_size)`` to each path (skipping a path
     that exists: same name, same block): a temporary file renamed into place, so no reader
-    sees half a block. Stops at the first error."""
+    sees half a block. Stops at the first error.
+
+    Another engine sharing the folder may publish the same block between the existence
+    check and the rename; some shared file systems then fail the rename with EEXIST rather
+    than replace. The name is the block's content hash, so the file in place already holds
+    these bytes: the store is done, and the temporary file is removed."""
     if len(paths) != len(offsets):
         raise ValueError(f"{len(paths)} paths but {len(offsets)} offsets")
     direct = O_DIRECT if use_o_direct else 0
     for path, data in zip(paths, _byte_slices(view, offsets, block_size)):
-        if os.path.lexists(path):
+        if os.path.exists(path):
             continue
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.{os.getpid()}_{threading.get_ident()}.tmp"
@@ -206,7 +215,10 @@ def batch_store_block(paths: list[str], view: memoryview, offsets: list[int], bl
                     raise OSError(f"short write to {tmp}")
             finally:
                 os.close(fd)
-            os.replace(tmp, path)
+            try:
+                os.replace(tmp, path)
+            except FileExistsError:  # lost the race to another writer of the same block
+                os.remove(tmp)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.remove(tmp)

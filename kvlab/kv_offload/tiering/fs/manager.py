@@ -48,6 +48,10 @@ from kvlab.kv_offload.tiering.fs.thread_pool import DualQueueThreadPool
 
 logger = logging.getLogger(__name__)
 
+# vLLM checks a batch of paths in C (``vllm.fs_io_C.batch_lookup``, the GIL released) when the
+# extension is built. kvlab has the Python path only: False, the true answer to "which path runs".
+_HAS_BATCH_LOOKUP_C = False
+
 
 class FsAsyncLookupManager(AsyncLookupManager):
     """Existence checks for the file tier: does the block's file exist?"""

@@ -51,8 +51,8 @@ class DualQueueThreadPool:
     def __init__(self, n_read_threads: int, n_write_threads: int, thread_name_prefix: str = "fs_secondary_tier") -> None:
         check_int("n_read_threads", n_read_threads, 1)
         check_int("n_write_threads", n_write_threads, 1)
-        self._loads: deque[tuple[JobState, Task]] = deque()
-        self._stores: deque[tuple[JobState, Task]] = deque()
+        self._load_q: deque[tuple[JobState, Task]] = deque()
+        self._store_q: deque[tuple[JobState, Task]] = deque()
         self._finished: deque[tuple[JobId, bool, float]] = deque()
         self._cv = threading.Condition()
         self._running = 0
@@ -78,18 +78,18 @@ class DualQueueThreadPool:
             self._cv.notify_all()
 
     def enqueue_load(self, job_id: JobId, n_tasks: int, tasks: list[Task]) -> None:
-        self._enqueue(self._loads, job_id, n_tasks, tasks)
+        self._enqueue(self._load_q, job_id, n_tasks, tasks)
 
     def enqueue_store(self, job_id: JobId, n_tasks: int, tasks: list[Task]) -> None:
-        self._enqueue(self._stores, job_id, n_tasks, tasks)
+        self._enqueue(self._store_q, job_id, n_tasks, tasks)
 
     def _work(self, reads_first: bool) -> None:
-        order = (self._loads, self._stores) if reads_first else (self._stores, self._loads)
+        order = (self._load_q, self._store_q) if reads_first else (self._store_q, self._load_q)
         while True:
             with self._cv:
-                while not (self._closed or self._loads or self._stores):
+                while not (self._closed or self._load_q or self._store_q):
                     self._cv.wait()
-                if self._closed and not (self._loads or self._stores):
+                if self._closed and not (self._load_q or self._store_q):
                     return
                 state, task = (order[0] or order[1]).popleft()
                 self._running += 1
@@ -118,20 +118,20 @@ class DualQueueThreadPool:
         """Wait until no task is queued or running (TimeoutError after ``timeout_s``)."""
         deadline = time.monotonic() + timeout_s
         with self._cv:
-            while self._loads or self._stores or self._running:
+            while self._load_q or self._store_q or self._running:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(
-                        f"tier I/O still busy after {timeout_s:.0f} s ({len(self._loads)} loads, {len(self._stores)} stores queued)"
+                        f"tier I/O still busy after {timeout_s:.0f} s ({len(self._load_q)} loads, {len(self._store_q)} stores queued)"
                     )
                 self._cv.wait(left)
 
     def shutdown(self, wait: bool = True, timeout_s: float = 120.0) -> None:
         """Drop queued tasks (their jobs fail), let running ones end, stop the threads."""
         with self._cv:
-            dropped = list(self._loads) + list(self._stores)
-            self._loads.clear()
-            self._stores.clear()
+            dropped = list(self._load_q) + list(self._store_q)
+            self._load_q.clear()
+            self._store_q.clear()
             self._closed = True
             for state, _ in dropped:
                 done, success, seconds = state.task_done(False, 0.0)

@@ -21,9 +21,10 @@ lesson's pictures show stores, loads and which tier served each hit, step by ste
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvlab.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.common import (
@@ -33,7 +34,17 @@ from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     StoreJob,
 )
 from kvlab.kv_offload.cpu.common import CPUOffloadingInfo
-from kvlab.kv_offload.base import OffloadKey, ReqContext, ScheduleEndContext, get_offload_block_hash, make_offload_key
+from kvlab.kv_offload.base import (
+    Locality,
+    Medium,
+    OffloadKey,
+    ReqContext,
+    ScheduleEndContext,
+    TierFilter,
+    TierMatcher,
+    get_offload_block_hash,
+    make_offload_key,
+)
 from kvlab.kv_offload.stats import OffloadingConnectorStats, _ConnectorMetricName, _TransferMetricName
 from kvlab.kv_offload.tiering.staged import StorePlan, StagedTieringManager
 
@@ -43,6 +54,75 @@ if TYPE_CHECKING:
     from kvlab.outputs import KVConnectorOutput
     from kvlab.request import Request
     from kvlab.eventlog.events import EventLog
+
+
+logger = logging.getLogger(__name__)
+
+#: The ``kv_transfer_params`` entry that limits which tiers may serve a request's loads
+#: (vLLM 0.33): a list of matchers, e.g. ``[{"medium": "cpu"}]`` -- host memory only.
+KV_LOAD_TIERS_KEY = "kv_load_tiers"
+MATCHER_MEDIUM_KEY = "medium"
+MATCHER_LOCALITY_KEY = "locality"
+
+
+_E = TypeVar("_E", Medium, Locality)
+
+
+def _enum_or_none(enum_cls: type[_E], raw: Any) -> _E | None:
+    """``enum_cls`` named by ``raw`` in any case; None for a value it does not name."""
+    try:
+        return enum_cls(raw.upper())
+    except (ValueError, AttributeError):
+        return None
+
+
+def _parse_tier_filter(raw: Any) -> TierFilter:
+    """The :class:`TierFilter` that ``kv_transfer_params["kv_load_tiers"]`` asks for.
+
+    Each entry is a dict with an optional ``"medium"`` (CPU or STORAGE) and ``"locality"``
+    (LOCAL or REMOTE), any case; a missing one matches every tier. The parameter comes from
+    a client, so nothing here fails the request: a malformed entry is skipped with a
+    warning, and when nothing usable is left -- or ``raw`` is not a list -- every tier may
+    serve (``TierFilter.ALL``), as if the parameter were absent. Only an explicit empty list
+    means "no tier": the request then loads nothing and computes its whole prompt."""
+    if not isinstance(raw, list):
+        logger.warning("%s must be a list of matcher dicts, got %s; ignoring it", KV_LOAD_TIERS_KEY, type(raw).__name__)
+        return TierFilter.ALL
+    matchers: list[TierMatcher] = []
+    for entry in raw:
+        if not isinstance(entry, dict):
+            logger.warning("%s: entry %r is not a dict; skipping it", KV_LOAD_TIERS_KEY, entry)
+            continue
+        raw_medium, raw_locality = entry.get(MATCHER_MEDIUM_KEY), entry.get(MATCHER_LOCALITY_KEY)
+        medium = None if raw_medium is None else _enum_or_none(Medium, raw_medium)
+        if raw_medium is not None and medium is None:
+            logger.warning(
+                "%s: unknown medium %r (one of %s); skipping the entry", KV_LOAD_TIERS_KEY, raw_medium, [m.value for m in Medium]
+            )
+            continue
+        locality = None if raw_locality is None else _enum_or_none(Locality, raw_locality)
+        if raw_locality is not None and locality is None:
+            logger.warning(
+                "%s: unknown locality %r (one of %s); skipping the entry", KV_LOAD_TIERS_KEY, raw_locality, [x.value for x in Locality]
+            )
+            continue
+        matchers.append(TierMatcher(medium=medium, locality=locality))
+    if matchers:
+        return TierFilter(matchers=tuple(matchers))
+    return TierFilter(matchers=()) if not raw else TierFilter.ALL
+
+
+def _create_req_context(req: Request) -> ReqContext:
+    """The tiers' record of ``req``: its id, its ``kv_transfer_params`` and hints, and the
+    tiers it may load from (``kv_load_tiers``; every tier when it is absent)."""
+    params = getattr(req, "kv_transfer_params", None)
+    raw = params.get(KV_LOAD_TIERS_KEY) if params else None
+    return ReqContext(
+        req_id=req.request_id,
+        kv_transfer_params=params,
+        kv_hints=getattr(req, "kv_hints", None),
+        load_tier_filter=TierFilter.ALL if raw is None else _parse_tier_filter(raw),
+    )
 
 
 @dataclass(slots=True)
@@ -104,7 +184,7 @@ class OffloadingConnectorScheduler:
         """The request's record; the first call is the tiers' ``on_new_request``."""
         st = self._reqs.get(request.request_id)
         if st is None or st.req is not request:
-            ctx = ReqContext(request.request_id, kv_transfer_params=getattr(request, "kv_transfer_params", None))
+            ctx = _create_req_context(request)
             st = self._reqs[request.request_id] = RequestOffloadState(request, ctx)
             self.manager.on_new_request(ctx)
         return st
