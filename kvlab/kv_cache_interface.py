@@ -18,7 +18,8 @@ the block manager never reads them. ``block_size=None`` means "the manager's blo
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields, replace
 from enum import Enum, IntEnum
 from fractions import Fraction
 from math import prod
@@ -141,6 +142,15 @@ class KVCacheSpec:
     def with_block_size(self, block_size: int) -> KVCacheSpec:
         return replace(self, block_size=block_size)
 
+    @classmethod
+    def merge(cls, specs: Sequence[Any]) -> Any:
+        """The one spec of a group's layers (vLLM 0.33): every layer of a KV-cache group must
+        have the same spec, since they share one block table and one page layout.
+        AssertionError otherwise, as in vLLM."""
+        if not specs or not all(s == specs[0] for s in specs[1:]):
+            raise AssertionError(f"All layers in the same KV cache group must be the same, got {list(specs)!r}")
+        return specs[0]
+
     def to_dict(self) -> dict[str, Any]:
         """``type``, ``block_size`` and every field that differs from its default (JSON-able:
         it goes into the event log's ``PoolCreated``)."""
@@ -172,6 +182,10 @@ class AttentionSpec(KVCacheSpec):
     #: A backend may lay a block out larger than its K/V need (vLLM 0.33's
     #: ``page_size_padded``); the pool then hands out pages of this many bytes.
     page_size_padded: int | None = None
+    #: The layer belongs to a speculative drafter (vLLM 0.33). A tag only: a drafter's layer
+    #: stores its cache exactly like the target's, so it takes no part in equality -- the two
+    #: share a group.
+    is_draft: bool = field(default=False, compare=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -253,6 +267,28 @@ class FullAttentionSpec(AttentionSpec):
     def type_name(self) -> str:
         return "full"
 
+    @classmethod
+    def merge(cls, specs: Sequence[Any]) -> Any:
+        """A full-attention group's spec (vLLM 0.33): its layers may differ only in their
+        window or chunk, and those must agree where given (ValueError otherwise); the group
+        keeps the one given. Every other field must match (AssertionError, as in vLLM)."""
+        if not specs or not all(isinstance(s, FullAttentionSpec) and not isinstance(s, MLAAttentionSpec) for s in specs):
+            raise AssertionError(
+                "All attention layers in the same KV cache group must be FullAttentionSpec (MLAAttentionSpec merges apart)"
+            )
+        merged = {}
+        for name in ("sliding_window", "attention_chunk_size"):
+            values = {getattr(s, name) for s in specs} - {None}
+            if len(values) > 1:
+                raise ValueError(
+                    f"All attention layers in the same KV cache group must have the same window size, got {name} {sorted(values)}"
+                )
+            merged[name] = values.pop() if values else None
+        first = replace(specs[0], **merged)
+        if not all(type(s) is type(first) and replace(s, **merged) == first for s in specs):
+            raise AssertionError(f"All layers in the same KV cache group must be the same, got {list(specs)!r}")
+        return first
+
 
 @dataclass(frozen=True, kw_only=True)
 class MLAAttentionSpec(FullAttentionSpec):
@@ -281,6 +317,14 @@ class MLAAttentionSpec(FullAttentionSpec):
     @property
     def type_name(self) -> str:
         return "mla"
+
+    @classmethod
+    def merge(cls, specs: Sequence[Any]) -> Any:
+        """An MLA group's spec: every layer the same (vLLM 0.33 merges MLA apart from full
+        attention; AssertionError otherwise)."""
+        if not specs or not all(isinstance(s, MLAAttentionSpec) for s in specs):
+            raise AssertionError("All attention layers in the same KV cache group must be MLAAttentionSpec")
+        return KVCacheSpec.merge.__func__(cls, specs)  # type: ignore[attr-defined]  # the base rule, on this class
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -607,6 +651,94 @@ class KVCacheSpecKind(str, Enum):
     UNKNOWN = "unknown"
 
 
+def _uniform_with(spec: KVCacheSpec, other: KVCacheSpec) -> bool:
+    """Whether two layers need the same token slots, so one block table serves both
+    (vLLM 0.33's ``is_uniform_with_collection``): full attention of any kind (MLA, sinks)
+    with full attention, windows of one size, chunks of one size, rings with rings; any
+    other kind with its own class only."""
+    if isinstance(spec, SlidingWindowSpec):
+        return isinstance(other, SlidingWindowSpec) and other.sliding_window == spec.sliding_window
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        return isinstance(other, ChunkedLocalAttentionSpec) and other.attention_chunk_size == spec.attention_chunk_size
+    for family in (FullAttentionSpec, CircularBufferSpec):
+        if isinstance(spec, family):
+            return isinstance(other, family)
+    return type(other) is type(spec)
+
+
+@dataclass(frozen=True, kw_only=True)
+class UniformTypeKVCacheSpecs(KVCacheSpec):
+    """One group's layers when they need the same token slots but store different shapes
+    (vLLM 0.33; DeepSeek-V4's MLA layers of several head sizes): one block table, and a
+    block's page is every layer's page side by side. The workers keep the per-layer specs;
+    the scheduler's config replaces the wrapper by its first spec
+    (:func:`kvlab.core.kv_cache_utils.generate_scheduler_kv_cache_config`), since the block
+    manager needs only the type -- and a ``KVCacheManager`` built from a config does the same."""
+
+    kv_cache_specs: dict[str, KVCacheSpec] = field(default_factory=dict)
+
+    @property
+    def first_spec(self) -> KVCacheSpec:
+        return next(iter(self.kv_cache_specs.values()))
+
+    @property
+    def type_name(self) -> str:
+        return self.first_spec.type_name
+
+    @property
+    def dcp_sharded(self) -> bool:
+        return bool(self.kv_cache_specs) and bool(getattr(self.first_spec, "dcp_sharded", False))
+
+    @property
+    def prefix_cacheable(self) -> bool:
+        return all(s.prefix_cacheable for s in self.kv_cache_specs.values())
+
+    @property
+    def prefix_replay_tokens(self) -> int:
+        return max((s.prefix_replay_tokens for s in self.kv_cache_specs.values()), default=0)
+
+    @property
+    def page_size_bytes(self) -> int:
+        return sum(s.page_size_bytes for s in self.kv_cache_specs.values())
+
+    @classmethod
+    def is_uniform_type(cls, kv_cache_specs: dict[str, KVCacheSpec]) -> bool:
+        """One block size, one DCP sharding, and every layer uniform with the first."""
+        specs = list(kv_cache_specs.values())
+        if not specs or len({s.block_size for s in specs}) > 1 or len({getattr(s, "dcp_sharded", False) for s in specs}) > 1:
+            return False
+        return all(_uniform_with(specs[0], s) for s in specs)
+
+    @classmethod
+    def from_specs(cls, kv_cache_specs: dict[str, KVCacheSpec]) -> UniformTypeKVCacheSpecs | None:
+        """The wrapper of these layers, or None when they cannot share a block table."""
+        if not cls.is_uniform_type(kv_cache_specs):
+            return None
+        return cls(block_size=next(iter(kv_cache_specs.values())).block_size, kv_cache_specs=dict(kv_cache_specs))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "type": "uniform_type",
+            "block_size": self.block_size,
+            "kv_cache_specs": {k: s.to_dict() for k, s in self.kv_cache_specs.items()},
+        }
+
+
+def iter_layer_specs(kv_cache_spec: KVCacheSpec) -> tuple[KVCacheSpec, ...]:
+    """The per-layer specs a group's spec stands for: the wrapped ones of a
+    :class:`UniformTypeKVCacheSpecs`, else the spec itself (vLLM 0.33)."""
+    if isinstance(kv_cache_spec, UniformTypeKVCacheSpecs):
+        return tuple(kv_cache_spec.kv_cache_specs.values())
+    return (kv_cache_spec,)
+
+
+def is_full_attention_spec(kv_cache_spec: KVCacheSpec) -> bool:
+    """Whether the group is full attention, wrapper or not: every layer (at least one) a
+    ``FullAttentionSpec`` (MLA and sinks included)."""
+    layers = iter_layer_specs(kv_cache_spec)
+    return bool(layers) and all(isinstance(s, FullAttentionSpec) for s in layers)
+
+
 _SPEC_KIND_BY_CLASS_NAME = {
     "SlidingWindowMLASpec": "sliding_window_mla",
     "MLAAttentionSpec": "mla_attention",
@@ -622,7 +754,10 @@ _SPEC_KIND_BY_CLASS_NAME = {
 
 def get_kv_cache_spec_kind(kv_cache_spec: object) -> str:
     """``kv_cache_spec_kind`` of a ``BlockStored`` event: "full_attention", "sliding_window", ...
-    ("unknown" for a spec vLLM has no kind for)."""
+    ("unknown" for a spec vLLM has no kind for, or a wrapper of layers of several kinds)."""
+    if isinstance(kv_cache_spec, UniformTypeKVCacheSpecs):
+        kinds = {get_kv_cache_spec_kind(s) for s in kv_cache_spec.kv_cache_specs.values()}
+        return kinds.pop() if len(kinds) == 1 else "unknown"
     for cls in type(kv_cache_spec).__mro__:
         kind = _SPEC_KIND_BY_CLASS_NAME.get(cls.__name__)
         if kind is not None:
@@ -632,7 +767,10 @@ def get_kv_cache_spec_kind(kv_cache_spec: object) -> str:
 
 def get_kv_cache_spec_sliding_window(kv_cache_spec: object) -> int | None:
     """``kv_cache_spec_sliding_window`` of a ``BlockStored`` event: the window of a
-    sliding-window spec, else None."""
+    sliding-window spec (every wrapped layer's, when they agree), else None."""
+    if isinstance(kv_cache_spec, UniformTypeKVCacheSpecs):
+        windows = {get_kv_cache_spec_sliding_window(s) for s in kv_cache_spec.kv_cache_specs.values()}
+        return windows.pop() if len(windows) == 1 else None
     if any(c.__name__ == "SlidingWindowSpec" for c in type(kv_cache_spec).__mro__):
         return kv_cache_spec.sliding_window  # type: ignore[attr-defined]  # a SlidingWindowSpec, matched by class name
     return None
@@ -663,6 +801,9 @@ class KVCacheGroupSpec:
     #: last block of a hit, which the drafter recomputes. When EAGLE is on and no group is
     #: flagged, every group does (vLLM's fallback).
     is_eagle_group: bool = False
+    #: Whether a KV connector moves this group's blocks (vLLM 0.33); a group kept out of
+    #: transfers is left out of every block-id list a connector is handed.
+    enable_kv_transfer: bool = True
 
 
 @dataclass
@@ -692,14 +833,48 @@ class KVCacheConfig:
         return group.kv_cache_spec.page_size_bytes * len(group.layer_names)
 
     @property
+    def transfer_group_ids(self) -> tuple[int, ...]:
+        """The groups a KV connector moves (``enable_kv_transfer``), in group order."""
+        return tuple(i for i, g in enumerate(self.kv_cache_groups) if g.enable_kv_transfer)
+
+    @property
+    def transfer_groups(self) -> tuple[KVCacheGroupSpec, ...]:
+        return tuple(self.kv_cache_groups[i] for i in self.transfer_group_ids)
+
+    @property
+    def transfer_group_index_by_layer(self) -> dict[str, int]:
+        """Each transferred layer's index into :attr:`transfer_groups`."""
+        return {name: i for i, g in enumerate(self.transfer_groups) for name in g.layer_names}
+
+    @property
+    def prefix_cacheable_group_ids(self) -> tuple[int, ...]:
+        """Transferred groups whose blocks are stored by hash: not scratch state (a ring)."""
+        return tuple(i for i in self.transfer_group_ids if self.kv_cache_groups[i].kv_cache_spec.prefix_cacheable)
+
+    @property
+    def prefix_cacheable_groups(self) -> tuple[KVCacheGroupSpec, ...]:
+        return tuple(self.kv_cache_groups[i] for i in self.prefix_cacheable_group_ids)
+
+    def select_transfer_block_ids(self, block_ids: Sequence[list[int]]) -> tuple[list[int], ...]:
+        """The block-id lists of the transferred groups, from one list per group."""
+        if len(block_ids) != len(self.kv_cache_groups):
+            raise ValueError(f"block_ids must hold one list per KV cache group ({len(self.kv_cache_groups)}), got {len(block_ids)}")
+        return tuple(block_ids[i] for i in self.transfer_group_ids)
+
+    @property
     def has_mamba_layers(self) -> bool:
-        return any(isinstance(g.kv_cache_spec, MambaSpec) for g in self.kv_cache_groups)
+        return any(isinstance(s, MambaSpec) for g in self.kv_cache_groups for s in iter_layer_specs(g.kv_cache_spec))
 
     @property
     def has_mixed_precision_kv_cache(self) -> bool:
         """Attention groups that store K/V in more than one way: another dtype (say bf16 and
         fp8), or the same dtype quantised another way (``kv_quant_mode``)."""
-        kinds = {(s.dtype, s.kv_quant_mode) for g in self.kv_cache_groups if isinstance(s := g.kv_cache_spec, AttentionSpec)}
+        kinds = {
+            (s.dtype, s.kv_quant_mode)
+            for g in self.kv_cache_groups
+            for s in iter_layer_specs(g.kv_cache_spec)
+            if isinstance(s, AttentionSpec)
+        }
         return len(kinds) > 1
 
     @property
@@ -745,5 +920,8 @@ __all__ = [
     "CrossAttentionSpec",
     "KV_CACHE_SPEC_TYPES",
     "get_kv_cache_spec_kind",
+    "UniformTypeKVCacheSpecs",
+    "iter_layer_specs",
+    "is_full_attention_spec",
     "get_kv_cache_spec_sliding_window",
 ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import struct
+from types import SimpleNamespace
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -116,6 +117,19 @@ def _check_token_ids(name: str, token_ids: Sequence[int]) -> list[int]:
 KV_CACHE_REPORT_MODES = ("incremental", "full")
 
 
+def _check_lora(lora_name: Any, lora_path: Any, lora_int_id: Any) -> int | None:
+    """The adapter fields, checked together (a path or an id needs a name); returns the id."""
+    if lora_name is not None and (not isinstance(lora_name, str) or not lora_name):
+        raise TypeError(f"lora_name must be None or a non-empty str, got {lora_name!r}")
+    if lora_path is not None and (not isinstance(lora_path, str) or lora_name is None):
+        raise TypeError(f"lora_path must be None or a str, and needs a lora_name; got lora_path={lora_path!r}, lora_name={lora_name!r}")
+    # vLLM's LoRARequest.lora_int_id: ids start at 1 (vLLM raises "id must be > 0").
+    lora_int_id = check_optional_int("lora_int_id", lora_int_id, 1)
+    if lora_int_id is not None and lora_name is None:
+        raise ValueError(f"lora_int_id = {lora_int_id} needs a lora_name: the id numbers an adapter, and the name is what the hash uses")
+    return lora_int_id
+
+
 def _check_request_args(
     request_id: Any,
     prompt_token_ids: Any,
@@ -144,12 +158,7 @@ def _check_request_args(
     eos_token_id = check_optional_int("eos_token_id", eos_token_id, 0, _MAX_TOKEN_ID)
     if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
         raise TypeError(f"cache_salt must be None or a non-empty str, got {cache_salt!r}")
-    if lora_name is not None and (not isinstance(lora_name, str) or not lora_name):
-        raise TypeError(f"lora_name must be None or a non-empty str, got {lora_name!r}")
-    if lora_path is not None and (not isinstance(lora_path, str) or lora_name is None):
-        raise TypeError(f"lora_path must be None or a str, and needs a lora_name; got lora_path={lora_path!r}, lora_name={lora_name!r}")
-    # vLLM's LoRARequest.lora_int_id: ids start at 1 (vLLM raises "id must be > 0").
-    lora_int_id = check_optional_int("lora_int_id", lora_int_id, 1)
+    lora_int_id = _check_lora(lora_name, lora_path, lora_int_id)
     if kv_cache_report_mode not in KV_CACHE_REPORT_MODES or type(kv_cache_report_mode) is not str:
         raise ValueError(f"kv_cache_report_mode must be one of {KV_CACHE_REPORT_MODES}, got {kv_cache_report_mode!r}")
     prompt_logprobs = check_optional_int("prompt_logprobs", prompt_logprobs, -1, why=" (-1: the whole vocabulary)")
@@ -157,8 +166,6 @@ def _check_request_args(
         skip_reading_prefix_cache = prompt_logprobs is not None
     elif type(skip_reading_prefix_cache) is not bool:
         raise TypeError(f"skip_reading_prefix_cache must be None, True or False, got {skip_reading_prefix_cache!r}")
-    if lora_int_id is not None and lora_name is None:
-        raise ValueError(f"lora_int_id = {lora_int_id} needs a lora_name: the id numbers an adapter, and the name is what the hash uses")
     if prompt_embeds is not None:
         try:
             n_rows = len(prompt_embeds)
@@ -471,6 +478,31 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self._all_token_ids
+
+    @property
+    def lora_request(self) -> Any:
+        """vLLM's ``request.lora_request``: the adapter this request runs with, as a read-only
+        record (``lora_name``, ``lora_int_id`` -- vLLM's ``adapter_id`` --, ``lora_path``), or
+        None for the base model."""
+        if self.lora_name is None:
+            return None
+        return SimpleNamespace(
+            lora_name=self.lora_name, lora_int_id=self.lora_int_id, adapter_id=self.lora_int_id, lora_path=self.lora_path
+        )
+
+    @lora_request.setter
+    def lora_request(self, value: Any) -> None:
+        """Set a vLLM ``LoRARequest`` (or None): it sets ``lora_name``, ``lora_int_id`` and
+        ``lora_path``, checked as the constructor checks them (nothing changes on a refusal).
+        Set it before the request is hashed: hashes already computed keep their adapter."""
+        if value is None:
+            name = path = int_id = None
+        elif not hasattr(value, "lora_name"):
+            raise TypeError(f"lora_request must be None or a vLLM LoRARequest, got {type(value).__name__}")
+        else:
+            name, int_id, path = value.lora_name, getattr(value, "lora_int_id", None), getattr(value, "lora_path", None) or None
+        int_id = _check_lora(name, path, int_id)
+        self.lora_name, self.lora_int_id, self.lora_path = name, int_id, path
 
     @property
     def token_bytes(self) -> bytearray:

@@ -15,15 +15,42 @@ kvlab's, and printed the same block ids):
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 
 from kvlab import KVCacheManager, Request
+from kvlab.core.kv_cache_manager import KVCacheBlocks
+from kvlab.core.kv_cache_utils import (
+    BlockHashListWithBlockSize,
+    KVCacheBlock,
+    generate_block_hash_extra_keys,
+    generate_scheduler_kv_cache_config,
+    get_none_hash_seed,
+    init_none_hash,
+    null_head_len,
+    resolve_block_hashes,
+    resolve_dcp_kv_cache_spec,
+)
 from kvlab.core.sched.scheduler import Scheduler
 from kvlab.core.single_type_kv_cache_manager import MambaManager, SlidingWindowManager
 from kvlab.distributed.kv_events import BlockStored
-from kvlab.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec, MLAAttentionSpec, SlidingWindowSpec
+from kvlab.kv_cache_interface import (
+    CircularBufferSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
+    get_kv_cache_spec_kind,
+    get_kv_cache_spec_sliding_window,
+    is_full_attention_spec,
+    iter_layer_specs,
+)
+from kvlab.utils.hashing import sha256
 
 
 def _manager(num_blocks: int = 24, full_bs: int = 2, mamba_bs: int = 4, hash_bs: int = 2) -> KVCacheManager:
@@ -272,3 +299,126 @@ def test_dcp_geometry_is_per_group():
     m.new_step_starts()
     hits, n = m.get_computed_blocks(Request("b", list(range(26)) + [9, 9, 9], max_tokens=4))
     assert (n, hits.get_block_ids()) == (24, ([1, 5, 9], [2, 3, 6, 7, 10, 11], [0, 0, 12]))
+
+
+# -- the config layer: merge, drafts, wrappers, transfer groups -----------------------------------
+def test_merge_keeps_one_spec_and_refuses_layers_that_differ():
+    full = FullAttentionSpec(block_size=16, num_kv_heads=32)
+    assert FullAttentionSpec.merge([full, full]) == full
+    assert FullAttentionSpec.merge([full, FullAttentionSpec(block_size=16, num_kv_heads=32, sliding_window=4)]).sliding_window == 4
+    with pytest.raises(AssertionError, match="must be the same"):
+        FullAttentionSpec.merge([full, FullAttentionSpec(block_size=16, num_kv_heads=16)])
+    with pytest.raises(AssertionError, match="must be FullAttentionSpec"):
+        FullAttentionSpec.merge([full, SlidingWindowSpec(block_size=16, num_kv_heads=32, sliding_window=1)])
+    with pytest.raises(ValueError, match=r"same window size, got sliding_window \[1, 2\]"):
+        FullAttentionSpec.merge([full, replace(full, sliding_window=1), replace(full, sliding_window=2)])
+    mla = MLAAttentionSpec(block_size=16)
+    assert MLAAttentionSpec.merge([mla, mla]) is mla
+    with pytest.raises(AssertionError, match="must be MLAAttentionSpec"):
+        MLAAttentionSpec.merge([mla, full])
+
+
+def test_a_draft_layer_shares_its_targets_group():
+    target = FullAttentionSpec(block_size=16)
+    draft = replace(target, is_draft=True)
+    assert draft == target and hash(draft) == hash(target) and draft.is_draft
+    assert FullAttentionSpec.merge([target, draft]) == target
+
+
+def test_uniform_type_specs_wrap_layers_that_need_the_same_slots():
+    a, b = FullAttentionSpec(block_size=16), FullAttentionSpec(block_size=16, head_size=128)
+    wrapped = UniformTypeKVCacheSpecs.from_specs({"l1": a, "l2": b})
+    assert wrapped == UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs={"l1": a, "l2": b})
+    assert wrapped.page_size_bytes == a.page_size_bytes + b.page_size_bytes == 4096 + 8192
+    assert iter_layer_specs(wrapped) == (a, b) and iter_layer_specs(a) == (a,)
+    assert is_full_attention_spec(wrapped) and get_kv_cache_spec_kind(wrapped) == "full_attention"
+    swa = SlidingWindowSpec(block_size=16, sliding_window=1)
+    assert UniformTypeKVCacheSpecs.from_specs({"l1": a, "l2": swa}) is None
+    assert UniformTypeKVCacheSpecs.from_specs({"l1": swa, "l2": replace(swa, sliding_window=2)}) is None
+    assert UniformTypeKVCacheSpecs.from_specs({"l1": a, "l2": replace(a, block_size=32)}) is None
+    mixed = UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs={"l1": a, "l2": swa})
+    assert not is_full_attention_spec(mixed) and get_kv_cache_spec_kind(mixed) == "unknown"
+    assert get_kv_cache_spec_sliding_window(UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs={"x": swa, "y": swa})) == 1
+    # under DCP the wrapper and its layers grow together; a replicated Mamba wrapper does not
+    scaled = resolve_dcp_kv_cache_spec(wrapped, 4)
+    assert scaled.block_size == 64 and [s.block_size for s in scaled.kv_cache_specs.values()] == [64, 64]
+    mamba = UniformTypeKVCacheSpecs(block_size=4, kv_cache_specs={"m": MambaSpec(block_size=4, shapes=((4, 1),), dtypes=("float32",))})
+    assert resolve_dcp_kv_cache_spec(mamba, 4) is mamba
+    assert KVCacheConfig(num_blocks=4, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["m"], mamba)]).needs_kv_cache_zeroing
+
+
+def test_the_scheduler_config_unwraps_a_group_of_uniform_layers():
+    a, b = FullAttentionSpec(block_size=16), FullAttentionSpec(block_size=16, head_size=128)
+    worker = KVCacheConfig(
+        num_blocks=10,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["l1", "l2"], UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs={"l1": a, "l2": b}))],
+    )
+    assert generate_scheduler_kv_cache_config([worker]) == KVCacheConfig(
+        num_blocks=10, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l1", "l2"], a)]
+    )
+    assert isinstance(worker.kv_cache_groups[0].kv_cache_spec, UniformTypeKVCacheSpecs)  # the workers' own is left alone
+    with pytest.raises(AssertionError, match=r"kv_cache_configs\[1\] has 12 blocks, kv_cache_configs\[0\] 10"):
+        generate_scheduler_kv_cache_config([worker, replace(worker, num_blocks=12)])
+    # a manager built from the workers' config does the same (vLLM's keyword for it too)
+    m = KVCacheManager(kv_cache_config=worker, max_model_len=64)
+    assert m.kv_cache_groups == [a]
+
+
+def test_transfer_groups_leave_out_what_a_connector_does_not_move():
+    full = FullAttentionSpec(block_size=4)
+    ring = CircularBufferSpec(block_size=4)
+    groups = [KVCacheGroupSpec(["a"], full), KVCacheGroupSpec(["q"], ring), KVCacheGroupSpec(["b"], full, enable_kv_transfer=False)]
+    config = KVCacheConfig(num_blocks=1, kv_cache_tensors=[], kv_cache_groups=groups)
+    assert config.transfer_group_ids == (0, 1) and config.transfer_groups == (groups[0], groups[1])
+    assert config.transfer_group_index_by_layer == {"a": 0, "q": 1}
+    assert config.prefix_cacheable_group_ids == (0,) and config.prefix_cacheable_groups == (groups[0],)
+    assert config.select_transfer_block_ids(([1], [2], [3])) == ([1], [2])
+    with pytest.raises(ValueError, match=r"one list per KV cache group \(3\), got 2"):
+        config.select_transfer_block_ids(([1], [2]))
+
+
+def test_block_lists_by_group_and_without_their_null_head():
+    pool_blocks = [KVCacheBlock(i) for i in range(4)]
+    null = KVCacheBlock(0)
+    null.is_null = True
+    blocks = KVCacheBlocks(([pool_blocks[1]], [pool_blocks[2]], [pool_blocks[3]]))
+    assert blocks.get_block_ids(group_ids=(0, 2)) == ([1], [3])
+    assert null_head_len([]) == 0 and null_head_len([null, null, pool_blocks[1], null]) == 2
+    table = KVCacheBlocks(([null] * 2 + pool_blocks[1:], [null, pool_blocks[1], null]))
+    assert table.get_unhashed_block_ids_all_groups() == [[1, 2, 3], [1]]
+
+
+def test_the_none_hash_seed_is_reported(monkeypatch):
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    init_none_hash(sha256)
+    assert get_none_hash_seed() == "vllm-none-hash"
+    monkeypatch.setenv("PYTHONHASHSEED", "12345")
+    init_none_hash(sha256)
+    assert get_none_hash_seed() == "12345"
+    monkeypatch.delenv("PYTHONHASHSEED")
+    init_none_hash(sha256)
+
+
+def test_resolve_block_hashes_keeps_the_raw_list_for_fine_grained_hits():
+    raw = [bytes([i]) for i in range(8)]
+    assert resolve_block_hashes(raw, 2, 2, alignment_tokens=2) is raw
+    assert resolve_block_hashes(raw, 2, 4, supports_fine_grained_hash_lookup=True, alignment_tokens=2) is raw
+    view = resolve_block_hashes(raw, 2, 4, supports_fine_grained_hash_lookup=True, alignment_tokens=4)
+    assert isinstance(view, BlockHashListWithBlockSize) and len(view) == 4
+    assert resolve_block_hashes(view, 2, 4) is view
+    with pytest.raises(AssertionError, match="already a view at 2 hash blocks per block, not 4"):
+        resolve_block_hashes(view, 2, 8)
+
+
+def test_a_lora_request_set_after_construction():
+    r = Request("a", [1, 2, 3], max_tokens=2)
+    assert r.lora_request is None
+    r.lora_request = SimpleNamespace(lora_name="adapter", lora_int_id=1, lora_path="/p")
+    assert (r.lora_name, r.lora_int_id, r.lora_path, r.lora_request.adapter_id) == ("adapter", 1, "/p", 1)
+    assert generate_block_hash_extra_keys(r, 0, 3) == (("lora", "adapter", "/p"),)
+    with pytest.raises(ValueError, match="lora_int_id=0 is out of range"):
+        r.lora_request = SimpleNamespace(lora_name="other", lora_int_id=0, lora_path=None)
+    assert r.lora_name == "adapter"  # unchanged by the refusal
+    r.lora_request = None
+    assert generate_block_hash_extra_keys(r, 0, 3) is None

@@ -21,7 +21,7 @@ from typing import Any
 from kvlab.core.block_pool import BlockPool, group_suffix
 from kvlab.core.kv_cache_coordinator import get_kv_cache_coordinator, resolve_kv_cache_block_sizes
 from kvlab.core.kv_cache_metrics import KVCacheMetricsCollector
-from kvlab.core.kv_cache_utils import KVCacheBlock, KVCacheBlockCopy, get_request_block_hasher, resolve_dcp_kv_cache_spec
+from kvlab.core.kv_cache_utils import KVCacheBlock, KVCacheBlockCopy, get_request_block_hasher, resolve_dcp_kv_cache_spec, trim_null_head
 from kvlab.core.single_type_kv_cache_manager import (
     MambaManager,
     SingleTypeKVCacheManager,
@@ -41,6 +41,7 @@ from kvlab.kv_cache_interface import (
     KVCacheSpec,
     MambaSpec,
     SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
     get_kv_cache_spec_kind,
     get_kv_cache_spec_sliding_window,
 )
@@ -62,8 +63,15 @@ class KVCacheBlocks:
     def __add__(self, other: "KVCacheBlocks") -> "KVCacheBlocks":
         return KVCacheBlocks(tuple(a + b for a, b in zip(self.blocks, other.blocks)))
 
-    def get_block_ids(self) -> tuple[list[int], ...]:
-        return tuple([b.block_id for b in blks] for blks in self.blocks)
+    def get_block_ids(self, group_ids: Sequence[int] | None = None) -> tuple[list[int], ...]:
+        """One list of block ids per group -- or per group of ``group_ids`` (vLLM 0.33)."""
+        groups = self.blocks if group_ids is None else [self.blocks[i] for i in group_ids]
+        return tuple([b.block_id for b in blks] for blks in groups)
+
+    def get_unhashed_block_ids_all_groups(self) -> list[list[int]]:
+        """Per group, the ids of the blocks not in the prefix cache (no key), the null blocks
+        left out (vLLM 0.33): the blocks a connector must fill, whose KV no hit supplies."""
+        return [[b.block_id for b in trim_null_head(list(g)) if b.cache_key is None and not b.is_null] for g in self.blocks]
 
     def new_empty(self) -> "KVCacheBlocks":
         if len(self.blocks) == 1:
@@ -98,7 +106,13 @@ def _from_kv_cache_config(
         retention_interval = cfg_interval
     if hash_block_size is None:
         hash_block_size = getattr(config, "hash_block_size", None)
-    return config.num_blocks, list(config.kv_cache_groups), retention_interval, hash_block_size
+    # A group of layers of one kind but several shapes (UniformTypeKVCacheSpecs) is, for the
+    # manager, its first layer's spec -- vLLM's generate_scheduler_kv_cache_config does this.
+    groups = [
+        replace(g, kv_cache_spec=g.kv_cache_spec.first_spec) if isinstance(g.kv_cache_spec, UniformTypeKVCacheSpecs) else g
+        for g in config.kv_cache_groups
+    ]
+    return config.num_blocks, groups, retention_interval, hash_block_size
 
 
 def _check_manager_args(
@@ -203,7 +217,7 @@ class KVCacheManager:
 
     def __init__(
         self,
-        num_blocks: int,
+        num_blocks: int | None = None,
         block_size: int = 16,
         kv_cache_groups: Sequence[KVCacheSpec] | None = None,
         enable_caching: bool = True,
@@ -230,6 +244,7 @@ class KVCacheManager:
         dcp_world_size: int = 1,
         pcp_world_size: int = 1,
         watermark: float = 0.0,
+        kv_cache_config: Any = None,
     ) -> None:
         """vLLM 0.33's call shape is taken too: ``KVCacheManager(kv_cache_config,
         max_model_len=..., scheduler_block_size=..., hash_block_size=..., ...)``, the config
@@ -266,6 +281,12 @@ class KVCacheManager:
         (an EAGLE-family drafter reads the next token), else 0, as vLLM derives it."""
         if not isinstance(enable_mamba_shared_prefix_checkpoint, bool):
             raise TypeError(f"enable_mamba_shared_prefix_checkpoint must be a bool, got {enable_mamba_shared_prefix_checkpoint!r}")
+        if kv_cache_config is not None:  # vLLM's keyword for its first argument
+            if num_blocks is not None:
+                raise TypeError("give num_blocks or kv_cache_config, not both")
+            num_blocks = kv_cache_config
+        if num_blocks is None:
+            raise TypeError("KVCacheManager needs num_blocks (kvlab's form) or a KVCacheConfig (vLLM's)")
         if not isinstance(num_blocks, int) and hasattr(num_blocks, "kv_cache_groups"):
             num_blocks, kv_cache_groups, prefix_cache_retention_interval, hash_block_size = _from_kv_cache_config(
                 num_blocks, block_size, kv_cache_groups, prefix_cache_retention_interval, hash_block_size

@@ -230,6 +230,7 @@ NONE_HASH: BlockHash = b""
 _none_hash_fn: HashFn = sha256
 _random_root = False
 _roots: dict[HashFn, BlockHash] = {}
+_seeds: dict[HashFn, str | None] = {}  # the seed each root came from (None: a random root)
 
 
 def _is_crypto(hash_fn: HashFn) -> bool:
@@ -253,10 +254,21 @@ def none_hash_for(hash_fn: HashFn) -> BlockHash:
     if root is None:
         if _random_root and "PYTHONHASHSEED" not in os.environ:
             root = NONE_HASH or os.urandom(32)  # vLLM <= 0.28: one random root for every function
+            _seeds[hash_fn] = None
         else:
-            root = hash_fn(resolve_none_hash_seed(hash_fn))
+            seed = resolve_none_hash_seed(hash_fn)
+            root = hash_fn(seed)
+            _seeds[hash_fn] = seed
         _roots[hash_fn] = root
     return root
+
+
+def get_none_hash_seed() -> str | None:
+    """The seed the current ``NONE_HASH`` was derived from (vLLM 0.33: a peer that shares
+    blocks across engines advertises it): PYTHONHASHSEED, the fixed default, or the random
+    hex seed drawn for a non-cryptographic hash; None for a random root (``random_root``)."""
+    none_hash_for(_none_hash_fn)
+    return _seeds.get(_none_hash_fn)
 
 
 def init_none_hash(hash_fn: HashFn = sha256, *, random_root: bool = False) -> BlockHash:
@@ -269,6 +281,7 @@ def init_none_hash(hash_fn: HashFn = sha256, *, random_root: bool = False) -> Bl
     if not isinstance(random_root, bool):
         raise TypeError(f"random_root must be a bool, got {type(random_root).__name__}")
     _roots.clear()
+    _seeds.clear()
     _random_root = random_root
     _none_hash_fn = hash_fn
     NONE_HASH = b""
@@ -414,6 +427,11 @@ def generate_block_hash_extra_keys_and_next_mm(
     return (tuple(keys) if keys else None), next_mm
 
 
+#: The hasher's default extra keys (bound here: vLLM's own tests, run on kvlab, rebind the
+#: public name to the pair-returning form).
+_DEFAULT_EXTRA_KEYS_FN = generate_block_hash_extra_keys
+
+
 def first_mm_index_in_window(features: Sequence[Any], start: int, end: int) -> int:
     """Index of the first item that ends after ``start`` (vLLM's ``get_mm_features_in_window``
     lower bound): where a hasher resuming at token ``start`` begins its walk."""
@@ -474,7 +492,7 @@ class RequestBlockHasher:
         self.mm_resume = mm_resume
         self.hash_fn = hash_fn
         self._default_extra_keys = extra_keys_fn is None
-        self.extra_keys_fn: ExtraKeysFn = generate_block_hash_extra_keys if extra_keys_fn is None else extra_keys_fn
+        self.extra_keys_fn: ExtraKeysFn = _DEFAULT_EXTRA_KEYS_FN if extra_keys_fn is None else extra_keys_fn
         self._sha256_after_header = _sha256(_block_format(32, block_size).header) if hash_fn is sha256 else None
 
     def __call__(self, request: Any) -> list[BlockHash]:
@@ -623,9 +641,32 @@ class BlockHashListWithBlockSize(Sequence[BlockHash]):
             yield self.block_hashes[(i + 1) * self.scale_factor - 1]
 
 
-def resolve_block_hashes(block_hashes: Sequence[BlockHash], hash_block_size: int, block_size: int) -> Sequence[BlockHash]:
-    """The request's hashes at ``block_size``: the list itself when the sizes agree."""
-    if block_size == hash_block_size or isinstance(block_hashes, BlockHashListWithBlockSize):
+def resolve_block_hashes(
+    block_hashes: Sequence[BlockHash],
+    hash_block_size: int,
+    block_size: int,
+    *,
+    supports_fine_grained_hash_lookup: bool = False,
+    alignment_tokens: int | None = None,
+) -> Sequence[BlockHash]:
+    """The request's hashes at ``block_size``: the list itself when the sizes agree -- or,
+    for a manager that can end a hit inside a block (``supports_fine_grained_hash_lookup``)
+    when hits land on a finer ``alignment_tokens`` (vLLM 0.33's partial hits), the raw list,
+    which it scans at the hash block's granularity."""
+    if block_size == hash_block_size:
+        return block_hashes
+    if isinstance(block_hashes, BlockHashListWithBlockSize):
+        if block_hashes.scale_factor != block_size // hash_block_size:
+            raise AssertionError(
+                f"block_hashes is already a view at {block_hashes.scale_factor} hash blocks per block, not {block_size // hash_block_size}"
+            )
+        return block_hashes
+    if (
+        supports_fine_grained_hash_lookup
+        and alignment_tokens is not None
+        and alignment_tokens < block_size
+        and block_size % alignment_tokens == 0
+    ):
         return block_hashes
     return BlockHashListWithBlockSize(block_hashes, hash_block_size, block_size)
 
@@ -633,7 +674,8 @@ def resolve_block_hashes(block_hashes: Sequence[BlockHash], hash_block_size: int
 def resolve_dcp_kv_block_size(spec: Any, dcp_world_size: int) -> int:
     """Tokens one block of ``spec`` covers under decode context parallelism (vLLM 0.33): a
     sharded group's block holds ``block_size`` tokens on each of the ``dcp_world_size``
-    ranks, so ``block_size * dcp_world_size`` in all; a replicated one, ``block_size``."""
+    ranks, so ``block_size * dcp_world_size`` in all; a replicated one, ``block_size``. (A
+    wrapper of layers is sharded as its layers are.)"""
     return spec.block_size * (dcp_world_size if getattr(spec, "dcp_sharded", False) else 1)
 
 
@@ -641,15 +683,48 @@ def resolve_dcp_kv_cache_spec(spec: Any, dcp_world_size: int) -> Any:
     """``spec`` with the block size the cache manager sees under DCP (the same spec when that
     does not change it): tables, hashes and hits are counted in these logical blocks."""
     block_size = resolve_dcp_kv_block_size(spec, dcp_world_size)
-    return spec if block_size == spec.block_size else replace(spec, block_size=block_size)
+    if block_size == spec.block_size:
+        return spec
+    inner = getattr(spec, "kv_cache_specs", None)
+    if isinstance(inner, dict):  # a UniformTypeKVCacheSpecs: its layers' blocks grow with it
+        return replace(spec, block_size=block_size, kv_cache_specs={k: replace(s, block_size=block_size) for k, s in inner.items()})
+    return replace(spec, block_size=block_size)
+
+
+def null_head_len(blocks: Sequence[KVCacheBlock]) -> int:
+    """How many null blocks lead the table (a window's skipped prefix; vLLM 0.33)."""
+    i = 0
+    while i < len(blocks) and blocks[i].is_null:
+        i += 1
+    return i
 
 
 def trim_null_head(blocks: list[KVCacheBlock]) -> list[KVCacheBlock]:
     """The table without its leading null blocks (a window's skipped prefix)."""
-    i = 0
-    while i < len(blocks) and blocks[i].is_null:
-        i += 1
+    i = null_head_len(blocks)
     return blocks[i:] if i else blocks
+
+
+def generate_scheduler_kv_cache_config(kv_cache_configs: Sequence[Any]) -> Any:
+    """The config the scheduler's ``KVCacheManager`` is built from, out of the workers' ones
+    (vLLM 0.33): they agree on everything but layer names, so the first is copied, and a
+    :class:`~kvlab.kv_cache_interface.UniformTypeKVCacheSpecs` group becomes its first layer's
+    spec -- the manager needs the group's kind, not each layer's shape."""
+    from kvlab.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    if not kv_cache_configs:
+        raise ValueError("kv_cache_configs must hold one config per worker, got none")
+    first = kv_cache_configs[0]
+    for i, cfg in enumerate(kv_cache_configs[1:], 1):
+        if cfg.num_blocks != first.num_blocks or cfg.hisparse_host_num_blocks != first.hisparse_host_num_blocks:
+            raise AssertionError(
+                f"kv_cache_configs[{i}] has {cfg.num_blocks} blocks, kv_cache_configs[0] {first.num_blocks}: workers must agree"
+            )
+    groups = [
+        replace(g, kv_cache_spec=g.kv_cache_spec.first_spec) if isinstance(g.kv_cache_spec, UniformTypeKVCacheSpecs) else replace(g)
+        for g in first.kv_cache_groups
+    ]
+    return replace(first, kv_cache_groups=groups)
 
 
 def unify_kv_cache_spec_page_size(specs: Sequence[Any]) -> list[Any]:

@@ -13,7 +13,7 @@ Three more pieces keep a missing part from hiding what does work:
 * A module vLLM has under a mapped package and kvlab lacks (the p2p tier, say) is loaded
   from vLLM. Its tests run vLLM's code, not kvlab's, so ``run.sh`` leaves those files out
   and the report (``KVLAB_ADAPTER_REPORT``) lists every such module.
-* kvlab keeps four call shapes of its own on purpose; the adapter translates them (the
+* kvlab keeps five call shapes of its own on purpose; the adapter translates them (the
   ``TRANSLATIONS`` section at the end). Nothing else is changed.
 """
 
@@ -180,9 +180,14 @@ class KVCacheManager(_manager.KVCacheManager):
 
 _manager.KVCacheManager = KVCacheManager  # type: ignore[misc]
 
+
 # 2. ``block.block_hash``: vLLM's is the cache key (hash + group id), which kvlab calls
 #    ``cache_key``; kvlab's ``block_hash`` is the plain hash (the value in request.block_hashes).
-_utils.KVCacheBlock.block_hash = property(lambda self: self.cache_key)  # type: ignore[assignment,method-assign]
+def _cache_key_as_block_hash(utils: Any) -> None:
+    utils.KVCacheBlock.block_hash = property(lambda self: self.cache_key)
+
+
+_cache_key_as_block_hash(_utils)
 
 # 3. The publishers: vLLM keeps them in kv_events; kvlab in kv_publisher (kv_events is part
 #    of the core, which imports no ZeroMQ).
@@ -214,4 +219,36 @@ def _block_hash_num_tokens(block: Any) -> int | None:
 
 
 _block_pool.BlockPool.__init__ = _registering_init  # type: ignore[method-assign]
-_utils.KVCacheBlock.block_hash_num_tokens = property(_block_hash_num_tokens)  # type: ignore[attr-defined]
+
+
+def _num_tokens_from_pool(utils: Any) -> None:
+    utils.KVCacheBlock.block_hash_num_tokens = property(_block_hash_num_tokens)
+
+
+_num_tokens_from_pool(_utils)
+
+
+# 5. ``generate_block_hash_extra_keys``: vLLM returns (keys, the multimodal index the next
+#    block resumes from); kvlab's returns the keys alone -- it is the ``extra_keys_fn`` seam a
+#    learner's function replaces -- and ``generate_block_hash_extra_keys_and_next_mm`` gives
+#    the pair.
+def _extra_keys_with_next_mm(utils: Any) -> None:
+    utils.generate_block_hash_extra_keys = utils.generate_block_hash_extra_keys_and_next_mm
+
+
+_extra_keys_with_next_mm(_utils)
+
+# vLLM's tests reload kv_cache_utils (to re-read PYTHONHASHSEED): the reloaded module gets
+# translations 2, 4 and 5 again.
+_reload = importlib.reload
+
+
+def _reload_translated(module: Any) -> Any:
+    out = _reload(module)
+    if getattr(out, "__name__", None) == _utils.__name__:
+        for translate in (_cache_key_as_block_hash, _num_tokens_from_pool, _extra_keys_with_next_mm):
+            translate(out)
+    return out
+
+
+importlib.reload = _reload_translated  # type: ignore[assignment]
