@@ -166,8 +166,11 @@ class KVCacheCoordinator:
         num_prefill_lookahead: int = 0,
         dcp_world_size: int = 1,
         pcp_world_size: int = 1,
+        needs_kv_cache_zeroing: bool = False,
     ) -> None:
-        """``specs``: as the manager sees them -- under decode context parallelism a sharded
+        """``needs_kv_cache_zeroing``: the pool's groups mix kinds or dtypes, so each group's
+        manager records the attention blocks it hands out, to be zeroed (vLLM 0.33).
+        ``specs``: as the manager sees them -- under decode context parallelism a sharded
         group's block size is already ``dcp_world_size`` times its spec's (see
         ``KVCacheManager``); the sizes are recorded on each group's manager, as in vLLM."""
         self.block_pool = block_pool
@@ -208,6 +211,7 @@ class KVCacheCoordinator:
                 max_in_flight_tokens,
                 max_model_len,
                 manager_cls=self.manager_for_spec[type(spec)],
+                needs_kv_cache_zeroing=needs_kv_cache_zeroing,
             )
             for gid, spec in enumerate(self.specs)
         )
@@ -611,8 +615,10 @@ def get_kv_cache_coordinator(
     num_prefill_lookahead: int = 0,
     dcp_world_size: int = 1,
     pcp_world_size: int = 1,
+    needs_kv_cache_zeroing: bool = False,
 ) -> KVCacheCoordinator:
     kw = dict(
+        needs_kv_cache_zeroing=needs_kv_cache_zeroing,
         dcp_world_size=dcp_world_size,
         pcp_world_size=pcp_world_size,
         eagle_group_ids=eagle_group_ids,

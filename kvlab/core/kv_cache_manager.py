@@ -26,7 +26,6 @@ from kvlab.core.single_type_kv_cache_manager import (
     MambaManager,
     SingleTypeKVCacheManager,
     check_context_parallelism,
-    records_new_block_ids,
 )
 from kvlab.core.transaction import manager_call, manager_lookup
 from kvlab.distributed.kv_events import BlockStored, KVEvent
@@ -349,6 +348,12 @@ class KVCacheManager:
             num_hash_lookahead_tokens=num_hash_lookahead_tokens,
         )
         num_blocks = block_pool.num_gpu_blocks
+        # vLLM 0.33: with Mamba layers or attention groups of several dtypes, the runner zeroes
+        # the attention blocks handed out each step (KVCacheConfig.needs_kv_cache_zeroing);
+        # each group's manager records them.
+        needs_kv_cache_zeroing = KVCacheConfig(
+            num_blocks=num_blocks, kv_cache_tensors=(), kv_cache_groups=tuple(KVCacheGroupSpec((), s) for s in specs)
+        ).needs_kv_cache_zeroing
         coordinator = get_kv_cache_coordinator(
             specs,
             block_pool,
@@ -364,6 +369,7 @@ class KVCacheManager:
             num_prefill_lookahead=num_prefill_lookahead,
             dcp_world_size=dcp_world_size,
             pcp_world_size=pcp_world_size,
+            needs_kv_cache_zeroing=needs_kv_cache_zeroing,
         )
 
         self.block_size = block_size
@@ -406,11 +412,7 @@ class KVCacheManager:
         for m in coordinator.single_type_managers:
             if isinstance(m, MambaManager):
                 m.shared_prefix_checkpoint = self.mamba_shared_prefix_checkpoint
-        # vLLM 0.33: with Mamba layers or attention groups of several dtypes, the runner zeroes
-        # the attention blocks handed out each step (KVCacheConfig.needs_kv_cache_zeroing).
-        self.needs_kv_cache_zeroing = self.kv_cache_config.needs_kv_cache_zeroing
-        for m in coordinator.single_type_managers:
-            m._record_new_block_ids = records_new_block_ids(m.kv_cache_spec, self.needs_kv_cache_zeroing)
+        self.needs_kv_cache_zeroing = needs_kv_cache_zeroing
         self.enable_kv_cache_events = enable_kv_cache_events
         self.metrics_collector = metrics_collector
         # (kind, sliding window) per group, filled into every BlockStored by take_events().

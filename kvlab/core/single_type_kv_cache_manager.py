@@ -1393,6 +1393,7 @@ def get_manager_for_kv_cache_spec(
     max_in_flight_tokens: int | None = None,
     max_model_len: int | None = None,
     manager_cls: type[SingleTypeKVCacheManager] | None = None,
+    needs_kv_cache_zeroing: bool = False,
 ) -> SingleTypeKVCacheManager:
     """The manager of a spec. Window and chunk groups recycle blocks, so the admission gate
     counts at most what one request can hold (vLLM: ``max_admission_blocks_per_request``,
@@ -1402,4 +1403,12 @@ def get_manager_for_kv_cache_spec(
     if isinstance(kv_cache_spec, (SlidingWindowSpec, ChunkedLocalAttentionSpec)) and max_in_flight_tokens is not None:
         cap = kv_cache_spec.max_admission_blocks_per_request(max_in_flight_tokens, max_model_len or max_in_flight_tokens + 2**40)
     cls = manager_cls or MANAGER_FOR_SPEC[type(kv_cache_spec)]
-    return cls(kv_cache_spec, block_pool, kv_cache_group_id, enable_caching, scheduler_block_size, cap)
+    return cls(
+        kv_cache_spec,
+        block_pool,
+        kv_cache_group_id,
+        enable_caching,
+        scheduler_block_size,
+        cap,
+        needs_kv_cache_zeroing=needs_kv_cache_zeroing,
+    )
