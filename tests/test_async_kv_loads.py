@@ -316,3 +316,26 @@ def test_undoing_a_report_restores_a_running_request_that_was_not_scheduled():
     del conn.update_connector_output
     sched.update_from_output(out, {"X": [7]}, kv_connector_output=KVConnectorOutput(invalid_block_ids={3}))
     assert b.num_computed_tokens == 4 and sched.num_kv_load_failures == 1  # cut at its second block
+
+
+def test_the_timeline_shows_a_request_loading_while_its_kv_arrives():
+    """The event log records the asynchronous load; the replay shows the request as
+    "loading" -- queued, holding its blocks -- from the step it starts until it is admitted."""
+    from kvlab.eventlog import EventLog
+    from kvlab.timeline import Timeline
+
+    log = EventLog()
+    mgr = KVCacheManager(10, BS, event_log=log)
+    sched = Scheduler(mgr, max_num_batched_tokens=64, max_num_seqs=8, connector=Scripted({"A": [(14, True)]}))
+    sched.add_request(req("A", 14, mgr))
+    step(sched)
+    step(sched)
+    step(sched, finished_recving={"A"})
+    step(sched)
+    loading = [e for e in log.events if e.kind == "request_loading"]
+    assert [(e.request_id, e.num_computed_tokens, e.num_external_tokens, e.step) for e in loading] == [("A", 14, 14, 1)]
+    tl = Timeline(log)
+    assert tl.lifecycles["A"] == [(0, "waiting"), (1, "loading"), (4, "running")]
+    assert tl.request_status([1, 2, 3, 4])["A"] == ["loading", "loading", "loading", "running"]
+    a = tl.at(2).requests["A"]
+    assert (a.status, a.num_computed_tokens, a.block_table) == ("loading", 14, [[1, 2, 3, 4]])

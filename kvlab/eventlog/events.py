@@ -465,6 +465,25 @@ class RequestScheduled(Event):
 
 @_register
 @dataclass(slots=True)
+class RequestLoading(Event):
+    """A KV connector loads part of the request's prompt asynchronously: the request holds
+    its blocks and waits, computing nothing, until the worker reports the KV received --
+    then it is scheduled (vLLM: status ``WAITING_FOR_REMOTE_KVS``)."""
+
+    kind: ClassVar[str] = "request_loading"
+    request_id: str = ""
+    num_computed_tokens: int = 0  # the local hit plus the tokens on their way
+    num_external_tokens: int = 0  # of which the connector loads
+
+    def apply(self, state: ReplayState) -> None:
+        state.start_loading(self.request_id, self.num_computed_tokens)
+
+    def describe(self) -> str:
+        return f"load {self.request_id}: {self.num_external_tokens} tokens of KV on their way; it waits holding its blocks"
+
+
+@_register
+@dataclass(slots=True)
 class RequestPreempted(Event):
     kind: ClassVar[str] = "request_preempted"
     tone: ClassVar[str] = "alert"

@@ -479,6 +479,15 @@ class ReplayState:
         self._status(v, "running")
         v.num_computed_tokens = num_computed_tokens
 
+    def start_loading(self, rid: str, num_computed_tokens: int) -> None:
+        """A waiting request whose KV a connector loads asynchronously: it stays queued,
+        holding its blocks, as "loading" until it is admitted."""
+        if rid not in self.waiting:
+            raise ValueError(f"request {rid!r} starts loading but it is not waiting")
+        v = self.request(rid)
+        self._status(v, "loading")
+        v.num_computed_tokens = num_computed_tokens
+
     def schedule(self, rid: str, num_tokens: int, phase: str) -> None:
         if rid not in self.running:
             raise ValueError(f"request {rid!r} is scheduled but it is not running")

@@ -390,8 +390,9 @@ class Timeline:
 
     @property
     def lifecycles(self) -> dict[str, list[tuple[int, str]]]:
-        """Per request, its status changes as ``(step, status)``: waiting, running,
-        preempted, finished (each at the step whose events made the change)."""
+        """Per request, its status changes as ``(step, status)``: waiting, loading (a
+        connector's asynchronous load), running, preempted, finished (each at the step whose
+        events made the change)."""
         self._sync()
         return {rid: list(changes) for rid, changes in (self._head.lifecycle or {}).items()}
 

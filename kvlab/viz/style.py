@@ -48,6 +48,7 @@ BLUISH_GREEN = "#009e73"
 ORANGE = "#e69f00"
 DARK_GREY = "#3b3b3b"
 YELLOW = "#f0e442"
+DARK_BLUISH_GREEN = "#00503a"  # Okabe-Ito bluish green, darkened: apart from every status colour, in greyscale too
 DARK_YELLOW = "#a89a00"  # the waiting colour, dark enough for a thin line on white
 BLUE = "#0072b2"
 VERMILLION = "#d55e00"
@@ -95,9 +96,10 @@ MISS = INK  # where that walk stopped (an x)
 USAGE = BLUISH_GREEN  # KV-cache usage = the share of blocks held by requests
 
 # -- request lifecycle (the timeline's Gantt) -----------------------------------------------
-STATUS_ORDER = ("waiting", "running", "preempted", "finished")
+STATUS_ORDER = ("waiting", "loading", "running", "preempted", "finished")
 STATUS_COLORS: dict[str, str] = {
     "waiting": YELLOW,
+    "loading": DARK_BLUISH_GREEN,  # waiting for a connector's KV, holding its blocks
     "running": BLUE,
     "preempted": VERMILLION,  # waiting again, its KV thrown away
     "finished": MID_GREY,

@@ -2,8 +2,8 @@
 
 Top: KV-cache usage and the step's prefix-cache hit rate. Middle: how many requests are
 running and waiting, and where preemptions happened. Bottom: a Gantt chart -- one row per
-request, one column per step, coloured waiting / running / preempted (waiting again after
-losing its KV) / finished. The numbers are the ones the engine itself reports at the end
+request, one column per step, coloured waiting / loading (a connector's KV on its way,
+blocks held) / running / preempted (waiting again after losing its KV) / finished. The numbers are the ones the engine itself reports at the end
 of every step (``StepFinished`` events, vLLM's ``/metrics`` gauges, read through
 ``Timeline.series``), so the picture and a Prometheus dashboard of the same run would
 agree; hovering a point shows the simulated clock at that step.
@@ -94,7 +94,7 @@ def run_data(timeline: Timeline | None) -> dict[str, Any]:
             if s in held:
                 usage[i] = 100.0 * held[s]
             running[i] = sum(1 for r in status.values() if r[i] == "running")
-            waiting[i] = sum(1 for r in status.values() if r[i] in ("waiting", "preempted"))
+            waiting[i] = sum(1 for r in status.values() if r[i] in ("waiting", "loading", "preempted"))
     return dict(
         steps=steps,
         requests=list(status),

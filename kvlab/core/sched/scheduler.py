@@ -60,6 +60,7 @@ from kvlab.request import _MAX_TOKEN_ID, Request, RequestStatus
 from kvlab.eventlog.events import (
     KVLoadFailed,
     RequestAdded,
+    RequestLoading,
     RequestFinished,
     RequestPreempted,
     RequestScheduled,
@@ -844,6 +845,10 @@ class Scheduler:
                 request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
                 request.num_computed_tokens = num_computed
                 self._inflight_prefills[request.request_id] = request
+                if self.events is not None:
+                    self.events.emit(
+                        RequestLoading(request_id=request.request_id, num_computed_tokens=num_computed, num_external_tokens=num_external)
+                    )
                 skip(queue)
                 continue
             if encoder_inputs or duplicates:
