@@ -422,3 +422,11 @@ def test_a_lora_request_set_after_construction():
     assert r.lora_name == "adapter"  # unchanged by the refusal
     r.lora_request = None
     assert generate_block_hash_extra_keys(r, 0, 3) is None
+
+
+def test_the_publisher_class_carries_the_endpoint_offset():
+    from kvlab.distributed.kv_publisher import ZmqEventPublisher
+
+    assert ZmqEventPublisher.offset_endpoint_port("tcp://*:5557", 1) == "tcp://*:5558"
+    assert ZmqEventPublisher.offset_endpoint_port("tcp://*:0", 1) == "tcp://*:0"  # the OS picks each rank's port
+    assert ZmqEventPublisher.offset_endpoint_port("inproc://cache", 2) == "inproc://cache_dp2"

@@ -212,6 +212,9 @@ class ZmqEventPublisher(EventPublisher):
     can play an older server.
     """
 
+    #: vLLM 0.33 keeps the data-parallel endpoint rule on the class too.
+    offset_endpoint_port = staticmethod(offset_endpoint_port)
+
     SHUTDOWN_TIMEOUT: float = 1.0
     END_SEQ = END_SEQ
 

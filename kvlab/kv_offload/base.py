@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, TypeVar
 
 import numpy as np
 
+from kvlab.kv_offload.config import OffloadingConfig
 from kvlab.metrics.cache_hit_source import CacheHitSource
 
 if TYPE_CHECKING:
@@ -466,3 +467,83 @@ class OffloadingHistogramMetadata(OffloadingMetricMetadata):
     """A distribution (lookup delays); ``buckets`` None: the client library's default ones."""
 
     buckets: tuple[float, ...] | None = None
+
+
+# -- the worker's verbs and the spec that builds both halves (vLLM 0.33) -----------------------
+
+
+class NotASubclassError(TypeError, AssertionError):
+    """A class named by configuration (an out-of-tree spec or tier) is not of the base it must
+    extend. vLLM ``assert``s this; kvlab says which class and which base, and stays catchable
+    as either error."""
+
+
+class OffloadingWorker(ABC):
+    """The worker side of one offloading backend: it moves the bytes the manager's books
+    describe. ``submit_*`` start a job and return at once (True: accepted); ``get_finished``
+    reports each job once; ``wait`` blocks until the named jobs are done."""
+
+    @abstractmethod
+    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool: ...
+
+    @abstractmethod
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec, expedited: bool = False) -> bool: ...
+
+    @abstractmethod
+    def get_finished(self) -> list[TransferResult]: ...
+
+    @abstractmethod
+    def wait(self, job_ids: set[int]) -> None: ...
+
+    def shutdown(self) -> None:
+        return
+
+
+class OffloadingSpec(ABC):
+    """One offloading backend, built from the engine's :class:`~kvlab.kv_offload.config.OffloadingConfig`
+    by :class:`~kvlab.kv_offload.factory.OffloadingSpecFactory` (``extra_config["spec_name"]``).
+
+    Why a spec and not the manager directly: the scheduler process needs only the books
+    (``get_manager``) and each worker process only the copies (``get_worker``); the spec is
+    the one object both build from, so both sides agree on the sizes it derives here (tokens
+    per block per group, blocks per chunk) and in subclasses (chunks, bytes per chunk)."""
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: Mapping[str, Any]) -> dict[str, OffloadingMetricMetadata]:
+        """The metrics this backend reports (name -> kind, help text, labels): none by default."""
+        return {}
+
+    @classmethod
+    def config_info_keys(cls, extra_config: Mapping[str, Any]) -> tuple[str, ...]:
+        """The label names the manager's ``config_info`` fills (see :class:`ConfigInfo`)."""
+        return ()
+
+    def __init__(self, config: OffloadingConfig) -> None:
+        if not isinstance(config, OffloadingConfig):
+            raise TypeError(
+                f"config must be an OffloadingConfig (kvlab.kv_offload.config: the engine's facts a backend "
+                f"reads -- not a VllmConfig), got {type(config).__name__}"
+            )
+        if not isinstance(config.extra_config, Mapping):
+            raise TypeError(f"config.extra_config must be a dict (kv_connector_extra_config), got {type(config.extra_config).__name__}")
+        self.config = config
+        self.extra_config = config.extra_config
+        self.replicated_layout: bool = False  # a subclass that can share one copy says so
+        self.kv_events_config = OffloadingKVEventsConfig(
+            enable_kv_cache_events=config.enable_kv_cache_events,
+            self_describing_kv_events=bool(self.extra_config.get("self_describing_kv_events", False)),
+        )
+        # Offload the prompt's blocks only (the default): what a request generated is often
+        # dropped before its next turn (a reasoning model strips its thinking).
+        self.offload_prompt_only: bool = bool(self.extra_config.get("offload_prompt_only", True))
+        self.tokens_per_block: tuple[int, ...] = tuple(g.tokens_per_block for g in config.groups)
+        self.tokens_per_hash: int = config.cache.tokens_per_hash
+        self.blocks_per_chunk: int = config.cache.blocks_per_chunk
+
+    @abstractmethod
+    def get_manager(self) -> OffloadingManager:
+        """The books, for the scheduler side (built once, then the same object)."""
+
+    @abstractmethod
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        """The copies between ``kv_caches`` and this backend, for a worker (built once)."""

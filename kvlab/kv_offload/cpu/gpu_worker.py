@@ -48,6 +48,7 @@ from kvlab.kv_offload.base import (
     CanonicalPageMapping,
     GPULoadStoreSpec,
     LoadStoreSpec,
+    OffloadingWorker,
     TransferResult,
 )
 from kvlab.kv_offload.cpu.host_register import host_register, host_unregister
@@ -461,7 +462,7 @@ class SingleDirectionOffloadingHandler:
             raise error
 
 
-class CPUOffloadingWorker:
+class CPUOffloadingWorker(OffloadingWorker):
     """vLLM 0.33's CPU offloading worker: a store handler, a load handler and an expedited-load
     handler (its own queue, so a load the step waits for does not queue behind others) over
     the same tensors. The CPU side is ``mmap_region``'s views (this worker's slots, or the

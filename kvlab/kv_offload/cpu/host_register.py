@@ -31,11 +31,21 @@ def _torch() -> Any:
 
 
 class _Platform:
-    """The one question vLLM's ``current_platform`` answers here: is there a CUDA device?"""
+    """The questions vLLM's ``current_platform`` answers for the CPU tier: is there a CUDA
+    (or ROCm) device, is it ROCm, is it an Intel XPU? All False while torch is not loaded."""
 
     def is_cuda_alike(self) -> bool:
         torch = _torch()
         return torch is not None and bool(torch.cuda.is_available())
+
+    def is_rocm(self) -> bool:
+        torch = _torch()
+        return torch is not None and getattr(torch.version, "hip", None) is not None and self.is_cuda_alike()
+
+    def is_xpu(self) -> bool:
+        torch = _torch()
+        xpu = getattr(torch, "xpu", None) if torch is not None else None
+        return xpu is not None and bool(xpu.is_available())
 
 
 current_platform = _Platform()

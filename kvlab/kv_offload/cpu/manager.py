@@ -214,7 +214,9 @@ class CPUOffloadingManager(OffloadingManager):
             req_context.set_owned_state(self, st)
         return st
 
-    def _record_access(self, keys: Iterable[OffloadKey], req_context: ReqContext, reused_keys: Iterable[OffloadKey] = ()) -> None:
+    def _record_request_cache_access(
+        self, keys: Iterable[OffloadKey], req_context: ReqContext, reused_keys: Iterable[OffloadKey] = ()
+    ) -> None:
         st = self._access(req_context)
         new = []
         for key in keys:
@@ -293,7 +295,7 @@ class CPUOffloadingManager(OffloadingManager):
                 self._num_evictable_cache_chunks -= 1
             chunk.ref_cnt += 1
         if record_access:
-            self._record_access(keys, ctx, reused_keys=keys)
+            self._record_request_cache_access(keys, ctx, reused_keys=keys)
         return CPULoadStoreSpec(c.chunk_id for c in chunks)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> None:
@@ -351,7 +353,7 @@ class CPUOffloadingManager(OffloadingManager):
             self._policy.on_store_miss(misses, ctx)
             st.store_miss_keys.update(misses)
         met = set(to_store) | set(ready)
-        self._record_access([k for k in keys if k in met], ctx, reused_keys=ready)
+        self._record_request_cache_access([k for k in keys if k in met], ctx, reused_keys=ready)
         if not to_store:
             return PrepareStoreOutput([], CPULoadStoreSpec([]), [])
         self.allocation_sizes_in_current_batch.append(len(to_store))

@@ -103,6 +103,12 @@ class AsyncLookupManager(ABC):
                 if not state.request_ids:  # nobody waits for it any more
                     del self._lookup_state[key]
                     continue
+                # A generation is sent once, so it is answered once: a second answer would
+                # overwrite a ``mark_miss`` verdict and bring the failed load back.
+                assert state.phase is LookupPhase.IN_FLIGHT and state.result is None, (
+                    f"{self._tier_type}: a second lookup answer for generation {generation} of a key "
+                    f"({state.phase.name}); each probe is sent once"
+                )
                 state.result = result
                 state.phase = LookupPhase.RESOLVED
 

@@ -161,8 +161,16 @@ class SecondaryTierManager(ABC):
         tier_type: str,
         backpressure_detector: BackpressureDetector | None = None,
     ) -> None:
-        if not isinstance(primary_kv_view, memoryview) or primary_kv_view.ndim != 2 or primary_kv_view.strides is None:
-            raise TypeError("primary_kv_view must be the CPU tier's 2-D memoryview (one row per chunk)")
+        # A memoryview must be the CPU tier's rows; any other object only needs row strides
+        # (vLLM's own tests hand a mock, and a tier may wrap the rows in a view type of its own).
+        if isinstance(primary_kv_view, memoryview):
+            if primary_kv_view.ndim != 2:
+                raise TypeError(f"primary_kv_view must be the CPU tier's 2-D memoryview (one row per chunk), got {primary_kv_view.ndim}-D")
+        elif not hasattr(primary_kv_view, "strides"):
+            raise TypeError(
+                f"primary_kv_view must be the CPU tier's 2-D memoryview (one row per chunk), got {type(primary_kv_view).__name__}"
+            )
+        assert primary_kv_view.strides is not None, "primary_kv_view.strides cannot be None"
         if backpressure_detector is not None and not isinstance(backpressure_detector, BackpressureDetector):
             raise TypeError(f"backpressure_detector must be None or a BackpressureDetector, got {type(backpressure_detector).__name__}")
         self._offloading_spec = offloading_spec

@@ -21,6 +21,7 @@ import importlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from kvlab.kv_offload.base import NotASubclassError
 from kvlab.kv_offload.tiering.backpressure import BackpressureDetector, BackpressurePolicy
 from kvlab.kv_offload.tiering.base import SecondaryTierManager
 
@@ -104,7 +105,7 @@ class SecondaryTierFactory:
             )
         tier_cls = getattr(importlib.import_module(module_path), tier_type, None)
         if not (isinstance(tier_cls, type) and issubclass(tier_cls, SecondaryTierManager)):
-            raise TypeError(f"{module_path}.{tier_type} is not a SecondaryTierManager subclass")
+            raise NotASubclassError(f"{module_path}.{tier_type} is not a SecondaryTierManager subclass")
         return tier_cls
 
     @classmethod

