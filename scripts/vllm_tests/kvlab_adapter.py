@@ -127,8 +127,10 @@ class _Finder(importlib.abc.MetaPathFinder):
         if real is None:
             parent = name.rsplit(".", 1)[0]
             if path is not None and parent in MAPPED:  # kvlab's package, vLLM's module
-                VLLM_FALLBACKS.add(name)
-                return importlib.machinery.PathFinder.find_spec(name, [os.path.join(VLLM_ROOT, *parent.split("."))])
+                spec = importlib.machinery.PathFinder.find_spec(name, [os.path.join(VLLM_ROOT, *parent.split("."))])
+                if spec is not None:  # (a package attribute asked as a submodule finds none)
+                    VLLM_FALLBACKS.add(name)
+                return spec
             return None
         MAPPED[name] = real
         kspec = importlib.util.find_spec(real)
