@@ -324,7 +324,7 @@ class MLAAttentionSpec(FullAttentionSpec):
         attention; AssertionError otherwise)."""
         if not specs or not all(isinstance(s, MLAAttentionSpec) for s in specs):
             raise AssertionError("All attention layers in the same KV cache group must be MLAAttentionSpec")
-        return KVCacheSpec.merge.__func__(cls, specs)  # type: ignore[attr-defined]  # the base rule, on this class
+        return super(FullAttentionSpec, cls).merge(specs)  # the base rule: every layer the same
 
 
 @dataclass(frozen=True, kw_only=True)

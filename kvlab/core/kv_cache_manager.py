@@ -21,7 +21,14 @@ from typing import Any
 from kvlab.core.block_pool import BlockPool, group_suffix
 from kvlab.core.kv_cache_coordinator import get_kv_cache_coordinator, resolve_kv_cache_block_sizes
 from kvlab.core.kv_cache_metrics import KVCacheMetricsCollector
-from kvlab.core.kv_cache_utils import KVCacheBlock, KVCacheBlockCopy, get_request_block_hasher, resolve_dcp_kv_cache_spec, trim_null_head
+from kvlab.core.kv_cache_utils import (
+    KVCacheBlock,
+    KVCacheBlockCopy,
+    get_request_block_hasher,
+    resolve_dcp_kv_cache_spec,
+    scheduler_kv_cache_groups,
+    trim_null_head,
+)
 from kvlab.core.single_type_kv_cache_manager import (
     MambaManager,
     SingleTypeKVCacheManager,
@@ -40,7 +47,6 @@ from kvlab.kv_cache_interface import (
     KVCacheSpec,
     MambaSpec,
     SlidingWindowSpec,
-    UniformTypeKVCacheSpecs,
     get_kv_cache_spec_kind,
     get_kv_cache_spec_sliding_window,
 )
@@ -106,12 +112,8 @@ def _from_kv_cache_config(
     if hash_block_size is None:
         hash_block_size = getattr(config, "hash_block_size", None)
     # A group of layers of one kind but several shapes (UniformTypeKVCacheSpecs) is, for the
-    # manager, its first layer's spec -- vLLM's generate_scheduler_kv_cache_config does this.
-    groups = [
-        replace(g, kv_cache_spec=g.kv_cache_spec.first_spec) if isinstance(g.kv_cache_spec, UniformTypeKVCacheSpecs) else g
-        for g in config.kv_cache_groups
-    ]
-    return config.num_blocks, groups, retention_interval, hash_block_size
+    # manager, its first layer's spec -- as in vLLM's generate_scheduler_kv_cache_config.
+    return config.num_blocks, scheduler_kv_cache_groups(config.kv_cache_groups), retention_interval, hash_block_size
 
 
 def _check_manager_args(

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from kvlab.kv_cache_interface import UniformTypeKVCacheSpecs
 from kvlab.utils.checks import check_int
 from kvlab.utils.hashing import (
     _FORMATS,
@@ -685,9 +686,9 @@ def resolve_dcp_kv_cache_spec(spec: Any, dcp_world_size: int) -> Any:
     block_size = resolve_dcp_kv_block_size(spec, dcp_world_size)
     if block_size == spec.block_size:
         return spec
-    inner = getattr(spec, "kv_cache_specs", None)
-    if isinstance(inner, dict):  # a UniformTypeKVCacheSpecs: its layers' blocks grow with it
-        return replace(spec, block_size=block_size, kv_cache_specs={k: replace(s, block_size=block_size) for k, s in inner.items()})
+    if isinstance(spec, UniformTypeKVCacheSpecs):  # its layers' blocks grow with it
+        layers = {k: replace(s, block_size=block_size) for k, s in spec.kv_cache_specs.items()}
+        return replace(spec, block_size=block_size, kv_cache_specs=layers)
     return replace(spec, block_size=block_size)
 
 
@@ -710,8 +711,6 @@ def generate_scheduler_kv_cache_config(kv_cache_configs: Sequence[Any]) -> Any:
     (vLLM 0.33): they agree on everything but layer names, so the first is copied, and a
     :class:`~kvlab.kv_cache_interface.UniformTypeKVCacheSpecs` group becomes its first layer's
     spec -- the manager needs the group's kind, not each layer's shape."""
-    from kvlab.kv_cache_interface import UniformTypeKVCacheSpecs
-
     if not kv_cache_configs:
         raise ValueError("kv_cache_configs must hold one config per worker, got none")
     first = kv_cache_configs[0]
@@ -720,11 +719,16 @@ def generate_scheduler_kv_cache_config(kv_cache_configs: Sequence[Any]) -> Any:
             raise AssertionError(
                 f"kv_cache_configs[{i}] has {cfg.num_blocks} blocks, kv_cache_configs[0] {first.num_blocks}: workers must agree"
             )
-    groups = [
-        replace(g, kv_cache_spec=g.kv_cache_spec.first_spec) if isinstance(g.kv_cache_spec, UniformTypeKVCacheSpecs) else replace(g)
-        for g in first.kv_cache_groups
+    return replace(first, kv_cache_groups=[replace(g) for g in scheduler_kv_cache_groups(first.kv_cache_groups)])
+
+
+def scheduler_kv_cache_groups(kv_cache_groups: Sequence[Any]) -> list[Any]:
+    """The groups as the block manager sees them: a ``UniformTypeKVCacheSpecs`` group becomes
+    its first layer's spec (the same groups otherwise, not copied)."""
+    return [
+        replace(g, kv_cache_spec=g.kv_cache_spec.first_spec) if isinstance(g.kv_cache_spec, UniformTypeKVCacheSpecs) else g
+        for g in kv_cache_groups
     ]
-    return replace(first, kv_cache_groups=groups)
 
 
 def unify_kv_cache_spec_page_size(specs: Sequence[Any]) -> list[Any]:
