@@ -16,15 +16,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvlab.utils.checks import check_int, check_number, check_optional_int
-from kvlab.utils.hashing import BlockHash
+from kvlab.utils.hashing import MAX_TOKEN_ID, MIN_TOKEN_ID, TOKEN_ID_WHY, BlockHash
 
-_MAX_TOKEN_ID = 2**32 - 1
-_PACK_ONE_TOKEN = struct.Struct("<I").pack
+_PACK_ONE_TOKEN = struct.Struct("<i").pack
 
 
 def _pack_tokens(token_ids: list[int]) -> bytes:
-    """Token ids as little-endian uint32: the layout kvlab's block hashes digest."""
-    return _PACK_ONE_TOKEN(token_ids[0]) if len(token_ids) == 1 else struct.pack(f"<{len(token_ids)}I", *token_ids)
+    """Token ids as little-endian int32: the layout kvlab's block hashes digest."""
+    return _PACK_ONE_TOKEN(token_ids[0]) if len(token_ids) == 1 else struct.pack(f"<{len(token_ids)}i", *token_ids)
 
 
 class RequestStatus(enum.IntEnum):
@@ -108,8 +107,8 @@ def _check_token_ids(name: str, token_ids: Sequence[int]) -> list[int]:
     else:
         out = list(token_ids)
     for i, t in enumerate(out):
-        if type(t) is not int or not 0 <= t <= _MAX_TOKEN_ID:  # the common case costs two tests
-            out[i] = check_int(f"{name}[{i}]", t, 0, _MAX_TOKEN_ID, why=" (token ids are uint32)")
+        if type(t) is not int or not MIN_TOKEN_ID <= t <= MAX_TOKEN_ID:  # the common case costs two tests
+            out[i] = check_int(f"{name}[{i}]", t, MIN_TOKEN_ID, MAX_TOKEN_ID, why=TOKEN_ID_WHY)
     return out
 
 
@@ -153,9 +152,15 @@ def _check_request_args(
         raise TypeError(f"request_id must be a non-empty str, got {request_id!r}")
     # An empty prompt is a valid Request (vLLM's KV-cache manager allocates for one, e.g.
     # a draft's lookahead slots); the scheduler refuses it at add_request.
-    prompt = _check_token_ids("prompt_token_ids", prompt_token_ids)
+    if prompt_token_ids is None and prompt_embeds is not None and hasattr(prompt_embeds, "__len__"):
+        # vLLM 0.33: an embeddings-only prompt has no token ids; its positions hold the
+        # placeholder id 0 (vLLM keeps prompt_token_ids None and fills all_token_ids with
+        # zeros -- kvlab keeps the zeros in prompt_token_ids too, which every reader uses).
+        prompt = [0] * len(prompt_embeds)
+    else:
+        prompt = _check_token_ids("prompt_token_ids", prompt_token_ids)
     max_tokens = check_int("max_tokens", max_tokens, 1)
-    eos_token_id = check_optional_int("eos_token_id", eos_token_id, 0, _MAX_TOKEN_ID)
+    eos_token_id = check_optional_int("eos_token_id", eos_token_id, 0, MAX_TOKEN_ID)
     if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
         raise TypeError(f"cache_salt must be None or a non-empty str, got {cache_salt!r}")
     lora_int_id = _check_lora(lora_name, lora_path, lora_int_id)
@@ -333,7 +338,7 @@ class Request:
     def __init__(
         self,
         request_id: str,
-        prompt_token_ids: Sequence[int],
+        prompt_token_ids: Sequence[int] | None,
         *,
         max_tokens: int = 16,
         eos_token_id: int | None = None,
@@ -506,7 +511,7 @@ class Request:
 
     @property
     def token_bytes(self) -> bytearray:
-        """``all_token_ids`` as little-endian uint32 bytes, grown with it: a block hasher
+        """``all_token_ids`` as little-endian int32 bytes, grown with it: a block hasher
         slices its blocks out of this instead of packing every block's ints (read only)."""
         return self._token_bytes
 
@@ -532,7 +537,7 @@ class Request:
 
     def append_output_token_ids(self, token_ids: int | Sequence[int]) -> None:
         """Append sampled tokens; the hashes of blocks they complete are computed now."""
-        if type(token_ids) is int and 0 <= token_ids <= _MAX_TOKEN_ID:
+        if type(token_ids) is int and MIN_TOKEN_ID <= token_ids <= MAX_TOKEN_ID:
             ids = [token_ids]  # one valid token: how a scheduler appends them
         else:
             if type(token_ids) is not list and (

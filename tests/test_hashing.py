@@ -60,12 +60,12 @@ def test_hash_functions_match_their_definitions():
 
 
 def test_block_encoding_is_canonical_bytes():
-    body = encode((b"\xaa\xbb", (1, 2**32 - 1), None))
-    # tag, parent length, token count, parent, tokens (uint32 little-endian)
+    body = encode((b"\xaa\xbb", (1, -1), None))
+    # tag, parent length, token count, parent, tokens (int32 little-endian: -1 is ff ff ff ff)
     assert (
         body == b"\x01kvlab-block\x00" + b"\x02\x00\x00\x00" + b"\x02\x00\x00\x00" + b"\xaa\xbb" + b"\x01\x00\x00\x00" + b"\xff\xff\xff\xff"
     )
-    with_extra = encode((b"\xaa\xbb", (1, 2**32 - 1), ("x",)))
+    with_extra = encode((b"\xaa\xbb", (1, -1), ("x",)))
     assert with_extra == body + pickle.dumps(("x",), protocol=pickle.HIGHEST_PROTOCOL)
 
 
@@ -228,13 +228,13 @@ def test_request_block_hashes_are_the_chain(algo):
 
 def test_block_hash_bytes_are_pinned():
     """The encoding is a contract (caches, saved logs and KV events compare hashes): the bytes
-    are tag + (parent length, token count) + parent + tokens as uint32 LE (+ pickled extras)."""
+    are tag + (parent length, token count) + parent + tokens as int32 LE (+ pickled extras)."""
     h = hash_block_tokens(hashing.sha256, b"\x00" * 32, list(range(16)))
     assert h.hex() == "c50e23022b8cc4c48d0aaea11e3277dcba233eff18e1822c431347e00f242338"
     body = b"\x01kvlab-block\x00" + (32).to_bytes(4, "little") + (16).to_bytes(4, "little") + b"\x00" * 32
     assert h == hashlib.sha256(body + b"".join(t.to_bytes(4, "little") for t in range(16))).digest()
     extra = ("lora-a", ("img", -3), "salt")
-    h2 = hash_block_tokens(hashing.sha256, h, [2**32 - 1] * 16, extra)
+    h2 = hash_block_tokens(hashing.sha256, h, [-1] * 16, extra)  # vLLM's placeholder id
     assert h2.hex() == "8b459401ac4134939005a990fa5e3be927feb5227875082648488bee724c2eea"
 
 
@@ -249,13 +249,13 @@ def test_request_hasher_fast_path_equals_the_definition(bs, algo):
     fn = get_hash_fn_by_name(algo)
     rng = random.Random(bs)
     for kw in ({}, {"cache_salt": "s"}, {"lora_name": "l"}, {"mm_features": [MultiModalFeature("img", 3, 5)]}):
-        toks = [rng.randrange(2**32) for _ in range(3 * bs + 1 + 8)]
+        toks = [rng.randrange(-(2**31), 2**31) for _ in range(3 * bs + 1 + 8)]
         req = Request("r", toks[: bs + 1 + 8], block_hasher=get_request_block_hasher(bs, fn), **kw)
         for t in toks[bs + 1 + 8 :]:
             req.append_output_token_ids(t)
         req.append_output_token_ids(toks[:bs])  # a burst
         all_toks = req.all_token_ids
-        assert bytes(req.token_bytes) == b"".join(t.to_bytes(4, "little") for t in all_toks)
+        assert bytes(req.token_bytes) == b"".join(t.to_bytes(4, "little", signed=True) for t in all_toks)
         want, parent = [], kv_cache_utils.none_hash_for(fn)  # each function has its root (vLLM 0.29)
         for i in range(len(all_toks) // bs):
             extra = generate_block_hash_extra_keys(req, i * bs, (i + 1) * bs)
@@ -321,3 +321,17 @@ def test_weak16_collisions_give_wrong_hits():
     assert safe.get_computed_blocks(s0)[1] == 0
     safe.allocate_slots(s0, 17)
     assert safe.get_computed_blocks(Request("r1", second + [5]))[1] == 0
+
+
+def test_lookahead_flag_reads_as_zero_or_one_token():
+    """vLLM's tests pass a bool as num_hash_lookahead_tokens; True is one lookahead token."""
+    from kvlab.core.kv_cache_utils import get_request_block_hasher
+
+    fn = get_hash_fn_by_name("sha256")
+    assert get_request_block_hasher(4, fn, True).num_hash_lookahead_tokens == 1
+    assert get_request_block_hasher(4, fn, False).num_hash_lookahead_tokens == 0
+    a = Request("a", list(range(9)), block_hasher=get_request_block_hasher(4, fn, True))
+    b = Request("b", list(range(9)), block_hasher=get_request_block_hasher(4, fn, 1))
+    assert a.block_hashes == b.block_hashes and len(a.block_hashes) == 2
+    with pytest.raises(TypeError, match=r"num_hash_lookahead_tokens must be an int >= 0, got float 1.0"):
+        get_request_block_hasher(4, fn, 1.0)

@@ -13,6 +13,8 @@ from kvlab import (
     hash_block_tokens,
 )
 
+from kvlab.core.kv_cache_utils import get_request_block_hasher
+
 
 def test_fields_are_kept_as_given():
     img = MultiModalFeature(identifier="img-a", offset=2, length=3)
@@ -60,8 +62,8 @@ def test_append_output_tokens():
     assert r.prompt_token_ids == [1, 2, 3] and r.num_tokens == 6 and r.num_output_tokens == 3
     with pytest.raises(TypeError, match=r"token_ids\[1\]"):
         r.append_output_token_ids([7, "x"])  # type: ignore[list-item]
-    with pytest.raises(ValueError, match=r"token_ids\[0\]"):
-        r.append_output_token_ids([-1])
+    with pytest.raises(ValueError, match=r"token_ids\[0\]=2147483648 is out of range.*int32"):
+        r.append_output_token_ids([2**31])
     assert r.all_token_ids == [1, 2, 3, 4, 5, 6]  # nothing appended by a rejected call
 
 
@@ -92,3 +94,32 @@ def test_status_is_finished():
     assert not r.is_finished()
     r.status = RequestStatus.FINISHED_ABORTED
     assert r.is_finished()
+
+
+def test_negative_token_ids_are_vllms_placeholders():
+    """Token ids are int32, as in vLLM's input_ids: -1 (vLLM's placeholder for a token not
+    sampled yet) and other negatives are accepted, packed in two's complement, and hash apart
+    from every real id; 2**31 and beyond are refused."""
+    fn = get_hash_fn_by_name("sha256")
+    r = Request("r", [5, -1, -2, 2**31 - 1], block_hasher=get_request_block_hasher(2, fn))
+    assert bytes(r.token_bytes) == bytes.fromhex("05000000fffffffffeffffffffffff7f")
+    assert r.block_hashes == [hash_block_tokens(fn, None, [5, -1]), hash_block_tokens(fn, r.block_hashes[0], [-2, 2**31 - 1])]
+    assert hash_block_tokens(fn, None, [5, -1]) != hash_block_tokens(fn, None, [5, 0])
+    r.append_output_token_ids(-(2**31))
+    assert r.all_token_ids[-1] == -(2**31) and bytes(r.token_bytes)[-4:] == b"\x00\x00\x00\x80"
+    with pytest.raises(ValueError, match=r"prompt_token_ids\[0\]=2147483648 is out of range.*\(token ids are int32\)"):
+        Request("x", [2**31])
+
+
+def test_an_engine_refuses_a_negative_prompt_id_and_queues_nothing():
+    """Placeholders reach no model: LLMEngine.add_request / generate refuse a negative prompt
+    id (it would index the embedding table from its end), naming the position."""
+    from kvlab import build_engine
+
+    eng = build_engine(num_blocks=8, block_size=4)
+    with pytest.raises(ValueError, match=r"prompt_token_ids\[2\]=-1 is out of range; an engine runs prompts of real token ids"):
+        eng.add_request(Request("neg", [1, 2, -1]))
+    with pytest.raises(ValueError, match=r"prompt_token_ids\[0\]=-2 is out of range"):
+        eng.generate([[3, 4], [-2]])
+    assert not eng.scheduler.requests and not eng.metrics  # nothing queued
+    assert [len(out) for out in eng.generate([[3, 4]], max_tokens=2)] == [2]

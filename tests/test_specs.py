@@ -394,6 +394,28 @@ def test_prompt_embeddings_go_into_the_hash():
     assert m2.get_computed_blocks(Request("h", [0] * 9))[1] == 0
 
 
+def test_an_embeddings_only_prompt_has_placeholder_ids_and_hashes_its_rows():
+    """vLLM 0.33: prompt_token_ids=None with prompt_embeds -- the positions hold id 0, and the
+    hashes equal those of the same rows given with explicit zeros; the digest of a block is
+    SHA-256 of tensor_data(rows), the bytes vLLM's tensor_data gives."""
+    np = pytest.importorskip("numpy")
+    from kvlab.core.kv_cache_utils import generate_block_hash_extra_keys, get_request_block_hasher, tensor_data
+    from kvlab.utils.hashing import get_hash_fn_by_name
+
+    rows = np.arange(15, dtype=np.float32).reshape(5, 3)
+    hasher = get_request_block_hasher(2, get_hash_fn_by_name("sha256"))
+    only = Request("e", None, prompt_embeds=rows, block_hasher=hasher)
+    zeros = Request("z", [0] * 5, prompt_embeds=rows, block_hasher=hasher)
+    assert only.prompt_token_ids == [0] * 5 and only.num_prompt_tokens == 5 and len(only.block_hashes) == 2
+    assert only.block_hashes == zeros.block_hashes
+    import hashlib
+
+    assert tensor_data(rows[2:4]) == rows[2:4].tobytes() and len(tensor_data(rows[2:4])) == 24
+    assert generate_block_hash_extra_keys(only, 2, 4) == (("prompt_embeds", hashlib.sha256(rows[2:4].tobytes()).digest()),)
+    with pytest.raises(TypeError, match="prompt_token_ids must be a sequence of ints, got NoneType"):
+        Request("n", None)
+
+
 # --- the multimodal resume rule ------------------------------------------------------------------
 def test_block_completed_by_generated_tokens_keeps_every_overlapping_image():
     """vLLM >= 0.31 resumes at the first item overlapping the block; vLLM <= 0.30 resumed at

@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvlab.core.kv_cache_utils import (
+    check_lookahead_tokens,
     BlockHashListWithBlockSize,
     FreeKVCacheBlockQueue,
     KVCacheBlock,
@@ -174,7 +175,7 @@ class BlockPool:
         self.hash_block_size = hash_block_size
         # Tokens after each block that its hash covers (vLLM 0.33, multi-module MTP): the
         # pool only needs it to describe them in each BlockStored (``lookahead_token_ids``).
-        self.num_hash_lookahead_tokens = check_int("num_hash_lookahead_tokens", num_hash_lookahead_tokens, 0)
+        self.num_hash_lookahead_tokens = check_lookahead_tokens(num_hash_lookahead_tokens)
         self.events = event_log
         self.blocks: list[KVCacheBlock] = [KVCacheBlock(i) for i in range(num_gpu_blocks)]
         self.free_block_queue = self.free_queue_cls(self.blocks)

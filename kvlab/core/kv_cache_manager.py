@@ -22,6 +22,7 @@ from kvlab.core.block_pool import BlockPool, group_suffix
 from kvlab.core.kv_cache_coordinator import get_kv_cache_coordinator, resolve_kv_cache_block_sizes
 from kvlab.core.kv_cache_metrics import KVCacheMetricsCollector
 from kvlab.core.kv_cache_utils import (
+    check_lookahead_tokens,
     KVCacheBlock,
     KVCacheBlockCopy,
     get_request_block_hasher,
@@ -313,7 +314,7 @@ class KVCacheManager:
         dcp_world_size, pcp_world_size = check_context_parallelism(specs, dcp_world_size, pcp_world_size)
         specs = [resolve_dcp_kv_cache_spec(s, dcp_world_size) for s in specs]
         prefix_match_unit = check_optional_int("prefix_match_unit", prefix_match_unit, 1)
-        num_hash_lookahead_tokens = check_int("num_hash_lookahead_tokens", num_hash_lookahead_tokens, 0)
+        num_hash_lookahead_tokens = check_lookahead_tokens(num_hash_lookahead_tokens)
         # None: what vLLM derives for the drafter use_eagle stands for (an EAGLE-family
         # drafter reads the one next token; no drafter, none).
         num_prefill_lookahead = (

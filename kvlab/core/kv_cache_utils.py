@@ -31,15 +31,15 @@ from kvlab.utils.checks import check_int
 from kvlab.utils.hashing import (
     _FORMATS,
     BlockHash,
+    MAX_TOKEN_ID,
+    MIN_TOKEN_ID,
+    TOKEN_ID_WHY,
     HashFn,
     _block_format,
     _sha256,
     sha256,
     sha256_cbor,
 )
-
-
-_MAX_TOKEN_ID = 2**32 - 1
 
 
 # --- the map key: a block hash with its KV-cache group id ----------------------------------
@@ -293,6 +293,15 @@ def init_none_hash(hash_fn: HashFn = sha256, *, random_root: bool = False) -> Bl
 init_none_hash()
 
 
+def check_lookahead_tokens(value: object) -> int:
+    """``num_hash_lookahead_tokens`` as an int >= 0. A bool is read as 0 or 1, as Python
+    and vLLM read it (vLLM's own tests pass a flag here: True, one lookahead token); other
+    kvlab arguments refuse bools."""
+    if isinstance(value, bool):
+        return int(value)
+    return check_int("num_hash_lookahead_tokens", value, 0)
+
+
 def hash_block_tokens(
     hash_fn: HashFn,
     parent_block_hash: BlockHash | None,
@@ -301,7 +310,7 @@ def hash_block_tokens(
 ) -> BlockHash:
     """Hash one full block, chained to its parent: ``hash_fn((parent, tokens, extra))``.
 
-    Token ids must be uint32 ints (numpy's too); a bad one raises a ``TypeError`` /
+    Token ids must be int32 ints (numpy's too); a bad one raises a ``TypeError`` /
     ``ValueError`` that names its position."""
     if not callable(hash_fn):
         raise TypeError(f"hash_fn must be a hash function (see get_hash_fn_by_name), got {type(hash_fn).__name__}")
@@ -331,8 +340,8 @@ def _check_block_tokens(token_ids: Sequence[int]) -> tuple[int, ...]:
         raise TypeError(f"curr_block_token_ids must be a sequence of token ids, got {type(token_ids).__name__}")
     out = []
     for i, t in enumerate(token_ids):
-        if type(t) is not int or not 0 <= t <= _MAX_TOKEN_ID:
-            t = check_int(f"curr_block_token_ids[{i}]", t, 0, _MAX_TOKEN_ID, why=" (token ids are uint32)")
+        if type(t) is not int or not MIN_TOKEN_ID <= t <= MAX_TOKEN_ID:
+            t = check_int(f"curr_block_token_ids[{i}]", t, MIN_TOKEN_ID, MAX_TOKEN_ID, why=TOKEN_ID_WHY)
         out.append(t)
     return tuple(out)
 
@@ -366,8 +375,9 @@ def _gen_mm_extra_hash_keys(request: Any, start_token_idx: int, end_token_idx: i
     return keys, i
 
 
-def _prompt_embeds_bytes(rows: Any) -> bytes:
-    """The raw bytes of some embedding rows, as vLLM's ``tensor_data`` sees them.
+def tensor_data(rows: Any) -> bytes:
+    """The raw bytes of some embedding rows, as vLLM's ``tensor_data`` (``vllm/v1/utils.py``)
+    gives them to SHA-256 -- a block's ``prompt_embeds`` key is the digest of these bytes.
 
     numpy arrays and CPU torch tensors (of a numpy dtype) give their memory as is; nested
     lists of numbers are read as float32, which is what ``numpy.asarray(rows, float32)``
@@ -392,7 +402,7 @@ def _gen_prompt_embeds_extra_hash_keys(request: Any, start_token_idx: int, end_t
     rng = (start_token_idx, end_token_idx)
     digest = cache.get(rng)
     if digest is None:
-        digest = cache[rng] = hashlib.sha256(_prompt_embeds_bytes(embeds[start_token_idx:end_token_idx])).digest()
+        digest = cache[rng] = hashlib.sha256(tensor_data(embeds[start_token_idx:end_token_idx])).digest()
     return [("prompt_embeds", digest)]
 
 
@@ -461,7 +471,7 @@ class RequestBlockHasher:
     tokens)`` with ``E`` the extra keys of the block and its lookahead together.
 
     Why it is fast: with kvlab's ``sha256`` the bytes of a block are header + parent + the
-    tokens as uint32. The header (tag, parent length, token count) is the same for every
+    tokens as int32. The header (tag, parent length, token count) is the same for every
     block with a 32-byte parent, so its SHA-256 state is computed once and copied per
     block; the tokens come pre-packed from ``request.token_bytes`` (packed once, as they
     arrive), so each block costs one slice, one copy of the state, one update and one
@@ -488,7 +498,7 @@ class RequestBlockHasher:
     ) -> None:
         if mm_resume not in ("window", "last"):
             raise ValueError(f"mm_resume must be 'window' or 'last', got {mm_resume!r}")
-        self.num_hash_lookahead_tokens = check_int("num_hash_lookahead_tokens", num_hash_lookahead_tokens, 0)
+        self.num_hash_lookahead_tokens = check_lookahead_tokens(num_hash_lookahead_tokens)
         self.block_size = block_size
         self.mm_resume = mm_resume
         self.hash_fn = hash_fn
@@ -535,7 +545,7 @@ class RequestBlockHasher:
                 parent = h.digest()
             else:
                 # hash_block_tokens without its checks: a request's token ids were checked
-                # (uint32) when they arrived, and the parent is a digest.
+                # (int32) when they arrived, and the parent is a digest.
                 parent = hash_fn((parent, tuple(all_ids[start:end]), extra))
             new.append(parent)
             start = end

@@ -201,6 +201,7 @@ class LLMEngine:
         one this engine gave its adapter's name (see :meth:`lora_id_for`)."""
         self._check_usable()
         self.scheduler.check_request(request)
+        _check_runnable_ids(request)
         lora_int_id = self.lora_id_for(request.lora_name, request.lora_int_id)
         known = request.lora_name in self.lora_ids
         rid = request.request_id
@@ -291,6 +292,7 @@ class LLMEngine:
                     f"{type(self.executor).__name__}.execute_model returned {type(sampled).__name__}; "
                     "it must return a dict {request_id: [sampled token ids]}"
                 )
+            _check_sampled_ids(type(self.executor).__name__, sampled)
         take = getattr(self.executor, "take_kv_connector_output", None)
         kv_out = take() if busy and take is not None else None
         prefill = decode = context = 0
@@ -431,6 +433,7 @@ class LLMEngine:
                 next_id += 1
             r = Request(f"gen-{next_id}", ids, max_tokens=max_tokens, **request_kwargs)
             self.scheduler.check_request(r)
+            _check_runnable_ids(r)
             reqs.append(r)
         lora_int_id = self.lora_id_for(request_kwargs.get("lora_name"), request_kwargs.get("lora_int_id"))
         with engine_call(self, "generate") as cp:
@@ -454,6 +457,31 @@ class LLMEngine:
             if bar is not None:
                 bar.close()
         return [list(r.output_token_ids) for r in reqs]
+
+
+def _check_runnable_ids(request: Request) -> None:
+    """A Request may hold negative ids (int32, as vLLM's: -1 is vLLM's placeholder for a token
+    not sampled yet), but a prompt an engine runs goes through a model's embedding, where a
+    negative id would index from the end of the table: refuse it before anything is queued."""
+    for i, t in enumerate(request.prompt_token_ids):
+        if t < 0:
+            raise ValueError(
+                f"prompt_token_ids[{i}]={t} is out of range; an engine runs prompts of real token ids (>= 0) -- negative ids are "
+                "placeholders (vLLM writes -1 for a token not sampled yet) and reach no model"
+            )
+
+
+def _check_sampled_ids(executor_name: str, sampled: Mapping[str, Any]) -> None:
+    """A model samples from its vocabulary, so an executor's token ids are >= 0 (the
+    scheduler, like vLLM's, accepts -1 placeholders from a caller that drives it directly)."""
+    for rid, toks in sampled.items():
+        ids = toks.tolist() if hasattr(toks, "tolist") else toks
+        for i, t in enumerate(ids if isinstance(ids, (list, tuple)) else ()):
+            if isinstance(t, int) and t < 0:
+                raise ValueError(
+                    f"{executor_name}.execute_model sampled token id {t} for {rid!r} (sampled_token_ids[{rid!r}][{i}]); "
+                    "a model samples ids >= 0 from its vocabulary"
+                )
 
 
 #: Steps in a row a run waits on a connector's asynchronous transfers with nothing else to do

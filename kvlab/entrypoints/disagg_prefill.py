@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvlab.utils.checks import check_int, check_number
+from kvlab.utils.hashing import MAX_TOKEN_ID, MIN_TOKEN_ID, TOKEN_ID_WHY
 
 ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 
@@ -103,7 +104,7 @@ def _last_table(eng: Any, rid: str) -> list[int]:
 def _check_prompt(name: str, prompt: Any) -> list[int]:
     if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__iter__"):
         raise TypeError(f"{name} must be a list of token ids, got {type(prompt).__name__} {prompt!r:.60}")
-    toks = [check_int(f"{name}[{j}]", t, 0, 2**32 - 1) for j, t in enumerate(prompt)]
+    toks = [check_int(f"{name}[{j}]", t, MIN_TOKEN_ID, MAX_TOKEN_ID, why=TOKEN_ID_WHY) for j, t in enumerate(prompt)]
     if not toks:
         raise ValueError(f"{name} must not be empty")
     return toks

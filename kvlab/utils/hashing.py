@@ -7,10 +7,11 @@ vLLM: ``vllm/utils/hashing.py`` (``sha256``, ``sha256_cbor``, ``xxhash``,
 Serialisation. vLLM's ``sha256`` pickles the tuple, which costs about twice the SHA-256
 itself. kvlab's hash functions recognise the block-key shape ``(bytes, tuple[int, ...],
 extra)`` and serialise it canonically instead (a tag, the parent's length and the token
-count, then the parent bytes, the tokens as little-endian uint32, then the pickled extra
+count, then the parent bytes, the tokens as little-endian int32, then the pickled extra
 keys when present). The encoding is injective, so the hash is still a faithful function
 of (parent, tokens, extra keys); any other object is pickled, as in vLLM. Token ids must
-fit in 32 bits (``Request`` checks).
+be int32 (``Request`` checks): vLLM's ``input_ids`` are an int32 tensor, and its
+schedulers write -1 as the placeholder of a token not known yet, so negative ids occur.
 """
 
 from __future__ import annotations
@@ -31,9 +32,16 @@ _PICKLE_PROTOCOL = pickle.HIGHEST_PROTOCOL
 _BLOCK_TAG = b"\x01kvlab-block\x00"  # never the first bytes of a pickle (those are b"\x80")
 _sha256 = hashlib.sha256
 
+#: The token ids kvlab accepts: int32, as vLLM's ``input_ids`` tensors hold them. Negative
+#: ids are legal -- vLLM writes -1 for a placeholder (a speculative token not sampled yet)
+#: and its tests fill prompts with -1 / -2 -- so the packed layout is signed.
+MIN_TOKEN_ID = -(2**31)
+MAX_TOKEN_ID = 2**31 - 1
+TOKEN_ID_WHY = " (token ids are int32)"
+
 
 class _BlockFormat(struct.Struct):
-    """Packs one block key in a single call: header, parent, tokens (uint32 little-endian).
+    """Packs one block key in a single call: header, parent, tokens (int32 little-endian).
 
     The header is the tag, the parent's length and the token count: with both lengths
     up front, parents of different lengths (NONE_HASH is 32 bytes, an xxhash parent 16, a
@@ -51,7 +59,7 @@ def _block_format(parent_len: int, num_tokens: int) -> _BlockFormat:
     f = _FORMATS.get((parent_len, num_tokens))
     if f is None:
         header = _BLOCK_TAG + struct.pack("<II", parent_len, num_tokens)
-        f = _FORMATS[(parent_len, num_tokens)] = _BlockFormat(f"<{len(header)}s{parent_len}s{num_tokens}I")
+        f = _FORMATS[(parent_len, num_tokens)] = _BlockFormat(f"<{len(header)}s{parent_len}s{num_tokens}i")
         f.header = header
     return f
 

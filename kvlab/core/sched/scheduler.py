@@ -56,7 +56,7 @@ from kvlab.kv_cache_interface import (
     SlidingWindowSpec,
 )
 from kvlab.metrics.stats import CachingMetrics, IterationStats, PrefixCacheStats, SchedulerStats
-from kvlab.request import _MAX_TOKEN_ID, Request, RequestStatus
+from kvlab.request import Request, RequestStatus
 from kvlab.eventlog.events import (
     KVLoadFailed,
     RequestAdded,
@@ -70,6 +70,7 @@ from kvlab.eventlog.events import (
     TokensAppended,
 )
 from kvlab.utils.checks import check_int, check_optional_int
+from kvlab.utils.hashing import MAX_TOKEN_ID, MIN_TOKEN_ID, TOKEN_ID_WHY
 
 #: The statuses ``finish_requests`` may set (every finished one).
 FINISHED_STATUSES = tuple(s for s in RequestStatus if RequestStatus.is_finished(s))
@@ -1244,7 +1245,7 @@ class Scheduler:
 
         All or nothing: the whole output is checked first -- it must be this scheduler's
         latest ``schedule()`` output, applied once; ``sampled_token_ids`` maps scheduled
-        request ids to lists of token ids (uint32; numpy ints are fine) -- and nothing
+        request ids to lists of token ids (int32; numpy ints are fine) -- and nothing
         changes when it is refused (nor when something raises half way). A request aborted
         between ``schedule()`` and this call is skipped, its tokens dropped (as vLLM does).
         """
@@ -1301,8 +1302,8 @@ class Scheduler:
                     raise TypeError(f"sampled_token_ids[{rid!r}] must be a 1-D list of token ids, got a scalar {toks!r}")
             clean[rid] = [
                 t
-                if type(t) is int and 0 <= t <= _MAX_TOKEN_ID
-                else check_int(f"sampled_token_ids[{rid!r}][{i}]", t, 0, _MAX_TOKEN_ID, why=" (token ids are uint32)")
+                if type(t) is int and MIN_TOKEN_ID <= t <= MAX_TOKEN_ID
+                else check_int(f"sampled_token_ids[{rid!r}][{i}]", t, MIN_TOKEN_ID, MAX_TOKEN_ID, why=TOKEN_ID_WHY)
                 for i, t in enumerate(toks)
             ]
         for rid, n in scheduled.items():

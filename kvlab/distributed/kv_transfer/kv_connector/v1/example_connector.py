@@ -52,8 +52,8 @@ MANIFEST = "meta.json"
 
 
 def prompt_folder_name(token_ids: list[int], mm_hashes: list[str]) -> str:
-    """The folder of a prompt's KV: SHA-256 of its token ids (uint32 little-endian) and item hashes."""
-    h = hashlib.sha256(b"".join(t.to_bytes(4, "little") for t in token_ids))
+    """The folder of a prompt's KV: SHA-256 of its token ids (int32 little-endian) and item hashes."""
+    h = hashlib.sha256(b"".join(t.to_bytes(4, "little", signed=True) for t in token_ids))
     for m in mm_hashes:
         h.update(b"\x00" + m.encode())
     return h.hexdigest()
