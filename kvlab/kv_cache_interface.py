@@ -37,6 +37,9 @@ DTYPE_SIZES: dict[str, int] = {
     "fp8_e4m3": 1,
     "fp8_e5m2": 1,
     "int8": 1,
+    # vLLM 0.33 allocates a quantised KV cache (fp8 with inline scales, packed MLA layouts)
+    # as raw bytes: the spec's dtype is then torch.uint8, one byte per element.
+    "uint8": 1,
 }
 
 MAMBA_CACHE_MODES = ("none", "align")
@@ -63,6 +66,12 @@ class KVQuantMode(IntEnum):
     OCTAVE_K3V4 = 12
     OCTAVE_K3V3 = 13
     OCTAVE_K3V3_COMPACT = 14
+
+    @property
+    def is_per_token_head(self) -> bool:
+        """Modes that store one scale per (token, head) next to the data (vLLM's name): a
+        backend then widens each head's cell by the scales (``state_content_bytes``)."""
+        return self in (KVQuantMode.INT8_PER_TOKEN_HEAD, KVQuantMode.FP8_PER_TOKEN_HEAD, KVQuantMode.INT4_PER_TOKEN_HEAD)
 
 
 def _check_int(spec: Any, name: str, minimum: int, allow_none: bool = False) -> None:
@@ -96,6 +105,7 @@ _TORCH_DTYPE_NAMES = {
     "torch.float8_e4m3fn": "fp8_e4m3",
     "torch.float8_e5m2": "fp8_e5m2",
     "torch.int8": "int8",
+    "torch.uint8": "uint8",
 }
 
 
@@ -163,10 +173,14 @@ class KVCacheSpec:
         return d
 
 
+def _field_default(cls: type, name: str) -> Any:
+    return next(f.default for f in fields(cls) if f.name == name)
+
+
 @dataclass(frozen=True, kw_only=True)
 class AttentionSpec(KVCacheSpec):
     """An attention layer: per token it stores a key of ``head_size`` and a value of
-    ``head_size_v`` (None: same as the key) numbers for each of ``num_kv_heads`` heads."""
+    ``head_size_v`` (None: same as the key, and set to it) numbers for each of ``num_kv_heads`` heads."""
 
     num_kv_heads: int = 1
     head_size: int = 64
@@ -182,6 +196,12 @@ class AttentionSpec(KVCacheSpec):
     #: A backend may lay a block out larger than its K/V need (vLLM 0.33's
     #: ``page_size_padded``); the pool then hands out pages of this many bytes.
     page_size_padded: int | None = None
+    #: How a backend packs a page (vLLM 0.33, published by the attention backend): the
+    #: number of head slots (None: one per KV head) and the bytes of one (head slot, state)
+    #: cell (None: dense K and V of ``dtype``). Per-token-head quantisation widens each cell
+    #: by its fp32 scales; DeepSeek's packed fp8 MLA cell is 656 bytes.
+    num_head_slots: int | None = None
+    state_content_bytes: int | None = None
     #: The layer belongs to a speculative drafter (vLLM 0.33). A tag only: a drafter's layer
     #: stores its cache exactly like the target's, so it takes no part in equality -- the two
     #: share a group.
@@ -200,8 +220,12 @@ class AttentionSpec(KVCacheSpec):
             raise TypeError(f"{type(self).__name__}.dcp_sharded must be a bool, got {self.dcp_sharded!r}")
         _check_int(self, "head_size", 1)
         _check_int(self, "head_size_v", 0, allow_none=True)
+        if self.head_size_v is None:  # vLLM's rule: a value as wide as the key unless told
+            object.__setattr__(self, "head_size_v", self.head_size)
         object.__setattr__(self, "dtype", _dtype_name(type(self).__name__, "dtype", self.dtype))
         _check_tokens_per_state(self)
+        _check_int(self, "num_head_slots", 1, allow_none=True)
+        _check_int(self, "state_content_bytes", 1, allow_none=True)
         _check_int(self, "page_size_padded", 1, allow_none=True)
         if self.page_size_padded is not None and self.page_size_padded < self.real_page_size_bytes:
             raise ValueError(
@@ -210,11 +234,24 @@ class AttentionSpec(KVCacheSpec):
             )
 
     @property
+    def num_heads(self) -> int:
+        """Head slots of a page: ``num_head_slots``, else one per KV head (vLLM's name)."""
+        return self.num_kv_heads if self.num_head_slots is None else self.num_head_slots
+
+    @property
+    def state_content_size_bytes(self) -> int:
+        """Bytes of one (head slot, stored state) cell: ``state_content_bytes`` when a backend
+        packs it, else a key and a value of ``dtype`` (vLLM's name)."""
+        if self.state_content_bytes is not None:
+            return self.state_content_bytes
+        v = self.head_size if self.head_size_v is None else self.head_size_v
+        return (self.head_size + v) * DTYPE_SIZES[self.dtype]
+
+    @property
     def bytes_per_token(self) -> int:
         """K and V of one stored state in one layer (MLA: one latent vector, no V). A state
         is one token unless ``tokens_per_state`` says otherwise."""
-        v = self.head_size if self.head_size_v is None else self.head_size_v
-        return self.num_kv_heads * (self.head_size + v) * DTYPE_SIZES[self.dtype]
+        return self.num_heads * self.state_content_size_bytes
 
     @property
     def num_states(self) -> int:
@@ -232,11 +269,18 @@ class AttentionSpec(KVCacheSpec):
         return self.num_states * self.bytes_per_token
 
     @property
+    def unpadded_page_size_bytes(self) -> int:
+        """vLLM 0.33's name for ``real_page_size_bytes`` (what an offload copies per page)."""
+        return self.real_page_size_bytes
+
+    @property
     def page_size_bytes(self) -> int:
         return self.real_page_size_bytes if self.page_size_padded is None else self.page_size_padded
 
     def to_dict(self) -> dict[str, Any]:
         d = super().to_dict()
+        if d.get("head_size_v") == self.head_size and _field_default(type(self), "head_size_v") is None:
+            del d["head_size_v"]  # the default: as wide as the key
         if isinstance(d.get("tokens_per_state"), Fraction):
             d["tokens_per_state"] = str(d["tokens_per_state"])  # JSON has no fractions: "1/2"
         return d
@@ -302,17 +346,16 @@ class MLAAttentionSpec(FullAttentionSpec):
     num_kv_heads: int = 1
     head_size: int = 576
     head_size_v: int | None = 0
-    #: vLLM 0.33's KV-cache dtype name for the group; "fp8_ds_mla" (DeepSeek's packed fp8
-    #: layout, 656 bytes a token) is not modelled: None or "auto" only.
+    #: vLLM 0.33's KV-cache dtype name for the group ("auto", "fp8", "fp8_ds_mla", ...): a tag
+    #: that every layer of a group shares. The bytes follow from ``dtype`` and, for a packed
+    #: layout, ``state_content_bytes`` (DeepSeek's "fp8_ds_mla": 656 bytes a token, set by
+    #: its backend as in vLLM).
     cache_dtype_str: str | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.cache_dtype_str not in (None, "auto"):
-            raise ValueError(
-                f"{type(self).__name__}.cache_dtype_str must be None or 'auto' (kvlab models no packed MLA layout), "
-                f"got {self.cache_dtype_str!r}"
-            )
+        if self.cache_dtype_str is not None and (not isinstance(self.cache_dtype_str, str) or not self.cache_dtype_str):
+            raise TypeError(f"{type(self).__name__}.cache_dtype_str must be None or a KV-cache dtype name, got {self.cache_dtype_str!r}")
 
     @property
     def type_name(self) -> str:

@@ -44,8 +44,9 @@ def test_specs_take_torch_dtypes_and_keep_the_plain_name():
     assert mamba.dtypes == ("bfloat16",) and mamba.page_size_bytes == 12
     # the same spec, given either way
     assert FullAttentionSpec(block_size=4, dtype=torch.float16) == FullAttentionSpec(block_size=4, dtype="float16")
-    with pytest.raises(ValueError, match=r"dtype must be one of .*\(or the torch dtype of that name\), got torch.uint8"):
-        FullAttentionSpec(block_size=4, dtype=torch.uint8)
+    assert FullAttentionSpec(block_size=4, dtype=torch.uint8).dtype == "uint8"  # quantised caches are raw bytes
+    with pytest.raises(ValueError, match=r"dtype must be one of .*\(or the torch dtype of that name\), got torch.int16"):
+        FullAttentionSpec(block_size=4, dtype=torch.int16)
     with pytest.raises(ValueError, match=r"dtype must be one of .* got \['float32'\]"):
         FullAttentionSpec(block_size=4, dtype=["float32"])  # type: ignore[arg-type]
 
@@ -305,9 +306,34 @@ def test_a_full_attention_group_may_carry_a_window_as_vllms_does():
 def test_parallel_metadata_and_mla_cache_dtype_are_taken_and_checked():
     spec = MLAAttentionSpec(block_size=16, max_tp_shards=1, dcp_sharded=False, cache_dtype_str="auto")
     assert (spec.max_tp_shards, spec.dcp_sharded, spec.page_size_bytes) == (1, False, 16 * 576 * 2)
-    with pytest.raises(ValueError, match=r"cache_dtype_str must be None or 'auto' \(kvlab models no packed MLA layout\), got 'fp8_ds_mla'"):
-        MLAAttentionSpec(block_size=16, cache_dtype_str="fp8_ds_mla")
+    # DeepSeek's packed fp8 layout: the tag, and the 656-byte cell its backend publishes
+    packed = MLAAttentionSpec(block_size=16, dtype="uint8", cache_dtype_str="fp8_ds_mla", state_content_bytes=656)
+    assert (packed.page_size_bytes, packed.unpadded_page_size_bytes) == (16 * 656, 16 * 656)
+    assert packed != MLAAttentionSpec(block_size=16, dtype="uint8", cache_dtype_str="fp8", state_content_bytes=656)
+    with pytest.raises(TypeError, match=r"cache_dtype_str must be None or a KV-cache dtype name, got 8"):
+        MLAAttentionSpec(block_size=16, cache_dtype_str=8)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="dcp_sharded must be a bool, got 1"):
         FullAttentionSpec(block_size=16, dcp_sharded=1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="max_tp_shards"):
         FullAttentionSpec(block_size=16, max_tp_shards=0)
+
+
+def test_per_token_head_scales_widen_each_cell():
+    """vLLM 0.33: a per-token-head mode stores an fp32 scale for K and for V beside each
+    head's data; the backend publishes the widened cell as state_content_bytes, and the page
+    (and what an offload copies) grows by 2 * block_size * heads * 4 bytes."""
+    dense = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype="uint8")
+    mode = KVQuantMode.FP8_PER_TOKEN_HEAD
+    assert mode.is_per_token_head and not KVQuantMode.FP8_PER_TENSOR.is_per_token_head
+    scaled = FullAttentionSpec(
+        block_size=16, num_kv_heads=8, head_size=128, dtype="uint8", kv_quant_mode=mode, state_content_bytes=2 * 128 + 2 * 4
+    )
+    assert dense.page_size_bytes == 16 * 8 * 256 == 32768
+    assert scaled.unpadded_page_size_bytes == 32768 + 2 * 16 * 8 * 4 == 33792
+    assert scaled.state_content_size_bytes == 264 and scaled.num_heads == 8
+    slots = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, num_head_slots=2, state_content_bytes=1024)
+    assert slots.page_size_bytes == 16 * 2 * 1024
+    with pytest.raises(ValueError, match=r"page_size_padded = 1000 is smaller than the page's K/V \(33792 bytes\)"):
+        FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype="uint8", state_content_bytes=264, page_size_padded=1000)
+    with pytest.raises(ValueError, match="state_content_bytes"):
+        FullAttentionSpec(block_size=16, state_content_bytes=0)
