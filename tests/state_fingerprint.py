@@ -24,7 +24,7 @@ from kvlab.request import Request
 def pool_fingerprint(pool) -> tuple:
     q = pool.free_block_queue
     return (
-        tuple((b.block_id, b.ref_cnt, b.cache_key, b.is_null) for b in pool.blocks),
+        tuple((b.block_id, b.ref_cnt, b.cache_key, b.block_hash_num_tokens, b.is_null) for b in pool.blocks),
         tuple(b.block_id for b in q.get_all_free_blocks()),
         q.num_free_blocks,
         tuple(sorted((k, tuple(b.block_id for b in v)) for k, v in pool.cached_block_hash_to_block.items())),

@@ -39,7 +39,7 @@ def test_a_partial_entry_on_a_block_without_a_key_becomes_its_key_so_the_block_i
     blocks = pool.get_new_blocks(2)  # blocks 1 and 2, 8 tokens each: the prompt's boundary at 12 is inside block 2
     key = pool.cache_partial_block(req, blocks[1], 12, 0, 8)
     assert key == b"a2" + group_suffix(0)
-    assert blocks[1].cache_key == key and pool.partial_hash_num_tokens == {2: 12} and pool.cached_block_hashes_by_block == {}
+    assert blocks[1].cache_key == key and blocks[1].block_hash_num_tokens == 12 and pool.cached_block_hashes_by_block == {}
     assert pool.cached_block_hash_to_block.get_one_block(key) is blocks[1]
     # One BlockStored of one hash block: tokens 8..11, parent = the hash before, block_size 4.
     (ev,) = pool.take_events()
@@ -64,7 +64,7 @@ def test_a_partial_entry_on_a_cached_block_is_one_more_key_and_eviction_drops_bo
     pool.take_events()
     pool.cache_partial_block(req, blocks[1], 12, 0, 8)
     assert blocks[1].cache_key == b"a3" + group_suffix(0)  # its own key stays
-    assert pool.cached_block_hashes_by_block == {2: [b"a2" + group_suffix(0)]} and pool.partial_hash_num_tokens == {}
+    assert pool.cached_block_hashes_by_block == {2: [b"a2" + group_suffix(0)]} and blocks[1].block_hash_num_tokens == 16
     assert [e.block_hashes for e in pool.take_events()] == [[b"a2"]]
     # The same entry again: nothing changes, no event.
     assert pool.cache_partial_block(req, blocks[1], 12, 0, 8) == b"a2" + group_suffix(0)
@@ -93,7 +93,7 @@ def test_the_full_key_replaces_a_partial_one_when_the_block_fills() -> None:
     # vLLM 0.33's order: the partial key is removed, then one BlockStored for the run.
     assert [type(e).__name__ for e in events] == ["BlockStored", "BlockRemoved", "BlockStored"]
     assert events[1].block_hashes == [b"a2"] and events[2].block_hashes == [b"a1", b"a3"]
-    assert blocks[1].cache_key == b"a3" + group_suffix(0) and pool.partial_hash_num_tokens == {}
+    assert blocks[1].cache_key == b"a3" + group_suffix(0) and blocks[1].block_hash_num_tokens == 16
     assert pool.cached_block_hash_to_block.get_one_block(b"a2" + group_suffix(0)) is None
     pool.check_invariants()
 
@@ -106,7 +106,7 @@ def test_a_later_boundary_replaces_an_earlier_partial_key_and_replace_existing_h
     pool.take_events()
     pool.cache_partial_block(longer, blocks[0], 8, 0, 16)  # boundary 8 > 4 in a block of 16
     assert [(type(e).__name__, e.block_hashes) for e in pool.take_events()] == [("BlockRemoved", [b"s0"]), ("BlockStored", [b"s1"])]
-    assert pool.partial_hash_num_tokens == {1: 8}
+    assert blocks[0].block_hash_num_tokens == 8
     pool.cache_partial_block(short, blocks[0], 4, 0, 16)  # an earlier boundary: one more key
     assert pool.cached_block_hashes_by_block == {1: [b"s0" + group_suffix(0)]}
     pool.take_events()
@@ -154,7 +154,11 @@ def test_reset_and_evict_blocks_forget_partial_entries() -> None:
     pool.cache_partial_block(req, blocks[1], 12, 0, 8)
     pool.free_blocks(blocks)
     assert pool.reset_prefix_cache()
-    assert pool.partial_hash_num_tokens == {} and pool.cached_block_hashes_by_block == {} and len(pool.cached_block_hash_to_block) == 0
+    assert (
+        {b.block_hash_num_tokens for b in pool.blocks} == {None}
+        and pool.cached_block_hashes_by_block == {}
+        and len(pool.cached_block_hash_to_block) == 0
+    )
     pool.check_invariants()
 
 
@@ -242,7 +246,7 @@ def test_with_eagle_the_tail_entry_lands_on_a_partly_filled_block_and_moves_it_t
         ("stored", [2], 1, [8, 9, 10, 11], 4, 0),
         ("stored", [0, 1, 2], None, list(range(12)), 4, 1),
     ]
-    assert m.block_pool.partial_hash_num_tokens == {2: 12}
+    assert m.block_pool.blocks[2].block_hash_num_tokens == 12
     a.append_output_token_ids([100, 101])
     m.allocate_slots(a, 2)
     a.num_computed_tokens = 16
@@ -252,7 +256,7 @@ def test_with_eagle_the_tail_entry_lands_on_a_partly_filled_block_and_moves_it_t
         ("stored", [2], 1, [8, 9, 10, 11], 4, 0),
         ("stored", [3], 2, [12, 13, 100, 101], 4, 1),
     ]
-    assert m.block_pool.partial_hash_num_tokens == {}
+    assert m.block_pool.blocks[2].block_hash_num_tokens == 16
     m.free(a)
     assert _free(m) == [7, 8, 9, 10, 11, 12, 13, 14, 15, 3, 2, 1, 6, 5, 4]
     m.block_pool.check_invariants()
@@ -277,3 +281,24 @@ def test_with_eagle_a_request_freed_after_prefill_leaves_its_tail_block_cached()
     kinds = [e[0] for e in _events(m, x)]
     assert kinds == ["removed", "removed", "stored", "stored", "stored"]
     m.block_pool.check_invariants()
+
+
+def test_every_key_carries_the_prefix_length_it_stands_for() -> None:
+    """vLLM 0.33's block_hash_num_tokens: (i + 1) x block size for a full block at index i, the
+    boundary for a partial entry, None once the key is gone; set_block_hash refuses a block
+    that has a key (its old map entry would dangle)."""
+    pool = _pool()
+    req = _Req("a", 5)
+    blocks = pool.get_new_blocks(3)
+    pool.cache_partial_block(req, blocks[2], 20, 0, 8)
+    assert [b.block_hash_num_tokens for b in blocks] == [None, None, 20]
+    pool.cache_full_blocks(req, blocks, 0, 2, 8, 0)
+    assert [b.block_hash_num_tokens for b in blocks] == [8, 16, 20]
+    with pytest.raises(ValueError, match=r"block 1 already has a cache key; reset_hash\(\) it \(and drop its map entry\) first"):
+        blocks[0].set_block_hash(b"x" + group_suffix(0), 8)
+    assert pool.evict_blocks([blocks[1].block_id]) == [blocks[1].block_id]
+    assert [b.block_hash_num_tokens for b in blocks] == [8, None, 20]
+    blocks[1].set_block_hash(b"y" + group_suffix(0), 16)
+    assert (blocks[1].cache_key, blocks[1].block_hash_num_tokens) == (b"y" + group_suffix(0), 16)
+    blocks[1].reset_hash()
+    assert (blocks[1].cache_key, blocks[1].block_hash_num_tokens) == (None, None)

@@ -184,11 +184,6 @@ class BlockPool:
         # here so that the order of its BlockRemoved events does not depend on the string
         # hash seed). Only partial prefix entries add them (``cache_partial_block``).
         self.cached_block_hashes_by_block: dict[int, list[bytes]] = {}
-        # block id -> prefix length its ``cache_key`` stands for, when that key is a partial
-        # entry (ends inside the block). vLLM keeps the length on every block
-        # (``block_hash_num_tokens``); a full block's key always covers the whole block, so
-        # only the partial ones are needed, to know when a fuller key replaces them.
-        self.partial_hash_num_tokens: dict[int, int] = {}
         # Whether a partial entry was made since the last reset: until then, every block has
         # at most one key, and the hot paths skip the look for more (kvlab's shortcut).
         self.has_partial_entries = False
@@ -264,11 +259,12 @@ class BlockPool:
             if len(block_mask) != num_full_blocks - num_cached_blocks:
                 raise ValueError(f"block_mask has {len(block_mask)} entries for {num_full_blocks - num_cached_blocks} blocks")
             todo = [i for i, keep in zip(todo, block_mask) if keep]
-        partial = self.partial_hash_num_tokens
         for i in todo:  # all checked before the first change
             blk = blocks[i]
-            if not blk.is_null and blk.cache_key is not None and partial.get(blk.block_id, (i + 1) * block_size) >= (i + 1) * block_size:
-                raise RuntimeError(f"block {blk.block_id} is already cached")
+            if not blk.is_null and blk.cache_key is not None:
+                n = blk.block_hash_num_tokens  # a partial entry (fewer tokens) is replaced below
+                if n is None or n >= (i + 1) * block_size:
+                    raise RuntimeError(f"block {blk.block_id} is already cached")
         dropped: list[tuple[KVCacheBlock, bytes]] = []
         has_partial = self.has_partial_entries
         for i in todo:
@@ -277,8 +273,10 @@ class BlockPool:
                 continue  # left the window / a state that is never read
             if has_partial and blk.cache_key is not None:  # a partial entry; the full block's key replaces it (vLLM 0.33)
                 dropped += [(blk, k) for k in self._remove_cached_block_hashes(blk)]
-            blk.cache_key = key = hashes[i] + suffix
+            key = hashes[i] + suffix
             insert(key, blk)  # a duplicate key keeps both blocks
+            blk.cache_key = key
+            blk._hash_num_tokens = (i + 1) * block_size
         for o in self.observers:
             if dropped:
                 o.on_cache_entries_dropped(self, dropped)
@@ -331,17 +329,18 @@ class BlockPool:
         already_cached = block.cache_key == key or key in extra.get(bid, ())
         dropped: list[tuple[KVCacheBlock, bytes]] = []
         # New contents, or a later boundary than the block's partial key: its keys go first.
-        if replace_existing_hashes or (not already_cached and self.partial_hash_num_tokens.get(bid, num_tokens) < num_tokens):
+        held = block.block_hash_num_tokens
+        if replace_existing_hashes or (not already_cached and held is not None and held < num_tokens):
             dropped = [(block, k) for k in self._remove_cached_block_hashes(block)]
             already_cached = False
         if not already_cached:
             self.has_partial_entries = True
+            self.cached_block_hash_to_block.insert(key, block)
             if block.cache_key is None:
                 block.cache_key = key
-                self.partial_hash_num_tokens[bid] = num_tokens
+                block._hash_num_tokens = num_tokens
             else:
                 extra.setdefault(bid, []).append(key)
-            self.cached_block_hash_to_block.insert(key, block)
         for o in self.observers:
             if dropped:
                 o.on_cache_entries_dropped(self, dropped)
@@ -356,26 +355,25 @@ class BlockPool:
         keys. The entries stay findable throughout, so no KV event is sent."""
         if dst_block.cache_key is not None or dst_block.block_id in self.cached_block_hashes_by_block:
             raise ValueError(f"move_block_hashes: block {dst_block.block_id} already has a cache key")
-        num_tokens = self.partial_hash_num_tokens.get(src_block.block_id)
+        num_tokens = src_block.block_hash_num_tokens
         extra = self.cached_block_hashes_by_block
         for key in self._remove_cached_block_hashes(src_block):
+            self.cached_block_hash_to_block.insert(key, dst_block)
             if dst_block.cache_key is None:
                 dst_block.cache_key = key
-                if num_tokens is not None:  # the length applies to the block's own key only
-                    self.partial_hash_num_tokens[dst_block.block_id] = num_tokens
+                dst_block._hash_num_tokens = num_tokens  # the length of the block's own key
             else:
                 extra.setdefault(dst_block.block_id, []).append(key)
-            self.cached_block_hash_to_block.insert(key, dst_block)
 
     def _remove_cached_block_hashes(self, block: KVCacheBlock) -> list[bytes]:
         """Drop every key ``block`` carries (its own, then its partial entries) from the map
         and the block; returns those the map held (vLLM's ``_remove_cached_block_hashes``)."""
         keys = [] if block.cache_key is None else [block.cache_key]
         keys += self.cached_block_hashes_by_block.pop(block.block_id, ())
-        self.partial_hash_num_tokens.pop(block.block_id, None)
-        block.cache_key = None
         pop = self.cached_block_hash_to_block.pop
-        return [k for k in keys if pop(k, block.block_id) is not None]
+        removed = [k for k in keys if pop(k, block.block_id) is not None]
+        block.reset_hash()
+        return removed
 
     # -- allocation ---------------------------------------------------------------------------
     def get_new_blocks(self, num_blocks: int, request_id: str | None = None, group: int = 0) -> list[KVCacheBlock]:
@@ -534,7 +532,6 @@ class BlockPool:
             return False
         self.cached_block_hash_to_block = BlockHashToBlockMap()
         self.cached_block_hashes_by_block.clear()
-        self.partial_hash_num_tokens.clear()
         self.has_partial_entries = False
         for b in self.blocks:
             b.reset_hash()
@@ -622,11 +619,7 @@ class BlockPool:
             for k in self.cached_block_hashes_by_block.get(b.block_id, ()):
                 assert b.cache_key is not None, f"block {b.block_id} has partial entries but no key of its own"
                 assert b in self.cached_block_hash_to_block.blocks_for(k), f"partial entry of block {b.block_id} is missing from the map"
-        assert self.has_partial_entries or not (self.cached_block_hashes_by_block or self.partial_hash_num_tokens), (
-            "partial entries exist but has_partial_entries is False"
-        )
-        for bid in self.partial_hash_num_tokens:
-            assert self.blocks[bid].cache_key is not None, f"block {bid} has a partial length but no key"
+        assert self.has_partial_entries or not self.cached_block_hashes_by_block, "partial entries exist but has_partial_entries is False"
         n_entries = 0
         for key, blks in self.cached_block_hash_to_block.items():
             assert blks, f"empty map entry for {key.hex()[:8]}"

@@ -1028,17 +1028,17 @@ class KVCacheManager:
                 # prompt's K/V (an adopted stale hit).
                 boundaries = m.reachable_boundaries(req) if m.retention_interval is not None else ()
                 mask = m.block_mask(0, num_cached, boundaries) if m.kv_cache_spec.prefix_cacheable else [False] * num_cached
-                partial = self.block_pool.partial_hash_num_tokens
                 for i, b in enumerate(blocks[:num_cached]):
                     if b.is_null or ((mask is not None and not mask[i]) and b.cache_key is None):
                         continue
                     if b.cache_key is None and isinstance(m, MambaManager) and m.has_prefill_checkpoint_blocks:
                         continue  # a checkpoint block that held a passing state: its keys were dropped (vLLM 0.33)
-                    if b.block_id in partial:
+                    n_tokens = b.block_hash_num_tokens
+                    if n_tokens is not None and n_tokens != (i + 1) * m.block_size:
                         # Keyed inside a block: a Mamba prefill checkpoint sits one column
                         # before the block its tokens end in (vLLM 0.33), so check the key
                         # against the request's own hash at that boundary instead.
-                        n = partial[b.block_id] // (self.block_pool.hash_block_size or m.block_size)
+                        n = n_tokens // (self.block_pool.hash_block_size or m.block_size)
                         assert b.cache_key == req.block_hashes[n - 1] + suffix, (
                             f"{rid!r}: block {b.block_id} at position {i} of group {gid} carries another prefix's partial key"
                         )

@@ -87,6 +87,10 @@ class KVCacheBlock:
     prev_free_block: KVCacheBlock | None = field(default=None, repr=False)
     next_free_block: KVCacheBlock | None = field(default=None, repr=False)
     is_null: bool = False
+    # The prefix length ``cache_key`` stands for (vLLM 0.33's ``block_hash_num_tokens``). Kept
+    # when the key goes (``reset_hash``) and read only while there is one: a reset undone by
+    # kvlab's transactions gets its keys back from the old map, and their lengths stay here.
+    _hash_num_tokens: int | None = field(default=None, repr=False, init=False)
 
     @property
     def block_hash(self) -> BlockHash | None:
@@ -101,8 +105,24 @@ class KVCacheBlock:
         key = self.cache_key
         return None if key is None else get_group_id(key)
 
+    @property
+    def block_hash_num_tokens(self) -> int | None:
+        """The prefix length the block's key stands for: (i + 1) x block size for the block at
+        index i of a table, fewer for a partial entry that ends inside it (a fuller key then
+        replaces it); None without a key (vLLM 0.33's name)."""
+        return None if self.cache_key is None else self._hash_num_tokens
+
+    def set_block_hash(self, block_hash: BlockHashWithGroupId, num_tokens: int | None = None) -> None:
+        """Give an uncached block its key (hash + group id) and the prefix length it stands
+        for (vLLM 0.33's name; the pool's ``cache_*`` methods do this and insert the map
+        entry). A block that has a key already is refused: its old entry would dangle."""
+        if self.cache_key is not None:
+            raise ValueError(f"block {self.block_id} already has a cache key; reset_hash() it (and drop its map entry) first")
+        self.cache_key = block_hash
+        self._hash_num_tokens = num_tokens
+
     def reset_hash(self) -> None:
-        self.cache_key = None
+        self.cache_key = None  # (the length is read only with a key: see _hash_num_tokens)
 
     def __repr__(self) -> str:
         h = self.cache_key.hex()[:8] if self.cache_key else None

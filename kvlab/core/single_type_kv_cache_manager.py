@@ -1213,7 +1213,7 @@ class MambaManager(SingleTypeKVCacheManager):
                 if align:
                     # every state kept for reuse is offered with its block and exact length (the
                     # connector decides which it stores)
-                    n = self.block_pool.partial_hash_num_tokens.get(b.block_id, (idx + 1) * self.block_size)
+                    n = b.block_hash_num_tokens or (idx + 1) * self.block_size
                     self._pending_boundary_state_offloads.append((rid, self.kv_cache_group_id, b, n))
 
     def _cache_partial_tail_block(  # type: ignore[override]  # returns the key it made
@@ -1272,8 +1272,10 @@ class MambaManager(SingleTypeKVCacheManager):
     def _keyed_at(self, block: KVCacheBlock, idx: int, num_tokens: int) -> bool:
         """Whether ``block`` (at table index ``idx``) already has a key for exactly ``num_tokens``
         tokens: a partial key there, or the whole block's key when that ends there."""
-        default = (idx + 1) * self.block_size
-        return block.cache_key is not None and self.block_pool.partial_hash_num_tokens.get(block.block_id, default) == num_tokens
+        if block.cache_key is None:
+            return False
+        n = block.block_hash_num_tokens
+        return (idx + 1) * self.block_size == num_tokens if n is None else n == num_tokens
 
     def _cache_prefill_checkpoint(self, request: Any, position: int, idx: int) -> bytes | None:
         """Key the block the runner exports this chunk's checkpoint into, at the checkpoint's

@@ -20,7 +20,11 @@ How a call is undone, for the pool:
   applied -- so a restore that an interrupt stopped goes on from there when called again.
 * **Ref counts and hashes are derived, not journaled**: after the queue and the map are
   back, each block's ``cache_key`` comes from the map and its ``ref_cnt`` from the block
-  tables as they were (the manager keeps those).
+  tables as they were (the manager keeps those). The prefix length a key stands for
+  (``block_hash_num_tokens``) cannot be derived: the map journals a block's length before
+  the block takes a new key (each new key is inserted first), the queue journals it for
+  each block it hands out (after a ``reset_prefix_cache`` the map is a new one that does not
+  journal), and a reset, which only drops keys, leaves the lengths with the blocks.
 * **A learner's queue or map is saved by value.** A queue of another class (the
   free_queue exercise), a map of another class, or a pool whose eviction is a learner's
   (the stale_hash exercise may write into the map any way it likes) cannot be trusted to
@@ -86,7 +90,7 @@ class JournaledFreeKVCacheBlockQueue(FreeKVCacheBlockQueue):
     def popleft(self) -> KVCacheBlock:
         first = self.fake_free_list_head.next_free_block
         if first is not None and first is not self.fake_free_list_tail and first.next_free_block is not None:
-            self.journal.append((_undo_pop, self, (first,), first.next_free_block, self.num_free_blocks))
+            self.journal.append((_undo_pop, self, (first,), first.next_free_block, self.num_free_blocks, (first._hash_num_tokens,)))
         return super().popleft()  # (what it refuses, it leaves as it is: nothing to journal)
 
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
@@ -100,7 +104,7 @@ class JournaledFreeKVCacheBlockQueue(FreeKVCacheBlockQueue):
         for _ in range(n):
             out.append(cur)  # type: ignore[arg-type]  # n <= num_free: the walk never reaches the tail's None link
             cur = cur.next_free_block  # type: ignore[union-attr]  # n <= num_free: never past the tail
-        self.journal.append((_undo_pop, self, tuple(out), cur, self.num_free_blocks))
+        self.journal.append((_undo_pop, self, tuple(out), cur, self.num_free_blocks, tuple(b._hash_num_tokens for b in out)))
         for b in out:
             b.prev_free_block = b.next_free_block = None
         head.next_free_block = cur
@@ -134,12 +138,16 @@ class JournaledFreeKVCacheBlockQueue(FreeKVCacheBlockQueue):
 
 # How to undo each queue operation. Each writes every link its operation could have changed,
 # with the value it had before.
-def _undo_pop(q: FreeKVCacheBlockQueue, popped: tuple[KVCacheBlock, ...], after: KVCacheBlock, num_free: int) -> None:
+def _undo_pop(
+    q: FreeKVCacheBlockQueue, popped: tuple[KVCacheBlock, ...], after: KVCacheBlock, num_free: int, num_tokens: tuple[int | None, ...]
+) -> None:
     head = q.fake_free_list_head
     head.next_free_block = after  # the links as the pop left them, then the blocks back in front
     after.prev_free_block = head
     FreeKVCacheBlockQueue.prepend_n(q, popped)  # the taught method itself: it journals nothing
     q.num_free_blocks = num_free
+    for b, n in zip(popped, num_tokens):  # a popped block may take a key no journal sees (after a reset)
+        b._hash_num_tokens = n
 
 
 def _undo_remove(q: FreeKVCacheBlockQueue, block: KVCacheBlock, prev: KVCacheBlock, nxt: KVCacheBlock, num_free: int) -> None:
@@ -180,6 +188,8 @@ class JournaledBlockHashToBlockMap(BlockHashToBlockMap):
     def insert(self, key: bytes, block: KVCacheBlock) -> None:
         cache = self._cache
         v = cache.get(key, _MISSING)
+        # The block's prefix length as it is: the pool inserts a key before the block takes it.
+        self.journal.append((_undo_num_tokens, block, block._hash_num_tokens))
         if v is _MISSING:  # the common case, a new key: the taught insert's first branch, inline
             self.journal.append((_undo_entry, self, key, v))
             cache[key] = block
@@ -223,6 +233,10 @@ def _undo_entry(cache_map: BlockHashToBlockMap, key: bytes, old: Any) -> None:
         cache_map._cache[key] = dict(old) if type(old) is dict else old
 
 
+def _undo_num_tokens(block: KVCacheBlock, num_tokens: int | None) -> None:
+    block._hash_num_tokens = num_tokens
+
+
 def _undo_dup_insert(cache_map: BlockHashToBlockMap, key: bytes, block_id: int) -> None:
     v = cache_map._cache.get(key)
     if type(v) is dict:  # (the insert left three or more: two or more stay, still a dict)
@@ -254,9 +268,11 @@ class PoolCheckpoint:
     num_kv_events: int
     collector: tuple | None  # the metrics collector's state (see _collector_state)
     # Partial prefix entries (vLLM 0.33, only where a group's blocks are larger than the hash
-    # block): a block's extra keys and its partial key's length, by value -- O(blocks that
-    # have one), and two empty dicts otherwise.
-    partial_entries: tuple[dict[int, list[bytes]], dict[int, int]]
+    # block): a block's extra keys by value -- O(blocks that have one), an empty dict
+    # otherwise -- and whether any partial entry existed.
+    partial_entries: tuple[dict[int, list[bytes]], bool]
+    # With a queue or a map that does not journal: each block's block_hash_num_tokens, by value.
+    num_tokens: dict[int, int] | None
     reused: list[KVCacheBlock] = field(default_factory=list)  # blocks the undone calls took from the queue (kept for a second restore)
 
 
@@ -281,6 +297,9 @@ def checkpoint_pool(pool: BlockPool) -> PoolCheckpoint:
         num_kv_events=len(pool.kv_event_queue),
         collector=None if pool.metrics_collector is None else _collector_state(pool.metrics_collector),
         partial_entries=_partial_entries(pool),
+        num_tokens=None
+        if own_map and own_queue
+        else {b.block_id: b._hash_num_tokens for b in pool.blocks if b._hash_num_tokens is not None},
     )
     # Journaling starts last: an interrupt before these lines leaves nothing journaling.
     if own_queue:
@@ -340,10 +359,9 @@ def restore_pool(
         for b in blocks:
             b.prev_free_block = b.next_free_block = None
         pool.free_block_queue = pool.free_queue_cls(list(cp.free_order))
-    extra, partial = cp.partial_entries
+    extra, had_partial = cp.partial_entries
     pool.cached_block_hashes_by_block = {bid: list(keys) for bid, keys in extra.items()}
-    pool.partial_hash_num_tokens = dict(partial)
-    pool.has_partial_entries = pool.has_partial_entries or bool(extra or partial)  # never False while any exists
+    pool.has_partial_entries = pool.has_partial_entries or had_partial  # never False while any exists
     for b in blocks:
         b.cache_key = None
         b.ref_cnt = 0
@@ -351,6 +369,9 @@ def restore_pool(
         for b in blks:
             if not extra or key not in extra.get(b.block_id, ()):  # a block's own key, not one of its partial entries
                 b.cache_key = key
+    if cp.num_tokens is not None:  # a map that did not journal: each key's length as saved
+        for b in blocks:
+            b._hash_num_tokens = cp.num_tokens.get(b.block_id)
     for table in tables:
         for b in table:
             if not b.is_null:
@@ -374,14 +395,14 @@ def restore_pool(
     return list({id(b): b for b, _ in dropped}.values())
 
 
-_NO_PARTIAL_ENTRIES: tuple[dict[int, list[bytes]], dict[int, int]] = ({}, {})  # never changed: restore copies
+_NO_PARTIAL_ENTRIES: tuple[dict[int, list[bytes]], bool] = ({}, False)  # never changed: restore copies
 
 
-def _partial_entries(pool: BlockPool) -> tuple[dict[int, list[bytes]], dict[int, int]]:
+def _partial_entries(pool: BlockPool) -> tuple[dict[int, list[bytes]], bool]:
     if not pool.has_partial_entries:
         return _NO_PARTIAL_ENTRIES
     extra = pool.cached_block_hashes_by_block
-    return {bid: list(keys) for bid, keys in extra.items()}, dict(pool.partial_hash_num_tokens)
+    return {bid: list(keys) for bid, keys in extra.items()}, True
 
 
 # --- the KV-cache manager ---------------------------------------------------------------------

@@ -13,7 +13,7 @@ Three more pieces keep a missing part from hiding what does work:
 * A module vLLM has under a mapped package and kvlab lacks (the p2p tier, say) is loaded
   from vLLM. Its tests run vLLM's code, not kvlab's, so ``run.sh`` leaves those files out
   and the report (``KVLAB_ADAPTER_REPORT``) lists every such module.
-* kvlab keeps five call shapes of its own on purpose; the adapter translates them (the
+* kvlab keeps four call shapes of its own on purpose; the adapter translates them (the
   ``TRANSLATIONS`` section at the end). Nothing else is changed.
 """
 
@@ -196,41 +196,8 @@ _cache_key_as_block_hash(_utils)
 for _name in ("EventPublisher", "EventPublisherFactory", "NullEventPublisher", "ZmqEventPublisher"):
     setattr(_events, _name, getattr(_publisher, _name))
 
-# 4. ``block.block_hash_num_tokens``: vLLM keeps on each block the prefix length its key
-#    stands for; kvlab keeps it in the pool, and only for partial keys (a full key's length
-#    follows from its place in a table). So a partial key reads the pool's record; a full
-#    key reads None, where vLLM would give (position + 1) * block_size.
-import weakref  # noqa: E402
 
-import kvlab.core.block_pool as _block_pool  # noqa: E402
-
-_POOLS: weakref.WeakSet[Any] = weakref.WeakSet()
-_pool_init = _block_pool.BlockPool.__init__
-
-
-def _registering_init(self: Any, *args: Any, **kwargs: Any) -> None:
-    _pool_init(self, *args, **kwargs)
-    _POOLS.add(self)
-
-
-def _block_hash_num_tokens(block: Any) -> int | None:
-    for pool in list(_POOLS):
-        if block.block_id < len(pool.blocks) and pool.blocks[block.block_id] is block:
-            return pool.partial_hash_num_tokens.get(block.block_id)
-    return None
-
-
-_block_pool.BlockPool.__init__ = _registering_init  # type: ignore[method-assign]
-
-
-def _num_tokens_from_pool(utils: Any) -> None:
-    utils.KVCacheBlock.block_hash_num_tokens = property(_block_hash_num_tokens)
-
-
-_num_tokens_from_pool(_utils)
-
-
-# 5. ``generate_block_hash_extra_keys``: vLLM returns (keys, the multimodal index the next
+# 4. ``generate_block_hash_extra_keys``: vLLM returns (keys, the multimodal index the next
 #    block resumes from); kvlab's returns the keys alone -- it is the ``extra_keys_fn`` seam a
 #    learner's function replaces -- and ``generate_block_hash_extra_keys_and_next_mm`` gives
 #    the pair.
@@ -241,14 +208,14 @@ def _extra_keys_with_next_mm(utils: Any) -> None:
 _extra_keys_with_next_mm(_utils)
 
 # vLLM's tests reload kv_cache_utils (to re-read PYTHONHASHSEED): the reloaded module gets
-# translations 2, 4 and 5 again.
+# translations 2 and 4 again.
 _reload = importlib.reload
 
 
 def _reload_translated(module: Any) -> Any:
     out = _reload(module)
     if getattr(out, "__name__", None) == _utils.__name__:
-        for translate in (_cache_key_as_block_hash, _num_tokens_from_pool, _extra_keys_with_next_mm):
+        for translate in (_cache_key_as_block_hash, _extra_keys_with_next_mm):
             translate(out)
     return out
 
