@@ -232,3 +232,24 @@ def test_sliding_window_manager_skip_count():
     assert [spec.num_skipped_tokens(n) for n in (0, 31, 32, 33, 50)] == [0, 0, 1, 2, 19]
     m = SlidingWindowManager(spec, KVCacheManager(num_blocks=3).block_pool, 0)
     assert m.get_num_skipped_tokens(50) == 19
+
+
+def test_per_group_lookup_shows_how_far_each_group_hits_alone():
+    """vLLM 0.33's find_longest_cache_hit_per_group: full attention alone would hit 12 tokens,
+    the Mamba group only has the state at 8 (the chunk boundary), so the agreed hit is 8."""
+    from kvlab import MambaSpec
+
+    m = KVCacheManager(num_blocks=40, block_size=4, kv_cache_groups=[FullAttentionSpec(), MambaSpec(shapes=((2, 3),), dtypes=("float32",))])
+    a = Request("a", list(range(17)))
+    hits, n = m.get_computed_blocks(a)
+    m.allocate_slots(a, 8, n, hits)
+    a.num_computed_tokens = 8
+    m.allocate_slots(a, 9)
+    a.num_computed_tokens = 17
+    b = Request("b", list(range(12)) + [99] * 9)
+    assert m.get_computed_blocks(b)[1] == 8
+    coord = m.coordinator
+    blocks, lens = coord.find_longest_cache_hit_per_group(b.block_hashes, b.num_tokens - 1)
+    assert coord.full_attention_group_id == 0 and lens == (12, 8)
+    assert [[x.block_id for x in g] for g in blocks] == [[1, 2, 4], [0, 3]]  # a Mamba hit is nulls up to its state
+    assert coord.find_longest_cache_hit_per_group(b.block_hashes, 7)[1] == (4, 0)  # no state at 4

@@ -114,6 +114,24 @@ def test_cpu_tier_ranks_by_request_tail_first_pins_and_failed_stores() -> None:
     m.check_invariants()
 
 
+def test_a_tier_sized_to_nothing_refuses_every_store_and_reports_zero_use() -> None:
+    """vLLM 0.33 builds a CPU tier of 0 chunks when the configured bytes hold no chunk: it is
+    a known size (0), every store is refused, and its usage gauges read 0.0 (the refused
+    store still counts in the allocation-size histogram, as vLLM counts it before evicting)."""
+    m = CPUOffloadingManager(0)
+    r = _req("r", "a")
+    m.on_new_request(r)
+    assert m.num_blocks == 0 and m.prepare_store([_k("a")], r) is None and _k("a") not in m
+    assert m.get_stats().reduce() == {
+        "vllm:kv_offload_cpu_cache_usage_perc": 0.0,
+        "vllm:kv_offload_cpu_cache_write_usage_perc": 0.0,
+        "vllm:kv_offload_cpu_cache_read_usage_perc": 0.0,
+        "vllm:kv_offload_cpu_allocation_size_count": 1,
+        "vllm:kv_offload_cpu_allocation_size_sum": 1,
+    }
+    m.check_invariants()
+
+
 def test_arc_moves_reused_chunks_to_t2_and_learns_from_its_ghosts() -> None:
     # vLLM 0.33's ARCCachePolicy gave the same lists on the same calls.
     m = CPUOffloadingManager(2, cache_policy="arc")

@@ -430,3 +430,26 @@ def test_the_publisher_class_carries_the_endpoint_offset():
     assert ZmqEventPublisher.offset_endpoint_port("tcp://*:5557", 1) == "tcp://*:5558"
     assert ZmqEventPublisher.offset_endpoint_port("tcp://*:0", 1) == "tcp://*:0"  # the OS picks each rank's port
     assert ZmqEventPublisher.offset_endpoint_port("inproc://cache", 2) == "inproc://cache_dp2"
+
+
+def test_a_wildcard_ephemeral_endpoint_binds_this_nodes_ip_and_reports_the_port(monkeypatch):
+    """vLLM 0.33: tcp://*:0 binds a free port on this node's IP (get_ip, looked up on
+    kv_events: VLLM_HOST_IP, else the routed interface) and reports it; an IP a subscriber
+    cannot reach (0.0.0.0) is refused."""
+    from kvlab.distributed import kv_events
+    from kvlab.distributed.kv_publisher import ZmqEventPublisher
+    from kvlab.utils.network_utils import get_ip
+
+    monkeypatch.setenv("VLLM_HOST_IP", "127.0.0.1")
+    assert get_ip() == "127.0.0.1"
+    pub = ZmqEventPublisher(endpoint="tcp://*:0", replay_endpoint="tcp://*:0")
+    try:
+        for ep in (pub.endpoint, pub.replay_endpoint):
+            host, port = ep.removeprefix("tcp://").rsplit(":", 1)
+            assert host == "127.0.0.1" and int(port) > 0
+        assert pub.endpoint != pub.replay_endpoint and pub.get_publisher_config().endpoint == pub.endpoint
+    finally:
+        pub.shutdown()
+    monkeypatch.setattr(kv_events, "get_ip", lambda: "0.0.0.0")
+    with pytest.raises(ValueError, match=r"endpoint tcp://\*:0 needs a node IP; set VLLM_HOST_IP"):
+        ZmqEventPublisher(endpoint="tcp://*:0")

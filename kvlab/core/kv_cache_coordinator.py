@@ -25,7 +25,7 @@ from math import gcd, lcm
 from typing import Any, NamedTuple
 
 from kvlab.core.block_pool import BlockPool
-from kvlab.core.kv_cache_utils import KVCacheBlock
+from kvlab.core.kv_cache_utils import KVCacheBlock, eagle_proof_margin
 from kvlab.core.single_type_kv_cache_manager import (
     MANAGER_FOR_SPEC,
     ChunkedLocalAttentionManager,
@@ -515,6 +515,12 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         for g in self.attention_groups:
             for gid in g.group_ids:
                 self.single_type_managers[gid].use_eagle = g.use_eagle
+        # The full-attention group a per-group lookup is measured against (vLLM 0.33): full
+        # attention is downward-closed, so no other group can truly hit deeper than it.
+        first = self.attention_groups[0] if self.attention_groups else None
+        self.full_attention_group_id: int | None = (
+            first.group_ids[0] if first is not None and isinstance(first.spec, FullAttentionSpec) else None
+        )
 
     @property
     def _cache_hit_alignment_tokens(self) -> int:
@@ -560,10 +566,11 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 drop = use_eagle and idx not in eagle_verified
                 max_length = curr
                 if drop and not isinstance(spec, MambaSpec):
-                    # match one unit more, then drop it: back at the candidate length (a hash
-                    # block with partial hits, else a block)
-                    fine = self.enable_partial_hash_hits and cls.supports_fine_grained_hash_lookup and bs > self.hash_block_size
-                    max_length = min(curr + (self.hash_block_size if fine else bs), len(block_hashes) * self.hash_block_size)
+                    # match one unit more, then drop it: back at the candidate length
+                    margin = eagle_proof_margin(
+                        bs, self.hash_block_size, self.enable_partial_hash_hits and cls.supports_fine_grained_hash_lookup
+                    )
+                    max_length = min(curr + margin, len(block_hashes) * self.hash_block_size)
                 blocks, new_len = cls.find_longest_cache_hit(
                     block_hashes,
                     max_length,
@@ -597,6 +604,41 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                     del found[keep:]
         self.num_uncached_common_prefix_tokens = longest - hit_length
         return tuple(lst if lst is not None else [] for lst in hit_blocks), hit_length
+
+    def find_longest_cache_hit_per_group(
+        self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
+    ) -> tuple[tuple[list[KVCacheBlock], ...], tuple[int, ...]]:
+        """Each group's own longest hit, without the fixed point that makes them agree (vLLM
+        0.33). Under block pressure a Mamba hybrid's groups diverge -- full attention's tail
+        evicted while a deeper Mamba state survives, or the reverse -- and this shows by how
+        much; vLLM's P2P connectors (nixl) start from full attention's hit and bring the
+        lagging state themselves. An EAGLE group matches one unit further and drops it, as in
+        ``find_longest_cache_hit``. Returns (blocks per group, hit length per group); a group
+        that is never looked up (a ring) reports [] and 0."""
+        n_groups = len(self.single_type_managers)
+        hit_blocks: list[list[KVCacheBlock]] = [[] for _ in range(n_groups)]
+        hit_lengths = [0] * n_groups
+        for spec, gids, cls, use_eagle in self.attention_groups:
+            bs = self.single_type_managers[gids[0]].block_size
+            max_length = max_cache_hit_length
+            if use_eagle and not isinstance(spec, MambaSpec):
+                margin = eagle_proof_margin(
+                    bs, self.hash_block_size, self.enable_partial_hash_hits and cls.supports_fine_grained_hash_lookup
+                )
+                max_length = min(max_cache_hit_length + margin, len(block_hashes) * self.hash_block_size)
+            blocks, hit = cls.find_longest_cache_hit(
+                block_hashes,
+                max_length,
+                gids,
+                self.block_pool,
+                spec,
+                drop_eagle_block=use_eagle,
+                alignment_tokens=self._cache_hit_alignment_tokens,
+            )
+            for gid, lst in zip(gids, blocks):
+                hit_blocks[gid] = lst
+                hit_lengths[gid] = hit
+        return tuple(hit_blocks), tuple(hit_lengths)
 
 
 def get_kv_cache_coordinator(

@@ -672,6 +672,13 @@ class BlockHashListWithBlockSize(Sequence[BlockHash]):
             yield self.block_hashes[(i + 1) * self.scale_factor - 1]
 
 
+def eagle_proof_margin(block_size: int, hash_block_size: int, fine_grained_lookup: bool) -> int:
+    """How far past a candidate hit an EAGLE group matches before it drops the last unit
+    again (vLLM 0.33's name): one hash block where the group can end a hit inside a block
+    (partial hits), else one whole block."""
+    return hash_block_size if fine_grained_lookup and block_size > hash_block_size else block_size
+
+
 def resolve_block_hashes(
     block_hashes: Sequence[BlockHash],
     hash_block_size: int,

@@ -52,6 +52,8 @@ from typing import Any, TypeVar, cast
 
 import msgspec
 
+from kvlab.utils.network_utils import get_ip  # noqa: F401  # vLLM's kv_events has it: the publishers bind tcp://*:0 with it
+
 ExternalBlockHash = bytes | int
 """A block hash as published: the 32-byte digest, or its low 64 bits as an int."""
 

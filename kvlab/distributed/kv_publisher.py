@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import queue
 import threading
 import time
@@ -52,6 +51,7 @@ from typing import Any, overload
 import msgspec
 import zmq
 
+from kvlab.distributed import kv_events
 from kvlab.distributed.kv_events import EventBatch, KVEventBatch, validate_batch
 from kvlab.utils.checks import check_int, check_number
 
@@ -99,8 +99,9 @@ def offset_endpoint_port(endpoint: str | None, data_parallel_rank: int) -> str |
 def _bind(sock: zmq.Socket, endpoint: str) -> str:
     """Bind; return the endpoint actually bound (the OS's port for ``:0``)."""
     if endpoint == "tcp://*:0":
-        ip = os.environ.get("VLLM_HOST_IP", "")
-        if not ip:
+        # this node's address, looked up on kv_events at call time as vLLM's publisher does
+        ip = kv_events.get_ip()
+        if ip in ("0.0.0.0", "::"):
             raise ValueError("endpoint tcp://*:0 needs a node IP; set VLLM_HOST_IP (or bind tcp://127.0.0.1:0)")
         endpoint = f"tcp://[{ip}]:0" if ":" in ip else f"tcp://{ip}:0"
         if ":" in ip:

@@ -131,7 +131,7 @@ class CPUOffloadingManager(OffloadingManager):
         max_tracker_size: int = 64_000,
         info: CPUOffloadingInfo | None = None,
     ) -> None:
-        self._num_chunks = check_int("num_chunks", num_chunks, 1)
+        self._num_chunks = check_int("num_chunks", num_chunks, 0)  # 0: a tier sized to nothing (every store refused)
         self._config_info: ConfigInfoMapping = {}
         self.set_info(info)
         if not isinstance(cache_policy, str):
