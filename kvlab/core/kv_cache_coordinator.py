@@ -558,28 +558,13 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         longest = 0  # the longest hit any kind alone found (a shared prefix others lack)
         while True:
             curr = hit_length
-            for idx, (spec, gids, cls, use_eagle) in enumerate(self.attention_groups):
-                bs = self.single_type_managers[gids[0]].block_size
-                if isinstance(spec, FullAttentionSpec) and hit_blocks[gids[0]] is not None:
+            for idx, group in enumerate(self.attention_groups):
+                gids = group.group_ids
+                if isinstance(group.spec, FullAttentionSpec) and hit_blocks[gids[0]] is not None:
                     curr = min(curr, hit_len_by_group[gids[0]])  # downward-closed: just cut back
                     continue
-                drop = use_eagle and idx not in eagle_verified
-                max_length = curr
-                if drop and not isinstance(spec, MambaSpec):
-                    # match one unit more, then drop it: back at the candidate length
-                    margin = eagle_proof_margin(
-                        bs, self.hash_block_size, self.enable_partial_hash_hits and cls.supports_fine_grained_hash_lookup
-                    )
-                    max_length = min(curr + margin, len(block_hashes) * self.hash_block_size)
-                blocks, new_len = cls.find_longest_cache_hit(
-                    block_hashes,
-                    max_length,
-                    gids,
-                    self.block_pool,
-                    spec,
-                    drop_eagle_block=drop,
-                    alignment_tokens=self._cache_hit_alignment_tokens,
-                )
+                drop = group.use_eagle and idx not in eagle_verified
+                blocks, new_len = self._group_hit(group, block_hashes, curr, drop)
                 if drop:
                     eagle_verified.add(idx)
                 elif new_len < curr:
@@ -605,6 +590,20 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         self.num_uncached_common_prefix_tokens = longest - hit_length
         return tuple(lst if lst is not None else [] for lst in hit_blocks), hit_length
 
+    def _group_hit(
+        self, group: SpecGroup, block_hashes: Sequence[BlockHash], max_length: int, drop: bool
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+        """One kind of group's longest hit up to ``max_length``. With the EAGLE drop (``drop``)
+        an attention group matches one unit further, then drops it: back at the candidate."""
+        spec, gids, cls = group.spec, group.group_ids, group.manager_cls
+        if drop and not isinstance(spec, MambaSpec):
+            fine = self.enable_partial_hash_hits and cls.supports_fine_grained_hash_lookup
+            margin = eagle_proof_margin(self.single_type_managers[gids[0]].block_size, self.hash_block_size, fine)
+            max_length = min(max_length + margin, len(block_hashes) * self.hash_block_size)
+        return cls.find_longest_cache_hit(
+            block_hashes, max_length, gids, self.block_pool, spec, drop_eagle_block=drop, alignment_tokens=self._cache_hit_alignment_tokens
+        )
+
     def find_longest_cache_hit_per_group(
         self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
     ) -> tuple[tuple[list[KVCacheBlock], ...], tuple[int, ...]]:
@@ -618,24 +617,9 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         n_groups = len(self.single_type_managers)
         hit_blocks: list[list[KVCacheBlock]] = [[] for _ in range(n_groups)]
         hit_lengths = [0] * n_groups
-        for spec, gids, cls, use_eagle in self.attention_groups:
-            bs = self.single_type_managers[gids[0]].block_size
-            max_length = max_cache_hit_length
-            if use_eagle and not isinstance(spec, MambaSpec):
-                margin = eagle_proof_margin(
-                    bs, self.hash_block_size, self.enable_partial_hash_hits and cls.supports_fine_grained_hash_lookup
-                )
-                max_length = min(max_cache_hit_length + margin, len(block_hashes) * self.hash_block_size)
-            blocks, hit = cls.find_longest_cache_hit(
-                block_hashes,
-                max_length,
-                gids,
-                self.block_pool,
-                spec,
-                drop_eagle_block=use_eagle,
-                alignment_tokens=self._cache_hit_alignment_tokens,
-            )
-            for gid, lst in zip(gids, blocks):
+        for group in self.attention_groups:
+            blocks, hit = self._group_hit(group, block_hashes, max_cache_hit_length, group.use_eagle)
+            for gid, lst in zip(group.group_ids, blocks):
                 hit_blocks[gid] = lst
                 hit_lengths[gid] = hit
         return tuple(hit_blocks), tuple(hit_lengths)
