@@ -172,12 +172,17 @@ import kvlab.engine.llm_engine  # noqa: E402,F401
 
 
 class KVCacheManager(_manager.KVCacheManager):
-    """1. ``get_computed_blocks``: vLLM returns (blocks, tokens, shared_prefix_boundary);
-    kvlab's public API returns the pair and leaves the boundary on the request."""
+    """1. ``get_computed_blocks``: vLLM returns (blocks, tokens, shared_prefix_boundary) and
+    its scheduler sets the boundary on the request; kvlab's public API returns the pair and
+    sets the boundary itself. Through the adapter the request keeps what it had, as vLLM's
+    manager leaves it (a test that pins the junction sets it, as vLLM's scheduler does)."""
 
     def get_computed_blocks(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+        before = getattr(request, "shared_prefix_boundary", 0)
         blocks, num_tokens = super().get_computed_blocks(request, *args, **kwargs)
-        return blocks, num_tokens, request.shared_prefix_boundary
+        boundary = request.shared_prefix_boundary
+        request.shared_prefix_boundary = before
+        return blocks, num_tokens, boundary
 
 
 _manager.KVCacheManager = KVCacheManager  # type: ignore[misc]
