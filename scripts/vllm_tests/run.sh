@@ -62,6 +62,7 @@ run() {  # $1: name, then pytest arguments
   tail -1 "$WORK/$name.log"
 }
 run vllm
+rm -f "$WORK"/adapter-report.*  # one file per pytest process: only this run's count
 PYTHONPATH="$PYTHONPATH:$HERE:$ROOT" KVLAB_ADAPTER_REPORT="$WORK/adapter-report" run kvlab -p kvlab_adapter
 "$PY" "$HERE/compare.py" "$WORK/vllm.xml" "$WORK/kvlab.xml"
 echo
