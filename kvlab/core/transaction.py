@@ -21,10 +21,10 @@ How a call is undone, for the pool:
 * **Ref counts and hashes are derived, not journaled**: after the queue and the map are
   back, each block's ``cache_key`` comes from the map and its ``ref_cnt`` from the block
   tables as they were (the manager keeps those). The prefix length a key stands for
-  (``block_hash_num_tokens``) cannot be derived: the map journals a block's length before
-  the block takes a new key (each new key is inserted first), the queue journals it for
-  each block it hands out (after a ``reset_prefix_cache`` the map is a new one that does not
-  journal), and a reset, which only drops keys, leaves the lengths with the blocks.
+  (``block_hash_num_tokens``) cannot be derived, so it is journaled where a block can take a
+  new key: the queue records it for each block it hands out, the map for each block whose
+  key it drops (a held block's partial key replaced by a fuller one). A reset only drops
+  keys and leaves the lengths with the blocks (a block read without a key has none).
 * **A learner's queue or map is saved by value.** A queue of another class (the
   free_queue exercise), a map of another class, or a pool whose eviction is a learner's
   (the stale_hash exercise may write into the map any way it likes) cannot be trusted to
@@ -100,11 +100,13 @@ class JournaledFreeKVCacheBlockQueue(FreeKVCacheBlockQueue):
         # unlinks them: the taught method's algorithm, with the journal entry in between.
         head = self.fake_free_list_head
         out: list[KVCacheBlock] = []
+        lengths: list[int | None] = []  # each block's key length (see _undo_pop)
         cur = head.next_free_block
         for _ in range(n):
             out.append(cur)  # type: ignore[arg-type]  # n <= num_free: the walk never reaches the tail's None link
+            lengths.append(cur._hash_num_tokens)  # type: ignore[union-attr]  # as above
             cur = cur.next_free_block  # type: ignore[union-attr]  # n <= num_free: never past the tail
-        self.journal.append((_undo_pop, self, tuple(out), cur, self.num_free_blocks, tuple(b._hash_num_tokens for b in out)))
+        self.journal.append((_undo_pop, self, tuple(out), cur, self.num_free_blocks, lengths))
         for b in out:
             b.prev_free_block = b.next_free_block = None
         head.next_free_block = cur
@@ -139,7 +141,7 @@ class JournaledFreeKVCacheBlockQueue(FreeKVCacheBlockQueue):
 # How to undo each queue operation. Each writes every link its operation could have changed,
 # with the value it had before.
 def _undo_pop(
-    q: FreeKVCacheBlockQueue, popped: tuple[KVCacheBlock, ...], after: KVCacheBlock, num_free: int, num_tokens: tuple[int | None, ...]
+    q: FreeKVCacheBlockQueue, popped: tuple[KVCacheBlock, ...], after: KVCacheBlock, num_free: int, num_tokens: Sequence[int | None]
 ) -> None:
     head = q.fake_free_list_head
     head.next_free_block = after  # the links as the pop left them, then the blocks back in front
@@ -188,8 +190,6 @@ class JournaledBlockHashToBlockMap(BlockHashToBlockMap):
     def insert(self, key: bytes, block: KVCacheBlock) -> None:
         cache = self._cache
         v = cache.get(key, _MISSING)
-        # The block's prefix length as it is: the pool inserts a key before the block takes it.
-        self.journal.append((_undo_num_tokens, block, block._hash_num_tokens))
         if v is _MISSING:  # the common case, a new key: the taught insert's first branch, inline
             self.journal.append((_undo_entry, self, key, v))
             cache[key] = block
@@ -208,11 +208,13 @@ class JournaledBlockHashToBlockMap(BlockHashToBlockMap):
         if type(v) is KVCacheBlock:
             if v.block_id != block_id:
                 return None  # another block carries the key: nothing changes
-            self.journal.append((_undo_entry, self, key, v))  # the common case, a lone block: inline
+            # the common case, a lone block: inline (with its key's length: the block loses the key next)
+            self.journal.append((_undo_lone_pop, self, key, v, v._hash_num_tokens))
             del cache[key]
             return v
         blk = v.get(block_id)
         if blk is not None:  # (an id the key does not hold changes no entry: nothing to undo)
+            self.journal.append((_undo_num_tokens, blk, blk._hash_num_tokens))
             if len(v) == 2:  # one block stays: the key holds it bare again
                 self.journal.append((_undo_entry, self, key, dict(v)))
             else:
@@ -234,6 +236,11 @@ def _undo_entry(cache_map: BlockHashToBlockMap, key: bytes, old: Any) -> None:
 
 
 def _undo_num_tokens(block: KVCacheBlock, num_tokens: int | None) -> None:
+    block._hash_num_tokens = num_tokens
+
+
+def _undo_lone_pop(cache_map: BlockHashToBlockMap, key: bytes, block: KVCacheBlock, num_tokens: int | None) -> None:
+    cache_map._cache[key] = block
     block._hash_num_tokens = num_tokens
 
 
