@@ -97,7 +97,9 @@ def _check_tokens_per_state(spec: Any) -> None:
 
 
 # torch's names for the same dtypes: vLLM builds its specs with ``torch.float32`` and the
-# like, so a spec accepts those too and keeps the plain name (the core imports no torch).
+# like, so a spec accepts those too. It keeps what it was given (vLLM's backends read
+# ``spec.dtype`` as a torch dtype) and compares and counts bytes by the plain name, so a
+# spec built from "float32" equals one built from torch.float32 (the core imports no torch).
 _TORCH_DTYPE_NAMES = {
     "torch.float32": "float32",
     "torch.float16": "float16",
@@ -166,11 +168,17 @@ class KVCacheSpec:
         it goes into the event log's ``PoolCreated``)."""
         d: dict[str, Any] = {"type": self.type_name, "block_size": self.block_size}
         for f in fields(self):
-            v = getattr(self, f.name)
-            if f.name == "block_size" or v == f.default:
+            if not f.init or f.name == "block_size":
+                continue  # a derived field (``dtype_name``) follows from the others
+            v = getattr(self, _PLAIN_NAMES.get(f.name, f.name))
+            if v == f.default:
                 continue
             d[f.name] = [list(x) for x in v] if f.name == "shapes" else (list(v) if isinstance(v, tuple) else v)
         return d
+
+
+# The fields a spec keeps as given (a torch dtype, say) and the plain names it writes down.
+_PLAIN_NAMES = {"dtype": "dtype_name", "dtypes": "dtype_names"}
 
 
 def _field_default(cls: type, name: str) -> Any:
@@ -185,7 +193,10 @@ class AttentionSpec(KVCacheSpec):
     num_kv_heads: int = 1
     head_size: int = 64
     head_size_v: int | None = None
-    dtype: str = "bfloat16"
+    #: The element type, as given: a name ("bfloat16", "fp8_e4m3", ...) or the torch dtype of
+    #: that name. Equality and byte counts use ``dtype_name``.
+    dtype: Any = field(default="bfloat16", compare=False)
+    dtype_name: str = field(init=False, repr=False)
     tokens_per_state: int | Fraction = 1
     kv_quant_mode: KVQuantMode = KVQuantMode.NONE
     #: vLLM 0.33's tensor-/context-parallel metadata: how many distinct shards the cache
@@ -222,7 +233,7 @@ class AttentionSpec(KVCacheSpec):
         _check_int(self, "head_size_v", 0, allow_none=True)
         if self.head_size_v is None:  # vLLM's rule: a value as wide as the key unless told
             object.__setattr__(self, "head_size_v", self.head_size)
-        object.__setattr__(self, "dtype", _dtype_name(type(self).__name__, "dtype", self.dtype))
+        object.__setattr__(self, "dtype_name", _dtype_name(type(self).__name__, "dtype", self.dtype))
         _check_tokens_per_state(self)
         _check_int(self, "num_head_slots", 1, allow_none=True)
         _check_int(self, "state_content_bytes", 1, allow_none=True)
@@ -245,7 +256,7 @@ class AttentionSpec(KVCacheSpec):
         if self.state_content_bytes is not None:
             return self.state_content_bytes
         v = self.head_size if self.head_size_v is None else self.head_size_v
-        return (self.head_size + v) * DTYPE_SIZES[self.dtype]
+        return (self.head_size + v) * DTYPE_SIZES[self.dtype_name]
 
     @property
     def bytes_per_token(self) -> int:
@@ -578,7 +589,10 @@ class MambaSpec(KVCacheSpec):
     """
 
     shapes: tuple[tuple[int, ...], ...] = ((4, 256), (8, 64, 16))
-    dtypes: tuple[str, ...] = ("bfloat16", "float32")
+    #: One element type per state tensor, as given (names or torch dtypes); equality and
+    #: byte counts use ``dtype_names``.
+    dtypes: tuple[Any, ...] = field(default=("bfloat16", "float32"), compare=False)
+    dtype_names: tuple[str, ...] = field(init=False, repr=False)
     mamba_cache_mode: str = "align"
     page_size_padded: int | None = None
     num_speculative_blocks: int = 0
@@ -599,7 +613,8 @@ class MambaSpec(KVCacheSpec):
             raise ValueError(f"{name}: shapes and dtypes must be non-empty and of equal length, got {self.shapes!r}, {self.dtypes!r}")
         shapes = tuple(tuple(check_int(f"{name}.shapes[{i}][{j}]", d, 1) for j, d in enumerate(sh)) for i, sh in enumerate(shapes))
         object.__setattr__(self, "shapes", shapes)
-        object.__setattr__(self, "dtypes", dtypes)
+        object.__setattr__(self, "dtypes", tuple(self.dtypes))
+        object.__setattr__(self, "dtype_names", dtypes)
         _check_int(self, "page_size_padded", 1, allow_none=True)
         _check_int(self, "num_speculative_blocks", 0)
         _check_int(self, "num_prefill_checkpoint_blocks", 0)
@@ -613,7 +628,7 @@ class MambaSpec(KVCacheSpec):
 
     @property
     def state_size_bytes(self) -> int:
-        return sum(prod(s) * DTYPE_SIZES[d] for s, d in zip(self.shapes, self.dtypes))
+        return sum(prod(s) * DTYPE_SIZES[d] for s, d in zip(self.shapes, self.dtype_names))
 
     @property
     def page_size_bytes(self) -> int:
@@ -913,7 +928,7 @@ class KVCacheConfig:
         """Attention groups that store K/V in more than one way: another dtype (say bf16 and
         fp8), or the same dtype quantised another way (``kv_quant_mode``)."""
         kinds = {
-            (s.dtype, s.kv_quant_mode)
+            (s.dtype_name, s.kv_quant_mode)
             for g in self.kv_cache_groups
             for s in iter_layer_specs(g.kv_cache_spec)
             if isinstance(s, AttentionSpec)

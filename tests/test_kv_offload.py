@@ -685,6 +685,40 @@ def test_file_mapper_from_an_offloading_config() -> None:
         FileMapper.from_offloading_spec("/kv", SimpleNamespace(config={}))
 
 
+@pytest.mark.parametrize(
+    "layout, fmt, folder",
+    [("LBNHC", "v1-nhd", "e0ca40bef323"), ("LBHNC", "v1-hnd", "cd4f98923769"), ("BLNHC", "v1-blnhc", "c1d943fee28e")],
+)
+def test_file_mapper_gives_canonical_pages_their_own_folder(layout, fmt, folder) -> None:
+    # vLLM 0.33's FileMapper (with canonical_format_id) gave these folders for the same config.
+    from types import SimpleNamespace
+
+    from kvlab.kv_offload import config as oc
+    from offloading_config import offloading_config
+
+    def spec(canonical: bool, kv_cache_layout: str | None = layout) -> SimpleNamespace:
+        return SimpleNamespace(
+            config=offloading_config(
+                groups=(oc.OffloadingGroupConfig(16, ("l0", "l1"), 0),),
+                worker_kv_bytes_per_block=1024,
+                model=oc.OffloadingModelConfig("Qwen/Qwen3-0.6B", "bfloat16"),
+                parallel=oc.OffloadingParallelConfig(1, 2, 2, 1, 1, 1, 0, 1, None, True),
+                canonical_layout=canonical,
+                kv_cache_layout=kv_cache_layout,
+            )
+        )
+
+    canonical = FileMapper.from_offloading_spec("/kv", spec(True), parallel_agnostic=True)
+    assert canonical.get_run_config()["canonical_format"] == fmt
+    assert canonical.base_path == f"/kv/Qwen_Qwen3-0.6B_{folder}"
+    direct = FileMapper.from_offloading_spec("/kv", spec(False), parallel_agnostic=True)
+    assert "canonical_format" not in direct.get_run_config() and direct.base_path == "/kv/Qwen_Qwen3-0.6B_3bc1766e1054"
+    with pytest.raises(ValueError, match=r"kv_cache_layout must be one of \('LBHNC', 'LBNHC', .*got 'NHD'"):
+        FileMapper.from_offloading_spec("/kv", spec(True, "NHD"))
+    with pytest.raises(ValueError, match="canonical_layout needs config.kv_cache_layout"):
+        FileMapper.from_offloading_spec("/kv", spec(True, None))
+
+
 @pytest.mark.parametrize("policy", ["lru", "arc"])
 def test_num_storable_counts_free_and_unpinned_chunks_less_the_protected_ones(policy) -> None:
     m = CPUOffloadingManager(4, cache_policy=policy)

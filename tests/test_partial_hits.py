@@ -334,3 +334,41 @@ def test_checkpoints_scratch_blocks_and_junctions_keep_every_invariant_and_repla
     for i, (length, tail, max_tokens) in enumerate(prompts):
         eng.add_request(Request(f"r{i}", BASE[:length] + tail, max_tokens=max_tokens))
     run_replaying(eng)
+
+
+@pytest.mark.parametrize(
+    "specs, caching, dcp, expected",
+    [
+        # vLLM 0.33's test hybrid: a 2-token full-attention block, an 8-token aligned Mamba block
+        ([FullAttentionSpec(block_size=2), MambaSpec(block_size=8)], True, 1, 2),
+        # a window group cannot end a hit inside its 4-token blocks: hits stay on scheduler blocks (8)
+        ([FullAttentionSpec(block_size=2), MambaSpec(block_size=8), SlidingWindowSpec(block_size=4, sliding_window=4)], True, 1, 8),
+        # under DCP the full-attention block grows to 4; the Mamba block is still larger than the hash block
+        ([FullAttentionSpec(block_size=2), MambaSpec(block_size=8)], True, 2, 2),
+    ],
+)
+def test_resolved_hit_alignment_is_the_coordinators(specs, caching, dcp, expected) -> None:
+    # What the engine works out from the configuration alone must be where the coordinator lands hits.
+    m = KVCacheManager(num_blocks=64, kv_cache_groups=specs, dcp_world_size=dcp, prefix_match_unit=2)
+    c = m.coordinator
+    assert _resolved_alignment(specs, caching, dcp, c.scheduler_block_size, c.hash_block_size) == c._cache_hit_alignment_tokens == expected
+
+
+def test_resolved_hit_alignment_without_prefix_caching_or_with_one_group_is_the_scheduler_block() -> None:
+    hybrid = [FullAttentionSpec(block_size=2), MambaSpec(block_size=8)]
+    assert _resolved_alignment(hybrid, False, 1, 8, 2) == 8
+    assert _resolved_alignment([FullAttentionSpec(block_size=8)], True, 1, 8, 8) == 8
+
+
+def _resolved_alignment(specs, caching: bool, dcp: int, scheduler_block_size: int, hash_block_size: int) -> int:
+    from types import SimpleNamespace
+
+    from kvlab.core.kv_cache_utils import resolve_cache_hit_alignment_tokens
+    from kvlab.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    groups = tuple(KVCacheGroupSpec((f"l{i}",), s) for i, s in enumerate(specs))
+    vllm_config = SimpleNamespace(
+        cache_config=SimpleNamespace(enable_prefix_caching=caching), parallel_config=SimpleNamespace(decode_context_parallel_size=dcp)
+    )
+    config = KVCacheConfig(num_blocks=64, kv_cache_tensors=(), kv_cache_groups=groups)
+    return resolve_cache_hit_alignment_tokens(config, vllm_config, scheduler_block_size, hash_block_size)

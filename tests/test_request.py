@@ -123,3 +123,26 @@ def test_an_engine_refuses_a_negative_prompt_id_and_queues_nothing():
         eng.generate([[3, 4], [-2]])
     assert not eng.scheduler.requests and not eng.metrics  # nothing queued
     assert [len(out) for out in eng.generate([[3, 4]], max_tokens=2)] == [2]
+
+
+def test_an_engine_refuses_a_negative_sampled_id_naming_it_and_undoes_the_step():
+    """A model samples from its vocabulary: an executor that hands back a negative id is
+    refused, with the request and position named, and the step is undone."""
+    import numpy as np
+
+    from kvlab import build_engine
+    from kvlab.executor.simulated import SimulatedExecutor
+
+    class Negative(SimulatedExecutor):
+        def execute_model(self, so):
+            out = super().execute_model(so)
+            return {rid: np.array([7, -3]) for rid in out} if so.step == 2 else out
+
+    eng = build_engine(num_blocks=8, block_size=4, executor=Negative(vocab_size=50))
+    eng.add_request(Request("x", [1, 2, 3, 4, 5], max_tokens=4))
+    eng.step()
+    before = (eng.scheduler.step_count, eng.scheduler.requests["x"].num_computed_tokens, list(eng.scheduler.requests["x"].output_token_ids))
+    with pytest.raises(ValueError, match=r"Negative.execute_model sampled token id -3 for 'x' \(sampled_token_ids\['x'\]\[1\]\)"):
+        eng.step()
+    x = eng.scheduler.requests["x"]
+    assert (eng.scheduler.step_count, x.num_computed_tokens, list(x.output_token_ids)) == before

@@ -37,14 +37,26 @@ from kvlab.utils import hashing
 
 
 # -- specs -----------------------------------------------------------------------------------
-def test_specs_take_torch_dtypes_and_keep_the_plain_name():
-    assert FullAttentionSpec(block_size=4, dtype=torch.float32).dtype == "float32"
-    assert FullAttentionSpec(block_size=4, dtype=torch.float8_e4m3fn).dtype == "fp8_e4m3"
+def test_specs_keep_a_torch_dtype_as_given_and_compare_by_its_plain_name():
+    # vLLM's backends read spec.dtype as a torch dtype (get_dtype_size, customize_spec)
+    spec = FullAttentionSpec(block_size=4, dtype=torch.float32)
+    assert spec.dtype is torch.float32 and spec.dtype_name == "float32"
+    assert FullAttentionSpec(block_size=4, dtype=torch.float8_e4m3fn).dtype_name == "fp8_e4m3"
     mamba = MambaSpec(block_size=4, shapes=((2, 3),), dtypes=(torch.bfloat16,))
-    assert mamba.dtypes == ("bfloat16",) and mamba.page_size_bytes == 12
-    # the same spec, given either way
-    assert FullAttentionSpec(block_size=4, dtype=torch.float16) == FullAttentionSpec(block_size=4, dtype="float16")
-    assert FullAttentionSpec(block_size=4, dtype=torch.uint8).dtype == "uint8"  # quantised caches are raw bytes
+    assert mamba.dtypes == (torch.bfloat16,) and mamba.dtype_names == ("bfloat16",) and mamba.page_size_bytes == 12
+    # the same spec, given either way: equal, one hash, one dict (the plain names)
+    by_name = FullAttentionSpec(block_size=4, dtype="float16")
+    assert FullAttentionSpec(block_size=4, dtype=torch.float16) == by_name
+    assert hash(FullAttentionSpec(block_size=4, dtype=torch.float16)) == hash(by_name)
+    assert (
+        FullAttentionSpec(block_size=4, dtype=torch.float16).to_dict()
+        == by_name.to_dict()
+        == {"type": "full", "block_size": 4, "dtype": "float16"}
+    )
+    assert mamba.to_dict()["dtypes"] == ["bfloat16"]
+    assert FullAttentionSpec(block_size=4, dtype=torch.uint8).dtype_name == "uint8"  # quantised caches are raw bytes
+    # a spec built by name keeps the name
+    assert by_name.dtype == "float16"
     with pytest.raises(ValueError, match=r"dtype must be one of .*\(or the torch dtype of that name\), got torch.int16"):
         FullAttentionSpec(block_size=4, dtype=torch.int16)
     with pytest.raises(ValueError, match=r"dtype must be one of .* got \['float32'\]"):

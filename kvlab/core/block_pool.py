@@ -50,7 +50,7 @@ from kvlab.core.kv_cache_utils import (
 from kvlab.core.pool_observers import BlockPoolObserver, EventLogObserver, KVEventsObserver, MetricsCollectorObserver
 from kvlab.distributed.kv_events import MEDIUM_GPU, KVEvent
 from kvlab.eventlog.events import EventLog
-from kvlab.utils.checks import check_int
+from kvlab.utils.checks import AssertedValueError, check_int
 from kvlab.utils.hashing import BlockHash
 
 if TYPE_CHECKING:
@@ -316,7 +316,7 @@ class BlockPool:
             raise ValueError(f"block_size must be a positive multiple of the hash block size {hash_block_size}, got {block_size!r}")
         n = len(request.block_hashes)
         if type(num_tokens) is not int or num_tokens <= 0 or num_tokens % hash_block_size or num_tokens // hash_block_size > n:
-            raise ValueError(
+            raise AssertedValueError(
                 f"num_tokens must be a positive multiple of the hash block size {hash_block_size}, at most the "
                 f"{n * hash_block_size} tokens request {request.request_id!r} has hashes for, got {num_tokens!r}"
             )

@@ -25,7 +25,7 @@ from math import gcd, lcm
 from typing import Any, NamedTuple
 
 from kvlab.core.block_pool import BlockPool
-from kvlab.core.kv_cache_utils import KVCacheBlock, eagle_proof_margin
+from kvlab.core.kv_cache_utils import KVCacheBlock, eagle_proof_margin, partial_hash_hits_enabled
 from kvlab.core.single_type_kv_cache_manager import (
     MANAGER_FOR_SPEC,
     ChunkedLocalAttentionManager,
@@ -83,44 +83,6 @@ def resolve_kv_cache_block_sizes(
             f"per-state compression. Got alignments={alignments}."
         )
     return scheduler_block_size, hash_block_size
-
-
-def partial_hash_hits_enabled(
-    specs: Sequence[KVCacheSpec],
-    hash_block_size: int,
-    dcp_world_size: int = 1,
-    manager_classes: Sequence[type[SingleTypeKVCacheManager]] | None = None,
-) -> bool:
-    """Whether hits may end *inside* a block (vLLM 0.33's fine-grained partial hits): only
-    with a Mamba group in ``align`` mode whose blocks are larger than the hash block -- its
-    blocks hold hundreds of tokens on a real hybrid (lesson 07b), and without this a hit
-    would lose up to a whole block. Every other prefix-cacheable group must be able to end a
-    hit inside its blocks too (full attention, Mamba) or have blocks of the hash size.
-    Under decode context parallelism a Mamba block equal to the hash block will do: the
-    full-attention block is the one that grew (``dcp_world_size`` times), vLLM 0.33."""
-    if not any(
-        isinstance(s, MambaSpec)
-        and s.mamba_cache_mode == "align"
-        and (s.block_size > hash_block_size or (dcp_world_size > 1 and s.block_size == hash_block_size))  # type: ignore[operator]  # every spec has its block size
-        for s in specs
-    ):
-        return False
-    if manager_classes is None:
-        return True
-    unsupported = sorted(
-        {
-            cls.__name__
-            for s, cls in zip(specs, manager_classes)
-            if s.prefix_cacheable and not cls.supports_fine_grained_hash_lookup and s.block_size != hash_block_size
-        }
-    )
-    if unsupported:
-        logger.warning(
-            "Disabling fine-grained prefix-cache hits because these KV cache managers require block-aligned lookups: %s.",
-            ", ".join(unsupported),
-        )
-        return False
-    return True
 
 
 def _check_retention_interval(retention_interval: int | None, scheduler_block_size: int, specs: Sequence[KVCacheSpec]) -> int | None:

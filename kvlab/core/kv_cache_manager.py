@@ -54,7 +54,7 @@ from kvlab.kv_cache_interface import (
 from kvlab.metrics.stats import PrefixCacheStats
 from kvlab.request import Request
 from kvlab.eventlog.events import EventLog, PoolCreated, PrefixLookup
-from kvlab.utils.checks import check_int, check_optional_int
+from kvlab.utils.checks import AssertedValueError, check_int, check_optional_int
 from kvlab.utils.hashing import get_hash_fn_by_name
 
 logger = logging.getLogger(__name__)
@@ -914,12 +914,14 @@ class KVCacheManager:
                 out.append([])
                 continue
             if n % m.block_size:
-                raise ValueError(f"num_computed_tokens must be a multiple of group {gid}'s block size {m.block_size}, got {n}")
+                raise AssertedValueError(f"num_computed_tokens must be a multiple of group {gid}'s block size {m.block_size}, got {n}")
             count = n // m.block_size
             if isinstance(spec, MambaSpec):
                 count = min(count, len(group_blocks))
             elif count > len(group_blocks):
-                raise ValueError(f"num_computed_tokens = {n} needs {count} blocks of group {gid}, the lookup found {len(group_blocks)}")
+                raise AssertedValueError(
+                    f"num_computed_tokens = {n} needs {count} blocks of group {gid}, the lookup found {len(group_blocks)}"
+                )
             out.append(list(group_blocks[:count]))
         return self.create_kv_cache_blocks(tuple(out))
 

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvlab.metrics.stats import KVCacheEvictionEvent
+from kvlab.utils.checks import AssertedValueError
 
 Clock = Callable[[], float]
 
@@ -63,7 +64,7 @@ class BlockMetricsState:
         return [(h[i] - h[i - 1]) / 1e9 for i in range(1, len(h))]
 
 
-class SampleRateError(ValueError, AssertionError):
+class SampleRateError(AssertedValueError):
     """A sample rate outside (0, 1]. vLLM's collector asserts the range, so its callers (and
     its tests) expect an AssertionError; kvlab refuses a bad argument with a ValueError. This
     is both, so either ``except`` catches it."""

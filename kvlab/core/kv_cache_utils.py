@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import logging
 import os
 import struct
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvlab.kv_cache_interface import UniformTypeKVCacheSpecs
+from kvlab.kv_cache_interface import MambaSpec, UniformTypeKVCacheSpecs, iter_layer_specs
 from kvlab.utils.checks import check_int
 from kvlab.utils.hashing import (
     _FORMATS,
@@ -40,6 +41,11 @@ from kvlab.utils.hashing import (
     sha256,
     sha256_cbor,
 )
+
+if TYPE_CHECKING:
+    from kvlab.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
+
+logger = logging.getLogger("kvlab.kv_cache")
 
 
 # --- the map key: a block hash with its KV-cache group id ----------------------------------
@@ -727,6 +733,87 @@ def resolve_dcp_kv_cache_spec(spec: Any, dcp_world_size: int) -> Any:
         layers = {k: replace(s, block_size=block_size) for k, s in spec.kv_cache_specs.items()}
         return replace(spec, block_size=block_size, kv_cache_specs=layers)
     return replace(spec, block_size=block_size)
+
+
+#: spec class -> the class of manager that runs a group of that spec (vLLM 0.33's
+#: ``spec_manager_map``, its ``KVCacheSpecRegistry``). The managers are defined above this
+#: module, so ``single_type_kv_cache_manager`` fills it when it is imported -- and
+#: ``kvlab.core`` imports that module first thing, so it is filled before anything reads it.
+MANAGER_FOR_SPEC: dict[type, type[SingleTypeKVCacheManager]] = {}
+
+
+def get_manager_class(kv_cache_spec: Any) -> type[SingleTypeKVCacheManager]:
+    """The manager class for ``kv_cache_spec``: its own class's, else the nearest base's
+    (a subclass of a spec is run as that spec, as in vLLM's registry)."""
+    for t in type(kv_cache_spec).__mro__:
+        if t in MANAGER_FOR_SPEC:
+            return MANAGER_FOR_SPEC[t]
+    raise ValueError(
+        f"no KV cache manager runs a {type(kv_cache_spec).__name__}; known specs: {sorted(t.__name__ for t in MANAGER_FOR_SPEC)}"
+    )
+
+
+def partial_hash_hits_enabled(
+    kv_cache_groups: Sequence[Any],
+    hash_block_size: int,
+    dcp_world_size: int = 1,
+    manager_classes: Sequence[Any] | None = None,
+) -> bool:
+    """Whether hits may end *inside* a block (vLLM 0.33's fine-grained partial hits): only
+    with a Mamba group in ``align`` mode whose blocks are larger than the hash block -- its
+    blocks hold hundreds of tokens on a real hybrid (lesson 07b), and without this a hit
+    would lose up to a whole block. Under decode context parallelism a Mamba block equal to
+    the hash block will do: the full-attention block is the one that grew
+    (``dcp_world_size`` times).
+
+    With ``manager_classes`` (one per group), every other prefix-cacheable group must also
+    be able to end a hit inside its blocks (``supports_fine_grained_hash_lookup``: full
+    attention, Mamba) or have blocks of the hash size; else hits stay on whole blocks.
+    ``kv_cache_groups``: the groups (vLLM's call) or their specs (the coordinator's)."""
+    specs = [getattr(g, "kv_cache_spec", g) for g in kv_cache_groups]
+    if not any(
+        isinstance(s, MambaSpec)
+        and s.mamba_cache_mode == "align"
+        and (s.block_size > hash_block_size or (dcp_world_size > 1 and s.block_size == hash_block_size))  # type: ignore[operator]  # every spec has its block size
+        for spec in specs
+        for s in iter_layer_specs(spec)
+    ):
+        return False
+    if manager_classes is None:
+        return True
+    unsupported = sorted(
+        {
+            cls.__name__
+            for s, cls in zip(specs, manager_classes)
+            if s.prefix_cacheable and not cls.supports_fine_grained_hash_lookup and s.block_size != hash_block_size
+        }
+    )
+    if unsupported:
+        logger.warning(
+            "Disabling fine-grained prefix-cache hits because these KV cache managers require block-aligned lookups: %s.",
+            ", ".join(unsupported),
+        )
+        return False
+    return True
+
+
+def resolve_cache_hit_alignment_tokens(kv_cache_config: Any, vllm_config: Any, scheduler_block_size: int, hash_block_size: int) -> int:
+    """The token granularity prefix-cache hits land on, worked out from the configuration
+    alone (vLLM 0.33): the hash block with fine-grained partial hits, else the scheduler
+    block -- the alignment the coordinator gives its managers. The engine hands it to the
+    workers, which place Mamba checkpoints there, so the two must agree.
+
+    ``vllm_config`` is read for ``cache_config.enable_prefix_caching`` and
+    ``parallel_config.decode_context_parallel_size`` only."""
+    groups = kv_cache_config.kv_cache_groups
+    if not vllm_config.cache_config.enable_prefix_caching or len(groups) <= 1:
+        return scheduler_block_size
+    classes = []
+    for g in groups:
+        classes.append(get_manager_class(g.kv_cache_spec))
+    dcp = vllm_config.parallel_config.decode_context_parallel_size
+    specs = [resolve_dcp_kv_cache_spec(g.kv_cache_spec, dcp) for g in groups]  # the blocks the managers see
+    return hash_block_size if partial_hash_hits_enabled(specs, hash_block_size, dcp, classes) else scheduler_block_size
 
 
 def null_head_len(blocks: Sequence[KVCacheBlock]) -> int:

@@ -28,7 +28,7 @@ from itertools import islice
 from typing import Any, ClassVar
 
 from kvlab.core.block_pool import BlockPool, group_suffix
-from kvlab.core.kv_cache_utils import KVCacheBlock, resolve_dcp_kv_cache_spec, trim_null_head
+from kvlab.core.kv_cache_utils import MANAGER_FOR_SPEC, KVCacheBlock, resolve_dcp_kv_cache_spec, trim_null_head
 from kvlab.kv_cache_interface import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
@@ -1363,19 +1363,22 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
         raise NotImplementedError("CrossAttentionManager does not support caching")
 
 
-MANAGER_FOR_SPEC: dict[type, type[SingleTypeKVCacheManager]] = {
-    FullAttentionSpec: FullAttentionManager,
-    MLAAttentionSpec: FullAttentionManager,
-    HiddenStateCacheSpec: FullAttentionManager,
-    SinkFullAttentionSpec: SinkFullAttentionManager,
-    CircularBufferSpec: CircularBufferManager,
-    RSWASpec: RSWAManager,
-    SlidingWindowSpec: SlidingWindowManager,
-    SlidingWindowMLASpec: SlidingWindowManager,
-    ChunkedLocalAttentionSpec: ChunkedLocalAttentionManager,
-    MambaSpec: MambaManager,
-    CrossAttentionSpec: CrossAttentionManager,
-}
+# The registry lives below this module (kv_cache_utils reads it); the managers fill it here.
+MANAGER_FOR_SPEC.update(
+    {
+        FullAttentionSpec: FullAttentionManager,
+        MLAAttentionSpec: FullAttentionManager,
+        HiddenStateCacheSpec: FullAttentionManager,
+        SinkFullAttentionSpec: SinkFullAttentionManager,
+        CircularBufferSpec: CircularBufferManager,
+        RSWASpec: RSWAManager,
+        SlidingWindowSpec: SlidingWindowManager,
+        SlidingWindowMLASpec: SlidingWindowManager,
+        ChunkedLocalAttentionSpec: ChunkedLocalAttentionManager,
+        MambaSpec: MambaManager,
+        CrossAttentionSpec: CrossAttentionManager,
+    }
+)
 spec_manager_map = MANAGER_FOR_SPEC  # vLLM's name
 
 

@@ -463,7 +463,10 @@ def _check_runnable_ids(request: Request) -> None:
     """A Request may hold negative ids (int32, as vLLM's: -1 is vLLM's placeholder for a token
     not sampled yet), but a prompt an engine runs goes through a model's embedding, where a
     negative id would index from the end of the table: refuse it before anything is queued."""
-    for i, t in enumerate(request.prompt_token_ids):
+    ids = request.prompt_token_ids
+    if not ids or min(ids) >= 0:  # one pass in C; the walk below only names the culprit
+        return
+    for i, t in enumerate(ids):
         if t < 0:
             raise ValueError(
                 f"prompt_token_ids[{i}]={t} is out of range; an engine runs prompts of real token ids (>= 0) -- negative ids are "
@@ -476,7 +479,14 @@ def _check_sampled_ids(executor_name: str, sampled: Mapping[str, Any]) -> None:
     scheduler, like vLLM's, accepts -1 placeholders from a caller that drives it directly)."""
     for rid, toks in sampled.items():
         ids = toks.tolist() if hasattr(toks, "tolist") else toks
-        for i, t in enumerate(ids if isinstance(ids, (list, tuple)) else ()):
+        if not isinstance(ids, (list, tuple)) or not ids:
+            continue
+        try:
+            if min(ids) >= 0:  # one pass in C per request; the walk below only names the culprit
+                continue
+        except TypeError:
+            continue  # not all numbers: the scheduler says what is wrong
+        for i, t in enumerate(ids):
             if isinstance(t, int) and t < 0:
                 raise ValueError(
                     f"{executor_name}.execute_model sampled token id {t} for {rid!r} (sampled_token_ids[{rid!r}][{i}]); "

@@ -139,7 +139,7 @@ def _bytes_per_token(spec: Any, *, mla_doubled: bool = False, no_heads: bool = F
     if mla_doubled and isinstance(spec, MLAAttentionSpec):
         v = spec.head_size
     heads = 1 if no_heads else spec.num_kv_heads
-    return heads * (spec.head_size + v) * DTYPE_SIZES[spec.dtype]
+    return heads * (spec.head_size + v) * DTYPE_SIZES[spec.dtype_name]
 
 
 def _unify(

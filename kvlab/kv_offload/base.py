@@ -386,6 +386,26 @@ class CopyRun:
     canonical_stride: int
 
 
+#: vLLM 0.33's physical KV-cache layouts (``KVCacheLayout``'s member names): the logical
+#: axes [L, B, H, N, C] -- layer, block, head, token, content -- in memory order.
+KV_CACHE_LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
+#: The canonical byte format's version (vLLM 0.33: 1); a change to the page format bumps it.
+CANONICAL_FORMAT_VERSION = 1
+
+
+def canonical_format_id(kv_cache_layout: str) -> str:
+    """The name of the canonical byte format, for the storage namespace (vLLM 0.33's
+    ``canonical_format_id``): a canonical page keeps the worker's layout family, so the name
+    pairs the format version with that family -- "v1-nhd" for tokens before heads
+    (``LBNHC``), "v1-hnd" for heads before tokens (``LBHNC``, the older spellings kept so
+    files written before the layout names existed still match), else the layout's name in
+    lower case. Canonical and direct bytes never share a folder."""
+    if kv_cache_layout not in KV_CACHE_LAYOUTS:
+        raise ValueError(f"kv_cache_layout must be one of {KV_CACHE_LAYOUTS}, got {kv_cache_layout!r}")
+    family = {"LBNHC": "nhd", "LBHNC": "hnd"}.get(kv_cache_layout, kv_cache_layout.lower())
+    return f"v{CANONICAL_FORMAT_VERSION}-{family}"
+
+
 @dataclass(frozen=True)
 class CanonicalPageMapping:
     """How this worker's page lands in the canonical page (never serialized). ``runs``

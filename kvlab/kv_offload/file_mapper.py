@@ -24,7 +24,7 @@ import json
 import os
 from typing import Any
 
-from kvlab.kv_offload.base import OffloadKey, get_offload_block_hash, get_offload_group_idx
+from kvlab.kv_offload.base import OffloadKey, canonical_format_id, get_offload_block_hash, get_offload_group_idx
 from kvlab.kv_offload.config import OffloadingConfig
 
 _BASE_PATH_HASH_LEN = 12
@@ -95,8 +95,11 @@ class FileMapper:
         config = offloading_spec.config
         if not isinstance(config, OffloadingConfig):
             raise TypeError(f"offloading_spec.config must be an OffloadingConfig, got {type(config).__name__}")
-        if config.canonical_layout:
-            raise NotImplementedError("canonical_layout: kvlab stores the direct layout only (vLLM names the canonical format here)")
+        canonical_format = None
+        if config.canonical_layout:  # canonical bytes are not the direct layout's: another folder
+            if config.kv_cache_layout is None:
+                raise ValueError("canonical_layout needs config.kv_cache_layout (the worker's KV layout names the format)")
+            canonical_format = canonical_format_id(config.kv_cache_layout)
         parallel = config.parallel
         return cls(
             root_dir=root_dir,
@@ -112,6 +115,7 @@ class FileMapper:
             kv_cache_groups=[{"tokens_per_block": g.tokens_per_block, "layer_names": list(g.layer_names)} for g in config.groups],
             parallel_agnostic=parallel_agnostic and (parallel.is_parallelism_agnostic or config.replicated_layout),
             replicated_layout=parallel_agnostic and config.replicated_layout,
+            canonical_format=canonical_format,
         )
 
     def get_file_name(self, key: OffloadKey) -> str:

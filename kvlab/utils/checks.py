@@ -18,7 +18,13 @@ import math
 import numbers
 import operator
 
-__all__ = ["check_int", "check_optional_int", "check_number"]
+__all__ = ["AssertedValueError", "check_int", "check_optional_int", "check_number"]
+
+
+class AssertedValueError(ValueError, AssertionError):
+    """A bad argument to a call that vLLM guards with ``assert``: its callers (and its tests)
+    expect an AssertionError, while kvlab refuses bad input with a ValueError that names the
+    argument. This is both, so either ``except`` catches it."""
 
 
 def _int_range(lo: int | None, hi: int | None) -> str:
