@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -659,26 +660,32 @@ def test_file_mapper_names_files_as_vllm_does(tmp_path) -> None:
     assert agnostic.base_path == "/kv/Qwen_Qwen3-8B_19b32ee2e618"  # another digest: no rank, no split
 
 
-def test_file_mapper_from_an_offloading_config() -> None:
-    # vLLM 0.33's FileMapper.from_offloading_spec gave these folders for the same config.
+def _mapper_spec(agnostic: bool = True, **config: Any) -> Any:
+    """An offloading spec as FileMapper.from_offloading_spec reads it: a 16-token group of two
+    layers of a Qwen3-0.6B, TP 2 at rank 1."""
     from types import SimpleNamespace
 
     from kvlab.kv_offload import config as oc
     from offloading_config import offloading_config
 
-    def spec(agnostic: bool) -> SimpleNamespace:
-        return SimpleNamespace(
-            config=offloading_config(
-                groups=(oc.OffloadingGroupConfig(16, ("l0", "l1"), 0),),
-                worker_kv_bytes_per_block=1024,
-                model=oc.OffloadingModelConfig("Qwen/Qwen3-0.6B", "bfloat16"),
-                parallel=oc.OffloadingParallelConfig(1, 2, 2, 1, 1, 1, 0, 1, None, agnostic),
-            )
+    return SimpleNamespace(
+        config=offloading_config(
+            groups=(oc.OffloadingGroupConfig(16, ("l0", "l1"), 0),),
+            worker_kv_bytes_per_block=1024,
+            model=oc.OffloadingModelConfig("Qwen/Qwen3-0.6B", "bfloat16"),
+            parallel=oc.OffloadingParallelConfig(1, 2, 2, 1, 1, 1, 0, 1, None, agnostic),
+            **config,
         )
+    )
 
-    shared = FileMapper.from_offloading_spec("/kv", spec(True), parallel_agnostic=True)
+
+def test_file_mapper_from_an_offloading_config() -> None:
+    # vLLM 0.33's FileMapper.from_offloading_spec gave these folders for the same config.
+    from types import SimpleNamespace
+
+    shared = FileMapper.from_offloading_spec("/kv", _mapper_spec(True), parallel_agnostic=True)
     assert (shared.base_path, shared.rank) == ("/kv/Qwen_Qwen3-0.6B_3bc1766e1054", 0)  # bytes independent of the split
-    own = FileMapper.from_offloading_spec("/kv", spec(False), parallel_agnostic=True)
+    own = FileMapper.from_offloading_spec("/kv", _mapper_spec(False), parallel_agnostic=True)
     assert (own.base_path, own.rank) == ("/kv/Qwen_Qwen3-0.6B_c80f1b35e183", 1)  # asked, but the layout does not allow it
     assert shared.get_run_config()["kv_cache_groups"] == [{"tokens_per_block": 16, "layer_names": ["l0", "l1"]}]
     with pytest.raises(TypeError, match="offloading_spec.config must be an OffloadingConfig"):
@@ -691,32 +698,15 @@ def test_file_mapper_from_an_offloading_config() -> None:
 )
 def test_file_mapper_gives_canonical_pages_their_own_folder(layout, fmt, folder) -> None:
     # vLLM 0.33's FileMapper (with canonical_format_id) gave these folders for the same config.
-    from types import SimpleNamespace
-
-    from kvlab.kv_offload import config as oc
-    from offloading_config import offloading_config
-
-    def spec(canonical: bool, kv_cache_layout: str | None = layout) -> SimpleNamespace:
-        return SimpleNamespace(
-            config=offloading_config(
-                groups=(oc.OffloadingGroupConfig(16, ("l0", "l1"), 0),),
-                worker_kv_bytes_per_block=1024,
-                model=oc.OffloadingModelConfig("Qwen/Qwen3-0.6B", "bfloat16"),
-                parallel=oc.OffloadingParallelConfig(1, 2, 2, 1, 1, 1, 0, 1, None, True),
-                canonical_layout=canonical,
-                kv_cache_layout=kv_cache_layout,
-            )
-        )
-
-    canonical = FileMapper.from_offloading_spec("/kv", spec(True), parallel_agnostic=True)
+    canonical = FileMapper.from_offloading_spec("/kv", _mapper_spec(canonical_layout=True, kv_cache_layout=layout), parallel_agnostic=True)
     assert canonical.get_run_config()["canonical_format"] == fmt
     assert canonical.base_path == f"/kv/Qwen_Qwen3-0.6B_{folder}"
-    direct = FileMapper.from_offloading_spec("/kv", spec(False), parallel_agnostic=True)
+    direct = FileMapper.from_offloading_spec("/kv", _mapper_spec(kv_cache_layout=layout), parallel_agnostic=True)
     assert "canonical_format" not in direct.get_run_config() and direct.base_path == "/kv/Qwen_Qwen3-0.6B_3bc1766e1054"
     with pytest.raises(ValueError, match=r"kv_cache_layout must be one of \('LBHNC', 'LBNHC', .*got 'NHD'"):
-        FileMapper.from_offloading_spec("/kv", spec(True, "NHD"))
+        FileMapper.from_offloading_spec("/kv", _mapper_spec(canonical_layout=True, kv_cache_layout="NHD"))
     with pytest.raises(ValueError, match="canonical_layout needs config.kv_cache_layout"):
-        FileMapper.from_offloading_spec("/kv", spec(True, None))
+        FileMapper.from_offloading_spec("/kv", _mapper_spec(canonical_layout=True))
 
 
 @pytest.mark.parametrize("policy", ["lru", "arc"])
