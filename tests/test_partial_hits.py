@@ -372,3 +372,22 @@ def _resolved_alignment(specs, caching: bool, dcp: int, scheduler_block_size: in
     )
     config = KVCacheConfig(num_blocks=64, kv_cache_tensors=(), kv_cache_groups=groups)
     return resolve_cache_hit_alignment_tokens(config, vllm_config, scheduler_block_size, hash_block_size)
+
+
+def test_a_full_report_of_a_hit_inside_a_block_publishes_its_whole_blocks() -> None:
+    """kv_cache_report_mode="full" publishes a request's hit as BlockStored. A hit that ends
+    inside a block has no full-block hash for that block: kvlab publishes the whole blocks
+    (here block 1 of the full-attention group and the Mamba group's first slot). vLLM 0.33
+    counts the partial block too and raises IndexError reading a hash the request lacks
+    (checked on 0.33.0 with these calls); without the full report both find the same hit."""
+    m = manager()
+    a = Request("a", list(range(14)), max_tokens=4)
+    step(m, a, 8, first=True)
+    step(m, a, 4)
+    step(m, a, 2)
+    m.take_events()
+    c = Request("c", list(range(12)) + [50], max_tokens=4, kv_cache_report_mode="full")
+    blocks, hit = m.get_computed_blocks(c)
+    assert (hit, ids(blocks)) == (12, [[1, 3], [0, 5]])
+    got = [(type(e).__name__, e.block_size, e.group_idx, len(e.block_hashes), e.token_ids, e.parent_block_hash) for e in m.take_events()]
+    assert got == [("BlockStored", 8, 0, 1, list(range(8)), None), ("BlockStored", 8, 1, 1, list(range(8)), None)]

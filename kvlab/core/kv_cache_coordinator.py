@@ -305,10 +305,14 @@ class KVCacheCoordinator:
         return blocks
 
     def emit_cached_block_events(self, request: Any, computed_blocks: Sequence[Sequence[KVCacheBlock]]) -> None:
-        """A prefix hit, told on the KV-event stream: one ``BlockStored`` per group that hit."""
+        """A prefix hit, told on the KV-event stream: one ``BlockStored`` per group that hit,
+        of the hit's whole blocks. A hit that ends inside a block (partial hits on a Mamba
+        hybrid) leaves that block out: it has no full-block hash to publish. vLLM 0.33 counts
+        it anyway and fails with an IndexError reading a hash the request does not have."""
         for gid, (m, group_blocks) in enumerate(zip(self.single_type_managers, computed_blocks)):
-            if group_blocks:
-                m.block_pool.emit_cached_block_events(request, len(group_blocks), m.block_size, gid)
+            whole = len(m.block_pool.resolve_block_hashes(request.block_hashes, m.block_size))
+            if group_blocks and whole:
+                m.block_pool.emit_cached_block_events(request, min(len(group_blocks), whole), m.block_size, gid)
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int, num_prompt_tokens: int | None = None) -> None:
         for m in self.single_type_managers:
