@@ -15,8 +15,10 @@ and after every step so must
 * the KV events of the step, byte for byte (msgpack, as vLLM's ZeroMQ publisher sends them).
 
 Families: full attention, MLA, full + sliding window, two windows, full + chunked local,
-full + Mamba, mixed block sizes, full + window + Mamba, and two Mamba hybrids whose blocks are
-larger than the hash block (hits inside a block, copy-on-write), one with a window group; each
+full + Mamba, mixed block sizes, full + window + Mamba, full + window keeping a state every 16
+tokens and full + Mamba keeping only the prompt's end (``prefix_cache_retention_interval`` 16 and
+0), and two Mamba hybrids whose blocks are larger than the hash block (hits inside a block,
+copy-on-write), one with a window group; each
 with EAGLE off and on (EAGLE with chunked local attention only off: vLLM asserts on its first
 lookup, kvlab refuses to build the manager). Each workload draws its pool size (14-47 blocks)
 and its tokens per step (8, 16 or 32).
@@ -103,6 +105,11 @@ FAMILIES: dict[str, tuple[list[tuple[str, dict[str, Any]]], int | None]] = {
         None,
     ),
     "mamba, hits inside blocks": ([("FullAttentionSpec", dict(block_size=8, **F32)), ("MambaSpec", dict(block_size=8, **MAMBA))], 4),
+    "full+window, retention 16": (
+        [("FullAttentionSpec", dict(block_size=4, **F32)), ("SlidingWindowSpec", dict(block_size=4, sliding_window=8, **F32))],
+        None,
+    ),
+    "full+mamba, retention 0": ([("FullAttentionSpec", dict(block_size=4, **F32)), ("MambaSpec", dict(block_size=4, **MAMBA))], None),
     "mamba + window, hits inside blocks": (
         [
             ("FullAttentionSpec", dict(block_size=8, **F32)),
@@ -112,6 +119,11 @@ FAMILIES: dict[str, tuple[list[tuple[str, dict[str, Any]]], int | None]] = {
         4,
     ),
 }
+
+
+#: family -> prefix_cache_retention_interval (vLLM 0.33: which window / Mamba states a finished
+#: prefill keeps cached -- every multiple of it, 0: none but the prompt's end)
+RETENTION = {"full+window, retention 16": 16, "full+mamba, retention 0": 0}
 
 
 def block_sizes(family: str) -> tuple[int, int]:
@@ -133,6 +145,7 @@ def build(side: SimpleNamespace, family: str, num_blocks: int, use_eagle: bool) 
         num_blocks=num_blocks,
         kv_cache_tensors=[],
         kv_cache_groups=[iface.KVCacheGroupSpec([f"layer{i}"], s) for i, s in enumerate(specs)],
+        prefix_cache_retention_interval=RETENTION.get(family),
     )
     own = {"hash_algo": "sha256_cbor"} if side is KVLAB else {}  # vLLM's manager takes the hash with each request
     return side.manager.KVCacheManager(
@@ -355,7 +368,7 @@ def run_one(family: str, use_eagle: bool, seed: int, n_requests: int = 12) -> Ru
         for p in list(waiting):
             if budget <= 0:
                 break
-            bv, nv, *_ = vm.get_computed_blocks(p.v)
+            bv, nv, p.v.shared_prefix_boundary = vm.get_computed_blocks(p.v)  # vLLM's scheduler keeps the junction on the request
             bk, nk = km.get_computed_blocks(p.k)
             same(run, step, f"get_computed_blocks({p.spec.rid}) hit tokens", nv, nk)
             same(run, step, f"get_computed_blocks({p.spec.rid}) hit blocks", bv.get_block_ids(), bk.get_block_ids())
