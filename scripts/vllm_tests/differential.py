@@ -12,18 +12,21 @@ and after every step so must
 
 * each running request's block table (block ids per group),
 * the free queue (block ids, in order) and every block's reference count,
+* the copy-on-write copies the step hands the runner,
 * the KV events of the step, byte for byte (msgpack, as vLLM's ZeroMQ publisher sends them).
 
 Families: full attention, MLA, full + sliding window, two windows, full + chunked local,
 full + Mamba, mixed block sizes, full + window + Mamba, full + window keeping a state every 16
 tokens and full + Mamba keeping only the prompt's end (``prefix_cache_retention_interval`` 16 and
-0), and two Mamba hybrids whose blocks are larger than the hash block (hits inside a block,
+0), a window target with a full-attention drafter group (``is_eagle_group``), full attention
+and full + Mamba with multi-token-prediction hashes (``num_hash_lookahead_tokens=2``), and two
+Mamba hybrids whose blocks are larger than the hash block (hits inside a block,
 copy-on-write), one with a window group; each
 with EAGLE off and on (EAGLE with chunked local attention only off: vLLM asserts on its first
 lookup, kvlab refuses to build the manager). Each workload draws its pool size (14-47 blocks)
 and its tokens per step (8, 16 or 32).
 
-    KVLAB_VLLM_PATH=/tmp/vtw/src:/tmp/vtw/deps python scripts/vllm_tests/differential.py [--workloads N] [--seed S]
+    KVLAB_VLLM_PATH=/tmp/vtw/src:/tmp/vtw/deps python scripts/vllm_tests/differential.py [--workloads N] [--seed S] [--family F ...]
 
 (``run.sh`` leaves vLLM's wheel and its imports in ``src`` and ``deps`` of its folder.) Exits 1
 at the first divergence, printing the family, the workload, the step and what differed.
@@ -110,6 +113,12 @@ FAMILIES: dict[str, tuple[list[tuple[str, dict[str, Any]]], int | None]] = {
         None,
     ),
     "full+mamba, retention 0": ([("FullAttentionSpec", dict(block_size=4, **F32)), ("MambaSpec", dict(block_size=4, **MAMBA))], None),
+    "window target + full drafter": (
+        [("SlidingWindowSpec", dict(block_size=4, sliding_window=8, **F32)), ("FullAttentionSpec", dict(block_size=4, **F32))],
+        None,
+    ),
+    "full, MTP hashes": ([("FullAttentionSpec", dict(block_size=4, **F32))], None),
+    "full+mamba, MTP hashes": ([("FullAttentionSpec", dict(block_size=4, **F32)), ("MambaSpec", dict(block_size=4, **MAMBA))], None),
     "mamba + window, hits inside blocks": (
         [
             ("FullAttentionSpec", dict(block_size=8, **F32)),
@@ -121,9 +130,20 @@ FAMILIES: dict[str, tuple[list[tuple[str, dict[str, Any]]], int | None]] = {
 }
 
 
-#: family -> prefix_cache_retention_interval (vLLM 0.33: which window / Mamba states a finished
-#: prefill keeps cached -- every multiple of it, 0: none but the prompt's end)
-RETENTION = {"full+window, retention 16": 16, "full+mamba, retention 0": 0}
+#: Per-family settings beyond the groups:
+#: ``retention`` -- ``prefix_cache_retention_interval`` (vLLM 0.33: which window / Mamba states
+#: a finished prefill keeps cached: every multiple of it; 0: none but the prompt's end);
+#: ``eagle_groups`` -- groups flagged ``is_eagle_group`` (a drafter's layers: with EAGLE on,
+#: only they give back a hit's last block);
+#: ``lookahead`` -- ``num_hash_lookahead_tokens`` (multi-token prediction: a block's hash also
+#: covers the next k tokens, which the drafter reads).
+OPTIONS: dict[str, dict[str, Any]] = {
+    "full+window, retention 16": {"retention": 16},
+    "full+mamba, retention 0": {"retention": 0},
+    "window target + full drafter": {"eagle_groups": {1}},
+    "full, MTP hashes": {"lookahead": 2},
+    "full+mamba, MTP hashes": {"lookahead": 2},
+}
 
 
 def block_sizes(family: str) -> tuple[int, int]:
@@ -138,14 +158,17 @@ def block_sizes(family: str) -> tuple[int, int]:
 
 def build(side: SimpleNamespace, family: str, num_blocks: int, use_eagle: bool) -> Any:
     groups, _ = FAMILIES[family]
+    options = OPTIONS.get(family, {})
     scheduler_block_size, hash_block_size = block_sizes(family)
     iface = side.iface
     specs = [getattr(iface, cls)(**kw) for cls, kw in groups]
     config = iface.KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[],
-        kv_cache_groups=[iface.KVCacheGroupSpec([f"layer{i}"], s) for i, s in enumerate(specs)],
-        prefix_cache_retention_interval=RETENTION.get(family),
+        kv_cache_groups=[
+            iface.KVCacheGroupSpec([f"layer{i}"], s, is_eagle_group=i in options.get("eagle_groups", ())) for i, s in enumerate(specs)
+        ],
+        prefix_cache_retention_interval=options.get("retention"),
     )
     own = {"hash_algo": "sha256_cbor"} if side is KVLAB else {}  # vLLM's manager takes the hash with each request
     return side.manager.KVCacheManager(
@@ -157,6 +180,7 @@ def build(side: SimpleNamespace, family: str, num_blocks: int, use_eagle: bool) 
         enable_caching=True,
         use_eagle=use_eagle,
         enable_kv_cache_events=True,
+        num_hash_lookahead_tokens=options.get("lookahead", 0),
     )
 
 
@@ -200,7 +224,7 @@ class Divergence(Exception):
     pass
 
 
-def make_request(side: SimpleNamespace, spec: Spec, hash_block_size: int) -> Any:
+def make_request(side: SimpleNamespace, spec: Spec, hash_block_size: int, lookahead: int = 0) -> Any:
     lora = None if spec.lora is None else LoRARequest(f"adapter{spec.lora}", spec.lora, f"/adapters/{spec.lora}")
     images = [
         MultiModalFeatureSpec(
@@ -217,7 +241,7 @@ def make_request(side: SimpleNamespace, spec: Spec, hash_block_size: int) -> Any
         pooling_params=None,
         lora_request=lora,
         cache_salt=spec.salt,
-        block_hasher=side.utils.get_request_block_hasher(hash_block_size, side.hash_fn),
+        block_hasher=side.utils.get_request_block_hasher(hash_block_size, side.hash_fn, lookahead),
     )
 
 
@@ -323,7 +347,8 @@ def run_one(family: str, use_eagle: bool, seed: int, n_requests: int = 12) -> Ru
         km.new_step_starts()
         for s in specs:
             if s.arrival_step == step:
-                waiting.append(Pair(s, make_request(VLLM, s, hash_block_size), make_request(KVLAB, s, hash_block_size)))
+                la = OPTIONS.get(family, {}).get("lookahead", 0)
+                waiting.append(Pair(s, make_request(VLLM, s, hash_block_size, la), make_request(KVLAB, s, hash_block_size, la)))
         budget = step_budget
         # decodes first, as vLLM schedules running requests before waiting ones
         for p in list(running):
@@ -423,13 +448,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workloads", type=int, default=30, help="random workloads per family and EAGLE setting")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--family", action="append", choices=sorted(FAMILIES), help="run only this setting (repeatable)")
     args = ap.parse_args()
     for name in ("vllm", "kvlab"):  # both say why a reset_prefix_cache() did nothing; the result is compared
         logging.getLogger(name).setLevel(logging.ERROR)
     v_utils.init_none_hash(v_hashing.sha256_cbor)
     k_utils.init_none_hash(k_hashing.sha256_cbor)
     total = 0
-    for family in FAMILIES:
+    for family in args.family or FAMILIES:
         before = total
         counts: dict[str, int] = {}
         for use_eagle in (False, True):
