@@ -273,6 +273,13 @@ def test_a_sharded_group_counts_in_blocks_of_block_size_times_dcp():
     m.free(r)
     hits, n = m.get_computed_blocks(Request("b", list(range(20)) + [7, 7, 7], max_tokens=4))
     assert (n, hits.get_block_ids()) == (16, ([1, 2],))
+    # A full report of that hit is published in the manager's 8-token blocks. (vLLM 0.33 hands
+    # its pool the spec's 4-token block size against 8-token hashes and fails an assert.)
+    m.take_events()
+    full = Request("c", list(range(20)) + [7, 7, 7], max_tokens=4, kv_cache_report_mode="full")
+    hits, n = m.get_computed_blocks(full)
+    assert (n, hits.get_block_ids()) == (16, ([1, 2],))
+    assert [(e.block_size, len(e.block_hashes), e.token_ids) for e in m.take_events()] == [(8, 2, list(range(16)))]
 
 
 def test_dcp_geometry_is_per_group():

@@ -253,8 +253,11 @@ class KVCacheManager:
         (a ``KVCacheConfig``) giving the block count, the groups with their block sizes and
         ``prefix_cache_retention_interval``. ``hash_block_size`` then plays the part of
         ``prefix_match_unit``; ``scheduler_block_size`` must be the one kvlab derives (the
-        LCM of the groups' block sizes). Context parallelism and the admission watermark are
-        not modelled: ``dcp_world_size``/``pcp_world_size`` must be 1, ``watermark`` 0.
+        LCM of the groups' block sizes, after context parallelism). Context parallelism follows
+        vLLM 0.33's rules (``check_context_parallelism``): ``dcp_world_size`` spreads each
+        sharded full-attention block's tokens over the ranks, so the manager sees blocks that
+        many times larger; ``pcp_world_size`` leaves the manager as it is. The admission
+        watermark is not modelled: ``watermark`` must be 0.
 
         ``enable_kv_cache_events``: queue vLLM's KV cache events (``take_events()``).
         ``kv_events_use_int_block_hashes``: publish hashes as 64-bit ints (vLLM's default) or

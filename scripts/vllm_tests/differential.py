@@ -4,7 +4,7 @@ random workloads, compared after every call.
 Each workload is what a scheduler does to its manager, step by step: requests arrive (with
 shared prefixes, some under LoRA adapters, some with a cache salt, some holding an image, some
 asking for their hits to be published: ``kv_cache_report_mode="full"``, except where hits may
-end inside a block, which vLLM 0.33 cannot report), are looked up
+end inside a block or under DCP, which vLLM 0.33 cannot report), are looked up
 (``get_computed_blocks``) and admitted in chunks (``allocate_slots``), decode one token per
 step, are preempted when a decode finds no block (freed and sent back to wait, as
 ``preempt`` does), and finish (``free``). Every call's answer must be the same on both sides,
@@ -19,7 +19,8 @@ Families: full attention, MLA, full + sliding window, two windows, full + chunke
 full + Mamba, mixed block sizes, full + window + Mamba, full + window keeping a state every 16
 tokens and full + Mamba keeping only the prompt's end (``prefix_cache_retention_interval`` 16 and
 0), a window target with a full-attention drafter group (``is_eagle_group``), full attention
-and full + Mamba with multi-token-prediction hashes (``num_hash_lookahead_tokens=2``), and two
+and full + Mamba with multi-token-prediction hashes (``num_hash_lookahead_tokens=2``), full
+attention, MLA and full + Mamba under decode context parallelism (``dcp_world_size=2``), and two
 Mamba hybrids whose blocks are larger than the hash block (hits inside a block,
 copy-on-write), one with a window group; each
 with EAGLE off and on (EAGLE with chunked local attention only off: vLLM asserts on its first
@@ -119,6 +120,9 @@ FAMILIES: dict[str, tuple[list[tuple[str, dict[str, Any]]], int | None]] = {
     ),
     "full, MTP hashes": ([("FullAttentionSpec", dict(block_size=4, **F32))], None),
     "full+mamba, MTP hashes": ([("FullAttentionSpec", dict(block_size=4, **F32)), ("MambaSpec", dict(block_size=4, **MAMBA))], None),
+    "full, DCP 2": ([("FullAttentionSpec", dict(block_size=4, **F32))], None),
+    "mla, DCP 2": ([("MLAAttentionSpec", dict(block_size=4, num_kv_heads=1, head_size=1, dtype=torch.float32))], None),
+    "full+mamba, DCP 2": ([("FullAttentionSpec", dict(block_size=4, **F32)), ("MambaSpec", dict(block_size=8, **MAMBA))], None),
     "mamba + window, hits inside blocks": (
         [
             ("FullAttentionSpec", dict(block_size=8, **F32)),
@@ -136,13 +140,18 @@ FAMILIES: dict[str, tuple[list[tuple[str, dict[str, Any]]], int | None]] = {
 #: ``eagle_groups`` -- groups flagged ``is_eagle_group`` (a drafter's layers: with EAGLE on,
 #: only they give back a hit's last block);
 #: ``lookahead`` -- ``num_hash_lookahead_tokens`` (multi-token prediction: a block's hash also
-#: covers the next k tokens, which the drafter reads).
+#: covers the next k tokens, which the drafter reads);
+#: ``dcp`` -- ``dcp_world_size`` (decode context parallelism: a full-attention block's tokens
+#: are spread over the ranks, so the managers see blocks that many times larger).
 OPTIONS: dict[str, dict[str, Any]] = {
     "full+window, retention 16": {"retention": 16},
     "full+mamba, retention 0": {"retention": 0},
     "window target + full drafter": {"eagle_groups": {1}},
     "full, MTP hashes": {"lookahead": 2},
     "full+mamba, MTP hashes": {"lookahead": 2},
+    "full, DCP 2": {"dcp": 2},
+    "mla, DCP 2": {"dcp": 2},
+    "full+mamba, DCP 2": {"dcp": 2},
 }
 
 
@@ -150,7 +159,8 @@ def block_sizes(family: str) -> tuple[int, int]:
     """(scheduler block size, hash block size): the LCM of the groups' block sizes, and the
     family's hash block (default: the block size when all groups share one, else the smallest)."""
     groups, hash_block_size = FAMILIES[family]
-    sizes = [kw["block_size"] for _, kw in groups]
+    dcp = OPTIONS.get(family, {}).get("dcp", 1)
+    sizes = [kw["block_size"] * (dcp if cls != "MambaSpec" else 1) for cls, kw in groups]  # Mamba states are replicated
     if hash_block_size is None:
         hash_block_size = sizes[0] if len(set(sizes)) == 1 else min(sizes)
     return lcm(*sizes), hash_block_size
@@ -181,6 +191,7 @@ def build(side: SimpleNamespace, family: str, num_blocks: int, use_eagle: bool) 
         use_eagle=use_eagle,
         enable_kv_cache_events=True,
         num_hash_lookahead_tokens=options.get("lookahead", 0),
+        dcp_world_size=options.get("dcp", 1),
     )
 
 
@@ -334,10 +345,14 @@ def run_one(family: str, use_eagle: bool, seed: int, n_requests: int = 12) -> Ru
     has_mamba = any(cls == "MambaSpec" for cls, _ in FAMILIES[family][0])
     partial = FAMILIES[family][1] is not None
     lookahead = 2 if use_eagle else 0
-    # A full report of a hit that ends inside a block makes vLLM 0.33 raise IndexError (it counts
-    # the partial block and reads a full-block hash the request lacks); kvlab publishes the whole
-    # blocks (tests/test_partial_hits.py). Those families run without full reports.
-    specs = workload(rng, n_requests, full_reports=not partial)
+    # vLLM 0.33 cannot publish a full report (kv_cache_report_mode="full") of two kinds of hit:
+    # one that ends inside a block (IndexError: it counts the partial block and reads a
+    # full-block hash the request lacks) and any hit under DCP (AssertionError: it hands the
+    # pool the spec's block size, not the larger one the manager uses). kvlab publishes the
+    # hit's whole blocks at the manager's block size (tests/test_partial_hits.py,
+    # tests/test_vllm_core_v033.py). Those settings run without full reports.
+    dcp = OPTIONS.get(family, {}).get("dcp", 1)
+    specs = workload(rng, n_requests, full_reports=not partial and dcp == 1)
     waiting: list[Pair] = []
     running: list[Pair] = []
     done = 0
