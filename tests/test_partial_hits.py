@@ -391,3 +391,20 @@ def test_a_full_report_of_a_hit_inside_a_block_publishes_its_whole_blocks() -> N
     assert (hit, ids(blocks)) == (12, [[1, 3], [0, 5]])
     got = [(type(e).__name__, e.block_size, e.group_idx, len(e.block_hashes), e.token_ids, e.parent_block_hash) for e in m.take_events()]
     assert got == [("BlockStored", 8, 0, 1, list(range(8)), None), ("BlockStored", 8, 1, 1, list(range(8)), None)]
+
+
+def test_the_manager_class_of_a_spec_is_its_own_or_its_nearest_bases() -> None:
+    from dataclasses import dataclass
+
+    from kvlab.core.kv_cache_utils import get_manager_class
+    from kvlab.core.single_type_kv_cache_manager import FullAttentionManager, MambaManager
+    from kvlab.kv_cache_interface import KVCacheSpec
+
+    @dataclass(frozen=True, kw_only=True)
+    class MyFullAttention(FullAttentionSpec):  # a subclass runs as full attention, as in vLLM's registry
+        pass
+
+    assert get_manager_class(MambaSpec(block_size=8)) is MambaManager
+    assert get_manager_class(MyFullAttention(block_size=8)) is FullAttentionManager
+    with pytest.raises(ValueError, match=r"no KV cache manager runs a KVCacheSpec; known specs: \['ChunkedLocalAttentionSpec', "):
+        get_manager_class(KVCacheSpec(block_size=8))

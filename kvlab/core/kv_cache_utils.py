@@ -808,9 +808,7 @@ def resolve_cache_hit_alignment_tokens(kv_cache_config: Any, vllm_config: Any, s
     groups = kv_cache_config.kv_cache_groups
     if not vllm_config.cache_config.enable_prefix_caching or len(groups) <= 1:
         return scheduler_block_size
-    classes = []
-    for g in groups:
-        classes.append(get_manager_class(g.kv_cache_spec))
+    classes = [get_manager_class(g.kv_cache_spec) for g in groups]
     dcp = vllm_config.parallel_config.decode_context_parallel_size
     specs = [resolve_dcp_kv_cache_spec(g.kv_cache_spec, dcp) for g in groups]  # the blocks the managers see
     return hash_block_size if partial_hash_hits_enabled(specs, hash_block_size, dcp, classes) else scheduler_block_size
