@@ -342,17 +342,23 @@ def run_one(family: str, use_eagle: bool, seed: int, n_requests: int = 12) -> Ru
     step_budget = rng.choice([8, 16, 32])  # tokens per step
     vm, km = build(VLLM, family, num_blocks, use_eagle), build(KVLAB, family, num_blocks, use_eagle)
     block, hash_block_size = block_sizes(family)
-    has_mamba = any(cls == "MambaSpec" for cls, _ in FAMILIES[family][0])
+    options = OPTIONS.get(family, {})
+    align = block if any(cls == "MambaSpec" for cls, _ in FAMILIES[family][0]) else 1  # Mamba chunks end on blocks
     partial = FAMILIES[family][1] is not None
-    lookahead = 2 if use_eagle else 0
+    spec_tokens = 2 if use_eagle else 0  # EAGLE: room for the drafter's two speculative tokens
+
+    def chunk(p: Pair, start: int, budget: int) -> int:
+        """Tokens of ``p`` the step computes from ``start`` (a decode, or a prompt's next chunk)."""
+        last_hash = (p.v.num_prompt_tokens // hash_block_size) * hash_block_size if partial else -1
+        return chunk_end(start, p.v.num_tokens, budget, align, last_hash) - start
+
     # vLLM 0.33 cannot publish a full report (kv_cache_report_mode="full") of two kinds of hit:
     # one that ends inside a block (IndexError: it counts the partial block and reads a
     # full-block hash the request lacks) and any hit under DCP (AssertionError: it hands the
     # pool the spec's block size, not the larger one the manager uses). kvlab publishes the
     # hit's whole blocks at the manager's block size (tests/test_partial_hits.py,
     # tests/test_vllm_core_v033.py). Those settings run without full reports.
-    dcp = OPTIONS.get(family, {}).get("dcp", 1)
-    specs = workload(rng, n_requests, full_reports=not partial and dcp == 1)
+    specs = workload(rng, n_requests, full_reports=not partial and options.get("dcp", 1) == 1)
     waiting: list[Pair] = []
     running: list[Pair] = []
     done = 0
@@ -362,22 +368,19 @@ def run_one(family: str, use_eagle: bool, seed: int, n_requests: int = 12) -> Ru
         km.new_step_starts()
         for s in specs:
             if s.arrival_step == step:
-                la = OPTIONS.get(family, {}).get("lookahead", 0)
+                la = options.get("lookahead", 0)
                 waiting.append(Pair(s, make_request(VLLM, s, hash_block_size, la), make_request(KVLAB, s, hash_block_size, la)))
         budget = step_budget
         # decodes first, as vLLM schedules running requests before waiting ones
         for p in list(running):
             if p not in running:
                 continue  # preempted earlier in this step
-            c = p.v.num_computed_tokens
-            last_hash = (p.v.num_prompt_tokens // hash_block_size) * hash_block_size if partial else -1
-            n = chunk_end(c, p.v.num_tokens, budget, block if has_mamba else 1, last_hash) - c  # a decode, or the prompt's next chunk
+            n = chunk(p, p.v.num_computed_tokens, budget)
             if n <= 0:
                 continue
             while True:  # no room: preempt the newest running request and try again (vLLM's loop)
-                # EAGLE: room for the drafter's tokens too (two speculative tokens)
-                got_v = vm.allocate_slots(p.v, n, num_lookahead_tokens=lookahead)
-                got_k = km.allocate_slots(p.k, n, num_lookahead_tokens=lookahead)
+                got_v = vm.allocate_slots(p.v, n, num_lookahead_tokens=spec_tokens)
+                got_k = km.allocate_slots(p.k, n, num_lookahead_tokens=spec_tokens)
                 same(run, step, f"allocate_slots({p.spec.rid}, {n}) admitted", got_v is not None, got_k is not None)
                 if got_v is not None:
                     break
@@ -413,9 +416,7 @@ def run_one(family: str, use_eagle: bool, seed: int, n_requests: int = 12) -> Ru
             same(run, step, f"get_computed_blocks({p.spec.rid}) hit tokens", nv, nk)
             same(run, step, f"get_computed_blocks({p.spec.rid}) hit blocks", bv.get_block_ids(), bk.get_block_ids())
             run.counts["hit tokens"] += nv
-            last_hash = (p.v.num_prompt_tokens // hash_block_size) * hash_block_size if partial else -1
-            end = chunk_end(nv, p.v.num_tokens, budget, block if has_mamba else 1, last_hash)
-            n = end - nv
+            n = chunk(p, nv, budget)
             if n <= 0:
                 break
             got_v = vm.allocate_slots(p.v, n, nv, bv)
@@ -437,13 +438,12 @@ def run_one(family: str, use_eagle: bool, seed: int, n_requests: int = 12) -> Ru
             if p.v.num_computed_tokens >= p.v.num_tokens:
                 done += sample(p, vm, km, running)
         # the copies a step hands the runner (copy-on-write): their blocks are let go after it
-        if hasattr(vm, "take_kv_cache_block_copies"):
-            cv, rv = vm.take_kv_cache_block_copies()
-            ck, rk = km.take_kv_cache_block_copies()
-            same(run, step, "copies", [(c.src_block_id, c.dst_block_id) for c in cv], [(c.src_block_id, c.dst_block_id) for c in ck])
-            run.counts["copies"] += len(cv)
-            vm.block_pool.free_blocks(rv)
-            km.block_pool.free_blocks(rk)
+        cv, rv = vm.take_kv_cache_block_copies()
+        ck, rk = km.take_kv_cache_block_copies()
+        same(run, step, "copies", [(c.src_block_id, c.dst_block_id) for c in cv], [(c.src_block_id, c.dst_block_id) for c in ck])
+        run.counts["copies"] += len(cv)
+        vm.block_pool.free_blocks(rv)
+        km.block_pool.free_blocks(rk)
         for p in running:
             same(run, step, f"block table of {p.spec.rid}", table(vm, p.spec.rid), table(km, p.spec.rid))
         same(run, step, "free queue", free_order(vm), free_order(km))
