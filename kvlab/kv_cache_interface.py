@@ -25,7 +25,7 @@ from fractions import Fraction
 from math import prod
 from typing import Any, cast
 
-from kvlab.utils.checks import check_int, check_optional_int
+from kvlab.utils.checks import AssertedValueError, check_int, check_optional_int
 
 # Bytes per element of the dtypes the lessons use (vLLM reads them from torch dtypes; the
 # core stays free of torch, so the names are plain strings).
@@ -123,6 +123,36 @@ def _dtype_name(owner: str, name: str, dtype: Any) -> str:
     raise ValueError(f"{owner}.{name} must be one of {sorted(DTYPE_SIZES)} (or the torch dtype of that name), got {dtype!r}")
 
 
+def _config_value(vllm_config: Any, path: str) -> Any:
+    """The field at the dotted ``path`` of ``vllm_config`` -- vLLM's ``VllmConfig`` or any
+    object of its shape (``types.SimpleNamespace`` will do). A missing field is named."""
+    value = vllm_config
+    for part in path.split("."):
+        try:
+            value = getattr(value, part)
+        except AttributeError:
+            raise TypeError(
+                f"vllm_config has no {path}: a request's worst-case KV memory is read from vLLM 0.33's "
+                f"VllmConfig fields (model_config.max_model_len, parallel_config.decode_context_parallel_size, "
+                f"max_in_flight_tokens, cache_config.mamba_cache_mode, scheduler_config.max_num_encoder_input_tokens)"
+            ) from None
+    return value
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class SparseCacheRole(str, Enum):
+    """What an MLA layer's cache holds in a sparse-attention model (vLLM 0.33; DeepSeek-V3.2,
+    GLM-5): the latent K/V that attention reads (``SPARSE``), or the lightning indexer's
+    small keys, which score every earlier token to pick the ``index_topk`` that attention
+    then reads (``INDEXER``)."""
+
+    SPARSE = "sparse"
+    INDEXER = "indexer"
+
+
 @dataclass(frozen=True, kw_only=True)
 class KVCacheSpec:
     """Base of every spec: a block of ``block_size`` tokens (None: the manager's)."""
@@ -153,6 +183,30 @@ class KVCacheSpec:
 
     def with_block_size(self, block_size: int) -> KVCacheSpec:
         return replace(self, block_size=block_size)
+
+    def max_memory_usage_bytes(self, vllm_config: Any) -> int:
+        """The most bytes of this group one request can hold at once, per layer (vLLM 0.33):
+        what the engine charges a request of ``max_model_len`` tokens when it works out how
+        many fit in the pool (:func:`kvlab.core.kv_cache_utils.get_max_concurrency_for_kv_cache_config`).
+        ``vllm_config``: vLLM's ``VllmConfig``, or any object with the fields it reads."""
+        raise NotImplementedError(f"{type(self).__name__} has no worst-case memory rule")
+
+    def _pages(self, num_blocks: int) -> int:
+        return num_blocks * self.page_size_bytes
+
+    def _admission_cap_bytes(self, vllm_config: Any) -> int:
+        """The bytes of ``max_admission_blocks_per_request`` (a spec that has one) at the
+        config's step budget and ``max_model_len``."""
+        self._block_size()
+        cap = self.max_admission_blocks_per_request(  # type: ignore[attr-defined]  # only specs that define it call this
+            _config_value(vllm_config, "max_in_flight_tokens"), _config_value(vllm_config, "model_config.max_model_len")
+        )
+        return self._pages(cap)
+
+    def _block_size(self) -> int:
+        if self.block_size is None:
+            raise ValueError(f"{type(self).__name__}.block_size is None: its memory is unknown until the manager sets it")
+        return self.block_size
 
     @classmethod
     def merge(cls, specs: Sequence[Any]) -> Any:
@@ -322,6 +376,15 @@ class FullAttentionSpec(AttentionSpec):
     def type_name(self) -> str:
         return "full"
 
+    def max_memory_usage_bytes(self, vllm_config: Any) -> int:
+        """Every token of ``max_model_len`` in its block. Decode context parallelism spreads a
+        request's tokens over ``decode_context_parallel_size`` ranks, so each holds ``1/dcp``."""
+        max_model_len = _config_value(vllm_config, "model_config.max_model_len")
+        dcp = _config_value(vllm_config, "parallel_config.decode_context_parallel_size")
+        if self.dcp_sharded and dcp > 1:
+            max_model_len = _cdiv(max_model_len, dcp)
+        return self._pages(_cdiv(max_model_len, self._block_size()))
+
     @classmethod
     def merge(cls, specs: Sequence[Any]) -> Any:
         """A full-attention group's spec (vLLM 0.33): its layers may differ only in their
@@ -362,11 +425,35 @@ class MLAAttentionSpec(FullAttentionSpec):
     #: layout, ``state_content_bytes`` (DeepSeek's "fp8_ds_mla": 656 bytes a token, set by
     #: its backend as in vLLM).
     cache_dtype_str: str | None = None
+    #: Sparse attention (vLLM 0.33; DeepSeek-V3.2, GLM-5): what this layer's cache holds
+    #: (:class:`SparseCacheRole`), the width of the model's top-k index buffer (None: the
+    #: model's ``index_topk``), and whether the layer leads the run of layers that share one
+    #: indexer -- HiSparse keeps such a run in one hot-buffer group.
+    cache_role: SparseCacheRole = SparseCacheRole.SPARSE
+    topk_buffer_width: int | None = None
+    is_index_group_leader: bool = False
+    #: "deepseek_v4" for DeepSeek-V4's compressed MLA layers, else None (vLLM 0.33's tag).
+    model_version: str | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        name = type(self).__name__
         if self.cache_dtype_str is not None and (not isinstance(self.cache_dtype_str, str) or not self.cache_dtype_str):
-            raise TypeError(f"{type(self).__name__}.cache_dtype_str must be None or a KV-cache dtype name, got {self.cache_dtype_str!r}")
+            raise TypeError(f"{name}.cache_dtype_str must be None or a KV-cache dtype name, got {self.cache_dtype_str!r}")
+        if self.cache_role not in tuple(SparseCacheRole):
+            raise ValueError(f"{name}.cache_role must be one of {[r.value for r in SparseCacheRole]}, got {self.cache_role!r}")
+        object.__setattr__(self, "cache_role", SparseCacheRole(self.cache_role))
+        _check_int(self, "topk_buffer_width", 1, allow_none=True)
+        if not isinstance(self.is_index_group_leader, bool):
+            raise TypeError(f"{name}.is_index_group_leader must be True or False, got {self.is_index_group_leader!r}")
+        if self.model_version not in (None, "deepseek_v4"):
+            raise ValueError(f"{name}.model_version must be None or 'deepseek_v4', got {self.model_version!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = super().to_dict()
+        if "cache_role" in d:
+            d["cache_role"] = d["cache_role"].value  # the plain string, as the event log writes JSON
+        return d
 
     @property
     def type_name(self) -> str:
@@ -422,6 +509,10 @@ class CircularBufferSpec(AttentionSpec):
     @property
     def prefix_cacheable(self) -> bool:
         return False
+
+    def max_memory_usage_bytes(self, vllm_config: Any) -> int:
+        """One block, the ring, for the request's whole life."""
+        return self.page_size_bytes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -484,6 +575,18 @@ class SlidingWindowSpec(AttentionSpec):
         # block_size is set by then: the manager gives a spec with None its own block size before the scheduler asks
         return -(-min(self.num_retained_tokens + max_in_flight_tokens, max_model_len) // self.block_size) + 1  # type: ignore[operator]  # block_size set, see above
 
+    def max_memory_usage_bytes(self, vllm_config: Any) -> int:
+        """The admission cap's blocks (:meth:`max_admission_blocks_per_request`): a window
+        group never holds more, however long the request. vLLM 0.33 asserts that decode
+        context parallelism is off for a sharded window."""
+        dcp = _config_value(vllm_config, "parallel_config.decode_context_parallel_size")
+        if self.dcp_sharded and dcp != 1:
+            raise AssertedValueError(
+                f"DCP not support sliding window. (decode_context_parallel_size is {dcp}; a window group "
+                "under decode context parallelism needs dcp_sharded=False)"
+            )
+        return self._admission_cap_bytes(vllm_config)
+
 
 @dataclass(frozen=True, kw_only=True)
 class SlidingWindowMLASpec(SlidingWindowSpec):
@@ -543,6 +646,10 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
         # block_size is set by then: the manager gives a spec with None its own block size before the scheduler asks
         return -(-min(self.attention_chunk_size + max_in_flight_tokens, max_model_len) // self.block_size)  # type: ignore[operator]  # block_size set, see above
 
+    def max_memory_usage_bytes(self, vllm_config: Any) -> int:
+        """The admission cap's blocks: one chunk and one step's tokens in flight."""
+        return self._admission_cap_bytes(vllm_config)
+
 
 @dataclass(frozen=True, kw_only=True)
 class CrossAttentionSpec(AttentionSpec):
@@ -555,6 +662,72 @@ class CrossAttentionSpec(AttentionSpec):
     @property
     def type_name(self) -> str:
         return "cross_attention"
+
+    def max_memory_usage_bytes(self, vllm_config: Any) -> int:
+        """The encoder's longest input (``max_num_encoder_input_tokens``; Whisper: 1,500
+        frames), whatever the decoder's length."""
+        tokens = _config_value(vllm_config, "scheduler_config.max_num_encoder_input_tokens")
+        return self._pages(_cdiv(tokens, self._block_size()))
+
+
+@dataclass(frozen=True, kw_only=True)
+class _HiSparsePageSpec(KVCacheSpec):
+    """A HiSparse GPU group: scratch pages of ``page_size`` bytes a block in one layer (as
+    the layout computed it), never shared and never a prefix hit."""
+
+    page_size: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_int(self, "page_size", 1)
+
+    @property
+    def prefix_cacheable(self) -> bool:
+        return False
+
+    @property
+    def page_size_bytes(self) -> int:
+        return self.page_size
+
+
+@dataclass(frozen=True, kw_only=True)
+class HiSparseHotSpec(_HiSparsePageSpec):
+    """HiSparse's hot buffer (vLLM 0.33): a fixed set of ``blocks_per_request`` GPU blocks a
+    request holds while it reads its K/V from the host pool -- the rows its last top-k
+    selections touched, kept on the GPU so the next step finds most of them there. The same
+    size at every length."""
+
+    blocks_per_request: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_int(self, "blocks_per_request", 1)
+
+    @property
+    def type_name(self) -> str:
+        return "hisparse_hot"
+
+    def max_memory_usage_bytes(self, vllm_config: Any) -> int:
+        return self._pages(self.blocks_per_request)
+
+
+@dataclass(frozen=True, kw_only=True)
+class HiSparseResidentSpec(_HiSparsePageSpec):
+    """HiSparse's resident pages (vLLM 0.33): GPU copies of a request's newest K/V pages,
+    written by the forward pass and copied to the host pool behind it. Once a page's host
+    copy is complete the pool may take its block back, so a running request pins only its
+    last pages; admission still reserves one step's worth (:meth:`max_admission_blocks_per_request`)."""
+
+    @property
+    def type_name(self) -> str:
+        return "hisparse_resident"
+
+    def max_admission_blocks_per_request(self, max_in_flight_tokens: int, max_model_len: int) -> int:
+        """The pages one step's tokens can dirty before any reaches the host."""
+        return _cdiv(min(max_in_flight_tokens, max_model_len), self._block_size())
+
+    def max_memory_usage_bytes(self, vllm_config: Any) -> int:
+        return self._admission_cap_bytes(vllm_config)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -629,6 +802,15 @@ class MambaSpec(KVCacheSpec):
     @property
     def state_size_bytes(self) -> int:
         return sum(prod(s) * DTYPE_SIZES[d] for s, d in zip(self.shapes, self.dtype_names))
+
+    def max_memory_usage_bytes(self, vllm_config: Any) -> int:
+        """A few states, whatever the length: the running one and one per speculative token;
+        in ``"align"`` mode also the one being written at a block boundary and the prefill
+        checkpoints. vLLM 0.33 reads the mode from ``vllm_config.cache_config``, not from the
+        spec (the engine sets both from the same option)."""
+        if _config_value(vllm_config, "cache_config.mamba_cache_mode") == "align":
+            return self.page_size_bytes * (2 + self.num_speculative_blocks + self.num_prefill_checkpoint_blocks)
+        return self.page_size_bytes * (1 + self.num_speculative_blocks)
 
     @property
     def page_size_bytes(self) -> int:
@@ -759,6 +941,10 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
     def page_size_bytes(self) -> int:
         return sum(s.page_size_bytes for s in self.kv_cache_specs.values())
 
+    def max_memory_usage_bytes(self, vllm_config: Any) -> int:
+        """The most blocks any wrapped layer needs, each block a page of every layer."""
+        return self._pages(max(_cdiv(s.max_memory_usage_bytes(vllm_config), s.page_size_bytes) for s in self.kv_cache_specs.values()))
+
     @classmethod
     def is_uniform_type(cls, kv_cache_specs: dict[str, KVCacheSpec]) -> bool:
         """One block size, one DCP sharding, and every layer uniform with the first."""
@@ -845,6 +1031,17 @@ class KVCacheTensor:
     layer_stride: int
     block_stride: int
     offset: int = 0
+    #: The allocation lives in host memory: HiSparse's source pool (vLLM 0.33).
+    host_resident: bool = False
+
+
+class KVCacheGroupRole(str, Enum):
+    """What part a group plays in HiSparse (vLLM 0.33): its source K/V, kept whole in the
+    host pool, or its indexer keys, kept whole on the GPU; every other group is ``DEFAULT``."""
+
+    DEFAULT = "default"
+    HISPARSE_SOURCE = "hisparse_source"
+    HISPARSE_INDEXER = "hisparse_indexer"
 
 
 @dataclass
@@ -859,9 +1056,12 @@ class KVCacheGroupSpec:
     #: last block of a hit, which the drafter recomputes. When EAGLE is on and no group is
     #: flagged, every group does (vLLM's fallback).
     is_eagle_group: bool = False
+    #: The group's blocks come from HiSparse's host pool, not the GPU pool (vLLM 0.33).
+    host_resident: bool = False
     #: Whether a KV connector moves this group's blocks (vLLM 0.33); a group kept out of
     #: transfers is left out of every block-id list a connector is handed.
     enable_kv_transfer: bool = True
+    role: KVCacheGroupRole = KVCacheGroupRole.DEFAULT
 
 
 @dataclass
@@ -877,12 +1077,16 @@ class KVCacheConfig:
     # vLLM 0.33's other fields, read by ``KVCacheManager(kv_cache_config, ...)``: how densely
     # window and Mamba groups keep cache entries (see KVCacheManager), the layout the worker
     # resolved, the hash block size and hit alignment the engine core chose (None: derived
-    # from the groups), and HiSparse's host pool (not modelled: must stay None).
+    # from the groups), and HiSparse's host pool: its blocks, the bytes between two of them,
+    # and whether the tensor-parallel ranks of one node share it (kvlab's manager runs no
+    # HiSparse pool: it refuses a config with host blocks).
     prefix_cache_retention_interval: int | None = None
     kv_cache_layout: str | None = None
     hash_block_size: int | None = None
     cache_hit_alignment_tokens: int | None = None
     hisparse_host_num_blocks: int | None = None
+    hisparse_host_block_stride: int | None = None
+    hisparse_shared_host_pool: bool = False
 
     @property
     def bytes_per_block(self) -> int:
@@ -961,8 +1165,12 @@ __all__ = [
     "KVQuantMode",
     "DTYPE_SIZES",
     "KVCacheConfig",
+    "KVCacheGroupRole",
     "KVCacheGroupSpec",
     "KVCacheTensor",
+    "HiSparseHotSpec",
+    "HiSparseResidentSpec",
+    "SparseCacheRole",
     "KVCacheSpec",
     "AttentionSpec",
     "FullAttentionSpec",

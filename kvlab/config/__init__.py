@@ -1,1 +1,2 @@
-"""Configuration records (vLLM: ``vllm/config/``): ``kv_transfer.KVTransferConfig``."""
+"""Configuration records (vLLM: ``vllm/config/``): ``kv_transfer.KVTransferConfig``,
+``attention.HiSparseConfig``."""

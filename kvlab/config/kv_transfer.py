@@ -41,3 +41,29 @@ class KVTransferConfig:
     @property
     def is_kv_consumer(self) -> bool:
         return self.kv_role in ("kv_consumer", "kv_both")
+
+
+def hisparse_host_pool_gib(kv_transfer_config: Any) -> float | None:
+    """The host pool HiSparse was given, in GiB (vLLM 0.33): the ``host_pool_gib`` of the one
+    ``HiSparseConnector`` in ``kv_transfer_config`` -- the connector itself, or one of a
+    ``MultiConnector``'s ``connectors``. None when no HiSparse connector is configured; a
+    second one, a missing or a non-positive size are refused."""
+    if kv_transfer_config is None:
+        return None
+    extra = kv_transfer_config.kv_connector_extra_config
+    if kv_transfer_config.kv_connector == "MultiConnector":
+        connectors = extra.get("connectors", [])
+    else:
+        connectors = [{"kv_connector": kv_transfer_config.kv_connector, "kv_connector_extra_config": extra}]
+    entries = [c.get("kv_connector_extra_config", {}) for c in connectors if c.get("kv_connector") == "HiSparseConnector"]
+    if len(entries) > 1:
+        raise ValueError("Only one HiSparseConnector may be configured")
+    if not entries:
+        return None
+    gib = entries[0].get("host_pool_gib")
+    if gib is None:
+        raise ValueError("HiSparseConnector requires host_pool_gib")
+    gib = float(gib)
+    if gib <= 0:
+        raise ValueError(f"HiSparseConnector host_pool_gib must be positive, got {gib}")
+    return gib

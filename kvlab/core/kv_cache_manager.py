@@ -43,6 +43,8 @@ from kvlab.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
     FullAttentionSpec,
+    HiSparseHotSpec,
+    HiSparseResidentSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheSpec,
@@ -102,7 +104,10 @@ def _from_kv_cache_config(
             "(the config holds the groups and their block sizes)"
         )
     if getattr(config, "hisparse_host_num_blocks", None) is not None:
-        raise ValueError("KVCacheConfig.hisparse_host_num_blocks must be None: kvlab models no HiSparse host pool")
+        raise ValueError(
+            f"KVCacheConfig.hisparse_host_num_blocks must be None, got {config.hisparse_host_num_blocks}: kvlab lays HiSparse's "
+            "groups out and sizes its pools (kvlab.hisparse.layout), but its manager runs no host pool"
+        )
     cfg_interval = getattr(config, "prefix_cache_retention_interval", None)
     if cfg_interval is not None:
         if retention_interval is not None and retention_interval != cfg_interval:
@@ -159,6 +164,12 @@ def _check_manager_args(
         raise ValueError("kv_cache_groups must hold at least one spec")
     eagle_groups = frozenset(i for i, g in enumerate(groups) if isinstance(g, KVCacheGroupSpec) and g.is_eagle_group)
     for i, g in enumerate(groups):
+        if isinstance(g, KVCacheGroupSpec) and g.host_resident or isinstance(g, (HiSparseHotSpec, HiSparseResidentSpec)):
+            raise ValueError(
+                f"kv_cache_groups[{i}] is one of HiSparse's groups: kvlab lays them out and sizes their pools "
+                "(kvlab.hisparse.layout), but its manager does not run them (HiSparse's coordinator moves pages between "
+                "the GPU and the host pool)"
+            )
         if isinstance(g, KVCacheGroupSpec):  # vLLM's group: its spec, and whether a drafter's layers are in it
             if not isinstance(g.is_eagle_group, bool):
                 raise TypeError(f"kv_cache_groups[{i}].is_eagle_group must be a bool, got {g.is_eagle_group!r}")

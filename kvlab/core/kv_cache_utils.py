@@ -844,6 +844,43 @@ def generate_scheduler_kv_cache_config(kv_cache_configs: Sequence[Any]) -> Any:
     return replace(first, kv_cache_groups=[replace(g) for g in scheduler_kv_cache_groups(first.kv_cache_groups)])
 
 
+def get_max_concurrency_for_kv_cache_config(vllm_config: Any, kv_cache_config: Any) -> float:
+    """How many requests of ``max_model_len`` tokens the pool holds at once (vLLM 0.33; the
+    "Maximum concurrency for N tokens per request: X.XXx" line of its start-up log).
+
+    Each group charges a request whole blocks -- its spec's worst case
+    (``max_memory_usage_bytes``) over its page -- and every GPU group draws its block ids from
+    the one pool, so a request costs the *sum* over groups: a full-attention group
+    ``max_model_len / block_size`` blocks, a window group only its window's. HiSparse's
+    host-resident group draws from the host pool instead; the smaller of the two quotients
+    wins. The answer is a fraction: 1.5 means one request of ``max_model_len`` tokens and
+    half of another."""
+    gpu_blocks = 0
+    host_blocks = 0
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        blocks = -(-spec.max_memory_usage_bytes(vllm_config) // spec.page_size_bytes)
+        if getattr(group, "host_resident", False):
+            host_blocks += blocks
+        else:
+            gpu_blocks += blocks
+    limits = [kv_cache_config.num_blocks / gpu_blocks]
+    if host_blocks:
+        host_pool = kv_cache_config.hisparse_host_num_blocks
+        if host_pool is None:
+            raise ValueError("kv_cache_config has a host-resident group but no hisparse_host_num_blocks: the host pool's size is unknown")
+        limits.append(host_pool / host_blocks)
+    return min(limits)
+
+
+def get_kv_cache_capacity(vllm_config: Any, kv_cache_config: Any) -> tuple[int, float]:
+    """The pool's capacity in tokens and its maximum concurrency (vLLM 0.33's start-up log:
+    "GPU KV cache size: N tokens"): the tokens are the concurrency times ``max_model_len``,
+    so a hybrid model's window groups, which charge a request little, count in full."""
+    max_concurrency = get_max_concurrency_for_kv_cache_config(vllm_config, kv_cache_config)
+    return int(max_concurrency * vllm_config.model_config.max_model_len), max_concurrency
+
+
 def scheduler_kv_cache_groups(kv_cache_groups: Sequence[Any]) -> list[Any]:
     """The groups as the block manager sees them: a ``UniformTypeKVCacheSpecs`` group becomes
     its first layer's spec (the same groups otherwise, not copied)."""
