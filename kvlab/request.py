@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import struct
+from collections import deque
 from types import SimpleNamespace
 import time
 from collections.abc import Callable, Sequence
@@ -31,6 +32,9 @@ class RequestStatus(enum.IntEnum):
     # Blocks allocated, KV arriving from a connector's asynchronous load (vLLM 0.33: a P/D
     # decode instance receiving a prefill); scheduled once the worker reports it received.
     WAITING_FOR_REMOTE_KVS = enum.auto()
+    # A resumable request (a streaming-input session, vLLM 0.33) whose turn ended: it keeps
+    # its blocks and its computed tokens, and waits for the next chunk of input.
+    WAITING_FOR_STREAMING_REQ = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     # Everything after PREEMPTED is a finished state.
@@ -41,6 +45,30 @@ class RequestStatus(enum.IntEnum):
     @staticmethod
     def is_finished(status: "RequestStatus") -> bool:
         return status > RequestStatus.PREEMPTED
+
+
+@dataclass(frozen=True, slots=True)
+class StreamingUpdate:
+    """The next chunk of a streaming-input session (vLLM 0.33): what a resumable request
+    with the session's id brings -- its prompt tokens and images are appended to the
+    session, its ``max_tokens`` and ``eos_token_id`` replace the session's (vLLM replaces the
+    whole ``sampling_params``; these are the two kvlab's scheduler reads)."""
+
+    prompt_token_ids: tuple[int, ...]
+    mm_features: tuple[MultiModalFeature, ...]
+    max_tokens: int
+    eos_token_id: int | None
+    arrival_time: float
+
+    @classmethod
+    def from_request(cls, request: Request) -> StreamingUpdate | None:
+        """The update a request stands for; None for one that is not resumable (it closes
+        the session)."""
+        if not request.resumable:
+            return None
+        return cls(
+            tuple(request.prompt_token_ids), tuple(request.mm_features), request.max_tokens, request.eos_token_id, request.arrival_time
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -326,6 +354,8 @@ class Request:
         "kv_transfer_params",
         "shared_prefix_boundary",
         "replay_start",
+        "resumable",
+        "streaming_queue",
         "_all_token_ids",
         "_token_bytes",
         "_output_token_ids",
@@ -358,7 +388,10 @@ class Request:
         pooling_params: Any = None,
         lora_request: Any = None,
         session_id: str | None = None,
+        resumable: bool = False,
     ) -> None:
+        if not isinstance(resumable, bool):
+            raise TypeError(f"resumable must be True or False, got {resumable!r}")
         if sampling_params is not None or pooling_params is not None or lora_request is not None:
             (
                 max_tokens,
@@ -416,8 +449,15 @@ class Request:
 
         self.request_id = request_id
         if session_id is not None:
-            # vLLM 0.33 publishes it in each BlockStored (its resumable sessions are not modelled)
+            # vLLM 0.33 publishes it in each BlockStored: which conversation a block belongs to
             self.session_id = session_id
+        # A streaming-input session (vLLM 0.33): when a turn ends (max_tokens, eos) the request
+        # keeps its blocks and waits for the next chunk -- a resumable request with the same
+        # id -- instead of finishing. Chunks that arrive while it runs wait in
+        # ``streaming_queue`` (None there: a chunk that closes the session), which the
+        # scheduler creates when it queues the session.
+        self.resumable = resumable
+        self.streaming_queue: deque[StreamingUpdate | None] | None = None
         self.prompt_token_ids = prompt
         self.max_tokens = max_tokens
         self.eos_token_id = eos_token_id
@@ -587,6 +627,44 @@ class Request:
     @property
     def block_hasher(self) -> Callable[[Request], list[BlockHash]] | None:
         return self._block_hasher
+
+    def replace_tokens(self, prompt_token_ids: Sequence[int], num_kept_hashes: int, mm_features: Sequence[MultiModalFeature]) -> None:
+        """Make ``prompt_token_ids`` the request's tokens, all prompt, and ``mm_features`` its
+        items; keep its first ``num_kept_hashes`` block hashes and compute the rest again
+        (a streaming session's next chunk: the scheduler's ``_update_request_as_session``).
+        All or nothing: new lists replace the old ones, so a hash function that raises
+        leaves the request as it was -- and so does an undo that puts the old ones back."""
+        old = (self.prompt_token_ids, self._all_token_ids, self._token_bytes, self._output_token_ids, self.mm_features, self.block_hashes)
+        prompt = list(prompt_token_ids)
+        self.prompt_token_ids, self._all_token_ids = prompt, list(prompt)
+        self._token_bytes = bytearray(_pack_tokens(prompt))
+        self._output_token_ids = []
+        self.mm_features = list(mm_features)
+        self.block_hashes = self.block_hashes[:num_kept_hashes]
+        if self._block_hasher is not None:
+            try:
+                self.block_hashes.extend(self._block_hasher(self))
+            except BaseException:
+                (
+                    self.prompt_token_ids,
+                    self._all_token_ids,
+                    self._token_bytes,
+                    self._output_token_ids,
+                    self.mm_features,
+                    self.block_hashes,
+                ) = old
+                raise
+
+    def rehash(self) -> None:
+        """Compute every block hash again from the tokens the request has now (all or
+        nothing, as :meth:`replace_tokens`)."""
+        if self._block_hasher is not None:
+            old, self.block_hashes = self.block_hashes, []
+            try:
+                self.block_hashes = self._block_hasher(self)
+            except BaseException:
+                self.block_hashes = old
+                raise
 
     # -- lifecycle ------------------------------------------------------------------------
     def is_finished(self) -> bool:

@@ -53,7 +53,7 @@ def runs() -> dict[str, EventLog]:
 
 # -- one class per event kind ---------------------------------------------------------------------
 def test_every_event_kind_describes_and_round_trips_itself() -> None:
-    assert len(EVENT_CLASSES) == 30
+    assert len(EVENT_CLASSES) == 32
     for kind, cls in EVENT_CLASSES.items():
         assert cls.kind == kind and issubclass(cls, Event)
         assert cls.describe is not Event.describe, f"{kind} has no words of its own"

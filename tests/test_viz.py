@@ -574,7 +574,7 @@ def test_one_colour_one_meaning_across_every_view() -> None:
     blocks = set(style.STATE_COLORS.values())
     statuses = set(style.STATUS_COLORS.values())
     reads = {style.KERNEL_COLORS["read"], style.KERNEL_COLORS["query"]}
-    assert len(blocks) == 5 and len(statuses) == 5
+    assert len(blocks) == 5 and len(statuses) == 6
     assert not blocks & statuses and not blocks & reads and not statuses & reads
     assert style.HIT == style.STATE_COLORS["cached"]  # a prefix hit is the prefix cache's colour
     assert style.USAGE == style.STATE_COLORS["in_use"]  # usage counts the blocks held

@@ -198,9 +198,30 @@ class LLMEngine:
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         """Queue ``request`` (all or nothing). A LoRA request without an adapter id gets the
-        one this engine gave its adapter's name (see :meth:`lora_id_for`)."""
+        one this engine gave its adapter's name (see :meth:`lora_id_for`).
+
+        A streaming-input session (vLLM 0.33): a first request with ``resumable=True`` runs
+        its turn, then waits holding its blocks; each later request with its id is the next
+        chunk (``resumable=True``) or closes it (``resumable=False``) --
+        :meth:`Scheduler.add_streaming_update`."""
         self._check_usable()
-        self.scheduler.check_request(request)
+        sched = self.scheduler
+        session = sched.requests.get(request.request_id) if isinstance(request, Request) else None
+        if session is not None and session is not request and session.streaming_queue is not None and not session.is_finished():
+            sched.check_streaming_update(request)
+            if request.resumable:
+                _check_runnable_ids(request)
+            with engine_call(self, "add_request") as cp:
+                cp.save_metrics(self.metrics, request.request_id)
+                cp.save_finished(self.finished, request.request_id)
+                sched.add_streaming_update(request)
+                if session.is_finished():  # closed between turns
+                    m = self.metrics.get(request.request_id)
+                    if m is not None:
+                        m.finished_time = self.clock
+                    self.finished[request.request_id] = session
+            return
+        sched.check_request(request)
         _check_runnable_ids(request)
         lora_int_id = self.lora_id_for(request.lora_name, request.lora_int_id)
         known = request.lora_name in self.lora_ids

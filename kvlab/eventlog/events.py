@@ -515,6 +515,47 @@ class TokensAppended(Event):
 
 @_register
 @dataclass(slots=True)
+class RequestPaused(Event):
+    """A streaming-input session's turn ended (``reason``: "stop" or "length", as a finish
+    would say): the request keeps its blocks and computed tokens and waits for its next
+    chunk of input (vLLM 0.33: status ``WAITING_FOR_STREAMING_REQ``)."""
+
+    kind: ClassVar[str] = "request_paused"
+    request_id: str = ""
+    reason: str = ""
+    num_output_tokens: int = 0
+
+    def apply(self, state: ReplayState) -> None:
+        state.pause(self.request_id)
+
+    def describe(self) -> str:
+        return f"pause {self.request_id} ({self.reason}): it keeps its blocks, waiting for input"
+
+
+@_register
+@dataclass(slots=True)
+class RequestResumed(Event):
+    """The next chunk of a session arrived: its output so far but the last sampled token
+    (never computed) became prompt, then ``prompt_token_ids`` were appended; the request is
+    queued again with ``num_computed_tokens`` already in its blocks, so only the rest is
+    prefilled."""
+
+    kind: ClassVar[str] = "request_resumed"
+    request_id: str = ""
+    prompt_token_ids: list[int] = field(default_factory=list)  # the chunk
+    num_prompt_tokens: int = 0  # the session's prompt now
+    num_computed_tokens: int = 0
+    max_tokens: int = 0
+
+    def apply(self, state: ReplayState) -> None:
+        state.resume(self.request_id, self.num_prompt_tokens, self.num_computed_tokens)
+
+    def describe(self) -> str:
+        return f"{self.request_id} resumes with {_ids(self.prompt_token_ids)} ({self.num_computed_tokens} tokens kept)"
+
+
+@_register
+@dataclass(slots=True)
 class RequestFinished(Event):
     kind: ClassVar[str] = "request_finished"
     request_id: str = ""

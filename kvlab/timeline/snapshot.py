@@ -65,7 +65,7 @@ class BlockView:
 @dataclass(slots=True)
 class RequestView:
     request_id: str
-    status: str  # waiting | loading | running | preempted | finished
+    status: str  # waiting | loading | running | paused | preempted | finished
     num_prompt_tokens: int
     num_tokens: int
     num_computed_tokens: int

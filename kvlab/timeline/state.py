@@ -510,6 +510,28 @@ class ReplayState:
         v.num_tokens += n
         v.num_output_tokens += n
 
+    def pause(self, rid: str) -> None:
+        """A session's turn ended: out of the running list, holding its blocks, "paused"
+        until its next chunk arrives."""
+        if rid not in self.running:
+            raise ValueError(f"request {rid!r} pauses but it is not running")
+        self.running.remove(rid)
+        self._status(self.request(rid), "paused")
+
+    def resume(self, rid: str, num_prompt_tokens: int, num_computed_tokens: int) -> None:
+        """A session's next chunk arrived: queued again (ahead of requests holding nothing,
+        as the scheduler tries it first), its prompt grown, its output so far now prompt."""
+        v = self.request(rid)
+        if v.status not in ("paused", "running"):
+            raise ValueError(f"request {rid!r} resumes but it is {v.status}")
+        if rid in self.running:  # a chunk queued while it ran: it resumes as its turn ends
+            self.running.remove(rid)
+        v.num_prompt_tokens = v.num_tokens = num_prompt_tokens
+        v.num_output_tokens = 0
+        v.num_computed_tokens = num_computed_tokens
+        self._status(v, "waiting")
+        self._queue_waiting(rid, front=True)
+
     def finish(self, rid: str, reason: str) -> None:
         if rid not in self.requests:
             raise ValueError(f"request {rid!r} finishes but it was never added")

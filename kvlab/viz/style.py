@@ -53,6 +53,7 @@ DARK_YELLOW = "#a89a00"  # the waiting colour, dark enough for a thin line on wh
 BLUE = "#0072b2"
 VERMILLION = "#d55e00"
 MID_GREY = "#999999"
+DARK_INDIGO = "#2b1d4f"  # the paused status: darker than every other status, apart from each for dichromats
 # The routing figure's replicas: greys apart from every grey that means something (the null
 # block's dark grey, "finished", "free"), so a replica never reads as one of those.
 REPLICA_GREYS = ("#1f1f1f", "#5a5a5a", "#7a7a7a", "#b8b8b8", "#cbcbcb")
@@ -96,11 +97,12 @@ MISS = INK  # where that walk stopped (an x)
 USAGE = BLUISH_GREEN  # KV-cache usage = the share of blocks held by requests
 
 # -- request lifecycle (the timeline's Gantt) -----------------------------------------------
-STATUS_ORDER = ("waiting", "loading", "running", "preempted", "finished")
+STATUS_ORDER = ("waiting", "loading", "running", "paused", "preempted", "finished")
 STATUS_COLORS: dict[str, str] = {
     "waiting": YELLOW,
     "loading": DARK_BLUISH_GREEN,  # waiting for a connector's KV, holding its blocks
     "running": BLUE,
+    "paused": DARK_INDIGO,  # a streaming session between turns, holding its blocks
     "preempted": VERMILLION,  # waiting again, its KV thrown away
     "finished": MID_GREY,
 }

@@ -34,6 +34,7 @@ RULES = [
     ("vllm.v1.kv_cache_interface", "kvlab.kv_cache_interface"),
     ("vllm.v1.request", "kvlab.request"),
     ("vllm.v1.kv_offload", "kvlab.kv_offload"),
+    ("vllm.v1.hisparse", "kvlab.hisparse"),
     ("vllm.v1.metrics", "kvlab.metrics"),
     ("vllm.utils.hashing", "kvlab.utils.hashing"),
     ("vllm.distributed.kv_events", "kvlab.distributed.kv_events"),
@@ -160,6 +161,25 @@ for _name in _swapped:
 sys.meta_path.insert(0, _Finder())
 for _name in _swapped:
     importlib.import_module(_name)
+
+
+def _rebind_preloaded() -> None:
+    """vLLM's preloaded infrastructure (the engine core, say) imported names from modules now
+    swapped for kvlab's: it would call vLLM's ``is_full_attention_spec`` on kvlab's specs. Each
+    such name is pointed at kvlab's object of the same name, where kvlab has one."""
+    swapped = set(_swapped)
+    for mod_name, module in list(sys.modules.items()):
+        if not mod_name.startswith("vllm.") or mod_name in swapped or mod_name in MAPPED or module is None:
+            continue
+        for attr, value in list(vars(module).items()):
+            source = getattr(value, "__module__", None)
+            if source in swapped and getattr(value, "__name__", None) == attr:
+                replacement = getattr(sys.modules[source], attr, None)
+                if replacement is not None and not isinstance(replacement, _MissingMeta):
+                    setattr(module, attr, replacement)
+
+
+_rebind_preloaded()
 atexit.register(_report)
 
 # --- TRANSLATIONS: call shapes kvlab keeps on purpose -----------------------------------------

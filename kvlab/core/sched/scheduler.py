@@ -25,7 +25,12 @@ from a CPU/disk tier or another engine; a load that fails gives the request back
 recompute. A connector's load may also be asynchronous (vLLM's P/D path): the request gets
 its blocks, waits holding them (``WAITING_FOR_REMOTE_KVS``, in ``kv_holding_waiting``, tried
 before ``waiting`` every step) until the worker reports the KV received, and is admitted only
-if the requests still prefilling keep the blocks they need to finish. Multimodal requests need their items encoded first: a per-step encoder budget
+if the requests still prefilling keep the blocks they need to finish. A streaming-input
+session (``Request(..., resumable=True)``, vLLM 0.33) waits the same way between turns
+(``WAITING_FOR_STREAMING_REQ``): its turn ends without finishing, its blocks and computed
+tokens stay, and its next chunk -- a request with its id -- is prefilled on top of them, so
+a conversation's earlier turns are never looked up or computed again. The price is memory
+held while nothing runs. Multimodal requests need their items encoded first: a per-step encoder budget
 and the :class:`EncoderCacheManager` decide which encoder inputs run, and cut a prefill
 chunk before an item that cannot.
 """
@@ -33,8 +38,9 @@ chunk before an item that cannot.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -45,7 +51,7 @@ from kvlab.core.sched.request_queue import POLICIES, FCFSRequestQueue, PriorityR
 from kvlab.core.kv_cache_utils import KVCacheBlockCopy
 from kvlab.core.single_type_kv_cache_manager import cdiv
 from kvlab.kv_cache_interface import get_mamba_prefill_checkpoint_position, is_mamba_prefill_checkpoint_valid
-from kvlab.core.transaction import adds_request, scheduler_call
+from kvlab.core.transaction import adds_request, save_first, scheduler_call
 from kvlab.distributed.kv_events import KVEventBatch
 from kvlab.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
@@ -56,13 +62,15 @@ from kvlab.kv_cache_interface import (
     SlidingWindowSpec,
 )
 from kvlab.metrics.stats import CachingMetrics, IterationStats, PrefixCacheStats, SchedulerStats
-from kvlab.request import Request, RequestStatus
+from kvlab.request import Request, RequestStatus, StreamingUpdate
 from kvlab.eventlog.events import (
     KVLoadFailed,
     RequestAdded,
     RequestLoading,
     RequestFinished,
+    RequestPaused,
     RequestPreempted,
+    RequestResumed,
     RequestScheduled,
     SchedulerCreated,
     StepFinished,
@@ -364,6 +372,11 @@ class Scheduler:
         # free. Keyed by id, in admission order (vLLM keeps a set of requests).
         self._inflight_prefills: dict[str, Request] = {}
         self.running: list[Request] = []
+        # Streaming-input sessions between turns (WAITING_FOR_STREAMING_REQ): queued in
+        # kv_holding_waiting, holding their blocks, but with nothing to run until their next
+        # chunk arrives -- so they count neither as unfinished work nor as waiting to run,
+        # yet each keeps a place among max_num_seqs (vLLM 0.33).
+        self.num_waiting_for_streaming_input = 0
         self.finished_req_ids: set[str] = set()  # since the last schedule(), for the executor
         self.step_count = 0
         self.num_preemptions = 0
@@ -388,7 +401,16 @@ class Scheduler:
     # -- requests ----------------------------------------------------------------------------
     @adds_request
     def add_request(self, request: Request) -> None:
-        """Queue a new request (all or nothing: a refused request leaves no trace)."""
+        """Queue a new request (all or nothing: a refused request leaves no trace).
+
+        A request whose id names a streaming-input session still open (one added with
+        ``resumable=True``) is that session's next chunk instead (vLLM 0.33): a resumable
+        one brings more input, a non-resumable one closes the session. See
+        :meth:`add_streaming_update`."""
+        existing = self.requests.get(request.request_id) if isinstance(request, Request) else None
+        if existing is not None and existing is not request and existing.streaming_queue is not None and not existing.is_finished():
+            self.add_streaming_update(request)
+            return
         self.check_request(request)
         rid = request.request_id
         self.requests[rid] = request
@@ -406,6 +428,131 @@ class Scheduler:
                     lora_name=request.lora_name,
                 )
             )
+        if request.resumable:
+            request.streaming_queue = deque()
+
+    @scheduler_call(touches=lambda sched, request: [request.request_id])
+    def add_streaming_update(self, request: Request) -> None:
+        """The next chunk of the open session with ``request``'s id (vLLM 0.33's
+        ``add_request`` for an id it knows). A session between turns takes it at once: its
+        output so far (but the last sampled token, whose K/V was never computed) becomes
+        prompt, the chunk is appended, and it is queued again holding its blocks, so only
+        the new tokens are prefilled -- no prefix lookup, no recompute. A session still
+        running keeps the chunk until its turn ends. A non-resumable request closes the
+        session: at once (aborted, its blocks freed) if it is between turns, else when the
+        running turn ends. All or nothing; a chunk that cannot run is refused, naming why."""
+        session = self.check_streaming_update(request)
+        update = StreamingUpdate.from_request(request)
+        assert session.streaming_queue is not None  # an open session's (check_streaming_update)
+        if session.status != RequestStatus.WAITING_FOR_STREAMING_REQ:
+            session.streaming_queue = deque([*session.streaming_queue, update])  # a new deque: an undo restores the old one
+        elif update is not None:
+            self._update_request_as_session(session, update)
+        else:
+            self._finish_request(session, RequestStatus.FINISHED_ABORTED, "abort")
+
+    def check_streaming_update(self, request: Request) -> Request:
+        """Raise if :meth:`add_streaming_update` would refuse ``request``; else return the
+        session it continues. Changes nothing. A chunk is a fresh Request of its own, for
+        the session's adapter and salt; one given to a session between turns must fit."""
+        if not isinstance(request, Request):
+            raise TypeError(f"request must be a kvlab.Request, got {type(request).__name__}")
+        rid = request.request_id
+        session = self.requests.get(rid)
+        if session is None or session is request or session.streaming_queue is None or session.is_finished():
+            raise ValueError(f"no open streaming session has id {rid!r} (a session's first request is added with resumable=True)")
+        if request._owner is not None:
+            raise ValueError(f"request {rid!r} is already queued; a session's next chunk is a new Request with the session's id")
+        if request.status != RequestStatus.WAITING or request.num_computed_tokens:
+            raise ValueError(f"request {rid!r} is not fresh (status {request.status.name}); create a new Request")
+        if not request.resumable:
+            return session  # it only closes the session: its tokens are never read
+        if not request.num_prompt_tokens:
+            raise ValueError(f"request {rid!r}: a session's next chunk must bring at least one prompt token")
+        for name in ("lora_name", "cache_salt"):
+            if getattr(request, name) != getattr(session, name):
+                raise ValueError(
+                    f"request {rid!r}: a session's chunks share its {name} ({getattr(session, name)!r}), got "
+                    f"{getattr(request, name)!r} (vLLM keeps the session's and ignores the chunk's)"
+                )
+        if session.status == RequestStatus.WAITING_FOR_STREAMING_REQ:
+            update = StreamingUpdate.from_request(request)
+            assert update is not None
+            self._check_session_fits(session, update)
+        return session
+
+    def _check_session_fits(self, session: Request, update: StreamingUpdate) -> None:
+        """The session with the chunk must still fit: under ``max_model_len`` and in the pool."""
+        num_prompt = session.num_tokens - 1 + len(update.prompt_token_ids)
+        if self.max_model_len is not None and num_prompt >= self.max_model_len:
+            raise ValueError(
+                f"session {session.request_id!r}: with this chunk its prompt would be {num_prompt} tokens, not below "
+                f"max_model_len {self.max_model_len}"
+            )
+        need = num_prompt + update.max_tokens - 1
+        if self.max_model_len is not None:
+            need = min(need, self.max_model_len)
+        if self._blocks_needed(need) > self.kv_cache_manager.num_blocks - 1:
+            raise ValueError(
+                f"session {session.request_id!r}: with this chunk it needs {self._blocks_needed(need)} blocks, the pool has "
+                f"{self.kv_cache_manager.num_blocks - 1} usable blocks"
+            )
+
+    def _update_request_as_session(self, session: Request, update: StreamingUpdate) -> None:
+        """Give a session its next chunk (vLLM 0.33's name). The last sampled token is dropped
+        -- it was never fed back, so no block holds its K/V -- the rest of the output joins the
+        prompt, and the hashes from the block that held the dropped token on are computed
+        again over the new tokens. Computed tokens and blocks are kept."""
+        keep_end = session.num_tokens - 1
+        if keep_end < session.num_computed_tokens:
+            raise AssertionError(f"session {session.request_id!r}: {session.num_computed_tokens} computed of {keep_end} kept tokens")
+        hash_block_size = self.kv_cache_manager.hash_block_size
+        session.replace_tokens(
+            prompt_token_ids=[*session.all_token_ids[:keep_end], *update.prompt_token_ids],
+            num_kept_hashes=keep_end // hash_block_size,
+            mm_features=[*session.mm_features, *(replace(f, offset=f.offset + keep_end) for f in update.mm_features)],
+        )
+        session.arrival_time = update.arrival_time
+        session.max_tokens = update.max_tokens
+        session.eos_token_id = update.eos_token_id
+        if session.status == RequestStatus.WAITING_FOR_STREAMING_REQ:
+            self.num_waiting_for_streaming_input -= 1
+        session.status = RequestStatus.WAITING
+        if self.events is not None:
+            self.events.emit(
+                RequestResumed(
+                    request_id=session.request_id,
+                    prompt_token_ids=list(update.prompt_token_ids),
+                    num_prompt_tokens=session.num_prompt_tokens,
+                    num_computed_tokens=session.num_computed_tokens,
+                    max_tokens=update.max_tokens,
+                )
+            )
+
+    def _handle_stopped_request(self, request: Request, reason: str) -> bool:
+        """A request stopped (``reason``: "stop" or "length"). True: it finishes. A resumable
+        one does not (vLLM 0.33): it takes its next chunk if one is waiting, else it waits
+        for one, holding its blocks; a queued close finishes it."""
+        if not request.resumable:
+            return True
+        queue = request.streaming_queue or deque()
+        if queue and queue[0] is None:
+            return True  # closed while it ran
+        if self.events is not None:
+            self.events.emit(RequestPaused(request_id=request.request_id, reason=reason, num_output_tokens=request.num_output_tokens))
+        if queue:
+            update = queue[0]
+            request.streaming_queue = deque(list(queue)[1:])
+            assert update is not None
+            try:
+                self._check_session_fits(request, update)
+            except ValueError:
+                return True  # the session has no room left for this chunk: it ends here
+            self._update_request_as_session(request, update)
+        else:
+            request.status = RequestStatus.WAITING_FOR_STREAMING_REQ
+            self.num_waiting_for_streaming_input += 1
+        return False
 
     def check_request(self, request: Request) -> None:
         """Raise if ``add_request(request)`` would refuse it; changes nothing."""
@@ -415,7 +562,8 @@ class Scheduler:
         if request._owner is not None and request._owner is not self:
             raise ValueError(f"request {rid!r} is already queued in another scheduler; a Request runs in one scheduler at a time")
         if rid in self.requests:
-            raise ValueError(f"request id {rid!r} was already added and has not finished; ids must be unique")
+            hint = " (a streaming session's first request needs resumable=True)" if request.resumable else ""
+            raise ValueError(f"request id {rid!r} was already added and has not finished; ids must be unique{hint}")
         if request.status != RequestStatus.WAITING or request.num_computed_tokens:
             raise ValueError(f"request {rid!r} is not fresh (status {request.status.name}); create a new Request")
         if not request.num_prompt_tokens:
@@ -482,10 +630,11 @@ class Scheduler:
         return total
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running) or bool(self.waiting) or bool(self.kv_holding_waiting)
+        """Whether a request has work to do (a session between turns has none)."""
+        return bool(self.running) or bool(self.waiting) or len(self.kv_holding_waiting) > self.num_waiting_for_streaming_input
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.running) + len(self.waiting) + len(self.kv_holding_waiting)
+        return len(self.running) + len(self.waiting) + len(self.kv_holding_waiting) - self.num_waiting_for_streaming_input
 
     def get_request_counts(self) -> tuple[int, int]:
         """(running, waiting) requests, the waiting ones holding blocks included (vLLM's)."""
@@ -518,6 +667,8 @@ class Scheduler:
             self.running.remove(r)
         elif any(q is r for q in self.kv_holding_waiting):
             self.kv_holding_waiting.remove_request(r)
+            if r.status == RequestStatus.WAITING_FOR_STREAMING_REQ:
+                self.num_waiting_for_streaming_input -= 1
             if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 # The load may still be writing into its blocks: they are freed when the
                 # worker reports it received, unless it already has (vLLM 0.33).
@@ -719,9 +870,13 @@ class Scheduler:
 
         while plan.token_budget > 0:
             queue = self.kv_holding_waiting if self.kv_holding_waiting else self.waiting
-            if not queue or len(self.running) >= self.max_num_running_reqs:
+            # a session between turns keeps its place among max_num_seqs (vLLM 0.33)
+            if not queue or len(self.running) + self.num_waiting_for_streaming_input >= self.max_num_running_reqs:
                 break
             request = queue.peek_request()
+            if request.status == RequestStatus.WAITING_FOR_STREAMING_REQ:
+                skip(queue)  # nothing to run until its next chunk arrives
+                continue
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 if request.request_id not in self.finished_recving_kv_req_ids:
                     skip(queue)  # its KV has not arrived yet
@@ -738,6 +893,11 @@ class Scheduler:
             connector_queries = 0
             looked_up = request.num_computed_tokens == 0
             if looked_up:
+                if request.resumable and mgr.num_hash_lookahead_tokens:
+                    # a session's hashes may cover a sampled token it dropped (in a block's
+                    # lookahead); its blocks are gone now, so hash the tokens it has (vLLM 0.33)
+                    save_first(None if self._txn is None else self._txn.saved_requests, request)
+                    request.rehash()
                 hits, num_hit_tokens = mgr.get_computed_blocks(request)
                 # A KV connector may supply more of the prompt beyond the local hit: external
                 # computed tokens (lessons 12-13), loaded within the step or asynchronously.
@@ -1384,8 +1544,18 @@ class Scheduler:
         if finished:
             done = set(map(id, finished))
             self.running = [r for r in self.running if id(r) not in done]
+            continuing = []
             for r in finished:
-                self._free_request(r, "stop" if r.status == RequestStatus.FINISHED_STOPPED else "length")
+                reason = "stop" if r.status == RequestStatus.FINISHED_STOPPED else "length"
+                if self._handle_stopped_request(r, reason):
+                    self._free_request(r, reason)
+                else:
+                    continuing.append(r)
+            if continuing:  # sessions waiting for (or given) their next chunk, holding their blocks
+                kept = set(map(id, continuing))
+                finished = [r for r in finished if id(r) not in kept]
+                for r in continuing:
+                    self.kv_holding_waiting.add_request(r)
         for rid in failed_async:  # in the set's order, as vLLM's finish_requests takes it
             r = self.requests[rid]
             self._finish_request(r, RequestStatus.FINISHED_ABORTED, "error")
@@ -1609,7 +1779,8 @@ class Scheduler:
     def make_stats(self) -> SchedulerStats:
         return SchedulerStats(
             num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting) + len(self.kv_holding_waiting),
+            # a session between turns waits for input, not to run (vLLM counts it as skipped)
+            num_waiting_reqs=len(self.waiting) + len(self.kv_holding_waiting) - self.num_waiting_for_streaming_input,
             kv_cache_usage=self.kv_cache_manager.usage,
             num_preemptions=self.num_preemptions,
             prefix_cache_queries=self.prefix_cache_queries,
@@ -1635,10 +1806,17 @@ class Scheduler:
             f"requests in no queue: {sorted(set(self.requests) - held - queued)}; queued but unknown: {sorted(queued - set(self.requests))}"
         )
         for r in holding:
-            assert r.status in (RequestStatus.WAITING_FOR_REMOTE_KVS, RequestStatus.WAITING, RequestStatus.PREEMPTED), (
-                f"{r.request_id} holding blocks while waiting with status {r.status.name}"
-            )
-            # (a load that failed whole leaves it there without blocks until it is tried again)
+            assert r.status in (
+                RequestStatus.WAITING_FOR_REMOTE_KVS,
+                RequestStatus.WAITING_FOR_STREAMING_REQ,
+                RequestStatus.WAITING,
+                RequestStatus.PREEMPTED,
+            ), f"{r.request_id} holding blocks while waiting with status {r.status.name}"
+        paused = sum(r.status == RequestStatus.WAITING_FOR_STREAMING_REQ for r in holding)
+        assert paused == self.num_waiting_for_streaming_input, (
+            f"{paused} sessions between turns, counted {self.num_waiting_for_streaming_input}"
+        )
+        # (a load that failed whole leaves it there without blocks until it is tried again)
         assert set(self._inflight_prefills) <= queued, "a request still prefilling is in no queue"
         for r in self.running:
             assert r.status == RequestStatus.RUNNING, f"{r.request_id} in running with status {r.status.name}"
