@@ -532,7 +532,10 @@ class Scheduler:
     def _handle_stopped_request(self, request: Request, reason: str) -> bool:
         """A request stopped (``reason``: "stop" or "length"). True: it finishes. A resumable
         one does not (vLLM 0.33): it takes its next chunk if one is waiting, else it waits
-        for one, holding its blocks; a queued close finishes it."""
+        for one, holding its blocks; a queued close finishes it. So does a queued chunk that
+        could never run -- the session with it needs more blocks than the pool has, or reaches
+        ``max_model_len`` -- where vLLM 0.33 would keep the session forever, holding its blocks
+        (a chunk given between turns is refused instead, naming why)."""
         if not request.resumable:
             return True
         queue = request.streaming_queue or deque()
