@@ -392,6 +392,8 @@ class Request:
     ) -> None:
         if not isinstance(resumable, bool):
             raise TypeError(f"resumable must be True or False, got {resumable!r}")
+        if resumable and prompt_embeds is not None:
+            raise ValueError("a resumable request (a streaming-input session) cannot carry prompt_embeds; vLLM 0.33 refuses them too")
         if sampling_params is not None or pooling_params is not None or lora_request is not None:
             (
                 max_tokens,

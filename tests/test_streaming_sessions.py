@@ -165,6 +165,8 @@ def test_bad_chunks_are_refused_and_change_nothing():
         s.add_streaming_update(chunk("y", [1], 1))
     with pytest.raises(TypeError, match="resumable must be True or False"):
         Request("z", [1], resumable=1)
+    with pytest.raises(ValueError, match="cannot carry prompt_embeds"):
+        Request("z", [1], resumable=True, prompt_embeds=[[0.0]])
 
 
 def test_a_chunk_undone_half_way_leaves_the_session_as_it_was():
@@ -237,3 +239,34 @@ def test_a_session_on_the_real_model_answers_as_if_it_had_read_the_whole_convers
     assert eng.metrics["s"].prefill_tokens_computed == len(p1) + len(p2)  # 17 + 8: nothing computed twice
     eng.add_request(Request("s", [0], resumable=False))
     assert eng.finished["s"] is session and session.finish_reason == "abort" and not eng.has_unfinished_requests()
+
+
+def test_the_gantt_draws_a_paused_session_in_its_own_colour():
+    from kvlab.viz import timeline as timeline_view
+    from kvlab.viz.style import STATUS_COLORS, STATUS_ORDER
+
+    log = EventLog()
+    s = make(log=log)
+    s.add_request(chunk("s", range(1, 7), 1))
+    step(s, {"s": 100})
+    step(s, {})
+    s.add_request(chunk("s", [7, 8], 1))
+    step(s, {"s": 101})
+    tl = Timeline(log)
+    run = timeline_view.run_data(tl)
+    assert run["status"]["s"] == ["waiting", "paused", "waiting", "paused"]  # at the end of steps 0-3
+    z = timeline_view.figure_data(tl.at(2), "s", run=run)["z"][0]
+    assert [STATUS_ORDER[i] for i in z] == ["waiting", "paused", "waiting", "paused"]
+    assert STATUS_COLORS["paused"] not in {STATUS_COLORS[k] for k in STATUS_ORDER if k != "paused"}
+
+
+def test_a_queued_chunk_that_can_never_fit_ends_the_session_at_its_turn_end():
+    """vLLM 0.33 would keep such a session forever, holding its blocks; kvlab ends it."""
+    log = EventLog()
+    s = make(num_blocks=8, log=log)  # 7 usable blocks: 28 tokens
+    s.add_request(chunk("s", range(1, 7), 2))
+    step(s, {"s": 100})
+    s.add_request(chunk("s", list(range(25)), 1))  # queued: the turn still runs
+    assert step(s, {"s": 101}) == ({"s": 1}, [("s", "length")])
+    assert (s.requests, free(s)) == ({}, 7)
+    assert [e.kind for e in log.events if e.kind in ("request_paused", "request_resumed", "request_finished")] == ["request_finished"]

@@ -539,18 +539,18 @@ class Scheduler:
         if not request.resumable:
             return True
         queue = request.streaming_queue or deque()
-        if queue and queue[0] is None:
+        update = queue[0] if queue else None
+        if queue and update is None:
             return True  # closed while it ran
-        if self.events is not None:
-            self.events.emit(RequestPaused(request_id=request.request_id, reason=reason, num_output_tokens=request.num_output_tokens))
-        if queue:
-            update = queue[0]
-            request.streaming_queue = deque(list(queue)[1:])
-            assert update is not None
+        if update is not None:
             try:
                 self._check_session_fits(request, update)
             except ValueError:
                 return True  # the session has no room left for this chunk: it ends here
+        if self.events is not None:
+            self.events.emit(RequestPaused(request_id=request.request_id, reason=reason, num_output_tokens=request.num_output_tokens))
+        if update is not None:
+            request.streaming_queue = deque(list(queue)[1:])  # a new deque: an undo restores the old one
             self._update_request_as_session(request, update)
         else:
             request.status = RequestStatus.WAITING_FOR_STREAMING_REQ
@@ -565,7 +565,10 @@ class Scheduler:
         if request._owner is not None and request._owner is not self:
             raise ValueError(f"request {rid!r} is already queued in another scheduler; a Request runs in one scheduler at a time")
         if rid in self.requests:
-            hint = " (a streaming session's first request needs resumable=True)" if request.resumable else ""
+            first = self.requests[rid]
+            hint = (
+                " (a streaming session's first request needs resumable=True)" if request.resumable and first.streaming_queue is None else ""
+            )
             raise ValueError(f"request id {rid!r} was already added and has not finished; ids must be unique{hint}")
         if request.status != RequestStatus.WAITING or request.num_computed_tokens:
             raise ValueError(f"request {rid!r} is not fresh (status {request.status.name}); create a new Request")
