@@ -14,10 +14,14 @@ must be equal:
 * every request's status, computed tokens, token ids and block table,
 * the number of free blocks.
 
-One difference is by design: a session whose queued chunk could never fit the pool (prompt
-and answer need more blocks than there are) is ended by kvlab at the turn's end; vLLM keeps it,
-holding its blocks, where no step can ever run it. The harness aborts it in vLLM too and counts
-it ("ended for lack of room").
+One difference is by design: a session whose queued chunk could never fit the pool is ended by
+kvlab at the turn's end (by kvlab's bound for any request: the blocks it may hold at once, prompt
+and answer, more than the pool has); vLLM keeps it, holding its blocks, where it may never run.
+The harness aborts it in vLLM too, counts it ("ended for lack of room") and ends the workload
+there: vLLM frees its blocks after the step, kvlab within it, so the free queue's order differs
+from then on.
+
+``--window``: a sliding-window group (window 8) beside full attention.
 
     KVLAB_VLLM_PATH=/tmp/vtw/src:/tmp/vtw/deps python scripts/vllm_tests/differential_sessions.py [--workloads N] [--seed S]
 
@@ -45,7 +49,7 @@ import torch  # noqa: E402
 
 from kvlab.core.kv_cache_manager import KVCacheManager  # noqa: E402
 from kvlab.core.sched.scheduler import Scheduler as KScheduler  # noqa: E402
-from kvlab.kv_cache_interface import FullAttentionSpec  # noqa: E402
+from kvlab.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec  # noqa: E402
 from kvlab.request import Request as KRequest  # noqa: E402
 
 try:
@@ -66,7 +70,10 @@ BS = 4
 MAX_MODEL_LEN = 1024
 
 
-def vllm_scheduler(num_blocks: int, budget: int, seqs: int) -> Any:
+WINDOW = 8
+
+
+def vllm_scheduler(num_blocks: int, budget: int, seqs: int, window: bool) -> Any:
     """vLLM's scheduler without a model: the model config stubbed (text only, no encoder)."""
     config = VllmConfig(device_config=DeviceConfig("cpu"))
     mc = config.model_config = MagicMock()
@@ -75,10 +82,14 @@ def vllm_scheduler(num_blocks: int, budget: int, seqs: int) -> Any:
     mc.multimodal_config, mc.max_model_len = None, MAX_MODEL_LEN
     config.cache_config = MagicMock()
     config.cache_config.num_gpu_blocks, config.cache_config.enable_prefix_caching = num_blocks, True
+    config.cache_config.enable_mamba_shared_prefix_checkpoint = False
     sc = config.scheduler_config
     sc.max_num_batched_tokens, sc.max_num_seqs, sc.max_model_len = budget, seqs, MAX_MODEL_LEN
-    spec = v_iface.FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32)
-    kv = v_iface.KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[v_iface.KVCacheGroupSpec(["l"], spec)])
+    specs = [v_iface.FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32)]
+    if window:
+        specs.append(v_iface.SlidingWindowSpec(block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=WINDOW))
+    groups = [v_iface.KVCacheGroupSpec([f"l{i}"], spec) for i, spec in enumerate(specs)]
+    kv = v_iface.KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
     return VScheduler(
         vllm_config=config,
         kv_cache_config=kv,
@@ -89,9 +100,15 @@ def vllm_scheduler(num_blocks: int, budget: int, seqs: int) -> Any:
     )
 
 
-def kvlab_scheduler(num_blocks: int, budget: int, seqs: int) -> KScheduler:
+def kvlab_scheduler(num_blocks: int, budget: int, seqs: int, window: bool) -> KScheduler:
+    groups: list[Any] = [FullAttentionSpec()] + ([SlidingWindowSpec(sliding_window=WINDOW)] if window else [])
     mgr = KVCacheManager(
-        num_blocks=num_blocks, block_size=BS, kv_cache_groups=[FullAttentionSpec()], max_model_len=MAX_MODEL_LEN, hash_algo="sha256"
+        num_blocks=num_blocks,
+        block_size=BS,
+        kv_cache_groups=groups,
+        max_model_len=MAX_MODEL_LEN,
+        hash_algo="sha256",
+        max_in_flight_tokens=budget,  # vLLM: max_concurrent_batches (1) x max_num_batched_tokens
     )
     return KScheduler(mgr, max_num_batched_tokens=budget, max_num_seqs=seqs, max_model_len=MAX_MODEL_LEN)
 
@@ -111,10 +128,10 @@ class Counts:
 class Pair:
     """The two schedulers, fed the same calls."""
 
-    def __init__(self, num_blocks: int, budget: int, seqs: int) -> None:
+    def __init__(self, num_blocks: int, budget: int, seqs: int, window: bool) -> None:
         self.num_blocks = num_blocks
-        self.v = vllm_scheduler(num_blocks, budget, seqs)
-        self.k = kvlab_scheduler(num_blocks, budget, seqs)
+        self.v = vllm_scheduler(num_blocks, budget, seqs, window)
+        self.k = kvlab_scheduler(num_blocks, budget, seqs, window)
 
     def add(self, rid: str, prompt: list[int], max_tokens: int, resumable: bool) -> bool:
         """Both, or neither: kvlab refuses a request or chunk that can never fit (vLLM would
@@ -164,7 +181,8 @@ class Pair:
         ended = 0
         for rid in [r for r in self.v.requests if r not in self.k.requests]:
             r = self.v.requests[rid]
-            if r.num_tokens + r.max_tokens - 1 > (self.num_blocks - 1) * BS:
+            # kvlab's bound: the most blocks a request of this many tokens may hold at once
+            if self.k._blocks_needed(min(r.num_tokens + r.max_tokens - 1, MAX_MODEL_LEN)) > self.num_blocks - 1:
                 self.v.finish_requests(rid, VStatus.FINISHED_ABORTED)
                 ended += 1
         return ended
@@ -174,15 +192,15 @@ class Pair:
         mgr = sched.kv_cache_manager
         rows = {}
         for rid, r in sorted(sched.requests.items()):
-            table = tuple(mgr.get_block_ids(rid)[0]) if r.num_computed_tokens or r.status.name == "RUNNING" else None
+            table = tuple(map(tuple, mgr.get_block_ids(rid))) if r.num_computed_tokens or r.status.name == "RUNNING" else None
             rows[rid] = (r.status.name, r.num_computed_tokens, list(r.all_token_ids), table)
         return rows, mgr.block_pool.get_num_free_blocks()
 
 
-def run_workload(seed: int, counts: Counts) -> str | None:
+def run_workload(seed: int, counts: Counts, window: bool) -> str | None:
     """One workload; a description of the first divergence, or None."""
     rng = random.Random(seed)
-    pair = Pair(rng.choice([12, 16, 24, 40]), rng.choice([8, 16, 64]), rng.choice([2, 3, 8]))
+    pair = Pair(rng.choice([12, 16, 24, 40]), rng.choice([8, 16, 64]), rng.choice([2, 3, 8]), window)
     prefix = [rng.randrange(1, 50) for _ in range(8)]
     sessions: set[str] = set()
     n = 0
@@ -210,10 +228,15 @@ def run_workload(seed: int, counts: Counts) -> str | None:
         token = {r: rng.randrange(100, 200) for r in set(pair.k.requests) | set(pair.v.requests)}
         v_sched, k_sched = pair.step(token)
         counts.steps += 1
-        counts.ended_for_room += pair.end_sessions_kvlab_ended()
+        ended = pair.end_sessions_kvlab_ended()
         v_state, k_state = pair.snapshot(pair.v), pair.snapshot(pair.k)
         if v_sched != k_sched or v_state != k_state:
             return f"workload {seed}, step {t}:\n  vLLM  {v_sched} {v_state}\n  kvlab {k_sched} {k_state}"
+        if ended:
+            # vLLM freed the session's blocks after the step, kvlab in it: the free queues now
+            # differ in order, so the workload ends here
+            counts.ended_for_room += ended
+            break
     counts.preemptions += pair.k.num_preemptions
     counts.workloads += 1
     return None
@@ -223,12 +246,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workloads", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0, help="the first workload's seed; the others follow")
+    ap.add_argument("--window", action="store_true", help="a full-attention group and a sliding-window group (window 8)")
     args = ap.parse_args(argv)
     logging.disable(logging.WARNING)
     init_none_hash(v_sha256)
     counts = Counts()
     for seed in range(args.seed, args.seed + args.workloads):
-        diverged = run_workload(seed, counts)
+        diverged = run_workload(seed, counts, args.window)
         if diverged:
             print("DIVERGED at", diverged)
             return 1
