@@ -270,3 +270,18 @@ def test_a_queued_chunk_that_can_never_fit_ends_the_session_at_its_turn_end():
     assert step(s, {"s": 101}) == ({"s": 1}, [("s", "length")])
     assert (s.requests, free(s)) == ({}, 7)
     assert [e.kind for e in log.events if e.kind in ("request_paused", "request_resumed", "request_finished")] == ["request_finished"]
+
+
+def test_the_priority_heap_compares_requests_as_they_are_now_as_vllms_does():
+    """vLLM 0.33's heap holds the requests and compares their live fields; a session's chunk
+    changes its arrival_time while it waits, and the heap is not re-ordered. Checked on
+    vLLM 0.33.0's PriorityRequestQueue: a, c, b."""
+    from kvlab.core.sched.request_queue import PriorityRequestQueue
+
+    q = PriorityRequestQueue()
+    a, b, c = (Request(rid, [1], arrival_time=t) for rid, t in (("a", 1.0), ("b", 2.0), ("c", 3.0)))
+    for r in (a, b, c):
+        q.add_request(r)
+    c.arrival_time = 0.5  # as a chunk does to a waiting session
+    assert [r.request_id for r in q] == ["a", "c", "b"]
+    assert [q.pop_request().request_id for _ in range(3)] == ["a", "c", "b"]

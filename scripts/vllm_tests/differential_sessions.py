@@ -21,7 +21,8 @@ The harness aborts it in vLLM too, counts it ("ended for lack of room") and ends
 there: vLLM frees its blocks after the step, kvlab within it, so the free queue's order differs
 from then on.
 
-``--window``: a sliding-window group (window 8) beside full attention.
+``--window``: a sliding-window group (window 8) beside full attention. ``--priority``: the priority
+policy, each request of priority 0, 1 or 2 (a session's chunks keep the session's).
 
     KVLAB_VLLM_PATH=/tmp/vtw/src:/tmp/vtw/deps python scripts/vllm_tests/differential_sessions.py [--workloads N] [--seed S]
 
@@ -73,7 +74,7 @@ MAX_MODEL_LEN = 1024
 WINDOW = 8
 
 
-def vllm_scheduler(num_blocks: int, budget: int, seqs: int, window: bool) -> Any:
+def vllm_scheduler(num_blocks: int, budget: int, seqs: int, window: bool, policy: str) -> Any:
     """vLLM's scheduler without a model: the model config stubbed (text only, no encoder)."""
     config = VllmConfig(device_config=DeviceConfig("cpu"))
     mc = config.model_config = MagicMock()
@@ -84,7 +85,7 @@ def vllm_scheduler(num_blocks: int, budget: int, seqs: int, window: bool) -> Any
     config.cache_config.num_gpu_blocks, config.cache_config.enable_prefix_caching = num_blocks, True
     config.cache_config.enable_mamba_shared_prefix_checkpoint = False
     sc = config.scheduler_config
-    sc.max_num_batched_tokens, sc.max_num_seqs, sc.max_model_len = budget, seqs, MAX_MODEL_LEN
+    sc.max_num_batched_tokens, sc.max_num_seqs, sc.max_model_len, sc.policy = budget, seqs, MAX_MODEL_LEN, policy
     specs = [v_iface.FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32)]
     if window:
         specs.append(v_iface.SlidingWindowSpec(block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=WINDOW))
@@ -100,7 +101,7 @@ def vllm_scheduler(num_blocks: int, budget: int, seqs: int, window: bool) -> Any
     )
 
 
-def kvlab_scheduler(num_blocks: int, budget: int, seqs: int, window: bool) -> KScheduler:
+def kvlab_scheduler(num_blocks: int, budget: int, seqs: int, window: bool, policy: str) -> KScheduler:
     groups: list[Any] = [FullAttentionSpec()] + ([SlidingWindowSpec(sliding_window=WINDOW)] if window else [])
     mgr = KVCacheManager(
         num_blocks=num_blocks,
@@ -110,7 +111,7 @@ def kvlab_scheduler(num_blocks: int, budget: int, seqs: int, window: bool) -> KS
         hash_algo="sha256",
         max_in_flight_tokens=budget,  # vLLM: max_concurrent_batches (1) x max_num_batched_tokens
     )
-    return KScheduler(mgr, max_num_batched_tokens=budget, max_num_seqs=seqs, max_model_len=MAX_MODEL_LEN)
+    return KScheduler(mgr, max_num_batched_tokens=budget, max_num_seqs=seqs, max_model_len=MAX_MODEL_LEN, policy=policy)
 
 
 @dataclass
@@ -128,16 +129,20 @@ class Counts:
 class Pair:
     """The two schedulers, fed the same calls."""
 
-    def __init__(self, num_blocks: int, budget: int, seqs: int, window: bool) -> None:
+    def __init__(self, num_blocks: int, budget: int, seqs: int, window: bool, policy: str) -> None:
         self.num_blocks = num_blocks
-        self.v = vllm_scheduler(num_blocks, budget, seqs, window)
-        self.k = kvlab_scheduler(num_blocks, budget, seqs, window)
+        self.v = vllm_scheduler(num_blocks, budget, seqs, window, policy)
+        self.k = kvlab_scheduler(num_blocks, budget, seqs, window, policy)
+        self.clock = 0.0  # every request's arrival time, the same on both sides
 
-    def add(self, rid: str, prompt: list[int], max_tokens: int, resumable: bool) -> bool:
+    def add(self, rid: str, prompt: list[int], max_tokens: int, resumable: bool, priority: int = 0) -> bool:
         """Both, or neither: kvlab refuses a request or chunk that can never fit (vLLM would
         hold it forever); then it is not sent at all."""
+        self.clock += 1.0
         try:
-            self.k.add_request(KRequest(rid, prompt, max_tokens=max_tokens, resumable=resumable))
+            self.k.add_request(
+                KRequest(rid, prompt, max_tokens=max_tokens, resumable=resumable, priority=priority, arrival_time=self.clock)
+            )
         except ValueError:
             return False
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
@@ -145,6 +150,8 @@ class Pair:
         self.v.add_request(
             VRequest(
                 request_id=rid,
+                priority=priority,
+                arrival_time=self.clock,
                 prompt_token_ids=prompt,
                 sampling_params=params,
                 pooling_params=None,
@@ -197,10 +204,10 @@ class Pair:
         return rows, mgr.block_pool.get_num_free_blocks()
 
 
-def run_workload(seed: int, counts: Counts, window: bool) -> str | None:
+def run_workload(seed: int, counts: Counts, window: bool, policy: str) -> str | None:
     """One workload; a description of the first divergence, or None."""
     rng = random.Random(seed)
-    pair = Pair(rng.choice([12, 16, 24, 40]), rng.choice([8, 16, 64]), rng.choice([2, 3, 8]), window)
+    pair = Pair(rng.choice([12, 16, 24, 40]), rng.choice([8, 16, 64]), rng.choice([2, 3, 8]), window, policy)
     prefix = [rng.randrange(1, 50) for _ in range(8)]
     sessions: set[str] = set()
     n = 0
@@ -210,7 +217,8 @@ def run_workload(seed: int, counts: Counts, window: bool) -> str | None:
             resumable = rng.random() < 0.6
             shared = prefix[: rng.randrange(0, 9)] if rng.random() < 0.5 else []
             prompt = shared + [rng.randrange(1, 50) for _ in range(rng.randrange(1, 14))]
-            if pair.add(f"r{n}", prompt, rng.randrange(1, 6), resumable):
+            priority = rng.randrange(0, 3) if policy == "priority" else 0
+            if pair.add(f"r{n}", prompt, rng.randrange(1, 6), resumable, priority):
                 counts.requests += 1
                 if resumable:
                     sessions.add(f"r{n}")
@@ -247,12 +255,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0, help="the first workload's seed; the others follow")
     ap.add_argument("--window", action="store_true", help="a full-attention group and a sliding-window group (window 8)")
+    ap.add_argument("--priority", action="store_true", help="the priority policy, requests of priority 0-2")
     args = ap.parse_args(argv)
     logging.disable(logging.WARNING)
     init_none_hash(v_sha256)
     counts = Counts()
     for seed in range(args.seed, args.seed + args.workloads):
-        diverged = run_workload(seed, counts, args.window)
+        diverged = run_workload(seed, counts, args.window, "priority" if args.priority else "fcfs")
         if diverged:
             print("DIVERGED at", diverged)
             return 1
