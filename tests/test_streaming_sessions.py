@@ -192,7 +192,8 @@ def test_a_chunk_undone_half_way_leaves_the_session_as_it_was():
     assert step(s, {"s": 101}) == ({"s": 2}, [])
 
 
-def test_the_timeline_shows_the_session_paused_between_turns():
+def two_turns() -> EventLog:
+    """The event log of a session's two turns of one token each, an idle step between."""
     log = EventLog()
     s = make(log=log)
     s.add_request(chunk("s", range(1, 7), 1))
@@ -200,6 +201,11 @@ def test_the_timeline_shows_the_session_paused_between_turns():
     step(s, {})
     s.add_request(chunk("s", [7, 8], 1))
     step(s, {"s": 101})
+    return log
+
+
+def test_the_timeline_shows_the_session_paused_between_turns():
+    log = two_turns()
     kinds = [(e.kind, e.step) for e in log.events if e.kind in ("request_paused", "request_resumed")]
     assert kinds == [("request_paused", 1), ("request_resumed", 2), ("request_paused", 3)]
     tl = Timeline(log)
@@ -245,14 +251,7 @@ def test_the_gantt_draws_a_paused_session_in_its_own_colour():
     from kvlab.viz import timeline as timeline_view
     from kvlab.viz.style import STATUS_COLORS, STATUS_ORDER
 
-    log = EventLog()
-    s = make(log=log)
-    s.add_request(chunk("s", range(1, 7), 1))
-    step(s, {"s": 100})
-    step(s, {})
-    s.add_request(chunk("s", [7, 8], 1))
-    step(s, {"s": 101})
-    tl = Timeline(log)
+    tl = Timeline(two_turns())
     run = timeline_view.run_data(tl)
     assert run["status"]["s"] == ["waiting", "paused", "waiting", "paused"]  # at the end of steps 0-3
     z = timeline_view.figure_data(tl.at(2), "s", run=run)["z"][0]

@@ -206,8 +206,8 @@ class LLMEngine:
         :meth:`Scheduler.add_streaming_update`."""
         self._check_usable()
         sched = self.scheduler
-        session = sched.requests.get(request.request_id) if isinstance(request, Request) else None
-        if session is not None and session is not request and session.streaming_queue is not None and not session.is_finished():
+        session = sched.open_session(request)
+        if session is not None:
             sched.check_streaming_update(request)
             if request.resumable:
                 _check_runnable_ids(request)

@@ -407,8 +407,7 @@ class Scheduler:
         ``resumable=True``) is that session's next chunk instead (vLLM 0.33): a resumable
         one brings more input, a non-resumable one closes the session. See
         :meth:`add_streaming_update`."""
-        existing = self.requests.get(request.request_id) if isinstance(request, Request) else None
-        if existing is not None and existing is not request and existing.streaming_queue is not None and not existing.is_finished():
+        if self.open_session(request) is not None:
             self.add_streaming_update(request)
             return
         self.check_request(request)
@@ -451,6 +450,14 @@ class Scheduler:
         else:
             self._finish_request(session, RequestStatus.FINISHED_ABORTED, "abort")
 
+    def open_session(self, request: Any) -> Request | None:
+        """The open streaming session ``request`` would continue -- a resumable request of
+        the same id, queued and unfinished -- or None: then it is a request of its own."""
+        session = self.requests.get(request.request_id) if isinstance(request, Request) else None
+        if session is None or session is request or session.streaming_queue is None or session.is_finished():
+            return None
+        return session
+
     def check_streaming_update(self, request: Request) -> Request:
         """Raise if :meth:`add_streaming_update` would refuse ``request``; else return the
         session it continues. Changes nothing. A chunk is a fresh Request of its own, for
@@ -458,8 +465,8 @@ class Scheduler:
         if not isinstance(request, Request):
             raise TypeError(f"request must be a kvlab.Request, got {type(request).__name__}")
         rid = request.request_id
-        session = self.requests.get(rid)
-        if session is None or session is request or session.streaming_queue is None or session.is_finished():
+        session = self.open_session(request)
+        if session is None:
             raise ValueError(f"no open streaming session has id {rid!r} (a session's first request is added with resumable=True)")
         if request._owner is not None:
             raise ValueError(f"request {rid!r} is already queued; a session's next chunk is a new Request with the session's id")
