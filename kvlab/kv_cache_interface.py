@@ -869,6 +869,8 @@ KV_CACHE_SPEC_TYPES: tuple[type[KVCacheSpec], ...] = (
     ChunkedLocalAttentionSpec,
     MambaSpec,
     CrossAttentionSpec,
+    HiSparseHotSpec,
+    HiSparseResidentSpec,
 )
 
 

@@ -291,15 +291,17 @@ def test_hisparse_spec_fields_are_checked():
     assert HiSparseResidentSpec(block_size=16, page_size=64).max_admission_blocks_per_request(100, 40) == 3
 
 
-def test_manager_refuses_hisparse_groups_by_name():
+def test_manager_runs_the_laid_out_groups_and_refuses_them_alone():
     from kvlab.core.kv_cache_manager import KVCacheManager
 
     c = cfg(max_model_len=8192, hs=HiSparseConfig())
     groups = L.get_hisparse_kv_cache_groups(c, model_specs())
-    with pytest.raises(ValueError, match="hisparse_host_num_blocks must be None, got 200: kvlab lays HiSparse's groups out"):
-        KVCacheManager(
-            KVCacheConfig(num_blocks=400, kv_cache_tensors=[], kv_cache_groups=groups, hisparse_host_num_blocks=200), max_model_len=8192
-        )
-    for i, group in ((0, groups[0]), (0, groups[2].kv_cache_spec), (1, groups[4].kv_cache_spec)):
-        with pytest.raises(ValueError, match=rf"kv_cache_groups\[{i}\] is one of HiSparse's groups"):
+    m = KVCacheManager(
+        KVCacheConfig(num_blocks=400, kv_cache_tensors=[], kv_cache_groups=groups, hisparse_host_num_blocks=200), max_model_len=8192
+    )
+    assert m.hisparse is not None and m.hisparse.host_manager.block_pool.num_gpu_blocks == 200
+    with pytest.raises(ValueError, match=r"kv_cache_groups \[0\] hold HiSparse's source K/V, which lives in a host pool"):
+        KVCacheManager(KVCacheConfig(num_blocks=40, kv_cache_tensors=[], kv_cache_groups=[groups[0]]), max_model_len=8192)
+    for i, group in ((0, groups[2].kv_cache_spec), (1, groups[4].kv_cache_spec)):
+        with pytest.raises(ValueError, match=rf"kv_cache_groups\[{i}\] is one of HiSparse's GPU groups"):
             KVCacheManager(num_blocks=40, kv_cache_groups=[FullAttentionSpec()] * i + [group], max_model_len=8192)

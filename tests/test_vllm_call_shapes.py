@@ -143,7 +143,7 @@ def test_manager_reads_the_configs_retention_interval_and_hash_block_size():
             "pcp_world_size=0 is out of range; pcp_world_size must be an int >= 1",
         ),
         (lambda: KVCacheManager(_config(), watermark=0.01), ValueError, r"watermark must be 0.0 \(kvlab models no admission watermark\)"),
-        (lambda: KVCacheManager(_config(hisparse_host_num_blocks=8)), ValueError, "hisparse_host_num_blocks must be None"),
+        (lambda: KVCacheManager(_config(hisparse_host_num_blocks=8)), ValueError, "No HiSparse cache group is configured"),
         (
             lambda: KVCacheManager(_config(prefix_cache_retention_interval=0), prefix_cache_retention_interval=16),
             ValueError,

@@ -198,6 +198,12 @@ class BlockPool:
         self.kv_event_queue: list[KVEvent] = []
         self.metrics_collector = metrics_collector
         self.prepend_uncached_blocks = prepend_uncached_blocks
+        # Blocks released with ``unpin_blocks`` that their owner goes on reading until the pool
+        # hands them out again (vLLM 0.33, HiSparse): block id -> whom to tell when it does.
+        self._reuse_watchers: dict[int, Callable[[KVCacheBlock], None]] = {}
+        # Pools whose blocks a list freed here may hold too (vLLM 0.33 routes each block to its
+        # own pool: HiSparse's host pool beside the GPU pool, in one request's blocks).
+        self.sibling_pools: list[BlockPool] = []
         # kvlab's addition: every change is reported once, to each observer (kvlab.core.pool_observers).
         self.observers: list[BlockPoolObserver] = []
         if event_log is not None:
@@ -383,6 +389,8 @@ class BlockPool:
         if not 0 <= num_blocks <= self.free_block_queue.num_free_blocks:
             raise ValueError(f"cannot get num_blocks = {num_blocks} free blocks from the pool ({self.get_num_free_blocks()} free)")
         ret = self.free_block_queue.popleft_n(num_blocks)
+        if self._reuse_watchers:
+            self._notify_reuse(ret)
         dropped: list[tuple[KVCacheBlock, bytes]] = []
         if self.enable_caching:
             evict = self._maybe_evict_cached_block
@@ -409,6 +417,33 @@ class BlockPool:
         for o in self.observers:
             o.on_blocks_allocated(self, ret, dropped, request_id, group)
         return ret
+
+    def _notify_reuse(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Tell each watched block's owner that its contents are about to be overwritten."""
+        for b in blocks:
+            watcher = self._reuse_watchers.pop(b.block_id, None)
+            if watcher is not None:
+                watcher(b)
+
+    def unpin_blocks(self, blocks: Iterable[KVCacheBlock], on_reuse: Callable[[KVCacheBlock], None]) -> None:
+        """Drop one reference to each block while its owner goes on reading it (vLLM 0.33,
+        HiSparse). Why: a page whose host copy is complete need not hold GPU memory, but
+        while nobody needs the memory it is cheaper to read it where it is. A block reaching
+        ref 0 joins the free queue's *tail* -- the last to be handed out, cached or not --
+        and counts as free; ``on_reuse(block)`` runs when ``get_new_blocks`` hands it out
+        (or the cache is reset), so the owner stops reading it just in time."""
+        blocks = list(blocks)
+        self._check_blocks("blocks", blocks)
+        for i, b in enumerate(blocks):
+            if b.is_null or b.ref_cnt - sum(x is b for x in blocks[:i]) <= 0:
+                raise ValueError(f"blocks[{i}] (block {b.block_id}) is not held: only a held block can be unpinned")
+        released: list[KVCacheBlock] = []
+        for b in blocks:
+            b.ref_cnt -= 1
+            self._reuse_watchers[b.block_id] = on_reuse
+            if b.ref_cnt == 0:
+                released.append(b)
+        self.free_block_queue.append_n(released)
 
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
         """A cached block is being reallocated: drop exactly its own map entry (duplicates
@@ -465,6 +500,13 @@ class BlockPool:
     ) -> None:
         """ref -= 1; blocks reaching 0 return to the queue. ``ordered_blocks`` is in
         eviction priority: a finished request passes its blocks tail first."""
+        if self.sibling_pools:
+            ordered_blocks, foreign = self._split_foreign(ordered_blocks)
+            if foreign:
+                self.free_blocks(ordered_blocks, request_id, group, reason)
+                for pool, blocks in foreign:
+                    pool.free_blocks(blocks, request_id, group, reason)
+                return
         with_hash: list[KVCacheBlock] = []
         without_hash: list[KVCacheBlock] = []
         caching = self.enable_caching
@@ -503,6 +545,25 @@ class BlockPool:
         for o in self.observers:
             o.on_blocks_freed(self, ordered, without_hash, with_hash, request_id, group, reason)
 
+    def _split_foreign(self, blocks: Iterable[KVCacheBlock]) -> tuple[list[KVCacheBlock], list[tuple[BlockPool, list[KVCacheBlock]]]]:
+        """This pool's blocks, and the sibling pools' ones by pool (each list in the order
+        given); a block of no known pool stays in the first list, for the check to name."""
+        own = self.blocks
+        mine: list[KVCacheBlock] = []
+        foreign: dict[int, tuple[BlockPool, list[KVCacheBlock]]] = {}
+        for b in blocks:
+            bid = getattr(b, "block_id", None)
+            if type(bid) is int and 0 <= bid < len(own) and own[bid] is b:
+                mine.append(b)
+                continue
+            for pool in self.sibling_pools:
+                if type(bid) is int and 0 <= bid < len(pool.blocks) and pool.blocks[bid] is b:
+                    foreign.setdefault(id(pool), (pool, []))[1].append(b)
+                    break
+            else:
+                mine.append(b)
+        return mine, list(foreign.values())
+
     def _check_blocks(self, name: str, blocks: Any) -> None:
         """Every item is a block of THIS pool (not a copy, not another pool's). The common
         case -- a list of this pool's blocks -- is one comprehension; anything else is walked
@@ -533,6 +594,8 @@ class BlockPool:
         self.cached_block_hash_to_block = BlockHashToBlockMap()
         self.cached_block_hashes_by_block.clear()
         self.has_partial_entries = False
+        if self._reuse_watchers:  # what an owner still read is forgotten with the rest
+            self._notify_reuse([self.blocks[bid] for bid in list(self._reuse_watchers)])
         for b in self.blocks:
             b.reset_hash()
         for o in self.observers:

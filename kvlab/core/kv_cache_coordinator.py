@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 
 from kvlab.core.block_pool import BlockPool
 from kvlab.core.kv_cache_utils import KVCacheBlock, eagle_proof_margin, partial_hash_hits_enabled
+from kvlab.core.hisparse_managers import HiSparseSourceManager
 from kvlab.core.single_type_kv_cache_manager import (
     MANAGER_FOR_SPEC,
     ChunkedLocalAttentionManager,
@@ -129,8 +130,11 @@ class KVCacheCoordinator:
         dcp_world_size: int = 1,
         pcp_world_size: int = 1,
         needs_kv_cache_zeroing: bool = False,
+        hisparse_source_group_ids: Collection[int] = (),
     ) -> None:
-        """``needs_kv_cache_zeroing``: the pool's groups mix kinds or dtypes, so each group's
+        """``hisparse_source_group_ids``: HiSparse's host-resident source groups, each run by a
+        ``HiSparseSourceManager`` (vLLM 0.33 picks it by the group's role).
+        ``needs_kv_cache_zeroing``: the pool's groups mix kinds or dtypes, so each group's
         manager records the attention blocks it hands out, to be zeroed (vLLM 0.33).
         ``specs``: as the manager sees them -- under decode context parallelism a sharded
         group's block size is already ``dcp_world_size`` times its spec's (see
@@ -172,7 +176,7 @@ class KVCacheCoordinator:
                 scheduler_block_size,
                 max_in_flight_tokens,
                 max_model_len,
-                manager_cls=self.manager_for_spec[type(spec)],
+                manager_cls=HiSparseSourceManager if gid in hisparse_source_group_ids else self.manager_for_spec[type(spec)],
                 needs_kv_cache_zeroing=needs_kv_cache_zeroing,
             )
             for gid, spec in enumerate(self.specs)
@@ -470,7 +474,9 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 continue  # scratch (a ring): never in a hit; its slot in the answer stays empty
             use_eagle = gid in self.drop_eagle_group_ids
             for idx, g in enumerate(self.attention_groups):
-                if g.spec == spec:
+                # Looked up together: the same spec, run by the same kind of manager, over the
+                # same pool (HiSparse's host group shares its spec with the indexer's).
+                if g.spec == spec and g.manager_cls is type(m) and self.single_type_managers[g.group_ids[0]].block_pool is m.block_pool:
                     g.group_ids.append(gid)
                     if use_eagle and not g.use_eagle:
                         self.attention_groups[idx] = g._replace(use_eagle=True)
@@ -546,7 +552,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             if simple:
                 break
         for g in self.attention_groups:
-            if not isinstance(g.spec, FullAttentionSpec):
+            if not isinstance(g.spec, FullAttentionSpec) or self.single_type_managers[g.group_ids[0]].retains_longer_hit:
                 continue
             keep = cdiv(hit_length, self.single_type_managers[g.group_ids[0]].block_size)
             for gid in g.group_ids:
@@ -567,7 +573,13 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             margin = eagle_proof_margin(self.single_type_managers[gids[0]].block_size, self.hash_block_size, fine)
             max_length = min(max_length + margin, len(block_hashes) * self.hash_block_size)
         return cls.find_longest_cache_hit(
-            block_hashes, max_length, gids, self.block_pool, spec, drop_eagle_block=drop, alignment_tokens=self._cache_hit_alignment_tokens
+            block_hashes,
+            max_length,
+            gids,
+            self.single_type_managers[gids[0]].block_pool,
+            spec,
+            drop_eagle_block=drop,
+            alignment_tokens=self._cache_hit_alignment_tokens,
         )
 
     def find_longest_cache_hit_per_group(
@@ -608,8 +620,10 @@ def get_kv_cache_coordinator(
     dcp_world_size: int = 1,
     pcp_world_size: int = 1,
     needs_kv_cache_zeroing: bool = False,
+    hisparse_source_group_ids: Collection[int] = (),
 ) -> KVCacheCoordinator:
     kw = dict(
+        hisparse_source_group_ids=hisparse_source_group_ids,
         needs_kv_cache_zeroing=needs_kv_cache_zeroing,
         dcp_world_size=dcp_world_size,
         pcp_world_size=pcp_world_size,

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kvlab.core.block_pool import BlockPool, group_suffix
+from kvlab.core.hisparse_coordinator import HiSparseCoordinator, get_hisparse_coordinator
 from kvlab.core.kv_cache_coordinator import get_kv_cache_coordinator, resolve_kv_cache_block_sizes
 from kvlab.core.kv_cache_metrics import KVCacheMetricsCollector
 from kvlab.core.kv_cache_utils import (
@@ -31,6 +32,7 @@ from kvlab.core.kv_cache_utils import (
     trim_null_head,
 )
 from kvlab.core.single_type_kv_cache_manager import (
+    cdiv,
     MambaManager,
     SingleTypeKVCacheManager,
     check_context_parallelism,
@@ -46,6 +48,7 @@ from kvlab.kv_cache_interface import (
     HiSparseHotSpec,
     HiSparseResidentSpec,
     KVCacheConfig,
+    KVCacheGroupRole,
     KVCacheGroupSpec,
     KVCacheSpec,
     MambaSpec,
@@ -103,11 +106,6 @@ def _from_kv_cache_config(
             "with a KVCacheConfig as the first argument, give max_model_len and the rest by keyword "
             "(the config holds the groups and their block sizes)"
         )
-    if getattr(config, "hisparse_host_num_blocks", None) is not None:
-        raise ValueError(
-            f"KVCacheConfig.hisparse_host_num_blocks must be None, got {config.hisparse_host_num_blocks}: kvlab lays HiSparse's "
-            "groups out and sizes its pools (kvlab.hisparse.layout), but its manager runs no host pool"
-        )
     cfg_interval = getattr(config, "prefix_cache_retention_interval", None)
     if cfg_interval is not None:
         if retention_interval is not None and retention_interval != cfg_interval:
@@ -135,7 +133,7 @@ def _check_manager_args(
     block_pool_cls: Any,
     manager_classes: Any,
     kv_events_use_int_block_hashes: Any,
-) -> tuple[int, list[KVCacheSpec], Any, int | None, int | None, bool, frozenset[int]]:
+) -> tuple[int, list[KVCacheSpec], Any, int | None, int | None, bool, frozenset[int], frozenset[int]]:
     """``KVCacheManager``'s arguments, checked before anything is built (raising, named) and
     normalised: the block size, the specs (each with its block size), the hash function, the
     two limits, the KV-event hash format (None reads vLLM's environment variable), and the
@@ -163,13 +161,17 @@ def _check_manager_args(
     if not groups:
         raise ValueError("kv_cache_groups must hold at least one spec")
     eagle_groups = frozenset(i for i, g in enumerate(groups) if isinstance(g, KVCacheGroupSpec) and g.is_eagle_group)
+    # HiSparse's source group (its K/V kept whole in a host pool) runs its own manager.
+    source_groups = frozenset(
+        i for i, g in enumerate(groups) if isinstance(g, KVCacheGroupSpec) and g.role == KVCacheGroupRole.HISPARSE_SOURCE
+    )
     for i, g in enumerate(groups):
-        if isinstance(g, KVCacheGroupSpec) and g.host_resident or isinstance(g, (HiSparseHotSpec, HiSparseResidentSpec)):
+        if isinstance(getattr(g, "kv_cache_spec", g), (HiSparseHotSpec, HiSparseResidentSpec)) and not source_groups:
             raise ValueError(
-                f"kv_cache_groups[{i}] is one of HiSparse's groups: kvlab lays them out and sizes their pools "
-                "(kvlab.hisparse.layout), but its manager does not run them (HiSparse's coordinator moves pages between "
-                "the GPU and the host pool)"
+                f"kv_cache_groups[{i}] is one of HiSparse's GPU groups, which copy to and from a host pool: give a KVCacheConfig "
+                "with a HISPARSE_SOURCE group and hisparse_host_num_blocks (kvlab.hisparse.layout builds one)"
             )
+    for i, g in enumerate(groups):
         if isinstance(g, KVCacheGroupSpec):  # vLLM's group: its spec, and whether a drafter's layers are in it
             if not isinstance(g.is_eagle_group, bool):
                 raise TypeError(f"kv_cache_groups[{i}].is_eagle_group must be a bool, got {g.is_eagle_group!r}")
@@ -192,7 +194,7 @@ def _check_manager_args(
             raise ValueError(
                 f"kv_cache_groups[{i}]: attention_chunk_size {spec.attention_chunk_size} must be a multiple of block_size {spec.block_size}"
             )
-    return block_size, specs, hash_fn, max_model_len, max_in_flight_tokens, kv_events_use_int_block_hashes, eagle_groups
+    return block_size, specs, hash_fn, max_model_len, max_in_flight_tokens, kv_events_use_int_block_hashes, eagle_groups, source_groups
 
 
 class KVCacheManager:
@@ -303,13 +305,24 @@ class KVCacheManager:
             num_blocks = kv_cache_config
         if num_blocks is None:
             raise TypeError("KVCacheManager needs num_blocks (kvlab's form) or a KVCacheConfig (vLLM's)")
+        given_config = None
         if not isinstance(num_blocks, int) and hasattr(num_blocks, "kv_cache_groups"):
+            given_config = num_blocks
             num_blocks, kv_cache_groups, prefix_cache_retention_interval, hash_block_size = _from_kv_cache_config(
                 num_blocks, block_size, kv_cache_groups, prefix_cache_retention_interval, hash_block_size
             )
         if watermark != 0.0:
             raise ValueError(f"watermark must be 0.0 (kvlab models no admission watermark), got {watermark!r}")
-        block_size, specs, hash_fn, max_model_len, max_in_flight_tokens, kv_events_use_int_block_hashes, eagle_groups = _check_manager_args(
+        (
+            block_size,
+            specs,
+            hash_fn,
+            max_model_len,
+            max_in_flight_tokens,
+            kv_events_use_int_block_hashes,
+            eagle_groups,
+            hisparse_source_groups,
+        ) = _check_manager_args(
             block_size,
             kv_cache_groups,
             enable_caching,
@@ -382,6 +395,7 @@ class KVCacheManager:
             max_in_flight_tokens=max_in_flight_tokens,
             manager_classes=manager_classes,
             eagle_group_ids=eagle_groups,
+            hisparse_source_group_ids=hisparse_source_groups,
             prefix_cache_retention_interval=prefix_cache_retention_interval,
             num_prefill_lookahead=num_prefill_lookahead,
             dcp_world_size=dcp_world_size,
@@ -439,6 +453,20 @@ class KVCacheManager:
         self.prefix_cache_stats: PrefixCacheStats | None = PrefixCacheStats() if log_stats else None
         self._requests: dict[str, Request] = {}
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple([] for _ in specs))
+        # Groups whose hit is not cut back to the one all groups agree on (HiSparse's host group).
+        self.retained_hit_group_ids = tuple(m.kv_cache_group_id for m in coordinator.single_type_managers if m.retains_longer_hit)
+        # HiSparse (vLLM 0.33): a config with a host pool runs its coordinator, which moves the
+        # source group onto the host pool before the first request.
+        self.hisparse_host_num_blocks = None if given_config is None else getattr(given_config, "hisparse_host_num_blocks", None)
+        self._hisparse_config = given_config if self.hisparse_host_num_blocks is not None else None
+        self.hisparse: HiSparseCoordinator | None = None
+        if hisparse_source_groups or self.hisparse_host_num_blocks is not None:
+            if self.hisparse_host_num_blocks is None:
+                raise ValueError(
+                    f"kv_cache_groups {sorted(hisparse_source_groups)} hold HiSparse's source K/V, which lives in a host pool: "
+                    "give a KVCacheConfig with hisparse_host_num_blocks"
+                )
+            self.hisparse = get_hisparse_coordinator(self)
 
     # -- helpers --------------------------------------------------------------------------
     @property
@@ -453,6 +481,8 @@ class KVCacheManager:
         included. ``LLMEngine`` gives it to a ``ModelRunner`` built without one, so the
         lessons state ``num_blocks`` and ``block_size`` once, here. (kvlab's manager knows
         no layer names and lays out no tensors: those fields are empty.)"""
+        if self._hisparse_config is not None:
+            return self._hisparse_config  # HiSparse's groups carry roles and a host pool: the config as given
         eagle = self.coordinator.eagle_group_ids if self.coordinator.explicit_eagle_groups else ()
         groups = tuple(
             KVCacheGroupSpec(layer_names=(), kv_cache_spec=spec, is_eagle_group=i in eagle) for i, spec in enumerate(self.kv_cache_groups)
@@ -769,8 +799,16 @@ class KVCacheManager:
         if len(hits) != self.num_kv_cache_groups:
             raise ValueError(f"new_computed_blocks has {len(hits)} groups, the manager has {self.num_kv_cache_groups}")
         has_hits = any(hits)
+        retained = self.retained_hit_group_ids
+        if retained and has_hits:
+            # HiSparse's host group may have found more than the hit all groups agree on: it
+            # keeps the part the local and external tokens cover (vLLM 0.33).
+            reused = num_new_computed_tokens + num_external_computed_tokens
+            hits = tuple(g[: cdiv(reused, self.kv_cache_groups[i].block_size)] if i in retained else g for i, g in enumerate(hits))  # type: ignore[arg-type]  # every spec has its block size by now
         partial = self.coordinator.enable_partial_hash_hits  # a hit may end inside its last block
-        for spec, g in zip(self.kv_cache_groups, hits) if has_hits else ():
+        for gid, (spec, g) in enumerate(zip(self.kv_cache_groups, hits)) if has_hits else ():
+            if gid in retained:
+                continue  # its own length (checked against the pool's hashes in _check_hits)
             if not spec.prefix_cacheable:  # scratch (a ring): a hit never carries blocks for it
                 if g:
                     raise ValueError(f"new_computed_blocks has {len(g)} blocks for a {type(spec).__name__} group, which is never a hit")
@@ -808,11 +846,11 @@ class KVCacheManager:
         full-attention group's hits may not be padded with the null block. A hit that ends
         inside its last block -- partial hits -- must find that block under the key of its
         last hash boundary.)"""
-        pool = self.block_pool
-        blocks = pool.blocks
         for gid, (spec, group_hits) in enumerate(zip(self.kv_cache_groups, hits)):
             if not spec.prefix_cacheable:
                 continue  # never a hit (checked empty before)
+            pool = self.coordinator.single_type_managers[gid].block_pool  # HiSparse's host group has its own
+            blocks = pool.blocks
             hashes = pool.resolve_block_hashes(request.block_hashes, spec.block_size)  # type: ignore[arg-type]  # every spec has its block size by now
             if num_hit_tokens % spec.block_size and group_hits:  # type: ignore[operator]  # as above
                 # the last block is shared part-way: checked here, the rest below
@@ -836,7 +874,7 @@ class KVCacheManager:
                 pass
             for i, b in enumerate(group_hits):
                 where = f"new_computed_blocks[{gid}][{i}]"
-                bid = self._check_pool_block(where, b)
+                bid = self._check_pool_block(where, b, pool)
                 if b.is_null:
                     if isinstance(spec, FullAttentionSpec):
                         raise ValueError(f"{where} is the null block; a full-attention group's hits are real blocks")
@@ -849,11 +887,12 @@ class KVCacheManager:
                         "allocate with the new hits"
                     )
 
-    def _check_pool_block(self, where: str, b: Any) -> int:
-        """``b`` is a block of this manager's pool (a hit); returns its id."""
+    def _check_pool_block(self, where: str, b: Any, pool: BlockPool | None = None) -> int:
+        """``b`` is a block of this manager's pool (or of ``pool``: a group's own) -- a hit;
+        returns its id."""
         if not isinstance(b, KVCacheBlock):
             raise TypeError(f"{where} must be a KVCacheBlock, got {type(b).__name__}")
-        blocks = self.block_pool.blocks
+        blocks = (pool or self.block_pool).blocks
         bid = b.block_id
         if type(bid) is not int or not 0 <= bid < len(blocks) or blocks[bid] is not b:
             raise ValueError(
@@ -1019,6 +1058,12 @@ class KVCacheManager:
         (plus one for each copy waiting for the runner that names it), and no table holds a
         block of another group's hash."""
         self.block_pool.check_invariants()
+        if self.hisparse is not None:
+            # HiSparse: an unpinned page is read without a reference and a transfer holds one
+            # more at each end -- the coordinator's books, not the tables, account for them.
+            assert self.hisparse.host_manager is not None
+            self.hisparse.host_manager.block_pool.check_invariants()
+            return
         counts: dict[int, int] = {}
         for gid, m in enumerate(self.coordinator.single_type_managers):
             for rid, blocks in m.req_to_blocks.items():

@@ -36,6 +36,7 @@ from kvlab.kv_cache_interface import (
     CrossAttentionSpec,
     FullAttentionSpec,
     HiddenStateCacheSpec,
+    HiSparseResidentSpec,
     KVCacheSpec,
     MambaSpec,
     MLAAttentionSpec,
@@ -92,6 +93,9 @@ class SingleTypeKVCacheManager:
     #: 0.33's fine-grained lookup: full attention and Mamba). The coordinator turns it on
     #: only for a Mamba hybrid whose blocks are larger than the hash block.
     supports_fine_grained_hash_lookup: ClassVar[bool] = False
+    #: Whether this group's hit is kept whole when the groups agree on a shorter one (vLLM
+    #: 0.33: HiSparse's host group, which holds prefixes the GPU groups have lost).
+    retains_longer_hit: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -1407,6 +1411,12 @@ def get_manager_for_kv_cache_spec(
     cap = None
     if isinstance(kv_cache_spec, (SlidingWindowSpec, ChunkedLocalAttentionSpec)) and max_in_flight_tokens is not None:
         cap = kv_cache_spec.max_admission_blocks_per_request(max_in_flight_tokens, max_model_len or max_in_flight_tokens + 2**40)
+    elif isinstance(kv_cache_spec, HiSparseResidentSpec) and (max_in_flight_tokens or max_model_len):
+        # HiSparse's resident pages: one step's worth (vLLM 0.33 reads max_model_len for an
+        # unset max_in_flight_tokens), which the coordinator also reads as the window past
+        # which a prefill must read older pages from the host.
+        in_flight = max_in_flight_tokens or max_model_len
+        cap = kv_cache_spec.max_admission_blocks_per_request(in_flight, max_model_len or in_flight)  # type: ignore[arg-type]  # one of the two is set
     cls = manager_cls or MANAGER_FOR_SPEC[type(kv_cache_spec)]
     return cls(
         kv_cache_spec,

@@ -499,6 +499,49 @@ class ManagerCheckpoint:
     prefix_cache_stats: PrefixCacheStats | None
     pool: PoolCheckpoint
     saved_requests: dict[int, tuple[Request, tuple]] = field(default_factory=dict)  # id(request) -> (request, its state)
+    hisparse: _HiSparseSave | None = None
+
+
+@dataclass(slots=True)
+class _HiSparseSave:
+    """HiSparse's books, by value (O(blocks), only for a manager with a host pool): the
+    coordinator's attributes and those of each record it holds (restored into the same
+    objects, which transfers in flight share), the host pool's checkpoint, and both pools'
+    ref counts and reuse watchers -- an unpinned page is read without a reference and a
+    transfer holds one more at each end, so the tables alone cannot give the counts back."""
+
+    coordinator: dict[str, Any]
+    records: list[tuple[Any, dict[str, Any]]]
+    host: PoolCheckpoint
+    refs: list[tuple[BlockPool, list[int], dict[int, Any]]]
+
+
+def _save_hisparse(coord: Any, gpu_pool: BlockPool) -> _HiSparseSave:
+    records: dict[int, Any] = {}
+    for state in (*coord.request_states.values(), *(p.request_state for p in coord.pending_spills.values())):
+        records[id(state)] = state
+        if state.publication is not None:
+            records[id(state.publication)] = state.publication
+    for p in coord.pending_spills.values():
+        records[id(p)] = p
+    host_pool = coord.host_manager.block_pool
+    return _HiSparseSave(
+        coordinator=copy_attrs(coord),
+        records=[(r, copy_attrs(r)) for r in records.values()],
+        host=checkpoint_pool(host_pool),
+        refs=[(pool, [b.ref_cnt for b in pool.blocks], pool._reuse_watchers.copy()) for pool in (gpu_pool, host_pool)],
+    )
+
+
+def _restore_hisparse(coord: Any, saved: _HiSparseSave) -> None:
+    for obj, attrs in saved.records:
+        put_attrs(obj, attrs)
+    put_attrs(coord, saved.coordinator)
+    restore_pool(coord.host_manager.block_pool, saved.host, [])
+    for pool, refs, watchers in saved.refs:
+        for b, n in zip(pool.blocks, refs):
+            b.ref_cnt = n
+        pool._reuse_watchers = watchers.copy()
 
 
 def save_first(saved: dict[int, tuple[Request, tuple]] | None, request: Any) -> None:
@@ -539,6 +582,8 @@ def checkpoint_manager(mgr: KVCacheManager, saved_requests: dict[int, tuple[Requ
         saved_requests={} if saved_requests is None else saved_requests,
         pool=None,  # type: ignore[arg-type]  # set next: the pool's journal starts last
     )
+    if mgr.hisparse is not None:
+        cp.hisparse = _save_hisparse(mgr.hisparse, mgr.block_pool)
     cp.pool = checkpoint_pool(mgr.block_pool)
     mgr._txn = cp
     return cp
@@ -548,6 +593,8 @@ def release_manager(mgr: KVCacheManager, cp: ManagerCheckpoint) -> None:
     """Keep every change since ``cp``."""
     mgr._txn = None
     release_pool(mgr.block_pool, cp.pool)
+    if cp.hisparse is not None:
+        release_pool(mgr.hisparse.host_manager.block_pool, cp.hisparse.host)  # type: ignore[union-attr]  # set with cp.hisparse
 
 
 def restore_manager(mgr: KVCacheManager, cp: ManagerCheckpoint, *, drop_reused: bool = False) -> list[KVCacheBlock]:
@@ -563,6 +610,8 @@ def restore_manager(mgr: KVCacheManager, cp: ManagerCheckpoint, *, drop_reused: 
     # A copy waiting for the runner holds both its blocks once more (take_kv_cache_block_copies).
     tables += [pair for m in mgr.coordinator.single_type_managers for pair in m._pending_cow_copies]
     dropped = restore_pool(mgr.block_pool, cp.pool, tables, drop_reused=drop_reused)
+    if cp.hisparse is not None:
+        _restore_hisparse(mgr.hisparse, cp.hisparse)
     release_manager(mgr, cp)
     return dropped
 

@@ -9,8 +9,11 @@ gives each request a little GPU memory of two kinds -- *resident* pages (the new
 yet copied to the host) and a *hot* buffer (rows recent steps picked). The GPU pool then
 holds many more requests than it would hold whole contexts.
 
-kvlab has its configuration: how the groups are laid out and the two pools sized
-(:mod:`kvlab.hisparse.layout`), and the options (:mod:`kvlab.hisparse.runtime`). The
-scheduler-side coordinator that moves pages between the pools is not built: kvlab's
-``KVCacheManager`` refuses a config with a host pool.
+Here: how the groups are laid out and the two pools sized (:mod:`kvlab.hisparse.layout`),
+the options (:mod:`kvlab.hisparse.runtime`), and, at vLLM's paths, the coordinator that moves
+pages between the pools (:mod:`kvlab.hisparse.coordinator`), its records
+(:mod:`kvlab.hisparse.types`) and the host pool (:mod:`kvlab.hisparse.block_pool`). The
+coordinator and the three group managers live in the core (``kvlab.core.hisparse_*``): a
+``KVCacheManager`` built from a config with ``hisparse_host_num_blocks`` starts them. The
+connector that runs the transfers on the worker side is not built.
 """

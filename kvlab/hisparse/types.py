@@ -1,6 +1,14 @@
-"""HiSparse's shared constants (vLLM 0.33: ``vllm/v1/hisparse/types.py``)."""
+"""HiSparse's records between the scheduler and the worker (vLLM 0.33: ``vllm/v1/hisparse/types.py``).
 
-#: Sealed pages this close to the end of a request's block table stay pinned on the GPU: a
-#: step still in flight may be writing them, so their blocks must not be handed out yet.
-#: It is also all a running request that reads from the host keeps of its resident pages.
-ACTIVE_TAIL_PAGES = 2
+They live beside the coordinator that makes them (:mod:`kvlab.core.hisparse_coordinator`);
+this module gives them vLLM's path."""
+
+from kvlab.core.hisparse_coordinator import (
+    ACTIVE_TAIL_PAGES,
+    SparseKVOffloadCommand,
+    SparseKVPageTransfer,
+    SparseKVResidencyUpdate,
+    SparseKVRowMirror,
+)
+
+__all__ = ["ACTIVE_TAIL_PAGES", "SparseKVOffloadCommand", "SparseKVPageTransfer", "SparseKVResidencyUpdate", "SparseKVRowMirror"]

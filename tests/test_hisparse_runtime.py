@@ -1,0 +1,207 @@
+"""HiSparse's runtime (vLLM 0.33): the host pool, write-backs, unpinning, residency updates,
+adoption of GPU copies, deferred frees -- with the values vLLM 0.33.0's own code gives for the
+same calls (checked by running its HiSparse tests on kvlab: scripts/vllm_tests)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvlab.core.block_pool import BlockPool
+from kvlab.core.hisparse_managers import HiSparseResidentManager, HiSparseSourceManager
+from kvlab.core.kv_cache_manager import KVCacheManager
+from kvlab.distributed.kv_events import MEDIUM_CPU, MEDIUM_GPU, BlockStored
+from kvlab.kv_cache_interface import (
+    FullAttentionSpec,
+    HiSparseHotSpec,
+    HiSparseResidentSpec,
+    KVCacheConfig,
+    KVCacheGroupRole,
+    KVCacheGroupSpec,
+)
+from kvlab.request import Request
+
+BS = 16
+
+
+def hisparse_manager(num_blocks: int = 32, host_blocks: int = 16, **kw) -> KVCacheManager:
+    src = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=1)
+    groups = (
+        KVCacheGroupSpec(("source",), src, role=KVCacheGroupRole.HISPARSE_SOURCE, host_resident=True),
+        KVCacheGroupSpec(("indexer",), src, role=KVCacheGroupRole.HISPARSE_INDEXER),
+        KVCacheGroupSpec(("resident",), HiSparseResidentSpec(block_size=BS, page_size=4 * BS)),
+        KVCacheGroupSpec(("hot",), HiSparseHotSpec(block_size=BS, page_size=4 * BS, blocks_per_request=2)),
+    )
+    config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=(), kv_cache_groups=groups, hisparse_host_num_blocks=host_blocks)
+    kw.setdefault("max_model_len", 128)
+    return KVCacheManager(config, hash_block_size=BS, **kw)
+
+
+def run_step(m: KVCacheManager, r: Request, n: int) -> None:
+    assert m.allocate_slots(r, n) is not None
+    m.hisparse.advance_scheduled([(r.request_id, min(r.num_computed_tokens + n, r.num_tokens))])
+
+
+def complete_transfers(m: KVCacheManager) -> list[int]:
+    c = m.hisparse
+    ids = [t.transfer_id for t in c.build_offload_command().page_transfers]
+    c.update_spills(dict.fromkeys(ids, 1), dict.fromkeys(ids, 1))
+    return ids
+
+
+def test_groups_and_pools():
+    m = hisparse_manager()
+    c = m.hisparse
+    source, indexer, resident, hot = m.coordinator.single_type_managers
+    assert isinstance(source, HiSparseSourceManager) and isinstance(resident, HiSparseResidentManager)
+    assert source.block_pool is not m.block_pool and source.block_pool.medium == MEDIUM_CPU
+    assert (source.block_pool.num_gpu_blocks, m.block_pool.num_gpu_blocks) == (16, 32)
+    assert c.host_manager is source and c.gpu_pool is m.block_pool
+    assert (c.transition_watermark, c.max_spill_pages, resident.max_admission_blocks_per_request) == (3, 8, 8)
+    assert m.kv_cache_config.hisparse_host_num_blocks == 16
+    assert m.retained_hit_group_ids == (0,)
+
+
+def test_write_back_publish_and_copies():
+    m = hisparse_manager(enable_caching=True)
+    c = m.hisparse
+    r = Request("a", list(range(4 * BS)))
+    run_step(m, r, 4 * BS)
+    # host pages 1-4, indexer 1-4 and resident 5-8 of the GPU pool; no hot buffer yet
+    assert m.get_blocks("a").get_block_ids() == ([1, 2, 3, 4], [1, 2, 3, 4], [5, 6, 7, 8], [])
+    host = c.host_manager.block_pool
+    assert [b.cache_key for b in c.host_manager.req_to_blocks["a"]] == [None] * 4  # nothing durable yet
+    assert complete_transfers(m) == [0, 1, 2, 3]
+    assert c.request_states["a"].valid_pages == {0, 1, 2, 3}
+    assert c.request_states["a"].ready_prefix_pages == 4
+    # published once durable, and each host page indexes its GPU copy
+    assert all(b.cache_key is not None for b in c.host_manager.req_to_blocks["a"])
+    assert sorted(b.block_id for copies in c.copies.values() for b in copies) == [5, 6, 7, 8]
+    assert host.get_num_free_blocks() == 11
+
+
+def test_unpinned_pages_stay_readable_until_reused():
+    m = hisparse_manager()
+    c = m.hisparse
+    pool = m.block_pool
+    r = Request("a", list(range(6 * BS)))
+    run_step(m, r, 6 * BS)
+    for h in c.hot_managers:
+        h.require_hot("a")
+    run_step(m, r, 6 * BS)  # allocates the hot buffer
+    assert m.get_blocks("a").get_block_ids()[3] == [13, 14]
+    assert c.take_residency_updates(["a"])["a"].pages == [0, 1, 2, 3, 4, 5]
+    free = pool.get_num_free_blocks()
+    complete_transfers(m)
+    # the four sealed pages (not the last two) were given back but are still read
+    assert pool.get_num_free_blocks() == free + 4
+    assert [b.block_id for b in c.resident_managers[0].get_residency_row("a")] == [7, 8, 9, 10, 11, 12]
+    # the pool hands out its never-used blocks first, then the oldest unpinned page
+    pool.get_new_blocks(free + 1)
+    update = c.take_residency_updates(["a"])["a"]
+    assert (update.pages, update.block_ids) == ([0], ([0],))
+    assert [b.block_id for b in c.resident_managers[0].get_residency_row("a")] == [0, 8, 9, 10, 11, 12]
+    # the block table itself stays append-only
+    assert m.get_blocks("a").get_block_ids()[2] == [7, 8, 9, 10, 11, 12]
+
+
+def test_prefix_hit_adopts_the_surviving_gpu_copies():
+    m = hisparse_manager(enable_caching=True)
+    c = m.hisparse
+    a = Request("a", list(range(4 * BS)))
+    run_step(m, a, 4 * BS)
+    complete_transfers(m)
+    m.free(a)
+    b = Request("b", list(range(4 * BS)))
+    blocks, n = m.get_computed_blocks(b)
+    # the host group hits 3 pages (a prompt's last token is always computed); the indexer too
+    assert n == 3 * BS and [len(g) for g in blocks.blocks] == [3, 3, 0, 0]
+    assert m.allocate_slots(b, BS, 3 * BS, blocks) is not None
+    c.advance_scheduled([("b", 4 * BS)])
+    # host-only pages (null) until adopted, then read from a's GPU copies
+    assert [blk.block_id for blk in c.resident_managers[0].get_residency_row("b")] == [5, 6, 7, 10]
+    assert [blk.block_id for blk in m.get_blocks("b").blocks[2]] == [0, 0, 0, 10]
+
+
+def test_unpin_blocks_refuses_a_free_block():
+    pool = BlockPool(4, True)
+    b = pool.get_new_blocks(1)[0]
+    seen = []
+    pool.unpin_blocks([b], seen.append)
+    assert (b.ref_cnt, pool.get_num_free_blocks()) == (0, 3)
+    with pytest.raises(ValueError, match=r"blocks\[0\] \(block 1\) is not held"):
+        pool.unpin_blocks([b], seen.append)
+    assert (b.ref_cnt, pool.get_num_free_blocks()) == (0, 3)
+    # handed out again: its reader is told, once
+    assert [x.block_id for x in pool.get_new_blocks(3)] == [2, 3, 1]
+    assert [x.block_id for x in seen] == [1]
+
+
+def test_freed_blocks_of_both_pools_go_home():
+    m = hisparse_manager(16, 16)
+    host = m.hisparse.host_manager.block_pool
+    host_free, gpu_free = host.get_num_free_blocks(), m.block_pool.get_num_free_blocks()
+    r = Request("a", list(range(BS)))
+    assert m.allocate_slots(r, BS, delay_cache_blocks=True) is not None
+    blocks = m.pop_blocks_for_free(r)
+    assert host.get_num_free_blocks() == host_free - 1
+    m.block_pool.free_blocks(list(reversed(blocks)))
+    assert (host.get_num_free_blocks(), m.block_pool.get_num_free_blocks()) == (host_free, gpu_free)
+
+
+def test_host_events_share_the_gpu_stream_marked_cpu():
+    m = hisparse_manager(enable_caching=True, enable_kv_cache_events=True)
+    r = Request("a", list(range(2 * BS)))
+    run_step(m, r, 2 * BS)
+    complete_transfers(m)
+    stored = [e for e in m.take_events() if isinstance(e, BlockStored)]
+    assert [(e.medium, e.block_size, len(e.block_hashes)) for e in stored] == [(MEDIUM_GPU, BS, 2), (MEDIUM_CPU, BS, 2)]
+
+
+def books(m: KVCacheManager) -> tuple:
+    """Everything a HiSparse allocation may change, by value."""
+    c = m.hisparse
+    pools = (m.block_pool, c.host_manager.block_pool)
+    return (
+        [[b.ref_cnt for b in p.blocks] for p in pools],
+        [[b.block_id for b in p.free_block_queue.get_all_free_blocks()] for p in pools],
+        [sorted(p._reuse_watchers) for p in pools],
+        dict(c.copies),
+        dict(c.request_states),
+        [sorted(h.hot_required) for h in c.hot_managers],
+        [dict(g.req_to_blocks) for g in m.coordinator.single_type_managers],
+    )
+
+
+def test_a_failed_step_leaves_the_books_as_they_were(monkeypatch):
+    m = hisparse_manager(enable_caching=True)
+    a = Request("a", list(range(4 * BS)))
+    run_step(m, a, 4 * BS)
+    complete_transfers(m)
+    m.free(a)
+    before = books(m)
+    b = Request("b", list(range(6 * BS)))
+    blocks, n = m.get_computed_blocks(b)
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("the learner's code raised")
+
+    monkeypatch.setattr(HiSparseResidentManager, "allocate_new_blocks", fail)
+    with pytest.raises(RuntimeError):
+        m.allocate_slots(b, 3 * BS, n, blocks)
+    assert books(m) == before
+    assert all("b" not in g.req_to_blocks for g in m.coordinator.single_type_managers)
+    monkeypatch.undo()
+    blocks, n = m.get_computed_blocks(b)
+    assert m.allocate_slots(b, 3 * BS, n, blocks) is not None
+
+
+def test_refusals():
+    src = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=1)
+    groups = (KVCacheGroupSpec(("source",), src, role=KVCacheGroupRole.HISPARSE_SOURCE, host_resident=True),)
+    with pytest.raises(ValueError, match=r"kv_cache_groups \[0\] hold HiSparse's source K/V.*hisparse_host_num_blocks"):
+        KVCacheManager(KVCacheConfig(num_blocks=8, kv_cache_tensors=(), kv_cache_groups=groups), max_model_len=64)
+    plain = (KVCacheGroupSpec(("layer",), src),)
+    with pytest.raises(ValueError, match="No HiSparse cache group is configured"):
+        KVCacheManager(
+            KVCacheConfig(num_blocks=8, kv_cache_tensors=(), kv_cache_groups=plain, hisparse_host_num_blocks=4), max_model_len=64
+        )
