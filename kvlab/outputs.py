@@ -39,6 +39,11 @@ class KVConnectorOutput:
     errors: dict[str, str] = field(default_factory=dict)  # request id -> why its load failed (names the file)
     worker_meta: Any = None
 
+    @property
+    def kv_connector_worker_meta(self) -> Any:
+        """vLLM 0.33's name for ``worker_meta``."""
+        return self.worker_meta
+
     def is_empty(self) -> bool:
         return not (
             self.finished_sending

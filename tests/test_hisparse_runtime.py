@@ -205,3 +205,68 @@ def test_refusals():
         KVCacheManager(
             KVCacheConfig(num_blocks=8, kv_cache_tensors=(), kv_cache_groups=plain, hisparse_host_num_blocks=4), max_model_len=64
         )
+
+
+def test_connector_carries_a_step_and_its_completions():
+    from kvlab.core.sched.output import CachedRequestData, SchedulerOutput
+    from kvlab.distributed.kv_transfer.kv_connector.v1.hisparse.connector import (
+        HiSparseConnectorScheduler,
+        HiSparseConnectorWorkerMetadata,
+    )
+    from kvlab.outputs import KVConnectorOutput
+
+    m = hisparse_manager(enable_caching=True)
+    r = Request("a", list(range(3 * BS)))
+    ids = m.allocate_slots(r, 3 * BS).get_block_ids()
+    conn = HiSparseConnectorScheduler(async_speculative=False)
+    conn.bind_coordinator(m.hisparse)
+    conn.requests["a"] = r
+    out = SchedulerOutput.make_empty(step=1)
+    out.scheduled_cached_reqs = CachedRequestData(req_ids=["a"], new_block_ids=[ids], num_computed_tokens=[0], new_token_ids=[[]])
+    out.num_scheduled_tokens = {"a": 3 * BS}
+    meta = conn.build_connector_meta(out)
+    assert out.has_sync_kv_loads
+    assert [(t.transfer_id, t.host_block_id, t.resident_block_ids) for t in meta.command.page_transfers] == [
+        (0, 1, (4,)),
+        (1, 2, (5,)),
+        (2, 3, (6,)),
+    ]
+    assert meta.source_block_ids == (1, 2, 3)
+    assert [(x.source_starts, x.destination_start, x.num_rows) for x in meta.row_mirrors["a"]] == [
+        ((4 * BS,), 1 * BS, BS),
+        ((5 * BS,), 2 * BS, BS),
+        ((6 * BS,), 3 * BS, BS),
+    ]
+    assert meta.all_context_pages_resident
+    assert (meta.residency_updates["a"].pages, meta.residency_updates["a"].block_ids) == ([0, 1, 2], ([4, 5, 6],))
+    # two workers: each reports once; a transfer completes when both did
+    one = HiSparseConnectorWorkerMetadata({0: 2, 1: 2, 2: 2}, {0: 1, 1: 1, 2: 1})
+    conn.update_connector_output(KVConnectorOutput(worker_meta=one))
+    assert m.hisparse.request_states["a"].valid_pages == set()
+    conn.update_connector_output(KVConnectorOutput(worker_meta=HiSparseConnectorWorkerMetadata({}, {0: 1, 1: 1, 2: 1})))
+    assert m.hisparse.request_states["a"].valid_pages == {0, 1, 2}
+    assert not m.hisparse.has_pending_work()
+    both = one.aggregate(HiSparseConnectorWorkerMetadata({0: 1}, {5: 1}, (7,)))
+    assert (both.enqueued_transfer_counts, both.completed_transfer_counts, both.completed_host_copy_dst_ids) == (
+        {0: 3, 1: 2, 2: 2},
+        {0: 1, 1: 1, 2: 1, 5: 1},
+        (7,),
+    )
+
+
+def test_connector_refuses_the_worker_role_and_a_config_without_host_pool():
+    from types import SimpleNamespace
+
+    from kvlab.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from kvlab.distributed.kv_transfer.kv_connector.v1.hisparse.connector import HiSparseConnector
+
+    m = hisparse_manager()
+    vllm_config = SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=False), speculative_config=None, num_lookahead_tokens=0)
+    with pytest.raises(ValueError, match="kvlab builds HiSparse's scheduler half only"):
+        HiSparseConnector(vllm_config, KVConnectorRole.WORKER, m.kv_cache_config)
+    with pytest.raises(ValueError, match="needs a HiSparse host pool"):
+        HiSparseConnector(vllm_config, KVConnectorRole.SCHEDULER, KVCacheConfig(num_blocks=8, kv_cache_tensors=(), kv_cache_groups=()))
+    conn = HiSparseConnector(vllm_config, KVConnectorRole.SCHEDULER, m.kv_cache_config)
+    conn.bind_kv_cache_manager(m)
+    assert conn.connector_scheduler.coordinator is m.hisparse
+    assert (conn.get_num_new_matched_tokens(Request("x", [1, 2]), 0), conn.has_pending_push_work()) == ((0, False), False)

@@ -79,3 +79,22 @@ class SchedulerOutput:
     # vLLM 0.33: pages the runner copies before the forward pass, after zeroing (copy-on-write:
     # a hit that ended inside a block continues in its private copy). None: no copy.
     kv_cache_block_copies: list[KVCacheBlockCopy] | None = None
+    # vLLM 0.33: a connector sets it when its loads must start before the forward pass rather
+    # than after it (HiSparse rebinds its worker state every step).
+    has_sync_kv_loads: bool = False
+
+    @classmethod
+    def make_empty(cls, step: int = 0) -> SchedulerOutput:
+        """A step that schedules nothing (vLLM's ``SchedulerOutput.make_empty``)."""
+        return cls(
+            step=step,
+            scheduled_new_reqs=[],
+            scheduled_cached_reqs=CachedRequestData(),
+            num_scheduled_tokens={},
+            total_num_scheduled_tokens=0,
+            scheduled_new_req_ids=[],
+            scheduled_resumed_req_ids=[],
+            scheduled_running_req_ids=[],
+            preempted_req_ids=set(),
+            finished_req_ids=set(),
+        )
