@@ -18,7 +18,7 @@ from kvlab.kv_cache_interface import (
     KVCacheGroupRole,
     KVCacheGroupSpec,
 )
-from kvlab.request import Request
+from kvlab.request import Request, RequestStatus
 
 BS = 16
 
@@ -270,3 +270,80 @@ def test_connector_refuses_the_worker_role_and_a_config_without_host_pool():
     conn.bind_kv_cache_manager(m)
     assert conn.connector_scheduler.coordinator is m.hisparse
     assert (conn.get_num_new_matched_tokens(Request("x", [1, 2]), 0), conn.has_pending_push_work()) == ((0, False), False)
+
+
+# --- invariants under random traffic ----------------------------------------------------------------
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_OPS = st.lists(
+    st.tuples(st.sampled_from(["add", "step", "report", "hot", "free", "reuse"]), st.integers(0, 3), st.integers(1, 3)),
+    min_size=1,
+    max_size=30,
+)
+
+
+def _check_books(m: KVCacheManager) -> None:
+    """What must hold after any call: both pools consistent; a GPU page a request reads
+    with no reference left is watched (its reader is told before the pool reuses it); the
+    ends of a transfer in flight are held."""
+    c = m.hisparse
+    m.check_invariants()
+    watched = m.block_pool._reuse_watchers
+    for g in c.resident_managers:
+        for rid in g.req_to_blocks:
+            for b in g.get_residency_row(rid):
+                assert b.is_null or b.ref_cnt > 0 or b.block_id in watched, f"{rid!r} reads block {b.block_id}, unheld and unwatched"
+    for p in c.pending_spills.values():
+        assert p.host_block.ref_cnt > 0 and all(b.ref_cnt > 0 for b in p.resident_blocks)
+
+
+@settings(deadline=None)
+@given(ops=_OPS, caching=st.booleans())
+def test_random_traffic_keeps_the_books_and_leaks_nothing(ops, caching):
+    m = hisparse_manager(24, 24, enable_caching=caching)
+    c = m.hisparse
+    live: dict[str, Request] = {}
+    reports: list[int] = []
+    n = 0
+    for op, k, size in ops:
+        rid = sorted(live)[k % len(live)] if live else None
+        if op == "add" or rid is None:
+            n += 1
+            r = Request(f"r{n}", [k] * BS + list(range(n * 100, n * 100 + size * BS)))  # shared first page per k
+            blocks, hit = m.get_computed_blocks(r)
+            if m.allocate_slots(r, r.num_tokens - hit, hit, blocks) is not None:
+                r.num_computed_tokens = r.num_tokens
+                live[r.request_id] = r
+                c.advance_scheduled([(r.request_id, r.num_tokens)])
+        elif op == "step":
+            r = live[rid]
+            r.append_output_token_ids(list(range(size)))
+            if m.allocate_slots(r, size) is not None:
+                r.num_computed_tokens = r.num_tokens
+                c.advance_scheduled([(rid, r.num_tokens)])
+            else:
+                del r._output_token_ids[-size:], r._all_token_ids[-size:]
+        elif op == "report":
+            reports += [t.transfer_id for t in c.build_offload_command().page_transfers]
+            done, reports = reports[:size], reports[size:]
+            c.update_spills(dict.fromkeys(done, 1), dict.fromkeys(done, 1))
+        elif op == "hot":
+            for h in c.hot_managers:
+                h.require_hot(rid)
+        elif op == "free":
+            r = live.pop(rid)
+            if k % 2:  # finished (not preempted): its pages in flight are published when they land
+                r.status = RequestStatus.FINISHED_STOPPED
+            m.free(r)
+        elif op == "reuse" and m.block_pool.get_num_free_blocks() >= size:
+            m.block_pool.free_blocks(m.block_pool.get_new_blocks(size))
+        _check_books(m)
+    for r in live.values():
+        m.free(r)
+    reports += [t.transfer_id for t in c.build_offload_command().page_transfers]
+    c.update_spills(dict.fromkeys(reports, 1), dict.fromkeys(reports, 1))
+    _check_books(m)
+    assert not c.has_pending_work()
+    # every block is back: nothing pinned, held or detached is left behind
+    assert m.block_pool.get_num_free_blocks() == 23 and c.host_manager.block_pool.get_num_free_blocks() == 23
