@@ -347,3 +347,20 @@ def test_random_traffic_keeps_the_books_and_leaks_nothing(ops, caching):
     assert not c.has_pending_work()
     # every block is back: nothing pinned, held or detached is left behind
     assert m.block_pool.get_num_free_blocks() == 23 and c.host_manager.block_pool.get_num_free_blocks() == 23
+
+
+def test_coordinator_refuses_bad_reports_and_unknown_requests_unchanged():
+    m = hisparse_manager()
+    c = m.hisparse
+    run_step(m, Request("a", list(range(2 * BS))), 2 * BS)
+    before = books(m)
+    with pytest.raises(ValueError, match=r"requests\[1\]: request 'ghost' holds no HiSparse pages here"):
+        c.advance_scheduled([("a", 2 * BS), ("ghost", BS)])
+    with pytest.raises(ValueError, match=r"requests\[0\]: token counts must be ints >= 0, got -1"):
+        c.advance_scheduled([("a", -1)])
+    with pytest.raises(ValueError, match=r"completed_counts\[0\] must be an int >= 1 \(workers\), got 0"):
+        c.update_spills({0: 1}, {0: 0})
+    with pytest.raises(TypeError, match="enqueued_counts must be a dict"):
+        c.update_spills([0], {})
+    assert c.take_residency_updates(["ghost"]) == {} and "ghost" not in c.request_states
+    assert books(m) == before

@@ -433,9 +433,29 @@ class HiSparseCoordinator:
         which multi-module MTP may compute again), then its residency."""
         if not self.resident_managers:
             return
+        requests = self._check_scheduled("requests", requests, 2)
         for request_id, num_tokens in requests:
             self.plan_prefix_materialization(request_id, max(0, num_tokens - self.num_reprefillable_tokens))
             self.update_residency(request_id)
+
+    def _check_scheduled(self, name: str, requests: Iterable[Any], width: int) -> list[Any]:
+        """``requests`` as a list of (request id, counts...) tuples of ``width`` items, each
+        request one this manager holds and each count an int >= 0 -- checked whole before
+        anything changes (a bad entry would otherwise leave books for a request that is not
+        there)."""
+        items = list(requests)
+        held = self.resident_managers[0].req_to_blocks
+        for i, item in enumerate(items):
+            if not isinstance(item, tuple) or len(item) != width:
+                raise TypeError(
+                    f"{name}[{i}] must be a tuple of {width} (request id, {'tokens' if width == 2 else 'computed, scheduled'}), got {item!r}"
+                )
+            if item[0] not in held:
+                raise ValueError(f"{name}[{i}]: request {item[0]!r} holds no HiSparse pages here (allocate_slots first)")
+            for n in item[1:]:
+                if type(n) is not int or n < 0:
+                    raise ValueError(f"{name}[{i}]: token counts must be ints >= 0, got {n!r}")
+        return items
 
     def plan_prefix_materialization(self, request_id: str, num_computed_tokens: int) -> None:
         """Plan a write-back for each sealed page that has no host copy yet, within the
@@ -600,6 +620,8 @@ class HiSparseCoordinator:
             return updates
         first = self.resident_managers[0]
         for request_id in request_ids:
+            if request_id not in self.request_states and request_id not in first.req_to_blocks:
+                continue  # not held here: nothing to send (and no books started for it)
             state = self._get_request_state(request_id)
             num_pages = len(first.req_to_blocks.get(request_id, ()))
             start = state.synced_pages
@@ -641,6 +663,12 @@ class HiSparseCoordinator:
     def update_spills(self, enqueued_counts: Mapping[int, int], completed_counts: Mapping[int, int]) -> None:
         """The workers' reports: ``enqueued_counts`` -- transfer id -> how many workers run
         it (the first report counts); ``completed_counts`` -- how many more finished it."""
+        for name, counts in (("enqueued_counts", enqueued_counts), ("completed_counts", completed_counts)):
+            if not isinstance(counts, Mapping):
+                raise TypeError(f"{name} must be a dict {{transfer id: count}}, got {type(counts).__name__}")
+            for tid, count in counts.items():
+                if type(count) is not int or count < 1:
+                    raise ValueError(f"{name}[{tid!r}] must be an int >= 1 (workers), got {count!r}")
         for tid, count in enqueued_counts.items():
             p = self.pending_spills.get(tid)
             if p is not None and p.expected_worker_completions == 0:
