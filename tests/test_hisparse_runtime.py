@@ -200,6 +200,12 @@ def test_refusals():
     groups = (KVCacheGroupSpec(("source",), src, role=KVCacheGroupRole.HISPARSE_SOURCE, host_resident=True),)
     with pytest.raises(ValueError, match=r"kv_cache_groups \[0\] hold HiSparse's source K/V.*hisparse_host_num_blocks"):
         KVCacheManager(KVCacheConfig(num_blocks=8, kv_cache_tensors=(), kv_cache_groups=groups), max_model_len=64)
+    from kvlab.eventlog.events import EventLog
+
+    log = EventLog()
+    with pytest.raises(ValueError, match="event_log must be None with a HiSparse host pool"):
+        hisparse_manager(event_log=log)
+    assert len(log) == 0
     plain = (KVCacheGroupSpec(("layer",), src),)
     with pytest.raises(ValueError, match="No HiSparse cache group is configured"):
         KVCacheManager(

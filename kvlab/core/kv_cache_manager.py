@@ -311,6 +311,11 @@ class KVCacheManager:
             num_blocks, kv_cache_groups, prefix_cache_retention_interval, hash_block_size = _from_kv_cache_config(
                 num_blocks, block_size, kv_cache_groups, prefix_cache_retention_interval, hash_block_size
             )
+        if event_log is not None and getattr(given_config, "hisparse_host_num_blocks", None) is not None:
+            raise ValueError(
+                "event_log must be None with a HiSparse host pool: kvlab's pictures do not follow the host pool, the "
+                "pages given back while still read, or the transfers' holds yet (vLLM's KV events do: enable_kv_cache_events)"
+            )
         if watermark != 0.0:
             raise ValueError(f"watermark must be 0.0 (kvlab models no admission watermark), got {watermark!r}")
         (
