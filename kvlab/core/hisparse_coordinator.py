@@ -695,6 +695,9 @@ class HiSparseCoordinator:
 
     def _complete_host_writes(self) -> None:
         completed = [p for p in self.pending_spills.values() if p.enqueue_applied and self._done(p)]
+        # The requests whose pages completed, in completion order. vLLM 0.33 keeps a set of their
+        # ids, so it publishes several requests' pages in an order that depends on the string
+        # hash seed; kvlab's order is the same on every run.
         finished_requests: list[str] = []
         for p in completed:
             del self.pending_spills[p.transfer_id]
