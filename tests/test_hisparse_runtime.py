@@ -370,3 +370,17 @@ def test_coordinator_refuses_bad_reports_and_unknown_requests_unchanged():
         c.update_spills([0], {})
     assert c.take_residency_updates(["ghost"]) == {} and "ghost" not in c.request_states
     assert books(m) == before
+
+
+def test_reset_forgets_the_host_prefixes_too():
+    m = hisparse_manager(enable_caching=True, enable_kv_cache_events=True)
+    a = Request("a", list(range(4 * BS)))
+    run_step(m, a, 4 * BS)
+    complete_transfers(m)
+    m.free(a)
+    m.take_events()
+    assert m.get_computed_blocks(Request("b", list(range(4 * BS))))[1] == 3 * BS
+    assert m.reset_prefix_cache()
+    assert not m.hisparse.copies
+    assert [type(e).__name__ for e in m.take_events()] == ["AllBlocksCleared", "AllBlocksCleared"]  # host pool, GPU pool
+    assert m.get_computed_blocks(Request("c", list(range(4 * BS))))[1] == 0

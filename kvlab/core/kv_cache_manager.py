@@ -1027,8 +1027,11 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix (e.g. after a weight update). Refused (False) while any
-        request holds blocks."""
-        ok = self.block_pool.reset_prefix_cache()
+        request holds blocks. Every pool is reset, each once (HiSparse's host pool too: its
+        hashes would still serve hits), and each is asked even if an earlier one refused, as
+        in vLLM 0.33."""
+        pools = dict.fromkeys(m.block_pool for m in self.coordinator.single_type_managers)
+        ok = all([pool.reset_prefix_cache() for pool in pools])
         if ok and self.prefix_cache_stats is not None:
             self.prefix_cache_stats.reset = True
         return ok

@@ -112,7 +112,7 @@ def run_one(seed: int, n_requests: int = 10) -> dict[str, int]:
     km, kc = build(d.KVLAB, num_blocks, host_blocks, caching, resident_groups)
     run = d.Run("hisparse", False, seed)
     counts = dict.fromkeys(
-        ("steps", "transfers", "hit tokens", "hot buffer requests", "unpinned", "lost", "adopted", "finished", "preempted"), 0
+        ("steps", "transfers", "hit tokens", "hot buffer requests", "unpinned", "lost", "adopted", "finished", "preempted", "resets"), 0
     )
     tally(kc, counts)
     prefixes = [[rng.randrange(4) for _ in range(rng.randrange(16, 80))] for _ in range(2)]
@@ -242,6 +242,10 @@ def run_one(seed: int, n_requests: int = 10) -> dict[str, int]:
         if held and rng.random() < 0.3:
             vb, kb = held.pop(0)
             vm.block_pool.free_blocks(vb), km.block_pool.free_blocks(kb)
+        if rng.random() < 0.05:  # a prefix-cache reset: refused while any block is held, in either pool
+            done = vm.reset_prefix_cache()
+            d.same(run, step, "reset_prefix_cache", done, km.reset_prefix_cache())
+            counts["resets"] += done
         for p in running:
             d.same(run, step, f"{p.spec.rid}: block table", vm.get_block_ids(p.spec.rid), km.get_block_ids(p.spec.rid))
             d.same(run, step, f"{p.spec.rid}: resident rows", rows(vc, p.spec.rid), rows(kc, p.spec.rid))
