@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -1014,12 +1014,15 @@ class KVCacheManager:
         stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
         return stats
 
-    def check_invariants(self) -> None:
+    def check_invariants(self, held: Iterable[KVCacheBlock] = ()) -> None:
         """Pool invariants + every ref count equals the number of tables holding the block
-        (plus one for each copy waiting for the runner that names it), and no table holds a
-        block of another group's hash."""
+        (plus one for each copy waiting for the runner that names it, and one for each time
+        ``held`` names it: references the caller keeps, as the scheduler's deferred frees),
+        and no table holds a block of another group's hash."""
         self.block_pool.check_invariants()
         counts: dict[int, int] = {}
+        for b in held:
+            counts[b.block_id] = counts.get(b.block_id, 0) + 1
         for gid, m in enumerate(self.coordinator.single_type_managers):
             for rid, blocks in m.req_to_blocks.items():
                 assert rid in self._requests or not blocks, f"blocks held by unknown request {rid!r}"

@@ -48,7 +48,7 @@ from kvlab.core.encoder_cache_manager import EncoderCacheManager, EncoderDecoder
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from kvlab.core.sched.request_queue import POLICIES, FCFSRequestQueue, PriorityRequestQueue
-from kvlab.core.kv_cache_utils import KVCacheBlockCopy
+from kvlab.core.kv_cache_utils import KVCacheBlock, KVCacheBlockCopy
 from kvlab.core.single_type_kv_cache_manager import cdiv
 from kvlab.kv_cache_interface import get_mamba_prefill_checkpoint_position, is_mamba_prefill_checkpoint_valid
 from kvlab.core.transaction import adds_request, save_first, scheduler_call
@@ -388,6 +388,18 @@ class Scheduler:
         self._num_sent_blocks: dict[str, tuple[int, ...]] = {}  # per request, per group: blocks the executor has
         self._pending_output: SchedulerOutput | None = None  # scheduled, not applied yet
         self._last_applied_step = 0
+        # vLLM 0.33's fence for blocks a step in flight may still use. With overlapping
+        # batches (async scheduling, pipeline parallelism) vLLM schedules step n+1 before step
+        # n's output is back, so a copy-on-write's two blocks cannot go back to the pool until
+        # the step that runs the copy has been processed: they wait in ``deferred_frees`` as
+        # (fence, blocks), the fence being that step's number among the non-empty steps. kvlab
+        # processes every step's output before it schedules the next -- one batch in flight --
+        # so the copies have always run and ``defer_block_free`` stays False (blocks go back
+        # at once); set it, and the retentions wait as in vLLM (request frees do not).
+        self.defer_block_free = False
+        self.sched_step_seq = 0  # non-empty steps scheduled (counted only when deferring)
+        self.processed_step_seq = 0  # ... and processed
+        self.deferred_frees: deque[tuple[int, list[KVCacheBlock]]] = deque()
         if self.events is not None:
             self.events.emit(
                 SchedulerCreated(
@@ -749,6 +761,8 @@ class Scheduler:
             if rid in self._inflight_prefills and plan.computed_before[rid] + n >= self.requests[rid].num_tokens:
                 del self._inflight_prefills[rid]  # this chunk ends its prefill
         out = self._make_output(plan)
+        if self.defer_block_free and out.total_num_scheduled_tokens > 0:
+            self.sched_step_seq += 1  # only non-empty steps run on the device and come back
         if events is not None:
             for r, phase in [(r, "running") for r in plan.running] + plan.admitted:
                 events.emit(
@@ -1264,13 +1278,30 @@ class Scheduler:
 
     def _take_kv_cache_block_copies(self) -> list[KVCacheBlockCopy] | None:
         """Pages the runner copies this step (copy-on-write, vLLM 0.33). The copies run with
-        the step they are handed to, before anything reads or writes those blocks again,
-        so the blocks they kept held are let go now."""
-        mgr = self.kv_cache_manager
-        copies, retained = mgr.take_kv_cache_block_copies()
+        the step they are handed to, before anything reads or writes those blocks again, so
+        the blocks they kept held are let go once that step is done: its number among the
+        non-empty steps is ``sched_step_seq + 1`` (see ``defer_block_free``)."""
+        copies, retained = self.kv_cache_manager.take_kv_cache_block_copies()
         if copies:
-            mgr.block_pool.free_blocks(retained, reason="copied")
+            self._free_cow_retained_blocks(retained, self.sched_step_seq + 1)
         return copies or None
+
+    def _free_cow_retained_blocks(self, blocks: list[KVCacheBlock], fence_seq: int) -> None:
+        """Give back the blocks copy-on-write copies kept held: now, unless deferring and step
+        ``fence_seq`` (the one running the copies) is not processed yet -- then they wait in
+        ``deferred_frees``, reversed, as vLLM keeps them (the drain frees them reversed again:
+        in the order given)."""
+        if not self.defer_block_free or fence_seq <= self.processed_step_seq:
+            self.kv_cache_manager.block_pool.free_blocks(blocks)
+            return
+        self.deferred_frees.append((fence_seq, blocks[::-1]))
+
+    def _drain_deferred_frees(self) -> None:
+        """Free the deferred blocks whose fence step has been processed, oldest first, up to
+        the first that has not (fences are appended in step order)."""
+        while self.deferred_frees and self.deferred_frees[0][0] <= self.processed_step_seq:
+            _, blocks = self.deferred_frees.popleft()
+            self.kv_cache_manager.block_pool.free_blocks(blocks[::-1])
 
     def _get_new_block_ids_to_zero(self) -> list[int] | None:
         """Drained every step, so the managers' lists never grow; only zeroing reads them."""
@@ -1524,6 +1555,9 @@ class Scheduler:
     ) -> list[Request]:
         finished: list[Request] = []
         events = self.events
+        if self.defer_block_free and scheduler_output.total_num_scheduled_tokens > 0:
+            self.processed_step_seq += 1  # this step's writes and copies are done
+            self._drain_deferred_frees()
         failed: set[str] = set()  # requests whose output of this step is dropped
         failed_async: set[str] = set()  # loads that failed, under policy "fail": finished below
         if self.connector is not None and kv_connector_output is not None:
@@ -1805,7 +1839,7 @@ class Scheduler:
 
     def check_invariants(self) -> None:
         """Manager invariants + every running request holds blocks for its computed tokens."""
-        self.kv_cache_manager.check_invariants()
+        self.kv_cache_manager.check_invariants(held=[b for _, blocks in self.deferred_frees for b in blocks])
         self.encoder_cache_manager.check_invariants()
         waiting = list(self.waiting)
         holding = list(self.kv_holding_waiting)
