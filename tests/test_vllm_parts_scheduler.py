@@ -3,6 +3,9 @@
 * ``_free_cow_retained_blocks`` and the fence behind it (``defer_block_free``,
   ``sched_step_seq``, ``processed_step_seq``, ``deferred_frees``): the two blocks of a
   copy-on-write copy go back to the pool once the step that runs the copy is processed.
+* ``SupportsHMA`` and ``_connector_finished``: a KV producer's connector is offered the
+  Mamba states a finishing request saved inside blocks before its blocks are cleaned up,
+  then told the request finished (every group's table for a ``SupportsHMA`` connector).
 """
 
 from __future__ import annotations
@@ -12,7 +15,12 @@ from collections import deque
 import pytest
 
 from kvlab import FullAttentionSpec, KVCacheManager, MambaSpec, Request
+from kvlab.config.kv_transfer import KVTransferConfig
 from kvlab.core.sched.scheduler import Scheduler
+from kvlab.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, SupportsHMA, supports_hma
+from kvlab.engine.llm_engine import build_engine
+from kvlab.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+from scheduler_side_connector import SchedulerSideConnector
 
 HYBRID = [FullAttentionSpec(block_size=8), MambaSpec(block_size=8)]
 
@@ -99,3 +107,86 @@ def test_free_cow_retained_blocks_frees_now_or_waits_for_its_fence():
     sched._free_cow_retained_blocks([late], fence_seq=4)  # its fence is processed: now
     assert late.ref_cnt == 0 and not sched.deferred_frees
     m.block_pool.check_invariants()
+
+
+# -- SupportsHMA and _connector_finished ----------------------------------------------------------
+class _Recorder(SchedulerSideConnector, SupportsHMA):
+    """Records what it is told; takes the partial tails it is offered when ``take``."""
+
+    def __init__(self, take: object = True) -> None:
+        super().__init__(KVConnectorRole.SCHEDULER)
+        self.take, self.calls = take, []
+
+    def register_finished_partial_tail(self, request, block_ids, partial_tail_offloads):
+        self.calls.append(("tail", block_ids, partial_tail_offloads))
+        return self.take
+
+    def request_finished_all_groups(self, request, block_ids):
+        self.calls.append(("all", block_ids))
+        return False, {"x": 1}
+
+
+def _finished_with_a_partial_tail(kv_role: str | None, take: object = True) -> tuple[KVCacheManager, Scheduler, Request]:
+    """Hash blocks of 2, Mamba blocks of 4, a 7-token prompt with 6 computed: the state after
+    token 6 sits inside its Mamba block 4 (``test_vllm_core_v033``). The connector is put in
+    after construction: kvlab refuses a connector with partial hits, and this is the step
+    that would hand it those states."""
+    config = KVCacheConfig(
+        num_blocks=24,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(["full"], FullAttentionSpec(block_size=2)),
+            KVCacheGroupSpec(["mamba"], MambaSpec(block_size=4, shapes=(1, 1), dtypes=("float32",), mamba_cache_mode="align")),
+        ],
+    )
+    m = KVCacheManager(config, max_model_len=8192, enable_caching=True, hash_block_size=2)
+    sched = Scheduler(m)
+    sched.connector = _Recorder(take)
+    sched.vllm_config.kv_transfer_config = None if kv_role is None else KVTransferConfig("ExampleConnector", kv_role=kv_role)
+    r = Request("0", [0, 0, 1, 1, 2, 2, 3], max_tokens=8)
+    hits, num_hit = m.get_computed_blocks(r)
+    assert m.allocate_slots(r, 6, num_hit, hits) is not None
+    r.num_computed_tokens = 6
+    return m, sched, r
+
+
+@pytest.mark.parametrize(
+    ("kv_role", "take", "delay", "offered"),
+    [("kv_producer", True, True, True), ("kv_both", False, False, True), ("kv_consumer", True, False, False), (None, True, False, False)],
+)
+def test_a_producers_connector_is_offered_the_partial_tail_before_the_cleanup(kv_role, take, delay, offered):
+    """vLLM 0.33.0's ``Scheduler._connector_finished`` on its own manager gave the same: the
+    tail (group 1, block 4, 6 tokens) offered with both tables, then the finish; the blocks
+    kept if the connector took the tail. Not a producer: nothing offered, the tail stays."""
+    m, sched, r = _finished_with_a_partial_tail(kv_role, take)
+    assert sched._connector_finished(r) == (delay, {"x": 1})
+    tables = ([1, 2, 3], [0, 4])
+    tail = [("tail", tables, [(1, 4, 6)])] if offered else []
+    assert sched.connector.calls == [*tail, ("all", tables)]
+    assert m.finalize_partial_tail_offloads(r) == ([] if offered else [(1, 4, 6)])  # offered once
+
+
+def test_a_connector_that_answers_the_tail_with_no_bool_is_named():
+    _, sched, r = _finished_with_a_partial_tail("kv_producer", take=None)
+    with pytest.raises(TypeError, match=r"_Recorder.register_finished_partial_tail must return a bool \(keep the blocks\?\), got None"):
+        sched._connector_finished(r)
+
+
+def test_supports_hma_names_the_connectors_that_take_every_groups_table():
+    assert supports_hma(_Recorder) and supports_hma(_Recorder())
+    assert not supports_hma(SchedulerSideConnector) and not supports_hma(SchedulerSideConnector(KVConnectorRole.SCHEDULER))
+    with pytest.raises(TypeError, match="abstract"):
+
+        class Half(SchedulerSideConnector, SupportsHMA):
+            pass
+
+        Half(KVConnectorRole.SCHEDULER)
+
+
+def test_the_engine_hands_the_scheduler_its_kv_transfer_config(tmp_path):
+    cfg = KVTransferConfig("ExampleConnector", kv_role="kv_consumer", kv_connector_extra_config={"shared_storage_path": str(tmp_path)})
+    eng = build_engine(num_blocks=8, block_size=4, kv_transfer_config=cfg)
+    assert eng.scheduler.vllm_config.kv_transfer_config is cfg
+    assert build_engine(num_blocks=8, block_size=4).scheduler.vllm_config.kv_transfer_config is None
+    with pytest.raises(TypeError, match="kv_transfer_config must be None or a KVTransferConfig, got str"):
+        Scheduler(KVCacheManager(num_blocks=8, block_size=4), kv_transfer_config="kv_producer")

@@ -228,8 +228,11 @@ class Scheduler:
     its hooks at vLLM's places. ``kv_load_failure_policy``: what happens to a request whose
     external KV failed to load -- "recompute" (kvlab's default: its computed tokens are cut
     back to the first failed block and it computes the rest in place, as vLLM 0.33 does) or
-    "fail" (it finishes with reason "error"; vLLM 0.33's default). The encoder limits
-    (lesson 14) default to ``max_num_batched_tokens``, as in vLLM.
+    "fail" (it finishes with reason "error"; vLLM 0.33's default). ``kv_transfer_config``:
+    the connector's configuration (a ``KVTransferConfig``; ``build_engine`` passes it), read
+    as vLLM reads ``vllm_config.kv_transfer_config``: a KV producer's connector is offered a
+    finishing request's Mamba states saved inside blocks. The encoder limits (lesson 14)
+    default to ``max_num_batched_tokens``, as in vLLM.
     """
 
     #: The open transaction's checkpoint, set and cleared by ``kvlab.core.transaction`` (kvlab's
@@ -253,8 +256,11 @@ class Scheduler:
         max_num_encoder_input_tokens: int | None = None,
         encoder_cache_size: int | None = None,
         max_loras: int | None = None,
+        kv_transfer_config: Any = None,
     ) -> None:
         max_loras = check_optional_int("max_loras", max_loras, 1, why=" (None: no LoRA limit)")
+        if kv_transfer_config is not None and not isinstance(getattr(kv_transfer_config, "is_kv_producer", None), bool):
+            raise TypeError(f"kv_transfer_config must be None or a KVTransferConfig, got {type(kv_transfer_config).__name__}")
         (
             max_num_batched_tokens,
             max_num_seqs,
@@ -338,6 +344,9 @@ class Scheduler:
         if connector is not None:
             connector.bind_kv_cache_manager(kv_cache_manager)  # as vLLM's scheduler does, once
         self.kv_load_failure_policy = kv_load_failure_policy
+        # The one field of vLLM's engine config its scheduler reads that kvlab's does not
+        # take apart: the KV transfer config (see _connector_finished).
+        self.vllm_config = SimpleNamespace(kv_transfer_config=kv_transfer_config)
         # vLLM keeps the connector's hits apart: vllm:external_prefix_cache_queries / _hits.
         self.connector_prefix_cache_stats: PrefixCacheStats | None = PrefixCacheStats() if connector is not None else None
         # The last step's connector metrics payload (a KVConnectorStats; see _update_from_output).
@@ -1784,22 +1793,8 @@ class Scheduler:
         r._owner = None
         self._inflight_prefills.pop(r.request_id, None)
         if self.connector is not None:
-            # Called once, before the blocks are freed: a producer saves or hands them off now.
-            # First the blocks that left a window are freed, and the table is cut to the
-            # computed tokens, so the connector gets only what still matters (vLLM 0.33). A
-            # connector for hybrid models (vLLM's SupportsHMA) gets every group's table.
-            mgr = self.kv_cache_manager
-            mgr.remove_skipped_blocks(r.request_id, r.num_computed_tokens, r.num_prompt_tokens)
-            block_ids = mgr.get_block_ids_for_computed_tokens(r.request_id, r.num_computed_tokens)
-            all_groups = getattr(self.connector, "request_finished_all_groups", None)
-            if callable(all_groups):
-                delay, params = all_groups(r, block_ids)
-            else:
-                delay, params = self.connector.request_finished(r, block_ids[0])
-            if not isinstance(delay, bool):
-                raise TypeError(f"{type(self.connector).__name__}.request_finished must return (bool, params), got delay {delay!r}")
+            delay, r.kv_transfer_params = self._connector_finished(r)
             delay_free_blocks |= delay
-            r.kv_transfer_params = params
         if r.mm_features:
             self.encoder_cache_manager.free(r)
         self._num_sent_blocks.pop(r.request_id, None)
@@ -1809,6 +1804,40 @@ class Scheduler:
             self._free_blocks(r)
         if self.events is not None:
             self.events.emit(RequestFinished(request_id=r.request_id, reason=finish_reason, num_output_tokens=r.num_output_tokens))
+
+    def _connector_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        """Tell the connector ``request`` finished, once, before its blocks are freed: a
+        producer saves or hands them off now. Returns (keep the blocks until the worker
+        reports the request in ``finished_sending``, the request's ``kv_transfer_params``).
+
+        In vLLM 0.33's order: a KV producer's connector is first offered the Mamba states
+        the request saved inside blocks (``register_finished_partial_tail``; they are lost
+        once the blocks are cleaned up); then the blocks that left a window are freed and
+        the tables cut to the computed tokens, so the connector gets only what still
+        matters. A connector for hybrid models (vLLM's ``SupportsHMA``) gets every group's
+        table; another, the first group's. (kvlab's core imports no connector, so it knows
+        the former by its ``request_finished_all_groups``: the one hook ``SupportsHMA`` adds.)"""
+        connector = self.connector
+        if connector is None:
+            return False, None
+        mgr = self.kv_cache_manager
+        tails: list[tuple[int, int, int]] = []
+        kv_transfer_config = self.vllm_config.kv_transfer_config
+        if kv_transfer_config is not None and kv_transfer_config.is_kv_producer:
+            tails = mgr.finalize_partial_tail_offloads(request)
+        processed = max(0, request.num_computed_tokens - request.num_in_flight_tokens)  # (no step is in flight in kvlab)
+        mgr.remove_skipped_blocks(request.request_id, processed, request.num_prompt_tokens)
+        block_ids = mgr.get_block_ids_for_computed_tokens(request.request_id, request.num_computed_tokens)
+        tail_delay = connector.register_finished_partial_tail(request, block_ids, tails) if tails else False
+        all_groups = getattr(connector, "request_finished_all_groups", None)
+        if callable(all_groups):
+            hook, (delay, params) = "request_finished_all_groups", all_groups(request, block_ids)
+        else:
+            hook, (delay, params) = "request_finished", connector.request_finished(request, block_ids[0])
+        for hook, value in ((hook, delay), ("register_finished_partial_tail", tail_delay)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{type(connector).__name__}.{hook} must return a bool (keep the blocks?), got {value!r}")
+        return delay or tail_delay, params
 
     def _free_blocks(self, r: Request) -> None:
         """Free a finished request's blocks, and forget it."""
