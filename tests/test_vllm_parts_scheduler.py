@@ -6,6 +6,9 @@
 * ``SupportsHMA`` and ``_connector_finished``: a KV producer's connector is offered the
   Mamba states a finishing request saved inside blocks before its blocks are cleaned up,
   then told the request finished (every group's table for a ``SupportsHMA`` connector).
+* ``get_computed_blocks_for_connector`` and ``_get_local_prefix_cache_hit``: a connector that
+  completes divergent hybrid hits is given full attention's own hit (refused by kvlab's
+  scheduler on a Mamba hybrid, where it would matter).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from kvlab.config.kv_transfer import KVTransferConfig
 from kvlab.core.sched.scheduler import Scheduler
 from kvlab.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, SupportsHMA, supports_hma
 from kvlab.engine.llm_engine import build_engine
+from kvlab.eventlog.events import EventLog, PrefixLookup
 from kvlab.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
 from scheduler_side_connector import SchedulerSideConnector
 
@@ -190,3 +194,104 @@ def test_the_engine_hands_the_scheduler_its_kv_transfer_config(tmp_path):
     assert build_engine(num_blocks=8, block_size=4).scheduler.vllm_config.kv_transfer_config is None
     with pytest.raises(TypeError, match="kv_transfer_config must be None or a KVTransferConfig, got str"):
         Scheduler(KVCacheManager(num_blocks=8, block_size=4), kv_transfer_config="kv_producer")
+
+
+# -- get_computed_blocks_for_connector, _get_local_prefix_cache_hit --------------------------------
+def _diverging(**kw) -> tuple[KVCacheManager, Request, Request]:
+    """Full attention + Mamba, blocks of 4: a (17 tokens, prefilled 8 + 9) leaves full attention
+    blocks for 12 of b's tokens but a Mamba state only at 8 (``test_hybrid``)."""
+    m = KVCacheManager(
+        num_blocks=40, block_size=4, kv_cache_groups=[FullAttentionSpec(), MambaSpec(shapes=((2, 3),), dtypes=("float32",))], **kw
+    )
+    a = Request("a", list(range(17)))
+    hits, n = m.get_computed_blocks(a)
+    m.allocate_slots(a, 8, n, hits)
+    a.num_computed_tokens = 8
+    m.allocate_slots(a, 9)
+    a.num_computed_tokens = 17
+    return m, a, Request("b", list(range(12)) + [99] * 9)
+
+
+def _found(result) -> tuple:
+    blocks, num_local, boundary, diverged = result
+    return blocks.get_block_ids(), num_local, boundary, diverged
+
+
+def test_a_connector_lookup_gives_full_attentions_own_hit_and_says_it_diverged():
+    """Every value below is what vLLM 0.33.0's manager gave for the same calls."""
+    log = EventLog()
+    m, a, b = _diverging(event_log=log)
+    assert m.get_computed_blocks(b)[1] == 8  # where every group agrees
+    assert _found(m.get_computed_blocks_for_connector(b)) == (([1, 2, 4], [0, 3]), 12, 0, True)
+    last = [e for e in log if isinstance(e, PrefixLookup)][-1]
+    assert (last.num_hit_tokens, last.hit_block_ids) == (12, [[1, 2, 4], [0, 3]])
+    assert _found(m.get_computed_blocks_for_connector(b, 7)) == (([1], []), 4, 0, True)  # no state at 4
+    assert _found(m.get_computed_blocks_for_connector(b, 11)) == (([1, 2], [0, 3]), 8, 0, False)
+    c = Request("c", list(range(8)) + [77] * 5)
+    assert _found(m.get_computed_blocks_for_connector(c)) == (([1, 2], [0, 3]), 8, 0, False)
+    # a finished, and full attention's block for tokens 4-7 was evicted: the Mamba state at 8
+    # is deeper than full attention's 4, which is not real -- so the answer is
+    # get_computed_blocks' (0 tokens; the junction at 4 kept on the request).
+    m.free(a)
+    m.block_pool.evict_blocks({2})
+    assert _found(m.get_computed_blocks_for_connector(b)) == (([], []), 0, 4, False)
+    assert b.shared_prefix_boundary == 4
+    m.check_invariants()
+
+
+def test_without_a_mamba_group_the_connector_lookup_is_the_common_one():
+    m = KVCacheManager(num_blocks=16, block_size=4)
+    a = Request("a", list(range(10)))
+    hits, n = m.get_computed_blocks(a)
+    m.allocate_slots(a, 10, n, hits)
+    b = Request("b", list(range(9)) + [50])
+    assert _found(m.get_computed_blocks_for_connector(b)) == (([1, 2],), 8, 0, False)
+    assert _found(m.get_computed_blocks_for_connector(b, 5)) == (([1],), 4, 0, False)
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "match"), [(21, ValueError, r"max_cache_hit_length=21 is out of range"), ("3", TypeError, "str")]
+)
+def test_a_bad_max_cache_hit_length_is_named_before_anything_changes(value, error, match):
+    m, _, b = _diverging()
+    for lookup in (m.get_computed_blocks, m.get_computed_blocks_for_connector):
+        with pytest.raises(error, match=match):
+            lookup(b, value)
+        assert b._block_hasher is None and b.block_hashes == []  # not even bound to the manager
+
+
+class _Spy(KVCacheManager):
+    lookups: list[str]
+
+    def get_computed_blocks(self, request, max_cache_hit_length=None):
+        self.lookups.append("common")
+        return super().get_computed_blocks(request, max_cache_hit_length)
+
+    def get_computed_blocks_for_connector(self, request, max_cache_hit_length=None):
+        self.lookups.append("connector")
+        return super().get_computed_blocks_for_connector(request, max_cache_hit_length)
+
+
+class _Capable(SchedulerSideConnector):
+    supports_divergent_local_hybrid_hits = True
+
+
+@pytest.mark.parametrize(("connector", "lookup"), [(None, "common"), (SchedulerSideConnector, "common"), (_Capable, "connector")])
+def test_the_scheduler_asks_the_connector_lookup_only_for_a_capable_connector(connector, lookup):
+    m = _Spy(num_blocks=16, block_size=4)
+    m.lookups = []
+    sched = Scheduler(m, connector=None if connector is None else connector(KVConnectorRole.SCHEDULER))
+    for rid in ("a", "b"):
+        sched.add_request(Request(rid, list(range(10)), max_tokens=1))
+        out = sched.schedule()
+        sched.update_from_output(out, {rid: [1]})
+    assert m.lookups == [lookup, lookup]
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 8  # b's hit, either way
+    assert out.scheduled_new_reqs[0].block_ids == ([1, 2, 3],)  # a's blocks 1 and 2, then its own
+
+
+def test_a_capable_connector_is_refused_on_a_mamba_hybrid():
+    m, _, _ = _diverging()
+    with pytest.raises(ValueError, match=r"supports_divergent_local_hybrid_hits=True\) on a Mamba hybrid is not modelled"):
+        Scheduler(m, connector=_Capable(KVConnectorRole.SCHEDULER))
+    Scheduler(m, connector=SchedulerSideConnector(KVConnectorRole.SCHEDULER))  # one that is not capable runs

@@ -45,7 +45,7 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvlab.core.encoder_cache_manager import EncoderCacheManager, EncoderDecoderCacheManager, compute_encoder_budget
-from kvlab.core.kv_cache_manager import KVCacheManager
+from kvlab.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from kvlab.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from kvlab.core.sched.request_queue import POLICIES, FCFSRequestQueue, PriorityRequestQueue
 from kvlab.core.kv_cache_utils import KVCacheBlock, KVCacheBlockCopy
@@ -333,6 +333,17 @@ class Scheduler:
         self.num_hash_lookahead_tokens = kv_cache_manager.num_hash_lookahead_tokens
         if connector is not None and self.is_encoder_decoder:
             raise ValueError("Encoder-decoder models are not currently supported with KV connectors (vLLM 0.33 asserts the same)")
+        if (
+            connector is not None
+            and getattr(connector, "supports_divergent_local_hybrid_hits", False)
+            and getattr(kv_cache_manager.coordinator, "full_attention_group_id", None) is not None
+            and mamba_specs
+        ):
+            raise ValueError(
+                "a KV connector that completes divergent hybrid hits (supports_divergent_local_hybrid_hits=True) on a Mamba "
+                "hybrid is not modelled by kvlab: vLLM 0.33 admits such a request on full attention's deeper hit and has the "
+                "connector bring the lagging Mamba state, which kvlab's connectors never move. Leave the property False"
+            )
         if connector is not None and self.mamba_partial_cache_hit:
             raise ValueError(
                 "a KV connector with partial prefix hits (a Mamba hybrid whose blocks are larger than the hash block) is not "
@@ -934,7 +945,8 @@ class Scheduler:
                     # lookahead); its blocks are gone now, so hash the tokens it has (vLLM 0.33)
                     save_first(None if self._txn is None else self._txn.saved_requests, request)
                     request.rehash()
-                hits, num_hit_tokens = mgr.get_computed_blocks(request)
+                hits, num_hit_tokens, request.shared_prefix_boundary, hit_diverged = self._get_local_prefix_cache_hit(request)
+                assert not hit_diverged  # a connector that completes such hits is refused (__init__)
                 # A KV connector may supply more of the prompt beyond the local hit: external
                 # computed tokens (lessons 12-13), loaded within the step or asynchronously.
                 if self.connector is not None:
@@ -1067,6 +1079,20 @@ class Scheduler:
             if num_external:
                 plan.external[request.request_id] = num_external
             plan.token_budget -= n
+
+    def _get_local_prefix_cache_hit(
+        self, request: Request, max_cache_hit_length: int | None = None
+    ) -> tuple[KVCacheBlocks, int, int, bool]:
+        """The waiting request's local prefix hit, as (blocks, hit tokens, shared-prefix
+        boundary, hit_diverged) -- vLLM 0.33's lookup. A connector that completes divergent
+        hybrid hits (``supports_divergent_local_hybrid_hits``) is given full attention's own
+        hit (``get_computed_blocks_for_connector``); every other lookup is the one every
+        group agrees on (``get_computed_blocks``, never diverged)."""
+        connector = self.connector
+        if connector is not None and getattr(connector, "supports_divergent_local_hybrid_hits", False):
+            return self.kv_cache_manager.get_computed_blocks_for_connector(request, max_cache_hit_length)
+        blocks, num_local = self.kv_cache_manager.get_computed_blocks(request, max_cache_hit_length)
+        return blocks, num_local, request.shared_prefix_boundary, False
 
     def _request_remaining_blocks(self, request: Request) -> int:
         """Blocks ``request`` still needs to hold its whole sequence (vLLM's

@@ -99,6 +99,16 @@ class KVConnectorBase_V1(ABC):  # noqa: N801 - vLLM's name
     """Base class of every connector. Subclasses implement the abstract hooks of both roles;
     each instance serves the one ``role`` it was built for."""
 
+    @property
+    def supports_divergent_local_hybrid_hits(self) -> bool:
+        """Whether this connector can complete a *divergent* local hit on a Mamba hybrid
+        (vLLM 0.33): start from full attention's deeper hit and bring the lagging Mamba
+        state itself, as vLLM's P2P connectors do. Then the scheduler looks the request up
+        with ``KVCacheManager.get_computed_blocks_for_connector``. False by default: none of
+        kvlab's connectors moves Mamba states (and kvlab's scheduler refuses one that says
+        True on a Mamba hybrid)."""
+        return False
+
     def __init__(self, role: KVConnectorRole) -> None:
         if not isinstance(role, KVConnectorRole):
             raise TypeError(f"role must be a KVConnectorRole (SCHEDULER or WORKER), got {role!r}")
