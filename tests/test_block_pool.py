@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -160,6 +162,28 @@ def test_hash_map_keeps_duplicates_and_pops_by_block_id():
     assert m.pop(b"k", 9) is None and ids(m.blocks_for(b"k")) == [2, 3]
     assert m.pop(b"k", 3) is c and m.blocks_for(b"k") == [b]
     assert m.pop(b"k", 2) is b and len(m) == 0 and b"k" not in m and m.get_one_block(b"k") is None
+
+
+def test_a_key_that_became_a_dict_stays_one_until_its_last_block_leaves():
+    """vLLM 0.33's map (``test_maybe_evict_cached_block``): a key's second block turns its
+    entry into ``{block_id: block}``; blocks leaving it do not turn it back into a bare block,
+    the key goes with its last one. A key that only ever had one block stays bare."""
+    m = BlockHashToBlockMap()
+    a, b, c = KVCacheBlock(1), KVCacheBlock(2), KVCacheBlock(3)
+    m.insert(b"k", a)
+    m.insert(b"j", c)
+    assert m._cache == {b"k": a, b"j": c}
+    m.insert(b"k", b)
+    assert m._cache == {b"k": {1: a, 2: b}, b"j": c}
+    assert m.pop(b"k", 1) is a
+    assert m._cache == {b"k": {2: b}, b"j": c}
+    assert m.pop(b"k", 7) is None and m._cache == {b"k": {2: b}, b"j": c}  # not there: unchanged
+    assert m.get_one_block(b"k") is b and m.blocks_for(b"k") == [b]
+    m.insert(b"k", a)  # into the one-block dict: appended, oldest first
+    assert m._cache == {b"k": {2: b, 1: a}, b"j": c}
+    assert m.pop(b"k", 2) is b and m.pop(b"k", 1) is a
+    assert m._cache == {b"j": c}
+    assert m.pop(b"j", 3) is c and m._cache == {}
 
 
 # --- BlockPool ---------------------------------------------------------------------------------
@@ -467,6 +491,7 @@ def test_a_checkpoint_undoes_any_mix_of_pool_operations(ops: list[tuple[str, int
     st.booleans(),
 )
 @example([("pop", 0, 1), ("pop", 0, 3)], 30, False)  # two leave; the older sat before the newer's place
+@example([("pop", 1, 6), ("pop", 1, 7), ("pop", 2, 9), ("insert", 2, 8)], 30, False)  # keys emptied, one refilled
 def test_a_checkpoint_puts_duplicated_keys_back_in_order_even_when_its_restore_is_interrupted(
     ops: list[tuple[str, int, int]], stop_at: int, after: bool
 ) -> None:
@@ -481,7 +506,10 @@ def test_a_checkpoint_puts_duplicated_keys_back_in_order_even_when_its_restore_i
     keys = [bytes([k]) * 4 for k in range(3)]
     for bid in (1, 2, 3, 4, 5, 6, 7):  # key 0 held by five blocks, key 1 by two
         m.insert(keys[0] if bid <= 5 else keys[1], pool.blocks[bid])
-    before = {k: [b.block_id for b in m.blocks_for(k)] for k in keys}
+    m.insert(keys[2], pool.blocks[8])
+    m.insert(keys[2], pool.blocks[9])
+    m.pop(keys[2], 8)  # key 2: a dict of one block (9)
+    before = _stored(m)
     cp = checkpoint_pool(pool)
     for op, k, bid in ops:
         if op == "insert":
@@ -511,7 +539,13 @@ def test_a_checkpoint_puts_duplicated_keys_back_in_order_even_when_its_restore_i
         pass
     restore_pool(pool, cp, [])
     release_pool(pool, cp)
-    assert {k: [b.block_id for b in m.blocks_for(k)] for k in keys} == before
+    assert _stored(m) == before
+
+
+def _stored(m: BlockHashToBlockMap) -> dict[bytes, Any]:
+    """The map's storage as it is: a bare block's id, or a dict's ids in order (a key that
+    became a dict stays one, so the form is part of what a restore must give back)."""
+    return {k: list(v) if type(v) is dict else v.block_id for k, v in m._cache.items()}
 
 
 class _EventReq(_CacheReq):

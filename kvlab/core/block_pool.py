@@ -60,11 +60,12 @@ if TYPE_CHECKING:
 class BlockHashToBlockMap:
     """cache key -> the block(s) carrying it.
 
-    Usually one block per key, stored bare; a dict ``{block_id: block}`` only when
-    duplicates exist (two requests computed the same prefix at the same time, or the
-    append-only table case of lesson 04). Duplicates are allowed because replacing a
-    block already in a request's table would break the append-only tables the kernels
-    read.
+    Usually one block per key, stored bare; a dict ``{block_id: block}`` once duplicates
+    exist (two requests computed the same prefix at the same time, or the append-only
+    table case of lesson 04). Duplicates are allowed because replacing a block already in
+    a request's table would break the append-only tables the kernels read. A key that
+    became a dict stays one while any block carries it -- down to a single block, as in
+    vLLM: ``pop`` only puts back what is left, and the key leaves with its last block.
     """
 
     def __init__(self) -> None:
@@ -97,7 +98,8 @@ class BlockHashToBlockMap:
             cache[key] = v  # another block carries the key: put it back
             return None
         blk = v.pop(block_id, None)  # type: ignore[union-attr]  # a dict here, as above
-        cache[key] = next(iter(v.values())) if len(v) == 1 else v  # type: ignore[union-attr,arg-type]  # a dict here, as above
+        if v:  # blocks are left: the key keeps its dict, even for one
+            cache[key] = v
         return blk
 
     def blocks_for(self, key: bytes) -> list[KVCacheBlock]:

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from kvlab.core.block_pool import BlockPool, group_suffix
 from kvlab.core.hisparse_coordinator import HiSparseCoordinator, get_hisparse_coordinator
-from kvlab.core.kv_cache_coordinator import get_kv_cache_coordinator, resolve_kv_cache_block_sizes
+from kvlab.core.kv_cache_coordinator import HybridKVCacheCoordinator, get_kv_cache_coordinator, resolve_kv_cache_block_sizes
 from kvlab.core.kv_cache_metrics import KVCacheMetricsCollector
 from kvlab.core.kv_cache_utils import (
     check_lookahead_tokens,
@@ -511,7 +511,7 @@ class KVCacheManager:
 
     # -- the three questions ----------------------------------------------------------------
     @manager_lookup
-    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
+    def get_computed_blocks(self, request: Request, max_cache_hit_length: int | None = None) -> tuple[KVCacheBlocks, int]:
         """Longest prefix of the request whose KV every group can supply from the cache.
 
         Capped at ``num_tokens - 1``: the last prompt token must be computed anyway, since
@@ -519,12 +519,24 @@ class KVCacheManager:
         most 16 tokens from the cache, and a fully cached 32-token prompt only 16. The
         length is a multiple of the scheduler block size; positions a group will not read
         (outside a window, a finished chunk, an older Mamba state) are the null block.
+        ``max_cache_hit_length`` (vLLM's name) caps it lower.
         """
+        max_hit = self._check_max_hit(request, max_cache_hit_length)
         self._bind(request)
+        return self._find_computed_blocks(request, max_hit)
+
+    def _check_max_hit(self, request: Request, max_cache_hit_length: int | None) -> int:
+        if not isinstance(request, Request):
+            raise TypeError(f"request must be a kvlab.Request, got {type(request).__name__}")
+        longest = max(0, request.num_tokens - 1)
+        if max_cache_hit_length is None:
+            return longest
+        return check_int("max_cache_hit_length", max_cache_hit_length, 0, longest, why=" (the last token is always computed)")
+
+    def _find_computed_blocks(self, request: Request, max_hit: int) -> tuple[KVCacheBlocks, int]:
         if not self.prefix_cache_lookup_enabled(request):
             request.shared_prefix_boundary = 0
             return self.empty_kv_cache_blocks.new_empty(), 0
-        max_hit = max(0, request.num_tokens - 1)
         coord = self.coordinator
         blocks, num_hit_tokens = coord.find_longest_cache_hit(request.block_hashes, max_hit)
         # The junction of a longer prefix one group had and another lacked (vLLM 0.33 returns it
@@ -534,7 +546,10 @@ class KVCacheManager:
         if num_hit_tokens > 0 and self.enable_kv_cache_events and request.kv_cache_report_mode == "full":
             # vLLM 0.33: a request may ask for its hit to be published too (every lookup's).
             self.coordinator.emit_cached_block_events(request, blocks)
-        preempted = request.num_preemptions > 0
+        self._record_lookup(request, blocks, num_hit_tokens, max_hit)
+        return self.create_kv_cache_blocks(blocks), num_hit_tokens
+
+    def _record_lookup(self, request: Request, blocks: Sequence[Sequence[KVCacheBlock]], num_hit_tokens: int, max_hit: int) -> None:
         if self.events is not None:
             self.events.emit(
                 PrefixLookup(
@@ -544,10 +559,48 @@ class KVCacheManager:
                     hit_block_ids=[[b.block_id for b in g] for g in blocks],
                     num_hit_tokens=num_hit_tokens,
                     max_hit_tokens=max_hit,
-                    preempted=preempted,
+                    preempted=request.num_preemptions > 0,
                 )
             )
-        return self.create_kv_cache_blocks(blocks), num_hit_tokens
+
+    @manager_lookup
+    def get_computed_blocks_for_connector(
+        self, request: Request, max_cache_hit_length: int | None = None
+    ) -> tuple[KVCacheBlocks, int, int, bool]:
+        """The local hit of a request scheduled with a KV connector that can complete a
+        *divergent* hybrid hit (vLLM 0.33; P2P connectors such as nixl).
+
+        Under block pressure a Mamba hybrid's groups disagree: full attention's tail may be
+        evicted while a deeper Mamba state survives, or the reverse. ``get_computed_blocks``
+        settles on the depth every group has; such a connector instead starts from full
+        attention's own hit -- it moves the missing suffix and brings the lagging Mamba
+        state itself -- so that is the hit given here, with ``hit_diverged`` True when
+        another group lags behind it. Returns (blocks, hit tokens, shared-prefix boundary,
+        hit_diverged). Where nothing can diverge (no Mamba group, no full attention) and
+        where a lagging group hit *deeper* than full attention (its blocks were evicted:
+        full attention is downward-closed, so that depth is not real), it is
+        ``get_computed_blocks``' answer with False. As there, the request keeps the
+        boundary (0 here: a per-group walk finds no uncached shared prefix)."""
+        max_hit = self._check_max_hit(request, max_cache_hit_length)
+        self._bind(request)
+        coord = self.coordinator
+        if not (
+            isinstance(coord, HybridKVCacheCoordinator)
+            and coord.full_attention_group_id is not None
+            and any(isinstance(g, MambaSpec) for g in self.kv_cache_groups)
+        ):
+            return *self._find_computed_blocks(request, max_hit), request.shared_prefix_boundary, False
+        fa_group_id = coord.full_attention_group_id
+        if not self.prefix_cache_lookup_enabled(request):
+            request.shared_prefix_boundary = 0
+            return self.empty_kv_cache_blocks.new_empty(), 0, 0, False
+        blocks, hits = coord.find_longest_cache_hit_per_group(request.block_hashes, max_hit)
+        num_local = hits[fa_group_id]
+        if any(hit > num_local for hit in hits):
+            return *self._find_computed_blocks(request, max_hit), request.shared_prefix_boundary, False
+        request.shared_prefix_boundary = 0
+        self._record_lookup(request, blocks, num_local, max_hit)
+        return self.create_kv_cache_blocks(blocks), num_local, 0, min(hits) < num_local
 
     def prefix_cache_lookup_enabled(self, request: Request) -> bool:
         """Whether the cache is read for ``request`` (vLLM's name): not when caching is off,
@@ -1061,10 +1114,11 @@ class KVCacheManager:
         stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
         return stats
 
-    def check_invariants(self) -> None:
+    def check_invariants(self, held: Iterable[KVCacheBlock] = ()) -> None:
         """Pool invariants + every ref count equals the number of tables holding the block
-        (plus one for each copy waiting for the runner that names it), and no table holds a
-        block of another group's hash."""
+        (plus one for each copy waiting for the runner that names it, and one for each time
+        ``held`` names it: references the caller keeps, as the scheduler's deferred frees),
+        and no table holds a block of another group's hash."""
         self.block_pool.check_invariants()
         if self.hisparse is not None:
             # HiSparse: an unpinned page is read without a reference and a transfer holds one
@@ -1073,6 +1127,8 @@ class KVCacheManager:
             self.hisparse.host_manager.block_pool.check_invariants()
             return
         counts: dict[int, int] = {}
+        for b in held:
+            counts[b.block_id] = counts.get(b.block_id, 0) + 1
         for gid, m in enumerate(self.coordinator.single_type_managers):
             for rid, blocks in m.req_to_blocks.items():
                 assert rid in self._requests or not blocks, f"blocks held by unknown request {rid!r}"

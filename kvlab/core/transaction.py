@@ -179,8 +179,8 @@ def _undo_prepend(q: FreeKVCacheBlockQueue, blocks: tuple[KVCacheBlock, ...], fi
 # --- the prefix-cache map, journaled --------------------------------------------------------
 class JournaledBlockHashToBlockMap(BlockHashToBlockMap):
     """kvlab's map while a checkpoint is open: each change first journals the entry it
-    changes, as it is (a lone block, or absent). A key that several blocks carry holds a
-    ``{block_id: block}`` dict whose order matters (a lookup returns the first); a block
+    changes, as it is (a lone block, or absent). A key that several blocks carry (or once
+    carried: it stays a dict, see the map) holds a ``{block_id: block}`` dict whose order matters (a lookup returns the first); a block
     joining it journals its id, a block leaving it journals itself and its place -- O(1)
     for the usual case, the oldest leaving first -- so a hot duplicated key (the same
     prompt's last block, cached again and again) costs no copy of the dict."""
@@ -215,7 +215,7 @@ class JournaledBlockHashToBlockMap(BlockHashToBlockMap):
         blk = v.get(block_id)
         if blk is not None:  # (an id the key does not hold changes no entry: nothing to undo)
             self.journal.append((_undo_num_tokens, blk, blk._hash_num_tokens))
-            if len(v) == 2:  # one block stays: the key holds it bare again
+            if len(v) == 1:  # its last block: the key leaves the map
                 self.journal.append((_undo_entry, self, key, dict(v)))
             else:
                 place = 0 if next(iter(v)) == block_id else list(v).index(block_id)
@@ -246,7 +246,7 @@ def _undo_lone_pop(cache_map: BlockHashToBlockMap, key: bytes, block: KVCacheBlo
 
 def _undo_dup_insert(cache_map: BlockHashToBlockMap, key: bytes, block_id: int) -> None:
     v = cache_map._cache.get(key)
-    if type(v) is dict:  # (the insert left three or more: two or more stay, still a dict)
+    if type(v) is dict:  # (the insert left two or more: one or more stay, still a dict)
         v.pop(block_id, None)
 
 
@@ -254,7 +254,7 @@ def _undo_dup_pop(cache_map: BlockHashToBlockMap, key: bytes, block_id: int, blo
     """Put ``block`` back at its ``place`` in the key's dict (rebuilt: O(blocks under the key),
     only when a call is undone). Applied twice, the same result."""
     v = cache_map._cache[key]
-    items = [(i, b) for i, b in v.items() if i != block_id]  # type: ignore[union-attr]  # a dict: the pop left two or more
+    items = [(i, b) for i, b in v.items() if i != block_id]  # type: ignore[union-attr]  # a dict: the pop left one or more
     items.insert(place, (block_id, block))
     v.clear()  # type: ignore[union-attr]  # as above
     v.update(items)  # type: ignore[union-attr]  # as above

@@ -589,7 +589,10 @@ def build_engine(
         sched_connector = KVConnectorFactory.create_connector(kv_transfer_config, KVConnectorRole.SCHEDULER, block_size)
         worker_connector = KVConnectorFactory.create_connector(kv_transfer_config, KVConnectorRole.WORKER, block_size)
         scheduler_kwargs = dict(
-            scheduler_kwargs, connector=sched_connector, kv_load_failure_policy=kv_transfer_config.kv_load_failure_policy
+            scheduler_kwargs,
+            connector=sched_connector,
+            kv_load_failure_policy=kv_transfer_config.kv_load_failure_policy,
+            kv_transfer_config=kv_transfer_config,
         )
     sched = Scheduler(mgr, **scheduler_kwargs)
     if executor is None:

@@ -247,7 +247,7 @@ class BlocksFreed(Event):
     block_ids: list[int] = field(default_factory=list)
     to_head: list[int] = field(default_factory=list)
     to_tail: list[int] = field(default_factory=list)
-    reason: str = "request"  # "request": the whole table goes; "window": blocks left the window; "copied": a copy-on-write ran
+    reason: str = "request"  # "request": the whole table goes (none without request_id: a copy-on-write's retained blocks, as vLLM's scheduler frees them); "window": blocks left the window; "copied": a copy-on-write ran (older logs)
 
     def apply(self, state: ReplayState) -> None:
         for bid in self.block_ids:

@@ -59,7 +59,7 @@ class StaleHashPool(BlockPool):
 class GreedyHitManager(KVCacheManager):
     """Incident 2's manager."""
 
-    def get_computed_blocks(self, request: Request) -> tuple[Any, int]:
+    def get_computed_blocks(self, request: Request, max_cache_hit_length: int | None = None) -> tuple[Any, int]:
         self._bind(request)
         max_hit = request.num_tokens  # "why recompute a token we already have?"
         blocks, n = self.coordinator.find_longest_cache_hit(request.block_hashes, max_hit)

@@ -27,6 +27,7 @@ import importlib.machinery
 import importlib.util
 import os
 import sys
+from types import SimpleNamespace
 from typing import Any
 
 RULES = [
@@ -185,17 +186,22 @@ atexit.register(_report)
 # --- TRANSLATIONS: call shapes kvlab keeps on purpose -----------------------------------------
 import kvlab.core.kv_cache_manager as _manager  # noqa: E402
 import kvlab.core.kv_cache_utils as _utils  # noqa: E402
-import kvlab.core.sched.scheduler  # noqa: E402,F401  (kvlab's scheduler keeps kvlab's own manager class)
+import kvlab.core.sched.scheduler as _scheduler  # noqa: E402  (kvlab's scheduler keeps kvlab's own manager class)
 import kvlab.distributed.kv_events as _events  # noqa: E402
 import kvlab.distributed.kv_publisher as _publisher  # noqa: E402
 import kvlab.engine.llm_engine  # noqa: E402,F401
 
 
-class KVCacheManager(_manager.KVCacheManager):
+_KvlabManager = _manager.KVCacheManager
+
+
+class KVCacheManager(_KvlabManager):
     """1. ``get_computed_blocks``: vLLM returns (blocks, tokens, shared_prefix_boundary) and
     its scheduler sets the boundary on the request; kvlab's public API returns the pair and
     sets the boundary itself. Through the adapter the request keeps what it had, as vLLM's
-    manager leaves it (a test that pins the junction sets it, as vLLM's scheduler does)."""
+    manager leaves it (a test that pins the junction sets it, as vLLM's scheduler does).
+    ``get_computed_blocks_for_connector`` returns vLLM's four values in kvlab too; only the
+    boundary kvlab leaves on the request is put back."""
 
     def get_computed_blocks(self, request: Any, *args: Any, **kwargs: Any) -> Any:
         before = getattr(request, "shared_prefix_boundary", 0)
@@ -204,8 +210,43 @@ class KVCacheManager(_manager.KVCacheManager):
         request.shared_prefix_boundary = before
         return blocks, num_tokens, boundary
 
+    def get_computed_blocks_for_connector(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+        before = getattr(request, "shared_prefix_boundary", 0)
+        out = super().get_computed_blocks_for_connector(request, *args, **kwargs)
+        request.shared_prefix_boundary = before
+        return out
+
 
 _manager.KVCacheManager = KVCacheManager  # type: ignore[misc]
+
+
+class _InKvlabShape:
+    """1, the other way: a manager a vLLM test hands kvlab's scheduler (a stub, or one built
+    through the adapter) answers ``get_computed_blocks`` in vLLM's shape; kvlab's scheduler
+    reads kvlab's -- the pair, the boundary left on the request. Everything else passes."""
+
+    def __init__(self, manager: Any) -> None:
+        self._manager = manager
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._manager, name)
+
+    def get_computed_blocks(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+        blocks, num_tokens, request.shared_prefix_boundary = self._manager.get_computed_blocks(request, *args, **kwargs)
+        return blocks, num_tokens
+
+
+_local_hit = _scheduler.Scheduler._get_local_prefix_cache_hit
+
+
+def _get_local_prefix_cache_hit(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+    manager = self.kv_cache_manager
+    if getattr(type(manager), "get_computed_blocks", None) is not _KvlabManager.get_computed_blocks:
+        self = SimpleNamespace(connector=self.connector, kv_cache_manager=_InKvlabShape(manager))
+    return _local_hit(self, request, *args, **kwargs)
+
+
+_scheduler.Scheduler._get_local_prefix_cache_hit = _get_local_prefix_cache_hit  # type: ignore[method-assign]
 
 
 # 2. ``block.block_hash``: vLLM's is the cache key (hash + group id), which kvlab calls

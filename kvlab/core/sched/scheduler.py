@@ -45,10 +45,10 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvlab.core.encoder_cache_manager import EncoderCacheManager, EncoderDecoderCacheManager, compute_encoder_budget
-from kvlab.core.kv_cache_manager import KVCacheManager
+from kvlab.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from kvlab.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from kvlab.core.sched.request_queue import POLICIES, FCFSRequestQueue, PriorityRequestQueue
-from kvlab.core.kv_cache_utils import KVCacheBlockCopy
+from kvlab.core.kv_cache_utils import KVCacheBlock, KVCacheBlockCopy
 from kvlab.core.single_type_kv_cache_manager import cdiv
 from kvlab.kv_cache_interface import get_mamba_prefill_checkpoint_position, is_mamba_prefill_checkpoint_valid
 from kvlab.core.transaction import adds_request, save_first, scheduler_call
@@ -228,8 +228,11 @@ class Scheduler:
     its hooks at vLLM's places. ``kv_load_failure_policy``: what happens to a request whose
     external KV failed to load -- "recompute" (kvlab's default: its computed tokens are cut
     back to the first failed block and it computes the rest in place, as vLLM 0.33 does) or
-    "fail" (it finishes with reason "error"; vLLM 0.33's default). The encoder limits
-    (lesson 14) default to ``max_num_batched_tokens``, as in vLLM.
+    "fail" (it finishes with reason "error"; vLLM 0.33's default). ``kv_transfer_config``:
+    the connector's configuration (a ``KVTransferConfig``; ``build_engine`` passes it), read
+    as vLLM reads ``vllm_config.kv_transfer_config``: a KV producer's connector is offered a
+    finishing request's Mamba states saved inside blocks. The encoder limits (lesson 14)
+    default to ``max_num_batched_tokens``, as in vLLM.
     """
 
     #: The open transaction's checkpoint, set and cleared by ``kvlab.core.transaction`` (kvlab's
@@ -253,8 +256,11 @@ class Scheduler:
         max_num_encoder_input_tokens: int | None = None,
         encoder_cache_size: int | None = None,
         max_loras: int | None = None,
+        kv_transfer_config: Any = None,
     ) -> None:
         max_loras = check_optional_int("max_loras", max_loras, 1, why=" (None: no LoRA limit)")
+        if kv_transfer_config is not None and not isinstance(getattr(kv_transfer_config, "is_kv_producer", None), bool):
+            raise TypeError(f"kv_transfer_config must be None or a KVTransferConfig, got {type(kv_transfer_config).__name__}")
         (
             max_num_batched_tokens,
             max_num_seqs,
@@ -327,6 +333,17 @@ class Scheduler:
         self.num_hash_lookahead_tokens = kv_cache_manager.num_hash_lookahead_tokens
         if connector is not None and self.is_encoder_decoder:
             raise ValueError("Encoder-decoder models are not currently supported with KV connectors (vLLM 0.33 asserts the same)")
+        if (
+            connector is not None
+            and getattr(connector, "supports_divergent_local_hybrid_hits", False)
+            and getattr(kv_cache_manager.coordinator, "full_attention_group_id", None) is not None
+            and mamba_specs
+        ):
+            raise ValueError(
+                "a KV connector that completes divergent hybrid hits (supports_divergent_local_hybrid_hits=True) on a Mamba "
+                "hybrid is not modelled by kvlab: vLLM 0.33 admits such a request on full attention's deeper hit and has the "
+                "connector bring the lagging Mamba state, which kvlab's connectors never move. Leave the property False"
+            )
         if connector is not None and self.mamba_partial_cache_hit:
             raise ValueError(
                 "a KV connector with partial prefix hits (a Mamba hybrid whose blocks are larger than the hash block) is not "
@@ -338,6 +355,9 @@ class Scheduler:
         if connector is not None:
             connector.bind_kv_cache_manager(kv_cache_manager)  # as vLLM's scheduler does, once
         self.kv_load_failure_policy = kv_load_failure_policy
+        # The one field of vLLM's engine config its scheduler reads that kvlab's does not
+        # take apart: the KV transfer config (see _connector_finished).
+        self.vllm_config = SimpleNamespace(kv_transfer_config=kv_transfer_config)
         # vLLM keeps the connector's hits apart: vllm:external_prefix_cache_queries / _hits.
         self.connector_prefix_cache_stats: PrefixCacheStats | None = PrefixCacheStats() if connector is not None else None
         # The last step's connector metrics payload (a KVConnectorStats; see _update_from_output).
@@ -388,6 +408,18 @@ class Scheduler:
         self._num_sent_blocks: dict[str, tuple[int, ...]] = {}  # per request, per group: blocks the executor has
         self._pending_output: SchedulerOutput | None = None  # scheduled, not applied yet
         self._last_applied_step = 0
+        # vLLM 0.33's fence for blocks a step in flight may still use. With overlapping
+        # batches (async scheduling, pipeline parallelism) vLLM schedules step n+1 before step
+        # n's output is back, so a copy-on-write's two blocks cannot go back to the pool until
+        # the step that runs the copy has been processed: they wait in ``deferred_frees`` as
+        # (fence, blocks), the fence being that step's number among the non-empty steps. kvlab
+        # processes every step's output before it schedules the next -- one batch in flight --
+        # so the copies have always run and ``defer_block_free`` stays False (blocks go back
+        # at once); set it, and the retentions wait as in vLLM (request frees do not).
+        self.defer_block_free = False
+        self.sched_step_seq = 0  # non-empty steps scheduled (counted only when deferring)
+        self.processed_step_seq = 0  # ... and processed
+        self.deferred_frees: deque[tuple[int, list[KVCacheBlock]]] = deque()
         if self.events is not None:
             self.events.emit(
                 SchedulerCreated(
@@ -749,6 +781,8 @@ class Scheduler:
             if rid in self._inflight_prefills and plan.computed_before[rid] + n >= self.requests[rid].num_tokens:
                 del self._inflight_prefills[rid]  # this chunk ends its prefill
         out = self._make_output(plan)
+        if self.defer_block_free and out.total_num_scheduled_tokens > 0:
+            self.sched_step_seq += 1  # only non-empty steps run on the device and come back
         if events is not None:
             for r, phase in [(r, "running") for r in plan.running] + plan.admitted:
                 events.emit(
@@ -911,7 +945,8 @@ class Scheduler:
                     # lookahead); its blocks are gone now, so hash the tokens it has (vLLM 0.33)
                     save_first(None if self._txn is None else self._txn.saved_requests, request)
                     request.rehash()
-                hits, num_hit_tokens = mgr.get_computed_blocks(request)
+                hits, num_hit_tokens, request.shared_prefix_boundary, hit_diverged = self._get_local_prefix_cache_hit(request)
+                assert not hit_diverged  # a connector that completes such hits is refused (__init__)
                 # A KV connector may supply more of the prompt beyond the local hit: external
                 # computed tokens (lessons 12-13), loaded within the step or asynchronously.
                 if self.connector is not None:
@@ -1044,6 +1079,20 @@ class Scheduler:
             if num_external:
                 plan.external[request.request_id] = num_external
             plan.token_budget -= n
+
+    def _get_local_prefix_cache_hit(
+        self, request: Request, max_cache_hit_length: int | None = None
+    ) -> tuple[KVCacheBlocks, int, int, bool]:
+        """The waiting request's local prefix hit, as (blocks, hit tokens, shared-prefix
+        boundary, hit_diverged) -- vLLM 0.33's lookup. A connector that completes divergent
+        hybrid hits (``supports_divergent_local_hybrid_hits``) is given full attention's own
+        hit (``get_computed_blocks_for_connector``); every other lookup is the one every
+        group agrees on (``get_computed_blocks``, never diverged)."""
+        connector = self.connector
+        if connector is not None and getattr(connector, "supports_divergent_local_hybrid_hits", False):
+            return self.kv_cache_manager.get_computed_blocks_for_connector(request, max_cache_hit_length)
+        blocks, num_local = self.kv_cache_manager.get_computed_blocks(request, max_cache_hit_length)
+        return blocks, num_local, request.shared_prefix_boundary, False
 
     def _request_remaining_blocks(self, request: Request) -> int:
         """Blocks ``request`` still needs to hold its whole sequence (vLLM's
@@ -1264,13 +1313,30 @@ class Scheduler:
 
     def _take_kv_cache_block_copies(self) -> list[KVCacheBlockCopy] | None:
         """Pages the runner copies this step (copy-on-write, vLLM 0.33). The copies run with
-        the step they are handed to, before anything reads or writes those blocks again,
-        so the blocks they kept held are let go now."""
-        mgr = self.kv_cache_manager
-        copies, retained = mgr.take_kv_cache_block_copies()
+        the step they are handed to, before anything reads or writes those blocks again, so
+        the blocks they kept held are let go once that step is done: its number among the
+        non-empty steps is ``sched_step_seq + 1`` (see ``defer_block_free``)."""
+        copies, retained = self.kv_cache_manager.take_kv_cache_block_copies()
         if copies:
-            mgr.block_pool.free_blocks(retained, reason="copied")
+            self._free_cow_retained_blocks(retained, self.sched_step_seq + 1)
         return copies or None
+
+    def _free_cow_retained_blocks(self, blocks: list[KVCacheBlock], fence_seq: int) -> None:
+        """Give back the blocks copy-on-write copies kept held: now, unless deferring and step
+        ``fence_seq`` (the one running the copies) is not processed yet -- then they wait in
+        ``deferred_frees``, reversed, as vLLM keeps them (the drain frees them reversed again:
+        in the order given)."""
+        if not self.defer_block_free or fence_seq <= self.processed_step_seq:
+            self.kv_cache_manager.block_pool.free_blocks(blocks)
+            return
+        self.deferred_frees.append((fence_seq, blocks[::-1]))
+
+    def _drain_deferred_frees(self) -> None:
+        """Free the deferred blocks whose fence step has been processed, oldest first, up to
+        the first that has not (fences are appended in step order)."""
+        while self.deferred_frees and self.deferred_frees[0][0] <= self.processed_step_seq:
+            _, blocks = self.deferred_frees.popleft()
+            self.kv_cache_manager.block_pool.free_blocks(blocks[::-1])
 
     def _get_new_block_ids_to_zero(self) -> list[int] | None:
         """Drained every step, so the managers' lists never grow; only zeroing reads them."""
@@ -1524,6 +1590,9 @@ class Scheduler:
     ) -> list[Request]:
         finished: list[Request] = []
         events = self.events
+        if self.defer_block_free and scheduler_output.total_num_scheduled_tokens > 0:
+            self.processed_step_seq += 1  # this step's writes and copies are done
+            self._drain_deferred_frees()
         failed: set[str] = set()  # requests whose output of this step is dropped
         failed_async: set[str] = set()  # loads that failed, under policy "fail": finished below
         if self.connector is not None and kv_connector_output is not None:
@@ -1750,22 +1819,8 @@ class Scheduler:
         r._owner = None
         self._inflight_prefills.pop(r.request_id, None)
         if self.connector is not None:
-            # Called once, before the blocks are freed: a producer saves or hands them off now.
-            # First the blocks that left a window are freed, and the table is cut to the
-            # computed tokens, so the connector gets only what still matters (vLLM 0.33). A
-            # connector for hybrid models (vLLM's SupportsHMA) gets every group's table.
-            mgr = self.kv_cache_manager
-            mgr.remove_skipped_blocks(r.request_id, r.num_computed_tokens, r.num_prompt_tokens)
-            block_ids = mgr.get_block_ids_for_computed_tokens(r.request_id, r.num_computed_tokens)
-            all_groups = getattr(self.connector, "request_finished_all_groups", None)
-            if callable(all_groups):
-                delay, params = all_groups(r, block_ids)
-            else:
-                delay, params = self.connector.request_finished(r, block_ids[0])
-            if not isinstance(delay, bool):
-                raise TypeError(f"{type(self.connector).__name__}.request_finished must return (bool, params), got delay {delay!r}")
+            delay, r.kv_transfer_params = self._connector_finished(r)
             delay_free_blocks |= delay
-            r.kv_transfer_params = params
         if r.mm_features:
             self.encoder_cache_manager.free(r)
         self._num_sent_blocks.pop(r.request_id, None)
@@ -1775,6 +1830,40 @@ class Scheduler:
             self._free_blocks(r)
         if self.events is not None:
             self.events.emit(RequestFinished(request_id=r.request_id, reason=finish_reason, num_output_tokens=r.num_output_tokens))
+
+    def _connector_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        """Tell the connector ``request`` finished, once, before its blocks are freed: a
+        producer saves or hands them off now. Returns (keep the blocks until the worker
+        reports the request in ``finished_sending``, the request's ``kv_transfer_params``).
+
+        In vLLM 0.33's order: a KV producer's connector is first offered the Mamba states
+        the request saved inside blocks (``register_finished_partial_tail``; they are lost
+        once the blocks are cleaned up); then the blocks that left a window are freed and
+        the tables cut to the computed tokens, so the connector gets only what still
+        matters. A connector for hybrid models (vLLM's ``SupportsHMA``) gets every group's
+        table; another, the first group's. (kvlab's core imports no connector, so it knows
+        the former by its ``request_finished_all_groups``: the one hook ``SupportsHMA`` adds.)"""
+        connector = self.connector
+        if connector is None:
+            return False, None
+        mgr = self.kv_cache_manager
+        tails: list[tuple[int, int, int]] = []
+        kv_transfer_config = self.vllm_config.kv_transfer_config
+        if kv_transfer_config is not None and kv_transfer_config.is_kv_producer:
+            tails = mgr.finalize_partial_tail_offloads(request)
+        processed = max(0, request.num_computed_tokens - request.num_in_flight_tokens)  # (no step is in flight in kvlab)
+        mgr.remove_skipped_blocks(request.request_id, processed, request.num_prompt_tokens)
+        block_ids = mgr.get_block_ids_for_computed_tokens(request.request_id, request.num_computed_tokens)
+        tail_delay = connector.register_finished_partial_tail(request, block_ids, tails) if tails else False
+        all_groups = getattr(connector, "request_finished_all_groups", None)
+        if callable(all_groups):
+            hook, (delay, params) = "request_finished_all_groups", all_groups(request, block_ids)
+        else:
+            hook, (delay, params) = "request_finished", connector.request_finished(request, block_ids[0])
+        for hook, value in ((hook, delay), ("register_finished_partial_tail", tail_delay)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{type(connector).__name__}.{hook} must return a bool (keep the blocks?), got {value!r}")
+        return delay or tail_delay, params
 
     def _free_blocks(self, r: Request) -> None:
         """Free a finished request's blocks, and forget it."""
@@ -1805,7 +1894,7 @@ class Scheduler:
 
     def check_invariants(self) -> None:
         """Manager invariants + every running request holds blocks for its computed tokens."""
-        self.kv_cache_manager.check_invariants()
+        self.kv_cache_manager.check_invariants(held=[b for _, blocks in self.deferred_frees for b in blocks])
         self.encoder_cache_manager.check_invariants()
         waiting = list(self.waiting)
         holding = list(self.kv_holding_waiting)

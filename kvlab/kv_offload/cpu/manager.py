@@ -511,6 +511,7 @@ class CPUOffloadingManager(OffloadingManager):
         assert self._num_write_pending_chunks == n_writing, (
             f"{self.medium}: {self._num_write_pending_chunks} counted pending, {n_writing} are"
         )
+        self._policy.check_invariants()
 
 
 #: Why a CPU entry left: its chunk holds another block (see :class:`SlotWrites`).

@@ -132,3 +132,8 @@ class CachePolicy(ABC):
         """How many chunks the policy holds (pinned or not). Built-in policies count without
         ordering them; a policy of your own is counted through :meth:`items`."""
         return sum(1 for _ in self.items())
+
+    def check_invariants(self) -> None:
+        """Assert the policy's own structure is sound (the tier's ``check_invariants`` calls
+        it); a policy with no inner structure to check has nothing to assert."""
+        return

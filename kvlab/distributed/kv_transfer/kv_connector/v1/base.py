@@ -52,6 +52,26 @@ def layer_name(layer_idx: int) -> str:
     return f"layers.{layer_idx}"
 
 
+class SupportsHMA(ABC):
+    """A connector that works with the hybrid memory allocator (vLLM's name, "HMA": several
+    KV-cache groups -- full attention beside a window or a Mamba state -- in one pool). At a
+    request's finish it is given every group's block table, not just the first group's:
+    a hybrid model's KV is not whole without the other groups' blocks. The scheduler asks
+    ``request_finished_all_groups`` instead of ``request_finished`` of such a connector."""
+
+    @abstractmethod
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """Called once before a finished request's blocks are freed, with each group's
+        table (cut to the computed tokens). As ``request_finished``: True keeps the blocks
+        until the worker reports the request in ``finished_sending``; the dict is the
+        request's ``kv_transfer_params``."""
+
+
+def supports_hma(connector: Any) -> bool:
+    """Whether ``connector`` (an instance or a class) is a :class:`SupportsHMA` connector."""
+    return issubclass(connector, SupportsHMA) if isinstance(connector, type) else isinstance(connector, SupportsHMA)
+
+
 class KVConnectorRole(enum.Enum):
     """Where this half of a connector runs: beside the scheduler, or in the worker."""
 
@@ -78,6 +98,16 @@ class KVConnectorMetadata:  # noqa: B903 - a base class the connectors extend
 class KVConnectorBase_V1(ABC):  # noqa: N801 - vLLM's name
     """Base class of every connector. Subclasses implement the abstract hooks of both roles;
     each instance serves the one ``role`` it was built for."""
+
+    @property
+    def supports_divergent_local_hybrid_hits(self) -> bool:
+        """Whether this connector can complete a *divergent* local hit on a Mamba hybrid
+        (vLLM 0.33): start from full attention's deeper hit and bring the lagging Mamba
+        state itself, as vLLM's P2P connectors do. Then the scheduler looks the request up
+        with ``KVCacheManager.get_computed_blocks_for_connector``. False by default: none of
+        kvlab's connectors moves Mamba states (and kvlab's scheduler refuses one that says
+        True on a Mamba hybrid)."""
+        return False
 
     def __init__(self, role: KVConnectorRole) -> None:
         if not isinstance(role, KVConnectorRole):
@@ -206,6 +236,16 @@ class KVConnectorBase_V1(ABC):  # noqa: N801 - vLLM's name
         False); the dict is handed back with the request's output (vLLM's
         ``kv_transfer_params``)."""
         return False, None
+
+    def register_finished_partial_tail(
+        self, request: Request, block_ids: tuple[list[int], ...], partial_tail_offloads: list[tuple[int, int, int]]
+    ) -> bool:
+        """A finishing request's Mamba states saved inside a block that no copy preserved
+        (``KVCacheManager.finalize_partial_tail_offloads``: [(group id, block id, tokens)]),
+        offered before its blocks are cleaned up -- only to a connector of a KV producer.
+        True: the connector takes them, and the blocks stay held until the worker reports the
+        request in ``finished_sending``. By default declined (vLLM 0.33)."""
+        return False
 
     # -- metrics (vLLM 0.33) ---------------------------------------------------------------
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
