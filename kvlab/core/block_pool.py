@@ -502,13 +502,9 @@ class BlockPool:
     ) -> None:
         """ref -= 1; blocks reaching 0 return to the queue. ``ordered_blocks`` is in
         eviction priority: a finished request passes its blocks tail first."""
-        if self.sibling_pools:
+        foreign: Sequence[tuple[BlockPool, list[KVCacheBlock]]] = ()
+        if self.sibling_pools:  # this pool's blocks here, the others' after (each to its pool)
             ordered_blocks, foreign = self._split_foreign(ordered_blocks)
-            if foreign:
-                self.free_blocks(ordered_blocks, request_id, group, reason)
-                for pool, blocks in foreign:
-                    pool.free_blocks(blocks, request_id, group, reason)
-                return
         with_hash: list[KVCacheBlock] = []
         without_hash: list[KVCacheBlock] = []
         caching = self.enable_caching
@@ -546,6 +542,8 @@ class BlockPool:
         self.free_block_queue.append_n(with_hash)
         for o in self.observers:
             o.on_blocks_freed(self, ordered, without_hash, with_hash, request_id, group, reason)
+        for pool, blocks in foreign:
+            pool.free_blocks(blocks, request_id, group, reason)
 
     def _split_foreign(self, blocks: Iterable[KVCacheBlock]) -> tuple[list[KVCacheBlock], list[tuple[BlockPool, list[KVCacheBlock]]]]:
         """This pool's blocks, and the sibling pools' ones by pool (each list in the order
