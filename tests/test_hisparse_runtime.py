@@ -198,11 +198,12 @@ def test_a_failed_step_leaves_the_books_as_they_were(monkeypatch):
 def test_refusals():
     src = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=1)
     groups = (KVCacheGroupSpec(("source",), src, role=KVCacheGroupRole.HISPARSE_SOURCE, host_resident=True),)
-    with pytest.raises(ValueError, match=r"kv_cache_groups \[0\] hold HiSparse's source K/V.*hisparse_host_num_blocks"):
-        KVCacheManager(KVCacheConfig(num_blocks=8, kv_cache_tensors=(), kv_cache_groups=groups), max_model_len=64)
     from kvlab.eventlog.events import EventLog
 
     log = EventLog()
+    with pytest.raises(ValueError, match=r"kv_cache_groups \[0\] hold HiSparse's source K/V.*hisparse_host_num_blocks"):
+        KVCacheManager(KVCacheConfig(num_blocks=8, kv_cache_tensors=(), kv_cache_groups=groups), max_model_len=64, event_log=log)
+    assert len(log) == 0  # refused before the pool was built: no PoolCreated
     with pytest.raises(ValueError, match="event_log must be None with a HiSparse host pool"):
         hisparse_manager(event_log=log)
     assert len(log) == 0

@@ -197,6 +197,29 @@ def _check_manager_args(
     return block_size, specs, hash_fn, max_model_len, max_in_flight_tokens, kv_events_use_int_block_hashes, eagle_groups, source_groups
 
 
+def _check_hisparse(host_num_blocks: int | None, source_groups: frozenset[int], event_log: Any) -> None:
+    """A HiSparse config is whole -- a host pool and a source group, each with the other --
+    and runs without kvlab's event log; checked before anything is built, so a refusal
+    leaves no trace (not even a PoolCreated event)."""
+    if source_groups and host_num_blocks is None:
+        raise ValueError(
+            f"kv_cache_groups {sorted(source_groups)} hold HiSparse's source K/V, which lives in a host pool: "
+            "give a KVCacheConfig with hisparse_host_num_blocks"
+        )
+    if host_num_blocks is None:
+        return
+    if not source_groups:
+        raise ValueError(
+            f"KVCacheConfig.hisparse_host_num_blocks = {host_num_blocks}, but No HiSparse cache group is configured "
+            "(no group has the role HISPARSE_SOURCE)"
+        )
+    if event_log is not None:
+        raise ValueError(
+            "event_log must be None with a HiSparse host pool: kvlab's pictures do not follow the host pool, the "
+            "pages given back while still read, or the transfers' holds yet (vLLM's KV events do: enable_kv_cache_events)"
+        )
+
+
 class KVCacheManager:
     """The scheduler's only door to KV memory: it answers "what is cached?", "is there room?"
     and "give it back", and hides everything behind (vLLM: ``KVCacheManager``).
@@ -311,11 +334,6 @@ class KVCacheManager:
             num_blocks, kv_cache_groups, prefix_cache_retention_interval, hash_block_size = _from_kv_cache_config(
                 num_blocks, block_size, kv_cache_groups, prefix_cache_retention_interval, hash_block_size
             )
-        if event_log is not None and getattr(given_config, "hisparse_host_num_blocks", None) is not None:
-            raise ValueError(
-                "event_log must be None with a HiSparse host pool: kvlab's pictures do not follow the host pool, the "
-                "pages given back while still read, or the transfers' holds yet (vLLM's KV events do: enable_kv_cache_events)"
-            )
         if watermark != 0.0:
             raise ValueError(f"watermark must be 0.0 (kvlab models no admission watermark), got {watermark!r}")
         (
@@ -341,6 +359,8 @@ class KVCacheManager:
             manager_classes,
             kv_events_use_int_block_hashes,
         )
+        host_num_blocks = None if given_config is None else getattr(given_config, "hisparse_host_num_blocks", None)
+        _check_hisparse(host_num_blocks, hisparse_source_groups, event_log)
         # Decode context parallelism (vLLM 0.33): a sharded group's block covers block_size x
         # dcp tokens, and the manager counts in those blocks throughout (events included).
         dcp_world_size, pcp_world_size = check_context_parallelism(specs, dcp_world_size, pcp_world_size)
@@ -462,15 +482,10 @@ class KVCacheManager:
         self.retained_hit_group_ids = tuple(m.kv_cache_group_id for m in coordinator.single_type_managers if m.retains_longer_hit)
         # HiSparse (vLLM 0.33): a config with a host pool runs its coordinator, which moves the
         # source group onto the host pool before the first request.
-        self.hisparse_host_num_blocks = None if given_config is None else getattr(given_config, "hisparse_host_num_blocks", None)
-        self._hisparse_config = given_config if self.hisparse_host_num_blocks is not None else None
+        self.hisparse_host_num_blocks = host_num_blocks
+        self._hisparse_config = given_config if host_num_blocks is not None else None
         self.hisparse: HiSparseCoordinator | None = None
-        if hisparse_source_groups or self.hisparse_host_num_blocks is not None:
-            if self.hisparse_host_num_blocks is None:
-                raise ValueError(
-                    f"kv_cache_groups {sorted(hisparse_source_groups)} hold HiSparse's source K/V, which lives in a host pool: "
-                    "give a KVCacheConfig with hisparse_host_num_blocks"
-                )
+        if host_num_blocks is not None:  # checked above: the config has a source group
             self.hisparse = get_hisparse_coordinator(self)
 
     # -- helpers --------------------------------------------------------------------------
