@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from kvlab import Request
+from kvlab.distributed.kv_events import BlockStored
 from kvlab.config.kv_transfer import KVTransferConfig
 from kvlab.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from kvlab.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
@@ -337,13 +338,19 @@ def test_offloading_kv_events_carry_the_medium(tmp_path) -> None:
     eng = _engine(tmp_path, manager_kwargs={"enable_kv_cache_events": True})
     _run_story(eng, STORY[:2])
     evs = eng.scheduler.connector.take_events()
-    assert [(type(e).__name__, e.medium, len(e.block_hashes)) for e in evs] == [
-        ("BlockStored", "CPU", 2),
-        ("BlockStored", "STORAGE", 2),
-        ("BlockRemoved", "CPU", 1),  # B needs one slot more than the 5-block tier has free
-        ("BlockStored", "CPU", 4),
-        ("BlockStored", "STORAGE", 4),
-    ]
+    # vLLM 0.33's placeholder payloads: one BlockStored per stored key, one BlockRemoved per
+    # removal (per group); no tokens, no parent, block_size 0, the key's group, LOCAL tiers.
+    assert [(type(e).__name__, e.medium, len(e.block_hashes)) for e in evs] == (
+        [("BlockStored", "CPU", 1)] * 2
+        + [("BlockStored", "STORAGE", 1)] * 2
+        + [("BlockRemoved", "CPU", 1)]  # B needs one slot more than the 5-block tier has free
+        + [("BlockStored", "CPU", 1)] * 4
+        + [("BlockStored", "STORAGE", 1)] * 4
+    )
+    stored = [e for e in evs if isinstance(e, BlockStored)]
+    assert {(e.block_size, e.token_ids == [], e.parent_block_hash, e.lora_id, e.group_idx) for e in stored} == {(0, True, None, None, 0)}
+    removed = [e for e in evs if not isinstance(e, BlockStored)]
+    assert [(e.group_idx, e.block_hashes[0] in {s.block_hashes[0] for s in stored[:2]}) for e in removed] == [(0, True)]
     assert all(isinstance(h, int) for e in evs for h in e.block_hashes)  # vLLM's default: 64-bit ints
     assert eng.scheduler.connector.take_events() == []
 
@@ -634,14 +641,14 @@ def test_the_scheduler_publishes_tier_events_beside_the_pools(tmp_path) -> None:
     media = [(type(e).__name__, e.medium) for b in rec.batches for e in b.events]
     assert media == [
         ("BlockStored", "GPU"),
-        ("BlockStored", "CPU"),
-        ("BlockStored", "STORAGE"),
+        *[("BlockStored", "CPU")] * 2,  # the tiers publish one placeholder per key (vLLM 0.33)
+        *[("BlockStored", "STORAGE")] * 2,
         ("BlockRemoved", "GPU"),
         ("BlockRemoved", "GPU"),
         ("BlockStored", "GPU"),
         ("BlockRemoved", "CPU"),
-        ("BlockStored", "CPU"),
-        ("BlockStored", "STORAGE"),
+        *[("BlockStored", "CPU")] * 4,
+        *[("BlockStored", "STORAGE")] * 4,
     ]
 
 

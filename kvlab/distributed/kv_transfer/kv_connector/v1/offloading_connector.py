@@ -8,6 +8,11 @@ each tier with its own LRU; a prefix that left the GPU pool is still found in a 
 *loaded* back -- a copy instead of a prefill. The scheduler sees those blocks as external
 computed tokens.
 
+Which blocks: a model with one full-attention group, that group's; under HiSparse (vLLM
+0.33) the indexer group's alone -- the source K/V already lives whole in HiSparse's host
+pool -- and a load never reaches past the prefix the host pool still holds
+(``_max_loadable_tokens``), since nothing would fill the source K/V beyond it.
+
 One class, two roles, as in vLLM: built with ``KVConnectorRole.SCHEDULER`` it keeps the
 tiers' books (:mod:`...offloading.scheduler`), with ``KVConnectorRole.WORKER`` it moves the
 bytes (:mod:`...offloading.worker`). Both are built from the same ``KVTransferConfig``
@@ -20,10 +25,12 @@ tier's ``eviction_policy``, ``cache_policy_module_path``, ``store_threshold``; t
 from __future__ import annotations
 
 from collections.abc import Set as AbstractSet
-from typing import TYPE_CHECKING, Any
+from functools import cached_property
+from typing import TYPE_CHECKING, Any, cast
 
 from kvlab.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingConnectorMetadata
+from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.config import get_offloading_group_ids
 from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import OffloadingConnectorScheduler
 from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.worker import OffloadingConnectorWorker
 from kvlab.kv_offload.cpu.manager import CPUOffloadingManager
@@ -34,8 +41,10 @@ from kvlab.kv_offload.stats import OffloadingConnectorStats
 from kvlab.utils.checks import check_int
 
 if TYPE_CHECKING:
+    from kvlab.core.kv_cache_coordinator import HybridKVCacheCoordinator
     from kvlab.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from kvlab.core.sched.output import SchedulerOutput
+    from kvlab.kv_cache_interface import KVCacheConfig
     from kvlab.outputs import KVConnectorOutput
     from kvlab.request import Request
 
@@ -80,6 +89,7 @@ class OffloadingConnector(KVConnectorBase_V1):
         detector = create_backpressure_detector(cfg.get("backpressure"), StagedFileSystemTier.tier_type)
         if detector is not None and path is None:
             raise ValueError("backpressure applies to the disk tier: set storage_path too")
+        self._kv_cache_config: KVCacheConfig | None = None  # the bound manager's, once bound
         self.connector_scheduler: OffloadingConnectorScheduler | None = None
         self.connector_worker: OffloadingConnectorWorker | None = None
         if role is KVConnectorRole.SCHEDULER:
@@ -102,9 +112,11 @@ class OffloadingConnector(KVConnectorBase_V1):
 
     @property
     def scheduler(self) -> OffloadingConnectorScheduler:
-        self._check_role(KVConnectorRole.SCHEDULER, "scheduler")
-        assert self.connector_scheduler is not None
-        return self.connector_scheduler
+        scheduler = self.connector_scheduler
+        if scheduler is None:
+            self._check_role(KVConnectorRole.SCHEDULER, "scheduler")
+        assert scheduler is not None
+        return scheduler
 
     @property
     def worker(self) -> OffloadingConnectorWorker:
@@ -145,11 +157,51 @@ class OffloadingConnector(KVConnectorBase_V1):
 
     # -- scheduler side ---------------------------------------------------------------------------
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        """Bind the scheduler's manager (the scheduler half checks it can serve it first:
+        a refused manager leaves the connector as it was). The config is kept too: which
+        groups bound a load is read from it (``_bounding_group_ids``)."""
+        scheduler = self.__dict__.get("connector_scheduler")
+        if isinstance(scheduler, OffloadingConnectorScheduler):  # not a test's stand-in
+            scheduler.bind(kv_cache_manager)
         super().bind_kv_cache_manager(kv_cache_manager)
-        self.scheduler.bind(kv_cache_manager)
+        self._kv_cache_config = kv_cache_manager.kv_cache_config
+        self.__dict__.pop("_bounding_group_ids", None)  # read again from this config
+
+    @cached_property
+    def _bounding_group_ids(self) -> tuple[int, ...]:
+        """The prefix-cacheable groups this connector does not offload (vLLM 0.33): under
+        HiSparse, the source group, whose K/V lives in the host pool. A load must not reach
+        past such a group's own cached prefix -- nothing would fill its K/V there. Empty
+        before a manager is bound (no config to read)."""
+        config = self._kv_cache_config
+        if config is None:
+            return ()
+        offloaded = set(get_offloading_group_ids(config))
+        return tuple(
+            group_id
+            for group_id, group in enumerate(config.kv_cache_groups)
+            if group.kv_cache_spec.prefix_cacheable and group_id not in offloaded
+        )
+
+    def _max_loadable_tokens(self, request: Request, num_computed_tokens: int) -> int | None:
+        """How far past ``num_computed_tokens`` a load may reach: None when unbounded (every
+        prefix-cacheable group is offloaded), else the shortest cached prefix among the
+        groups this connector does not keep, less what is computed already."""
+        if not self._bounding_group_ids:
+            return None
+        manager = self._kv_cache_manager
+        if manager is None:
+            raise RuntimeError("no KV cache manager is bound: the scheduler binds it before it asks")
+        # A bounding group beside an offloaded one: two groups or more, so a hybrid coordinator.
+        coordinator = cast("HybridKVCacheCoordinator", manager.coordinator)
+        _, per_group_hits = coordinator.find_longest_cache_hit_per_group(request.block_hashes, request.num_tokens - 1)
+        bound = min(per_group_hits[group_id] for group_id in self._bounding_group_ids)
+        return max(0, bound - num_computed_tokens)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        return self.scheduler.get_num_new_matched_tokens(
+            request, num_computed_tokens, max_num_new_tokens=self._max_loadable_tokens(request, num_computed_tokens)
+        )
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)

@@ -4,7 +4,11 @@
 * **Lookup** (``get_num_new_matched_tokens``): after the GPU prefix hit ends, walk the
   request's block hashes through the tiers (CPU first, then storage) and count the run of
   blocks they hold -- whole blocks, and never the prompt's last token (the model must
-  compute it to sample the next one). Those tokens are external computed tokens.
+  compute it to sample the next one), nor past a bound the connector passes (HiSparse:
+  the host pool's prefix). Those tokens are external computed tokens.
+
+The tiers keep one KV-cache group's blocks (``group_id``, set when bound): the only group,
+or HiSparse's indexer group; each key carries that group's index, as in vLLM.
 * **Load** (``update_state_after_alloc``): the scheduler gave the request GPU blocks for
   them; pin the blocks in their tiers and plan a load job into those GPU blocks.
 * **Store** (``build_connector_meta``): every block that becomes full in this step is
@@ -23,10 +27,11 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvlab.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
+from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.config import get_offloading_group_ids
 from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     LoadJob,
     OffloadingConnectorMetadata,
@@ -42,7 +47,9 @@ from kvlab.kv_offload.base import (
     ScheduleEndContext,
     TierFilter,
     TierMatcher,
+    OffloadingEvent,
     get_offload_block_hash,
+    get_offload_group_idx,
     make_offload_key,
 )
 from kvlab.kv_offload.stats import OffloadingConnectorStats, _ConnectorMetricName, _TransferMetricName
@@ -129,10 +136,11 @@ def _create_req_context(req: Request) -> ReqContext:
 class RequestOffloadState:
     req: Request
     req_context: ReqContext  # what the tiers keep about the request (its keys' positions, its rank)
-    block_ids: list[int] = field(default_factory=list)  # the table as the worker knows it (group 0)
+    block_ids: list[int] = field(default_factory=list)  # the offloaded group's table as the worker knows it
     next_stored_block_idx: int = 0  # blocks before it were stored, or came from a cache
     num_locally_computed_tokens: int = 0
     lookup_media: list[str] = field(default_factory=list)
+    max_end_block: int | None = None  # the lookup's bound (blocks), when it has one
 
 
 class OffloadingConnectorScheduler:
@@ -151,6 +159,7 @@ class OffloadingConnectorScheduler:
         self.events: EventLog | None = None  # the engine's EventLog, once bound
         self.use_int_hashes = True
         self.collect_kv_events = False  # set by bind(): the pool's enable_kv_cache_events
+        self.group_id = 0  # set by bind(): the KV-cache group whose blocks the tiers keep
         # Per tier, tokens served by loads (a lesson's and the bench's hit counts).
         self.num_hit_tokens: dict[str, int] = {t.medium: 0 for t in manager.tiers}
         # vLLM 0.33's metrics payload: the worker's transfers, this half's lookups and failed
@@ -159,16 +168,38 @@ class OffloadingConnectorScheduler:
         self._info_sent = False
 
     def bind(self, kv_cache_manager: KVCacheManager) -> None:
+        """Check that this half can serve ``kv_cache_manager`` and take what it reads from it.
+        Refused before anything changes: a config with more than one offloaded group (kvlab's
+        tiers keep one group's blocks), a group of another block size, hashes of another
+        granularity, caching off."""
+        config = kv_cache_manager.kv_cache_config
         groups = kv_cache_manager.kv_cache_groups
-        if len(groups) != 1 or getattr(groups[0], "type_name", "full") != "full":
+        offloaded = get_offloading_group_ids(config)
+        if config.hisparse_host_num_blocks is None:
+            if len(groups) != 1 or getattr(groups[0], "type_name", "full") != "full":
+                raise ValueError(
+                    "the offloading connector needs one full-attention KV-cache group (vLLM's connectors "
+                    f"without the hybrid allocator), or a HiSparse config; got {[type(g).__name__ for g in groups]}"
+                )
+        elif len(offloaded) != 1:
             raise ValueError(
-                "the offloading connector needs one full-attention KV-cache group (vLLM's connectors "
-                f"without the hybrid allocator); got {[type(g).__name__ for g in groups]}"
+                f"with HiSparse the offloading connector stores the indexer group alone; this config has {len(offloaded)} "
+                "HISPARSE_INDEXER groups (kvlab's tiers keep one group's blocks)"
             )
-        if groups[0].block_size != self.block_size:
-            raise ValueError(f"the connector was built for block_size={self.block_size}, the KV-cache manager uses {groups[0].block_size}")
+        group_id = offloaded[0]
+        if groups[group_id].block_size != self.block_size:
+            raise ValueError(
+                f"the connector was built for block_size={self.block_size}, "
+                f"the KV-cache manager's group {group_id} uses {groups[group_id].block_size}"
+            )
+        if kv_cache_manager.hash_block_size != self.block_size:
+            raise ValueError(
+                f"the connector keys one block by one block hash: the manager hashes every {kv_cache_manager.hash_block_size} "
+                f"tokens, its blocks hold {self.block_size}"
+            )
         if not kv_cache_manager.enable_caching:
             raise ValueError("offloading works by block hash: build the KV-cache manager with enable_caching=True")
+        self.group_id = group_id
         self.events = kv_cache_manager.events
         self.use_int_hashes = kv_cache_manager.block_pool.kv_events_use_int_block_hashes
         # vLLM's tiers queue KV events only when KV events are on (as the pool does): with them
@@ -195,7 +226,7 @@ class OffloadingConnectorScheduler:
         bs, ctx = self.block_size, st.req_context
         keys = []
         for i, h in enumerate(st.req.block_hashes[start:end], start):
-            key = make_offload_key(h)
+            key = make_offload_key(h, self.group_id)
             ctx.set_offload_key_position(key, (i + 1) * bs)
             keys.append(key)
         return keys
@@ -208,31 +239,54 @@ class OffloadingConnectorScheduler:
         """Turn the tiers' queued changes into timeline events (removals) and vLLM KV events."""
         merged: list = []
         for ev in self.manager.take_events():  # one line per run of same-kind removals
+            if self.collect_kv_events:
+                self._kv_events.extend(self._kv_events_of(ev))
             last = merged[-1] if merged else None
             if last is not None and ev.removed and last.removed and (last.medium, last.reason) == (ev.medium, ev.reason):
                 last.keys = last.keys + ev.keys
                 last.slots = last.slots + ev.slots
             else:
-                merged.append(ev)
+                merged.append(replace(ev))  # a copy: merging must not change the tier's event
+        if self.events is None:
+            return
         for ev in merged:
-            hashes = [get_offload_block_hash(k) for k in ev.keys]
             if ev.removed:
-                if self.events is not None:
-                    self.events.record("offload_evicted", medium=ev.medium, block_hashes=hashes, chunk_ids=list(ev.slots), reason=ev.reason)
-                if self.collect_kv_events:
-                    self._kv_events.append(BlockRemoved(block_hashes=[self._ext(h) for h in hashes], medium=ev.medium))
-            elif self.collect_kv_events:
-                self._kv_events.append(
-                    BlockStored(
-                        block_hashes=[self._ext(h) for h in hashes],
-                        parent_block_hash=None,
-                        token_ids=[],
-                        block_size=self.block_size,
-                        lora_id=None,
-                        medium=ev.medium,
-                        lora_name=None,
-                    )
+                hashes = [get_offload_block_hash(k) for k in ev.keys]
+                self.events.record("offload_evicted", medium=ev.medium, block_hashes=hashes, chunk_ids=list(ev.slots), reason=ev.reason)
+
+    def _kv_events_of(self, ev: OffloadingEvent) -> list[KVCacheEvent]:
+        """One tier change as vLLM 0.33 publishes it without self-describing events: a
+        placeholder ``BlockStored`` per key (no tokens, no parent, ``block_size=0``: a
+        consumer learns the hash, the medium and the group, and may ignore the rest), and
+        one ``BlockRemoved`` per group for a removal -- none for a failed store's
+        reservation (``metadata_only``: the block was never readable)."""
+        medium = ev.medium.value if isinstance(ev.medium, Medium) else ev.medium
+        locality = ev.locality.value if ev.locality is not None else None
+        if not ev.removed:
+            return [
+                BlockStored(
+                    block_hashes=[self._ext(get_offload_block_hash(k))],
+                    parent_block_hash=None,
+                    token_ids=[],
+                    block_size=0,
+                    lora_id=None,
+                    medium=medium,
+                    lora_name=None,
+                    group_idx=get_offload_group_idx(k),
+                    locality=locality,
+                    ownership=ev.ownership,
                 )
+                for k in ev.keys
+            ]
+        if ev.metadata_only:
+            return []
+        by_group: dict[int, list[bytes | int]] = {}
+        for k in ev.keys:
+            by_group.setdefault(get_offload_group_idx(k), []).append(self._ext(get_offload_block_hash(k)))
+        return [
+            BlockRemoved(block_hashes=hashes, medium=medium, group_idx=group, locality=locality, ownership=ev.ownership)
+            for group, hashes in by_group.items()
+        ]
 
     def _record_orders(self) -> None:
         """Record each tier's eviction order where it changed since last recorded (after the
@@ -256,19 +310,31 @@ class OffloadingConnectorScheduler:
     # -- the hooks -------------------------------------------------------------------------------
     def tier_hits(self, request: Request, num_computed_tokens: int) -> list[str]:
         """The tier that serves each block after the local hit, in order, as far as the
-        tiers hold the run: whole blocks, never the prompt's last token, CPU before disk.
+        tiers hold the run: whole blocks, never the prompt's last token, CPU before disk,
+        and not past ``max_num_new_tokens`` when the lookup is bounded (HiSparse).
         (The ``tier_hits`` exercise swaps this method.)"""
         bs = self.block_size
         start = num_computed_tokens // bs
         end = (request.num_tokens - 1) // bs  # whole blocks, never the last token
         st = self._state(request)
+        if st.max_end_block is not None:
+            end = min(end, st.max_end_block)
         keys = self._keys(st, start, end)
         return self.manager.lookup_chain(keys, st.req_context) if keys else []
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int, max_num_new_tokens: int | None = None
+    ) -> tuple[int, bool]:
+        """The tokens the tiers can load after the local hit, whole blocks. With
+        ``max_num_new_tokens`` (vLLM 0.33; the connector passes it under HiSparse) the load
+        ends within that many tokens of ``num_computed_tokens``: past it a group the tiers do
+        not keep holds nothing, and the loaded keys would face unwritten K/V."""
         st = self._state(request)
+        st.max_end_block = None if max_num_new_tokens is None else max(0, (num_computed_tokens + max_num_new_tokens) // self.block_size)
         lookup_start = time.monotonic()  # observed for the metrics only; nothing decides on it
         media = self.tier_hits(request, num_computed_tokens)
+        if st.max_end_block is not None:  # a swapped tier_hits may not know the bound
+            media = media[: max(0, st.max_end_block - num_computed_tokens // self.block_size)]
         self._connector_stats.observe_histogram(_ConnectorMetricName.LOOKUP_SYNC_DELAY, time.monotonic() - lookup_start)
         self._drain()  # a lookup may find a file gone and drop its entry
         self._record_orders()
@@ -288,7 +354,7 @@ class OffloadingConnectorScheduler:
         media = st.lookup_media[:n]
         items = self.manager.prepare_load(keys, media, st.req_context)
         self._drain()
-        gpu_ids = [b.block_id for b in blocks.blocks[0][start : start + n]]
+        gpu_ids = [b.block_id for b in blocks.blocks[self.group_id][start : start + n]]
         job = LoadJob(self._job_id(), request.request_id, gpu_ids, items)
         self._jobs[job.job_id] = job
         self._pending_loads.append(job)
@@ -331,12 +397,12 @@ class OffloadingConnectorScheduler:
         for nr in scheduler_output.scheduled_new_reqs:  # new or resumed: the whole table
             st = self._reqs.get(nr.req_id)
             if st is not None:
-                st.block_ids = list(nr.block_ids[0])
+                st.block_ids = list(nr.block_ids[self.group_id])
         c = scheduler_output.scheduled_cached_reqs
         for rid, new_ids in zip(c.req_ids, c.new_block_ids):
             st = self._reqs.get(rid)
             if st is not None and new_ids is not None:
-                st.block_ids.extend(new_ids[0])
+                st.block_ids.extend(new_ids[self.group_id])
         bs = self.block_size
         for rid, n in scheduler_output.num_scheduled_tokens.items():
             st = self._reqs.get(rid)

@@ -1,0 +1,172 @@
+"""The offloading connector under HiSparse (vLLM 0.33): it keeps the indexer group alone in
+its tiers (the source K/V already lives in the host pool) and never loads past the host
+pool's own cached prefix -- with the values vLLM 0.33.0's code gives for the same calls
+(its ``test_connector_completes_partial_prefix_without_importing_missing_host_kv`` and
+``test_hisparse_indexer_offload_is_capped_by_missing_host_prefix`` pass on kvlab:
+scripts/vllm_tests)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from kvlab.distributed.kv_events import BlockRemoved, BlockStored
+from kvlab.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
+from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.config import get_offloading_group_ids
+from kvlab.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+from kvlab.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupRole, KVCacheGroupSpec
+from kvlab.kv_offload.base import get_offload_group_idx
+from kvlab.core.kv_cache_manager import KVCacheManager
+from kvlab.outputs import KVConnectorOutput
+from kvlab.request import Request
+from tests.test_hisparse_runtime import BS, complete_transfers, hisparse_manager, run_step
+
+
+def _step_output(new: dict[str, tuple[list[int], ...]], scheduled: dict[str, int]) -> SimpleNamespace:
+    """The parts of a SchedulerOutput the connector reads, for requests scheduled anew."""
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=rid, block_ids=ids) for rid, ids in new.items()],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[]),
+        num_scheduled_tokens=scheduled,
+        preempted_req_ids=set(),
+    )
+
+
+def _connector(m: KVCacheManager, num_cpu_blocks: int = 8) -> OffloadingConnector:
+    conn = OffloadingConnector(KVConnectorRole.SCHEDULER, BS, {"num_cpu_blocks": num_cpu_blocks})
+    conn.bind_kv_cache_manager(m)
+    return conn
+
+
+def _offload_and_forget(m: KVCacheManager, conn: OffloadingConnector, tokens: list[int]) -> tuple[list[int], list[int]]:
+    """Prefill ``tokens`` as request "a", store its indexer blocks in the CPU tier, publish
+    its host pages, finish it. Returns its (host, indexer) block ids."""
+    a = Request("a", tokens)
+    m.get_computed_blocks(a)
+    assert conn.get_num_new_matched_tokens(a, 0) == (0, False)
+    run_step(m, a, len(tokens))
+    conn.update_state_after_alloc(a, m.get_blocks("a"), 0)
+    meta = conn.build_connector_meta(_step_output({"a": m.get_block_ids("a")}, {"a": len(tokens)}))
+    (store,) = meta.stores
+    conn.update_connector_output(KVConnectorOutput(worker_meta=OffloadingWorkerMetadata(stores={store.job_id: (True, False, "")})))
+    complete_transfers(m)  # host copies durable: the source pages are published
+    host, indexer = m.get_block_ids("a")[:2]
+    m.free(a)
+    conn.request_finished(a, [])
+    return host, indexer
+
+
+def test_the_connector_offloads_the_indexer_group_alone():
+    m = hisparse_manager(enable_caching=True, enable_kv_cache_events=True)
+    assert get_offloading_group_ids(m.kv_cache_config) == (1,)
+    conn = _connector(m)
+    assert (conn.scheduler.group_id, conn._bounding_group_ids) == (1, (0,))
+    a = Request("a", list(range(4 * BS)))
+    m.get_computed_blocks(a)
+    conn.get_num_new_matched_tokens(a, 0)
+    run_step(m, a, 4 * BS)
+    conn.update_state_after_alloc(a, m.get_blocks("a"), 0)
+    assert m.get_block_ids("a")[:2] == ([1, 2, 3, 4], [1, 2, 3, 4])  # host pool, GPU pool
+    meta = conn.build_connector_meta(_step_output({"a": m.get_block_ids("a")}, {"a": 4 * BS}))
+    (store,) = meta.stores
+    assert store.gpu_block_ids == [1, 2, 3, 4]  # the indexer's GPU blocks
+    assert {get_offload_group_idx(k) for k in store.plan.keys} == {1}
+    assert [k[:-4] for k in store.plan.keys] == a.block_hashes[:4]
+    assert conn.take_events() == []  # announced once readable: when the worker reports the store
+    conn.update_connector_output(KVConnectorOutput(worker_meta=OffloadingWorkerMetadata(stores={store.job_id: (True, False, "")})))
+    # vLLM 0.33's placeholder events: one per key, naming the indexer group
+    events = conn.take_events()
+    assert all(isinstance(e, BlockStored) for e in events)
+    assert [(e.medium, e.group_idx, e.block_size) for e in events] == [("CPU", 1, 0)] * 4
+
+
+@pytest.mark.parametrize(
+    "evict_indexer_page, evict_host_page, local, external, load_pages",
+    [
+        (1, None, 16, 32, [1, 2]),  # the host pool holds pages 0-2 of the 63 tokens looked up
+        (3, None, 48, 0, []),  # nothing past the host pool's prefix to load
+        (0, 2, 0, 32, [0, 1]),  # the CPU tier holds page 2's indexer keys, the host pool lost its K/V
+        (1, 2, 16, 16, [1]),
+    ],
+)
+def test_loads_stop_at_the_host_pools_prefix(evict_indexer_page, evict_host_page, local, external, load_pages):
+    m = hisparse_manager(enable_caching=True)
+    conn = _connector(m)
+    tokens = list(range(4 * BS))
+    host, indexer = _offload_and_forget(m, conn, tokens)
+    m.block_pool.evict_blocks({indexer[evict_indexer_page]})
+    if evict_host_page is not None:
+        m.hisparse.host_manager.block_pool.evict_blocks({host[evict_host_page]})
+    b = Request("b", tokens)
+    blocks, num_local = m.get_computed_blocks(b)
+    assert num_local == local
+    host_prefix = 48 if evict_host_page is None else evict_host_page * BS
+    assert conn._max_loadable_tokens(b, num_local) == host_prefix - local
+    assert conn.get_num_new_matched_tokens(b, num_local) == (external, False)
+    assert m.allocate_slots(b, 4 * BS - num_local - external, num_local, blocks, num_external_computed_tokens=external) is not None
+    conn.update_state_after_alloc(b, m.get_blocks("b"), external)
+    meta = conn.build_connector_meta(_step_output({"b": m.get_block_ids("b")}, {"b": 4 * BS - num_local - external}))
+    b_indexer = m.get_block_ids("b")[1]
+    assert [job.gpu_block_ids for job in meta.loads] == ([[b_indexer[p] for p in load_pages]] if load_pages else [])
+    assert [[it.key[:-4] for it in job.items] for job in meta.loads] == ([[b.block_hashes[p] for p in load_pages]] if load_pages else [])
+
+
+def test_no_load_without_the_host_pools_first_page():
+    m = hisparse_manager(enable_caching=True)
+    conn = _connector(m)
+    tokens = list(range(4 * BS))
+    host, indexer = _offload_and_forget(m, conn, tokens)
+    m.block_pool.evict_blocks({indexer[1]})
+    m.hisparse.host_manager.block_pool.evict_blocks({host[0]})
+    c = Request("c", tokens)
+    _, num_local = m.get_computed_blocks(c)
+    # The CPU tier still holds the indexer pages 1-3, but no host K/V: nothing may load.
+    assert (num_local, conn._max_loadable_tokens(c, num_local)) == (0, 0)
+    assert conn.get_num_new_matched_tokens(c, 0) == (0, False)
+    assert len(conn.manager.primary.entries()) == 4
+
+
+def test_the_connector_refuses_what_it_cannot_serve_and_stays_unbound():
+    two = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=1)
+    config = KVCacheConfig(
+        num_blocks=32,
+        kv_cache_tensors=(),
+        kv_cache_groups=(
+            KVCacheGroupSpec(("source",), two, role=KVCacheGroupRole.HISPARSE_SOURCE, host_resident=True),
+            KVCacheGroupSpec(("indexer",), two, role=KVCacheGroupRole.HISPARSE_INDEXER),
+            KVCacheGroupSpec(("indexer2",), two, role=KVCacheGroupRole.HISPARSE_INDEXER),
+        ),
+        hisparse_host_num_blocks=16,
+    )
+    m = KVCacheManager(config, hash_block_size=BS, max_model_len=128, enable_caching=True)
+    conn = OffloadingConnector(KVConnectorRole.SCHEDULER, BS, {"num_cpu_blocks": 8})
+    with pytest.raises(ValueError, match="stores the indexer group alone; this config has 2 HISPARSE_INDEXER groups"):
+        conn.bind_kv_cache_manager(m)
+    assert (conn._kv_cache_manager, conn._kv_cache_config) == (None, None)
+    with pytest.raises(ValueError, match="built for block_size=8, the KV-cache manager's group 1 uses 16"):
+        OffloadingConnector(KVConnectorRole.SCHEDULER, 8).bind_kv_cache_manager(hisparse_manager(enable_caching=True))
+    with pytest.raises(ValueError, match="enable_caching=True"):
+        _connector(hisparse_manager(enable_caching=False))
+    worker = OffloadingConnector(KVConnectorRole.WORKER, BS)
+    with pytest.raises(RuntimeError, match="scheduler-side hook, but this connector was built with role=WORKER"):
+        worker.get_num_new_matched_tokens(Request("w", [1, 2, 3]), 0)
+
+
+def test_tier_removals_name_the_group():
+    m = hisparse_manager(enable_caching=True, enable_kv_cache_events=True)
+    conn = _connector(m, num_cpu_blocks=4)
+    _offload_and_forget(m, conn, list(range(4 * BS)))
+    conn.take_events()
+    d = Request("d", list(range(1000, 1000 + 2 * BS)))  # two new blocks evict two of a's four
+    m.get_computed_blocks(d)
+    conn.get_num_new_matched_tokens(d, 0)
+    run_step(m, d, 2 * BS)
+    conn.update_state_after_alloc(d, m.get_blocks("d"), 0)
+    conn.build_connector_meta(_step_output({"d": m.get_block_ids("d")}, {"d": 2 * BS}))
+    events = conn.take_events()
+    assert [(type(e).__name__, e.group_idx, len(e.block_hashes)) for e in events] == [
+        ("BlockRemoved", 1, 2),
+    ]
+    assert all(isinstance(e, BlockRemoved) for e in events)
