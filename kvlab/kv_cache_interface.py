@@ -1080,8 +1080,8 @@ class KVCacheConfig:
     # window and Mamba groups keep cache entries (see KVCacheManager), the layout the worker
     # resolved, the hash block size and hit alignment the engine core chose (None: derived
     # from the groups), and HiSparse's host pool: its blocks, the bytes between two of them,
-    # and whether the tensor-parallel ranks of one node share it (kvlab's manager runs no
-    # HiSparse pool: it refuses a config with host blocks).
+    # and whether the tensor-parallel ranks of one node share it (the manager builds the host
+    # pool from ``hisparse_host_num_blocks``; the other two concern the worker's tensors).
     prefix_cache_retention_interval: int | None = None
     kv_cache_layout: str | None = None
     hash_block_size: int | None = None

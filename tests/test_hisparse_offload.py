@@ -21,7 +21,7 @@ from kvlab.kv_offload.base import get_offload_group_idx
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.outputs import KVConnectorOutput
 from kvlab.request import Request
-from tests.test_hisparse_runtime import BS, complete_transfers, hisparse_manager, run_step
+from test_hisparse_runtime import BS, complete_transfers, hisparse_manager, run_step
 
 
 def _step_output(new: dict[str, tuple[list[int], ...]], scheduled: dict[str, int]) -> SimpleNamespace:

@@ -148,6 +148,26 @@ def test_freed_blocks_of_both_pools_go_home():
     assert (host.get_num_free_blocks(), m.block_pool.get_num_free_blocks()) == (host_free, gpu_free)
 
 
+def test_a_mixed_free_refused_in_the_second_pool_frees_nothing_in_the_first():
+    m = hisparse_manager(16, 16)
+    host = m.hisparse.host_manager.block_pool
+    r = Request("a", list(range(BS)))
+    assert m.allocate_slots(r, BS, delay_cache_blocks=True) is not None
+    blocks = m.pop_blocks_for_free(r)
+    host_block = next(b for b in blocks if host.blocks[b.block_id] is b)
+    before = (
+        [[b.ref_cnt for b in p.blocks] for p in (m.block_pool, host)],
+        [[b.block_id for b in p.free_block_queue.get_all_free_blocks()] for p in (m.block_pool, host)],
+    )
+    with pytest.raises(ValueError, match=f"block {host_block.block_id} freed more often than it was allocated"):
+        m.block_pool.free_blocks(list(reversed(blocks)) + [host_block])
+    after = (
+        [[b.ref_cnt for b in p.blocks] for p in (m.block_pool, host)],
+        [[b.block_id for b in p.free_block_queue.get_all_free_blocks()] for p in (m.block_pool, host)],
+    )
+    assert after == before
+
+
 def test_host_events_share_the_gpu_stream_marked_cpu():
     m = hisparse_manager(enable_caching=True, enable_kv_cache_events=True)
     r = Request("a", list(range(2 * BS)))

@@ -6,7 +6,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from kvlab import FullAttentionSpec, KVCacheManager, Request, SlidingWindowSpec
+from kvlab import FullAttentionSpec, KVCacheManager, MambaSpec, Request, SlidingWindowSpec
 from kvlab.core.single_type_kv_cache_manager import SlidingWindowManager
 
 
@@ -234,19 +234,26 @@ def test_sliding_window_manager_skip_count():
     assert m.get_num_skipped_tokens(50) == 19
 
 
-def test_per_group_lookup_shows_how_far_each_group_hits_alone():
-    """vLLM 0.33's find_longest_cache_hit_per_group: full attention alone would hit 12 tokens,
-    the Mamba group only has the state at 8 (the chunk boundary), so the agreed hit is 8."""
-    from kvlab import MambaSpec
-
-    m = KVCacheManager(num_blocks=40, block_size=4, kv_cache_groups=[FullAttentionSpec(), MambaSpec(shapes=((2, 3),), dtypes=("float32",))])
+def diverging_mamba_hybrid(**kw) -> tuple[KVCacheManager, Request, Request]:
+    """Full attention + Mamba, blocks of 4: a (17 tokens, prefilled 8 + 9) leaves full-attention
+    blocks for 12 of b's tokens but a Mamba state only at 8 (the chunk boundary). ``kw`` goes
+    to the manager."""
+    m = KVCacheManager(
+        num_blocks=40, block_size=4, kv_cache_groups=[FullAttentionSpec(), MambaSpec(shapes=((2, 3),), dtypes=("float32",))], **kw
+    )
     a = Request("a", list(range(17)))
     hits, n = m.get_computed_blocks(a)
     m.allocate_slots(a, 8, n, hits)
     a.num_computed_tokens = 8
     m.allocate_slots(a, 9)
     a.num_computed_tokens = 17
-    b = Request("b", list(range(12)) + [99] * 9)
+    return m, a, Request("b", list(range(12)) + [99] * 9)
+
+
+def test_per_group_lookup_shows_how_far_each_group_hits_alone():
+    """vLLM 0.33's find_longest_cache_hit_per_group: full attention alone would hit 12 tokens,
+    the Mamba group only has the state at 8 (the chunk boundary), so the agreed hit is 8."""
+    m, _, b = diverging_mamba_hybrid()
     assert m.get_computed_blocks(b)[1] == 8
     coord = m.coordinator
     blocks, lens = coord.find_longest_cache_hit_per_group(b.block_hashes, b.num_tokens - 1)

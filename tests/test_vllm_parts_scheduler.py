@@ -25,6 +25,7 @@ from kvlab.engine.llm_engine import build_engine
 from kvlab.eventlog.events import EventLog, PrefixLookup
 from kvlab.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
 from scheduler_side_connector import SchedulerSideConnector
+from test_hybrid import diverging_mamba_hybrid as _diverging
 
 HYBRID = [FullAttentionSpec(block_size=8), MambaSpec(block_size=8)]
 
@@ -197,21 +198,6 @@ def test_the_engine_hands_the_scheduler_its_kv_transfer_config(tmp_path):
 
 
 # -- get_computed_blocks_for_connector, _get_local_prefix_cache_hit --------------------------------
-def _diverging(**kw) -> tuple[KVCacheManager, Request, Request]:
-    """Full attention + Mamba, blocks of 4: a (17 tokens, prefilled 8 + 9) leaves full attention
-    blocks for 12 of b's tokens but a Mamba state only at 8 (``test_hybrid``)."""
-    m = KVCacheManager(
-        num_blocks=40, block_size=4, kv_cache_groups=[FullAttentionSpec(), MambaSpec(shapes=((2, 3),), dtypes=("float32",))], **kw
-    )
-    a = Request("a", list(range(17)))
-    hits, n = m.get_computed_blocks(a)
-    m.allocate_slots(a, 8, n, hits)
-    a.num_computed_tokens = 8
-    m.allocate_slots(a, 9)
-    a.num_computed_tokens = 17
-    return m, a, Request("b", list(range(12)) + [99] * 9)
-
-
 def _found(result) -> tuple:
     blocks, num_local, boundary, diverged = result
     return blocks.get_block_ids(), num_local, boundary, diverged

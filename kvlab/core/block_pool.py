@@ -130,6 +130,13 @@ def group_suffix(group_id: int) -> bytes:
     return make_block_hash_with_group_id(b"", group_id)
 
 
+def _freed_too_often(block: KVCacheBlock) -> ValueError:
+    return ValueError(
+        f"ordered_blocks: block {block.block_id} freed more often than it was allocated (it is held by "
+        f"{block.ref_cnt} table(s) here); only a table that holds a block may free it"
+    )
+
+
 class BlockPool:
     """All KV blocks of all cache groups, allocated from one free queue.
 
@@ -505,6 +512,8 @@ class BlockPool:
         foreign: Sequence[tuple[BlockPool, list[KVCacheBlock]]] = ()
         if self.sibling_pools:  # this pool's blocks here, the others' after (each to its pool)
             ordered_blocks, foreign = self._split_foreign(ordered_blocks)
+            for pool, blocks in foreign:  # all or nothing: a refusal there must come before any free here
+                pool._check_can_free(blocks)
         with_hash: list[KVCacheBlock] = []
         without_hash: list[KVCacheBlock] = []
         caching = self.enable_caching
@@ -532,10 +541,7 @@ class BlockPool:
                     done.ref_cnt += 1
             if isinstance(e, _Refused):
                 self._check_blocks("ordered_blocks", ordered)  # another pool's block: say so
-                raise ValueError(
-                    f"ordered_blocks: block {e.block.block_id} freed more often than it was allocated (it is held by "
-                    f"{e.block.ref_cnt} table(s) here); only a table that holds a block may free it"
-                ) from None
+                raise _freed_too_often(e.block) from None
             self._check_blocks("ordered_blocks", ordered)  # names the item that is not a block
             raise
         self.free_block_queue.prepend_n(without_hash)
@@ -544,6 +550,17 @@ class BlockPool:
             o.on_blocks_freed(self, ordered, without_hash, with_hash, request_id, group, reason)
         for pool, blocks in foreign:
             pool.free_blocks(blocks, request_id, group, reason)
+
+    def _check_can_free(self, blocks: list[KVCacheBlock]) -> None:
+        """Refuse, changing nothing, a list that frees a block more often than tables hold
+        it (what ``free_blocks`` would refuse half way)."""
+        times: dict[int, int] = {}
+        for b in blocks:
+            if not b.is_null:
+                times[b.block_id] = times.get(b.block_id, 0) + 1
+        for b in blocks:
+            if not b.is_null and times[b.block_id] > b.ref_cnt:
+                raise _freed_too_often(b)
 
     def _split_foreign(self, blocks: Iterable[KVCacheBlock]) -> tuple[list[KVCacheBlock], list[tuple[BlockPool, list[KVCacheBlock]]]]:
         """This pool's blocks, and the sibling pools' ones by pool (each list in the order
