@@ -1386,6 +1386,14 @@ MANAGER_FOR_SPEC.update(
 spec_manager_map = MANAGER_FOR_SPEC  # vLLM's name
 
 
+def register_all_kvcache_specs(vllm_config: Any = None) -> None:
+    """vLLM 0.33 registers its built-in specs' managers at engine start-up (its tests call
+    this before they build a scheduler). kvlab's are registered when this module is
+    imported -- above, and HiSparse's in ``hisparse_managers`` -- so there is nothing left
+    to do; the call is kept so that code written for vLLM runs unchanged."""
+    return None
+
+
 def records_new_block_ids(kv_cache_spec: KVCacheSpec, needs_kv_cache_zeroing: bool) -> bool:
     """Whether a group writes down the blocks it hands out, for the runner to zero (vLLM
     0.33): only when the pool needs zeroing, and only attention groups -- a Mamba state is

@@ -794,9 +794,12 @@ def restore_scheduler(sched: Scheduler, cp: SchedulerCheckpoint, *, drop_reused:
 
 def _shared_memo(sched: Scheduler) -> dict[int, Any]:
     """What a deep copy of the connector's books must share, not copy: the manager, its pool
-    and log, and the live requests (its per-request records point at them)."""
+    and log, the live requests (its per-request records point at them), and what the
+    connector was built from or bound to -- configs are settings, not books."""
     mgr = sched.kv_cache_manager
-    shared = [mgr, mgr.block_pool, mgr.events, sched.events, *sched.requests.values()]
+    conn = vars(sched.connector) if sched.connector is not None else {}
+    given = [conn.get(k) for k in ("_kv_cache_manager", "_vllm_config", "_kv_transfer_config", "_kv_cache_config")]
+    shared = [mgr, mgr.block_pool, mgr.events, sched.events, *sched.requests.values(), *given]
     return {id(o): o for o in shared if o is not None}
 
 

@@ -13,7 +13,7 @@ Three more pieces keep a missing part from hiding what does work:
 * A module vLLM has under a mapped package and kvlab lacks (the p2p tier, say) is loaded
   from vLLM. Its tests run vLLM's code, not kvlab's, so ``run.sh`` leaves those files out
   and the report (``KVLAB_ADAPTER_REPORT``) lists every such module.
-* kvlab keeps four call shapes of its own on purpose; the adapter translates them (the
+* kvlab keeps five call shapes of its own on purpose; the adapter translates them (the
   ``TRANSLATIONS`` section at the end). Nothing else is changed.
 """
 
@@ -190,6 +190,7 @@ import kvlab.core.sched.scheduler as _scheduler  # noqa: E402  (kvlab's schedule
 import kvlab.distributed.kv_events as _events  # noqa: E402
 import kvlab.distributed.kv_publisher as _publisher  # noqa: E402
 import kvlab.engine.llm_engine  # noqa: E402,F401
+import kvlab.engine.vllm_config as _vllm_config  # noqa: E402
 
 
 _KvlabManager = _manager.KVCacheManager
@@ -247,6 +248,35 @@ def _get_local_prefix_cache_hit(self: Any, request: Any, *args: Any, **kwargs: A
 
 
 _scheduler.Scheduler._get_local_prefix_cache_hit = _get_local_prefix_cache_hit  # type: ignore[method-assign]
+
+
+# 5. The scheduler's constructor: vLLM's takes the engine config and builds the manager and the
+#    connector itself; kvlab's core takes them built (the core imports no connector), and
+#    ``kvlab.engine.vllm_config`` builds them from vLLM's config.
+class Scheduler(_scheduler.Scheduler):
+    def __init__(
+        self,
+        *args: Any,
+        vllm_config: Any = None,
+        kv_cache_config: Any = None,
+        structured_output_manager: Any = None,
+        block_size: int | None = None,
+        hash_block_size: int | None = None,
+        mm_registry: Any = None,
+        include_finished_set: bool = False,
+        log_stats: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        if vllm_config is None:
+            super().__init__(*args, **kwargs)
+            return
+        super().__init__(
+            **_vllm_config.scheduler_kwargs_from_vllm_config(vllm_config, kv_cache_config, block_size, hash_block_size, log_stats)
+        )
+        self.structured_output_manager = structured_output_manager
+
+
+_scheduler.Scheduler = Scheduler  # type: ignore[misc]
 
 
 # 2. ``block.block_hash``: vLLM's is the cache key (hash + group id), which kvlab calls

@@ -45,6 +45,10 @@ class CachedRequestData:
     new_block_ids: list[tuple[list[int], ...] | None] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
     new_token_ids: list[list[int]] = field(default_factory=list)
+    # vLLM 0.33's V1 model runner gets a resumed request here, its whole table as "new" block
+    # ids; with its V2 runner -- kvlab's shape -- a resumed request comes whole among the new
+    # ones (``scheduled_new_reqs``), so this set stays empty.
+    resumed_req_ids: set[str] = field(default_factory=set)
 
     @property
     def num_reqs(self) -> int:

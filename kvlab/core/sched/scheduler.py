@@ -389,8 +389,8 @@ class Scheduler:
         self.failed_recving_kv_req_ids: set[str] = set()
         # Requests still prefilling (an admitted chunk short of the prompt's end, or a load in
         # flight): an asynchronous load is admitted only with the blocks they still need left
-        # free. Keyed by id, in admission order (vLLM keeps a set of requests).
-        self._inflight_prefills: dict[str, Request] = {}
+        # free (vLLM's set of requests; only their sum of blocks and membership are read).
+        self._inflight_prefills: set[Request] = set()
         self.running: list[Request] = []
         # Streaming-input sessions between turns (WAITING_FOR_STREAMING_REQ): queued in
         # kv_holding_waiting, holding their blocks, but with nothing to run until their next
@@ -778,8 +778,8 @@ class Scheduler:
         if not plan.preempted:
             self._schedule_waiting(plan)
         for rid, n in plan.num_scheduled.items():
-            if rid in self._inflight_prefills and plan.computed_before[rid] + n >= self.requests[rid].num_tokens:
-                del self._inflight_prefills[rid]  # this chunk ends its prefill
+            if plan.computed_before[rid] + n >= self.requests[rid].num_tokens:
+                self._inflight_prefills.discard(self.requests[rid])  # this chunk ends its prefill
         out = self._make_output(plan)
         if self.defer_block_free and out.total_num_scheduled_tokens > 0:
             self.sched_step_seq += 1  # only non-empty steps run on the device and come back
@@ -1053,7 +1053,7 @@ class Scheduler:
                 # the load received, then computes the rest (vLLM's WAITING_FOR_REMOTE_KVS).
                 request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
                 request.num_computed_tokens = num_computed
-                self._inflight_prefills[request.request_id] = request
+                self._inflight_prefills.add(request)
                 if self.events is not None:
                     self.events.emit(
                         RequestLoading(request_id=request.request_id, num_computed_tokens=num_computed, num_external_tokens=num_external)
@@ -1073,7 +1073,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_computed
             if num_computed + n < request.num_tokens:
-                self._inflight_prefills[request.request_id] = request  # still prefilling after this chunk
+                self._inflight_prefills.add(request)  # still prefilling after this chunk
             plan.num_scheduled[request.request_id] = n
             plan.computed_before[request.request_id] = num_computed
             if num_external:
@@ -1112,7 +1112,7 @@ class Scheduler:
 
     def _inflight_prefill_reserved_blocks(self) -> int:
         """The blocks the requests still prefilling need to finish (their reservation)."""
-        return sum(self._request_remaining_blocks(r) for r in self._inflight_prefills.values())
+        return sum(self._request_remaining_blocks(r) for r in self._inflight_prefills)
 
     def _update_waiting_for_remote_kv(self, request: Request) -> None:
         """Its asynchronous load has landed: cache the blocks that arrived, and set where
@@ -1439,7 +1439,7 @@ class Scheduler:
     def _preempt_request(self, request: Request, for_request: Request) -> None:
         lost = request.num_computed_tokens
         self.kv_cache_manager.free(request)
-        self._inflight_prefills.pop(request.request_id, None)
+        self._inflight_prefills.discard(request)
         if request.mm_features:
             self.encoder_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
@@ -1817,7 +1817,7 @@ class Scheduler:
         into them): then the request stays known, holding them, until the worker reports the
         transfer done (``finished_sending`` / ``finished_recving``; vLLM 0.33)."""
         r._owner = None
-        self._inflight_prefills.pop(r.request_id, None)
+        self._inflight_prefills.discard(r)
         if self.connector is not None:
             delay, r.kv_transfer_params = self._connector_finished(r)
             delay_free_blocks |= delay
@@ -1919,7 +1919,7 @@ class Scheduler:
             f"{paused} sessions between turns, counted {self.num_waiting_for_streaming_input}"
         )
         # (a load that failed whole leaves it there without blocks until it is tried again)
-        assert set(self._inflight_prefills) <= queued, "a request still prefilling is in no queue"
+        assert {r.request_id for r in self._inflight_prefills} <= queued, "a request still prefilling is in no queue"
         for r in self.running:
             assert r.status == RequestStatus.RUNNING, f"{r.request_id} in running with status {r.status.name}"
             ids = self.kv_cache_manager.get_block_ids(r.request_id)

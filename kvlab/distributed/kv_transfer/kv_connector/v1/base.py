@@ -109,10 +109,23 @@ class KVConnectorBase_V1(ABC):  # noqa: N801 - vLLM's name
         True on a Mamba hybrid)."""
         return False
 
-    def __init__(self, role: KVConnectorRole) -> None:
+    def __init__(self, vllm_config: Any = None, role: KVConnectorRole | None = None, kv_cache_config: Any = None) -> None:
+        """kvlab's call, ``(role)``, or vLLM 0.33's, ``(vllm_config, role, kv_cache_config)``:
+        a connector written for vLLM passes its engine config and the KV-cache config on, and
+        reads its own settings from ``self._kv_transfer_config`` as in vLLM."""
+        if role is None and kv_cache_config is None:
+            vllm_config, role = None, vllm_config  # kvlab's (role)
+        elif vllm_config is not None and not hasattr(vllm_config, "kv_transfer_config"):
+            raise TypeError(
+                "a connector is built as (role) in kvlab or (vllm_config, role, kv_cache_config) as in vLLM; "
+                f"vllm_config must be a VllmConfig (with kv_transfer_config), got {type(vllm_config).__name__}"
+            )
         if not isinstance(role, KVConnectorRole):
             raise TypeError(f"role must be a KVConnectorRole (SCHEDULER or WORKER), got {role!r}")
         self._role = role
+        self._vllm_config = vllm_config
+        self._kv_transfer_config = None if vllm_config is None else vllm_config.kv_transfer_config
+        self._kv_cache_config = kv_cache_config
         self._connector_metadata: KVConnectorMetadata | None = None
         self._kv_cache_manager: KVCacheManager | None = None
 

@@ -44,7 +44,6 @@ if TYPE_CHECKING:
     from kvlab.core.kv_cache_coordinator import HybridKVCacheCoordinator
     from kvlab.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from kvlab.core.sched.output import SchedulerOutput
-    from kvlab.kv_cache_interface import KVCacheConfig
     from kvlab.outputs import KVConnectorOutput
     from kvlab.request import Request
 
@@ -89,7 +88,6 @@ class OffloadingConnector(KVConnectorBase_V1):
         detector = create_backpressure_detector(cfg.get("backpressure"), StagedFileSystemTier.tier_type)
         if detector is not None and path is None:
             raise ValueError("backpressure applies to the disk tier: set storage_path too")
-        self._kv_cache_config: KVCacheConfig | None = None  # the bound manager's, once bound
         self.connector_scheduler: OffloadingConnectorScheduler | None = None
         self.connector_worker: OffloadingConnectorWorker | None = None
         if role is KVConnectorRole.SCHEDULER:
