@@ -18,10 +18,11 @@ from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.config import get_
 from kvlab.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 from kvlab.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupRole, KVCacheGroupSpec
 from kvlab.kv_offload.base import get_offload_group_idx
+from kvlab.lessons.beyond_pool import hisparse_offload_and_finish
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.outputs import KVConnectorOutput
 from kvlab.request import Request
-from test_hisparse_runtime import BS, complete_transfers, hisparse_manager, run_step
+from test_hisparse_runtime import BS, hisparse_manager, run_step
 
 
 def _step_output(new: dict[str, tuple[list[int], ...]], scheduled: dict[str, int]) -> SimpleNamespace:
@@ -38,24 +39,6 @@ def _connector(m: KVCacheManager, num_cpu_blocks: int = 8) -> OffloadingConnecto
     conn = OffloadingConnector(KVConnectorRole.SCHEDULER, BS, {"num_cpu_blocks": num_cpu_blocks})
     conn.bind_kv_cache_manager(m)
     return conn
-
-
-def _offload_and_forget(m: KVCacheManager, conn: OffloadingConnector, tokens: list[int]) -> tuple[list[int], list[int]]:
-    """Prefill ``tokens`` as request "a", store its indexer blocks in the CPU tier, publish
-    its host pages, finish it. Returns its (host, indexer) block ids."""
-    a = Request("a", tokens)
-    m.get_computed_blocks(a)
-    assert conn.get_num_new_matched_tokens(a, 0) == (0, False)
-    run_step(m, a, len(tokens))
-    conn.update_state_after_alloc(a, m.get_blocks("a"), 0)
-    meta = conn.build_connector_meta(_step_output({"a": m.get_block_ids("a")}, {"a": len(tokens)}))
-    (store,) = meta.stores
-    conn.update_connector_output(KVConnectorOutput(worker_meta=OffloadingWorkerMetadata(stores={store.job_id: (True, False, "")})))
-    complete_transfers(m)  # host copies durable: the source pages are published
-    host, indexer = m.get_block_ids("a")[:2]
-    m.free(a)
-    conn.request_finished(a, [])
-    return host, indexer
 
 
 def test_the_connector_offloads_the_indexer_group_alone():
@@ -95,7 +78,7 @@ def test_loads_stop_at_the_host_pools_prefix(evict_indexer_page, evict_host_page
     m = hisparse_manager(enable_caching=True)
     conn = _connector(m)
     tokens = list(range(4 * BS))
-    host, indexer = _offload_and_forget(m, conn, tokens)
+    host, indexer = hisparse_offload_and_finish(m, conn, tokens, "a")
     m.block_pool.evict_blocks({indexer[evict_indexer_page]})
     if evict_host_page is not None:
         m.hisparse.host_manager.block_pool.evict_blocks({host[evict_host_page]})
@@ -117,7 +100,7 @@ def test_no_load_without_the_host_pools_first_page():
     m = hisparse_manager(enable_caching=True)
     conn = _connector(m)
     tokens = list(range(4 * BS))
-    host, indexer = _offload_and_forget(m, conn, tokens)
+    host, indexer = hisparse_offload_and_finish(m, conn, tokens, "a")
     m.block_pool.evict_blocks({indexer[1]})
     m.hisparse.host_manager.block_pool.evict_blocks({host[0]})
     c = Request("c", tokens)
@@ -157,7 +140,7 @@ def test_the_connector_refuses_what_it_cannot_serve_and_stays_unbound():
 def test_tier_removals_name_the_group():
     m = hisparse_manager(enable_caching=True, enable_kv_cache_events=True)
     conn = _connector(m, num_cpu_blocks=4)
-    _offload_and_forget(m, conn, list(range(4 * BS)))
+    hisparse_offload_and_finish(m, conn, list(range(4 * BS)), "a")
     conn.take_events()
     d = Request("d", list(range(1000, 1000 + 2 * BS)))  # two new blocks evict two of a's four
     m.get_computed_blocks(d)

@@ -284,16 +284,19 @@ def test_connector_carries_a_step_and_its_completions():
 def test_connector_refuses_the_worker_role_and_a_config_without_host_pool():
     from types import SimpleNamespace
 
-    from kvlab.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from kvlab.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, supports_hma
     from kvlab.distributed.kv_transfer.kv_connector.v1.hisparse.connector import HiSparseConnector
 
     m = hisparse_manager()
-    vllm_config = SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=False), speculative_config=None, num_lookahead_tokens=0)
+    vllm_config = SimpleNamespace(
+        scheduler_config=SimpleNamespace(async_scheduling=False), speculative_config=None, num_lookahead_tokens=0, kv_transfer_config=None
+    )
     with pytest.raises(ValueError, match="kvlab builds HiSparse's scheduler half only"):
         HiSparseConnector(vllm_config, KVConnectorRole.WORKER, m.kv_cache_config)
     with pytest.raises(ValueError, match="needs a HiSparse host pool"):
         HiSparseConnector(vllm_config, KVConnectorRole.SCHEDULER, KVCacheConfig(num_blocks=8, kv_cache_tensors=(), kv_cache_groups=()))
     conn = HiSparseConnector(vllm_config, KVConnectorRole.SCHEDULER, m.kv_cache_config)
+    assert supports_hma(conn) and (conn._vllm_config, conn._kv_cache_config) == (vllm_config, m.kv_cache_config)
     conn.bind_kv_cache_manager(m)
     assert conn.connector_scheduler.coordinator is m.hisparse
     assert (conn.get_num_new_matched_tokens(Request("x", [1, 2]), 0), conn.has_pending_push_work()) == ((0, False), False)

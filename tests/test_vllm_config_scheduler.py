@@ -144,11 +144,30 @@ def test_kvlabs_own_connector_from_vllms_config_takes_the_groups_block_size():
         (lambda: KVConnectorFactory.get_connector_class(KVTransferConfig("Nope")), ValueError, "unknown kv_connector 'Nope'"),
         (lambda: VllmShapedConnector({}, KVConnectorRole.SCHEDULER, None), TypeError, "vllm_config must be a VllmConfig"),
         (lambda: SchedulerSideConnector("scheduler"), TypeError, "role must be a KVConnectorRole"),
+        (
+            lambda: KVConnectorFactory.create_connector(KVTransferConfig("HiSparseConnector"), KVConnectorRole.SCHEDULER, BS),
+            TypeError,
+            r"HiSparseConnector is built from vLLM's call, create_connector\(vllm_config, role, kv_cache_config\)",
+        ),
     ],
 )
 def test_bad_configs_are_refused_by_name(call, error, message):
     with pytest.raises(error, match=message):
         call()
+
+
+def test_hisparse_connector_from_vllms_config():
+    from test_hisparse_runtime import hisparse_manager
+
+    from kvlab.distributed.kv_transfer.kv_connector.v1.hisparse.connector import HiSparseConnector
+
+    m = hisparse_manager()
+    config = vllm_config(hma_off=False)
+    config.kv_transfer_config = KVTransferConfig("HiSparseConnector")
+    config.scheduler_config.async_scheduling = False
+    config.num_lookahead_tokens = 0
+    conn = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, m.kv_cache_config)
+    assert type(conn) is HiSparseConnector and KVConnectorFactory.supports_hma_config(config.kv_transfer_config)
 
 
 def test_cached_request_data_has_vllms_resumed_ids():

@@ -638,3 +638,41 @@ def whisper_steps(num_blocks: int = 40, audio_tokens: int = 20, encoder_budget: 
         new = "  ".join(f"{nr.req_id} gets decoder {nr.block_ids[0]} cross {nr.block_ids[1]}" for nr in out.scheduled_new_reqs)
         lines.append(f"step {out.step}: tokens {tokens:9} encoder runs {encoded:11} worker drops {dropped:9} {new}".rstrip())
     return lines
+
+
+def hisparse_offload_and_finish(
+    kv: Any, conn: OffloadingConnector, tokens: Sequence[int], request_id: str = "chat"
+) -> tuple[list[int], list[int]]:
+    """Lesson 12b, section 4: one request's life on a HiSparse KV-cache manager ``kv`` with
+    the offloading connector's scheduler half ``conn`` bound to it. ``tokens`` are prefilled in
+    one step; the workers write its pages back to the host pool (which publishes them) and
+    copy its indexer keys to the CPU tier; then it finishes. Returns its (host pool, indexer)
+    block ids, for a story that evicts some of them."""
+    from kvlab.core.sched.output import NewRequestData, SchedulerOutput
+    from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
+    from kvlab.outputs import KVConnectorOutput
+
+    r = Request(request_id, list(tokens))
+    n = len(r.all_token_ids)
+    _, num_hit = kv.get_computed_blocks(r)
+    if num_hit or conn.get_num_new_matched_tokens(r, 0)[0]:
+        raise ValueError(f"request {request_id!r} must find nothing cached: this story starts from an empty cache")
+    if kv.allocate_slots(r, n) is None:
+        raise ValueError(f"{n} tokens do not fit the pools")
+    conn.update_state_after_alloc(r, kv.get_blocks(request_id), 0)
+    step = SchedulerOutput.make_empty()
+    step.scheduled_new_reqs = [NewRequestData(request_id, list(tokens), list(tokens), kv.get_block_ids(request_id), 0, list(tokens))]
+    step.num_scheduled_tokens, step.total_num_scheduled_tokens = {request_id: n}, n
+    stores = conn.build_connector_meta(step).stores  # the step's store jobs, run after its forward pass
+    r.num_computed_tokens = n
+    coordinator = kv.hisparse
+    coordinator.advance_scheduled([(request_id, n)])
+    done = [t.transfer_id for t in coordinator.build_offload_command().page_transfers]
+    coordinator.update_spills(dict.fromkeys(done, 1), dict.fromkeys(done, 1))  # the host copies landed
+    conn.update_connector_output(
+        KVConnectorOutput(worker_meta=OffloadingWorkerMetadata(stores={s.job_id: (True, False, "") for s in stores}))
+    )
+    host, indexer = kv.get_block_ids(request_id)[:2]
+    kv.free(r)
+    conn.request_finished(r, [])
+    return host, indexer

@@ -13,10 +13,13 @@ from kvlab.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V
 _REGISTRY: dict[str, tuple[str, str]] = {
     "OffloadingConnector": ("kvlab.distributed.kv_transfer.kv_connector.v1.offloading_connector", "OffloadingConnector"),
     "ExampleConnector": ("kvlab.distributed.kv_transfer.kv_connector.v1.example_connector", "ExampleConnector"),
+    "HiSparseConnector": ("kvlab.distributed.kv_transfer.kv_connector.v1.hisparse.connector", "HiSparseConnector"),
 }
-# kvlab's own connectors take (role, block_size, extra_config); any other class is built
-# with vLLM's (vllm_config, role, kv_cache_config).
-_KVLAB_SHAPED = frozenset(_REGISTRY)
+# These two take kvlab's (role, block_size, extra_config); every other class is built with
+# vLLM's (vllm_config, role, kv_cache_config) -- in kvlab's call, only a class a caller
+# registered takes kvlab's shape.
+_KVLAB_SHAPED = frozenset({"OffloadingConnector", "ExampleConnector"})
+_VLLM_SHAPED_BUILTINS = frozenset(_REGISTRY) - _KVLAB_SHAPED
 
 
 class KVConnectorFactory:
@@ -49,6 +52,11 @@ class KVConnectorFactory:
             raise TypeError(f"config must be a KVTransferConfig, got {type(config).__name__}")
         connector_cls: Any = cls.get_connector_class(config)
         if vllm_config is None:
+            if config.kv_connector in _VLLM_SHAPED_BUILTINS:
+                raise TypeError(
+                    f"{config.kv_connector} is built from vLLM's call, create_connector(vllm_config, role, kv_cache_config): "
+                    "it reads the KV-cache config, not a block size"
+                )
             block_size = kv_cache_config
         else:
             hma_enabled = not getattr(vllm_config.scheduler_config, "disable_hybrid_kv_cache_manager", False)

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvlab.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
+from kvlab.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, SupportsHMA
 
 if TYPE_CHECKING:
     from collections.abc import Set as AbstractSet
@@ -150,12 +150,12 @@ class HiSparseConnectorScheduler:
         coord.update_spills(meta.enqueued_transfer_counts, meta.completed_transfer_counts)
 
 
-class HiSparseConnector(KVConnectorBase_V1):
+class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
     """HiSparse's connector: it supplies no tokens of its own (the host pool is the source
     group's, found by the prefix lookup), it carries the coordinator's work to the worker."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
-        super().__init__(role)
+        super().__init__(vllm_config, role, kv_cache_config)
         if kv_cache_config.hisparse_host_num_blocks is None:
             raise ValueError("HiSparseConnector needs a HiSparse host pool: kv_cache_config.hisparse_host_num_blocks is None")
         if role is not KVConnectorRole.SCHEDULER:

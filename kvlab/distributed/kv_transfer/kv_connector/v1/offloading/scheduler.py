@@ -6,9 +6,6 @@
   blocks they hold -- whole blocks, and never the prompt's last token (the model must
   compute it to sample the next one), nor past a bound the connector passes (HiSparse:
   the host pool's prefix). Those tokens are external computed tokens.
-
-The tiers keep one KV-cache group's blocks (``group_id``, set when bound): the only group,
-or HiSparse's indexer group; each key carries that group's index, as in vLLM.
 * **Load** (``update_state_after_alloc``): the scheduler gave the request GPU blocks for
   them; pin the blocks in their tiers and plan a load job into those GPU blocks.
 * **Store** (``build_connector_meta``): every block that becomes full in this step is
@@ -19,8 +16,12 @@ or HiSparse's indexer group; each key carries that group's index, as in vLLM.
 * **Completion** (``update_connector_output``): the worker's report unpins loads, makes
   stores readable, and drops entries that failed (a missing or corrupt file).
 
+The tiers keep one KV-cache group's blocks (``group_id``, set when bound): the only group,
+or HiSparse's indexer group; each key carries that group's index, as in vLLM.
+
 Every decision is written to the event log (``KVTransfer``, ``OffloadEvicted``), so the
-lesson's pictures show stores, loads and which tier served each hit, step by step.
+lesson's pictures show stores, loads and which tier served each hit, step by step. With KV
+events on, the tiers' changes are also queued as vLLM 0.33 publishes them (``take_events``).
 """
 
 from __future__ import annotations
