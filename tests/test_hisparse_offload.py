@@ -10,14 +10,16 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
 
-from kvlab.distributed.kv_events import BlockRemoved, BlockStored
+from kvlab.distributed.kv_events import BlockStored
 from kvlab.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
+from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.common import LoadResult, OffloadingWorkerMetadata
 from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.config import get_offloading_group_ids
 from kvlab.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 from kvlab.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupRole, KVCacheGroupSpec
-from kvlab.kv_offload.base import get_offload_group_idx
+from kvlab.kv_offload.base import get_offload_group_idx, make_offload_key
 from kvlab.lessons.beyond_pool import hisparse_offload_and_finish
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.outputs import KVConnectorOutput
@@ -152,4 +154,65 @@ def test_tier_removals_name_the_group():
     assert [(type(e).__name__, e.group_idx, len(e.block_hashes)) for e in events] == [
         ("BlockRemoved", 1, 2),
     ]
-    assert all(isinstance(e, BlockRemoved) for e in events)
+
+
+_ROUNDS = st.lists(
+    st.tuples(st.integers(0, 3), st.integers(1, 4), st.sets(st.integers(0, 3), max_size=2), st.sets(st.integers(0, 3), max_size=2)),
+    min_size=1,
+    max_size=8,
+)
+
+
+@settings(deadline=None, max_examples=60)
+@given(rounds=_ROUNDS)
+def test_random_rounds_load_only_what_both_pools_can_back(rounds):
+    """Requests come and go on shared prefixes, both pools lose random cached pages between
+    them. Every load the connector plans is a run of indexer keys the CPU tier holds, right
+    after the local hit, never past the host pool's own prefix; both books stay consistent."""
+    m = hisparse_manager(24, 24, enable_caching=True)
+    conn = _connector(m, num_cpu_blocks=6)
+    gpu, host = m.block_pool, m.hisparse.host_manager.block_pool
+    for n, (prefix, pages, lose_indexer, lose_host) in enumerate(rounds):
+        r = Request(f"r{n}", list(range(prefix * 1000, prefix * 1000 + pages * BS)) + [n])  # pages full + 1 token
+        blocks, local = m.get_computed_blocks(r)
+        _, hits = m.coordinator.find_longest_cache_hit_per_group(r.block_hashes, r.num_tokens - 1)
+        in_tier = {k for k, _ in conn.manager.primary.entries()}
+        held = 0  # the run of indexer keys the CPU tier holds right after the local hit
+        while local // BS + held < (r.num_tokens - 1) // BS and make_offload_key(r.block_hashes[local // BS + held], 1) in in_tier:
+            held += 1
+        external, is_async = conn.get_num_new_matched_tokens(r, local)
+        # as far as the tier holds the run, and never past the host pool's own prefix
+        assert (external, is_async) == (min(held, max(0, hits[0] // BS - local // BS)) * BS, False)
+        if held * BS > external:
+            event("the host pool's prefix cut a load short")
+        if m.allocate_slots(r, r.num_tokens - local - external, local, blocks, num_external_computed_tokens=external) is None:
+            conn.request_finished(r, [])
+            continue
+        conn.update_state_after_alloc(r, m.get_blocks(r.request_id), external)
+        meta = conn.build_connector_meta(
+            _step_output({r.request_id: m.get_block_ids(r.request_id)}, {r.request_id: r.num_tokens - local - external})
+        )
+        first, count = local // BS, external // BS
+        assert [[it.key for it in job.items] for job in meta.loads] == (
+            [[make_offload_key(h, 1) for h in r.block_hashes[first : first + count]]] if count else []
+        )
+        assert [job.gpu_block_ids for job in meta.loads] == ([m.get_block_ids(r.request_id)[1][first : first + count]] if count else [])
+        r.num_computed_tokens = r.num_tokens
+        m.hisparse.advance_scheduled([(r.request_id, r.num_tokens)])
+        done = [t.transfer_id for t in m.hisparse.build_offload_command().page_transfers]
+        m.hisparse.update_spills(dict.fromkeys(done, 1), dict.fromkeys(done, 1))  # the host copies landed
+        conn.update_connector_output(
+            KVConnectorOutput(
+                worker_meta=OffloadingWorkerMetadata(
+                    loads={job.job_id: LoadResult(len(job.items)) for job in meta.loads},
+                    stores={job.job_id: (True, False, "") for job in meta.stores},
+                )
+            )
+        )
+        indexer_ids, host_ids = m.get_block_ids(r.request_id)[1], m.get_block_ids(r.request_id)[0]
+        m.free(r)
+        conn.request_finished(r, [])
+        gpu.evict_blocks({indexer_ids[p] for p in lose_indexer if p < len(indexer_ids)})
+        host.evict_blocks({host_ids[p] for p in lose_host if p < len(host_ids)})
+        m.check_invariants()
+        conn.scheduler.check_invariants()
