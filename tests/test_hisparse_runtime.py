@@ -408,3 +408,45 @@ def test_reset_forgets_the_host_prefixes_too():
     assert not m.hisparse.copies
     assert [type(e).__name__ for e in m.take_events()] == ["AllBlocksCleared", "AllBlocksCleared"]  # host pool, GPU pool
     assert m.get_computed_blocks(Request("c", list(range(4 * BS))))[1] == 0
+
+
+def test_connector_stats_sample_the_host_pool(monkeypatch):
+    """vLLM 0.33's HiSparse payload: the host pool's level, its write-backs in flight, and the
+    sampled host-block residencies that ended -- in the host pool's own collector, not the GPU's."""
+    import time
+
+    from kvlab.core.kv_cache_metrics import KVCacheMetricsCollector
+    from kvlab.distributed.kv_transfer.kv_connector.v1.hisparse.connector import HiSparseConnector, HiSparseConnectorScheduler
+
+    now = [2 * 10**9]
+    monkeypatch.setattr(time, "monotonic_ns", lambda: now[0])  # the collectors' clock (vLLM's too)
+    gpu_collector = KVCacheMetricsCollector(sample_rate=1.0)
+    m = hisparse_manager(32, 8, enable_caching=True, metrics_collector=gpu_collector)
+    sched = HiSparseConnectorScheduler(async_speculative=False)
+    assert sched.get_kv_connector_stats() is None  # nothing bound yet
+    sched.bind_coordinator(m.hisparse)
+    first = sched.get_kv_connector_stats()
+    assert (first.data["host_cache_usage_perc"], first.data["pending_page_transfers"]) == ([0.0], [0])
+    r = Request("a", list(range(4 * BS)))
+    run_step(m, r, 4 * BS)  # host pages 1-4, sampled at t = 2 s
+    mid = sched.get_kv_connector_stats()
+    # 4 of the host pool's 7 usable blocks (8 less the null block); 4 write-backs not yet done
+    assert (mid.data["host_cache_usage_perc"], mid.data["pending_page_transfers"]) == ([4 / 7], [4])
+    complete_transfers(m)
+    m.free(r)
+    gpu_collector.drain_events()
+    now[0] = 4 * 10**9
+    m.hisparse.host_manager.block_pool.evict_blocks({1})  # a host page's residency ends at t = 4 s
+    stats = sched.get_kv_connector_stats()
+    assert (stats.data["host_block_lifetime_seconds"], stats.data["host_block_idle_before_evict_seconds"]) == ([2.0], [2.0])
+    assert gpu_collector.drain_events() == []  # the GPU pool's collector saw none of it
+    merged = HiSparseConnector.build_kv_connector_stats(dict(first.data)).aggregate(mid).aggregate(stats)
+    # a level keeps each payload's last observation (the freed pages count as free: 0 again); a count extends
+    assert (merged.data["host_cache_usage_perc"], merged.data["host_block_lifetime_seconds"]) == ([0.0, 4 / 7, 0.0], [2.0])
+    assert merged.reduce() == {
+        "HiSparse hot-buffer hits": 0,
+        "HiSparse hot-buffer misses": 0,
+        "HiSparse host-to-device bytes": 0,
+        "HiSparse host KV cache usage %": 0.0,
+    }
+    assert (HiSparseConnector.get_required_kvcache_layout(None), sched.get_kv_connector_stats().is_empty()) == ("BLHNC", False)

@@ -117,3 +117,21 @@ def test_the_engine_feeds_its_simulated_clock():
     # residencies are measured in simulated seconds: each one is a sum of step times
     step_times = {round(t, 9) for t in Timeline(eng.events).series.time}
     assert any(round(e.lifetime_seconds, 9) in step_times for e in evs)
+
+
+def test_evict_blocks_ends_the_residency_of_every_block_it_names(monkeypatch):
+    """vLLM 0.33 ends a sampled residency for each block ``evict_blocks`` names -- held or
+    free, cached or not -- and reads ``time.monotonic_ns`` when no clock is given."""
+    import time
+
+    now = [1 * 10**9]
+    monkeypatch.setattr(time, "monotonic_ns", lambda: now[0])
+    col = KVCacheMetricsCollector(sample_rate=1.0)
+    mgr = KVCacheManager(num_blocks=4, block_size=4, metrics_collector=col)
+    a = Request("a", [1, 2, 3, 4, 5])  # block 1 full (cached, held), block 2 partial (held, no hash)
+    lookup_and_allocate(mgr, a)
+    now[0] = 4 * 10**9
+    assert mgr.block_pool.evict_blocks({1, 2}) == [1]  # only block 1 had an entry to drop
+    E = KVCacheEvictionEvent
+    assert col.drain_events() == [E(3.0, 3.0, ()), E(3.0, 3.0, ())]
+    assert mgr.block_pool.evict_blocks({1}) == [] and col.drain_events() == []  # that residency is over

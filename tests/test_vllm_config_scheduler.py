@@ -172,3 +172,22 @@ def test_hisparse_connector_from_vllms_config():
 
 def test_cached_request_data_has_vllms_resumed_ids():
     assert CachedRequestData().resumed_req_ids == set()
+
+
+def test_binding_offers_the_gpu_pool_and_layouts_are_vllms():
+    class PoolWatcher(SchedulerSideConnector):
+        pools: list = []
+
+        def bind_gpu_block_pool(self, gpu_block_pool):
+            self.pools.append(gpu_block_pool)
+
+    conn = PoolWatcher(KVConnectorRole.SCHEDULER)
+    sched = Scheduler(**scheduler_kwargs_from_vllm_config(vllm_config(), kv_cache_config(), BS))
+    conn.bind_kv_cache_manager(sched.kv_cache_manager)
+    assert conn.pools == [sched.kv_cache_manager.block_pool]
+    hisparse = SimpleNamespace(attention_config=SimpleNamespace(hisparse_config=object()))
+    assert [
+        SchedulerSideConnector.get_required_kvcache_layout(vllm_config()),
+        OffloadingConnector.get_required_kvcache_layout(vllm_config()),
+        OffloadingConnector.get_required_kvcache_layout(hisparse),
+    ] == [None, "LBHNC", "BLHNC"]

@@ -476,6 +476,10 @@ class BlockPool:
         for bid in ids:
             if not isinstance(bid, int) or not 0 <= bid < n:
                 raise ValueError(f"evict_blocks: block id {bid!r} is not a block of this pool (0..{n - 1})")
+        if self.observers:
+            named = [self.blocks[bid] for bid in ids]
+            for o in self.observers:
+                o.on_evict_requested(self, named)
         dropped: list[tuple[KVCacheBlock, bytes]] = []
         extra = self.cached_block_hashes_by_block
         for bid in ids:

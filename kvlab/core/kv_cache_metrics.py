@@ -79,14 +79,15 @@ class KVCacheMetricsCollector:
         if clock is not None and not callable(clock):
             raise TypeError(f"clock must be a callable returning seconds, got {type(clock).__name__}")
         self.sample_rate = float(sample_rate)
-        # None: wall clock (time.monotonic, as vLLM); an LLMEngine binds its simulated clock.
+        # None: wall clock (time.monotonic_ns, as vLLM); an LLMEngine binds its simulated clock.
         self.clock: Clock | None = clock
         self._rng = random.Random(seed)
         self.block_metrics: dict[int, BlockMetricsState] = {}
         self._eviction_events: list[KVCacheEvictionEvent] = []
 
     def _now_ns(self) -> int:
-        return round((self.clock or time.monotonic)() * 1e9)
+        clock = self.clock
+        return time.monotonic_ns() if clock is None else round(clock() * 1e9)
 
     def should_sample_block(self) -> bool:
         return self._rng.random() < self.sample_rate

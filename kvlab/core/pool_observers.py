@@ -63,6 +63,10 @@ class BlockPoolObserver:
         """Cache entries dropped without a reuse: ``evict_blocks`` (a failed KV load), or an
         undone step whose executor may have overwritten the blocks."""
 
+    def on_evict_requested(self, pool: BlockPool, blocks: Sequence[KVCacheBlock]) -> None:
+        """``evict_blocks`` was asked to drop these blocks' entries (each one, cached or not,
+        before any is dropped)."""
+
     def on_blocks_cached(
         self,
         pool: BlockPool,
@@ -312,7 +316,8 @@ def _block_stored(
 class MetricsCollectorObserver(BlockPoolObserver):
     """vLLM's ``KVCacheMetricsCollector``, told of the three moments it samples. vLLM ends a
     residency inside ``_maybe_evict_cached_block``, which runs for every reused block when
-    caching is on (cached or not) -- so with caching off a reuse ends nothing."""
+    caching is on (cached or not) -- so with caching off a reuse ends nothing -- and for every
+    block ``evict_blocks`` names."""
 
     __slots__ = ("collector",)
 
@@ -336,6 +341,11 @@ class MetricsCollectorObserver(BlockPoolObserver):
         for b in blocks:
             if not b.is_null:
                 c.on_block_accessed(b)
+
+    def on_evict_requested(self, pool: BlockPool, blocks: Sequence[KVCacheBlock]) -> None:
+        # vLLM ends the residency of every block evict_blocks names, held or free, cached or not.
+        for b in blocks:
+            self.collector.on_block_evicted(b)
 
     def on_cache_reset(self, pool: BlockPool, success: bool) -> None:
         if success:

@@ -209,8 +209,21 @@ class KVConnectorBase_V1(ABC):  # noqa: N801 - vLLM's name
     # ==============================  scheduler side  ==============================
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         """The scheduler binds its manager once (vLLM 0.33 does the same): the connector reads
-        block tables and emits events into the manager's event log through it."""
+        block tables and emits events into the manager's event log through it. Then the GPU
+        pool is offered to ``bind_gpu_block_pool``, as in vLLM."""
         self._kv_cache_manager = kv_cache_manager
+        self.bind_gpu_block_pool(kv_cache_manager.block_pool)
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        """vLLM's hook for a connector that follows the GPU pool itself (ref counts, its
+        prefix-cached blocks); none of kvlab's does."""
+        return
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        """The paged-cache layout this connector needs the worker to allocate (vLLM's names:
+        "NHD", "HND", "LBHNC", "BLHNC"); None: any."""
+        return None
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
         """The KV-cache groups this connector's load restores for ``request`` (asked once it

@@ -214,6 +214,13 @@ class OffloadingConnector(KVConnectorBase_V1):
         self.scheduler.request_finished(request)
         return False, None
 
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        """Layer-outermost pages ("LBHNC"), or block-outermost ("BLHNC") under HiSparse, whose
+        host pages copy whole (vLLM 0.33)."""
+        attention = getattr(vllm_config, "attention_config", None)
+        return "BLHNC" if getattr(attention, "hisparse_config", None) is not None else "LBHNC"
+
     def get_kv_connector_stats(self) -> OffloadingConnectorStats | None:
         """The scheduler half's metrics payload (the worker half reports through its
         metadata, so it has none of its own)."""

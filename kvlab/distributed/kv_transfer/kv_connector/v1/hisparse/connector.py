@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvlab.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, SupportsHMA
+from kvlab.distributed.kv_transfer.kv_connector.v1.hisparse.stats import HiSparseKVConnectorStats
 
 if TYPE_CHECKING:
     from collections.abc import Set as AbstractSet
@@ -102,6 +103,19 @@ class HiSparseConnectorScheduler:
             raise RuntimeError("no HiSparse coordinator is bound: bind_kv_cache_manager() first")
         return self.coordinator
 
+    def get_kv_connector_stats(self) -> HiSparseKVConnectorStats | None:
+        """The host pool's level now (how full, write-backs in flight) and its sampled
+        residencies that ended since the last call; None before a coordinator is bound."""
+        if self.coordinator is None:
+            return None
+        host_pool = self.coordinator.get_host_block_pool()
+        assert host_pool is not None  # a coordinator is built only with a host pool
+        stats = HiSparseKVConnectorStats()
+        stats.record_host_usage(host_pool.get_usage(), len(self.coordinator.pending_spills))
+        if host_pool.metrics_collector is not None:
+            stats.record_host_evictions(host_pool.metrics_collector.drain_events())
+        return stats
+
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> HiSparseConnectorMetadata:
         coord = self._bound()
         # The worker rebinds its state every step, so the load starts before the forward.
@@ -181,6 +195,18 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
     @property
     def requires_kv_delivery(self) -> bool:
         return False
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        """Block-outermost pages ("BLHNC"): a host page copies as one contiguous run."""
+        return "BLHNC"
+
+    def get_kv_connector_stats(self) -> HiSparseKVConnectorStats | None:
+        return self.connector_scheduler.get_kv_connector_stats() if self.connector_scheduler is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> HiSparseKVConnectorStats:
+        return HiSparseKVConnectorStats(data=data) if data is not None else HiSparseKVConnectorStats()
 
     def has_pending_push_work(self) -> bool:
         return self._scheduler()._bound().has_pending_work()
