@@ -12,7 +12,9 @@ Three more pieces keep a missing part from hiding what does work:
   tests that use it fail.
 * A module vLLM has under a mapped package and kvlab lacks (the p2p tier, say) is loaded
   from vLLM. Its tests run vLLM's code, not kvlab's, so ``run.sh`` leaves those files out
-  and the report (``KVLAB_ADAPTER_REPORT``) lists every such module.
+  and the report (``KVLAB_ADAPTER_REPORT``) lists every such module. With
+  ``KVLAB_ADAPTER_STRICT=1`` such a module stands empty instead, every name a placeholder
+  (``run.sh``'s connector table, whose files mix kvlab's parts with parts it lacks).
 * kvlab keeps five call shapes of its own on purpose; the adapter translates them (the
   ``TRANSLATIONS`` section at the end). Nothing else is changed.
 """
@@ -27,6 +29,7 @@ import importlib.machinery
 import importlib.util
 import os
 import sys
+import types
 from types import SimpleNamespace
 from typing import Any
 
@@ -53,6 +56,9 @@ PRELOAD = (
     "tests.conftest",
 )
 MAPPED: dict[str, str] = {}
+# KVLAB_ADAPTER_STRICT=1: a module kvlab lacks is not loaded from vLLM but stands empty (every
+# name a placeholder), so no test passes on vLLM's code (run.sh's connector table).
+STRICT = os.environ.get("KVLAB_ADAPTER_STRICT") == "1"
 VLLM_FALLBACKS: set[str] = set()
 MISSING: set[str] = set()
 
@@ -121,6 +127,19 @@ class _AliasLoader(importlib.abc.Loader):
         pass
 
 
+class _PlaceholderLoader(importlib.abc.Loader):
+    """STRICT: a module vLLM has under a mapped package and kvlab lacks, every name in it a
+    placeholder -- so a test passes only on kvlab's code."""
+
+    def create_module(self, spec: Any) -> Any:
+        module = types.ModuleType(spec.name)
+        _add_placeholders(module, spec.name)
+        return module
+
+    def exec_module(self, module: Any) -> None:
+        pass
+
+
 class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
         if not name.startswith("vllm."):
@@ -132,6 +151,8 @@ class _Finder(importlib.abc.MetaPathFinder):
                 spec = importlib.machinery.PathFinder.find_spec(name, [os.path.join(VLLM_ROOT, *parent.split("."))])
                 if spec is not None:  # (a package attribute asked as a submodule finds none)
                     VLLM_FALLBACKS.add(name)
+                    if STRICT:
+                        return importlib.util.spec_from_loader(name, _PlaceholderLoader())
                 return spec
             return None
         MAPPED[name] = real
