@@ -115,24 +115,14 @@ def _add_placeholders(module: Any, vllm_name: str) -> None:
 
 
 class _AliasLoader(importlib.abc.Loader):
-    def __init__(self, kvlab_module: str) -> None:
+    """vLLM's module ``spec.name`` as kvlab's ``kvlab_module`` -- or, with None (STRICT, a
+    module kvlab lacks), as an empty module -- each missing name a placeholder."""
+
+    def __init__(self, kvlab_module: str | None) -> None:
         self.kvlab_module = kvlab_module
 
     def create_module(self, spec: Any) -> Any:
-        module = importlib.import_module(self.kvlab_module)
-        _add_placeholders(module, spec.name)
-        return module
-
-    def exec_module(self, module: Any) -> None:
-        pass
-
-
-class _PlaceholderLoader(importlib.abc.Loader):
-    """STRICT: a module vLLM has under a mapped package and kvlab lacks, every name in it a
-    placeholder -- so a test passes only on kvlab's code."""
-
-    def create_module(self, spec: Any) -> Any:
-        module = types.ModuleType(spec.name)
+        module = types.ModuleType(spec.name) if self.kvlab_module is None else importlib.import_module(self.kvlab_module)
         _add_placeholders(module, spec.name)
         return module
 
@@ -152,7 +142,7 @@ class _Finder(importlib.abc.MetaPathFinder):
                 if spec is not None:  # (a package attribute asked as a submodule finds none)
                     VLLM_FALLBACKS.add(name)
                     if STRICT:
-                        return importlib.util.spec_from_loader(name, _PlaceholderLoader())
+                        return importlib.util.spec_from_loader(name, _AliasLoader(None))
                 return spec
             return None
         MAPPED[name] = real
@@ -271,6 +261,31 @@ def _get_local_prefix_cache_hit(self: Any, request: Any, *args: Any, **kwargs: A
 _scheduler.Scheduler._get_local_prefix_cache_hit = _get_local_prefix_cache_hit  # type: ignore[method-assign]
 
 
+# 2. ``block.block_hash``: vLLM's is the cache key (hash + group id), which kvlab calls
+#    ``cache_key``; kvlab's ``block_hash`` is the plain hash (the value in request.block_hashes).
+def _cache_key_as_block_hash(utils: Any) -> None:
+    utils.KVCacheBlock.block_hash = property(lambda self: self.cache_key)
+
+
+_cache_key_as_block_hash(_utils)
+
+# 3. The publishers: vLLM keeps them in kv_events; kvlab in kv_publisher (kv_events is part
+#    of the core, which imports no ZeroMQ).
+for _name in ("EventPublisher", "EventPublisherFactory", "NullEventPublisher", "ZmqEventPublisher"):
+    setattr(_events, _name, getattr(_publisher, _name))
+
+
+# 4. ``generate_block_hash_extra_keys``: vLLM returns (keys, the multimodal index the next
+#    block resumes from); kvlab's returns the keys alone -- it is the ``extra_keys_fn`` seam a
+#    learner's function replaces -- and ``generate_block_hash_extra_keys_and_next_mm`` gives
+#    the pair.
+def _extra_keys_with_next_mm(utils: Any) -> None:
+    utils.generate_block_hash_extra_keys = utils.generate_block_hash_extra_keys_and_next_mm
+
+
+_extra_keys_with_next_mm(_utils)
+
+
 # 5. The scheduler's constructor: vLLM's takes the engine config and builds the manager and the
 #    connector itself; kvlab's core takes them built (the core imports no connector), and
 #    ``kvlab.engine.vllm_config`` builds them from vLLM's config.
@@ -299,30 +314,6 @@ class Scheduler(_scheduler.Scheduler):
 
 _scheduler.Scheduler = Scheduler  # type: ignore[misc]
 
-
-# 2. ``block.block_hash``: vLLM's is the cache key (hash + group id), which kvlab calls
-#    ``cache_key``; kvlab's ``block_hash`` is the plain hash (the value in request.block_hashes).
-def _cache_key_as_block_hash(utils: Any) -> None:
-    utils.KVCacheBlock.block_hash = property(lambda self: self.cache_key)
-
-
-_cache_key_as_block_hash(_utils)
-
-# 3. The publishers: vLLM keeps them in kv_events; kvlab in kv_publisher (kv_events is part
-#    of the core, which imports no ZeroMQ).
-for _name in ("EventPublisher", "EventPublisherFactory", "NullEventPublisher", "ZmqEventPublisher"):
-    setattr(_events, _name, getattr(_publisher, _name))
-
-
-# 4. ``generate_block_hash_extra_keys``: vLLM returns (keys, the multimodal index the next
-#    block resumes from); kvlab's returns the keys alone -- it is the ``extra_keys_fn`` seam a
-#    learner's function replaces -- and ``generate_block_hash_extra_keys_and_next_mm`` gives
-#    the pair.
-def _extra_keys_with_next_mm(utils: Any) -> None:
-    utils.generate_block_hash_extra_keys = utils.generate_block_hash_extra_keys_and_next_mm
-
-
-_extra_keys_with_next_mm(_utils)
 
 # vLLM's tests reload kv_cache_utils (to re-read PYTHONHASHSEED): the reloaded module gets
 # translations 2 and 4 again.

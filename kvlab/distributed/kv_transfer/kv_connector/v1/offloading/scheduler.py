@@ -238,18 +238,20 @@ class OffloadingConnectorScheduler:
 
     def _drain(self) -> None:
         """Turn the tiers' queued changes into timeline events (removals) and vLLM KV events."""
-        merged: list = []
-        for ev in self.manager.take_events():  # one line per run of same-kind removals
-            if self.collect_kv_events:
+        events = list(self.manager.take_events())
+        if self.collect_kv_events:
+            for ev in events:
                 self._kv_events.extend(self._kv_events_of(ev))
+        if self.events is None:
+            return
+        merged: list = []
+        for ev in events:  # one line per run of same-kind removals
             last = merged[-1] if merged else None
             if last is not None and ev.removed and last.removed and (last.medium, last.reason) == (ev.medium, ev.reason):
                 last.keys = last.keys + ev.keys
                 last.slots = last.slots + ev.slots
             else:
                 merged.append(replace(ev))  # a copy: merging must not change the tier's event
-        if self.events is None:
-            return
         for ev in merged:
             if ev.removed:
                 hashes = [get_offload_block_hash(k) for k in ev.keys]
