@@ -1089,6 +1089,10 @@ class KVCacheConfig:
     hisparse_host_num_blocks: int | None = None
     hisparse_host_block_stride: int | None = None
     hisparse_shared_host_pool: bool = False
+    #: How many consecutive tensor-parallel ranks hold the same bytes in every layer (vLLM
+    #: 0.33; :func:`kvlab.core.kv_cache_planning.kv_cache_groups_tp_replicas`): MLA's one
+    #: latent head is copied on every rank, so an offload may keep one copy for all of them.
+    kv_tp_replicas: int = 1
 
     @property
     def bytes_per_block(self) -> int:

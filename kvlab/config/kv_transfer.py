@@ -11,6 +11,7 @@ it: a decode engine) or "kv_both" (an offloading cache does both).
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,8 +24,15 @@ class KVTransferConfig:
     kv_role: str = "kv_both"
     kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
     kv_load_failure_policy: str = "recompute"
+    #: This engine's name among engines that share KV (one per data-parallel rank); a
+    #: random one when not given, as in vLLM. Offload files and P/D handshakes carry it.
+    engine_id: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
+        if self.engine_id is None:
+            object.__setattr__(self, "engine_id", str(uuid.uuid4()))
+        elif not isinstance(self.engine_id, str) or not self.engine_id:
+            raise TypeError(f"engine_id must be a non-empty string or None, got {self.engine_id!r}")
         if not isinstance(self.kv_connector, str) or not self.kv_connector:
             raise TypeError(f"kv_connector must be a connector name, got {self.kv_connector!r}")
         if self.kv_role not in KV_ROLES:

@@ -48,7 +48,7 @@ from kvlab.core.kv_cache_utils import (
     make_block_hash_with_group_id,
 )
 from kvlab.core.pool_observers import BlockPoolObserver, EventLogObserver, KVEventsObserver, MetricsCollectorObserver
-from kvlab.distributed.kv_events import MEDIUM_GPU, KVEvent
+from kvlab.utils.kv_events import MEDIUM_GPU, KVEvent
 from kvlab.eventlog.events import EventLog
 from kvlab.utils.checks import AssertedValueError, check_int
 from kvlab.utils.hashing import BlockHash

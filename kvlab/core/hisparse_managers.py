@@ -28,12 +28,12 @@ from kvlab.core.block_pool import BlockPool
 from kvlab.core.kv_cache_metrics import KVCacheMetricsCollector
 from kvlab.core.kv_cache_utils import MANAGER_FOR_SPEC, KVCacheBlock, trim_null_head
 from kvlab.core.single_type_kv_cache_manager import _AS_SET, FullAttentionManager, SingleTypeKVCacheManager, cdiv
-from kvlab.distributed.kv_events import MEDIUM_CPU
+from kvlab.utils.kv_events import MEDIUM_CPU
 from kvlab.kv_cache_interface import HiSparseHotSpec, HiSparseResidentSpec
 from kvlab.utils.checks import check_int
 
 if TYPE_CHECKING:
-    from kvlab.distributed.kv_events import KVEvent
+    from kvlab.utils.kv_events import KVEvent
 
 __all__ = ["HiSparseHotManager", "HiSparseResidentManager", "HiSparseSourceManager", "SharedEventQueueBlockPool"]
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection, Mapping, Sequence
-from math import gcd, lcm
 from typing import Any, NamedTuple
 
 from kvlab.core.block_pool import BlockPool
@@ -40,50 +39,6 @@ from kvlab.kv_cache_interface import FullAttentionSpec, KVCacheSpec, MambaSpec, 
 from kvlab.utils.hashing import BlockHash
 
 logger = logging.getLogger("kvlab.kv_cache")
-
-
-def resolve_kv_cache_block_sizes(
-    specs: Sequence[KVCacheSpec], enable_caching: bool, prefix_match_unit: int | None = None, dcp_world_size: int = 1
-) -> tuple[int, int]:
-    """(scheduler_block_size, hash_block_size), vLLM 0.33's rule.
-
-    The scheduler block size is the LCM of the groups' block sizes: every chunk of a Mamba
-    prefill and, unless partial hits are on, every hit length is a multiple of it. Hashes
-    are computed every ``prefix_match_unit`` tokens if given, else every GCD of the block
-    sizes, so each group's block ends on a hash boundary -- unless caching is off, or a
-    Mamba group is not in ``align`` mode: then hashing is at the scheduler block size.
-    With one group, hits land on its blocks: any other ``prefix_match_unit`` is refused.
-    ``specs``: with their block sizes as the manager sees them under ``dcp_world_size``."""
-    sizes = [s.block_size for s in specs]
-    if len(sizes) == 1:
-        bs = sizes[0]
-        if prefix_match_unit not in (None, bs) and enable_caching:
-            raise ValueError(
-                f"Invalid prefix_match_unit={prefix_match_unit}; with a single KV cache group, prefix-cache hits land "
-                f"on the block size ({bs}). Unset it or set it to {bs}."
-            )
-        return bs, bs  # type: ignore[return-value]  # the manager fills in every spec's block size before it calls this
-    scheduler_block_size = lcm(*sizes)  # type: ignore[arg-type]  # as above
-    if not enable_caching or any(isinstance(s, MambaSpec) and s.mamba_cache_mode != "align" for s in specs):
-        return scheduler_block_size, scheduler_block_size
-    hashing = [s.block_size for s in specs if s.prefix_cacheable] or sizes
-    hash_block_size = prefix_match_unit if prefix_match_unit is not None else gcd(*hashing)  # type: ignore[arg-type]  # as above
-    if any(bs % hash_block_size for bs in hashing):  # type: ignore[operator]  # as above
-        raise ValueError(
-            f"Invalid prefix_match_unit={hash_block_size}; prefix-cacheable KV cache group block sizes must be divisible "
-            f"by prefix_match_unit. Got group block sizes={sizes}, prefix-cacheable={hashing}."
-        )
-    # A group that compresses k tokens into one state (DeepSeek-V4) can only resume at a
-    # multiple of k: every hit length must be one.
-    per_state = [getattr(s, "tokens_per_state", 1) for s in specs if s.prefix_cacheable]  # Mamba has none
-    alignments = sorted({k for k in per_state if isinstance(k, int) and k > 1})
-    hit_alignment = hash_block_size if partial_hash_hits_enabled(specs, hash_block_size, dcp_world_size) else scheduler_block_size
-    if any(hit_alignment % a for a in alignments):
-        raise ValueError(
-            f"Invalid prefix_match_unit={hash_block_size}; prefix-cache boundaries must align with each spec's "
-            f"per-state compression. Got alignments={alignments}."
-        )
-    return scheduler_block_size, hash_block_size
 
 
 def _check_retention_interval(retention_interval: int | None, scheduler_block_size: int, specs: Sequence[KVCacheSpec]) -> int | None:

@@ -20,13 +20,14 @@ from typing import Any
 
 from kvlab.core.block_pool import BlockPool, group_suffix
 from kvlab.core.hisparse_coordinator import HiSparseCoordinator, get_hisparse_coordinator
-from kvlab.core.kv_cache_coordinator import HybridKVCacheCoordinator, get_kv_cache_coordinator, resolve_kv_cache_block_sizes
+from kvlab.core.kv_cache_coordinator import HybridKVCacheCoordinator, get_kv_cache_coordinator
 from kvlab.core.kv_cache_metrics import KVCacheMetricsCollector
 from kvlab.core.kv_cache_utils import (
     check_lookahead_tokens,
     KVCacheBlock,
     KVCacheBlockCopy,
     get_request_block_hasher,
+    resolve_block_sizes_of_specs,
     resolve_dcp_kv_cache_spec,
     scheduler_kv_cache_groups,
     trim_null_head,
@@ -38,7 +39,7 @@ from kvlab.core.single_type_kv_cache_manager import (
     check_context_parallelism,
 )
 from kvlab.core.transaction import manager_call, manager_lookup
-from kvlab.distributed.kv_events import BlockStored, KVEvent
+from kvlab.utils.kv_events import BlockStored, KVEvent
 from kvlab.kv_cache_interface import (
     KV_CACHE_SPEC_TYPES,
     AttentionSpec,
@@ -379,9 +380,9 @@ class KVCacheManager:
         ]
         if hash_block_size is not None and prefix_match_unit is None:
             hash_block_size = check_int("hash_block_size", hash_block_size, 1)
-            if hash_block_size != resolve_kv_cache_block_sizes(specs, enable_caching)[1]:
+            if hash_block_size != resolve_block_sizes_of_specs(specs, enable_caching)[1]:
                 prefix_match_unit = hash_block_size
-        derived_scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(
+        derived_scheduler_block_size, hash_block_size = resolve_block_sizes_of_specs(
             specs, enable_caching, prefix_match_unit, dcp_world_size
         )
         if scheduler_block_size is not None and scheduler_block_size != derived_scheduler_block_size:

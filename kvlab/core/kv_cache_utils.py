@@ -23,6 +23,7 @@ import hashlib
 import logging
 import os
 import struct
+from math import gcd, lcm
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -44,6 +45,7 @@ from kvlab.utils.hashing import (
 
 if TYPE_CHECKING:
     from kvlab.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
+    from kvlab.kv_cache_interface import KVCacheSpec
 
 logger = logging.getLogger("kvlab.kv_cache")
 
@@ -733,6 +735,77 @@ def resolve_dcp_kv_cache_spec(spec: Any, dcp_world_size: int) -> Any:
         layers = {k: replace(s, block_size=block_size) for k, s in spec.kv_cache_specs.items()}
         return replace(spec, block_size=block_size, kv_cache_specs=layers)
     return replace(spec, block_size=block_size)
+
+
+def resolve_block_sizes_of_specs(
+    specs: Sequence[KVCacheSpec], enable_caching: bool, prefix_match_unit: int | None = None, dcp_world_size: int = 1
+) -> tuple[int, int]:
+    """(scheduler_block_size, hash_block_size) of groups of ``specs``, vLLM 0.33's rule.
+
+    The scheduler block size is the LCM of the groups' block sizes: every chunk of a Mamba
+    prefill and, unless partial hits are on, every hit length is a multiple of it. Hashes
+    are computed every ``prefix_match_unit`` tokens if given, else every GCD of the block
+    sizes, so each group's block ends on a hash boundary -- unless caching is off, or a
+    Mamba group is not in ``align`` mode: then hashing is at the scheduler block size.
+    With one group, hits land on its blocks: any other ``prefix_match_unit`` is refused.
+    ``specs``: with their block sizes as the manager sees them under ``dcp_world_size``."""
+    sizes = [s.block_size for s in specs]
+    if len(sizes) == 1:
+        bs = sizes[0]
+        if prefix_match_unit not in (None, bs) and enable_caching:
+            raise ValueError(
+                f"Invalid prefix_match_unit={prefix_match_unit}; with a single KV cache group, prefix-cache hits land "
+                f"on the block size ({bs}). Unset it or set it to {bs}."
+            )
+        return bs, bs  # type: ignore[return-value]  # the manager fills in every spec's block size before it calls this
+    scheduler_block_size = lcm(*sizes)  # type: ignore[arg-type]  # as above
+    if not enable_caching or any(isinstance(s, MambaSpec) and s.mamba_cache_mode != "align" for s in specs):
+        return scheduler_block_size, scheduler_block_size
+    hashing = [s.block_size for s in specs if s.prefix_cacheable] or sizes
+    hash_block_size = prefix_match_unit if prefix_match_unit is not None else gcd(*hashing)  # type: ignore[arg-type]  # as above
+    if any(bs % hash_block_size for bs in hashing):  # type: ignore[operator]  # as above
+        raise ValueError(
+            f"Invalid prefix_match_unit={hash_block_size}; prefix-cacheable KV cache group block sizes must be divisible "
+            f"by prefix_match_unit. Got group block sizes={sizes}, prefix-cacheable={hashing}."
+        )
+    # A group that compresses k tokens into one state (DeepSeek-V4) can only resume at a
+    # multiple of k: every hit length must be one.
+    per_state = [getattr(s, "tokens_per_state", 1) for s in specs if s.prefix_cacheable]  # Mamba has none
+    alignments = sorted({k for k in per_state if isinstance(k, int) and k > 1})
+    hit_alignment = hash_block_size if partial_hash_hits_enabled(specs, hash_block_size, dcp_world_size) else scheduler_block_size
+    if any(hit_alignment % a for a in alignments):
+        raise ValueError(
+            f"Invalid prefix_match_unit={hash_block_size}; prefix-cache boundaries must align with each spec's "
+            f"per-state compression. Got alignments={alignments}."
+        )
+    return scheduler_block_size, hash_block_size
+
+
+def resolve_kv_cache_block_sizes(kv_cache_config: Any, vllm_config: Any) -> tuple[int, int]:
+    """(scheduler_block_size, hash_block_size) for an engine config (vLLM 0.33's call, in
+    ``vllm/v1/core/kv_cache_utils.py``): the rule of :func:`resolve_block_sizes_of_specs`
+    over the config's groups, their blocks as decode context parallelism makes them.
+
+    A model of one group takes the engine's ``cache_config.block_size`` (times the DCP size
+    when the group is sharded), not its spec's. Hashes matter when prefix caching or a KV
+    connector is on: with neither, both sizes are the scheduler block size."""
+    cache_config = vllm_config.cache_config
+    dcp = vllm_config.parallel_config.decode_context_parallel_size
+    groups = list(kv_cache_config.kv_cache_groups)
+    hashed = bool(cache_config.enable_prefix_caching) or vllm_config.kv_transfer_config is not None
+    if len(groups) <= 1:
+        if groups and not getattr(groups[0].kv_cache_spec, "dcp_sharded", False):
+            dcp = 1
+        bs = cache_config.block_size * dcp
+        unit = cache_config.prefix_match_unit
+        if groups and hashed and unit not in (None, bs):
+            raise ValueError(
+                f"Invalid prefix_match_unit={unit}; with a single KV cache group, prefix-cache hits land "
+                f"on the block size ({bs}). Unset it or set it to {bs}."
+            )
+        return bs, bs
+    specs = [resolve_dcp_kv_cache_spec(g.kv_cache_spec, dcp) for g in groups]
+    return resolve_block_sizes_of_specs(specs, hashed, cache_config.prefix_match_unit, dcp)
 
 
 #: spec class -> the class of manager that runs a group of that spec (vLLM 0.33's

@@ -34,7 +34,7 @@ from kvlab.core.kv_cache_utils import (
     maybe_convert_block_hash,
     to_event_extra_keys,
 )
-from kvlab.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvlab.utils.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvlab.eventlog.events import BlockCached, BlockEvicted, BlocksAllocated, BlocksFreed, CacheReset, EventLog
 from kvlab.eventlog.schema import HashKeys
 from kvlab.utils.hashing import BlockHash

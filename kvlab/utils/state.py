@@ -77,6 +77,7 @@ def restore_into(obj: Any, saved: dict[str, Any], memo: dict[int, Any]) -> None:
                 and type(cur) is type(v)
                 and type(cur).__module__.startswith("kvlab.")
                 and hasattr(cur, "__dict__")
+                and not _frozen(type(cur))  # cannot have changed, and cannot be set into
                 and id(cur) not in memo
                 and id(v) not in memo
             ):
@@ -93,6 +94,11 @@ def restore_into(obj: Any, saved: dict[str, Any], memo: dict[int, Any]) -> None:
 
 
 _NO = object()
+
+
+def _frozen(cls: type) -> bool:
+    params = getattr(cls, "__dataclass_params__", None)
+    return params is not None and bool(params.frozen)
 
 
 #: A slot that was never set (``get_fields`` records it, ``set_fields`` leaves it unset).

@@ -39,6 +39,7 @@ RULES = [
     ("vllm.v1.request", "kvlab.request"),
     ("vllm.v1.kv_offload", "kvlab.kv_offload"),
     ("vllm.v1.hisparse", "kvlab.hisparse"),
+    ("vllm.v1.kv_cache_spec_registry", "kvlab.kv_cache_spec_registry"),
     ("vllm.v1.metrics", "kvlab.metrics"),
     ("vllm.utils.hashing", "kvlab.utils.hashing"),
     ("vllm.distributed.kv_events", "kvlab.distributed.kv_events"),

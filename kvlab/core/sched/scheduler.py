@@ -52,7 +52,7 @@ from kvlab.core.kv_cache_utils import KVCacheBlock, KVCacheBlockCopy
 from kvlab.core.single_type_kv_cache_manager import cdiv
 from kvlab.kv_cache_interface import get_mamba_prefill_checkpoint_position, is_mamba_prefill_checkpoint_valid
 from kvlab.core.transaction import adds_request, save_first, scheduler_call
-from kvlab.distributed.kv_events import KVEventBatch
+from kvlab.utils.kv_events import KVEventBatch
 from kvlab.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     CircularBufferSpec,

@@ -8,6 +8,7 @@ from typing import Any
 
 from kvlab.config.kv_transfer import KVTransferConfig
 from kvlab.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole, supports_hma
+from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.config import get_offloading_group_ids
 
 # name -> (module, class): imported on first use
 _REGISTRY: dict[str, tuple[str, str]] = {
@@ -67,7 +68,9 @@ class KVConnectorFactory:
                 )
             if config.kv_connector not in _KVLAB_SHAPED:
                 return connector_cls(vllm_config, role, kv_cache_config)
-            block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+            # The block size of the group the connector keeps (HiSparse: the indexer's).
+            groups = get_offloading_group_ids(kv_cache_config) if config.kv_connector == "OffloadingConnector" else (0,)
+            block_size = kv_cache_config.kv_cache_groups[groups[0] if groups else 0].kv_cache_spec.block_size
         extra = getattr(config, "kv_connector_extra_config", None) or {}
         if config.kv_connector == "ExampleConnector":
             return connector_cls(role, block_size, extra, kv_role=config.kv_role)

@@ -17,7 +17,8 @@ One class, two roles, as in vLLM: built with ``KVConnectorRole.SCHEDULER`` it ke
 tiers' books (:mod:`...offloading.scheduler`), with ``KVConnectorRole.WORKER`` it moves the
 bytes (:mod:`...offloading.worker`). Both are built from the same ``KVTransferConfig``
 (``kv_connector="OffloadingConnector"``; extra config ``num_cpu_blocks``,
-``storage_path`` and ``num_storage_blocks`` for a disk tier, ``offload_prompt_only``; the CPU
+``storage_path`` and ``num_storage_blocks`` for a disk tier, ``offload_prompt_only``,
+``self_describing_kv_events``; the CPU
 tier's ``eviction_policy``, ``cache_policy_module_path``, ``store_threshold``; the disk tier's
 ``backpressure``).
 """
@@ -30,7 +31,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from kvlab.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingConnectorMetadata
-from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.config import get_offloading_group_ids
+from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.config import resolve_blocks_per_chunk, get_offloading_group_ids
 from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import OffloadingConnectorScheduler
 from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.worker import OffloadingConnectorWorker
 from kvlab.kv_offload.cpu.manager import CPUOffloadingManager
@@ -56,6 +57,9 @@ _KNOWN = {
     "cache_policy_module_path",
     "store_threshold",
     "backpressure",
+    "self_describing_kv_events",
+    "block_size",
+    "blocks_per_chunk",
 }
 
 
@@ -70,6 +74,14 @@ class OffloadingConnector(KVConnectorBase_V1):
         if unknown:
             raise ValueError(f"OffloadingConnector: unknown extra config {sorted(unknown)}; known: {sorted(_KNOWN)}")
         self.block_size = check_int("block_size", block_size, 1)
+        # vLLM 0.33 may coalesce several GPU blocks into one tier chunk (extra config
+        # "blocks_per_chunk", or "block_size" in tokens); kvlab's tiers keep one block each.
+        per_chunk = resolve_blocks_per_chunk(cfg, (self.block_size,))
+        if per_chunk != 1:
+            raise ValueError(
+                f"kvlab's offloading tiers keep one GPU block per chunk; the extra config asks for {per_chunk} "
+                f"(blocks_per_chunk=1, or block_size={self.block_size})"
+            )
         self.num_cpu_blocks = check_int("num_cpu_blocks", cfg.get("num_cpu_blocks", 64), 1)
         path = cfg.get("storage_path")
         if path is not None and (not isinstance(path, str) or not path):
@@ -79,6 +91,11 @@ class OffloadingConnector(KVConnectorBase_V1):
         offload_prompt_only = cfg.get("offload_prompt_only", True)
         if not isinstance(offload_prompt_only, bool):
             raise TypeError(f"offload_prompt_only must be a bool, got {offload_prompt_only!r}")
+        # With KV events on, publish the tiers' stores with their tokens and every block hash
+        # (vLLM 0.33's opt-in), not placeholders that name one hash.
+        self_describing = cfg.get("self_describing_kv_events", False)
+        if not isinstance(self_describing, bool):
+            raise TypeError(f"self_describing_kv_events must be a bool, got {self_describing!r}")
         # The CPU tier's cache policy and admission (vLLM's CPU spec reads the same keys).
         self.eviction_policy = cfg.get("eviction_policy", "lru")
         self.cache_policy_module_path = cfg.get("cache_policy_module_path")
@@ -104,7 +121,7 @@ class OffloadingConnector(KVConnectorBase_V1):
                 store_threshold=self.store_threshold,
             )
             manager = StagedTieringManager(cpu, storage)
-            self.connector_scheduler = self.scheduler_cls(manager, self.block_size, offload_prompt_only)
+            self.connector_scheduler = self.scheduler_cls(manager, self.block_size, offload_prompt_only, self_describing)
         else:
             self.connector_worker = OffloadingConnectorWorker(self.num_cpu_blocks, self.block_size)
 

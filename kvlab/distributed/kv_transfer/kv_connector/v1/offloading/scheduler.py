@@ -29,10 +29,17 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
-from kvlab.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
-from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.config import get_offloading_group_ids
+from kvlab.distributed.kv_events import KVCacheEvent
+from kvlab.core.kv_cache_utils import get_manager_class
+from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.config import _group_kv_bytes_per_block, get_offloading_group_ids
+from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.events import (
+    OffloadingEventGroupSpec,
+    OffloadingEventsTracker,
+    get_offloading_event_group_spec,
+)
+from kvlab.kv_cache_interface import KVCacheSpec, MambaSpec, SlidingWindowSpec
 from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     LoadJob,
     OffloadingConnectorMetadata,
@@ -48,9 +55,8 @@ from kvlab.kv_offload.base import (
     ScheduleEndContext,
     TierFilter,
     TierMatcher,
-    OffloadingEvent,
+    OffloadingKVEventsConfig,
     get_offload_block_hash,
-    get_offload_group_idx,
     make_offload_key,
 )
 from kvlab.kv_offload.stats import OffloadingConnectorStats, _ConnectorMetricName, _TransferMetricName
@@ -58,6 +64,9 @@ from kvlab.kv_offload.tiering.staged import StorePlan, StagedTieringManager
 
 if TYPE_CHECKING:
     from kvlab.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from kvlab.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
+    from kvlab.kv_cache_interface import KVCacheConfig
+    from kvlab.kv_offload.base import OffloadingSpec
     from kvlab.core.sched.output import SchedulerOutput
     from kvlab.outputs import KVConnectorOutput
     from kvlab.request import Request
@@ -133,6 +142,133 @@ def _create_req_context(req: Request) -> ReqContext:
     )
 
 
+class GroupOffloadConfig(NamedTuple):
+    """How the scheduler half offloads one KV-cache group (vLLM 0.33)."""
+
+    group_idx: int  # the group's index in the KVCacheConfig
+    tokens_per_block: int
+    tokens_per_chunk: int  # a tier's unit: blocks_per_chunk blocks
+    hashes_per_chunk: int  # block hashes per chunk; a chunk's key is its last one's
+    kv_event_group_spec: OffloadingEventGroupSpec  # what its KV events say of the group
+    sliding_window_size_in_chunks: int | None  # chunks a request still reads; None: full attention
+    kv_cache_spec: KVCacheSpec
+    manager_cls: type[SingleTypeKVCacheManager]  # the manager that runs the group (its hit rule)
+    requires_cow_source: bool = False  # a Mamba "align" group: a partial tail is copied from a CoW source
+    is_eagle_group: bool = False  # a drafter's group: its last chunk is volatile, never stored or loaded
+
+    def load_window_size_in_chunks(self, num_tokens: int) -> int | None:
+        """The chunks a load of ``num_tokens`` tokens must fill in this group (None: all).
+        A window's hit ends at the hit, not at the chunk edge the lookup rounded up to, so
+        the window may start up to a chunk further left: one more chunk may be needed."""
+        window = self.sliding_window_size_in_chunks
+        spec = self.kv_cache_spec
+        if isinstance(spec, SlidingWindowSpec):
+            assert window is not None
+            pad = -num_tokens % self.tokens_per_chunk
+            reach = spec.sliding_window - 1 + spec.extra_retained_tokens + pad
+            window = max(window, -(-reach // self.tokens_per_chunk))
+        return window
+
+
+def resolve_mamba_align_size(spec: OffloadingSpec, kv_cache_config: KVCacheConfig) -> int | None:
+    """The chunk, in tokens, that a hit on a Mamba group in "align" mode must be a multiple
+    of (its state is saved only at chunk edges); None when no such group is offloaded. Every
+    such group must agree."""
+    size: int | None = None
+    for group in spec.config.groups:
+        kv_spec = kv_cache_config.kv_cache_groups[group.group_id].kv_cache_spec
+        if isinstance(kv_spec, MambaSpec) and kv_spec.mamba_cache_mode == "align":
+            chunk = group.tokens_per_block * spec.blocks_per_chunk
+            if size is not None and size != chunk:
+                raise AssertionError(f"Mamba groups in align mode disagree on their offload chunk: {size} and {chunk} tokens")
+            size = chunk
+    return size
+
+
+class SchedulerOffloadConfig(NamedTuple):
+    """The scheduler half's view of the offload (vLLM 0.33): one :class:`GroupOffloadConfig`
+    per offloaded group, and what applies to all of them."""
+
+    kv_group_configs: tuple[GroupOffloadConfig, ...]
+    blocks_per_chunk: int
+    tokens_per_hash: int
+    num_workers: int  # a transfer is done when every worker reported it
+    offload_prompt_only: bool
+    supports_partial_tail: bool  # a prompt's last, partial block may be offloaded too
+    alignment_tokens: int | None = None  # loads end on multiples of this (the full-attention chunk)
+    retention_interval: int | None = None
+    dcp_world_size: int = 1
+    sync_load_budget_bytes: int = 0  # KV bytes per step one worker may load before the forward pass (0: none)
+    kv_bytes_per_token: int = 0  # KV bytes per token on one worker, over the offloaded groups
+
+    @classmethod
+    def from_spec(cls, spec: OffloadingSpec, vllm_config: Any, kv_cache_config: KVCacheConfig) -> SchedulerOffloadConfig:
+        per_chunk = spec.blocks_per_chunk
+        # Loads end on a full-attention chunk edge (a window block earlier in a chunk can
+        # never serve a hit). Models with no full-attention group fall back to their largest
+        # chunk, so a retention interval still has a grain.
+        full_chunks = {g.tokens_per_block * per_chunk for g in spec.config.groups if g.sliding_window_size_in_chunks is None}
+        alignment: int | None = None
+        if len(full_chunks) == 1:
+            (alignment,) = full_chunks
+        elif not full_chunks and spec.tokens_per_block:
+            alignment = max(t * per_chunk for t in spec.tokens_per_block)
+        retention = vllm_config.cache_config.prefix_cache_retention_interval
+        eagle_groups = {g.group_id for g in spec.config.groups if kv_cache_config.kv_cache_groups[g.group_id].is_eagle_group}
+        configs = []
+        for group in spec.config.groups:
+            kv_group = kv_cache_config.kv_cache_groups[group.group_id]
+            kv_spec = kv_group.kv_cache_spec
+            chunk = group.tokens_per_block * per_chunk
+            configs.append(
+                GroupOffloadConfig(
+                    group_idx=group.group_id,
+                    tokens_per_block=group.tokens_per_block,
+                    tokens_per_chunk=chunk,
+                    hashes_per_chunk=chunk // spec.tokens_per_hash,
+                    sliding_window_size_in_chunks=group.sliding_window_size_in_chunks,
+                    kv_cache_spec=kv_spec,
+                    manager_cls=get_manager_class(kv_spec),
+                    kv_event_group_spec=get_offloading_event_group_spec(kv_group),
+                    is_eagle_group=group.group_id in eagle_groups,
+                    requires_cow_source=isinstance(kv_spec, MambaSpec) and kv_spec.mamba_cache_mode == "align",
+                )
+            )
+        dcp = vllm_config.parallel_config.decode_context_parallel_size
+        # A partial tail needs one block per chunk, one block size, no window group but the
+        # Mamba ones that copy their tail, a Mamba group whose block is split by hashes, no DCP.
+        partial_tail = (
+            per_chunk == 1
+            and len({c.tokens_per_block for c in configs}) == 1
+            and any(c.requires_cow_source and c.tokens_per_block > spec.tokens_per_hash for c in configs)
+            and all(c.sliding_window_size_in_chunks is None or c.requires_cow_source for c in configs)
+            and dcp == 1
+        )
+        if retention is not None:
+            if retention < 0:
+                raise ValueError(f"prefix_cache_retention_interval ({retention}) must be non-negative.")
+            for c in configs:
+                if c.sliding_window_size_in_chunks is not None and retention % c.tokens_per_chunk:
+                    raise ValueError(
+                        f"prefix_cache_retention_interval ({retention}) must be a multiple of tokens_per_chunk ({c.tokens_per_chunk})."
+                    )
+        return cls(
+            kv_group_configs=tuple(configs),
+            blocks_per_chunk=per_chunk,
+            tokens_per_hash=spec.tokens_per_hash,
+            num_workers=vllm_config.parallel_config.world_size,
+            offload_prompt_only=spec.offload_prompt_only,
+            supports_partial_tail=partial_tail,
+            alignment_tokens=alignment,
+            retention_interval=retention,
+            dcp_world_size=dcp,
+            sync_load_budget_bytes=int(spec.extra_config.get("sync_load_budget_bytes", 0)),
+            kv_bytes_per_token=sum(
+                _group_kv_bytes_per_block(kv_cache_config.kv_cache_groups[g.group_id]) // g.tokens_per_block for g in spec.config.groups
+            ),
+        )
+
+
 @dataclass(slots=True)
 class RequestOffloadState:
     req: Request
@@ -145,10 +281,13 @@ class RequestOffloadState:
 
 
 class OffloadingConnectorScheduler:
-    def __init__(self, manager: StagedTieringManager, block_size: int, offload_prompt_only: bool = True) -> None:
+    def __init__(
+        self, manager: StagedTieringManager, block_size: int, offload_prompt_only: bool = True, self_describing_kv_events: bool = False
+    ) -> None:
         self.manager = manager
         self.block_size = block_size
         self.offload_prompt_only = offload_prompt_only
+        self.self_describing_kv_events = self_describing_kv_events
         self._reqs: dict[str, RequestOffloadState] = {}
         self._pending_loads: list[LoadJob] = []
         self._jobs: dict[int, LoadJob | StoreJob] = {}
@@ -161,6 +300,9 @@ class OffloadingConnectorScheduler:
         self.use_int_hashes = True
         self.collect_kv_events = False  # set by bind(): the pool's enable_kv_cache_events
         self.group_id = 0  # set by bind(): the KV-cache group whose blocks the tiers keep
+        self.group_config: GroupOffloadConfig | None = None  # set by bind(): how that group is offloaded
+        # The tiers' changes as KV events (placeholders, or payloads when self-describing).
+        self._events_tracker = OffloadingEventsTracker(OffloadingKVEventsConfig(False, self_describing_kv_events))
         # Per tier, tokens served by loads (a lesson's and the bench's hit counts).
         self.num_hit_tokens: dict[str, int] = {t.medium: 0 for t in manager.tiers}
         # vLLM 0.33's metrics payload: the worker's transfers, this half's lookups and failed
@@ -200,12 +342,28 @@ class OffloadingConnectorScheduler:
             )
         if not kv_cache_manager.enable_caching:
             raise ValueError("offloading works by block hash: build the KV-cache manager with enable_caching=True")
+        group = config.kv_cache_groups[group_id]
         self.group_id = group_id
+        self.group_config = GroupOffloadConfig(
+            group_idx=group_id,
+            tokens_per_block=self.block_size,
+            tokens_per_chunk=self.block_size,  # kvlab's tiers keep one block per chunk
+            hashes_per_chunk=1,
+            kv_event_group_spec=get_offloading_event_group_spec(group),
+            sliding_window_size_in_chunks=None,  # a full-attention group (or HiSparse's indexer)
+            kv_cache_spec=group.kv_cache_spec,
+            manager_cls=get_manager_class(group.kv_cache_spec),
+        )
         self.events = kv_cache_manager.events
         self.use_int_hashes = kv_cache_manager.block_pool.kv_events_use_int_block_hashes
         # vLLM's tiers queue KV events only when KV events are on (as the pool does): with them
         # off nobody takes the queue, and it would grow with every store for ever.
         self.collect_kv_events = kv_cache_manager.block_pool.enable_kv_cache_events
+        self._events_tracker = OffloadingEventsTracker(
+            OffloadingKVEventsConfig(self.collect_kv_events, self.self_describing_kv_events),
+            {group_id: self.group_config.kv_event_group_spec},
+            use_int_block_hashes=self.use_int_hashes,
+        )
         if self.events is not None:
             self.events.record(
                 "offload_tiers_created", tiers=[{"medium": t.medium, "num_blocks": t.num_blocks} for t in self.manager.tiers]
@@ -240,8 +398,7 @@ class OffloadingConnectorScheduler:
         """Turn the tiers' queued changes into timeline events (removals) and vLLM KV events."""
         events = list(self.manager.take_events())
         if self.collect_kv_events:
-            for ev in events:
-                self._kv_events.extend(self._kv_events_of(ev))
+            self._kv_events.extend(self._events_tracker.take_events(events))
         if self.events is None:
             return
         merged: list = []
@@ -256,40 +413,6 @@ class OffloadingConnectorScheduler:
             if ev.removed:
                 hashes = [get_offload_block_hash(k) for k in ev.keys]
                 self.events.record("offload_evicted", medium=ev.medium, block_hashes=hashes, chunk_ids=list(ev.slots), reason=ev.reason)
-
-    def _kv_events_of(self, ev: OffloadingEvent) -> list[KVCacheEvent]:
-        """One tier change as vLLM 0.33 publishes it without self-describing events: a
-        placeholder ``BlockStored`` per key (no tokens, no parent, ``block_size=0``: a
-        consumer learns the hash, the medium and the group, and may ignore the rest), and
-        one ``BlockRemoved`` per group for a removal -- none for a failed store's
-        reservation (``metadata_only``: the block was never readable)."""
-        medium = ev.medium.value if isinstance(ev.medium, Medium) else ev.medium
-        locality = ev.locality.value if ev.locality is not None else None
-        if not ev.removed:
-            return [
-                BlockStored(
-                    block_hashes=[self._ext(get_offload_block_hash(k))],
-                    parent_block_hash=None,
-                    token_ids=[],
-                    block_size=0,
-                    lora_id=None,
-                    medium=medium,
-                    lora_name=None,
-                    group_idx=get_offload_group_idx(k),
-                    locality=locality,
-                    ownership=ev.ownership,
-                )
-                for k in ev.keys
-            ]
-        if ev.metadata_only:
-            return []
-        by_group: dict[int, list[bytes | int]] = {}
-        for k in ev.keys:
-            by_group.setdefault(get_offload_group_idx(k), []).append(self._ext(get_offload_block_hash(k)))
-        return [
-            BlockRemoved(block_hashes=hashes, medium=medium, group_idx=group, locality=locality, ownership=ev.ownership)
-            for group, hashes in by_group.items()
-        ]
 
     def _record_orders(self) -> None:
         """Record each tier's eviction order where it changed since last recorded (after the
@@ -306,9 +429,6 @@ class OffloadingConnectorScheduler:
                     block_hashes=[get_offload_block_hash(k) for k, _ in order],
                     chunk_ids=[c for _, c in order],
                 )
-
-    def _ext(self, h: bytes) -> bytes | int:
-        return int.from_bytes(h, "big") & 0xFFFF_FFFF_FFFF_FFFF if self.use_int_hashes else h
 
     # -- the hooks -------------------------------------------------------------------------------
     def tier_hits(self, request: Request, num_computed_tokens: int) -> list[str]:
@@ -355,6 +475,11 @@ class OffloadingConnectorScheduler:
             return
         keys = self._keys(st, start, start + n)
         media = st.lookup_media[:n]
+        # Every loaded block ends up in the CPU tier (a disk block passes through a CPU slot):
+        # its payload is taken now, while the request is here to read it from.
+        if self.group_config is not None:
+            for i, key in enumerate(keys, start):
+                self._events_tracker.record_lookup(request, self.group_config, i, key)
         items = self.manager.prepare_load(keys, media, st.req_context)
         self._drain()
         gpu_ids = [b.block_id for b in blocks.blocks[self.group_id][start : start + n]]
@@ -428,6 +553,9 @@ class OffloadingConnectorScheduler:
             if not plan.keys:
                 continue  # the tiers hold them already
             index = {k: first + i for i, k in enumerate(keys)}
+            if self.group_config is not None:
+                for k in plan.keys:
+                    self._events_tracker.record_store(req, self.group_config, index[k], k)
             gpu_ids = [st.block_ids[index[k]] for k in plan.keys]
             store = StoreJob(self._job_id(), rid, gpu_ids, plan)
             self._jobs[store.job_id] = store
