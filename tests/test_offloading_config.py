@@ -388,3 +388,42 @@ def test_the_engine_publishes_self_describing_tier_events(tmp_path: Any) -> None
         ([gpu.block_hashes[0]], None, [100, 101, 102, 103], 4),
         ([gpu.block_hashes[1]], gpu.block_hashes[0], [104, 105, 106, 107], 4),
     ]
+
+
+# -- completion across workers ----------------------------------------------------------------------
+def test_worker_reports_add_up_and_merge() -> None:
+    from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.common import LoadResult, OffloadingWorkerMetadata
+
+    key = make_offload_key(b"k" * 32, 0)
+    rank0 = OffloadingWorkerMetadata(loads={1: LoadResult(3)}, stores={2: (True, True, "")}, cascade_bytes={2: 100})
+    rank1 = OffloadingWorkerMetadata(loads={1: LoadResult(2, key, "disk")}, stores={2: (True, False, "full")}, cascade_bytes={2: 100})
+    both = rank0.aggregate(rank1)
+    assert both.completed_jobs == {1: 2, 2: 2}  # a result reported is that worker's completion
+    assert (both.loads[1].num_loaded, both.loads[1].failed_key) == (2, key)  # as far as the slowest rank got
+    assert (both.stores[2], both.cascade_bytes[2]) == ((True, False, "full"), 200)  # every rank must have cascaded
+    with pytest.raises(TypeError, match="can only aggregate an OffloadingWorkerMetadata"):
+        rank0.aggregate({})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("second_rank_stores", [True, False])
+def test_a_store_is_readable_once_every_worker_reported_it(second_rank_stores: bool) -> None:
+    from kvlab import Request, build_engine
+    from kvlab.config.kv_transfer import KVTransferConfig
+    from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
+    from kvlab.kv_offload.base import LookupResult
+    from kvlab.outputs import KVConnectorOutput
+
+    eng = build_engine(num_blocks=8, block_size=4, kv_transfer_config=KVTransferConfig("OffloadingConnector"))
+    conn = eng.scheduler.connector.scheduler
+    conn.num_workers = 2  # two tensor-parallel ranks copy each block, each its own heads
+    eng.add_request(Request("A", list(range(100, 109)), max_tokens=1))
+    [store] = eng.scheduler.schedule().kv_connector_metadata.stores
+    cpu = conn.manager.primary
+    report = OffloadingWorkerMetadata(stores={store.job_id: (True, False, "")})
+    conn.update_connector_output(KVConnectorOutput(worker_meta=report))
+    assert [cpu.lookup(k) for k in store.plan.keys] == [LookupResult.HIT_PENDING] * 2  # one rank is not enough
+    report = OffloadingWorkerMetadata(stores={store.job_id: (second_rank_stores, False, "" if second_rank_stores else "copy failed")})
+    conn.update_connector_output(KVConnectorOutput(worker_meta=report))
+    expected = LookupResult.HIT if second_rank_stores else LookupResult.MISS
+    assert [cpu.lookup(k) for k in store.plan.keys] == [expected] * 2
+    assert conn._partial_reports == {} and store.job_id not in conn._jobs

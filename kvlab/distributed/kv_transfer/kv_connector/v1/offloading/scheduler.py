@@ -309,6 +309,11 @@ class OffloadingConnectorScheduler:
         # allocations, the manager's gauges; the static facts go out with the first one.
         self._connector_stats = OffloadingConnectorStats()
         self._info_sent = False
+        # Workers that copy each job (vLLM 0.33: the world size -- every tensor-parallel rank
+        # moves its own heads); a job is done when all of them reported it. Until then the
+        # reports so far wait here, merged, by job id.
+        self.num_workers = 1
+        self._partial_reports: dict[int, OffloadingWorkerMetadata] = {}
 
     def bind(self, kv_cache_manager: KVCacheManager) -> None:
         """Check that this half can serve ``kv_cache_manager`` and take what it reads from it.
@@ -509,6 +514,7 @@ class OffloadingConnectorScheduler:
         for job_id in [j for j, b in self._job_build.items() if b < self._num_builds]:
             job = self._jobs.pop(job_id, None)
             del self._job_build[job_id]
+            self._partial_reports.pop(job_id, None)  # some worker never reported it
             if isinstance(job, LoadJob):
                 self.manager.complete_load(job.items, loaded=())  # none ran: no promoted slot holds its block
             elif isinstance(job, StoreJob):
@@ -616,6 +622,7 @@ class OffloadingConnectorScheduler:
                 for n in d.sizes:
                     transfer.observe_histogram(size, n)
             self._connector_stats.aggregate(transfer)
+        wm = self._completed(wm)
         for job_id, res in wm.loads.items():
             self._job_build.pop(job_id, None)
             job = self._jobs.pop(job_id, None)
@@ -634,6 +641,23 @@ class OffloadingConnectorScheduler:
                 )
         self._drain()
         self._record_orders()
+
+    def _completed(self, wm: OffloadingWorkerMetadata) -> OffloadingWorkerMetadata:
+        """The jobs of ``wm`` that every worker has now reported, each with its workers'
+        results merged; the others wait in ``_partial_reports`` for the rest."""
+        if self.num_workers == 1 and not self._partial_reports:
+            return wm
+        done = OffloadingWorkerMetadata()
+        for job_id in wm.completed_jobs:
+            part = wm.job(job_id)
+            earlier = self._partial_reports.pop(job_id, None)
+            if earlier is not None:
+                part = earlier.aggregate(part)
+            if part.completed_jobs[job_id] >= self.num_workers:
+                done = done.aggregate(part)
+            else:
+                self._partial_reports[job_id] = part
+        return done
 
     def get_stats(self) -> OffloadingConnectorStats | None:
         """The metrics since the last call (vLLM 0.33): this half's own, then the offload

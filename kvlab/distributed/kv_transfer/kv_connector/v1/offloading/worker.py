@@ -80,6 +80,7 @@ class OffloadingConnectorWorker:
                 self._failed_reqs.add(job.req_id)
                 self._report.errors[job.req_id] = res.reason
             self._report.loads[job.job_id] = res
+            self._report.mark_completed(job.job_id)
             if res.num_loaded:
                 self._report.transfer_stats.load.record(res.num_loaded * buf.block_nbytes, time.perf_counter() - start)
 
@@ -92,6 +93,7 @@ class OffloadingConnectorWorker:
         for job in meta.stores:
             if job.req_id in self._failed_reqs or job.req_id in skip_req_ids:
                 self._report.stores[job.job_id] = (False, False, "its request did not compute this step")
+                self._report.mark_completed(job.job_id)
                 continue
             plan = job.plan
             start = time.perf_counter()
@@ -102,6 +104,7 @@ class OffloadingConnectorWorker:
                     buf.store(gpu_block, slot)
             except Exception as e:  # noqa: BLE001
                 self._report.stores[job.job_id] = (False, False, f"{type(e).__name__}: {e}")
+                self._report.mark_completed(job.job_id)
                 continue
             stored["CPU"] = stored.get("CPU", 0) + len(plan.keys) * meta.block_size
             self._report.transfer_stats.store.record(len(plan.keys) * buf.block_nbytes, time.perf_counter() - start)
@@ -129,6 +132,7 @@ class OffloadingConnectorWorker:
                 self._report.cascade_bytes[job.job_id] = num_bytes
                 self._report.cascade_time[job.job_id] = time.perf_counter() - t0
             self._report.stores[job.job_id] = (True, cascaded, err)
+            self._report.mark_completed(job.job_id)
 
     def build_connector_worker_meta(self) -> OffloadingWorkerMetadata:
         report, self._report = self._report, OffloadingWorkerMetadata()
