@@ -52,6 +52,34 @@ def offload_engine(
     return build_engine(num_blocks=num_blocks, block_size=block_size, max_num_batched_tokens=64, executor=executor, kv_transfer_config=cfg)
 
 
+def tier_block_stored(prompt: Sequence[int], *, self_describing: bool, block_size: int = 4) -> list[Any]:
+    """Lesson 12b, section 1: the ``BlockStored`` events an engine publishes while ``prompt``
+    is prefilled and its full blocks are copied to a CPU tier -- the GPU pool's event, then
+    the CPU tier's, as vLLM 0.33 publishes them: placeholders, or with
+    ``self_describing_kv_events`` each chunk's hashes, parent and tokens."""
+    from kvlab.distributed.kv_events import BlockStored
+
+    events: list[Any] = []
+
+    class Collect:
+        def publish(self, batch: Any) -> None:
+            events.extend(e for e in batch.events if isinstance(e, BlockStored))
+
+    cfg = KVTransferConfig(
+        "OffloadingConnector", kv_connector_extra_config={"num_cpu_blocks": 4, "self_describing_kv_events": self_describing}
+    )
+    eng = build_engine(
+        num_blocks=8,
+        block_size=block_size,
+        kv_transfer_config=cfg,
+        kv_event_publisher=Collect(),
+        manager_kwargs={"enable_kv_cache_events": True},
+    )
+    eng.add_request(Request("chat", list(prompt), max_tokens=1))
+    eng.run()
+    return events
+
+
 def vllm_offload_configs(cfg: KVTransferConfig, block_bytes: int, page_bytes: int | None = None) -> dict[str, dict[str, Any]]:
     """kvlab's tier config beside the two vLLM 0.33 ``--kv-transfer-config`` records that set up
     the same CPU tier (lesson 12b, section 1). vLLM sizes a CPU tier in bytes, not blocks:
