@@ -178,3 +178,83 @@ def test_the_tiering_tracker_counts_lookups_once_and_jobs_by_their_keys() -> Non
     assert _tiering_view(t.take_stats()) == idle  # the gauges stay; the counts were taken
     with pytest.raises(AssertionError, match="never registered"):
         t.on_job_finished(cascade, JobResult(2, True))
+
+
+# -- the frontend: Prometheus and the interval log ---------------------------------------------------
+def _prom(extra: dict | None = None, engines: int = 1):
+    """OffloadPromMetrics over real prometheus_client metrics in a registry of their own."""
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    from kvlab.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+
+    registry = CollectorRegistry()
+    types = {base: type(base.__name__, (base,), {"__init__": lambda self, *a, _b=base, **kw: _b.__init__(self, *a, registry=registry, **kw)})
+             for base in (Gauge, Counter, Histogram)}  # fmt: skip
+    config = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra or {}))
+    labels = {i: ["m", str(i)] for i in range(engines)}
+    return OffloadingConnector.build_prom_metrics(config, types, ["model_name", "engine"], labels), registry
+
+
+def test_an_engine_run_becomes_prometheus_samples(tmp_path) -> None:
+    from kvlab import Request
+    from kvlab.config.kv_transfer import KVTransferConfig
+    from kvlab.engine.llm_engine import build_engine
+
+    from kvlab.worker.model import TinyLlama, TinyLlamaConfig
+    from kvlab.worker.model_runner import ModelRunner
+
+    extra = {"num_cpu_blocks": 4, "storage_path": str(tmp_path), "num_storage_blocks": 8}
+    prom, registry = _prom(extra)
+    tiny = TinyLlamaConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
+    cfg = KVTransferConfig("OffloadingConnector", kv_connector_extra_config=extra)
+    eng = build_engine(num_blocks=8, block_size=4, kv_transfer_config=cfg, executor=ModelRunner(TinyLlama(tiny, seed=0)))
+    eng.add_request(Request("A", list(range(100, 109)), max_tokens=1))
+    block_bytes = 0
+    while eng.has_unfinished_requests():  # a frontend observes every step's payload
+        eng.step()
+        payload = eng.scheduler.make_stats().kv_connector_stats
+        if payload is not None:
+            prom.observe(payload)
+        block_bytes = block_bytes or eng.scheduler.connector.manager.chunk_size_bytes
+    engine = {"model_name": "m", "engine": "0"}
+    # the two full blocks of A went to the CPU tier in one store job
+    store_bytes = registry.get_sample_value("vllm:kv_offload_store_bytes_total", engine)
+    assert (store_bytes, block_bytes > 0) == (2 * block_bytes, True)
+    assert registry.get_sample_value("vllm:kv_offload_store_size_count", engine) == 1
+    assert registry.get_sample_value("vllm:kv_offload_store_size_sum", engine) == store_bytes
+    # kvlab's tiers report as vLLM's tiering spec: one config series per tier, the facts in labels
+    series = [s for m in registry.collect() if m.name == "vllm:kv_offload_config_info" for s in m.samples]
+    assert [(s.labels["tier"], s.labels["cpu_num_chunks"], s.value) for s in series] == [("0:primary", "4", 1.0), ("1:fs", "", 1.0)]
+    # the lookup of A's blocks stopped at the first miss: one chunk asked about, in the CPU tier
+    assert registry.get_sample_value("vllm:kv_offload_tiering_chunk_queries_total", {**engine, "tier": "0:primary"}) == 1
+
+
+def test_prometheus_refuses_what_was_never_declared() -> None:
+    prom, _ = _prom()
+    with pytest.raises(AssertionError, match="never declared"):
+        prom.observe({"types": {"my:metric": "counter"}, "data": {"my:metric": {(): 1}}})
+    with pytest.raises(AssertionError, match="Unknown offloading stats key: vllm:kv_offload_load_bytes"):
+        prom.observe({"types": {}, "data": {"vllm:kv_offload_load_bytes": {(): 1}}})
+
+
+def test_the_interval_log_sums_payloads_and_skips_an_info_only_one() -> None:
+    from kvlab.config.kv_transfer import KVTransferConfig
+    from kvlab.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
+
+    log = KVConnectorLogging(KVTransferConfig("OffloadingConnector"))
+    for n in (10, 32):
+        s = OffloadingConnectorStats()
+        s.increase_counter("vllm:kv_offload_load_bytes", n)
+        log.observe(s.data)
+    lines: list[str] = []
+    log.log(lambda fmt, *args: lines.append(fmt % args))
+    assert lines == ["KV Transfer metrics: vllm:kv_offload_load_bytes=42"]
+    info_only = OffloadingConnectorStats()
+    info_only.set_info([{"cpu_num_chunks": 4}])
+    log.observe(info_only.data)
+    log.log(lambda fmt, *args: lines.append(fmt % args))
+    assert len(lines) == 1 and log.transfer_stats_accumulator is None
+    with pytest.raises(RuntimeError, match="no KV connector is configured"):
+        KVConnectorLogging(None).observe({})

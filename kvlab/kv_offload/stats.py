@@ -23,7 +23,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvlab.metrics.kv_connector_stats import KVConnectorStats
-from kvlab.kv_offload.base import ConfigInfoMapping
+from kvlab.kv_offload.base import (
+    ConfigInfoMapping,
+    OffloadingCounterMetadata,
+    OffloadingHistogramMetadata,
+    OffloadingMetricMetadata,
+)
 
 KV_OFFLOAD_CONFIG_INFO = "vllm:kv_offload_config_info"
 
@@ -45,6 +50,53 @@ class _ConnectorMetricName:
     LOOKUP_SYNC_DELAY = "vllm:kv_offload_lookup_sync_delay_seconds"
     LOOKUP_ASYNC_DELAY = "vllm:kv_offload_lookup_async_delay_seconds"
     ALLOCATION_FAILURE = "vllm:kv_offload_allocation_failure"
+
+
+class _TransferType:
+    """The ``transfer_type`` label of the older, per-direction transfer metrics."""
+
+    LOAD = "CPU_to_GPU"
+    STORE = "GPU_to_CPU"
+    ALL = (LOAD, STORE)
+
+
+#: Bytes: the transfer-size histograms' buckets, 1 MB to 200 MB (vLLM 0.33's).
+TRANSFER_SIZE_BUCKETS = (1e6, 5e6, 10e6, 20e6, 40e6, 60e6, 80e6, 100e6, 150e6, 200e6)
+
+
+def get_connector_metric_definitions() -> dict[str, OffloadingMetricMetadata]:
+    """The metrics the connector itself reports, whatever its backend: transfers (the
+    worker) and lookups and failed allocations (the scheduler half). A backend adds its own
+    (``OffloadingSpec.build_metric_definitions``)."""
+    return {
+        _TransferMetricName.LOAD_BYTES: OffloadingCounterMetadata("Bytes copied from an offload tier into the GPU pool."),
+        _TransferMetricName.LOAD_TIME: OffloadingCounterMetadata("Seconds spent copying from an offload tier into the GPU pool."),
+        _TransferMetricName.LOAD_SIZE: OffloadingHistogramMetadata("Bytes per load job.", buckets=TRANSFER_SIZE_BUCKETS),
+        _TransferMetricName.STORE_BYTES: OffloadingCounterMetadata("Bytes copied from the GPU pool to an offload tier."),
+        _TransferMetricName.STORE_TIME: OffloadingCounterMetadata("Seconds spent copying from the GPU pool to an offload tier."),
+        _TransferMetricName.STORE_SIZE: OffloadingHistogramMetadata("Bytes per store job.", buckets=TRANSFER_SIZE_BUCKETS),
+        _ConnectorMetricName.LOOKUP_SYNC_DELAY: OffloadingHistogramMetadata(
+            "Seconds one lookup of a request's blocks in the tiers took.",
+            buckets=(1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1),
+        ),
+        _ConnectorMetricName.LOOKUP_ASYNC_DELAY: OffloadingHistogramMetadata(
+            "Seconds from a lookup that had to wait for a tier to the lookup that answered (or the request's end).",
+            buckets=(1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1, 5, 10),
+        ),
+        _ConnectorMetricName.ALLOCATION_FAILURE: OffloadingCounterMetadata("Stores the tiers found no room for."),
+    }
+
+
+# The older transfer metrics, one series per direction (``transfer_type``), still fed from
+# the same payload while users move to the names above.
+_DEPRECATED_TOTAL_BYTES = "vllm:kv_offload_total_bytes"
+_DEPRECATED_TOTAL_TIME = "vllm:kv_offload_total_time"
+_DEPRECATED_SIZE = "vllm:kv_offload_size"
+_DEPRECATED_CONNECTOR_METRIC_DEFINITIONS: dict[str, OffloadingMetricMetadata] = {
+    _DEPRECATED_TOTAL_BYTES: OffloadingCounterMetadata("Bytes moved between the GPU pool and the CPU tier, per direction."),
+    _DEPRECATED_TOTAL_TIME: OffloadingCounterMetadata("Seconds spent moving bytes between the GPU pool and the CPU tier, per direction."),
+    _DEPRECATED_SIZE: OffloadingHistogramMetadata("Bytes per transfer, per direction.", buckets=TRANSFER_SIZE_BUCKETS),
+}
 
 
 class _MetricType:

@@ -285,6 +285,14 @@ class KVConnectorBase_V1(ABC):  # noqa: N801 - vLLM's name
         processes as plain data), or None for a connector that keeps no metrics."""
         return None
 
+    @classmethod
+    def build_prom_metrics(
+        cls, vllm_config: Any, metric_types: dict[type, type], labelnames: list[str], per_engine_labelvalues: dict[int, list[Any]]
+    ) -> Any:
+        """This connector's Prometheus metrics (a ``KVConnectorPromMetrics``; see
+        ``kv_connector/v1/metrics.py``), or None for a connector that exports none."""
+        return None
+
     def take_events(self) -> Iterable[Any]:
         """vLLM KV-cache events of the tiers this connector owns (``BlockStored`` /
         ``BlockRemoved`` with ``medium`` "CPU" or "STORAGE")."""

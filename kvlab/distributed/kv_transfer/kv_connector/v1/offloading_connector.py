@@ -247,5 +247,24 @@ class OffloadingConnector(KVConnectorBase_V1):
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> OffloadingConnectorStats:
         return OffloadingConnectorStats(data=data) if data is not None else OffloadingConnectorStats()
 
+    @classmethod
+    def build_prom_metrics(
+        cls, vllm_config: Any, metric_types: dict[type, type], labelnames: list[str], per_engine_labelvalues: dict[int, list[Any]]
+    ) -> Any:
+        """The offload metrics as Prometheus metrics (:class:`OffloadPromMetrics`). The
+        metrics a backend reports come from its spec class (``spec_name``); kvlab's own tiers
+        (a config without ``spec_name`` or vLLM's ``cpu_bytes_to_use``) report as vLLM's
+        tiering spec does -- a CPU tier in front, a file tier behind it when there is one."""
+        from types import SimpleNamespace
+
+        from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadPromMetrics
+
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        if "spec_name" not in extra and "cpu_bytes_to_use" not in extra:
+            tiers = [{"type": "fs", "root_dir": extra["storage_path"]}] if extra.get("storage_path") else []
+            extra = {**extra, "spec_name": "TieringOffloadingSpec", "secondary_tiers": tiers}
+            vllm_config = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra))
+        return OffloadPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def take_events(self) -> list[Any]:
         return self.scheduler.take_events()
