@@ -187,12 +187,13 @@ def _prom(extra: dict | None = None, engines: int = 1):
 
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+    from kvlab.config.kv_transfer import KVTransferConfig
     from kvlab.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 
     registry = CollectorRegistry()
     types = {base: type(base.__name__, (base,), {"__init__": lambda self, *a, _b=base, **kw: _b.__init__(self, *a, registry=registry, **kw)})
              for base in (Gauge, Counter, Histogram)}  # fmt: skip
-    config = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra or {}))
+    config = SimpleNamespace(kv_transfer_config=KVTransferConfig("OffloadingConnector", kv_connector_extra_config=extra or {}))
     labels = {i: ["m", str(i)] for i in range(engines)}
     return OffloadingConnector.build_prom_metrics(config, types, ["model_name", "engine"], labels), registry
 

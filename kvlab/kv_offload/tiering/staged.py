@@ -143,6 +143,12 @@ class StagedTieringManager:
                 return CPU if i == 0 else STORAGE
         return None
 
+    def lookup(self, key: OffloadKey, req_context: ReqContext | None = None) -> LookupResult:
+        """vLLM's one-key question: HIT when some tier can serve ``key`` now, else MISS.
+        These tiers move data in step with the scheduler, so they never answer
+        ``HIT_PENDING`` or ``RETRY`` (vLLM's asynchronous tiering manager does)."""
+        return LookupResult.MISS if self.where(key, req_context) is None else LookupResult.HIT
+
     def lookup_chain(self, keys: Sequence[OffloadKey], req_context: ReqContext | None = None) -> list[str]:
         """The tiers that can serve the longest run of ``keys`` from the first one on: one
         medium per block, stopping at the first miss -- and at the first storage block that

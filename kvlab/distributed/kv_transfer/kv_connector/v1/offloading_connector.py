@@ -33,7 +33,7 @@ from kvlab.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V
 from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingConnectorMetadata
 from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.config import resolve_blocks_per_chunk, get_offloading_group_ids
 from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import OffloadingConnectorScheduler
-from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.worker import OffloadingConnectorWorker
+from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.worker import StagedOffloadingConnectorWorker
 from kvlab.kv_offload.cpu.manager import CPUOffloadingManager
 from kvlab.kv_offload.tiering.factory import create_backpressure_detector
 from kvlab.kv_offload.tiering.fs.staged import StagedFileSystemTier
@@ -106,7 +106,7 @@ class OffloadingConnector(KVConnectorBase_V1):
         if detector is not None and path is None:
             raise ValueError("backpressure applies to the disk tier: set storage_path too")
         self.connector_scheduler: OffloadingConnectorScheduler | None = None
-        self.connector_worker: OffloadingConnectorWorker | None = None
+        self.connector_worker: StagedOffloadingConnectorWorker | None = None
         if role is KVConnectorRole.SCHEDULER:
             storage = (
                 StagedFileSystemTier(self.num_storage_blocks, path, block_size=self.block_size, backpressure_detector=detector)
@@ -123,7 +123,7 @@ class OffloadingConnector(KVConnectorBase_V1):
             manager = StagedTieringManager(cpu, storage)
             self.connector_scheduler = self.scheduler_cls(manager, self.block_size, offload_prompt_only, self_describing)
         else:
-            self.connector_worker = OffloadingConnectorWorker(self.num_cpu_blocks, self.block_size)
+            self.connector_worker = StagedOffloadingConnectorWorker(self.num_cpu_blocks, self.block_size)
 
     @property
     def scheduler(self) -> OffloadingConnectorScheduler:
@@ -134,7 +134,7 @@ class OffloadingConnector(KVConnectorBase_V1):
         return scheduler
 
     @property
-    def worker(self) -> OffloadingConnectorWorker:
+    def worker(self) -> StagedOffloadingConnectorWorker:
         self._check_role(KVConnectorRole.WORKER, "worker")
         assert self.connector_worker is not None
         return self.connector_worker
@@ -255,15 +255,19 @@ class OffloadingConnector(KVConnectorBase_V1):
         metrics a backend reports come from its spec class (``spec_name``); kvlab's own tiers
         (a config without ``spec_name`` or vLLM's ``cpu_bytes_to_use``) report as vLLM's
         tiering spec does -- a CPU tier in front, a file tier behind it when there is one."""
-        from types import SimpleNamespace
+        import copy
+        import dataclasses
 
         from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadPromMetrics
 
-        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        transfer = vllm_config.kv_transfer_config
+        extra = transfer.kv_connector_extra_config
         if "spec_name" not in extra and "cpu_bytes_to_use" not in extra:
+            # The same engine config, its extra config naming the tiering spec and its tiers.
             tiers = [{"type": "fs", "root_dir": extra["storage_path"]}] if extra.get("storage_path") else []
             extra = {**extra, "spec_name": "TieringOffloadingSpec", "secondary_tiers": tiers}
-            vllm_config = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra))
+            vllm_config = copy.copy(vllm_config)
+            vllm_config.kv_transfer_config = dataclasses.replace(transfer, kv_connector_extra_config=extra)
         return OffloadPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def take_events(self) -> list[Any]:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from kvlab.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
-from kvlab.kv_offload.base import OffloadKey
+from kvlab.kv_offload.base import LoadStoreSpec, OffloadKey
 from kvlab.kv_offload.tiering.staged import LoadItem, StorePlan
 
 
@@ -34,10 +34,32 @@ class StoreJob:
 
 
 @dataclass(slots=True)
+class TransferJob:
+    """One copy between the GPU and a backend, as vLLM 0.33's spec-built worker half takes it
+    (keyed by the scheduler's job id): ``src_spec`` -> ``dst_spec``. ``sync`` (loads only):
+    the request runs in this very step, so the worker waits for the copy before the forward
+    pass instead of reporting the request as received later."""
+
+    req_id: str
+    src_spec: LoadStoreSpec
+    dst_spec: LoadStoreSpec
+    sync: bool = False
+
+
+@dataclass(slots=True)
 class OffloadingConnectorMetadata(KVConnectorMetadata):
+    """One step's jobs for the worker half. kvlab's in-step tiers send ``loads`` and
+    ``stores`` (block-by-block plans through the CPU tier to files); a backend built from an
+    offloading spec gets vLLM 0.33's ``load_jobs`` / ``store_jobs`` by job id, and
+    ``jobs_to_flush``: stores that must land before their GPU blocks are reused (a
+    preempted request's)."""
+
     loads: list[LoadJob] = field(default_factory=list)
     stores: list[StoreJob] = field(default_factory=list)
     block_size: int = 16
+    load_jobs: dict[int, TransferJob] = field(default_factory=dict)
+    store_jobs: dict[int, TransferJob] = field(default_factory=dict)
+    jobs_to_flush: set[int] | None = None
 
 
 @dataclass(slots=True)

@@ -108,6 +108,9 @@ class OffloadPromMetrics(KVConnectorPromMetrics):
                 self.counter_kv_bytes[(engine_idx, direction)] = self._counter_kv_bytes.labels(*labels)
                 self.counter_kv_transfer_time[(engine_idx, direction)] = self._counter_kv_transfer_time.labels(*labels)
                 self.histogram_transfer_size[(engine_idx, direction)] = self._histogram_transfer_size.labels(*labels)
+        # flat metric name -> (engine, direction) -> the older metric's series it also feeds
+        tables = {"bytes": self.counter_kv_bytes, "time": self.counter_kv_transfer_time, "size": self.histogram_transfer_size}
+        self._twin_tables = {name: (tables[kind], direction) for name, (kind, direction) in _DEPRECATED_TWIN.items()}
         self._offloading_metric_defs = {name: self._create_metric(name, md) for name, md in self._offloading_metric_metadata.items()}
         # (engine, metric name, label values) -> the series, made when first observed
         self.offloading_metrics: dict[tuple[int, str, tuple[str, ...]], Any] = {}
@@ -140,10 +143,10 @@ class OffloadPromMetrics(KVConnectorPromMetrics):
         return series
 
     def _deprecated_twin(self, metric_name: str, labelvalues: tuple[str, ...], engine_idx: int) -> Any:
-        if labelvalues or not self._observe_deprecated_metrics or metric_name not in _DEPRECATED_TWIN:
+        twin = self._twin_tables.get(metric_name)
+        if twin is None or labelvalues or not self._observe_deprecated_metrics:
             return None
-        kind, direction = _DEPRECATED_TWIN[metric_name]
-        table = {"bytes": self.counter_kv_bytes, "time": self.counter_kv_transfer_time, "size": self.histogram_transfer_size}[kind]
+        table, direction = twin
         return table[(engine_idx, direction)]
 
     def _observe_info(self, info: Sequence[dict[str, Any]], engine_idx: int) -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field, replace
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from kvlab.distributed.kv_events import KVCacheEvent
@@ -49,6 +50,7 @@ from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.common import (
 from kvlab.kv_offload.cpu.common import CPUOffloadingInfo
 from kvlab.kv_offload.base import (
     Locality,
+    LookupResult,
     Medium,
     OffloadKey,
     ReqContext,
@@ -398,6 +400,60 @@ class OffloadingConnectorScheduler:
     def _job_id(self) -> int:
         self._next_job_id += 1
         return self._next_job_id
+
+    # -- vLLM 0.33's two scans over a tier's answers ----------------------------------------------
+    def _maximal_prefix_lookup(
+        self, keys: Iterable[OffloadKey], req_context: ReqContext, req: Request, group_config: GroupOffloadConfig, start_chunk_idx: int
+    ) -> int | None:
+        """How many of ``keys``, from the first on, the tiers hold: a full-attention group can
+        load only an unbroken prefix, so the first MISS ends the scan. Returns None when the
+        request must ask again next step -- a chunk still being written (HIT_PENDING) or a
+        tier still looking (RETRY). Those do not stop the scan: asking about the later keys
+        is what starts their promotions in this step rather than one step per chunk.
+
+        Every chunk found (ready or pending) has its payload kept by the events tracker
+        while the request is alive, so its later ``BlockStored`` can describe its tokens.
+        kvlab's in-step tiers answer only HIT or MISS; vLLM's asynchronous ones all four.
+        (Lesson 12b's ``promotion_scan`` exercise is this scan.)"""
+        hits, wait = 0, False
+        for i, key in enumerate(keys):
+            answer = self.manager.lookup(key, req_context)
+            if answer is LookupResult.MISS:
+                break
+            if answer is LookupResult.RETRY:
+                wait = True
+                continue
+            self._events_tracker.record_lookup(req, group_config, start_chunk_idx + i, key)
+            hits += 1
+            wait = wait or answer is LookupResult.HIT_PENDING
+        return None if wait else hits
+
+    def _sliding_window_lookup(
+        self, keys: Sequence[OffloadKey], sliding_window_size: int, req_context: ReqContext, initial_window_size: int | None = None
+    ) -> int | None:
+        """Where the last usable window of ``keys`` ends: a sliding-window group needs only
+        the ``sliding_window_size`` chunks before the point it resumes from, so the scan runs
+        from the end and stops at the first run that long (the run ending at the last key
+        may need ``initial_window_size`` instead, when the last chunk is partial). Returns
+        that run's end index; with no such run, the run of hits at the very start (which
+        needs no chunk before it) -- 0 when the first key misses. None when a chunk of the
+        run found is still being written, or when any tier is still looking: ask again.
+
+        A RETRY or MISS breaks the run, and after it only full windows count."""
+        wait = pending = False
+        run = 0
+        need = initial_window_size or sliding_window_size
+        for idx in range(len(keys) - 1, -1, -1):
+            answer = self.manager.lookup(keys[idx], req_context)
+            if answer is LookupResult.HIT or answer is LookupResult.HIT_PENDING:
+                run += 1
+                pending = pending or answer is LookupResult.HIT_PENDING
+            else:
+                wait = wait or answer is LookupResult.RETRY
+                run, pending, need = 0, False, sliding_window_size
+            if run == need:
+                return None if wait or pending else idx + need
+        return None if wait or pending else run
 
     def _drain(self) -> None:
         """Turn the tiers' queued changes into timeline events (removals) and vLLM KV events."""
