@@ -112,7 +112,9 @@ def test_random_workloads_and_faults_keep_outputs_and_leak_nothing(seed, cpu, di
                 assert snap.tiers["STORAGE"].hashes == disk_live
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+# Four random runs besides the one that found a bug: each runs the real model under the Triton
+# interpreter twice (~15 s of a core); the runs without bytes above cover many more workloads.
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 10_000), p_fail=st.sampled_from([0.3, 0.6]), cpu=st.integers(4, 8))
 @example(seed=248, p_fail=0.6, cpu=4)  # found by this test: it caught the unwritten promotions
 def test_real_kv_after_random_transfer_faults_gives_the_tokens_of_a_run_without_tiers(seed, p_fail, cpu) -> None:
