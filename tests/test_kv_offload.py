@@ -846,3 +846,41 @@ def test_the_schedulers_stats_carry_the_steps_connector_metrics(tmp_path) -> Non
     assert data["info"][0]["cpu_kv_cache_size_bytes"] == 10240
     assert data["data"]["vllm:kv_offload_store_bytes"] == {(): 4096}
     assert build_engine(num_blocks=6, block_size=4).scheduler.make_stats().kv_connector_stats is None  # no connector
+
+
+# -- vLLM 0.33's per-request caps (kv_transfer_params) ------------------------------------------------
+def _blocks_moved(eng, rid: str, direction: str) -> int:
+    """GPU blocks copied for ``rid`` (a store's cascade to disk names none: it copies CPU chunks)."""
+    return sum(len(e.block_ids) for e in eng.events if isinstance(e, KVTransfer) and e.request_id == rid and e.direction == direction)
+
+
+@pytest.mark.parametrize(
+    ("params", "loaded", "warning"),
+    [
+        (None, 4, None),  # 17 tokens: 4 whole blocks, the last token's block is computed
+        ({"max_load_tokens": 6}, 1, None),  # whole blocks within 6 tokens of the local hit
+        ({"max_load_tokens": 0}, 0, None),
+        ({"max_load_tokens": "6"}, 4, "max_load_tokens must be a non-negative int, got '6'; ignoring"),
+        ({"max_load_tokens": True}, 4, "max_load_tokens must be a non-negative int, got True; ignoring"),
+    ],
+)
+def test_max_load_tokens_caps_what_a_request_loads(tmp_path, caplog, params, loaded, warning) -> None:
+    eng = _engine(tmp_path, num_cpu_blocks=10)
+    _run_story(eng, [("A", B), ("X", C + [316, 317, 318, 319])])  # X takes every GPU block: A's prefix is in the tiers only
+    again = Request("A2", B, max_tokens=1)
+    again.kv_transfer_params = params
+    caplog.set_level("WARNING")
+    eng.add_request(again)
+    eng.run()
+    assert _blocks_moved(eng, "A2", "load") == loaded
+    assert [r.getMessage() for r in caplog.records if "max_load_tokens" in r.getMessage()] == ([warning] if warning else [])
+
+
+@pytest.mark.parametrize(("cap", "stored"), [(None, 4), (8, 2), (9, 2), (0, 0), (-1, 4)])
+def test_max_offload_tokens_caps_what_a_request_stores(tmp_path, cap, stored) -> None:
+    eng = _engine(tmp_path, num_cpu_blocks=10)
+    req = Request("A", B, max_tokens=1)
+    req.kv_transfer_params = None if cap is None else {"max_offload_tokens": cap}
+    eng.add_request(req)
+    eng.run()
+    assert _blocks_moved(eng, "A", "store") == stored

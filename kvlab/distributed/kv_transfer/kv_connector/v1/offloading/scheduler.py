@@ -5,12 +5,14 @@
   request's block hashes through the tiers (CPU first, then storage) and count the run of
   blocks they hold -- whole blocks, and never the prompt's last token (the model must
   compute it to sample the next one), nor past a bound the connector passes (HiSparse:
-  the host pool's prefix). Those tokens are external computed tokens.
+  the host pool's prefix) or the request's own ``max_load_tokens``. Those tokens are
+  external computed tokens.
 * **Load** (``update_state_after_alloc``): the scheduler gave the request GPU blocks for
   them; pin the blocks in their tiers and plan a load job into those GPU blocks.
 * **Store** (``build_connector_meta``): every block that becomes full in this step is
   offered to the tiers -- only the prompt's blocks, vLLM's default
-  (``offload_prompt_only``); blocks the request got from a prefix hit or a load are
+  (``offload_prompt_only``), and none past the request's ``max_offload_tokens``
+  (``kv_transfer_params``, vLLM 0.33); blocks the request got from a prefix hit or a load are
   skipped (they came from the cache in the first place). The worker copies them after the
   forward pass; the CPU tier cascades them to disk.
 * **Completion** (``update_connector_output``): the worker's report unpins loads, makes
@@ -142,6 +144,18 @@ def _create_req_context(req: Request) -> ReqContext:
         kv_hints=getattr(req, "kv_hints", None),
         load_tier_filter=TierFilter.ALL if raw is None else _parse_tier_filter(raw),
     )
+
+
+def _token_cap(params: Any, name: str) -> int | None:
+    """``params[name]`` when it is a non-negative int (a bool is not one), else None; a value
+    of another kind is logged and ignored, as vLLM 0.33 does -- a request is never refused
+    for a hint."""
+    raw = params.get(name) if params else None
+    if type(raw) is int and raw >= 0:
+        return raw
+    if raw is not None:
+        logger.warning("%s must be a non-negative int, got %r; ignoring", name, raw)
+    return None
 
 
 class GroupOffloadConfig(NamedTuple):
@@ -280,6 +294,10 @@ class RequestOffloadState:
     num_locally_computed_tokens: int = 0
     lookup_media: list[str] = field(default_factory=list)
     max_end_block: int | None = None  # the lookup's bound (blocks), when it has one
+    # vLLM 0.33's per-request caps (``kv_transfer_params``; experimental there): at most this
+    # many tokens loaded past the local hit, at most this many of the request's tokens stored.
+    max_load_tokens: int | None = None
+    max_offload_tokens: int | None = None
 
 
 class OffloadingConnectorScheduler:
@@ -383,6 +401,9 @@ class OffloadingConnectorScheduler:
         if st is None or st.req is not request:
             ctx = _create_req_context(request)
             st = self._reqs[request.request_id] = RequestOffloadState(request, ctx)
+            params = getattr(request, "kv_transfer_params", None)
+            st.max_load_tokens = _token_cap(params, "max_load_tokens")
+            st.max_offload_tokens = _token_cap(params, "max_offload_tokens")
             self.manager.on_new_request(ctx)
         return st
 
@@ -512,9 +533,12 @@ class OffloadingConnectorScheduler:
         """The tokens the tiers can load after the local hit, whole blocks. With
         ``max_num_new_tokens`` (vLLM 0.33; the connector passes it under HiSparse) the load
         ends within that many tokens of ``num_computed_tokens``: past it a group the tiers do
-        not keep holds nothing, and the loaded keys would face unwritten K/V."""
+        not keep holds nothing, and the loaded keys would face unwritten K/V. A request's
+        ``kv_transfer_params["max_load_tokens"]`` bounds it the same way (a caller that wants
+        part of a prefix recomputed, e.g. to measure)."""
         st = self._state(request)
-        st.max_end_block = None if max_num_new_tokens is None else max(0, (num_computed_tokens + max_num_new_tokens) // self.block_size)
+        bounds = [n for n in (max_num_new_tokens, st.max_load_tokens) if n is not None]
+        st.max_end_block = max(0, (num_computed_tokens + min(bounds)) // self.block_size) if bounds else None
         lookup_start = time.monotonic()  # observed for the metrics only; nothing decides on it
         media = self.tier_hits(request, num_computed_tokens)
         if st.max_end_block is not None:  # a swapped tier_hits may not know the bound
@@ -601,6 +625,8 @@ class OffloadingConnectorScheduler:
             req = st.req
             after = req.num_computed_tokens + n
             limit = req.num_prompt_tokens if self.offload_prompt_only else req.num_tokens
+            if st.max_offload_tokens is not None:
+                limit = min(limit, st.max_offload_tokens)
             full = min(after, limit) // bs
             if full <= st.next_stored_block_idx:
                 continue
