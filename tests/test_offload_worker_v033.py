@@ -126,7 +126,7 @@ class _Recorder(OffloadingWorker):
         return True
 
     def get_finished(self) -> list[TransferResult]:
-        return [TransferResult(j, True, 64, 0.5) for _, j in self.calls]
+        return [TransferResult(j, True, 64, 0.5) for kind, j in self.calls if kind != "wait"]
 
     def wait(self, job_ids: set[int]) -> None:
         self.calls.append(("wait", min(job_ids)))
@@ -143,6 +143,7 @@ def test_with_a_replicated_layout_only_rank_0_writes_but_every_rank_reports(rank
     assert worker.get_finished(set()) == (set(), set())
     meta = worker.build_connector_worker_meta()
     assert meta is not None and meta.completed_jobs == {3: 1, 4: 1}
+    assert (meta.transfer_stats.store.bytes, meta.transfer_stats.load.bytes) == (64 if writes else 0, 64)  # each job once
 
 
 def test_transfers_before_the_caches_are_registered_are_refused() -> None:

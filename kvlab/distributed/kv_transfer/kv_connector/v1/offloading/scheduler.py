@@ -401,9 +401,8 @@ class OffloadingConnectorScheduler:
         if st is None or st.req is not request:
             ctx = _create_req_context(request)
             st = self._reqs[request.request_id] = RequestOffloadState(request, ctx)
-            params = getattr(request, "kv_transfer_params", None)
-            st.max_load_tokens = _token_cap(params, "max_load_tokens")
-            st.max_offload_tokens = _token_cap(params, "max_offload_tokens")
+            st.max_load_tokens = _token_cap(ctx.kv_transfer_params, "max_load_tokens")
+            st.max_offload_tokens = _token_cap(ctx.kv_transfer_params, "max_offload_tokens")
             self.manager.on_new_request(ctx)
         return st
 

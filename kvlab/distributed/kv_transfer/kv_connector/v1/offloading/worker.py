@@ -208,7 +208,6 @@ class OffloadingConnectorWorker:
         groups = [config.kv_cache_groups[g] for g in get_offloading_group_ids(config)]
         mappings = derive_canonical_mappings(self.vllm_config, config, kv_caches)
         views: dict[str, Any] = {}  # layer -> (num_blocks, page bytes) int8 view of its cache
-        page: dict[str, int] = {}
         unpadded: dict[str, int] = {}
         for group in groups:
             if group.host_resident:
@@ -224,7 +223,6 @@ class OffloadingConnectorWorker:
                 views[layer] = torch.tensor([], dtype=torch.int8, device=ref.device).set_(
                     ref.untyped_storage(), ref.storage_offset() * size, (config.num_blocks, spec.page_size_bytes), (stride, 1)
                 )
-                page[layer] = spec.page_size_bytes
                 if isinstance(spec, AttentionSpec):
                     unpadded[layer] = spec.unpadded_page_size_bytes
                 elif isinstance(spec, MambaSpec):
@@ -245,7 +243,8 @@ class OffloadingConnectorWorker:
         for layer, view in views.items():
             aliases.setdefault((view.data_ptr(), tuple(view.stride())), []).append(layer)
         for layers in aliases.values():
-            tensors.append(CanonicalKVCacheTensor(views[layers[0]], page[layers[0]]))
+            first = views[layers[0]]
+            tensors.append(CanonicalKVCacheTensor(first, first.shape[1]))
             for layer in layers:
                 mapping = mappings.get(layer)
                 if mapping is not None and mapping.local_page_size_bytes != unpadded[layer]:
@@ -295,12 +294,7 @@ class OffloadingConnectorWorker:
             self._load_jobs[job_id] = None if job.sync else job.req_id
             if job.sync:
                 sync.add(job_id)
-            accepted = (
-                worker.submit_load(job_id, job.src_spec, job.dst_spec, expedited=True)
-                if job.sync
-                else worker.submit_load(job_id, job.src_spec, job.dst_spec)
-            )
-            if not accepted:
+            if not worker.submit_load(job_id, job.src_spec, job.dst_spec, expedited=job.sync):
                 raise RuntimeError(f"the offloading worker refused load job {job_id}")
         if sync:
             worker.wait(sync)
