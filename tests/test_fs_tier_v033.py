@@ -22,9 +22,9 @@ import pytest
 from offloading_config import offloading_config
 
 from kvlab.distributed.kv_transfer.kv_connector.v1.offloading import scheduler as sched_mod
+from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.staged_scheduler import StagedOffloadingConnectorScheduler
 from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
     KV_LOAD_TIERS_KEY,
-    OffloadingConnectorScheduler,
     _create_req_context,
     _parse_tier_filter,
 )
@@ -384,7 +384,7 @@ def staged(tmp_path):
     ],
 )
 def test_the_connector_applies_kv_load_tiers_to_the_storage_tier(staged, tiers, media) -> None:
-    conn = OffloadingConnectorScheduler(staged, block_size=16)
+    conn = StagedOffloadingConnectorScheduler(staged, block_size=16)
     params = None if tiers is None else {KV_LOAD_TIERS_KEY: tiers}
     st = conn._state(SimpleNamespace(request_id="r", kv_transfer_params=params, block_hashes=[]))
     assert staged.lookup_chain([make_offload_key(n * 32) for n in (b"a", b"b")], st.req_context) == media

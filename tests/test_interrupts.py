@@ -733,10 +733,10 @@ def teardown_module() -> None:
 def _tier_hits_engine(path: str, t: Trigger) -> LLMEngine:
     """The offload story's engine with a learner's ``tier_hits`` (the tier_hits exercise's seam)."""
     from kvlab.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import OffloadingConnectorScheduler
+    from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.staged_scheduler import StagedOffloadingConnectorScheduler
     from kvlab.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 
-    class LearnerTiers(OffloadingConnectorScheduler):
+    class LearnerTiers(StagedOffloadingConnectorScheduler):
         def tier_hits(self, request, num_computed_tokens):  # noqa: ANN001, ANN201
             t()
             return super().tier_hits(request, num_computed_tokens)

@@ -114,7 +114,7 @@ def _tier_story(fn: Callable) -> tuple[bool, str]:
     from kvlab.core.kv_cache_manager import KVCacheManager
     from kvlab.core.sched.scheduler import Scheduler
     from kvlab.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import OffloadingConnectorScheduler
+    from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.staged_scheduler import StagedOffloadingConnectorScheduler
     from kvlab.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
     from kvlab.engine.llm_engine import LLMEngine
     from kvlab.executor.simulated import SimulatedExecutor
@@ -122,7 +122,7 @@ def _tier_story(fn: Callable) -> tuple[bool, str]:
     from kvlab.lessons.beyond_pool import OFFLOAD_STORY, run_one_by_one, transfer_lines
     from kvlab.eventlog.events import EventLog
 
-    class LearnerScheduler(OffloadingConnectorScheduler):
+    class LearnerScheduler(StagedOffloadingConnectorScheduler):
         def tier_hits(self, request, num_computed_tokens):  # noqa: ANN001, ANN201
             m = self.manager
 

@@ -14,7 +14,7 @@ pool -- and a load never reaches past the prefix the host pool still holds
 (``_max_loadable_tokens``), since nothing would fill the source K/V beyond it.
 
 One class, two roles, as in vLLM: built with ``KVConnectorRole.SCHEDULER`` it keeps the
-tiers' books (:mod:`...offloading.scheduler`), with ``KVConnectorRole.WORKER`` it moves the
+tiers' books (:mod:`...offloading.staged_scheduler`), with ``KVConnectorRole.WORKER`` it moves the
 bytes (:mod:`...offloading.worker`). Both are built from the same ``KVTransferConfig``
 (``kv_connector="OffloadingConnector"``; extra config ``num_cpu_blocks``,
 ``storage_path`` and ``num_storage_blocks`` for a disk tier, ``offload_prompt_only``,
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, cast
 from kvlab.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingConnectorMetadata
 from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.config import resolve_blocks_per_chunk, get_offloading_group_ids
-from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import OffloadingConnectorScheduler
+from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.staged_scheduler import StagedOffloadingConnectorScheduler
 from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.worker import StagedOffloadingConnectorWorker
 from kvlab.kv_offload.cpu.manager import CPUOffloadingManager
 from kvlab.kv_offload.tiering.factory import create_backpressure_detector
@@ -65,7 +65,7 @@ _KNOWN = {
 
 class OffloadingConnector(KVConnectorBase_V1):
     #: The scheduler half's class: a seam (the ``tier_hits`` exercise plugs a subclass in).
-    scheduler_cls: type[OffloadingConnectorScheduler] = OffloadingConnectorScheduler
+    scheduler_cls: type[StagedOffloadingConnectorScheduler] = StagedOffloadingConnectorScheduler
 
     def __init__(self, role: KVConnectorRole, block_size: int, extra_config: dict[str, Any] | None = None) -> None:
         super().__init__(role)
@@ -105,7 +105,7 @@ class OffloadingConnector(KVConnectorBase_V1):
         detector = create_backpressure_detector(cfg.get("backpressure"), StagedFileSystemTier.tier_type)
         if detector is not None and path is None:
             raise ValueError("backpressure applies to the disk tier: set storage_path too")
-        self.connector_scheduler: OffloadingConnectorScheduler | None = None
+        self.connector_scheduler: StagedOffloadingConnectorScheduler | None = None
         self.connector_worker: StagedOffloadingConnectorWorker | None = None
         if role is KVConnectorRole.SCHEDULER:
             storage = (
@@ -126,7 +126,7 @@ class OffloadingConnector(KVConnectorBase_V1):
             self.connector_worker = StagedOffloadingConnectorWorker(self.num_cpu_blocks, self.block_size)
 
     @property
-    def scheduler(self) -> OffloadingConnectorScheduler:
+    def scheduler(self) -> StagedOffloadingConnectorScheduler:
         scheduler = self.connector_scheduler
         if scheduler is None:
             self._check_role(KVConnectorRole.SCHEDULER, "scheduler")
@@ -176,7 +176,7 @@ class OffloadingConnector(KVConnectorBase_V1):
         a refused manager leaves the connector as it was). The config is kept too: which
         groups bound a load is read from it (``_bounding_group_ids``)."""
         scheduler = self.__dict__.get("connector_scheduler")
-        if isinstance(scheduler, OffloadingConnectorScheduler):  # not a test's stand-in
+        if isinstance(scheduler, StagedOffloadingConnectorScheduler):  # not a test's stand-in
             scheduler.bind(kv_cache_manager)
         super().bind_kv_cache_manager(kv_cache_manager)
         self._kv_cache_config = kv_cache_manager.kv_cache_config

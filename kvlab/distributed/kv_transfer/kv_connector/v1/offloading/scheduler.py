@@ -1,80 +1,87 @@
-"""The offloading connector's scheduler half (vLLM: ``OffloadingConnectorScheduler`` in
-``vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py``; lesson 12).
+"""vLLM 0.33's scheduler half of the offloading connector (``OffloadingConnectorScheduler`` in
+``vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py``; lesson 12b): built
+from an offloading spec, the engine config and the KV-cache config, for any number of KV-cache
+groups, over a manager that may answer asynchronously.
 
-* **Lookup** (``get_num_new_matched_tokens``): after the GPU prefix hit ends, walk the
-  request's block hashes through the tiers (CPU first, then storage) and count the run of
-  blocks they hold -- whole blocks, and never the prompt's last token (the model must
-  compute it to sample the next one), nor past a bound the connector passes (HiSparse:
-  the host pool's prefix) or the request's own ``max_load_tokens``. Those tokens are
-  external computed tokens.
-* **Load** (``update_state_after_alloc``): the scheduler gave the request GPU blocks for
-  them; pin the blocks in their tiers and plan a load job into those GPU blocks.
-* **Store** (``build_connector_meta``): every block that becomes full in this step is
-  offered to the tiers -- only the prompt's blocks, vLLM's default
-  (``offload_prompt_only``), and none past the request's ``max_offload_tokens``
-  (``kv_transfer_params``, vLLM 0.33); blocks the request got from a prefix hit or a load are
-  skipped (they came from the cache in the first place). The worker copies them after the
-  forward pass; the CPU tier cascades them to disk.
-* **Completion** (``update_connector_output``): the worker's report unpins loads, makes
-  stores readable, and drops entries that failed (a missing or corrupt file).
+Per request it keeps, for each offloaded group (:class:`RequestGroupState`), the offload key
+of each chunk (a chunk is ``blocks_per_chunk`` blocks, keyed by its last block hash), the
+group's GPU block ids as the worker knows them and the first chunk not yet stored.
 
-The tiers keep one KV-cache group's blocks (``group_id``, set when bound): the only group,
-or HiSparse's indexer group; each key carries that group's index, as in vLLM.
+* **Lookup** (``get_num_new_matched_tokens``): past the GPU prefix hit, each full-attention
+  group scans for an unbroken run of chunks the tiers hold, each window group for one usable
+  window ending at the hit; every group can only shorten the hit, so the groups are asked
+  again until the hit stops moving (``_lookup_complete_chunks``). A tier still looking, or a
+  chunk still being written or loaded for another request, makes the request ask again next
+  step (None).
+* **Load** (``update_state_after_alloc``): one job for all groups, into the GPU blocks the
+  scheduler just allocated; asynchronous unless it fits the step's sync-load byte budget.
+* **Store** (``build_connector_meta``): per group, the chunks that became full, skipping
+  those no later hit could read (a window's old chunks, Mamba states between alignments,
+  a drafter group's volatile last chunk); one job per request per step.
+* **Fences**: a store still copying out of a GPU block that the pool hands to someone else
+  must finish first -- the worker is told to flush it (``jobs_to_flush``); likewise for a
+  preempted request's jobs.
+* **Completion** (``update_connector_output``): a job is done when every worker reported it.
 
-Every decision is written to the event log (``KVTransfer``, ``OffloadEvicted``), so the
-lesson's pictures show stores, loads and which tier served each hit, step by step. With KV
-events on, the tiers' changes are also queued as vLLM 0.33 publishes them (``take_events``).
+kvlab's own engine runs the in-step half (:mod:`.staged_scheduler`), whose tiers keep one group.
+Not built here: vLLM's partial-tail offload (a Mamba "align" hybrid whose block is larger than
+the hash block stores and loads the prompt's unaligned tail); a config that needs it is refused
+where it would be used, by name.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
-from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+from itertools import chain, islice
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 
-from kvlab.distributed.kv_events import KVCacheEvent
 from kvlab.core.kv_cache_utils import get_manager_class
-from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.config import _group_kv_bytes_per_block, get_offloading_group_ids
+from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+    OffloadingConnectorMetadata,
+    OffloadingWorkerMetadata,
+    TransferJob,
+    TransferStats,
+)
+from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.config import _group_kv_bytes_per_block
 from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.events import (
     OffloadingEventGroupSpec,
     OffloadingEventsTracker,
     get_offloading_event_group_spec,
 )
 from kvlab.kv_cache_interface import KVCacheSpec, MambaSpec, SlidingWindowSpec
-from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.common import (
-    LoadJob,
-    OffloadingConnectorMetadata,
-    OffloadingWorkerMetadata,
-    StoreJob,
-)
-from kvlab.kv_offload.cpu.common import CPUOffloadingInfo
 from kvlab.kv_offload.base import (
+    GPULoadStoreSpec,
     Locality,
     LookupResult,
     Medium,
+    OffloadingManager,
     OffloadKey,
+    OffloadPolicy,
     ReqContext,
+    RequestOffloadingContext,
     ScheduleEndContext,
     TierFilter,
     TierMatcher,
-    OffloadingKVEventsConfig,
-    get_offload_block_hash,
     make_offload_key,
 )
 from kvlab.kv_offload.stats import OffloadingConnectorStats, _ConnectorMetricName, _TransferMetricName
-from kvlab.kv_offload.tiering.staged import StorePlan, StagedTieringManager
+from kvlab.metrics.cache_hit_source import CacheHitSource
+from kvlab.request import RequestStatus
 
 if TYPE_CHECKING:
-    from kvlab.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from kvlab.core.kv_cache_manager import KVCacheBlocks
+    from kvlab.core.sched.output import SchedulerOutput
     from kvlab.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
+    from kvlab.distributed.kv_events import KVCacheEvent
     from kvlab.kv_cache_interface import KVCacheConfig
     from kvlab.kv_offload.base import OffloadingSpec
-    from kvlab.core.sched.output import SchedulerOutput
     from kvlab.outputs import KVConnectorOutput
     from kvlab.request import Request
-    from kvlab.eventlog.events import EventLog
 
 
 logger = logging.getLogger(__name__)
@@ -156,6 +163,49 @@ def _token_cap(params: Any, name: str) -> int | None:
     if raw is not None:
         logger.warning("%s must be a non-negative int, got %r; ignoring", name, raw)
     return None
+
+
+class _StatsSource(Protocol):
+    _connector_stats: OffloadingConnectorStats
+    _info_sent: bool
+
+    @property
+    def manager(self) -> Any: ...
+
+
+def transfer_metrics(stats: TransferStats) -> OffloadingConnectorStats:
+    """The worker's transfer sizes and times as the connector's metrics (bytes and seconds
+    counted per direction, each transfer's size into a histogram)."""
+    out = OffloadingConnectorStats()
+    for direction, (nbytes, secs, size) in (
+        (stats.load, (_TransferMetricName.LOAD_BYTES, _TransferMetricName.LOAD_TIME, _TransferMetricName.LOAD_SIZE)),
+        (stats.store, (_TransferMetricName.STORE_BYTES, _TransferMetricName.STORE_TIME, _TransferMetricName.STORE_SIZE)),
+    ):
+        if direction.is_empty():
+            continue
+        out.increase_counter(nbytes, direction.bytes)
+        out.increase_counter(secs, direction.time)
+        for n in direction.sizes:
+            out.observe_histogram(size, n)
+    return out
+
+
+def collect_stats(half: _StatsSource) -> OffloadingConnectorStats | None:
+    """A scheduler half's metrics since the last call (vLLM 0.33's ``get_stats``): its own,
+    then its manager's; the manager's static facts (``config_info``) ride on the first
+    payload, sent even when empty so the metric exists whenever offloading runs."""
+    stats: OffloadingConnectorStats | None = None
+    if not half._connector_stats.is_empty():
+        stats, half._connector_stats = half._connector_stats, OffloadingConnectorStats()
+    manager_stats = half.manager.get_stats()
+    if manager_stats is not None:
+        stats = manager_stats if stats is None else stats.aggregate(manager_stats)
+    if not half._info_sent:
+        if stats is None:
+            stats = OffloadingConnectorStats()
+        stats.set_info(half.manager.config_info())
+        half._info_sent = True
+    return stats
 
 
 class GroupOffloadConfig(NamedTuple):
@@ -286,140 +336,227 @@ class SchedulerOffloadConfig(NamedTuple):
 
 
 @dataclass(slots=True)
+class TransferJobStatus:
+    """The scheduler's record of one transfer job until every worker reported it."""
+
+    req_id: str
+    pending_count: int  # workers yet to report it; the job is done at 0
+    keys: set[OffloadKey]  # what complete_store / complete_load is told
+    is_store: bool
+    is_sync_load: bool = False  # a load finished before the step's forward pass
+    # A store's source blocks: window blocks are watched from the start (the window frees them
+    # while the request runs), the others only once the request finished (until then the
+    # request's own reference keeps them from being reused).
+    deferred_fence_block_ids: list[int] | None = None
+    fenced_block_ids: list[int] | None = None
+
+
+@dataclass
+class RequestGroupState:
+    """One request's offload books for one KV-cache group."""
+
+    offload_keys: list[OffloadKey] = field(default_factory=list)  # one per complete chunk
+    block_ids: list[int] = field(default_factory=list)  # the group's GPU table (0: a skipped block)
+    next_stored_chunk_idx: int = 0  # chunks before it were stored, or came from a cache
+    num_hit_chunks: int = 0  # chunks the request found cached (GPU or tiers) when it started
+    lookup_hit_end_chunk_idx: int = 0  # end of the chunks the last scan confirmed
+
+
+@dataclass(slots=True)
 class RequestOffloadState:
+    """One request's offload books (vLLM 0.33's shape): per group, and for the request."""
+
+    config: SchedulerOffloadConfig
     req: Request
-    req_context: ReqContext  # what the tiers keep about the request (its keys' positions, its rank)
-    block_ids: list[int] = field(default_factory=list)  # the offloaded group's table as the worker knows it
-    next_stored_block_idx: int = 0  # blocks before it were stored, or came from a cache
-    num_locally_computed_tokens: int = 0
-    lookup_media: list[str] = field(default_factory=list)
-    max_end_block: int | None = None  # the lookup's bound (blocks), when it has one
-    # vLLM 0.33's per-request caps (``kv_transfer_params``; experimental there): at most this
-    # many tokens loaded past the local hit, at most this many of the request's tokens stored.
-    max_load_tokens: int | None = None
+    req_context: ReqContext
+    offloading_context: RequestOffloadingContext
+    group_states: tuple[RequestGroupState, ...] = field(init=False)
+    max_load_tokens: int | None = None  # kv_transfer_params caps (None: no cap)
     max_offload_tokens: int | None = None
+    num_locally_computed_tokens: int = 0  # the GPU prefix hit
+    # In-flight jobs: one load, or any number of stores (a load waits for none).
+    transfer_jobs: set[int] = field(default_factory=set)
+    deferred_lookup_start_time: float | None = None  # for the async-delay histogram only
+    partial_tail_boundary: int | None = None  # vLLM's partial tails; never set here
+    loaded_from_offload: bool = False
+    # (first token, end token, key) of each loaded key: what get_external_cache_hit_sources splits.
+    load_key_ranges: list[tuple[int, int, OffloadKey]] = field(default_factory=list)
+    finished_signaled: bool = False  # the manager was told on_request_finished
+
+    def __post_init__(self) -> None:
+        self.group_states = tuple(RequestGroupState() for _ in self.config.kv_group_configs)
+        params = self.req.kv_transfer_params
+        self.max_load_tokens = _token_cap(params, "max_load_tokens")
+        self.max_offload_tokens = _token_cap(params, "max_offload_tokens")
+
+    def update_offload_keys(self) -> None:
+        """Key every chunk that became complete since the last call (by its last block hash),
+        recording where each key's tokens end."""
+        for group_config, group_state in zip(self.config.kv_group_configs, self.group_states):
+            per_chunk = group_config.hashes_per_chunk
+            first = per_chunk * (len(group_state.offload_keys) + 1) - 1
+            for block_hash in islice(self.req.block_hashes, first, None, per_chunk):
+                key = make_offload_key(block_hash, group_config.group_idx)
+                group_state.offload_keys.append(key)
+                self.req_context.set_offload_key_position(key, len(group_state.offload_keys) * group_config.tokens_per_chunk)
+
+    def update_block_id_groups(self, new_block_id_groups: tuple[list[int], ...] | None) -> None:
+        if new_block_id_groups is None:
+            return
+        for group_config, group_state in zip(self.config.kv_group_configs, self.group_states):
+            group_state.block_ids.extend(new_block_id_groups[group_config.group_idx])
+
+    def storable_chunks(self, group_config: GroupOffloadConfig, group_state: RequestGroupState, num_offloadable_tokens: int) -> int:
+        """Leading chunks of the group that are computed, allocated and keyed.
+
+        A drafter (EAGLE/MTP) group's last chunk is left out while the request decodes: a
+        rejected draft may still rewrite its last position. In the prefill it is stable, and
+        once the request finished nothing rewrites it. Every place that moves
+        ``next_stored_chunk_idx`` must apply the same rule, or the left-out chunk would be
+        stepped over and never stored -- a hole that ends every later prefix hit there."""
+        num_chunks = num_offloadable_tokens // group_config.tokens_per_chunk
+        decoding = num_offloadable_tokens > self.req.num_prompt_tokens
+        if group_config.is_eagle_group and decoding and not self.req.is_finished():
+            num_chunks = max(0, num_chunks - 1)
+        allocated = len(group_state.block_ids) // self.config.blocks_per_chunk
+        return min(num_chunks, allocated, len(group_state.offload_keys))
+
+    def advance_stored_idx(self, num_offloadable_tokens: int) -> None:
+        # Never backwards: a drafter group's storable count drops by one when decoding starts.
+        for group_config, group_state in zip(self.config.kv_group_configs, self.group_states):
+            group_state.next_stored_chunk_idx = max(
+                group_state.next_stored_chunk_idx, self.storable_chunks(group_config, group_state, num_offloadable_tokens)
+            )
+
+    def update_num_hit_chunks(self, num_cached_tokens: int) -> None:
+        for group_config, group_state in zip(self.config.kv_group_configs, self.group_states):
+            group_state.num_hit_chunks = num_cached_tokens // group_config.tokens_per_chunk
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _round_down(a: int, b: int) -> int:
+    return a - a % b
+
+
+# A cache reset's fence held this long is logged once (a log line; nothing decides on it).
+_RESET_FENCE_WARN_S = 60
 
 
 class OffloadingConnectorScheduler:
-    def __init__(
-        self, manager: StagedTieringManager, block_size: int, offload_prompt_only: bool = True, self_describing_kv_events: bool = False
-    ) -> None:
-        self.manager = manager
-        self.block_size = block_size
-        self.offload_prompt_only = offload_prompt_only
-        self.self_describing_kv_events = self_describing_kv_events
-        self._reqs: dict[str, RequestOffloadState] = {}
-        self._pending_loads: list[LoadJob] = []
-        self._jobs: dict[int, LoadJob | StoreJob] = {}
-        self._job_build: dict[int, int] = {}  # job id -> the build_connector_meta call it left with
-        self._num_builds = 0
-        self._next_job_id = 0
-        self._kv_events: list[KVCacheEvent] = []
-        self._orders: dict[str, list[tuple[OffloadKey, int]]] = {}  # per tier: the order last recorded
-        self.events: EventLog | None = None  # the engine's EventLog, once bound
-        self.use_int_hashes = True
-        self.collect_kv_events = False  # set by bind(): the pool's enable_kv_cache_events
-        self.group_id = 0  # set by bind(): the KV-cache group whose blocks the tiers keep
-        self.group_config: GroupOffloadConfig | None = None  # set by bind(): how that group is offloaded
-        # The tiers' changes as KV events (placeholders, or payloads when self-describing).
-        self._events_tracker = OffloadingEventsTracker(OffloadingKVEventsConfig(False, self_describing_kv_events))
-        # Per tier, tokens served by loads (a lesson's and the bench's hit counts).
-        self.num_hit_tokens: dict[str, int] = {t.medium: 0 for t in manager.tiers}
-        # vLLM 0.33's metrics payload: the worker's transfers, this half's lookups and failed
-        # allocations, the manager's gauges; the static facts go out with the first one.
+    """vLLM 0.33's scheduler half (see the module docstring)."""
+
+    # The manager lock held for the whole of one schedule() (opened by its first hook that
+    # touches the manager, closed at the end of build_connector_meta), or None between steps.
+    # On the class, so a half built without __init__ (vLLM's unit tests) reads None.
+    _step_region: ExitStack | None = None
+
+    def __init__(self, spec: OffloadingSpec, vllm_config: Any, kv_cache_config: KVCacheConfig) -> None:
+        self.config = SchedulerOffloadConfig.from_spec(spec, vllm_config, kv_cache_config)
+        self.manager: OffloadingManager = spec.get_manager()
         self._connector_stats = OffloadingConnectorStats()
-        self._info_sent = False
-        # Workers that copy each job (vLLM 0.33: the world size -- every tensor-parallel rank
-        # moves its own heads); a job is done when all of them reported it. Until then the
-        # reports so far wait here, merged, by job id.
-        self.num_workers = 1
-        self._partial_reports: dict[int, OffloadingWorkerMetadata] = {}
+        self._info_sent = False  # the static facts ride on the first stats payload
 
-    def bind(self, kv_cache_manager: KVCacheManager) -> None:
-        """Check that this half can serve ``kv_cache_manager`` and take what it reads from it.
-        Refused before anything changes: a config with more than one offloaded group (kvlab's
-        tiers keep one group's blocks), a group of another block size, hashes of another
-        granularity, caching off."""
-        config = kv_cache_manager.kv_cache_config
-        groups = kv_cache_manager.kv_cache_groups
-        offloaded = get_offloading_group_ids(config)
-        if config.hisparse_host_num_blocks is None:
-            if len(groups) != 1 or getattr(groups[0], "type_name", "full") != "full":
-                raise ValueError(
-                    "the offloading connector needs one full-attention KV-cache group (vLLM's connectors "
-                    f"without the hybrid allocator), or a HiSparse config; got {[type(g).__name__ for g in groups]}"
-                )
-        elif len(offloaded) != 1:
-            raise ValueError(
-                f"with HiSparse the offloading connector stores the indexer group alone; this config has {len(offloaded)} "
-                "HISPARSE_INDEXER groups (kvlab's tiers keep one group's blocks)"
-            )
-        group_id = offloaded[0]
-        if groups[group_id].block_size != self.block_size:
-            raise ValueError(
-                f"the connector was built for block_size={self.block_size}, "
-                f"the KV-cache manager's group {group_id} uses {groups[group_id].block_size}"
-            )
-        if kv_cache_manager.hash_block_size != self.block_size:
-            raise ValueError(
-                f"the connector keys one block by one block hash: the manager hashes every {kv_cache_manager.hash_block_size} "
-                f"tokens, its blocks hold {self.block_size}"
-            )
-        if not kv_cache_manager.enable_caching:
-            raise ValueError("offloading works by block hash: build the KV-cache manager with enable_caching=True")
-        group = config.kv_cache_groups[group_id]
-        self.group_id = group_id
-        self.group_config = GroupOffloadConfig(
-            group_idx=group_id,
-            tokens_per_block=self.block_size,
-            tokens_per_chunk=self.block_size,  # kvlab's tiers keep one block per chunk
-            hashes_per_chunk=1,
-            kv_event_group_spec=get_offloading_event_group_spec(group),
-            sliding_window_size_in_chunks=None,  # a full-attention group (or HiSparse's indexer)
-            kv_cache_spec=group.kv_cache_spec,
-            manager_cls=get_manager_class(group.kv_cache_spec),
+        configs = self.config.kv_group_configs
+        full = [i for i, c in enumerate(configs) if c.sliding_window_size_in_chunks is None]
+        # Window groups widest first: the widest window is the likeliest to shorten the hit.
+        windows = sorted(
+            (i for i, c in enumerate(configs) if c.sliding_window_size_in_chunks is not None),
+            key=lambda i: configs[i].sliding_window_size_in_chunks or 0,
+            reverse=True,
         )
-        self.events = kv_cache_manager.events
-        self.use_int_hashes = kv_cache_manager.block_pool.kv_events_use_int_block_hashes
-        # vLLM's tiers queue KV events only when KV events are on (as the pool does): with them
-        # off nobody takes the queue, and it would grow with every store for ever.
-        self.collect_kv_events = kv_cache_manager.block_pool.enable_kv_cache_events
-        self._events_tracker = OffloadingEventsTracker(
-            OffloadingKVEventsConfig(self.collect_kv_events, self.self_describing_kv_events),
-            {group_id: self.group_config.kv_event_group_spec},
-            use_int_block_hashes=self.use_int_hashes,
-        )
-        if self.events is not None:
-            self.events.record(
-                "offload_tiers_created", tiers=[{"medium": t.medium, "num_blocks": t.num_blocks} for t in self.manager.tiers]
+        self._full_attention_groups: tuple[int, ...] = tuple(full)
+        self._sliding_window_groups: tuple[int, ...] = tuple(windows)
+        self._lookup_groups = self._full_attention_groups + self._sliding_window_groups
+        self._mamba_align_size = resolve_mamba_align_size(spec, kv_cache_config)
+        self._cow_source_groups = frozenset(c.group_idx for c in configs if c.requires_cow_source)
+
+        self._req_status: dict[str, RequestOffloadState] = {}
+        # This step's loads, sync loads (and their bytes), jobs the workers must flush, and
+        # GPU blocks the pool handed out (a pending store reading one of them must finish first).
+        self._current_batch_load_jobs: dict[int, TransferJob] = {}
+        self._current_batch_sync_loads: set[str] = set()
+        self._current_batch_sync_load_bytes = 0
+        self._current_batch_jobs_to_flush: set[int] = set()
+        self._current_batch_allocated_block_ids: set[int] = set()
+        # Keys being loaded asynchronously; with GPU prefix caching on, another request that
+        # needs one of them waits for that load rather than loading the chunk twice.
+        self._chunks_being_loaded: set[OffloadKey] | None = set() if vllm_config.cache_config.enable_prefix_caching else None
+
+        self._job_counter = 0  # one counter for loads and stores
+        self._stale_job_threshold = 0  # ids below it were issued before the last cache reset
+        # A cache reset releases every in-flight job's chunks at once, but a worker may still
+        # be writing them: job id -> reports still due. The manager hears on_reset_flushed()
+        # once all came in.
+        self._reset_fence: dict[int, int] = {}
+        self._reset_fence_since = 0.0
+        self._jobs: dict[int, TransferJobStatus] = {}
+        # GPU block id -> stores still reading it: a reused block's stores are flushed first.
+        self._block_id_to_pending_jobs: dict[int, set[int]] = {}
+        self._events_tracker = OffloadingEventsTracker(spec.kv_events_config, {c.group_idx: c.kv_event_group_spec for c in configs})
+
+    # -- the manager lock -------------------------------------------------------------------------
+    # A manager may be polled by a thread of its own. schedule() holds the lock for the whole
+    # step: a lookup's HIT in get_num_new_matched_tokens must still hold when
+    # update_state_after_alloc pins it with prepare_load, and prepare_store evicts after both.
+    # Hooks outside schedule() hold it only for their own call.
+    def _acquire_step(self) -> None:
+        if self._step_region is not None:
+            return
+        region = ExitStack()
+        region.enter_context(self.manager.lock)
+        self._step_region = region
+
+    def _release_step(self) -> None:
+        region, self._step_region = self._step_region, None
+        if region is not None:
+            region.close()
+
+    @contextmanager
+    def _manager_locked(self) -> Iterator[None]:
+        """The lock for one hook outside schedule(). Finding the step's region still open
+        means a schedule() raised before build_connector_meta: release it, do not deadlock."""
+        if self._step_region is not None:
+            logger.error("Offloading manager lock was left held by a previous schedule(); releasing it before continuing.")
+            self._release_step()
+        with self.manager.lock:
+            yield
+
+    # -- small helpers ----------------------------------------------------------------------------
+    def _maybe_observe_lookup_async_delay(self, req_status: RequestOffloadState) -> None:
+        start = req_status.deferred_lookup_start_time
+        if start is not None:
+            req_status.deferred_lookup_start_time = None
+            self._connector_stats.observe_histogram(_ConnectorMetricName.LOOKUP_ASYNC_DELAY, time.monotonic() - start)
+
+    def _generate_job_id(self) -> int:
+        job_id = self._job_counter
+        self._job_counter += 1
+        return job_id
+
+    def _remove_pending_job(self, job_id: int, block_ids: list[int] | None) -> None:
+        for bid in block_ids or ():
+            pending = self._block_id_to_pending_jobs[bid]
+            pending.remove(job_id)
+            if not pending:
+                del self._block_id_to_pending_jobs[bid]
+
+    def _calc_num_offloadable_tokens(self, req_status: RequestOffloadState, num_computed_tokens: int) -> int:
+        num = min(num_computed_tokens, req_status.req.num_tokens)
+        if req_status.max_offload_tokens is not None:
+            num = min(num, req_status.max_offload_tokens)
+        if self.config.offload_prompt_only:
+            num = min(num, req_status.req.num_prompt_tokens)
+        return num
+
+    def _no_partial_tails(self) -> None:
+        if self.config.supports_partial_tail:
+            raise NotImplementedError(
+                "this KV-cache config offloads partial tails (a Mamba 'align' group whose block holds several hash "
+                "blocks, one block size, no other window group): vLLM 0.33's partial-tail offload is not built in kvlab"
             )
-
-    # -- helpers ---------------------------------------------------------------------------------
-    def _state(self, request: Request) -> RequestOffloadState:
-        """The request's record; the first call is the tiers' ``on_new_request``."""
-        st = self._reqs.get(request.request_id)
-        if st is None or st.req is not request:
-            ctx = _create_req_context(request)
-            st = self._reqs[request.request_id] = RequestOffloadState(request, ctx)
-            st.max_load_tokens = _token_cap(ctx.kv_transfer_params, "max_load_tokens")
-            st.max_offload_tokens = _token_cap(ctx.kv_transfer_params, "max_offload_tokens")
-            self.manager.on_new_request(ctx)
-        return st
-
-    def _keys(self, st: RequestOffloadState, start: int, end: int) -> list[OffloadKey]:
-        """The offload keys of the request's blocks ``start:end``, each recorded with its
-        end-token position (vLLM 0.33's policies order a request's blocks by it)."""
-        bs, ctx = self.block_size, st.req_context
-        keys = []
-        for i, h in enumerate(st.req.block_hashes[start:end], start):
-            key = make_offload_key(h, self.group_id)
-            ctx.set_offload_key_position(key, (i + 1) * bs)
-            keys.append(key)
-        return keys
-
-    def _job_id(self) -> int:
-        self._next_job_id += 1
-        return self._next_job_id
 
     # -- vLLM 0.33's two scans over a tier's answers ----------------------------------------------
     def _maximal_prefix_lookup(
@@ -475,302 +612,697 @@ class OffloadingConnectorScheduler:
                 return None if wait or pending else idx + need
         return None if wait or pending else run
 
-    def _drain(self) -> None:
-        """Turn the tiers' queued changes into timeline events (removals) and vLLM KV events."""
-        events = list(self.manager.take_events())
-        if self.collect_kv_events:
-            self._kv_events.extend(self._events_tracker.take_events(events))
-        if self.events is None:
-            return
-        merged: list = []
-        for ev in events:  # one line per run of same-kind removals
-            last = merged[-1] if merged else None
-            if last is not None and ev.removed and last.removed and (last.medium, last.reason) == (ev.medium, ev.reason):
-                last.keys = last.keys + ev.keys
-                last.slots = last.slots + ev.slots
-            else:
-                merged.append(replace(ev))  # a copy: merging must not change the tier's event
-        for ev in merged:
-            if ev.removed:
-                hashes = [get_offload_block_hash(k) for k in ev.keys]
-                self.events.record("offload_evicted", medium=ev.medium, block_hashes=hashes, chunk_ids=list(ev.slots), reason=ev.reason)
+    # -- lookup -----------------------------------------------------------------------------------
+    def _lookup_complete_chunks(self, req_status: RequestOffloadState, max_num_new_tokens: int | None = None) -> int | None:
+        """How many tokens past the GPU hit every group can load, in whole chunks (0: none;
+        None: ask again next step).
 
-    def _record_orders(self) -> None:
-        """Record each tier's eviction order where it changed since last recorded (after the
-        transfers and evictions of a hook, so a replay ends on the tiers' true order)."""
-        if self.events is None:
-            return
-        for t in self.manager.tiers:
-            order = t.entries()
-            if order != self._orders.get(t.medium):
-                self._orders[t.medium] = order
-                self.events.record(
-                    "offload_tier_order",
-                    medium=t.medium,
-                    block_hashes=[get_offload_block_hash(k) for k, _ in order],
-                    chunk_ids=[c for _, c in order],
-                )
+        Full-attention groups scan first (a prefix), then window groups (a window ending at
+        the hit). Each group can only lower the bound; when one lowers it below what an
+        earlier group confirmed, the groups whose answer depended on the old bound are asked
+        again, until the hit stops moving. A drafter (EAGLE) group is asked one chunk further
+        and gives that chunk back (its last chunk is never loaded), once per bound."""
+        computed = req_status.num_locally_computed_tokens
+        req = req_status.req
+        bound = req.num_tokens
+        if max_num_new_tokens is not None:
+            bound = min(bound, computed + max_num_new_tokens)
+        if req_status.max_load_tokens is not None:
+            bound = min(bound, computed + req_status.max_load_tokens)
+        if self._sliding_window_groups:
+            # A window group recomputes the prompt's last token (for its logprobs); leave one
+            # token so the hit survives that.
+            bound -= 1
+            if self._mamba_align_size is not None:
+                bound = _round_down(bound, self._mamba_align_size)
 
-    # -- the hooks -------------------------------------------------------------------------------
-    def tier_hits(self, request: Request, num_computed_tokens: int) -> list[str]:
-        """The tier that serves each block after the local hit, in order, as far as the
-        tiers hold the run: whole blocks, never the prompt's last token, CPU before disk,
-        and not past ``max_num_new_tokens`` when the lookup is bounded (HiSparse).
-        (The ``tier_hits`` exercise swaps this method.)"""
-        bs = self.block_size
-        start = num_computed_tokens // bs
-        end = (request.num_tokens - 1) // bs  # whole blocks, never the last token
-        st = self._state(request)
-        if st.max_end_block is not None:
-            end = min(end, st.max_end_block)
-        keys = self._keys(st, start, end)
-        return self.manager.lookup_chain(keys, st.req_context) if keys else []
+        num_hit_tokens = 0
+        defer = False
+        for state in req_status.group_states:
+            state.lookup_hit_end_chunk_idx = 0
+        eagle_verified: set[int] = set()  # drafter groups that gave back their chunk at this bound
+        to_ask = self._lookup_groups
+        while to_ask:
+            asked_window = False
+            groups, to_ask = to_ask, ()
+            for idx in groups:
+                gc = self.config.kv_group_configs[idx]
+                gs = req_status.group_states[idx]
+                chunk = gc.tokens_per_chunk
+                keys = gs.offload_keys
+                assert len(keys) >= req.num_tokens // chunk
+                unverified_eagle = gc.is_eagle_group and idx not in eagle_verified
+                bound = min(bound, len(keys) * chunk)
+                if req_status.max_load_tokens is not None:
+                    bound = _round_down(bound, chunk)
+                if bound - computed < chunk:
+                    return 0  # less than a chunk left to load
+                window = gc.sliding_window_size_in_chunks
+                # A drafter group asks one chunk more, which it gives back; without the extra
+                # chunk, giving one back could drop the hit below a coarser group's chunk edge.
+                query_end = min(bound + chunk, len(keys) * chunk) if unverified_eagle else bound
+                num_chunks = min(_cdiv(query_end, chunk), len(keys))
+                start = computed // chunk
+                asked = keys[start:num_chunks]
+                found: int | None
+                if window is None:
+                    found = self._maximal_prefix_lookup(asked, req_status.req_context, req, gc, start)
+                    gs.lookup_hit_end_chunk_idx = start + (found or 0)
+                else:
+                    need = window + int(unverified_eagle)
+                    candidate_end = min(bound, (num_chunks - int(unverified_eagle)) * chunk)
+                    initial = gc.load_window_size_in_chunks(candidate_end)
+                    assert initial is not None
+                    found = self._sliding_window_lookup(asked, need, req_status.req_context, initial + int(unverified_eagle))
+                if found == 0:
+                    return 0
+                if found is None:
+                    defer = True
+                else:
+                    if unverified_eagle:
+                        found -= 1
+                        eagle_verified.add(idx)
+                    bound = min(bound, chunk * (start + found))
+                new_hit = bound - computed
+                if new_hit < chunk:
+                    return 0
+                if new_hit < num_hit_tokens:
+                    if not gc.is_eagle_group:
+                        eagle_verified.clear()  # a new bound: each drafter gives back again
+                    if defer:
+                        defer = False  # ask every group again: the wait may be moot now
+                        to_ask = self._lookup_groups
+                    elif asked_window and not to_ask:
+                        to_ask = self._sliding_window_groups  # confirm the windows at the new bound
+                asked_window = asked_window or window is not None
+                num_hit_tokens = new_hit
+
+        if defer:
+            logger.debug("Offloading manager delayed request %s as backend requested", req.request_id)
+            return None
+        if self._chunks_being_loaded:
+            # A chunk of this hit is being loaded for another request: wait for it.
+            end = computed + num_hit_tokens
+            for gc, gs in zip(self.config.kv_group_configs, req_status.group_states):
+                chunk = gc.tokens_per_chunk
+                keys = gs.offload_keys[computed // chunk : _cdiv(end, chunk)]
+                window = gc.load_window_size_in_chunks(end)
+                if window is not None:
+                    keys = keys[-window:]
+                if any(k in self._chunks_being_loaded for k in keys):
+                    logger.debug("Delaying request %s since some of its chunks are already being loaded", req.request_id)
+                    return None
+        logger.debug("Request %s hit %s offloaded tokens after %s GPU hit tokens", req.request_id, num_hit_tokens, computed)
+        return num_hit_tokens
+
+    def _lookup(self, req_status: RequestOffloadState, max_num_new_tokens: int | None = None) -> int | None:
+        """The request's hit past its GPU hit (vLLM: complete chunks, then a partial tail)."""
+        self._no_partial_tails()
+        hit = self._lookup_complete_chunks(req_status, max_num_new_tokens)
+        req_status.partial_tail_boundary = None
+        return hit
+
+    # -- the hooks --------------------------------------------------------------------------------
+    def on_new_request(self, request: Request) -> None:
+        req_context = _create_req_context(request)
+        with self._manager_locked():
+            offloading_context = self.manager.on_new_request(req_context)
+        self._req_status[request.request_id] = RequestOffloadState(
+            config=self.config, req=request, req_context=req_context, offloading_context=offloading_context
+        )
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int, max_num_new_tokens: int | None = None
-    ) -> tuple[int, bool]:
-        """The tokens the tiers can load after the local hit, whole blocks. With
-        ``max_num_new_tokens`` (vLLM 0.33; the connector passes it under HiSparse) the load
-        ends within that many tokens of ``num_computed_tokens``: past it a group the tiers do
-        not keep holds nothing, and the loaded keys would face unwritten K/V. A request's
-        ``kv_transfer_params["max_load_tokens"]`` bounds it the same way (a caller that wants
-        part of a prefix recomputed, e.g. to measure)."""
-        st = self._state(request)
-        bounds = [n for n in (max_num_new_tokens, st.max_load_tokens) if n is not None]
-        st.max_end_block = max(0, (num_computed_tokens + min(bounds)) // self.block_size) if bounds else None
-        lookup_start = time.monotonic()  # observed for the metrics only; nothing decides on it
-        media = self.tier_hits(request, num_computed_tokens)
-        if st.max_end_block is not None:  # a swapped tier_hits may not know the bound
-            media = media[: max(0, st.max_end_block - num_computed_tokens // self.block_size)]
-        self._connector_stats.observe_histogram(_ConnectorMetricName.LOOKUP_SYNC_DELAY, time.monotonic() - lookup_start)
-        self._drain()  # a lookup may find a file gone and drop its entry
-        self._record_orders()
-        st.num_locally_computed_tokens = num_computed_tokens
-        st.lookup_media = media
-        return len(media) * self.block_size, False
+    ) -> tuple[int | None, bool]:
+        """``(tokens the tiers can load past num_computed_tokens, load asynchronously)``;
+        ``(None, False)``: ask again next step (a tier still looking, a chunk still being
+        written or loaded, or the request's own jobs still in flight)."""
+        self._acquire_step()  # the step's first manager hook; build_connector_meta releases it
+        req_status = self._req_status[request.request_id]
+        for gs in req_status.group_states:
+            gs.block_ids.clear()
+            gs.next_stored_chunk_idx = 0  # the request (re)starts at token 0
+        if req_status.transfer_jobs:
+            logger.debug("Delaying request %s since it still has in-flight transfers", request.request_id)
+            return None, False
+        req_status.update_offload_keys()
+        req_status.num_locally_computed_tokens = num_computed_tokens
+        num_hit_tokens: int | None
+        if request.skip_reading_prefix_cache:
+            num_hit_tokens = 0
+        else:
+            started = time.monotonic()  # for the metrics only
+            num_hit_tokens = self._lookup(req_status, max_num_new_tokens)
+            self._connector_stats.observe_histogram(_ConnectorMetricName.LOOKUP_SYNC_DELAY, time.monotonic() - started)
+            if num_hit_tokens is None:
+                if req_status.deferred_lookup_start_time is None:
+                    req_status.deferred_lookup_start_time = started
+            else:
+                self._maybe_observe_lookup_async_delay(req_status)
+        req_status.update_num_hit_chunks(num_computed_tokens + (num_hit_tokens or 0))
+        sync = self._reserve_sync_load(req_status, num_computed_tokens, num_hit_tokens)
+        return num_hit_tokens, bool(num_hit_tokens) and not sync
+
+    def _reserve_sync_load(self, req_status: RequestOffloadState, num_computed_tokens: int, num_hit_tokens: int | None) -> bool:
+        """Take the hit out of this step's sync-load byte budget when it fits: such a load is
+        done before the forward pass, so the request runs this step instead of waiting one."""
+        req_id = req_status.req.request_id
+        self._current_batch_sync_loads.discard(req_id)
+        if (
+            not self.config.sync_load_budget_bytes
+            or not num_hit_tokens
+            or num_computed_tokens + num_hit_tokens >= req_status.req.num_tokens  # nothing left to compute
+        ):
+            return False
+        num_bytes = num_hit_tokens * self.config.kv_bytes_per_token  # over-counts window and Mamba groups
+        if self._current_batch_sync_load_bytes + num_bytes > self.config.sync_load_budget_bytes:
+            return False
+        self._current_batch_sync_load_bytes += num_bytes
+        self._current_batch_sync_loads.add(req_id)
+        return True
+
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        """The loaded tokens split by the tier each came from. An attention key covers its own
+        tokens, a Mamba state the whole loaded range; where keys overlap the outermost tier
+        counts; tokens no loaded key covers (a window's skipped history) are
+        ``external_unspecified``."""
+        sources: dict[CacheHitSource, int] = {}
+        if num_external_tokens == 0:
+            return sources
+        req_status = self._req_status[request.request_id]
+        start = req_status.num_locally_computed_tokens
+        end = start + num_external_tokens
+        edges: list[tuple[int, int, CacheHitSource]] = [(end, 0, CacheHitSource.EXTERNAL_UNSPECIFIED)]
+        for lo, hi, key in req_status.load_key_ranges:
+            lo, hi = max(start, lo), min(end, hi)
+            if lo < hi:
+                source = CacheHitSource(self.manager.get_load_source(key, req_status.req_context))
+                edges += [(lo, 1, source), (hi, -1, source)]
+        open_ranges: Counter[CacheHitSource] = Counter()
+        at = start
+        for pos, delta, source in sorted(edges):  # one sweep over the range ends
+            if pos > at:
+                live = [s for s, n in open_ranges.items() if n > 0]
+                tier = CacheHitSource.outermost(live) if live else CacheHitSource.EXTERNAL_UNSPECIFIED
+                sources[tier] = sources.get(tier, 0) + pos - at
+            open_ranges[source] += delta
+            at = pos
+        return sources
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        st = self._state(request)
-        bs = self.block_size
-        start = st.num_locally_computed_tokens // bs
-        n = num_external_tokens // bs
-        st.next_stored_block_idx = max(st.next_stored_block_idx, start + n)
-        if n == 0:
+        """Plan the load of the hit into the blocks the scheduler just allocated: one job over
+        every group (``GPULoadStoreSpec``: the blocks group after group, with each group's
+        count and its first block's index in the request's table)."""
+        # Every allocated block is noted, hit or not: a pending store reading a reused block
+        # must be flushed (with other connectors beside this one, too).
+        for group_blocks in blocks.blocks:
+            self._current_batch_allocated_block_ids.update(b.block_id for b in group_blocks if b.block_id != 0)
+        if num_external_tokens == 0:
             return
-        keys = self._keys(st, start, start + n)
-        media = st.lookup_media[:n]
-        # Every loaded block ends up in the CPU tier (a disk block passes through a CPU slot):
-        # its payload is taken now, while the request is here to read it from.
-        if self.group_config is not None:
-            for i, key in enumerate(keys, start):
-                self._events_tracker.record_lookup(request, self.group_config, i, key)
-        items = self.manager.prepare_load(keys, media, st.req_context)
-        self._drain()
-        gpu_ids = [b.block_id for b in blocks.blocks[self.group_id][start : start + n]]
-        job = LoadJob(self._job_id(), request.request_id, gpu_ids, items)
-        self._jobs[job.job_id] = job
-        self._pending_loads.append(job)
-        for m in media:
-            self.num_hit_tokens[m] = self.num_hit_tokens.get(m, 0) + bs
-        if self.events is not None:
-            self.events.record(
-                "kv_transfer",
-                direction="load",
-                request_id=request.request_id,
-                media=list(media),
-                block_ids=gpu_ids,
-                block_hashes=[get_offload_block_hash(k) for k in keys],
-                chunk_ids=[it.cpu_slot for it in items],
-                paths=[it.path or "" for it in items],
-                num_tokens=n * bs,
-            )
-        self._record_orders()
+        self._acquire_step()  # prepare_load pins what the lookup of this step saw
+        req_status = self._req_status[request.request_id]
+        req_status.loaded_from_offload = True
+        sync = request.request_id in self._current_batch_sync_loads
+        computed = req_status.num_locally_computed_tokens
+        cached = computed + num_external_tokens
+        assert req_status.partial_tail_boundary is None
+        keys_to_load: list[OffloadKey] = []
+        req_status.load_key_ranges.clear()
+        dst_block_ids: list[int] = []
+        group_sizes: list[int] = []
+        block_indices: list[int] = []
+        for gc, gs in zip(self.config.kv_group_configs, req_status.group_states):
+            group_blocks = blocks.blocks[gc.group_idx]
+            per_block = gc.tokens_per_block
+            chunk = gc.tokens_per_chunk
+            num_gpu_blocks = _cdiv(cached, per_block)
+            assert len(group_blocks) >= num_gpu_blocks
+            assert computed % per_block == 0
+            # The load starts at the first fresh block after the GPU hit: skip nulls (a window's
+            # or Mamba's unused positions) and, unless the load is synchronous (its blocks are
+            # hashed when allocated), blocks that already hold a hash. A sparse group may hold
+            # a real unhashed block below the hit, so the search starts at the hit, not at 0.
+            load_start = num_gpu_blocks
+            for i in range(_cdiv(computed, per_block), num_gpu_blocks):
+                block = group_blocks[i]
+                if not block.is_null and (sync or block.block_hash is None):
+                    load_start = i
+                    break
+            num_pending = num_gpu_blocks - load_start
+            if gc.sliding_window_size_in_chunks is not None:
+                assert num_pending <= gc.sliding_window_size_in_chunks * self.config.blocks_per_chunk + 1
+            num_chunks = _cdiv(cached, chunk)
+            if num_pending:
+                first_chunk = load_start // self.config.blocks_per_chunk
+                assert len(gs.offload_keys) >= num_chunks
+                group_keys = gs.offload_keys[first_chunk:num_chunks]
+                keys_to_load += group_keys
+                if isinstance(gc.kv_cache_spec, MambaSpec):
+                    req_status.load_key_ranges += [(computed, cached, k) for k in group_keys]
+                else:
+                    for ci, key in enumerate(group_keys, first_chunk):
+                        lo = max(load_start * per_block, ci * chunk)
+                        req_status.load_key_ranges.append((lo, min(cached, (ci + 1) * chunk), key))
+            dst_block_ids += [b.block_id for b in group_blocks[load_start:num_gpu_blocks]]
+            group_sizes.append(num_pending)
+            block_indices.append(load_start)
+            # Chunk-level policy: the hit's chunks are not stored again. Request-level: every
+            # chunk of the request is offered (the index stays where it was).
+            if req_status.offloading_context.policy == OffloadPolicy.CHUNK_LEVEL:
+                gs.next_stored_chunk_idx = num_chunks
 
-    def _expire_stale_jobs(self) -> None:
-        """Jobs of an earlier step that were never reported: that step never finished (an
-        exception or an interrupt undid it). Unpin their loads and forget their stores, so
-        an undone step leaves no block pinned in a tier."""
-        for job_id in [j for j, b in self._job_build.items() if b < self._num_builds]:
-            job = self._jobs.pop(job_id, None)
-            del self._job_build[job_id]
-            self._partial_reports.pop(job_id, None)  # some worker never reported it
-            if isinstance(job, LoadJob):
-                self.manager.complete_load(job.items, loaded=())  # none ran: no promoted slot holds its block
-            elif isinstance(job, StoreJob):
-                self.manager.complete_store(job.plan, success=False)
-        self._drain()
+        src_spec = self.manager.prepare_load(keys_to_load, req_status.req_context)
+        dst_spec = GPULoadStoreSpec(dst_block_ids, group_sizes=group_sizes, block_indices=block_indices)
+        job_id = self._generate_job_id()
+        self._current_batch_load_jobs[job_id] = TransferJob(req_id=request.request_id, src_spec=src_spec, dst_spec=dst_spec, sync=sync)
+        assert not req_status.transfer_jobs  # a load is issued only with nothing else in flight
+        req_status.transfer_jobs.add(job_id)
+        self._jobs[job_id] = TransferJobStatus(
+            req_id=request.request_id,
+            pending_count=self.config.num_workers,
+            keys=set(keys_to_load),
+            is_store=False,
+            is_sync_load=sync,
+        )
+        if self._chunks_being_loaded is not None and not sync:  # a sync load is done before anyone asks
+            self._chunks_being_loaded.update(keys_to_load)
+        req_status.partial_tail_boundary = None
+
+    def _update_req_states(self, scheduler_output: SchedulerOutput) -> None:
+        """Take the step's block tables; zero window blocks that the pool reused since
+        (freed behind the window, handed out again: storing them now would copy someone
+        else's K/V)."""
+        old_ends: dict[str, tuple[int, ...]] = {}  # window groups' table lengths before this step's blocks
+        for req_id, block_id_groups, is_full_table in _yield_req_data(scheduler_output):
+            req_status = self._req_status[req_id]
+            req_status.update_offload_keys()
+            if is_full_table:
+                for gs in req_status.group_states:
+                    gs.block_ids.clear()
+            if block_id_groups:
+                if self._sliding_window_groups:
+                    old_ends[req_id] = tuple(len(req_status.group_states[g].block_ids) for g in self._sliding_window_groups)
+                req_status.update_block_id_groups(block_id_groups)
+                for gc in self.config.kv_group_configs:
+                    self._current_batch_allocated_block_ids.update(b for b in block_id_groups[gc.group_idx] if b != 0)
+        for copy in scheduler_output.kv_cache_block_copies or ():
+            self._current_batch_allocated_block_ids.add(copy.dst_block_id)
+        if not (self._sliding_window_groups and self._current_batch_allocated_block_ids):
+            return
+        per_chunk = self.config.blocks_per_chunk
+        reused = self._current_batch_allocated_block_ids
+        for req_id, req_status in self._req_status.items():
+            ends = old_ends.get(req_id)
+            for i, g in enumerate(self._sliding_window_groups):
+                gs = req_status.group_states[g]
+                end = ends[i] if ends is not None else len(gs.block_ids)
+                for j in range(gs.next_stored_chunk_idx * per_chunk, end):  # stored before it; fresh after it
+                    if gs.block_ids[j] in reused:
+                        gs.block_ids[j] = 0
+
+    def _reachable_store_block_mask(
+        self,
+        group_config: GroupOffloadConfig,
+        start_chunk_idx: int,
+        end_chunk_idx: int,
+        final_segment_end_chunk_idx: int | None,
+        reachable_boundaries: tuple[int, ...],
+    ) -> list[bool] | None:
+        """Which blocks of chunks ``[start, end)`` a later hit could read (None: all), by the
+        group manager's own rule."""
+        per_chunk = self.config.blocks_per_chunk
+        spec = group_config.kv_cache_spec
+        if isinstance(spec, SlidingWindowSpec) and spec.extra_retained_tokens:
+            # An offload restores every block the window kept, the extra ones included: widen
+            # the mask's window, not the model's.
+            spec = replace(spec, sliding_window=spec.sliding_window + spec.extra_retained_tokens, extra_retained_tokens=0)
+        return group_config.manager_cls.reachable_block_mask(
+            start_block=start_chunk_idx * per_chunk,
+            end_block=end_chunk_idx * per_chunk,
+            alignment_tokens=self.config.alignment_tokens,
+            kv_cache_spec=spec,
+            use_eagle=group_config.is_eagle_group,
+            retention_interval=self.config.retention_interval,
+            reachable_boundaries=reachable_boundaries,
+            dcp_world_size=self.config.dcp_world_size,
+            final_segment_end_block=None if final_segment_end_chunk_idx is None else final_segment_end_chunk_idx * per_chunk,
+        )
+
+    def _final_swa_alignment_blocks(self, group_config: GroupOffloadConfig) -> int | None:
+        """The alignment in blocks of a non-drafter window group's final tail, when it is whole blocks."""
+        align = self.config.alignment_tokens
+        if (
+            align is None
+            or group_config.is_eagle_group
+            or not isinstance(group_config.kv_cache_spec, SlidingWindowSpec)
+            or align % group_config.tokens_per_block
+        ):
+            return None
+        return align // group_config.tokens_per_block
+
+    def _build_store_jobs(self, scheduler_output: SchedulerOutput) -> dict[int, TransferJob]:
+        """One store job per request with chunks that became storable in this step (the
+        scheduled requests, and those that finished since the last step)."""
+        per_chunk = self.config.blocks_per_chunk
+        store_jobs: dict[int, TransferJob] = {}
+        for req_id in chain(scheduler_output.num_scheduled_tokens, scheduler_output.finished_req_ids or ()):
+            req_status = self._req_status.get(req_id)
+            if req_status is None:
+                continue
+            req = req_status.req
+            if req.status is RequestStatus.FINISHED_ABORTED:
+                after = req.num_computed_tokens
+            elif req.is_finished():
+                # The last sampled token's slot is never committed to the prefix cache (under
+                # speculative decoding it may hold a rejected draft): a block ending there is not stored.
+                after = max(req.num_prompt_tokens, req.num_tokens - 1)
+            else:
+                after = req.num_computed_tokens + scheduler_output.num_scheduled_tokens[req_id]
+            offloadable = self._calc_num_offloadable_tokens(req_status, after)
+            prompt_offloadable = self._calc_num_offloadable_tokens(req_status, req.num_prompt_tokens)
+            boundaries: tuple[int, ...] = ()
+            if self.config.retention_interval is not None:
+                boundaries = (req.num_prompt_tokens - 1,)
+                if req.shared_prefix_boundary:
+                    boundaries += (req.shared_prefix_boundary,)
+
+            new_keys: list[OffloadKey] = []
+            ranges: list[tuple[int, int]] = []  # per group: (first chunk, end chunk) considered
+            for gc, gs in zip(self.config.kv_group_configs, req_status.group_states):
+                num_chunks = req_status.storable_chunks(gc, gs, offloadable)
+                start = gs.next_stored_chunk_idx
+                prompt_chunks = prompt_offloadable // gc.tokens_per_chunk
+                tail_align = self._final_swa_alignment_blocks(gc)
+                # A finished request's last window segment may be reachable now that its end
+                # is known: look at it again.
+                revisit_tail = (
+                    req.is_finished() and num_chunks != prompt_chunks and self.config.retention_interval is None and tail_align is not None
+                )
+                horizon: int | None
+                if self.config.retention_interval is not None or gc.is_eagle_group:
+                    horizon = None
+                elif req.is_finished():
+                    horizon = num_chunks
+                elif num_chunks <= prompt_chunks:
+                    horizon = prompt_chunks
+                else:
+                    horizon = None  # a decode frontier is no request boundary
+                if revisit_tail:
+                    assert tail_align is not None
+                    horizon_blocks = num_chunks * per_chunk
+                    start = min(start, (horizon_blocks - horizon_blocks % tail_align) // per_chunk)
+                ranges.append((start, num_chunks))
+                if gc.requires_cow_source or num_chunks <= start:
+                    continue
+                keys = gs.offload_keys[start:num_chunks]
+                # Each chunk is stored from its last block (ids 1 5 6 | 7 2 4 -> 6, 4); a 0 is a
+                # block the group skipped or the pool reused.
+                last_blocks = gs.block_ids[start * per_chunk + per_chunk - 1 : num_chunks * per_chunk : per_chunk]
+                assert len(keys) == len(last_blocks)
+                mask = self._reachable_store_block_mask(gc, start, num_chunks, horizon, boundaries)
+                prompt_mask = self._reachable_store_block_mask(gc, start, num_chunks, prompt_chunks, boundaries) if revisit_tail else None
+                for k, (key, block_id) in enumerate(zip(keys, last_blocks)):
+                    if block_id == 0:
+                        continue
+                    chunk_idx = start + k
+                    blocks_of = range(k * per_chunk, (k + 1) * per_chunk)
+                    if (
+                        revisit_tail
+                        and chunk_idx < gs.next_stored_chunk_idx
+                        and (prompt_mask is None or any(prompt_mask[b] for b in blocks_of))
+                    ):
+                        continue  # stored (or skipped for good) already
+                    if mask is not None and not any(mask[b] for b in blocks_of):
+                        continue  # no later hit reads any of its blocks
+                    first_block = chunk_idx * per_chunk
+                    if any(gs.block_ids[first_block + b] == 0 and (mask is None or mask[k * per_chunk + b]) for b in range(per_chunk)):
+                        continue  # a reachable block is missing: the chunk would be stored half written
+                    new_keys.append(key)
+
+            if not new_keys:
+                req_status.advance_stored_idx(offloadable)
+                continue
+            store_output = self.manager.prepare_store(new_keys, req_status.req_context)
+            if store_output is None:
+                self._connector_stats.increase_counter(_ConnectorMetricName.ALLOCATION_FAILURE)
+                logger.warning("Request %s: cannot store chunks", req_id)
+                continue
+            if not store_output.keys_to_store:
+                req_status.advance_stored_idx(offloadable)
+                continue
+            to_store = set(store_output.keys_to_store)
+            group_sizes: list[int] = []
+            block_indices: list[int] = []
+            src_block_ids: list[int] = []
+            fenced: list[int] = []
+            deferred: list[int] = []
+            for gc, gs, (start, num_chunks) in zip(self.config.kv_group_configs, req_status.group_states, ranges):
+                window = gc.sliding_window_size_in_chunks is not None
+                count = 0
+                first: int | None = None
+                for chunk_idx, key in enumerate(gs.offload_keys[start:num_chunks], start):
+                    if key not in to_store:
+                        continue
+                    self._events_tracker.record_store(req, gc, chunk_idx, key)
+                    for b in range(chunk_idx * per_chunk, (chunk_idx + 1) * per_chunk):
+                        block_id = gs.block_ids[b]
+                        if block_id == 0:
+                            continue
+                        if first is None:
+                            first = b
+                        src_block_ids.append(block_id)
+                        count += 1
+                        (fenced if window else deferred).append(block_id)
+                group_sizes.append(count)
+                block_indices.append(first or 0)
+                gs.next_stored_chunk_idx = max(gs.next_stored_chunk_idx, num_chunks)
+
+            job_id = self._generate_job_id()
+            if req_status.transfer_jobs:  # a store is issued beside stores or a sync load only
+                other = self._jobs[next(iter(req_status.transfer_jobs))]
+                assert other.is_store or other.is_sync_load
+            req_status.transfer_jobs.add(job_id)
+            for bid in fenced:  # window blocks may be freed while the request runs: watch them now
+                self._block_id_to_pending_jobs.setdefault(bid, set()).add(job_id)
+            self._jobs[job_id] = TransferJobStatus(
+                req_id=req_id,
+                pending_count=self.config.num_workers,
+                keys=to_store,
+                is_store=True,
+                deferred_fence_block_ids=deferred,
+                fenced_block_ids=fenced or None,
+            )
+            store_jobs[job_id] = TransferJob(
+                req_id=req_id,
+                src_spec=GPULoadStoreSpec(src_block_ids, group_sizes=group_sizes, block_indices=block_indices),
+                dst_spec=store_output.store_spec,
+            )
+            logger.debug("Request %s offloading %s chunks upto %d tokens (job %d)", req_id, len(to_store), offloadable, job_id)
+            if req.is_finished():
+                # Its other blocks are free now too: watch them, and flush at once if the pool
+                # already handed one out in this step.
+                for bid in deferred:
+                    self._block_id_to_pending_jobs.setdefault(bid, set()).add(job_id)
+                    if bid in self._current_batch_allocated_block_ids:
+                        self._current_batch_jobs_to_flush.add(job_id)
+        return store_jobs
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadingConnectorMetadata:
-        self._num_builds += 1
-        self._expire_stale_jobs()
-        for job in self._pending_loads:
-            self._job_build[job.job_id] = self._num_builds
-        meta = OffloadingConnectorMetadata(loads=self._pending_loads, block_size=self.block_size)
-        self._pending_loads = []
-        for nr in scheduler_output.scheduled_new_reqs:  # new or resumed: the whole table
-            st = self._reqs.get(nr.req_id)
-            if st is not None:
-                st.block_ids = list(nr.block_ids[self.group_id])
-        c = scheduler_output.scheduled_cached_reqs
-        for rid, new_ids in zip(c.req_ids, c.new_block_ids):
-            st = self._reqs.get(rid)
-            if st is not None and new_ids is not None:
-                st.block_ids.extend(new_ids[self.group_id])
-        bs = self.block_size
-        for rid, n in scheduler_output.num_scheduled_tokens.items():
-            st = self._reqs.get(rid)
-            if st is None:
+        self._acquire_step()  # a step that scheduled nothing reaches here first
+        try:
+            return self._build_connector_meta(scheduler_output)
+        finally:
+            self._release_step()  # the step is over: the manager is free while the model runs
+
+    def _build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadingConnectorMetadata:
+        if self._reset_fence and time.monotonic() - self._reset_fence_since > _RESET_FENCE_WARN_S:
+            _warn_once(
+                "KV offloading: workers have not reported %d jobs a cache reset flushed for over %d s",
+                len(self._reset_fence),
+                _RESET_FENCE_WARN_S,
+            )
+        self._no_partial_tails()
+        self._update_req_states(scheduler_output)
+        end_context = ScheduleEndContext(
+            new_req_ids=[r.req_id for r in scheduler_output.scheduled_new_reqs],
+            preempted_req_ids=scheduler_output.preempted_req_ids or (),
+        )
+        # A preempted request's jobs finish before its blocks go to anyone else (loads issued
+        # in this very step -- a cache reset can preempt and reload at once -- are not sent yet).
+        for req_id in scheduler_output.preempted_req_ids or ():
+            req_status = self._req_status.get(req_id)
+            if req_status is None:
                 continue
-            req = st.req
-            after = req.num_computed_tokens + n
-            limit = req.num_prompt_tokens if self.offload_prompt_only else req.num_tokens
-            if st.max_offload_tokens is not None:
-                limit = min(limit, st.max_offload_tokens)
-            full = min(after, limit) // bs
-            if full <= st.next_stored_block_idx:
+            flush = req_status.transfer_jobs - self._current_batch_load_jobs.keys()
+            if flush:
+                job = self._jobs[next(iter(flush))]
+                assert job.is_store or job.is_sync_load
+                self._current_batch_jobs_to_flush |= flush
+        # So do stores reading a block the pool handed out in this step.
+        allocated = self._current_batch_allocated_block_ids
+        if self._block_id_to_pending_jobs and not self._block_id_to_pending_jobs.keys().isdisjoint(allocated):
+            self._current_batch_jobs_to_flush.update(
+                jid for bid in allocated if bid in self._block_id_to_pending_jobs for jid in self._block_id_to_pending_jobs[bid]
+            )
+        meta = OffloadingConnectorMetadata(
+            load_jobs=self._current_batch_load_jobs,
+            store_jobs=self._build_store_jobs(scheduler_output),
+            jobs_to_flush=self._current_batch_jobs_to_flush,
+        )
+        # Every store of a finished request is issued: tell the manager, and drop the books of
+        # those with nothing in flight.
+        for req_id in scheduler_output.finished_req_ids or ():
+            req_status = self._req_status.get(req_id)
+            if req_status is None:
                 continue
-            first = st.next_stored_block_idx
-            keys = self._keys(st, first, full)
-            st.next_stored_block_idx = full
-            plan = self.manager.prepare_store(keys, st.req_context)
-            self._drain()
-            if plan is None:  # no unpinned room: a future miss
-                self._connector_stats.increase_counter(_ConnectorMetricName.ALLOCATION_FAILURE)
-                continue
-            if not plan.keys:
-                continue  # the tiers hold them already
-            index = {k: first + i for i, k in enumerate(keys)}
-            if self.group_config is not None:
-                for k in plan.keys:
-                    self._events_tracker.record_store(req, self.group_config, index[k], k)
-            gpu_ids = [st.block_ids[index[k]] for k in plan.keys]
-            store = StoreJob(self._job_id(), rid, gpu_ids, plan)
-            self._jobs[store.job_id] = store
-            self._job_build[store.job_id] = self._num_builds
-            meta.stores.append(store)
-            self._emit_store(rid, gpu_ids, plan)
-        self._record_orders()
-        new_req_ids = [nr.req_id for nr in scheduler_output.scheduled_new_reqs]
-        self.manager.on_schedule_end(ScheduleEndContext(new_req_ids, scheduler_output.preempted_req_ids))
+            req_status.finished_signaled = True
+            self.manager.on_request_finished(req_status.req_context)
+            if not req_status.transfer_jobs:
+                del self._req_status[req_id]
+        self._current_batch_load_jobs = {}
+        self._current_batch_sync_loads = set()
+        self._current_batch_sync_load_bytes = 0
+        self._current_batch_jobs_to_flush = set()
+        self._current_batch_allocated_block_ids = set()
+        self.manager.on_schedule_end(end_context)  # the step's last manager call
         return meta
 
-    def _emit_store(self, rid: str, gpu_ids: list[int], plan: StorePlan) -> None:
-        if self.events is None:
-            return
-        self.events.record(
-            "kv_transfer",
-            direction="store",
-            request_id=rid,
-            media=["CPU"] * len(plan.keys),
-            block_ids=gpu_ids,
-            block_hashes=[get_offload_block_hash(k) for k in plan.keys],
-            chunk_ids=list(plan.cpu_slots),
-            num_tokens=len(plan.keys) * self.block_size,
-        )
-        if plan.cascade_keys:
-            self.events.record(
-                "kv_transfer",
-                direction="store",
-                request_id=rid,
-                media=["STORAGE"] * len(plan.cascade_keys),
-                block_hashes=[get_offload_block_hash(k) for k in plan.cascade_keys],
-                chunk_ids=list(plan.cascade_slots),
-                paths=list(plan.cascade_paths),
-                num_tokens=len(plan.cascade_keys) * self.block_size,
-            )
+    def has_pending_push_work(self) -> bool:
+        """Whether the engine must keep stepping with nothing scheduled: jobs in flight, a
+        cache reset's fence, or work the manager still has. Takes the lock for this call
+        only: the engine asks before schedule(), and may not schedule at all."""
+        if self._jobs or self._reset_fence:
+            return True
+        with self._manager_locked():
+            return self.manager.has_pending_work()
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        wm = connector_output.worker_meta
-        if not isinstance(wm, OffloadingWorkerMetadata):
-            return
-        if wm.block_nbytes and not self.manager.chunk_size_bytes:
-            self.manager.chunk_size_bytes = wm.block_nbytes  # one chunk is one block here
-            cpu = self.manager.primary
-            # The CPU tier's facts, for the first metrics payload: its size in bytes. (The
-            # tokens it holds at max_model_len stay unknown: the connector is not told it.)
-            cpu.set_info(CPUOffloadingInfo(cpu.num_blocks, 1, cpu.num_blocks * wm.block_nbytes, None))
-        ts = wm.transfer_stats
-        if not ts.is_empty():
-            transfer = OffloadingConnectorStats()
-            for d, (nbytes, secs, size) in (
-                (ts.load, (_TransferMetricName.LOAD_BYTES, _TransferMetricName.LOAD_TIME, _TransferMetricName.LOAD_SIZE)),
-                (ts.store, (_TransferMetricName.STORE_BYTES, _TransferMetricName.STORE_TIME, _TransferMetricName.STORE_SIZE)),
-            ):
-                if d.is_empty():
-                    continue
-                transfer.increase_counter(nbytes, d.bytes)
-                transfer.increase_counter(secs, d.time)
-                for n in d.sizes:
-                    transfer.observe_histogram(size, n)
-            self._connector_stats.aggregate(transfer)
-        wm = self._completed(wm)
-        for job_id, res in wm.loads.items():
-            self._job_build.pop(job_id, None)
-            job = self._jobs.pop(job_id, None)
-            if isinstance(job, LoadJob):
-                failed = [res.failed_key] if res.failed_key is not None else []
-                loaded = [it.key for it in job.items[: res.num_loaded]]
-                self.manager.complete_load(
-                    job.items, failed, reason=res.reason or "load failed", loaded=loaded, transfer_time=res.read_time
-                )
-        for job_id, (stored, cascaded, _err) in wm.stores.items():
-            self._job_build.pop(job_id, None)
-            job = self._jobs.pop(job_id, None)
-            if isinstance(job, StoreJob):
-                self.manager.complete_store(
-                    job.plan, stored, cascaded, cascade_bytes=wm.cascade_bytes.get(job_id), cascade_time=wm.cascade_time.get(job_id)
-                )
-        self._drain()
-        self._record_orders()
+        with self._manager_locked():
+            self._update_connector_output(connector_output)
 
-    def _completed(self, wm: OffloadingWorkerMetadata) -> OffloadingWorkerMetadata:
-        """The jobs of ``wm`` that every worker has now reported, each with its workers'
-        results merged; the others wait in ``_partial_reports`` for the rest."""
-        if self.num_workers == 1 and not self._partial_reports:
-            return wm
-        done = OffloadingWorkerMetadata()
-        for job_id in wm.completed_jobs:
-            part = wm.job(job_id)
-            earlier = self._partial_reports.pop(job_id, None)
-            if earlier is not None:
-                part = earlier.aggregate(part)
-            if part.completed_jobs[job_id] >= self.num_workers:
-                done = done.aggregate(part)
+    def _update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if not isinstance(meta, OffloadingWorkerMetadata):
+            if meta is not None:
+                raise TypeError(f"kv_connector_worker_meta must be an OffloadingWorkerMetadata or None, got {type(meta).__name__}")
+            meta = OffloadingWorkerMetadata()
+        self._connector_stats.aggregate(transfer_metrics(meta.transfer_stats))
+
+        for job_id, count in meta.completed_jobs.items():
+            assert count > 0
+            if job_id < self._stale_job_threshold:  # issued before a cache reset
+                if job_id in self._reset_fence:
+                    self._reset_fence[job_id] -= count
+                    if self._reset_fence[job_id] <= 0:
+                        del self._reset_fence[job_id]
+                        if not self._reset_fence:
+                            self.manager.on_reset_flushed()
+                            logger.info("KV offloading: workers reported every job the cache reset flushed")
+                continue
+            job = self._jobs[job_id]
+            job.pending_count -= count
+            if job.pending_count > 0:
+                continue  # other workers still copy their part
+            assert job.pending_count == 0
+            req_status = self._req_status[job.req_id]
+            if job.is_store:
+                self.manager.complete_store(job.keys, req_status.req_context)
             else:
-                self._partial_reports[job_id] = part
-        return done
+                self.manager.complete_load(job.keys, req_status.req_context)
+                if self._chunks_being_loaded:
+                    self._chunks_being_loaded.difference_update(job.keys)
+            if self._block_id_to_pending_jobs:
+                self._remove_pending_job(job_id, job.fenced_block_ids)
+                if req_status.req.is_finished():  # the other blocks are watched only after the finish
+                    self._remove_pending_job(job_id, job.deferred_fence_block_ids)
+            del self._jobs[job_id]
+            req_status.transfer_jobs.remove(job_id)
+            if req_status.finished_signaled and not req_status.transfer_jobs:
+                del self._req_status[job.req_id]
 
     def get_stats(self) -> OffloadingConnectorStats | None:
-        """The metrics since the last call (vLLM 0.33): this half's own, then the offload
-        manager's; the manager's static facts (``config_info``) ride on the first payload."""
-        stats: OffloadingConnectorStats | None = None
-        if not self._connector_stats.is_empty():
-            stats, self._connector_stats = self._connector_stats, OffloadingConnectorStats()
-        manager_stats = self.manager.get_stats()
-        if manager_stats is not None:
-            stats = manager_stats if stats is None else stats.aggregate(manager_stats)
-        if not self._info_sent:
-            if stats is None:
-                stats = OffloadingConnectorStats()
-            stats.set_info(self.manager.config_info())
-            self._info_sent = True
-        return stats
+        with self._manager_locked():
+            return collect_stats(self)
 
-    def request_finished(self, request: Request) -> None:
-        """The tiers commit what the request read and stored (vLLM 0.33: its blocks' recency)."""
-        st = self._reqs.pop(request.request_id, None)
-        if st is not None:
-            self.manager.on_request_finished(st.req_context)
-            self._drain()
-            self._record_orders()
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        """The request finished; its blocks are about to be freed. Its last stores are built
+        at the next step (its books stay until then); its blocks free at once -- a store still
+        reading one is flushed when the pool reuses it."""
+        req_status = self._req_status.get(request.request_id)
+        if req_status is None:  # never tracked: nothing in flight, nothing deferred
+            ctx = _create_req_context(request)
+            with self._manager_locked():
+                self.manager.on_new_request(ctx)
+                self.manager.on_request_finished(ctx)
+            return False, None
+        self._maybe_observe_lookup_async_delay(req_status)
+        req_status.update_offload_keys()  # the final block hash keys the last chunk
+        for job_id in req_status.transfer_jobs:
+            for bid in self._jobs[job_id].deferred_fence_block_ids or ():
+                self._block_id_to_pending_jobs.setdefault(bid, set()).add(job_id)
+        return False, None
 
-    def take_events(self) -> list[KVCacheEvent]:
-        events, self._kv_events = self._kv_events, []
-        return events
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """The tiers' changes as KV events. The manager's queue is drained at once, under the
+        lock (a lazy drain would hold the lock while the caller iterates)."""
+        with self._manager_locked():
+            manager_events = list(self.manager.take_events())
+        yield from self._events_tracker.take_events(manager_events)
 
-    def check_invariants(self) -> None:
-        """Tiers consistent, and no block pinned once every job finished (nothing leaks)."""
-        self.manager.check_invariants()
-        if not self._jobs and not self._pending_loads:
-            for t in self.manager.tiers:
-                assert not t.pinned(), f"{t.medium} tier: blocks still pinned with no job in flight: {t.pinned()}"
+    def reset_cache(self) -> None:
+        """Empty the tiers. In-flight jobs are flushed and forgotten; their late reports are
+        recognised by id and fence the manager until every worker made them."""
+        assert not self._current_batch_load_jobs, "reset_cache in the middle of a step"
+        assert not self._current_batch_sync_loads
+        assert not self._current_batch_jobs_to_flush
+        assert not self._current_batch_allocated_block_ids
+        with self._manager_locked():
+            self._reset_cache()
+
+    def _reset_cache(self) -> None:
+        self._current_batch_jobs_to_flush.update(self._jobs)  # delivered with the next step
+        for req_id, status in list(self._req_status.items()):
+            if status.req.is_finished():
+                if not status.finished_signaled:
+                    self.manager.on_request_finished(status.req_context)
+                del self._req_status[req_id]
+        self.manager.reset_cache()
+        for status in self._req_status.values():  # running requests store again from chunk 0
+            for gs in status.group_states:
+                gs.next_stored_chunk_idx = 0
+            status.transfer_jobs.clear()
+            status.partial_tail_boundary = None
+        self._stale_job_threshold = self._job_counter
+        if self._jobs:
+            self._reset_fence.update((job_id, job.pending_count) for job_id, job in self._jobs.items())
+            self._reset_fence_since = time.monotonic()
+            logger.info("KV offloading: waiting for workers to report %d jobs flushed by the cache reset", len(self._reset_fence))
+        elif not self._reset_fence:
+            self.manager.on_reset_flushed()
+        self._jobs.clear()
+        self._block_id_to_pending_jobs.clear()
+        self._events_tracker.reset()  # the pool is empty: pending payloads are stale
+        if self._chunks_being_loaded is not None:
+            self._chunks_being_loaded.clear()
+
+    def shutdown(self) -> None:
+        self.manager.shutdown()
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(msg: str, *args: Any) -> None:
+    if msg not in _warned:
+        _warned.add(msg)
+        logger.warning(msg, *args)
+
+
+def _yield_req_data(scheduler_output: SchedulerOutput) -> Iterator[tuple[str, tuple[list[int], ...] | None, bool]]:
+    """``(req_id, block id groups, whole table?)`` for every scheduled request: the new and
+    resumed ones with their whole table, the running ones with this step's new blocks."""
+    for new in scheduler_output.scheduled_new_reqs:
+        yield new.req_id, new.block_ids, True
+    cached = scheduler_output.scheduled_cached_reqs
+    for req_id, new_ids in zip(cached.req_ids, cached.new_block_ids):
+        yield req_id, new_ids, req_id in cached.resumed_req_ids
