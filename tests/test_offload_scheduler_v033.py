@@ -238,3 +238,35 @@ def test_partial_tail_config_is_refused_where_it_would_be_used() -> None:
     sched.on_new_request(a)
     with pytest.raises(NotImplementedError, match="partial-tail offload is not built in kvlab"):
         sched.get_num_new_matched_tokens(a, 0)
+
+
+def test_kvlab_requests_store_a_prompt_and_a_later_one_loads_it() -> None:
+    """The half takes kvlab's own Request: ``a`` (10 tokens: 2 whole blocks of 4) stores its
+    prompt's two chunks in one job; ``b`` with the same prompt then finds both in the tier."""
+    from kvlab.core.kv_cache_utils import get_request_block_hasher
+    from kvlab.request import Request
+    from kvlab.utils.hashing import sha256
+
+    kw: dict[str, Any] = dict(block_size=4, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    groups = [KVCacheGroupSpec(["full"], FullAttentionSpec(**kw))]
+    manager = CPUOffloadingManager(num_chunks=8)
+    config = KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=groups)
+    sched = OffloadingConnectorScheduler(_spec(groups, manager), _engine_config(1), config)  # type: ignore[arg-type]
+    hasher = get_request_block_hasher(4, sha256)
+    a = Request("a", list(range(10)), block_hasher=hasher)
+    sched.on_new_request(a)
+    assert sched.get_num_new_matched_tokens(a, 0) == (0, False)
+    sched.update_state_after_alloc(a, KVCacheBlocks(([KVCacheBlock(1), KVCacheBlock(2), KVCacheBlock(3)],)), 0)
+    meta = sched.build_connector_meta(_out(new=[("a", ([1, 2, 3],))], sched={"a": 10}))
+    [(job_id, job)] = meta.store_jobs.items()
+    assert (job_id, _gpu(job.src_spec)) == (0, ([1, 2], [2], [0]))
+    _ack(sched, {0: 1})
+    b = Request("b", list(range(10)), block_hasher=hasher)
+    sched.on_new_request(b)
+    # The two whole chunks a stored: 8 of b's 10 tokens (the last 2 fill no chunk).
+    assert sched.get_num_new_matched_tokens(b, 0) == (8, True)
+    sched.update_state_after_alloc(b, KVCacheBlocks(([KVCacheBlock(5), KVCacheBlock(6), KVCacheBlock(7)],)), 8)
+    [(load_id, load)] = sched._current_batch_load_jobs.items()
+    assert (load_id, _gpu(load.dst_spec)) == (1, ([5, 6], [2], [0]))
+    assert sched._jobs[1].keys == set(sched._req_status["b"].group_states[0].offload_keys)
+    assert len(sched._jobs[1].keys) == 2
