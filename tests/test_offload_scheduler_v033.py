@@ -14,7 +14,6 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-import pytest
 import torch
 
 from kvlab.core.kv_cache_manager import KVCacheBlocks
@@ -107,6 +106,7 @@ def _out(new: Any = (), cached: Any = (), sched: Any = None, finished: Any = ())
         finished_req_ids=set(finished),
         preempted_req_ids=set(),
         kv_cache_block_copies=None,
+        kv_connector_block_state=None,
     )
 
 
@@ -226,18 +226,47 @@ def test_finished_requests_pending_store_is_flushed_when_its_block_is_reused() -
     assert sched._reset_fence == {2: 2}
 
 
-def test_partial_tail_config_is_refused_where_it_would_be_used() -> None:
+def test_partial_tail_stored_from_the_cores_hand_off_and_loaded_by_the_next_request() -> None:
+    """vLLM 0.33's partial tails: a full group beside a Mamba "align" group, 16-token blocks,
+    hashes every 4 tokens. ``a`` (30 tokens) computes its prompt; the core hands off its Mamba
+    states at token 16 (block 3) and at 28 (copied into block 9). The chunk edge is stored
+    alone; 28 is inside a block, so one job stores both groups' partial entries there, keyed
+    by the hash at token 28; the full group's whole chunk follows. ``b`` with the same prompt
+    then loads 28 tokens: a whole chunk and the partial entries. (Values from vLLM 0.33's own
+    class in the same story.)"""
     kw: dict[str, Any] = dict(block_size=16, num_kv_heads=1, head_size=1, dtype=torch.float32)
     mamba = MambaSpec(block_size=16, shapes=((4,),), dtypes=(torch.float32,), mamba_cache_mode="align")
     groups = [KVCacheGroupSpec(["full"], FullAttentionSpec(**kw)), KVCacheGroupSpec(["mamba"], mamba)]
-    manager = CPUOffloadingManager(num_chunks=8)
-    config = KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=groups)
+    manager = CPUOffloadingManager(num_chunks=16)
+    config = KVCacheConfig(num_blocks=32, kv_cache_tensors=[], kv_cache_groups=groups)
     sched = OffloadingConnectorScheduler(_spec(groups, manager), _engine_config(1), config)  # type: ignore[arg-type]
     assert sched.config.supports_partial_tail
     a = _req("a", 30, 7)
+    a.status = RequestStatus.RUNNING
     sched.on_new_request(a)
-    with pytest.raises(NotImplementedError, match="partial-tail offload is not built in kvlab"):
-        sched.get_num_new_matched_tokens(a, 0)
+    assert sched.get_num_new_matched_tokens(a, 0) == (0, False)
+    sched.update_state_after_alloc(a, KVCacheBlocks(([KVCacheBlock(1), KVCacheBlock(2)], [KVCacheBlock(3), KVCacheBlock(4)])), 0)
+    out = _out(new=[("a", ([1, 2], [3, 4]))], sched={"a": 30})
+    out.kv_connector_block_state = SimpleNamespace(boundary_state_offloads={"a": [(1, 3, 16), (1, 9, 28)]})
+    meta = sched.build_connector_meta(out)
+    stores = {j: (_gpu(t.src_spec), _keys(sched._jobs[j].keys)) for j, t in meta.store_jobs.items()}
+    assert stores == {
+        0: (([3], [0, 1], [0, 0]), [("h3", 1)]),  # the state at 16: a chunk edge
+        1: (([2, 9], [1, 1], [1, 1]), [("h6", 0), ("h6", 1)]),  # 28: the full group's block 2, the Mamba copy 9
+        2: (([1], [1, 0], [0, 0]), [("h3", 0)]),  # the full group's whole chunk
+    }
+    _ack(sched, {j: 1 for j in meta.store_jobs})
+    b = _req("b", 30, 7)
+    sched.on_new_request(b)
+    assert sched.get_num_new_matched_tokens(b, 0) == (28, True)
+    assert sched._req_status["b"].partial_tail_boundary == 28
+    blocks = ([KVCacheBlock(11), KVCacheBlock(12)], [KVCacheBlock(0, is_null=True), KVCacheBlock(14)])
+    sched.update_state_after_alloc(b, KVCacheBlocks(blocks), 28)
+    [(job_id, job)] = sched._current_batch_load_jobs.items()
+    assert (job_id, _gpu(job.dst_spec)) == (3, ([11, 12, 14], [2, 1], [0, 1]))
+    assert _keys(sched._jobs[3].keys) == [("h3", 0), ("h6", 0), ("h6", 1)]
+    ranges = [(lo, hi, _key(k)) for lo, hi, k in sched._req_status["b"].load_key_ranges]
+    assert ranges == [(0, 16, ("h3", 0)), (16, 28, ("h6", 0)), (0, 28, ("h6", 1))]  # a Mamba state covers its whole prefix
 
 
 def test_kvlab_requests_store_a_prompt_and_a_later_one_loads_it() -> None:

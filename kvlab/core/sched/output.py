@@ -9,6 +9,7 @@ the token ids scheduled this step, so no executor has to mirror the sampler's ou
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +57,22 @@ class CachedRequestData:
 
 
 @dataclass(slots=True)
+class KVConnectorBlockState:
+    """What the scheduler shows a producer-side KV connector of its block tables for one step
+    (vLLM 0.33), never sent to the workers. ``boundary_state_offloads``: the Mamba "align"
+    states saved this step, request id -> [(group id, block id, tokens the state covers)] --
+    a connector that offloads them needs the exact block, which its own copy of the block
+    table (appended to step by step) cannot tell it after a copy-on-write."""
+
+    req_ids: set[str]  # the step's scheduled requests, and those with a hand-off
+    resolve_block_ids: Callable[[str], tuple[list[int], ...]]  # asked only for what a connector reads
+    boundary_state_offloads: dict[str, list[tuple[int, int, int]]]
+
+    def get_block_ids(self, req_id: str) -> tuple[list[int], ...] | None:
+        return self.resolve_block_ids(req_id) if req_id in self.req_ids else None
+
+
+@dataclass(slots=True)
 class SchedulerOutput:
     step: int
     scheduled_new_reqs: list[NewRequestData]
@@ -86,6 +103,9 @@ class SchedulerOutput:
     # vLLM 0.33: a connector sets it when its loads must start before the forward pass rather
     # than after it (HiSparse rebinds its worker state every step).
     has_sync_kv_loads: bool = False
+    # vLLM 0.33: the block state the scheduler-side connector reads in build_connector_meta;
+    # cleared before the output goes to the executor.
+    kv_connector_block_state: KVConnectorBlockState | None = None
 
     @classmethod
     def make_empty(cls, step: int = 0) -> SchedulerOutput:

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from kvlab.core.encoder_cache_manager import EncoderCacheManager, EncoderDecoderCacheManager, compute_encoder_budget
 from kvlab.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
-from kvlab.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from kvlab.core.sched.output import CachedRequestData, KVConnectorBlockState, NewRequestData, SchedulerOutput
 from kvlab.core.sched.request_queue import POLICIES, FCFSRequestQueue, PriorityRequestQueue
 from kvlab.core.kv_cache_utils import KVCacheBlock, KVCacheBlockCopy
 from kvlab.core.single_type_kv_cache_manager import cdiv
@@ -1307,8 +1307,15 @@ class Scheduler:
             new_block_ids_to_zero=self._get_new_block_ids_to_zero(),
             kv_cache_block_copies=self._take_kv_cache_block_copies(),
         )
+        # Mamba "align" states saved this step, drained every step so no stale offer waits.
+        offloads = mgr.take_boundary_state_offloads()
         if self.connector is not None:
+            # Any scheduled request may become a store now (a block fills on a step that
+            # allocated none), and so may a request whose state was handed off.
+            req_ids = set(num_scheduled) | {rid for rid in offloads if rid in self.requests}
+            out.kv_connector_block_state = KVConnectorBlockState(req_ids, mgr.get_block_ids, offloads)
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
+            out.kv_connector_block_state = None  # the connector's alone: not sent to the workers
         return out
 
     def _take_kv_cache_block_copies(self) -> list[KVCacheBlockCopy] | None:

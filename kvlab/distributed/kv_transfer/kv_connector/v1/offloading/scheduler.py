@@ -23,10 +23,13 @@ group's GPU block ids as the worker knows them and the first chunk not yet store
   preempted request's jobs.
 * **Completion** (``update_connector_output``): a job is done when every worker reported it.
 
+* **Partial tails** (a Mamba "align" hybrid whose block holds several hash blocks): a hit may
+  end inside a block, on a hash boundary, where every group holds a partial entry; the core
+  hands the connector each saved Mamba state with its exact block
+  (``SchedulerOutput.kv_connector_block_state``), stored on a chunk edge alone or, inside a
+  block, with the other groups' partial entries at that boundary.
+
 kvlab's own engine runs the in-step half (:mod:`.staged_scheduler`), whose tiers keep one group.
-Not built here: vLLM's partial-tail offload (a Mamba "align" hybrid whose block is larger than
-the hash block stores and loads the prompt's unaligned tail); a config that needs it is refused
-where it would be used, by name.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from dataclasses import dataclass, field, replace
 from itertools import chain, islice
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 
-from kvlab.core.kv_cache_utils import get_manager_class
+from kvlab.core.kv_cache_utils import eagle_proof_margin, get_manager_class
 from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingConnectorMetadata,
     OffloadingWorkerMetadata,
@@ -377,7 +380,7 @@ class RequestOffloadState:
     # In-flight jobs: one load, or any number of stores (a load waits for none).
     transfer_jobs: set[int] = field(default_factory=set)
     deferred_lookup_start_time: float | None = None  # for the async-delay histogram only
-    partial_tail_boundary: int | None = None  # vLLM's partial tails; never set here
+    partial_tail_boundary: int | None = None  # a partial-tail hit's end, from the lookup to the load
     loaded_from_offload: bool = False
     # (first token, end token, key) of each loaded key: what get_external_cache_hit_sources splits.
     load_key_ranges: list[tuple[int, int, OffloadKey]] = field(default_factory=list)
@@ -472,6 +475,20 @@ class OffloadingConnectorScheduler:
         self._lookup_groups = self._full_attention_groups + self._sliding_window_groups
         self._mamba_align_size = resolve_mamba_align_size(spec, kv_cache_config)
         self._cow_source_groups = frozenset(c.group_idx for c in configs if c.requires_cow_source)
+        # Partial tails (one block per chunk, one block size): a hit may end inside a block,
+        # on any hash boundary. An EAGLE group's partial entry is keyed past the boundary by
+        # the margin core's prefix cache matches it and drops (the "proof").
+        self._partial_tail_block_size = configs[0].tokens_per_block if self.config.supports_partial_tail else 0
+        alignment = kv_cache_config.cache_hit_alignment_tokens
+        fine_hits = alignment is not None and alignment < self._partial_tail_block_size
+        self._eagle_proof_margins: dict[int, int] = {
+            c.group_idx: eagle_proof_margin(
+                self._partial_tail_block_size, self.config.tokens_per_hash, fine_hits and c.manager_cls.supports_fine_grained_hash_lookup
+            )
+            for c in configs
+            if self.config.supports_partial_tail and c.is_eagle_group and not c.requires_cow_source
+        }
+        self._max_eagle_proof_margin = max(self._eagle_proof_margins.values(), default=0)
 
         self._req_status: dict[str, RequestOffloadState] = {}
         # This step's loads, sync loads (and their bytes), jobs the workers must flush, and
@@ -550,13 +567,6 @@ class OffloadingConnectorScheduler:
         if self.config.offload_prompt_only:
             num = min(num, req_status.req.num_prompt_tokens)
         return num
-
-    def _no_partial_tails(self) -> None:
-        if self.config.supports_partial_tail:
-            raise NotImplementedError(
-                "this KV-cache config offloads partial tails (a Mamba 'align' group whose block holds several hash "
-                "blocks, one block size, no other window group): vLLM 0.33's partial-tail offload is not built in kvlab"
-            )
 
     # -- vLLM 0.33's two scans over a tier's answers ----------------------------------------------
     def _maximal_prefix_lookup(
@@ -716,11 +726,87 @@ class OffloadingConnectorScheduler:
         return num_hit_tokens
 
     def _lookup(self, req_status: RequestOffloadState, max_num_new_tokens: int | None = None) -> int | None:
-        """The request's hit past its GPU hit (vLLM: complete chunks, then a partial tail)."""
-        self._no_partial_tails()
-        hit = self._lookup_complete_chunks(req_status, max_num_new_tokens)
+        """The request's hit past its GPU hit: whole chunks, then -- with partial tails -- the
+        furthest hash boundary inside the next block (or the one after it, for an EAGLE
+        proof) at which every group holds a partial entry."""
+        complete_hit = self._lookup_complete_chunks(req_status, max_num_new_tokens)
         req_status.partial_tail_boundary = None
-        return hit
+        if complete_hit is None or not self.config.supports_partial_tail:
+            return complete_hit
+        local = req_status.num_locally_computed_tokens
+        req = req_status.req
+        complete_end = local + complete_hit
+        per_hash = self.config.tokens_per_hash
+        block = self._partial_tail_block_size
+        blocks_searched = 2 if self._max_eagle_proof_margin else 1
+        max_boundary = min(req.num_prompt_tokens - 1, complete_end + blocks_searched * block - 1)
+        if self._max_eagle_proof_margin:  # the proof key needs a hash past the boundary
+            max_boundary = min(max_boundary, len(req.block_hashes) * per_hash - self._max_eagle_proof_margin)
+        if max_num_new_tokens is not None:
+            max_boundary = min(max_boundary, local + max_num_new_tokens)
+        if req_status.max_load_tokens is not None:
+            max_boundary = min(max_boundary, local + req_status.max_load_tokens)
+        max_boundary = _round_down(max_boundary, per_hash)
+        if max_boundary <= complete_end:
+            return complete_hit
+        # A boundary past the block the complete hit ends in also loads that block's whole
+        # chunk (the "bridge"): asked once, and only when needed.
+        bridge_idx = complete_end // block
+        bridge_end = (bridge_idx + 1) * block
+        unconfirmed: list[tuple[GroupOffloadConfig, OffloadKey]] = []
+        pending = False
+        if max_boundary >= bridge_end:
+            for gc, gs in zip(self.config.kv_group_configs, req_status.group_states):
+                if gc.requires_cow_source:
+                    continue
+                key = gs.offload_keys[bridge_idx]
+                pending |= key in (self._chunks_being_loaded or ())
+                if gs.lookup_hit_end_chunk_idx <= bridge_idx:  # an EAGLE group confirmed the chunk it gave back
+                    unconfirmed.append((gc, key))
+            for _, key in unconfirmed:
+                answer = self.manager.lookup(key, req_status.req_context)
+                if answer is LookupResult.MISS:
+                    max_boundary = bridge_end - per_hash
+                    break
+                pending |= answer is not LookupResult.HIT
+        bridge_pending = pending
+        for boundary in range(max_boundary, complete_end, -per_hash):
+            loads_bridge = boundary >= bridge_end
+            hit, boundary_pending = self._lookup_partial_tail(req_status, boundary, loads_bridge and bridge_pending)
+            if hit:
+                if loads_bridge:
+                    for gc, key in unconfirmed:
+                        self._events_tracker.record_lookup(req, gc, bridge_idx, key)
+                req_status.partial_tail_boundary = boundary
+                return boundary - local
+            pending |= boundary_pending
+        if pending and complete_hit == 0:
+            return None
+        return complete_hit
+
+    def _partial_tail_key_tokens(self, group_config: GroupOffloadConfig, boundary: int) -> int:
+        """The token whose hash keys a group's partial entry (an EAGLE group's: past the boundary)."""
+        return boundary + self._eagle_proof_margins.get(group_config.group_idx, 0)
+
+    def _lookup_partial_tail(self, req_status: RequestOffloadState, boundary: int, bridge_pending: bool) -> tuple[bool, bool]:
+        """``(every group's partial entry at boundary is ready, something asked is not ready
+        yet)``; ``bridge_pending``: a whole chunk the hit would also load is not ready."""
+        req, ctx = req_status.req, req_status.req_context
+        pending = bridge_pending
+        found: list[tuple[GroupOffloadConfig, int, OffloadKey]] = []
+        for gc in self.config.kv_group_configs:
+            tokens = self._partial_tail_key_tokens(gc, boundary)
+            key = self._make_boundary_key(req, gc.group_idx, tokens, ctx)
+            answer = self.manager.lookup(key, ctx)
+            if answer is LookupResult.MISS:
+                return False, pending
+            pending |= answer is not LookupResult.HIT
+            found.append((gc, tokens, key))
+        if pending:
+            return False, True
+        for gc, tokens, key in found:
+            self._events_tracker.record_partial_lookup(req, gc, tokens, key)
+        return True, False
 
     # -- the hooks --------------------------------------------------------------------------------
     def on_new_request(self, request: Request) -> None:
@@ -825,7 +911,8 @@ class OffloadingConnectorScheduler:
         sync = request.request_id in self._current_batch_sync_loads
         computed = req_status.num_locally_computed_tokens
         cached = computed + num_external_tokens
-        assert req_status.partial_tail_boundary is None
+        tail = req_status.partial_tail_boundary
+        assert tail is None or tail == cached
         keys_to_load: list[OffloadKey] = []
         req_status.load_key_ranges.clear()
         dst_block_ids: list[int] = []
@@ -854,8 +941,13 @@ class OffloadingConnectorScheduler:
             num_chunks = _cdiv(cached, chunk)
             if num_pending:
                 first_chunk = load_start // self.config.blocks_per_chunk
-                assert len(gs.offload_keys) >= num_chunks
-                group_keys = gs.offload_keys[first_chunk:num_chunks]
+                end_chunk = num_chunks - (tail is not None)  # a partial last block loads its own entry
+                assert len(gs.offload_keys) >= end_chunk
+                group_keys = gs.offload_keys[first_chunk:end_chunk]
+                if tail is not None:
+                    group_keys.append(
+                        self._make_boundary_key(request, gc.group_idx, self._partial_tail_key_tokens(gc, tail), req_status.req_context)
+                    )
                 keys_to_load += group_keys
                 if isinstance(gc.kv_cache_spec, MambaSpec):
                     req_status.load_key_ranges += [(computed, cached, k) for k in group_keys]
@@ -959,6 +1051,139 @@ class OffloadingConnectorScheduler:
         ):
             return None
         return align // group_config.tokens_per_block
+
+    def _make_boundary_key(self, request: Request, group_idx: int, boundary_tokens: int, req_context: ReqContext) -> OffloadKey:
+        """The key of a state (or partial block) that ends at ``boundary_tokens``: the block
+        hash at that token, with the group, its end position recorded."""
+        key = make_offload_key(request.block_hashes[boundary_tokens // self.config.tokens_per_hash - 1], group_idx)
+        req_context.set_offload_key_position(key, boundary_tokens)
+        return key
+
+    def _build_aligned_boundary_store_jobs(self, handoffs: dict[str, list[tuple[int, int, int]]]) -> dict[int, TransferJob]:
+        """Store each Mamba "align" state the core handed off that ends on a chunk edge: from
+        the exact block the core names (after a copy-on-write the request's own table no
+        longer shows it), one job per state, fenced at once (the block may be reused soon)."""
+        store_jobs: dict[int, TransferJob] = {}
+        num_groups = len(self.config.kv_group_configs)
+        config_idx = {c.group_idx: i for i, c in enumerate(self.config.kv_group_configs)}
+        for req_id, entries in handoffs.items():
+            req_status = self._req_status.get(req_id)
+            if req_status is None:
+                continue
+            req = req_status.req
+            max_boundary = self._calc_num_offloadable_tokens(req_status, req.num_tokens)
+            for group_idx, block_id, boundary in entries:
+                idx = config_idx.get(group_idx)
+                if idx is None:
+                    continue  # a group this spec does not offload
+                gc = self.config.kv_group_configs[idx]
+                if block_id == 0 or boundary > max_boundary or boundary % gc.tokens_per_chunk:
+                    continue
+                key = self._make_boundary_key(req, group_idx, boundary, req_status.req_context)
+                store_output = self.manager.prepare_store([key], req_status.req_context)
+                if store_output is None:
+                    self._connector_stats.increase_counter(_ConnectorMetricName.ALLOCATION_FAILURE)
+                    continue
+                if not store_output.keys_to_store:
+                    continue
+                job_id = self._generate_job_id()
+                req_status.transfer_jobs.add(job_id)
+                self._block_id_to_pending_jobs.setdefault(block_id, set()).add(job_id)
+                self._jobs[job_id] = TransferJobStatus(
+                    req_id=req_id, pending_count=self.config.num_workers, keys={key}, is_store=True, fenced_block_ids=[block_id]
+                )
+                group_sizes = [0] * num_groups
+                group_sizes[idx] = 1
+                block_indices = [0] * num_groups
+                block_indices[idx] = boundary // gc.tokens_per_block - 1
+                store_jobs[job_id] = TransferJob(
+                    req_id=req_id,
+                    src_spec=GPULoadStoreSpec([block_id], group_sizes=group_sizes, block_indices=block_indices),
+                    dst_spec=store_output.store_spec,
+                )
+                self._events_tracker.record_store(req, gc, boundary // gc.tokens_per_chunk - 1, key)
+        return store_jobs
+
+    def _build_partial_tail_store_jobs(self, scheduler_output: SchedulerOutput) -> dict[int, TransferJob]:
+        """The stores of the states the core handed off this step (vLLM 0.33): those on a chunk
+        edge alone; with partial tails, those inside a block too -- one job per request storing
+        every group's partial entry at that boundary: a Mamba group's from the block the core
+        copied the state into, the others' from the request's block that holds the boundary."""
+        block_state = scheduler_output.kv_connector_block_state
+        handoffs = block_state.boundary_state_offloads if block_state else None
+        if not handoffs:
+            return {}
+        store_jobs = self._build_aligned_boundary_store_jobs(handoffs)
+        if not self.config.supports_partial_tail:
+            return store_jobs
+        block = self._partial_tail_block_size
+        configs = self.config.kv_group_configs
+        for req_id, all_entries in handoffs.items():
+            entries = [e for e in all_entries if e[2] % block]
+            if not entries:
+                continue
+            req_status = self._req_status.get(req_id)
+            assert req_status is not None
+            if self._max_eagle_proof_margin and not req_status.loaded_from_offload:
+                continue  # its EAGLE tail stays in the GPU prefix cache
+            (boundary,) = {b for _, _, b in entries}
+            req = req_status.req
+            states = {gc.group_idx: gs for gc, gs in zip(configs, req_status.group_states)}
+            assert 0 < boundary <= min(req.num_prompt_tokens, req_status.max_offload_tokens or req.num_prompt_tokens)
+            assert boundary % self.config.tokens_per_hash == 0
+            if self._max_eagle_proof_margin:
+                # The hand-off comes once, on the step that computes the prompt past the
+                # boundary; the store runs after this step's forward pass, so the proof must
+                # be computed by then.
+                computed_after = min(req.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(req_id, 0), req.num_prompt_tokens)
+                if boundary + self._max_eagle_proof_margin > computed_after:
+                    continue
+            cow_blocks = {g: bid for g, bid, _ in entries}
+            assert self._cow_source_groups <= cow_blocks.keys()
+            block_idx = boundary // block
+            if any(gc.group_idx not in self._cow_source_groups and block_idx >= len(states[gc.group_idx].block_ids) for gc in configs):
+                continue
+            key_tokens = [self._partial_tail_key_tokens(gc, boundary) for gc in configs]
+            keys = [self._make_boundary_key(req, gc.group_idx, t, req_status.req_context) for gc, t in zip(configs, key_tokens)]
+            block_ids = [
+                cow_blocks[gc.group_idx] if gc.group_idx in self._cow_source_groups else states[gc.group_idx].block_ids[block_idx]
+                for gc in configs
+            ]
+            assert 0 not in block_ids
+            store_output = self.manager.prepare_store(keys, req_status.req_context)
+            if store_output is None:
+                self._connector_stats.increase_counter(_ConnectorMetricName.ALLOCATION_FAILURE)
+                continue
+            if not store_output.keys_to_store:
+                continue
+            for gc, tokens, key in zip(configs, key_tokens, keys):
+                if key in store_output.keys_to_store:
+                    self._events_tracker.record_partial_store(req, gc, tokens, key)
+            position = {key: i for i, key in enumerate(keys)}
+            accepted = [position[key] for key in store_output.keys_to_store]
+            group_sizes = [0] * len(configs)
+            block_indices = [0] * len(configs)
+            for i in accepted:
+                group_sizes[i] = 1
+                block_indices[i] = block_idx
+            sources = [block_ids[i] for i in accepted]
+            job_id = self._generate_job_id()
+            req_status.transfer_jobs.add(job_id)
+            for bid in sources:
+                self._block_id_to_pending_jobs.setdefault(bid, set()).add(job_id)
+            self._jobs[job_id] = TransferJobStatus(
+                req_id=req_id,
+                pending_count=self.config.num_workers,
+                keys=set(store_output.keys_to_store),
+                is_store=True,
+                fenced_block_ids=sources,
+            )
+            store_jobs[job_id] = TransferJob(
+                req_id=req_id,
+                src_spec=GPULoadStoreSpec(sources, group_sizes=group_sizes, block_indices=block_indices),
+                dst_spec=store_output.store_spec,
+            )
+        return store_jobs
 
     def _build_store_jobs(self, scheduler_output: SchedulerOutput) -> dict[int, TransferJob]:
         """One store job per request with chunks that became storable in this step (the
@@ -1121,7 +1346,6 @@ class OffloadingConnectorScheduler:
                 len(self._reset_fence),
                 _RESET_FENCE_WARN_S,
             )
-        self._no_partial_tails()
         self._update_req_states(scheduler_output)
         end_context = ScheduleEndContext(
             new_req_ids=[r.req_id for r in scheduler_output.scheduled_new_reqs],
@@ -1144,9 +1368,10 @@ class OffloadingConnectorScheduler:
             self._current_batch_jobs_to_flush.update(
                 jid for bid in allocated if bid in self._block_id_to_pending_jobs for jid in self._block_id_to_pending_jobs[bid]
             )
+        boundary_jobs = self._build_partial_tail_store_jobs(scheduler_output)  # first: ids in vLLM's order
         meta = OffloadingConnectorMetadata(
             load_jobs=self._current_batch_load_jobs,
-            store_jobs=self._build_store_jobs(scheduler_output),
+            store_jobs=boundary_jobs | self._build_store_jobs(scheduler_output),
             jobs_to_flush=self._current_batch_jobs_to_flush,
         )
         # Every store of a finished request is issued: tell the manager, and drop the books of
