@@ -26,6 +26,7 @@ from math import prod
 from typing import Any, cast
 
 from kvlab.utils.checks import AssertedValueError, check_int, check_optional_int
+from kvlab.utils.math_utils import cdiv
 
 # Bytes per element of the dtypes the lessons use (vLLM reads them from torch dtypes; the
 # core stays free of torch, so the names are plain strings).
@@ -137,10 +138,6 @@ def _config_value(vllm_config: Any, path: str) -> Any:
                 f"max_in_flight_tokens, cache_config.mamba_cache_mode, scheduler_config.max_num_encoder_input_tokens)"
             ) from None
     return value
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class SparseCacheRole(str, Enum):
@@ -382,8 +379,8 @@ class FullAttentionSpec(AttentionSpec):
         max_model_len = _config_value(vllm_config, "model_config.max_model_len")
         dcp = _config_value(vllm_config, "parallel_config.decode_context_parallel_size")
         if self.dcp_sharded and dcp > 1:
-            max_model_len = _cdiv(max_model_len, dcp)
-        return self._pages(_cdiv(max_model_len, self._block_size()))
+            max_model_len = cdiv(max_model_len, dcp)
+        return self._pages(cdiv(max_model_len, self._block_size()))
 
     @classmethod
     def merge(cls, specs: Sequence[Any]) -> Any:
@@ -573,7 +570,7 @@ class SlidingWindowSpec(AttentionSpec):
         tokens (``W - 1`` and the extra ones) plus one step's tokens in flight, +1 because
         the window need not start at a block boundary."""
         # block_size is set by then: the manager gives a spec with None its own block size before the scheduler asks
-        return -(-min(self.num_retained_tokens + max_in_flight_tokens, max_model_len) // self.block_size) + 1  # type: ignore[operator]  # block_size set, see above
+        return cdiv(min(self.num_retained_tokens + max_in_flight_tokens, max_model_len), self.block_size) + 1  # type: ignore[arg-type]  # block_size set, see above
 
     def max_memory_usage_bytes(self, vllm_config: Any) -> int:
         """The admission cap's blocks (:meth:`max_admission_blocks_per_request`): a window
@@ -644,7 +641,7 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
     def max_admission_blocks_per_request(self, max_in_flight_tokens: int, max_model_len: int) -> int:
         """One chunk plus one step's tokens in flight (vLLM's admission cap)."""
         # block_size is set by then: the manager gives a spec with None its own block size before the scheduler asks
-        return -(-min(self.attention_chunk_size + max_in_flight_tokens, max_model_len) // self.block_size)  # type: ignore[operator]  # block_size set, see above
+        return cdiv(min(self.attention_chunk_size + max_in_flight_tokens, max_model_len), self.block_size)  # type: ignore[arg-type]  # block_size set, see above
 
     def max_memory_usage_bytes(self, vllm_config: Any) -> int:
         """The admission cap's blocks: one chunk and one step's tokens in flight."""
@@ -667,7 +664,7 @@ class CrossAttentionSpec(AttentionSpec):
         """The encoder's longest input (``max_num_encoder_input_tokens``; Whisper: 1,500
         frames), whatever the decoder's length."""
         tokens = _config_value(vllm_config, "scheduler_config.max_num_encoder_input_tokens")
-        return self._pages(_cdiv(tokens, self._block_size()))
+        return self._pages(cdiv(tokens, self._block_size()))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -724,7 +721,7 @@ class HiSparseResidentSpec(_HiSparsePageSpec):
 
     def max_admission_blocks_per_request(self, max_in_flight_tokens: int, max_model_len: int) -> int:
         """The pages one step's tokens can dirty before any reaches the host."""
-        return _cdiv(min(max_in_flight_tokens, max_model_len), self._block_size())
+        return cdiv(min(max_in_flight_tokens, max_model_len), self._block_size())
 
     def max_memory_usage_bytes(self, vllm_config: Any) -> int:
         return self._admission_cap_bytes(vllm_config)
@@ -847,7 +844,7 @@ def is_mamba_prefill_checkpoint_valid(
     if checkpoint_alignment is None:
         return False
     initial_state_col = (query_start - 1) // mamba_block_size
-    checkpoint_col = -(-query_end // mamba_block_size) - 2
+    checkpoint_col = cdiv(query_end, mamba_block_size) - 2
     return (
         query_start % hash_block_size == 0
         and checkpoint_col > initial_state_col
@@ -945,7 +942,7 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
 
     def max_memory_usage_bytes(self, vllm_config: Any) -> int:
         """The most blocks any wrapped layer needs, each block a page of every layer."""
-        return self._pages(max(_cdiv(s.max_memory_usage_bytes(vllm_config), s.page_size_bytes) for s in self.kv_cache_specs.values()))
+        return self._pages(max(cdiv(s.max_memory_usage_bytes(vllm_config), s.page_size_bytes) for s in self.kv_cache_specs.values()))
 
     @classmethod
     def is_uniform_type(cls, kv_cache_specs: dict[str, KVCacheSpec]) -> bool:

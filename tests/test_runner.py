@@ -40,6 +40,22 @@ PROMPTS = [
 ]
 
 
+def new_request_data(req_id, prompt, all_tokens, block_ids, computed, todo) -> NewRequestData:
+    """kvlab's scheduler's shape: vLLM 0.33's fields, the V2 runner's prefill tokens, this step's tokens."""
+    return NewRequestData(
+        req_id=req_id,
+        prompt_token_ids=prompt,
+        mm_features=[],
+        sampling_params=None,
+        pooling_params=None,
+        block_ids=block_ids,
+        num_computed_tokens=computed,
+        lora_request=None,
+        prefill_token_ids=all_tokens,
+        new_token_ids=todo,
+    )
+
+
 @pytest.fixture(scope="module")
 def model() -> TinyLlama:
     return TinyLlama(SMALL, seed=0)
@@ -168,7 +184,7 @@ class Driver:
             todo = req.tokens[req.computed : req.computed + n]
             if not req.sent:
                 new_reqs.append(
-                    NewRequestData(req.rid, req.prompt, list(req.tokens), tuple(list(r) for r in req.blocks), req.computed, todo)
+                    new_request_data(req.rid, req.prompt, list(req.tokens), tuple(list(r) for r in req.blocks), req.computed, todo)
                 )
                 req.sent = True
             else:
@@ -372,7 +388,7 @@ def test_temperature_sampling_is_seeded(model: TinyLlama) -> None:
 
 
 def _new(req_id: str, tokens: list[int], blocks: list[int], computed: int = 0, groups: int = 1) -> NewRequestData:
-    return NewRequestData(req_id, tokens, tokens, tuple([list(blocks)] * groups), computed, tokens[computed:])
+    return new_request_data(req_id, tokens, tokens, tuple([list(blocks)] * groups), computed, tokens[computed:])
 
 
 def _output(
@@ -404,7 +420,7 @@ def test_bad_scheduler_outputs_raise_and_change_nothing(model: TinyLlama) -> Non
         (_output([_new("a", toks, [3, 4, 5], groups=2)]), "one list per KV-cache group"),
         (_output([_new("a", toks, [3, 4, 5])], sched={"a": 4}), "num_scheduled_tokens"),
         (_output([_new("a", toks, [3, 4, 5])], sched={"a": 10, "b": 1}), "not scheduled"),
-        (_output([NewRequestData("a", toks, toks, ([3, 4, 5],), 11, [1])]), "num_computed_tokens"),
+        (_output([new_request_data("a", toks, toks, ([3, 4, 5],), 11, [1])]), "num_computed_tokens"),
         (_output([_new("a", [1, 500], [3])]), "out of range 0..258"),
         (_output([], CachedRequestData(["ghost"], [None], [3], [[1]])), "unknown to the runner"),
         (_output([], CachedRequestData(["ok"], [None], [10], [[nxt + 1]])), "holds"),

@@ -463,3 +463,42 @@ def test_a_wildcard_ephemeral_endpoint_binds_this_nodes_ip_and_reports_the_port(
     monkeypatch.setattr(kv_events, "get_ip", lambda: "0.0.0.0")
     with pytest.raises(ValueError, match=r"endpoint tcp://\*:0 needs a node IP; set VLLM_HOST_IP"):
         ZmqEventPublisher(endpoint="tcp://*:0")
+
+
+def test_a_step_whose_connector_raises_gives_its_boundary_state_offers_back():
+    """The scheduler drains the step's Mamba offers before ``build_connector_meta``; when that
+    hook raises, the step is undone -- offers included: the step run again hands the connector
+    the same states, in the same blocks, as a step that never failed."""
+    from kvlab import LLMEngine, SimulatedExecutor
+    from kvlab.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from tests.scheduler_side_connector import SchedulerSideConnector
+
+    seen: list[dict] = []  # outside the connector: the undone step restores the connector too
+    failures: list[bool] = []
+
+    class Seen(SchedulerSideConnector):
+        def build_connector_meta(self, scheduler_output):
+            seen.append({r: list(v) for r, v in scheduler_output.kv_connector_block_state.boundary_state_offloads.items()})
+            if failures and failures.pop():
+                raise RuntimeError("a learner's hook")
+            return super().build_connector_meta(scheduler_output)
+
+    def run(fail_first: bool) -> tuple[list[dict], tuple[list[int], ...]]:
+        seen.clear()
+        failures[:] = [fail_first]
+        m = _manager(num_blocks=40, full_bs=4, mamba_bs=4, hash_bs=4)
+        eng = LLMEngine(m, Scheduler(m, connector=Seen(KVConnectorRole.SCHEDULER)), SimulatedExecutor())
+        eng.add_request(Request("c", list(range(9)), max_tokens=2))
+        if fail_first:
+            with pytest.raises(RuntimeError, match="a learner's hook"):
+                eng.step()
+            assert m.take_boundary_state_offloads() == {}  # the undone step's allocation made none
+            assert m.get_block_ids("c") == ([], [])
+        eng.step()
+        return list(seen), m.get_block_ids("c")
+
+    clean, clean_ids = run(False)
+    offers, ids = run(True)
+    assert clean == [{"c": [(1, 3, 8)]}]  # the 9-token prompt's state after 8 tokens, on its block's end
+    assert offers == [clean[0], clean[0]]  # seen by the failing call, then again by the step run again
+    assert ids == clean_ids == ([1, 2], [0, 3])  # "align" mode ends the first chunk on a block edge

@@ -36,8 +36,9 @@ from typing import TYPE_CHECKING, Any
 from kvlab.core.block_pool import BlockPool
 from kvlab.core.hisparse_managers import HiSparseHotManager, HiSparseResidentManager, HiSparseSourceManager
 from kvlab.core.kv_cache_utils import BlockHashWithGroupId, KVCacheBlock, KVCacheBlockCopy
-from kvlab.core.single_type_kv_cache_manager import SingleTypeKVCacheManager, cdiv
+from kvlab.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
 from kvlab.kv_cache_interface import HiSparseResidentSpec
+from kvlab.utils.math_utils import cdiv
 
 if TYPE_CHECKING:
     from kvlab.core.kv_cache_manager import KVCacheManager

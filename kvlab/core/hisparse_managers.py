@@ -27,10 +27,11 @@ from typing import TYPE_CHECKING, Any
 from kvlab.core.block_pool import BlockPool
 from kvlab.core.kv_cache_metrics import KVCacheMetricsCollector
 from kvlab.core.kv_cache_utils import MANAGER_FOR_SPEC, KVCacheBlock, trim_null_head
-from kvlab.core.single_type_kv_cache_manager import _AS_SET, FullAttentionManager, SingleTypeKVCacheManager, cdiv
+from kvlab.core.single_type_kv_cache_manager import _AS_SET, FullAttentionManager, SingleTypeKVCacheManager
 from kvlab.utils.kv_events import MEDIUM_CPU
 from kvlab.kv_cache_interface import HiSparseHotSpec, HiSparseResidentSpec
 from kvlab.utils.checks import check_int
+from kvlab.utils.math_utils import cdiv
 
 if TYPE_CHECKING:
     from kvlab.utils.kv_events import KVEvent

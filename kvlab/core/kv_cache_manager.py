@@ -33,7 +33,6 @@ from kvlab.core.kv_cache_utils import (
     trim_null_head,
 )
 from kvlab.core.single_type_kv_cache_manager import (
-    cdiv,
     MambaManager,
     SingleTypeKVCacheManager,
     check_context_parallelism,
@@ -62,6 +61,7 @@ from kvlab.request import Request
 from kvlab.eventlog.events import EventLog, PoolCreated, PrefixLookup
 from kvlab.utils.checks import AssertedValueError, check_int, check_optional_int
 from kvlab.utils.hashing import get_hash_fn_by_name
+from kvlab.utils.math_utils import cdiv, round_up
 
 logger = logging.getLogger(__name__)
 
@@ -889,7 +889,7 @@ class KVCacheManager:
                 continue
             bs: int = spec.block_size  # type: ignore[assignment]  # every spec has its block size by now
             if (
-                (len(g) != -(-num_new_computed_tokens // bs) or num_new_computed_tokens % self.hash_block_size)
+                (len(g) != cdiv(num_new_computed_tokens, bs) or num_new_computed_tokens % self.hash_block_size)
                 if partial
                 else len(g) * bs != num_new_computed_tokens
             ):
@@ -985,7 +985,7 @@ class KVCacheManager:
             raise ValueError(f"{where} is the null block; the block a hit ends inside is a real one")
         hb = self.hash_block_size
         first = num_hit_tokens // hb
-        last = min(-(-num_hit_tokens // block_size) * block_size // hb, len(request.block_hashes)) if append_only else first
+        last = min(round_up(num_hit_tokens, block_size) // hb, len(request.block_hashes)) if append_only else first
         keys = {b.cache_key, *self.block_pool.cached_block_hashes_by_block.get(bid, ())}
         suffix = group_suffix(gid)
         if not any(request.block_hashes[k - 1] + suffix in keys for k in range(max(first, 1), last + 1) if k <= len(request.block_hashes)):
@@ -1073,7 +1073,7 @@ class KVCacheManager:
         out = []
         for spec, ids in zip(self.kv_cache_groups, self.get_block_ids(request_id)):
             if isinstance(spec, AttentionSpec) and not isinstance(spec, CrossAttentionSpec):
-                ids = ids[: -(-n // spec.block_size)]  # type: ignore[operator]  # every group has its block size
+                ids = ids[: cdiv(n, spec.block_size)]  # type: ignore[arg-type]  # every group has its block size
             out.append(ids)
         return tuple(out)
 

@@ -42,6 +42,7 @@ from kvlab.utils.hashing import (
     sha256,
     sha256_cbor,
 )
+from kvlab.utils.math_utils import cdiv
 
 if TYPE_CHECKING:
     from kvlab.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
@@ -932,7 +933,7 @@ def get_max_concurrency_for_kv_cache_config(vllm_config: Any, kv_cache_config: A
     host_blocks = 0
     for group in kv_cache_config.kv_cache_groups:
         spec = group.kv_cache_spec
-        blocks = -(-spec.max_memory_usage_bytes(vllm_config) // spec.page_size_bytes)
+        blocks = cdiv(spec.max_memory_usage_bytes(vllm_config), spec.page_size_bytes)
         if getattr(group, "host_resident", False):
             host_blocks += blocks
         else:

@@ -50,6 +50,7 @@ from kvlab.kv_cache_interface import (
 from kvlab.eventlog.events import BlockCopied, BlockRelocated, BlocksSkipped, BlocksTouched
 from kvlab.utils.checks import check_int, check_optional_int
 from kvlab.utils.hashing import BlockHash
+from kvlab.utils.math_utils import cdiv
 
 
 def check_context_parallelism(specs: Sequence[KVCacheSpec], dcp_world_size: Any, pcp_world_size: Any) -> tuple[int, int]:
@@ -77,10 +78,6 @@ def check_context_parallelism(specs: Sequence[KVCacheSpec], dcp_world_size: Any,
 
 
 _AS_SET = object()  # cache_blocks: "the retention interval the manager was set up with"
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class SingleTypeKVCacheManager:

@@ -5,11 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 from kvlab.core.kv_cache_manager import KVCacheManager
-from kvlab.core.single_type_kv_cache_manager import FullAttentionManager, cdiv
+from kvlab.core.single_type_kv_cache_manager import FullAttentionManager
 from kvlab.exercises.registry import call, register, returns, same, wrong_kind
 from kvlab.exercises.result import CheckResult, failed, passed
 from kvlab.kv_cache_interface import FullAttentionSpec
 from kvlab.request import Request
+from kvlab.utils.math_utils import cdiv
 
 
 def _h(i: int) -> bytes:

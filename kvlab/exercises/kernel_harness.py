@@ -31,6 +31,7 @@ from kvlab.eventlog.events import (
 
 import triton  # noqa: E402, I001  (after kvlab.kernels: it chooses interpreter vs compiled)
 import triton.language as tl  # noqa: E402
+from kvlab.utils.math_utils import cdiv, round_up
 
 _STEP: Any = None  # the learner's block step, looked up by the kernel at run time
 
@@ -154,7 +155,7 @@ def decode_reads_log(table: torch.Tensor, seq_lens: list[int], block_size: int, 
     and decodes one token at position ``seq_lens[s] - 1``."""
     log = EventLog()
     log.emit(PoolCreated(num_blocks=num_blocks, block_size=block_size, groups=[{"type": "full"}]))
-    rows = [[int(b) for b in table[s, : -(-n // block_size)]] for s, n in enumerate(seq_lens)]
+    rows = [[int(b) for b in table[s, : cdiv(n, block_size)]] for s, n in enumerate(seq_lens)]
     for s, n in enumerate(seq_lens):
         log.emit(RequestAdded(request_id=f"seq{s}", prompt_token_ids=[0] * n, max_tokens=1))
     log.step = 1
@@ -183,15 +184,15 @@ def decode_reads_log(table: torch.Tensor, seq_lens: list[int], block_size: int, 
 
 def _case(seed: int, seq_lens: list[int], block_size: int = 16, head_dim: int = 32, heads: int = 2, big: float = 1.0):
     g = torch.Generator().manual_seed(seed)
-    need = sum(-(-n // block_size) for n in seq_lens)
+    need = sum(cdiv(n, block_size) for n in seq_lens)
     num_blocks = need + 3
     perm = list(range(1, num_blocks))
     random.Random(seed).shuffle(perm)  # physical placement unrelated to logical order
-    max_blocks = max(-(-n // block_size) for n in seq_lens)
+    max_blocks = max(cdiv(n, block_size) for n in seq_lens)
     table = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
     it = iter(perm)
     for s, n in enumerate(seq_lens):
-        for j in range(-(-n // block_size)):
+        for j in range(cdiv(n, block_size)):
             table[s, j] = next(it)
     k = torch.randn(num_blocks, block_size, heads, head_dim, generator=g) * big
     v = torch.randn(num_blocks, block_size, heads, head_dim, generator=g)
@@ -307,7 +308,7 @@ def _variant_ref(
     bs = k.shape[1]
     out = torch.empty_like(q, dtype=torch.float32)
     for s, n in enumerate(lens):
-        m = -(-n // bs) * bs if unmasked else n
+        m = round_up(n, bs) if unmasked else n
         pos = torch.arange(m)
         blocks = pos // bs if logical else table[s, pos // bs].long()
         keys, vals = k[blocks, pos % bs].float(), v[blocks, pos % bs].float()  # [m, heads, dim]

@@ -36,13 +36,10 @@ from kvlab.kv_cache_interface import (
     SparseCacheRole,
     UniformTypeKVCacheSpecs,
 )
+from kvlab.utils.math_utils import cdiv
 
 HISPARSE_HOT_SUFFIX = ".hisparse_hot"
 HISPARSE_RESIDENT_SUFFIX = ".hisparse_resident"
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass(frozen=True)
@@ -122,7 +119,7 @@ def _lay_out_hisparse_groups(vllm_config: Any, groups: list[KVCacheGroupSpec]) -
     assert indexer_spec is not None  # a subset of a uniform set is uniform
     indexer_group = KVCacheGroupSpec(tuple(indexer), indexer_spec, enable_kv_transfer=True, role=KVCacheGroupRole.HISPARSE_INDEXER)
     indexer_page = sum(s.page_size_bytes for s in indexer.values())
-    hot_blocks = _cdiv(config.device_buffer_size, block_size)
+    hot_blocks = cdiv(config.device_buffer_size, block_size)
 
     # Runs of layers that share one indexer: a run starts at each index-group leader.
     units: list[list[tuple[str, MLAAttentionSpec]]] = []
@@ -188,7 +185,7 @@ def create_hisparse_layout(vllm_config: Any, groups: list[KVCacheGroupSpec], hos
         raise ValueError("HiSparse has no allocatable host blocks.")
     block_size = source.kv_cache_spec.block_size
     assert block_size is not None
-    needed = _cdiv(vllm_config.model_config.max_model_len, block_size) + 2
+    needed = cdiv(vllm_config.model_config.max_model_len, block_size) + 2
     if host_num_blocks < needed:
         raise ValueError(f"HiSparse host pool has {host_num_blocks} blocks but max_model_len needs {needed}; increase host_pool_gib.")
     return HiSparseLayout(
@@ -210,7 +207,7 @@ def get_hisparse_steady_state_concurrency(vllm_config: Any, kv_cache_config: KVC
     admission = steady = host = 0
     for group in kv_cache_config.kv_cache_groups:
         spec = group.kv_cache_spec
-        required = _cdiv(spec.max_memory_usage_bytes(vllm_config), spec.page_size_bytes)
+        required = cdiv(spec.max_memory_usage_bytes(vllm_config), spec.page_size_bytes)
         if group.host_resident:
             host += required
             continue

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvlab.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+from kvlab.utils.math_utils import round_up
 
 logger = logging.getLogger(__name__)
 
@@ -114,5 +115,5 @@ def get_hisparse_host_block_stride(page_size_bytes: int, *, use_shared_host_pool
     is a shared mapping (as the CPU offload tier's shared region is)."""
     if use_shared_host_pool:
         align = SharedOffloadRegion.BLOCK_SIZE_ALIGNMENT
-        return -(-page_size_bytes // align) * align
+        return round_up(page_size_bytes, align)
     return page_size_bytes

@@ -12,6 +12,7 @@ from kvlab.engine.llm_engine import LLMEngine, build_engine
 from kvlab.request import Request
 from kvlab.eventlog.events import EventLog, KVLoadFailed, KVTransfer, OffloadEvicted
 from kvlab.utils.notebook_display import OUTPUT_WIDTH
+from kvlab.utils.math_utils import round_up
 
 if TYPE_CHECKING:
     from kvlab.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
@@ -99,7 +100,7 @@ def vllm_offload_configs(cfg: KVTransferConfig, block_bytes: int, page_bytes: in
     extra = cfg.kv_connector_extra_config
     n_cpu, path = int(extra["num_cpu_blocks"]), extra.get("storage_path")
     page = int(page_bytes or mmap.PAGESIZE)
-    padded = -(-int(block_bytes) // page) * page
+    padded = round_up(int(block_bytes), page)
     tiering: dict[str, Any] = {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": n_cpu * padded}
     if path is not None:
         tiering["secondary_tiers"] = [{"type": "fs", "root_dir": path}]
@@ -689,7 +690,20 @@ def hisparse_offload_and_finish(
         raise ValueError(f"{n} tokens do not fit the pools")
     conn.update_state_after_alloc(r, kv.get_blocks(request_id), 0)
     step = SchedulerOutput.make_empty()
-    step.scheduled_new_reqs = [NewRequestData(request_id, list(tokens), list(tokens), kv.get_block_ids(request_id), 0, list(tokens))]
+    step.scheduled_new_reqs = [
+        NewRequestData(
+            req_id=request_id,
+            prompt_token_ids=list(tokens),
+            mm_features=[],
+            sampling_params=None,
+            pooling_params=None,
+            block_ids=kv.get_block_ids(request_id),
+            num_computed_tokens=0,
+            lora_request=None,
+            prefill_token_ids=list(tokens),
+            new_token_ids=list(tokens),
+        )
+    ]
     step.num_scheduled_tokens, step.total_num_scheduled_tokens = {request_id: n}, n
     stores = conn.build_connector_meta(step).stores  # the step's store jobs, run after its forward pass
     r.num_computed_tokens = n

@@ -20,12 +20,9 @@ from dataclasses import dataclass
 
 from kvlab.kv_cache_interface import DTYPE_SIZES, FullAttentionSpec, MambaSpec
 from kvlab.utils.checks import check_int
+from kvlab.utils.math_utils import cdiv
 
 __all__ = ["HybridGeometry", "LinearAttentionShape", "QWEN3_NEXT_80B_A3B", "align_hybrid_block_size", "hybrid_geometry"]
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass(frozen=True)
@@ -80,7 +77,7 @@ def align_hybrid_block_size(
     m = check_int("mamba_page_size", mamba_page_size, 1)
     bs = check_int("block_size", block_size, 1)
     align = max(check_int("kernel_block_alignment", kernel_block_alignment, 1), bs)
-    return max(bs, align * _cdiv(m, align * a))
+    return max(bs, align * cdiv(m, align * a))
 
 
 @dataclass(frozen=True)

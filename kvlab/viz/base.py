@@ -23,6 +23,7 @@ import numpy as np
 from kvlab.timeline.snapshot import Snapshot
 from kvlab.timeline.timeline import Timeline
 from kvlab.viz.style import FONT, PLOTLY_CONFIG, SELECT_INNER, SELECT_OUTER
+from kvlab.utils.math_utils import cdiv
 
 if TYPE_CHECKING:  # plotly is imported lazily: kvlab's core must not need it
     import plotly.graph_objects as go
@@ -439,7 +440,7 @@ def legend_rows(labels: Sequence[str], width: float, font_size: int = 10) -> int
     if not widths or sum(widths) <= width:
         return 1
     cols = max(1, int(width // max(widths)))
-    return -(-len(widths) // cols)
+    return cdiv(len(widths), cols)
 
 
 TOP_LEGEND = dict(

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvlab.viz.frames import FramePacker
 from kvlab.viz.style import FONT, PLOTLY_CONFIG
+from kvlab.utils.math_utils import cdiv
 
 STATIC = Path(__file__).with_name("static")
 
@@ -85,7 +86,7 @@ def write_html(player: Player | StreamPlayer, path: str | os.PathLike[str], *, m
         raise FileNotFoundError(f"path: the folder {str(path.parent)!r} does not exist")
     src = player
     all_steps = list(range(src.first_step, src.last_step + 1))
-    every = max(1, -(-len(all_steps) // max_steps))
+    every = max(1, cdiv(len(all_steps), max_steps))
     steps = all_steps[::every]
     if steps[-1] != all_steps[-1]:
         steps.append(all_steps[-1])

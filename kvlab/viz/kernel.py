@@ -43,6 +43,7 @@ from kvlab.viz.style import (
     discrete_colorscale,
     html_escape,
 )
+from kvlab.utils.math_utils import cdiv
 
 # One colour scale for the kernel states and, for blocks outside the table, the block states.
 _CATEGORIES = KERNEL_ORDER + tuple(f"block:{s}" for s in BLOCK_STATES)
@@ -141,7 +142,7 @@ def figure_data(
     p, q0 = seq_len - 1, seq_len - q_len
     req_now = state_snap.requests.get(rid)
     manager = [list(t) for t in req_now.block_table] if req_now is not None and any(req_now.block_table) else given
-    n_needed = -(-seq_len // bs)
+    n_needed = cdiv(seq_len, bs)
     out.update(source=source, position=p, query_positions=list(range(q0, seq_len)))
     while len(windows) < len(manager):
         windows.append(None)
@@ -469,7 +470,7 @@ class KernelView(View):
                 if xs:
                     legend.append(MARK_LABELS[kind])
             self._put("mk.size", fig.data[1].marker, "size", 5 if n <= 24 else 3)
-            every = max(1, -(-n // 20))
+            every = max(1, cdiv(n, 20))
             ticks = [i for i in range(n) if i % every == 0]
             self._put("ytv", fig.layout.yaxis, "tickvals", ticks)
             self._put("ytt", fig.layout.yaxis, "ticktext", [d["row_labels"][i] for i in ticks])

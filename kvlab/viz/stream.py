@@ -20,6 +20,7 @@ from kvlab.timeline.kv_stream import KVStream, StreamSeries
 from kvlab.viz.base import TOP_LEGEND, View, _go
 from kvlab.viz.prefix_index import PrefixIndexView
 from kvlab.viz.style import CURSOR, INK, MISS, STATE_COLORS, html_escape
+from kvlab.utils.math_utils import cdiv
 
 
 MAX_BARS = 240  # beyond this many batches the stored/removed bars are summed per bin
@@ -48,7 +49,7 @@ def series_data(series: StreamSeries, cursor: int | None = None, *, max_bars: in
     xs = _joined_seqs(series)
     lost_at = [xs[i] for i in range(n) if series.missing[i] > (series.missing[i - 1] if i else 0)]
     restarted_at = [xs[i] for i in range(1, n) if i < len(series.restarts) and series.restarts[i]]
-    k = max(1, -(-n // max_bars))
+    k = max(1, cdiv(n, max_bars))
     bar_x, stored, removed = [], [], []
     for a in range(0, n, k):
         bar_x.append(xs[min(n - 1, a + k // 2)])

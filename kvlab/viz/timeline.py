@@ -32,6 +32,7 @@ from kvlab.viz.style import (
     discrete_colorscale,
     html_escape,
 )
+from kvlab.utils.math_utils import cdiv
 
 _STATUS_INDEX = {s: i for i, s in enumerate(STATUS_ORDER)}
 MAX_ROW_LABELS = 24
@@ -51,7 +52,7 @@ def gantt_height(num_requests: int) -> int:
     row left unnamed may be the one the lesson is about (the capstone's preempted request
     was). Beyond ``MAX_ROW_LABELS`` rows every k-th row is named, and the selected one."""
     rows = min(num_requests, MAX_ROW_LABELS)
-    return max(400, CHROME_PX + -(-rows * LABEL_PX * 100 // int(GANTT_SHARE * 100)))
+    return max(400, CHROME_PX + cdiv(rows * LABEL_PX * 100, int(GANTT_SHARE * 100)))
 
 
 def run_data(timeline: Timeline | None) -> dict[str, Any]:
@@ -309,7 +310,7 @@ class TimelineView(View):
         reqs, steps = d["requests"], d["steps"]
         names = [html_escape(r) for r in reqs]  # request ids are the user's text: never markup
         gantt_px = GANTT_SHARE * (self.height - CHROME_PX)
-        every = max(1, -(-len(reqs) // MAX_ROW_LABELS), -(-len(reqs) * LABEL_PX // max(int(gantt_px), 1)))
+        every = max(1, cdiv(len(reqs), MAX_ROW_LABELS), cdiv(len(reqs) * LABEL_PX, max(int(gantt_px), 1)))
         sel = reqs.index(request_id) if request_id in reqs else None
         ticks = [i for i in range(len(reqs)) if (i % every == 0 and (sel is None or abs(i - sel) >= every)) or i == sel]
         frame: list[dict[str, list[float]]] = [{"x": [], "y": []}, {"x": [], "y": []}]

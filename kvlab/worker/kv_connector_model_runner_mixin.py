@@ -16,6 +16,7 @@ from typing import Any
 
 from kvlab.distributed.kv_transfer.kv_connector.v1.base import layer_name
 from kvlab.outputs import KVConnectorOutput
+from kvlab.utils.math_utils import cdiv
 
 
 def requests_with_invalid_blocks(rows: Iterable[tuple[str, list[int], int]], invalid: set[int], block_size: int) -> set[str]:
@@ -25,7 +26,7 @@ def requests_with_invalid_blocks(rows: Iterable[tuple[str, list[int], int]], inv
     if not invalid:
         return out
     for rid, row, num_computed in rows:
-        n = -(-num_computed // block_size)
+        n = cdiv(num_computed, block_size)
         if any(b in invalid for b in row[:n]):
             out.add(rid)
     return out

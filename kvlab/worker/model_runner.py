@@ -39,6 +39,7 @@ from kvlab.worker.model import (
     TinyLlama,
     load_kernels,
 )
+from kvlab.utils.math_utils import cdiv
 
 __all__ = ["ModelRunner", "CachedRequestState", "BatchRecord", "NULL_BLOCK_ID"]
 
@@ -556,7 +557,7 @@ class ModelRunner(KVConnectorModelRunnerMixin):
         """Every block the kernels will touch exists and is not the null block."""
         bs = self.block_size
         seq_len = state.num_computed_tokens + n
-        num_needed = -(-seq_len // bs)
+        num_needed = cdiv(seq_len, bs)
         for g, (row, window) in enumerate(zip(state.block_ids, self.group_windows)):
             where = f"request {state.req_id!r}, group {g}"
             if len(row) < num_needed:

@@ -93,6 +93,7 @@ from dataclasses import asdict, dataclass
 
 from kvlab.utils.checks import check_int, check_number
 from kvlab.workloads.traces import DEFAULT_MAX_MODEL_LEN, TraceRequest
+from kvlab.utils.math_utils import cdiv, round_up
 
 __all__ = [
     "CONTIGUOUS_STRATEGIES",
@@ -317,7 +318,7 @@ class _Sim:
                 job = waiting[0]
                 base = job.prompt_len + job.generated
                 if self.paged:
-                    need = -(-(base + 1) // bs)
+                    need = cdiv(base + 1, bs)
                     if need > free:
                         break
                     free -= need
@@ -394,7 +395,7 @@ class _Sim:
         job.running = False
         self.key_sum -= job.key
         if self.paged:
-            blocks = -(-(job.key + t) // self.bs)
+            blocks = cdiv(job.key + t, self.bs)
             self.held -= blocks
             return blocks
         self.alloc.release(job.offset)
@@ -504,7 +505,7 @@ def _jobs_from_trace(
                 f"max_model_len={max_model_len}; raise max_model_len or clip the trace"
             )
         if strategy == "paged":
-            need = -(-(p + o) // block_size) * block_size
+            need = round_up(p + o, block_size)
         else:
             need = reservation_size(strategy, p + o, max_model_len)
         if need > usable:

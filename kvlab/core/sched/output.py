@@ -18,23 +18,47 @@ from kvlab.core.kv_cache_utils import KVCacheBlockCopy
 
 @dataclass(slots=True)
 class NewRequestData:
-    """A request the executor has not seen since it was (re)admitted."""
+    """A request the executor has not seen since it was (re)admitted, in vLLM 0.33's field
+    order (so vLLM's keyword call builds one as well). kvlab's engine keeps no sampling or
+    pooling parameters on a request -- its executors only need the token ids -- so its
+    scheduler leaves those two None."""
 
     req_id: str
-    prompt_token_ids: list[int]
-    # Every token the request holds now (prompt + outputs so far). For a resumed request
-    # this is longer than the prompt: its outputs must be recomputed too.
-    all_token_ids: list[int]
-    block_ids: tuple[list[int], ...]  # one list per KV-cache group, the full table
-    num_computed_tokens: int  # tokens whose KV is already in the cache (prefix hit)
-    new_token_ids: list[int]  # the tokens to compute this step
+    prompt_token_ids: list[int] | None
     # The request's multimodal items (identifier, offset, length): the worker needs them to
     # find each scheduled encoder input's placeholder positions (lesson 14).
-    mm_features: list = field(default_factory=list)
+    mm_features: list[Any]
+    sampling_params: Any
+    pooling_params: Any
+    block_ids: tuple[list[int], ...]  # one list per KV-cache group, the full table
+    num_computed_tokens: int  # tokens whose KV is already in the cache (prefix hit)
+    lora_request: Any  # the request's adapter record (Request.lora_request), or None
+    prompt_embeds: Any = None
+    prompt_is_token_ids: list[bool] | None = None
+    # Every token the request holds now (prompt + outputs so far), as vLLM 0.33 fills it for
+    # its V2 model runner -- kvlab's shape. For a resumed request this is longer than the
+    # prompt: its outputs must be recomputed too.
+    prefill_token_ids: list[int] | None = None
     # DeepSeek-V4.1's bounded replay (vLLM 0.33): the tokens from here to
     # ``num_computed_tokens`` are a prefix hit scheduled again, so that the window layers
     # rebuild their KV; the other layers' cached KV for them is kept (see Request.replay_start).
     replay_start: int = 0
+    # kvlab's own: the tokens to compute this step, so no executor has to mirror the sampler.
+    new_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Every token the request holds now: ``prefill_token_ids``, or the prompt alone when
+        the scheduler did not fill them (vLLM's V1 model runner)."""
+        if self.prefill_token_ids is not None:
+            return self.prefill_token_ids
+        return list(self.prompt_token_ids or ())
+
+    @property
+    def prompt_len(self) -> int:
+        if self.prompt_token_ids is not None:
+            return len(self.prompt_token_ids)
+        return 0 if self.prompt_embeds is None else int(self.prompt_embeds.shape[0])
 
 
 @dataclass(slots=True)

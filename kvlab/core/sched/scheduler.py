@@ -49,7 +49,6 @@ from kvlab.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from kvlab.core.sched.output import CachedRequestData, KVConnectorBlockState, NewRequestData, SchedulerOutput
 from kvlab.core.sched.request_queue import POLICIES, FCFSRequestQueue, PriorityRequestQueue
 from kvlab.core.kv_cache_utils import KVCacheBlock, KVCacheBlockCopy
-from kvlab.core.single_type_kv_cache_manager import cdiv
 from kvlab.kv_cache_interface import get_mamba_prefill_checkpoint_position, is_mamba_prefill_checkpoint_valid
 from kvlab.core.transaction import adds_request, save_first, scheduler_call
 from kvlab.utils.kv_events import KVEventBatch
@@ -79,6 +78,7 @@ from kvlab.eventlog.events import (
 )
 from kvlab.utils.checks import check_int, check_optional_int
 from kvlab.utils.hashing import MAX_TOKEN_ID, MIN_TOKEN_ID, TOKEN_ID_WHY
+from kvlab.utils.math_utils import cdiv
 
 #: The statuses ``finish_requests`` may set (every finished one).
 FINISHED_STATUSES = tuple(s for s in RequestStatus if RequestStatus.is_finished(s))
@@ -1271,12 +1271,15 @@ class Scheduler:
                 NewRequestData(
                     req_id=r.request_id,
                     prompt_token_ids=list(r.prompt_token_ids),
-                    all_token_ids=list(r.all_token_ids),
+                    mm_features=list(r.mm_features),
+                    sampling_params=None,
+                    pooling_params=None,
                     block_ids=ids,
                     num_computed_tokens=nc,
-                    new_token_ids=r.all_token_ids[nc : nc + num_scheduled[r.request_id]],
-                    mm_features=list(r.mm_features),
+                    lora_request=r.lora_request,
+                    prefill_token_ids=list(r.all_token_ids),
                     replay_start=r.replay_start,
+                    new_token_ids=r.all_token_ids[nc : nc + num_scheduled[r.request_id]],
                 )
             )
         cached = CachedRequestData()

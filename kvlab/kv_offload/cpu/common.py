@@ -8,6 +8,7 @@ import numpy as np
 
 from kvlab.kv_offload.base import BlockIDsLoadStoreSpec, ConfigInfo
 from kvlab.kv_offload.config import OffloadingConfig
+from kvlab.utils.math_utils import cdiv
 
 
 class CPULoadStoreSpec(BlockIDsLoadStoreSpec):
@@ -58,7 +59,7 @@ def _kv_cache_size_tokens(config: OffloadingConfig, num_chunks: int) -> int | No
     chunks_per_request = 0
     for group in config.groups:
         per_chunk = group.tokens_per_block * config.cache.blocks_per_chunk
-        chunks = -(-max_model_len // per_chunk)
+        chunks = cdiv(max_model_len, per_chunk)
         if group.sliding_window_size_in_chunks is not None:
             chunks = min(chunks, group.sliding_window_size_in_chunks)
         chunks_per_request += chunks

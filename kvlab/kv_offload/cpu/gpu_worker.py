@@ -54,6 +54,7 @@ from kvlab.kv_offload.base import (
 from kvlab.kv_offload.cpu.host_register import host_register, host_unregister
 from kvlab.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from kvlab.utils.checks import check_int
+from kvlab.utils.math_utils import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -380,8 +381,8 @@ class SingleDirectionOffloadingHandler:
             if count == 0:
                 continue
             src_skip, dst_skip = first % self.src_blocks_per_chunk, first % self.dst_blocks_per_chunk
-            src_n = -(-(count + src_skip) // self.src_blocks_per_chunk)
-            dst_n = -(-(count + dst_skip) // self.dst_blocks_per_chunk)
+            src_n = cdiv(count + src_skip, self.src_blocks_per_chunk)
+            dst_n = cdiv(count + dst_skip, self.dst_blocks_per_chunk)
             if src_at + src_n > len(src_blocks) or dst_at + dst_n > len(dst_blocks):
                 raise ValueError(f"group {g_idx} needs {src_n} src and {dst_n} dst blocks past the ones before it; the specs are too short")
             s, d, z, b = self._group_ops(

@@ -56,6 +56,7 @@ import numpy as np
 
 from kvlab.kv_offload.cpu.host_register import host_unregister
 from kvlab.utils.checks import check_int
+from kvlab.utils.math_utils import cdiv, round_up
 
 logger = logging.getLogger(__name__)
 
@@ -74,10 +75,6 @@ def _shm_dir() -> str:
 
 def _torch() -> Any:
     return importlib.import_module("torch")
-
-
-def _round_up(x: int, multiple: int) -> int:
-    return -(-x // multiple) * multiple
 
 
 def _wait_for_file_size(fd: int, expected_size: int, timeout: float = _WAIT_FOR_SIZE_S) -> None:
@@ -150,7 +147,7 @@ def _plan_segments(path: str, num_rows: int, row_bytes: int, wanted: int) -> lis
     """(file, byte offset, length) of each segment: whole rows, as even as possible, none
     smaller than ``_MIN_SEGMENT_BYTES`` -- so a small region is always one file."""
     count = max(1, min(wanted, num_rows * row_bytes // _MIN_SEGMENT_BYTES))
-    rows_each = -(-num_rows // count)
+    rows_each = cdiv(num_rows, count)
     return [
         (path if i == 0 else f"{path}.{i}", first * row_bytes, min(rows_each, num_rows - first) * row_bytes)
         for i, first in enumerate(range(0, num_rows, rows_each))
@@ -288,7 +285,7 @@ class SharedOffloadRegion:
         """Pre-fault the ``index``-th of ``count`` page-rounded contiguous shares (the last
         ones may be short or empty)."""
         populate = _get_populate_write_fn(self.mmap_obj)  # type: ignore[arg-type]
-        share = _round_up(-(-self.total_size_bytes // count), self.page_size)
+        share = round_up(cdiv(self.total_size_bytes, count), self.page_size)
         start = min(index * share, self.total_size_bytes)
         if start < self.total_size_bytes:
             populate(self.mmap_obj, start, min(share, self.total_size_bytes - start))  # type: ignore[arg-type]
@@ -334,7 +331,7 @@ class SharedOffloadRegion:
         for i in range(self.num_chunks):
             start = ((first + i) % self.num_chunks) * self._row_stride + own
             aligned = start - start % self.page_size
-            yield aligned, _round_up(start + self.cpu_page_size, self.page_size) - aligned
+            yield aligned, round_up(start + self.cpu_page_size, self.page_size) - aligned
 
     @property
     def _base(self) -> Any:

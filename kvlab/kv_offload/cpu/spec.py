@@ -44,6 +44,7 @@ from kvlab.kv_offload.cpu.host_register import current_platform
 from kvlab.kv_offload.cpu.manager import CPUOffloadingManager
 from kvlab.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from kvlab.utils.checks import check_int
+from kvlab.utils.math_utils import round_up
 
 if TYPE_CHECKING:
     from kvlab.kv_offload.cpu.gpu_worker import CPUOffloadingWorker
@@ -68,10 +69,6 @@ def __getattr__(name: str) -> Any:
     if name == "CPUOffloadingWorker":
         return load_worker_attr(globals(), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def _round_up(x: int, multiple: int) -> int:
-    return -(-x // multiple) * multiple
 
 
 class CPUOffloadingSpec(OffloadingSpec):
@@ -127,7 +124,7 @@ class CPUOffloadingSpec(OffloadingSpec):
             chunk_bytes = config.worker_kv_bytes_per_block * copies * self.blocks_per_chunk
             self.cpu_page_size_per_worker = chunk_bytes // copies
             # The padding is part of the chunk: the tier's size in bytes counts it.
-            self.kv_bytes_per_chunk = _round_up(chunk_bytes, self.BLOCK_SIZE_ALIGNMENT)
+            self.kv_bytes_per_chunk = round_up(chunk_bytes, self.BLOCK_SIZE_ALIGNMENT)
             self.num_chunks = cpu_bytes_to_use // self.kv_bytes_per_chunk
         self.cpu_info = CPUOffloadingInfo.from_config(config, self.num_chunks, self.kv_bytes_per_chunk)
         self._manager: OffloadingManager | None = None

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 from kvlab.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 from kvlab.kv_offload.tiering.fs.io import read_block_file, write_block_file
 from kvlab.utils.checks import check_int
+from kvlab.utils.math_utils import cdiv
 
 if TYPE_CHECKING:
     from kvlab.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -185,7 +186,7 @@ class ExampleConnector(KVConnectorBase_V1):
         self._loads[request.request_id] = meta
         if self.events is not None:
             bs = self.block_size
-            ids = row[start // bs : -(-meta.end // bs)]
+            ids = row[start // bs : cdiv(meta.end, bs)]
             self.events.record(
                 "kv_transfer",
                 direction="load",
@@ -204,7 +205,7 @@ class ExampleConnector(KVConnectorBase_V1):
             return meta
         mgr = self._kv_cache_manager
         for nr in scheduler_output.scheduled_new_reqs:
-            self._prompts[nr.req_id] = (list(nr.prompt_token_ids), [f.identifier for f in nr.mm_features])
+            self._prompts[nr.req_id] = (list(nr.prompt_token_ids or ()), [f.identifier for f in nr.mm_features])
         computed = {nr.req_id: nr.num_computed_tokens for nr in scheduler_output.scheduled_new_reqs}
         computed.update(zip(scheduler_output.scheduled_cached_reqs.req_ids, scheduler_output.scheduled_cached_reqs.num_computed_tokens))
         bs = self.block_size
@@ -221,7 +222,7 @@ class ExampleConnector(KVConnectorBase_V1):
             row = mgr.get_block_ids(rid)[0]
             meta.requests.append(ReqMeta(rid, folder, row, 0, p, is_store=True, token_ids=list(prompt)))
             if self.events is not None:
-                ids = row[: -(-p // bs)]
+                ids = row[: cdiv(p, bs)]
                 self.events.record(
                     "kv_transfer", direction="store", request_id=rid, media=["FILE"] * len(ids), block_ids=ids, paths=[folder], num_tokens=p
                 )
@@ -278,7 +279,7 @@ class ExampleConnector(KVConnectorBase_V1):
                     kv[blocks, :, offsets] = data[rm.start : rm.end].to(kv.device)
             except Exception as e:  # noqa: BLE001 - a failed load is reported, the blocks recomputed
                 self._report.errors[rm.req_id] = f"{type(e).__name__}: {e}"
-                self._invalid.update(rm.block_ids[rm.start // bs : -(-rm.end // bs)])
+                self._invalid.update(rm.block_ids[rm.start // bs : cdiv(rm.end, bs)])
             else:
                 self._report.num_loaded_tokens["FILE"] = self._report.num_loaded_tokens.get("FILE", 0) + rm.end - rm.start
             if self.load_async_steps:

@@ -43,13 +43,10 @@ from kvlab.kv_offload.config import (
     OffloadingModelConfig,
     OffloadingParallelConfig,
 )
+from kvlab.utils.math_utils import cdiv
 
 if TYPE_CHECKING:
     from kvlab.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def get_offloading_group_ids(kv_cache_config: KVCacheConfig) -> tuple[int, ...]:
@@ -78,11 +75,11 @@ def get_sliding_window_size_in_chunks(kv_cache_spec: KVCacheSpec, tokens_per_chu
         if window <= 0:
             raise ValueError(f"sliding_window must be positive, got {window}")
         reach = window - 1 + kv_cache_spec.extra_retained_tokens
-        return max(_cdiv(window, tokens_per_chunk), _cdiv(reach, tokens_per_chunk))
+        return max(cdiv(window, tokens_per_chunk), cdiv(reach, tokens_per_chunk))
     if isinstance(kv_cache_spec, ChunkedLocalAttentionSpec):
         if kv_cache_spec.attention_chunk_size <= 0:
             raise ValueError(f"attention_chunk_size must be positive, got {kv_cache_spec.attention_chunk_size}")
-        return _cdiv(kv_cache_spec.attention_chunk_size, tokens_per_chunk)
+        return cdiv(kv_cache_spec.attention_chunk_size, tokens_per_chunk)
     if isinstance(kv_cache_spec, MambaSpec):
         return 1
     if not isinstance(kv_cache_spec, FullAttentionSpec):
@@ -114,7 +111,7 @@ def resolve_blocks_per_chunk(extra_config: Any, group_tokens_per_block: tuple[in
     if tokens % per_block:
         raise ValueError(
             f"'block_size'={tokens} in kv_connector_extra_config must be a multiple of the GPU KV cache block size "
-            f"({per_block} tokens). Use {_cdiv(tokens, per_block) * per_block} instead, or set 'blocks_per_chunk' to "
+            f"({per_block} tokens). Use {cdiv(tokens, per_block) * per_block} instead, or set 'blocks_per_chunk' to "
             "express the chunk size in blocks."
         )
     return tokens // per_block

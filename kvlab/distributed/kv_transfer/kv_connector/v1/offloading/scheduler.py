@@ -34,7 +34,6 @@ kvlab's own engine runs the in-step half (:mod:`.staged_scheduler`), whose tiers
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
@@ -72,9 +71,11 @@ from kvlab.kv_offload.base import (
     TierMatcher,
     make_offload_key,
 )
+from kvlab.logger import init_logger
 from kvlab.kv_offload.stats import OffloadingConnectorStats, _ConnectorMetricName, _TransferMetricName
 from kvlab.metrics.cache_hit_source import CacheHitSource
 from kvlab.request import RequestStatus
+from kvlab.utils.math_utils import cdiv
 
 if TYPE_CHECKING:
     from kvlab.core.kv_cache_manager import KVCacheBlocks
@@ -87,7 +88,7 @@ if TYPE_CHECKING:
     from kvlab.request import Request
 
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 #: The ``kv_transfer_params`` entry that limits which tiers may serve a request's loads
 #: (vLLM 0.33): a list of matchers, e.g. ``[{"medium": "cpu"}]`` -- host memory only.
@@ -235,7 +236,7 @@ class GroupOffloadConfig(NamedTuple):
             assert window is not None
             pad = -num_tokens % self.tokens_per_chunk
             reach = spec.sliding_window - 1 + spec.extra_retained_tokens + pad
-            window = max(window, -(-reach // self.tokens_per_chunk))
+            window = max(window, cdiv(reach, self.tokens_per_chunk))
         return window
 
 
@@ -434,10 +435,6 @@ class RequestOffloadState:
     def update_num_hit_chunks(self, num_cached_tokens: int) -> None:
         for group_config, group_state in zip(self.config.kv_group_configs, self.group_states):
             group_state.num_hit_chunks = num_cached_tokens // group_config.tokens_per_chunk
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _round_down(a: int, b: int) -> int:
@@ -671,7 +668,7 @@ class OffloadingConnectorScheduler:
                 # A drafter group asks one chunk more, which it gives back; without the extra
                 # chunk, giving one back could drop the hit below a coarser group's chunk edge.
                 query_end = min(bound + chunk, len(keys) * chunk) if unverified_eagle else bound
-                num_chunks = min(_cdiv(query_end, chunk), len(keys))
+                num_chunks = min(cdiv(query_end, chunk), len(keys))
                 start = computed // chunk
                 asked = keys[start:num_chunks]
                 found: int | None
@@ -715,7 +712,7 @@ class OffloadingConnectorScheduler:
             end = computed + num_hit_tokens
             for gc, gs in zip(self.config.kv_group_configs, req_status.group_states):
                 chunk = gc.tokens_per_chunk
-                keys = gs.offload_keys[computed // chunk : _cdiv(end, chunk)]
+                keys = gs.offload_keys[computed // chunk : cdiv(end, chunk)]
                 window = gc.load_window_size_in_chunks(end)
                 if window is not None:
                     keys = keys[-window:]
@@ -922,7 +919,7 @@ class OffloadingConnectorScheduler:
             group_blocks = blocks.blocks[gc.group_idx]
             per_block = gc.tokens_per_block
             chunk = gc.tokens_per_chunk
-            num_gpu_blocks = _cdiv(cached, per_block)
+            num_gpu_blocks = cdiv(cached, per_block)
             assert len(group_blocks) >= num_gpu_blocks
             assert computed % per_block == 0
             # The load starts at the first fresh block after the GPU hit: skip nulls (a window's
@@ -930,7 +927,7 @@ class OffloadingConnectorScheduler:
             # hashed when allocated), blocks that already hold a hash. A sparse group may hold
             # a real unhashed block below the hit, so the search starts at the hit, not at 0.
             load_start = num_gpu_blocks
-            for i in range(_cdiv(computed, per_block), num_gpu_blocks):
+            for i in range(cdiv(computed, per_block), num_gpu_blocks):
                 block = group_blocks[i]
                 if not block.is_null and (sync or block.block_hash is None):
                     load_start = i
@@ -938,7 +935,7 @@ class OffloadingConnectorScheduler:
             num_pending = num_gpu_blocks - load_start
             if gc.sliding_window_size_in_chunks is not None:
                 assert num_pending <= gc.sliding_window_size_in_chunks * self.config.blocks_per_chunk + 1
-            num_chunks = _cdiv(cached, chunk)
+            num_chunks = cdiv(cached, chunk)
             if num_pending:
                 first_chunk = load_start // self.config.blocks_per_chunk
                 end_chunk = num_chunks - (tail is not None)  # a partial last block loads its own entry
@@ -1341,7 +1338,7 @@ class OffloadingConnectorScheduler:
 
     def _build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadingConnectorMetadata:
         if self._reset_fence and time.monotonic() - self._reset_fence_since > _RESET_FENCE_WARN_S:
-            _warn_once(
+            logger.warning_once(
                 "KV offloading: workers have not reported %d jobs a cache reset flushed for over %d s",
                 len(self._reset_fence),
                 _RESET_FENCE_WARN_S,
@@ -1512,15 +1509,6 @@ class OffloadingConnectorScheduler:
 
     def shutdown(self) -> None:
         self.manager.shutdown()
-
-
-_warned: set[str] = set()
-
-
-def _warn_once(msg: str, *args: Any) -> None:
-    if msg not in _warned:
-        _warned.add(msg)
-        logger.warning(msg, *args)
 
 
 def _yield_req_data(scheduler_output: SchedulerOutput) -> Iterator[tuple[str, tuple[list[int], ...] | None, bool]]:

@@ -51,6 +51,7 @@ from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
     GroupOffloadConfig,
     _create_req_context,
     _token_cap,
+    _yield_req_data,
     collect_stats,
     transfer_metrics,
 )
@@ -345,15 +346,14 @@ class StagedOffloadingConnectorScheduler:
             self._job_build[job.job_id] = self._num_builds
         meta = OffloadingConnectorMetadata(loads=self._pending_loads, block_size=self.block_size)
         self._pending_loads = []
-        for nr in scheduler_output.scheduled_new_reqs:  # new or resumed: the whole table
-            st = self._reqs.get(nr.req_id)
-            if st is not None:
-                st.block_ids = list(nr.block_ids[self.group_id])
-        c = scheduler_output.scheduled_cached_reqs
-        for rid, new_ids in zip(c.req_ids, c.new_block_ids):
+        for rid, id_groups, whole in _yield_req_data(scheduler_output):
             st = self._reqs.get(rid)
-            if st is not None and new_ids is not None:
-                st.block_ids.extend(new_ids[self.group_id])
+            if st is None or id_groups is None:
+                continue
+            if whole:  # new or resumed: the whole table
+                st.block_ids = list(id_groups[self.group_id])
+            else:
+                st.block_ids.extend(id_groups[self.group_id])
         bs = self.block_size
         for rid, n in scheduler_output.num_scheduled_tokens.items():
             st = self._reqs.get(rid)
