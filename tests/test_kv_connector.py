@@ -13,6 +13,7 @@ import torch
 import kvlab.kernels  # noqa: F401,I001 - sets TRITON_INTERPRET before triton is imported
 from kvlab import KVCacheManager, Request, Scheduler
 from kvlab.config.kv_transfer import KVTransferConfig
+from kvlab.metrics.cache_hit_source import CacheHitSource
 from kvlab.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 from kvlab.engine.llm_engine import LLMEngine, build_engine
 from kvlab.entrypoints.disagg_prefill import DisaggregatedPrefill, EngineProcessError
@@ -21,6 +22,7 @@ from kvlab.eventlog.events import EventLog, KVLoadFailed, KVTransfer
 from kvlab.worker.model import TinyLlama
 from kvlab.worker.model_runner import ModelRunner
 from kvlab.worker.tokenizer import ByteTokenizer
+from scheduler_side_connector import SchedulerSideConnector
 
 TOK = ByteTokenizer()
 PROMPTS = [
@@ -47,9 +49,16 @@ class Recorder(KVConnectorBase_V1):
 
     calls: list[str] = []
 
+    def on_new_request(self, request):
+        self.calls.append(f"S.on_new_request({request.request_id})")
+
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         self.calls.append(f"S.get_num_new_matched_tokens({request.request_id}, {num_computed_tokens})")
         return (16 - num_computed_tokens if request.num_tokens > 16 else 0), False
+
+    def get_external_cache_hit_sources(self, request, num_external_tokens):
+        self.calls.append(f"S.get_external_cache_hit_sources({request.request_id}, {num_external_tokens})")
+        return super().get_external_cache_hit_sources(request, num_external_tokens)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
         self.calls.append(f"S.update_state_after_alloc({request.request_id}, {blocks.get_block_ids()[0]}, {num_external_tokens})")
@@ -61,6 +70,9 @@ class Recorder(KVConnectorBase_V1):
     def request_finished(self, request, block_ids):
         self.calls.append(f"S.request_finished({request.request_id}, {block_ids})")
         return False, {"done": True}
+
+    def handle_preemptions(self, kv_connector_metadata):
+        self.calls.append("W.handle_preemptions")
 
     def bind_connector_metadata(self, connector_metadata):
         self.calls.append("W.bind_connector_metadata")
@@ -98,10 +110,19 @@ def test_every_hook_is_called_where_vllm_calls_it(model) -> None:
         "W.wait_for_layer_load(layers.1)",
         "W.save_kv_layer(layers.1, (8, 2, 16, 2, 32))",
     ]
-    worker_step = ["W.bind_connector_metadata", "W.start_load_kv", *layers, "W.wait_for_save", "W.clear_connector_metadata"]
+    worker_step = [
+        "W.handle_preemptions",
+        "W.bind_connector_metadata",
+        "W.start_load_kv",
+        *layers,
+        "W.wait_for_save",
+        "W.clear_connector_metadata",
+    ]
     assert Recorder.calls == [
+        "S.on_new_request(r)",
         "S.get_num_new_matched_tokens(r, 0)",
         "S.update_state_after_alloc(r, [1, 2, 3], 16)",
+        "S.get_external_cache_hit_sources(r, 16)",
         "S.build_connector_meta(step 1)",
         *worker_step,
         "S.build_connector_meta(step 2)",
@@ -112,6 +133,8 @@ def test_every_hook_is_called_where_vllm_calls_it(model) -> None:
     assert runner.num_tokens_computed == 41 - 16 + 1
     assert eng.finished["r"].kv_transfer_params == {"done": True}
     assert [(e.num_cached_tokens, e.num_external_tokens) for e in log if e.kind == "request_scheduled" and e.phase == "new"] == [(16, 16)]
+    # a connector that does not split its hits: all 16 from an unnamed source (vLLM 0.33's default)
+    assert sched.connector_prefix_cache_stats.hits_by_source == {CacheHitSource.EXTERNAL_UNSPECIFIED: 16}
 
 
 def test_a_connector_that_cannot_tell_yet_holds_the_request_back() -> None:
@@ -271,3 +294,94 @@ def test_every_wait_on_an_engine_process_is_bounded(tmp_path) -> None:
     with pytest.raises(EngineProcessError, match="did not answer within"):
         pd.start()  # returns at all: the wait was bounded
     assert pd.children == {}  # killed, not left behind
+
+
+# -- vLLM 0.33's scheduler-side hooks beyond the load ------------------------------------------------------
+class Hooks(SchedulerSideConnector):
+    """Do-nothing connector whose pending-work answers a test sets."""
+
+    frees = False
+    pushes = 0
+    shutdowns = 0
+
+    def build_connector_meta(self, scheduler_output):
+        if not scheduler_output.num_scheduled_tokens and self.pushes:
+            self.pushes -= 1  # one idle step pushes one piece
+        return super().build_connector_meta(scheduler_output)
+
+    def has_pending_block_frees(self):
+        return self.frees
+
+    def has_pending_push_work(self):
+        return self.pushes > 0
+
+    def shutdown(self):
+        Hooks.shutdowns += 1
+
+
+def _two_requests_that_outgrow_the_pool(conn: Hooks) -> tuple[LLMEngine, KVCacheManager]:
+    mgr = KVCacheManager(num_blocks=5, block_size=4)  # 4 usable blocks: two 7-token prompts fill them
+    eng = LLMEngine(mgr, Scheduler(mgr, connector=conn), __import__("kvlab").SimulatedExecutor())
+    eng.add_request(Request("a", list(range(7)), max_tokens=10))
+    eng.add_request(Request("b", list(range(100, 107)), max_tokens=10))
+    return eng, mgr
+
+
+@pytest.mark.parametrize("frees", [False, True])
+def test_blocks_a_connector_will_give_back_are_waited_for_instead_of_preempting(frees) -> None:
+    """Step 3: a's ninth token needs a third block and none is free. vLLM 0.33 preempts b --
+    unless the connector says blocks are on their way back; then it schedules no one this step."""
+    conn = Hooks(KVConnectorRole.SCHEDULER)
+    conn.frees = frees
+    eng, mgr = _two_requests_that_outgrow_the_pool(conn)
+    outs = [eng.step().scheduler_output for _ in range(3)]
+    assert [o.num_scheduled_tokens for o in outs[:2]] == [{"a": 7, "b": 7}, {"a": 1, "b": 1}]
+    if frees:
+        assert (outs[2].num_scheduled_tokens, outs[2].preempted_req_ids) == ({}, set())
+        assert (mgr.get_block_ids("a"), mgr.get_block_ids("b")) == (([1, 2],), ([3, 4],))
+    else:
+        assert (outs[2].num_scheduled_tokens, outs[2].preempted_req_ids) == ({"a": 1}, {"b"})
+        assert (mgr.get_block_ids("a"), mgr.get_block_ids("b")) == (([1, 2, 4],), ([],))
+
+
+@pytest.mark.parametrize("pushes", [0, 2])
+def test_the_engine_steps_on_while_the_connector_has_work_to_push(pushes) -> None:
+    conn = Hooks(KVConnectorRole.SCHEDULER)
+    conn.pushes = pushes
+    mgr = KVCacheManager(num_blocks=5, block_size=4)
+    eng = LLMEngine(mgr, Scheduler(mgr, connector=conn), __import__("kvlab").SimulatedExecutor())
+    eng.add_request(Request("a", list(range(7)), max_tokens=2))
+    eng.run()
+    assert "a" in eng.finished and conn.pushes == 0
+    assert eng.scheduler.step_count == 2 + pushes  # the prefill, the decode, then one idle step per push
+
+
+def test_shutdown_reaches_the_connector_and_a_refused_request_leaves_no_trace() -> None:
+    Hooks.shutdowns = 0
+
+    class Refuses(Hooks):
+        def on_new_request(self, request):
+            raise ValueError(f"no room for {request.request_id}")
+
+    mgr = KVCacheManager(num_blocks=5, block_size=4)
+    sched = Scheduler(mgr, connector=Refuses(KVConnectorRole.SCHEDULER))
+    with pytest.raises(ValueError, match="no room for a"):
+        sched.add_request(Request("a", list(range(7)), max_tokens=2))
+    assert (sched.requests, len(sched.waiting)) == ({}, 0)  # on_new_request comes last: the request is taken back
+    sched.shutdown()
+    assert Hooks.shutdowns == 1
+
+
+def test_a_hit_split_that_does_not_add_up_counts_as_unknown() -> None:
+    from kvlab.metrics.stats import PrefixCacheStats
+
+    stats = PrefixCacheStats()
+    stats.record(40, 16, False, {CacheHitSource.HOST: 12, CacheHitSource.DISK: 4})
+    stats.record(40, 8, False, {CacheHitSource.HOST: 4})  # 4 of 8: the whole 8 are "unknown"
+    stats.record(40, 16, True, {CacheHitSource.HOST: 16})  # a preempted request's lookup is not split
+    stats.record(40, 0, False, {})
+    assert stats.hits_by_source == {CacheHitSource.HOST: 12, CacheHitSource.DISK: 4, CacheHitSource.EXTERNAL_UNSPECIFIED: 8}
+    assert (stats.requests, stats.hits, stats.preempted_hits) == (3, 24, 16)
+    copy = stats.copy()
+    copy.hits_by_source[CacheHitSource.DISK] = 0
+    assert stats.hits_by_source[CacheHitSource.DISK] == 4  # a checkpoint's copy is its own

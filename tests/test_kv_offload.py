@@ -35,6 +35,7 @@ from kvlab.kv_offload.tiering.fs.staged import StagedFileSystemTier
 from kvlab.kv_offload.tiering.staged import StagedTieringManager
 from kvlab.timeline import Timeline
 from kvlab.eventlog.events import KVLoadFailed, KVTransfer, OffloadEvicted
+from kvlab.metrics.cache_hit_source import CacheHitSource
 
 A = list(range(100, 109))
 B = list(range(200, 217))
@@ -296,6 +297,9 @@ def test_story_stores_loads_and_tiers_exactly(tmp_path) -> None:
     assert conn.scheduler.num_hit_tokens == {"CPU": 4, "STORAGE": 20}
     stats = eng.scheduler.connector_prefix_cache_stats
     assert (stats.queries, stats.hits) == (9 + 17 + 13 + 10 + 8 + 13, 8 + 4 + 12)
+    # the same hits by the tier each block was found in (vLLM 0.33's split): A2's 8 and B2's 12 from
+    # the disk, C2's 4 from host memory -- a disk block counts as disk though it passes a CPU slot
+    assert stats.hits_by_source == {CacheHitSource.DISK: 20, CacheHitSource.HOST: 4}
     # every stored block is a real file, named by its hash
     files = sorted(f for _, _, fs in os.walk(tmp_path / "kv") for f in fs)
     assert len(files) == 11 and files.count("config.json") == 1  # 10 blocks and what the folder holds

@@ -471,7 +471,7 @@ def test_a_step_whose_connector_raises_gives_its_boundary_state_offers_back():
     the same states, in the same blocks, as a step that never failed."""
     from kvlab import LLMEngine, SimulatedExecutor
     from kvlab.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from tests.scheduler_side_connector import SchedulerSideConnector
+    from scheduler_side_connector import SchedulerSideConnector
 
     seen: list[dict] = []  # outside the connector: the undone step restores the connector too
     failures: list[bool] = []

@@ -282,6 +282,13 @@ class LLMEngine:
                     m.finished_time = self.clock
                 self.finished[r.request_id] = r
 
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """Drop every cached prefix (vLLM's ``LLM.reset_prefix_cache``): False while a running
+        request holds blocks, unless ``reset_running_requests`` preempts them all first;
+        ``reset_connector`` empties the connector's tiers too. All or nothing."""
+        with engine_call(self, "reset_prefix_cache"):
+            return self.scheduler.reset_prefix_cache(reset_running_requests, reset_connector)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
@@ -368,7 +375,8 @@ class LLMEngine:
             while self._has_work():
                 if max_steps is not None and steps >= max_steps:
                     break
-                idle = _check_progress(self.step(), idle)
+                waited = self.scheduler.has_pending_kv_transfers()
+                idle = _check_progress(self.step(), idle, waited)
                 steps += 1
                 if bar is not None:
                     bar.update(1)
@@ -406,8 +414,9 @@ class LLMEngine:
                     self.add_request(pending[i])
                     self.metrics[pending[i].request_id].arrival_time = pending[i].arrival_time
                     i += 1
+                waited = self.scheduler.has_pending_kv_transfers()
                 res = self.step()
-                idle = _check_progress(res, idle)
+                idle = _check_progress(res, idle, waited)
                 if bar is not None and res.finished:
                     bar.update(len(res.finished))
         finally:
@@ -470,8 +479,9 @@ class LLMEngine:
         try:
             idle = 0
             while self._has_work():
+                waited = self.scheduler.has_pending_kv_transfers()
                 res = self.step()
-                idle = _check_progress(res, idle)
+                idle = _check_progress(res, idle, waited)
                 if bar is not None and res.finished:
                     bar.update(len(res.finished))
         finally:
@@ -520,16 +530,19 @@ def _check_sampled_ids(executor_name: str, sampled: Mapping[str, Any]) -> None:
 MAX_STEPS_WAITING_ON_TRANSFERS = 10_000
 
 
-def _check_progress(res: StepResult, idle: int) -> int:
+def _check_progress(res: StepResult, idle: int, waited: bool = False) -> int:
     """A step may schedule nothing and still progress (under "priority" a request can be its
     own victim, and a step that preempts admits no one; if no running request after it fits
-    either, nothing is scheduled; a connector's asynchronous load may still be on its way);
-    a step that does nothing at all would repeat forever. Returns the steps in a row that
-    only waited on transfers."""
+    either, nothing is scheduled; a connector's asynchronous load may still be on its way, or
+    its work to push -- ``waited``: something was pending before the step, so a step that
+    ends it progressed); a step that does nothing at all would repeat forever. Returns the
+    steps in a row that only waited on transfers."""
     so = res.scheduler_output
     if so.total_num_scheduled_tokens or res.finished or so.preempted_req_ids:
         return 0
     if not res.pending_kv_transfers:
+        if waited:
+            return 0  # the transfer or push it waited on ended in this step
         raise RuntimeError("the engine made no progress in a step (nothing could be scheduled)")
     if idle + 1 >= MAX_STEPS_WAITING_ON_TRANSFERS:
         raise RuntimeError(

@@ -496,6 +496,8 @@ class RequestPreempted(Event):
         state.preempt(self.request_id)
 
     def describe(self) -> str:
+        if not self.for_request_id:
+            return f"PREEMPT {self.request_id} ({self.reason})"
         return f"PREEMPT {self.request_id} ({self.reason}; for {self.for_request_id})"
 
 

@@ -13,6 +13,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvlab.logger import init_logger
+from kvlab.metrics.cache_hit_source import CacheHitSource
+
+logger = init_logger(__name__)
+
 
 @dataclass(slots=True)
 class PrefixCacheStats:
@@ -29,16 +34,33 @@ class PrefixCacheStats:
     preempted_requests: int = 0
     preempted_queries: int = 0
     preempted_hits: int = 0
+    #: The connector's hits split by the tier that supplied them (vLLM 0.33; connector stats
+    #: only, new requests only): a hit rate alone cannot tell a host-memory hit from a disk one.
+    hits_by_source: dict[CacheHitSource, int] = field(default_factory=dict)
 
-    def record(self, num_tokens: int, num_hits: int, preempted: bool) -> None:
+    def record(self, num_tokens: int, num_hits: int, preempted: bool, hits_by_source: dict[CacheHitSource, int] | None = None) -> None:
         if preempted:
             self.preempted_requests += 1
             self.preempted_queries += num_tokens
             self.preempted_hits += num_hits
-        else:
-            self.requests += 1
-            self.queries += num_tokens
-            self.hits += num_hits
+            return
+        self.requests += 1
+        self.queries += num_tokens
+        self.hits += num_hits
+        if hits_by_source is None:
+            return
+        if sum(hits_by_source.values()) != num_hits:
+            # A split that does not add up cannot be trusted in part: all of it is unknown.
+            logger.warning_once(
+                "Connector attributed %s for %d cached tokens; reporting them as %s.",
+                str(hits_by_source),
+                num_hits,
+                CacheHitSource.EXTERNAL_UNSPECIFIED.value,
+            )
+            hits_by_source = {CacheHitSource.EXTERNAL_UNSPECIFIED: num_hits}
+        for source, n in hits_by_source.items():
+            if n:
+                self.hits_by_source[source] = self.hits_by_source.get(source, 0) + n
 
     @property
     def hit_rate(self) -> float:
@@ -47,7 +69,14 @@ class PrefixCacheStats:
     def copy(self) -> PrefixCacheStats:
         """An independent copy (cheap: the engine checkpoints it every step)."""
         return PrefixCacheStats(
-            self.reset, self.requests, self.queries, self.hits, self.preempted_requests, self.preempted_queries, self.preempted_hits
+            self.reset,
+            self.requests,
+            self.queries,
+            self.hits,
+            self.preempted_requests,
+            self.preempted_queries,
+            self.preempted_hits,
+            dict(self.hits_by_source),
         )
 
 

@@ -51,6 +51,7 @@ class KVConnectorModelRunnerMixin:
         conn = self.kv_connector
         if conn is None or scheduler_output.kv_connector_metadata is None:
             return set()
+        conn.handle_preemptions(scheduler_output.kv_connector_metadata)  # before the step's metadata is bound (vLLM 0.33)
         conn.bind_connector_metadata(scheduler_output.kv_connector_metadata)
         conn.start_load_kv()
         return set(conn.get_block_ids_with_load_errors())

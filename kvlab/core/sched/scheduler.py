@@ -461,6 +461,8 @@ class Scheduler:
             )
         if request.resumable:
             request.streaming_queue = deque()
+        if self.connector is not None:
+            self.connector.on_new_request(request)  # last: if it raises, the request is taken back
 
     @scheduler_call(touches=lambda sched, request: [request.request_id])
     def add_streaming_update(self, request: Request) -> None:
@@ -687,11 +689,51 @@ class Scheduler:
 
     def has_pending_kv_transfers(self) -> bool:
         """Whether a connector's asynchronous transfer still has to report: a load in flight
-        (``WAITING_FOR_REMOTE_KVS``), or a finished request whose blocks wait for a send.
-        The engine keeps stepping while one does, even when nothing can be scheduled."""
-        return len(self.requests) > len(self.running) + len(self.waiting) + len(self.kv_holding_waiting) or any(
-            r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in self.kv_holding_waiting
+        (``WAITING_FOR_REMOTE_KVS``), a finished request whose blocks wait for a send, or work
+        the connector says it still has to push (``has_pending_push_work``, vLLM 0.33). The
+        engine keeps stepping while one does, even when nothing can be scheduled."""
+        return (
+            len(self.requests) > len(self.running) + len(self.waiting) + len(self.kv_holding_waiting)
+            or any(r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in self.kv_holding_waiting)
+            or (self.connector is not None and self.connector.has_pending_push_work())
         )
+
+    @scheduler_call(
+        touches=lambda sched, reset_running_requests=False, *a, **k: [r.request_id for r in sched.running] if reset_running_requests else []
+    )
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """Drop every cached prefix -- after a weight update, say, when cached KV was computed
+        by the old weights (vLLM 0.33's ``Scheduler.reset_prefix_cache``). Refused (False)
+        while a running request holds blocks, unless ``reset_running_requests``: then every
+        running request is preempted first (newest first) and recomputes later.
+        ``reset_connector`` also empties the connector's tiers (``reset_cache``). All or
+        nothing: a call that raises leaves the cache and the queues as they were."""
+        for name, value in (("reset_running_requests", reset_running_requests), ("reset_connector", reset_connector)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool (True or False), got {value!r}")
+        if reset_running_requests:
+            while self.running:
+                self._preempt_request(self.running.pop(), for_request=None)
+        ok = self.kv_cache_manager.reset_prefix_cache()
+        if reset_running_requests and not ok:
+            raise RuntimeError(
+                "reset_prefix_cache: the cache could not be reset even with every running request preempted -- a "
+                "request waiting for a connector's KV (WAITING_FOR_REMOTE_KVS) still holds blocks; let its load finish first"
+            )
+        if reset_connector:
+            ok = self.reset_connector_cache() and ok
+        return ok
+
+    def reset_connector_cache(self) -> bool:
+        """Empty the connector's own cache (vLLM 0.33). No connector: nothing to reset, done.
+        False when the connector could not now (its ``reset_cache`` said False)."""
+        if self.connector is None:
+            return True
+        if self.connector.reset_cache() is False:
+            return False
+        if self.connector_prefix_cache_stats is not None:
+            self.connector_prefix_cache_stats.reset = True
+        return True
 
     @scheduler_call(touches=lambda sched, request_ids, *a, **k: sched.check_finish_args(request_ids)[0])
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
@@ -845,6 +887,8 @@ class Scheduler:
                 new_blocks = mgr.allocate_slots(request, n)
                 if new_blocks is not None:
                     break
+                if self.connector is not None and self.connector.has_pending_block_frees():
+                    break  # blocks are on their way back: wait for them rather than preempt (vLLM 0.33)
                 # No block for a running request: preempt someone.
                 victim = self.select_victim()
                 self.running.remove(victim)
@@ -1043,7 +1087,12 @@ class Scheduler:
                 self.connector.update_state_after_alloc(request, mgr.get_blocks(request.request_id), num_external)
                 stats = self.connector_prefix_cache_stats
                 if stats is not None and connector_queries:
-                    stats.record(connector_queries, num_external, request.num_preemptions > 0)
+                    preempted = request.num_preemptions > 0
+                    # Split by tier only once the load is planned: the connector knows its tiers then.
+                    sources = (
+                        self.connector.get_external_cache_hit_sources(request, num_external) if num_external and not preempted else None
+                    )
+                    stats.record(connector_queries, num_external, preempted, sources)
             if looked_up:
                 mgr.record_prefix_cache_stats(request, num_hit_tokens)  # at admission, as vLLM
             if request.num_cached_tokens < 0:
@@ -1446,7 +1495,9 @@ class Scheduler:
             return max(self.running, key=lambda r: (r.priority, r.arrival_time))
         return self.running[-1]
 
-    def _preempt_request(self, request: Request, for_request: Request) -> None:
+    def _preempt_request(self, request: Request, for_request: Request | None) -> None:
+        """Preempt ``request`` for ``for_request`` (the one that found no block), or for a
+        prefix-cache reset (``for_request`` None)."""
         lost = request.num_computed_tokens
         self.kv_cache_manager.free(request)
         self._inflight_prefills.discard(request)
@@ -1459,16 +1510,19 @@ class Scheduler:
         self._num_sent_blocks.pop(request.request_id, None)
         self.waiting.prepend_request(request)
         if self.events is not None:
-            reason = "no free block; " + (
-                "preempted the newest running request (FCFS)"
-                if self.policy == "fcfs"
-                else "preempted the running request with the largest (priority, arrival_time)"
-            )
+            if for_request is None:
+                reason = "reset_prefix_cache(reset_running_requests=True): every running request gives its blocks back"
+            else:
+                reason = "no free block; " + (
+                    "preempted the newest running request (FCFS)"
+                    if self.policy == "fcfs"
+                    else "preempted the running request with the largest (priority, arrival_time)"
+                )
             self.events.emit(
                 RequestPreempted(
                     request_id=request.request_id,
                     reason=reason,
-                    for_request_id=for_request.request_id,
+                    for_request_id="" if for_request is None else for_request.request_id,
                     num_computed_tokens_lost=lost,
                 )
             )
@@ -1701,10 +1755,12 @@ class Scheduler:
         return finished
 
     def shutdown(self) -> None:
-        """Stop the KV-event publisher (vLLM: ``Scheduler.shutdown``)."""
+        """Stop the KV-event publisher, then the connector (vLLM: ``Scheduler.shutdown``)."""
         stop = getattr(self.kv_event_publisher, "shutdown", None)  # a publisher may have none
         if callable(stop):
             stop()
+        if self.connector is not None:
+            self.connector.shutdown()
 
     def _load_failed(self, r: Request, block_ids: list[int], errors: dict[str, str] | None) -> None:
         """Say so in the event log: where ``r`` will compute from (or that it fails)."""

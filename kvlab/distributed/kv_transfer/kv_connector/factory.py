@@ -15,6 +15,7 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "OffloadingConnector": ("kvlab.distributed.kv_transfer.kv_connector.v1.offloading_connector", "OffloadingConnector"),
     "ExampleConnector": ("kvlab.distributed.kv_transfer.kv_connector.v1.example_connector", "ExampleConnector"),
     "HiSparseConnector": ("kvlab.distributed.kv_transfer.kv_connector.v1.hisparse.connector", "HiSparseConnector"),
+    "MultiConnector": ("kvlab.distributed.kv_transfer.kv_connector.v1.multi_connector", "MultiConnector"),
 }
 # These two take kvlab's (role, block_size, extra_config); every other class is built with
 # vLLM's (vllm_config, role, kv_cache_config) -- in kvlab's call, only a class a caller

@@ -39,6 +39,8 @@ from collections.abc import Iterable, Sequence
 from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING, Any
 
+from kvlab.metrics.cache_hit_source import CacheHitSource
+
 if TYPE_CHECKING:
     from kvlab.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from kvlab.metrics.kv_connector_stats import KVConnectorStats
@@ -203,10 +205,49 @@ class KVConnectorBase_V1(ABC):  # noqa: N801 - vLLM's name
         """The worker's report to the scheduler half (completed jobs, failures)."""
         return None
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Called on the worker every step, before the step's metadata is bound (vLLM 0.33):
+        a connector whose stores may still read a preempted request's blocks finishes them
+        here, before the forward pass writes other requests' KV into those blocks."""
+        return
+
     def shutdown(self) -> None:
         return
 
     # ==============================  scheduler side  ==============================
+    #: The tier a connector's hits come from when it does not split them (vLLM 0.33's
+    #: default): a connector that knows its tiers overrides ``get_external_cache_hit_sources``.
+    _cache_hit_source: CacheHitSource = CacheHitSource.EXTERNAL_UNSPECIFIED
+
+    def on_new_request(self, request: Request) -> None:
+        """A request was added to the scheduler (vLLM 0.33), before anything is looked up:
+        a connector may start a slow lookup for it now, to have the answer when asked."""
+        return
+
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        """Where this request's ``num_external_tokens`` came from, per tier (only non-zero
+        counts; they add up to ``num_external_tokens``). The scheduler asks after the load is
+        planned, for the prefix-cache stats; by default all of them from ``_cache_hit_source``."""
+        if num_external_tokens == 0:
+            return {}
+        return {self._cache_hit_source: num_external_tokens}
+
+    def has_pending_block_frees(self) -> bool:
+        """Whether this connector will soon give GPU blocks back (vLLM 0.33): then a request
+        that does not fit waits for them instead of preempting a running one."""
+        return False
+
+    def has_pending_push_work(self) -> bool:
+        """Whether this connector still has work to push with no request left to schedule
+        (vLLM 0.33): the engine keeps stepping until it is done."""
+        return False
+
+    def reset_cache(self) -> bool | None:
+        """Forget every block this connector keeps (vLLM 0.33, with ``reset_prefix_cache``).
+        False: it could not now; None or True: done."""
+        return None
+
+    # ------------------------------------------------------------------------------
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         """The scheduler binds its manager once (vLLM 0.33 does the same): the connector reads
         block tables and emits events into the manager's event log through it. Then the GPU

@@ -39,6 +39,7 @@ from kvlab.kv_offload.tiering.factory import create_backpressure_detector
 from kvlab.kv_offload.tiering.fs.staged import StagedFileSystemTier
 from kvlab.kv_offload.tiering.staged import StagedTieringManager
 from kvlab.kv_offload.stats import OffloadingConnectorStats
+from kvlab.metrics.cache_hit_source import CacheHitSource
 from kvlab.utils.checks import check_int
 
 if TYPE_CHECKING:
@@ -220,6 +221,12 @@ class OffloadingConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        return self.scheduler.get_external_cache_hit_sources(request, num_external_tokens)
+
+    def reset_cache(self) -> bool:
+        return self.scheduler.reset_cache()
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadingConnectorMetadata:
         return self.scheduler.build_connector_meta(scheduler_output)

@@ -61,9 +61,11 @@ from kvlab.kv_offload.base import (
     ReqContext,
     ScheduleEndContext,
     get_offload_block_hash,
+    Medium,
     make_offload_key,
 )
 from kvlab.kv_offload.cpu.common import CPUOffloadingInfo
+from kvlab.metrics.cache_hit_source import CacheHitSource
 from kvlab.kv_offload.stats import OffloadingConnectorStats, _ConnectorMetricName
 from kvlab.kv_offload.tiering.staged import StagedTieringManager, StorePlan
 
@@ -73,6 +75,8 @@ if TYPE_CHECKING:
     from kvlab.eventlog.events import EventLog
     from kvlab.outputs import KVConnectorOutput
     from kvlab.request import Request
+
+_SOURCE_OF_MEDIUM = {Medium.CPU.value: CacheHitSource.HOST, Medium.STORAGE.value: CacheHitSource.DISK}
 
 
 logger = logging.getLogger(__name__)
@@ -338,6 +342,36 @@ class StagedOffloadingConnectorScheduler:
             elif isinstance(job, StoreJob):
                 self.manager.complete_store(job.plan, success=False)
         self._drain()
+
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        """The loaded tokens per tier (vLLM 0.33's split, for the prefix-cache stats): each
+        block counts for the tier its lookup found it in -- host memory, or the disk even
+        though it passes through a CPU slot on its way."""
+        if num_external_tokens == 0:
+            return {}
+        st = self._state(request)
+        bs = self.block_size
+        out: dict[CacheHitSource, int] = {}
+        for medium in st.lookup_media[: num_external_tokens // bs]:
+            source = _SOURCE_OF_MEDIUM.get(medium, CacheHitSource.EXTERNAL_UNSPECIFIED)
+            out[source] = out.get(source, 0) + bs
+        return out
+
+    def reset_cache(self) -> bool:
+        """Empty the CPU tier (vLLM 0.33's ``reset_cache``; the disk tier keeps its files, as
+        vLLM's does). This half's jobs finish within their step, so a job still in flight means
+        a worker has not reported one yet (or the reset came in the middle of a step): then it
+        says False -- not now -- and changes nothing. Running requests store their blocks again
+        from the first one, as in vLLM: what they stored is gone."""
+        if self._jobs or self._pending_loads:
+            return False
+        self.manager.reset_cache()
+        self._drain()
+        for st in self._reqs.values():
+            st.next_stored_block_idx = 0
+        self._events_tracker.reset()  # the tier is empty: pending payloads are stale
+        self._record_orders()
+        return True
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadingConnectorMetadata:
         self._num_builds += 1
