@@ -300,6 +300,16 @@ def test_story_stores_loads_and_tiers_exactly(tmp_path) -> None:
     # the same hits by the tier each block was found in (vLLM 0.33's split): A2's 8 and B2's 12 from
     # the disk, C2's 4 from host memory -- a disk block counts as disk though it passes a CPU slot
     assert stats.hits_by_source == {CacheHitSource.DISK: 20, CacheHitSource.HOST: 4}
+    prom = eng.scheduler.make_stats().to_prometheus()
+    assert [line for line in prom.splitlines() if line.startswith(("vllm:external", "vllm:prompt_tokens_cached"))] == [
+        'vllm:external_prefix_cache_queries_total{model_name="kvlab-tiny"} 70.0',
+        'vllm:external_prefix_cache_hits_total{model_name="kvlab-tiny"} 24.0',
+        'vllm:prompt_tokens_cached_by_source_total{model_name="kvlab-tiny",source="device"} 8.0',  # C2's first two blocks
+        'vllm:prompt_tokens_cached_by_source_total{model_name="kvlab-tiny",source="host"} 4.0',
+        'vllm:prompt_tokens_cached_by_source_total{model_name="kvlab-tiny",source="p2p"} 0.0',
+        'vllm:prompt_tokens_cached_by_source_total{model_name="kvlab-tiny",source="disk"} 20.0',
+        'vllm:prompt_tokens_cached_by_source_total{model_name="kvlab-tiny",source="external_unspecified"} 0.0',
+    ]
     # every stored block is a real file, named by its hash
     files = sorted(f for _, _, fs in os.walk(tmp_path / "kv") for f in fs)
     assert len(files) == 11 and files.count("config.json") == 1  # 10 blocks and what the folder holds

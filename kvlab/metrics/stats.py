@@ -154,6 +154,11 @@ class SchedulerStats:
     # vLLM 0.33: the KV connector's metrics of the step, as its payload's plain data (for the
     # offloading connector: OffloadingConnectorStats.data); None without a connector.
     kv_connector_stats: dict[str, Any] | None = None
+    # vLLM 0.33, with a connector: its lookups (cumulative, tokens; new requests only) and the
+    # hit tokens by the tier that supplied them, the GPU's own cache ("device") included.
+    external_prefix_cache_queries: int | None = None
+    external_prefix_cache_hits: int | None = None
+    prompt_tokens_cached_by_source: dict[CacheHitSource, int] | None = None
 
     def to_prometheus(self, model_name: str = "kvlab-tiny") -> str:
         """Prometheus text exposition with vLLM's metric names."""
@@ -178,9 +183,36 @@ class SchedulerStats:
                 self.prefix_cache_hits,
             ),
         ]
+        if self.external_prefix_cache_queries is not None:
+            rows += [
+                (
+                    "vllm:external_prefix_cache_queries",
+                    "counter",
+                    "External prefix cache queries from KV connector cross-instance cache sharing, in terms of number of queried tokens.",
+                    "_total",
+                    self.external_prefix_cache_queries,
+                ),
+                (
+                    "vllm:external_prefix_cache_hits",
+                    "counter",
+                    "External prefix cache hits from KV connector cross-instance cache sharing, in terms of number of cached tokens.",
+                    "_total",
+                    self.external_prefix_cache_hits or 0,
+                ),
+            ]
         out = []
         for name, typ, help_, suffix, value in rows:
             out += [f"# HELP {name} {help_}", f"# TYPE {name} {typ}", f"{name}{suffix}{lbl} {float(value)!r}"]
+        by_source = self.prompt_tokens_cached_by_source
+        if by_source is not None:  # one series per tier, every tier listed (at 0 until it serves), as vLLM registers them
+            name = "vllm:prompt_tokens_cached_by_source"
+            out += [
+                f"# HELP {name} Prefix-cache hit tokens by the cache tier that supplied them.",
+                f"# TYPE {name} counter",
+            ]
+            out += [
+                f'{name}_total{{model_name="{model_name}",source="{src.value}"}} {float(by_source.get(src, 0))!r}' for src in CacheHitSource
+            ]
         return "\n".join(out) + "\n"
 
 

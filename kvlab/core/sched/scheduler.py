@@ -60,6 +60,7 @@ from kvlab.kv_cache_interface import (
     MambaSpec,
     SlidingWindowSpec,
 )
+from kvlab.metrics.cache_hit_source import CacheHitSource
 from kvlab.metrics.stats import CachingMetrics, IterationStats, PrefixCacheStats, SchedulerStats
 from kvlab.request import Request, RequestStatus, StreamingUpdate
 from kvlab.eventlog.events import (
@@ -1956,7 +1957,23 @@ class Scheduler:
             prefix_cache_hit_rate_window=self.caching_metrics.hit_rate,
             step=self.step_count,
             kv_connector_stats=None if self.kv_connector_stats is None else self.kv_connector_stats.to_dict(),
+            **self._connector_hit_stats(),
         )
+
+    def _connector_hit_stats(self) -> dict[str, Any]:
+        """The connector's cumulative lookups and the hit tokens by tier, for ``SchedulerStats``
+        (nothing without a connector)."""
+        stats = self.connector_prefix_cache_stats
+        if stats is None:
+            return {}
+        by_source = {CacheHitSource.DEVICE: self.prefix_cache_hits}
+        for source, n in stats.hits_by_source.items():
+            by_source[source] = by_source.get(source, 0) + n
+        return {
+            "external_prefix_cache_queries": stats.queries,
+            "external_prefix_cache_hits": stats.hits,
+            "prompt_tokens_cached_by_source": by_source,
+        }
 
     def check_invariants(self) -> None:
         """Manager invariants + every running request holds blocks for its computed tokens."""
