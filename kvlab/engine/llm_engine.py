@@ -548,7 +548,8 @@ def _check_progress(res: StepResult, idle: int, waited: bool = False) -> int:
         raise RuntimeError(
             f"the engine waited {idle + 1} steps in a row on a KV connector's asynchronous transfers with nothing else to "
             "do: its worker half must report each load in get_finished() / get_transfer_results() (finished_recving) "
-            "and each send of a finished request whose request_finished returned True (finished_sending)"
+            "and each send of a finished request whose request_finished returned True (finished_sending); "
+            "its has_pending_push_work() must turn False once its work is pushed"
         )
     return idle + 1
 
