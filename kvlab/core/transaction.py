@@ -799,7 +799,11 @@ def _shared_memo(sched: Scheduler) -> dict[int, Any]:
     mgr = sched.kv_cache_manager
     conn = vars(sched.connector) if sched.connector is not None else {}
     given = [conn.get(k) for k in ("_kv_cache_manager", "_vllm_config", "_kv_transfer_config", "_kv_cache_config")]
-    shared = [mgr, mgr.block_pool, mgr.events, sched.events, *sched.requests.values(), *given]
+    # A connector may name more objects that are not its books (``undo_shared_objects``):
+    # vLLM's spec-built offloading half keeps a finished request until its stores land,
+    # after the scheduler forgot it -- a Request is never the connector's to copy.
+    more = getattr(sched.connector, "undo_shared_objects", None)
+    shared = [mgr, mgr.block_pool, mgr.events, sched.events, *sched.requests.values(), *given, *(more() if callable(more) else ())]
     return {id(o): o for o in shared if o is not None}
 
 

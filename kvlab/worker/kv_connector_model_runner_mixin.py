@@ -11,7 +11,7 @@ and it recomputes from there the next step. Torch-free: the simulated executor u
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from kvlab.distributed.kv_transfer.kv_connector.v1.base import layer_name
@@ -32,18 +32,31 @@ def requests_with_invalid_blocks(rows: Iterable[tuple[str, list[int], int]], inv
     return out
 
 
+def kv_caches_by_layer(kv_caches: Any) -> dict[str, Any]:
+    """The runner's per-layer caches as vLLM's runner registers them with a connector:
+    ``{layer name: cache}``, layer ``i`` named ``"layers.{i}"`` (:func:`layer_name`). A
+    connector that copies a layer's bytes finds it by the name its ``kv_cache_config``
+    gives (vLLM's spec-built offloading worker); kvlab's own connectors read the values in
+    layer order. A dict is passed as it is."""
+    if isinstance(kv_caches, Mapping):
+        return dict(kv_caches)
+    return {layer_name(i): cache for i, cache in enumerate(kv_caches)}
+
+
 class KVConnectorModelRunnerMixin:
     kv_connector: Any = None
     _kv_connector_output: KVConnectorOutput | None = None
 
     def register_kv_connector(self, connector: Any, kv_caches: Any = ()) -> None:
         """Attach the worker half of a connector and show it the paged caches (``None``: they
-        do not exist yet, and the executor shows them when it allocates them)."""
+        do not exist yet, and the executor shows them when it allocates them). A list of
+        per-layer caches is shown in vLLM's form, ``{layer name: cache}``
+        (:func:`kv_caches_by_layer`)."""
         role = getattr(getattr(connector, "role", None), "name", None)
         if role != "WORKER":
             raise ValueError(f"the executor needs the connector's worker half (role=KVConnectorRole.WORKER), got role {role}")
         if kv_caches is not None:
-            connector.register_kv_caches(kv_caches)
+            connector.register_kv_caches(kv_caches_by_layer(kv_caches))
         self.kv_connector = connector
 
     def _kv_connector_start(self, scheduler_output: Any) -> set[int]:
@@ -61,8 +74,11 @@ class KVConnectorModelRunnerMixin:
         if conn is None or scheduler_output.kv_connector_metadata is None:
             return
         conn.wait_for_save(skip_req_ids=frozenset(skipped))
-        meta = conn.build_connector_worker_meta()
+        # vLLM 0.33's order: the transfer results first -- a worker that marks a job done
+        # when it sees it finish (the spec-built offloading worker) reports it in this very
+        # step's metadata, not the next one's.
         done = conn.get_transfer_results(set(scheduler_output.finished_req_ids))
+        meta = conn.build_connector_worker_meta()
         self._kv_connector_output = KVConnectorOutput(
             finished_sending=set(done.finished_sending),
             finished_recving=set(done.finished_recving),

@@ -32,7 +32,7 @@ from kvlab.core.sched.output import NewRequestData, SchedulerOutput
 from kvlab.eventlog.events import AttentionBatch, EventLog
 from kvlab.kv_cache_interface import KVCacheConfig
 from kvlab.utils.checks import check_int, check_number
-from kvlab.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin, requests_with_invalid_blocks
+from kvlab.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin, kv_caches_by_layer, requests_with_invalid_blocks
 from kvlab.worker.model import (
     PagedAttentionMetadata,
     PagedKernels,
@@ -239,7 +239,7 @@ class ModelRunner(KVConnectorModelRunnerMixin):
         windows = self._resolve_groups(specs, block_size)
         self._allocate(num_blocks, block_size, windows)
         if self.kv_connector is not None:
-            self.kv_connector.register_kv_caches(self.kv_caches)
+            self.kv_connector.register_kv_caches(kv_caches_by_layer(self.kv_caches))
 
     def _allocate(self, num_blocks: int, block_size: int, windows: tuple[int | None, ...]) -> None:
         cfg = self.model.config

@@ -8,7 +8,6 @@ from typing import Any
 
 from kvlab.config.kv_transfer import KVTransferConfig
 from kvlab.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole, supports_hma
-from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.config import get_offloading_group_ids
 
 # name -> (module, class): imported on first use
 _REGISTRY: dict[str, tuple[str, str]] = {
@@ -17,11 +16,14 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "HiSparseConnector": ("kvlab.distributed.kv_transfer.kv_connector.v1.hisparse.connector", "HiSparseConnector"),
     "MultiConnector": ("kvlab.distributed.kv_transfer.kv_connector.v1.multi_connector", "MultiConnector"),
 }
-# These two take kvlab's (role, block_size, extra_config); every other class is built with
-# vLLM's (vllm_config, role, kv_cache_config) -- in kvlab's call, only a class a caller
-# registered takes kvlab's shape.
+# These two take kvlab's (role, block_size, extra_config) in kvlab's call; every other class
+# is built with vLLM's (vllm_config, role, kv_cache_config) -- in kvlab's call, only a class a
+# caller registered takes kvlab's shape. In vLLM's call, OffloadingConnector takes vLLM's
+# shape too and decides itself: a spec key in the extra config builds vLLM's spec-built
+# halves, none kvlab's staged tiers (see offloading_connector.builds_spec_halves).
 _KVLAB_SHAPED = frozenset({"OffloadingConnector", "ExampleConnector"})
 _VLLM_SHAPED_BUILTINS = frozenset(_REGISTRY) - _KVLAB_SHAPED
+_BOTH_SHAPED = frozenset({"OffloadingConnector"})
 
 
 class KVConnectorFactory:
@@ -42,7 +44,8 @@ class KVConnectorFactory:
         """kvlab's call, ``(KVTransferConfig, role, block_size)``, or vLLM 0.33's,
         ``(VllmConfig, role, KVCacheConfig)``. In vLLM's, a connector class registered by a
         caller is built as vLLM builds it, ``cls(vllm_config, role, kv_cache_config)``; kvlab's
-        own connectors are built from the transfer config and the first group's block size.
+        ExampleConnector is built from the transfer config and the first group's block size;
+        OffloadingConnector from vLLM's call (it picks spec-built or staged halves itself).
         As in vLLM, a connector that does not support the hybrid allocator is refused while
         the config keeps it on (``scheduler_config.disable_hybrid_kv_cache_manager``)."""
         vllm_config = None
@@ -67,11 +70,9 @@ class KVConnectorFactory:
                     f"Connector {connector_cls.__name__} does not support HMA but HMA is enabled. "
                     "Please set `--disable-hybrid-kv-cache-manager`."
                 )
-            if config.kv_connector not in _KVLAB_SHAPED:
+            if config.kv_connector not in _KVLAB_SHAPED or config.kv_connector in _BOTH_SHAPED:
                 return connector_cls(vllm_config, role, kv_cache_config)
-            # The block size of the group the connector keeps (HiSparse: the indexer's).
-            groups = get_offloading_group_ids(kv_cache_config) if config.kv_connector == "OffloadingConnector" else (0,)
-            block_size = kv_cache_config.kv_cache_groups[groups[0] if groups else 0].kv_cache_spec.block_size
+            block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
         extra = getattr(config, "kv_connector_extra_config", None) or {}
         if config.kv_connector == "ExampleConnector":
             return connector_cls(role, block_size, extra, kv_role=config.kv_role)

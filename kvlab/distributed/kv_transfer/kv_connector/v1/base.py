@@ -35,7 +35,7 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING, Any
 
@@ -158,9 +158,11 @@ class KVConnectorBase_V1(ABC):  # noqa: N801 - vLLM's name
     def has_connector_metadata(self) -> bool:
         return self._connector_metadata is not None
 
-    def register_kv_caches(self, kv_caches: Sequence[Any]) -> None:
+    def register_kv_caches(self, kv_caches: Any) -> None:
         """The runner's per-layer paged caches (``[num_blocks, 2, block_size, kv_heads,
-        head_dim]`` each; an empty list for the simulated executor, which has no tensors)."""
+        head_dim]`` each), as vLLM registers them: ``{layer name: cache}``, kvlab's layers
+        named ``"layers.{i}"`` in layer order (empty for the simulated executor, which has
+        no tensors)."""
         return
 
     @abstractmethod

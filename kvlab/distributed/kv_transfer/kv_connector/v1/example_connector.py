@@ -35,6 +35,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -251,7 +252,8 @@ class ExampleConnector(KVConnectorBase_V1):
     # ==============================  worker side  ==============================
     def register_kv_caches(self, kv_caches: Any) -> None:
         self._check_role(KVConnectorRole.WORKER, "register_kv_caches")
-        self.kv_caches = list(kv_caches)
+        # vLLM's {layer name: cache} (kvlab's runner: "layers.{i}", in layer order) or a list
+        self.kv_caches = list(kv_caches.values()) if isinstance(kv_caches, Mapping) else list(kv_caches)
 
     def _layer_path(self, folder: str, layer: int) -> str:
         return os.path.join(folder, f"layers.{layer}.kv")

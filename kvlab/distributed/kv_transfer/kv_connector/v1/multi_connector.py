@@ -40,7 +40,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
@@ -310,7 +310,7 @@ class MultiConnector(KVConnectorBase_V1, SupportsHMA):
         return bool(self._connectors) and all(c.supports_divergent_local_hybrid_hits for c in self._connectors)
 
     # ==============================  worker side  ==============================
-    def register_kv_caches(self, kv_caches: Sequence[Any]) -> None:
+    def register_kv_caches(self, kv_caches: Any) -> None:
         for c in self._connectors:
             c.register_kv_caches(kv_caches)
 
