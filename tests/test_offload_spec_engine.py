@@ -266,3 +266,53 @@ def test_a_completion_an_undone_step_applied_is_applied_again() -> None:
     eng.add_request(Request("B", PROMPT, max_tokens=4))
     eng.run()
     assert eng.finished["B"].output_token_ids == [125, 101, 86, 119]
+
+
+def test_a_spec_built_child_of_a_multiconnector_runs_the_same_story() -> None:
+    """The same story with the offloading connector as a MultiConnector's only child: one
+    step after A finishes, its store is still in flight and the child's half still holds A,
+    whom the scheduler forgot -- the step's undo point must share that request, not copy it
+    (the MultiConnector passes on its children's ``undo_shared_objects``)."""
+    from kvlab.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+
+    vc = vllm_config(SPEC_EXTRA)
+    child = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": dict(SPEC_EXTRA)}
+    vc.kv_transfer_config = KVTransferConfig(
+        "MultiConnector", kv_connector_extra_config={"connectors": [child]}, engine_id="kvlab-multi-spec"
+    )
+    kc = kv_cache_config()
+    sched_conn = KVConnectorFactory.create_connector(vc, KVConnectorRole.SCHEDULER, kc)
+    worker_conn = KVConnectorFactory.create_connector(vc, KVConnectorRole.WORKER, kc)
+    assert isinstance(sched_conn, MultiConnector) and isinstance(worker_conn, MultiConnector)
+    (offload,) = sched_conn.sub_connectors
+    assert isinstance(offload, OffloadingConnector) and offload.spec is not None
+    mgr = KVCacheManager(kc, max_model_len=256, hash_block_size=BS)
+    model = TinyLlama(TinyLlamaConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128), seed=0)
+    eng = LLMEngine(
+        mgr, Scheduler(mgr, connector=sched_conn), ModelRunner(model, device="cpu", backend="reference", kv_connector=worker_conn)
+    )
+    eng.add_request(Request("A", PROMPT, max_tokens=4))
+    eng.run()
+    assert [s.req.request_id for s in offload.scheduler._req_status.values()] == ["A"]  # held past A's finish
+    assert sched_conn.undo_shared_objects() == [offload.scheduler._req_status["A"].req]
+    assert eng.reset_prefix_cache() is True
+    eng.add_request(Request("B", PROMPT, max_tokens=4))
+    eng.run()
+    assert eng.finished["B"].num_cached_tokens == 12
+    assert eng.finished["A"].output_token_ids == eng.finished["B"].output_token_ids == [125, 101, 86, 119]
+    assert eng.scheduler.connector_prefix_cache_stats.hits_by_source == {CacheHitSource.HOST: 12}
+
+
+def test_a_backend_whose_books_cannot_be_copied_is_refused_at_binding() -> None:
+    """vLLM's tiering backend polls its tiers from a thread and holds a lock: kvlab's engine
+    could not undo an interrupted step over it, so binding refuses it and names the way out."""
+    vc = vllm_config({"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 16 * 1024, "secondary_tiers": []})
+    kc = kv_cache_config()
+    conn = OffloadingConnector(vc, KVConnectorRole.SCHEDULER, kc)
+    try:
+        with pytest.raises(
+            ValueError, match=r"TieringOffloadingSpec keeps books kvlab's engine cannot copy .*Run it with CPUOffloadingSpec"
+        ):
+            Scheduler(KVCacheManager(kc, max_model_len=256, hash_block_size=BS), connector=conn)
+    finally:
+        conn.shutdown()  # its tier-poll thread

@@ -542,6 +542,17 @@ class MultiConnector(KVConnectorBase_V1, SupportsHMA):
         accepted = [c.register_finished_partial_tail(request, block_ids, partial_tail_offloads) for c in self._connectors]
         return any(accepted)
 
+    def undo_shared_objects(self) -> list[Any]:
+        """What kvlab's engine must share, not copy, when it undoes an interrupted step by
+        deep-copying this connector's books: every child's (a spec-built offloading child
+        keeps the requests whose stores are still in flight)."""
+        out: list[Any] = []
+        for c in self._connectors:
+            more = getattr(c, "undo_shared_objects", None)
+            if callable(more):
+                out.extend(more())
+        return out
+
     def take_events(self) -> Iterable[Any]:
         for c in self._connectors:
             yield from c.take_events()
