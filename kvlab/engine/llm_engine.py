@@ -68,6 +68,8 @@ class StepResult:
     finished: list[Request] = field(default_factory=list)
     #: a KV connector's asynchronous transfer had not reported yet when the step ended
     pending_kv_transfers: bool = False
+    #: ... and when it began: a step that ends such a wait progressed, even scheduling nothing
+    waited_on_kv_transfers: bool = False
 
 
 def initialize_kv_cache(executor: object, kv_cache_manager: KVCacheManager) -> None:
@@ -305,6 +307,7 @@ class LLMEngine:
 
     def _step(self, cp: EngineCheckpoint | Unguarded) -> StepResult:
         sched = self.scheduler
+        waited = sched.has_pending_kv_transfers()
         out = sched.schedule()
         cp.save_metrics_of(self.metrics, out.num_scheduled_tokens)
         # Also a step that only preempted: the executor must drop the victims' state; and
@@ -362,7 +365,7 @@ class LLMEngine:
         collector = self.kv_cache_manager.metrics_collector
         if collector is not None:  # vLLM drains it into SchedulerStats.kv_cache_eviction_events
             self.kv_cache_eviction_events += collector.drain_events()
-        return StepResult(out.step, self.clock, out, finished, sched.has_pending_kv_transfers())
+        return StepResult(out.step, self.clock, out, finished, sched.has_pending_kv_transfers(), waited)
 
     def run(self, max_steps: int | None = None, progress: bool = False) -> None:
         """Step until every request has finished (or ``max_steps`` steps have run)."""
@@ -375,8 +378,7 @@ class LLMEngine:
             while self._has_work():
                 if max_steps is not None and steps >= max_steps:
                     break
-                waited = self.scheduler.has_pending_kv_transfers()
-                idle = _check_progress(self.step(), idle, waited)
+                idle = _check_progress(self.step(), idle)
                 steps += 1
                 if bar is not None:
                     bar.update(1)
@@ -414,9 +416,8 @@ class LLMEngine:
                     self.add_request(pending[i])
                     self.metrics[pending[i].request_id].arrival_time = pending[i].arrival_time
                     i += 1
-                waited = self.scheduler.has_pending_kv_transfers()
                 res = self.step()
-                idle = _check_progress(res, idle, waited)
+                idle = _check_progress(res, idle)
                 if bar is not None and res.finished:
                     bar.update(len(res.finished))
         finally:
@@ -479,9 +480,8 @@ class LLMEngine:
         try:
             idle = 0
             while self._has_work():
-                waited = self.scheduler.has_pending_kv_transfers()
                 res = self.step()
-                idle = _check_progress(res, idle, waited)
+                idle = _check_progress(res, idle)
                 if bar is not None and res.finished:
                     bar.update(len(res.finished))
         finally:
@@ -530,18 +530,18 @@ def _check_sampled_ids(executor_name: str, sampled: Mapping[str, Any]) -> None:
 MAX_STEPS_WAITING_ON_TRANSFERS = 10_000
 
 
-def _check_progress(res: StepResult, idle: int, waited: bool = False) -> int:
+def _check_progress(res: StepResult, idle: int) -> int:
     """A step may schedule nothing and still progress (under "priority" a request can be its
     own victim, and a step that preempts admits no one; if no running request after it fits
     either, nothing is scheduled; a connector's asynchronous load may still be on its way, or
-    its work to push -- ``waited``: something was pending before the step, so a step that
-    ends it progressed); a step that does nothing at all would repeat forever. Returns the
+    its work to push -- ``res.waited_on_kv_transfers``: something was pending before the
+    step, so a step that ends it progressed); a step that does nothing at all would repeat forever. Returns the
     steps in a row that only waited on transfers."""
     so = res.scheduler_output
     if so.total_num_scheduled_tokens or res.finished or so.preempted_req_ids:
         return 0
     if not res.pending_kv_transfers:
-        if waited:
+        if res.waited_on_kv_transfers:
             return 0  # the transfer or push it waited on ended in this step
         raise RuntimeError("the engine made no progress in a step (nothing could be scheduled)")
     if idle + 1 >= MAX_STEPS_WAITING_ON_TRANSFERS:

@@ -85,6 +85,11 @@ class Medium(str, enum.Enum):
     STORAGE = "STORAGE"
 
 
+#: The cache-hit source a tier on each medium reports (vLLM 0.33's metrics): host memory, or a
+#: disk -- a block loaded from disk counts as disk though it passes through a CPU slot.
+CACHE_HIT_SOURCE_OF_MEDIUM: dict[str, CacheHitSource] = {Medium.CPU: CacheHitSource.HOST, Medium.STORAGE: CacheHitSource.DISK}
+
+
 class Locality(enum.Enum):
     """Where a tier's storage sits relative to the engine that publishes its events."""
 

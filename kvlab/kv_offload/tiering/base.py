@@ -36,6 +36,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from kvlab.kv_offload.base import (
+    CACHE_HIT_SOURCE_OF_MEDIUM,
     ConfigInfoMapping,
     Locality,
     LookupResult,
@@ -151,8 +152,7 @@ class SecondaryTierManager(ABC):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if "cache_hit_source" not in cls.__dict__ and cls.medium is not None:
-            by_medium = {Medium.CPU: CacheHitSource.HOST, Medium.STORAGE: CacheHitSource.DISK}
-            cls.cache_hit_source = by_medium.get(Medium(cls.medium), CacheHitSource.EXTERNAL_UNSPECIFIED)
+            cls.cache_hit_source = CACHE_HIT_SOURCE_OF_MEDIUM.get(Medium(cls.medium), CacheHitSource.EXTERNAL_UNSPECIFIED)
 
     def __init__(
         self,

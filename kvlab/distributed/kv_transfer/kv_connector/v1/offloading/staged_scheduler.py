@@ -61,7 +61,7 @@ from kvlab.kv_offload.base import (
     ReqContext,
     ScheduleEndContext,
     get_offload_block_hash,
-    Medium,
+    CACHE_HIT_SOURCE_OF_MEDIUM,
     make_offload_key,
 )
 from kvlab.kv_offload.cpu.common import CPUOffloadingInfo
@@ -75,8 +75,6 @@ if TYPE_CHECKING:
     from kvlab.eventlog.events import EventLog
     from kvlab.outputs import KVConnectorOutput
     from kvlab.request import Request
-
-_SOURCE_OF_MEDIUM = {Medium.CPU.value: CacheHitSource.HOST, Medium.STORAGE.value: CacheHitSource.DISK}
 
 
 logger = logging.getLogger(__name__)
@@ -353,7 +351,7 @@ class StagedOffloadingConnectorScheduler:
         bs = self.block_size
         out: dict[CacheHitSource, int] = {}
         for medium in st.lookup_media[: num_external_tokens // bs]:
-            source = _SOURCE_OF_MEDIUM.get(medium, CacheHitSource.EXTERNAL_UNSPECIFIED)
+            source = CACHE_HIT_SOURCE_OF_MEDIUM.get(medium, CacheHitSource.EXTERNAL_UNSPECIFIED)
             out[source] = out.get(source, 0) + bs
         return out
 
