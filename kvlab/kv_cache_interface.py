@@ -25,6 +25,7 @@ from fractions import Fraction
 from math import prod
 from typing import Any, cast
 
+from kvlab.kv_cache_layout import _DIM_B, _DIM_L, KVCacheLayout
 from kvlab.utils.checks import AssertedValueError, check_int, check_optional_int
 from kvlab.utils.math_utils import cdiv
 
@@ -181,6 +182,16 @@ class KVCacheSpec:
     def with_block_size(self, block_size: int) -> KVCacheSpec:
         return replace(self, block_size=block_size)
 
+    @property
+    def has_layer_views(self) -> bool:
+        """Whether the worker views each layer's cache as a ``[B, H, N, C]`` array (vLLM 0.33);
+        a spec without one (HiSparse's scratch pages) lays its bytes out itself."""
+        return True
+
+    def get_num_kernel_states(self, kernel_block_size: int) -> int:
+        """States one kernel block of ``kernel_block_size`` tokens stores (vLLM 0.33)."""
+        raise NotImplementedError(f"{type(self).__name__} has no per-layer page layout")
+
     def max_memory_usage_bytes(self, vllm_config: Any) -> int:
         """The most bytes of this group one request can hold at once, per layer (vLLM 0.33):
         what the engine charges a request of ``max_model_len`` tokens when it works out how
@@ -314,6 +325,11 @@ class AttentionSpec(KVCacheSpec):
         """K and V of one stored state in one layer (MLA: one latent vector, no V). A state
         is one token unless ``tokens_per_state`` says otherwise."""
         return self.num_heads * self.state_content_size_bytes
+
+    def get_num_kernel_states(self, kernel_block_size: int) -> int:
+        """States a kernel block of ``kernel_block_size`` tokens stores (a backend may split a
+        manager block into smaller kernel blocks; vLLM 0.33)."""
+        return int(kernel_block_size // self.tokens_per_state)
 
     @property
     def num_states(self) -> int:
@@ -686,6 +702,10 @@ class _HiSparsePageSpec(KVCacheSpec):
     def page_size_bytes(self) -> int:
         return self.page_size
 
+    @property
+    def has_layer_views(self) -> bool:
+        return False
+
 
 @dataclass(frozen=True, kw_only=True)
 class HiSparseHotSpec(_HiSparsePageSpec):
@@ -799,6 +819,19 @@ class MambaSpec(KVCacheSpec):
     @property
     def state_size_bytes(self) -> int:
         return sum(prod(s) * DTYPE_SIZES[d] for s, d in zip(self.shapes, self.dtype_names))
+
+    # A state's page viewed as vLLM 0.33's [B, H, N, C]: one head slot, one state, the
+    # state's bytes as content -- whatever the block size.
+    @property
+    def num_heads(self) -> int:
+        return 1
+
+    @property
+    def state_content_size_bytes(self) -> int:
+        return self.state_size_bytes
+
+    def get_num_kernel_states(self, kernel_block_size: int) -> int:
+        return 1
 
     def max_memory_usage_bytes(self, vllm_config: Any) -> int:
         """A few states, whatever the length: the running one and one per speculative token;
@@ -1162,8 +1195,74 @@ class KVCacheConfig:
         block_size = cast(int, spec.block_size)  # set: get_kv_cache_config read the spec's page size
         return (self.num_blocks, spec.num_kv_heads, block_size, spec.head_size + v)
 
+    def num_blocks_of(self, tensor: KVCacheTensor) -> int:
+        """Blocks the pool behind ``tensor`` holds: the GPU pool's, or HiSparse's host pool's
+        for a host-resident tensor (vLLM 0.33)."""
+        if not tensor.host_resident:
+            return self.num_blocks
+        if self.hisparse_host_num_blocks is None:
+            raise ValueError(f"tensor of layers {list(tensor.layers)} is host-resident but hisparse_host_num_blocks is None")
+        return self.hisparse_host_num_blocks
+
+
+def compute_layer_kv_cache_shape_bytes(
+    spec: KVCacheSpec, num_blocks: int, kernel_block_size: int | None = None
+) -> tuple[int, int, int, int]:
+    """One layer's logical shape ``(B, H, N, C)``, ``C`` in bytes (vLLM 0.33).
+
+    A backend whose kernel reads smaller blocks than the manager hands out (``kernel_block_size``
+    dividing ``block_size``) sees each manager block as ``block_size // kernel_block_size``
+    kernel blocks of fewer states; the bytes are the same, only the view is finer."""
+    block_size = cast(int, spec.block_size)
+    kernel = block_size if kernel_block_size is None else kernel_block_size
+    if block_size % kernel:
+        raise ValueError(f"kernel_block_size {kernel} must divide the spec's block_size {block_size}")
+    return (num_blocks * (block_size // kernel), spec.num_heads, spec.get_num_kernel_states(kernel), spec.state_content_size_bytes)  # type: ignore[attr-defined]
+
+
+def compute_layout_strides(
+    spec: KVCacheSpec,
+    num_blocks: int,
+    num_layers: int,
+    layout: KVCacheLayout,
+    kernel_block_size: int | None = None,
+    fixed_strides: tuple[int | None, ...] = (None,) * 5,
+) -> tuple[int, ...]:
+    """Byte strides of ``[L, B, H, N, C]`` (in that logical order) for ``layout`` (vLLM 0.33).
+
+    Walk the axes from the innermost in memory outwards: each axis's stride is the bytes of
+    everything inside it, unless ``fixed_strides`` pins it (an allocation that interleaves other
+    groups' layers fixes ``L`` and ``B``). A padded page (``page_size_padded``) widens the step
+    at the innermost of ``L`` and ``B`` to the padded size, so every page starts on a page
+    boundary -- which needs every axis outside the page to be ``L``, ``B`` or of size 1."""
+    if len(fixed_strides) != 5 or any(x is not None and x <= 0 for x in fixed_strides):
+        raise ValueError(f"fixed_strides must be 5 positive strides or None, got {fixed_strides!r}")
+    shape = (num_layers, *compute_layer_kv_cache_shape_bytes(spec, num_blocks, kernel_block_size))
+    order = layout.stride_order
+    padded = getattr(spec, "page_size_padded", None)
+    page_end = max(order.index(_DIM_L), order.index(_DIM_B)) + 1  # physical axes before the page's bytes
+    if padded is not None:
+        if kernel_block_size is not None and kernel_block_size != spec.block_size:
+            raise ValueError("a padded page cannot be split into kernel blocks")
+        if prod(shape[d] for d in order[:page_end]) != num_layers * num_blocks:
+            raise ValueError(
+                f"{layout.name} puts an axis of size > 1 outside the page; a padded page needs only L and B there (shape {shape})"
+            )
+    strides = [0] * 5
+    step = 1
+    for position in range(4, -1, -1):
+        axis = order[position]
+        if padded is not None and position == page_end - 1:
+            step = max(step, padded)
+        strides[axis] = fixed_strides[axis] or step
+        step = strides[axis] * shape[axis]
+    return tuple(strides)
+
 
 __all__ = [
+    "KVCacheLayout",
+    "compute_layer_kv_cache_shape_bytes",
+    "compute_layout_strides",
     "KVCacheSpecKind",
     "KVQuantMode",
     "DTYPE_SIZES",

@@ -41,8 +41,13 @@ class KVConnectorOutput:
 
     @property
     def kv_connector_worker_meta(self) -> Any:
-        """vLLM 0.33's name for ``worker_meta``."""
+        """vLLM 0.33's name for ``worker_meta`` (the connectors use it, so they also read
+        vLLM's own output record)."""
         return self.worker_meta
+
+    @kv_connector_worker_meta.setter
+    def kv_connector_worker_meta(self, value: Any) -> None:
+        self.worker_meta = value
 
     def is_empty(self) -> bool:
         return not (

@@ -121,8 +121,9 @@ class MultiTestChild(SchedulerSideConnector):
         return ExampleWorkerReport(num_stored_tokens={"FILE": 1}) if self.report else None
 
     def update_connector_output(self, connector_output):
-        meta = connector_output.worker_meta
-        LOG.append(f"{self.name}.update_connector_output({meta and meta.num_stored_tokens}, {connector_output.errors})")
+        meta = connector_output.kv_connector_worker_meta
+        errors = getattr(connector_output, "errors", "no errors field")
+        LOG.append(f"{self.name}.update_connector_output({meta and meta.num_stored_tokens}, {errors})")
 
     def get_transfer_results(self, finished_req_ids):
         results = super().get_transfer_results(finished_req_ids)
@@ -325,6 +326,17 @@ def test_worker_reports_are_kept_per_child_and_merged_for_the_executor() -> None
     assert output.worker_meta.metadata == (r1, None) and output.errors == {"x": "merged"}  # given back as it came
     with pytest.raises(TypeError, match="worker_meta must be a MultiKVConnectorWorkerMetadata or None, got ExampleWorkerReport"):
         conn.update_connector_output(KVConnectorOutput(worker_meta=r1))
+    # vLLM's own record (``vllm.v1.outputs.KVConnectorOutput``): the report under vLLM's name, no errors field.
+    LOG.clear()
+    vllm_output = SimpleNamespace(finished_sending=None, finished_recving=set(), kv_connector_worker_meta=meta)
+    conn3 = multi(child("A"), child("B"), child("C"))
+    conn3.update_connector_output(vllm_output)  # type: ignore[arg-type]
+    assert LOG == [
+        "A.update_connector_output({'FILE': 8}, no errors field)",
+        "B.update_connector_output(None, no errors field)",
+        "C.update_connector_output({'FILE': 8, 'CPU': 4}, no errors field)",
+    ]
+    assert vllm_output.kv_connector_worker_meta is meta and not hasattr(vllm_output, "errors")
 
 
 class Numbers:

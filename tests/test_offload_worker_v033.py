@@ -14,22 +14,30 @@ import torch
 
 from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingConnectorMetadata, TransferJob
 from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.worker import OffloadingConnectorWorker
-from kvlab.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from kvlab.kv_cache_interface import (
+    CircularBufferSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheLayout,
+    KVCacheTensor,
+)
 from kvlab.kv_offload import config as oc
 from kvlab.kv_offload.base import GPULoadStoreSpec, OffloadingWorker, TransferResult
 from kvlab.kv_offload.cpu.common import CPULoadStoreSpec
 from kvlab.kv_offload.cpu.gpu_worker import CPUOffloadingWorker
 from kvlab.kv_offload.cpu.spec import CPUOffloadingSpec
+from kvlab.worker.kv_cache_views import allocate_kv_cache
 
 BS, HEADS, HEAD, NUM_BLOCKS = 4, 2, 8, 4
 PAGE = 2 * BS * HEADS * HEAD * 2  # K and V, float16: 256 bytes a block
 
 
-def _spec(rank: int = 0, world_size: int = 1, replicated: bool = False) -> CPUOffloadingSpec:
+def _spec(rank: int = 0, world_size: int = 1, replicated: bool = False, layers: tuple[str, ...] = ("l0",)) -> CPUOffloadingSpec:
     par = oc.OffloadingParallelConfig(rank, world_size, world_size, 1, 1, 1, 0, 1, None, False)
     config = oc.OffloadingConfig(
-        groups=(oc.OffloadingGroupConfig(BS, ("l0",), 0),),
-        worker_kv_bytes_per_block=PAGE,
+        groups=(oc.OffloadingGroupConfig(BS, layers, 0),),
+        worker_kv_bytes_per_block=PAGE * len(layers),
         enable_kv_cache_events=False,
         extra_config={"cpu_bytes_to_use": 1 << 20},
         engine_id=f"kvlab-worker-test-{uuid.uuid4().hex[:12]}",
@@ -77,6 +85,31 @@ def test_the_layer_cache_reaches_the_spec_worker_as_byte_pages() -> None:
     assert (tuple(tensor.shape), tensor.dtype, tensor.data_ptr()) == ((NUM_BLOCKS, PAGE), torch.int8, cache.data_ptr())
     [[ref]] = handler.layer_refs_per_group
     assert (ref.tensor_idx, ref.page_size_bytes) == (0, PAGE)
+
+
+def test_a_packed_allocation_is_offloaded_block_by_block_and_its_scratch_group_skipped() -> None:
+    """vLLM's one-buffer allocation with two layers packed in each block (layer l0's page,
+    then l1's) and a scratch ring group: the spec's worker sees one tensor of whole blocks
+    (2 pages each), and a block stored and loaded back brings both layers' pages."""
+    layer = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD, dtype="float16")
+    scratch = CircularBufferSpec(block_size=4, num_kv_heads=1, head_size=1, dtype="float16")
+    tensor = KVCacheTensor(size=2 * PAGE * NUM_BLOCKS, layers=("l0", "l1"), layer_stride=PAGE, block_stride=2 * PAGE)
+    groups = [KVCacheGroupSpec(("l0", "l1"), layer), KVCacheGroupSpec(("scratch",), scratch)]
+    config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=(tensor,), kv_cache_groups=groups)
+    caches = allocate_kv_cache(config, "cpu", KVCacheLayout.LBNHC)
+    worker = OffloadingConnectorWorker(_spec(layers=("l0", "l1")), _engine(), config)
+    worker.register_kv_caches(caches)
+    handler = worker.worker._store_handler
+    [whole] = handler.src_tensors
+    assert (tuple(whole.shape), whole.data_ptr()) == ((NUM_BLOCKS, 2 * PAGE), caches["l0"].data_ptr())
+    assert [[(r.tensor_idx, r.page_size_bytes) for r in refs] for refs in handler.layer_refs_per_group] == [[(0, 2 * PAGE)]]
+    caches["l0"][2].fill_(3.0)
+    caches["l1"][2].fill_(5.0)
+    worker.prepare_store_kv(_store(1, gpu_block=2, chunk=0))
+    worker.start_kv_transfers(_load(2, chunk=0, gpu_block=0))
+    worker.get_finished(set())
+    assert caches["l0"][0].eq(3.0).all() and caches["l1"][0].eq(5.0).all()
+    assert caches["l0"][1].eq(0).all() and caches["l1"][1].eq(0).all()
 
 
 def test_a_store_waits_one_step_then_a_load_brings_the_block_back() -> None:

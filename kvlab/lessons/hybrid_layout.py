@@ -17,7 +17,8 @@ vLLM 0.33 plans a hybrid model's KV memory in ``vllm/v1/core/kv_cache_planning.p
    same bytes whichever group holds it; the pool hands each id to one group at a time.
 
 :func:`plan_kv_cache_layout` repeats these three steps on kvlab's specs (plain data out);
-:func:`layout_figure` draws the result. kvlab's own model runner keeps it simpler: each
+:func:`layout_figure` draws the result, and :meth:`KVCacheLayoutPlan.kv_cache_config` hands it to
+vLLM's allocation (:func:`kvlab.worker.kv_cache_views.allocate_kv_cache`) to be made real. kvlab's own model runner keeps it simpler: each
 layer gets a tensor of its own with a page for every block id.
 """
 
@@ -30,7 +31,7 @@ from math import ceil
 import plotly.graph_objects as go
 
 from kvlab.core.kv_cache_utils import unify_kv_cache_spec_page_size
-from kvlab.kv_cache_interface import KVCacheSpec
+from kvlab.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec
 from kvlab.lessons.pool_sizing import KVCacheTensor  # the one description of a tensor (lesson 02)
 from kvlab.viz.style import FONT, INK, STATE_COLORS, STATE_TEXT_COLORS
 
@@ -66,6 +67,12 @@ class KVCacheLayoutPlan:
             raise ValueError(f"block_id must be in 0 .. {self.num_blocks - 1}, got {block_id}")
         t = self.kv_cache_tensors[self.group_of(layer)]
         return t.offset + t.layers.index(layer) * t.layer_stride + block_id * t.block_stride
+
+    def kv_cache_config(self) -> KVCacheConfig:
+        """The plan as the ``KVCacheConfig`` a worker allocates from
+        (:func:`kvlab.worker.kv_cache_views.allocate_kv_cache`)."""
+        groups = tuple(KVCacheGroupSpec(names, spec) for names, spec in zip(self.group_layers, self.group_specs))
+        return KVCacheConfig(num_blocks=self.num_blocks, kv_cache_tensors=self.kv_cache_tensors, kv_cache_groups=groups)
 
     def regions(self) -> list[tuple[int, int, tuple[str, ...]]]:
         """The buffer cut where the layers' views start and end: (first byte, end byte, the

@@ -15,7 +15,7 @@ Three more pieces keep a missing part from hiding what does work:
   and the report (``KVLAB_ADAPTER_REPORT``) lists every such module. With
   ``KVLAB_ADAPTER_STRICT=1`` such a module stands empty instead, every name a placeholder
   (``run.sh``'s connector table, whose files mix kvlab's parts with parts it lacks).
-* kvlab keeps five call shapes of its own on purpose; the adapter translates them (the
+* kvlab keeps six call shapes of its own on purpose; the adapter translates them (the
   ``TRANSLATIONS`` section at the end). Nothing else is changed.
 """
 
@@ -274,6 +274,13 @@ _cache_key_as_block_hash(_utils)
 #    of the core, which imports no ZeroMQ).
 for _name in ("EventPublisher", "EventPublisherFactory", "NullEventPublisher", "ZmqEventPublisher"):
     setattr(_events, _name, getattr(_publisher, _name))
+
+# 6. ``create_kv_cache_views``: vLLM keeps it in kv_cache_interface; kvlab in
+#    kvlab.worker.kv_cache_views (kv_cache_interface is part of the core, which imports no torch).
+import kvlab.kv_cache_interface as _interface  # noqa: E402
+import kvlab.worker.kv_cache_views as _views  # noqa: E402
+
+_interface.create_kv_cache_views = _views.create_kv_cache_views  # type: ignore[attr-defined]
 
 
 # 4. ``generate_block_hash_extra_keys``: vLLM returns (keys, the multimodal index the next

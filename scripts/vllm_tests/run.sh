@@ -74,8 +74,8 @@ cat "$WORK"/adapter-report.* 2>/dev/null | sort -u | sed -n 's/^vllm-module /  /
 # The connectors' unit tests, counted apart: kvlab's offloading connector keeps one group's
 # blocks in its own shape, where vLLM's serves every group (its config objects, sliding-window
 # and EAGLE lookups, partial tails, a sync-load budget) -- most of these test that machinery.
-# These files mix kvlab's parts with parts it lacks (vLLM's MultiConnector, HiSparse's worker
-# half, the offload events tracker), so the adapter runs strict: a module kvlab lacks stands
+# These files mix kvlab's parts with parts it lacks (HiSparse's worker half, vLLM's NIXL
+# transport), so the adapter runs strict: a module kvlab lacks stands
 # empty instead of being loaded from vLLM, and a test passes only on kvlab's code.
 SET=(tests/v1/kv_connector/unit/offloading_connector tests/v1/kv_connector/unit/test_offloading_connector.py
      tests/v1/kv_connector/unit/test_hisparse_connector.py tests/v1/kv_connector/unit/test_multi_connector.py

@@ -476,21 +476,28 @@ class MultiConnector(KVConnectorBase_V1, SupportsHMA):
         return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """Each child sees the step's output with its own worker report in ``worker_meta`` (and,
-        kvlab's field, its own load ``errors``); the output is given back as it came."""
-        multi = connector_output.worker_meta
+        """Each child sees the step's output with its own worker report in
+        ``kv_connector_worker_meta`` (and, kvlab's field, its own load ``errors``, when the
+        record has them); the output is given back as it came."""
+        multi = connector_output.kv_connector_worker_meta
         if multi is not None and not isinstance(multi, MultiKVConnectorWorkerMetadata):
-            raise TypeError(f"connector_output.worker_meta must be a MultiKVConnectorWorkerMetadata or None, got {type(multi).__name__}")
-        errors = connector_output.errors
+            raise TypeError(
+                f"connector_output.kv_connector_worker_meta must be a MultiKVConnectorWorkerMetadata or None, got {type(multi).__name__}"
+            )
+        has_errors = hasattr(connector_output, "errors")  # kvlab's record; vLLM's has none
+        errors = connector_output.errors if has_errors else None
         try:
             for i, c in enumerate(self._connectors):
                 if multi is not None:
                     child = multi.metadata[i]
-                    connector_output.worker_meta = child
-                    connector_output.errors = dict(getattr(child, "errors", None) or {})
+                    connector_output.kv_connector_worker_meta = child
+                    if has_errors:
+                        connector_output.errors = dict(getattr(child, "errors", None) or {})
                 c.update_connector_output(connector_output)
         finally:
-            connector_output.worker_meta, connector_output.errors = multi, errors
+            connector_output.kv_connector_worker_meta = multi
+            if has_errors:
+                connector_output.errors = errors  # type: ignore[assignment]  # has_errors: it was a dict
 
     def _aggregate_request_finished(
         self, request: Request, per_connector: Callable[[KVConnectorBase_V1], tuple[bool, dict[str, Any] | None]]

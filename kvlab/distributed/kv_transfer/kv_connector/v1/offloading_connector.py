@@ -37,6 +37,7 @@ is refused: which tiers would that be?
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from collections.abc import Set as AbstractSet
 from functools import cached_property
@@ -127,6 +128,14 @@ class _WorkerJobLedger:
 
     def __deepcopy__(self, memo: dict[int, object]) -> _WorkerJobLedger:
         return self
+
+
+def _with_worker_meta(connector_output: KVConnectorOutput, worker_meta: Any) -> KVConnectorOutput:
+    """A copy of the step's output carrying another worker report (kvlab's record or vLLM's:
+    both answer to ``kv_connector_worker_meta``)."""
+    out = copy.copy(connector_output)
+    out.kv_connector_worker_meta = worker_meta
+    return out
 
 
 class OffloadingConnector(KVConnectorBase_V1, SupportsHMA):
@@ -381,8 +390,6 @@ class OffloadingConnector(KVConnectorBase_V1, SupportsHMA):
         undoes an interrupted step by deep-copying the connector's books: a backend whose
         books hold a lock or a thread (vLLM's tiering manager polls its tiers from one)
         cannot be copied, so it cannot run in kvlab's engine."""
-        import copy
-
         mine, theirs = self._kv_cache_config, kv_cache_manager.kv_cache_config
         shape = [(type(g.kv_cache_spec).__name__, g.kv_cache_spec.block_size) for g in mine.kv_cache_groups]
         given = [(type(g.kv_cache_spec).__name__, g.kv_cache_spec.block_size) for g in theirs.kv_cache_groups]
@@ -491,14 +498,14 @@ class OffloadingConnector(KVConnectorBase_V1, SupportsHMA):
             if (n := ledger.completions.get(job_id, 0)) > half.config.num_workers - job.pending_count
         }
         if lost:
-            half.update_connector_output(replace(connector_output, worker_meta=OffloadingWorkerMetadata(completed_jobs=lost)))
+            half.update_connector_output(_with_worker_meta(connector_output, OffloadingWorkerMetadata(completed_jobs=lost)))
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, OffloadingWorkerMetadata):
             done = {job_id: n for job_id, n in meta.completed_jobs.items() if job_id not in ledger.undone}
             for job_id, n in done.items():
                 ledger.completions[job_id] = ledger.completions.get(job_id, 0) + n
             if len(done) != len(meta.completed_jobs):
-                connector_output = replace(connector_output, worker_meta=replace(meta, completed_jobs=done))
+                connector_output = _with_worker_meta(connector_output, replace(meta, completed_jobs=done))
         half.update_connector_output(connector_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -563,7 +570,6 @@ class OffloadingConnector(KVConnectorBase_V1, SupportsHMA):
         metrics a backend reports come from its spec class (``spec_name``); kvlab's own tiers
         (a config without ``spec_name`` or vLLM's ``cpu_bytes_to_use``) report as vLLM's
         tiering spec does -- a CPU tier in front, a file tier behind it when there is one."""
-        import copy
         import dataclasses
 
         from kvlab.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadPromMetrics

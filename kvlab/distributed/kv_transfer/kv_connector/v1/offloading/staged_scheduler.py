@@ -450,7 +450,7 @@ class StagedOffloadingConnectorScheduler:
             )
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        wm = connector_output.worker_meta
+        wm = connector_output.kv_connector_worker_meta
         if not isinstance(wm, OffloadingWorkerMetadata):
             return
         if wm.block_nbytes and not self.manager.chunk_size_bytes:
