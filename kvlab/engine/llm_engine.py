@@ -9,9 +9,9 @@ throughput can be read off without a GPU.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.sched.output import SchedulerOutput
@@ -371,20 +371,7 @@ class LLMEngine:
         """Step until every request has finished (or ``max_steps`` steps have run)."""
         max_steps = check_optional_int("max_steps", max_steps, 0)
         self._check_usable()
-        bar = _progress(progress, total=None, desc="steps")
-        steps = 0
-        try:
-            idle = 0
-            while self._has_work():
-                if max_steps is not None and steps >= max_steps:
-                    break
-                idle = _check_progress(self.step(), idle)
-                steps += 1
-                if bar is not None:
-                    bar.update(1)
-        finally:
-            if bar is not None:
-                bar.close()
+        self._step_while(self._has_work, _progress(progress, total=None, desc="steps"), max_steps=max_steps)
 
     def run_trace(self, requests: Iterable[Request], progress: bool = False) -> None:
         """Add each request when the simulated clock reaches its ``arrival_time``.
@@ -405,24 +392,19 @@ class LLMEngine:
             seen.add(r.request_id)
         self._check_usable()
         pending.sort(key=lambda r: r.arrival_time)
-        bar = _progress(progress, total=len(pending), desc="requests")
         i = 0
-        try:
-            idle = 0
-            while i < len(pending) or self._has_work():
-                if not self._has_work() and i < len(pending):
-                    self.clock = max(self.clock, pending[i].arrival_time)
-                while i < len(pending) and pending[i].arrival_time <= self.clock:
-                    self.add_request(pending[i])
-                    self.metrics[pending[i].request_id].arrival_time = pending[i].arrival_time
-                    i += 1
-                res = self.step()
-                idle = _check_progress(res, idle)
-                if bar is not None and res.finished:
-                    bar.update(len(res.finished))
-        finally:
-            if bar is not None:
-                bar.close()
+
+        def arrivals() -> None:  # before each step: jump an idle clock forward, then admit who has arrived
+            nonlocal i
+            if not self._has_work() and i < len(pending):
+                self.clock = max(self.clock, pending[i].arrival_time)
+            while i < len(pending) and pending[i].arrival_time <= self.clock:
+                self.add_request(pending[i])
+                self.metrics[pending[i].request_id].arrival_time = pending[i].arrival_time
+                i += 1
+
+        bar = _progress(progress, total=len(pending), desc="requests")
+        self._step_while(lambda: i < len(pending) or self._has_work(), bar, before_step=arrivals, bar_counts="finished")
 
     def generate(
         self,
@@ -476,18 +458,37 @@ class LLMEngine:
                 self.metrics[r.request_id] = RequestMetrics(r.request_id, self.clock, r.num_prompt_tokens)
                 self.scheduler.add_request(r)
             self._ids = next_id
-        bar = _progress(progress, total=len(reqs), desc="generate")
+        self._step_while(self._has_work, _progress(progress, total=len(reqs), desc="generate"), bar_counts="finished")
+        return [list(r.output_token_ids) for r in reqs]
+
+    def _step_while(
+        self,
+        more: Callable[[], bool],
+        bar: Any,
+        *,
+        before_step: Callable[[], None] | None = None,
+        max_steps: int | None = None,
+        bar_counts: Literal["steps", "finished"] = "steps",
+    ) -> None:
+        """The run loop ``run``, ``run_trace`` and ``generate`` share: step while ``more()``
+        (at most ``max_steps`` steps), refuse a run that stops progressing
+        (:func:`_check_progress`), move the bar by steps or by finished requests, and close
+        it however the loop ends (an interrupt included)."""
+        steps = idle = 0
         try:
-            idle = 0
-            while self._has_work():
+            while more() and (max_steps is None or steps < max_steps):
+                if before_step is not None:
+                    before_step()
                 res = self.step()
                 idle = _check_progress(res, idle)
-                if bar is not None and res.finished:
-                    bar.update(len(res.finished))
+                steps += 1
+                if bar is not None:
+                    n = 1 if bar_counts == "steps" else len(res.finished)
+                    if n:
+                        bar.update(n)
         finally:
             if bar is not None:
                 bar.close()
-        return [list(r.output_token_ids) for r in reqs]
 
 
 def _check_runnable_ids(request: Request) -> None:
