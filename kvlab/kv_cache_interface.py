@@ -1213,8 +1213,8 @@ def compute_layer_kv_cache_shape_bytes(
     A backend whose kernel reads smaller blocks than the manager hands out (``kernel_block_size``
     dividing ``block_size``) sees each manager block as ``block_size // kernel_block_size``
     kernel blocks of fewer states; the bytes are the same, only the view is finer."""
-    block_size = cast(int, spec.block_size)
-    kernel = block_size if kernel_block_size is None else kernel_block_size
+    block_size = spec._block_size()
+    kernel = block_size if kernel_block_size is None else check_int("kernel_block_size", kernel_block_size, 1)
     if block_size % kernel:
         raise ValueError(f"kernel_block_size {kernel} must divide the spec's block_size {block_size}")
     return (num_blocks * (block_size // kernel), spec.num_heads, spec.get_num_kernel_states(kernel), spec.state_content_size_bytes)  # type: ignore[attr-defined]

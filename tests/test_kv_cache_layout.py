@@ -53,6 +53,10 @@ def test_a_layers_logical_shape_counts_content_in_bytes_and_splits_kernel_blocks
     assert compute_layer_kv_cache_shape_bytes(mamba, B) == (10, 1, 1, 128)  # one state of 4 x 8 x 4 bytes
     with pytest.raises(ValueError, match="kernel_block_size 5 must divide the spec's block_size 16"):
         compute_layer_kv_cache_shape_bytes(SPEC, B, kernel_block_size=5)
+    with pytest.raises(ValueError, match="kernel_block_size must be"):
+        compute_layer_kv_cache_shape_bytes(SPEC, B, kernel_block_size=0)
+    with pytest.raises(ValueError, match="block_size is None"):
+        compute_layer_kv_cache_shape_bytes(FullAttentionSpec(num_kv_heads=2, head_size=64), B)
 
 
 @pytest.mark.parametrize(
@@ -120,7 +124,9 @@ def test_a_packed_allocation_interleaves_the_layers_pages_block_by_block():
 
 def test_allocation_refusals_and_a_spec_that_lays_out_its_own_bytes():
     config = _packed_config()
-    with pytest.raises(ValueError, match=r"LBNHC does not keep a block as one dense page \(block stride 256 bytes, page 128\)"):
+    with pytest.raises(
+        ValueError, match=r"layers \['a', 'b'\] does not keep a layer's block as one dense page \(block_stride 256 bytes, page 128"
+    ):
         allocate_kv_cache(config, "cpu", KVCacheLayout.LBNHC, kernel_block_sizes=[2, 4])
     t1 = KVCacheTensor(size=256, layers=("a",), layer_stride=128, block_stride=128)
     t2 = KVCacheTensor(size=512, layers=("b",), layer_stride=128, block_stride=128)

@@ -57,7 +57,7 @@ def create_kv_cache_views(
     The tensor's ``layer_stride`` and ``block_stride`` fix the two outer strides; the layout
     orders the rest. With kernel blocks smaller than the manager's, a manager block must be one
     dense page (no padding, no other layer's page inside it) to split into equal kernel blocks
-    a constant stride apart -- otherwise ValueError, naming the layout to use instead."""
+    a constant stride apart -- otherwise ValueError, saying what to change."""
     if raw.dtype != torch.int8 or raw.dim() != 1:
         raise ValueError(f"raw must be a flat int8 buffer, got {raw.dtype} of shape {tuple(raw.shape)}")
     shape = compute_layer_kv_cache_shape_bytes(spec, num_blocks, kernel_block_size)
@@ -68,9 +68,10 @@ def create_kv_cache_views(
         dense_page = heads * states * content
         if block_stride != dense_page:
             raise ValueError(
-                f"layout {layout.name} does not keep a block as one dense page (block stride {block_stride} bytes, page "
-                f"{dense_page}), so it cannot be split into {ratio} kernel blocks of {kernel_block_size} tokens; use a "
-                "layer-compact layout such as LBNHC, or a block size equal to the kernel's"
+                f"the KVCacheTensor of layers {list(kv_cache_tensor.layers)} does not keep a layer's block as one dense page "
+                f"(block_stride {block_stride} bytes, page {dense_page}: its layers share each block, or its pages are padded), "
+                f"so a block cannot be split into {ratio} kernel blocks of {kernel_block_size} tokens; give the kernel the "
+                f"spec's block size ({spec.block_size}), or lay the layers out one after another (block_stride = the page)"
             )
         block_stride //= ratio
     num_layers = len(kv_cache_tensor.layers)
