@@ -62,6 +62,7 @@ MAPPED: dict[str, str] = {}
 STRICT = os.environ.get("KVLAB_ADAPTER_STRICT") == "1"
 VLLM_FALLBACKS: set[str] = set()
 MISSING: set[str] = set()
+EMPTY_PACKAGES: set[str] = set()  # STRICT: vLLM packages kvlab lacks, standing empty
 
 
 def kvlab_name(name: str) -> str | None:
@@ -138,12 +139,16 @@ class _Finder(importlib.abc.MetaPathFinder):
         real = kvlab_name(name)
         if real is None:
             parent = name.rsplit(".", 1)[0]
-            if path is not None and parent in MAPPED:  # kvlab's package, vLLM's module
+            # kvlab's package, vLLM's module (or, strict, a module under a package kvlab lacks)
+            if path is not None and (parent in MAPPED or parent in EMPTY_PACKAGES):
                 spec = importlib.machinery.PathFinder.find_spec(name, [os.path.join(VLLM_ROOT, *parent.split("."))])
                 if spec is not None:  # (a package attribute asked as a submodule finds none)
                     VLLM_FALLBACKS.add(name)
-                    if STRICT:
-                        return importlib.util.spec_from_loader(name, _AliasLoader(None))
+                    if STRICT:  # empty, and a package where vLLM's is one: its submodules stand empty too
+                        is_package = spec.submodule_search_locations is not None
+                        if is_package:
+                            EMPTY_PACKAGES.add(name)
+                        return importlib.util.spec_from_loader(name, _AliasLoader(None), is_package=is_package)
                 return spec
             return None
         MAPPED[name] = real
