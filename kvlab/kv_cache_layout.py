@@ -20,7 +20,6 @@ from enum import Enum
 
 # The logical axes, by their index in [L, B, H, N, C].
 _DIM_L, _DIM_B, _DIM_H, _DIM_N, _DIM_C = 0, 1, 2, 3, 4
-LOGICAL_AXES = "LBHNC"
 
 
 class KVCacheLayout(Enum):
@@ -66,4 +65,4 @@ class KVCacheLayout(Enum):
         return self.value[0] == _DIM_B
 
 
-__all__ = ["KVCacheLayout", "LOGICAL_AXES"]
+__all__ = ["KVCacheLayout"]
