@@ -23,6 +23,7 @@ from kvlab.kv_offload.tiering.base import JobResult, SecondaryTierManager
 from kvlab.kv_offload.tiering.example.manager import ExampleSecondaryTierManager
 from kvlab.kv_offload.tiering.manager import CPUPrimaryTierOffloadingManager, TieringOffloadingManager
 from kvlab.metrics.cache_hit_source import CacheHitSource
+from offload_tiers import answered, tier_spec
 
 K = {n: make_offload_key(n.encode() * 32, 0) for n in "ABCD"}
 NAME = {v: k for k, v in K.items()}
@@ -307,7 +308,7 @@ def test_the_tier_factory_builds_a_registered_or_an_out_of_tree_tier_with_its_de
     assert config["type"] == "example" and "backpressure" in config  # the caller's dict is not consumed
     out_of_tree = {"type": "ExampleSecondaryTierManager", "module_path": "kvlab.kv_offload.tiering.example.manager"}
     assert SecondaryTierFactory.get_tier_class(out_of_tree) is ExampleSecondaryTierManager
-    with pytest.raises(ValueError, match=r"Unknown secondary tier type: 'nope'. Supported types: \['example', 'fs'\]"):
+    with pytest.raises(ValueError, match=r"Unknown secondary tier type: 'nope'. Supported types: \['example', 'fs', 'obj'\]"):
         SecondaryTierFactory.get_tier_class({"type": "nope"})
     with pytest.raises(ValueError, match="must include 'type'"):
         SecondaryTierFactory.get_tier_class({})
@@ -319,28 +320,6 @@ def test_the_tier_factory_builds_a_registered_or_an_out_of_tree_tier_with_its_de
 
 
 # -- the asynchronous file tier: real files, real threads ----------------------------------------
-def _fs_spec():
-    from types import SimpleNamespace
-
-    from kvlab.kv_offload import config as oc
-    from offloading_config import offloading_config
-
-    conf = offloading_config(enable_kv_cache_events=True, parallel=oc.OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, True))
-    return SimpleNamespace(config=conf, blocks_per_chunk=1, kv_events_config=SimpleNamespace(enable_kv_cache_events=True))
-
-
-def _answered(tier, deadline_s=60.0):
-    """Wait (bounded) until the tier's lookup thread answered every key sent to it."""
-    import time
-
-    lm = tier._lookup_manager
-    end = time.monotonic() + deadline_s
-    while not lm._lookup_queue.empty() or any(s.phase.name == "IN_FLIGHT" for s in lm._lookup_state.values()):
-        lm.drain_results()
-        assert time.monotonic() < end, "the lookup thread did not answer"
-        time.sleep(0.005)
-
-
 def test_the_file_tier_writes_raw_chunks_and_promotes_them_back_in_later_steps(region, tmp_path):
     import numpy as np
 
@@ -349,7 +328,7 @@ def test_the_file_tier_writes_raw_chunks_and_promotes_them_back_in_later_steps(r
     primary = CPUPrimaryTierOffloadingManager(2, region, enable_events=True)
     view = primary.get_kv_memoryview()
     rows = np.asarray(view)
-    fs = FileSystemTierManager(_fs_spec(), view, "fs", root_dir=str(tmp_path), n_read_threads=1, n_write_threads=1, enable_kv_events=True)
+    fs = FileSystemTierManager(tier_spec(), view, "fs", root_dir=str(tmp_path), n_read_threads=1, n_write_threads=1, enable_kv_events=True)
     m = TieringOffloadingManager(primary, [fs], tier_poll_interval_s=0)
     w, r = ReqContext("writer"), ReqContext("reader")
     m.on_new_request(w)
@@ -368,7 +347,7 @@ def test_the_file_tier_writes_raw_chunks_and_promotes_them_back_in_later_steps(r
     m.on_new_request(r)
     assert m.lookup(K["A"], r) is LookupResult.RETRY  # the file check runs on the lookup thread
     m.on_schedule_end(ScheduleEndContext(["reader"], []))
-    _answered(fs)
+    answered(fs)
     assert m.lookup(K["A"], r) is LookupResult.HIT_PENDING  # found on disk: a CPU chunk is reserved
     m.on_schedule_end(ScheduleEndContext([], []))  # the promotion job is submitted
     fs.drain_jobs()
@@ -386,7 +365,7 @@ def test_a_damaged_file_fails_its_promotion_is_removed_and_then_reads_as_a_miss(
 
     primary = CPUPrimaryTierOffloadingManager(2, region)
     view = primary.get_kv_memoryview()
-    fs = FileSystemTierManager(_fs_spec(), view, "fs", root_dir=str(tmp_path), n_read_threads=1, n_write_threads=1)
+    fs = FileSystemTierManager(tier_spec(), view, "fs", root_dir=str(tmp_path), n_read_threads=1, n_write_threads=1)
     m = TieringOffloadingManager(primary, [fs], tier_poll_interval_s=0)
     w, r = ReqContext("writer"), ReqContext("reader")
     m.on_new_request(w)
@@ -402,7 +381,7 @@ def test_a_damaged_file_fails_its_promotion_is_removed_and_then_reads_as_a_miss(
     m.on_new_request(r)
     m.lookup(K["A"], r)
     m.on_schedule_end(ScheduleEndContext(["reader"], []))
-    _answered(fs)
+    answered(fs)
     assert m.lookup(K["A"], r) is LookupResult.HIT_PENDING
     m.on_schedule_end(ScheduleEndContext([], []))
     fs.drain_jobs()
@@ -424,7 +403,7 @@ def test_the_file_tier_refuses_a_spec_without_its_config_before_it_starts_a_thre
     with pytest.raises(TypeError, match=r"offloading_spec must have config \(an OffloadingConfig\)"):
         FileSystemTierManager(None, view, "fs", root_dir=str(tmp_path))
     with pytest.raises(TypeError, match="root_dir must be a directory path, got int"):
-        FileSystemTierManager(_fs_spec(), view, "fs", root_dir=5)  # type: ignore[arg-type]
+        FileSystemTierManager(tier_spec(), view, "fs", root_dir=5)  # type: ignore[arg-type]
     assert tier_threads() == before and list(tmp_path.iterdir()) == []
     view.release()
 

@@ -54,7 +54,8 @@ class FileMapper:
         replicated_layout: bool = False,
         canonical_format: str | None = None,
     ) -> None:
-        if not isinstance(root_dir, (str, os.PathLike)) or not str(root_dir):
+        # "" is allowed: an object store's keys start at the bucket (vLLM's keys then begin "/").
+        if not isinstance(root_dir, (str, os.PathLike)):
             raise TypeError(f"root_dir must be a directory path, got {root_dir!r}")
         if not isinstance(model_name, str) or not model_name:
             raise TypeError(f"model_name must be a non-empty str, got {model_name!r}")

@@ -288,6 +288,11 @@ class TieringOffloadingManager(OffloadingManager):
             self._processed_jobs_this_step = gate
 
     # -- jobs ---------------------------------------------------------------------------------------
+    @property
+    def _transfer_jobs(self) -> dict[JobId, JobMetadata]:
+        """vLLM's other name for the submitted, unreported jobs."""
+        return self._jobs
+
     def _next_job_id(self) -> JobId:
         job_id = self._job_id_counter
         self._job_id_counter += 1

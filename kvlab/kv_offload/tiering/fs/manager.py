@@ -26,25 +26,17 @@ import json
 import logging
 import os
 from collections.abc import Iterable
-from typing import Any, ClassVar
+from typing import Any
 
-from kvlab.kv_offload.base import (
-    Locality,
-    LookupResult,
-    Medium,
-    OffloadingEvent,
-    OffloadKey,
-    ReqContext,
-    RequestOffloadingContext,
-    ScheduleEndContext,
-)
+from kvlab.kv_offload.base import OffloadKey, ReqContext
 from kvlab.kv_offload.config import OffloadingConfig
 from kvlab.kv_offload.file_mapper import FileMapper
 from kvlab.kv_offload.tiering.async_lookup import AsyncLookupManager
 from kvlab.kv_offload.tiering.backpressure import BackpressureDetector
-from kvlab.kv_offload.tiering.base import JobId, JobResult, SecondaryTierManager, TransferJob
+from kvlab.kv_offload.tiering.base import JobId, JobResult, TransferJob
 from kvlab.kv_offload.tiering.fs.io import BatchLoadError, batch_load_block, batch_store_block, probe_o_direct
 from kvlab.kv_offload.tiering.fs.thread_pool import DualQueueThreadPool
+from kvlab.kv_offload.tiering.storage import StorageTierManager
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +56,7 @@ class FsAsyncLookupManager(AsyncLookupManager):
         return [os.path.exists(self._tier.file_mapper.get_file_name(k)) for k in keys]
 
 
-class FileSystemTierManager(SecondaryTierManager):
+class FileSystemTierManager(StorageTierManager):
     """Files under ``root_dir``, moved by ``n_read_threads`` + ``n_write_threads`` threads.
 
     ``offloading_spec``: what the folder is named after -- any object with ``config`` (an
@@ -72,8 +64,6 @@ class FileSystemTierManager(SecondaryTierManager):
     ``kv_events_config.enable_kv_cache_events`` (vLLM's ``OffloadingSpec`` has all three).
     ``enable_kv_events``: publish a BlockStored-like event per landed store (only if events
     are on for the engine)."""
-
-    medium: ClassVar[Medium] = Medium.STORAGE
 
     def __init__(
         self,
@@ -87,7 +77,6 @@ class FileSystemTierManager(SecondaryTierManager):
         locality: str | None = None,
         backpressure_detector: BackpressureDetector | None = None,
     ) -> None:
-        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         if not isinstance(getattr(offloading_spec, "config", None), OffloadingConfig) or not hasattr(offloading_spec, "kv_events_config"):
             raise TypeError(
                 "offloading_spec must have config (an OffloadingConfig), blocks_per_chunk and kv_events_config, "
@@ -95,15 +84,9 @@ class FileSystemTierManager(SecondaryTierManager):
             )
         if not isinstance(root_dir, (str, os.PathLike)):
             raise TypeError(f"root_dir must be a directory path, got {type(root_dir).__name__}")
-        self.locality = Locality(locality) if locality is not None else None
-        self.events: list[OffloadingEvent] | None = None
-        if enable_kv_events:
-            if offloading_spec.kv_events_config.enable_kv_cache_events:
-                self.events = []
-            else:
-                logger.warning("enable_kv_events is set on tier %r but KV cache events are off for the engine; it emits none", tier_type)
-        self._store_job_keys: dict[JobId, list[OffloadKey]] = {}  # only with events on
-        self._load_job_keys: dict[JobId, list[OffloadKey]] = {}
+        super().__init__(
+            offloading_spec, primary_kv_view, tier_type, backpressure_detector, enable_kv_events=enable_kv_events, locality=locality
+        )
         self._job_block_counts: dict[JobId, int] = {}
         # Written by an I/O thread before its job is reported finished, read after: safe.
         self._load_progress: dict[JobId, int] = {}
@@ -123,20 +106,11 @@ class FileSystemTierManager(SecondaryTierManager):
         self._pool = DualQueueThreadPool(n_read_threads, n_write_threads, thread_name_prefix="kvlab_kv_py_fs")
         self._lookup_manager = FsAsyncLookupManager(self, tier_type)
 
-    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
-        return RequestOffloadingContext()
-
-    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        found = self._lookup_manager.lookup(key, req_context)
-        return LookupResult.RETRY if found is None else LookupResult.HIT if found else LookupResult.MISS
-
     def _offsets(self, job: TransferJob) -> list[int]:
         return [int(c) * self._block_size for c in job.chunk_ids]
 
     def submit_store(self, job_metadata: TransferJob) -> None:
-        keys = list(job_metadata.keys)
-        if self.events is not None:
-            self._store_job_keys[job_metadata.job_id] = keys
+        keys = self._store_submitted(job_metadata)
         paths = [self.file_mapper.get_file_name(k) for k in keys]
         task = functools.partial(
             batch_store_block, paths, self._primary_kv_view, self._offsets(job_metadata), self._block_size, self._use_o_direct
@@ -146,8 +120,7 @@ class FileSystemTierManager(SecondaryTierManager):
 
     def submit_load(self, job_metadata: TransferJob) -> None:
         job_id = job_metadata.job_id
-        keys = list(job_metadata.keys)
-        self._load_job_keys[job_id] = keys
+        keys = self._load_submitted(job_metadata)
         self._job_block_counts[job_id] = len(keys)
         paths = [self.file_mapper.get_file_name(k) for k in keys]
         offsets = self._offsets(job_metadata)
@@ -166,33 +139,16 @@ class FileSystemTierManager(SecondaryTierManager):
         for job_id, success, seconds in self._pool.get_finished():
             count = self._job_block_counts.pop(job_id, 0)
             nbytes = count * self._block_size if count else None
-            stored = self._store_job_keys.pop(job_id, None)
-            if self.events is not None and success and stored:
-                self.events.append(OffloadingEvent(keys=stored, medium=self.medium, removed=False, locality=self.locality))
-            loaded = self._load_job_keys.pop(job_id, None)
             arrived = self._load_progress.pop(job_id, 0)
-            if loaded is not None and not success:
-                # The blocks read before the bad one stay; it and those after it are a miss.
-                self._lookup_manager.mark_miss(loaded[arrived:])
-                ok = tuple(loaded[:arrived]) or None
-                results.append(JobResult(job_id, False, successful_keys=ok, transfer_time=seconds, transfer_bytes=nbytes))
-                continue
-            results.append(JobResult(job_id, success, transfer_time=seconds, transfer_bytes=nbytes))
+            loaded = self._load_job_keys.get(job_id)
+            # A failed load keeps the blocks read before the bad one; it and those after it are a miss.
+            ok = (tuple(loaded[:arrived]) or None) if loaded is not None and not success else None
+            self._job_ended(job_id, success, ok)
+            results.append(JobResult(job_id, success, successful_keys=ok, transfer_time=seconds, transfer_bytes=nbytes))
         return results
-
-    def take_events(self) -> Iterable[OffloadingEvent]:
-        if self.events:
-            out, self.events = self.events, []
-            yield from out
 
     def drain_jobs(self) -> None:
         self._pool.wait_idle()
-
-    def on_request_finished(self, req_context: ReqContext) -> None:
-        self._lookup_manager.cleanup(req_context.req_id)
-
-    def on_schedule_end(self, context: ScheduleEndContext) -> None:
-        self._lookup_manager.flush()
 
     def shutdown(self) -> None:
         self._lookup_manager.shutdown()
