@@ -1,15 +1,12 @@
 """The object-store tier (vLLM 0.33's ``ObjectStoreSecondaryTierManager``) over a NIXL-shaped
-agent that keeps a bucket in memory and really copies bytes between it and the CPU tier's
-chunks -- NIXL itself ships CUDA wheels only. vLLM's own 39 tests of the tier pass on kvlab's
+agent (``nixl_fake.py``) that keeps a bucket in memory and really copies bytes between it and
+the CPU tier's chunks -- NIXL itself ships CUDA wheels only. vLLM's own 39 tests of the tier pass on kvlab's
 (``scripts/vllm_tests/run.sh``); these check what theirs do not: the bytes, NIXL's handles
 all given back, and the tier inside the tiering manager."""
 
 from __future__ import annotations
 
-import ctypes
-import itertools
 import os
-from types import SimpleNamespace
 from unittest.mock import patch
 
 import numpy as np
@@ -23,6 +20,7 @@ from kvlab.kv_offload.tiering.manager import CPUPrimaryTierOffloadingManager, Ti
 from kvlab.kv_offload.tiering.obj import manager as obj_manager
 from kvlab.kv_offload.tiering.obj.config import ObjStoreConfig
 from kvlab.kv_offload.tiering.obj.manager import ObjectStoreSecondaryTierManager
+from nixl_fake import FakeNixlAgent
 from offload_tiers import answered, tier_spec
 
 K = {n: make_offload_key(n.encode() * 32, 0) for n in "ABCD"}
@@ -30,76 +28,7 @@ NAME = {v: k for k, v in K.items()}
 STORE = {"bucket": "kv", "endpoint_override": "127.0.0.1:9000"}
 
 
-class BucketAgent:
-    """NIXL's agent API as the tier calls it, over a dict of objects. A transfer runs when
-    it is first polled (so it is asynchronous: ``transfer`` only says PROC); a READ of a
-    missing object ends in ERR, as NIXL's OBJ plugin does. Every handle handed out is
-    counted until it is given back."""
-
-    def __init__(self, name, config):
-        self.name, self.config = name, config
-        self.params: dict = {}
-        self.bucket: dict[str, bytes] = {}
-        self.live: set[int] = set()
-        self._ids = itertools.count(1)
-        self.probes = 0
-
-    def _handle(self, **fields):
-        h = SimpleNamespace(id=next(self._ids), **fields)
-        self.live.add(h.id)
-        return h
-
-    def _give_back(self, h):
-        self.live.remove(h.id)  # KeyError: given back twice, or never handed out
-
-    def create_backend(self, backend, params):
-        self.params[backend] = params
-
-    def register_memory(self, descs, mem_type):
-        descs = list(descs)
-        return self._handle(kind=mem_type, descs=descs, trim=lambda: descs)
-
-    def deregister_memory(self, h):
-        self._give_back(h)
-
-    def prep_xfer_dlist(self, agent, descs, mem_type=None):
-        return self._handle(kind="dlist", descs=list(descs))
-
-    def release_dlist_handle(self, h):
-        self._give_back(h)
-
-    def make_prepped_xfer(self, op, local, local_idx, remote, remote_idx):
-        pairs = [(local.descs[i][:2], remote.descs[j][3]) for i, j in zip(local_idx.tolist(), remote_idx.tolist())]
-        return self._handle(kind="xfer", op=op, pairs=pairs, state="PROC")
-
-    def transfer(self, h):
-        return "PROC"
-
-    def check_xfer_state(self, h):
-        if h.state == "PROC":
-            h.state = "DONE"
-            for (addr, length), key in h.pairs:
-                if h.op == "WRITE":
-                    self.bucket[key] = ctypes.string_at(addr, length)
-                elif key in self.bucket:
-                    ctypes.memmove(addr, self.bucket[key], length)
-                else:
-                    h.state = "ERR"
-                    break
-        return h.state
-
-    def get_xfer_telemetry(self, h):
-        return SimpleNamespace(xferDuration=250 * len(h.pairs))  # microseconds
-
-    def release_xfer_handle(self, h):
-        self._give_back(h)
-
-    def query_memory(self, descs, mem_type, agent):
-        self.probes += 1
-        return [{} if d[3] in self.bucket else None for d in descs]
-
-
-def _tier(view, agent_cls=BucketAgent, **kwargs):
+def _tier(view, agent_cls=FakeNixlAgent, **kwargs):
     with patch.object(obj_manager, "nixl_agent", agent_cls), patch.object(obj_manager, "nixl_agent_config", lambda **kw: kw):
         return ObjectStoreSecondaryTierManager(tier_spec(events=kwargs.pop("events", False)), view, "obj", dict(STORE), **kwargs)
 
@@ -160,7 +89,7 @@ def test_a_failed_load_is_reported_once_and_makes_its_keys_a_miss_without_probin
 
 
 def test_a_transfer_handle_nixl_will_not_release_keeps_its_job_until_it_does():
-    class Stubborn(BucketAgent):
+    class Stubborn(FakeNixlAgent):
         refusals = 2
 
         def release_xfer_handle(self, h):
@@ -180,7 +109,7 @@ def test_a_transfer_handle_nixl_will_not_release_keeps_its_job_until_it_does():
 
 
 def test_shutdown_gives_back_running_transfers_and_is_harmless_twice():
-    class Slow(BucketAgent):
+    class Slow(FakeNixlAgent):
         def check_xfer_state(self, h):
             return "PROC"
 
@@ -195,7 +124,7 @@ def test_shutdown_gives_back_running_transfers_and_is_harmless_twice():
 
 
 def test_drain_jobs_gives_up_after_its_limit_and_keeps_the_job(monkeypatch):
-    class Stuck(BucketAgent):
+    class Stuck(FakeNixlAgent):
         def check_xfer_state(self, h):
             return "PROC"
 
@@ -213,7 +142,7 @@ def test_behind_the_cpu_tier_a_block_evicted_from_cpu_is_promoted_back_from_the_
     primary = CPUPrimaryTierOffloadingManager(2, region, enable_events=True)
     view = primary.get_kv_memoryview()
     rows = np.asarray(view)
-    with patch.object(obj_manager, "nixl_agent", BucketAgent), patch.object(obj_manager, "nixl_agent_config", lambda **kw: kw):
+    with patch.object(obj_manager, "nixl_agent", FakeNixlAgent), patch.object(obj_manager, "nixl_agent_config", lambda **kw: kw):
         obj = SecondaryTierFactory.create_secondary_tier(
             {"type": "obj", "store_config": STORE, "enable_kv_events": True, "locality": "REMOTE"}, view, tier_spec(events=True)
         )
@@ -278,7 +207,7 @@ def test_without_nixl_the_tier_refuses_to_start_and_names_the_way_out():
 
 
 def test_an_unreachable_store_fails_at_start_with_what_to_check():
-    class Down(BucketAgent):
+    class Down(FakeNixlAgent):
         def query_memory(self, descs, mem_type, agent):
             raise ConnectionError("connection refused")
 

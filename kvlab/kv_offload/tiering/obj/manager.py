@@ -1,10 +1,9 @@
 """An S3-compatible object store behind the CPU tier (vLLM 0.33: ``ObjectStoreSecondaryTierManager``
 in ``vllm/v1/kv_offload/tiering/obj/manager.py``).
 
-The tier moves bytes between the CPU tier's chunks and objects in a bucket through NIXL, the
-transfer library of vLLM's disaggregated serving: an *agent* registers memory (here the CPU
-tier's DRAM and, through its OBJ plugin, S3 objects) and runs asynchronous READ and WRITE
-transfers that are polled to completion. The tier never touches the GPU.
+The tier moves bytes between the CPU tier's chunks and objects in a bucket through NIXL
+(:mod:`kvlab.kv_offload.nixl_api`): its agent registers the CPU tier's DRAM and, through the
+OBJ plugin, S3 objects, and runs READ and WRITE transfers between them. It never touches the GPU.
 
 * **Names.** One object per chunk, named like the file tier's files
   (:class:`~kvlab.kv_offload.file_mapper.FileMapper` with root ``"<prefix>/"``), so the
@@ -24,8 +23,7 @@ transfers that are polled to completion. The tier never touches the GPU.
 * A failed load marks its keys a miss for the requests that asked (the file tier does the
   same), so the scheduler does not promote the same missing object step after step.
 
-NIXL has CUDA wheels only (``nixl`` pulls ``nixl-cu12``); on a machine without it the tier
-refuses to start and says so.
+NIXL has CUDA wheels only; on a machine without it the tier refuses to start and says so.
 kvlab's tests, like vLLM's, drive it through a NIXL-shaped agent that keeps objects in memory.
 """
 
@@ -42,16 +40,12 @@ import numpy as np
 from kvlab.kv_offload.base import Locality, OffloadKey, ReqContext
 from kvlab.kv_offload.config import OffloadingConfig
 from kvlab.kv_offload.file_mapper import FileMapper
+from kvlab.kv_offload.nixl_api import nixl_agent, nixl_agent_config
 from kvlab.kv_offload.tiering.async_lookup import AsyncLookupManager
 from kvlab.kv_offload.tiering.backpressure import BackpressureDetector
 from kvlab.kv_offload.tiering.base import JobId, JobResult, TransferJob
 from kvlab.kv_offload.tiering.obj.config import ObjStoreConfig
 from kvlab.kv_offload.tiering.storage import StorageTierManager
-
-try:  # NIXL's wheels are CUDA builds: a CPU machine has none (vLLM imports it the same way)
-    from nixl._api import nixl_agent, nixl_agent_config  # type: ignore[import-not-found]
-except ImportError:
-    nixl_agent = nixl_agent_config = None
 
 logger = logging.getLogger(__name__)
 
