@@ -404,6 +404,8 @@ def test_the_file_tier_refuses_a_spec_without_its_config_before_it_starts_a_thre
         FileSystemTierManager(None, view, "fs", root_dir=str(tmp_path))
     with pytest.raises(TypeError, match="root_dir must be a directory path, got int"):
         FileSystemTierManager(tier_spec(), view, "fs", root_dir=5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="root_dir must not be empty: the tier's folder would land at the disk's root"):
+        FileSystemTierManager(tier_spec(), view, "fs", root_dir="")
     assert tier_threads() == before and list(tmp_path.iterdir()) == []
     view.release()
 

@@ -179,9 +179,9 @@ def test_behind_the_cpu_tier_a_block_evicted_from_cpu_is_promoted_back_from_the_
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"store_config": {"bucket": "kv"}}, TypeError, "store_config must be a dict with 'bucket' and 'endpoint_override'"),
+        ({"store_config": {"bucket": "kv"}}, TypeError, "store_config must be a mapping with 'bucket' and 'endpoint_override'"),
         ({"store_config": {**STORE, "acess_key": "x"}}, TypeError, r"unknown keys \['acess_key'\]; allowed: \['bucket'"),
-        ({"io_threads": 0}, ValueError, "io_threads must be an int >= 1, got 0"),
+        ({"io_threads": -1}, ValueError, r"io_threads must be an int >= 0 \(0: NIXL's default\), got -1"),
         ({"locality": "remote"}, ValueError, "is not a valid Locality"),
     ],
 )
@@ -189,7 +189,7 @@ def test_bad_arguments_are_refused_before_nixl_is_touched(kwargs, error, match):
     created = []
     args = {"store_config": dict(STORE), **kwargs}
     rows = np.zeros((2, 64), dtype=np.uint8)
-    with patch.object(obj_manager, "nixl_agent", lambda *a: created.append(a)):
+    with patch.object(obj_manager, "nixl_agent", lambda *a: created.append(a)), patch.object(obj_manager, "nixl_agent_config", dict):
         with pytest.raises(error, match=match):
             ObjectStoreSecondaryTierManager(tier_spec(events=False), memoryview(rows), "obj", **args)
     assert created == []

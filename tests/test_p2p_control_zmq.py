@@ -70,17 +70,34 @@ def test_a_stranger_s_bad_frames_are_dropped_and_the_next_good_message_gets_thro
     raw = ctx.socket(zmq.DEALER)
     raw.identity = b"127.0.0.1:1"
     raw.connect(f"tcp://127.0.0.1:{port_a}")
+    strangers = []
+    for identity in (b"\xff\xfe", b"no-port-here"):  # we could never answer these: dropped
+        s = ctx.socket(zmq.DEALER)
+        s.identity = identity
+        s.connect(f"tcp://127.0.0.1:{port_a}")
+        s.send(msgspec.msgpack.encode({"type": "hello"}))
+        strangers.append(s)
     try:
         with caplog.at_level(logging.WARNING, logger="kvlab.kv_offload.tiering.p2p.control.zmq"):
             raw.send_multipart([b"one", b"frame too many"])
             raw.send(b"\xc1")  # 0xc1 is never valid msgpack
+            raw.send(b"\x81\x80\x00")  # a map used as a map key: msgpack, but no Python dict
+            raw.send(b"\x91" * 100_000 + b"\xc0")  # 100,000 nested lists
             raw.send(msgspec.msgpack.encode({"type": "hello"}))
-            (conn,) = _until(a, lambda acc: len(acc) == 1)
+
+            def strangers_seen():
+                return sum("not host:port" in r.getMessage() for r in caplog.records)
+
+            (conn,) = _until(a, lambda acc: len(acc) == 1 and strangers_seen() == 2)  # the sockets race
         assert conn.peer_id == "127.0.0.1:1" and list(conn.recv()) == [{"type": "hello"}]
+        assert list(a._connections) == ["127.0.0.1:1"]  # no connection for the strangers
         warnings = [r.getMessage() for r in caplog.records]
         assert any("dropped a message of 3 frames (expected 2)" in w for w in warnings)
-        assert any("dropped an undecodable message from 127.0.0.1:1" in w for w in warnings)
+        assert sum("dropped an undecodable message from 127.0.0.1:1" in w for w in warnings) == 3
+        assert sum("not host:port" in w for w in warnings) == 2
     finally:
+        for s in strangers:
+            s.close(linger=0)
         raw.close(linger=0)
         ctx.destroy(linger=0)
         a.close()

@@ -785,6 +785,7 @@ CASES = [
     (E_BEYOND, "CPUOffloadingManager num_chunks -1", lambda w: CPUOffloadingManager(-1), ValueError, "num_chunks=-1 is out of range"),
     (E_BEYOND, "CPUOffloadingManager num_chunks str", lambda w: CPUOffloadingManager("4"), TypeError, "num_chunks must be an int"),
     (E_BEYOND, "StagedFileSystemTier root_dir int", lambda w: StagedFileSystemTier(4, 5), TypeError, "root_dir must be a directory path"),
+    (E_BEYOND, "StagedFileSystemTier root_dir empty", lambda w: StagedFileSystemTier(4, ""), ValueError, "root_dir must not be empty"),
     (E_BEYOND, "StagedFileSystemTier num_blocks -1", lambda w: StagedFileSystemTier(-1, str(w.fs_dir)), ValueError, "num_blocks=-1"),
     (
         E_BEYOND,

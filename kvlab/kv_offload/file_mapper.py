@@ -54,7 +54,8 @@ class FileMapper:
         replicated_layout: bool = False,
         canonical_format: str | None = None,
     ) -> None:
-        # "" is allowed: an object store's keys start at the bucket (vLLM's keys then begin "/").
+        # "" is allowed, as in vLLM: an object store's keys start at the bucket (they then
+        # begin "/"). The file tiers refuse it themselves: for them it would be the disk's root.
         if not isinstance(root_dir, (str, os.PathLike)):
             raise TypeError(f"root_dir must be a directory path, got {root_dir!r}")
         if not isinstance(model_name, str) or not model_name:

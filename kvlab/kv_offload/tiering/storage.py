@@ -28,8 +28,6 @@ from kvlab.kv_offload.tiering.async_lookup import AsyncLookupManager
 from kvlab.kv_offload.tiering.backpressure import BackpressureDetector
 from kvlab.kv_offload.tiering.base import JobId, SecondaryTierManager, TransferJob
 
-logger = logging.getLogger(__name__)
-
 
 class StorageTierManager(SecondaryTierManager):
     """A storage tier with asynchronous lookups and store events. A subclass sets
@@ -55,7 +53,9 @@ class StorageTierManager(SecondaryTierManager):
             if offloading_spec.kv_events_config.enable_kv_cache_events:
                 self.events = []
             else:
-                logger.warning("enable_kv_events is set on tier %r but KV cache events are off for the engine; it emits none", tier_type)
+                logging.getLogger(type(self).__module__).warning(
+                    "enable_kv_events is set on tier %r but KV cache events are off for the engine; it emits none", tier_type
+                )
         self._store_job_keys: dict[JobId, list[OffloadKey]] = {}  # only with events on
         self._load_job_keys: dict[JobId, list[OffloadKey]] = {}
 
@@ -69,15 +69,15 @@ class StorageTierManager(SecondaryTierManager):
         keys = self._load_job_keys[job.job_id] = list(job.keys)
         return keys
 
-    def _job_ended(self, job_id: JobId, success: bool, successful_keys: Collection[OffloadKey] | None = None) -> None:
-        """Publish a landed store; make a failed load's keys (but ``successful_keys``) a miss."""
+    def _job_ended(self, job_id: JobId, success: bool, missed: Collection[OffloadKey] | None = None) -> None:
+        """Publish a landed store; make a failed load's ``missed`` keys (default: all its
+        keys) a miss."""
         stored = self._store_job_keys.pop(job_id, None)
         if self.events is not None and success and stored:
             self.events.append(OffloadingEvent(keys=stored, medium=self.medium, removed=False, locality=self.locality))
         loaded = self._load_job_keys.pop(job_id, None)
         if loaded is not None and not success:
-            arrived = set(successful_keys or ())
-            self._lookup_manager.mark_miss([k for k in loaded if k not in arrived])
+            self._lookup_manager.mark_miss(loaded if missed is None else missed)
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         if self.events:

@@ -84,6 +84,8 @@ class FileSystemTierManager(StorageTierManager):
             )
         if not isinstance(root_dir, (str, os.PathLike)):
             raise TypeError(f"root_dir must be a directory path, got {type(root_dir).__name__}")
+        if not os.fspath(root_dir):
+            raise ValueError("root_dir must not be empty: the tier's folder would land at the disk's root")
         super().__init__(
             offloading_spec, primary_kv_view, tier_type, backpressure_detector, enable_kv_events=enable_kv_events, locality=locality
         )
@@ -141,9 +143,12 @@ class FileSystemTierManager(StorageTierManager):
             nbytes = count * self._block_size if count else None
             arrived = self._load_progress.pop(job_id, 0)
             loaded = self._load_job_keys.get(job_id)
-            # A failed load keeps the blocks read before the bad one; it and those after it are a miss.
-            ok = (tuple(loaded[:arrived]) or None) if loaded is not None and not success else None
-            self._job_ended(job_id, success, ok)
+            ok = None
+            missed = None
+            if loaded is not None and not success:
+                # A failed load keeps the blocks read before the bad one; it and those after it are a miss.
+                ok, missed = tuple(loaded[:arrived]) or None, loaded[arrived:]
+            self._job_ended(job_id, success, missed)
             results.append(JobResult(job_id, success, successful_keys=ok, transfer_time=seconds, transfer_bytes=nbytes))
         return results
 

@@ -39,6 +39,8 @@ class StagedFileSystemTier(CPUOffloadingManager):
         if backpressure_detector is not None and not isinstance(backpressure_detector, BackpressureDetector):
             raise TypeError(f"backpressure_detector must be None or a BackpressureDetector, got {type(backpressure_detector).__name__}")
         super().__init__(check_int("num_blocks", num_blocks, 1), enable_events=True)
+        if isinstance(root_dir, (str, os.PathLike)) and not os.fspath(root_dir):
+            raise ValueError("root_dir must not be empty: the tier's folder would land at the disk's root")
         self._bp_detector = backpressure_detector
         # One worker, so its bytes do not depend on a parallel split: vLLM's tier opts in to
         # the parallel-agnostic folder the same way.

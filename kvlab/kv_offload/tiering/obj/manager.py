@@ -6,7 +6,8 @@ The tier moves bytes between the CPU tier's chunks and objects in a bucket throu
 OBJ plugin, S3 objects, and runs READ and WRITE transfers between them. It never touches the GPU.
 
 * **Names.** One object per chunk, named like the file tier's files
-  (:class:`~kvlab.kv_offload.file_mapper.FileMapper` with root ``"<prefix>/"``), so the
+  (:class:`~kvlab.kv_offload.file_mapper.FileMapper` with root ``"<prefix>/"``, or ``""``
+  without a prefix: vLLM's keys, which then begin with ``/``), so the
   bucket is shared by every engine of the same model and layout -- tensor-parallel ranks of
   a replicated layout included -- and by vLLM's own tier.
 * **Lookups** never wait on the network on the scheduler's thread: a key's first lookup
@@ -32,7 +33,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
@@ -98,7 +99,7 @@ class ObjectStoreSecondaryTierManager(StorageTierManager):
         offloading_spec: Any,
         primary_kv_view: memoryview,
         tier_type: str,
-        store_config: dict[str, Any],
+        store_config: Mapping[str, Any],
         prefix: str = "",
         io_threads: int = 4,
         enable_kv_events: bool = False,
@@ -111,13 +112,13 @@ class ObjectStoreSecondaryTierManager(StorageTierManager):
             raise TypeError(
                 f"offloading_spec must have config (an OffloadingConfig) and blocks_per_chunk, got {type(offloading_spec).__name__}"
             )
-        if not isinstance(store_config, dict) or not {"bucket", "endpoint_override"} <= store_config.keys():
-            raise TypeError(f"store_config must be a dict with 'bucket' and 'endpoint_override', got {store_config!r}")
+        if not isinstance(store_config, Mapping) or not {"bucket", "endpoint_override"} <= store_config.keys():
+            raise TypeError(f"store_config must be a mapping with 'bucket' and 'endpoint_override', got {store_config!r}")
         unknown = sorted(set(store_config) - set(ObjStoreConfig.field_names()))
         if unknown:
             raise TypeError(f"store_config has unknown keys {unknown}; allowed: {list(ObjStoreConfig.field_names())}")
-        if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1:
-            raise ValueError(f"io_threads must be an int >= 1, got {io_threads!r}")
+        if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 0:
+            raise ValueError(f"io_threads must be an int >= 0 (0: NIXL's default), got {io_threads!r}")
         if nixl_agent is None or nixl_agent_config is None:
             raise RuntimeError(
                 "the object-store tier moves bytes with NIXL's OBJ plugin, and NIXL is not installed "
@@ -242,13 +243,17 @@ class ObjectStoreSecondaryTierManager(StorageTierManager):
         self._poll()
         results, self._pending_results = self._pending_results, []
         for result in results:  # NIXL reports a job whole: a failed load's keys all become misses
-            self._job_ended(result.job_id, result.success, result.successful_keys)
+            arrived = set(result.successful_keys or ())
+            loaded = self._load_job_keys.get(result.job_id, ())
+            self._job_ended(result.job_id, result.success, [k for k in loaded if k not in arrived])
         return results
 
     def drain_jobs(self) -> None:
         """Poll until every transfer ended (results wait for the next ``get_finished_jobs``).
         NIXL can only be polled; after ``drain_timeout_s`` this raises TimeoutError with the
-        jobs still running (they stay tracked)."""
+        jobs still running (they stay tracked). vLLM 0.33 waits forever here; kvlab bounds
+        every wait, so a stuck store surfaces as this error (from ``reset_cache`` too) rather
+        than a hung engine."""
         start = time.monotonic()
         warned = False
         while True:

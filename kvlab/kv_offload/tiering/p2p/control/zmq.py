@@ -59,6 +59,16 @@ def _heartbeat(sock: zmq.Socket) -> None:
     sock.setsockopt(zmq.HEARTBEAT_TTL, _HEARTBEAT_TTL_MS)
 
 
+def _peer_id(identity: bytes) -> str | None:
+    """``identity`` as a peer id (``"host:port"``), or None if it is not one."""
+    try:
+        text = identity.decode()
+    except UnicodeDecodeError:
+        return None
+    host, sep, port = text.rpartition(":")
+    return text if sep and host and port.isdigit() else None
+
+
 @dataclass
 class _Sockets:
     dealer: zmq.Socket
@@ -207,10 +217,13 @@ class ZmqTransport(ControlTransport):
             if len(frames) != 2:
                 logger.warning("ZmqTransport %s: dropped a message of %d frames (expected 2)", self._local_id, len(frames))
                 continue
-            sender = frames[0].decode()
+            sender = _peer_id(frames[0])
+            if sender is None:  # we answer a peer at its identity: it must be "host:port"
+                logger.warning("ZmqTransport %s: dropped a message from identity %r (not host:port)", self._local_id, frames[0][:64])
+                continue
             try:
                 msg = msgspec.msgpack.decode(frames[1])
-            except msgspec.DecodeError as exc:
+            except Exception as exc:  # DecodeError, but also TypeError, RecursionError on hostile payloads
                 logger.warning("ZmqTransport %s: dropped an undecodable message from %s: %s", self._local_id, sender, exc)
                 continue
             conn = self._connections.get(sender)

@@ -8,9 +8,10 @@ from local block indices to remote ones, polled until NIXL says DONE or ERR.
 Three rules carry the design:
 
 * **A write is not over until NIXL says so.** Releasing a running WRITE's handle does not
-  stop it (UCX keeps landing the bytes), so a transfer leaves the books only when it is
-  DONE or ERR -- or when its peer's endpoint is gone (``nixlRemoteDisconnectError``): then
-  nothing more can land. Any other error from a state check says nothing about the write
+  stop it (UCX keeps landing the bytes), so ``poll`` and ``cancel(mode="wait")`` let a
+  transfer go only when it is DONE or ERR -- or when its peer's endpoint is gone
+  (``nixlRemoteDisconnectError``): then nothing more can land. (``cancel(mode="immediate")``
+  and ``close`` drop running transfers on purpose: their caller no longer cares.) Any other error from a state check says nothing about the write
   (vLLM measured writes landing while the handle raised ``nixlNotFoundError``), so the
   transfer is kept, and its peer faulted so that the session's teardown bounds the wait.
 * **Registration runs on a worker thread**, one at a time (NIXL's calls are not made
@@ -191,11 +192,11 @@ class NixlTransport(DataTransport):
                 "NixlTransport %s: write to unregistered peer %s (known: %s)", self._agent_name, peer_id, sorted(self._remote_dlists)
             )
             return None
+        local = np.asarray(local_idxs, dtype=np.int32)  # a caller's bad indices raise here, not strike the peer
+        remote_arr = np.asarray(remote_idxs, dtype=np.int32)
         handle = None
         try:
-            handle = self._agent.make_prepped_xfer(
-                "WRITE", self._local_dlist, np.asarray(local_idxs, dtype=np.int32), remote, np.asarray(remote_idxs, dtype=np.int32)
-            )
+            handle = self._agent.make_prepped_xfer("WRITE", self._local_dlist, local, remote, remote_arr)
             if self._agent.transfer(handle) == "ERR":  # a failed post is a status, not an exception
                 raise RuntimeError("transfer() posted with status ERR")
         except Exception as exc:

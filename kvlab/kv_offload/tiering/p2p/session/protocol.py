@@ -4,8 +4,9 @@
 Each engine holds one session per peer, and each session plays both parts: a *client* asking
 the peer for blocks and a *server* sending the peer blocks. Messages are msgpack dicts whose
 ``"type"`` names the kind; the keys are the class constants below. A message from a peer is
-checked with its kind's ``validate`` before anything reads it, and a bad one is a protocol
-violation (ValueError): the session drops it and disconnects.
+checked with its kind's ``validate`` before anything reads it: a malformed one is a protocol
+violation (ValueError), after which the session disconnects; a kind it does not know (a newer
+peer's) is logged and ignored.
 
 The conversation::
 
@@ -196,12 +197,13 @@ MESSAGE_TYPES: dict[str, type[_Message]] = {
 }
 
 
-def validate_message(msg: Any) -> type[_Message]:
-    """The kind of a message from a peer, after checking it; ValueError if it is not one."""
+def validate_message(msg: Any) -> type[_Message] | None:
+    """The kind of a message from a peer, after checking its fields; None for a kind this
+    side does not know (to be ignored, not fought). ValueError if it is not a message at all
+    or a known kind is malformed."""
     if not isinstance(msg, dict):
         raise ValueError(f"a message must be a dict, got {type(msg).__name__}")
     kind = MESSAGE_TYPES.get(msg.get(TYPE_KEY))  # type: ignore[arg-type]
-    if kind is None:
-        raise ValueError(f"unknown message type {msg.get(TYPE_KEY)!r}; known: {sorted(MESSAGE_TYPES)}")
-    kind.validate(msg)
+    if kind is not None:
+        kind.validate(msg)
     return kind
