@@ -92,7 +92,7 @@ class ObjectStoreSecondaryTierManager(StorageTierManager):
     """
 
     #: ``drain_jobs`` gives up after this long (a stuck transfer would otherwise hang the engine).
-    drain_timeout_s: ClassVar[float] = 300.0
+    drain_timeout_s: ClassVar[float] = 120.0  # the file tier's I/O pool waits as long
 
     def __init__(
         self,
