@@ -31,6 +31,16 @@ _BASE_PATH_HASH_LEN = 12
 _CONFIG_FILENAME = "config.json"
 
 
+def check_disk_root(root_dir: Any) -> str:
+    """A file tier's ``root_dir``: a path, and not ``""`` -- which :class:`FileMapper` accepts
+    for an object store's keys, but which for files would be the disk's root."""
+    if not isinstance(root_dir, (str, os.PathLike)):
+        raise TypeError(f"root_dir must be a directory path, got {type(root_dir).__name__}")
+    if not os.fspath(root_dir):
+        raise ValueError("root_dir must not be empty: the tier's folder would land at the disk's root")
+    return os.fspath(root_dir)
+
+
 class FileMapper:
     """Maps offload keys to file names under ``root_dir``. kvlab's storage tier builds one
     with the defaults below (its tiny model, one worker); vLLM's tier fills every field from
@@ -55,7 +65,7 @@ class FileMapper:
         canonical_format: str | None = None,
     ) -> None:
         # "" is allowed, as in vLLM: an object store's keys start at the bucket (they then
-        # begin "/"). The file tiers refuse it themselves: for them it would be the disk's root.
+        # begin "/"). The file tiers refuse it (check_disk_root): for them it is the disk's root.
         if not isinstance(root_dir, (str, os.PathLike)):
             raise TypeError(f"root_dir must be a directory path, got {root_dir!r}")
         if not isinstance(model_name, str) or not model_name:

@@ -30,7 +30,7 @@ from typing import Any
 
 from kvlab.kv_offload.base import OffloadKey, ReqContext
 from kvlab.kv_offload.config import OffloadingConfig
-from kvlab.kv_offload.file_mapper import FileMapper
+from kvlab.kv_offload.file_mapper import FileMapper, check_disk_root
 from kvlab.kv_offload.tiering.async_lookup import AsyncLookupManager
 from kvlab.kv_offload.tiering.backpressure import BackpressureDetector
 from kvlab.kv_offload.tiering.base import JobId, JobResult, TransferJob
@@ -82,10 +82,7 @@ class FileSystemTierManager(StorageTierManager):
                 "offloading_spec must have config (an OffloadingConfig), blocks_per_chunk and kv_events_config, "
                 f"got {type(offloading_spec).__name__}"
             )
-        if not isinstance(root_dir, (str, os.PathLike)):
-            raise TypeError(f"root_dir must be a directory path, got {type(root_dir).__name__}")
-        if not os.fspath(root_dir):
-            raise ValueError("root_dir must not be empty: the tier's folder would land at the disk's root")
+        root_dir = check_disk_root(root_dir)
         super().__init__(
             offloading_spec, primary_kv_view, tier_type, backpressure_detector, enable_kv_events=enable_kv_events, locality=locality
         )
@@ -94,7 +91,7 @@ class FileSystemTierManager(StorageTierManager):
         self._load_progress: dict[JobId, int] = {}
         self._block_size = self.block_size_bytes
         self.file_mapper = FileMapper.from_offloading_spec(
-            root_dir=os.fspath(root_dir),
+            root_dir=root_dir,
             offloading_spec=offloading_spec,
             blocks_per_file=offloading_spec.blocks_per_chunk,
             parallel_agnostic=True,

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from kvlab.kv_offload.base import ConfigInfoMapping, LookupResult, Medium, OffloadKey, ReqContext
 from kvlab.kv_offload.cpu.manager import CPUOffloadingManager
-from kvlab.kv_offload.file_mapper import FileMapper
+from kvlab.kv_offload.file_mapper import FileMapper, check_disk_root
 from kvlab.kv_offload.stats import OffloadingConnectorStats
 from kvlab.kv_offload.tiering.backpressure import BackpressureDetector
 from kvlab.kv_offload.tiering.fs.io import is_regular_file
@@ -39,8 +39,7 @@ class StagedFileSystemTier(CPUOffloadingManager):
         if backpressure_detector is not None and not isinstance(backpressure_detector, BackpressureDetector):
             raise TypeError(f"backpressure_detector must be None or a BackpressureDetector, got {type(backpressure_detector).__name__}")
         super().__init__(check_int("num_blocks", num_blocks, 1), enable_events=True)
-        if isinstance(root_dir, (str, os.PathLike)) and not os.fspath(root_dir):
-            raise ValueError("root_dir must not be empty: the tier's folder would land at the disk's root")
+        root_dir = check_disk_root(root_dir)
         self._bp_detector = backpressure_detector
         # One worker, so its bytes do not depend on a parallel split: vLLM's tier opts in to
         # the parallel-agnostic folder the same way.

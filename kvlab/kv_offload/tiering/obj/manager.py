@@ -243,9 +243,7 @@ class ObjectStoreSecondaryTierManager(StorageTierManager):
         self._poll()
         results, self._pending_results = self._pending_results, []
         for result in results:  # NIXL reports a job whole: a failed load's keys all become misses
-            arrived = set(result.successful_keys or ())
-            loaded = self._load_job_keys.get(result.job_id, ())
-            self._job_ended(result.job_id, result.success, [k for k in loaded if k not in arrived])
+            self._job_ended(result.job_id, result.success)
         return results
 
     def drain_jobs(self) -> None:

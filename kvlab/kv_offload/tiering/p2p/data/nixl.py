@@ -230,7 +230,7 @@ class NixlTransport(DataTransport):
                     "NixlTransport %s: check_xfer_state failed for transfer %d: %s", self._agent_name, tid, exc
                 )
                 if not entry.struck:
-                    self._set_peer_fault(entry.peer_id, _peer_fault_status(exc) or f"check_xfer_state raised {type(exc).__name__}: {exc}")
+                    self._state_check_failed(entry.peer_id, exc)
                     entry = self._inflight[tid] = entry._replace(struck=True)
                 if not _ends_the_transfer(exc):
                     continue  # may still be landing: kept until the peer's teardown
@@ -266,7 +266,7 @@ class NixlTransport(DataTransport):
                 state = self._agent.check_xfer_state(entry.handle)
             except Exception as exc:
                 logger.debug("NixlTransport %s: state check while cancelling transfer %d failed: %s", self._agent_name, tid, exc)
-                self._set_peer_fault(entry.peer_id, _peer_fault_status(exc) or f"check_xfer_state raised {type(exc).__name__}: {exc}")
+                self._state_check_failed(entry.peer_id, exc)
                 if not _ends_the_transfer(exc):
                     running.append(tid)
                     continue
@@ -307,6 +307,10 @@ class NixlTransport(DataTransport):
         strikes = self._peer_strikes[peer_id] = self._peer_strikes.get(peer_id, 0) + 1
         if strikes >= _MAX_CONSECUTIVE_TRANSFER_FAILURES:
             self._set_peer_fault(peer_id, f"{strikes} consecutive transfer failures (last: {cause})")
+
+    def _state_check_failed(self, peer_id: str, exc: Exception) -> None:
+        """A raising state check faults the peer at once (by NIXL's status if it names one)."""
+        self._set_peer_fault(peer_id, _peer_fault_status(exc) or f"check_xfer_state raised {type(exc).__name__}: {exc}")
 
     def _set_peer_fault(self, peer_id: str, cause: str) -> None:
         if peer_id not in self._peer_faults:

@@ -43,11 +43,14 @@ TYPE_KEY = "type"
 _Check = tuple[str, str]
 
 
+def _is_count(value: Any, low: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
 def _check(msg: dict, key: str, kind: str) -> None:
     value = msg.get(key)
     if kind in ("pos", "nonneg"):
-        low = 1 if kind == "pos" else 0
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        if not _is_count(value, 1 if kind == "pos" else 0):
             wanted = "positive int" if kind == "pos" else "non-negative int"
             raise ValueError(f"{key}: expected {wanted}, got {value!r}")
         return
@@ -132,7 +135,7 @@ class FetchMsg(_Message):
     def _validate_more(cls, msg: dict) -> None:
         _same_length(msg, "keys", "block_indexes")
         for idx in msg[cls.BLOCK_INDEXES]:
-            if not isinstance(idx, int) or isinstance(idx, bool) or idx < 0:
+            if not _is_count(idx, 0):
                 raise ValueError(f"block_indexes: invalid index {idx!r}")
 
 
