@@ -132,3 +132,42 @@ def test_a_dead_connection_refuses_to_send_and_close_frees_both_sockets_once():
     finally:
         a.close()
         a.close()
+
+
+_DROPPED_WITHOUT_CLOSE = r"""
+import gc, socket, sys, time
+import zmq
+from kvlab.kv_offload.tiering.p2p.control import ZmqTransport
+
+def make():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return ZmqTransport(f"127.0.0.1:{port}", "127.0.0.1", port), port
+
+a, port_a = make()
+b, port_b = make()
+conn = b.connect(f"127.0.0.1:{port_a}")
+monitor = b._router.get_monitor_socket(zmq.EVENT_DISCONNECTED)  # as vLLM's tests do
+a.close()
+conn.send({"type": "lookup"})  # queued for a peer that is gone: a lingering socket would wait
+monitor.close(linger=0)
+b.cycle = b  # b, its context and its sockets become one cycle of garbage
+del a, b, conn, monitor
+gc.collect()
+print("collected", gc.garbage)
+"""
+
+
+def test_a_transport_dropped_without_close_is_collected_without_hanging():
+    # Left to the garbage collector, pyzmq's context would wait forever on sockets its weak
+    # list had already forgotten (a vLLM test that failed half-way hung its whole run so).
+    import subprocess
+    import sys
+
+    try:
+        out = subprocess.run([sys.executable, "-c", _DROPPED_WITHOUT_CLOSE], capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail("collecting a dropped ZmqTransport hung (its context waited on open sockets)")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "collected []"

@@ -59,7 +59,7 @@ done
 run() {  # $1: name, then pytest arguments (the test files come from $SET)
   local name=$1; shift
   echo "== $name"
-  timeout 1800 "$PY" -m pytest -q -p no:cacheprovider -n 2 --timeout 120 "$@" "${SET[@]}" \
+  timeout 1800 "$PY" -m pytest -q -p no:cacheprovider -n 2 --timeout 120 --timeout-method=thread "$@" "${SET[@]}" \
     --junitxml="$WORK/$name.xml" > "$WORK/$name.log" 2>&1 || true
   tail -1 "$WORK/$name.log"
 }

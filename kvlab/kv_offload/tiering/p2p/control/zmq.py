@@ -17,11 +17,17 @@ What keeps it from ever hanging the engine:
 * ZeroMQ heartbeats (every 2 s, 10 s to answer) end a connection to a peer that vanished
   without a word; a socket monitor per DEALER reports disconnections and failed handshakes,
   and ``poll`` marks those connections dead.
+* A transport dropped without ``close()`` (a test that fails half-way, a caller that
+  raises) still lets go of its sockets: a finalizer holding the context and every socket
+  closes them without lingering. Left to the garbage collector, a context and its sockets
+  die in one cycle, the context's weak list of sockets is cleared first, and its teardown
+  waits forever on sockets it no longer knows are open.
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -51,6 +57,13 @@ _FATAL_MONITOR_EVENTS: frozenset[int] = frozenset(
 _MONITOR_EVENT_MASK = 0
 for _event in _FATAL_MONITOR_EVENTS:
     _MONITOR_EVENT_MASK |= _event
+
+
+def _release(ctx: zmq.Context, sockets: list[zmq.Socket]) -> None:
+    for sock in sockets:
+        if not sock.closed:
+            sock.close(linger=0)
+    ctx.destroy(linger=0)
 
 
 def _heartbeat(sock: zmq.Socket) -> None:
@@ -137,12 +150,14 @@ class ZmqTransport(ControlTransport):
         self._monitor_seq = 0  # makes each monitor endpoint unique, see _open_connection
         self._zmq_ctx = zmq.Context()
         self._router: zmq.Socket = self._zmq_ctx.socket(zmq.ROUTER)
+        # Every socket this transport opens; the finalizer holds them (not self) strongly.
+        self._owned: list[zmq.Socket] = [self._router]
+        self._release = weakref.finalize(self, _release, self._zmq_ctx, self._owned)
         _heartbeat(self._router)
         try:
             self._router.bind(f"tcp://{host}:{port}")
         except zmq.ZMQError:
-            self._router.close(linger=0)
-            self._zmq_ctx.destroy(linger=0)
+            self._release()
             raise
 
     def connect(self, peer_id: str) -> ZmqConnection:
@@ -179,12 +194,12 @@ class ZmqTransport(ControlTransport):
         for conn in self._connections.values():
             conn.close()
         self._connections.clear()
-        self._router.close(linger=0)
-        self._zmq_ctx.destroy(linger=0)
+        self._release()
 
     def _open_connection(self, peer_id: str) -> ZmqConnection:
         host, port = peer_id.rsplit(":", 1)
         dealer = self._zmq_ctx.socket(zmq.DEALER)
+        self._owned[:] = [s for s in self._owned if not s.closed] + [dealer]
         _heartbeat(dealer)
         dealer.identity = self._local_id.encode()
         dealer.setsockopt(zmq.SNDHWM, _SNDHWM)
@@ -196,6 +211,7 @@ class ZmqTransport(ControlTransport):
         self._monitor_seq += 1
         dealer.monitor(endpoint, _MONITOR_EVENT_MASK)
         monitor = self._zmq_ctx.socket(zmq.PAIR)
+        self._owned.append(monitor)
         monitor.connect(endpoint)
         dealer.connect(f"tcp://{host}:{port}")  # queues until the TCP connection is up
         conn = self._connections[peer_id] = ZmqConnection(peer_id, _Sockets(dealer, monitor))
