@@ -308,7 +308,7 @@ def test_the_tier_factory_builds_a_registered_or_an_out_of_tree_tier_with_its_de
     assert config["type"] == "example" and "backpressure" in config  # the caller's dict is not consumed
     out_of_tree = {"type": "ExampleSecondaryTierManager", "module_path": "kvlab.kv_offload.tiering.example.manager"}
     assert SecondaryTierFactory.get_tier_class(out_of_tree) is ExampleSecondaryTierManager
-    with pytest.raises(ValueError, match=r"Unknown secondary tier type: 'nope'. Supported types: \['example', 'fs', 'obj'\]"):
+    with pytest.raises(ValueError, match=r"Unknown secondary tier type: 'nope'. Supported types: \['example', 'fs', 'p2p', 'obj'\]"):
         SecondaryTierFactory.get_tier_class({"type": "nope"})
     with pytest.raises(ValueError, match="must include 'type'"):
         SecondaryTierFactory.get_tier_class({})

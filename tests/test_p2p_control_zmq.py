@@ -171,3 +171,35 @@ def test_a_transport_dropped_without_close_is_collected_without_hanging():
         pytest.fail("collecting a dropped ZmqTransport hung (its context waited on open sockets)")
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "collected []"
+
+
+def test_a_peer_reconnecting_under_its_identity_is_heard_before_its_old_connection_ends():
+    a, port_a = _transport()
+    b, port_b = _transport()  # listens where the peer's identity says, so a's reply pipe stays up
+    ctx = zmq.Context()
+    old = ctx.socket(zmq.DEALER)
+    new = ctx.socket(zmq.DEALER)
+    try:
+        for sock in (old, new):
+            sock.identity = f"127.0.0.1:{port_b}".encode()  # the same peer, twice: the old pipe is still open
+            sock.setsockopt(zmq.LINGER, 0)
+        old.connect(f"tcp://127.0.0.1:{port_a}")
+        old.send(msgspec.msgpack.encode({"seq": 0}))
+        (conn,) = _until(a, lambda acc: len(acc) == 1)
+        assert list(conn.recv()) == [{"seq": 0}]
+        new.connect(f"tcp://127.0.0.1:{port_a}")
+        new.send(msgspec.msgpack.encode({"seq": 1}))
+        end = time.monotonic() + 10
+        got: list[dict] = []
+        while not got and time.monotonic() < end:
+            assert a.poll() == []  # the same peer: no new connection
+            got += conn.recv()
+            time.sleep(0.005)
+        assert got == [{"seq": 1}]  # without ROUTER_HANDOVER the ROUTER drops the newcomer's messages
+        assert conn.alive
+    finally:
+        old.close()
+        new.close()
+        ctx.term()
+        a.close()
+        b.close()

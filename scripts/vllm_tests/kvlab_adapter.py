@@ -15,7 +15,7 @@ Three more pieces keep a missing part from hiding what does work:
   and the report (``KVLAB_ADAPTER_REPORT``) lists every such module. With
   ``KVLAB_ADAPTER_STRICT=1`` such a module stands empty instead, every name a placeholder
   (``run.sh``'s connector table, whose files mix kvlab's parts with parts it lacks).
-* kvlab keeps six call shapes of its own on purpose; the adapter translates them (the
+* kvlab keeps seven call shapes of its own on purpose; the adapter translates them (the
   ``TRANSLATIONS`` section at the end). Nothing else is changed.
 """
 
@@ -326,6 +326,34 @@ class Scheduler(_scheduler.Scheduler):
 
 
 _scheduler.Scheduler = Scheduler  # type: ignore[misc]
+
+
+# 7. A secondary tier's ``primary_kv_view``: kvlab's base refuses a 1-D memoryview (the CPU
+#    tier's rows are 2-D; a flat view would make every "chunk" one byte); vLLM takes any view
+#    and some of its tests hand a few flat bytes as a placeholder. The adapter passes such a
+#    view on as a proxy with the same strides, which kvlab's base takes as it takes vLLM's mocks.
+import kvlab.kv_offload.tiering.base as _tier_base  # noqa: E402
+
+
+class _FlatView:
+    def __init__(self, view: memoryview) -> None:
+        self._view = view
+        self.strides = view.strides
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._view, name)
+
+
+_tier_init = _tier_base.SecondaryTierManager.__init__
+
+
+def _secondary_tier_init(self: Any, offloading_spec: Any, primary_kv_view: Any, *args: Any, **kwargs: Any) -> None:
+    if isinstance(primary_kv_view, memoryview) and primary_kv_view.ndim == 1:
+        primary_kv_view = _FlatView(primary_kv_view)
+    _tier_init(self, offloading_spec, primary_kv_view, *args, **kwargs)
+
+
+_tier_base.SecondaryTierManager.__init__ = _secondary_tier_init  # type: ignore[method-assign]
 
 
 # vLLM's tests reload kv_cache_utils (to re-read PYTHONHASHSEED): the reloaded module gets

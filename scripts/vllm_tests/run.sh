@@ -8,9 +8,9 @@
 #   scripts/vllm_tests/run.sh [WORK_DIR]        (default /tmp/kvlab-vllm-tests)
 #
 # The tests that pass on vLLM here (CPU only, no compiled extension) are the ones counted.
-# Left out of the first table: vLLM's p2p and KVCR tiers (kvlab lacks parts of P2P and all of
-# KVCR: their tests would run vLLM's own code; the third table counts them strictly), and a
-# test that starts a server.
+# Left out of the first table: vLLM's p2p and KVCR tiers (the third table counts them strictly:
+# kvlab lacks KVCR, whose tests would otherwise run vLLM's own code), and a test that starts a
+# server.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 HERE="$ROOT/scripts/vllm_tests"
@@ -86,10 +86,9 @@ run vllm_connectors
 PYTHONPATH="$PYTHONPATH:$HERE:$ROOT" KVLAB_ADAPTER_STRICT=1 run kvlab_connectors -p kvlab_adapter
 "$PY" "$HERE/compare.py" "$WORK/vllm_connectors.xml" "$WORK/kvlab_connectors.xml"
 
-# vLLM 0.33's tiers kvlab has not finished (P2P: its control channel, data path, session
-# protocol and client role are built) or lacks (KVCR), counted strictly: every module kvlab
-# lacks stands empty, so no test passes on vLLM's code. (KVCR's tests skip without its
-# ``kvcr`` library.) The object-store tier, built, is in the first table.
+# vLLM 0.33's P2P tier (built: manager, sessions, control channel, data path) and KVCR tier
+# (not built), counted strictly: every module kvlab lacks stands empty, so no test passes on
+# vLLM's code. (KVCR's tests skip without its ``kvcr`` library.)
 SET=(tests/v1/kv_offload/tiering/p2p tests/v1/kv_offload/tiering/test_kvcr_tier.py)
 echo
 run vllm_tiers

@@ -4,8 +4,9 @@
 ``SecondaryTierFactory`` maps a tier type (``{"type": "example", ...}``) to its class; a
 type it does not know is imported from the config's ``module_path`` (``{"type":
 "MyTier", "module_path": "my_pkg.tiers"}``), so a tier of your own plugs in without touching
-kvlab. kvlab registers the example tier, the file-system tier (``"fs"``) and the object-store
-tier (``"obj"``, which needs NIXL); the peer (P2P) and KVCR tiers are not built.
+kvlab. kvlab registers the example tier, the file-system tier (``"fs"``), the peer-to-peer tier
+(``"p2p"``: engines fetch each other's KV) and the object-store tier (``"obj"``); the last
+two move bytes with NIXL. vLLM's KVCR tier is not built.
 
 A config is a dict such as ``{"backpressure_cls": "EMABackpressureDetector",
 "policy_cls": "DropStorePolicy", "high_water_s": 0.02}``. A short class name is looked up in
@@ -127,4 +128,5 @@ class SecondaryTierFactory:
 
 SecondaryTierFactory.register_tier("example", "kvlab.kv_offload.tiering.example.manager", "ExampleSecondaryTierManager")
 SecondaryTierFactory.register_tier("fs", "kvlab.kv_offload.tiering.fs.manager", "FileSystemTierManager")
+SecondaryTierFactory.register_tier("p2p", "kvlab.kv_offload.tiering.p2p.manager", "P2PSecondaryTierManager")
 SecondaryTierFactory.register_tier("obj", "kvlab.kv_offload.tiering.obj.manager", "ObjectStoreSecondaryTierManager")

@@ -17,6 +17,9 @@ What keeps it from ever hanging the engine:
 * ZeroMQ heartbeats (every 2 s, 10 s to answer) end a connection to a peer that vanished
   without a word; a socket monitor per DEALER reports disconnections and failed handshakes,
   and ``poll`` marks those connections dead.
+* The ROUTER hands an identity over to its newest connection (``ROUTER_HANDOVER``), so a
+  peer that reconnects before its old connection is torn down is heard at once (vLLM 0.33
+  does not set it, and its own reconnect test fails now and then on that race).
 * A transport dropped without ``close()`` (a test that fails half-way, a caller that
   raises) still lets go of its sockets: a finalizer holding the context and every socket
   closes them without lingering. Left to the garbage collector, a context and its sockets
@@ -154,6 +157,10 @@ class ZmqTransport(ControlTransport):
         self._owned: list[zmq.Socket] = [self._router]
         self._release = weakref.finalize(self, _release, self._zmq_ctx, self._owned)
         _heartbeat(self._router)
+        # A peer that reconnects (after a lookup timeout, say) reuses its identity while the
+        # old TCP pipe may still be closing; without handover the ROUTER keeps the old pipe
+        # and silently drops every message of the new one.
+        self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
         try:
             self._router.bind(f"tcp://{host}:{port}")
         except zmq.ZMQError:
