@@ -12,6 +12,7 @@ import contextlib
 import socket
 import time
 from collections.abc import Callable, Iterator
+from types import SimpleNamespace
 from unittest.mock import patch
 
 import numpy as np
@@ -27,7 +28,9 @@ from kvlab.kv_offload.base import (
 )
 from kvlab.kv_offload.tiering.base import JobResult, ParentManager, TransferJob
 from kvlab.kv_offload.tiering.factory import SecondaryTierFactory
+from kvlab.kv_offload.tiering.p2p import manager as manager_module
 from kvlab.kv_offload.tiering.p2p.data import nixl as nixl_module
+from kvlab.kv_offload.tiering.p2p.session import client as client_module
 from kvlab.kv_offload.tiering.p2p.manager import P2PSecondaryTierManager
 from kvlab.metrics.cache_hit_source import CacheHitSource
 from nixl_fake import FakeNixlAgent
@@ -168,11 +171,12 @@ def test_a_store_nobody_fetches_fails_and_a_late_fetch_fails_at_once(tiers):
 
     consumer_ctx = _consumer_ctx(prefiller, "r1")
     decoder.on_new_request(consumer_ctx)
-    decoder.submit_load(_job(9, [K1], [0], consumer_ctx, promotion=True))
-    started = time.monotonic()
-    got_p, got_d = _pump([prefiller, decoder], lambda p, d: bool(d), "the refusal")
+    # The decoder's client role runs on a stopped clock: its 30 s load timeout (and the abort
+    # after it) cannot fire, so the failure below can only be the prefiller's own answer.
+    with patch.object(client_module, "time", SimpleNamespace(monotonic=lambda: 0.0)):
+        decoder.submit_load(_job(9, [K1], [0], consumer_ctx, promotion=True))
+        got_p, got_d = _pump([prefiller, decoder], lambda p, d: bool(d), "the refusal")
     assert (got_p, got_d) == ([], [JobResult(job_id=9, success=False)])
-    assert time.monotonic() - started < 10.0  # told at once, not after the decoder's 30 s load timeout
     assert decoder.lookup(K1, consumer_ctx) is LookupResult.MISS  # the scheduler prefills locally
     assert "r1" not in prefiller._kv_to_session  # never bound: later stores keep being refused
     decoder.on_request_finished(consumer_ctx)
@@ -268,9 +272,22 @@ def test_drain_jobs_gives_up_on_a_peer_that_never_answers(tiers, monkeypatch):
     ctx = _consumer_ctx(prefiller, "r1")
     decoder.on_new_request(ctx)
     decoder.submit_load(_job(9, [K1], [0], ctx, promotion=True))
-    monkeypatch.setattr(decoder, "drain_timeout_s", 0.2)
-    started = time.monotonic()
-    with pytest.raises(TimeoutError, match=rf"transfers with \['{prefiller._local_id}'\] still running"):
-        decoder.drain_jobs()
-    assert time.monotonic() - started < 5.0
+    monkeypatch.setattr(decoder, "drain_timeout_s", 3.0)
+    clock = SimpleNamespace(now=0.0, polls=0)  # the manager's clock: each pause between polls is 1 s
+
+    def sleep(_: float) -> None:
+        clock.now += 1.0
+
+    poll_once = decoder._poll_once
+
+    def counted_poll() -> None:
+        clock.polls += 1
+        poll_once()
+
+    with monkeypatch.context() as m:
+        m.setattr(manager_module, "time", SimpleNamespace(monotonic=lambda: clock.now, sleep=sleep))
+        m.setattr(decoder, "_poll_once", counted_poll)
+        with pytest.raises(TimeoutError, match=rf"transfers with \['{prefiller._local_id}'\] still running after 4 s"):
+            decoder.drain_jobs()
+    assert clock.polls == 5  # waited 0, 1, 2, 3 s (not past 3 s), then 4 s: gives up
     assert list(decoder.get_finished_jobs()) == [] and decoder._sessions[prefiller._local_id].alive  # nothing cancelled
