@@ -5,6 +5,7 @@ over ``nixl_fake.py`` (real bytes) or a scripted transport. Clocks are moved by 
 
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import Future
 from types import SimpleNamespace
@@ -378,7 +379,7 @@ def test_a_key_that_is_not_bytes_is_the_peer_s_malformed_message(clock):
     assert "r" not in s._server._requests
 
 
-def test_a_write_the_transport_cannot_start_fails_its_round_instead_of_raising(clock):
+def test_a_write_the_transport_cannot_start_fails_its_round_instead_of_raising(clock, caplog):
     t = ScriptedTransport()
     s, peer = connected(t)
     peer.send(fetch("req", [K1], [2**40]))  # a valid index on the wire; NIXL's int32 cannot hold it
@@ -388,7 +389,12 @@ def test_a_write_the_transport_cannot_start_fails_its_round_instead_of_raising(c
         raise OverflowError("Python integer 1099511627776 out of bounds for int32")
 
     t.write_blocks = refuse  # type: ignore[method-assign]
-    s.add_stored_blocks("req", [K1], [0], job_id=7)  # what the manager's submit_store calls: no raise
+    with caplog.at_level(logging.WARNING, logger=server_module.__name__):
+        s.add_stored_blocks("req", [K1], [0], job_id=7)  # what the manager's submit_store calls: no raise
+    # One warning, carrying the transport's exception and its traceback.
+    [record] = [r for r in caplog.records if r.name == server_module.__name__]
+    assert record.getMessage() == "P2PSession 10.0.0.2:5000: write_blocks failed for req (1 blocks)"
+    assert record.exc_info is not None and isinstance(record.exc_info[1], OverflowError)
     assert s.poll().stores == [StoreResult(7, False)]
     assert peer.inbox == [{"type": "transfer_done", "kv_request_id": "req", "success": False, "round_seq": 0}]
     assert s.alive and s._server._requests == {} and s._server._store_jobs == {}

@@ -583,14 +583,13 @@ class P2PSecondaryTierManager(SecondaryTierManager):
         """A fetch for ``kv_request_id`` reached ``session``: hand it the parked stores (the
         session matches them against the fetch and starts the writes), and send there every
         later store of the id. A reaped id cannot be served: finishing it at once answers the
-        fetch with a failure, and the id stays unbound so later stores keep being refused."""
-        batches = self._unbound_stores.pop(kv_request_id, [])
+        fetch with a failure, and the id stays unbound so later stores keep being refused (none
+        is parked under it: the reaper failed those, and ``submit_store`` refuses new ones)."""
         if kv_request_id in self._reaped_stores:
             session.finish_request(kv_request_id)
-            self._fail_batches(batches)
             return
         self._kv_to_session[kv_request_id] = session
-        for batch in batches:
+        for batch in self._unbound_stores.pop(kv_request_id, []):
             session.add_stored_blocks(kv_request_id, batch.keys, batch.block_ids, batch.job_id)
 
     def _drain_inflight_for_shutdown(self) -> None:

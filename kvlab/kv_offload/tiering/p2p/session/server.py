@@ -114,8 +114,8 @@ class _InflightXfer:
     kv_request_id: str
     block_count: int
     job_ids: set[int]
-    round: _OutboundRequestState = field(default_factory=_OutboundRequestState)
-    round_key: int = 0  # its round's ``round_seq``
+    round: _OutboundRequestState
+    round_key: int  # its round's ``round_seq``
 
 
 @dataclass
@@ -283,19 +283,22 @@ class ServerRole:
                 self._finalize_outbound(kv_request_id, key)
 
     def _submit_transfer(self, kv_request_id: str, match: _MatchResult, rnd: _OutboundRequestState, round_key: int) -> None:
-        tid = None
+        tid: int | None = None
+        raised: Exception | None = None
         if self.peer_fault is None:
             try:
                 tid = self._transport.write_blocks(self._peer_id, match.local_idxs, match.remote_idxs)
-            except Exception:  # e.g. a peer's block index the transport cannot even encode
+            except Exception as exc:  # e.g. a peer's block index the transport cannot even encode
                 # The manager's submit_store gets here too: a raise would reach the scheduler and
                 # leave this round's blocks popped with nothing in flight. Fail the round instead.
-                logger.warning("P2PSession %s: write_blocks raised for %s", self._peer_id, kv_request_id, exc_info=True)
+                raised = exc  # logged below, with its traceback
         if tid is not None:
             rnd.inflight += 1
             self._inflight_add(tid, _InflightXfer(kv_request_id, len(match.local_idxs), match.job_ids, rnd, round_key))
             return
-        logger.warning("P2PSession %s: write_blocks failed for %s (%d blocks)", self._peer_id, kv_request_id, len(match.local_idxs))
+        logger.warning(
+            "P2PSession %s: write_blocks failed for %s (%d blocks)", self._peer_id, kv_request_id, len(match.local_idxs), exc_info=raised
+        )
         # These blocks can never arrive: the round fails once its other writes end.
         rnd.finishing = True
         if not rnd.inflight and self._registered(kv_request_id, round_key, rnd):
