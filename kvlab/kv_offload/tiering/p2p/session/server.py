@@ -114,8 +114,9 @@ class _InflightXfer:
     kv_request_id: str
     block_count: int
     job_ids: set[int]
-    round: _OutboundRequestState
-    round_key: int  # its round's ``round_seq``
+    # Defaults for entries made without a round (vLLM's tests seed the in-flight table so).
+    round: _OutboundRequestState = field(default_factory=_OutboundRequestState)
+    round_key: int = 0  # its round's ``round_seq``
 
 
 @dataclass
