@@ -62,6 +62,22 @@ def test_a_fetch_that_does_not_finish_in_time_raises_naming_what_was_sent(monkey
     assert len(set(shut)) == 2  # both tiers shut down on the way out: their sockets and registrations are gone
 
 
+def test_a_shutdown_that_raises_does_not_keep_the_other_tier_from_shutting_down(monkeypatch):
+    shut: list[str] = []
+    real_shutdown = P2PSecondaryTierManager.shutdown
+
+    def first_one_raises(self):
+        shut.append(self._local_id)
+        real_shutdown(self)
+        if len(shut) == 1:
+            raise KeyboardInterrupt  # a second Ctrl-C during the decoder's drain
+
+    monkeypatch.setattr(P2PSecondaryTierManager, "shutdown", first_one_raises)
+    with pytest.raises(KeyboardInterrupt):
+        p2p.pd_fetch_story()
+    assert len(set(shut)) == 2
+
+
 def test_loopback_nixl_swaps_the_agents_in_and_always_puts_the_names_back():
     before = (nixl_module._NixlAgent, nixl_module._NixlAgentConfig, obj_manager.nixl_agent, obj_manager.nixl_agent_config)
     with pytest.raises(KeyError):

@@ -16,7 +16,8 @@ bytes, but only inside this Python process:
 Its books are there to be looked at: every handle handed out stays in ``live`` until it is
 given back (registrations, descriptor lists, transfers), every remote agent in ``remotes``
 until removed, and ``probes`` counts object lookups -- so a test or a lesson can check that a
-tier leaks nothing. vLLM's own tests use an agent of this shape too.
+tier leaks nothing. vLLM's own tests of these tiers stand in mock agents (``MockNixlAgent`` in
+``tests/v1/kv_offload/tiering/test_obj_tier.py``).
 
 :func:`loopback_nixl` makes kvlab's NIXL users take this agent for the length of a ``with``.
 """

@@ -11,6 +11,7 @@ the tiers return. :func:`p2p_sequence_figure` draws the exchange.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 from dataclasses import dataclass
@@ -24,8 +25,9 @@ from kvlab.kv_offload.base import LookupResult, OffloadKey, OffloadPolicy, ReqCo
 from kvlab.kv_offload.nixl_loopback import loopback_nixl
 from kvlab.kv_offload.tiering.base import JobResult, TransferJob
 
-# A message's place in the protocol, for listing each direction's messages in one stable order
-# (the two engines poll independently, so the order in which they *send* varies run to run).
+# A message's place in the protocol, for listing each direction's messages in one stable order:
+# the order in which they are *sent* varies run to run (a peer's registration runs on NIXL's
+# worker thread, and ZeroMQ delivers in the background).
 PROTOCOL_ORDER = ("connect", "connect_ack", "lookup", "lookup_resp", "fetch", "transfer_done", "abort_fetch", "abort_ack", "disconnect")
 _WAIT_S = 20.0  # every wait below is bounded
 
@@ -42,7 +44,8 @@ class Sent:
 @dataclass(frozen=True)
 class P2PStory:
     """What :func:`pd_fetch_story` saw. ``parked``: the prefiller's store had no result before
-    the decoder asked (it waits for its fetch); ``lookup``: the decoder's answer for the
+    the decoder asked (it waits for its fetch; when False, ``store`` is the result it had at
+    once); ``lookup``: the decoder's answer for the
     prompt's first block; ``store`` / ``load``: the two jobs' results; ``*_chunks``: the first
     byte of each CPU chunk of the two tiers at the end; ``sent``: the control messages in the
     order this run sent them."""
@@ -125,25 +128,25 @@ def _job(job_id: int, keys: list[OffloadKey], chunks: list[int], ctx: ReqContext
 def pd_fetch_story() -> P2PStory:
     """A prefiller computed a two-block prompt and stores it to its P2P tier for request id
     ``"r1"``; a decoder, told where (``remote_prefiller``: host, port, id), loads it into two of
-    its own CPU chunks. Both tiers are shut down at the end, even on an error."""
+    its own CPU chunks. Every tier built is shut down at the end, even on an error or an
+    interrupt (and if one shutdown raises, the other still runs)."""
     prefiller_rows = np.zeros((4, 64), dtype=np.uint8)
     prefiller_rows[0], prefiller_rows[1] = 0xA1, 0xB2  # the prompt's two blocks, in chunks 0 and 1
     decoder_rows = np.zeros((4, 64), dtype=np.uint8)
     keys = [make_offload_key(name.encode() * 32, 0) for name in "AB"]
     sent: list[Sent] = []
-    prefiller = _tier(prefiller_rows)
-    try:
+    with contextlib.ExitStack() as tiers:  # every tier built is shut down, whatever raises (a shutdown too)
+        prefiller = _tier(prefiller_rows)
+        tiers.callback(prefiller.shutdown)
         decoder = _tier(decoder_rows)
-    except BaseException:
-        prefiller.shutdown()
-        raise
-    try:
+        tiers.callback(decoder.shutdown)
         _tap(prefiller, "prefiller", sent)
         _tap(decoder, "decoder", sent)
         producer = ReqContext("r1@prefiller", {"remote_decoder": {"kv_request_id": "r1"}})
         policy = prefiller.on_new_request(producer).policy
         prefiller.submit_store(_job(1, keys, [0, 1], producer, promotion=False))
-        parked = not list(prefiller.get_finished_jobs())
+        stores: list[JobResult] = list(prefiller.get_finished_jobs())
+        parked = not stores
 
         host, port = prefiller._local_id.rsplit(":", 1)
         consumer = ReqContext("r1@decoder", {"remote_prefiller": {"kv_request_id": "r1", "remote_host": host, "remote_port": int(port)}})
@@ -151,7 +154,6 @@ def pd_fetch_story() -> P2PStory:
         lookup = decoder.lookup(keys[0], consumer)
         decoder.submit_load(_job(1, keys, [2, 3], consumer, promotion=True))
 
-        stores: list[JobResult] = []
         loads: list[JobResult] = []
         end = time.monotonic() + _WAIT_S
         while not (stores and loads):  # what the engines' polls do, step after step
@@ -172,9 +174,6 @@ def pd_fetch_story() -> P2PStory:
             decoder_chunks=[int(r[0]) for r in decoder_rows],
             sent=list(sent),
         )
-    finally:
-        decoder.shutdown()
-        prefiller.shutdown()
 
 
 def p2p_sequence_figure(story: P2PStory) -> Any:
