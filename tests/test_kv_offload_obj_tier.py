@@ -12,6 +12,7 @@ from unittest.mock import patch
 import numpy as np
 import pytest
 
+from kvlab.kv_offload.nixl_loopback import loopback_nixl
 from kvlab.kv_offload.base import LookupResult, Medium, ReqContext, ScheduleEndContext, make_offload_key
 from kvlab.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from kvlab.kv_offload.tiering.base import JobResult, TransferJob
@@ -142,7 +143,7 @@ def test_behind_the_cpu_tier_a_block_evicted_from_cpu_is_promoted_back_from_the_
     primary = CPUPrimaryTierOffloadingManager(2, region, enable_events=True)
     view = primary.get_kv_memoryview()
     rows = np.asarray(view)
-    with patch.object(obj_manager, "nixl_agent", FakeNixlAgent), patch.object(obj_manager, "nixl_agent_config", lambda **kw: kw):
+    with loopback_nixl():
         obj = SecondaryTierFactory.create_secondary_tier(
             {"type": "obj", "store_config": STORE, "enable_kv_events": True, "locality": "REMOTE"}, view, tier_spec(events=True)
         )

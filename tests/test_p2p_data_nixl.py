@@ -11,11 +11,12 @@ import numpy as np
 
 from kvlab.kv_offload.tiering.p2p.data import NixlTransport, PollResult
 from kvlab.kv_offload.tiering.p2p.data import nixl as nixl_module
+from kvlab.kv_offload.nixl_loopback import loopback_nixl
 from nixl_fake import FakeNixlAgent
 
 
 def _engine(name, rows, **kwargs):
-    with patch.object(nixl_module, "_NixlAgent", FakeNixlAgent), patch.object(nixl_module, "_NixlAgentConfig", lambda **kw: kw):
+    with loopback_nixl():
         return NixlTransport(name, memoryview(rows), **kwargs)
 
 

@@ -8,7 +8,6 @@ shutdown that lets go of everything. vLLM's own tests of the manager run on kvla
 
 from __future__ import annotations
 
-import contextlib
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -27,13 +26,13 @@ from kvlab.kv_offload.base import (
     ScheduleEndContext,
 )
 from kvlab.kv_offload.tiering.base import JobResult, ParentManager, TransferJob
+from kvlab.kv_offload.nixl_loopback import loopback_nixl
 from kvlab.kv_offload.tiering.factory import SecondaryTierFactory
 from kvlab.kv_offload.tiering.p2p import manager as manager_module
 from kvlab.kv_offload.tiering.p2p.data import nixl as nixl_module
 from kvlab.kv_offload.tiering.p2p.session import client as client_module
 from kvlab.kv_offload.tiering.p2p.manager import P2PSecondaryTierManager
 from kvlab.metrics.cache_hit_source import CacheHitSource
-from nixl_fake import FakeNixlAgent
 from offload_tiers import tier_spec
 
 K1, K2 = b"k1" * 6, b"k2" * 6
@@ -46,12 +45,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@contextlib.contextmanager
-def _fake_nixl() -> Iterator[None]:
-    with patch.object(nixl_module, "_NixlAgent", FakeNixlAgent), patch.object(nixl_module, "_NixlAgentConfig", lambda **kw: kw):
-        yield
-
-
 @pytest.fixture
 def tiers() -> Iterator[Callable[..., P2PSecondaryTierManager]]:
     """Build engines' P2P tiers over ``rows`` (one row per CPU chunk); each is shut down at the end."""
@@ -60,7 +53,7 @@ def tiers() -> Iterator[Callable[..., P2PSecondaryTierManager]]:
     def build(rows: np.ndarray, **kwargs) -> P2PSecondaryTierManager:
         for _ in range(8):  # a free port can be taken between the probe and the bind
             try:
-                with _fake_nixl():
+                with loopback_nixl():
                     tier = P2PSecondaryTierManager(tier_spec(), memoryview(rows), host="127.0.0.1", port=_free_port(), **kwargs)
             except zmq.ZMQError:
                 continue
@@ -121,7 +114,7 @@ def test_without_nixl_the_tier_refuses_before_opening_a_socket():
 )
 def test_the_factory_builds_the_p2p_tier_and_refuses_a_bad_config(config, error, match):
     view, port = memoryview(_rows(4, "zeros")), _free_port()
-    with _fake_nixl():
+    with loopback_nixl():
         tier = SecondaryTierFactory.create_secondary_tier({"type": "p2p", "host": "127.0.0.1", "port": port}, view, tier_spec())
         with pytest.raises(error, match=match):
             SecondaryTierFactory.create_secondary_tier({"type": "p2p", "port": _free_port(), **config}, view, tier_spec())

@@ -9,22 +9,20 @@ import logging
 import time
 from concurrent.futures import Future
 from types import SimpleNamespace
-from unittest.mock import patch
 
 import numpy as np
 import pytest
 
 from kvlab.kv_offload.base import LookupResult, RequestOffloadingContext
+from kvlab.kv_offload.nixl_loopback import loopback_nixl
 from kvlab.kv_offload.tiering.base import TransferJob
 from kvlab.kv_offload.tiering.p2p.control.base import ControlConnection
 from kvlab.kv_offload.tiering.p2p.data import NixlTransport, PollResult
-from kvlab.kv_offload.tiering.p2p.data import nixl as nixl_module
 from kvlab.kv_offload.tiering.p2p.data.base import DataTransport
 from kvlab.kv_offload.tiering.p2p.session import LoadResult, P2PSession, SessionCloseResult, StoreResult
 from kvlab.kv_offload.tiering.p2p.session import server as server_module
 from kvlab.kv_offload.tiering.p2p.session import session as session_module
 from kvlab.kv_offload.tiering.p2p.session.protocol import ConnectAckMsg, ConnectMsg, validate_message
-from nixl_fake import FakeNixlAgent
 
 K1, K2, K3 = b"k1" * 6, b"k2" * 6, b"k3" * 6
 ME, PEER = "10.0.0.1:5000", "10.0.0.2:5000"
@@ -176,7 +174,7 @@ def fetch(kv_request_id: str, keys: list[bytes], idxs: list[int], round_seq: int
 
 def test_two_sessions_shake_hands_and_a_fetch_writes_the_bytes_then_lets_the_pin_go():
     def engine(name, rows):
-        with patch.object(nixl_module, "_NixlAgent", FakeNixlAgent), patch.object(nixl_module, "_NixlAgentConfig", lambda **kw: kw):
+        with loopback_nixl():
             return NixlTransport(name, memoryview(rows))
 
     decoder_rows, prefiller_rows = np.zeros((6, 32), dtype=np.uint8), np.arange(4 * 32, dtype=np.uint8).reshape(4, 32)

@@ -137,12 +137,17 @@ def loopback_nixl() -> Iterator[type[LoopbackNixlAgent]]:
     from kvlab.kv_offload.tiering.obj import manager as obj_manager
     from kvlab.kv_offload.tiering.p2p.data import nixl as p2p_nixl
 
-    swaps = [(p2p_nixl, "_NixlAgent"), (p2p_nixl, "_NixlAgentConfig"), (obj_manager, "nixl_agent"), (obj_manager, "nixl_agent_config")]
-    saved = [getattr(module, name) for module, name in swaps]
+    swaps = [
+        (p2p_nixl, "_NixlAgent", LoopbackNixlAgent),
+        (p2p_nixl, "_NixlAgentConfig", _agent_config),
+        (obj_manager, "nixl_agent", LoopbackNixlAgent),
+        (obj_manager, "nixl_agent_config", _agent_config),
+    ]
+    saved = [(module, name, getattr(module, name)) for module, name, _ in swaps]
     try:
-        for module, name in swaps:
-            setattr(module, name, LoopbackNixlAgent if name in ("_NixlAgent", "nixl_agent") else _agent_config)
+        for module, name, value in swaps:
+            setattr(module, name, value)
         yield LoopbackNixlAgent
     finally:
-        for (module, name), value in zip(swaps, saved, strict=True):
+        for module, name, value in saved:
             setattr(module, name, value)

@@ -45,10 +45,9 @@ class Sent:
 class P2PStory:
     """What :func:`pd_fetch_story` saw. ``parked``: the prefiller's store had no result before
     the decoder asked (it waits for its fetch; when False, ``store`` is the result it had at
-    once); ``lookup``: the decoder's answer for the
-    prompt's first block; ``store`` / ``load``: the two jobs' results; ``*_chunks``: the first
-    byte of each CPU chunk of the two tiers at the end; ``sent``: the control messages in the
-    order this run sent them."""
+    once); ``lookup``: the decoder's answer for the prompt's first block; ``store`` / ``load``:
+    the two jobs' results; ``*_chunks``: the first byte of each CPU chunk of the two tiers at
+    the end; ``sent``: the control messages in the order this run sent them."""
 
     parked: bool
     policy: OffloadPolicy
@@ -186,15 +185,15 @@ def p2p_sequence_figure(story: P2PStory) -> Any:
 
     x_of = {"decoder": 0.0, "prefiller": 1.0}
     rows: list[tuple[str, str, str, bool]] = []  # (from, to, label, data path)
+    fetched = 0  # blocks the fetch asked for: what the write before transfer_done carries
     for m in story.sent:
         to = "prefiller" if m.sender == "decoder" else "decoder"
-        if m.type == "transfer_done":
-            n = len(story.sent[[s.type for s in story.sent].index("fetch")].fields.get("block_indexes", []))
-            rows.append(("prefiller", "decoder", f"WRITE {n} blocks (the data path)", True))
         detail = ""
         if m.type == "fetch":
+            fetched = len(m.fields["block_indexes"])
             detail = f" r1 -> blocks {m.fields['block_indexes']}"
         elif m.type == "transfer_done":
+            rows.append(("prefiller", "decoder", f"WRITE {fetched} blocks (the data path)", True))
             detail = f" success={m.fields['success']}"
         rows.append((m.sender, to, m.type + detail, False))
     fig = go.Figure()
